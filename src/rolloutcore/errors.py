@@ -1,0 +1,134 @@
+"""The one exception hierarchy of RolloutCore.
+
+Everything RolloutCore raises on purpose is a ``RolloutCoreError``. Low-level
+failures (an HTTP timeout, a dead process, a broken collective) are caught at
+the adapter boundary and re-raised as the most specific class below with
+``raise ... from exc``, so callers never need to know which library failed::
+
+    RolloutCoreError
+    ├── BadInput (also a ValueError)          bad argument; nothing changed
+    ├── InvalidTransition                     event not legal in this state
+    ├── AdmissionRefused                      no rollout admitted; says when to retry
+    ├── UpdateRefused                         update not started; nothing changed
+    ├── EvidenceRejected                      an effect's evidence failed its postcondition
+    ├── EffectError                           an adapter effect failed
+    │   ├── EffectTimeout                     ... or overran its deadline
+    │   ├── EngineUnavailable                 ... because the engine cannot be reached
+    │   └── TransferError                     ... during a weight transfer
+    ├── UpdateFailed                          a whole update ended without a publish
+    └── JournalError                          the journal cannot be read or written
+
+The pure core (``lifecycle``, ``evidence``, ``versions``) uses this module; it
+imports only the standard library.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AdmissionRefused",
+    "BadInput",
+    "EffectError",
+    "EffectTimeout",
+    "EngineUnavailable",
+    "EvidenceRejected",
+    "InvalidTransition",
+    "JournalError",
+    "RolloutCoreError",
+    "TransferError",
+    "UpdateFailed",
+    "UpdateRefused",
+]
+
+
+class RolloutCoreError(Exception):
+    """Base class of every error RolloutCore raises on purpose."""
+
+
+class BadInput(RolloutCoreError, ValueError):
+    """An argument is malformed; the call changed nothing."""
+
+
+class InvalidTransition(RolloutCoreError):
+    """An event arrived in a state whose table has no entry for it."""
+
+    def __init__(self, event: str, state: str, detail: str = "") -> None:
+        self.event = event
+        self.state = state
+        msg = f"event {event!r} is not legal in state {state}"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+
+
+class AdmissionRefused(RolloutCoreError):
+    """A rollout was not admitted. ``retry_after_s`` is a hint, ``None`` = never."""
+
+    def __init__(self, state: str, reason: str, retry_after_s: float | None) -> None:
+        self.state = state
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        when = "do not retry" if retry_after_s is None else f"retry after {retry_after_s:g}s"
+        super().__init__(f"admission refused in {state}: {reason} ({when})")
+
+
+class UpdateRefused(RolloutCoreError):
+    """An update request was refused before anything happened."""
+
+
+class EvidenceRejected(RolloutCoreError):
+    """Evidence returned by an effect does not establish its postcondition."""
+
+    def __init__(self, step: str, reason: str) -> None:
+        self.step = step
+        self.reason = reason
+        super().__init__(f"{step}: {reason}")
+
+
+class EffectError(RolloutCoreError):
+    """An adapter effect failed.
+
+    ``mutation_started`` says whether the engine's weights may have changed
+    before the failure: ``False`` only when the adapter can prove they did not.
+    """
+
+    def __init__(self, step: str, reason: str, *, mutation_started: bool = True) -> None:
+        self.step = step
+        self.reason = reason
+        self.mutation_started = mutation_started
+        super().__init__(f"{step}: {reason}")
+
+
+class EffectTimeout(EffectError):
+    """An effect overran its deadline."""
+
+    def __init__(self, step: str, deadline_s: float, *, mutation_started: bool = True) -> None:
+        self.deadline_s = deadline_s
+        super().__init__(
+            step, f"deadline of {deadline_s:g}s expired", mutation_started=mutation_started
+        )
+
+
+class EngineUnavailable(EffectError):
+    """The engine could not be reached or answered with a server error."""
+
+
+class TransferError(EffectError):
+    """A weight transfer failed."""
+
+
+class UpdateFailed(RolloutCoreError):
+    """An update ended without publishing its target.
+
+    ``classification`` is the failure-policy class that was applied
+    (``no_mutation``, ``incomplete`` or ``ambiguous``); ``state`` is where the
+    controller ended (READY when nothing mutated, TAINTED otherwise).
+    """
+
+    def __init__(self, phase: str, classification: str, state: str, reason: str) -> None:
+        self.phase = phase
+        self.classification = classification
+        self.state = state
+        self.reason = reason
+        super().__init__(f"update failed in {phase} ({classification}, now {state}): {reason}")
+
+
+class JournalError(RolloutCoreError):
+    """The journal could not be written or read back."""

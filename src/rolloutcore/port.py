@@ -1,0 +1,86 @@
+"""The port: the one interface between the lifecycle runner and an engine.
+
+An adapter performs effects on one inference engine and returns typed
+evidence (``rolloutcore.evidence``). It never decides whether an effect
+*worked*: the controller does, from the evidence. Adapters translate their
+low-level failures into ``rolloutcore.errors.EffectError`` subclasses, with
+``mutation_started=False`` only when they can prove the weights are
+untouched.
+
+Every method may be called from a worker thread supervised by a deadline;
+``cancel`` is called from *another* thread when that deadline expires and
+must make the stuck call return (tear down a transfer group, close a
+connection). The fake engine (``adapters.fake``) and the vLLM HTTP adapter
+(``adapters.vllm``) are adapters like any other.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from .evidence import (
+    BootstrapEvidence,
+    CacheKind,
+    CacheResetEvidence,
+    DrainEvidence,
+    PauseMode,
+    PreflightEvidence,
+    ResumeEvidence,
+    TransferEvidence,
+    UpdateTarget,
+    ValidationEvidence,
+)
+
+__all__ = ["LifecycleAdapter"]
+
+
+@runtime_checkable
+class LifecycleAdapter(Protocol):
+    """Effects on one engine. See the module docstring for the contract."""
+
+    #: Caches this adapter can reset; the runner resets all of them.
+    caches: tuple[CacheKind, ...]
+
+    def bootstrap(self) -> BootstrapEvidence:
+        """Reach the engine and describe it (epoch, label, capabilities)."""
+        ...
+
+    def drain(self, mode: PauseMode) -> DrainEvidence:
+        """Pause the engine; with WAIT, return once its in-flight work is done."""
+        ...
+
+    def preflight(self, target: UpdateTarget) -> PreflightEvidence:
+        """Describe the trainer's source (and the engine's manifest) before mutating."""
+        ...
+
+    def transfer(self, target: UpdateTarget) -> TransferEvidence:
+        """Move the weights, finishing the engine's update with ``target``'s label."""
+        ...
+
+    def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        """Reset one cache and report the engine's own success flag."""
+        ...
+
+    def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
+        """Observe what the engine serves. ``live=False``: still paused.
+
+        ``live=True`` is called after resume with admission still closed; it
+        returns ``None`` when the adapter has nothing that needs a running
+        engine (then the paused validation alone decides).
+        """
+        ...
+
+    def resume(self) -> ResumeEvidence:
+        """Resume the engine and confirm it is no longer paused."""
+        ...
+
+    def fence(self) -> None:
+        """Best effort, after a taint: stop the engine from serving anyone."""
+        ...
+
+    def cancel(self, step: str) -> None:
+        """Called from another thread when ``step`` overran: unblock it."""
+        ...
+
+    def close(self) -> None:
+        ...
