@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-class PauseMode(str, enum.Enum):
+class PauseMode(enum.StrEnum):
     """vLLM's pause modes. RolloutCore's strict mode drains with WAIT."""
 
     ABORT = "abort"  # in-flight requests are aborted (client must resend)
@@ -51,7 +51,7 @@ class PauseMode(str, enum.Enum):
     KEEP = "keep"    # in-flight requests are frozen and continue after resume
 
 
-class CacheKind(str, enum.Enum):
+class CacheKind(enum.StrEnum):
     PREFIX = "prefix"
     ENCODER = "encoder"
     MULTIMODAL = "multimodal"

@@ -1,0 +1,144 @@
+"""An append-only JSON-lines journal of everything the controller and runner saw.
+
+One JSON object per line: ``seq`` (gap-free, from 1), ``t_mono`` (monotonic
+seconds, for durations and ordering), ``t_wall`` (for people), ``kind`` and
+``data``. Each record is flushed as it is written, so a crash loses at most
+the record being written; a torn last line is reported, never silently
+skipped in the middle of a file.
+
+The controller calls the journal's listener *under its lock*, so the order
+of lines is the order of events: the journal alone shows that an old
+rollout's ``complete`` came before ``begin_update``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import JournalError
+
+__all__ = ["KINDS", "Journal", "JournalRecord", "first_index", "read_journal"]
+
+#: Record kinds written by the controller (``lifecycle``) and the runner.
+KINDS = frozenset({
+    "admit", "complete", "refuse", "request_update", "transition", "evidence", "verdict",
+    "begin_update", "commit", "abandon", "failure", "taint", "begin_recovery",
+    "effect", "note",
+})
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    seq: int
+    t_mono: float
+    t_wall: float
+    kind: str
+    data: dict[str, Any]
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "t_mono": self.t_mono, "t_wall": self.t_wall,
+                           "kind": self.kind, "data": self.data}, sort_keys=True)
+
+    @classmethod
+    def from_obj(cls, obj: Any, where: str) -> JournalRecord:
+        try:
+            rec = cls(int(obj["seq"]), float(obj["t_mono"]), float(obj["t_wall"]),
+                      str(obj["kind"]), dict(obj["data"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise JournalError(f"{where}: not a journal record") from exc
+        if rec.kind not in KINDS:
+            raise JournalError(f"{where}: unknown record kind {rec.kind!r}")
+        return rec
+
+
+class Journal:
+    """Writes records; usable as a controller listener (``journal.listener``)."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._records: list[JournalRecord] = []
+        self._fsync = fsync
+        self._fh: IO[str] | None = None
+        self.path = Path(path) if path is not None else None
+        if self.path is not None:
+            try:
+                self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+            except OSError as exc:
+                raise JournalError(f"cannot open journal {self.path}: {exc}") from exc
+            if self.path.stat().st_size:
+                self._seq = max((r.seq for r in read_journal(self.path)), default=0)
+
+    def listener(self, kind: str, data: dict[str, Any]) -> None:
+        self.write(kind, data)
+
+    def write(self, kind: str, data: dict[str, Any]) -> JournalRecord:
+        if kind not in KINDS:
+            raise JournalError(f"unknown record kind {kind!r}")
+        with self._lock:
+            self._seq += 1
+            rec = JournalRecord(self._seq, time.monotonic(), time.time(), kind, data)
+            self._records.append(rec)
+            if self._fh is not None:
+                try:
+                    self._fh.write(rec.to_json() + "\n")
+                    self._fh.flush()
+                    if self._fsync:
+                        os.fsync(self._fh.fileno())
+                except (OSError, TypeError, ValueError) as exc:
+                    raise JournalError(f"cannot write journal record: {exc}") from exc
+            return rec
+
+    @property
+    def records(self) -> list[JournalRecord]:
+        with self._lock:
+            return list(self._records)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+
+
+def _parse_lines(lines: Iterable[str], name: str) -> Iterator[JournalRecord]:
+    buf = list(lines)
+    for i, line in enumerate(buf, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            last = i == len(buf) and not line.endswith("\n")
+            raise JournalError(f"{name}:{i}: {'torn last line' if last else 'bad JSON'}"
+                               ) from exc
+        yield JournalRecord.from_obj(obj, f"{name}:{i}")
+
+
+def read_journal(path: str | os.PathLike[str]) -> list[JournalRecord]:
+    """Read a journal back into typed records; checks that ``seq`` is gap-free."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            recs = list(_parse_lines(fh, str(path)))
+    except OSError as exc:
+        raise JournalError(f"cannot read journal {path}: {exc}") from exc
+    for a, b in itertools.pairwise(recs):
+        if b.seq != a.seq + 1:
+            raise JournalError(f"{path}: sequence gap between {a.seq} and {b.seq}")
+    return recs
+
+
+def first_index(records: Sequence[JournalRecord], kind: str, **match: Any) -> int:
+    """Index of the first record of ``kind`` whose data matches; -1 if none."""
+    for i, r in enumerate(records):
+        if r.kind == kind and all(r.data.get(k) == v for k, v in match.items()):
+            return i
+    return -1
