@@ -1,0 +1,338 @@
+"""The runner: drives one update through an adapter, every effect under a deadline.
+
+The controller (``lifecycle``) decides; the adapter (``port``) acts; the
+runner connects them. For each step it runs the adapter's effect in a worker
+thread supervised by the step's deadline, translates what came back into an
+event for the controller (evidence, or ``fail`` with a ``FailureKind``), and
+does what the controller's verdict says: go on, retry an incomplete
+observation, resume on the old version (nothing mutated), or fence a tainted
+engine and stop.
+
+A stuck effect is never waited on forever. When its deadline expires the
+runner calls ``adapter.cancel(step)`` from *this* thread (the watchdog): the
+adapter must make the stuck call return (tear down the transfer group, close
+connections). The step is classified as a TIMEOUT at once; the worker thread
+is a daemon and is left to unwind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .errors import BadInput, EffectError, EffectTimeout, TransferError, UpdateFailed
+from .evidence import (
+    CacheKind,
+    PauseMode,
+    ValidationEvidence,
+)
+from .lifecycle import (
+    Classification,
+    FailureKind,
+    LifecycleController,
+    State,
+    Step,
+    UpdateTicket,
+    Verdict,
+)
+from .port import LifecycleAdapter
+from .versions import VerificationLevel, WeightIdentity, WeightVersion
+
+__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "UpdateOutcome"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each effect may take before it is classified as a timeout."""
+
+    drain_s: float = 120.0        # local rollouts finishing (admission closed)
+    pause_s: float = 60.0         # engine pause(mode=wait): engine's own in-flight work
+    preflight_s: float = 30.0
+    transfer_s: float = 300.0
+    reset_s: float = 15.0
+    validate_s: float = 60.0
+    resume_s: float = 15.0
+    live_validate_s: float = 60.0
+    bootstrap_s: float = 30.0
+    fence_s: float = 10.0
+    cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
+    retry_backoff_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name, v in self.__dict__.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise BadInput(f"deadline {name} must be a positive number, got {v!r}")
+
+    def scaled(self, factor: float) -> Deadlines:
+        if not factor > 0:
+            raise BadInput("factor must be positive")
+        return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
+
+
+@dataclass(frozen=True)
+class PhaseTiming:
+    phase: str
+    seconds: float
+    in_effect: bool  # True: time spent inside an engine/transport call
+
+
+@dataclass
+class UpdateOutcome:
+    ticket: UpdateTicket
+    published: WeightVersion | None
+    state: State
+    total_s: float
+    phases: list[PhaseTiming] = field(default_factory=list)
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def effect_s(self) -> float:
+        return sum(p.seconds for p in self.phases if p.in_effect)
+
+    @property
+    def controller_overhead_s(self) -> float:
+        """Time outside engine and transport calls (decisions, bookkeeping, journal)."""
+        return max(0.0, self.total_s - self.effect_s - self.phase_s("drain"))
+
+
+    def phase_s(self, name: str) -> float:
+        return sum(p.seconds for p in self.phases if p.phase == name)
+
+    def breakdown(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.phases:
+            out[p.phase] = out.get(p.phase, 0.0) + p.seconds
+        out["controller_overhead"] = self.controller_overhead_s
+        out["total"] = self.total_s
+        return out
+
+
+class _Abort(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+
+
+def _kind(exc: BaseException) -> FailureKind:
+    if isinstance(exc, EffectTimeout):
+        return FailureKind.TIMEOUT
+    if isinstance(exc, EffectError) and not exc.mutation_started:
+        return FailureKind.REFUSED
+    return FailureKind.ERROR
+
+
+class LifecycleRunner:
+    """Runs bootstrap and updates for one engine; one update at a time (the controller
+    enforces it)."""
+
+    def __init__(self, controller: LifecycleController, adapter: LifecycleAdapter,
+                 deadlines: Deadlines | None = None, *,
+                 record: Callable[[str, dict[str, Any]], object] | None = None,
+                 drain_mode: PauseMode = PauseMode.WAIT) -> None:
+        if drain_mode is PauseMode.KEEP:
+            raise BadInput("strict mode drains with WAIT (or ABORT); KEEP lets rollouts span "
+                           "versions")
+        self.controller = controller
+        self.adapter = adapter
+        self.deadlines = deadlines or Deadlines()
+        self._record = record
+        self._drain_mode = drain_mode
+
+    # ------------------------------------------------------------ effects
+    def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
+                phases: list[PhaseTiming] | None, phase: str | None = None) -> T:
+        """Run ``fn`` in a worker thread; on deadline, cancel it and raise EffectTimeout."""
+        box: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the supervising thread
+                box["error"] = exc
+
+        t0 = time.monotonic()
+        th = threading.Thread(target=work, name=f"rolloutcore-{step}", daemon=True)
+        th.start()
+        th.join(deadline_s)
+        timed_out = th.is_alive()
+        if timed_out:
+            try:
+                self.adapter.cancel(step)
+            except Exception as exc:
+                self._note("cancel_failed", step=step, error=repr(exc))
+            th.join(self.deadlines.cancel_grace_s)
+        dt = time.monotonic() - t0
+        if phases is not None:
+            phases.append(PhaseTiming(phase or step, dt, True))
+        ok = not timed_out and "error" not in box
+        self._note("effect", step=step, seconds=dt, ok=ok,
+                   error=None if ok else repr(box.get("error", "deadline expired")))
+        if timed_out:
+            raise EffectTimeout(step, deadline_s, mutation_started=step != Step.PREFLIGHT)
+        if "error" in box:
+            err = box["error"]
+            if isinstance(err, EffectError):
+                raise err
+            if isinstance(err, Exception):
+                raise EffectError(step, f"{type(err).__name__}: {err}") from err
+            raise err
+        return box["value"]  # type: ignore[no-any-return]
+
+    def _note(self, what: str, **data: Any) -> None:
+        if self._record is not None:
+            self._record("effect" if what == "effect" else "note", {"what": what, **data})
+
+    def _run_step(self, ticket: UpdateTicket, step: Step, fn: Callable[[], T],
+                  feed: Callable[[T], Verdict], deadline_s: float, out: UpdateOutcome,
+                  phase: str | None = None) -> Verdict:
+        """One step with bounded retries of incomplete observations."""
+        while True:
+            try:
+                ev = self._effect(step.value, fn, deadline_s, out.phases, phase)
+            except EffectError as exc:
+                verdict = self.controller.fail(ticket, step, _kind(exc), str(exc))
+            else:
+                verdict = feed(ev)
+            out.verdicts.append(verdict)
+            if verdict.classification is Classification.INCOMPLETE:
+                time.sleep(self.deadlines.retry_backoff_s)
+                continue
+            if not verdict.accepted:
+                raise _Abort(verdict)
+            return verdict
+
+    # ------------------------------------------------------------ bootstrap
+    def bootstrap(self, identity: WeightIdentity) -> Verdict:
+        """Take over the engine; its current weights become the first committed version."""
+        try:
+            ev = self._effect(Step.BOOTSTRAP.value, self.adapter.bootstrap,
+                              self.deadlines.bootstrap_s, None)
+        except EffectError as exc:
+            v = self.controller.fail(None, Step.BOOTSTRAP, _kind(exc), str(exc))
+            raise UpdateFailed("bootstrap", v.classification.value if v.classification
+                               else "no_mutation", v.after.value, str(exc)) from exc
+        label = ev.observed_label if ev.label_supported else None
+        v = self.controller.bootstrap(ev, identity, label=label)
+        if not v.accepted:
+            raise UpdateFailed("bootstrap", "no_mutation", v.after.value, "; ".join(v.problems))
+        return v
+
+    # ------------------------------------------------------------ update
+    def run_update(self, identity: WeightIdentity, *, owner: str = "trainer",
+                   label: str | None = None,
+                   min_verification: VerificationLevel = VerificationLevel.DECLARED,
+                   ) -> UpdateOutcome:
+        """Drain, quiesce, preflight, transfer, invalidate, validate (paused), resume, commit.
+
+        Returns the outcome with the published version, or raises UpdateFailed
+        (state READY when nothing mutated, TAINTED otherwise).
+        """
+        t0 = time.monotonic()
+        ticket = self.controller.request_update(identity, owner, label=label,
+                                                min_verification=min_verification)
+        out = UpdateOutcome(ticket, None, State.DRAINING, 0.0)
+        c, a, d = self.controller, self.adapter, self.deadlines
+        try:
+            # DRAINING: admission is closed; wait for bound rollouts, then pause
+            # the engine so that anything it runs beyond our view finishes too.
+            tw = time.monotonic()
+            idle = c.wait_idle(d.drain_s)
+            out.phases.append(PhaseTiming("drain", time.monotonic() - tw, False))
+            if not idle:
+                v = c.fail(ticket, Step.DRAIN, FailureKind.TIMEOUT,
+                           f"{len(c.active)} rollouts still active after {d.drain_s:g}s")
+                out.verdicts.append(v)
+                raise _Abort(v)
+            self._run_step(ticket, Step.DRAIN, lambda: a.drain(self._drain_mode),
+                           lambda ev: c.drained(ticket, ev), d.pause_s, out, "pause")
+            self._run_step(ticket, Step.PREFLIGHT, lambda: a.preflight(ticket.target),
+                           lambda ev: c.preflighted(ticket, ev), d.preflight_s, out)
+            self._run_step(ticket, Step.TRANSFER, lambda: a.transfer(ticket.target),
+                           lambda ev: c.transferred(ticket, ev), d.transfer_s, out)
+            for cache in self._caches_in_order():
+                if cache not in c.pending_resets:
+                    continue
+                self._run_step(ticket, Step.INVALIDATE,
+                               lambda cache=cache: a.reset_cache(cache),  # type: ignore[misc]
+                               lambda ev: c.invalidated(ticket, ev), d.reset_s, out,
+                               "invalidate")
+            if c.state is not State.VALIDATING:
+                missing = ", ".join(k.value for k in c.pending_resets)
+                v = c.fail(ticket, Step.INVALIDATE, FailureKind.BAD_EVIDENCE,
+                           f"adapter cannot reset required caches: {missing}")
+                out.verdicts.append(v)
+                raise _Abort(v)
+
+            def validate_paused() -> ValidationEvidence:
+                ev = a.validate(ticket.target, live=False)
+                if ev is None:
+                    raise EffectError(Step.VALIDATE.value, "adapter returned no paused validation")
+                return ev
+
+            self._run_step(ticket, Step.VALIDATE, validate_paused,
+                           lambda ev: c.validated(ticket, ev), d.validate_s, out)
+            # RESUMING: admission stays closed until resumed() publishes.
+            try:
+                rev = self._effect(Step.RESUME.value, a.resume, d.resume_s, out.phases)
+            except EffectError as exc:
+                v = c.fail(ticket, Step.RESUME, _kind(exc), str(exc))
+                out.verdicts.append(v)
+                raise _Abort(v) from exc
+            try:
+                live = self._effect("validate_live", lambda: a.validate(ticket.target, live=True),
+                                    d.live_validate_s, out.phases)
+            except EffectError as exc:
+                v = c.fail(ticket, Step.VALIDATE, _kind(exc), str(exc))
+                out.verdicts.append(v)
+                raise _Abort(v) from exc
+            v = c.resumed(ticket, rev, live)
+            out.verdicts.append(v)
+            if not v.accepted:
+                raise _Abort(v)
+            out.published = v.published
+        except _Abort as ab:
+            self._after_failure(ticket, ab.verdict, out)
+        finally:
+            out.total_s = time.monotonic() - t0
+            out.state = c.state
+        return out
+
+    def _caches_in_order(self) -> list[CacheKind]:
+        order = [CacheKind.PREFIX, CacheKind.ENCODER, CacheKind.MULTIMODAL]
+        have = set(self.adapter.caches)
+        return [k for k in order if k in have]
+
+    def _after_failure(self, ticket: UpdateTicket, verdict: Verdict, out: UpdateOutcome) -> None:
+        c, d = self.controller, self.deadlines
+        if verdict.after is State.RESUMING:
+            # Nothing mutated: return the engine to service on the old version.
+            try:
+                rev = self._effect(Step.RESUME.value, self.adapter.resume, d.resume_s,
+                                   out.phases)
+            except EffectError as exc:
+                v2 = c.fail(ticket, Step.RESUME, _kind(exc), str(exc))
+            else:
+                v2 = c.resumed(ticket, rev)
+            out.verdicts.append(v2)
+        if c.state is State.TAINTED:
+            try:
+                self._effect("fence", self.adapter.fence, d.fence_s, out.phases)
+            except EffectError as exc:
+                self._note("fence_failed", error=str(exc))
+        cls = verdict.classification.value if verdict.classification else "ambiguous"
+        phase = _PHASE_OF_STATE.get(verdict.before, verdict.before.value)
+        raise UpdateFailed(phase, cls, c.state.value, "; ".join(verdict.problems))
+
+
+_PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",
+                   State.UPDATING: "transfer", State.INVALIDATING: "invalidate",
+                   State.VALIDATING: "validate", State.RESUMING: "resume"}
+
+
+def classify_transfer_error(exc: TransferError) -> FailureKind:
+    """Exposed for adapters' tests: how a transfer error is classified."""
+    return _kind(exc)
