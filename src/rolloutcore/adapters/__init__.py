@@ -1,0 +1,1 @@
+"""Adapters: engine effects behind the port (``rolloutcore.port.LifecycleAdapter``)."""

@@ -1,0 +1,23 @@
+"""Wiring of the subcommands owned by other modules into the ``rolloutcore`` CLI.
+
+Each owner module exposes ``add_<name>_parser(subparsers)``; this list is the
+only place that knows them. The owners import torch/vLLM inside their
+command functions, not at import time, so ``rolloutcore --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["PARSERS"]
+
+
+def _model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .model import add_model_parser
+
+    add_model_parser(sub)
+
+
+PARSERS: list[Callable[[Any], None]] = [_model]
