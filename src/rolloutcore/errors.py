@@ -127,6 +127,7 @@ class UpdateFailed(RolloutCoreError):
         self.classification = classification
         self.state = state
         self.reason = reason
+        self.outcome: object | None = None  # the runner's UpdateOutcome, when it has one
         super().__init__(f"update failed in {phase} ({classification}, now {state}): {reason}")
 
 

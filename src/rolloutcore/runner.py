@@ -17,9 +17,10 @@ is a daemon and is left to unwind.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -27,6 +28,8 @@ from .errors import BadInput, EffectError, EffectTimeout, TransferError, UpdateF
 from .evidence import (
     CacheKind,
     PauseMode,
+    PreflightEvidence,
+    TransferEvidence,
     ValidationEvidence,
 )
 from .lifecycle import (
@@ -89,6 +92,7 @@ class UpdateOutcome:
     total_s: float
     phases: list[PhaseTiming] = field(default_factory=list)
     verdicts: list[Verdict] = field(default_factory=list)
+    started_at: float = field(default_factory=time.monotonic)
 
     @property
     def effect_s(self) -> float:
@@ -229,14 +233,37 @@ class LifecycleRunner:
         """Drain, quiesce, preflight, transfer, invalidate, validate (paused), resume, commit.
 
         Returns the outcome with the published version, or raises UpdateFailed
-        (state READY when nothing mutated, TAINTED otherwise).
+        (state READY when nothing mutated, TAINTED otherwise; ``.outcome`` has
+        the phases).
         """
-        t0 = time.monotonic()
+        out = self.open_update(identity, owner=owner, label=label,
+                               min_verification=min_verification)
+        ticket = out.ticket
+        with self._phase(out):
+            self._run_step(ticket, Step.TRANSFER, lambda: self.adapter.transfer(ticket.target),
+                           lambda ev: self.controller.transferred(ticket, ev),
+                           self.deadlines.transfer_s, out)
+        return self.close_update(out)
+
+    # The two-phase form, for a trainer in another process: open_update ->
+    # (the trainer transfers, through vLLM's weight-transfer path) ->
+    # report_transfer / report_transfer_failure -> close_update.
+
+    def open_update(self, identity: WeightIdentity, *, owner: str = "trainer",
+                    label: str | None = None,
+                    min_verification: VerificationLevel = VerificationLevel.DECLARED,
+                    preflight: PreflightEvidence | None = None) -> UpdateOutcome:
+        """Close admission, drain, pause, preflight; on return the state is UPDATING.
+
+        ``preflight`` is the trainer's own description of its source when the
+        trainer is remote; otherwise the adapter is asked.
+        """
         ticket = self.controller.request_update(identity, owner, label=label,
                                                 min_verification=min_verification)
         out = UpdateOutcome(ticket, None, State.DRAINING, 0.0)
+        out.started_at = time.monotonic()
         c, a, d = self.controller, self.adapter, self.deadlines
-        try:
+        with self._phase(out):
             # DRAINING: admission is closed; wait for bound rollouts, then pause
             # the engine so that anything it runs beyond our view finishes too.
             tw = time.monotonic()
@@ -249,10 +276,37 @@ class LifecycleRunner:
                 raise _Abort(v)
             self._run_step(ticket, Step.DRAIN, lambda: a.drain(self._drain_mode),
                            lambda ev: c.drained(ticket, ev), d.pause_s, out, "pause")
-            self._run_step(ticket, Step.PREFLIGHT, lambda: a.preflight(ticket.target),
-                           lambda ev: c.preflighted(ticket, ev), d.preflight_s, out)
-            self._run_step(ticket, Step.TRANSFER, lambda: a.transfer(ticket.target),
-                           lambda ev: c.transferred(ticket, ev), d.transfer_s, out)
+            if preflight is not None:
+                v = c.preflighted(ticket, preflight)
+                out.verdicts.append(v)
+                if not v.accepted:
+                    raise _Abort(v)
+            else:
+                self._run_step(ticket, Step.PREFLIGHT, lambda: a.preflight(ticket.target),
+                               lambda ev: c.preflighted(ticket, ev), d.preflight_s, out)
+        return out
+
+    def report_transfer(self, out: UpdateOutcome, ev: TransferEvidence) -> None:
+        """The remote trainer's transfer evidence (state UPDATING -> INVALIDATING)."""
+        with self._phase(out):
+            v = self.controller.transferred(out.ticket, ev)
+            out.phases.append(PhaseTiming("transfer", ev.elapsed_s, True))
+            out.verdicts.append(v)
+            if not v.accepted:
+                raise _Abort(v)
+
+    def report_transfer_failure(self, out: UpdateOutcome, kind: FailureKind, reason: str) -> None:
+        """The transfer failed or its lease expired; classified by the failure policy."""
+        with self._phase(out):
+            v = self.controller.fail(out.ticket, Step.TRANSFER, kind, reason)
+            out.verdicts.append(v)
+            raise _Abort(v)
+
+    def close_update(self, out: UpdateOutcome) -> UpdateOutcome:
+        """Invalidate caches, validate while paused, resume, live-validate, publish."""
+        ticket = out.ticket
+        c, a, d = self.controller, self.adapter, self.deadlines
+        with self._phase(out):
             for cache in self._caches_in_order():
                 if cache not in c.pending_resets:
                     continue
@@ -294,12 +348,22 @@ class LifecycleRunner:
             if not v.accepted:
                 raise _Abort(v)
             out.published = v.published
-        except _Abort as ab:
-            self._after_failure(ticket, ab.verdict, out)
-        finally:
-            out.total_s = time.monotonic() - t0
-            out.state = c.state
         return out
+
+    @contextlib.contextmanager
+    def _phase(self, out: UpdateOutcome) -> Iterator[None]:
+        """Route a failure verdict to the failure path; keep the outcome's clock."""
+        try:
+            yield
+        except _Abort as ab:
+            try:
+                self._after_failure(out.ticket, ab.verdict, out)
+            except UpdateFailed as uf:
+                uf.outcome = out
+                raise
+        finally:
+            out.total_s = time.monotonic() - out.started_at
+            out.state = self.controller.state
 
     def _caches_in_order(self) -> list[CacheKind]:
         order = [CacheKind.PREFIX, CacheKind.ENCODER, CacheKind.MULTIMODAL]
