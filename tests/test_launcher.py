@@ -1,0 +1,155 @@
+"""ManagedEngine's own logic, with stand-in executables instead of vLLM.
+
+The real server is exercised in tests/engine/; here the launcher's process
+handling is checked with small shell scripts in the place of the Python
+interpreter: a server that dies while starting, one that never gets healthy
+(with a grandchild in its process group), and an interpreter without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rolloutcore.engine import DEFAULT_ENV, ManagedEngine, free_port, vllm_available
+from rolloutcore.engine.launcher import _group_alive
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+
+
+def _model(tmp_path: Path) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    """A fake interpreter: answers the vLLM import probe, otherwise runs ``body``."""
+    p = tmp_path / "fakepython"
+    p.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then exit 0; fi\n' + body + "\n")
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+    return str(p)
+
+
+def test_command_line_and_environment(tmp_path: Path) -> None:
+    e = ManagedEngine(_model(tmp_path), port=18000, backend="rolloutcore_gloo",
+                      extra_args=["--enforce-eager"], env={"VLLM_CPU_KVCACHE_SPACE": "2"})
+    cmd = e.command()
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for flag in ("--enable-prefix-caching", "--enable-scale-out", "--enforce-eager"):
+        assert flag in cmd
+    assert cmd[cmd.index("--port") + 1] == "18000"
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16"
+    assert cmd[cmd.index("--max-model-len") + 1] == "512"
+    wtc = json.loads(cmd[cmd.index("--weight-transfer-config") + 1])
+    assert wtc == {"backend": "rolloutcore_gloo"}
+    env = e.environment()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert set(DEFAULT_ENV) <= set(env)
+    assert e.base_url == "http://127.0.0.1:18000"
+    assert "--weight-transfer-config" not in ManagedEngine(
+        e.model_dir, port=1, backend=None).command()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"port": 0}, {"port": 70000}, {"backend": ""}, {"startup_timeout_s": 0},
+    {"max_model_len": -1}, {"stop_grace_s": -1.0},
+])
+def test_bad_arguments(tmp_path: Path, kwargs: dict[str, object]) -> None:
+    with pytest.raises(BadInput):
+        ManagedEngine(_model(tmp_path), **kwargs)  # type: ignore[arg-type]
+
+
+def test_not_a_model_dir(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="config.json"):
+        ManagedEngine(tmp_path)
+    e = ManagedEngine(_model(tmp_path))
+    with pytest.raises(BadInput):
+        e.restart(tmp_path / "nope")
+    with pytest.raises(BadInput):
+        _ = e.pid
+
+
+def test_missing_vllm_is_a_clear_error(tmp_path: Path) -> None:
+    nopy = tmp_path / "nopython"
+    nopy.write_text("#!/bin/sh\nexit 1\n")
+    nopy.chmod(0o755)
+    assert not vllm_available(str(nopy))
+    e = ManagedEngine(_model(tmp_path), python=str(nopy))
+    with pytest.raises(EngineUnavailable, match="rolloutcore\\[vllm\\]") as ei:
+        e.start()
+    assert ei.value.mutation_started is False
+    assert not e.alive()
+
+
+def test_death_while_starting_fails_fast_with_log_tail(tmp_path: Path) -> None:
+    py = _script(tmp_path, 'echo "boom: Unsupported thing"; exit 3')
+    e = ManagedEngine(_model(tmp_path), python=py, startup_timeout_s=60, log_dir=tmp_path)
+    t0 = time.monotonic()
+    with pytest.raises(EngineUnavailable, match="boom: Unsupported thing") as ei:
+        e.start()
+    assert time.monotonic() - t0 < 10
+    assert "status 3" in str(ei.value)
+    assert e.log_path.parent == tmp_path and "boom" in e.log_path.read_text()
+    assert not e.alive()
+
+
+def test_deadline_kills_the_whole_group(tmp_path: Path) -> None:
+    marker = tmp_path / "grandchild.pid"
+    # The server never answers /health and leaves a grandchild in its group.
+    py = _script(tmp_path, f"sleep 300 & echo $! > {marker}; sleep 300")
+    e = ManagedEngine(_model(tmp_path), python=py, startup_timeout_s=1.5, stop_grace_s=2)
+    with pytest.raises(EffectTimeout) as ei:
+        e.start()
+    assert ei.value.mutation_started is False
+    gpid = int(marker.read_text())
+    assert not _pid_alive(gpid)
+    assert not e.alive()
+
+
+def test_stop_and_restart_give_new_epoch_and_kill_group(tmp_path: Path) -> None:
+    port = free_port()
+    # A stand-in server that answers /health: python's http.server serves 200 on any
+    # existing path, so serve a directory holding a file named "health".
+    www = tmp_path / "www"
+    www.mkdir()
+    (www / "health").write_text("ok")
+    body = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$PORT" -d {www}'
+    py = _script(tmp_path, 'PORT=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")\n'
+                 + body)
+    e = ManagedEngine(_model(tmp_path), python=py, port=port, startup_timeout_s=30)
+    e.start()
+    try:
+        first_pid, first_epoch = e.pid, e.epoch
+        assert e.alive() and e.last_start_s is not None
+        e.restart()
+        assert e.pid != first_pid and e.epoch != first_epoch
+        assert not _pid_alive(first_pid)
+        assert e.base_url == f"http://127.0.0.1:{port}"
+    finally:
+        pid = e.pid
+        e.stop()
+    assert not e.alive() and not _group_alive(pid)
+    e.stop()  # idempotent
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        st = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return st[st.rfind(")") + 2] != "Z"
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    p = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", p))
