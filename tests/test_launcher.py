@@ -67,7 +67,7 @@ def test_bad_arguments(tmp_path: Path, kwargs: dict[str, object]) -> None:
 
 
 def test_not_a_model_dir(tmp_path: Path) -> None:
-    with pytest.raises(BadInput, match="config.json"):
+    with pytest.raises(BadInput, match=r"config\.json"):
         ManagedEngine(tmp_path)
     e = ManagedEngine(_model(tmp_path))
     with pytest.raises(BadInput):
