@@ -617,6 +617,8 @@ class LifecycleController:
             if problems:
                 return self._apply_failure(E.PREFLIGHTED, Step.PREFLIGHT,
                                            FailureKind.BAD_EVIDENCE, problems)
+            # From here the target's label may reach the engine: never reuse it.
+            self._max_generation = max(self._max_generation, ticket.target.version.generation)
             self._emit("begin_update", {"update_id": ticket.update_id,
                                         "target": ticket.target.version.to_dict()})
             self._move(E.PREFLIGHTED, S.UPDATING)
@@ -729,6 +731,14 @@ class LifecycleController:
             raise BadInput("fail needs a Step and a FailureKind")
         with self._lock:
             self._check(E.FAIL)
+            if self._state is S.RECOVERING:
+                if step is not Step.RECOVER:
+                    raise InvalidTransition(E.FAIL.value, self._state.value,
+                                            f"step {step.value} does not run in this state")
+                before = self._state
+                self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
+                self._move(E.FAIL, S.TAINTED)
+                return self._verdict(E.FAIL, before, accepted=False, cls=_AMB, problems=[reason])
             if self._state is not S.UNINITIALIZED:
                 if ticket is None:
                     raise BadInput("fail during an update needs the ticket")
@@ -793,12 +803,3 @@ class LifecycleController:
         with self._lock:
             gen = self._max_generation + 1
             return WeightVersion(gen, f"rc-{gen}", self._engine_epoch or "pending")
-
-    def fail_recovery(self, reason: str) -> Verdict:
-        with self._lock:
-            if self._state is not S.RECOVERING:
-                raise InvalidTransition(E.FAIL.value, self._state.value, "no recovery running")
-            before = self._state
-            self._emit("failure", {"step": Step.RECOVER.value, "kind": "error", "reason": reason})
-            self._move(E.FAIL, S.TAINTED)
-            return self._verdict(E.FAIL, before, accepted=False, cls=_AMB, problems=[reason])

@@ -1,0 +1,109 @@
+"""Builders shared by the core tests: good evidence for each step, and drive_to(state)."""
+
+from __future__ import annotations
+
+from rolloutcore.evidence import (
+    BootstrapEvidence,
+    CacheKind,
+    CacheResetEvidence,
+    DrainEvidence,
+    PauseMode,
+    PreflightEvidence,
+    RecoveryEvidence,
+    ResumeEvidence,
+    TransferEvidence,
+    ValidationEvidence,
+)
+from rolloutcore.journal import Journal
+from rolloutcore.lifecycle import (
+    FailureKind,
+    LifecycleController,
+    State,
+    Step,
+    UpdateTicket,
+)
+from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity
+
+MANIFEST = ParameterManifest.from_items([("w", (2, 2), "bfloat16"), ("b", (2,), "bfloat16")])
+
+
+def ident(step: int = 0, ckpt: str = "ckpt") -> WeightIdentity:
+    return WeightIdentity.declare(MANIFEST, Provenance(ckpt, "run", step))
+
+
+def boot_ev(epoch: str = "e0") -> BootstrapEvidence:
+    return BootstrapEvidence(engine_epoch=epoch, healthy=True, observed_label="default",
+                             label_supported=True)
+
+
+def drain_ev() -> DrainEvidence:
+    return DrainEvidence(paused=True, mode=PauseMode.WAIT, engine_in_flight=0)
+
+
+def preflight_ev(t: UpdateTicket) -> PreflightEvidence:
+    return PreflightEvidence(source_manifest_digest=t.target.identity.manifest_digest,
+                             source_provenance=t.target.identity.provenance)
+
+
+def transfer_ev(t: UpdateTicket) -> TransferEvidence:
+    return TransferEvidence(completed=True, mutation_started=True, backend="test", tensors=2,
+                            bytes=12, finish_label=t.target.version.label)
+
+
+def reset_ev(kind: CacheKind = CacheKind.PREFIX, ok: bool | None = True) -> CacheResetEvidence:
+    return CacheResetEvidence(cache=kind, http_status=200, engine_success=ok)
+
+
+def validation_ev(t: UpdateTicket, label: str | None = None) -> ValidationEvidence:
+    return ValidationEvidence(observed_label=label or t.target.version.label,
+                              label_supported=True, paused=True)
+
+
+def resume_ev() -> ResumeEvidence:
+    return ResumeEvidence(resumed=True, is_paused_after=False)
+
+
+def recovery_ev(c: LifecycleController, epoch: str = "e-new") -> RecoveryEvidence:
+    label = c.recovery_target().label
+    return RecoveryEvidence(engine_epoch=epoch, identity=ident(99, "recovery"), healthy=True,
+                            validation=ValidationEvidence(observed_label=label,
+                                                          label_supported=True, paused=True))
+
+
+def new_controller(journal: Journal | None = None) -> LifecycleController:
+    return LifecycleController(listener=journal.listener if journal else None)
+
+
+def drive_to(state: State, journal: Journal | None = None
+             ) -> tuple[LifecycleController, UpdateTicket | None]:
+    """A controller in ``state`` through the normal path (taint via a transfer error)."""
+    c = new_controller(journal)
+    if state is State.UNINITIALIZED:
+        return c, None
+    c.bootstrap(boot_ev(), ident(0))
+    if state is State.READY:
+        return c, None
+    t = c.request_update(ident(1, "next"), "trainer")
+    if state is State.DRAINING:
+        return c, t
+    c.drained(t, drain_ev())
+    if state is State.QUIESCED:
+        return c, t
+    c.preflighted(t, preflight_ev(t))
+    if state is State.UPDATING:
+        return c, t
+    if state in (State.TAINTED, State.RECOVERING):
+        c.fail(t, Step.TRANSFER, FailureKind.ERROR, "collective broke")
+        if state is State.RECOVERING:
+            c.begin_recovery("operator")
+        return c, t
+    c.transferred(t, transfer_ev(t))
+    if state is State.INVALIDATING:
+        return c, t
+    for k in CacheKind:
+        c.invalidated(t, reset_ev(k))
+    if state is State.VALIDATING:
+        return c, t
+    c.validated(t, validation_ev(t))
+    assert state is State.RESUMING
+    return c, t
