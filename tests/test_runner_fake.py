@@ -1,0 +1,229 @@
+"""The runner against the simulated engine: ordering, cache boundary, faults, deadlines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rolloutcore.adapters.fake import (
+    FakeAdapter,
+    FakeEngine,
+    FakeWeights,
+    FaultKind,
+    reference_tokens,
+)
+from rolloutcore.errors import AdmissionRefused, UpdateFailed
+from rolloutcore.evidence import PauseMode
+from rolloutcore.invariants import check_journal
+from rolloutcore.journal import Journal, first_index
+from rolloutcore.lifecycle import LifecycleController, State
+from rolloutcore.runner import Deadlines, LifecycleRunner
+from rolloutcore.versions import VerificationLevel
+
+FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=2, reset_s=1, validate_s=2,
+                 resume_s=1, live_validate_s=5, bootstrap_s=2, fence_s=1, cancel_grace_s=1,
+                 retry_backoff_s=0.01)
+
+
+def make(token_delay_s: float = 0.001) -> tuple[FakeEngine, FakeAdapter, LifecycleController,
+                                                LifecycleRunner, Journal]:
+    w0 = FakeWeights.from_seed(0)
+    eng = FakeEngine(w0, token_delay_s=token_delay_s)
+    ad = FakeAdapter(eng)
+    j = Journal()
+    c = LifecycleController(listener=j.listener)
+    r = LifecycleRunner(c, ad, FAST, record=j.write)
+    ad.stage(w0)
+    r.bootstrap(w0.identity())
+    return eng, ad, c, r, j
+
+
+def test_hot_update_changes_outputs_to_reference() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    out = r.run_update(w1.identity(), min_verification=VerificationLevel.PROBE)
+    assert out.published is not None and out.published.label == "rc-1"
+    assert c.identity is not None and c.identity.verification is VerificationLevel.PROBE
+    g = eng.generate(list(range(20)), 8)
+    assert g.tokens == reference_tokens(w1.digest, list(range(20)), 8)
+    assert {p.phase for p in out.phases} >= {"drain", "pause", "preflight", "transfer",
+                                             "invalidate", "validate", "resume"}
+    assert check_journal(j.records) == []
+
+
+def test_live_rollout_finishes_before_mutation_and_requests_during_update_are_refused() -> None:
+    eng, ad, c, r, j = make(token_delay_s=0.005)
+    res: dict[str, object] = {}
+    b = c.admit("long")
+
+    def long() -> None:
+        res["g"] = eng.generate(list(range(40)), 60, request_id="long")
+        c.complete("long")
+
+    th = threading.Thread(target=long)
+    th.start()
+    time.sleep(0.05)
+    refused: list[float | None] = []
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+
+    def during() -> None:
+        while c.state is State.READY:
+            time.sleep(0.001)
+        try:
+            c.admit("late")
+        except AdmissionRefused as e:
+            refused.append(e.retry_after_s)
+
+    probe = threading.Thread(target=during)
+    probe.start()
+    out = r.run_update(w1.identity())
+    th.join()
+    probe.join()
+    g = res["g"]
+    assert refused and refused[0] is not None
+    assert out.published is not None
+    assert {s["version"] for s in g.version_spans} == {b.version.label}  # type: ignore[attr-defined]
+    recs = j.records
+    assert 0 <= first_index(recs, "complete", rollout_id="long") < first_index(recs,
+                                                                              "begin_update")
+    assert out.phase_s("drain") > 0.05
+
+
+def test_stale_prefix_cache_is_reused_without_the_boundary() -> None:
+    """Negative control on the fake: skipping the reset serves stale KV and changes tokens."""
+    eng, ad, c, r, j = make()
+    prompt = list(range(48))
+    eng.generate(prompt, 4)
+    w1 = FakeWeights.from_seed(1, step=1)
+    # Outside RolloutCore: swap weights, no reset.
+    eng.pause(PauseMode.WAIT)
+    eng.start_update()
+    for n, data in w1.tensors.items():
+        eng.load(n, data)
+    eng.finish_update("rogue")
+    eng.resume()
+    hits0 = eng.prefix_hits
+    stale = eng.generate(prompt, 8)
+    assert eng.prefix_hits - hits0 > 0
+    assert eng.reset_prefix_cache()
+    fresh = eng.generate(prompt, 8)
+    assert stale.tokens != fresh.tokens
+    assert fresh.tokens == reference_tokens(w1.digest, prompt, 8)
+
+
+def test_update_through_runner_serves_no_stale_cache() -> None:
+    eng, ad, c, r, j = make()
+    prompt = list(range(200, 248))  # shares no block with the probe prompts
+    eng.generate(prompt, 4)
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    r.run_update(w1.identity())
+    hits0 = eng.prefix_hits
+    g = eng.generate(prompt, 8)
+    # the live probe may have cached its own (fresh) prompts, not this one
+    assert eng.prefix_hits == hits0
+    assert g.tokens == reference_tokens(w1.digest, prompt, 8)
+
+
+@pytest.mark.parametrize(("effect", "kind", "cls", "state"), [
+    ("drain", FaultKind.RAISE, "no_mutation", State.READY),
+    ("drain", FaultKind.HANG, "no_mutation", State.READY),
+    ("preflight", FaultKind.LIE, "no_mutation", State.READY),
+    ("transfer", FaultKind.RAISE, "ambiguous", State.TAINTED),
+    ("transfer", FaultKind.HANG, "ambiguous", State.TAINTED),
+    ("transfer", FaultKind.DIE, "ambiguous", State.TAINTED),
+    ("transfer", FaultKind.LIE, "ambiguous", State.TAINTED),
+    ("reset_prefix", FaultKind.HANG, "ambiguous", State.TAINTED),
+    ("validate", FaultKind.LIE, None, State.READY),  # a lying checksum... caught by the probe
+    ("validate", FaultKind.HANG, "ambiguous", State.TAINTED),
+    ("validate_live", FaultKind.RAISE, "ambiguous", State.TAINTED),
+    ("resume", FaultKind.RAISE, "ambiguous", State.TAINTED),
+    ("resume", FaultKind.LIE, "ambiguous", State.TAINTED),
+])
+def test_fault_classification(effect: str, kind: FaultKind, cls: str | None,
+                              state: State) -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject(effect, kind)
+    t0 = time.monotonic()
+    if cls is None:
+        out = r.run_update(w1.identity(), min_verification=VerificationLevel.PROBE)
+        assert out.published is not None  # the lie was harmless: weights are right
+    else:
+        with pytest.raises(UpdateFailed) as ei:
+            r.run_update(w1.identity(), min_verification=VerificationLevel.PROBE)
+        assert ei.value.classification == cls
+        assert [v.label for v in c.published] == ["default"]
+    elapsed = time.monotonic() - t0
+    assert c.state is state
+    assert elapsed < 15, "a failure must be classified within its deadline"
+    assert check_journal(j.records) == []
+    if state is State.TAINTED:
+        with pytest.raises(AdmissionRefused):
+            c.admit("after")
+
+
+def test_reset_success_false_is_retried_then_taints() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject("reset_prefix", FaultKind.LIE, times=10)
+    with pytest.raises(UpdateFailed) as ei:
+        r.run_update(w1.identity())
+    assert ei.value.classification == "ambiguous" and c.state is State.TAINTED
+    n = sum(1 for rec in j.records if rec.kind == "verdict"
+            and rec.data["event"] == "invalidated" and not rec.data["accepted"])
+    assert n == 4  # max_incomplete (3) retries, then escalation
+
+
+def test_transient_reset_false_recovers() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject("reset_prefix", FaultKind.LIE, times=2)
+    out = r.run_update(w1.identity())
+    assert out.published is not None
+
+
+def test_skipped_parameter_caught_by_checksum_and_probe() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.skip_params = {"layers.2.weight"}
+    with pytest.raises(UpdateFailed):
+        r.run_update(w1.identity())
+    assert c.state is State.TAINTED and c.committed is not None
+    assert c.committed.label == "default"
+
+
+def test_hang_is_classified_within_deadline() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject("transfer", FaultKind.HANG)
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed) as ei:
+        r.run_update(w1.identity())
+    dt = time.monotonic() - t0
+    assert ei.value.phase == "transfer" and ei.value.classification == "ambiguous"
+    assert dt < FAST.transfer_s + FAST.cancel_grace_s + FAST.fence_s + 1.0
+    effects = [rec.data for rec in j.records if rec.kind == "effect"]
+    assert any(e["step"] == "transfer" and not e["ok"] for e in effects)
+
+
+def test_drain_timeout_with_a_stuck_rollout_returns_to_ready() -> None:
+    eng, ad, c, r, j = make()
+    c.admit("stuck")
+    r.deadlines = Deadlines(drain_s=0.2, cancel_grace_s=0.1)
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    with pytest.raises(UpdateFailed) as ei:
+        r.run_update(w1.identity())
+    assert ei.value.classification == "no_mutation" and c.state is State.READY
+    assert not eng.paused
+    c.complete("stuck")
