@@ -1,0 +1,1035 @@
+"""CUDA IPC weight transfer with no pickle: the wire format and the trainer side.
+
+vLLM 0.26's built-in ``ipc`` backend sends its CUDA IPC handles over HTTP as
+a base64 pickle (and so needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; its
+module also imports ray). Here the same handles travel as plain JSON:
+base64 bytes, integers, strings from an allow-list. Nothing on the wire
+names a Python class or a callable; the receiver builds the tensors itself
+from validated numbers (``decode_update``).
+
+The fast path. The trainer keeps its weights in ONE contiguous device
+buffer (``PackedWeights``; a module can be re-based onto it, the way a flat
+parameter is) and shares that buffer through a single IPC handle, created
+once and reused for every update. The engine (``cuda_ipc_plugin``) maps the
+buffer once, computes once a name -> parameter-slice plan (fused
+``qkv_proj`` / ``gate_up_proj`` slices from the model's own
+``packed_modules_mapping`` and the layers' ``output_sizes``), and then every
+update is a run of large device-to-device copies with no per-tensor
+``load_weights`` processing. A ``reference`` mode runs vLLM's normal path
+(layerwise reload around ``model.load_weights``) for the bit-exactness check.
+
+Version evidence without an engine label. vLLM 0.26 has no
+``weight_version``. Both sides compute ``block_checksum`` over the same
+tensors in the same order: the trainer over what it sent, the engine's
+workers (through ``/collective_rpc`` and the worker extension) over the
+parameter slices the update wrote. It is one pass over the bytes on the
+GPU: int32 sums of 512-byte blocks of the raw bits, weighted by block
+position and reduced per tensor (exact integer arithmetic, so both sides
+agree bit for bit whatever the reduction order). It detects stale, missing,
+shifted or swapped data at block granularity; it is not cryptographic.
+
+Module layout: codec and validation (no CUDA needed), checksum (torch on any
+device), ``PackedWeights`` and ``CudaIpcTransport`` (trainer side, CUDA).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import itertools
+import json
+import math
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import BadInput, EngineUnavailable, TransferError
+from ..evidence import Check, TransferEvidence
+from ..versions import VerificationLevel
+
+__all__ = [
+    "BACKEND",
+    "PROTOCOL",
+    "WORKER_EXTENSION",
+    "BufferHandle",
+    "CudaIpcTransport",
+    "EntrySpec",
+    "PackedWeights",
+    "UpdateMessage",
+    "block_checksum",
+    "decode_update",
+    "checksum_digest",
+    "encode_update",
+    "engine_flags",
+    "names_digest",
+]
+
+BACKEND = "rc_cuda_ipc"
+PROTOCOL = "rc-cuda-ipc/1"
+WORKER_EXTENSION = "rolloutcore.transports.cuda_ipc_plugin.CudaIpcWorkerExtension"
+
+#: dtypes a buffer entry may have (name on the wire -> element size in bytes).
+DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+MODES = ("fast", "reference")
+
+_MAX_ENTRIES = 100_000
+_MAX_BUFFERS = 64
+_MAX_NAME = 512
+_MAX_DIMS = 8
+_CUDA_IPC_HANDLE_BYTES = 64          # sizeof(cudaIpcMemHandle_t) / cudaIpcEventHandle_t
+_MAX_REF_COUNTER_HANDLE = 1024       # a shared-memory file name
+_ALIGN = 256                          # entries start on 256-byte boundaries
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+_UUID_RE = re.compile(r"^(GPU-)?[0-9a-fA-F-]{16,64}$")
+
+
+# --------------------------------------------------------------------------- codec
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode("ascii")
+
+
+def _unb64(s: object, what: str, *, max_len: int, exact: int | None = None) -> bytes:
+    if not isinstance(s, str):
+        raise BadInput(f"{what} must be a base64 string, got {type(s).__name__}")
+    if len(s) > 4 * (max_len // 3 + 2):
+        raise BadInput(f"{what} is too long")
+    try:
+        b = base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadInput(f"{what} is not valid base64: {exc}") from exc
+    if exact is not None and len(b) != exact:
+        raise BadInput(f"{what} must be {exact} bytes, got {len(b)}")
+    if len(b) > max_len:
+        raise BadInput(f"{what} must be at most {max_len} bytes, got {len(b)}")
+    return b
+
+
+def _int(v: object, what: str, *, lo: int = 0, hi: int = 1 << 62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadInput(f"{what} must be an integer, got {v!r}")
+    if not lo <= v <= hi:
+        raise BadInput(f"{what} must be in [{lo}, {hi}], got {v}")
+    return v
+
+
+def _obj(v: object, what: str, keys: set[str],
+         optional: frozenset[str] = frozenset()) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise BadInput(f"{what} must be an object, got {type(v).__name__}")
+    got = set(v.keys())
+    missing = keys - got
+    extra = got - keys - optional
+    if missing:
+        raise BadInput(f"{what} is missing {sorted(missing)}")
+    if extra:
+        raise BadInput(f"{what} has unknown fields {sorted(extra)}")
+    return v
+
+
+@dataclass(frozen=True)
+class BufferHandle:
+    """One shared device allocation, as torch's CUDA IPC describes it.
+
+    The fields are those ``torch.multiprocessing.reductions.reduce_tensor``
+    produces for a CUDA storage (``_share_cuda_``), minus the classes and the
+    dtype, which the receiver fixes itself (a flat ``uint8`` view).
+    """
+
+    device_uuid: str
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset_bytes: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device_uuid, str) or not _UUID_RE.match(self.device_uuid):
+            raise BadInput(f"device_uuid is not a GPU UUID: {self.device_uuid!r}")
+        if not isinstance(self.handle, bytes) or len(self.handle) != _CUDA_IPC_HANDLE_BYTES:
+            raise BadInput(f"handle must be {_CUDA_IPC_HANDLE_BYTES} bytes")
+        if not isinstance(self.ref_counter_handle, bytes) or not (
+                0 < len(self.ref_counter_handle) <= _MAX_REF_COUNTER_HANDLE):
+            raise BadInput("ref_counter_handle must be 1..1024 bytes")
+        if not isinstance(self.event_handle, bytes) or len(self.event_handle) not in (
+                0, _CUDA_IPC_HANDLE_BYTES):
+            raise BadInput(f"event_handle must be empty or {_CUDA_IPC_HANDLE_BYTES} bytes")
+        if not isinstance(self.event_sync_required, bool):
+            raise BadInput("event_sync_required must be a boolean")
+        for name in ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset",
+                     "tensor_offset_bytes", "nbytes"):
+            _int(getattr(self, name), name)
+        if self.tensor_offset_bytes + self.nbytes > self.storage_size_bytes:
+            raise BadInput(f"buffer [{self.tensor_offset_bytes}, +{self.nbytes}) exceeds its "
+                           f"storage of {self.storage_size_bytes} bytes")
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        """Identifies the allocation (what a receiver caches its mapping by)."""
+        return (self.handle, self.storage_offset_bytes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"device_uuid": self.device_uuid, "handle": _b64(self.handle),
+                "storage_size_bytes": self.storage_size_bytes,
+                "storage_offset_bytes": self.storage_offset_bytes,
+                "ref_counter_handle": _b64(self.ref_counter_handle),
+                "ref_counter_offset": self.ref_counter_offset,
+                "event_handle": _b64(self.event_handle),
+                "event_sync_required": self.event_sync_required,
+                "tensor_offset_bytes": self.tensor_offset_bytes, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, d: object, what: str = "buffer") -> BufferHandle:
+        o = _obj(d, what, {"device_uuid", "handle", "storage_size_bytes",
+                           "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset",
+                           "event_handle", "event_sync_required", "tensor_offset_bytes",
+                           "nbytes"})
+        if not isinstance(o["event_sync_required"], bool):
+            raise BadInput(f"{what}.event_sync_required must be a boolean")
+        uuid = o["device_uuid"]
+        if not isinstance(uuid, str):
+            raise BadInput(f"{what}.device_uuid must be a string")
+        return cls(
+            device_uuid=uuid,
+            handle=_unb64(o["handle"], f"{what}.handle", max_len=_CUDA_IPC_HANDLE_BYTES,
+                          exact=_CUDA_IPC_HANDLE_BYTES),
+            storage_size_bytes=_int(o["storage_size_bytes"], f"{what}.storage_size_bytes"),
+            storage_offset_bytes=_int(o["storage_offset_bytes"], f"{what}.storage_offset_bytes"),
+            ref_counter_handle=_unb64(o["ref_counter_handle"], f"{what}.ref_counter_handle",
+                                      max_len=_MAX_REF_COUNTER_HANDLE),
+            ref_counter_offset=_int(o["ref_counter_offset"], f"{what}.ref_counter_offset"),
+            event_handle=_unb64(o["event_handle"], f"{what}.event_handle",
+                                max_len=_CUDA_IPC_HANDLE_BYTES),
+            event_sync_required=o["event_sync_required"],
+            tensor_offset_bytes=_int(o["tensor_offset_bytes"], f"{what}.tensor_offset_bytes"),
+            nbytes=_int(o["nbytes"], f"{what}.nbytes"),
+        )
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """One tensor inside a shared buffer: name, dtype, shape, where it starts."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: int
+    offset_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not 0 < len(self.name) <= _MAX_NAME or (
+                not _NAME_RE.match(self.name)):
+            raise BadInput(f"bad tensor name {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise BadInput(f"{self.name}: dtype {self.dtype!r} not in {sorted(DTYPES)}")
+        if not isinstance(self.shape, tuple) or len(self.shape) > _MAX_DIMS:
+            raise BadInput(f"{self.name}: shape must be a tuple of at most {_MAX_DIMS} dims")
+        for d in self.shape:
+            _int(d, f"{self.name}: shape dim", hi=1 << 40)
+        _int(self.buffer, f"{self.name}: buffer", hi=_MAX_BUFFERS - 1)
+        _int(self.offset_bytes, f"{self.name}: offset_bytes")
+        if self.offset_bytes % DTYPES[self.dtype]:
+            raise BadInput(f"{self.name}: offset {self.offset_bytes} is not aligned to its "
+                           f"element size")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "buffer": self.buffer, "offset_bytes": self.offset_bytes}
+
+    @classmethod
+    def from_json(cls, d: object, what: str = "entry") -> EntrySpec:
+        o = _obj(d, what, {"name", "dtype", "shape", "buffer", "offset_bytes"})
+        shape = o["shape"]
+        if not isinstance(shape, list):
+            raise BadInput(f"{what}.shape must be a list")
+        name, dtype = o["name"], o["dtype"]
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise BadInput(f"{what}: name and dtype must be strings")
+        return cls(name, dtype, tuple(shape), o["buffer"], o["offset_bytes"])
+
+
+@dataclass(frozen=True)
+class UpdateMessage:
+    """A validated ``update_info`` of the ``rc_cuda_ipc`` backend.
+
+    Construction checks everything that can be checked without the model:
+    unique names, entries inside their buffer, no two entries overlapping.
+    The receiver then checks names, shapes and dtypes against its parameters.
+    """
+
+    mode: str
+    buffers: tuple[BufferHandle, ...]
+    entries: tuple[EntrySpec, ...]
+    layout_digest: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise BadInput(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 < len(self.buffers) <= _MAX_BUFFERS:
+            raise BadInput(f"1..{_MAX_BUFFERS} buffers expected, got {len(self.buffers)}")
+        if not 0 < len(self.entries) <= _MAX_ENTRIES:
+            raise BadInput(f"1..{_MAX_ENTRIES} entries expected, got {len(self.entries)}")
+        names = [e.name for e in self.entries]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})[:5]
+            raise BadInput(f"duplicate tensor names: {dup}")
+        spans: list[list[tuple[int, int, str]]] = [[] for _ in self.buffers]
+        for e in self.entries:
+            if e.buffer >= len(self.buffers):
+                raise BadInput(f"{e.name}: buffer {e.buffer} does not exist")
+            end = e.offset_bytes + e.nbytes
+            if end > self.buffers[e.buffer].nbytes:
+                raise BadInput(f"{e.name}: bytes [{e.offset_bytes}, {end}) exceed buffer "
+                               f"{e.buffer} of {self.buffers[e.buffer].nbytes} bytes")
+            spans[e.buffer].append((e.offset_bytes, end, e.name))
+        for sp in spans:
+            sp.sort()
+            for (_, a_end, a), (b_start, _, b) in itertools.pairwise(sp):
+                if b_start < a_end:
+                    raise BadInput(f"entries {a} and {b} overlap")
+        if not self.layout_digest:
+            object.__setattr__(self, "layout_digest", _layout_digest(self.entries))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.entries)
+
+
+def _layout_digest(entries: Sequence[EntrySpec]) -> str:
+    blob = json.dumps([e.to_json() for e in entries], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def encode_update(msg: UpdateMessage) -> dict[str, Any]:
+    """The JSON-safe ``update_info`` body for vLLM's ``/update_weights``."""
+    return {"protocol": PROTOCOL, "mode": msg.mode,
+            "buffers": [b.to_json() for b in msg.buffers],
+            "entries": [e.to_json() for e in msg.entries]}
+
+
+def decode_update(d: object) -> UpdateMessage:
+    """Parse and validate an ``update_info``. Raises ``BadInput`` on anything off."""
+    o = _obj(d, "update_info", {"protocol", "mode", "buffers", "entries"})
+    if o["protocol"] != PROTOCOL:
+        raise BadInput(f"update_info.protocol must be {PROTOCOL!r}, got {o['protocol']!r}")
+    bufs, ents = o["buffers"], o["entries"]
+    if not isinstance(bufs, list) or not isinstance(ents, list):
+        raise BadInput("update_info.buffers and .entries must be lists")
+    if len(bufs) > _MAX_BUFFERS or len(ents) > _MAX_ENTRIES:
+        raise BadInput("too many buffers or entries")
+    mode = o["mode"]
+    if not isinstance(mode, str):
+        raise BadInput("update_info.mode must be a string")
+    return UpdateMessage(
+        mode,
+        tuple(BufferHandle.from_json(b, f"buffers[{i}]") for i, b in enumerate(bufs)),
+        tuple(EntrySpec.from_json(e, f"entries[{i}]") for i, e in enumerate(ents)),
+    )
+
+
+# ------------------------------------------------------------------------ checksum
+
+_BLOCK_INT32 = 128          # 512-byte blocks
+_MASK32 = 0xFFFFFFFF
+_weights_cache: dict[tuple[int, str], torch.Tensor] = {}
+_weights_lock = threading.Lock()
+
+
+def _rows_cols(nbytes: int) -> tuple[int, int]:
+    n32 = nbytes // 4
+    c = _BLOCK_INT32
+    while c > 1 and n32 % c:
+        c //= 2
+    return n32 // c, c
+
+
+def _as_int32(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of ``t`` as a flat int32 view (no copy when aligned)."""
+    if t.numel() * t.element_size() % 4:
+        raise BadInput(f"tensor of {t.numel() * t.element_size()} bytes is not a whole number "
+                       "of 4-byte words")
+    flat = t.reshape(-1)
+    try:
+        return flat.view(torch.int32)
+    except RuntimeError:  # misaligned storage offset: hash a copy (rare, same bits)
+        return flat.clone().view(torch.int32)
+
+
+def _position_weights(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, str(device))
+    with _weights_lock:
+        w = _weights_cache.get(key)
+        if w is None:
+            i = torch.arange(n, dtype=torch.int64, device=device)
+            w = ((i * 0x9E3779B1 + 0x7F4A7C15) & 0x7FFFFFFF) | 1
+            _weights_cache.clear()  # one layout at a time; weights are big at 16 GB
+            _weights_cache[key] = w
+        return w
+
+
+def block_checksum(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """One integer per tensor over its raw bits (see the module docstring).
+
+    All tensors must be on one device. Per tensor: sum (mod 2**32) of each
+    512-byte block, times an odd weight of the block's position, summed
+    (mod 2**32 per term, exact in int64). Same bytes in the same layout give
+    the same list on any device.
+    """
+    if not tensors:
+        return []
+    device = tensors[0].device
+    rows = [_rows_cols(t.numel() * t.element_size()) for t in tensors]
+    total = sum(r for r, _ in rows)
+    sums = torch.empty(total, dtype=torch.int32, device=device)
+    start = 0
+    bounds: list[int] = []
+    for t, (r, c) in zip(tensors, rows, strict=True):
+        if t.device != device:
+            raise BadInput("block_checksum: tensors are on different devices")
+        if r:
+            torch.sum(_as_int32(t).view(r, c), dim=1, dtype=torch.int32,
+                      out=sums[start:start + r])
+        start += r
+        bounds.append(start)
+    w = _position_weights(total, device)
+    terms = ((sums.to(torch.int64) & _MASK32) * w) & _MASK32
+    csum = torch.cumsum(terms, 0)
+    ends = torch.tensor(bounds, dtype=torch.int64, device=device)
+    at_end = torch.where(ends > 0, csum[(ends - 1).clamp(min=0)], torch.zeros_like(ends))
+    before = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), at_end[:-1]])
+    return [int(x) for x in (at_end - before).tolist()]
+
+
+def checksum_digest(names: Sequence[str], values: Sequence[int | None]) -> str:
+    """sha256 over (name, value) pairs: one string to compare and to record."""
+    blob = json.dumps([[n, v] for n, v in zip(names, values, strict=True)],
+                      separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# ------------------------------------------------------------------ engine side
+
+@dataclass
+class SlicePlan:
+    """Where each entry of one layout lands in the model, computed once per layout.
+
+    ``dsts[i]`` is a view of the parameter memory that entry ``i`` fills
+    (``None``: not mappable, loaded through ``load_weights`` when allowed).
+    ``ptrs`` are the parameters' data pointers when the plan was made: a
+    plan whose parameters moved is rebuilt.
+    """
+
+    layout_digest: str
+    dsts: list[torch.Tensor | None]
+    targets: list[str | None]
+    ptrs: dict[str, int]
+    uncovered: list[str]
+    fused: int = 0
+    direct: int = 0
+
+
+def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
+               allow_fallback: bool = False) -> SlicePlan:
+    """Map checkpoint-named entries onto the model's (possibly fused) parameters.
+
+    A name that is a parameter is copied whole. A name whose module part is
+    one of the model's ``packed_modules_mapping`` shards (``q_proj`` of
+    ``qkv_proj``, ``gate_proj`` of ``gate_up_proj``) lands in its slice of the
+    fused parameter: offsets from the layer's ``output_sizes`` along the
+    parameter's ``output_dim`` (only without tensor parallelism; with it, or
+    for any other name, the entry is refused unless ``allow_fallback``).
+    Shape and dtype must match exactly, else ``BadInput``.
+    """
+    params = dict(model.named_parameters())
+    packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    dsts: list[torch.Tensor | None] = []
+    targets: list[str | None] = []
+    covered: dict[str, int] = {}
+    unknown: list[str] = []
+    fused_n = direct_n = 0
+    for e in entries:
+        want_dt = getattr(torch, e.dtype)
+        dst: torch.Tensor | None = None
+        target: str | None = None
+        p = params.get(e.name)
+        if p is not None:
+            if tuple(p.shape) != e.shape or p.dtype != want_dt:
+                raise BadInput(f"{e.name}: sent {list(e.shape)}/{e.dtype}, parameter is "
+                               f"{list(p.shape)}/{_dtype_name(p.dtype)}")
+            dst, target = p.data, e.name
+            direct_n += 1
+        else:
+            dotted = "." + e.name
+            for fused, parts in packed.items():
+                for i, part in enumerate(parts):
+                    tag = f".{part}."
+                    if tag not in dotted:
+                        continue
+                    fname = dotted.replace(tag, f".{fused}.", 1)[1:]
+                    fp = params.get(fname)
+                    if fp is None:
+                        continue
+                    layer = model.get_submodule(fname.rsplit(".", 1)[0])
+                    sizes = getattr(layer, "output_sizes", None)
+                    if getattr(layer, "tp_size", 1) != 1 or not sizes or len(sizes) != len(parts):
+                        continue
+                    odim = int(getattr(fp, "output_dim", 0))
+                    off = int(sum(sizes[:i]))
+                    view = fp.data.narrow(odim, off, int(sizes[i]))
+                    if tuple(view.shape) != e.shape or fp.dtype != want_dt:
+                        raise BadInput(f"{e.name}: sent {list(e.shape)}/{e.dtype}, its slice of "
+                                       f"{fname} is {list(view.shape)}/{_dtype_name(fp.dtype)}")
+                    if not view.is_contiguous():
+                        continue
+                    dst, target = view, fname
+                    fused_n += 1
+                    break
+                if dst is not None:
+                    break
+        if dst is None:
+            unknown.append(e.name)
+        else:
+            assert target is not None
+            covered[target] = covered.get(target, 0) + dst.numel()
+        dsts.append(dst)
+        targets.append(target)
+    if unknown and not allow_fallback:
+        raise BadInput(f"{len(unknown)} names are not parameters of this model (or slices of "
+                       f"its fused ones): {unknown[:5]}")
+    uncovered = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
+    return SlicePlan(_layout_digest(entries), dsts, targets,
+                     {n: p.data_ptr() for n, p in params.items()}, uncovered, fused_n, direct_n)
+
+
+class SliceLoader:
+    """The engine-side work of ``rc_cuda_ipc``, free of vLLM: plan, copy, checksum.
+
+    ``load`` takes the mapped source buffers (flat ``uint8`` tensors) and the
+    validated message. ``fast`` copies each entry into its planned slice;
+    ``reference`` hands the entries to ``model.load_weights`` (vLLM's path).
+    The plan is cached per layout and rebuilt only when the layout or a
+    parameter's storage changes.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, allow_fallback: bool = False) -> None:
+        self.model = model
+        self.allow_fallback = allow_fallback
+        self._plan: SlicePlan | None = None
+        self.last: UpdateMessage | None = None
+        self.stats: dict[str, Any] = {}
+
+    def plan(self, msg: UpdateMessage) -> SlicePlan:
+        p = self._plan
+        if p is not None and p.layout_digest == msg.layout_digest:
+            now = {n: q.data_ptr() for n, q in self.model.named_parameters()}
+            if now == p.ptrs:
+                self.stats["plan_cached"] = True
+                return p
+        t = time.monotonic()
+        p = self._plan = build_plan(self.model, msg.entries, allow_fallback=self.allow_fallback)
+        self.stats["plan_cached"] = False
+        self.stats["plan_s"] = time.monotonic() - t
+        return p
+
+    def _load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        fn = getattr(self.model, "load_weights", None)
+        if not callable(fn):
+            raise BadInput(f"{type(self.model).__name__} has no load_weights")
+        fn(weights)
+
+    @staticmethod
+    def sources(bufs: Sequence[torch.Tensor], msg: UpdateMessage) -> list[torch.Tensor]:
+        out = []
+        for e in msg.entries:
+            raw = bufs[e.buffer][e.offset_bytes:e.offset_bytes + e.nbytes]
+            out.append(raw.view(getattr(torch, e.dtype)).view(e.shape))
+        return out
+
+    def load(self, bufs: Sequence[torch.Tensor], msg: UpdateMessage) -> None:
+        plan = self.plan(msg)  # validates names, shapes and dtypes in both modes
+        srcs = self.sources(bufs, msg)
+        t = time.monotonic()
+        with torch.no_grad():
+            if msg.mode == "reference":
+                self._load_weights(list(zip((e.name for e in msg.entries), srcs,
+                                            strict=True)))
+                fallback = 0
+            else:
+                rest = []
+                for e, dst, src in zip(msg.entries, plan.dsts, srcs, strict=True):
+                    if dst is None:
+                        rest.append((e.name, src))
+                    else:
+                        dst.copy_(src, non_blocking=True)
+                if rest:
+                    self._load_weights(rest)
+                fallback = len(rest)
+        self.last = msg
+        self.stats.update(mode=msg.mode, entries=len(msg.entries), bytes=msg.nbytes,
+                          fallback=fallback, fused=plan.fused, direct=plan.direct,
+                          uncovered=plan.uncovered[:20], n_uncovered=len(plan.uncovered),
+                          launch_s=time.monotonic() - t)
+
+    def checksum(self) -> dict[str, Any]:
+        """Block checksum of the slices the last update wrote, read from parameter memory."""
+        msg = self.last
+        if msg is None:
+            return {"values": [], "names_digest": names_digest([]), "error": "no update yet"}
+        plan = self.plan(msg)
+        idx = [i for i, d in enumerate(plan.dsts) if d is not None]
+        t = time.monotonic()
+        vals = block_checksum([d for d in plan.dsts if d is not None])
+        out: list[int | None] = [None] * len(plan.dsts)
+        for i, v in zip(idx, vals, strict=True):
+            out[i] = v
+        names = [e.name for e in msg.entries]
+        return {"values": out, "names_digest": names_digest(names),
+                "elapsed_s": time.monotonic() - t, "uncovered": plan.uncovered[:20],
+                "n_uncovered": len(plan.uncovered)}
+
+
+# ----------------------------------------------------------------- trainer side
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).rsplit(".", 1)[-1]
+
+
+class PackedWeights:
+    """Named tensors laid out in one contiguous device buffer.
+
+    The trainer can re-base its module onto it (``bind_module``): each
+    parameter's ``.data`` becomes a view into the buffer, so an optimizer
+    step writes straight into what is shared and ``send`` copies nothing.
+    Otherwise ``load_`` copies tensors in (one device copy each).
+    """
+
+    def __init__(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], *,
+                 device: torch.device | str = "cuda") -> None:
+        entries: list[EntrySpec] = []
+        off = 0
+        for name, shape, dt in specs:
+            dn = _dtype_name(dt)
+            e = EntrySpec(name, dn, tuple(int(s) for s in shape), 0, off)
+            entries.append(e)
+            off += -(-e.nbytes // _ALIGN) * _ALIGN
+        if not entries:
+            raise BadInput("PackedWeights needs at least one tensor")
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise BadInput("PackedWeights: duplicate tensor names")
+        self.entries: tuple[EntrySpec, ...] = tuple(entries)
+        self.device = torch.device(device)
+        self.buffer = torch.empty(max(off, _ALIGN), dtype=torch.uint8, device=self.device)
+        self._views: dict[str, torch.Tensor] = {}
+        for e in entries:
+            raw = self.buffer[e.offset_bytes:e.offset_bytes + e.nbytes]
+            self._views[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
+        self._handle: BufferHandle | None = None
+
+    @classmethod
+    def like(cls, named: Iterable[tuple[str, torch.Tensor]], *,
+             device: torch.device | str = "cuda") -> PackedWeights:
+        return cls(((n, tuple(t.shape), t.dtype) for n, t in named), device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(e.nbytes for e in self.entries)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._views[name]
+        except KeyError:
+            raise BadInput(f"no tensor {name!r} in this PackedWeights") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for e in self.entries:
+            yield e.name, self._views[e.name]
+
+    def holds(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """True when ``named`` are exactly this buffer's views (then sending copies nothing)."""
+        if len(named) != len(self.entries):
+            return False
+        for name, t in named:
+            v = self._views.get(name)
+            if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape or (
+                    t.dtype != v.dtype):
+                return False
+        return True
+
+    def load_(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors in by name; every name must exist with the same shape and dtype."""
+        with torch.no_grad():
+            for name, t in named:
+                dst = self.tensor(name)
+                if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
+                    raise BadInput(f"{name}: {tuple(t.shape)}/{t.dtype} does not match "
+                                   f"{tuple(dst.shape)}/{dst.dtype}")
+                dst.copy_(t)
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Make every parameter of ``module`` named here a view into the buffer (values kept)."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name in self._views:
+                    dst = self._views[name]
+                    if tuple(p.shape) != tuple(dst.shape) or p.dtype != dst.dtype:
+                        raise BadInput(f"{name}: module parameter differs from the layout")
+                    dst.copy_(p.data)
+                    p.data = dst
+
+    def handle(self) -> BufferHandle:
+        """The buffer's IPC handle, created once (re-sharing would add ref counters)."""
+        if self._handle is None:
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            if self.buffer.device.type != "cuda":
+                raise BadInput("CUDA IPC needs the buffer on a CUDA device")
+            _, a = reduce_tensor(self.buffer)  # type: ignore[no-untyped-call]
+            # a = (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device,
+            #      handle, storage_size_bytes, storage_offset_bytes, requires_grad,
+            #      ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+            uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
+            self._handle = BufferHandle(
+                device_uuid=uuid, handle=bytes(a[7]), storage_size_bytes=int(a[8]),
+                storage_offset_bytes=int(a[9]), ref_counter_handle=bytes(a[11]),
+                ref_counter_offset=int(a[12]),
+                event_handle=bytes(a[13]) if a[13] is not None else b"",
+                event_sync_required=bool(a[14]), tensor_offset_bytes=int(a[3]),
+                nbytes=self.buffer.numel())
+        return self._handle
+
+    def message(self, mode: str = "fast") -> UpdateMessage:
+        return UpdateMessage(mode, (self.handle(),), self.entries)
+
+    def checksum(self) -> list[int]:
+        return block_checksum([self._views[e.name] for e in self.entries])
+
+
+def engine_flags() -> list[str]:
+    """``vllm serve`` flags that select this backend and its worker extension."""
+    return ["--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--worker-extension-cls", WORKER_EXTENSION]
+
+
+@dataclass
+class SendTimings:
+    start_s: float = 0.0
+    update_s: float = 0.0
+    finish_s: float = 0.0
+    pack_s: float = 0.0
+    trainer_checksum_s: float = 0.0
+
+
+class CudaIpcTransport:
+    """Trainer side of ``rc_cuda_ipc``: a RolloutCore weight transport.
+
+    ``send`` runs vLLM's update session (``/start_weight_update``,
+    ``/update_weights`` with the JSON handle body, ``/finish_weight_update``)
+    and passes the target's label to the finish when the engine has weight
+    versions (read from its ``/openapi.json``: vLLM 0.26 has none, and then
+    the label is not sent and the evidence says so). It also computes the
+    trainer's own checksum of what it sent (``last_sent_checksum``), which
+    ``engine_checksum`` compares against the workers' one.
+    """
+
+    backend = BACKEND
+
+    def __init__(self, *, mode: str = "fast", device: torch.device | str = "cuda",
+                 compute_checksum: bool = True) -> None:
+        if mode not in MODES:
+            raise BadInput(f"mode must be one of {MODES}")
+        self.mode = mode
+        self.device = torch.device(device)
+        self.compute_checksum = compute_checksum
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._staging: PackedWeights | None = None
+        self._routes: frozenset[str] = frozenset()
+        self.label_supported = False
+        self.last_timings = SendTimings()
+        self.last_sent_checksum: list[int] = []
+        self.last_sent_names: tuple[str, ...] = ()
+        self._body_cache: tuple[int, str, dict[str, Any]] | None = None
+        self._adopted: list[PackedWeights] = []
+        self.last_zero_copy = False
+
+    def adopt(self, packed: PackedWeights) -> None:
+        """Register a trainer buffer: a source whose tensors are its views is sent as is."""
+        if not isinstance(packed, PackedWeights):
+            raise BadInput("adopt() takes a PackedWeights")
+        if packed not in self._adopted:
+            self._adopted.append(packed)
+
+    # -- RolloutCore transport interface ---------------------------------------
+
+    def engine_config(self) -> dict[str, Any]:
+        """What the engine must be started with (flags) for this transport."""
+        return {"backend": BACKEND, "flags": engine_flags(),
+                "weight_transfer_config": {"backend": BACKEND},
+                "worker_extension_cls": WORKER_EXTENSION}
+
+    def connect(self, base_url: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Check the engine offers the update session, init the backend, say hello."""
+        self._check_url(base_url)
+        r = self._call("GET", base_url, "/openapi.json", timeout_s, step="connect",
+                       mutation=False)
+        paths = frozenset(r.get("paths", {}))
+        need = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                "/finish_weight_update", "/collective_rpc"}
+        if not need <= paths:
+            raise EngineUnavailable("connect", f"engine lacks routes {sorted(need - paths)}",
+                                    mutation_started=False)
+        self._routes = paths
+        # Weight versions came with /update_weight_version and /weight_info; a finish
+        # body with weight_version is read only where those exist (not in 0.26).
+        self.label_supported = "/weight_info" in paths and "/update_weight_version" in paths
+        self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
+                   step="connect", mutation=False, body={"init_info": {"protocol": PROTOCOL}})
+        hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
+            if self.device.type == "cuda" else ""
+        for h in hello:
+            if not isinstance(h, dict) or h.get("backend") != BACKEND:
+                raise EngineUnavailable("connect", f"worker is not running {BACKEND}: {h!r}",
+                                        mutation_started=False)
+            if uuid and h.get("device_uuid") != uuid:
+                raise EngineUnavailable("connect", f"worker GPU {h.get('device_uuid')} is not "
+                                        f"the trainer's {uuid}: CUDA IPC needs one host GPU",
+                                        mutation_started=False)
+        return {"label_supported": self.label_supported, "workers": hello}
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float = 300.0) -> TransferEvidence:
+        """One update session. ``source``: a PackedWeights, or (name, tensor) pairs."""
+        self._check_url(base_url)
+        if not isinstance(target_label, str) or not target_label:
+            raise BadInput("target_label must be a non-empty string")
+        t0 = time.monotonic()
+        tm = SendTimings()
+        packed = self._packed(source, tm)
+        body = self._body(packed)
+        mutation = False
+        try:
+            torch.cuda.synchronize(packed.device)  # the engine reads after our writes
+            t = time.monotonic()
+            self._call("POST", base_url, "/start_weight_update", timeout_s, step="transfer",
+                       mutation=False)
+            tm.start_s = time.monotonic() - t
+            mutation = True
+            t = time.monotonic()
+            self._call("POST", base_url, "/update_weights", timeout_s, step="transfer",
+                       mutation=True, body={"update_info": body})
+            tm.update_s = time.monotonic() - t
+            if self.compute_checksum:
+                t = time.monotonic()
+                self.last_sent_checksum = packed.checksum()
+                self.last_sent_names = packed.names()
+                tm.trainer_checksum_s = time.monotonic() - t
+            t = time.monotonic()
+            fin = {"weight_version": target_label} if self.label_supported else None
+            self._call("POST", base_url, "/finish_weight_update", timeout_s, step="transfer",
+                       mutation=True, body=fin)
+            tm.finish_s = time.monotonic() - t
+        except (EngineUnavailable, TransferError) as exc:
+            raise TransferError("transfer", exc.reason, mutation_started=mutation) from exc
+        self.last_timings = tm
+        unverified: tuple[str, ...] = ()
+        if not self.label_supported:
+            unverified = ("engine has no weight_version: the label was not passed through "
+                          "finish_weight_update",)
+        return TransferEvidence(
+            completed=True, mutation_started=True, backend=BACKEND,
+            tensors=len(packed.entries), bytes=packed.nbytes,
+            finish_label=target_label if self.label_supported else None,
+            elapsed_s=time.monotonic() - t0, unverified=unverified)
+
+    def abort(self) -> None:
+        """From another thread: make a stuck HTTP call return (closes the connection pool)."""
+        with self._lock:
+            c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        self.abort()
+        self._staging = None
+        self._body_cache = None
+
+    # -- engine-side evidence --------------------------------------------------
+
+    def rpc(self, base_url: str, method: str, *args: str, timeout_s: float = 60.0) -> list[Any]:
+        """``/collective_rpc`` of a worker-extension method; one result per worker."""
+        r = self._call("POST", base_url, "/collective_rpc", timeout_s, step="rpc",
+                       mutation=False, body={"method": method, "args": list(args),
+                                             "timeout": timeout_s})
+        res = r.get("results") if isinstance(r, dict) else None
+        if not isinstance(res, list) or not res:
+            raise EngineUnavailable("rpc", f"{method}: no results in {r!r}",
+                                    mutation_started=False)
+        return res
+
+    def engine_checksum(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Compare the workers' checksum of the last update with the trainer's.
+
+        Returns a dict with ``passed``, ``coverage`` (fraction of entries the
+        engine could hash: fallback-loaded entries cannot be), ``mismatched``
+        names and the engine's own timing.
+        """
+        t0 = time.monotonic()
+        res = self.rpc(base_url, "rc_cuda_ipc_checksum", timeout_s=timeout_s)
+        names, mine = self.last_sent_names, self.last_sent_checksum
+        out: dict[str, Any] = {"evidence": "worker block checksum of updated slices vs "
+                               "trainer block checksum of the sent buffer",
+                               "workers": len(res)}
+        mism: list[str] = []
+        covered = len(names)
+        engine_s = 0.0
+        uncovered = 0
+        for w in res:
+            if not isinstance(w, dict):
+                raise EngineUnavailable("rpc", f"bad checksum reply {w!r}",
+                                        mutation_started=False)
+            theirs = w.get("values")
+            if w.get("names_digest") != names_digest(names) or not isinstance(theirs, list) \
+                    or len(theirs) != len(names):
+                mism.append("<layout differs from the last update sent>")
+                covered = 0
+                continue
+            engine_s = max(engine_s, float(w.get("elapsed_s", 0.0)))
+            uncovered = max(uncovered, int(w.get("n_uncovered", 0)))
+            for n, a, b in zip(names, mine, theirs, strict=True):
+                if b is None:
+                    covered -= 1
+                elif a != b:
+                    mism.append(n)
+        out.update(passed=bool(names) and not mism and covered == len(names) and not uncovered,
+                   n_uncovered=uncovered,
+                   coverage=(covered / len(names)) if names else 0.0,
+                   mismatched=mism[:20], n_mismatched=len(mism),
+                   engine_s=engine_s, rpc_s=time.monotonic() - t0,
+                   trainer_s=self.last_timings.trainer_checksum_s,
+                   digest=checksum_digest(names, mine) if names else None)
+        return out
+
+    def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
+        """The paused validation's evidence on an engine without a version label.
+
+        A ``Check`` at ``ENGINE_CHECKSUM`` level: the workers' block checksum
+        of the slices the last update wrote equals the trainer's checksum of
+        the buffer it sent, for every tensor (coverage 1.0) and with every
+        model parameter covered by the update.
+        """
+        r = self.engine_checksum(base_url, timeout_s=timeout_s)
+        detail = (f"{r['evidence']}; workers={r['workers']} coverage={r['coverage']:.3f} "
+                  f"mismatched={r['n_mismatched']} uncovered_params={r['n_uncovered']} "
+                  f"engine_s={r['engine_s']:.4f} trainer_s={r['trainer_s']:.4f}")
+        if r["mismatched"]:
+            detail += f" first mismatches: {r['mismatched'][:3]}"
+        return Check("worker_block_checksum", bool(r["passed"]), detail=detail,
+                     coverage=float(r["coverage"]), level=VerificationLevel.ENGINE_CHECKSUM)
+
+    # -- internals -------------------------------------------------------------
+
+    def _packed(self, source: Any, tm: SendTimings) -> PackedWeights:
+        self.last_zero_copy = True
+        if isinstance(source, PackedWeights):
+            return source
+        t = time.monotonic()
+        if callable(getattr(source, "named_tensors", None)):  # a rolloutcore WeightSource
+            items = list(source.named_tensors())
+        elif isinstance(source, Mapping):
+            items = list(source.items())
+        else:
+            items = list(source)
+        if not items:
+            raise BadInput("nothing to send")
+        for n, x in items:
+            if not isinstance(n, str) or not isinstance(x, torch.Tensor):
+                raise BadInput("source must yield (name, tensor) pairs")
+        for pk in self._adopted:
+            if pk.holds(items):
+                tm.pack_s = time.monotonic() - t
+                return pk
+        self.last_zero_copy = False
+        st = self._staging
+        if st is None or st.names() != tuple(n for n, _ in items) or any(
+                tuple(x.shape) != tuple(st.tensor(n).shape) or x.dtype != st.tensor(n).dtype
+                for n, x in items):
+            st = self._staging = PackedWeights.like(items, device=self.device)
+        st.load_(items)
+        tm.pack_s = time.monotonic() - t
+        return st
+
+    def _body(self, packed: PackedWeights) -> dict[str, Any]:
+        key = (id(packed), self.mode)
+        if self._body_cache is not None and self._body_cache[:2] == key:
+            return self._body_cache[2]
+        body = encode_update(packed.message(self.mode))
+        self._body_cache = (key[0], key[1], body)
+        return body
+
+    @staticmethod
+    def _check_url(base_url: str) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
+
+    def _http(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                import httpx
+
+                self._client = httpx.Client(
+                    limits=httpx.Limits(max_keepalive_connections=4))
+            return self._client
+
+    def _call(self, method: str, base_url: str, path: str, timeout_s: float, *, step: str,
+              mutation: bool, body: Any = None) -> Any:
+        import httpx
+
+        client = self._http()
+        try:
+            if method == "GET":
+                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s)
+            else:
+                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s,
+                                **({"json": body} if body is not None else {}))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            # RuntimeError: the client was closed under us by abort().
+            raise EngineUnavailable(step, f"{path}: {type(exc).__name__}: {exc}",
+                                    mutation_started=mutation) from exc
+        if r.status_code >= 300:
+            raise EngineUnavailable(step, f"{path} answered HTTP {r.status_code}: "
+                                    f"{r.text[:300]}", mutation_started=mutation)
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:
+            return {"text": r.text[:300]}
+
+
+def names_digest(names: Sequence[str]) -> str:
+    """Identifies an ordered list of tensor names (what a checksum was taken over)."""
+    return hashlib.sha256("\0".join(names).encode()).hexdigest()

@@ -1,0 +1,246 @@
+"""vLLM side of ``rc_cuda_ipc``: the weight transfer engine and its worker extension.
+
+vLLM imports this module in every one of its processes through the
+``vllm.general_plugins`` entry point (``register``), which adds the backend
+to vLLM's own ``WeightTransferEngineFactory`` under the name
+``rc_cuda_ipc``; the server selects it with
+``--weight-transfer-config '{"backend": "rc_cuda_ipc"}'``. The engine never
+unpickles anything: ``parse_update_info`` hands the JSON body to
+``cuda_ipc.decode_update`` (validation), the buffer is mapped from the
+validated numbers with classes fixed here, and the copy work is
+``cuda_ipc.SliceLoader``.
+
+``CudaIpcWorkerExtension`` (``--worker-extension-cls``) gives
+``/collective_rpc`` the methods that return evidence from the workers: the
+checksum of the last update, per-parameter checksums, and a snapshot
+compare used once to check the fast path bit-exact against vLLM's
+``load_weights`` path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cuda_ipc import (
+    BACKEND,
+    PROTOCOL,
+    BufferHandle,
+    SliceLoader,
+    UpdateMessage,
+    block_checksum,
+    decode_update,
+)
+
+__all__ = ["CudaIpcWeightTransferEngine", "CudaIpcWorkerExtension", "register"]
+
+# Imported only by vLLM's plugin loader and factory, where vLLM is present.
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: add ``rc_cuda_ipc`` to vLLM's factory.
+
+    Called once per vLLM process (API server, engine core, workers); a second
+    call in the same process is a no-op.
+    """
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    with contextlib.suppress(ValueError):  # already registered in this process
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "rolloutcore.transports.cuda_ipc_plugin", "CudaIpcWeightTransferEngine")
+
+
+@dataclass
+class CudaIpcInitInfo(WeightTransferInitInfo):
+    protocol: str = PROTOCOL
+    allow_fallback: bool = False
+
+    def __post_init__(self) -> None:
+        if self.protocol != PROTOCOL:
+            raise ValueError(f"rc_cuda_ipc speaks {PROTOCOL!r}, trainer sent {self.protocol!r}")
+        if not isinstance(self.allow_fallback, bool):
+            raise ValueError("allow_fallback must be a boolean")
+
+
+@dataclass
+class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
+    message: UpdateMessage = field(default=None)  # type: ignore[assignment]
+
+
+class CudaIpcWeightTransferEngine(
+        WeightTransferEngine[CudaIpcInitInfo, CudaIpcUpdateInfo]):
+    """Receives ``rc_cuda_ipc`` updates: map once, plan once, copy in place.
+
+    ``start_weight_update`` and ``finish_weight_update`` do nothing in the
+    fast mode (parameters are written in place; their storage never moves,
+    so CUDA graphs stay valid). The ``reference`` mode wraps
+    ``load_weights`` in vLLM's layerwise reload exactly as its built-in
+    ``ipc`` engine does, started lazily at the first reference chunk.
+    """
+
+    init_info_cls = CudaIpcInitInfo
+    update_info_cls = CudaIpcUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device,
+                 model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.loader = SliceLoader(model)
+        self._mapped: dict[tuple[bytes, int], torch.Tensor] = {}
+        self._layerwise = False
+        self._uuid = str(torch.cuda.get_device_properties(device).uuid)
+
+    def parse_init_info(self, init_dict: dict[str, Any]) -> CudaIpcInitInfo:
+        if not isinstance(init_dict, dict):
+            raise ValueError("init_info must be an object")
+        try:
+            return CudaIpcInitInfo(**init_dict)
+        except TypeError as exc:
+            raise ValueError(f"bad init_info for {BACKEND}: {exc}") from exc
+
+    def parse_update_info(self, update_dict: dict[str, Any]) -> CudaIpcUpdateInfo:
+        try:
+            return CudaIpcUpdateInfo(message=decode_update(update_dict))
+        except ValueError as exc:  # BadInput is a ValueError
+            raise ValueError(f"rejected {BACKEND} update_info: {exc}") from exc
+
+    def init_transfer_engine(self, init_info: CudaIpcInitInfo) -> None:
+        self.loader.allow_fallback = init_info.allow_fallback
+
+    def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
+        super().set_weight_update_target(model, model_config)
+        if self.loader.model is not model:
+            self.loader = SliceLoader(model, allow_fallback=self.loader.allow_fallback)
+
+    def reset_weight_update_target(self) -> None:
+        super().reset_weight_update_target()
+        if self.loader.model is not self.model:
+            self.loader = SliceLoader(self.model, allow_fallback=self.loader.allow_fallback)
+
+    def start_weight_update(self) -> None:
+        self._layerwise = False
+
+    def _map(self, b: BufferHandle) -> torch.Tensor:
+        if b.device_uuid != self._uuid:
+            raise ValueError(f"buffer lives on GPU {b.device_uuid}, this worker is on "
+                             f"{self._uuid}")
+        t = self._mapped.get(b.key)
+        if t is None or t.numel() != b.nbytes:
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            # Classes and dtype are ours, not the sender's: a flat byte view.
+            t = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
+                torch.Tensor, (b.nbytes,), (1,), b.tensor_offset_bytes,
+                torch.storage.TypedStorage, torch.uint8, self.device.index, b.handle,
+                b.storage_size_bytes, b.storage_offset_bytes, False, b.ref_counter_handle,
+                b.ref_counter_offset, b.event_handle, b.event_sync_required)
+            if len(self._mapped) >= 8:
+                self._mapped.clear()
+            self._mapped[b.key] = t
+        return t
+
+    def receive_weights(self, update_info: CudaIpcUpdateInfo) -> None:
+        msg = update_info.message
+        t0 = time.monotonic()
+        bufs = [self._map(b) for b in msg.buffers]
+        map_s = time.monotonic() - t0
+        if msg.mode == "reference" and not self._layerwise:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+            self._layerwise = True
+        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        start.record()
+        self.loader.load(bufs, msg)
+        end.record()
+        end.synchronize()
+        self.loader.stats.update(map_s=map_s, copy_gpu_s=start.elapsed_time(end) / 1e3,
+                                 receive_s=time.monotonic() - t0)
+
+    def finish_weight_update(self) -> None:
+        if self._layerwise:
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            self._layerwise = False
+
+    def shutdown(self) -> None:
+        self._mapped.clear()
+
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+        raise NotImplementedError("the trainer side is rolloutcore.transports.cuda_ipc."
+                                  "CudaIpcTransport")
+
+
+class CudaIpcWorkerExtension:
+    """Worker methods for ``/collective_rpc`` (names prefixed to avoid clashes).
+
+    Mixed into vLLM's worker class by ``--worker-extension-cls``; ``self``
+    is the worker, whose ``weight_transfer_engine`` is ours.
+    """
+
+    def _rc_engine(self) -> CudaIpcWeightTransferEngine:
+        eng = getattr(self, "weight_transfer_engine", None)
+        if not isinstance(eng, CudaIpcWeightTransferEngine):
+            raise RuntimeError(f"weight transfer backend is not {BACKEND}: {type(eng).__name__}")
+        return eng
+
+    def rc_cuda_ipc_hello(self) -> dict[str, Any]:
+        eng = getattr(self, "weight_transfer_engine", None)
+        ok = isinstance(eng, CudaIpcWeightTransferEngine)
+        dev = eng.device if isinstance(eng, CudaIpcWeightTransferEngine) else torch.device(
+            "cuda", torch.cuda.current_device())
+        return {"backend": BACKEND if ok else type(eng).__name__, "protocol": PROTOCOL,
+                "device_uuid": str(torch.cuda.get_device_properties(dev).uuid),
+                "torch": torch.__version__}
+
+    def rc_cuda_ipc_checksum(self) -> dict[str, Any]:
+        return self._rc_engine().loader.checksum()
+
+    def rc_cuda_ipc_stats(self) -> dict[str, Any]:
+        return dict(self._rc_engine().loader.stats)
+
+    def rc_cuda_ipc_param_checksums(self) -> dict[str, Any]:
+        model = self._rc_engine().model
+        named = list(model.named_parameters())
+        t = time.monotonic()
+        vals = block_checksum([p.data for _, p in named])
+        return {"names": [n for n, _ in named], "values": vals,
+                "elapsed_s": time.monotonic() - t}
+
+    def rc_cuda_ipc_snapshot(self, action: str) -> dict[str, Any]:
+        """``take``: clone every parameter; ``compare``: bitwise against it; ``drop``."""
+        model = self._rc_engine().model
+        store: dict[str, torch.Tensor] = getattr(self, "_rc_snapshot", {})
+        if action == "take":
+            store = {n: p.data.detach().clone() for n, p in model.named_parameters()}
+            self._rc_snapshot = store
+            return {"taken": len(store), "bytes": sum(t.numel() * t.element_size()
+                                                      for t in store.values())}
+        if action == "compare":
+            mism = []
+            n = 0
+            for name, p in model.named_parameters():
+                ref = store.get(name)
+                n += 1
+                if ref is None or ref.shape != p.shape or not torch.equal(
+                        ref.view(torch.uint8), p.data.view(torch.uint8)):
+                    mism.append(name)
+            return {"compared": n, "snapshot": len(store), "mismatched": mism[:20],
+                    "n_mismatched": len(mism)}
+        if action == "drop":
+            self._rc_snapshot = {}
+            torch.cuda.empty_cache()
+            return {"dropped": True}
+        raise ValueError(f"unknown snapshot action {action!r}")

@@ -1,0 +1,275 @@
+"""rc_cuda_ipc without CUDA: the JSON handle codec, its validation, the block
+checksum, and the slice plan / copy path of the engine side on CPU tensors.
+
+The IPC mapping itself (``rebuild_cuda_tensor``) needs a GPU and is exercised
+by ``diagnostics/gpu/h200_8b_ipc.py`` on the device.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from rolloutcore.errors import BadInput
+from rolloutcore.transports.cuda_ipc import (
+    PROTOCOL,
+    BufferHandle,
+    EntrySpec,
+    PackedWeights,
+    SliceLoader,
+    UpdateMessage,
+    block_checksum,
+    build_plan,
+    decode_update,
+    encode_update,
+)
+
+UUID = "GPU-3b1f6a2c-0d4e-4f5a-9b8c-7d6e5f4a3b2c"
+
+
+def _handle(nbytes: int = 4096, **kw: Any) -> BufferHandle:
+    d: dict[str, Any] = dict(device_uuid=UUID, handle=bytes(range(64)),
+                             storage_size_bytes=nbytes, storage_offset_bytes=0,
+                             ref_counter_handle=b"/torch_123_456_0", ref_counter_offset=3,
+                             event_handle=bytes(64), event_sync_required=True,
+                             tensor_offset_bytes=0, nbytes=nbytes)
+    d.update(kw)
+    return BufferHandle(**d)
+
+
+def _message(mode: str = "fast") -> UpdateMessage:
+    entries = (EntrySpec("a.weight", "bfloat16", (4, 8), 0, 0),
+               EntrySpec("b.weight", "float32", (3,), 0, 256))
+    return UpdateMessage(mode, (_handle(),), entries)
+
+
+def _body() -> dict[str, Any]:
+    return encode_update(_message())
+
+
+def test_roundtrip_is_plain_json_and_lossless() -> None:
+    msg = _message()
+    body = encode_update(msg)
+    wire = json.loads(json.dumps(body))  # nothing but JSON types on the wire
+    back = decode_update(wire)
+    assert back == msg
+    assert back.layout_digest == msg.layout_digest
+    assert back.buffers[0].handle == bytes(range(64))
+    assert wire["protocol"] == PROTOCOL
+    assert back.nbytes == 4 * 8 * 2 + 3 * 4
+
+
+def _mutated(path: list[Any], value: Any) -> dict[str, Any]:
+    body = copy.deepcopy(_body())
+    node: Any = body
+    for k in path[:-1]:
+        node = node[k]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return body
+
+
+@pytest.mark.parametrize(("path", "value", "match"), [
+    (["protocol"], "rc-cuda-ipc/0", "protocol"),
+    (["mode"], "pickle", "mode"),
+    (["extra"], 1, "unknown fields"),
+    (["buffers"], [], "buffers"),
+    (["entries"], "x", "lists"),
+    (["buffers", 0, "handle"], "not base64!!", "base64"),
+    (["buffers", 0, "handle"], base64.b64encode(b"short").decode(), "64 bytes"),
+    (["buffers", 0, "device_uuid"], "../../etc", "UUID"),
+    (["buffers", 0, "nbytes"], -1, r"\[0,"),
+    (["buffers", 0, "nbytes"], True, "integer"),
+    (["buffers", 0, "nbytes"], 1 << 20, "exceeds its storage"),
+    (["buffers", 0, "event_sync_required"], "yes", "boolean"),
+    (["buffers", 0, "ref_counter_handle"], "", "ref_counter_handle"),
+    (["buffers", 0, "tensor_cls"], "torch.nn.Parameter", "unknown fields"),
+    (["buffers", 0, "storage_size_bytes"], KeyError, "missing"),
+    (["entries", 0, "name"], "a weight", "bad tensor name"),
+    (["entries", 0, "dtype"], "object", "dtype"),
+    (["entries", 0, "shape"], [4, -8], "shape dim"),
+    (["entries", 0, "shape"], [1] * 9, "at most"),
+    (["entries", 0, "offset_bytes"], 1, "aligned"),
+    (["entries", 1, "offset_bytes"], 32, "overlap"),
+    (["entries", 1, "offset_bytes"], 4096, "exceed buffer"),
+    (["entries", 1, "buffer"], 1, "does not exist"),
+    (["entries", 1, "name"], "a.weight", "duplicate"),
+])
+def test_bad_update_info_is_refused(path: list[Any], value: Any, match: str) -> None:
+    with pytest.raises(BadInput, match=match):
+        decode_update(_mutated(path, value))
+
+
+def test_non_object_bodies_are_refused() -> None:
+    for bad in (None, [], "x", 3, {"protocol": PROTOCOL}):
+        with pytest.raises(BadInput):
+            decode_update(bad)
+    assert issubclass(BadInput, ValueError)  # vLLM's parse path expects ValueError
+
+
+def test_block_checksum_sees_content_position_and_staleness() -> None:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 512, generator=g).to(torch.bfloat16)  # two 512-byte blocks a row
+    b = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    base = block_checksum([a, b])
+    assert base == block_checksum([a.clone(), b.clone()])  # same bytes, same values
+    assert len(base) == 2
+    shifted = torch.roll(a, 1, dims=0)
+    assert block_checksum([shifted, b])[0] != base[0]          # rows moved
+    swapped = a.clone()
+    swapped[:, :256], swapped[:, 256:] = a[:, 256:], a[:, :256]
+    assert block_checksum([swapped, b])[0] != base[0]          # blocks moved within rows
+    inside = a.clone()
+    inside[:, :2], inside[:, 2:4] = a[:, 2:4], a[:, :2]
+    # Documented limit: a permutation inside one 512-byte block is not seen.
+    assert block_checksum([inside, b])[0] == base[0]
+    one_bit = a.clone()
+    one_bit.view(torch.int16)[5, 7] ^= 1
+    assert block_checksum([one_bit, b])[0] != base[0]          # a single flipped bit
+    assert block_checksum([a, b.clone().zero_()])[1] != base[1]
+    # A slice of a bigger tensor hashes like a standalone copy of it.
+    big = torch.cat([a, a])
+    assert block_checksum([big[64:]])[0] == base[0]
+
+
+def test_block_checksum_refuses_odd_byte_counts() -> None:
+    with pytest.raises(BadInput):
+        block_checksum([torch.zeros(3, dtype=torch.bfloat16)])
+
+
+class _Fused(torch.nn.Module):
+    """Stands in for vLLM's QKVParallelLinear / MergedColumnParallelLinear (tp=1)."""
+
+    def __init__(self, sizes: list[int], cols: int) -> None:
+        super().__init__()
+        self.output_sizes = sizes
+        self.tp_size = 1
+        self.weight = torch.nn.Parameter(torch.zeros(sum(sizes), cols, dtype=torch.bfloat16),
+                                         requires_grad=False)
+        self.weight.output_dim = 0  # type: ignore[attr-defined]
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv_proj = _Fused([8, 4, 4], 8)
+        self.o_proj = torch.nn.Linear(8, 8, bias=False, dtype=torch.bfloat16)
+        self.gate_up_proj = _Fused([16, 16], 8)
+
+
+class _TinyModel(torch.nn.Module):
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                                              "gate_up_proj": ["gate_proj",
+                                                                               "up_proj"]}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer()])
+        self.norm = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16),
+                                       requires_grad=False)
+        self.loaded: list[str] = []
+
+    def load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """The reference path: the same placement, done name by name."""
+        params = dict(self.named_parameters())
+        for name, t in weights:
+            self.loaded.append(name)
+            for fused, parts in self.packed_modules_mapping.items():
+                for i, part in enumerate(parts):
+                    if f".{part}." in f".{name}":
+                        fname = name.replace(part, fused)
+                        layer = self.get_submodule(fname.rsplit(".", 1)[0])
+                        off = sum(layer.output_sizes[:i])
+                        params[fname].data[off:off + t.shape[0]].copy_(t)
+                        break
+                else:
+                    continue
+                break
+            else:
+                params[name].data.copy_(t)
+        return {n for n, _ in weights}
+
+
+def _checkpoint_specs() -> list[tuple[str, tuple[int, ...]]]:
+    out: list[tuple[str, tuple[int, ...]]] = [("norm", (8,))]
+    for i in range(2):
+        p = f"layers.{i}."
+        out += [(p + "q_proj.weight", (8, 8)), (p + "k_proj.weight", (4, 8)),
+                (p + "v_proj.weight", (4, 8)), (p + "o_proj.weight", (8, 8)),
+                (p + "gate_proj.weight", (16, 8)), (p + "up_proj.weight", (16, 8))]
+    return out
+
+
+def _packed(seed: int) -> PackedWeights:
+    pk = PackedWeights([(n, s, torch.bfloat16) for n, s in _checkpoint_specs()], device="cpu")
+    g = torch.Generator().manual_seed(seed)
+    for _, t in pk.items():
+        t.copy_(torch.randn(t.shape, generator=g).to(torch.bfloat16))
+    return pk
+
+
+def _message_for(pk: PackedWeights, mode: str) -> UpdateMessage:
+    return UpdateMessage(mode, (_handle(pk.buffer.numel()),), pk.entries)
+
+
+def test_plan_maps_every_checkpoint_name_onto_fused_slices() -> None:
+    model = _TinyModel()
+    pk = _packed(1)
+    plan = build_plan(model, pk.entries)
+    assert plan.uncovered == []
+    assert plan.fused == 10 and plan.direct == 3
+    t = dict(zip(pk.names(), plan.targets, strict=True))
+    assert t["layers.1.k_proj.weight"] == "layers.1.qkv_proj.weight"
+    assert t["layers.0.up_proj.weight"] == "layers.0.gate_up_proj.weight"
+
+
+def test_plan_refuses_unknown_names_and_wrong_shapes() -> None:
+    model = _TinyModel()
+    with pytest.raises(BadInput, match="not parameters"):
+        build_plan(model, (EntrySpec("layers.0.x_proj.weight", "bfloat16", (8, 8), 0, 0),))
+    with pytest.raises(BadInput, match="slice"):
+        build_plan(model, (EntrySpec("layers.0.k_proj.weight", "bfloat16", (8, 8), 0, 0),))
+    with pytest.raises(BadInput, match="parameter is"):
+        build_plan(model, (EntrySpec("norm", "float32", (8,), 0, 0),))
+    partial = build_plan(model, _packed(1).entries[:3])
+    assert "layers.0.qkv_proj.weight" in partial.uncovered
+
+
+def test_fast_path_is_bit_exact_with_load_weights_and_checksums_agree() -> None:
+    pk = _packed(7)
+    ref_model, fast_model = _TinyModel(), _TinyModel()
+    SliceLoader(ref_model).load([pk.buffer], _message_for(pk, "reference"))
+    assert len(ref_model.loaded) == len(pk.entries)
+    loader = SliceLoader(fast_model)
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    assert fast_model.loaded == []  # no per-tensor load_weights on the fast path
+    for (n, a), (_, b) in zip(ref_model.named_parameters(), fast_model.named_parameters(),
+                              strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+    got = loader.checksum()
+    assert got["values"] == pk.checksum()
+    assert got["n_uncovered"] == 0
+    # The plan is cached across updates of the same layout.
+    pk2 = _packed(8)
+    loader.load([pk2.buffer], _message_for(pk2, "fast"))
+    assert loader.stats["plan_cached"] is True
+    assert loader.checksum()["values"] == pk2.checksum() != pk.checksum()
+
+
+def test_packed_weights_layout_and_zero_copy_detection() -> None:
+    pk = _packed(3)
+    offs = [e.offset_bytes for e in pk.entries]
+    assert all(o % 256 == 0 for o in offs) and offs == sorted(offs)
+    assert pk.holds(list(pk.items()))
+    assert not pk.holds([(n, t.clone()) for n, t in pk.items()])
+    with pytest.raises(BadInput):
+        pk.load_([("norm", torch.zeros(9, dtype=torch.bfloat16))])
+    with pytest.raises(BadInput):
+        PackedWeights([("a", (2,), torch.bfloat16), ("a", (2,), torch.bfloat16)], device="cpu")
