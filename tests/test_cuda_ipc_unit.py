@@ -165,9 +165,8 @@ class _Layer(torch.nn.Module):
 
 
 class _TinyModel(torch.nn.Module):
-    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
-                                                              "gate_up_proj": ["gate_proj",
-                                                                               "up_proj"]}
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self) -> None:
         super().__init__()
