@@ -38,8 +38,10 @@ __all__ = ["LifecycleAdapter"]
 class LifecycleAdapter(Protocol):
     """Effects on one engine. See the module docstring for the contract."""
 
-    #: Caches this adapter can reset; the runner resets all of them.
-    caches: tuple[CacheKind, ...]
+    @property
+    def caches(self) -> tuple[CacheKind, ...]:
+        """Caches this adapter can reset; the runner resets all of them."""
+        ...
 
     def bootstrap(self) -> BootstrapEvidence:
         """Reach the engine and describe it (epoch, label, capabilities)."""
