@@ -1,0 +1,224 @@
+"""The gateway as one Starlette application: data plane, trainer protocol, status, metrics.
+
+``create_app(runner, config)`` wires a bootstrapped ``LifecycleRunner`` (its
+controller and engine adapter) to HTTP. It does no I/O of its own at build
+time; the upstream HTTP client is opened by the app's lifespan, and closed
+there, with any open lease expired so that no update is left half-done.
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions, /inference/v1/generate   data plane
+    POST /control/updates                      begin an update (lease)    control token
+    GET  /control/updates/{id}                 lease and result           control token
+    POST /control/updates/{id}/transfer        report evidence / failure  control token
+    GET  /control/status                       state, versions, history   control token
+    GET  /metrics                              Prometheus text            open
+    GET  /health                               liveness and state         open
+    GET  /openapi.json                         the control API schema     open
+
+``upstream_transport`` replaces the network towards vLLM (an httpx
+transport): the fast tests put an in-process engine there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import BadInput
+from ..lifecycle import LifecycleController
+from ..runner import LifecycleRunner
+from .auth import check_bearer
+from .config import ServiceConfig
+from .control import BeginBody, ReportBody, UpdateManager, openapi_document, parse_body
+from .metrics import CONTENT_TYPE, ServiceMetrics
+from .proxy import DATA_ROUTES, DataPlane, FinishedRequest
+
+__all__ = ["Gateway", "create_app"]
+
+_INT63 = 2**63 - 1
+
+
+@dataclass
+class Gateway:
+    """Everything one app holds; ``app.state.gateway``."""
+
+    runner: LifecycleRunner
+    config: ServiceConfig
+    metrics: ServiceMetrics
+    data: DataPlane
+    updates: UpdateManager
+
+    @property
+    def controller(self) -> LifecycleController:
+        return self.runner.controller
+
+    def status(self) -> dict[str, Any]:
+        c = self.controller
+        snap = c.snapshot()
+        open_upd = self.updates.open_update
+        return {
+            "state": snap["state"],
+            "committed": snap["committed"],
+            "identity": snap["identity"],
+            "active_rollouts": snap["active_rollouts"],
+            "queued_requests": self.data.waiting,
+            "update": None if open_upd is None else open_upd.describe(),
+            "published": snap["published"],
+            "transitions": c.history()[-self.config.history:],
+            "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model},
+        }
+
+
+def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(obj, status_code=status, headers=headers)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    cl = request.headers.get("content-length")
+    if cl is not None:
+        try:
+            if int(cl) > limit:
+                raise _TooLarge
+        except ValueError:
+            raise _TooLarge from None
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise _TooLarge
+    return bytes(buf)
+
+
+def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
+               upstream_transport: httpx.AsyncBaseTransport | None = None,
+               on_finished: Callable[[FinishedRequest], None] | None = None) -> Starlette:
+    """The gateway app over a runner whose controller is (normally) already bootstrapped."""
+    if not isinstance(runner, LifecycleRunner):
+        raise BadInput("runner must be a LifecycleRunner")
+    if not isinstance(config, ServiceConfig):
+        raise BadInput("config must be a ServiceConfig")
+    controller = runner.controller
+    metrics = ServiceMetrics(controller)
+    controller.add_listener(metrics.listener)
+    data = DataPlane(controller, config, metrics, upstream_transport=upstream_transport,
+                     on_finished=on_finished)
+    updates = UpdateManager(runner, config, metrics)
+    gw = Gateway(runner, config, metrics, data, updates)
+
+    def denied(request: Request) -> Response | None:
+        auth = check_bearer(request.headers.get("authorization"), config.control_token)
+        if auth.ok:
+            return None
+        return _json(auth.status or 401, {"error": auth.reason},
+                     {"www-authenticate": "Bearer"})
+
+    async def json_body(request: Request) -> bytes | Response:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            return _json(415, {"error": "Content-Type must be application/json"})
+        try:
+            return await _body(request, config.max_body_bytes)
+        except _TooLarge:
+            return _json(413, {"error": f"request body exceeds {config.max_body_bytes} bytes"})
+
+    def update_id(request: Request) -> int | None:
+        raw = request.path_params["update_id"]
+        if not raw.isdigit() or len(raw) > 19:
+            return None
+        v = int(raw)
+        return v if 0 < v <= _INT63 else None
+
+    async def begin(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        raw = await json_body(request)
+        if isinstance(raw, Response):
+            return raw
+        code, parsed = parse_body(BeginBody, raw)
+        if code:
+            return _json(code, parsed)
+        status, body = await updates.begin(parsed)
+        return _json(status, body)
+
+    async def report(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        uid = update_id(request)
+        if uid is None:
+            return _json(404, {"error": "no such update"})
+        raw = await json_body(request)
+        if isinstance(raw, Response):
+            return raw
+        code, parsed = parse_body(ReportBody, raw)
+        if code:
+            return _json(code, parsed)
+        status, body = await updates.report(uid, parsed)
+        return _json(status, body)
+
+    async def get_update(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        uid = update_id(request)
+        found = None if uid is None else updates.get(uid)
+        if found is None:
+            return _json(404, {"error": "no such update"})
+        return _json(200, found)
+
+    async def status(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        return _json(200, gw.status())
+
+    async def metrics_ep(request: Request) -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    async def health(request: Request) -> Response:
+        st = controller.state.value
+        ok = st not in ("TAINTED", "UNINITIALIZED", "RECOVERING")
+        return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "state": st})
+
+    schema = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return _json(200, schema)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return _json(exc.status_code, {"error": exc.detail}, dict(exc.headers or {}))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await data.start()
+        try:
+            yield
+        finally:
+            await updates.aclose()
+            await data.aclose()
+
+    routes = [Route(p, data) for p in DATA_ROUTES] + [
+        Route("/control/updates", begin, methods=["POST"]),
+        Route("/control/updates/{update_id}", get_update, methods=["GET"]),
+        Route("/control/updates/{update_id}/transfer", report, methods=["POST"]),
+        Route("/control/status", status, methods=["GET"]),
+        Route("/metrics", metrics_ep, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: http_error})
+    app.state.gateway = gw
+    return app

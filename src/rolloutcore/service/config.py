@@ -1,0 +1,129 @@
+"""The gateway's settings, checked once when the service is built.
+
+Every limit the service enforces lives here (body size, lease length, queue
+bound, upstream timeouts), so that a bad value fails at start with a
+``BadInput`` naming the setting, never on the first request.
+
+The bind rule is here too: a service that listens beyond loopback must have
+been *given* a control token; a generated one is only acceptable on a
+loopback address, where the operator reads it from the console.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import BadInput
+
+__all__ = ["ServiceConfig", "check_bind", "is_loopback"]
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and the loopback ranges (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere
+
+
+def check_bind(host: str, control_token_given: bool) -> None:
+    """Refuse a non-loopback bind unless the operator gave a control token."""
+    if not isinstance(host, str) or not host:
+        raise BadInput("host must be a non-empty string")
+    if not is_loopback(host) and not control_token_given:
+        raise BadInput(f"refusing to bind {host!r} (not loopback) without a control token: "
+                       "pass --token or --token-file (or set ROLLOUTCORE_TOKEN)")
+
+
+def _positive(name: str, v: object, *, integer: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise BadInput(f"{name} must be a positive {'integer' if integer else 'number'}, "
+                       f"got {v!r}")
+    if not (v > 0 and math.isfinite(v)):
+        raise BadInput(f"{name} must be a positive finite number, got {v!r}")
+
+
+def _url(name: str, v: object) -> str:
+    if not isinstance(v, str):
+        raise BadInput(f"{name} must be a URL string, got {v!r}")
+    p = urlsplit(v)
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise BadInput(f"{name} must be http(s)://host[:port], got {v!r}")
+    return v.rstrip("/")
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Settings of one gateway in front of one vLLM server."""
+
+    #: The vLLM server the data plane forwards to.
+    upstream_url: str
+    #: The engine URL handed to trainers for the weight transfer; defaults to
+    #: ``upstream_url`` (differs when the trainer reaches vLLM by another route).
+    engine_url: str | None = None
+    #: Bearer token of the control endpoints (``/control/*``). Required.
+    control_token: str = ""
+    #: Bearer token of the data endpoints; ``None`` leaves them open.
+    data_token: str | None = None
+    #: Largest request body accepted on any endpoint.
+    max_body_bytes: int = 1 << 20
+    #: Requests refused during an update wait in a queue of at most this many
+    #: (0: answer 503 + Retry-After at once).
+    queue_max: int = 0
+    #: How long a queued request waits for the update to end before its 503.
+    queue_wait_s: float = 30.0
+    #: Lease granted by a begin when the trainer asks for none, and the cap.
+    lease_s: float = 120.0
+    max_lease_s: float = 1800.0
+    #: Upstream timeouts: connecting, and the longest silence while reading
+    #: (a stream may last longer; each read waits at most this).
+    upstream_connect_s: float = 5.0
+    upstream_read_s: float = 300.0
+    #: Connection pool towards vLLM.
+    upstream_max_connections: int = 512
+    #: What the trainer's transport needs besides the engine URL (backend
+    #: name, its settings); returned verbatim by a begin.
+    transport: Mapping[str, Any] = field(default_factory=dict)
+    #: The model name requests use (reported by status; not enforced).
+    model: str | None = None
+    #: Transitions kept for ``/control/status``.
+    history: int = 64
+    #: Finished updates remembered for ``GET /control/updates/{id}``.
+    remember_updates: int = 64
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
+        if self.engine_url is not None:
+            object.__setattr__(self, "engine_url", _url("engine_url", self.engine_url))
+        for name in ("control_token", "data_token"):
+            tok = getattr(self, name)
+            if tok is None and name == "data_token":
+                continue
+            if not isinstance(tok, str) or len(tok) < 16 or any(c.isspace() for c in tok):
+                raise BadInput(f"{name} must be a string of at least 16 characters "
+                               "without whitespace")
+        _positive("max_body_bytes", self.max_body_bytes, integer=True)
+        if isinstance(self.queue_max, bool) or not isinstance(self.queue_max, int) or (
+                self.queue_max < 0):
+            raise BadInput(f"queue_max must be an integer >= 0, got {self.queue_max!r}")
+        for name in ("queue_wait_s", "lease_s", "max_lease_s", "upstream_connect_s",
+                     "upstream_read_s"):
+            _positive(name, getattr(self, name))
+        for name in ("upstream_max_connections", "history", "remember_updates"):
+            _positive(name, getattr(self, name), integer=True)
+        if self.lease_s > self.max_lease_s:
+            raise BadInput("lease_s must not exceed max_lease_s")
+        if not isinstance(self.transport, Mapping):
+            raise BadInput("transport must be a mapping")
+        object.__setattr__(self, "transport", dict(self.transport))
+
+    @property
+    def advertised_engine_url(self) -> str:
+        return self.engine_url or self.upstream_url

@@ -1,0 +1,117 @@
+"""Prometheus metrics of one gateway, fed by the controller's own records.
+
+The controller reports every event to its listeners, in order, under its
+lock; ``ServiceMetrics.listener`` turns those records into counters and
+histograms, so the metrics cannot disagree with the journal. Values that are
+a *state* rather than a count (the lifecycle state, the active rollouts, the
+committed generation) are read from the controller at scrape time instead of
+being tracked incrementally, so they cannot drift.
+
+Each service has its own ``CollectorRegistry``: several gateways (or tests)
+in one process do not share metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from ..lifecycle import LifecycleController, State
+
+__all__ = ["CONTENT_TYPE", "ServiceMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                  10.0, 30.0, 60.0, 120.0, 300.0, float("inf"))
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+class ServiceMetrics:
+    """The gateway's metrics; ``listener`` is added to the controller."""
+
+    def __init__(self, controller: LifecycleController) -> None:
+        self._controller = controller
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.state = Gauge("rolloutcore_state", "1 for the lifecycle state the engine is in",
+                           ["state"], registry=r)
+        self.committed_generation = Gauge(
+            "rolloutcore_committed_generation", "generation of the committed weight version "
+            "(-1 before bootstrap)", registry=r)
+        self.active_rollouts = Gauge("rolloutcore_active_rollouts",
+                                     "rollouts admitted and not yet released", registry=r)
+        self.transitions = Counter("rolloutcore_transitions_total",
+                                   "lifecycle state transitions",
+                                   ["from_state", "to_state", "event"], registry=r)
+        self.state_seconds = Histogram(
+            "rolloutcore_state_duration_seconds", "time spent in a state before leaving it",
+            ["state"], buckets=_PHASE_BUCKETS, registry=r)
+        self.phase_seconds = Histogram(
+            "rolloutcore_update_phase_seconds", "duration of each phase of an update",
+            ["phase"], buckets=_PHASE_BUCKETS, registry=r)
+        self.admissions = Counter("rolloutcore_admissions_total",
+                                  "admission decisions of the data plane",
+                                  ["result"], registry=r)
+        self.queued = Counter("rolloutcore_queued_requests_total",
+                              "requests that waited in the admission queue, by how it ended",
+                              ["result"], registry=r)
+        self.updates = Counter("rolloutcore_updates_total",
+                               "updates by outcome (published, or the failure class)",
+                               ["outcome"], registry=r)
+        self.requests = Counter("rolloutcore_requests_total",
+                                "data-plane requests by route and status",
+                                ["route", "status"], registry=r)
+        self.request_seconds = Histogram(
+            "rolloutcore_request_duration_seconds",
+            "data-plane request time, admission to release", ["route"],
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.stream_endings = Counter(
+            "rolloutcore_stream_endings_total",
+            "how data-plane responses ended (complete, client_disconnect, upstream_error)",
+            ["ending"], registry=r)
+        self.leases_expired = Counter("rolloutcore_leases_expired_total",
+                                      "updates whose trainer lease expired", registry=r)
+        # Pre-create the label sets people alert on, so they read 0 rather than absent.
+        for s in State:
+            self.state.labels(s.value).set(0)
+        for res in ("accepted", "refused"):
+            self.admissions.labels(res)
+        for out in ("published", "no_mutation", "ambiguous", "lease_expired"):
+            self.updates.labels(out)
+
+    # ---------------------------------------------------------------- feeding
+    def listener(self, kind: str, data: dict[str, Any]) -> None:
+        """Controller listener: runs under the controller's lock, so it stays O(1)."""
+        if kind == "transition":
+            self.transitions.labels(data["from"], data["to"], data["event"]).inc()
+            self.state_seconds.labels(data["from"]).observe(float(data["duration_s"]))
+        elif kind == "admit":
+            self.admissions.labels("accepted").inc()
+        elif kind == "refuse":
+            self.admissions.labels("refused").inc()
+
+    def observe_update(self, outcome: str, phases: dict[str, float]) -> None:
+        self.updates.labels(outcome).inc()
+        for phase, seconds in phases.items():
+            self.phase_seconds.labels(phase).observe(max(0.0, seconds))
+
+    # ---------------------------------------------------------------- scraping
+    def render(self) -> bytes:
+        c = self._controller
+        current = c.state
+        for s in State:
+            self.state.labels(s.value).set(1 if s is current else 0)
+        committed = c.committed
+        self.committed_generation.set(-1 if committed is None else committed.generation)
+        self.active_rollouts.set(len(c.active))
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,547 @@
+"""The data plane: OpenAI-style and token-in/token-out requests, forwarded to vLLM.
+
+Every request is a rollout of the lifecycle controller::
+
+    read + validate body -> admit (bound to the committed version)
+        -> forward to vLLM (httpx, streaming or not) -> relay the answer
+        -> release the binding (always: finished, client gone, upstream broken)
+
+The binding is what makes a response attributable: admission happens only in
+READY, and an update cannot begin while any binding is held (the runner
+drains first), so everything a bound request receives was computed by the
+version it was bound to. The answer carries that version twice: in the
+``X-RolloutCore-Version`` header (and its siblings) and in a body field
+``rolloutcore`` (a JSON response's top level; the first event of an SSE
+stream).
+
+A response is never cut off silently. If vLLM's stream breaks, or ends
+without its ``data: [DONE]`` terminator, the client gets an ``error`` event
+(vLLM's own shape for mid-stream errors) and then ``[DONE]``; a client that
+goes away has its upstream request closed at once, which makes vLLM abort
+it, and its binding released, so a drain is never held up by a dead client.
+
+This module is a plain ASGI application rather than Starlette endpoints: the
+gateway's added latency is its main cost, and the request/response wrappers
+are not needed to move bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import httpx
+
+from ..errors import AdmissionRefused, BadInput, InvalidTransition
+from ..lifecycle import Binding, LifecycleController
+from .auth import check_bearer
+from .config import ServiceConfig
+from .metrics import ServiceMetrics
+
+__all__ = [
+    "BODY_FIELD",
+    "DATA_ROUTES",
+    "GENERATION_HEADER",
+    "IDENTITY_HEADER",
+    "ROLLOUT_HEADER",
+    "VERSION_HEADER",
+    "DataPlane",
+    "FinishedRequest",
+    "read_body",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+VERSION_HEADER = "x-rolloutcore-version"
+GENERATION_HEADER = "x-rolloutcore-generation"
+IDENTITY_HEADER = "x-rolloutcore-identity"
+ROLLOUT_HEADER = "x-rolloutcore-rollout-id"
+BODY_FIELD = "rolloutcore"
+
+_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+#: Upstream response headers that describe the upstream connection, not the answer.
+_HOP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
+                  b"date", b"server", b"content-encoding", b"x-request-id"})
+_DONE = b"data: [DONE]"
+_MAX_FIRST_EVENT = 1 << 20
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def read_body(receive: Receive, limit: int, content_length: bytes | None) -> bytes:
+    """The whole request body, refused as soon as it is known to exceed ``limit``."""
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise BadInput("Content-Length is not an integer") from None
+        if declared > limit:
+            raise _TooLarge
+    chunks: list[bytes] = []
+    n = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _ClientGone
+        body = msg.get("body", b"")
+        n += len(body)
+        if n > limit:
+            raise _TooLarge
+        chunks.append(body)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope["headers"]:
+        if k == name:
+            return bytes(v)
+    return None
+
+
+async def send_json(send: Send, status: int, obj: Any,
+                    headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, Any]:
+    """vLLM's (OpenAI's) error shape, so existing clients read it."""
+    out: dict[str, Any] = {"error": {"message": message, "type": kind, "code": status}}
+    if extra:
+        out[BODY_FIELD] = extra
+    return out
+
+
+@dataclass
+class FinishedRequest:
+    """What the data plane saw of one request, handed to the optional recorder."""
+
+    route: str
+    binding: Binding
+    request: dict[str, Any]
+    status: int
+    ending: str                         # complete | client_disconnect | upstream_error
+    response: dict[str, Any] | None = None            # a JSON answer
+    events: list[dict[str, Any]] = field(default_factory=list)  # an SSE answer's events
+    seconds: float = 0.0
+    released: bool = field(default=False, repr=False)
+
+
+class _SseRelay:
+    """Passes an SSE stream through, adding the version field to its first event.
+
+    Only the first event is parsed; after it the bytes flow untouched and only
+    a short tail is kept, to tell a complete stream (``data: [DONE]``) from a
+    truncated one. With ``collect`` every event is parsed (for the recorder).
+    """
+
+    def __init__(self, info: dict[str, Any], collect: bool) -> None:
+        self._info = info
+        self._buf = bytearray()
+        self._first_done = False
+        self._tail = b""
+        self._collect = collect
+        self._cbuf = bytearray()
+        self.events: list[dict[str, Any]] = []
+
+    def _keep(self, out: bytes) -> bytes:
+        self._tail = (self._tail + out)[-64:]
+        if self._collect:
+            self._cbuf += out
+            while (i := self._cbuf.find(b"\n\n")) >= 0:
+                ev = bytes(self._cbuf[:i])
+                del self._cbuf[:i + 2]
+                if ev.startswith(b"data:") and ev[5:].strip() != b"[DONE]":
+                    try:
+                        obj = json.loads(ev[5:])
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict):
+                        self.events.append(obj)
+        return out
+
+    def _inject(self, ev: bytes) -> bytes:
+        payload = ev[5:].lstrip() if ev.startswith(b"data:") else b""
+        if payload.startswith(b"{"):
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                obj = None
+            if isinstance(obj, dict):
+                obj[BODY_FIELD] = self._info
+                return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        # Not a JSON event (an empty stream's [DONE], a comment): put the
+        # version in an event of its own in front of it.
+        meta = json.dumps({BODY_FIELD: self._info}, separators=(",", ":")).encode()
+        return b"data: " + meta + b"\n\n" + ev
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._first_done:
+            return self._keep(chunk)
+        self._buf += chunk
+        i = self._buf.find(b"\n\n")
+        if i < 0:
+            if len(self._buf) > _MAX_FIRST_EVENT:  # not SSE as we know it: pass through
+                self._first_done = True
+                out = bytes(self._buf)
+                self._buf.clear()
+                return self._keep(out)
+            return b""
+        first = bytes(self._buf[:i])
+        rest = bytes(self._buf[i + 2:])
+        self._buf.clear()
+        self._first_done = True
+        return self._keep(self._inject(first) + b"\n\n" + rest)
+
+    def flush(self) -> bytes:
+        """Whatever is still held back (a stream that ended inside its first event)."""
+        out = bytes(self._buf)
+        self._buf.clear()
+        return self._keep(out) if out else b""
+
+    @property
+    def complete(self) -> bool:
+        return self._tail.rstrip(b"\r\n").endswith(_DONE)
+
+    def error_tail(self, message: str) -> bytes:
+        ev = error_body(502, message, "UpstreamError", **self._info)
+        out = b""
+        if self._tail and not self._tail.endswith(b"\n\n"):
+            out += b"\n\n"  # close a torn event so the error parses on its own
+        out += b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
+        return self._keep(out + _DONE + b"\n\n")
+
+
+class DataPlane:
+    """ASGI app of the three data routes. ``start``/``aclose`` manage the upstream client."""
+
+    def __init__(self, controller: LifecycleController, config: ServiceConfig,
+                 metrics: ServiceMetrics, *,
+                 upstream_transport: httpx.AsyncBaseTransport | None = None,
+                 on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
+        self.controller = controller
+        self.config = config
+        self.metrics = metrics
+        self._transport = upstream_transport
+        self._on_finished = on_finished
+        self.client: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._waiting = 0
+        controller.add_listener(self._record)
+
+    # ------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        cfg = self.config
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self.client = httpx.AsyncClient(
+            base_url=cfg.upstream_url, transport=self._transport,
+            timeout=httpx.Timeout(connect=cfg.upstream_connect_s, read=cfg.upstream_read_s,
+                                  write=cfg.upstream_read_s, pool=cfg.upstream_read_s),
+            limits=httpx.Limits(max_connections=cfg.upstream_max_connections,
+                                max_keepalive_connections=cfg.upstream_max_connections),
+            headers={"accept-encoding": "identity"})
+
+    async def aclose(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def _record(self, kind: str, data: dict[str, Any]) -> None:
+        """Controller listener (any thread): wake queued requests on every transition."""
+        loop = self._loop
+        if kind == "transition" and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        ev, self._changed = self._changed, asyncio.Event()
+        if ev is not None:
+            ev.set()
+
+    # ------------------------------------------------------------ admission
+    async def _admit(self, rollout_id: str) -> Binding:
+        """Admit now, or (queue configured) wait for the update to end, bounded."""
+        cfg = self.config
+        try:
+            return self.controller.admit(rollout_id)
+        except AdmissionRefused as exc:
+            if exc.retry_after_s is None or cfg.queue_max == 0 or self._waiting >= cfg.queue_max:
+                raise
+            first = exc
+        self._waiting += 1
+        deadline = time.monotonic() + cfg.queue_wait_s
+        try:
+            while True:
+                changed = self._changed
+                assert changed is not None
+                try:
+                    b = self.controller.admit(rollout_id)
+                except AdmissionRefused as exc:
+                    first = exc
+                    left = deadline - time.monotonic()
+                    if exc.retry_after_s is None or left <= 0:
+                        self.metrics.queued.labels("timeout" if left <= 0 else "refused").inc()
+                        raise first from None
+                    with anyio.move_on_after(left):
+                        await changed.wait()
+                    continue
+                self.metrics.queued.labels("admitted").inc()
+                return b
+        finally:
+            self._waiting -= 1
+
+    @staticmethod
+    def info(b: Binding) -> dict[str, Any]:
+        return {"version": b.version.label, "generation": b.version.generation,
+                "engine_epoch": b.version.engine_epoch, "identity_digest": b.identity.digest,
+                "rollout_id": b.rollout_id}
+
+    @staticmethod
+    def version_headers(b: Binding) -> list[tuple[bytes, bytes]]:
+        return [(VERSION_HEADER.encode(), b.version.label.encode()),
+                (GENERATION_HEADER.encode(), str(b.version.generation).encode()),
+                (IDENTITY_HEADER.encode(), b.identity.digest.encode()),
+                (ROLLOUT_HEADER.encode(), b.rollout_id.encode())]
+
+    # ------------------------------------------------------------ ASGI
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = scope["path"]
+        status = await self._handle(scope, receive, send, route)
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
+        cfg = self.config
+        if scope["method"] != "POST":
+            await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
+                            [(b"allow", b"POST")])
+            return 405
+        auth = check_bearer(_header(scope, b"authorization"), cfg.data_token)
+        if not auth.ok:
+            assert auth.status is not None
+            await send_json(send, auth.status, error_body(auth.status, auth.reason,
+                                                          "Unauthorized"),
+                            [(b"www-authenticate", b"Bearer")])
+            return auth.status
+        ctype = _header(scope, b"content-type") or b""
+        if ctype.split(b";")[0].strip().lower() != b"application/json":
+            await send_json(send, 415, error_body(415, "Content-Type must be application/json",
+                                                  "UnsupportedMediaType"))
+            return 415
+        try:
+            raw = await read_body(receive, cfg.max_body_bytes, _header(scope, b"content-length"))
+        except _TooLarge:
+            await send_json(send, 413, error_body(
+                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"))
+            return 413
+        except _ClientGone:
+            return 499
+        except BadInput as exc:
+            await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
+            return 400
+        problem, payload = _validate(raw)
+        if problem:
+            await send_json(send, 400, error_body(400, problem, "BadRequest"))
+            return 400
+        rid_h = _header(scope, ROLLOUT_HEADER.encode())
+        rid = rid_h.decode("latin-1") if rid_h is not None else f"r-{uuid.uuid4().hex}"
+        if not _ROLLOUT_ID.match(rid):
+            await send_json(send, 400, error_body(
+                400, f"{ROLLOUT_HEADER} must match {_ROLLOUT_ID.pattern}", "BadRequest"))
+            return 400
+        try:
+            binding = await self._admit(rid)
+        except AdmissionRefused as exc:
+            hdrs = []
+            if exc.retry_after_s is not None:
+                hdrs.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
+            await send_json(send, 503, error_body(503, str(exc), "ServiceUnavailable",
+                                                  state=exc.state,
+                                                  retry_after_s=exc.retry_after_s), hdrs)
+            return 503
+        except BadInput as exc:  # the rollout id is already active
+            await send_json(send, 409, error_body(409, str(exc), "Conflict"))
+            return 409
+        t0 = time.monotonic()
+        fin = FinishedRequest(route, binding, payload, 502, "upstream_error")
+        try:
+            await self._forward(scope, receive, send, route, raw, binding, fin)
+        finally:
+            self._release(fin)
+            fin.seconds = time.monotonic() - t0
+            self.metrics.request_seconds.labels(route).observe(fin.seconds)
+            self.metrics.stream_endings.labels(fin.ending).inc()
+        if self._on_finished is not None:
+            self._on_finished(fin)
+        return fin.status
+
+    def _release(self, fin: FinishedRequest) -> None:
+        """Release the binding once: when the last byte from vLLM is in hand, or at the end.
+
+        Released *before* the final send: everything the client is still to
+        receive was computed already, so an update may begin while it is on
+        the wire, and a client that reads its answer and then asks for an
+        update never waits on its own request.
+        """
+        if fin.released:
+            return
+        fin.released = True
+        with contextlib.suppress(BadInput, InvalidTransition):
+            self.controller.complete(fin.binding.rollout_id)
+
+    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: str,
+                       raw: bytes, binding: Binding, fin: FinishedRequest) -> None:
+        """Relay one admitted request while watching for the client going away."""
+        state = {"finishing": False}
+
+        async def watch(cancel: anyio.CancelScope) -> None:
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    if not state["finishing"]:
+                        fin.ending = "client_disconnect"
+                        fin.status = 499
+                        cancel.cancel()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch, tg.cancel_scope)
+            try:
+                await self._relay(send, route, raw, binding, fin, state)
+            finally:
+                tg.cancel_scope.cancel()
+
+    def _finishing(self, state: dict[str, bool], fin: FinishedRequest) -> None:
+        state["finishing"] = True
+        self._release(fin)
+
+    async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
+                     fin: FinishedRequest, state: dict[str, bool]) -> None:
+        client = self.client
+        if client is None:
+            raise RuntimeError("data plane not started")
+        info = self.info(binding)
+        vh = self.version_headers(binding)
+        req = client.build_request("POST", route, content=raw,
+                                   headers={"content-type": "application/json",
+                                            "x-request-id": binding.rollout_id})
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.TimeoutException as exc:
+            fin.status = 504
+            self._finishing(state, fin)
+            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
+                                                  "UpstreamTimeout", **info), vh)
+            return
+        except httpx.HTTPError as exc:
+            fin.status = 502
+            self._finishing(state, fin)
+            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
+                                                  "UpstreamError", **info), vh)
+            return
+        try:
+            headers = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
+            ctype = resp.headers.get("content-type", "")
+            fin.status = resp.status_code
+            if ctype.startswith("text/event-stream"):
+                await self._relay_stream(send, resp, headers + vh, info, fin, state)
+            else:
+                try:
+                    body = await resp.aread()
+                except httpx.HTTPError as exc:
+                    fin.status = 502
+                    self._finishing(state, fin)
+                    await send_json(send, 502, error_body(
+                        502, f"vLLM answer broke off: {exc!r}", "UpstreamError", **info), vh)
+                    return
+                body, obj = _inject_json(body, info)
+                fin.response = obj
+                fin.ending = "complete"
+                headers = headers + vh + [(b"content-length", str(len(body)).encode())]
+                self._finishing(state, fin)
+                await send({"type": "http.response.start", "status": resp.status_code,
+                            "headers": headers})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            await resp.aclose()
+
+    async def _relay_stream(self, send: Send, resp: httpx.Response,
+                            headers: list[tuple[bytes, bytes]], info: dict[str, Any],
+                            fin: FinishedRequest, state: dict[str, bool]) -> None:
+        sse = _SseRelay(info, collect=self._on_finished is not None)
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": headers})
+        error: str | None = None
+        try:
+            async for chunk in resp.aiter_bytes():
+                out = sse.feed(chunk)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+        except httpx.HTTPError as exc:
+            error = f"vLLM stream broke off: {exc!r}"
+        tail = sse.flush()
+        if error is None and not sse.complete:
+            error = "vLLM stream ended without its [DONE] terminator"
+        if error is not None:
+            tail += sse.error_tail(error)
+            fin.ending = "upstream_error"
+            fin.status = 502
+        else:
+            fin.ending = "complete"
+        fin.events = sse.events
+        self._finishing(state, fin)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _validate(raw: bytes) -> tuple[str, dict[str, Any]]:
+    """The gateway's own checks; everything else is vLLM's to validate (it answers 400)."""
+    try:
+        payload = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return f"malformed JSON: {exc}", {}
+    if not isinstance(payload, dict):
+        return "the request body must be a JSON object", {}
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        return "'stream' must be a boolean", {}
+    if BODY_FIELD in payload:
+        return f"'{BODY_FIELD}' is reserved for the gateway's answer", {}
+    return "", payload
+
+
+def _inject_json(body: bytes, info: dict[str, Any]) -> tuple[bytes, dict[str, Any] | None]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body, None
+    if not isinstance(obj, dict):
+        return body, None
+    obj[BODY_FIELD] = info
+    return json.dumps(obj, separators=(",", ":")).encode(), obj

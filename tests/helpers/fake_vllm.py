@@ -1,0 +1,178 @@
+"""A tiny vLLM data plane over a FakeEngine, for the gateway's FAST tests only.
+
+It answers the three routes the gateway forwards, in vLLM's shapes
+(non-streaming JSON, or SSE events ending with ``data: [DONE]``), with the
+engine's per-token version spans as ``weight_versions`` on
+``/inference/v1/generate``. Generation runs in the FakeEngine (so its pause,
+drain and version labels are real); the stream is then played out event by
+event with ``event_delay_s`` between events, so a client can be mid-stream
+when something happens.
+
+Faults, set on the instance: ``break_after_events`` (the connection drops
+after N events: the app raises), ``omit_done`` (the stream ends without its
+terminator), ``status_error`` (answer this HTTP status with vLLM's error body).
+
+The real-engine tests (tests/engine/) never use this: they run vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from rolloutcore.adapters.fake import VOCAB, FakeEngine, Generation
+
+
+def _err(status: int, msg: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": msg, "type": "BadRequestError", "code": status}},
+                        status_code=status)
+
+
+class FakeVllm:
+    def __init__(self, engine: FakeEngine, *, event_delay_s: float = 0.0) -> None:
+        self.engine = engine
+        self.event_delay_s = event_delay_s
+        self.break_after_events: int | None = None
+        self.omit_done = False
+        self.status_error: int | None = None
+        self.received: list[dict[str, Any]] = []
+        self.streams_closed_early = 0
+        self.app = Starlette(routes=[
+            Route("/inference/v1/generate", self.generate, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ])
+
+    # ------------------------------------------------------------ helpers
+    async def _run(self, prompt: list[int], max_tokens: int) -> Generation:
+        return await anyio.to_thread.run_sync(self.engine.generate, prompt, max_tokens)
+
+    def _sse(self, events: list[dict[str, Any]]) -> StreamingResponse:
+        async def body() -> AsyncIterator[bytes]:
+            sent = 0
+            try:
+                for ev in events:
+                    if self.break_after_events is not None and sent >= self.break_after_events:
+                        raise ConnectionResetError("fake vLLM: connection dropped mid-stream")
+                    yield f"data: {json.dumps(ev)}\n\n".encode()
+                    sent += 1
+                    if self.event_delay_s:
+                        await asyncio.sleep(self.event_delay_s)
+                if not self.omit_done:
+                    yield b"data: [DONE]\n\n"
+            except (asyncio.CancelledError, GeneratorExit):
+                self.streams_closed_early += 1
+                raise
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def _parse(self, request: Request) -> dict[str, Any] | Response:
+        if self.status_error is not None:
+            return _err(self.status_error, "injected upstream error")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _err(400, "JSON decode error")
+        if not isinstance(body, dict):
+            return _err(400, "body must be an object")
+        self.received.append(body)
+        return body
+
+    @staticmethod
+    def _max_tokens(v: Any) -> int | None:
+        if v is None:
+            return 16
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            return None
+        return v
+
+    # ------------------------------------------------------------ routes
+    async def generate(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        ids = body.get("token_ids")
+        sp = body.get("sampling_params") or {}
+        n = self._max_tokens(sp.get("max_tokens") if isinstance(sp, dict) else None)
+        if not isinstance(ids, list) or not ids or any(
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB
+                for t in ids) or n is None:
+            return _err(400, "token_ids must be ids below the vocabulary size")
+        rid = str(body.get("request_id") or uuid.uuid4().hex)
+        g = await self._run(ids, n)
+        if not body.get("stream"):
+            return JSONResponse({"request_id": rid, "choices": [{
+                "index": 0, "token_ids": g.tokens, "finish_reason": g.finish_reason,
+                "weight_versions": g.version_spans}]})
+        events = []
+        for i, tok in enumerate(g.tokens):
+            last = i == len(g.tokens) - 1
+            events.append({"request_id": rid, "choices": [{
+                "index": 0, "token_ids": [tok],
+                "finish_reason": g.finish_reason if last else None,
+                "weight_versions": g.version_spans if last else None}]})
+        return self._sse(events)
+
+    @staticmethod
+    def _text(tokens: list[int]) -> str:
+        return "".join(chr(97 + t % 26) for t in tokens)
+
+    async def completions(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        prompt = body.get("prompt")
+        n = self._max_tokens(body.get("max_tokens"))
+        if isinstance(prompt, str) and prompt:
+            ids = [b % VOCAB for b in prompt.encode()]
+        elif isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and 0 <= t < VOCAB for t in prompt):
+            ids = list(prompt)
+        else:
+            return _err(400, "prompt must be a non-empty string or token ids")
+        if n is None:
+            return _err(400, "max_tokens must be a positive integer")
+        g = await self._run(ids, n)
+        cid = f"cmpl-{uuid.uuid4().hex}"
+        if not body.get("stream"):
+            return JSONResponse({"id": cid, "object": "text_completion",
+                                 "model": body.get("model"), "choices": [{
+                                     "index": 0, "text": self._text(g.tokens),
+                                     "finish_reason": g.finish_reason}]})
+        events = [{"id": cid, "object": "text_completion", "choices": [{
+            "index": 0, "text": self._text([t]),
+            "finish_reason": g.finish_reason if i == len(g.tokens) - 1 else None}]}
+            for i, t in enumerate(g.tokens)]
+        return self._sse(events)
+
+    async def chat(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            return _err(400, "messages must be a non-empty list of {role, content}")
+        text = "\n".join(m["content"] for m in msgs) or " "
+        n = self._max_tokens(body.get("max_tokens"))
+        if n is None:
+            return _err(400, "max_tokens must be a positive integer")
+        g = await self._run([b % VOCAB for b in text.encode()], n)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if not body.get("stream"):
+            return JSONResponse({"id": cid, "object": "chat.completion", "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": self._text(g.tokens)},
+                "finish_reason": g.finish_reason}]})
+        events = [{"id": cid, "object": "chat.completion.chunk", "choices": [{
+            "index": 0, "delta": {"content": self._text([t])},
+            "finish_reason": g.finish_reason if i == len(g.tokens) - 1 else None}]}
+            for i, t in enumerate(g.tokens)]
+        return self._sse(events)
