@@ -1,0 +1,406 @@
+"""VllmHTTP and VllmAdapter against a real vLLM 0.32 server (CPU, tiny Llama).
+
+One server for the whole module. Every engine state used here is made for
+real: a request frozen by ``/pause?mode=keep`` holds KV blocks, and that is
+what makes ``/reset_prefix_cache`` answer HTTP 200 with ``{"success": false}``.
+A streamed request is used to know that a request is running (its first
+chunk has arrived) before the pause, so nothing depends on timing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rolloutcore.adapters.vllm import (
+    EMPTY_SHA256,
+    Generation,
+    Routes,
+    VllmAdapter,
+    VllmHTTP,
+    compare_checksums,
+    prefix_cache_delta,
+)
+from rolloutcore.engine import ManagedEngine, free_port, vllm_available
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
+from rolloutcore.model import VOCAB_SIZE, make_checkpoint
+from rolloutcore.versions import (
+    ParameterManifest,
+    Provenance,
+    WeightIdentity,
+    WeightVersion,
+)
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+FUSED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+LONG = 460  # output tokens of a "long" request (prompt 40, max_model_len 512)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedEngine]:
+    root = tmp_path_factory.mktemp("vllm-adapter")
+    ckpt = make_checkpoint(root / "A", 1)
+    eng = ManagedEngine(ckpt, backend=None, log_dir=root / "logs")
+    eng.start()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(8) as p:
+        yield p
+
+
+@pytest.fixture()
+def http(engine: ManagedEngine) -> Iterator[VllmHTTP]:
+    h = VllmHTTP(engine.base_url, timeout_s=60.0)
+    try:
+        yield h
+    finally:
+        # Leave the shared engine serving, whatever a failed test left behind.
+        try:
+            if h.is_paused():
+                h.resume()
+        finally:
+            h.close()
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(n)]
+
+
+def _freeze(http: VllmHTTP, pool: ThreadPoolExecutor,
+            seed: int) -> tuple[list[Future[Generation]], CacheResetEvidence]:
+    """Pause(keep) while requests hold KV blocks; proven by the engine refusing the reset.
+
+    Four long generations are started and the engine is paused in place a
+    moment later. Whether one of them was already running (holding blocks)
+    at that moment depends on scheduling, so the engine's own answer decides:
+    ``/reset_prefix_cache`` says ``success: false`` exactly when blocks are
+    held. Otherwise everything is let finish and the attempt is repeated.
+    """
+    for attempt in range(8):
+        futs = [pool.submit(http.generate, _prompt(40, seed * 1000 + attempt * 10 + k),
+                            max_tokens=LONG, ignore_eos=True, logprobs=False)
+                for k in range(4)]
+        time.sleep(0.05)
+        http.pause(PauseMode.KEEP)
+        ev = http.reset_prefix_cache()
+        if ev.engine_success is False:
+            return futs, ev
+        http.resume()
+        wait(futs, timeout=60)
+    pytest.fail("no request was caught running in 8 attempts")
+
+
+def _target(label: str, epoch: str = "e") -> UpdateTarget:
+    m = ParameterManifest.from_items([("w", (1,), "bfloat16")])
+    return UpdateTarget(WeightVersion(1, label, epoch),
+                        WeightIdentity.declare(m, Provenance("ckpt")), "test")
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def test_capabilities_come_from_openapi(http: VllmHTTP, engine: ManagedEngine) -> None:
+    caps = http.capabilities()
+    for route in (Routes.PAUSE, Routes.RESUME, Routes.IS_PAUSED, Routes.RESET_PREFIX,
+                  Routes.RESET_ENCODER, Routes.RESET_MM, Routes.WEIGHT_INFO,
+                  Routes.WEIGHT_CHECKER, Routes.GENERATE, Routes.COMPLETIONS, Routes.METRICS):
+        assert route in caps
+    assert "/nonexistent" not in caps
+    assert http.version() == "0.32.0"
+    assert http.health() is True
+    assert http.model() == engine.model_name
+    assert http.weight_info().label_supported
+
+
+def test_bootstrap_describes_the_engine(engine: ManagedEngine) -> None:
+    with VllmAdapter.for_engine(engine) as a0:
+        ev = a0.bootstrap()
+    assert ev.healthy and not ev.problems(None)
+    assert ev.engine_epoch == engine.epoch
+    assert ev.label_supported and ev.observed_label is not None
+    assert ev.engine_info["vllm_version"] == "0.32.0"
+    assert ev.engine_info["model"] == engine.model_name
+    assert Routes.GENERATE in ev.capabilities
+    assert ev.unverified == ()
+    # Without a launcher epoch the adapter takes the engine's own per-start id.
+    with VllmAdapter(VllmHTTP(engine.base_url)) as a1, \
+            VllmAdapter(VllmHTTP(engine.base_url)) as a2:
+        e1, e2 = a1.bootstrap(), a2.bootstrap()
+    assert e1.engine_epoch == e2.engine_epoch == f"vllm-{e1.engine_info['instance_id']}"
+    assert a1.caches == tuple(CacheKind)
+
+
+def test_generate_returns_tokens_logprobs_and_version_spans(http: VllmHTTP) -> None:
+    prompt = _prompt(20, 1)
+    g = http.generate(prompt, max_tokens=12)
+    assert len(g.token_ids) == 12 and g.logprobs is not None and len(g.logprobs) == 12
+    assert all(lp <= 0.0 for lp in g.logprobs)
+    assert g.finish_reason == "length"
+    assert g.weight_versions is not None
+    spans = g.weight_versions
+    assert spans[0].start == 0 and spans[-1].end == 12
+    assert all(a.end == b.start for a, b in itertools.pairwise(spans))
+    assert g.versions() == {http.label()}
+    # Greedy decoding is deterministic, and /v1/completions agrees with it.
+    assert http.generate(prompt, max_tokens=12).token_ids == g.token_ids
+    c = http.complete(prompt, max_tokens=12)
+    assert c.token_ids == g.token_ids
+    assert c.logprobs is not None
+    assert [round(x or 0.0, 4) for x in c.logprobs] == [round(x, 4) for x in g.logprobs]
+
+
+def test_bad_requests_are_bad_input_and_change_nothing(http: VllmHTTP) -> None:
+    with pytest.raises(BadInput, match="HTTP 400"):
+        http.generate([1, 2, VOCAB_SIZE + 5], max_tokens=2)
+    with pytest.raises(BadInput):
+        http.generate([], max_tokens=2)
+    assert http.health()
+
+
+def test_unreachable_engine_is_engine_unavailable() -> None:
+    with VllmHTTP(f"http://127.0.0.1:{free_port()}", timeout_s=5) as h, \
+            pytest.raises(EngineUnavailable) as ei:
+        h.pause(PauseMode.WAIT, mutation_started=False)
+    assert ei.value.mutation_started is False
+    assert isinstance(ei.value.__cause__, httpx.ConnectError)
+
+
+# --------------------------------------------------------------------------- pause
+
+
+def test_pause_keep_freezes_and_prefix_reset_reports_failure(
+        http: VllmHTTP, pool: ThreadPoolExecutor) -> None:
+    futs, ev = _freeze(http, pool, seed=1)
+    # The engine refused the reset over HTTP 200; the evidence says so.
+    assert ev.http_status == 200 and ev.engine_success is False
+    assert any("success=false" in p for p in ev.problems(None))
+    assert http.is_paused() is True
+    # The other two resets answer an empty 200 whatever happened: no flag, stated.
+    for ev2 in (http.reset_encoder_cache(), http.reset_mm_cache()):
+        assert ev2.http_status == 200 and ev2.engine_success is None
+        assert not ev2.problems(None)
+        assert ev2.unverified and "no success flag" in ev2.unverified[0]
+    wait(futs, timeout=0.5)
+    assert not all(f.done() for f in futs), "a request frozen in place cannot finish"
+    http.resume()
+    for f in futs:
+        g = f.result(60)
+        assert g.finish_reason == "length" and len(g.token_ids) == LONG
+    assert http.reset_prefix_cache().engine_success is True
+
+
+def test_pause_wait_drains_the_engine(http: VllmHTTP, pool: ThreadPoolExecutor) -> None:
+    futs, _ = _freeze(http, pool, seed=2)
+    # Switching to wait lets the frozen requests run to completion before it
+    # returns: afterwards no block is held, so the same reset now succeeds.
+    http.pause(PauseMode.WAIT)
+    assert http.is_paused() is True
+    assert http.reset_prefix_cache().engine_success is True
+    http.resume()
+    assert http.is_paused() is False
+    for f in futs:
+        g = f.result(60)
+        assert g.finish_reason == "length" and len(g.token_ids) == LONG
+
+
+def test_reset_running_requests_makes_the_reset_succeed(
+        http: VllmHTTP, pool: ThreadPoolExecutor) -> None:
+    futs, _ = _freeze(http, pool, seed=3)
+    ev = http.reset_prefix_cache(reset_running_requests=True)
+    assert ev.http_status == 200 and ev.engine_success is True and not ev.problems(None)
+    http.resume()
+    # The preempted requests recompute their KV and still complete.
+    for f in futs:
+        g = f.result(60)
+        assert g.finish_reason == "length" and len(g.token_ids) == LONG
+
+
+def test_pause_abort_aborts_in_flight(http: VllmHTTP, pool: ThreadPoolExecutor) -> None:
+    futs, _ = _freeze(http, pool, seed=4)  # frozen first: the abort cannot race completion
+    http.pause(PauseMode.ABORT)
+    gens = [f.result(30) for f in futs]
+    aborted = [g for g in gens if g.finish_reason == "abort"]
+    assert aborted and all(len(g.token_ids) < LONG for g in aborted)
+    assert http.is_paused() is True
+    assert http.reset_prefix_cache().engine_success is True
+    http.resume()
+    assert http.is_paused() is False
+
+
+def test_requests_arriving_while_paused_are_held(http: VllmHTTP) -> None:
+    http.pause(PauseMode.WAIT)
+    got: dict[str, object] = {}
+    th = threading.Thread(target=lambda: got.setdefault(
+        "g", http.generate(_prompt(10, 3), max_tokens=4)))
+    th.start()
+    th.join(1.0)
+    assert th.is_alive() and "g" not in got
+    http.resume()
+    th.join(30)
+    assert "g" in got
+
+
+def test_timeout_and_cancel_unblock_a_held_call(http: VllmHTTP) -> None:
+    http.pause(PauseMode.WAIT)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EffectTimeout) as ei:
+            http.generate(_prompt(10, 4), max_tokens=4, timeout_s=0.5, mutation_started=False)
+        assert ei.value.mutation_started is False and time.monotonic() - t0 < 5
+        # cancel_inflight() from another thread makes a call held by the engine return.
+        err: list[BaseException] = []
+
+        def held() -> None:
+            try:
+                http.generate(_prompt(10, 5), max_tokens=4, timeout_s=60)
+            except BaseException as exc:
+                err.append(exc)
+
+        th = threading.Thread(target=held)
+        th.start()
+        th.join(0.5)
+        assert th.is_alive()
+        t1 = time.monotonic()
+        assert http.cancel_inflight() >= 1
+        th.join(5)
+        assert not th.is_alive() and time.monotonic() - t1 < 5
+        assert isinstance(err[0], EffectTimeout)
+    finally:
+        http.resume()
+    assert http.generate(_prompt(10, 6), max_tokens=2).token_ids  # client still usable
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def test_prefix_cache_hits_and_reset_from_metric_deltas(
+        http: VllmHTTP, engine: ManagedEngine) -> None:
+    block = int(http.server_info()["vllm_config"]["cache_config"]["block_size"])
+    prompt = _prompt(300, 99)
+    want = (len(prompt) - 1) // block * block
+    assert want > 0
+
+    def hits() -> tuple[float, float]:
+        m0 = http.metrics()
+        http.generate(prompt, max_tokens=4)
+        d = prefix_cache_delta(m0, http.metrics())
+        return d.queries, d.hits
+
+    assert http.reset_prefix_cache().engine_success is True
+    assert hits() == (len(prompt), 0)          # first sight of the prompt
+    assert hits() == (len(prompt), want)       # repeated: whole blocks hit
+    ev = http.reset_prefix_cache()
+    assert ev.http_status == 200 and ev.engine_success is True
+    assert hits() == (len(prompt), 0)          # after the reset: nothing left to hit
+    assert hits() == (len(prompt), want)
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def test_weight_checker_coverage_counts_zero_byte_hashes_as_unverifiable(
+        http: VllmHTTP) -> None:
+    cs = http.weight_checksums()
+    assert cs.total > 0
+    assert all(k.startswith("dp0:pp0:") for k in cs.raw_keys.values())
+    fused = {n for n in cs.digests if any(f in n for f in FUSED)}
+    assert fused and cs.unverifiable == fused  # repacked on the CPU backend
+    assert "model.embed_tokens.weight" in cs.hashable
+    assert 0 < cs.coverage < 1
+
+    same = compare_checksums(cs, cs.digests)  # the reference even says "e3b0..."
+    assert same.passed
+    assert set(same.unverifiable) == fused and not set(same.matched) & fused
+    assert same.coverage == pytest.approx(len(cs.hashable) / cs.total)
+
+    wrong = dict(cs.digests)
+    wrong["model.norm.weight"] = "0" * 64
+    bad = compare_checksums(cs, wrong)
+    assert not bad.passed and bad.mismatched == ("model.norm.weight",)
+    assert not compare_checksums(cs, {"model.not_there": "0" * 64}).passed
+    # A reference of fused layers only verifies nothing.
+    only_fused = compare_checksums(cs, {n: EMPTY_SHA256 for n in fused})
+    assert only_fused.compared == 0 and not only_fused.passed
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+def test_adapter_drain_validate_resume(engine: ManagedEngine, tmp_path: Path) -> None:
+    from rolloutcore.weights import WeightSource
+
+    with VllmAdapter.for_engine(engine) as a:
+        boot = a.bootstrap()
+        label = boot.observed_label
+        assert label is not None
+        d = a.drain(PauseMode.WAIT)
+        assert d.paused and not d.problems(None)
+        assert a.drain(PauseMode.KEEP).problems(None)  # strict mode refuses keep
+        src = WeightSource.from_checkpoint(engine.model_dir)
+        cs = a.http.weight_checksums()
+        target = UpdateTarget(WeightVersion(1, label, boot.engine_epoch),
+                              WeightIdentity.declare(src.manifest(), Provenance("A")), "t")
+
+        # Preflight with nothing staged refuses before any mutation.
+        assert a.preflight(target).problems(target)
+        a.stage(src, provenance=Provenance("A"), reference_checksums=cs.digests)
+        pf = a.preflight(target)
+        assert pf.problems(target) == [] and pf.source_manifest_digest == src.manifest().digest
+        other = UpdateTarget(target.version, WeightIdentity.declare(
+            src.manifest(), Provenance("B")), "t")
+        assert "provenance" in " ".join(a.preflight(other).problems(other))
+
+        for kind in a.caches:
+            ev = a.reset_cache(kind)
+            assert ev.http_status == 200 and not ev.problems(target)
+
+        v = a.validate(target, live=False)
+        assert v is not None and v.paused is True and v.label_supported
+        assert v.observed_label == label and v.problems(target) == []
+        (chk,) = v.checks
+        assert chk.passed and chk.coverage is not None and 0 < chk.coverage < 1
+        assert "unverifiable" in chk.detail
+        assert any("zero bytes" in u for u in v.unverified)
+        # A label the engine does not serve is caught.
+        wrong = _target("rc-999")
+        assert any("rc-999" in p for p in a.validate(wrong, live=False).problems(wrong))
+        # A reference that disagrees fails the checksum check.
+        bad = dict(cs.digests)
+        bad["lm_head.weight"] = "1" * 64
+        a.stage(src, reference_checksums=bad)
+        vb = a.validate(target, live=False)
+        assert vb is not None and any("engine_checksum" in p for p in vb.problems(target))
+        assert a.validate(target, live=True) is None  # no probes configured
+
+        r = a.resume()
+        assert r.resumed and r.is_paused_after is False and not r.problems(target)
+
+
+def test_adapter_fence_aborts_and_holds(engine: ManagedEngine, http: VllmHTTP,
+                                        pool: ThreadPoolExecutor) -> None:
+    futs, _ = _freeze(http, pool, seed=5)
+    with VllmAdapter.for_engine(engine) as a:
+        a.fence()
+        assert any(f.result(30).finish_reason == "abort" for f in futs)
+        assert http.is_paused() is True
+    http.resume()
