@@ -20,4 +20,10 @@ def _model(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_model_parser(sub)
 
 
-PARSERS: list[Callable[[Any], None]] = [_model]
+def _live(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .live import add_live_parser
+
+    add_live_parser(sub)
+
+
+PARSERS: list[Callable[[Any], None]] = [_model, _live]
