@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from coretools import (
     boot_ev,
     drain_ev,
@@ -19,7 +20,6 @@ from coretools import (
     transfer_ev,
     validation_ev,
 )
-
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,

@@ -5,6 +5,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from coretools import (
     boot_ev,
     drain_ev,
@@ -16,10 +20,6 @@ from coretools import (
     transfer_ev,
     validation_ev,
 )
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 from rolloutcore.evidence import (
     CacheKind,

@@ -21,17 +21,20 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from .errors import JournalError
 
-__all__ = ["KINDS", "Journal", "JournalRecord", "first_index", "read_journal"]
+if TYPE_CHECKING:
+    from .lifecycle import LifecycleController
+
+__all__ = ["KINDS", "Journal", "JournalRecord", "first_index", "read_journal", "restore_controller"]
 
 #: Record kinds written by the controller (``lifecycle``) and the runner.
 KINDS = frozenset({
     "admit", "complete", "refuse", "request_update", "transition", "evidence", "verdict",
     "begin_update", "commit", "abandon", "failure", "taint", "begin_recovery",
-    "effect", "note",
+    "effect", "note", "restore",
 })
 
 
@@ -142,3 +145,15 @@ def first_index(records: Sequence[JournalRecord], kind: str, **match: Any) -> in
         if r.kind == kind and all(r.data.get(k) == v for k, v in match.items()):
             return i
     return -1
+
+
+def restore_controller(path: str | os.PathLike[str], **kw: Any
+                       ) -> tuple[LifecycleController, Journal]:
+    """A ``LifecycleController`` rebuilt from the journal at ``path``, appending to it."""
+    from .lifecycle import LifecycleController
+
+    recs = read_journal(path) if Path(path).exists() else []
+    journal = Journal(path)
+    c = LifecycleController.restore(((r.kind, r.data) for r in recs), listener=journal.listener,
+                                    **kw)
+    return c, journal

@@ -60,7 +60,7 @@ import enum
 import itertools
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -803,3 +803,69 @@ class LifecycleController:
         with self._lock:
             gen = self._max_generation + 1
             return WeightVersion(gen, f"rc-{gen}", self._engine_epoch or "pending")
+
+    # ---------------------------------------------------------------- crash restore
+    @classmethod
+    def restore(cls, records: Iterable[tuple[str, Mapping[str, Any]]], *,
+                config: ControllerConfig | None = None,
+                required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
+                clock: Callable[[], float] = time.monotonic,
+                listener: Listener | None = None) -> LifecycleController:
+        """Rebuild a controller from the (kind, data) records of its journal.
+
+        Committed versions, the identity and active bindings are restored.
+        An update that was in flight when the process died is never resumed
+        as if it had succeeded: whatever step it had reached, the restored
+        controller is TAINTED and only recovery leads back to READY.
+        """
+        c = cls(config=config, required_caches=required_caches, clock=clock)
+        state = S.UNINITIALIZED
+        in_flight: dict[str, Any] | None = None
+        for kind, d in records:
+            if kind == "transition":
+                state = State(str(d["to"]))
+            elif kind == "commit":
+                v = WeightVersion.from_dict(d["version"])
+                c._committed, c._identity = v, WeightIdentity.from_dict(d["identity"])
+                c._published.append(v)
+                c._max_generation = max(c._max_generation, v.generation)
+                c._engine_epoch = v.engine_epoch
+                in_flight = None
+            elif kind == "admit":
+                v = WeightVersion.from_dict(d["version"])
+                assert c._identity is not None
+                c._active[str(d["rollout_id"])] = Binding(str(d["rollout_id"]), v, c._identity,
+                                                          clock())
+            elif kind == "complete":
+                c._active.pop(str(d["rollout_id"]), None)
+            elif kind == "request_update":
+                in_flight = dict(d)
+            elif kind == "begin_update":
+                c._max_generation = max(c._max_generation,
+                                        int(d["target"]["generation"]))
+            elif kind in ("taint", "abandon"):
+                in_flight = None
+        c._state = state
+        if listener is not None:
+            c._listeners.append(listener)
+        with c._lock:
+            c._emit("restore", {"state": state.value, "active_rollouts": len(c._active),
+                                "in_flight_update": in_flight})
+            if state not in (S.UNINITIALIZED, S.READY, S.TAINTED, S.RECOVERING):
+                # The update's outcome is unknown: ambiguous, whatever step it reached.
+                c._force_taint(state)
+                c._emit("taint", {"problems": ["controller restarted during an update"],
+                                  "target": None if in_flight is None
+                                  else in_flight.get("target")})
+            elif state is S.RECOVERING:
+                c._force_taint(state)
+        return c
+
+    def _force_taint(self, frm: State) -> None:
+        """Crash restore only: the journal says we were mid-way; go to TAINTED directly."""
+        now = self._clock()
+        self._history.append((frm, S.TAINTED, E.FAIL, now, 0.0))
+        self._emit("transition", {"from": frm.value, "to": S.TAINTED.value,
+                                  "event": E.FAIL.value, "duration_s": 0.0})
+        self._state = S.TAINTED
+        self._entered_at = now

@@ -25,13 +25,15 @@ from .evidence import (
     DrainEvidence,
     PauseMode,
     PreflightEvidence,
+    RecoveryEvidence,
     ResumeEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
 )
+from .versions import WeightVersion
 
-__all__ = ["LifecycleAdapter"]
+__all__ = ["LifecycleAdapter", "Recoverer"]
 
 
 @runtime_checkable
@@ -85,4 +87,21 @@ class LifecycleAdapter(Protocol):
         ...
 
     def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class Recoverer(Protocol):
+    """Brings a tainted engine back: a *replacement* process on a checkpoint of known identity.
+
+    ``replace_engine`` must stop the old engine (or be told by an operator
+    that it is gone), start a new one (new epoch) on the known checkpoint,
+    give it ``target``'s label, and validate it like an update (label,
+    checksums, probe), returning the evidence. ``cancel`` is the watchdog.
+    """
+
+    def replace_engine(self, target: WeightVersion) -> RecoveryEvidence:
+        ...
+
+    def cancel(self) -> None:
         ...

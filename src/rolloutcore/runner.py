@@ -41,7 +41,7 @@ from .lifecycle import (
     UpdateTicket,
     Verdict,
 )
-from .port import LifecycleAdapter
+from .port import LifecycleAdapter, Recoverer
 from .versions import VerificationLevel, WeightIdentity, WeightVersion
 
 __all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "UpdateOutcome"]
@@ -62,6 +62,7 @@ class Deadlines:
     resume_s: float = 15.0
     live_validate_s: float = 60.0
     bootstrap_s: float = 30.0
+    recover_s: float = 600.0      # replace the engine process and verify it
     fence_s: float = 10.0
     cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
     retry_backoff_s: float = 0.2
@@ -223,6 +224,35 @@ class LifecycleRunner:
         v = self.controller.bootstrap(ev, identity, label=label)
         if not v.accepted:
             raise UpdateFailed("bootstrap", "no_mutation", v.after.value, "; ".join(v.problems))
+        return v
+
+    # ------------------------------------------------------------ recovery
+    def recover(self, recoverer: Recoverer, *, owner: str = "operator") -> Verdict:
+        """TAINTED -> RECOVERING -> READY on a replacement engine, or back to TAINTED.
+
+        The replacement is verified like an update; it is published as a new
+        generation on a new engine epoch, so nothing admitted before the taint
+        can be attributed to it.
+        """
+        c = self.controller
+        if c.state is State.TAINTED:
+            c.begin_recovery(owner)
+        target = c.recovery_target()
+
+        def work() -> Any:
+            return recoverer.replace_engine(target)
+
+        try:
+            ev = self._effect(Step.RECOVER.value, work, self.deadlines.recover_s, None)
+        except EffectError as exc:
+            try:
+                recoverer.cancel()
+            finally:
+                v = c.fail(None, Step.RECOVER, _kind(exc), str(exc))
+            raise UpdateFailed("recover", "ambiguous", v.after.value, str(exc)) from exc
+        v = c.recovered(ev)
+        if not v.accepted:
+            raise UpdateFailed("recover", "ambiguous", v.after.value, "; ".join(v.problems))
         return v
 
     # ------------------------------------------------------------ update

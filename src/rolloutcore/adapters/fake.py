@@ -39,15 +39,23 @@ from ..evidence import (
     DrainEvidence,
     PauseMode,
     PreflightEvidence,
+    RecoveryEvidence,
     ResumeEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
 )
-from ..versions import ParameterManifest, Provenance, VerificationLevel, WeightIdentity
+from ..versions import (
+    ParameterManifest,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+)
 
 __all__ = [
     "FakeAdapter",
+    "FakeRecoverer",
     "FakeEngine",
     "FakeWeights",
     "Fault",
@@ -466,3 +474,36 @@ class FakeAdapter:
 
     def close(self) -> None:
         self._cancel.set()
+
+
+class FakeRecoverer:
+    """Replaces the adapter's engine with a new one (new epoch) on known weights."""
+
+    def __init__(self, adapter: FakeAdapter, weights: FakeWeights, *,
+                 fail: bool = False) -> None:
+        self.adapter = adapter
+        self.weights = weights
+        self.fail = fail
+
+    def replace_engine(self, target: WeightVersion) -> RecoveryEvidence:
+        t0 = time.monotonic()
+        old = self.adapter.engine
+        old.kill()
+        new = FakeEngine(self.weights, token_delay_s=old.token_delay_s,
+                         block_size=old.block_size)
+        if self.fail:
+            new.kill()
+            raise EngineUnavailable("recover", "replacement engine died at start")
+        new.label = target.label  # a cold load: the label is given at load time
+        self.adapter.engine = new
+        self.adapter.faults.clear()
+        self.adapter.stage(self.weights)
+        live = self.adapter.validate(UpdateTarget(target, self.weights.identity(), "recovery"),
+                                     live=True)
+        assert live is not None
+        return RecoveryEvidence(engine_epoch=new.epoch, identity=self.weights.identity(),
+                                validation=live, healthy=not new.dead,
+                                elapsed_s=time.monotonic() - t0)
+
+    def cancel(self) -> None:
+        self.adapter.cancel("recover")

@@ -1,0 +1,114 @@
+"""Controller crash restore from the journal, and recovery from TAINTED (fast lane)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coretools import drive_to
+from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights, FaultKind
+from rolloutcore.errors import AdmissionRefused, UpdateFailed
+from rolloutcore.invariants import check_journal
+from rolloutcore.journal import Journal, read_journal, restore_controller
+from rolloutcore.lifecycle import LifecycleController, State
+from rolloutcore.runner import Deadlines, LifecycleRunner
+
+
+def _restore(j: Journal) -> tuple[LifecycleController, Journal]:
+    j2 = Journal()
+    c = LifecycleController.restore(((r.kind, r.data) for r in j.records), listener=j2.listener)
+    return c, j2
+
+
+@pytest.mark.parametrize("state", [State.DRAINING, State.QUIESCED, State.UPDATING,
+                                   State.INVALIDATING, State.VALIDATING, State.RESUMING])
+def test_restore_mid_update_is_tainted_never_resumed(state: State) -> None:
+    j = Journal()
+    c, _ = drive_to(state, j)
+    committed = c.committed
+    r, _ = _restore(j)
+    assert r.state is State.TAINTED
+    assert r.committed == committed
+    with pytest.raises(AdmissionRefused):
+        r.admit("x")
+
+
+def test_restore_ready_keeps_versions_and_bindings() -> None:
+    j = Journal()
+    c, _ = drive_to(State.RESUMING, j)
+    t = c.current_ticket
+    assert t is not None
+    from coretools import resume_ev
+
+    c.resumed(t, resume_ev())
+    c.admit("a")
+    c.admit("b")
+    c.complete("a")
+    r, _ = _restore(j)
+    assert r.state is State.READY
+    assert r.committed == c.committed and r.identity == c.identity
+    assert set(r.active) == {"b"}
+    assert r.active["b"].version == c.committed
+    assert [v.label for v in r.published] == ["rc-0", "rc-1"]
+    nxt = r.request_update(c.identity, "trainer")  # type: ignore[arg-type]
+    assert nxt.target.version.label == "rc-2"
+
+
+def test_recovery_after_taint_on_fake_engine() -> None:
+    w0 = FakeWeights.from_seed(0)
+    eng = FakeEngine(w0)
+    ad = FakeAdapter(eng)
+    j = Journal()
+    c = LifecycleController(listener=j.listener)
+    r = LifecycleRunner(c, ad, Deadlines(transfer_s=0.3, cancel_grace_s=0.2, fence_s=0.3),
+                        record=j.write)
+    ad.stage(w0)
+    r.bootstrap(w0.identity())
+    old_epoch = eng.epoch
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject("transfer", FaultKind.DIE)
+    with pytest.raises(UpdateFailed):
+        r.run_update(w1.identity())
+    assert c.state is State.TAINTED
+    with pytest.raises(UpdateFailed):
+        r.recover(FakeRecoverer(ad, w0, fail=True))
+    assert c.state is State.TAINTED
+    v = r.recover(FakeRecoverer(ad, w0))
+    assert v.accepted and c.state is State.READY
+    assert c.committed is not None and c.committed.engine_epoch != old_epoch
+    assert c.committed.label == "rc-2"  # rc-1 burnt by the tainted attempt
+    assert ad.engine.label == "rc-2"
+    b = c.admit("after-recovery")
+    assert b.version == c.committed
+    c.complete("after-recovery")
+    assert check_journal(j.records) == []
+
+
+def test_controller_process_killed_mid_update_restores_tainted(tmp_path: Path) -> None:
+    path = tmp_path / "journal.jsonl"
+    helper = Path(__file__).parent / "helpers" / "controller_proc.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    with subprocess.Popen([sys.executable, str(helper), str(path)], stdout=subprocess.PIPE,
+                          text=True, env=env) as p:
+        try:
+            assert p.stdout is not None
+            line = p.stdout.readline()
+            assert "READY-TO-KILL" in line
+            os.kill(p.pid, signal.SIGKILL)
+        finally:
+            p.wait(10)
+    recs = read_journal(path)
+    assert any(r.kind == "begin_update" for r in recs)
+    c, j = restore_controller(path)
+    assert c.state is State.TAINTED
+    assert c.committed is not None and c.committed.label == "default"
+    j.close()
+    recs2 = read_journal(path)
+    assert recs2[-1].kind == "taint"
+    assert check_journal(recs2) == []
