@@ -163,6 +163,8 @@ def test_bad_path_and_timeout(tmp_path: Path) -> None:
         TrajectoryRecorder(tmp_path / "t.jsonl", lock_timeout_s=-1)
     with pytest.raises(BadInput, match="does not exist"):
         list(read_groups(tmp_path / "missing.jsonl"))
+    with pytest.raises(BadInput, match="does not exist"):
+        TrajectoryRecorder(tmp_path / "no-such-dir" / "t.jsonl")
 
 
 # --------------------------------------------------------------------------- locking
@@ -186,6 +188,24 @@ def test_lock_waits_for_release(tmp_path: Path) -> None:
     threading.Timer(0.2, first.close).start()
     with TrajectoryRecorder(path, lock_timeout_s=10) as rec:
         assert rec.recovery.clean
+
+
+def test_concurrent_appends_from_threads(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    groups = [make_group(prompt_index=i, n=2) for i in range(24)]
+    outcomes: list[AppendOutcome] = []
+    with TrajectoryRecorder(path) as rec:
+        def work(k: int) -> None:
+            for g in groups[k::4] + groups[:2]:  # every thread also re-appends 0 and 1
+                outcomes.append(rec.append_group(g))
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert outcomes.count(AppendOutcome.COMMITTED) == 24
+    assert outcomes.count(AppendOutcome.ALREADY_COMMITTED) == 8
+    assert sorted(g.prompt_index for g in read_groups(path)) == list(range(24))
 
 
 # --------------------------------------------------------------------------- recovery
@@ -233,7 +253,9 @@ def test_every_torn_prefix_recovers_to_the_last_commit(tmp_path: Path) -> None:
     raw = src.read_bytes()
     end0 = raw.index(b"\n", raw.index(b'"record":"commit"')) + 1
     path = tmp_path / "t.jsonl"
-    for cut in range(end0, len(raw), 7):
+    # Every line boundary of group 1, one byte short of the end, and a sweep in between.
+    boundaries = {i + 1 for i in range(end0, len(raw) - 1) if raw[i] == ord("\n")}
+    for cut in sorted({*range(end0, len(raw), 37), *boundaries, len(raw) - 1}):
         path.write_bytes(raw[:cut])
         assert [g.prompt_index for g in read_groups(path)] == [0], cut
         with TrajectoryRecorder(path) as rec:

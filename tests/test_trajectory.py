@@ -95,7 +95,7 @@ def samples(draw: st.DrawFn) -> TrajectorySample:
         timestamps=Timestamps(t0, t0, t0 + dt, t0 + dt))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(samples())
 def test_sample_roundtrip_is_exact(s: TrajectorySample) -> None:
     back = _roundtrip(s)
@@ -104,7 +104,7 @@ def test_sample_roundtrip_is_exact(s: TrajectorySample) -> None:
     assert back.to_dict() == s.to_dict()
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(samples())
 def test_roundtrip_through_canonical_line(s: TrajectorySample) -> None:
     line = s.encode()

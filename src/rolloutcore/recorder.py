@@ -42,6 +42,8 @@ import fcntl
 import hashlib
 import json
 import os
+import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -275,6 +277,7 @@ class TrajectoryRecorder:
                 or not lock_timeout_s >= 0:
             raise BadInput(f"lock_timeout_s must be a number >= 0, got {lock_timeout_s!r}")
         self.path = Path(path)
+        self._mutex = threading.Lock()  # appends from several generator threads are fine
         self._fd = -1
         self._broken: str | None = None
         self._index: dict[str, CommittedGroup] = {}
@@ -284,6 +287,8 @@ class TrajectoryRecorder:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         except IsADirectoryError as exc:
             raise BadInput(f"trajectory file {str(self.path)!r} is a directory") from exc
+        except FileNotFoundError as exc:
+            raise BadInput(f"directory of {str(self.path)!r} does not exist") from exc
         except OSError as exc:
             raise JournalError(f"cannot open {str(self.path)!r}: {exc}") from exc
         try:
@@ -353,9 +358,13 @@ class TrajectoryRecorder:
         id or the same (run, step, prompt index), and ``JournalError`` when the
         write fails (the partial write is cut off again before raising).
         """
-        self._check_usable()
         if not isinstance(group, TrajectoryGroup):
             raise BadInput(f"append_group takes a TrajectoryGroup, got {type(group).__name__}")
+        with self._mutex:
+            return self._append(group)
+
+    def _append(self, group: TrajectoryGroup) -> AppendOutcome:
+        self._check_usable()
         have = self._index.get(group.group_id)
         if have is not None:
             if have.content_digest == group.content_digest:
@@ -395,19 +404,22 @@ class TrajectoryRecorder:
             self._broken = f"a failed append could not be cut off ({exc}); reopen to recover"
 
     def committed_groups(self) -> Mapping[str, CommittedGroup]:
-        """Committed groups by id, in commit order (a read-only view)."""
-        self._check_usable()
-        return MappingProxyType(self._index)
+        """Committed groups by id, in commit order (a snapshot)."""
+        with self._mutex:
+            self._check_usable()
+            return MappingProxyType(dict(self._index))
 
     def is_committed(self, group_id: str) -> bool:
-        self._check_usable()
-        return group_id in self._index
+        with self._mutex:
+            self._check_usable()
+            return group_id in self._index
 
     def cursor(self, run: str, step: int) -> GenerationCursor:
         """Which prompts of (run, step) are committed, straight from the file."""
-        self._check_usable()
-        return GenerationCursor.from_indices(
-            run, step, (p for (r, s, p) in self._by_prompt if r == run and s == step))
+        with self._mutex:
+            self._check_usable()
+            done = [p for (r, s, p) in self._by_prompt if r == run and s == step]
+        return GenerationCursor.from_indices(run, step, done)
 
     def _check_usable(self) -> None:
         if self._fd < 0:
@@ -416,9 +428,10 @@ class TrajectoryRecorder:
             raise JournalError(f"recorder for {str(self.path)!r} is unusable: {self._broken}")
 
     def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)  # releases the flock
+        with self._mutex:
+            if self._fd >= 0:
+                fd, self._fd = self._fd, -1
+                os.close(fd)  # releases the flock
 
     def __enter__(self) -> TrajectoryRecorder:
         return self
@@ -530,10 +543,11 @@ class GenerationCursor:
     def save(self, path: PathLike) -> None:
         """Replace ``path`` atomically: write a temp file, fsync, rename, fsync the dir."""
         p = Path(path)
-        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
         data = json.dumps(self.to_dict(), sort_keys=True).encode() + b"\n"
+        tmp: Path | None = None
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd, tmp_name = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+            tmp = Path(tmp_name)
             try:
                 _write_all(fd, data)
                 os.fsync(fd)
@@ -542,7 +556,8 @@ class GenerationCursor:
             os.replace(tmp, p)
             _fsync_dir(p.parent)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
             raise JournalError(f"could not save cursor to {str(p)!r}: {exc}") from exc
 
     @classmethod
