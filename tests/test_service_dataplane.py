@@ -1,0 +1,410 @@
+"""The gateway's data plane, in process, over the FakeEngine (fast lane).
+
+What is checked here is the contract of every forwarded request: admitted
+through the controller, bound to the committed version, released at the end
+whatever the ending, and answered with the version it was bound to, which
+must equal the engine's own per-token version spans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from helpers.gateway_rig import (
+    AUTH,
+    DATA_TOKEN,
+    begin_body,
+    remote_transfer,
+    rig,
+    sse_events,
+    transfer_body,
+)
+from rolloutcore.adapters.fake import FakeWeights, reference_tokens
+from rolloutcore.journal import first_index
+from rolloutcore.lifecycle import State
+from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+GEN = "/inference/v1/generate"
+
+
+def gen_body(n: int = 6, stream: bool = False, prompt: list[int] | None = None) -> dict[str, Any]:
+    return {"token_ids": prompt or [1, 2, 3, 4], "sampling_params": {"max_tokens": n},
+            "stream": stream}
+
+
+def snapshot(r: Any) -> tuple[Any, ...]:
+    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.received))
+
+
+async def test_generate_is_bound_answered_with_its_version_and_released() -> None:
+    async with rig() as r:
+        resp = await r.client.post(GEN, json=gen_body(8))
+        assert resp.status_code == 200
+        body = resp.json()
+        info = body[BODY_FIELD]
+        assert resp.headers[VERSION_HEADER] == info["version"] == "default"
+        assert info["identity_digest"] == r.controller.identity.digest  # type: ignore[union-attr]
+        assert resp.headers["x-rolloutcore-rollout-id"] == info["rollout_id"]
+        spans = body["choices"][0]["weight_versions"]
+        assert {s["version"] for s in spans} == {info["version"]}
+        assert body["choices"][0]["token_ids"] == reference_tokens(
+            FakeWeights.from_seed(0).digest, [1, 2, 3, 4], 8)
+        assert r.controller.active == {}
+        admits = [d for d in r.kinds("admit") if d["rollout_id"] == info["rollout_id"]]
+        done = [d for d in r.kinds("complete") if d["rollout_id"] == info["rollout_id"]]
+        assert len(admits) == len(done) == 1 and done[0]["attributable"] is True
+
+
+async def test_streaming_generate_carries_version_in_first_event_and_ends_with_done() -> None:
+    async with rig(streaming=True) as r:
+        resp = await r.client.post(GEN, json=gen_body(5, stream=True))
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.text)
+        assert events[-1] == "[DONE]"
+        assert events[0][BODY_FIELD]["version"] == resp.headers[VERSION_HEADER] == "default"
+        assert all(BODY_FIELD not in e for e in events[1:-1])
+        toks = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+        assert len(toks) == 5
+        spans = events[-2]["choices"][0]["weight_versions"]
+        assert spans == [{"version": "default", "start": 0, "end": 5}]
+        assert r.controller.active == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4}),
+    ("/v1/chat/completions", {"model": "m", "max_tokens": 4,
+                              "messages": [{"role": "user", "content": "hi"}]}),
+])
+async def test_openai_routes_stream_and_not(route: str, body: dict[str, Any],
+                                            stream: bool) -> None:
+    async with rig(streaming=True) as r:
+        resp = await r.client.post(route, json={**body, "stream": stream})
+        assert resp.status_code == 200, resp.text
+        assert resp.headers[VERSION_HEADER] == "default"
+        if stream:
+            events = sse_events(resp.text)
+            assert events[-1] == "[DONE]" and events[0][BODY_FIELD]["version"] == "default"
+            assert len(events) == 4 + 1
+        else:
+            assert resp.json()[BODY_FIELD]["version"] == "default"
+        assert r.fake.received[-1] == {**body, "stream": stream}  # forwarded unchanged
+        assert r.controller.active == {}
+
+
+async def test_rollout_id_header_is_used_and_duplicates_are_refused() -> None:
+    async with rig(streaming=True, event_delay_s=0.02) as r:
+        h = {"x-rolloutcore-rollout-id": "run7/step3/p0"}
+        async with r.client.stream("POST", GEN, json=gen_body(10, stream=True), headers=h) as s:
+            assert s.headers["x-rolloutcore-rollout-id"] == "run7/step3/p0"
+            dup = await r.client.post(GEN, json=gen_body(2), headers=h)
+            assert dup.status_code == 409
+            await s.aread()
+        assert r.controller.active == {}
+        again = await r.client.post(GEN, json=gen_body(2), headers=h)
+        assert again.status_code == 200
+
+
+async def test_requests_during_an_update_get_503_retry_after_and_never_reach_vllm() -> None:
+    async with rig() as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        assert b.status_code == 201 and r.controller.state is State.UPDATING
+        n_before = len(r.fake.received)
+        for route, body in ((GEN, gen_body()), ("/v1/completions", {"prompt": "x"})):
+            resp = await r.client.post(route, json=body)
+            assert resp.status_code == 503
+            assert resp.headers["retry-after"] == "1"
+            assert resp.json()[BODY_FIELD]["state"] == "UPDATING"
+            assert VERSION_HEADER not in resp.headers
+        assert len(r.fake.received) == n_before
+        ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
+        done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                   json=transfer_body(ev), headers=AUTH)
+        assert done.json()["status"] == "published"
+        after = await r.client.post(GEN, json=gen_body(4))
+        assert after.headers[VERSION_HEADER] == "rc-1"
+        assert after.json()["choices"][0]["weight_versions"] == [
+            {"version": "rc-1", "start": 0, "end": 4}]
+
+
+async def test_queue_holds_requests_during_an_update_and_admits_them_after_the_commit() -> None:
+    async with rig(queue_max=4, queue_wait_s=10) as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        results: list[httpx.Response] = []
+
+        async def one() -> None:
+            results.append(await r.client.post(GEN, json=gen_body(3)))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(one)
+            while r.gateway.data.waiting < 4:
+                await anyio.sleep(0.005)
+            over = await r.client.post(GEN, json=gen_body(3))  # the queue is full
+            assert over.status_code == 503
+            assert r.fake.received == []  # nobody ran before the commit
+            ev = remote_transfer(r.adapter, w1, "rc-1")
+            await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                json=transfer_body(ev), headers=AUTH)
+        assert [x.status_code for x in results] == [200] * 4
+        for x in results:
+            assert x.headers[VERSION_HEADER] == "rc-1"
+            assert {s["version"] for s in x.json()["choices"][0]["weight_versions"]} == {"rc-1"}
+        text = (await r.client.get("/metrics")).text
+        assert 'rolloutcore_queued_requests_total{result="admitted"} 4.0' in text
+
+
+async def test_queue_wait_is_bounded() -> None:
+    async with rig(queue_max=2, queue_wait_s=0.2) as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        t0 = anyio.current_time()
+        resp = await r.client.post(GEN, json=gen_body())
+        assert resp.status_code == 503 and anyio.current_time() - t0 >= 0.2
+        assert r.gateway.data.waiting == 0
+
+
+async def test_client_disconnect_mid_stream_releases_binding_and_closes_upstream() -> None:
+    async with rig(streaming=True, event_delay_s=0.05) as r:
+        async with r.client.stream("POST", GEN, json=gen_body(40, stream=True)) as s:
+            it = s.aiter_bytes()
+            first = await it.__anext__()
+            assert b'"rolloutcore"' in first
+            assert len(r.controller.active) == 1
+        # the response is closed after one event: the client went away
+        with anyio.fail_after(5):
+            while r.controller.active or r.fake.streams_closed_early == 0:
+                await anyio.sleep(0.01)
+        text = (await r.client.get("/metrics")).text
+        assert 'rolloutcore_stream_endings_total{ending="client_disconnect"} 1.0' in text
+        # an update can begin at once: nothing is left bound
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        assert b.status_code == 201
+
+
+async def test_upstream_break_mid_stream_ends_with_an_error_event_not_silence() -> None:
+    async with rig(streaming=True) as r:
+        r.fake.break_after_events = 2
+        resp = await r.client.post(GEN, json=gen_body(6, stream=True))
+        events = sse_events(resp.text)
+        assert events[-1] == "[DONE]"
+        err = events[-2]
+        assert err["error"]["code"] == 502 and "broke off" in err["error"]["message"]
+        assert err[BODY_FIELD]["version"] == "default"
+        assert len([e for e in events if isinstance(e, dict) and "choices" in e]) == 2
+        assert r.controller.active == {}
+
+
+async def test_upstream_stream_without_terminator_is_reported_as_truncated() -> None:
+    async with rig(streaming=True) as r:
+        r.fake.omit_done = True
+        resp = await r.client.post(GEN, json=gen_body(3, stream=True))
+        events = sse_events(resp.text)
+        assert events[-2]["error"]["message"].endswith("without its [DONE] terminator")
+        assert r.controller.active == {}
+
+
+async def test_upstream_unreachable_is_502_with_version_and_released() -> None:
+    async with rig() as r:
+        await r.gateway.data.aclose()
+        r.gateway.data._transport = httpx.AsyncHTTPTransport(retries=0)
+        r.gateway.data.config = r.gateway.config.__class__(
+            upstream_url="http://127.0.0.1:9", control_token=r.gateway.config.control_token)
+        await r.gateway.data.start()
+        resp = await r.client.post(GEN, json=gen_body())
+        assert resp.status_code == 502
+        assert resp.headers[VERSION_HEADER] == "default"
+        assert r.controller.active == {}
+
+
+async def test_upstream_errors_pass_through_with_version() -> None:
+    async with rig() as r:
+        bad = await r.client.post(GEN, json={"token_ids": [999], "sampling_params": {}})
+        assert bad.status_code == 400 and bad.json()[BODY_FIELD]["version"] == "default"
+        r.fake.status_error = 500
+        err = await r.client.post(GEN, json=gen_body())
+        assert err.status_code == 500 and err.json()["error"]["message"]
+        assert r.controller.active == {}
+
+
+async def test_tainted_engine_refuses_without_retry_after() -> None:
+    async with rig() as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                            json={"failure": {"kind": "error", "reason": "nccl died"}},
+                            headers=AUTH)
+        assert r.controller.state is State.TAINTED
+        resp = await r.client.post(GEN, json=gen_body())
+        assert resp.status_code == 503 and "retry-after" not in resp.headers
+        assert (await r.client.get("/health")).status_code == 503
+
+
+async def test_data_token_when_configured() -> None:
+    async with rig(data_token=DATA_TOKEN) as r:
+        before = snapshot(r)
+        assert (await r.client.post(GEN, json=gen_body())).status_code == 401
+        wrong = await r.client.post(GEN, json=gen_body(), headers={"authorization": "Bearer x"})
+        assert wrong.status_code == 403
+        ctl = await r.client.post(GEN, json=gen_body(), headers=AUTH)  # control token != data
+        assert ctl.status_code == 403
+        assert snapshot(r) == before
+        ok = await r.client.post(GEN, json=gen_body(),
+                                 headers={"authorization": f"Bearer {DATA_TOKEN}"})
+        assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("content,headers,status", [
+    (b"{not json", {}, 400),
+    (b"[1, 2, 3]", {}, 400),
+    (b'"a string"', {}, 400),
+    (b'{"token_ids": [1], "stream": "yes"}', {}, 400),
+    (b'{"token_ids": [1], "rolloutcore": {}}', {}, 400),
+    (b"\xff\xfe\x00", {}, 400),
+    (b'{"token_ids": [1]}', {"content-type": "text/plain"}, 415),
+    (b'{"token_ids": [1]}', {"x-rolloutcore-rollout-id": "bad id with spaces"}, 400),
+    (b'{"token_ids": [1]}', {"x-rolloutcore-rollout-id": "x" * 300}, 400),
+    (b"{" + b" " * 5000 + b"}", {}, 413),
+])
+async def test_bad_requests_are_4xx_and_change_nothing(content: bytes, headers: dict[str, str],
+                                                       status: int) -> None:
+    async with rig(max_body_bytes=4096) as r:
+        before = snapshot(r)
+        h = {"content-type": "application/json", **headers}
+        resp = await r.client.post(GEN, content=content, headers=h)
+        assert resp.status_code == status
+        assert "error" in resp.json()
+        assert snapshot(r) == before
+
+
+async def test_wrong_method_unknown_route_and_huge_body_without_length() -> None:
+    async with rig(max_body_bytes=1024) as r:
+        before = snapshot(r)
+        assert (await r.client.get(GEN)).status_code == 405
+        nf = await r.client.post("/v1/embeddings", json={})
+        assert nf.status_code == 404 and nf.json()["error"]
+
+        async def chunks() -> Any:
+            for _ in range(100):
+                yield b"x" * 100
+
+        big = await r.client.post(GEN, content=chunks(),
+                                  headers={"content-type": "application/json"})
+        assert big.status_code == 413
+        assert snapshot(r) == before
+
+
+async def test_concurrent_streams_across_updates_are_version_pure() -> None:
+    """Many clients while a trainer updates three times: each answer is one version,
+    equal to its binding, and nothing is admitted while an update is in flight."""
+    async with rig(streaming=True, token_delay_s=0.0003, event_delay_s=0.001,
+                   queue_max=64, queue_wait_s=20) as r:
+        answers: list[tuple[str, list[Any]]] = []
+        rnd = random.Random(7)
+        stop = anyio.Event()
+
+        async def client(i: int) -> None:
+            while not stop.is_set():
+                stream = rnd.random() < 0.7
+                resp = await r.client.post(GEN, json=gen_body(rnd.randint(2, 12), stream,
+                                                              [i % 200 + 1, 5, 6]))
+                assert resp.status_code == 200, resp.text
+                if stream:
+                    evs = sse_events(resp.text)
+                    assert evs[-1] == "[DONE]"
+                    answers.append((resp.headers[VERSION_HEADER], evs[:-1]))
+                else:
+                    answers.append((resp.headers[VERSION_HEADER], [resp.json()]))
+
+        async def trainer() -> None:
+            for step in (1, 2, 3):
+                await anyio.sleep(0.05)
+                w = FakeWeights.from_seed(step, step=step)
+                r.adapter.stage(w)
+                b = await r.client.post("/control/updates", json=begin_body(w), headers=AUTH)
+                assert b.status_code == 201, b.text
+                label = b.json()["target"]["label"]
+                ev = await anyio.to_thread.run_sync(remote_transfer, r.adapter, w, label)
+                d = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                        json=transfer_body(ev), headers=AUTH)
+                assert d.json()["status"] == "published", d.text
+            await anyio.sleep(0.05)
+            stop.set()
+
+        async with anyio.create_task_group() as tg:
+            for i in range(12):
+                tg.start_soon(client, i)
+            tg.start_soon(trainer)
+        seen = set()
+        for version, events in answers:
+            assert events[0][BODY_FIELD]["version"] == version
+            spans = [s for e in events for s in (e["choices"][0].get("weight_versions") or [])]
+            assert spans and {s["version"] for s in spans} == {version}
+            seen.add(version)
+        assert {"default", "rc-3"} <= seen
+        recs = r.journal.records
+        # between each begin_update and its commit, no admission happened
+        for k in range(1, 4):
+            i_begin = first_index(recs, "begin_update", update_id=k)
+            i_commit = next(i for i, x in enumerate(recs) if x.kind == "commit"
+                            and x.data["version"]["label"] == f"rc-{k}")
+            assert i_begin >= 0
+            assert not [x for x in recs[i_begin:i_commit] if x.kind == "admit"]
+        assert r.controller.active == {}
+
+
+async def test_metrics_count_admissions_and_requests() -> None:
+    async with rig() as r:
+        await r.client.post(GEN, json=gen_body())
+        await r.client.post(GEN, content=b"{", headers={"content-type": "application/json"})
+        text = (await r.client.get("/metrics")).text
+        assert 'rolloutcore_admissions_total{result="accepted"} 1.0' in text
+        assert 'rolloutcore_requests_total{route="/inference/v1/generate",status="200"} 1.0' in text
+        assert 'rolloutcore_requests_total{route="/inference/v1/generate",status="400"} 1.0' in text
+        assert 'rolloutcore_state{state="READY"} 1.0' in text
+        assert "rolloutcore_active_rollouts 0.0" in text
+
+
+def test_sse_relay_injects_only_the_first_event_across_chunk_boundaries() -> None:
+    from rolloutcore.service.proxy import _SseRelay
+
+    relay = _SseRelay({"version": "v"}, collect=True)
+    raw = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
+    out = b"".join(relay.feed(raw[i:i + 3]) for i in range(0, len(raw), 3)) + relay.flush()
+    evs = sse_events(out.decode())
+    assert evs == [{"a": 1, "rolloutcore": {"version": "v"}}, {"b": 2}, "[DONE]"]
+    assert relay.complete
+    assert [e for e in relay.events] == [{"a": 1, "rolloutcore": {"version": "v"}}, {"b": 2}]
+    empty = _SseRelay({"version": "v"}, collect=False)
+    out2 = empty.feed(b"data: [DONE]\n\n") + empty.flush()
+    assert sse_events(out2.decode()) == [{"rolloutcore": {"version": "v"}}, "[DONE]"]
+    assert json.loads(out2.split(b"\n\n")[0][6:])["rolloutcore"]["version"] == "v"
+
+
+async def test_lifespan_closes_cleanly_with_requests_done() -> None:
+    async with rig() as r:
+        await asyncio.gather(*(r.client.post(GEN, json=gen_body(2)) for _ in range(8)))
+        assert r.controller.active == {}
