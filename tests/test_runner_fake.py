@@ -23,7 +23,8 @@ from rolloutcore.runner import Deadlines, LifecycleRunner
 from rolloutcore.versions import VerificationLevel
 
 FAST = Deadlines(drain_s=5, pause_s=0.5, preflight_s=0.5, transfer_s=0.5, reset_s=0.5,
-                 validate_s=0.5, resume_s=0.5, live_validate_s=5, bootstrap_s=2, fence_s=0.5, cancel_grace_s=0.5,
+                 validate_s=0.5, resume_s=0.5, live_validate_s=5, bootstrap_s=2, fence_s=0.5,
+                 cancel_grace_s=0.5,
                  retry_backoff_s=0.01)
 
 
