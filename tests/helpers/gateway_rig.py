@@ -21,9 +21,9 @@ from typing import Any
 
 import httpx
 import uvicorn
-from asgi_stream import StreamingASGITransport, lifespan
-from fake_vllm import FakeVllm
 
+from helpers.asgi_stream import StreamingASGITransport, lifespan
+from helpers.fake_vllm import FakeVllm
 from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.evidence import TransferEvidence
 from rolloutcore.journal import Journal
