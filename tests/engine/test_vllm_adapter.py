@@ -383,7 +383,8 @@ def test_adapter_drain_validate_resume(engine: ManagedEngine, tmp_path: Path) ->
         assert any("zero bytes" in u for u in v.unverified)
         # A label the engine does not serve is caught.
         wrong = _target("rc-999")
-        assert any("rc-999" in p for p in a.validate(wrong, live=False).problems(wrong))
+        vw = a.validate(wrong, live=False)
+        assert vw is not None and any("rc-999" in p for p in vw.problems(wrong))
         # A reference that disagrees fails the checksum check.
         bad = dict(cs.digests)
         bad["lm_head.weight"] = "1" * 64

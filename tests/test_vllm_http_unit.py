@@ -1,0 +1,729 @@
+"""VllmHTTP / VllmAdapter behaviour that a real engine cannot be made to show on demand.
+
+The real vLLM 0.32 server is exercised in ``tests/engine/test_vllm_adapter.py``
+(including a real ``{"success": false}`` reset). Here ``httpx.MockTransport``
+stands in only for what that server never does: malformed or unexpected
+bodies, server errors and timeouts, and the route set of an older vLLM (0.26:
+no ``/weight_info``, no ``/weight_checker``, no per-token versions) or of a
+tensor-parallel one. Cancellation is tested against a real socket.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import httpx
+import pytest
+
+from rolloutcore.adapters.vllm import (
+    CACHE_ROUTES,
+    EMPTY_SHA256,
+    MetricsSnapshot,
+    Routes,
+    VllmAdapter,
+    VllmHTTP,
+    WeightChecksums,
+    compare_checksums,
+    prefix_cache_delta,
+)
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    EngineUnavailable,
+    TransferError,
+)
+from rolloutcore.evidence import CacheKind, Check, PauseMode, UpdateTarget
+from rolloutcore.versions import (
+    ParameterManifest,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+)
+
+BASE = "http://engine.test"
+
+V032 = frozenset({
+    Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO, Routes.MODELS, Routes.METRICS,
+    Routes.PAUSE, Routes.RESUME, Routes.IS_PAUSED, Routes.IS_SLEEPING, Routes.RESET_PREFIX,
+    Routes.RESET_ENCODER, Routes.RESET_MM, Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER,
+    Routes.GENERATE, Routes.COMPLETIONS,
+})
+# vLLM 0.26: pause/resume, resets, weight transfer; no label, no checker.
+V026 = V032 - {Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER}
+
+Handler = Callable[[httpx.Request], httpx.Response]
+
+
+class Engine:
+    """A route table answering like vLLM, with per-route overrides; records requests."""
+
+    def __init__(self, routes: frozenset[str] = V032,
+                 overrides: Mapping[str, Handler] | None = None) -> None:
+        self.routes = routes
+        self.overrides = dict(overrides or {})
+        self.requests: list[httpx.Request] = []
+        self.paused = False
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        self.requests.append(req)
+        path = req.url.path
+        if path in self.overrides:
+            return self.overrides[path](req)
+        if path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {r: {} for r in self.routes}})
+        if path not in self.routes:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if path == Routes.HEALTH:
+            return httpx.Response(200)
+        if path == Routes.MODELS:
+            return httpx.Response(200, json={"data": [{"id": "policy"}]})
+        if path == Routes.VERSION:
+            return httpx.Response(200, json={"version": "0.26.0"})
+        if path == Routes.SERVER_INFO:
+            return httpx.Response(200, json={"vllm_config": {}})
+        if path == Routes.PAUSE:
+            self.paused = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == Routes.RESUME:
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == Routes.IS_PAUSED:
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == Routes.IS_SLEEPING:
+            return httpx.Response(200, json={"is_sleeping": self.paused})
+        if path == Routes.RESET_PREFIX:
+            return httpx.Response(200, json={"success": True})
+        if path in (Routes.RESET_ENCODER, Routes.RESET_MM):
+            return httpx.Response(200)
+        if path == Routes.WEIGHT_INFO:
+            return httpx.Response(200, json={"weight_version": "rc-1"})
+        return httpx.Response(500, json={"error": f"unexpected {path}"})
+
+    def sent(self, path: str) -> int:
+        return sum(1 for r in self.requests if r.url.path == path)
+
+
+def client(engine: Engine, **kw: Any) -> VllmHTTP:
+    return VllmHTTP(BASE, transport=httpx.MockTransport(engine), **kw)
+
+
+def answer(status: int, body: Any = None, text: str | None = None) -> Handler:
+    def h(_: httpx.Request) -> httpx.Response:
+        if text is not None:
+            return httpx.Response(status, text=text)
+        return httpx.Response(status, json=body) if body is not None else httpx.Response(status)
+    return h
+
+
+def raising(exc: Exception) -> Handler:
+    def h(_: httpx.Request) -> httpx.Response:
+        raise exc
+    return h
+
+
+def target(label: str = "rc-1", identity: WeightIdentity | None = None) -> UpdateTarget:
+    m = ParameterManifest.from_items([("w", (2,), "float32")])
+    return UpdateTarget(WeightVersion(1, label, "e0"),
+                        identity or WeightIdentity.declare(m, Provenance("ckpt")), "test")
+
+
+# --------------------------------------------------------------------------- construction
+
+
+@pytest.mark.parametrize("url", ["", "engine:8000", "ftp://x", None])
+def test_bad_base_url(url: Any) -> None:
+    with pytest.raises(BadInput):
+        VllmHTTP(url)
+
+
+@pytest.mark.parametrize("t", [0, -1, float("nan"), float("inf"), True, "5"])
+def test_bad_timeout(t: Any) -> None:
+    with pytest.raises(BadInput):
+        VllmHTTP(BASE, timeout_s=t)
+
+
+def test_capabilities_are_read_once_from_openapi() -> None:
+    e = Engine()
+    h = client(e)
+    assert h.capabilities() == V032
+    assert h.has(Routes.GENERATE) and not h.has("/nope")
+    assert e.sent("/openapi.json") == 1
+    h.capabilities(refresh=True)
+    assert e.sent("/openapi.json") == 2
+
+
+def test_openapi_without_paths_is_an_effect_error() -> None:
+    h = client(Engine(overrides={"/openapi.json": answer(200, {"info": {}})}))
+    with pytest.raises(EffectError, match="paths"):
+        h.capabilities(mutation_started=False)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("started", [True, False])
+def test_server_error_is_engine_unavailable_with_callers_mutation_flag(started: bool) -> None:
+    h = client(Engine(overrides={Routes.PAUSE: answer(500, {"error": "boom"})}))
+    with pytest.raises(EngineUnavailable, match=r"HTTP 500.*boom") as ei:
+        h.pause(PauseMode.WAIT, mutation_started=started)
+    assert ei.value.mutation_started is started and ei.value.step == "pause"
+
+
+def test_connect_error_is_engine_unavailable_from_the_httpx_error() -> None:
+    h = client(Engine(overrides={Routes.RESUME: raising(httpx.ConnectError("refused"))}))
+    with pytest.raises(EngineUnavailable) as ei:
+        h.resume(mutation_started=False)
+    assert isinstance(ei.value.__cause__, httpx.ConnectError)
+    assert ei.value.mutation_started is False
+
+
+def test_timeout_is_effect_timeout_with_the_deadline_used() -> None:
+    h = client(Engine(overrides={Routes.IS_PAUSED: raising(httpx.ReadTimeout("slow"))}),
+               timeout_s=7)
+    with pytest.raises(EffectTimeout) as ei:
+        h.is_paused()
+    assert ei.value.deadline_s == 7 and ei.value.mutation_started is True
+    with pytest.raises(EffectTimeout) as ei:
+        h.is_paused(timeout_s=0.25, mutation_started=False)
+    assert ei.value.deadline_s == 0.25 and ei.value.mutation_started is False
+
+
+def test_client_error_on_our_request_is_bad_input() -> None:
+    h = client(Engine(overrides={Routes.GENERATE: answer(
+        400, {"error": {"message": "Token id 999 is out of vocabulary"}})}))
+    with pytest.raises(BadInput, match="out of vocabulary"):
+        h.generate([1, 999], max_tokens=2)
+
+
+@pytest.mark.parametrize("body", [{"is_paused": "yes"}, {"paused": True}, [], None])
+def test_unexpected_is_paused_answers_are_effect_errors(body: Any) -> None:
+    ans = answer(200, text="not json") if body is None else answer(200, body)
+    h = client(Engine(overrides={Routes.IS_PAUSED: ans}))
+    with pytest.raises(EffectError):
+        h.is_paused()
+
+
+def test_health_false_on_503_raises_when_unreachable() -> None:
+    assert client(Engine(overrides={Routes.HEALTH: answer(503)})).health() is False
+    h = client(Engine(overrides={Routes.HEALTH: raising(httpx.ConnectError("x"))}))
+    with pytest.raises(EngineUnavailable):
+        h.health()
+
+
+def test_bad_arguments_send_nothing() -> None:
+    e = Engine()
+    h = client(e)
+    h.capabilities()
+    before = len(e.requests)
+    for call in (
+        lambda: h.pause("wait"),  # type: ignore[arg-type]
+        lambda: h.pause(PauseMode.WAIT, clear_cache="no"),  # type: ignore[arg-type]
+        lambda: h.generate([], max_tokens=1),
+        lambda: h.generate([1, -2], max_tokens=1),
+        lambda: h.generate([1, True], max_tokens=1),
+        lambda: h.generate("abc", max_tokens=1),  # type: ignore[arg-type]
+        lambda: h.generate([1], max_tokens=0),
+        lambda: h.generate([1], max_tokens=1, temperature=-1),
+        lambda: h.generate([1], max_tokens=1, seed=1.5),  # type: ignore[arg-type]
+        lambda: h.complete("", max_tokens=1),
+        lambda: h.reset_prefix_cache(reset_running_requests=1),  # type: ignore[arg-type]
+        lambda: h.reset_cache("prefix"),  # type: ignore[arg-type]
+        lambda: h.is_paused(timeout_s=0),
+    ):
+        with pytest.raises(BadInput):
+            call()
+    # generate() asks for the model name first, nothing else reached the engine
+    assert {r.url.path for r in e.requests[before:]} <= {Routes.MODELS}
+
+
+def test_closed_client_refuses() -> None:
+    h = client(Engine())
+    h.close()
+    with pytest.raises(EngineUnavailable, match="closed"):
+        h.resume()
+
+
+# --------------------------------------------------------------------------- cache resets
+
+
+@pytest.mark.parametrize(("ans", "success", "detail"), [
+    (answer(200, text="<html>ok</html>"), False, "unrecognised"),
+    (answer(200, {"status": "ok"}), False, "unrecognised"),
+    (answer(200, {"success": "true"}), False, "unrecognised"),
+    (answer(200, {"success": 1}), False, "unrecognised"),
+])
+def test_prefix_reset_bodies_that_are_not_a_flag_fail_closed(
+        ans: Handler, success: bool, detail: str) -> None:
+    ev = client(Engine(overrides={Routes.RESET_PREFIX: ans})).reset_prefix_cache()
+    assert ev.http_status == 200 and ev.engine_success is success
+    assert detail in ev.detail and ev.problems(None)
+
+
+def test_reset_with_empty_body_is_unflagged_and_says_so() -> None:
+    ev = client(Engine(overrides={Routes.RESET_PREFIX: answer(200)})).reset_prefix_cache()
+    assert ev.http_status == 200 and ev.engine_success is None
+    assert ev.unverified == ("prefix cache reset: the engine reports no success flag",)
+    assert not ev.problems(None)
+
+
+def test_encoder_reset_that_starts_reporting_a_flag_is_read() -> None:
+    ev = client(Engine(overrides={Routes.RESET_ENCODER: answer(200, {"success": False})})
+                ).reset_encoder_cache()
+    assert ev.engine_success is False and ev.problems(None)
+
+
+def test_reset_server_error_raises() -> None:
+    h = client(Engine(overrides={Routes.RESET_MM: answer(503, text="overloaded")}))
+    with pytest.raises(EngineUnavailable, match="503"):
+        h.reset_mm_cache()
+
+
+def test_reset_running_requests_is_passed_as_a_query() -> None:
+    e = Engine()
+    client(e).reset_prefix_cache(reset_running_requests=True)
+    req = [r for r in e.requests if r.url.path == Routes.RESET_PREFIX][-1]
+    assert req.url.params["reset_running_requests"] == "true"
+
+
+@pytest.mark.parametrize("kind", list(CacheKind))
+def test_absent_reset_route_is_unverified_not_pretended(kind: CacheKind) -> None:
+    e = Engine(routes=V032 - {CACHE_ROUTES[kind]})
+    ev = client(e).reset_cache(kind)
+    assert ev.http_status is None and ev.engine_success is None
+    assert ev.unverified == (f"{kind.value} cache reset route absent: cache not reset",)
+    assert ev.problems(None)  # a reset that did not happen is never a success
+    assert e.sent(CACHE_ROUTES[kind]) == 0
+
+
+def test_pause_sends_mode_and_never_clears_by_default() -> None:
+    e = Engine()
+    client(e).pause(PauseMode.KEEP)
+    req = [r for r in e.requests if r.url.path == Routes.PAUSE][-1]
+    assert req.method == "POST"
+    assert dict(req.url.params) == {"mode": "keep", "clear_cache": "false"}
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def test_weight_info_on_an_engine_without_labels() -> None:
+    e = Engine(routes=V026)
+    wi = client(e).weight_info()
+    assert wi.label is None and wi.label_supported is False
+    assert e.sent(Routes.WEIGHT_INFO) == 0
+
+
+def test_weight_info_answers() -> None:
+    assert client(Engine()).label() == "rc-1"
+    h = client(Engine(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": None})}))
+    assert h.weight_info().label is None and h.weight_info().label_supported
+    h = client(Engine(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": 3})}))
+    with pytest.raises(EffectError):
+        h.weight_info()
+
+
+def test_checksums_of_a_tensor_parallel_engine_keep_rank_keys_for_repeated_names() -> None:
+    sums = {"dp0:pp0:pcp0:tp0:model.norm.weight": "a" * 64,
+            "dp0:pp0:pcp0:tp1:model.norm.weight": "b" * 64,
+            "dp0:pp0:pcp0:tp0:lm_head.weight": "C" * 64,
+            "dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight": EMPTY_SHA256}
+    h = client(Engine(overrides={Routes.WEIGHT_CHECKER: answer(200, {"checksums": sums})}))
+    cs = h.weight_checksums()
+    assert set(cs.digests) == {"dp0:pp0:pcp0:tp0:model.norm.weight",
+                               "dp0:pp0:pcp0:tp1:model.norm.weight",
+                               "lm_head.weight", "model.layers.0.mlp.down_proj.weight"}
+    assert cs.digests["lm_head.weight"] == "c" * 64  # normalised to lower case
+    assert cs.raw_keys["lm_head.weight"] == "dp0:pp0:pcp0:tp0:lm_head.weight"
+    assert cs.unverifiable == {"model.layers.0.mlp.down_proj.weight"}
+    assert cs.coverage == 0.75
+
+
+def test_checksums_without_the_checker_route() -> None:
+    h = client(Engine(routes=V026))
+    with pytest.raises(EffectError, match="no /weight_checker") as ei:
+        h.weight_checksums(mutation_started=False)
+    assert ei.value.mutation_started is False
+
+
+def _sums(**d: str) -> WeightChecksums:
+    return WeightChecksums(d, {k: f"dp0:pp0:pcp0:tp0:{k}" for k in d})
+
+
+def test_compare_checksums_never_counts_zero_bytes_as_a_match() -> None:
+    eng = _sums(a="1" * 64, b="2" * 64, fused=EMPTY_SHA256, c="3" * 64)
+    cmp = compare_checksums(eng, {"a": "1" * 64, "b": "2" * 64, "fused": EMPTY_SHA256})
+    assert cmp.matched == ("a", "b") and cmp.unverifiable == ("fused",)
+    assert cmp.no_reference == ("c",) and cmp.passed
+    assert cmp.coverage == 0.5
+    chk = cmp.to_check()
+    assert chk.passed and chk.coverage == 0.5 and chk.level is VerificationLevel.ENGINE_CHECKSUM
+    assert "1 unverifiable" in chk.detail and "1 without reference" in chk.detail
+
+
+def test_compare_checksums_failures() -> None:
+    eng = _sums(a="1" * 64, fused=EMPTY_SHA256)
+    assert compare_checksums(eng, {"a": "9" * 64}).mismatched == ("a",)
+    missing = compare_checksums(eng, {"a": "1" * 64, "gone": "1" * 64})
+    assert not missing.passed and missing.missing_in_engine == ("gone",)
+    nothing = compare_checksums(eng, {"fused": EMPTY_SHA256})
+    assert nothing.compared == 0 and not nothing.passed
+    assert "nothing compared" in nothing.detail()
+    # Full engine keys are accepted as reference keys too.
+    assert compare_checksums(eng, {"dp0:pp0:pcp0:tp0:a": "1" * 64}).matched == ("a",)
+    with pytest.raises(BadInput):
+        compare_checksums(eng, {"a": 1})  # type: ignore[dict-item]
+
+
+# --------------------------------------------------------------------------- metrics
+
+METRICS = """\
+# HELP vllm:prefix_cache_queries Prefix cache queries.
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="policy"} 600.0
+vllm:prefix_cache_queries_total{engine="1",model_name="policy"} 300.0
+vllm:prefix_cache_queries_created{engine="0",model_name="policy"} 1.7e+09
+# HELP vllm:prefix_cache_hits Prefix cache hits.
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="policy"} 256.0
+vllm:prefix_cache_hits_total{engine="1",model_name="policy"} 0.0
+# HELP vllm:e2e_request_latency_seconds Latency.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{le="0.5",model_name="policy"} 3.0
+vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="policy"} 4.0
+vllm:e2e_request_latency_seconds_count{model_name="policy"} 4.0
+vllm:e2e_request_latency_seconds_sum{model_name="policy"} 1.5
+"""
+
+
+def test_metrics_are_parsed_and_summed_over_engines() -> None:
+    m = client(Engine(overrides={Routes.METRICS: answer(200, text=METRICS)})).metrics()
+    assert m.get("vllm:prefix_cache_queries_total") == 900.0
+    assert m.get("vllm:prefix_cache_hits_total") == 256.0
+    assert m.get("vllm:e2e_request_latency_seconds_count") == 4.0
+    assert m.get("vllm:e2e_request_latency_seconds_bucket") is None
+
+
+def test_unparseable_metrics() -> None:
+    h = client(Engine(overrides={Routes.METRICS: answer(200, text="vllm:x{ 1 2 3\n")}))
+    with pytest.raises(EffectError, match="unparseable"):
+        h.metrics()
+
+
+def _snap(q: float | None, h: float | None) -> MetricsSnapshot:
+    v = {}
+    if q is not None:
+        v["vllm:prefix_cache_queries_total"] = q
+    if h is not None:
+        v["vllm:prefix_cache_hits_total"] = h
+    return MetricsSnapshot(v, 0.0)
+
+
+def test_prefix_cache_delta_is_after_minus_before() -> None:
+    d = prefix_cache_delta(_snap(300, 0), _snap(600, 256))
+    assert (d.queries, d.hits) == (300, 256) and d.hit_rate == 256 / 300
+    assert prefix_cache_delta(_snap(5, 1), _snap(5, 1)).hit_rate is None
+    with pytest.raises(BadInput, match="different engine incarnations"):
+        prefix_cache_delta(_snap(600, 256), _snap(300, 0))
+    with pytest.raises(BadInput, match="missing"):
+        prefix_cache_delta(_snap(1, None), _snap(2, 1))
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def _gen_answer(**choice: Any) -> Handler:
+    base = {"index": 0, "finish_reason": "length", "token_ids": [5, 6],
+            "logprobs": {"content": [{"token_id": 5, "logprob": -0.5},
+                                     {"token_id": 6, "logprob": -1.5}]}}
+    base.update(choice)
+    return answer(200, {"request_id": "r1", "choices": [base]})
+
+
+def test_generate_request_and_parse() -> None:
+    e = Engine(overrides={Routes.GENERATE: _gen_answer(
+        weight_versions=[{"version": "rc-1", "start": 0, "end": 1},
+                         {"version": "rc-2", "start": 1, "end": 2}])})
+    g = client(e).generate([1, 2, 3], max_tokens=2, seed=7, request_id="mine")
+    body = json.loads(next(r for r in e.requests if r.url.path == Routes.GENERATE).content)
+    assert body == {"model": "policy", "token_ids": [1, 2, 3], "request_id": "mine",
+                    "sampling_params": {"max_tokens": 2, "temperature": 0.0,
+                                        "ignore_eos": False, "logprobs": 0, "seed": 7}}
+    assert g.token_ids == (5, 6) and g.logprobs == (-0.5, -1.5)
+    assert g.versions() == {"rc-1", "rc-2"} and g.finish_reason == "length"
+
+
+def test_generate_on_an_engine_without_version_spans() -> None:
+    g = client(Engine(overrides={Routes.GENERATE: _gen_answer()})).generate(
+        [1], max_tokens=2)
+    assert g.weight_versions is None and g.versions() == frozenset()
+
+
+@pytest.mark.parametrize("choice", [
+    {"logprobs": {"content": [{"token_id": 5, "logprob": -0.5}]}},   # one missing
+    {"weight_versions": [{"version": "x", "start": 2, "end": 1}]},     # reversed span
+    {"token_ids": ["a"]},
+])
+def test_generate_malformed_answers(choice: dict[str, Any]) -> None:
+    h = client(Engine(overrides={Routes.GENERATE: _gen_answer(**choice)}))
+    with pytest.raises(EffectError, match="unexpected generate answer"):
+        h.generate([1], max_tokens=2)
+
+
+def test_completions_request_and_parse() -> None:
+    e = Engine(overrides={Routes.COMPLETIONS: answer(200, {"choices": [{
+        "text": "hi", "token_ids": [104, 105], "finish_reason": "length",
+        "logprobs": {"token_logprobs": [-1.0, None]}}]})})
+    c = client(e).complete("he", max_tokens=2)
+    body = json.loads(next(r for r in e.requests if r.url.path == Routes.COMPLETIONS).content)
+    assert body["prompt"] == "he" and body["return_token_ids"] is True and body["logprobs"] == 0
+    assert c.text == "hi" and c.token_ids == (104, 105) and c.logprobs == (-1.0, None)
+
+
+# --------------------------------------------------------------------------- cancel (real socket)
+
+
+@pytest.fixture()
+def stuck_server() -> Iterator[str]:
+    """A real HTTP server whose /is_paused never answers (until shutdown)."""
+    release = threading.Event()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/is_paused"):
+                release.wait(30)
+            body = b'{"is_paused": false}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_cancel_inflight_unblocks_a_stuck_call_from_another_thread(stuck_server: str) -> None:
+    h = VllmHTTP(stuck_server, timeout_s=30)
+    errs: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            h.is_paused(mutation_started=False)
+        except BaseException as exc:
+            errs.append(exc)
+
+    th = threading.Thread(target=call)
+    th.start()
+    th.join(0.3)
+    assert th.is_alive()
+    t0 = time.monotonic()
+    assert h.cancel_inflight() == 1
+    th.join(5)
+    assert not th.is_alive() and time.monotonic() - t0 < 2
+    assert isinstance(errs[0], EffectTimeout) and errs[0].mutation_started is False
+    h.close()
+
+
+def test_adapter_cancel_shuts_http_for_non_transfer_steps(stuck_server: str) -> None:
+    a = VllmAdapter(VllmHTTP(stuck_server, timeout_s=30))
+    errs: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            a.http.is_paused()
+        except BaseException as exc:
+            errs.append(exc)
+
+    th = threading.Thread(target=call)
+    th.start()
+    th.join(0.3)
+    a.cancel("validate")
+    th.join(5)
+    assert not th.is_alive() and isinstance(errs[0], EffectTimeout)
+    a.close()
+
+
+# --------------------------------------------------------------------------- adapter
+
+
+def _source() -> Any:
+    import torch
+
+    from rolloutcore.weights import WeightSource
+
+    return WeightSource.from_state_dict({"w": torch.ones(2)})
+
+
+def test_adapter_on_an_old_engine_states_what_it_cannot_verify() -> None:
+    e = Engine(routes=V026 - {Routes.RESET_ENCODER})
+    a = VllmAdapter(client(e), engine_epoch="ep-1")
+    boot = a.bootstrap()
+    assert boot.healthy and boot.engine_epoch == "ep-1"
+    assert boot.observed_label is None and boot.label_supported is False
+    assert "no weight_version endpoint: label not verified" in boot.unverified
+    assert any("/weight_checker" in u for u in boot.unverified)
+    assert any("encoder" in u for u in boot.unverified)
+    assert a.caches == (CacheKind.PREFIX, CacheKind.MULTIMODAL)
+    a.drain(PauseMode.WAIT)
+    v = a.validate(target(), live=False)
+    assert v is not None and v.observed_label is None and not v.label_supported
+    assert v.checks == ()
+    assert "no weight_version endpoint: label not verified" in v.unverified
+    assert "no /weight_checker: engine checksums not verified" in v.unverified
+    assert v.problems(target()) == [
+        "no evidence at all: the engine has no version label and no check ran"]
+
+
+def test_bootstrap_epoch_without_launcher_or_instance_id_is_local_and_stated() -> None:
+    boot = VllmAdapter(client(Engine())).bootstrap()
+    assert boot.engine_epoch.startswith("vllm-unidentified-")
+    assert any("not identifiable" in u for u in boot.unverified)
+    e = Engine(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
+        "instance_id": "abc123"}})})
+    assert VllmAdapter(client(e)).bootstrap().engine_epoch == "vllm-abc123"
+
+
+def test_bootstrap_of_a_dead_engine_is_unhealthy_evidence() -> None:
+    e = Engine(overrides={Routes.HEALTH: answer(503)})
+    boot = VllmAdapter(client(e), engine_epoch="x").bootstrap()
+    assert not boot.healthy and boot.problems(None) == ["engine is not healthy"]
+
+
+def test_stage_rejects_bad_input_and_keeps_the_previous_stage() -> None:
+    a = VllmAdapter(client(Engine()))
+    src = _source()
+    a.stage(src)
+    bads: list[Callable[[], None]] = [
+        lambda: a.stage(object()),
+        lambda: a.stage(src, provenance="ckpt"),  # type: ignore[arg-type]
+        lambda: a.stage(src, reference_checksums={}),
+        lambda: a.stage(src, reference_checksums={"a": 1}),  # type: ignore[dict-item]
+        lambda: a.stage(src, probes=object()),  # type: ignore[arg-type]
+    ]
+    for bad in bads:
+        with pytest.raises(BadInput):
+            bad()
+    assert a.staged is src
+
+
+def test_preflight_compares_manifest_provenance_and_content() -> None:
+    e = Engine()
+    a = VllmAdapter(client(e))
+    src = _source()
+    ident = WeightIdentity.declare(src.manifest(), Provenance("A"), src.content_digest())
+    t = target(identity=ident)
+    assert "no weight source staged" in " ".join(a.preflight(t).problems(t))
+    a.stage(src, provenance=Provenance("A"))
+    a.drain(PauseMode.WAIT)
+    assert a.preflight(t).problems(t) == []
+    a.stage(src, provenance=Provenance("B"))
+    assert any("provenance" in p for p in a.preflight(t).problems(t))
+    other = WeightIdentity.declare(src.manifest(), Provenance("A"), "0" * 64)
+    t2 = target(identity=other)
+    a.stage(src, provenance=Provenance("A"))
+    assert any("content digest" in p for p in a.preflight(t2).problems(t2))
+    m3 = ParameterManifest.from_items([("w", (3,), "float32")])
+    wrong_manifest = target(identity=WeightIdentity.declare(m3, Provenance("A")))
+    assert any("manifest" in p for p in a.preflight(wrong_manifest).problems(wrong_manifest))
+    # preflight mutated nothing: no pause/resume/reset/transfer calls beyond the drain
+    assert e.sent(Routes.PAUSE) == 1 and e.sent(Routes.RESET_PREFIX) == 0
+
+
+def test_preflight_refuses_an_engine_asleep_before_the_drain() -> None:
+    e = Engine(overrides={Routes.IS_SLEEPING: answer(200, {"is_sleeping": True})})
+    a = VllmAdapter(client(e))
+    a.stage(_source())
+    a.drain(PauseMode.WAIT)
+    pf = a.preflight(target())
+    assert "asleep" in pf.detail
+
+
+def test_transfer_without_a_stage_or_transport_mutates_nothing() -> None:
+    a = VllmAdapter(client(Engine()))
+    with pytest.raises(TransferError) as ei:
+        a.transfer(target())
+    assert ei.value.mutation_started is False
+
+
+def test_validate_with_reference_checksums() -> None:
+    sums = {"dp0:pp0:pcp0:tp0:a": "1" * 64, "dp0:pp0:pcp0:tp0:qkv": EMPTY_SHA256}
+    a = VllmAdapter(client(Engine(overrides={
+        Routes.WEIGHT_CHECKER: answer(200, {"checksums": sums})})))
+    a.stage(_source(), reference_checksums={"a": "1" * 64, "qkv": EMPTY_SHA256})
+    v = a.validate(target(), live=False)
+    assert v is not None and v.observed_label == "rc-1"
+    (chk,) = v.checks
+    assert chk.passed and chk.coverage == 0.5
+    assert any("1 of 2 engine parameters hash as zero bytes" in u for u in v.unverified)
+    a.stage(_source())  # no reference: said, not pretended
+    v2 = a.validate(target(), live=False)
+    assert v2 is not None and v2.checks == ()
+    assert any("no reference checksums" in u for u in v2.unverified)
+
+
+class _Probes:
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.calls: list[tuple[VllmHTTP, UpdateTarget]] = []
+
+    def run(self, http: VllmHTTP, target: UpdateTarget) -> Check:
+        self.calls.append((http, target))
+        return self.result  # type: ignore[no-any-return]
+
+
+def test_live_validation_runs_the_probe_hook() -> None:
+    a = VllmAdapter(client(Engine()))
+    assert a.validate(target(), live=True) is None
+    chk = Check("policy_probe", False, "max diff 3.1", max_abs_diff=3.1, tolerance=0.05,
+                level=VerificationLevel.PROBE)
+    probes = _Probes(chk)
+    a2 = VllmAdapter(client(Engine()), probes=probes)
+    t = target()
+    v = a2.validate(t, live=True)
+    assert v is not None and v.checks == (chk,) and v.paused is False
+    assert probes.calls == [(a2.http, t)]
+    assert "check policy_probe failed: max diff 3.1" in v.problems(t)
+    # Probes staged with the update override the adapter's default.
+    staged = _Probes(Check("policy_probe", True))
+    a2.stage(_source(), probes=staged)
+    v2 = a2.validate(t, live=True)
+    assert v2 is not None and v2.checks[0].passed and len(probes.calls) == 1
+    a2.stage(_source(), probes=_Probes("not a check"))
+    with pytest.raises(EffectError, match="not a Check"):
+        a2.validate(t, live=True)
+
+
+def test_resume_confirms_and_fence_swallows_errors() -> None:
+    e = Engine()
+    a = VllmAdapter(client(e))
+    a.drain(PauseMode.WAIT)
+    r = a.resume()
+    assert r.resumed and r.is_paused_after is False
+    stuck = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": True})})
+    assert VllmAdapter(client(stuck)).resume().problems(None) == [
+        "engine still reports paused after resume"]
+    dead = VllmAdapter(client(Engine(overrides={Routes.PAUSE: raising(
+        httpx.ConnectError("gone"))})))
+    dead.fence()  # best effort: no exception
+    fenced = Engine()
+    VllmAdapter(client(fenced)).fence()
+    req = [r for r in fenced.requests if r.url.path == Routes.PAUSE][-1]
+    assert req.url.params["mode"] == "abort"
