@@ -1,0 +1,263 @@
+"""The trainer side of a weight transfer, and what every transport shares.
+
+A transport moves a ``WeightSource`` into a running vLLM through vLLM's own
+weight-transfer path::
+
+    connect:  POST /init_weight_transfer_engine    (side thread)  ||  trainer opens its end
+    send:     POST /start_weight_update
+              POST /update_weights                  (side thread)  ||  trainer sends tensors
+              POST /finish_weight_update {"weight_version": <target label>}
+
+Two rules from the seed's experiments:
+
+* **Target-aware finish.** The target label travels *in* the finalize call.
+  It is never written afterwards with ``/update_weight_version``: a label
+  written after the fact can be observed before it is true, or stay
+  unwritten when the trainer dies between the two calls.
+* **Liveness.** A collective blocked on a dead peer may never return (the
+  seed's trainer stayed blocked more than 120 s). So nothing that can block
+  runs on the caller's thread: each HTTP call and each collective runs on a
+  side thread, and the caller waits with a deadline while watching an abort
+  flag. ``abort()`` (from any other thread) makes a pending ``send`` or
+  ``connect`` raise ``TransferError`` at once and tears the group down; the
+  abandoned side threads end on their own timeouts.
+
+Failure classification: ``TransferError.mutation_started`` is ``False`` only
+when nothing can have reached the engine's weights: the preflight refused,
+the engine could not be reached, or ``/start_weight_update`` was refused
+(HTTP 4xx). Anything after ``/start_weight_update`` was accepted, or an
+ambiguous answer to it (timeout, 5xx: the worker may have begun its
+layerwise reload), is ``mutation_started=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlsplit
+
+from ..errors import BadInput, TransferError
+from ..evidence import TransferEvidence
+from ..weights import WeightSource
+
+__all__ = [
+    "HTTPError",
+    "TransportBase",
+    "WeightTransport",
+    "check_label",
+    "check_timeout",
+    "local_address_towards",
+    "preflight",
+    "run_side",
+]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """What the adapter and the trainer API need from any transport."""
+
+    @property
+    def backend(self) -> str:
+        """The name vLLM knows the engine half by (``--weight-transfer-config``)."""
+        ...
+
+    def engine_config(self) -> dict[str, Any]:
+        """The ``--weight-transfer-config`` JSON the engine must be started with."""
+        ...
+
+    def connect(self, base_url: str, *, timeout_s: float) -> None:
+        """The init handshake with the engine at ``base_url``; no weights change."""
+        ...
+
+    def send(self, base_url: str, target_label: str, source: WeightSource, *,
+             timeout_s: float) -> TransferEvidence:
+        """Move ``source`` into the engine and finish with ``target_label``."""
+        ...
+
+    def abort(self) -> None:
+        """From another thread: make a pending send/connect raise promptly."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+class HTTPError(Exception):
+    """An engine route answered with a non-2xx status (or could not be reached)."""
+
+    def __init__(self, path: str, status: int | None, body: str,
+                 connect_failed: bool = False) -> None:
+        self.path = path
+        self.status = status
+        self.body = body
+        self.connect_failed = connect_failed
+        what = "unreachable" if connect_failed else f"HTTP {status}"
+        super().__init__(f"{path}: {what}: {body[:500]}")
+
+    @property
+    def refused(self) -> bool:
+        """The engine said no before doing anything (4xx), or was never reached."""
+        return self.connect_failed or (self.status is not None and 400 <= self.status < 500)
+
+
+def check_label(label: object) -> str:
+    if not isinstance(label, str) or not label or len(label) > 128 or any(
+            c.isspace() for c in label):
+        raise BadInput(f"target label must be a non-empty string without spaces, got {label!r}")
+    return label
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+            0 < timeout_s < float("inf")):
+        raise BadInput(f"{name} must be a finite number > 0, got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def check_url(base_url: object) -> str:
+    if not isinstance(base_url, str):
+        raise BadInput(f"base_url must be a string, got {base_url!r}")
+    parts = urlsplit(base_url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise BadInput(f"base_url must be http(s)://host:port, got {base_url!r}")
+    return base_url.rstrip("/")
+
+
+def preflight(source: WeightSource, expected_manifest_digest: str | None) -> None:
+    """The identity preflight: the source must be what the target declares.
+
+    Runs before any engine call, so a refusal is ``mutation_started=False``.
+    """
+    if expected_manifest_digest is None:
+        return
+    got = source.manifest().digest
+    if got != expected_manifest_digest:
+        raise TransferError(
+            "transfer", f"preflight: source manifest {got[:12]} differs from the "
+            f"target's {expected_manifest_digest[:12]}; nothing was sent",
+            mutation_started=False)
+
+
+def local_address_towards(host: str) -> str:
+    """The local address the engine at ``host`` can reach us on (loopback stays loopback)."""
+    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP connect sends nothing; it picks the route
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def run_side(fn: Callable[[], T], name: str) -> Future[T]:
+    """Run ``fn`` on a daemon thread; the result (or exception) lands in a Future.
+
+    Daemon, not an executor thread: a side call blocked on a dead peer must
+    not hold up interpreter exit, and nobody joins it.
+    """
+    fut: Future[T] = Future()
+
+    def body() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # delivered to the waiter
+            fut.set_exception(exc)
+
+    threading.Thread(target=body, name=f"rolloutcore-{name}", daemon=True).start()
+    return fut
+
+
+class TransportBase:
+    """Deadline-and-abort plumbing, and HTTP calls with a timeout each."""
+
+    backend: str = ""
+
+    def __init__(self) -> None:
+        self._abort = threading.Event()
+        self._lock = threading.Lock()
+
+    # -- HTTP -------------------------------------------------------------------
+
+    @staticmethod
+    def post(base_url: str, path: str, body: dict[str, Any] | None,
+             timeout_s: float) -> Any:
+        """POST and return the JSON body; ``HTTPError`` on non-2xx or no connection."""
+        import httpx
+
+        try:
+            r = httpx.post(f"{base_url}{path}", json=body, timeout=timeout_s)
+        except httpx.ConnectError as exc:
+            raise HTTPError(path, None, repr(exc), connect_failed=True) from exc
+        if not 200 <= r.status_code < 300:
+            raise HTTPError(path, r.status_code, r.text)
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    @staticmethod
+    def get(base_url: str, path: str, timeout_s: float) -> Any:
+        import httpx
+
+        try:
+            r = httpx.get(f"{base_url}{path}", timeout=timeout_s)
+        except httpx.ConnectError as exc:
+            raise HTTPError(path, None, repr(exc), connect_failed=True) from exc
+        if not 200 <= r.status_code < 300:
+            raise HTTPError(path, r.status_code, r.text)
+        return r.json()
+
+    # -- waiting ----------------------------------------------------------------
+
+    def wait(self, futs: list[Future[Any]], deadline: float, what: str, *,
+             mutation_started: bool, refusal_is_safe: bool = False) -> None:
+        """Wait for all ``futs``; raise on the first failure, the deadline, or abort.
+
+        The first side call to fail decides the error: when the trainer's
+        end fails, the engine's matching HTTP call will only fail later (on
+        its own timeout), and vice versa. With ``refusal_is_safe``, an
+        engine that refused the call (``HTTPError.refused``) is reported as
+        ``mutation_started=False``; abort and deadline never are, since the
+        request may have arrived.
+        """
+        pending = list(futs)
+        while pending:
+            if self._abort.is_set():
+                raise TransferError("transfer", f"aborted during {what}",
+                                    mutation_started=mutation_started)
+            for f in list(pending):
+                if f.done():
+                    exc = f.exception()
+                    if exc is not None:
+                        safe = refusal_is_safe and isinstance(exc, HTTPError) and exc.refused
+                        raise self.classify(exc, what, mutation_started and not safe) from exc
+                    pending.remove(f)
+            if not pending:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransferError("transfer", f"deadline expired during {what}",
+                                    mutation_started=mutation_started)
+            with contextlib.suppress(Exception):
+                pending[0].exception(timeout=min(0.05, left))
+
+    @staticmethod
+    def classify(exc: BaseException, what: str, mutation_started: bool) -> TransferError:
+        if isinstance(exc, TransferError):
+            return exc
+        return TransferError("transfer", f"{what} failed: {exc}",
+                             mutation_started=mutation_started)
+
+    def abort(self) -> None:
+        """Make a pending ``send``/``connect`` raise now; subclasses also drop the group."""
+        self._abort.set()

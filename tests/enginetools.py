@@ -1,0 +1,82 @@
+"""Real-engine test support: the tiny model set and the engine factory.
+
+Used by tests/engine/conftest.py (which turns them into session fixtures)
+and imported by tests for type annotations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.engine import ManagedEngine
+
+__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels"]
+
+MAX_ALIVE = 2
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    root: Path
+    A: Path
+    B: Path
+    B_neg: Path
+
+
+class EngineFactory:
+    """Starts engines for tests; owns them until ``stop`` or session end."""
+
+    def __init__(self, log_dir: Path, max_alive: int = MAX_ALIVE) -> None:
+        self.log_dir = log_dir
+        self.max_alive = max_alive
+        self._all: list[ManagedEngine] = []
+        self._shared: dict[str, ManagedEngine] = {}
+
+    def alive(self) -> list[ManagedEngine]:
+        return [e for e in self._all if e.alive()]
+
+    def __call__(self, model_dir: Path, **kwargs: Any) -> ManagedEngine:
+        """A new, started engine (``kwargs`` go to ``ManagedEngine``)."""
+        if len(self.alive()) >= self.max_alive:
+            raise RuntimeError(
+                f"{len(self.alive())} test engines already alive (max {self.max_alive}): "
+                f"{self.alive()}; stop one with engine_factory.stop(engine) first")
+        kwargs.setdefault("log_dir", self.log_dir)
+        eng = ManagedEngine(model_dir, **kwargs)
+        self._all.append(eng)
+        eng.start()
+        return eng
+
+    def shared(self, key: str, model_dir: Path, **kwargs: Any) -> ManagedEngine:
+        """The session's engine for ``key``, started on first use (restarted if it died).
+
+        Tests that use a shared engine must leave it serving (resumed) and
+        must not assume its weights: they are whatever the last test installed.
+        """
+        eng = self._shared.get(key)
+        if eng is not None and eng.alive():
+            return eng
+        if eng is not None:
+            eng.stop()
+        eng = self(model_dir, **kwargs)
+        self._shared[key] = eng
+        return eng
+
+    def stop(self, eng: ManagedEngine) -> None:
+        eng.stop()
+        for k, v in list(self._shared.items()):
+            if v is eng:
+                del self._shared[k]
+
+    def stop_all(self) -> None:
+        errors: list[BaseException] = []
+        for eng in self._all:
+            try:
+                eng.stop()
+            except BaseException as exc:  # keep stopping the others
+                errors.append(exc)
+        self._shared.clear()
+        if errors:
+            raise errors[0]
