@@ -26,4 +26,10 @@ def _live(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_live_parser(sub)
 
 
-PARSERS: list[Callable[[Any], None]] = [_model, _live]
+def _audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .audit import add_audit_parser
+
+    add_audit_parser(sub)
+
+
+PARSERS: list[Callable[[Any], None]] = [_model, _live, _audit]
