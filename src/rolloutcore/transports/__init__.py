@@ -1,19 +1,28 @@
 """Trainer-side weight transports into a running vLLM, through vLLM's own path.
 
 ``gloo`` is the CPU backend (this package also provides its engine half, a
-vLLM plugin); ``nccl`` and ``ipc`` drive vLLM's built-in trainer engines.
-``base`` holds the protocol and the deadline/abort plumbing they share.
+vLLM plugin); ``nccl`` and ``ipc`` drive vLLM's built-in trainer engines
+(``driver`` holds their shared guards). ``base`` holds the protocol and the
+deadline/abort plumbing they all share.
 """
 
 from .base import HTTPError, TransportBase, WeightTransport, preflight
+from .driver import DeviceGuard, TargetAwareSyncClient, VllmTrainerTransport
 from .gloo import BACKEND as GLOO_BACKEND
 from .gloo import GlooTransport
+from .ipc import IpcTransport
+from .nccl import NcclTransport
 
 __all__ = [
     "GLOO_BACKEND",
+    "DeviceGuard",
     "GlooTransport",
     "HTTPError",
+    "IpcTransport",
+    "NcclTransport",
+    "TargetAwareSyncClient",
     "TransportBase",
+    "VllmTrainerTransport",
     "WeightTransport",
     "preflight",
 ]
