@@ -15,11 +15,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 
 import httpx
 import pytest
 
+from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import (
     EMPTY_SHA256,
     Generation,
@@ -30,15 +30,19 @@ from rolloutcore.adapters.vllm import (
     prefix_cache_delta,
 )
 from rolloutcore.engine import ManagedEngine, free_port, vllm_available
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, UpdateFailed
 from rolloutcore.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
-from rolloutcore.model import VOCAB_SIZE, make_checkpoint
+from rolloutcore.lifecycle import LifecycleController, State
+from rolloutcore.model import VOCAB_SIZE
+from rolloutcore.runner import LifecycleRunner
+from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.versions import (
     ParameterManifest,
     Provenance,
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.weights import WeightSource
 
 pytestmark = [
     pytest.mark.engine,
@@ -50,15 +54,16 @@ LONG = 460  # output tokens of a "long" request (prompt 40, max_model_len 512)
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedEngine]:
-    root = tmp_path_factory.mktemp("vllm-adapter")
-    ckpt = make_checkpoint(root / "A", 1)
-    eng = ManagedEngine(ckpt, backend=None, log_dir=root / "logs")
-    eng.start()
+def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[ManagedEngine]:
+    """This module's server, on checkpoint A, with the gloo weight-transfer backend.
+
+    Tests leave it resumed; only the last ones (transfers) change its weights.
+    """
+    eng = engine_factory(tiny_models.A)
     try:
         yield eng
     finally:
-        eng.stop()
+        engine_factory.stop(eng)
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +351,7 @@ def test_weight_checker_coverage_counts_zero_byte_hashes_as_unverifiable(
 # --------------------------------------------------------------------------- adapter
 
 
-def test_adapter_drain_validate_resume(engine: ManagedEngine, tmp_path: Path) -> None:
-    from rolloutcore.weights import WeightSource
-
+def test_adapter_drain_validate_resume(engine: ManagedEngine) -> None:
     with VllmAdapter.for_engine(engine) as a:
         boot = a.bootstrap()
         label = boot.observed_label
@@ -405,3 +408,72 @@ def test_adapter_fence_aborts_and_holds(engine: ManagedEngine, http: VllmHTTP,
         assert any(f.result(30).finish_reason == "abort" for f in futs)
         assert http.is_paused() is True
     http.resume()
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+def _identity(src: WeightSource, name: str) -> WeightIdentity:
+    return WeightIdentity.declare(src.manifest(), Provenance(name), src.content_digest())
+
+
+def test_runner_drives_hot_updates_through_the_adapter(
+        engine: ManagedEngine, tiny_models: TinyModels, http: VllmHTTP) -> None:
+    """A -> B -> A on one process through LifecycleRunner + VllmAdapter + gloo.
+
+    The engine's own checksums of A, taken before anything moved, are the
+    reference for the way back: the paused validation compares them, with
+    the fused layers counted as unverifiable.
+    """
+    src_a = WeightSource.from_checkpoint(tiny_models.A)
+    src_b = WeightSource.from_checkpoint(tiny_models.B)
+    ref_a = http.weight_checksums().digests
+    pid = engine.pid
+    prompt = _prompt(300, 7)
+    before = http.generate(prompt, max_tokens=8)
+
+    with VllmAdapter.for_engine(engine, GlooTransport(op_timeout_s=30)) as a:
+        ctl = LifecycleController()
+        runner = LifecycleRunner(ctl, a)
+        runner.bootstrap(_identity(src_a, "A"))
+        assert a.transport is not None and a.transport.backend == "rolloutcore_gloo"
+
+        a.stage(src_b, provenance=Provenance("B"))
+        out = runner.run_update(_identity(src_b, "B"))
+        assert out.published is not None and ctl.state is State.READY
+        label_b = out.published.label
+        assert http.label() == label_b and engine.pid == pid
+        g = http.generate(prompt, max_tokens=8)
+        assert g.versions() == {label_b}
+        assert g.token_ids != before.token_ids
+        # The prefix reset ran: the same 300-token prompt hits nothing the first time.
+        m0 = http.metrics()
+        a.http.generate(_prompt(300, 8), max_tokens=2)
+        assert prefix_cache_delta(m0, http.metrics()).hits == 0
+
+        a.stage(src_a, provenance=Provenance("A"), reference_checksums=ref_a)
+        back = runner.run_update(_identity(src_a, "A"))
+        assert back.published is not None and ctl.state is State.READY
+        assert http.label() == back.published.label
+        assert http.generate(prompt, max_tokens=8).token_ids == before.token_ids
+        assert {"pause", "preflight", "transfer", "invalidate", "validate", "resume"} <= {
+            p.phase for p in back.phases}
+        assert http.is_paused() is False
+
+
+def test_checksum_mismatch_taints_and_fences(engine: ManagedEngine, tiny_models: TinyModels,
+                                             http: VllmHTTP) -> None:
+    """B is sent while the reference says A: every endpoint succeeds, the checksums do not."""
+    src_a = WeightSource.from_checkpoint(tiny_models.A)
+    src_b = WeightSource.from_checkpoint(tiny_models.B)
+    ref_a = http.weight_checksums().digests  # the engine serves A here (previous test)
+    with VllmAdapter.for_engine(engine, GlooTransport(op_timeout_s=30)) as a:
+        ctl = LifecycleController()
+        runner = LifecycleRunner(ctl, a)
+        runner.bootstrap(_identity(src_a, "A"))
+        a.stage(src_b, provenance=Provenance("B"), reference_checksums=ref_a)
+        with pytest.raises(UpdateFailed) as ei:
+            runner.run_update(_identity(src_b, "B"))
+        assert ei.value.phase == "validate" and ctl.state is State.TAINTED
+        assert "engine_checksum" in ei.value.reason and "MISMATCH" in ei.value.reason
+        assert http.is_paused() is True  # fenced: a tainted engine serves no one

@@ -71,7 +71,9 @@ from ..evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from ..transports.base import WeightTransport
 from ..versions import Provenance, VerificationLevel
+from ..weights import WeightSource
 
 __all__ = [
     "CACHE_ROUTES",
@@ -876,25 +878,9 @@ class ProbeSet(Protocol):
         ...
 
 
-class _Transport(Protocol):
-    """The part of ``rolloutcore.transports.base.WeightTransport`` the adapter uses."""
-
-    @property
-    def backend(self) -> str: ...
-
-    def connect(self, base_url: str, *, timeout_s: float) -> None: ...
-
-    def send(self, base_url: str, target_label: str, source: Any, *,
-             timeout_s: float) -> TransferEvidence: ...
-
-    def abort(self) -> None: ...
-
-    def close(self) -> None: ...
-
-
 @dataclass
 class _Staged:
-    source: Any
+    source: WeightSource
     provenance: Provenance | None
     reference_checksums: Mapping[str, str] | None
     probes: ProbeSet | None
@@ -911,7 +897,7 @@ class VllmAdapter:
     one from the engine's ``instance_id`` (new on every process start).
     """
 
-    def __init__(self, http: VllmHTTP, transport: _Transport | None = None, *,
+    def __init__(self, http: VllmHTTP, transport: WeightTransport | None = None, *,
                  engine_epoch: str | None = None, probes: ProbeSet | None = None,
                  drain_timeout_s: float = 120.0, transfer_timeout_s: float = 300.0,
                  connect_timeout_s: float = 120.0) -> None:
@@ -934,7 +920,7 @@ class VllmAdapter:
         self._sleeping_at_drain: bool | None = None
 
     @classmethod
-    def for_engine(cls, engine: Any, transport: _Transport | None = None, *,
+    def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
                    timeout_s: float = 30.0, **kw: Any) -> VllmAdapter:
         """An adapter for a launcher's engine (anything with ``base_url`` and ``epoch``)."""
         return cls(VllmHTTP(engine.base_url, timeout_s=timeout_s), transport,
@@ -942,7 +928,7 @@ class VllmAdapter:
 
     # -- trainer side -------------------------------------------------------
 
-    def stage(self, source: Any, *, provenance: Provenance | None = None,
+    def stage(self, source: WeightSource, *, provenance: Provenance | None = None,
               reference_checksums: Mapping[str, str] | None = None,
               probes: ProbeSet | None = None) -> None:
         """Set what the next transfer sends, and what the next validation compares with.
@@ -951,9 +937,9 @@ class VllmAdapter:
         are ``/weight_checker``-style sha256 digests of the target's engine
         parameters; ``probes`` override the adapter's default probe set.
         """
-        manifest = getattr(source, "manifest", None)
-        if not callable(manifest) or not callable(getattr(source, "named_tensors", None)):
-            raise BadInput("source must be a WeightSource (manifest(), named_tensors())")
+        if not isinstance(source, WeightSource):
+            raise BadInput(f"source must be a WeightSource, got {type(source).__name__} "
+                           "(WeightSource.of() takes a module, a state dict or a checkpoint)")
         if provenance is not None and not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance or None")
         if reference_checksums is not None:
@@ -965,10 +951,10 @@ class VllmAdapter:
         if probes is not None and not isinstance(probes, ProbeSet):
             raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
         self._staged = _Staged(source, provenance, reference_checksums, probes,
-                               str(manifest().digest))
+                               source.manifest().digest)
 
     @property
-    def staged(self) -> Any:
+    def staged(self) -> WeightSource | None:
         return None if self._staged is None else self._staged.source
 
     # -- port ---------------------------------------------------------------
