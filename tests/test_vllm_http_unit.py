@@ -202,6 +202,19 @@ def test_client_error_on_our_request_is_bad_input() -> None:
         h.generate([1, 999], max_tokens=2)
 
 
+def test_a_route_the_engine_does_not_offer_is_not_bad_input() -> None:
+    e = Engine(routes=V032 - {Routes.PAUSE})
+    h = client(e)
+    h.capabilities()
+    with pytest.raises(EffectError, match="not offered") as ei:
+        h.pause(PauseMode.WAIT, mutation_started=False)
+    assert ei.value.mutation_started is False
+    # vLLM answers 403 on /inference/v1/generate without --enable-scale-out.
+    h2 = client(Engine(overrides={Routes.GENERATE: answer(403, {"detail": "Forbidden"})}))
+    with pytest.raises(EffectError, match="not offered"):
+        h2.generate([1], max_tokens=1)
+
+
 @pytest.mark.parametrize("body", [{"is_paused": "yes"}, {"paused": True}, [], None])
 def test_unexpected_is_paused_answers_are_effect_errors(body: Any) -> None:
     ans = answer(200, text="not json") if body is None else answer(200, body)

@@ -174,6 +174,17 @@ def test_generate_returns_tokens_logprobs_and_version_spans(http: VllmHTTP) -> N
     assert [round(x or 0.0, 4) for x in c.logprobs] == [round(x, 4) for x in g.logprobs]
 
 
+def test_score_agrees_with_the_sampled_logprobs(http: VllmHTTP) -> None:
+    prompt = _prompt(30, 2)
+    g = http.generate(prompt, max_tokens=8)
+    assert g.logprobs is not None
+    scored = http.score(prompt + list(g.token_ids))
+    assert len(scored) == len(prompt) + 8 and scored[0] is None
+    tail = scored[len(prompt):]
+    assert all(x is not None for x in tail)
+    assert max(abs((x or 0.0) - y) for x, y in zip(tail, g.logprobs, strict=True)) < 0.05
+
+
 def test_bad_requests_are_bad_input_and_change_nothing(http: VllmHTTP) -> None:
     with pytest.raises(BadInput, match="HTTP 400"):
         http.generate([1, 2, VOCAB_SIZE + 5], max_tokens=2)

@@ -442,6 +442,14 @@ class VllmHTTP:
             raise EngineUnavailable(
                 step, f"{method} {path} answered HTTP {resp.status_code}: "
                 f"{_snippet(resp.text)}", mutation_started=mutation_started)
+        caps = self._capabilities
+        if resp.status_code == 403 or (resp.status_code in (404, 405) and caps is not None
+                                       and path not in caps):
+            # The engine does not offer this route, or refuses it by configuration
+            # (no VLLM_SERVER_DEV_MODE, no --enable-scale-out): not our request's fault.
+            raise EffectError(step, f"{method} {path} not offered by this engine (HTTP "
+                              f"{resp.status_code}): {_snippet(resp.text)}",
+                              mutation_started=mutation_started)
         if resp.status_code >= 400:
             try:
                 resp.raise_for_status()
