@@ -1,0 +1,298 @@
+"""Engine-checksum comparison, references and their cache, without an engine.
+
+The comparison and the cache are pure; the real ``/weight_checker`` (CPU
+repacking, rank-prefixed keys, a cold-loaded reference after a real hot
+update) is exercised in ``tests/engine/test_checksum_engine.py``. Keys and
+digests here have the shape vLLM 0.32 gives them, including a tensor-parallel
+layout (two ranks hashing their own shards of the same parameter), which the
+CPU engine cannot produce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rolloutcore.adapters.vllm import EMPTY_SHA256, WeightChecksums
+from rolloutcore.checksums import (
+    LAYOUT_FIELDS,
+    ChecksumCache,
+    ReferenceChecksums,
+    engine_layout,
+    layout_digest,
+    reference_checksums,
+    verify,
+)
+from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.evidence import Check
+from rolloutcore.versions import VerificationLevel
+
+R0 = "dp0:pp0:pcp0:tp0:"
+R1 = "dp0:pp0:pcp0:tp1:"
+LAYOUT: dict[str, Any] = {"vllm_version": "0.32.0", "dtype": "torch.bfloat16",
+                          "device": "cpu", "tensor_parallel_size": 1, "quantization": None}
+
+
+def h(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+def engine_map() -> dict[str, str]:
+    """Like the CPU engine: embeddings and norms hash, fused linear layers do not."""
+    return {R0 + "model.embed_tokens.weight": h("emb"), R0 + "lm_head.weight": h("head"),
+            R0 + "model.norm.weight": h("norm"),
+            R0 + "model.layers.0.self_attn.qkv_proj.weight": EMPTY_SHA256,
+            R0 + "model.layers.0.mlp.gate_up_proj.weight": EMPTY_SHA256}
+
+
+def ref(checksums: dict[str, str] | None = None, **kw: Any) -> ReferenceChecksums:
+    return ReferenceChecksums(h("content"), kw.pop("layout", LAYOUT),
+                              checksums or engine_map(), **kw)
+
+
+# --------------------------------------------------------------------------- verify
+
+
+def test_identical_checksums_match_on_the_hashable_parameters_only() -> None:
+    r = verify(engine_map(), engine_map())
+    assert r.passed and r.keyed_by == "raw"
+    assert r.engine_params == 5 and r.hashable == 3 and r.compared == 3
+    assert set(r.matched) == {R0 + "model.embed_tokens.weight", R0 + "lm_head.weight",
+                              R0 + "model.norm.weight"}
+    # Both sides say "e3b0..." for the fused layers: that is not a match.
+    assert len(r.unverifiable) == 2 and not set(r.unverifiable) & set(r.matched)
+    assert r.coverage == pytest.approx(3 / 5)
+    assert "3/5 engine parameters matched" in r.detail() and "2 unverifiable" in r.detail()
+
+
+def test_a_different_checkpoint_mismatches_and_fails() -> None:
+    other = engine_map()
+    other[R0 + "lm_head.weight"] = h("other head")
+    r = verify(engine_map(), other)
+    assert not r.passed and r.mismatched == (R0 + "lm_head.weight",)
+    assert r.compared == 3 and len(r.matched) == 2
+    assert "1 MISMATCHED" in r.detail() and "lm_head" in r.detail()
+
+
+def test_keys_on_one_side_only_are_counted_and_fail() -> None:
+    eng = engine_map()
+    reference = engine_map()
+    del reference[R0 + "model.norm.weight"]                     # engine has, reference lacks
+    reference[R0 + "model.extra.weight"] = h("x")               # reference has, engine lacks
+    r = verify(eng, reference)
+    assert r.missing_in_reference == (R0 + "model.norm.weight",)
+    assert r.missing_in_engine == (R0 + "model.extra.weight",)
+    assert r.compared == 2 and not r.mismatched and not r.passed
+    assert "1 missing in engine" in r.detail() and "1 without reference" in r.detail()
+
+
+def test_an_unhashable_parameter_without_reference_is_unverifiable_not_missing() -> None:
+    reference = engine_map()
+    del reference[R0 + "model.layers.0.self_attn.qkv_proj.weight"]
+    r = verify(engine_map(), reference)
+    assert r.passed and not r.missing_in_reference
+    assert R0 + "model.layers.0.self_attn.qkv_proj.weight" in r.unverifiable
+
+
+def test_a_zero_byte_reference_never_matches_a_real_hash() -> None:
+    reference = engine_map()
+    reference[R0 + "lm_head.weight"] = EMPTY_SHA256
+    r = verify(engine_map(), reference)
+    assert r.unverifiable_reference == (R0 + "lm_head.weight",)
+    assert R0 + "lm_head.weight" not in r.matched and r.compared == 2
+    assert "unverifiable in the reference" in r.detail()
+
+
+def test_nothing_compared_never_passes() -> None:
+    fused = {k: v for k, v in engine_map().items() if v == EMPTY_SHA256}
+    r = verify(fused, fused)
+    assert r.compared == 0 and r.coverage == 0.0 and not r.passed
+    assert "nothing compared" in r.detail()
+
+
+def test_tensor_parallel_shards_are_compared_per_rank() -> None:
+    eng = {R0 + "lm_head.weight": h("shard0"), R1 + "lm_head.weight": h("shard1")}
+    assert verify(eng, dict(eng)).passed
+    swapped = {R0 + "lm_head.weight": h("shard1"), R1 + "lm_head.weight": h("shard0")}
+    r = verify(eng, swapped)
+    assert not r.passed and len(r.mismatched) == 2
+    # A reference keyed by bare names cannot say which shard it means.
+    with pytest.raises(BadInput, match="several ranks"):
+        verify(eng, {"lm_head.weight": h("shard0")})
+
+
+def test_bare_name_reference_against_one_rank() -> None:
+    by_name = {k.removeprefix(R0): v for k, v in engine_map().items()}
+    r = verify(engine_map(), by_name)
+    assert r.passed and r.keyed_by == "name" and "lm_head.weight" in r.matched
+
+
+def test_weight_checksums_from_the_client_are_accepted() -> None:
+    raw = engine_map()
+    cs = WeightChecksums({k.removeprefix(R0): v for k, v in raw.items()},
+                         {k.removeprefix(R0): k for k in raw})
+    r = verify(cs, ref())
+    assert r.passed and r.keyed_by == "raw" and r.coverage == pytest.approx(0.6)
+
+
+def test_check_states_level_and_coverage() -> None:
+    good = verify(engine_map(), engine_map()).to_check()
+    assert isinstance(good, Check) and good.passed
+    assert good.level is VerificationLevel.ENGINE_CHECKSUM
+    assert good.coverage == pytest.approx(0.6) and good.name == "engine_checksum"
+    other = engine_map()
+    other[R0 + "model.norm.weight"] = h("x")
+    bad = verify(engine_map(), other).to_check("ck")
+    assert not bad.passed and bad.name == "ck" and "MISMATCHED" in bad.detail
+
+
+@pytest.mark.parametrize("bad", [{}, {"k": "nothex"}, {"k": 5}, {"": h("x")}, "x", None])
+def test_malformed_checksum_maps_are_bad_input(bad: Any) -> None:
+    with pytest.raises(BadInput):
+        verify(bad, engine_map())
+    with pytest.raises(BadInput):
+        verify(engine_map(), bad)
+
+
+def test_to_dict_is_json() -> None:
+    d = verify(engine_map(), engine_map()).to_dict()
+    assert json.loads(json.dumps(d))["coverage"] == pytest.approx(0.6)
+    assert d["passed"] is True and d["hashable"] == 3
+
+
+# --------------------------------------------------------------------------- references
+
+
+def test_reference_round_trip_and_properties() -> None:
+    r = ref(origin="verified-load", source="ckpt-b")
+    back = ReferenceChecksums.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back == r and back.layout_digest == layout_digest(LAYOUT)
+    assert len(r.unverifiable) == 2 and r.coverage == pytest.approx(0.6)
+    assert r.by_name()["lm_head.weight"] == h("head")
+    two_ranks = ref({R0 + "w": h("a"), R1 + "w": h("b")})
+    with pytest.raises(BadInput, match="several ranks"):
+        two_ranks.by_name()
+
+
+@pytest.mark.parametrize("change", [
+    {"content_digest": "abc"}, {"origin": "hearsay"}, {"checksums": {}},
+    {"layout": {"dtype": object()}}, {"layout": {1: "x"}}, {"taken_wall": float("nan")},
+])
+def test_invalid_references_cannot_be_built(change: dict[str, Any]) -> None:
+    kw: dict[str, Any] = {"content_digest": h("c"), "layout": LAYOUT,
+                          "checksums": engine_map()}
+    kw.update(change)
+    with pytest.raises(BadInput):
+        ReferenceChecksums(**kw)
+
+
+def test_tampered_or_unknown_documents_are_refused() -> None:
+    d = ref().to_dict()
+    d["layout"] = {**LAYOUT, "dtype": "torch.float16"}
+    with pytest.raises(BadInput, match="layout_digest"):
+        ReferenceChecksums.from_dict(d)
+    with pytest.raises(BadInput, match="format_version"):
+        ReferenceChecksums.from_dict({**ref().to_dict(), "format_version": 2})
+    with pytest.raises(BadInput, match="not a"):
+        ReferenceChecksums.from_dict({"checksums": {}})
+
+
+def test_layout_digest_is_canonical_and_sensitive() -> None:
+    assert layout_digest(dict(reversed(list(LAYOUT.items())))) == layout_digest(LAYOUT)
+    assert layout_digest({**LAYOUT, "dtype": "torch.float16"}) != layout_digest(LAYOUT)
+    assert layout_digest({**LAYOUT, "tensor_parallel_size": 2}) != layout_digest(LAYOUT)
+    assert {"dtype", "tensor_parallel_size", "device"} <= set(LAYOUT_FIELDS)
+
+
+def test_engine_layout_needs_a_client() -> None:
+    with pytest.raises(BadInput):
+        engine_layout("http://x")  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def test_cache_round_trip_keyed_by_content_and_layout(tmp_path: Path) -> None:
+    cache = ChecksumCache(tmp_path / "cache")
+    r = ref()
+    assert cache.get(r.content_digest, LAYOUT) is None
+    p = cache.put(r)
+    assert p.parent.name == r.content_digest and p.name == f"{r.layout_digest}.json"
+    assert cache.get(r.content_digest, LAYOUT) == r
+    assert cache.get(r.content_digest, {**LAYOUT, "dtype": "torch.float16"}) is None
+    assert cache.get(h("other"), LAYOUT) is None
+    assert cache.references(r.content_digest) == [r]
+    assert not [x for x in p.parent.iterdir() if x.name.endswith(".tmp")]
+    again = ReferenceChecksums(r.content_digest, LAYOUT, engine_map(), taken_wall=1.0)
+    cache.put(again)  # replaces atomically
+    assert cache.get(r.content_digest, LAYOUT) == again
+
+
+def test_a_corrupt_or_misplaced_cache_file_is_an_error_not_a_miss(tmp_path: Path) -> None:
+    cache = ChecksumCache(tmp_path)
+    r = ref()
+    p = cache.put(r)
+    p.write_text("{not json")
+    with pytest.raises(JournalError, match="unreadable"):
+        cache.get(r.content_digest, LAYOUT)
+    # A valid reference of another checkpoint stored under this one's name.
+    other = ReferenceChecksums(h("other"), LAYOUT, engine_map())
+    p.write_text(json.dumps(other.to_dict()))
+    with pytest.raises(JournalError, match="does not hold"):
+        cache.get(r.content_digest, LAYOUT)
+
+
+def test_cache_bad_input(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(BadInput):
+        ChecksumCache(f)
+    with pytest.raises(BadInput):
+        ChecksumCache(tmp_path).get("abc", LAYOUT)
+    with pytest.raises(BadInput):
+        ChecksumCache(tmp_path).put({"not": "a reference"})  # type: ignore[arg-type]
+
+
+def _tiny_checkpoint(d: Path) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    save_file({"w": torch.arange(6, dtype=torch.float32)}, str(d / "model.safetensors"))
+    return d
+
+
+def test_reference_checksums_reuses_a_cached_reference_without_starting(
+        tmp_path: Path) -> None:
+    from rolloutcore.weights import WeightSource
+
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    digest = WeightSource.from_checkpoint(ckpt).content_digest()
+    cache = ChecksumCache(tmp_path / "cache")
+    cached = ReferenceChecksums(digest, LAYOUT, engine_map(), source=str(ckpt))
+    cache.put(cached)
+
+    def no_launch(_: Path) -> Any:
+        raise AssertionError("a cached reference must not start an engine")
+
+    assert reference_checksums(ckpt, cache=cache, layout=LAYOUT, launch=no_launch) == cached
+    # The cache is keyed by content: the same bytes elsewhere hit it too.
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in ckpt.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    assert reference_checksums(copy, cache=str(tmp_path / "cache"), layout=LAYOUT,
+                               launch=no_launch) == cached
+
+
+def test_reference_checksums_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match=r"no config\.json"):
+        reference_checksums(tmp_path)
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    with pytest.raises(BadInput):
+        reference_checksums(ckpt, layout={"dtype": ["not", "scalar"]})
