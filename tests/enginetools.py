@@ -44,6 +44,8 @@ class EngineFactory:
                 f"{len(self.alive())} test engines already alive (max {self.max_alive}): "
                 f"{self.alive()}; stop one with engine_factory.stop(engine) first")
         kwargs.setdefault("log_dir", self.log_dir)
+        # Other suites' servers share the 2 cores: cold starts of 160 s were seen.
+        kwargs.setdefault("startup_timeout_s", 600.0)
         eng = ManagedEngine(model_dir, **kwargs)
         self._all.append(eng)
         eng.start()
