@@ -97,7 +97,14 @@ class CudaIpcWeightTransferEngine(
         self.loader = SliceLoader(model)
         self._mapped: dict[tuple[bytes, int], torch.Tensor] = {}
         self._layerwise = False
-        self._uuid = str(torch.cuda.get_device_properties(device).uuid)
+        self._uuid: str | None = None
+
+    @property
+    def device_uuid(self) -> str | None:
+        """This worker's GPU UUID (None off CUDA: nothing can be mapped there)."""
+        if self._uuid is None and self.device.type == "cuda":
+            self._uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return self._uuid
 
     def parse_init_info(self, init_dict: dict[str, Any]) -> CudaIpcInitInfo:
         if not isinstance(init_dict, dict):
@@ -130,9 +137,9 @@ class CudaIpcWeightTransferEngine(
         self._layerwise = False
 
     def _map(self, b: BufferHandle) -> torch.Tensor:
-        if b.device_uuid != self._uuid:
+        if b.device_uuid != self.device_uuid:
             raise ValueError(f"buffer lives on GPU {b.device_uuid}, this worker is on "
-                             f"{self._uuid}")
+                             f"{self.device_uuid}")
         t = self._mapped.get(b.key)
         if t is None or t.numel() != b.nbytes:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
@@ -164,6 +171,8 @@ class CudaIpcWeightTransferEngine(
         self.loader.load(bufs, msg)
         end.record()
         end.synchronize()
+        # Base update_weights synchronizes the device after us; the event pair is
+        # the GPU time of the copies alone.
         self.loader.stats.update(map_s=map_s, copy_gpu_s=start.elapsed_time(end) / 1e3,
                                  receive_s=time.monotonic() - t0)
 
@@ -198,12 +207,10 @@ class CudaIpcWorkerExtension:
 
     def rc_cuda_ipc_hello(self) -> dict[str, Any]:
         eng = getattr(self, "weight_transfer_engine", None)
-        ok = isinstance(eng, CudaIpcWeightTransferEngine)
-        dev = eng.device if isinstance(eng, CudaIpcWeightTransferEngine) else torch.device(
-            "cuda", torch.cuda.current_device())
-        return {"backend": BACKEND if ok else type(eng).__name__, "protocol": PROTOCOL,
-                "device_uuid": str(torch.cuda.get_device_properties(dev).uuid),
-                "torch": torch.__version__}
+        if not isinstance(eng, CudaIpcWeightTransferEngine):
+            return {"backend": type(eng).__name__, "protocol": None, "device_uuid": None}
+        return {"backend": BACKEND, "protocol": PROTOCOL, "device_uuid": eng.device_uuid,
+                "device": str(eng.device), "torch": str(torch.__version__)}
 
     def rc_cuda_ipc_checksum(self) -> dict[str, Any]:
         return self._rc_engine().loader.checksum()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the H200 (no network): join the carried pieces, check them, install the
+# wheels into /tmp/site, and make rolloutcore's vLLM plugin visible there.
+#
+# Expects every .carry/piece-NN and .carry/MANIFEST already copied into
+# /tmp/rc-carry by earlier calls (see diagnostics/gpu/README.md). Run from the
+# repository root; then: export PYTHONPATH=/tmp/site:$PWD/src
+set -euo pipefail
+CARRY=${CARRY:-/tmp/rc-carry}
+SITE=${SITE:-/tmp/site}
+cd "$CARRY"
+cat piece-* > wheels.tar
+# MANIFEST lists wheels.tar and every piece: all must match what was prepared.
+sha256sum -c --quiet MANIFEST
+rm -rf /tmp/rc-whl && mkdir -p /tmp/rc-whl && tar -C /tmp/rc-whl -xf wheels.tar
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" /tmp/rc-whl/*.whl
+# rolloutcore itself runs from the checkout (src/ on PYTHONPATH); vLLM finds
+# its plugin through this entry point (the one pyproject declares for it).
+DI="$SITE/rolloutcore_gpu_plugin-0.0.0.dist-info"
+mkdir -p "$DI"
+printf 'Metadata-Version: 2.1\nName: rolloutcore-gpu-plugin\nVersion: 0.0.0\n' > "$DI/METADATA"
+printf '[vllm.general_plugins]\nrolloutcore_cuda_ipc = rolloutcore.transports.cuda_ipc_plugin:register\n' \
+  > "$DI/entry_points.txt"
+: > "$DI/RECORD"
+echo "installed into $SITE: $(ls /tmp/rc-whl | wc -l) wheels"
