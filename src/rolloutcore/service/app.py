@@ -221,4 +221,16 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
     app.state.gateway = gw
+    # The data routes are dispatched before Starlette's middleware and router:
+    # they are the hot path, and DataPlane answers every error itself.
+    data_paths = frozenset(DATA_ROUTES)
+    starlette_app = app.build_middleware_stack()
+
+    async def fast_path(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] in data_paths:
+            await data(scope, receive, send)
+        else:
+            await starlette_app(scope, receive, send)
+
+    app.middleware_stack = fast_path
     return app

@@ -1,0 +1,210 @@
+"""RolloutCoreClient against a real uvicorn gateway (loopback) over the FakeEngine.
+
+Includes the trainer that dies between begin and report: a real subprocess,
+SIGKILLed; the lease expires, the engine is tainted, nothing is published.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, uvicorn_thread
+
+from rolloutcore.adapters.fake import FakeAdapter, FakeWeights, reference_tokens
+from rolloutcore.client import RolloutCoreClient, UpdateGrant, identity_of
+from rolloutcore.errors import BadInput, TransferError, UpdateFailed, UpdateRefused
+from rolloutcore.evidence import TransferEvidence
+from rolloutcore.lifecycle import State
+from rolloutcore.service import ServiceConfig, create_app
+from rolloutcore.service.app import Gateway
+from rolloutcore.versions import Provenance
+
+W1 = FakeWeights.from_seed(1, step=1)
+P1 = Provenance("fake-seed-1", "fake-run", 1)
+
+
+class FakeTransport:
+    """A WeightTransport into the FakeEngine (connect once, send per update)."""
+
+    backend = "fake"
+
+    def __init__(self, adapter: FakeAdapter) -> None:
+        self.adapter = adapter
+        self.connects: list[str] = []
+        self.sent: list[str] = []
+
+    def connect(self, base_url: str, *, timeout_s: float) -> None:
+        assert timeout_s > 0
+        self.connects.append(base_url)
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float) -> TransferEvidence:
+        assert 0 < timeout_s
+        self.sent.append(target_label)
+        return remote_transfer(self.adapter, source, target_label)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, Gateway, FakeAdapter]]:
+    cfg: dict[str, Any] = getattr(request, "param", {})
+    eng, ad, c, r, j, fake = make_parts()
+    from helpers.asgi_stream import StreamingASGITransport
+
+    app = create_app(r, ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN,
+                                      engine_url="http://engine.test:8000", **cfg),
+                     upstream_transport=StreamingASGITransport(fake.app))
+    with uvicorn_thread(app) as url:
+        yield url, app.state.gateway, ad
+
+
+def test_update_in_one_call_publishes_and_serves_the_new_policy(
+        served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+    ad.stage(W1)
+    tr = FakeTransport(ad)
+    with RolloutCoreClient(url, TOKEN, transport=tr) as rc:
+        res = rc.update(W1, P1, owner="trainer-0", min_verification="probe")
+        assert res.status == "published" and res.published is not None
+        assert res.published.label == "rc-1" and res.state == "READY"
+        assert res.identity is not None and res.identity["verification"] == "probe"
+        assert tr.connects == ["http://engine.test:8000"] and tr.sent == ["rc-1"]
+        assert rc.status()["committed"]["label"] == "rc-1"
+        w2 = FakeWeights.from_seed(2, step=2)
+        ad.stage(w2)
+        res2 = rc.update(w2, Provenance("fake-seed-2", "fake-run", 2), label="step-2")
+        assert res2.published is not None and res2.published.label == "step-2"
+        assert tr.connects == ["http://engine.test:8000"]  # connected once
+    r = httpx.post(f"{url}/inference/v1/generate",
+                   json={"token_ids": [4, 5], "sampling_params": {"max_tokens": 5}})
+    assert r.headers["x-rolloutcore-version"] == "step-2"
+    assert r.json()["choices"][0]["token_ids"] == reference_tokens(w2.digest, [4, 5], 5)
+    assert gw.controller.identity is not None
+    assert gw.controller.identity.same_weights(identity_of(w2, Provenance("fake-seed-2",
+                                                                            "fake-run", 2)))
+
+
+def test_transfer_refused_before_anything_moved_returns_to_service(
+        served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+
+    def refuse(grant: UpdateGrant, source: Any) -> TransferEvidence:
+        raise TransferError("transfer", "preflight: manifest differs", mutation_started=False)
+
+    with RolloutCoreClient(url, TOKEN) as rc, pytest.raises(UpdateFailed) as ei:
+        rc.update(W1, P1, transfer=refuse)
+    assert ei.value.classification == "no_mutation" and ei.value.state == "READY"
+    assert gw.controller.state is State.READY and not ad.engine.paused
+
+
+def test_transfer_that_breaks_midway_taints(served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+
+    def broken(grant: UpdateGrant, source: Any) -> TransferEvidence:
+        ad.engine.start_update()
+        raise RuntimeError("gloo: connection reset by peer")
+
+    with RolloutCoreClient(url, TOKEN) as rc, pytest.raises(UpdateFailed) as ei:
+        rc.update(W1, P1, transfer=broken)
+    assert ei.value.classification == "ambiguous" and ei.value.state == "TAINTED"
+    assert isinstance(ei.value.__cause__, RuntimeError)
+    assert [v.label for v in gw.controller.published] == ["default"]
+
+
+@pytest.mark.parametrize("served", [{"transport": {"backend": "rolloutcore_gloo"}}],
+                         indirect=True)
+def test_transport_backend_mismatch_is_refused_up_front(
+        served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+    with RolloutCoreClient(url, TOKEN, transport=FakeTransport(ad)) as rc, \
+            pytest.raises(UpdateFailed) as ei:
+        rc.update(W1, P1)
+    assert ei.value.classification == "no_mutation"
+    assert gw.controller.state is State.READY
+
+
+def test_wrong_token_and_one_writer(served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+    with RolloutCoreClient(url, "not-the-token") as bad, pytest.raises(BadInput):
+        bad.status()
+    with RolloutCoreClient(url, TOKEN) as rc:
+        g = rc.begin(identity_of(W1, P1), owner="a")
+        with pytest.raises(UpdateRefused):
+            rc.begin(identity_of(W1, P1), owner="b")
+        res = rc.report_failure(g.update_id, "refused", "changed my mind")
+        assert res.status == "failed" and res.classification == "no_mutation"
+    with pytest.raises(BadInput):
+        RolloutCoreClient(url, TOKEN, timeout_s=0)
+
+
+@pytest.mark.parametrize("served", [{"lease_s": 0.3}], indirect=True)
+def test_a_report_after_the_lease_expired_is_told_so(
+        served: tuple[str, Gateway, FakeAdapter]) -> None:
+    url, gw, ad = served
+    with RolloutCoreClient(url, TOKEN) as rc:
+        g = rc.begin(identity_of(W1, P1), owner="slow")
+        time.sleep(0.6)
+        ev = remote_transfer(ad, W1, g.target.label)
+        res = rc.report(g.update_id, ev)
+        assert res.status == "expired" and res.classification == "ambiguous"
+        with pytest.raises(UpdateFailed):
+            res.raise_for_failure()
+    assert gw.controller.state is State.TAINTED
+    assert [v.label for v in gw.controller.published] == ["default"]
+
+
+@pytest.mark.parametrize("served", [{"lease_s": 1.0}], indirect=True)
+def test_trainer_killed_between_begin_and_report(
+        served: tuple[str, Gateway, FakeAdapter]) -> None:
+    """A real trainer process begins, then is SIGKILLed: the lease expires, no publish."""
+    url, gw, ad = served
+    ident = identity_of(W1, P1)
+    script = textwrap.dedent(f"""
+        import sys, time
+        from rolloutcore.client import RolloutCoreClient
+        from rolloutcore.versions import Provenance, WeightIdentity
+        ident = WeightIdentity({ident.manifest_digest!r}, Provenance("fake-seed-1", "fake-run", 1),
+                               {ident.content_digest!r})
+        rc = RolloutCoreClient({url!r}, {TOKEN!r})
+        g = rc.begin(ident, owner="doomed-trainer")
+        print("BEGUN", g.update_id, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line.startswith("BEGUN"), (line, proc.stderr.read() if proc.stderr else "")
+        uid = int(line.split()[1])
+        assert gw.controller.state is State.UPDATING
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(10) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        for f in (proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
+    deadline = time.monotonic() + 10
+    while gw.controller.state is not State.TAINTED and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert gw.controller.state is State.TAINTED
+    with RolloutCoreClient(url, TOKEN) as rc:
+        info = rc.get_update(uid)
+    assert info.status == "expired" and info.classification == "ambiguous"
+    assert [v.label for v in gw.controller.published] == ["default"]
+    r = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1],
+                                                         "sampling_params": {}})
+    assert r.status_code == 503 and "retry-after" not in r.headers

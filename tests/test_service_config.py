@@ -1,0 +1,104 @@
+"""Settings, tokens and the ``serve`` command's refusals (nothing is launched)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rolloutcore.errors import BadInput
+from rolloutcore.service.auth import check_bearer, generate_token, read_token_file
+from rolloutcore.service.config import ServiceConfig, check_bind, is_loopback
+from rolloutcore.service.serve import add_serve_parser, main, run_serve
+
+TOK = "t" * 20
+
+
+@pytest.mark.parametrize("host,loop", [("127.0.0.1", True), ("127.3.4.5", True),
+                                        ("::1", True), ("[::1]", True), ("localhost", True),
+                                        ("0.0.0.0", False), ("10.0.0.1", False),
+                                        ("example.org", False), ("::", False)])
+def test_loopback_detection(host: str, loop: bool) -> None:
+    assert is_loopback(host) is loop
+
+
+def test_non_loopback_bind_needs_a_given_token() -> None:
+    check_bind("127.0.0.1", False)
+    check_bind("0.0.0.0", True)
+    with pytest.raises(BadInput, match="without a control token"):
+        check_bind("0.0.0.0", False)
+    with pytest.raises(BadInput):
+        check_bind("", True)
+
+
+@pytest.mark.parametrize("kw", [
+    {"upstream_url": "ftp://x"}, {"upstream_url": "127.0.0.1:8000"},
+    {"control_token": "short"}, {"control_token": "has a space in it 123"},
+    {"data_token": "short"}, {"max_body_bytes": 0}, {"max_body_bytes": True},
+    {"queue_max": -1}, {"queue_wait_s": 0}, {"lease_s": float("inf")},
+    {"lease_s": 100, "max_lease_s": 10}, {"upstream_read_s": -1}, {"history": 0},
+    {"transport": ["backend"]}, {"engine_url": "nope"},
+])
+def test_bad_settings_fail_at_construction(kw: dict[str, Any]) -> None:
+    base: dict[str, Any] = {"upstream_url": "http://127.0.0.1:8000", "control_token": TOK}
+    with pytest.raises(BadInput):
+        ServiceConfig(**{**base, **kw})
+
+
+def test_good_settings() -> None:
+    c = ServiceConfig(upstream_url="http://127.0.0.1:8000/", control_token=TOK,
+                      transport={"backend": "x"})
+    assert c.upstream_url == "http://127.0.0.1:8000"
+    assert c.advertised_engine_url == c.upstream_url
+    assert ServiceConfig(upstream_url="http://a:1", control_token=TOK,
+                         engine_url="http://b:2").advertised_engine_url == "http://b:2"
+
+
+def test_bearer_checks() -> None:
+    tok = generate_token()
+    assert len(tok) >= 40 and tok != generate_token()
+    assert check_bearer(None, None).ok
+    assert check_bearer(None, tok).status == 401
+    assert check_bearer(f"Bearer {tok}", tok).ok
+    assert check_bearer(f"bearer   {tok}  ".encode(), tok).ok
+    assert check_bearer(f"Bearer {tok[:-1]}", tok).status == 403
+    assert check_bearer(f"Token {tok}", tok).status == 401
+    assert check_bearer("Bearer ", tok).status == 401
+    assert check_bearer("Bearer \u00e9\u00e9", tok).status == 403
+
+
+def test_token_file(tmp_path: Path) -> None:
+    p = tmp_path / "tok"
+    p.write_text(f"  {TOK}  \nignored\n")
+    assert read_token_file(p) == TOK
+    p.write_text("\n")
+    with pytest.raises(BadInput):
+        read_token_file(p)
+    with pytest.raises(BadInput):
+        read_token_file(tmp_path / "missing")
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="rolloutcore")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_refuses_before_launching_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLOUTCORE_TOKEN", raising=False)
+    with pytest.raises(BadInput, match="without a control token"):
+        run_serve(_args("--host", "0.0.0.0"))
+    with pytest.raises(BadInput, match="--checkpoint"):
+        run_serve(_args("--upstream", "http://127.0.0.1:9"))
+    with pytest.raises(BadInput, match="not both"):
+        run_serve(_args("--token", TOK, "--token-file", "/x"))
+    with pytest.raises(BadInput, match="at least 16"):
+        run_serve(_args("--token", "short", "--upstream", "http://127.0.0.1:9",
+                        "--checkpoint", "/x"))
+    assert main(["--host", "0.0.0.0"]) == 2
+    with pytest.raises(SystemExit):
+        _args("--port", "70000")
+    with pytest.raises(SystemExit):
+        _args("--upstream", "http://a:1", "--model", "/m")
