@@ -614,6 +614,18 @@ def test_bootstrap_epoch_without_launcher_or_instance_id_is_local_and_stated() -
     assert VllmAdapter(client(e)).bootstrap().engine_epoch == "vllm-abc123"
 
 
+def test_bootstrap_refuses_a_transport_the_engine_was_not_started_with() -> None:
+    from rolloutcore.transports.gloo import GlooTransport
+
+    for wt in (None, {"backend": "nccl"}):
+        e = Engine(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
+            "instance_id": "i", "weight_transfer_config": wt}})})
+        a = VllmAdapter(client(e), GlooTransport())
+        with pytest.raises(EngineUnavailable, match="rolloutcore_gloo") as ei:
+            a.bootstrap()
+        assert ei.value.mutation_started is False
+
+
 def test_bootstrap_of_a_dead_engine_is_unhealthy_evidence() -> None:
     e = Engine(overrides={Routes.HEALTH: answer(503)})
     boot = VllmAdapter(client(e), engine_epoch="x").bootstrap()

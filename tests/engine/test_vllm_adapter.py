@@ -145,6 +145,7 @@ def test_bootstrap_describes_the_engine(engine: ManagedEngine) -> None:
     assert ev.label_supported and ev.observed_label is not None
     assert ev.engine_info["vllm_version"] == "0.32.0"
     assert ev.engine_info["model"] == engine.model_name
+    assert ev.engine_info["weight_transfer_config"]["backend"] == "rolloutcore_gloo"
     assert Routes.GENERATE in ev.capabilities
     assert ev.unverified == ()
     # Without a launcher epoch the adapter takes the engine's own per-start id.

@@ -1017,6 +1017,16 @@ class VllmAdapter:
             unverified.append(f"cache reset routes absent: {', '.join(missing)}")
         if Routes.IS_PAUSED in caps:
             info["paused"] = h.is_paused(mutation_started=False)
+        if self.transport is not None:
+            wt = info.get("weight_transfer_config")
+            engine_backend = wt.get("backend") if isinstance(wt, dict) else None
+            if Routes.SERVER_INFO in caps and engine_backend != self.transport.backend:
+                # Connecting would block on a handshake the engine never joins.
+                raise EngineUnavailable(
+                    "bootstrap", f"engine weight-transfer backend is {engine_backend!r}, "
+                    f"the transport is {self.transport.backend!r} (start the engine with "
+                    f"--weight-transfer-config {json.dumps(self.transport.engine_config())})",
+                    mutation_started=False)
         if self.transport is not None and not self._connected:
             try:
                 self.transport.connect(h.base_url, timeout_s=self._connect_timeout_s)
@@ -1135,7 +1145,8 @@ class VllmAdapter:
             if not isinstance(check, Check):
                 raise EffectError("validate_live", f"probe set returned {type(check).__name__}, "
                                   "not a Check")
-            return ValidationEvidence(wi.label, wi.label_supported, paused=False,
+            live_paused = h.is_paused() if h.has(Routes.IS_PAUSED) else None
+            return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
         wi = h.weight_info()
