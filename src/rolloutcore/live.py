@@ -55,10 +55,15 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
                 result["done"] = c.complete("R-long")
                 result["binding"] = binding
 
+        # Identity, policy probe and transport connection first: admission is
+        # closed only for the transition itself.
+        prepared = session.prepare(b, Provenance("policy-B", "live-update", 1))
         th = threading.Thread(target=long_rollout, name="R-long")
         th.start()
-        time.sleep(0.5)  # mid-generation
-        upd = session.update(b, Provenance("policy-B", "live-update", 1))
+        while not c.active and th.is_alive():
+            time.sleep(0.01)
+        time.sleep(0.3)  # genuinely mid-generation
+        upd = session.apply(prepared)
         th.join()
         g = result["gen"]
         after = h.generate(prompt, max_tokens=16)

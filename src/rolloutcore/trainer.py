@@ -28,7 +28,7 @@ from .runner import Deadlines, LifecycleRunner, UpdateOutcome
 from .versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from .weights import WeightSource
 
-__all__ = ["EngineSession", "UpdateResult", "identity_of"]
+__all__ = ["EngineSession", "PreparedUpdate", "UpdateResult", "identity_of"]
 
 
 def identity_of(source: WeightSource, provenance: Provenance, *,
@@ -36,6 +36,15 @@ def identity_of(source: WeightSource, provenance: Provenance, *,
     """Manifest + declared provenance (+ content digest, which reads every byte once)."""
     return WeightIdentity.declare(source.manifest(), provenance,
                                   source.content_digest() if content else None)
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    source: WeightSource
+    provenance: Provenance
+    identity: WeightIdentity
+    probe: PolicyProbe | None
+    reference_checksums: Mapping[str, str] | None
 
 
 @dataclass
@@ -86,7 +95,8 @@ class EngineSession:
             eng.stop()
             raise
 
-    def bootstrap(self, model_dir: str | Path, provenance: Provenance | None = None) -> WeightVersion:
+    def bootstrap(self, model_dir: str | Path,
+                  provenance: Provenance | None = None) -> WeightVersion:
         """Take over the engine; it must be serving ``model_dir`` (its identity is recorded)."""
         src = WeightSource.from_checkpoint(model_dir)
         prov = provenance or Provenance(str(Path(model_dir).resolve()), "", 0)
@@ -111,6 +121,21 @@ class EngineSession:
         used directly; a checkpoint or state dict is loaded into a reference
         model); ``probe=False`` validates by label and checksums only.
         """
+        prepared = self.prepare(weights, provenance, probe=probe,
+                                probe_tolerance=probe_tolerance,
+                                reference_checksums=reference_checksums,
+                                content_digest=content_digest)
+        return self.apply(prepared, label=label, owner=owner)
+
+    def prepare(self, weights: Any, provenance: Provenance, *,
+                probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
+                reference_checksums: Mapping[str, str] | None = None,
+                content_digest: bool = True) -> PreparedUpdate:
+        """Everything that does not touch the engine's serving: identity, probe, connection.
+
+        Done before the update is requested, so admission is closed only for
+        the transition itself.
+        """
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
         src = WeightSource.of(weights)
@@ -122,11 +147,19 @@ class EngineSession:
             pset = self._probe_for(weights, probe_tolerance)
         else:
             pset = None
-        self.adapter.stage(src, provenance=provenance, reference_checksums=reference_checksums,
-                           probes=pset)
         self._connect()
-        level = VerificationLevel.PROBE if pset is not None else VerificationLevel.DECLARED
-        out = self.runner.run_update(identity, owner=owner, label=label, min_verification=level)
+        return PreparedUpdate(src, provenance, identity, pset, reference_checksums)
+
+    def apply(self, prepared: PreparedUpdate, *, label: str | None = None,
+              owner: str = "trainer") -> UpdateResult:
+        """Run the verified transition for a prepared update."""
+        self.adapter.stage(prepared.source, provenance=prepared.provenance,
+                           reference_checksums=prepared.reference_checksums,
+                           probes=prepared.probe)
+        level = (VerificationLevel.PROBE if prepared.probe is not None
+                 else VerificationLevel.DECLARED)
+        out = self.runner.run_update(prepared.identity, owner=owner, label=label,
+                                     min_verification=level)
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
 
