@@ -45,7 +45,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
@@ -892,7 +892,7 @@ class _Staged:
     provenance: Provenance | None
     reference_checksums: Mapping[str, str] | None
     probes: ProbeSet | None
-    manifest_digest: str = field(default="")
+    manifest_digest: str
 
 
 class VllmAdapter:
@@ -1027,18 +1027,24 @@ class VllmAdapter:
                     f"the transport is {self.transport.backend!r} (start the engine with "
                     f"--weight-transfer-config {json.dumps(self.transport.engine_config())})",
                     mutation_started=False)
-        if self.transport is not None and not self._connected:
-            try:
-                self.transport.connect(h.base_url, timeout_s=self._connect_timeout_s)
-            except RolloutCoreError:
-                raise
-            except Exception as exc:
-                raise EngineUnavailable("bootstrap", f"transport connect failed: {exc!r}",
-                                        mutation_started=False) from exc
-            self._connected = True
+            self._ensure_connected(self.transport, EngineUnavailable, "bootstrap")
             info["transport"] = self.transport.backend
         return BootstrapEvidence(epoch, healthy, wi.label, wi.label_supported, caps, info,
                                  elapsed_s=time.monotonic() - t0, unverified=tuple(unverified))
+
+    def _ensure_connected(self, transport: WeightTransport,
+                          error: type[EngineUnavailable | TransferError], step: str) -> None:
+        """The transport's init handshake (no weights change), once per engine."""
+        if self._connected:
+            return
+        try:
+            transport.connect(self.http.base_url, timeout_s=self._connect_timeout_s)
+        except RolloutCoreError:
+            raise
+        except Exception as exc:
+            raise error(step, f"transport connect failed: {exc!r}",
+                        mutation_started=False) from exc
+        self._connected = True
 
     def drain(self, mode: PauseMode) -> DrainEvidence:
         """``/pause?mode=...&clear_cache=false`` then ``/is_paused``.
@@ -1110,15 +1116,7 @@ class VllmAdapter:
         if self._staged is None or self.transport is None:
             raise TransferError("transfer", "no weight source staged" if self.transport
                                 else "no weight transport", mutation_started=False)
-        if not self._connected:
-            try:
-                self.transport.connect(self.http.base_url, timeout_s=self._connect_timeout_s)
-            except RolloutCoreError:
-                raise
-            except Exception as exc:
-                raise TransferError("transfer", f"transport connect failed: {exc!r}",
-                                    mutation_started=False) from exc
-            self._connected = True
+        self._ensure_connected(self.transport, TransferError, "transfer")
         try:
             return self.transport.send(self.http.base_url, target.version.label,
                                        self._staged.source, timeout_s=self._transfer_timeout_s)
