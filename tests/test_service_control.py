@@ -354,7 +354,7 @@ def _mutations() -> st.SearchStrategy[dict[str, Any]]:
     return st.builds(lambda k, v: {**base, k: v}, st.sampled_from(keys), json_values)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=st.one_of(json_values, _mutations()))
 def test_fuzz_begin_never_5xx_and_changes_state_only_on_201(body: Any) -> None:
     async def run() -> None:
@@ -372,7 +372,7 @@ def test_fuzz_begin_never_5xx_and_changes_state_only_on_201(body: Any) -> None:
     anyio.run(run)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=json_values)
 def test_fuzz_report_never_5xx(body: Any) -> None:
     async def run() -> None:

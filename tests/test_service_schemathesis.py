@@ -49,7 +49,7 @@ def gateway() -> Iterator[tuple[str, Any]]:
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None,
+@settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.filter_too_much])
 def test_control_api_conforms_and_rejects_bad_input(case: Any,
