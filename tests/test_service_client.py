@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, uvicorn_thread
 
+from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, uvicorn_thread
 from rolloutcore.adapters.fake import FakeAdapter, FakeWeights, reference_tokens
 from rolloutcore.client import RolloutCoreClient, UpdateGrant, identity_of
 from rolloutcore.errors import BadInput, TransferError, UpdateFailed, UpdateRefused
@@ -48,7 +48,7 @@ class FakeTransport:
 
     def send(self, base_url: str, target_label: str, source: Any, *,
              timeout_s: float) -> TransferEvidence:
-        assert 0 < timeout_s
+        assert timeout_s > 0
         self.sent.append(target_label)
         return remote_transfer(self.adapter, source, target_label)
 
