@@ -23,7 +23,7 @@ __all__ = ["add_live_parser", "run_live_update"]
 
 
 def run_live_update(workdir: Path, *, journal_path: Path | None = None,
-                    rollout_tokens: int = 200, progress: bool = True) -> dict[str, Any]:
+                    rollout_tokens: int = 400, progress: bool = True) -> dict[str, Any]:
     from .model import make_checkpoint
     from .trainer import EngineSession
     from .versions import Provenance
@@ -43,7 +43,7 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
         pid_before = session.engine.pid
         v0 = session.bootstrap(a, Provenance("policy-A", "live-update", 0))
         c, h = session.controller, session.http
-        prompt = [(7 * i + 3) % 250 + 1 for i in range(150)]
+        prompt = [(7 * i + 3) % 250 + 1 for i in range(100)]
         result: dict[str, Any] = {}
 
         def long_rollout() -> None:
@@ -62,7 +62,7 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
         th.start()
         while not c.active and th.is_alive():
             time.sleep(0.01)
-        time.sleep(0.3)  # genuinely mid-generation
+        time.sleep(0.05)  # genuinely mid-generation
         upd = session.apply(prepared)
         th.join()
         g = result["gen"]
@@ -126,8 +126,8 @@ def _tokens(s: str) -> int:
         v = int(s)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if not 1 <= v <= 300:
-        raise argparse.ArgumentTypeError("must be in 1..300 (the model's context is 512)")
+    if not 1 <= v <= 400:
+        raise argparse.ArgumentTypeError("must be in 1..400 (the model's context is 512)")
     return v
 
 
@@ -136,7 +136,7 @@ def add_live_parser(sub: Any) -> None:
     p.add_argument("--workdir", help="where checkpoints and logs go (default: a temp dir)")
     p.add_argument("--journal", help="write the lifecycle journal (JSON lines) here")
     p.add_argument("--json", help="write the full report here")
-    p.add_argument("--rollout-tokens", type=_tokens, default=200,
-                   help="length of the rollout in flight during the update (1-300)")
+    p.add_argument("--rollout-tokens", type=_tokens, default=400,
+                   help="length of the rollout in flight during the update (1-400)")
     p.add_argument("--quiet", action="store_true", help="no start-up progress")
     p.set_defaults(func=_cmd)

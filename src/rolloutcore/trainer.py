@@ -71,7 +71,6 @@ class EngineSession:
                                               listener=self.journal.listener)
         self.runner = LifecycleRunner(self.controller, self.adapter, deadlines,
                                       record=self.journal.write)
-        self._connected = False
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -105,11 +104,6 @@ class EngineSession:
         assert committed is not None
         return committed
 
-    def _connect(self) -> None:
-        if not self._connected:
-            self.transport.connect(self.http.base_url, timeout_s=self.runner.deadlines.transfer_s)
-            self._connected = True
-
     # ------------------------------------------------------------------ the call
     def update(self, weights: Any, provenance: Provenance, *, label: str | None = None,
                probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
@@ -131,7 +125,7 @@ class EngineSession:
                 probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
                 reference_checksums: Mapping[str, str] | None = None,
                 content_digest: bool = True) -> PreparedUpdate:
-        """Everything that does not touch the engine's serving: identity, probe, connection.
+        """Everything that does not touch the engine's serving: identity and probe.
 
         Done before the update is requested, so admission is closed only for
         the transition itself.
@@ -147,7 +141,6 @@ class EngineSession:
             pset = self._probe_for(weights, probe_tolerance)
         else:
             pset = None
-        self._connect()
         return PreparedUpdate(src, provenance, identity, pset, reference_checksums)
 
     def apply(self, prepared: PreparedUpdate, *, label: str | None = None,
