@@ -208,3 +208,25 @@ def test_trainer_killed_between_begin_and_report(
     r = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1],
                                                          "sampling_params": {}})
     assert r.status_code == 503 and "retry-after" not in r.headers
+
+
+def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:
+    """uvicorn's own disconnect signalling (not the in-process transport's)."""
+    from helpers.asgi_stream import StreamingASGITransport
+
+    eng, ad, c, r, j, fake = make_parts()
+    fake.event_delay_s = 0.05
+    app = create_app(r, ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN),
+                     upstream_transport=StreamingASGITransport(fake.app))
+    with uvicorn_thread(app) as url, httpx.Client(timeout=10) as hc:
+        with hc.stream("POST", f"{url}/inference/v1/generate",
+                       json={"token_ids": [1, 2], "stream": True,
+                             "sampling_params": {"max_tokens": 50}}) as s:
+            first = next(s.iter_bytes())
+            assert b'"rolloutcore"' in first and len(c.active) == 1
+        deadline = time.monotonic() + 10
+        while (c.active or fake.streams_closed_early == 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.active == {} and fake.streams_closed_early == 1
+        text = hc.get(f"{url}/metrics").text
+        assert 'rolloutcore_stream_endings_total{ending="client_disconnect"} 1.0' in text
