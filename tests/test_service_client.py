@@ -222,7 +222,8 @@ def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:
         with hc.stream("POST", f"{url}/inference/v1/generate",
                        json={"token_ids": [1, 2], "stream": True,
                              "sampling_params": {"max_tokens": 50}}) as s:
-            first = next(s.iter_bytes())
+            chunks = s.iter_bytes()  # kept referenced: dropping it closes the connection
+            first = next(chunks)
             assert b'"rolloutcore"' in first and len(c.active) == 1
         deadline = time.monotonic() + 10
         while (c.active or fake.streams_closed_early == 0) and time.monotonic() < deadline:
