@@ -185,7 +185,7 @@ class Http:
         body = {"token_ids": tokens, "model": "policy",
                 "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0,
                                     "ignore_eos": True, "detokenize": False}}
-        out, _ = self.post("/inference/v1/generate", body, timeout=300.0)
+        out, _ = self.post("/inference/v1/generate", body, timeout=90.0)
         return list(out["choices"][0]["token_ids"])
 
     def try_generate(self, tokens: list[int], max_tokens: int, where: str) -> list[int] | None:
@@ -360,9 +360,9 @@ def main() -> int:
         engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False,
                                max_model_len=4096, extra_args=extra, env=env,
                                log_dir=logs, startup_timeout_s=420, stop_grace_s=10)
-        R["commands"].append(" ".join(engine.command()))
         R["engine_env"] = env
         engine.start()
+        R["commands"].append(" ".join(engine.command()))
         R["cold_start_s"] = engine.last_start_s
         log(f"engine healthy in {engine.last_start_s:.1f}s at {engine.base_url}")
         http = Http(engine.base_url)
@@ -384,9 +384,11 @@ def main() -> int:
             fill(packed, seed)
         transport.mode = mode
         http.post("/pause", params={"mode": "wait", "clear_cache": "false"})
-        ev = transport.send(http.base, label, packed, timeout_s=300)
-        http.post("/reset_prefix_cache")
-        http.post("/resume")
+        try:
+            ev = transport.send(http.base, label, packed, timeout_s=300)
+            http.post("/reset_prefix_cache")
+        finally:
+            http.post("/resume")  # never leave the engine paused (stalls later stages)
         st = transport.rpc(http.base, "rc_cuda_ipc_stats")[0]
         transport.mode = "fast"
         return {"update_s": transport.last_timings.update_s, "elapsed_s": ev.elapsed_s,

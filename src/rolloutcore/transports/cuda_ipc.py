@@ -82,7 +82,10 @@ _MAX_ENTRIES = 100_000
 _MAX_BUFFERS = 64
 _MAX_NAME = 512
 _MAX_DIMS = 8
-_CUDA_IPC_HANDLE_BYTES = 64          # sizeof(cudaIpcMemHandle_t) / cudaIpcEventHandle_t
+# torch's CUDA storage handle is opaque: a kind byte then cudaIpcMemHandle_t (64 bytes)
+# for cudaMalloc'd blocks, longer for expandable segments. CUDA itself validates it
+# when the receiver opens it; here only its size is bounded.
+_MAX_HANDLE = 1024
 _MAX_REF_COUNTER_HANDLE = 1024       # a shared-memory file name
 _ALIGN = 256                          # entries start on 256-byte boundaries
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -156,14 +159,13 @@ class BufferHandle:
     def __post_init__(self) -> None:
         if not isinstance(self.device_uuid, str) or not _UUID_RE.match(self.device_uuid):
             raise BadInput(f"device_uuid is not a GPU UUID: {self.device_uuid!r}")
-        if not isinstance(self.handle, bytes) or len(self.handle) != _CUDA_IPC_HANDLE_BYTES:
-            raise BadInput(f"handle must be {_CUDA_IPC_HANDLE_BYTES} bytes")
+        if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= _MAX_HANDLE:
+            raise BadInput(f"handle must be 1..{_MAX_HANDLE} bytes")
         if not isinstance(self.ref_counter_handle, bytes) or not (
                 0 < len(self.ref_counter_handle) <= _MAX_REF_COUNTER_HANDLE):
             raise BadInput("ref_counter_handle must be 1..1024 bytes")
-        if not isinstance(self.event_handle, bytes) or len(self.event_handle) not in (
-                0, _CUDA_IPC_HANDLE_BYTES):
-            raise BadInput(f"event_handle must be empty or {_CUDA_IPC_HANDLE_BYTES} bytes")
+        if not isinstance(self.event_handle, bytes) or len(self.event_handle) > _MAX_HANDLE:
+            raise BadInput(f"event_handle must be at most {_MAX_HANDLE} bytes")
         if not isinstance(self.event_sync_required, bool):
             raise BadInput("event_sync_required must be a boolean")
         for name in ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset",
@@ -201,15 +203,14 @@ class BufferHandle:
             raise BadInput(f"{what}.device_uuid must be a string")
         return cls(
             device_uuid=uuid,
-            handle=_unb64(o["handle"], f"{what}.handle", max_len=_CUDA_IPC_HANDLE_BYTES,
-                          exact=_CUDA_IPC_HANDLE_BYTES),
+            handle=_unb64(o["handle"], f"{what}.handle", max_len=_MAX_HANDLE),
             storage_size_bytes=_int(o["storage_size_bytes"], f"{what}.storage_size_bytes"),
             storage_offset_bytes=_int(o["storage_offset_bytes"], f"{what}.storage_offset_bytes"),
             ref_counter_handle=_unb64(o["ref_counter_handle"], f"{what}.ref_counter_handle",
                                       max_len=_MAX_REF_COUNTER_HANDLE),
             ref_counter_offset=_int(o["ref_counter_offset"], f"{what}.ref_counter_offset"),
             event_handle=_unb64(o["event_handle"], f"{what}.event_handle",
-                                max_len=_CUDA_IPC_HANDLE_BYTES),
+                                max_len=_MAX_HANDLE),
             event_sync_required=o["event_sync_required"],
             tensor_offset_bytes=_int(o["tensor_offset_bytes"], f"{what}.tensor_offset_bytes"),
             nbytes=_int(o["nbytes"], f"{what}.nbytes"),
