@@ -35,6 +35,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from ..errors import BadInput, TransferError
 from ..evidence import TransferEvidence
@@ -335,7 +336,7 @@ class GlooTransport(TransportBase):
             raise TransferError("transfer", f"engine reported world size {ws!r}",
                                 mutation_started=False)
         world = 1 + engine_ws
-        host = url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        host = urlsplit(url).hostname or "127.0.0.1"
         addr = local_address_towards(host)
         store = _dist().TCPStore(addr, 0, world, True, timeout=datetime.timedelta(seconds=left()),
                          wait_for_workers=False)

@@ -15,6 +15,7 @@ blocked side thread is abandoned with its group.
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..engine.launcher import free_port
 from .base import local_address_towards
@@ -38,7 +39,7 @@ class NcclTransport(VllmTrainerTransport):
     def init_info(self, base_url: str, engine_world_size: int) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        host = base_url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]")
+        host = urlsplit(base_url).hostname or "127.0.0.1"
         addr = self.master_address or local_address_towards(host)
         return NCCLTrainerInitInfo(
             master_address=addr, master_port=self.master_port or free_port(addr),
