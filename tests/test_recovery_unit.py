@@ -1,0 +1,177 @@
+"""Recoverers without a vLLM: bad input, and recoveries that fail and are classified.
+
+A recovery that cannot happen (no operator signal, an unreachable engine, an
+engine that is not a new incarnation, a recovery that overruns its deadline)
+must leave the controller TAINTED within its deadline, with a journal the
+invariant checker accepts. Real replacements of a real engine are in
+tests/engine/test_faults_engine.py.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from coretools import drive_to
+from helpers.gateway_rig import uvicorn_thread
+from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
+from rolloutcore.engine import free_port
+from rolloutcore.errors import BadInput, UpdateFailed
+from rolloutcore.invariants import check_journal
+from rolloutcore.journal import Journal
+from rolloutcore.lifecycle import LifecycleController, State
+from rolloutcore.model import make_checkpoint
+from rolloutcore.recovery import ManagedRecoverer, OperatorRecoverer
+from rolloutcore.runner import Deadlines, LifecycleRunner
+from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
+from rolloutcore.weights import WeightSource
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("rec") / "A", 1)
+
+
+def tainted(recover_s: float = 5.0) -> tuple[LifecycleController, LifecycleRunner, Journal]:
+    j = Journal()
+    c, _ = drive_to(State.TAINTED, j)
+    r = LifecycleRunner(c, FakeAdapter(FakeEngine(FakeWeights.from_seed(0))),
+                        Deadlines(recover_s=recover_s, cancel_grace_s=1.0), record=j.write)
+    return c, r, j
+
+
+def test_bad_input(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(BadInput, match="ManagedEngine"):
+        ManagedRecoverer("not an engine", ckpt)  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match=r"config\.json"):
+        OperatorRecoverer("http://127.0.0.1:1", tmp_path, signal=tmp_path / "go", wait_s=1)
+    with pytest.raises(BadInput, match="URL"):
+        OperatorRecoverer("127.0.0.1:1", ckpt, signal=tmp_path / "go", wait_s=1)
+    with pytest.raises(BadInput, match="wait_s"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=tmp_path / "go", wait_s=0)
+    with pytest.raises(BadInput, match="signal"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal="", wait_s=1)
+    other = WeightIdentity.declare(ParameterManifest.from_items([("w", (1,), "bfloat16")]),
+                                   Provenance("x"))
+    with pytest.raises(BadInput, match="manifest"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=tmp_path / "go", wait_s=1,
+                          identity=other)
+    with pytest.raises(BadInput, match="reference"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=tmp_path / "go", wait_s=1,
+                          reference={})
+    rec = OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=tmp_path / "go", wait_s=1,
+                            probe=False)
+    src = WeightSource.from_checkpoint(ckpt)
+    assert rec.identity.manifest_digest == src.manifest().digest
+    assert rec.identity.content_digest == src.content_digest()
+    with pytest.raises(BadInput):
+        rec.replace_engine("rc-1")  # type: ignore[arg-type]
+
+
+def test_no_operator_signal_is_a_failed_recovery_within_its_deadline(
+        ckpt: Path, tmp_path: Path) -> None:
+    c, r, j = tainted()
+    committed = c.committed
+    rec = OperatorRecoverer(f"http://127.0.0.1:{free_port()}", ckpt, signal=tmp_path / "go",
+                            wait_s=0.5, poll_s=0.05, probe=False)
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed) as ei:
+        r.recover(rec)
+    assert time.monotonic() - t0 < 0.5 + 1.0
+    assert ei.value.phase == "recover" and ei.value.classification == "ambiguous"
+    assert c.state is State.TAINTED and c.committed == committed
+    assert "deadline" in ei.value.reason
+    assert check_journal(j.records) == []
+
+
+def test_signal_without_a_reachable_engine_fails_and_consumes_the_signal(
+        ckpt: Path, tmp_path: Path) -> None:
+    c, r, j = tainted()
+    sig = tmp_path / "replaced"
+    sig.write_text("new engine is up")
+    rec = OperatorRecoverer(f"http://127.0.0.1:{free_port()}", ckpt, signal=sig, wait_s=2,
+                            poll_s=0.05, health_s=0.5, probe=False)
+    with pytest.raises(UpdateFailed):
+        r.recover(rec)
+    assert not sig.exists()  # one signal, one recovery attempt
+    assert c.state is State.TAINTED
+    assert rec.last is not None and rec.last.wait_s < 1.0
+    assert check_journal(j.records) == []
+
+
+def test_watchdog_cancels_a_recovery_that_overruns(ckpt: Path, tmp_path: Path) -> None:
+    c, r, j = tainted(recover_s=0.4)
+    calls: list[float] = []
+
+    def never() -> bool:
+        calls.append(time.monotonic())
+        return False
+
+    rec = OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=never, wait_s=60, poll_s=0.05,
+                            probe=False)
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed):
+        r.recover(rec)
+    assert time.monotonic() - t0 < 0.4 + 1.0 + 0.5
+    n = len(calls)
+    time.sleep(0.3)
+    assert len(calls) <= n + 1  # the cancelled wait stopped polling
+    assert c.state is State.TAINTED and check_journal(j.records) == []
+
+
+class NotReplaced:
+    """An HTTP server that answers like the engine that was tainted: same instance, or updated."""
+
+    def __init__(self, instance_id: str, label: str) -> None:
+        self.instance_id, self.label = instance_id, label
+        self.app = Starlette(routes=[
+            Route("/health", self.health), Route("/openapi.json", self.openapi),
+            Route("/server_info", self.info), Route("/weight_info", self.weight_info)])
+
+    async def health(self, req: Request) -> Response:
+        return Response(status_code=200)
+
+    async def openapi(self, req: Request) -> Response:
+        return JSONResponse({"paths": {p: {} for p in ("/health", "/server_info",
+                                                       "/weight_info")}})
+
+    async def info(self, req: Request) -> Response:
+        return JSONResponse({"vllm_config": {"instance_id": self.instance_id}})
+
+    async def weight_info(self, req: Request) -> Response:
+        return JSONResponse({"weight_version": self.label})
+
+
+@pytest.fixture()
+def not_replaced() -> Iterator[tuple[NotReplaced, str]]:
+    srv = NotReplaced("abc", "default")
+    with uvicorn_thread(srv.app) as url:
+        yield srv, url
+
+
+def test_an_engine_that_was_not_replaced_is_refused(
+        ckpt: Path, not_replaced: tuple[NotReplaced, str]) -> None:
+    srv, url = not_replaced
+    flag = threading.Event()
+    flag.set()
+    rec = OperatorRecoverer(url, ckpt, signal=flag.is_set, wait_s=2, previous_epoch="vllm-abc",
+                            probe=False)
+    c, r, j = tainted()
+    with pytest.raises(UpdateFailed, match="not replaced"):
+        r.recover(rec)
+    srv.instance_id, srv.label = "def", "rc-7"  # a new incarnation, but updated since
+    with pytest.raises(UpdateFailed, match="rc-7"):
+        r.recover(rec)
+    assert c.state is State.TAINTED and check_journal(j.records) == []
+    assert c.recovery_target() == WeightVersion(2, "rc-2", "e0")
