@@ -32,4 +32,16 @@ def _audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_audit_parser(sub)
 
 
-PARSERS: list[Callable[[Any], None]] = [_model, _live, _audit]
+def _replay(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .replay import add_replay_parser
+
+    add_replay_parser(sub)
+
+
+def _serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .service.serve import add_serve_parser
+
+    add_serve_parser(sub)
+
+
+PARSERS: list[Callable[[Any], None]] = [_model, _live, _audit, _replay, _serve]
