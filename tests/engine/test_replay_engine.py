@@ -7,9 +7,11 @@ controller's bindings, and replayed at the same version (it must pass, and
 the report is printed). A real hot update to B then makes the same replay
 refused (nothing sent to the engine, by its own metrics) or reported as a
 version mismatch; the lanes themselves, forced against B, show how far apart
-the two policies are. Finally the engine's label is changed *during* a
-replay (through vLLM's ``/update_weight_version``) and the replay voids
-what it cannot vouch for.
+the two policies are. An engine relabelled ``rc-1`` while holding B passes
+the label check but not the checksum check against A's cold-loaded
+reference. Finally the engine's label is changed *during* a replay (through
+vLLM's ``/update_weight_version``) and the replay voids what it cannot vouch
+for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmHTTP
+from rolloutcore.checksums import ChecksumCache, ReferenceChecksums
 from rolloutcore.engine import vllm_available
 from rolloutcore.recorder import TrajectoryRecorder, read_trajectories
 from rolloutcore.replay import (
@@ -58,6 +61,7 @@ from rolloutcore.trajectory import (
 )
 from rolloutcore.transports import GlooTransport
 from rolloutcore.versions import Provenance, VerificationLevel
+from rolloutcore.weights import WeightSource
 
 pytestmark = [
     pytest.mark.engine,
@@ -156,7 +160,19 @@ def prompt_tokens_total(http: VllmHTTP) -> float:
 
 
 @pytest.fixture(scope="module")
-def recorded(session: EngineSession, tiny_models: TinyModels,
+def cold_cache(session: EngineSession, tiny_models: TinyModels,
+               tmp_path_factory: pytest.TempPathFactory) -> ChecksumCache:
+    """A's engine checksums from this engine's cold load (nothing has updated it yet)."""
+    assert session.http.label() == "default"
+    cache = ChecksumCache(tmp_path_factory.mktemp("replay-cache"))
+    cache.put(ReferenceChecksums.take(
+        session.http, WeightSource.from_checkpoint(tiny_models.A).content_digest(),
+        origin="cold-load", source=str(tiny_models.A)))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def recorded(session: EngineSession, cold_cache: ChecksumCache, tiny_models: TinyModels,
              tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rollout recorded at rc-1 = A, installed by a real, probe-verified hot update."""
     res = session.update(tiny_models.A, Provenance(str(tiny_models.A), "replay-test", 1))
@@ -170,7 +186,8 @@ def recorded(session: EngineSession, tiny_models: TinyModels,
 
 
 def test_recorded_rollout_replays_within_tolerance_at_the_same_version(
-        session: EngineSession, recorded: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        session: EngineSession, recorded: Path, cold_cache: ChecksumCache,
+        capsys: pytest.CaptureFixture[str]) -> None:
     rc, text = cli(["--trajectories", str(recorded), "--engine", session.http.base_url],
                    capsys)
     with capsys.disabled():
@@ -194,10 +211,16 @@ def test_recorded_rollout_replays_within_tolerance_at_the_same_version(
     assert d["ok"] is True and d["lanes"]["logprob_positions"] > 0
     assert d["lanes"]["logprob_max_abs_diff"] <= DEFAULT_TOLERANCE
 
+    # With the checksum cache the engine's weights are checked too, not only its label.
+    verified = replay_file(recorded, session.http.base_url, checksum_cache=cold_cache.root)
+    assert verified.ok
+    (w,) = verified.weights
+    assert w.status == "verified" and w.coverage is not None and 0 < w.coverage < 1
+
 
 def test_after_a_hot_update_the_replay_is_refused_or_reported(
-        session: EngineSession, recorded: Path, tiny_models: TinyModels, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        session: EngineSession, recorded: Path, cold_cache: ChecksumCache,
+        tiny_models: TinyModels, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     res = session.update(tiny_models.B, Provenance(str(tiny_models.B), "replay-test", 2))
     assert res.version.label == "rc-2"
     http = session.http
@@ -220,6 +243,20 @@ def test_after_a_hot_update_the_replay_is_refused_or_reported(
     assert {s.status for s in report.samples} == {SampleStatus.VERSION_MISMATCH}
     assert all("bound to 'rc-1', engine serves 'rc-2'" in s.detail for s in report.samples)
     assert prompt_tokens_total(http) == before
+
+    # The engine relabelled 'rc-1' while holding B: the label check passes, the
+    # checksums against A's cold-loaded reference do not.
+    relabel(session, "rc-1")
+    try:
+        with pytest.raises(ReplayRefused, match="checksums differ"):
+            replay_file(recorded, url, checksum_cache=cold_cache)
+        lying = replay_file(recorded, url, checksum_cache=cold_cache, policy="report")
+        assert {s.status for s in lying.samples} == {SampleStatus.VERSION_MISMATCH}
+        assert lying.weights[0].status == "mismatch"
+        assert "lm_head" in lying.weights[0].detail
+        assert prompt_tokens_total(http) == before
+    finally:
+        relabel(session, "rc-2")
 
     # A file holding both versions: 'skip' replays what is at the engine's version.
     mixed = tmp_path / "mixed.jsonl"
@@ -247,6 +284,14 @@ def test_after_a_hot_update_the_replay_is_refused_or_reported(
               f"{len(diffs) - 1} reproducible samples")
     assert min(diffs) > 4 * DEFAULT_TOLERANCE  # measured: min 0.42 nats
     assert token_fail >= len(diffs) - 2  # a short greedy run may agree by chance
+
+
+def relabel(session: EngineSession, label: str) -> None:
+    """vLLM's own ``/update_weight_version``: the label changes, the weights do not."""
+    r = httpx.post(f"{session.http.base_url}/update_weight_version",
+                   json={"new_version": label}, timeout=60)
+    r.raise_for_status()
+    assert session.http.label() == label
 
 
 def _groups(path: Path) -> list[TrajectoryGroup]:
@@ -288,10 +333,7 @@ def test_a_label_change_during_the_replay_voids_the_rest(
         report = ReplayValidator(drifting).replay(list(read_trajectories(path)))
     finally:
         drifting.close()
-        r = httpx.post(f"{session.http.base_url}/update_weight_version",
-                       json={"new_version": committed.label}, timeout=60)
-        r.raise_for_status()
-    assert session.http.label() == committed.label
+        relabel(session, committed.label)
     assert not report.ok
     first, *rest = report.samples
     assert first.status is SampleStatus.VERSION_MISMATCH
