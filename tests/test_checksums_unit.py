@@ -244,6 +244,9 @@ def test_a_corrupt_or_misplaced_cache_file_is_an_error_not_a_miss(tmp_path: Path
     p.write_text(json.dumps(other.to_dict()))
     with pytest.raises(JournalError, match="does not hold"):
         cache.get(r.content_digest, LAYOUT)
+    p.write_text("[]")
+    with pytest.raises(JournalError, match="unreadable"):
+        cache.references(r.content_digest)
 
 
 def test_cache_bad_input(tmp_path: Path) -> None:

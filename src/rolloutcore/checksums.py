@@ -319,9 +319,16 @@ class ChecksumCache:
             return []
         out = []
         for p in sorted(d.glob("*.json")):
-            ref = self.get(content_digest, json.loads(p.read_bytes()).get("layout", {}))
-            if ref is not None:
-                out.append(ref)
+            try:
+                layout = json.loads(p.read_bytes())["layout"]
+                ref = self.get(content_digest, layout)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise JournalError(f"checksum reference {str(p)!r} is unreadable: "
+                                   f"{exc!r}") from exc
+            if ref is None:
+                raise JournalError(f"checksum reference {str(p)!r} is not stored under its "
+                                   "own layout digest")
+            out.append(ref)
         return out
 
 
