@@ -442,13 +442,16 @@ def main() -> int:
                                runner="rolloutcore.runner.LifecycleRunner")
         R["driver"]["caches_reset"] = ("prefix only: controller required_caches=(prefix,), "
                                        "a text-only model has no encoder/mm cache")
-    state = {"seed": 1}
+    state: dict[str, Any] = {"seed": 1}
 
     def transition(seed: int) -> Any:
         assert runner is not None and packed is not None
         fill(packed, seed)
         adapter.stage(source, provenance=Provenance(f"synthetic-qwen3-8b-seed{seed}",
                                                     "h200-harness", seed))
+        # The trainer's checksum of what it will send, taken at staging (the engine
+        # still serves); the paused validation compares the workers' one with it.
+        state["staging_checksum_s"] = transport.precompute_checksum(packed)
         o = runner.run_update(identity(seed),
                               min_verification=VerificationLevel.ENGINE_CHECKSUM)
         state["seed"] = seed
@@ -553,6 +556,9 @@ def main() -> int:
                         "controller_overhead_s": o.controller_overhead_s,
                         "transport": dataclasses.asdict(transport.last_timings),
                         "zero_copy": transport.last_zero_copy,
+                        "staging_checksum_s": state.get("staging_checksum_s"),
+                        "engine_checksum": {k: transport.last_check.get(k) for k in
+                                            ("engine_s", "rpc_s", "coverage", "passed")},
                         "engine": transport.rpc(http.base, "rc_cuda_ipc_stats")[0]})
             seed = 1 if state["seed"] == 2 else 2
             fill(packed, seed)
@@ -569,6 +575,9 @@ def main() -> int:
         copy_gpu = med([h["engine"].get("copy_gpu_s", 0.0) for h in hot])
         ovh = med([h["controller_overhead_s"] / h["total_s"] for h in hot])
         R["benchmark"] = {"reps": args.reps, "hot": hot, "bare": bare}
+        R["staging_checksum_s"] = med([h["staging_checksum_s"] for h in hot])
+        R["engine_checksum_s"] = med([h["engine_checksum"]["engine_s"] for h in hot])
+        R["engine_checksum_rpc_s"] = med([h["engine_checksum"]["rpc_s"] for h in hot])
         R["hot_s"] = hot_s
         R["bare_primitives_s"] = bare_s
         R["hot_over_bare"] = hot_s / bare_s if hot_s and bare_s else None
@@ -602,12 +611,40 @@ def main() -> int:
             ts.append(s.elapsed_time(e) / 1e3)
         t = med(ts[2:])
         assert t is not None
+        cold = []
+        for _ in range(6):  # as in an update: the GPU idle for a while before the copy
+            time.sleep(0.05)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dst.copy_(packed.buffer)
+            e.record()
+            e.synchronize()
+            cold.append(s.elapsed_time(e) / 1e3)
+        tc = med(cold)
+        assert tc is not None
+        R["d2d_copy_after_idle_s"] = tc
+        R["d2d_copy_after_idle_gbps"] = packed.nbytes / tc / 1e9
+        seg = []  # the same bytes as 399 per-tensor copies (the update's launch pattern)
+        views = [dst[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
+        srcs = [packed.buffer[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
+        for _ in range(6):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for a, b in zip(views, srcs, strict=True):
+                a.copy_(b, non_blocking=True)
+            e.record()
+            e.synchronize()
+            seg.append(s.elapsed_time(e) / 1e3)
+        tp = med(seg[1:])
+        assert tp is not None
+        R["d2d_per_tensor_copies_gbps"] = packed.nbytes / tp / 1e9
+        log(f"d2d after idle {tc * 1e3:.2f} ms, per-tensor {tp * 1e3:.2f} ms")
         R["d2d_copy_s"] = t
         R["d2d_copy_gbps"] = packed.nbytes / t / 1e9
         R["d2d_note"] = ("one device-to-device copy of the trainer buffer (all 399 tensors, "
                          "same bytes), bytes/time counting each byte once; median of 10 "
                          "after 2 warm-ups")
-        del dst
+        del dst, views, srcs
         torch.cuda.empty_cache()
         log(f"d2d copy {t * 1e3:.2f} ms = {R['d2d_copy_gbps']:.0f} GB/s")
 

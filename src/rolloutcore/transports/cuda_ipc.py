@@ -775,6 +775,20 @@ class CudaIpcTransport:
         self._body_cache: tuple[int, str, dict[str, Any]] | None = None
         self._adopted: list[PackedWeights] = []
         self.last_zero_copy = False
+        self._pre: tuple[int, list[int], tuple[str, ...]] | None = None
+        self.last_check: dict[str, Any] = {}
+
+    def precompute_checksum(self, packed: PackedWeights) -> float:
+        """Checksum ``packed`` now (at staging, outside the engine's pause window).
+
+        The next ``send`` of this buffer uses it instead of hashing again; the
+        buffer must not change in between, and if it does the engine's
+        checksum will not match and the paused validation fails (fail-closed).
+        Returns the seconds it took.
+        """
+        t = time.monotonic()
+        self._pre = (id(packed), packed.checksum(), packed.names())
+        return time.monotonic() - t
 
     def adopt(self, packed: PackedWeights) -> None:
         """Register a trainer buffer: a source whose tensors are its views is sent as is."""
@@ -843,7 +857,10 @@ class CudaIpcTransport:
             self._call("POST", base_url, "/update_weights", timeout_s, step="transfer",
                        mutation=True, body={"update_info": body})
             tm.update_s = time.monotonic() - t
-            if self.compute_checksum:
+            pre, self._pre = self._pre, None
+            if pre is not None and pre[0] == id(packed):
+                self.last_sent_checksum, self.last_sent_names = pre[1], pre[2]
+            elif self.compute_checksum:
                 t = time.monotonic()
                 self.last_sent_checksum = packed.checksum()
                 self.last_sent_names = packed.names()
@@ -932,6 +949,7 @@ class CudaIpcTransport:
                    engine_s=engine_s, rpc_s=time.monotonic() - t0,
                    trainer_s=self.last_timings.trainer_checksum_s,
                    digest=checksum_digest(names, mine) if names else None)
+        self.last_check = out
         return out
 
     def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
