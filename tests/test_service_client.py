@@ -164,7 +164,7 @@ def test_a_report_after_the_lease_expired_is_told_so(
     assert [v.label for v in gw.controller.published] == ["default"]
 
 
-@pytest.mark.parametrize("served", [{"lease_s": 4.0}], indirect=True)
+@pytest.mark.parametrize("served", [{"lease_s": 2.5}], indirect=True)
 def test_trainer_killed_between_begin_and_report(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
     """A real trainer process begins, then is SIGKILLed: the lease expires, no publish."""

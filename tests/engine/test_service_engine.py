@@ -258,7 +258,7 @@ def test_trainer_sigkilled_between_begin_and_report(gateway: Gateway) -> None:
         src = WeightSource.from_checkpoint({str(ckpt)!r})
         rc = RolloutCoreClient({gw.url!r}, {TOKEN!r}, transport=GlooTransport())
         g = rc.begin(identity_of(src, Provenance({str(ckpt)!r}, "doomed", 9)),
-                     owner="doomed-trainer", lease_s=4)
+                     owner="doomed-trainer", lease_s=8)
         print("BEGUN", g.update_id, g.target.label, flush=True)
         time.sleep(600)
     """)
