@@ -42,6 +42,7 @@ from enginetools import EngineFactory, TinyModels
 from rolloutcore.client import RolloutCoreClient
 from rolloutcore.engine import ManagedEngine, free_port, vllm_available
 from rolloutcore.journal import read_journal
+from rolloutcore.recorder import read_groups
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.versions import Provenance
 from rolloutcore.weights import WeightSource
@@ -62,6 +63,7 @@ class Gateway:
     proc: subprocess.Popen[bytes]
     journal: Path
     log: Path
+    trajectories: Path
     engine: ManagedEngine
     models: TinyModels
     answers: list[dict[str, Any]] = field(default_factory=list)
@@ -78,7 +80,8 @@ def gateway(engine_factory: EngineFactory, tiny_models: TinyModels,
     journal, log = work / "journal.jsonl", work / "gateway.log"
     cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--upstream", eng.base_url,
            "--checkpoint", str(tiny_models.A), "--port", str(port), "--token-file",
-           str(token_file), "--journal", str(journal), "--lease-s", "120"]
+           str(token_file), "--journal", str(journal), "--lease-s", "120",
+           "--record", str(work / "trajectories.jsonl")]
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True,
@@ -95,7 +98,7 @@ def gateway(engine_factory: EngineFactory, tiny_models: TinyModels,
                 pass
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.2)
-        yield Gateway(url, proc, journal, log, eng, tiny_models)
+        yield Gateway(url, proc, journal, log, work / "trajectories.jsonl", eng, tiny_models)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -120,6 +123,7 @@ def _events(text: str) -> list[Any]:
 async def _client(gw: Gateway, i: int, stop: asyncio.Event, rnd: random.Random,
                   out: list[dict[str, Any]]) -> None:
     async with httpx.AsyncClient(base_url=gw.url, timeout=120) as c:
+        prompt_index = 0
         while not stop.is_set():
             stream = rnd.random() < 0.75
             route = "/inference/v1/generate" if rnd.random() < 0.8 else "/v1/completions"
@@ -133,7 +137,9 @@ async def _client(gw: Gateway, i: int, stop: asyncio.Event, rnd: random.Random,
                 body = {"model": "policy", "prompt": f"rollout {i} {rnd.random()}",
                         "max_tokens": n, "temperature": 0.0, "ignore_eos": True,
                         "stream": stream}
-            r = await c.post(route, json=body)
+            coords = {"x-rolloutcore-run": "engine-test", "x-rolloutcore-step": str(i),
+                      "x-rolloutcore-prompt-index": str(prompt_index)}
+            r = await c.post(route, json=body, headers=coords)
             if r.status_code == 503:
                 assert r.headers.get("retry-after") == "1", r.text
                 await asyncio.sleep(0.05)
@@ -141,7 +147,8 @@ async def _client(gw: Gateway, i: int, stop: asyncio.Event, rnd: random.Random,
             rec: dict[str, Any] = {"route": route, "stream": stream, "status": r.status_code,
                                    "header": r.headers.get("x-rolloutcore-version"),
                                    "rollout_id": r.headers.get("x-rolloutcore-rollout-id"),
-                                   "max_tokens": n}
+                                   "max_tokens": n, "coords": (i, prompt_index)}
+            prompt_index += 1
             if stream:
                 evs = _events(r.text)
                 rec["done"] = bool(evs) and evs[-1] == "[DONE]"
@@ -240,6 +247,23 @@ def test_concurrent_streams_while_the_trainer_updates_three_times(gateway: Gatew
     assert all(done[k]["version"] == admits[k]["version"] for k in done)
     status = httpx.get(f"{gw.url}/control/status", headers=AUTH, timeout=10).json()
     assert status["committed"]["label"] == "rc-3" and status["active_rollouts"] == 0
+    # the recorded trajectories carry the same binding as the answers, and vLLM's spans
+    gen = {(a["coords"][0], a["coords"][1]): a for a in answers
+           if a["route"] == "/inference/v1/generate"}
+    deadline = time.monotonic() + 30
+    while True:
+        groups = list(read_groups(gw.trajectories)) if gw.trajectories.exists() else []
+        if len(groups) >= len(gen) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert len(groups) == len(gen)
+    for g in groups:
+        (s,) = g.samples
+        a = gen[(s.step, s.prompt_index)]
+        assert s.binding.rollout_id == a["rollout_id"]
+        assert s.binding.version.label == a["header"]
+        assert {sp.version for sp in s.completion.weight_versions or ()} == {a["header"]}
+        assert len(s.completion.token_ids) == a["max_tokens"]
     text = httpx.get(f"{gw.url}/metrics", timeout=10).text
     assert 'rolloutcore_updates_total{outcome="published"} 3.0' in text
 

@@ -75,11 +75,12 @@ def make_parts(token_delay_s: float = 0.0005, event_delay_s: float = 0.0,
 
 @contextlib.asynccontextmanager
 async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
-              event_delay_s: float = 0.0, **cfg: Any) -> AsyncIterator[Rig]:
+              event_delay_s: float = 0.0, on_finished: Any = None,
+              **cfg: Any) -> AsyncIterator[Rig]:
     eng, ad, c, r, j, fake = make_parts(token_delay_s, event_delay_s)
     up = StreamingASGITransport(fake.app)
     config = ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN, **cfg)
-    app = create_app(r, config, upstream_transport=up)
+    app = create_app(r, config, upstream_transport=up, on_finished=on_finished)
     transport: httpx.AsyncBaseTransport = (StreamingASGITransport(app) if streaming
                                            else httpx.ASGITransport(app))
     async with lifespan(app), httpx.AsyncClient(transport=transport,

@@ -148,6 +148,12 @@ class FinishedRequest:
     response: dict[str, Any] | None = None            # a JSON answer
     events: list[dict[str, Any]] = field(default_factory=list)  # an SSE answer's events
     seconds: float = 0.0
+    #: The request's ``x-rolloutcore-*`` headers (names lower-case).
+    headers: dict[str, str] = field(default_factory=dict)
+    admitted_wall: float = 0.0
+    admitted_mono: float = 0.0
+    completed_wall: float = 0.0
+    completed_mono: float = 0.0
     released: bool = field(default=False, repr=False)
 
 
@@ -391,7 +397,11 @@ class DataPlane:
             await send_json(send, 409, error_body(409, str(exc), "Conflict"))
             return 409
         t0 = time.monotonic()
-        fin = FinishedRequest(route, binding, payload, 502, "upstream_error")
+        fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
+                              admitted_wall=time.time(), admitted_mono=t0)
+        if self._on_finished is not None:
+            fin.headers = {k.decode("latin-1"): v.decode("latin-1")
+                           for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
         try:
             await self._forward(scope, receive, send, route, raw, binding, fin)
         finally:
@@ -414,6 +424,7 @@ class DataPlane:
         if fin.released:
             return
         fin.released = True
+        fin.completed_mono, fin.completed_wall = time.monotonic(), time.time()
         with contextlib.suppress(BadInput, InvalidTransition):
             self.controller.complete(fin.binding.rollout_id)
 

@@ -97,6 +97,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="default trainer lease per update")
     lim.add_argument("--drain-timeout-s", type=_pos_float, default=120.0)
     lim.add_argument("--journal", default=None, help="append the lifecycle journal here")
+    lim.add_argument("--record", default=None, metavar="PATH",
+                     help="record finished /inference/v1/generate requests that carry "
+                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
     p.set_defaults(func=run_serve)
     return p
 
@@ -148,6 +151,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine: Any = None
     journal = Journal(args.journal)
     adapter: Any = None
+    recorder: Any = None
     try:
         if args.upstream:
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
@@ -178,7 +182,20 @@ def run_serve(args: argparse.Namespace) -> int:
         runner.bootstrap(identity)
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
-        app = create_app(runner, cfg)
+        if args.record:
+            from ..trajectory import EngineIdentity
+            from .recording import GatewayRecorder
+
+            http = adapter.http
+            caps = http.capabilities()
+            econf: dict[str, Any] = {}
+            if engine is not None:
+                econf = {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
+                         "enable_prefix_caching": engine.prefix_caching}
+            recorder = GatewayRecorder(args.record, EngineIdentity(
+                http.version() if "/version" in caps else "unknown",
+                served or http.model(), econf, url))
+        app = create_app(runner, cfg, on_finished=recorder)
         if args.token_out:
             fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
@@ -196,6 +213,8 @@ def run_serve(args: argparse.Namespace) -> int:
                     timeout_graceful_shutdown=10)
         return 0
     finally:
+        if recorder is not None:
+            recorder.close()
         if adapter is not None:
             adapter.close()
         if engine is not None:

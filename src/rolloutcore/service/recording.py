@@ -1,0 +1,208 @@
+"""Optional: each finished token-in/token-out request recorded as a trajectory group.
+
+A rollout client that wants its samples recorded by the gateway names their
+place in the run with three request headers::
+
+    X-RolloutCore-Run: run-7
+    X-RolloutCore-Step: 42
+    X-RolloutCore-Prompt-Index: 3
+
+A finished ``/inference/v1/generate`` request (status 200, complete, streamed
+or not) with those headers becomes one ``TrajectoryGroup``: one sample per
+choice (``sampling_params.n``), each with the prompt, the sampling
+parameters, the tokens, logprobs and vLLM's ``weight_versions`` spans, the
+controller's binding (version, identity, rollout id) and the admission and
+release times. Requests without the headers, and the other routes (whose
+answers are text, not token ids), are not recorded.
+
+Appending fsyncs, so it never runs on the event loop: the data plane hands
+finished requests to a bounded queue and one thread writes them (the
+recorder is the single writer of its file). A full queue drops the record
+and counts it; a record that cannot be built or written is counted with its
+reason and never affects the response, which was already sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInput, RolloutCoreError
+from ..recorder import TrajectoryRecorder
+from ..trajectory import (
+    SEED_EXTERNAL,
+    SEED_NONE,
+    EngineIdentity,
+    PolicyBinding,
+    Prompt,
+    SampledCompletion,
+    SamplingSpec,
+    Timestamps,
+    TrajectoryGroup,
+    TrajectorySample,
+    VersionSpan,
+    group_id_for,
+)
+from .proxy import FinishedRequest
+
+__all__ = ["PROMPT_INDEX_HEADER", "RUN_HEADER", "STEP_HEADER", "GatewayRecorder",
+           "build_group"]
+
+RUN_HEADER = "x-rolloutcore-run"
+STEP_HEADER = "x-rolloutcore-step"
+PROMPT_INDEX_HEADER = "x-rolloutcore-prompt-index"
+GENERATE = "/inference/v1/generate"
+_TYPED = ("temperature", "top_p", "top_k", "max_tokens", "seed")
+
+
+def _int_header(headers: Mapping[str, str], name: str) -> int:
+    raw = headers.get(name, "")
+    if not raw.isdigit() or len(raw) > 18:
+        raise BadInput(f"{name} must be a non-negative integer, got {raw!r}")
+    return int(raw)
+
+
+def _choices(fin: FinishedRequest) -> list[dict[str, Any]]:
+    """The answer's choices; a stream's chunks are merged per choice index."""
+    if fin.response is not None:
+        ch = fin.response.get("choices")
+        if not isinstance(ch, list):
+            raise BadInput("the answer has no choices")
+        return [c for c in ch if isinstance(c, dict)]
+    merged: dict[int, dict[str, Any]] = {}
+    for ev in fin.events:
+        for c in ev.get("choices") or ():
+            if not isinstance(c, dict) or not isinstance(c.get("index"), int):
+                continue
+            m = merged.setdefault(c["index"], {"index": c["index"], "token_ids": [],
+                                               "logprobs": {"content": []},
+                                               "finish_reason": None, "stop_reason": None,
+                                               "weight_versions": None, "_lp": False})
+            m["token_ids"].extend(c.get("token_ids") or ())
+            lp = c.get("logprobs")
+            if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+                m["_lp"] = True
+                m["logprobs"]["content"].extend(lp["content"])
+            for k in ("finish_reason", "stop_reason", "weight_versions"):
+                if c.get(k) is not None:
+                    m[k] = c[k]
+    out = []
+    for i in sorted(merged):
+        m = merged[i]
+        if not m.pop("_lp"):
+            m["logprobs"] = None
+        out.append(m)
+    return out
+
+
+def _completion(c: dict[str, Any]) -> SampledCompletion:
+    ids = tuple(c.get("token_ids") or ())
+    lp = c.get("logprobs")
+    logprobs = None
+    if isinstance(lp, dict) and isinstance(lp.get("content"), list):
+        logprobs = tuple(float(x["logprob"]) for x in lp["content"])
+    spans = c.get("weight_versions")
+    wv = None if spans is None else tuple(
+        VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans)
+    return SampledCompletion(ids, str(c.get("finish_reason") or "unknown"), logprobs,
+                             c.get("stop_reason"), wv)
+
+
+def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup:
+    """The trajectory group of one finished generate request (``BadInput`` if it has none)."""
+    h = fin.headers
+    run = h.get(RUN_HEADER, "")
+    step = _int_header(h, STEP_HEADER)
+    index = _int_header(h, PROMPT_INDEX_HEADER)
+    req = fin.request
+    sp = req.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise BadInput("sampling_params must be an object")
+    seed = sp.get("seed")
+    sampling = SamplingSpec(
+        float(sp.get("temperature", 1.0)), float(sp.get("top_p", 1.0)),
+        int(sp.get("top_k", -1)), sp.get("max_tokens"),
+        seed, SEED_NONE if seed is None else SEED_EXTERNAL,
+        {k: v for k, v in sp.items() if k not in _TYPED})
+    prompt = Prompt(tuple(req.get("token_ids") or ()))
+    choices = _choices(fin)
+    if not choices:
+        raise BadInput("the answer has no choices")
+    stamps = Timestamps(fin.admitted_wall, fin.admitted_mono, fin.completed_wall,
+                        fin.completed_mono)
+    gid = group_id_for(run, step, index)
+    binding = PolicyBinding.of(fin.binding)
+    samples = [TrajectorySample(run, step, gid, index, len(choices), int(c.get("index", i)),
+                                prompt, sampling, _completion(c), binding, engine, stamps)
+               for i, c in enumerate(choices)]
+    return TrajectoryGroup(tuple(samples))
+
+
+class GatewayRecorder:
+    """The data plane's ``on_finished`` hook: queue, then one writer thread."""
+
+    def __init__(self, path: str | Path, engine: EngineIdentity, *,
+                 max_pending: int = 4096) -> None:
+        if not isinstance(engine, EngineIdentity):
+            raise BadInput("engine must be an EngineIdentity")
+        self.engine = engine
+        self._rec = TrajectoryRecorder(path)
+        self._q: queue.Queue[FinishedRequest | None] = queue.Queue(max_pending)
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.errors: collections.deque[str] = collections.deque(maxlen=32)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, name="rolloutcore-recorder",
+                                        daemon=True)
+        self._thread.start()
+
+    def _count(self, what: str, error: str | None = None) -> None:
+        with self._lock:
+            self.counts[what] += 1
+            if error:
+                self.errors.append(error)
+
+    def __call__(self, fin: FinishedRequest) -> None:
+        """Called on the event loop when a request ends: never blocks."""
+        if fin.route != GENERATE or fin.status != 200 or fin.ending != "complete" or \
+                RUN_HEADER not in fin.headers:
+            self._count("skipped")
+            return
+        try:
+            self._q.put_nowait(fin)
+        except queue.Full:
+            self._count("dropped", f"queue full: {fin.binding.rollout_id}")
+
+    def _work(self) -> None:
+        while True:
+            fin = self._q.get()
+            try:
+                if fin is None:
+                    return
+                try:
+                    self._rec.append_group(build_group(fin, self.engine))
+                except (RolloutCoreError, KeyError, TypeError, ValueError) as exc:
+                    self._count("failed", f"{fin.binding.rollout_id}: {exc}")
+                else:
+                    self._count("committed")
+            finally:
+                self._q.task_done()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything queued so far is written (bounded); True when it was."""
+        done = threading.Event()
+
+        def waiter() -> None:
+            self._q.join()
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        self._rec.close()
