@@ -704,6 +704,45 @@ def test_validate_with_reference_checksums() -> None:
     assert any("no reference checksums" in u for u in v2.unverified)
 
 
+class _CheckingTransport:
+    """A transport that can check what it installed (like rc_cuda_ipc)."""
+
+    backend = "checking"
+
+    def __init__(self, passed: bool) -> None:
+        self.passed = passed
+        self.urls: list[str] = []
+
+    def connect(self, base_url: str, *, timeout_s: float) -> None:
+        pass
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float) -> Any:
+        raise AssertionError("not used")
+
+    def validation_check(self, base_url: str) -> Check:
+        self.urls.append(base_url)
+        return Check("transport-checksum", self.passed, "slices vs sent",
+                     coverage=1.0, level=VerificationLevel.ENGINE_CHECKSUM)
+
+    def abort(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_paused_validation_includes_the_transports_own_check() -> None:
+    for passed in (True, False):
+        tr = _CheckingTransport(passed)
+        a = VllmAdapter(client(Engine()), tr)  # type: ignore[arg-type]
+        a.stage(_source())
+        v = a.validate(target(), live=False)
+        assert v is not None and tr.urls == [BASE]
+        assert [c.name for c in v.checks] == ["transport-checksum"]
+        assert (v.problems(target()) == []) is passed
+
+
 class _Probes:
     def __init__(self, result: Any) -> None:
         self.result = result

@@ -1165,6 +1165,15 @@ class VllmAdapter:
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
+        # A transport that can check what it installed (e.g. rc_cuda_ipc's block
+        # checksum of the updated slices, computed on the workers) adds its own
+        # evidence: on vLLM 0.26 it is the only evidence there is.
+        tcheck = getattr(self.transport, "validation_check", None)
+        if callable(tcheck):
+            chk = tcheck(h.base_url)
+            if not isinstance(chk, Check):
+                raise EffectError("validate", f"transport check returned {type(chk).__name__}")
+            checks.append(chk)
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
                                   unverified=tuple(unverified))
