@@ -174,6 +174,8 @@ async def test_queue_holds_requests_during_an_update_and_admits_them_after_the_c
             assert {s["version"] for s in x.json()["choices"][0]["weight_versions"]} == {"rc-1"}
         text = (await r.client.get("/metrics")).text
         assert 'rolloutcore_queued_requests_total{result="admitted"} 4.0' in text
+        # one refusal each (the 4 queued and the one over capacity), not one per transition
+        assert len(r.kinds("refuse")) == 5
 
 
 async def test_queue_wait_is_bounded() -> None:

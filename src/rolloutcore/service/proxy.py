@@ -43,7 +43,7 @@ import anyio
 import httpx
 
 from ..errors import AdmissionRefused, BadInput, InvalidTransition
-from ..lifecycle import Binding, LifecycleController
+from ..lifecycle import Binding, LifecycleController, State
 from .auth import check_bearer
 from .config import ServiceConfig
 from .metrics import ServiceMetrics
@@ -302,26 +302,29 @@ class DataPlane:
         except AdmissionRefused as exc:
             if exc.retry_after_s is None or cfg.queue_max == 0 or self._waiting >= cfg.queue_max:
                 raise
-            first = exc
         self._waiting += 1
         deadline = time.monotonic() + cfg.queue_wait_s
         try:
             while True:
                 changed = self._changed
                 assert changed is not None
-                try:
-                    b = self.controller.admit(rollout_id)
-                except AdmissionRefused as exc:
-                    first = exc
-                    left = deadline - time.monotonic()
-                    if exc.retry_after_s is None or left <= 0:
-                        self.metrics.queued.labels("timeout" if left <= 0 else "refused").inc()
-                        raise first from None
-                    with anyio.move_on_after(left):
-                        await changed.wait()
-                    continue
-                self.metrics.queued.labels("admitted").inc()
-                return b
+                left = deadline - time.monotonic()
+                # Ask again only when it can change the answer (READY, or a final
+                # TAINTED) or at the deadline, so a queued request leaves one
+                # refusal in the journal, not one per transition of the update.
+                if self.controller.state in (State.READY, State.TAINTED) or left <= 0:
+                    try:
+                        b = self.controller.admit(rollout_id)
+                    except AdmissionRefused as exc:
+                        if exc.retry_after_s is None or left <= 0:
+                            self.metrics.queued.labels(
+                                "timeout" if left <= 0 else "refused").inc()
+                            raise
+                    else:
+                        self.metrics.queued.labels("admitted").inc()
+                        return b
+                with anyio.move_on_after(max(0.0, left)):
+                    await changed.wait()
         finally:
             self._waiting -= 1
 
