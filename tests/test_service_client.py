@@ -164,7 +164,7 @@ def test_a_report_after_the_lease_expired_is_told_so(
     assert [v.label for v in gw.controller.published] == ["default"]
 
 
-@pytest.mark.parametrize("served", [{"lease_s": 2.5}], indirect=True)
+@pytest.mark.parametrize("served", [{"lease_s": 1.5}], indirect=True)
 def test_trainer_killed_between_begin_and_report(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
     """A real trainer process begins, then is SIGKILLed: the lease expires, no publish."""
@@ -187,7 +187,8 @@ def test_trainer_killed_between_begin_and_report(
         line = proc.stdout.readline() if proc.stdout else ""
         assert line.startswith("BEGUN"), (line, proc.stderr.read() if proc.stderr else "")
         uid = int(line.split()[1])
-        assert gw.controller.state is State.UPDATING
+        # open (or, on a very slow machine, already expired): never published
+        assert gw.controller.state in (State.UPDATING, State.TAINTED)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
     finally:
