@@ -112,3 +112,29 @@ def test_controller_process_killed_mid_update_restores_tainted(tmp_path: Path) -
     recs2 = read_journal(path)
     assert recs2[-1].kind == "taint"
     assert check_journal(recs2) == []
+
+
+def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: Path) -> None:
+    from rolloutcore.errors import JournalError
+
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    c = LifecycleController(listener=j.listener)
+    from coretools import boot_ev, ident
+
+    c.bootstrap(boot_ev(), ident(0))
+    c.admit("r1")
+    j.close()
+    good = path.read_bytes()
+    path.write_bytes(good + b'{"seq": 99, "kind": "adm')  # the crash cut this write
+    with pytest.raises(JournalError, match="torn last line"):
+        read_journal(path)
+    r, j2 = restore_controller(path)
+    j2.close()
+    assert r.state is State.READY and set(r.active) == {"r1"}
+    assert read_journal(path)[-1].kind == "restore"
+    lines = good.split(b"\n")
+    lines[1] = b"garbage"
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(JournalError, match="bad JSON"):
+        restore_controller(path)

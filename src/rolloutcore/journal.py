@@ -28,7 +28,15 @@ from .errors import JournalError
 if TYPE_CHECKING:
     from .lifecycle import LifecycleController
 
-__all__ = ["KINDS", "Journal", "JournalRecord", "first_index", "read_journal", "restore_controller"]
+__all__ = [
+    "KINDS",
+    "Journal",
+    "JournalRecord",
+    "first_index",
+    "read_journal",
+    "repair_journal",
+    "restore_controller",
+]
 
 #: Record kinds written by the controller (``lifecycle``) and the runner.
 KINDS = frozenset({
@@ -65,7 +73,8 @@ class JournalRecord:
 class Journal:
     """Writes records; usable as a controller listener (``journal.listener``)."""
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
+                 repair_torn_tail: bool = False) -> None:
         self._lock = threading.Lock()
         self._seq = 0
         self._records: list[JournalRecord] = []
@@ -73,6 +82,8 @@ class Journal:
         self._fh: IO[str] | None = None
         self.path = Path(path) if path is not None else None
         if self.path is not None:
+            if repair_torn_tail:
+                repair_journal(self.path)
             try:
                 self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
             except OSError as exc:
@@ -139,6 +150,26 @@ def read_journal(path: str | os.PathLike[str]) -> list[JournalRecord]:
     return recs
 
 
+def repair_journal(path: str | os.PathLike[str]) -> int:
+    """Cut a torn last line (a crash in the middle of a write); return the bytes cut.
+
+    Only an unterminated *last* line is cut: damage anywhere else is not a
+    crash artefact and still raises when the journal is read.
+    """
+    p = Path(path)
+    if not p.exists():
+        return 0
+    data = p.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    keep = data.rfind(b"\n") + 1
+    with open(p, "r+b") as fh:
+        fh.truncate(keep)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return len(data) - keep
+
+
 def first_index(records: Sequence[JournalRecord], kind: str, **match: Any) -> int:
     """Index of the first record of ``kind`` whose data matches; -1 if none."""
     for i, r in enumerate(records):
@@ -152,6 +183,7 @@ def restore_controller(path: str | os.PathLike[str], **kw: Any
     """A ``LifecycleController`` rebuilt from the journal at ``path``, appending to it."""
     from .lifecycle import LifecycleController
 
+    repair_journal(path)
     recs = read_journal(path) if Path(path).exists() else []
     journal = Journal(path)
     c = LifecycleController.restore(((r.kind, r.data) for r in recs), listener=journal.listener,
