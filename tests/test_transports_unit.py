@@ -86,17 +86,26 @@ class ProtocolEngine:
     def send_weights(self) -> None:
         if self.block == "before_start":
             self.release.wait(30)
+            self._check_aborted()
         specs = self.source.specs()
         self.client.start_weight_update()
         self.client.update_weights({"names": [n for n, _, _ in specs]})
         if self.block == "in_update":
             self.release.wait(30)
+            self._check_aborted()
         self.sent = list(self.source)
         if self.finish:
             self.client.finish_weight_update()  # no version: vLLM's engines pass none
 
+    def _check_aborted(self) -> None:
+        if self.shutdowns:
+            raise RuntimeError("collective on an aborted communicator")
+
     def shutdown(self) -> None:
+        # Destroying the communicator is what frees a collective stuck on a dead
+        # peer; the collective then fails.
         self.shutdowns += 1
+        self.release.set()
 
 
 def _driver(cls: type[Any] = NcclTransport, *, block: str = "", finish: bool = True,
@@ -277,14 +286,17 @@ def test_driver_round_that_never_finishes_is_a_mutation_failure() -> None:
 def test_abort_from_another_thread_unblocks_a_stuck_round(block: str, mutation: bool) -> None:
     tr, _, engines = _driver(block=block)
     tr.connect(URL, timeout_s=5)
-    threading.Timer(0.3, tr.abort).start()
+    aborter = threading.Timer(0.3, tr.abort)
+    aborter.start()
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="aborted") as ei:
         tr.send(URL, "rc-1", _source(), timeout_s=60)
     assert time.monotonic() - t0 < 2.0
+    aborter.join(10)
     assert ei.value.mutation_started is mutation
     assert tr.connected_to is None  # the engine (maybe stuck) was dropped
-    engines[0].release.set()
+    assert engines[0].shutdowns == 1  # ...and its communicator torn down
+    assert engines[0].release.is_set()
 
 
 def test_deadline_unblocks_a_stuck_round() -> None:

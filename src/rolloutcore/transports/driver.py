@@ -420,8 +420,21 @@ class VllmTrainerTransport(TransportBase):
     # -- teardown -------------------------------------------------------------------
 
     def abort(self) -> None:
+        """From another thread: make ``send`` return, and tear the collective down.
+
+        vLLM's trainer engines destroy their communicator in ``shutdown()``
+        (for NCCL, ``PyNcclCommunicator.destroy``, i.e. ``ncclCommAbort``),
+        which is what frees a broadcast blocked on a dead peer. Without it the
+        caller gets its typed error but the blocked thread (and its kernel)
+        would stay behind.
+        """
+        engine = self._engine
         super().abort()
         self._drop()
+        if engine is not None:
+            f = run_side(engine.shutdown, f"{self.backend}-abort")
+            with contextlib.suppress(Exception):  # best effort; the caller is already free
+                f.result(timeout=5.0)
 
     def _drop(self) -> None:
         """Forget the engine without touching it: it may be blocked in a collective."""
