@@ -101,18 +101,23 @@ def _freeze(http: VllmHTTP, pool: ThreadPoolExecutor,
     ``/reset_prefix_cache`` says ``success: false`` exactly when blocks are
     held. Otherwise everything is let finish and the attempt is repeated.
     """
-    for attempt in range(8):
+    for attempt in range(20):
         futs = [pool.submit(http.generate, _prompt(40, seed * 1000 + attempt * 10 + k),
                             max_tokens=LONG, ignore_eos=True, logprobs=False)
                 for k in range(4)]
-        time.sleep(0.05)
+        # Pause only once the engine itself says a request is running (a fixed
+        # sleep is a guess that a loaded machine defeats).
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not (
+                http.metrics().get("vllm:num_requests_running") or 0) > 0:
+            time.sleep(0.005)
         http.pause(PauseMode.KEEP)
         ev = http.reset_prefix_cache()
         if ev.engine_success is False:
             return futs, ev
         http.resume()
         wait(futs, timeout=60)
-    pytest.fail("no request was caught running in 8 attempts")
+    pytest.fail("no request was caught running in 20 attempts")
 
 
 def _target(label: str, epoch: str = "e") -> UpdateTarget:
