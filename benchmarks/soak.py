@@ -125,6 +125,12 @@ def versions() -> dict[str, Any]:
         out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
                                            capture_output=True, text=True, timeout=10,
                                            check=False).stdout.strip() or None
+        mine = ["benchmarks/soak.py", "tests/engine/test_faults_engine.py",
+                "tests/engine/test_soak_short.py", "src/rolloutcore/recovery.py",
+                "src/rolloutcore/faultproxy.py"]
+        out["git_dirty_files"] = subprocess.run(
+            ["git", "status", "--porcelain", "--", *mine], cwd=ROOT, capture_output=True,
+            text=True, timeout=10, check=False).stdout.split("\n")[:-1]
     except OSError:
         out["git_commit"] = None
     return out
@@ -239,12 +245,19 @@ class RecordCheck:
     published: list[str]
 
     @property
+    def duplicate_labels(self) -> list[str]:
+        """Labels published twice: the engine's spans could not tell those versions apart."""
+        return sorted({x for x in self.published if self.published.count(x) > 1})
+
+    @property
     def violations(self) -> int:
         return (len(self.journal_violations) + len(self.purity_findings)
-                + self.samples_without_spans + abs(self.records_lost))
+                + self.samples_without_spans + abs(self.records_lost)
+                + len(self.duplicate_labels))
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "violations": self.violations}
+        return {**self.__dict__, "duplicate_labels": self.duplicate_labels,
+                "violations": self.violations}
 
 
 def check_records(journal_path: Path, traj_path: Path, book: RolloutBook) -> RecordCheck:

@@ -80,7 +80,7 @@ from rolloutcore.journal import Journal, read_journal, restore_controller
 from rolloutcore.lifecycle import ControllerConfig, FailureKind, LifecycleController, State
 from rolloutcore.probe import PolicyProbe
 from rolloutcore.recorder import TrajectoryRecorder
-from rolloutcore.recovery import ManagedRecoverer, OperatorRecoverer
+from rolloutcore.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
 from rolloutcore.runner import Deadlines, LifecycleRunner, UpdateOutcome
 from rolloutcore.trainer import identity_of
 from rolloutcore.transports.gloo import GlooTransport, _as_cpu
@@ -293,17 +293,31 @@ class Rig:
                                 on_replaced=lambda e: self.proxy.set_upstream(e.base_url), **kw)
 
 
+def _chain(classes: list[str]) -> str:
+    """["incomplete"] * 3 + ["ambiguous"] -> "incomplete x3 -> ambiguous"."""
+    out: list[str] = []
+    for c in classes:
+        if out and out[-1].split(" x")[0] == c:
+            n = int(out[-1].split(" x")[1]) + 1 if " x" in out[-1] else 2
+            out[-1] = f"{c} x{n}"
+        else:
+            out.append(c)
+    return " -> ".join(out)
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("case", "fault", "classification", "state", "s_to_classify", "bound_s",
-            "unvalidated", "lost", "misattributed", "recovered", "recovery_s")
+    head = ("case", "fault", "classification", "state after", "s to classify", "bound s",
+            "unvalidated publishes", "records lost", "misattributed", "recovered",
+            "recovery s")
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
+        rec = "yes" if r.get("recovered") else "NO"
         out.append("| " + " | ".join(str(x) for x in (
-            r["case"], r.get("fault", ""), r.get("classification"), r.get("state_after_fault"),
-            f"{r.get('seconds_to_classify', float('nan')):.2f}", f"{r.get('deadline_s', 0):g}",
-            r.get("published_unvalidated"), r.get("records_lost"), r.get("misattributed"),
-            r.get("recovered"), "" if r.get("recovery_s") is None
-            else f"{r['recovery_s']:.1f}")) + " |")
+            r["case"], r.get("fault", ""), _chain(r.get("classifications") or []),
+            r.get("state_after_fault"), f"{r.get('seconds_to_classify', float('nan')):.2f}",
+            f"{r.get('deadline_s', 0):g}", r.get("published_unvalidated"),
+            r.get("records_lost"), r.get("misattributed"), f"{rec} ({r.get('recovery')})",
+            "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}")) + " |")
     return "\n".join(out)
 
 
@@ -342,10 +356,22 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[Rig]
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps([{**row, "run": run} for row in rows], indent=2,
                                         default=str) + "\n")
-        Path(out).with_suffix(".md").write_text(_table(rows) + "\n")
 
 
 # --------------------------------------------------------------------------- one case
+
+
+def relabel(rig: Rig, name: str) -> None:
+    """Give the engine a label no controller used before this case takes it over.
+
+    The engine carries the label the previous case's recovery gave it (say
+    ``rc-2``), and a new controller would publish its own recovery as
+    ``rc-2`` again (on another epoch): the engine's per-token spans could not
+    tell the two apart. The weights are known (the previous case verified
+    them), so a case-unique label for them is a true statement. See the
+    report: ``LifecycleController.recovered`` does not avoid published labels.
+    """
+    set_weight_version(rig.engine.base_url, f"{name.replace('_', '-')}-v0", timeout_s=30)
 
 
 class Case:
@@ -370,6 +396,7 @@ class Case:
         self.transport = tr
         self.adapter = self.new_adapter(tr)
         self.runner = LifecycleRunner(self.c, self.adapter, deadlines, record=self.journal.write)
+        relabel(rig, name)
         self.runner.bootstrap(rig.ids[rig.serving])
         assert self.c.committed is not None
         self.v0 = self.c.committed
@@ -561,6 +588,7 @@ class Case:
             "misattributed": len(chk.purity_findings),
             "purity_findings": chk.purity_findings,
             "samples_without_spans": chk.samples_without_spans,
+            "duplicate_labels": chk.duplicate_labels,
             "rollouts": dict(self.book.counts),
         })
         self.row.setdefault("recovered", self.c.state is State.READY)
@@ -571,6 +599,7 @@ class Case:
         assert chk.purity_findings == [], chk.purity_findings
         assert chk.samples_without_spans == 0
         assert lost == 0 and chk.samples > 0
+        assert chk.duplicate_labels == [], chk.published
         assert self.row["within_deadline"], self.row
         assert self.row["recovered"] is True and self.c.state is State.READY
         return self.row
@@ -832,6 +861,7 @@ def test_controller_process_killed_mid_update_and_restarted(rig: Rig, case_dir: 
     journal_path = case_dir / "journal.jsonl"
     traj_path = case_dir / "trajectories.jsonl"
     target = rig.other()
+    relabel(rig, "controller_sigkill_mid_update")
     p = spawn("controller", rig.engine.base_url, rig.engine.epoch, journal_path, traj_path,
               rig.serving, rig.path(rig.serving), target, rig.path(target), 9, OP_TIMEOUT_S)
     try:
@@ -952,5 +982,7 @@ if __name__ == "__main__":
         _trainer_main(*argv)
     elif role == "controller":
         _controller_main(*argv)
+    elif role == "table":  # the markdown table of a written matrix (docs/fault-matrix.md)
+        print(_table(json.loads(Path(argv[0]).read_text())))
     else:
         raise SystemExit(f"unknown role {role!r}")

@@ -55,6 +55,7 @@ def test_short_soak_reports_zero_violations(engine_factory: EngineFactory,
     assert rep["errors"] == []
     assert chk["journal_violations"] == [] and chk["purity_findings"] == []
     assert chk["samples_without_spans"] == 0 and chk["records_lost"] == 0
+    assert chk["duplicate_labels"] == []
     assert rep["violations"] == 0
     # It really ran: rollouts recorded, updates published, faults injected.
     assert rep["rollouts"]["recorded"] > 0 and chk["samples"] == rep["rollouts"]["recorded"]
