@@ -282,7 +282,7 @@ class SoakConfig:
     rollout_threads: int = 8
     seed: int = 1
     fault_rate: float = 0.7
-    max_tainting_faults: int = 4     # each one costs an engine restart (~30-90 s here)
+    max_tainting_faults: int = 4     # faults injected while fewer restarts than this happened
     update_interval_s: tuple[float, float] = (0.3, 2.5)
     op_timeout_s: float = 30.0
     warmup_updates: int = 1          # fault-free updates first (the transfer group connects)
@@ -295,6 +295,10 @@ _CONTROL_ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish
 #: Faults that leave the engine serving (no restart needed). A 500 on generate is not
 #: among them: the live validation's policy probe scores through the same route.
 _BENIGN = ("pause-500", "pause-close", "pause-hold", "reset-false-once", "generate-slow")
+#: Faults that may taint the engine (then it is replaced: ~30-90 s here). Kills twice as
+#: likely: they land at a random moment of the update, or after it.
+_TAINTING = ("kill", "kill", "control-500", "control-close", "control-hold",
+             "reset-false-always", "generate-500")
 
 
 def _deadlines() -> Any:
@@ -377,6 +381,8 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
                        run=f"soak-{cfg.seed}", seed=cfg.seed)
     stop = threading.Event()
     faults: Counter[str] = Counter()
+    kills_in: Counter[str] = Counter()
+    update_done = threading.Event()
     updates: Counter[str] = Counter()
     recoveries: Counter[str] = Counter()
     recovery_s: list[float] = []
@@ -414,11 +420,10 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
             killer: threading.Thread | None = None
             warm = sum(updates.values()) < cfg.warmup_updates
             if not warm and rng.random() < cfg.fault_rate:
-                choices = list(_BENIGN)
-                if tainting_left > 0:
-                    choices += ["kill", "control-500", "control-close", "control-hold",
-                                "reset-false-always", "generate-500"]
-                kind = rng.choice(choices)
+                if tainting_left > 0 and rng.random() < 0.5:
+                    kind = rng.choice(_TAINTING)
+                else:
+                    kind = rng.choice(_BENIGN)
                 faults[kind] += 1
                 route = rng.choice(_CONTROL_ROUTES[1:8])
                 if kind == "pause-500":
@@ -444,17 +449,27 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
                 elif kind == "reset-false-always":
                     proxy.inject("/reset_prefix_cache", Fault.engine_failure())
                 elif kind == "kill":
-                    delay = rng.uniform(0.0, 2.0)
+                    # A random phase of this update; the kill lands on the first sight of
+                    # it (polled every 0.5 ms), or after the update if the phase was missed.
+                    phase = rng.choice((State.DRAINING, State.UPDATING, State.INVALIDATING,
+                                        State.VALIDATING, State.RESUMING, State.READY))
+                    update_done.clear()
 
-                    def kill(d: float = delay) -> None:
-                        time.sleep(d)
+                    def kill(phase: State = phase) -> None:
+                        seen = False
+                        while not update_done.is_set():
+                            if c.state is phase and phase is not State.READY:
+                                seen = True
+                                break
+                            time.sleep(0.0005)
+                        if not seen:
+                            update_done.wait(30)
+                        kills_in[c.state.value] += 1  # where in the lifecycle it landed
                         with contextlib.suppress(Exception):
                             engine.signal_group(signal.SIGKILL)
 
                     killer = threading.Thread(target=kill, name="soak-kill", daemon=True)
                     killer.start()
-                if kind not in _BENIGN:
-                    tainting_left -= 1
             adapter.stage(srcs[target], provenance=ids[target].provenance,
                           reference_checksums=(dict(ref_a.checksums)
                                                if target == "A" and ref_a else None),
@@ -464,16 +479,21 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
                 out = runner.run_update(ids[target], min_verification=VerificationLevel.PROBE)
                 updates["published"] += 1
                 current = target
-                log(f"soak: {out.published} published ({kind}) in {out.total_s:.2f}s")
+                log(f"soak: {out.published} published (fault this round: {kind}) in "
+                    f"{out.total_s:.2f}s")
             except UpdateFailed as exc:
                 updates[f"failed-{exc.classification}"] += 1
                 classified_s.append(time.monotonic() - t_upd)
-                log(f"soak: update failed ({kind}): {exc.classification} -> {exc.state}")
+                log(f"soak: update failed (fault this round: {kind}): {exc.classification} "
+                    f"-> {exc.state}")
+            update_done.set()
             if killer is not None:
                 killer.join()
             # A kill that landed after the update is found by the next one (its pause fails).
             proxy.reset()
             attempts = 0
+            if c.state is State.TAINTED:
+                tainting_left -= 1  # the budget counts restarts, whatever caused them
             while c.state is State.TAINTED and attempts < 3:
                 attempts += 1
                 back = current  # the last committed checkpoint: of known identity
@@ -519,6 +539,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
         "rollouts": dict(book.counts), "rollouts_by_bound_label": dict(book.bound_labels),
         "updates": {"attempted": sum(updates.values()), **updates},
         "faults": {"injected": sum(faults.values()), **faults},
+        "kills_landed_in_state": dict(kills_in),
         "recoveries": {**recoveries, "seconds": recovery_s},
         "seconds_to_classify_failed_updates": classified_s,
         "checks": chk.to_dict(), "violations": chk.violations + len(errors),
@@ -537,6 +558,7 @@ def _print(rep: dict[str, Any]) -> None:
           + ", ".join(f"{v} {k}" for k, v in u.items() if k.startswith("failed")))
     print(f"  faults:     {f['injected']} injected: "
           + ", ".join(f"{k}={v}" for k, v in f.items() if k != "injected"))
+    print(f"  kills landed in: {rep['kills_landed_in_state']}")
     print(f"  recoveries: {rc.get('ok', 0)} ok, {rc.get('failed', 0)} failed")
     ch = rep["checks"]
     print(f"  checks:     {len(ch['journal_violations'])} journal violations, "
