@@ -138,3 +138,64 @@ def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: 
     path.write_bytes(b"\n".join(lines))
     with pytest.raises(JournalError, match="bad JSON"):
         restore_controller(path)
+
+
+def test_labels_never_repeat_across_bootstrap_updates_and_recovery() -> None:
+    """An engine already labelled rc-2 continues at generation 2; recovery never reuses a label."""
+    from coretools import drain_ev, ident, preflight_ev, recovery_ev
+    from rolloutcore.errors import BadInput
+    from rolloutcore.evidence import BootstrapEvidence
+    from rolloutcore.lifecycle import FailureKind, Step
+
+    c = LifecycleController()
+    ev = BootstrapEvidence(engine_epoch="e1", healthy=True, observed_label="rc-2",
+                           label_supported=True)
+    c.bootstrap(ev, ident(0), label="rc-2")
+    assert c.committed is not None and c.committed.generation == 2
+    t = c.request_update(ident(1), "trainer")
+    assert t.target.version.label == "rc-3"
+    c.drained(t, drain_ev())
+    c.preflighted(t, preflight_ev(t))
+    c.fail(t, Step.TRANSFER, FailureKind.ERROR, "cut")
+    c.begin_recovery("op")
+    assert c.recovery_target().label == "rc-4"
+    c.recovered(recovery_ev(c, "e2"))
+    labels = [v.label for v in c.published]
+    assert labels == ["rc-2", "rc-4"] and len(set(labels)) == len(labels)
+    with pytest.raises(BadInput):
+        c.request_update(ident(2), "trainer", label="rc-3")  # burnt at begin_update
+
+
+def test_a_stuck_recovery_is_cancelled_through_the_recoverer() -> None:
+    import threading
+
+    w0 = FakeWeights.from_seed(0)
+    ad = FakeAdapter(FakeEngine(w0))
+    c = LifecycleController()
+    r = LifecycleRunner(c, ad, Deadlines(recover_s=0.3, cancel_grace_s=2.0))
+    ad.stage(w0)
+    r.bootstrap(w0.identity())
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    ad.inject("transfer", FaultKind.DIE)
+    with pytest.raises(UpdateFailed):
+        r.run_update(w1.identity())
+    assert c.state is State.TAINTED
+
+    class Stuck:
+        def __init__(self) -> None:
+            self.released = threading.Event()
+            self.cancelled = 0
+
+        def replace_engine(self, target: object) -> object:
+            self.released.wait(30)
+            raise RuntimeError("cancelled")
+
+        def cancel(self) -> None:
+            self.cancelled += 1
+            self.released.set()
+
+    s = Stuck()
+    with pytest.raises(UpdateFailed):
+        r.recover(s)  # type: ignore[arg-type]
+    assert s.cancelled == 1 and c.state is State.TAINTED

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -199,6 +200,7 @@ class Classification(enum.StrEnum):
     AMBIGUOUS = "ambiguous"
 
 
+_RC_LABEL = re.compile(r"^rc-(\d+)$")
 _NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
 _K = FailureKind
 
@@ -323,6 +325,7 @@ class LifecycleController:
         self._update_ids = itertools.count(1)
         self._history: list[tuple[State, State, Event, float, float]] = []
         self._max_generation = -1
+        self._used_labels: set[str] = set()   # published, or burnt at begin_update
         self._engine_epoch: str | None = None
 
     # ---------------------------------------------------------------- queries
@@ -483,7 +486,11 @@ class LifecycleController:
             if problems:
                 return self._apply_failure(E.BOOTSTRAP, Step.BOOTSTRAP,
                                            FailureKind.BAD_EVIDENCE, problems)
-            version = WeightVersion.initial(ev.engine_epoch, label)
+            # An engine already labelled rc-N by an earlier controller continues
+            # at generation N, so labels and generations keep agreeing.
+            m = _RC_LABEL.match(label or "")
+            version = WeightVersion(int(m.group(1)) if m else 0, label or "rc-0",
+                                    ev.engine_epoch)
             self._engine_epoch = ev.engine_epoch
             return self._commit(E.BOOTSTRAP, before, version, identity)
 
@@ -493,6 +500,7 @@ class LifecycleController:
         self._identity = identity
         self._published.append(version)
         self._max_generation = max(self._max_generation, version.generation)
+        self._used_labels.add(version.label)
         self._update = None
         self._emit("commit", {"version": version.to_dict(), "identity": identity.to_dict()})
         self._move(event, S.READY)
@@ -574,11 +582,11 @@ class LifecycleController:
             if self._state is not S.READY:
                 raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
             assert self._committed is not None
-            nxt = WeightVersion(self._max_generation + 1,
-                                label or f"rc-{self._max_generation + 1}",
-                                self._committed.engine_epoch)
-            if any(v.label == nxt.label for v in self._published):
-                raise BadInput(f"label {nxt.label!r} was already published")
+            gen = self._fresh_generation()
+            nxt = WeightVersion(gen, label or f"rc-{gen}", self._committed.engine_epoch)
+            if nxt.label in self._used_labels:
+                raise BadInput(f"label {nxt.label!r} was already used; labels name one "
+                               f"weight set each")
             target = UpdateTarget(nxt, target_identity, owner)
             ticket = UpdateTicket(next(self._update_ids), target, min_verification)
             self._update = _Update(ticket)
@@ -619,6 +627,7 @@ class LifecycleController:
                                            FailureKind.BAD_EVIDENCE, problems)
             # From here the target's label may reach the engine: never reuse it.
             self._max_generation = max(self._max_generation, ticket.target.version.generation)
+            self._used_labels.add(ticket.target.version.label)
             self._emit("begin_update", {"update_id": ticket.update_id,
                                         "target": ticket.target.version.to_dict()})
             self._move(E.PREFLIGHTED, S.UPDATING)
@@ -780,7 +789,7 @@ class LifecycleController:
         with self._lock:
             self._check(E.RECOVERED)
             before = self._state
-            gen = self._max_generation + 1
+            gen = self._fresh_generation()
             version = WeightVersion(gen, f"rc-{gen}", ev.engine_epoch)
             target = UpdateTarget(version, ev.identity, "recovery")
             problems = ev.problems(target)
@@ -801,8 +810,15 @@ class LifecycleController:
     def recovery_target(self) -> WeightVersion:
         """The version a recovery would publish (its label must be set on the new engine)."""
         with self._lock:
-            gen = self._max_generation + 1
+            gen = self._fresh_generation()
             return WeightVersion(gen, f"rc-{gen}", self._engine_epoch or "pending")
+
+    def _fresh_generation(self) -> int:
+        """The next generation whose default label was never used (published or burnt)."""
+        gen = self._max_generation + 1
+        while f"rc-{gen}" in self._used_labels:
+            gen += 1
+        return gen
 
     # ---------------------------------------------------------------- crash restore
     @classmethod
@@ -829,6 +845,7 @@ class LifecycleController:
                 c._committed, c._identity = v, WeightIdentity.from_dict(d["identity"])
                 c._published.append(v)
                 c._max_generation = max(c._max_generation, v.generation)
+                c._used_labels.add(v.label)
                 c._engine_epoch = v.engine_epoch
                 in_flight = None
             elif kind == "admit":
@@ -843,6 +860,7 @@ class LifecycleController:
             elif kind == "begin_update":
                 c._max_generation = max(c._max_generation,
                                         int(d["target"]["generation"]))
+                c._used_labels.add(str(d["target"]["label"]))
             elif kind in ("taint", "abandon"):
                 in_flight = None
         c._state = state

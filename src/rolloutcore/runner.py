@@ -149,7 +149,8 @@ class LifecycleRunner:
 
     # ------------------------------------------------------------ effects
     def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
-                phases: list[PhaseTiming] | None, phase: str | None = None) -> T:
+                phases: list[PhaseTiming] | None, phase: str | None = None,
+                cancel: Callable[[], None] | None = None) -> T:
         """Run ``fn`` in a worker thread; on deadline, cancel it and raise EffectTimeout."""
         box: dict[str, Any] = {}
 
@@ -166,7 +167,10 @@ class LifecycleRunner:
         timed_out = th.is_alive()
         if timed_out:
             try:
-                self.adapter.cancel(step)
+                if cancel is not None:
+                    cancel()
+                else:
+                    self.adapter.cancel(step)
             except Exception as exc:
                 self._note("cancel_failed", step=step, error=repr(exc))
             th.join(self.deadlines.cancel_grace_s)
@@ -243,10 +247,13 @@ class LifecycleRunner:
             return recoverer.replace_engine(target)
 
         try:
-            ev = self._effect(Step.RECOVER.value, work, self.deadlines.recover_s, None)
+            # On expiry the watchdog cancels the recoverer itself (not the adapter).
+            ev = self._effect(Step.RECOVER.value, work, self.deadlines.recover_s, None,
+                              cancel=recoverer.cancel)
         except EffectError as exc:
             try:
-                recoverer.cancel()
+                if not isinstance(exc, EffectTimeout):
+                    recoverer.cancel()  # clean up a half-started replacement
             finally:
                 v = c.fail(None, Step.RECOVER, _kind(exc), str(exc))
             raise UpdateFailed("recover", "ambiguous", v.after.value, str(exc)) from exc
