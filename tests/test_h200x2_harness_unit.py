@@ -586,6 +586,8 @@ def cpu_transport(block: bool) -> tuple[Any, FakeSyncClient, FakeComm, dict[str,
         box["entered"].set()
         if block:
             c.release.wait(30)
+            if c.destroyed:  # a collective on an aborted communicator fails
+                raise RuntimeError("NCCL communicator aborted")
 
     def init(info: Any, *, client: Any, source: Any) -> Any:
         box["info"] = info
@@ -630,7 +632,7 @@ def test_the_026_round_runs_under_rolloutcores_driver_and_finishes_with_the_labe
     assert not ei.value.mutation_started and len(client.calls) == 4
 
 
-def test_driver_abort_returns_the_caller_but_only_a_comm_abort_frees_the_broadcast() -> None:
+def test_driver_abort_returns_the_caller_and_its_comm_abort_frees_the_broadcast() -> None:
     t, client, comm, box = cpu_transport(block=True)
     result: queue.Queue[BaseException | object] = queue.Queue()
 
@@ -646,9 +648,9 @@ def test_driver_abort_returns_the_caller_but_only_a_comm_abort_frees_the_broadca
     t.abort()  # what the runner's watchdog does, through adapter.cancel
     err = result.get(timeout=5)
     assert isinstance(err, TransferError) and err.mutation_started
-    assert time.monotonic() - t0 < 1.0
-    assert h.send_thread_alive()  # the broadcast is still blocked on its peer
-    assert h.run_with_timeout(comm.destroy, 5, "test-comm-abort")[0]
+    assert time.monotonic() - t0 < 5.0
+    # The driver's abort shuts the trainer engine down (communicator destroy,
+    # i.e. ncclCommAbort): the broadcast blocked on its peer is freed too.
     end = time.monotonic() + 5
     while h.send_thread_alive() and time.monotonic() < end:
         time.sleep(0.01)
