@@ -36,6 +36,7 @@ def main() -> int:
 
     import vllm
 
+    from rolloutcore.adapters.vllm import engine_identity
     from rolloutcore.audit import audit_file
     from rolloutcore.model import make_checkpoint
     from rolloutcore.recorder import TrajectoryRecorder
@@ -43,7 +44,6 @@ def main() -> int:
     from rolloutcore.trainer import EngineSession
     from rolloutcore.trajectory import (
         SEED_EXTERNAL,
-        EngineIdentity,
         PolicyBinding,
         Prompt,
         SampledCompletion,
@@ -65,8 +65,7 @@ def main() -> int:
     try:
         session.bootstrap(ckpt, Provenance("A", run, 0))
         http, ctl = session.http, session.controller
-        ident = EngineIdentity(http.version(), http.model(), {"logprobs_mode": "raw_logprobs"},
-                               http.base_url)
+        ident = engine_identity(http)
         with TrajectoryRecorder(traj, lock_timeout_s=5) as rec:
             for p in range(2 * args.groups):
                 colliding = p >= args.groups

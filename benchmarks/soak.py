@@ -58,7 +58,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from rolloutcore.adapters.vllm import Generation, VllmAdapter, VllmHTTP  # noqa: E402
+from rolloutcore.adapters.vllm import (  # noqa: E402
+    Generation,
+    VllmAdapter,
+    VllmHTTP,
+    engine_identity,
+)
 from rolloutcore.audit import audit_purity, read_journal_summary  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, RolloutCoreError, UpdateFailed  # noqa: E402
 from rolloutcore.invariants import check_journal  # noqa: E402
@@ -84,7 +89,6 @@ __all__ = [
     "RolloutBook",
     "SoakConfig",
     "check_records",
-    "engine_identity",
     "machine",
     "run_soak",
     "versions",
@@ -134,12 +138,6 @@ def versions() -> dict[str, Any]:
     except OSError:
         out["git_commit"] = None
     return out
-
-
-def engine_identity(http: VllmHTTP, max_model_len: int = 512) -> EngineIdentity:
-    return EngineIdentity(http.version(mutation_started=False), http.model(), {
-        "dtype": "bfloat16", "max_model_len": max_model_len, "enable_prefix_caching": True,
-        "logprobs_mode": "raw_logprobs"}, http.base_url)
 
 
 # --------------------------------------------------------------------------- rollouts

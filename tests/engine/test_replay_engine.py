@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmHTTP
+from rolloutcore.adapters.vllm import VllmHTTP, engine_identity
 from rolloutcore.checksums import ChecksumCache, ReferenceChecksums
 from rolloutcore.engine import vllm_available
 from rolloutcore.recorder import TrajectoryRecorder, read_trajectories
@@ -48,7 +48,6 @@ from rolloutcore.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.trainer import EngineSession
 from rolloutcore.trajectory import (
     SEED_NONE,
-    EngineIdentity,
     PolicyBinding,
     Prompt,
     SampledCompletion,
@@ -96,15 +95,6 @@ def session(engine_factory: EngineFactory, tiny_models: TinyModels,
             s.close()
         finally:
             engine_factory.stop(eng)
-
-
-def engine_identity(http: VllmHTTP) -> EngineIdentity:
-    cfg = http.server_info()["vllm_config"]
-    mc, cc = cfg["model_config"], cfg["cache_config"]
-    return EngineIdentity(http.version(), http.model(), {
-        "dtype": str(mc["dtype"]).removeprefix("torch."), "max_model_len": mc["max_model_len"],
-        "logprobs_mode": mc["logprobs_mode"],
-        "enable_prefix_caching": cc["enable_prefix_caching"]}, http.base_url)
 
 
 def record_rollout(session: EngineSession, path: Path, *, run: str, step: int,

@@ -71,12 +71,14 @@ from ..evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from ..trajectory import EngineIdentity
 from ..transports.base import WeightTransport
 from ..versions import Provenance, VerificationLevel
 from ..weights import WeightSource
 
 __all__ = [
     "CACHE_ROUTES",
+    "engine_identity",
     "EMPTY_SHA256",
     "ChecksumComparison",
     "Completion",
@@ -327,6 +329,24 @@ def compare_checksums(engine: WeightChecksums, reference: Mapping[str, str]) -> 
             mismatched.append(name)
     return ChecksumComparison(engine.total, tuple(matched), tuple(mismatched),
                               tuple(unverifiable), tuple(no_ref), tuple(sorted(missing)))
+
+
+def engine_identity(http: VllmHTTP, *, timeout_s: float | None = None) -> EngineIdentity:
+    """What a trajectory records about the engine, read from the engine (``/server_info``).
+
+    The settings that decide whether a sample can be replayed exactly (dtype,
+    context, logprobs mode, prefix caching), never assumed by the caller.
+    """
+    cfg = http.server_info(timeout_s=timeout_s, mutation_started=False).get("vllm_config") or {}
+    mc = cfg.get("model_config") or {}
+    cc = cfg.get("cache_config") or {}
+    config = {"dtype": str(mc.get("dtype", "")).removeprefix("torch.") or None,
+              "max_model_len": mc.get("max_model_len"),
+              "logprobs_mode": mc.get("logprobs_mode"),
+              "enable_prefix_caching": cc.get("enable_prefix_caching")}
+    return EngineIdentity(http.version(timeout_s=timeout_s, mutation_started=False),
+                          http.model(timeout_s=timeout_s, mutation_started=False),
+                          {k: v for k, v in config.items() if v is not None}, http.base_url)
 
 
 def prefix_cache_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> PrefixCacheDelta:
