@@ -185,6 +185,29 @@ class TransportBase:
     def __init__(self) -> None:
         self._abort = threading.Event()
         self._lock = threading.Lock()
+        self._busy = False
+
+    # -- one operation at a time ----------------------------------------------
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._busy:
+                raise BadInput("a connect or send is already running on this transport")
+            self._busy = True
+        self._abort.clear()
+
+    def connect(self, base_url: str, *, timeout_s: float) -> None:
+        """Rendezvous with every worker of the engine; changes no weights."""
+        url = check_url(base_url)
+        t = check_timeout(timeout_s)
+        self._enter()
+        try:
+            self._connect(url, time.monotonic() + t)
+        finally:
+            self._busy = False
+
+    def _connect(self, url: str, deadline: float) -> None:
+        raise NotImplementedError
 
     # -- HTTP -------------------------------------------------------------------
 

@@ -286,7 +286,6 @@ class VllmTrainerTransport(TransportBase):
         self._engine: Any = None
         self._client: TargetAwareSyncClient | None = None
         self._url: str | None = None
-        self._busy = False
 
     # -- subclass hooks -----------------------------------------------------------
 
@@ -310,22 +309,6 @@ class VllmTrainerTransport(TransportBase):
     @property
     def connected_to(self) -> str | None:
         return self._url
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self._busy:
-                raise BadInput("a connect or send is already running on this transport")
-            self._busy = True
-        self._abort.clear()
-
-    def connect(self, base_url: str, *, timeout_s: float) -> None:
-        url = check_url(base_url)
-        t = check_timeout(timeout_s)
-        self._enter()
-        try:
-            self._connect(url, time.monotonic() + t)
-        finally:
-            self._busy = False
 
     def _connect(self, url: str, deadline: float) -> None:
         self._drop()

@@ -294,7 +294,6 @@ class GlooTransport(TransportBase):
         super().__init__()
         self.op_timeout_s = check_timeout(op_timeout_s, "op_timeout_s")
         self._conn: _Conn | None = None
-        self._busy = False
 
     def engine_config(self) -> dict[str, Any]:
         return {"backend": BACKEND}
@@ -304,23 +303,6 @@ class GlooTransport(TransportBase):
         return None if self._conn is None else self._conn.base_url
 
     # -- connect ----------------------------------------------------------------
-
-    def connect(self, base_url: str, *, timeout_s: float) -> None:
-        """Rendezvous with every worker of the engine; changes no weights."""
-        url = check_url(base_url)
-        t = check_timeout(timeout_s)
-        self._enter()
-        try:
-            self._connect(url, time.monotonic() + t)
-        finally:
-            self._busy = False
-
-    def _enter(self) -> None:
-        with self._lock:
-            if self._busy:
-                raise BadInput("a connect or send is already running on this transport")
-            self._busy = True
-        self._abort.clear()
 
     def _connect(self, url: str, deadline: float) -> None:
         self._drop(notify_engine=False)
