@@ -307,14 +307,14 @@ def test_trainer_sigkilled_between_begin_and_report(gateway: Gateway) -> None:
                 f.close()
     deadline = time.monotonic() + 30
     while True:
-        st = httpx.get(f"{gw.url}/control/status", headers=AUTH, timeout=10).json()
-        if st["state"] == "TAINTED" or time.monotonic() > deadline:
+        upd = httpx.get(f"{gw.url}/control/updates/{uid}", headers=AUTH, timeout=10).json()
+        if upd["status"] == "expired" or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    st = httpx.get(f"{gw.url}/control/status", headers=AUTH, timeout=10).json()
     assert st["state"] == "TAINTED"
     assert st["committed"] == before["committed"]
     assert st["published"] == before["published"]
-    upd = httpx.get(f"{gw.url}/control/updates/{uid}", headers=AUTH, timeout=10).json()
     assert upd["status"] == "expired" and upd["result"]["classification"] == "ambiguous"
     r = httpx.post(f"{gw.url}/inference/v1/generate", timeout=10,
                    json={"model": "policy", "token_ids": [1, 2],

@@ -178,7 +178,7 @@ class _Update:
     lease_s: float
     deadline_mono: float
     deadline_wall: float
-    status: str = "open"            # open | reporting | published | failed | expired
+    status: str = "open"            # open | reporting | published | failed | expiring | expired
     result: dict[str, Any] | None = None
     timer: asyncio.Task[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -207,7 +207,7 @@ class UpdateManager:
     @property
     def open_update(self) -> _Update | None:
         for u in reversed(self._updates.values()):
-            if u.status in ("open", "reporting"):
+            if u.status in ("open", "reporting", "expiring"):
                 return u
         return None
 
@@ -254,7 +254,7 @@ class UpdateManager:
         self._updates[t.update_id] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
-            if oldest.status in ("open", "reporting"):
+            if oldest.status in ("open", "reporting", "expiring"):
                 break
             self._updates.popitem(last=False)
         upd.timer = asyncio.get_running_loop().create_task(self._lease_timer(upd))
@@ -326,7 +326,9 @@ class UpdateManager:
     async def _expire_locked(self, upd: _Update, reason: str) -> None:
         if upd.status != "open":
             return
-        upd.status = "expired"
+        # "expired" only once classified: a status reader never sees an expired
+        # update without its result (the fence after a taint takes a moment).
+        upd.status = "expiring"
         out = upd.out
 
         def work() -> dict[str, Any]:
@@ -342,6 +344,7 @@ class UpdateManager:
             result = await anyio.to_thread.run_sync(work)
         result.update(status="expired", state=out.state.value, phases=out.breakdown())
         upd.result = result
+        upd.status = "expired"
         upd.done.set()
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
