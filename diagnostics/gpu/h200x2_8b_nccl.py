@@ -561,6 +561,23 @@ def summarize_kill(r: KillRecord) -> dict[str, Any]:
     }
 
 
+def recover_and_record(controller: Any, rcv: Any, run: Any, gpu: int, why: str,
+                       eng: Any) -> dict[str, Any]:
+    """Run RolloutCore's recovery onto ``gpu`` and describe what it reached."""
+    from rolloutcore.runner import LifecycleRunner
+
+    r = LifecycleRunner(controller, RecordingAdapter(None), run.deadlines())
+    t = time.monotonic()
+    r.recover(rcv)
+    return {"gpu": gpu, "why": why, "s": time.monotonic() - t,
+            "timings": rcv.timings, "state": controller.state.value,
+            "committed": controller.committed and controller.committed.to_dict(),
+            "ready": controller.state.value == "READY"
+            and controller.committed is not None
+            and controller.committed.engine_epoch == rcv.engine.epoch,
+            "old_epoch": eng.epoch}
+
+
 def choose_recovery_gpu(requested: str, *, engine_gpu: int, trainer_gpu: int,
                         trainer_gpu_clean: bool) -> tuple[int, str]:
     """Where the replacement engine goes, and why.
@@ -1804,19 +1821,9 @@ def phase_kill_engine(run: Run, hot: Mapping[str, Any] | None) -> tuple[dict[str
     res["summary"] = summarize_kill(rec)
     carry: Carry | None = None
     with run.stage(res, "recovery"):
-        from rolloutcore.runner import LifecycleRunner
 
         rcv = DummyCheckpointRecoverer(eng, run.new_engine, gpu, reference, identity0)
-        r = LifecycleRunner(controller, RecordingAdapter(None), run.deadlines())
-        t = time.monotonic()
-        r.recover(rcv)
-        res["recovery"] = {"gpu": gpu, "why": why, "s": time.monotonic() - t,
-                           "timings": rcv.timings, "state": controller.state.value,
-                           "committed": controller.committed and controller.committed.to_dict(),
-                           "ready": controller.state.value == "READY"
-                           and controller.committed is not None
-                           and controller.committed.engine_epoch == rcv.engine.epoch,
-                           "old_epoch": eng.epoch}
+        res["recovery"] = recover_and_record(controller, rcv, run, gpu, why, eng)
         carry = Carry(controller, clock, rcv.engine, gpu, reference, identity0)
         run.log(f"recovered on GPU {gpu}: {res['recovery']['state']} "
                 f"epoch {rcv.engine.epoch}")
@@ -2003,16 +2010,7 @@ def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
                                        trainer_gpu=child_gpu,
                                        trainer_gpu_clean=child.proc.poll() is not None)
         rcv = DummyCheckpointRecoverer(eng, run.new_engine, gpu, carry.reference, carry.identity)
-        r = LifecycleRunner(controller, RecordingAdapter(None), run.deadlines())
-        t = time.monotonic()
-        r.recover(rcv)
-        res["recovery"] = {"gpu": gpu, "why": why, "s": time.monotonic() - t,
-                           "timings": rcv.timings, "state": controller.state.value,
-                           "committed": controller.committed and controller.committed.to_dict(),
-                           "ready": controller.state.value == "READY"
-                           and controller.committed is not None
-                           and controller.committed.engine_epoch == rcv.engine.epoch,
-                           "old_epoch": eng.epoch}
+        res["recovery"] = recover_and_record(controller, rcv, run, gpu, why, eng)
         run.log(f"recovered on GPU {gpu}: {controller.state.value}")
     res["record"] = dataclasses.asdict(rec)
     res["nccl_transports"] = nccl_logs(run.state)
