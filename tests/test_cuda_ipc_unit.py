@@ -10,6 +10,9 @@ from __future__ import annotations
 import base64
 import copy
 import json
+import os
+import subprocess
+import sys
 from typing import Any, ClassVar
 
 import pytest
@@ -81,7 +84,8 @@ def _mutated(path: list[Any], value: Any) -> dict[str, Any]:
     (["mode"], "pickle", "mode"),
     (["extra"], 1, "unknown fields"),
     (["buffers"], [], "buffers"),
-    (["entries"], "x", "lists"),
+    (["entries"], "x", "must be a list"),
+    (["layout"], "0" * 64, "exactly one of entries and layout"),
     (["buffers", 0, "handle"], "not base64!!", "base64"),
     (["buffers", 0, "handle"], "", "1..1024 bytes"),
     (["buffers", 0, "handle"], base64.b64encode(bytes(2000)).decode(), "too long"),
@@ -273,3 +277,100 @@ def test_packed_weights_layout_and_zero_copy_detection() -> None:
         pk.load_([("norm", torch.zeros(9, dtype=torch.bfloat16))])
     with pytest.raises(BadInput):
         PackedWeights([("a", (2,), torch.bfloat16), ("a", (2,), torch.bfloat16)], device="cpu")
+
+
+def test_layout_by_reference_resolves_only_known_layouts() -> None:
+    msg = _message()
+    ref = encode_update(msg, by_reference=True)
+    assert "entries" not in ref and ref["layout"] == msg.layout_digest
+    assert len(json.dumps(ref)) < len(json.dumps(encode_update(msg)))
+    with pytest.raises(BadInput, match="unknown layout"):
+        decode_update(ref)
+    known = {msg.layout_digest: msg}
+    assert decode_update(ref, known) is msg  # same buffers: the validated message itself
+    # New buffers: the known entries are re-checked against them.
+    other = encode_update(UpdateMessage("fast", (_handle(8192),), msg.entries),
+                          by_reference=True)
+    back = decode_update(other, known)
+    assert back.entries == msg.entries and back.buffers[0].nbytes == 8192
+    small = encode_update(UpdateMessage("fast", (_handle(4096),), msg.entries),
+                          by_reference=True)
+    small["buffers"][0].update(nbytes=16, storage_size_bytes=16)
+    with pytest.raises(BadInput, match="exceed buffer"):
+        decode_update(small, known)
+    for bad in ("abc", 7, "g" * 64):
+        with pytest.raises(BadInput, match="sha256"):
+            decode_update(dict(ref, layout=bad), known)
+
+
+@pytest.fixture
+def interpreted_kernels() -> None:
+    """The Triton kernels on CPU tensors, under Triton's interpreter.
+
+    Triton reads ``TRITON_INTERPRET`` when it is first imported, so these
+    tests run in a child pytest started with it (``test_kernels_interpreted``).
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_interpreted")
+    from rolloutcore.transports import cuda_kernels
+    assert cuda_kernels.available(torch.device("cpu"))
+
+
+def test_kernels_interpreted() -> None:
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        __file__, "-k", "kernel_checksum or every_copy_impl"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "4 passed" in r.stdout, r.stdout[-2000:]
+
+
+def _mixed_tensors(seed: int) -> list[torch.Tensor]:
+    """bf16/f32 tensors in one buffer: whole 512-byte blocks, smaller blocks, odd offsets."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.zeros(1 << 18, dtype=torch.uint8)
+    out, off = [], 0
+    for shape, dt, align in [((64, 128), torch.bfloat16, 256), ((128,), torch.bfloat16, 256),
+                             ((3, 256), torch.bfloat16, 256), ((33, 64), torch.float32, 256),
+                             ((1000, 64), torch.bfloat16, 4), ((6,), torch.float32, 256),
+                             ((256,), torch.bfloat16, 256)]:
+        off = -(-off // align) * align
+        n = torch.Size(shape).numel() * (2 if dt == torch.bfloat16 else 4)
+        t = buf[off:off + n].view(dt).view(shape)
+        t.copy_(torch.randn(shape, generator=g).to(dt))
+        out.append(t)
+        off += n + 4
+    return out
+
+
+def test_kernel_checksum_equals_torch_checksum(interpreted_kernels: None) -> None:
+    ts = _mixed_tensors(3)
+    ref = block_checksum(ts, impl="torch")
+    assert block_checksum(ts, impl="kernel") == ref
+    assert block_checksum(ts[2:], impl="kernel") == block_checksum(ts[2:], impl="torch")
+    # One flipped bit in one block changes that tensor's value and no other.
+    ts[2].view(torch.int16)[1, 7] ^= 1
+    got = block_checksum(ts, impl="kernel")
+    assert [i for i, (a, b) in enumerate(zip(ref, got, strict=True)) if a != b] == [2]
+    assert got == block_checksum(ts, impl="torch")
+    with pytest.raises(BadInput, match="impl"):
+        block_checksum(ts, impl="fast")
+
+
+@pytest.mark.parametrize("impl", ["memcpy", "foreach", "kernel"])
+def test_every_copy_impl_is_bit_exact(impl: str, interpreted_kernels: None) -> None:
+    pk = _packed(11)
+    model = _TinyModel()
+    loader = SliceLoader(model, copy_impl=impl)
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    assert loader.stats["copy_impl"] == impl
+    ref_model = _TinyModel()
+    SliceLoader(ref_model).load([pk.buffer], _message_for(pk, "reference"))
+    for (n, a), (_, b) in zip(ref_model.named_parameters(), model.named_parameters(),
+                              strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+    assert loader.checksum("kernel")["values"] == loader.checksum("torch")["values"] \
+        == pk.checksum("torch")
+    with pytest.raises(BadInput, match="copy_impl"):
+        SliceLoader(model, copy_impl="dma")

@@ -52,11 +52,14 @@ import torch
 from ..errors import BadInput, EngineUnavailable, TransferError
 from ..evidence import Check, TransferEvidence
 from ..versions import VerificationLevel
+from . import cuda_kernels
 
 __all__ = [
     "BACKEND",
     "PROTOCOL",
     "WORKER_EXTENSION",
+    "CHECKSUM_IMPLS",
+    "COPY_IMPLS",
     "BufferHandle",
     "CudaIpcTransport",
     "EntrySpec",
@@ -67,6 +70,7 @@ __all__ = [
     "checksum_digest",
     "encode_update",
     "engine_flags",
+    "map_buffer",
     "names_digest",
 ]
 
@@ -319,31 +323,78 @@ def _layout_digest(entries: Sequence[EntrySpec]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def encode_update(msg: UpdateMessage) -> dict[str, Any]:
-    """The JSON-safe ``update_info`` body for vLLM's ``/update_weights``."""
-    return {"protocol": PROTOCOL, "mode": msg.mode,
-            "buffers": [b.to_json() for b in msg.buffers],
-            "entries": [e.to_json() for e in msg.entries]}
+def encode_update(msg: UpdateMessage, *, by_reference: bool = False) -> dict[str, Any]:
+    """The JSON-safe ``update_info`` body for vLLM's ``/update_weights``.
+
+    ``by_reference``: name the layout by its digest instead of listing the
+    entries, for an engine that has already accepted this layout (399
+    entries are about 40 KB of JSON to parse and validate on the worker for
+    every update; the reference is one string).
+    """
+    body: dict[str, Any] = {"protocol": PROTOCOL, "mode": msg.mode,
+                            "buffers": [b.to_json() for b in msg.buffers]}
+    if by_reference:
+        body["layout"] = msg.layout_digest
+    else:
+        body["entries"] = [e.to_json() for e in msg.entries]
+    return body
 
 
-def decode_update(d: object) -> UpdateMessage:
-    """Parse and validate an ``update_info``. Raises ``BadInput`` on anything off."""
-    o = _obj(d, "update_info", {"protocol", "mode", "buffers", "entries"})
+def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
+                  ) -> UpdateMessage:
+    """Parse and validate an ``update_info``. Raises ``BadInput`` on anything off.
+
+    A body naming its ``layout`` (instead of ``entries``) is resolved against
+    ``known``, the messages this receiver has already validated, by digest; an
+    unknown digest is refused (the sender must send the entries). The entries
+    are re-checked against the body's buffers unless those are the same.
+    """
+    o = _obj(d, "update_info", {"protocol", "mode", "buffers"},
+             optional=frozenset({"entries", "layout"}))
     if o["protocol"] != PROTOCOL:
         raise BadInput(f"update_info.protocol must be {PROTOCOL!r}, got {o['protocol']!r}")
-    bufs, ents = o["buffers"], o["entries"]
-    if not isinstance(bufs, list) or not isinstance(ents, list):
-        raise BadInput("update_info.buffers and .entries must be lists")
-    if len(bufs) > _MAX_BUFFERS or len(ents) > _MAX_ENTRIES:
-        raise BadInput("too many buffers or entries")
+    if ("entries" in o) == ("layout" in o):
+        raise BadInput("update_info needs exactly one of entries and layout")
+    bufs = o["buffers"]
+    if not isinstance(bufs, list) or len(bufs) > _MAX_BUFFERS:
+        raise BadInput(f"update_info.buffers must be a list of at most {_MAX_BUFFERS}")
     mode = o["mode"]
     if not isinstance(mode, str):
         raise BadInput("update_info.mode must be a string")
+    buffers = tuple(BufferHandle.from_json(b, f"buffers[{i}]") for i, b in enumerate(bufs))
+    if "layout" in o:
+        digest = o["layout"]
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise BadInput("update_info.layout must be a sha256 hex digest")
+        prev = (known or {}).get(digest)
+        if prev is None:
+            raise BadInput(f"unknown layout {digest[:12]}: this engine has not received its "
+                           "entries (send them in full)")
+        if prev.mode == mode and prev.buffers == buffers:
+            return prev
+        return UpdateMessage(mode, buffers, prev.entries, layout_digest=digest)
+    ents = o["entries"]
+    if not isinstance(ents, list) or len(ents) > _MAX_ENTRIES:
+        raise BadInput(f"update_info.entries must be a list of at most {_MAX_ENTRIES}")
     return UpdateMessage(
-        mode,
-        tuple(BufferHandle.from_json(b, f"buffers[{i}]") for i, b in enumerate(bufs)),
+        mode, buffers,
         tuple(EntrySpec.from_json(e, f"entries[{i}]") for i, e in enumerate(ents)),
     )
+
+
+def map_buffer(b: BufferHandle, device_index: int) -> torch.Tensor:
+    """Open a peer's shared allocation as a flat ``uint8`` tensor on this device.
+
+    The classes and dtype are ours, not the sender's; the numbers come from a
+    validated ``BufferHandle``. CUDA itself checks the handle when it opens it.
+    """
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
+        torch.Tensor, (b.nbytes,), (1,), b.tensor_offset_bytes,
+        torch.storage.TypedStorage, torch.uint8, device_index, b.handle,
+        b.storage_size_bytes, b.storage_offset_bytes, False, b.ref_counter_handle,
+        b.ref_counter_offset, b.event_handle, b.event_sync_required)
 
 
 # ------------------------------------------------------------------------ checksum
@@ -374,37 +425,85 @@ def _as_int32(t: torch.Tensor) -> torch.Tensor:
         return flat.clone().view(torch.int32)
 
 
+def _weights_at(pos: torch.Tensor) -> torch.Tensor:
+    """The odd weight of each block position (the kernel computes the same)."""
+    return ((pos * cuda_kernels.W_MUL + cuda_kernels.W_ADD) & 0x7FFFFFFF) | 1
+
+
 def _position_weights(n: int, device: torch.device) -> torch.Tensor:
     key = (n, str(device))
     with _weights_lock:
         w = _weights_cache.get(key)
         if w is None:
-            i = torch.arange(n, dtype=torch.int64, device=device)
-            w = ((i * 0x9E3779B1 + 0x7F4A7C15) & 0x7FFFFFFF) | 1
+            w = _weights_at(torch.arange(n, dtype=torch.int64, device=device))
             _weights_cache.clear()  # one layout at a time; weights are big at 16 GB
             _weights_cache[key] = w
         return w
 
 
-def block_checksum(tensors: Sequence[torch.Tensor]) -> list[int]:
+CHECKSUM_IMPLS = ("auto", "torch", "kernel")
+
+
+def block_checksum(tensors: Sequence[torch.Tensor], *, impl: str = "auto") -> list[int]:
     """One integer per tensor over its raw bits (see the module docstring).
 
     All tensors must be on one device. Per tensor: sum (mod 2**32) of each
     512-byte block, times an odd weight of the block's position, summed
     (mod 2**32 per term, exact in int64). Same bytes in the same layout give
-    the same list on any device.
+    the same list on any device and with either implementation: ``kernel``
+    (one Triton launch for every whole-block tensor, ``cuda_kernels``),
+    ``torch`` (per-tensor reductions), ``auto`` (the kernel where it can run).
     """
+    if impl not in CHECKSUM_IMPLS:
+        raise BadInput(f"impl must be one of {CHECKSUM_IMPLS}, got {impl!r}")
     if not tensors:
         return []
     device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise BadInput("block_checksum: tensors are on different devices")
     rows = [_rows_cols(t.numel() * t.element_size()) for t in tensors]
+    use_kernel = impl == "kernel" or (impl == "auto" and cuda_kernels.available(device))
+    if not use_kernel:
+        return _block_checksum_torch(tensors, rows)
+    first: list[int] = []
+    start = 0
+    for r, _ in rows:
+        first.append(start)
+        start += r
+    big = [i for i, (t, (r, c)) in enumerate(zip(tensors, rows, strict=True))
+           if r and c == cuda_kernels.CHECKSUM_COLS and _kernel_ok(t)]
+    out: list[int] = [0] * len(tensors)
+    for i, v in zip(big, cuda_kernels.block_checksum_rows(
+            [tensors[i] for i in big], [first[i] for i in big]), strict=True):
+        out[i] = v
+    rest = [i for i in range(len(tensors)) if i not in set(big) and rows[i][0]]
+    vals = []
+    for i in rest:
+        r, c = rows[i]
+        sums = torch.sum(_as_int32(tensors[i]).view(r, c), dim=1, dtype=torch.int32)
+        pos = torch.arange(first[i], first[i] + r, dtype=torch.int64, device=device)
+        w = _weights_at(pos)
+        vals.append((((sums.to(torch.int64) & _MASK32) * w) & _MASK32).sum())
+    if vals:
+        for i, v in zip(rest, torch.stack(vals).tolist(), strict=True):
+            out[i] = int(v)
+    return out
+
+
+def _kernel_ok(t: torch.Tensor) -> bool:
+    nb = t.numel() * t.element_size()
+    return t.is_contiguous() and nb % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def _block_checksum_torch(tensors: Sequence[torch.Tensor],
+                          rows: Sequence[tuple[int, int]]) -> list[int]:
+    device = tensors[0].device
     total = sum(r for r, _ in rows)
     sums = torch.empty(total, dtype=torch.int32, device=device)
     start = 0
     bounds: list[int] = []
     for t, (r, c) in zip(tensors, rows, strict=True):
-        if t.device != device:
-            raise BadInput("block_checksum: tensors are on different devices")
         if r:
             torch.sum(_as_int32(t).view(r, c), dim=1, dtype=torch.int32,
                       out=sums[start:start + r])
@@ -520,6 +619,9 @@ def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
                      {n: p.data_ptr() for n, p in params.items()}, uncovered, fused_n, direct_n)
 
 
+COPY_IMPLS = ("auto", "memcpy", "foreach", "kernel")
+
+
 class SliceLoader:
     """The engine-side work of ``rc_cuda_ipc``, free of vLLM: plan, copy, checksum.
 
@@ -528,14 +630,32 @@ class SliceLoader:
     ``reference`` hands the entries to ``model.load_weights`` (vLLM's path).
     The plan is cached per layout and rebuilt only when the layout or a
     parameter's storage changes.
+
+    How ``fast`` copies (``copy_impl``): ``memcpy``, one ``Tensor.copy_``
+    per entry (a driver memcpy); ``foreach``, torch's multi-tensor
+    ``_foreach_copy_``; ``kernel``, one Triton launch for all entries
+    (``cuda_kernels.multi_copy``, SM loads and stores). ``auto`` takes the
+    kernel where it can run and memcpy elsewhere. All are bit-exact copies.
     """
 
-    def __init__(self, model: torch.nn.Module, *, allow_fallback: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, *, allow_fallback: bool = False,
+                 copy_impl: str = "auto") -> None:
         self.model = model
         self.allow_fallback = allow_fallback
+        self.copy_impl = copy_impl
         self._plan: SlicePlan | None = None
         self.last: UpdateMessage | None = None
         self.stats: dict[str, Any] = {}
+
+    @property
+    def copy_impl(self) -> str:
+        return self._copy_impl
+
+    @copy_impl.setter
+    def copy_impl(self, v: str) -> None:
+        if v not in COPY_IMPLS:
+            raise BadInput(f"copy_impl must be one of {COPY_IMPLS}, got {v!r}")
+        self._copy_impl = v
 
     def plan(self, msg: UpdateMessage) -> SlicePlan:
         p = self._plan
@@ -574,12 +694,10 @@ class SliceLoader:
                                             strict=True)))
                 fallback = 0
             else:
-                rest = []
-                for e, dst, src in zip(msg.entries, plan.dsts, srcs, strict=True):
-                    if dst is None:
-                        rest.append((e.name, src))
-                    else:
-                        dst.copy_(src, non_blocking=True)
+                pairs = [(d, x) for d, x in zip(plan.dsts, srcs, strict=True) if d is not None]
+                self._copy([d for d, _ in pairs], [x for _, x in pairs])
+                rest = [(e.name, x) for e, d, x in zip(msg.entries, plan.dsts, srcs,
+                                                       strict=True) if d is None]
                 if rest:
                     self._load_weights(rest)
                 fallback = len(rest)
@@ -589,7 +707,22 @@ class SliceLoader:
                           uncovered=plan.uncovered[:20], n_uncovered=len(plan.uncovered),
                           launch_s=time.monotonic() - t)
 
-    def checksum(self) -> dict[str, Any]:
+    def _copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        impl = self._copy_impl
+        if impl == "auto":
+            ok = bool(dsts) and cuda_kernels.available(dsts[0].device) and all(
+                _kernel_ok(d) and _kernel_ok(x) for d, x in zip(dsts, srcs, strict=True))
+            impl = "kernel" if ok else "memcpy"
+        self.stats["copy_impl"] = impl
+        if impl == "kernel":
+            cuda_kernels.multi_copy(dsts, srcs)
+        elif impl == "foreach":
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        else:
+            for d, x in zip(dsts, srcs, strict=True):
+                d.copy_(x, non_blocking=True)
+
+    def checksum(self, impl: str = "auto") -> dict[str, Any]:
         """Block checksum of the slices the last update wrote, read from parameter memory."""
         msg = self.last
         if msg is None:
@@ -597,7 +730,7 @@ class SliceLoader:
         plan = self.plan(msg)
         idx = [i for i, d in enumerate(plan.dsts) if d is not None]
         t = time.monotonic()
-        vals = block_checksum([d for d in plan.dsts if d is not None])
+        vals = block_checksum([d for d in plan.dsts if d is not None], impl=impl)
         out: list[int | None] = [None] * len(plan.dsts)
         for i, v in zip(idx, vals, strict=True):
             out[i] = v
@@ -724,8 +857,8 @@ class PackedWeights:
     def message(self, mode: str = "fast") -> UpdateMessage:
         return UpdateMessage(mode, (self.handle(),), self.entries)
 
-    def checksum(self) -> list[int]:
-        return block_checksum([self._views[e.name] for e in self.entries])
+    def checksum(self, impl: str = "auto") -> list[int]:
+        return block_checksum([self._views[e.name] for e in self.entries], impl=impl)
 
 
 def engine_flags() -> list[str]:
@@ -758,10 +891,20 @@ class CudaIpcTransport:
     backend = BACKEND
 
     def __init__(self, *, mode: str = "fast", device: torch.device | str = "cuda",
-                 compute_checksum: bool = True) -> None:
+                 compute_checksum: bool = True, copy_impl: str = "auto",
+                 checksum_impl: str = "auto") -> None:
         if mode not in MODES:
             raise BadInput(f"mode must be one of {MODES}")
+        if copy_impl not in COPY_IMPLS:
+            raise BadInput(f"copy_impl must be one of {COPY_IMPLS}")
+        if checksum_impl not in CHECKSUM_IMPLS:
+            raise BadInput(f"checksum_impl must be one of {CHECKSUM_IMPLS}")
         self.mode = mode
+        self.copy_impl = copy_impl
+        self.checksum_impl = checksum_impl
+        # (engine URL, layout digest) pairs the engine has accepted in full since
+        # connect(): later updates of that layout name it instead of listing it.
+        self._delivered: set[tuple[str, str]] = set()
         self.device = torch.device(device)
         self.compute_checksum = compute_checksum
         self._client: Any = None
@@ -772,10 +915,10 @@ class CudaIpcTransport:
         self.last_timings = SendTimings()
         self.last_sent_checksum: list[int] = []
         self.last_sent_names: tuple[str, ...] = ()
-        self._body_cache: tuple[int, str, dict[str, Any]] | None = None
+        self._msg_cache: tuple[PackedWeights, str, UpdateMessage] | None = None
         self._adopted: list[PackedWeights] = []
         self.last_zero_copy = False
-        self._pre: tuple[int, list[int], tuple[str, ...]] | None = None
+        self._pre: tuple[PackedWeights, list[int], tuple[str, ...]] | None = None
         self.last_check: dict[str, Any] = {}
 
     def precompute_checksum(self, packed: PackedWeights) -> float:
@@ -787,7 +930,7 @@ class CudaIpcTransport:
         Returns the seconds it took.
         """
         t = time.monotonic()
-        self._pre = (id(packed), packed.checksum(), packed.names())
+        self._pre = (packed, packed.checksum(self.checksum_impl), packed.names())
         return time.monotonic() - t
 
     def adopt(self, packed: PackedWeights) -> None:
@@ -820,8 +963,10 @@ class CudaIpcTransport:
         # Weight versions came with /update_weight_version and /weight_info; a finish
         # body with weight_version is read only where those exist (not in 0.26).
         self.label_supported = "/weight_info" in paths and "/update_weight_version" in paths
+        self._delivered = {d for d in self._delivered if d[0] != base_url}
         self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
-                   step="connect", mutation=False, body={"init_info": {"protocol": PROTOCOL}})
+                   step="connect", mutation=False,
+                   body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl}})
         hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
             if self.device.type == "cuda" else ""
@@ -844,7 +989,9 @@ class CudaIpcTransport:
         t0 = time.monotonic()
         tm = SendTimings()
         packed = self._packed(source, tm)
-        body = self._body(packed)
+        msg = self._message(packed)
+        delivered = (base_url, msg.layout_digest)
+        body = encode_update(msg, by_reference=delivered in self._delivered)
         mutation = False
         try:
             torch.cuda.synchronize(packed.device)  # the engine reads after our writes
@@ -857,12 +1004,13 @@ class CudaIpcTransport:
             self._call("POST", base_url, "/update_weights", timeout_s, step="transfer",
                        mutation=True, body={"update_info": body})
             tm.update_s = time.monotonic() - t
+            self._delivered.add(delivered)
             pre, self._pre = self._pre, None
-            if pre is not None and pre[0] == id(packed):
+            if pre is not None and pre[0] is packed:
                 self.last_sent_checksum, self.last_sent_names = pre[1], pre[2]
             elif self.compute_checksum:
                 t = time.monotonic()
-                self.last_sent_checksum = packed.checksum()
+                self.last_sent_checksum = packed.checksum(self.checksum_impl)
                 self.last_sent_names = packed.names()
                 tm.trainer_checksum_s = time.monotonic() - t
             t = time.monotonic()
@@ -893,7 +1041,8 @@ class CudaIpcTransport:
     def close(self) -> None:
         self.abort()
         self._staging = None
-        self._body_cache = None
+        self._msg_cache = None
+        self._delivered = set()
 
     # -- engine-side evidence --------------------------------------------------
 
@@ -916,7 +1065,8 @@ class CudaIpcTransport:
         names and the engine's own timing.
         """
         t0 = time.monotonic()
-        res = self.rpc(base_url, "rc_cuda_ipc_checksum", timeout_s=timeout_s)
+        res = self.rpc(base_url, "rc_cuda_ipc_checksum", self.checksum_impl,
+                       timeout_s=timeout_s)
         names, mine = self.last_sent_names, self.last_sent_checksum
         out: dict[str, Any] = {"evidence": "worker block checksum of updated slices vs "
                                "trainer block checksum of the sent buffer",
@@ -1001,13 +1151,13 @@ class CudaIpcTransport:
         tm.pack_s = time.monotonic() - t
         return st
 
-    def _body(self, packed: PackedWeights) -> dict[str, Any]:
-        key = (id(packed), self.mode)
-        if self._body_cache is not None and self._body_cache[:2] == key:
-            return self._body_cache[2]
-        body = encode_update(packed.message(self.mode))
-        self._body_cache = (key[0], key[1], body)
-        return body
+    def _message(self, packed: PackedWeights) -> UpdateMessage:
+        c = self._msg_cache
+        if c is not None and c[0] is packed and c[1] == self.mode:
+            return c[2]
+        msg = packed.message(self.mode)
+        self._msg_cache = (packed, self.mode, msg)
+        return msg
 
     @staticmethod
     def _check_url(base_url: str) -> None:

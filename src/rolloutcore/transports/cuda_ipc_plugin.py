@@ -28,12 +28,15 @@ import torch
 
 from .cuda_ipc import (
     BACKEND,
+    CHECKSUM_IMPLS,
+    COPY_IMPLS,
     PROTOCOL,
     BufferHandle,
     SliceLoader,
     UpdateMessage,
     block_checksum,
     decode_update,
+    map_buffer,
 )
 
 __all__ = ["CudaIpcWeightTransferEngine", "CudaIpcWorkerExtension", "register"]
@@ -63,12 +66,15 @@ def register() -> None:
 class CudaIpcInitInfo(WeightTransferInitInfo):
     protocol: str = PROTOCOL
     allow_fallback: bool = False
+    copy_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL:
             raise ValueError(f"rc_cuda_ipc speaks {PROTOCOL!r}, trainer sent {self.protocol!r}")
         if not isinstance(self.allow_fallback, bool):
             raise ValueError("allow_fallback must be a boolean")
+        if self.copy_impl not in COPY_IMPLS:
+            raise ValueError(f"copy_impl must be one of {COPY_IMPLS}")
 
 
 @dataclass
@@ -96,6 +102,9 @@ class CudaIpcWeightTransferEngine(
         super().__init__(config, vllm_config, device, model)
         self.loader = SliceLoader(model)
         self._mapped: dict[tuple[bytes, int], torch.Tensor] = {}
+        # Layouts validated here, by digest: later updates may name them instead of
+        # listing their entries again (the trainer does so once one went through).
+        self._layouts: dict[str, UpdateMessage] = {}
         self._layerwise = False
         self._uuid: str | None = None
 
@@ -116,22 +125,29 @@ class CudaIpcWeightTransferEngine(
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> CudaIpcUpdateInfo:
         try:
-            return CudaIpcUpdateInfo(message=decode_update(update_dict))
+            msg = decode_update(update_dict, self._layouts)
         except ValueError as exc:  # BadInput is a ValueError
             raise ValueError(f"rejected {BACKEND} update_info: {exc}") from exc
+        if msg.layout_digest not in self._layouts and len(self._layouts) >= 4:
+            self._layouts.pop(next(iter(self._layouts)))
+        self._layouts[msg.layout_digest] = msg
+        return CudaIpcUpdateInfo(message=msg)
 
     def init_transfer_engine(self, init_info: CudaIpcInitInfo) -> None:
         self.loader.allow_fallback = init_info.allow_fallback
+        self.loader.copy_impl = init_info.copy_impl
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)
         if self.loader.model is not model:
-            self.loader = SliceLoader(model, allow_fallback=self.loader.allow_fallback)
+            self.loader = SliceLoader(model, allow_fallback=self.loader.allow_fallback,
+                                      copy_impl=self.loader.copy_impl)
 
     def reset_weight_update_target(self) -> None:
         super().reset_weight_update_target()
         if self.loader.model is not self.model:
-            self.loader = SliceLoader(self.model, allow_fallback=self.loader.allow_fallback)
+            self.loader = SliceLoader(self.model, allow_fallback=self.loader.allow_fallback,
+                                      copy_impl=self.loader.copy_impl)
 
     def start_weight_update(self) -> None:
         self._layerwise = False
@@ -142,14 +158,7 @@ class CudaIpcWeightTransferEngine(
                              f"{self.device_uuid}")
         t = self._mapped.get(b.key)
         if t is None or t.numel() != b.nbytes:
-            from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-            # Classes and dtype are ours, not the sender's: a flat byte view.
-            t = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
-                torch.Tensor, (b.nbytes,), (1,), b.tensor_offset_bytes,
-                torch.storage.TypedStorage, torch.uint8, self.device.index, b.handle,
-                b.storage_size_bytes, b.storage_offset_bytes, False, b.ref_counter_handle,
-                b.ref_counter_offset, b.event_handle, b.event_sync_required)
+            t = map_buffer(b, int(self.device.index or 0))
             if len(self._mapped) >= 8:
                 self._mapped.clear()
             self._mapped[b.key] = t
@@ -212,8 +221,10 @@ class CudaIpcWorkerExtension:
         return {"backend": BACKEND, "protocol": PROTOCOL, "device_uuid": eng.device_uuid,
                 "device": str(eng.device), "torch": str(torch.__version__)}
 
-    def rc_cuda_ipc_checksum(self) -> dict[str, Any]:
-        return self._rc_engine().loader.checksum()
+    def rc_cuda_ipc_checksum(self, impl: str = "auto") -> dict[str, Any]:
+        if impl not in CHECKSUM_IMPLS:
+            raise ValueError(f"impl must be one of {CHECKSUM_IMPLS}")
+        return self._rc_engine().loader.checksum(impl)
 
     def rc_cuda_ipc_stats(self) -> dict[str, Any]:
         return dict(self._rc_engine().loader.stats)
