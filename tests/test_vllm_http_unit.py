@@ -681,6 +681,41 @@ def test_preflight_refuses_an_engine_asleep_before_the_drain() -> None:
     assert "asleep" in pf.detail
 
 
+def test_sleep_state_is_not_asked_of_an_engine_without_sleep_mode() -> None:
+    def info(sleep: object) -> Handler:
+        return answer(200, {"vllm_config": {"model_config": {"enable_sleep_mode": sleep}}})
+
+    for sleep, asked in ((False, 0), (True, 1), ("?", 1)):
+        e = Engine(overrides={Routes.SERVER_INFO: info(sleep)})
+        a = VllmAdapter(client(e))
+        boot = a.bootstrap()
+        assert boot.engine_info["enable_sleep_mode"] == (sleep if isinstance(sleep, bool) else None)
+        a.stage(_source())
+        a.drain(PauseMode.WAIT)
+        assert e.sent(Routes.IS_SLEEPING) == asked, sleep
+        assert a.preflight(target()).problems(target()) == []
+
+
+def test_validate_reads_paused_state_alongside_the_transport_check() -> None:
+    e = Engine()
+    tr = _CheckingTransport(True)
+    a = VllmAdapter(client(e), tr)  # type: ignore[arg-type]
+    a.drain(PauseMode.WAIT)
+    v = a.validate(target(), live=False)
+    assert v is not None and v.paused is True and len(tr.urls) == 1
+    assert [c.name for c in v.checks] == ["transport-checksum"]
+    assert e.sent(Routes.IS_PAUSED) == 1
+    a.resume()
+    v2 = a.validate(target(), live=False)
+    assert v2 is not None and v2.paused is False
+    failing = VllmAdapter(client(Engine(overrides={Routes.IS_PAUSED: answer(500, {})})),
+                          _CheckingTransport(True))  # type: ignore[arg-type]
+    with pytest.raises(EngineUnavailable):
+        failing.validate(target(), live=False)
+    a.close()
+    failing.close()
+
+
 def test_transfer_without_a_stage_or_transport_mutates_nothing() -> None:
     a = VllmAdapter(client(Engine()))
     with pytest.raises(TransferError) as ei:
@@ -778,12 +813,22 @@ def test_live_validation_runs_the_probe_hook() -> None:
 def test_resume_confirms_and_fence_swallows_errors() -> None:
     e = Engine()
     a = VllmAdapter(client(e))
-    a.drain(PauseMode.WAIT)
+    d = a.drain(PauseMode.WAIT)
     r = a.resume()
-    assert r.resumed and r.is_paused_after is False
-    stuck = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": True})})
+    assert d.paused and r.resumed and r.is_paused_after is False
+    # vLLM's own answers ({"status": "paused"/"resumed"}, sent after its engine
+    # core acted) are the evidence: no second round trip to /is_paused.
+    assert e.sent(Routes.IS_PAUSED) == 0
+    # An answer that does not say so is confirmed by asking, and believed.
+    stuck = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": True}),
+                              Routes.RESUME: answer(200, {})})
     assert VllmAdapter(client(stuck)).resume().problems(None) == [
         "engine still reports paused after resume"]
+    assert stuck.sent(Routes.IS_PAUSED) == 1
+    unpaused = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": False}),
+                                 Routes.PAUSE: answer(200, {"status": "ok"})})
+    assert VllmAdapter(client(unpaused)).drain(PauseMode.WAIT).problems(None) == [
+        "engine does not report paused"]
     dead = VllmAdapter(client(Engine(overrides={Routes.PAUSE: raising(
         httpx.ConnectError("gone"))})))
     dead.fence()  # best effort: no exception

@@ -45,6 +45,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -558,19 +559,34 @@ class VllmHTTP:
     # -- pause / resume -----------------------------------------------------
 
     def pause(self, mode: PauseMode, *, clear_cache: bool = False, timeout_s: float | None = None,
-              mutation_started: bool = True) -> None:
-        """``/pause``. With ``WAIT`` it returns once the engine's in-flight work is done."""
+              mutation_started: bool = True) -> bool:
+        """``/pause``. With ``WAIT`` it returns once the engine's in-flight work is done.
+
+        Returns whether the answer itself says ``{"status": "paused"}``: vLLM
+        sends it only after its engine core has paused the scheduler.
+        """
         if not isinstance(mode, PauseMode):
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
         if not isinstance(clear_cache, bool):
             raise BadInput("clear_cache must be a bool")
-        self._request("POST", Routes.PAUSE, step="pause", timeout_s=timeout_s,
-                      mutation_started=mutation_started,
-                      params={"mode": mode.value, "clear_cache": str(clear_cache).lower()})
+        r = self._request("POST", Routes.PAUSE, step="pause", timeout_s=timeout_s,
+                          mutation_started=mutation_started,
+                          params={"mode": mode.value, "clear_cache": str(clear_cache).lower()})
+        return self._status_is(r, "paused")
 
-    def resume(self, *, timeout_s: float | None = None, mutation_started: bool = True) -> None:
-        self._request("POST", Routes.RESUME, step="resume", timeout_s=timeout_s,
-                      mutation_started=mutation_started)
+    def resume(self, *, timeout_s: float | None = None, mutation_started: bool = True) -> bool:
+        """``/resume``; returns whether the answer says ``{"status": "resumed"}``."""
+        r = self._request("POST", Routes.RESUME, step="resume", timeout_s=timeout_s,
+                          mutation_started=mutation_started)
+        return self._status_is(r, "resumed")
+
+    @staticmethod
+    def _status_is(resp: httpx.Response, want: str) -> bool:
+        try:
+            body = resp.json()
+        except ValueError:
+            return False
+        return isinstance(body, dict) and body.get("status") == want
 
     def is_paused(self, *, timeout_s: float | None = None, mutation_started: bool = True) -> bool:
         step = "is_paused"
@@ -946,6 +962,9 @@ class VllmAdapter:
         self._connected = False
         self._caches: tuple[CacheKind, ...] = tuple(CacheKind)
         self._sleeping_at_drain: bool | None = None
+        # The engine's enable_sleep_mode, read at bootstrap (None: not known).
+        self._sleep_mode: bool | None = None
+        self._side_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -1015,6 +1034,10 @@ class VllmAdapter:
                 instance_id = cfg.get("instance_id")
                 wt = cfg.get("weight_transfer_config")
                 info["weight_transfer_config"] = wt
+                mc = cfg.get("model_config")
+                sleep = mc.get("enable_sleep_mode") if isinstance(mc, dict) else None
+                self._sleep_mode = sleep if isinstance(sleep, bool) else None
+                info["enable_sleep_mode"] = self._sleep_mode
         info["instance_id"] = instance_id
         epoch = self._epoch
         if epoch is None:
@@ -1076,9 +1099,11 @@ class VllmAdapter:
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
         t0 = time.monotonic()
         self._sleeping_at_drain = self._sleep_state()
-        self.http.pause(mode, clear_cache=False, timeout_s=self._drain_timeout_s,
-                        mutation_started=False)
-        paused = self.http.is_paused(mutation_started=False)
+        said = self.http.pause(mode, clear_cache=False, timeout_s=self._drain_timeout_s,
+                               mutation_started=False)
+        # The answer is sent once the engine core has paused; only an answer
+        # that does not say so costs a second round trip to ask.
+        paused = said or self.http.is_paused(mutation_started=False)
         return DrainEvidence(paused, mode, elapsed_s=time.monotonic() - t0,
                              unverified=("engine in-flight count not observed "
                                          "(the pause call's return is the drain signal)",))
@@ -1091,6 +1116,8 @@ class VllmAdapter:
         (An update into sleeping weights writes to freed memory: vLLM #57853.)
         """
         h = self.http
+        if self._sleep_mode is False:
+            return False  # started without sleep mode: its weights cannot be put to sleep
         if Routes.IS_SLEEPING not in h.capabilities(mutation_started=False):
             return None
         if not h.is_sleeping(mutation_started=False):
@@ -1171,7 +1198,15 @@ class VllmAdapter:
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
         caps = h.capabilities()
-        paused = h.is_paused() if Routes.IS_PAUSED in caps else None
+        # A transport that can check what it installed (e.g. rc_cuda_ipc's block
+        # checksum of the updated slices, computed on the workers) adds its own
+        # evidence: on vLLM 0.26 it is the only evidence there is. The paused
+        # state is read alongside it: both are taken inside the paused window
+        # (only the runner resumes, after this returns), one round trip apart.
+        tcheck = getattr(self.transport, "validation_check", None)
+        paused_read: Future[bool] | None = None
+        if Routes.IS_PAUSED in caps and callable(tcheck):
+            paused_read = self._side().submit(h.is_paused)
         checks: list[Check] = []
         ref = None if st is None else st.reference_checksums
         if Routes.WEIGHT_CHECKER not in caps:
@@ -1185,25 +1220,34 @@ class VllmAdapter:
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
-        # A transport that can check what it installed (e.g. rc_cuda_ipc's block
-        # checksum of the updated slices, computed on the workers) adds its own
-        # evidence: on vLLM 0.26 it is the only evidence there is.
-        tcheck = getattr(self.transport, "validation_check", None)
         if callable(tcheck):
             chk = tcheck(h.base_url)
             if not isinstance(chk, Check):
                 raise EffectError("validate", f"transport check returned {type(chk).__name__}")
             checks.append(chk)
+        if paused_read is not None:
+            paused: bool | None = paused_read.result()
+        else:
+            paused = h.is_paused() if Routes.IS_PAUSED in caps else None
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
                                   unverified=tuple(unverified))
 
+    def _side(self) -> ThreadPoolExecutor:
+        """One worker thread for engine reads that overlap another call."""
+        if self._side_pool is None:
+            self._side_pool = ThreadPoolExecutor(1, thread_name_prefix="rc-vllm-side")
+        return self._side_pool
+
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
-        self.http.resume()
-        if Routes.IS_PAUSED in self.http.capabilities():
-            after: bool | None = self.http.is_paused()
-            unverified: tuple[str, ...] = ()
+        said = self.http.resume()
+        unverified: tuple[str, ...] = ()
+        after: bool | None
+        if said:  # sent once the engine core has resumed its scheduler
+            after = False
+        elif Routes.IS_PAUSED in self.http.capabilities():
+            after = self.http.is_paused()
         else:
             after, unverified = None, ("no /is_paused: resume not confirmed",)
         return ResumeEvidence(True, after, elapsed_s=time.monotonic() - t0,
@@ -1230,6 +1274,9 @@ class VllmAdapter:
                 self.transport.close()
         finally:
             self._connected = False
+            if self._side_pool is not None:
+                self._side_pool.shutdown(wait=False)
+                self._side_pool = None
             self.http.close()
 
     def __enter__(self) -> VllmAdapter:
