@@ -68,6 +68,7 @@ from rolloutcore.transports.cuda_ipc import (  # noqa: E402
     WORKER_EXTENSION,
     CudaIpcTransport,
     PackedWeights,
+    encode_update,
 )
 from rolloutcore.versions import (  # noqa: E402
     ParameterManifest,
@@ -220,30 +221,6 @@ class Http:
 
 # ---------------------------------------------------------------------- adapters
 
-class ChecksumValidated:
-    """Delegates the port to an adapter; adds the transport's worker checksum to the
-    paused validation (vLLM 0.26 has no weight_version and no /weight_checker)."""
-
-    def __init__(self, inner: Any, transport: CudaIpcTransport, base_url: str) -> None:
-        self.inner, self.transport, self.base_url = inner, transport, base_url
-
-    @property
-    def caches(self) -> tuple[CacheKind, ...]:
-        return tuple(self.inner.caches)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
-        ev = self.inner.validate(target, live=live)
-        if live:
-            return ev
-        t = time.monotonic()
-        chk = self.transport.validation_check(self.base_url)
-        return dataclasses.replace(ev, checks=(*ev.checks, chk),
-                                   elapsed_s=ev.elapsed_s + time.monotonic() - t)
-
-
 class ThinAdapter:
     """Fallback port implementation over bare HTTP, used only if VllmAdapter fails."""
 
@@ -394,10 +371,76 @@ def main() -> int:
         return {"update_s": transport.last_timings.update_s, "elapsed_s": ev.elapsed_s,
                 "engine": st}
 
+    def wire(by_reference: bool) -> dict[str, Any]:
+        assert packed is not None
+        return encode_update(transport._message(packed), by_reference=by_reference)
+
     with stage("warmup"):
         R["first_fast_update"] = send(2, "fast", "w2")  # maps the handle, builds the plan
         for s in (1, 2, 1):
             send(s, "fast", f"w{s}")
+
+    with stage("impl_compare"):
+        # Same engine, same weights, one run: how the update's copies are done
+        # (per-tensor memcpy, torch _foreach_copy_, one Triton launch) and how the
+        # block checksum is computed (per-tensor torch reductions, one Triton launch).
+        cmpd: dict[str, Any] = {"copy": {}, "checksum": {}}
+        R["impl_compare"] = cmpd
+        for impl in ("memcpy", "foreach", "kernel", "auto"):
+            transport.copy_impl = impl
+            transport.connect(http.base, timeout_s=120)
+            runs = [send(s, "fast", f"c-{impl}-{s}") for s in (2, 1, 2, 1, 2)]
+            cmpd["copy"][impl] = {
+                "update_s": med([r["update_s"] for r in runs[1:]]),
+                "copy_gpu_s": med([r["engine"].get("copy_gpu_s", 0.0) for r in runs[1:]]),
+                "launch_s": med([r["engine"].get("launch_s", 0.0) for r in runs[1:]]),
+                "receive_s": med([r["engine"].get("receive_s", 0.0) for r in runs[1:]]),
+                "engine_copy_impl": runs[-1]["engine"].get("copy_impl")}
+            c = cmpd["copy"][impl]
+            c["copy_gbps"] = packed.nbytes / c["copy_gpu_s"] / 1e9 if c["copy_gpu_s"] else None
+            log(f"copy {impl}: update {c['update_s'] * 1e3:.1f} ms, GPU copies "
+                f"{c['copy_gpu_s'] * 1e3:.2f} ms ({c['copy_gbps']:.0f} GB/s)")
+        # Wire form: full entries vs the layout by reference (same copies).
+        full = []
+        for s in (2, 1, 2, 1):
+            fill(packed, s)
+            http.post("/pause", params={"mode": "wait", "clear_cache": "false"})
+            http.post("/start_weight_update")
+            _, dt = http.post("/update_weights", {"update_info": wire(by_reference=False)})
+            http.post("/finish_weight_update")
+            http.post("/resume")
+            full.append(dt)
+        cmpd["full_entries_update_s"] = med(full[1:])
+        cmpd["by_reference_update_s"] = cmpd["copy"]["auto"]["update_s"]
+        # Checksums: equal values, and their cost, on both sides.
+        eng = {}
+        for impl in ("torch", "kernel", "torch", "kernel"):
+            r = transport.rpc(http.base, "rc_cuda_ipc_checksum", impl)[0]
+            eng.setdefault(impl, []).append(r)
+        tr: dict[str, list[float]] = {}
+        vals: dict[str, list[int]] = {}
+        for impl in ("torch", "kernel", "torch", "kernel"):
+            torch.cuda.synchronize()
+            t = time.monotonic()
+            vals[impl] = packed.checksum(impl)
+            tr.setdefault(impl, []).append(time.monotonic() - t)
+        same_engine = eng["torch"][-1]["values"] == eng["kernel"][-1]["values"]
+        same_trainer = vals["torch"] == vals["kernel"]
+        cross = eng["kernel"][-1]["values"] == vals["kernel"]
+        cmpd["checksum"] = {
+            "engine_s": {k: v[-1]["elapsed_s"] for k, v in eng.items()},
+            "trainer_s": {k: v[-1] for k, v in tr.items()},
+            "kernel_equals_torch_engine": same_engine,
+            "kernel_equals_torch_trainer": same_trainer,
+            "engine_equals_trainer": cross}
+        log(f"checksum: {cmpd['checksum']}")
+        if not (same_engine and same_trainer):
+            transport.checksum_impl = "torch"  # never validate with a kernel that disagrees
+            cmpd["checksum"]["used"] = "torch (kernel disagreed)"
+        else:
+            cmpd["checksum"]["used"] = "auto (kernel)"
+        transport.copy_impl = "auto"
+        transport.connect(http.base, timeout_s=120)
 
     # -------------------------------------------------- RolloutCore runner + adapter
     controller = LifecycleController(required_caches=(CacheKind.PREFIX,))
@@ -420,15 +463,14 @@ def main() -> int:
         try:
             from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 
-            inner = VllmAdapter(VllmHTTP(engine.base_url, timeout_s=120), transport,
-                                engine_epoch=engine.epoch)
-            adapter = ChecksumValidated(inner, transport, engine.base_url)
+            adapter = VllmAdapter(VllmHTTP(engine.base_url, timeout_s=120), transport,
+                                  engine_epoch=engine.epoch)
             runner = LifecycleRunner(controller, adapter, deadlines)
             adapter.stage(source, provenance=Provenance("synthetic-qwen3-8b-seed1",
                                                          "h200-harness", 1))
             runner.bootstrap(identity(1))
-            R["driver"] = {"adapter": "rolloutcore.adapters.vllm.VllmAdapter + "
-                           "ChecksumValidated (worker checksum added to paused validation)",
+            R["driver"] = {"adapter": "rolloutcore.adapters.vllm.VllmAdapter (its paused "
+                           "validation adds the transport's worker checksum check)",
                            "runner": "rolloutcore.runner.LifecycleRunner"}
         except Exception as exc:
             R["driver"]["vllm_adapter_error"] = f"{type(exc).__name__}: {exc}"
@@ -511,7 +553,7 @@ def main() -> int:
 
     with stage("cache_negative_control"):
         # Fill the prefix cache under the current weights, then update with no reset.
-        body = transport._body(packed)
+        body = wire(by_reference=True)
         http.generate(prompt, 8)
         nxt = 1 if state["seed"] == 2 else 2
         fill(packed, nxt)
@@ -546,7 +588,8 @@ def main() -> int:
         assert runner is not None
         hot: list[Any] = []
         bare: list[dict[str, float]] = []
-        body = transport._body(packed)
+        # The transport's steady-state wire form: the layout named by reference.
+        body = wire(by_reference=True)
         for _ in range(args.reps):
             seed = 1 if state["seed"] == 2 else 2
             o = transition(seed)
@@ -638,6 +681,22 @@ def main() -> int:
         tp = med(seg[1:])
         assert tp is not None
         R["d2d_per_tensor_copies_gbps"] = packed.nbytes / tp / 1e9
+        with contextlib.suppress(Exception):  # the SM-copy kernel, same process, same bytes
+            from rolloutcore.transports import cuda_kernels
+
+            kt = []
+            for _ in range(6):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                cuda_kernels.multi_copy(views, srcs)
+                e.record()
+                e.synchronize()
+                kt.append(s.elapsed_time(e) / 1e3)
+            tk = med(kt[1:])
+            assert tk is not None
+            R["d2d_kernel_copy_gbps"] = packed.nbytes / tk / 1e9
+            R["d2d_kernel_copy_bitexact"] = all(
+                torch.equal(a, b) for a, b in zip(views, srcs, strict=True))
         log(f"d2d after idle {tc * 1e3:.2f} ms, per-tensor {tp * 1e3:.2f} ms")
         R["d2d_copy_s"] = t
         R["d2d_copy_gbps"] = packed.nbytes / t / 1e9
@@ -763,6 +822,22 @@ def table(R: dict[str, Any]) -> str:
     if bp:
         lines += ["Phase medians (s), bare: " + ", ".join(
             f"{k} {v:.4f}" for k, v in bp.items() if v is not None)]
+    ic = R.get("impl_compare", {})
+    if ic.get("copy"):
+        lines += ["", "| copy impl | update call | GPU copies | GB/s (GPU) |",
+                  "| --- | --- | --- | --- |"]
+        for k, c in ic["copy"].items():
+            lines.append(f"| {k} ({c.get('engine_copy_impl')}) | "
+                         f"{_f(c.get('update_s'), '.4f')} s | {_f(c.get('copy_gpu_s'), '.4f')} s"
+                         f" | {_f(c.get('copy_gbps'), '.0f')} |")
+        lines.append(f"\nupdate call with full entries {_f(ic.get('full_entries_update_s'), '.4f')}"
+                     f" s, by reference {_f(ic.get('by_reference_update_s'), '.4f')} s")
+    if ic.get("checksum"):
+        lines.append(f"checksum: {json.dumps(ic['checksum'])}")
+    if R.get("d2d_kernel_copy_gbps"):
+        lines.append(f"d2d in one process: memcpy {_f(R.get('d2d_copy_gbps'), '.0f')} GB/s, "
+                     f"one-launch kernel over the 399 tensors "
+                     f"{_f(R.get('d2d_kernel_copy_gbps'), '.0f')} GB/s")
     return "\n".join(lines) + "\n"
 
 
