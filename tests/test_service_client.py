@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, uvicorn_thread
+from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake, uvicorn_thread
 from rolloutcore.adapters.fake import FakeAdapter, FakeWeights, reference_tokens
 from rolloutcore.client import RolloutCoreClient, UpdateGrant, identity_of
 from rolloutcore.errors import BadInput, TransferError, UpdateFailed, UpdateRefused
@@ -60,11 +60,8 @@ class FakeTransport:
 def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, Gateway, FakeAdapter]]:
     cfg: dict[str, Any] = getattr(request, "param", {})
     eng, ad, c, r, j, fake = make_parts()
-    from helpers.asgi_stream import StreamingASGITransport
-
-    app = create_app(r, ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN,
-                                      engine_url="http://engine.test:8000", **cfg),
-                     upstream_transport=StreamingASGITransport(fake.app))
+    app = create_app(r, ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN,
+                                      engine_url="http://engine.test:8000", **cfg))
     with uvicorn_thread(app) as url:
         yield url, app.state.gateway, ad
 
@@ -213,12 +210,9 @@ def test_trainer_killed_between_begin_and_report(
 
 def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:
     """uvicorn's own disconnect signalling (not the in-process transport's)."""
-    from helpers.asgi_stream import StreamingASGITransport
-
     eng, ad, c, r, j, fake = make_parts()
     fake.event_delay_s = 0.05
-    app = create_app(r, ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN),
-                     upstream_transport=StreamingASGITransport(fake.app))
+    app = create_app(r, ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN))
     with uvicorn_thread(app) as url, httpx.Client(timeout=10) as hc:
         with hc.stream("POST", f"{url}/inference/v1/generate",
                        json={"token_ids": [1, 2], "stream": True,

@@ -52,7 +52,7 @@ async def test_begin_answers_what_the_transport_needs_and_quiesces() -> None:
     async with rig(transport={"backend": "rolloutcore_gloo"}, model="policy") as r:
         g = await begin(r, label="step-1", lease_s=30)
         assert g["target"]["label"] == "step-1" and g["target"]["generation"] == 1
-        assert g["engine"] == {"base_url": "http://vllm.test", "model": "policy"}
+        assert g["engine"] == {"base_url": r.upstream_url, "model": "policy"}
         assert g["transport"] == {"backend": "rolloutcore_gloo"}
         assert g["lease"]["seconds"] == 30 and 29 < g["lease"]["expires_in_s"] <= 30
         assert g["state"] == "UPDATING" and r.engine.paused

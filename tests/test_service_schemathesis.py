@@ -42,8 +42,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def gateway() -> Iterator[tuple[str, Any]]:
     eng, ad, c, r, j, fake = make_parts()
     app = create_app(r, ServiceConfig(upstream_url="http://127.0.0.1:9", control_token=TOKEN,
-                                      lease_s=1800),
-                     upstream_transport=None)
+                                      lease_s=1800))
     with uvicorn_thread(app) as url:
         yield url, app.state.gateway
 

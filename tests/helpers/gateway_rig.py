@@ -2,7 +2,8 @@
 
 ``rig()`` builds: FakeEngine + FakeAdapter -> controller + runner (bootstrapped,
 journal in memory) -> the gateway app, whose upstream is a ``FakeVllm`` over
-the same engine reached through ``StreamingASGITransport``; and an
+the same engine served by uvicorn on a loopback port (``serve_fake``; so the gateway's own
+HTTP client, connection pool and error mapping are what the tests run); and an
 ``httpx.AsyncClient`` to the gateway (httpx's ``ASGITransport`` by default,
 the streaming one with ``streaming=True``). ``remote_transfer`` is what a
 trainer in another process does through vLLM's weight-transfer path, done
@@ -11,6 +12,7 @@ on the fake engine: start, load every tensor, finish with the target label.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import threading
@@ -52,7 +54,8 @@ class Rig:
     app: Any
     gateway: Gateway
     client: httpx.AsyncClient
-    upstream: StreamingASGITransport
+    #: Where the fake vLLM listens (loopback).
+    upstream_url: str
 
     def kinds(self, kind: str) -> list[dict[str, Any]]:
         return [r.data for r in self.journal.records if r.kind == kind]
@@ -73,14 +76,45 @@ def make_parts(token_delay_s: float = 0.0005, event_delay_s: float = 0.0,
     return eng, ad, c, r, j, FakeVllm(eng, event_delay_s=event_delay_s)
 
 
+class _Switch:
+    """ASGI app that hands each request to the current test's fake vLLM.
+
+    One loopback server serves every test's fake engine: starting and
+    stopping uvicorn costs about 0.2 s, which hypothesis would pay per example.
+    A request already dispatched stays with the app it was given to.
+    """
+
+    def __init__(self) -> None:
+        self.app: Any = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+
+_shared: tuple[str, _Switch] | None = None
+
+
+def serve_fake(fake: FakeVllm) -> str:
+    """The URL at which ``fake`` answers from now on (a real loopback HTTP server)."""
+    global _shared
+    if _shared is None:
+        switch = _Switch()
+        cm = uvicorn_thread(switch, lifespan="off")
+        url = cm.__enter__()
+        atexit.register(cm.__exit__, None, None, None)
+        _shared = (url, switch)
+    _shared[1].app = fake.app
+    return _shared[0]
+
+
 @contextlib.asynccontextmanager
 async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
               event_delay_s: float = 0.0, on_finished: Any = None,
               **cfg: Any) -> AsyncIterator[Rig]:
     eng, ad, c, r, j, fake = make_parts(token_delay_s, event_delay_s)
-    up = StreamingASGITransport(fake.app)
-    config = ServiceConfig(upstream_url="http://vllm.test", control_token=TOKEN, **cfg)
-    app = create_app(r, config, upstream_transport=up, on_finished=on_finished)
+    up = serve_fake(fake)
+    config = ServiceConfig(upstream_url=up, control_token=TOKEN, **cfg)
+    app = create_app(r, config, on_finished=on_finished)
     transport: httpx.AsyncBaseTransport = (StreamingASGITransport(app) if streaming
                                            else httpx.ASGITransport(app))
     async with lifespan(app), httpx.AsyncClient(transport=transport,
@@ -131,7 +165,7 @@ def sse_events(text: str) -> list[Any]:
 
 
 @contextlib.contextmanager
-def uvicorn_thread(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
+def uvicorn_thread(app: Any, host: str = "127.0.0.1", lifespan: str = "on") -> Iterator[str]:
     """Serve ``app`` on a free loopback port from a thread (real sockets, real disconnects)."""
     import socket
 
@@ -139,7 +173,8 @@ def uvicorn_thread(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
+                                           timeout_graceful_shutdown=5))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 10

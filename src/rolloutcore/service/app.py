@@ -16,8 +16,9 @@ Routes::
     GET  /health                               liveness and state         open
     GET  /openapi.json                         the control API schema     open
 
-``upstream_transport`` replaces the network towards vLLM (an httpx
-transport): the fast tests put an in-process engine there.
+The upstream is always reached over HTTP at ``config.upstream_url``: the fast
+tests serve an in-process fake engine on a loopback port, so the client code
+that talks to vLLM is the one they exercise.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -104,7 +104,6 @@ async def _body(request: Request, limit: int) -> bytes:
 
 
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
-               upstream_transport: httpx.AsyncBaseTransport | None = None,
                on_finished: Callable[[FinishedRequest], None] | None = None) -> Starlette:
     """The gateway app over a runner whose controller is (normally) already bootstrapped."""
     if not isinstance(runner, LifecycleRunner):
@@ -114,8 +113,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     controller = runner.controller
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
-    data = DataPlane(controller, config, metrics, upstream_transport=upstream_transport,
-                     on_finished=on_finished)
+    data = DataPlane(controller, config, metrics, on_finished=on_finished)
     updates = UpdateManager(runner, config, metrics)
     gw = Gateway(runner, config, metrics, data, updates)
 

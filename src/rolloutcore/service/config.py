@@ -86,6 +86,9 @@ class ServiceConfig:
     #: (a stream may last longer; each read waits at most this).
     upstream_connect_s: float = 5.0
     upstream_read_s: float = 300.0
+    #: How long an idle upstream connection is kept for reuse; below vLLM's
+    #: own keep-alive (5 s), so the gateway never reuses one vLLM is closing.
+    upstream_keepalive_s: float = 4.0
     #: Connection pool towards vLLM.
     upstream_max_connections: int = 512
     #: What the trainer's transport needs besides the engine URL (backend
@@ -114,7 +117,7 @@ class ServiceConfig:
                 self.queue_max < 0):
             raise BadInput(f"queue_max must be an integer >= 0, got {self.queue_max!r}")
         for name in ("queue_wait_s", "lease_s", "max_lease_s", "upstream_connect_s",
-                     "upstream_read_s"):
+                     "upstream_read_s", "upstream_keepalive_s"):
             _positive(name, getattr(self, name))
         for name in ("upstream_max_connections", "history", "remember_updates"):
             _positive(name, getattr(self, name), integer=True)
