@@ -370,7 +370,16 @@ def test_every_copy_impl_is_bit_exact(impl: str, interpreted_kernels: None) -> N
     for (n, a), (_, b) in zip(ref_model.named_parameters(), model.named_parameters(),
                               strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n
+    ref_sum = pk.checksum("torch")
     assert loader.checksum("kernel")["values"] == loader.checksum("torch")["values"] \
         == pk.checksum("torch")
+    # The next update of the same layout from the same buffer reuses the prepared
+    # copies (no per-tensor work) and installs the buffer's new contents.
+    prog = loader._prog
+    fresh = _packed(12)
+    pk.buffer.copy_(fresh.buffer)
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    assert loader._prog is prog
+    assert loader.checksum("torch")["values"] == fresh.checksum("torch") != ref_sum
     with pytest.raises(BadInput, match="copy_impl"):
         SliceLoader(model, copy_impl="dma")

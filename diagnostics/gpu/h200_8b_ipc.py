@@ -336,10 +336,54 @@ def main() -> int:
                       "bytes": packed.nbytes, "fill_s": round(time.monotonic() - t, 4)}
         log(f"trainer buffer: {len(specs)} tensors, {packed.nbytes / 1e9:.3f} GB")
 
+    with stage("kernel_tiles"):
+        # The one-launch kernels' tile sizes, swept on the trainer's own buffer
+        # (same GPU, same bytes); the engine is started with the best ones.
+        from rolloutcore.transports import cuda_kernels as ck
+
+        def gpu_time(fn: Any, n: int = 5) -> float:
+            ts = []
+            for _ in range(n):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            return float(sorted(ts)[n // 2])
+
+        sweep: dict[str, Any] = {"checksum_s": {}, "copy_s": {}}
+        R["kernel_tiles"] = sweep
+        sweep["checksum_torch_s"] = gpu_time(lambda: packed.checksum("torch"))
+        ref_sum = packed.checksum("torch")
+        for rows in (32, 64, 128, 256, 512):
+            ck.CSUM_ROWS = rows
+            if packed.checksum("kernel") != ref_sum:
+                sweep["checksum_s"][rows] = "disagrees"
+                continue
+            sweep["checksum_s"][rows] = gpu_time(lambda: packed.checksum("kernel"))
+        ok_rows = {k: v for k, v in sweep["checksum_s"].items() if isinstance(v, float)}
+        ck.CSUM_ROWS = min(ok_rows, key=lambda k: ok_rows[k]) if ok_rows else 128
+        scratch = torch.empty_like(packed.buffer)
+        dv = [scratch[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
+        sv = [packed.buffer[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
+        sweep["copy_memcpy_flat_s"] = gpu_time(lambda: scratch.copy_(packed.buffer))
+        for words in (4096, 8192, 16384, 32768, 65536):
+            ck.COPY_WORDS = words
+            mc = ck.MultiCopy(dv, sv)
+            sweep["copy_s"][words] = gpu_time(mc.run)
+        ck.COPY_WORDS = min(sweep["copy_s"], key=lambda k: sweep["copy_s"][k])
+        scratch, dv, sv, mc = torch.empty(0), [], [], None  # free the 16 GB scratch
+        torch.cuda.empty_cache()
+        sweep["chosen"] = {"RC_CUDA_IPC_CSUM_ROWS": ck.CSUM_ROWS,
+                           "RC_CUDA_IPC_COPY_WORDS": ck.COPY_WORDS}
+        log(f"kernel tiles: {sweep}")
+
     extra = ["--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager",
              "--gpu-memory-utilization", str(args.gpu_util),
              "--worker-extension-cls", WORKER_EXTENSION]
-    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1",
+           **{k: str(v) for k, v in R.get("kernel_tiles", {}).get("chosen", {}).items()}}
     with stage("engine_start"):
         engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False,
                                max_model_len=4096, extra_args=extra, env=env,
@@ -459,47 +503,6 @@ def main() -> int:
         send(1, "fast", "probe-1")
         R["copy_probe"] = transport.rpc(http.base, "rc_cuda_ipc_copy_probe")[0]
         log(f"copy probe: {R['copy_probe']}")
-
-    with stage("expandable_probe"):
-        # The same update from a trainer buffer in an expandable (cuMem) segment
-        # instead of a cudaMalloc one: does the IPC mapping's kind change the speed?
-        ex: dict[str, Any] = {}
-        R["expandable_probe"] = ex
-        pk2 = None
-        try:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-            pk2 = PackedWeights([(e.name, e.shape, torch.bfloat16) for e in packed.entries],
-                                device="cuda:0")
-        finally:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-        try:
-            g = torch.Generator(device="cuda").manual_seed(1)
-            with torch.no_grad():
-                pk2.buffer.view(torch.int16)[:].random_(-32768, 32767, generator=g)
-            h2 = pk2.handle()
-            ex["handle_bytes"] = len(h2.handle)
-            t2 = CudaIpcTransport(mode="fast", copy_impl=transport.copy_impl,
-                                  checksum_impl=transport.checksum_impl)
-            t2.connect(http.base, timeout_s=120)
-            runs = []
-            for i in range(4):
-                http.post("/pause", params={"mode": "wait", "clear_cache": "false"})
-                try:
-                    t2.send(http.base, f"ex-{i}", pk2, timeout_s=300)
-                    http.post("/reset_prefix_cache")
-                finally:
-                    http.post("/resume")
-                st = t2.rpc(http.base, "rc_cuda_ipc_stats")[0]
-                runs.append((t2.last_timings.update_s, st.get("copy_gpu_s")))
-            ex["update_s"] = med([r[0] for r in runs[1:]])
-            ex["copy_gpu_s"] = med([r[1] for r in runs[1:]])
-            ex["copy_gbps"] = packed.nbytes / ex["copy_gpu_s"] / 1e9
-            log(f"expandable-segment source: {ex}")
-        finally:
-            del pk2
-            torch.cuda.empty_cache()
-            transport.connect(http.base, timeout_s=120)
-            send(1, "fast", "back-1")
 
     # -------------------------------------------------- RolloutCore runner + adapter
     controller = LifecycleController(required_caches=(CacheKind.PREFIX,))

@@ -36,12 +36,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["CHECKSUM_COLS", "W_ADD", "W_MUL", "available", "block_checksum_rows", "multi_copy"]
+__all__ = [
+    "CHECKSUM_COLS", "COPY_WORDS", "CSUM_ROWS", "W_ADD", "W_MUL", "MultiCopy", "available",
+    "block_checksum_rows", "multi_copy",
+]
 
 #: int32 words per checksum block (512 bytes).
 CHECKSUM_COLS = 128
-_CSUM_ROWS = 64            # blocks per program: 32 KiB
-_COPY_WORDS = 8192         # int32 words per copy program: 32 KiB
+
+
+def _tile(env: str, default: int, lo: int, hi: int) -> int:
+    """A power-of-two tile size, from the environment (set per process) or the default."""
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be an integer, got {raw!r}") from None
+    if not lo <= v <= hi or v & (v - 1):
+        raise ValueError(f"{env} must be a power of two in [{lo}, {hi}], got {v}")
+    return v
+
+
+#: 512-byte blocks per checksum program, int32 words per copy program; a
+#: program streams one tile. Tunable per process (the H200 diagnostics sweep them).
+CSUM_ROWS = _tile("RC_CUDA_IPC_CSUM_ROWS", 128, 16, 1024)
+COPY_WORDS = _tile("RC_CUDA_IPC_COPY_WORDS", 16384, 1024, 65536)
 #: the block-position weight is ((pos * W_MUL + W_ADD) & 0x7FFFFFFF) | 1
 W_MUL = 0x9E3779B1
 W_ADD = 0x7F4A7C15
@@ -188,56 +209,68 @@ def block_checksum_rows(tensors: Sequence[torch.Tensor], first_rows: Sequence[in
     i64 = torch.int64
 
     def build() -> tuple[torch.Tensor, ...]:
-        item_t, item_r = _items(rows, _CSUM_ROWS, device)
+        item_t, item_r = _items(rows, CSUM_ROWS, device)
         return (torch.tensor([(p - ptrs[0]) // 4 for p in ptrs], dtype=i64, device=device),
                 torch.tensor(rows, dtype=i64, device=device),
                 torch.tensor(first, dtype=i64, device=device), item_t, item_r)
 
     offs, nrows, grow0, item_t, item_r = _table(
-        ("csum", str(device), tuple(ptrs), tuple(rows), first), build)
+        ("csum", CSUM_ROWS, str(device), tuple(ptrs), tuple(rows), first), build)
     n_items = int(item_t.numel())
     per = torch.zeros(len(tensors), dtype=i64, device=device)
     if n_items:
         out = torch.empty(n_items, dtype=i64, device=device)
         csum_kernel[(n_items,)](_flat32(tensors[0]), offs, nrows, grow0, item_t, item_r, out,
-                                R=_CSUM_ROWS, C=CHECKSUM_COLS, W_MUL=W_MUL, W_ADD=W_ADD,
+                                R=CSUM_ROWS, C=CHECKSUM_COLS, W_MUL=W_MUL, W_ADD=W_ADD,
                                 num_warps=8)
         per.index_add_(0, item_t, out[:n_items])
     return [int(x) for x in per.tolist()]
 
 
-def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """``dst.copy_(src)`` for every pair, bit for bit, in one launch on the current stream.
+class MultiCopy:
+    """``dst.copy_(src)`` for a fixed list of pairs, checked once, launched many times.
 
-    Pairs must have equal byte sizes and be contiguous and 4-byte aligned;
-    the copy runs on the SMs whatever process mapped the source memory.
+    Pairs must have equal byte sizes and be contiguous and 16-byte aligned;
+    ``run`` is one launch on the current stream (SM loads and stores), so an
+    update of a known layout costs no per-tensor CPU work at all. The
+    tensors are held: their memory stays valid while this object lives.
     """
-    if len(dsts) != len(srcs):
-        raise ValueError("dsts and srcs differ in length")
-    if not dsts:
-        return
-    dp, sp, words = [], [], []
-    for d, s in zip(dsts, srcs, strict=True):
-        a, n = _words(d)
-        b, m = _words(s)
-        if n != m:
-            raise ValueError("a destination and its source differ in size")
-        dp.append(a)
-        sp.append(b)
-        words.append(n)
-    device = dsts[0].device
-    _, copy_kernel = _kernels()
-    i64 = torch.int64
 
-    def build() -> tuple[torch.Tensor, ...]:
-        item_t, item_w = _items(words, _COPY_WORDS, device)
-        return (torch.tensor([(p - dp[0]) // 4 for p in dp], dtype=i64, device=device),
-                torch.tensor([(p - sp[0]) // 4 for p in sp], dtype=i64, device=device),
-                torch.tensor(words, dtype=i64, device=device), item_t, item_w)
+    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        if len(dsts) != len(srcs):
+            raise ValueError("dsts and srcs differ in length")
+        if not dsts:
+            raise ValueError("nothing to copy")
+        dp, sp, words = [], [], []
+        device = dsts[0].device
+        for d, s in zip(dsts, srcs, strict=True):
+            if d.device != device or s.device != device:
+                raise ValueError("tensors are on different devices")
+            a, n = _words(d)
+            b, m = _words(s)
+            if n != m:
+                raise ValueError("a destination and its source differ in size")
+            dp.append(a)
+            sp.append(b)
+            words.append(n)
+        i64 = torch.int64
+        self.tile = COPY_WORDS
+        item_t, item_w = _items(words, self.tile, device)
+        self._held = (list(dsts), list(srcs))
+        self._dbase, self._sbase = _flat32(dsts[0]), _flat32(srcs[0])
+        self._args = (torch.tensor([(p - dp[0]) // 4 for p in dp], dtype=i64, device=device),
+                      torch.tensor([(p - sp[0]) // 4 for p in sp], dtype=i64, device=device),
+                      torch.tensor(words, dtype=i64, device=device), item_t, item_w)
+        self.items = int(item_t.numel())
+        self.words = sum(words)
 
-    doffs, soffs, nwords, item_t, item_w = _table(
-        ("copy", str(device), tuple(dp), tuple(sp), tuple(words)), build)
-    n_items = int(item_t.numel())
-    if n_items:
-        copy_kernel[(n_items,)](_flat32(dsts[0]), _flat32(srcs[0]), doffs, soffs, nwords,
-                                item_t, item_w, B=_COPY_WORDS, num_warps=8)
+    def run(self) -> None:
+        _, copy_kernel = _kernels()
+        copy_kernel[(self.items,)](self._dbase, self._sbase, *self._args,
+                                   B=self.tile, num_warps=8)
+
+
+def multi_copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """One-shot ``MultiCopy(dsts, srcs).run()`` (no-op for empty lists)."""
+    if dsts or srcs:
+        MultiCopy(dsts, srcs).run()
