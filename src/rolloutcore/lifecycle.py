@@ -425,6 +425,8 @@ class LifecycleController:
         return self._update
 
     def _evidence(self, event: Event, ev: Evidence, problems: list[str]) -> None:
+        if not self._listeners:  # serializing evidence is the costliest bookkeeping here
+            return
         self._emit("evidence", {"event": event.value, "evidence": evidence_to_dict(ev),
                                 "problems": problems})
 
@@ -432,6 +434,8 @@ class LifecycleController:
                  cls: Classification | None = None, problems: list[str] | None = None,
                  published: WeightVersion | None = None) -> Verdict:
         v = Verdict(event, accepted, before, self._state, cls, tuple(problems or ()), published)
+        if not self._listeners:
+            return v
         self._emit("verdict", {"event": event.value, "accepted": accepted,
                                "before": before.value, "after": self._state.value,
                                "classification": None if cls is None else cls.value,
