@@ -1,13 +1,14 @@
 """One-launch multi-tensor kernels for ``rc_cuda_ipc``: the copy and the block checksum.
 
 Why they exist. On the H200 (vLLM 0.26, Qwen3-8B shapes, 399 tensors,
-16.38 GB) the update's 399 ``Tensor.copy_`` calls from the IPC-mapped
-trainer buffer took 15.3 ms of GPU time against 7.7 ms for one copy of the
-same bytes inside one process, and the paused validation's block checksum
-(399 per-tensor ``torch.sum`` reductions plus the weighting) took 12.5 ms
-for one read of 16 GB. Both are a single pass over memory that should run
-near the HBM bandwidth. Here each is one Triton launch over all tensors:
-a table of (tensor, chunk) work items, every program streams one chunk.
+16.38 GB) an update of 399 per-tensor ``Tensor.copy_`` calls kept the GPU
+waiting on the CPU (views rebuilt, one launch per tensor): 11-15 ms of GPU
+time for copies that take 8.9 ms back to back. ``MultiCopy`` is one launch
+over a work table of (tensor, chunk) items built once per layout: 9.8 ms
+(results/gpu/h200-8b-ipc.json ``impl_compare``). The block checksum kernel
+gives the torch definition's values bit for bit but measured slower than
+torch's per-tensor reductions there (16-24 ms vs 12-14 ms for 16 GB, at any
+tile size), so ``cuda_ipc.block_checksum`` uses it only when asked.
 
 Addressing: every tensor is reached as ``base + offset`` in elements, where
 ``base`` is the first tensor of the call and ``offset`` the difference of
