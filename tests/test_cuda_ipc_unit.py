@@ -383,3 +383,28 @@ def test_every_copy_impl_is_bit_exact(impl: str, interpreted_kernels: None) -> N
     assert loader.checksum("torch")["values"] == fresh.checksum("torch") != ref_sum
     with pytest.raises(BadInput, match="copy_impl"):
         SliceLoader(model, copy_impl="dma")
+
+
+def test_prefetched_checksum_is_the_same_read_and_never_outlives_its_update() -> None:
+    pk = _packed(21)
+    loader = SliceLoader(_TinyModel())
+    assert loader.prefetch_checksum() is False  # nothing loaded yet
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    fresh = loader.checksum()
+    assert fresh["prefetched"] is False and fresh["values"] == pk.checksum()
+    assert loader.prefetch_checksum() is True
+    got = loader.checksum()
+    assert got["prefetched"] is True and got["values"] == fresh["values"]
+    assert loader.checksum()["prefetched"] is False  # collected once
+    # An update after the prefetch makes it stale: the next checksum reads anew.
+    loader.prefetch_checksum()
+    pk2 = _packed(22)
+    loader.load([pk2.buffer], _message_for(pk2, "fast"))
+    after = loader.checksum()
+    assert after["prefetched"] is False and after["values"] == pk2.checksum()
+    # Only the torch definition is prefetched; asking for another impl recomputes.
+    loader.prefetch_checksum()
+    assert loader.checksum("torch")["prefetched"] is True
+    ref = SliceLoader(_TinyModel())
+    ref.load([pk.buffer], _message_for(pk, "reference"))
+    assert ref.prefetch_checksum() is False  # reference mode: parameters may move

@@ -663,7 +663,8 @@ def main() -> int:
                         "zero_copy": transport.last_zero_copy,
                         "staging_checksum_s": state.get("staging_checksum_s"),
                         "engine_checksum": {k: transport.last_check.get(k) for k in
-                                            ("engine_s", "rpc_s", "coverage", "passed")},
+                                            ("engine_s", "engine_wait_s", "prefetched",
+                                             "rpc_s", "coverage", "passed")},
                         "engine": transport.rpc(http.base, "rc_cuda_ipc_stats")[0]})
             seed = 1 if state["seed"] == 2 else 2
             fill(packed, seed)

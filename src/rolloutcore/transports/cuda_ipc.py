@@ -499,24 +499,37 @@ def _kernel_ok(t: torch.Tensor) -> bool:
 
 def _block_checksum_torch(tensors: Sequence[torch.Tensor],
                           rows: Sequence[tuple[int, int]]) -> list[int]:
+    return [int(x) for x in _block_checksum_device(tensors, rows).tolist()]
+
+
+def _block_checksum_device(tensors: Sequence[torch.Tensor],
+                           rows: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The per-tensor values as a device tensor, enqueued without waiting on the GPU.
+
+    The one host-to-device copy (the tensor boundaries) is made before any
+    reduction is queued, so on CUDA nothing here blocks on the hashing.
+    """
     device = tensors[0].device
     total = sum(r for r, _ in rows)
+    bounds: list[int] = []
+    start = 0
+    for r, _ in rows:
+        start += r
+        bounds.append(start)
+    ends = torch.tensor(bounds, dtype=torch.int64, device=device)
+    w = _position_weights(total, device)
     sums = torch.empty(total, dtype=torch.int32, device=device)
     start = 0
-    bounds: list[int] = []
     for t, (r, c) in zip(tensors, rows, strict=True):
         if r:
             torch.sum(_as_int32(t).view(r, c), dim=1, dtype=torch.int32,
                       out=sums[start:start + r])
         start += r
-        bounds.append(start)
-    w = _position_weights(total, device)
     terms = ((sums.to(torch.int64) & _MASK32) * w) & _MASK32
     csum = torch.cumsum(terms, 0)
-    ends = torch.tensor(bounds, dtype=torch.int64, device=device)
     at_end = torch.where(ends > 0, csum[(ends - 1).clamp(min=0)], torch.zeros_like(ends))
     before = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), at_end[:-1]])
-    return [int(x) for x in (at_end - before).tolist()]
+    return at_end - before
 
 
 def checksum_digest(names: Sequence[str], values: Sequence[int | None]) -> str:
@@ -683,6 +696,8 @@ class SliceLoader:
         self._plan: SlicePlan | None = None
         self._src_cache: tuple[Any, list[torch.Tensor]] | None = None
         self._prog: _CopyProgram | None = None
+        self._pending: tuple[UpdateMessage, SlicePlan, torch.Tensor, float] | None = None
+        self._names_digest: tuple[UpdateMessage, str] | None = None
         self.last: UpdateMessage | None = None
         self.stats: dict[str, Any] = {}
 
@@ -739,6 +754,7 @@ class SliceLoader:
         return srcs
 
     def load(self, bufs: Sequence[torch.Tensor], msg: UpdateMessage) -> None:
+        self._pending = None  # hashed before this update: stale
         plan = self.plan(msg)  # validates names, shapes and dtypes in both modes
         srcs = self._sources(bufs, msg)
         t = time.monotonic()
@@ -769,6 +785,28 @@ class SliceLoader:
         p = self._prog = _CopyProgram(plan, srcs, self._copy_impl)
         return p
 
+    def prefetch_checksum(self) -> bool:
+        """Start hashing the slices the last fast update wrote; do not wait for it.
+
+        Called when the update session finishes (the engine still paused): the
+        GPU hashes while the cache is reset and the validation's request is on
+        its way, and ``checksum`` then only collects the values. Same
+        definition, same parameter memory read after the copies (stream
+        order); a later update or a moved parameter discards it.
+        """
+        msg = self.last
+        self._pending = None
+        if msg is None or msg.mode != "fast":
+            return False
+        plan = self.plan(msg)
+        dsts = [d for d in plan.dsts if d is not None]
+        if not dsts:
+            return False
+        t = time.monotonic()
+        rows = [_rows_cols(d.numel() * d.element_size()) for d in dsts]
+        self._pending = (msg, plan, _block_checksum_device(dsts, rows), t)
+        return True
+
     def checksum(self, impl: str = "auto") -> dict[str, Any]:
         """Block checksum of the slices the last update wrote, read from parameter memory."""
         msg = self.last
@@ -776,15 +814,26 @@ class SliceLoader:
             return {"values": [], "names_digest": names_digest([]), "error": "no update yet"}
         plan = self.plan(msg)
         idx = [i for i, d in enumerate(plan.dsts) if d is not None]
+        pend, self._pending = self._pending, None
         t = time.monotonic()
-        vals = block_checksum([d for d in plan.dsts if d is not None], impl=impl)
+        prefetched = (pend is not None and impl in ("auto", "torch") and pend[0] is msg
+                      and pend[1] is plan)
+        if prefetched:
+            assert pend is not None
+            vals = [int(x) for x in pend[2].tolist()]
+            since = pend[3]
+        else:
+            vals = block_checksum([d for d in plan.dsts if d is not None], impl=impl)
+            since = t
         out: list[int | None] = [None] * len(plan.dsts)
         for i, v in zip(idx, vals, strict=True):
             out[i] = v
-        names = [e.name for e in msg.entries]
-        return {"values": out, "names_digest": names_digest(names),
-                "elapsed_s": time.monotonic() - t, "uncovered": plan.uncovered[:20],
-                "n_uncovered": len(plan.uncovered)}
+        if self._names_digest is None or self._names_digest[0] is not msg:
+            self._names_digest = (msg, names_digest([e.name for e in msg.entries]))
+        now = time.monotonic()
+        return {"values": out, "names_digest": self._names_digest[1],
+                "elapsed_s": now - since, "wait_s": now - t, "prefetched": prefetched,
+                "uncovered": plan.uncovered[:20], "n_uncovered": len(plan.uncovered)}
 
 
 # ----------------------------------------------------------------- trainer side
@@ -967,6 +1016,7 @@ class CudaIpcTransport:
         self.last_zero_copy = False
         self._pre: tuple[PackedWeights, list[int], tuple[str, ...]] | None = None
         self.last_check: dict[str, Any] = {}
+        self._digest_cache: tuple[tuple[str, ...], list[int], str, str] | None = None
 
     def precompute_checksum(self, packed: PackedWeights) -> float:
         """Checksum ``packed`` now (at staging, outside the engine's pause window).
@@ -1120,19 +1170,23 @@ class CudaIpcTransport:
                                "workers": len(res)}
         mism: list[str] = []
         covered = len(names)
-        engine_s = 0.0
+        engine_s = wait_s = 0.0
+        prefetched = True
         uncovered = 0
         for w in res:
             if not isinstance(w, dict):
                 raise EngineUnavailable("rpc", f"bad checksum reply {w!r}",
                                         mutation_started=False)
             theirs = w.get("values")
-            if w.get("names_digest") != names_digest(names) or not isinstance(theirs, list) \
+            if w.get("names_digest") != self._digests(names, mine)[0] \
+                    or not isinstance(theirs, list) \
                     or len(theirs) != len(names):
                 mism.append("<layout differs from the last update sent>")
                 covered = 0
                 continue
             engine_s = max(engine_s, float(w.get("elapsed_s", 0.0)))
+            wait_s = max(wait_s, float(w.get("wait_s", 0.0)))
+            prefetched = prefetched and bool(w.get("prefetched"))
             uncovered = max(uncovered, int(w.get("n_uncovered", 0)))
             for n, a, b in zip(names, mine, theirs, strict=True):
                 if b is None:
@@ -1143,11 +1197,20 @@ class CudaIpcTransport:
                    n_uncovered=uncovered,
                    coverage=(covered / len(names)) if names else 0.0,
                    mismatched=mism[:20], n_mismatched=len(mism),
-                   engine_s=engine_s, rpc_s=time.monotonic() - t0,
+                   engine_s=engine_s, engine_wait_s=wait_s, prefetched=prefetched,
+                   rpc_s=time.monotonic() - t0,
                    trainer_s=self.last_timings.trainer_checksum_s,
-                   digest=checksum_digest(names, mine) if names else None)
+                   digest=self._digests(names, mine)[1] if names else None)
         self.last_check = out
         return out
+
+    def _digests(self, names: tuple[str, ...], values: list[int]) -> tuple[str, str]:
+        """(names digest, checksum digest) of what was sent, computed once per send."""
+        c = self._digest_cache
+        if c is None or c[0] is not names or c[1] is not values:
+            c = self._digest_cache = (names, values, names_digest(names),
+                                      checksum_digest(names, values))
+        return c[2], c[3]
 
     def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
         """The paused validation's evidence on an engine without a version label.

@@ -191,6 +191,14 @@ class CudaIpcWeightTransferEngine(
 
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
             self._layerwise = False
+            return
+        # The session is over and the engine still paused: start hashing what the
+        # update wrote, so the paused validation only collects the values. A
+        # failure here only means the validation hashes itself.
+        try:
+            self.loader.stats["prefetched"] = self.loader.prefetch_checksum()
+        except Exception as exc:  # recorded; the validation recomputes
+            self.loader.stats["prefetch_error"] = f"{type(exc).__name__}: {exc}"
 
     def shutdown(self) -> None:
         self._mapped.clear()
