@@ -86,6 +86,7 @@ def _mutated(path: list[Any], value: Any) -> dict[str, Any]:
     (["buffers"], [], "buffers"),
     (["entries"], "x", "must be a list"),
     (["layout"], "0" * 64, "exactly one of entries and layout"),
+    (["hash_at_finish"], "yes", "boolean"),
     (["buffers", 0, "handle"], "not base64!!", "base64"),
     (["buffers", 0, "handle"], "", "1..1024 bytes"),
     (["buffers", 0, "handle"], base64.b64encode(bytes(2000)).decode(), "too long"),

@@ -111,6 +111,13 @@ def stage(name: str):  # type: ignore[no-untyped-def]
         RESULTS["stages"][name] = {"ok": False, "s": round(time.monotonic() - t0, 3)}
         RESULTS["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         log(f"!! {name} failed: {type(exc).__name__}: {exc}")
+    finally:
+        # What is measured so far survives a run cut short (the device's time limit).
+        out = RESULTS.get("out_dir")
+        if out:
+            with contextlib.suppress(Exception):
+                (Path(out) / "h200-8b-ipc.partial.json").write_text(
+                    json.dumps(RESULTS, indent=1, default=str))
 
 
 def med(xs: list[float]) -> float | None:
@@ -311,6 +318,7 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    RESULTS["out_dir"] = str(out)
     logs = Path("/tmp/rc-engine-logs")
     RESULTS["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     RESULTS["versions"] = versions()

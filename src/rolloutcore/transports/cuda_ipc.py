@@ -56,6 +56,7 @@ from . import cuda_kernels
 
 __all__ = [
     "BACKEND",
+    "HASH_AT_FINISH",
     "PROTOCOL",
     "WORKER_EXTENSION",
     "CHECKSUM_IMPLS",
@@ -340,6 +341,11 @@ def encode_update(msg: UpdateMessage, *, by_reference: bool = False) -> dict[str
     return body
 
 
+#: ``update_info`` flag: the sender will validate by the workers' block checksum,
+#: so they start hashing when the session finishes (read by the engine side).
+HASH_AT_FINISH = "hash_at_finish"
+
+
 def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
                   ) -> UpdateMessage:
     """Parse and validate an ``update_info``. Raises ``BadInput`` on anything off.
@@ -350,7 +356,9 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
     are re-checked against the body's buffers unless those are the same.
     """
     o = _obj(d, "update_info", {"protocol", "mode", "buffers"},
-             optional=frozenset({"entries", "layout"}))
+             optional=frozenset({"entries", "layout", HASH_AT_FINISH}))
+    if not isinstance(o.get(HASH_AT_FINISH, False), bool):
+        raise BadInput(f"update_info.{HASH_AT_FINISH} must be a boolean")
     if o["protocol"] != PROTOCOL:
         raise BadInput(f"update_info.protocol must be {PROTOCOL!r}, got {o['protocol']!r}")
     if ("entries" in o) == ("layout" in o):
@@ -1089,6 +1097,8 @@ class CudaIpcTransport:
         msg = self._message(packed)
         delivered = (base_url, msg.layout_digest)
         body = encode_update(msg, by_reference=delivered in self._delivered)
+        if self.compute_checksum:
+            body[HASH_AT_FINISH] = True
         mutation = False
         try:
             torch.cuda.synchronize(packed.device)  # the engine reads after our writes

@@ -30,6 +30,7 @@ from .cuda_ipc import (
     BACKEND,
     CHECKSUM_IMPLS,
     COPY_IMPLS,
+    HASH_AT_FINISH,
     PROTOCOL,
     BufferHandle,
     SliceLoader,
@@ -80,6 +81,7 @@ class CudaIpcInitInfo(WeightTransferInitInfo):
 @dataclass
 class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
     message: UpdateMessage = field(default=None)  # type: ignore[assignment]
+    hash_at_finish: bool = False
 
 
 class CudaIpcWeightTransferEngine(
@@ -106,6 +108,7 @@ class CudaIpcWeightTransferEngine(
         # listing their entries again (the trainer does so once one went through).
         self._layouts: dict[str, UpdateMessage] = {}
         self._layerwise = False
+        self._hash_at_finish = False
         self._uuid: str | None = None
 
     @property
@@ -131,7 +134,8 @@ class CudaIpcWeightTransferEngine(
         if msg.layout_digest not in self._layouts and len(self._layouts) >= 4:
             self._layouts.pop(next(iter(self._layouts)))
         self._layouts[msg.layout_digest] = msg
-        return CudaIpcUpdateInfo(message=msg)
+        return CudaIpcUpdateInfo(message=msg,
+                                 hash_at_finish=update_dict.get(HASH_AT_FINISH) is True)
 
     def init_transfer_engine(self, init_info: CudaIpcInitInfo) -> None:
         self.loader.allow_fallback = init_info.allow_fallback
@@ -166,6 +170,7 @@ class CudaIpcWeightTransferEngine(
 
     def receive_weights(self, update_info: CudaIpcUpdateInfo) -> None:
         msg = update_info.message
+        self._hash_at_finish = update_info.hash_at_finish
         t0 = time.monotonic()
         bufs = [self._map(b) for b in msg.buffers]
         map_s = time.monotonic() - t0
@@ -192,9 +197,13 @@ class CudaIpcWeightTransferEngine(
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
             self._layerwise = False
             return
-        # The session is over and the engine still paused: start hashing what the
-        # update wrote, so the paused validation only collects the values. A
-        # failure here only means the validation hashes itself.
+        # The session is over and the engine still paused: when the sender asked
+        # (it validates by checksum), hash what the update wrote now, so the
+        # paused validation only collects the values. A failure here only means
+        # the validation hashes itself.
+        if not self._hash_at_finish:
+            return
+        self._hash_at_finish = False
         try:
             self.loader.stats["prefetched"] = self.loader.prefetch_checksum()
         except Exception as exc:  # recorded; the validation recomputes
