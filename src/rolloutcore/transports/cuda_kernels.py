@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CHECKSUM_COLS", "COPY_WORDS", "CSUM_ROWS", "W_ADD", "W_MUL", "MultiCopy", "available",
+    "CHECKSUM_COLS", "COPY_WORDS", "CSUM_KERNEL", "CSUM_KERNELS", "CSUM_PER_SM", "CSUM_ROWS",
+    "CSUM_WARPS", "W_ADD", "W_MUL", "MultiCopy", "available",
     "block_checksum_rows", "multi_copy",
 ]
 
@@ -64,6 +65,17 @@ def _tile(env: str, default: int, lo: int, hi: int) -> int:
 #: program streams one tile. Tunable per process (the H200 diagnostics sweep them).
 CSUM_ROWS = _tile("RC_CUDA_IPC_CSUM_ROWS", 128, 16, 1024)
 COPY_WORDS = _tile("RC_CUDA_IPC_COPY_WORDS", 16384, 1024, 65536)
+CSUM_WARPS = _tile("RC_CUDA_IPC_CSUM_WARPS", 8, 1, 32)
+#: How the checksum kernel reads a tile: ``2d`` (rows of blocks), ``flat`` (one
+#: run of words, the copy kernel's pattern), and each of them as persistent
+#: programs walking the work table (``2d-loop``, ``flat-loop``). Same values.
+CSUM_KERNELS = ("2d", "flat", "2d-loop", "flat-loop")
+CSUM_KERNEL = os.environ.get("RC_CUDA_IPC_CSUM_KERNEL", "2d")
+if CSUM_KERNEL not in CSUM_KERNELS:
+    raise ValueError(f"RC_CUDA_IPC_CSUM_KERNEL must be one of {CSUM_KERNELS}, "
+                     f"got {CSUM_KERNEL!r}")
+#: persistent programs per SM for the ``-loop`` kernels
+CSUM_PER_SM = 4
 #: the block-position weight is ((pos * W_MUL + W_ADD) & 0x7FFFFFFF) | 1
 W_MUL = 0x9E3779B1
 W_ADD = 0x7F4A7C15
@@ -94,49 +106,10 @@ def _kernels() -> Any:
         k = _built.get(key)
         if k is not None:
             return k
-        import triton  # type: ignore[import-untyped,unused-ignore]
-        import triton.language as tl  # type: ignore[import-untyped,unused-ignore]
+        from . import _triton_kernels as tk
 
-        @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
-        def csum_kernel(base, offs, rows, grow0, item_t, item_r, out,  # type: ignore[no-untyped-def]
-                        R: tl.constexpr, C: tl.constexpr, W_MUL: tl.constexpr,
-                        W_ADD: tl.constexpr):
-            pid = tl.program_id(0)
-            t = tl.load(item_t + pid)
-            r0 = tl.load(item_r + pid)
-            nrows = tl.load(rows + t)
-            off = tl.multiple_of(tl.load(offs + t), 4)
-            g0 = tl.load(grow0 + t)
-            # One 64-bit base address per program; 32-bit offsets inside the tile.
-            p = base + (off + r0 * C)
-            ri = tl.arange(0, R)
-            r = r0 + ri.to(tl.int64)
-            live = r < nrows
-            x = tl.load(p + (ri[:, None] * C + tl.arange(0, C)[None, :]), mask=live[:, None],
-                        other=0)
-            # int32 sums wrap mod 2**32, which is the definition; only the R block
-            # sums are widened (widening the whole tile first ran at 700 GB/s).
-            s = tl.sum(x, axis=1).to(tl.int64) & 0xFFFFFFFF
-            gi = g0 + r
-            w = ((gi * W_MUL + W_ADD) & 0x7FFFFFFF) | 1
-            term = tl.where(live, (s * w) & 0xFFFFFFFF, 0)
-            tl.store(out + pid, tl.sum(term, axis=0))
-
-        @triton.jit  # type: ignore[untyped-decorator,unused-ignore]
-        def copy_kernel(dbase, sbase, doffs, soffs, words, item_t, item_w,  # type: ignore[no-untyped-def]
-                        B: tl.constexpr):
-            pid = tl.program_id(0)
-            t = tl.load(item_t + pid)
-            w0 = tl.multiple_of(tl.load(item_w + pid), B)
-            n = tl.multiple_of(tl.load(words + t), 4)
-            do = tl.multiple_of(tl.load(doffs + t), 4)
-            so = tl.multiple_of(tl.load(soffs + t), 4)
-            j = tl.arange(0, B)
-            m = j < n - w0
-            v = tl.load(sbase + (so + w0) + j, mask=m)
-            tl.store(dbase + (do + w0) + j, v, mask=m)
-
-        k = _built[key] = (csum_kernel, copy_kernel)
+        k = _built[key] = {"csum": tk.csum_kernel, "csum_loop": tk.csum_loop_kernel,
+                           "copy": tk.copy_kernel}
         return k
 
 
@@ -179,6 +152,13 @@ def _items(lengths: Sequence[int], per: int, device: torch.device
     return t, (idx - first[t]) * per
 
 
+def _programs(device: torch.device) -> int:
+    """Persistent programs for ``device``: ``CSUM_PER_SM`` per SM (4 in the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return CSUM_PER_SM * int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def _flat32(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(torch.int32)
 
@@ -203,7 +183,9 @@ def block_checksum_rows(tensors: Sequence[torch.Tensor], first_rows: Sequence[in
             raise ValueError("tensor is not a whole number of 512-byte blocks")
         ptrs.append(p)
         rows.append(w // CHECKSUM_COLS)
-    csum_kernel, _ = _kernels()
+    kern = _kernels()
+    if CSUM_KERNEL not in CSUM_KERNELS:
+        raise ValueError(f"CSUM_KERNEL must be one of {CSUM_KERNELS}, got {CSUM_KERNEL!r}")
     first = tuple(int(r) for r in first_rows)
     if len(first) != len(tensors):
         raise ValueError("one first row per tensor")
@@ -221,9 +203,15 @@ def block_checksum_rows(tensors: Sequence[torch.Tensor], first_rows: Sequence[in
     per = torch.zeros(len(tensors), dtype=i64, device=device)
     if n_items:
         out = torch.empty(n_items, dtype=i64, device=device)
-        csum_kernel[(n_items,)](_flat32(tensors[0]), offs, nrows, grow0, item_t, item_r, out,
-                                R=CSUM_ROWS, C=CHECKSUM_COLS, W_MUL=W_MUL, W_ADD=W_ADD,
-                                num_warps=8)
+        flat = CSUM_KERNEL.startswith("flat")
+        args = (_flat32(tensors[0]), offs, nrows, grow0, item_t, item_r, out)
+        consts = dict(R=CSUM_ROWS, C=CHECKSUM_COLS, W_MUL=W_MUL, W_ADD=W_ADD, FLAT=flat,
+                      num_warps=CSUM_WARPS)
+        if CSUM_KERNEL.endswith("-loop"):
+            grid = min(n_items, _programs(device))
+            kern["csum_loop"][(grid,)](*args, n_items, **consts)
+        else:
+            kern["csum"][(n_items,)](*args, **consts)
         per.index_add_(0, item_t, out[:n_items])
     return [int(x) for x in per.tolist()]
 
@@ -266,7 +254,7 @@ class MultiCopy:
         self.words = sum(words)
 
     def run(self) -> None:
-        _, copy_kernel = _kernels()
+        copy_kernel = _kernels()["copy"]
         copy_kernel[(self.items,)](self._dbase, self._sbase, *self._args,
                                    B=self.tile, num_warps=8)
 
