@@ -346,9 +346,24 @@ def _mixed_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def test_kernel_checksum_equals_torch_checksum(interpreted_kernels: None) -> None:
+    from rolloutcore.transports import cuda_kernels as ck
+
     ts = _mixed_tensors(3)
     ref = block_checksum(ts, impl="torch")
     assert block_checksum(ts, impl="kernel") == ref
+    # Every form of the kernel, with tiles smaller than a tensor; unaligned tensors
+    # take the small kernel (4-byte words, a runtime block width).
+    prog = ck.MultiChecksum(ts)
+    assert {name for name, *_ in prog._launches} == {"main", "small"}
+    saved = ck.CSUM_KERNEL, ck.CSUM_ROWS
+    try:
+        for form in ck.CSUM_KERNELS:
+            ck.CSUM_KERNEL, ck.CSUM_ROWS = form, 16
+            assert [int(x) for x in ck.MultiChecksum(ts).run().tolist()] == ref, form
+    finally:
+        ck.CSUM_KERNEL, ck.CSUM_ROWS = saved
+    with pytest.raises(ValueError, match="4-byte"):
+        ck.MultiChecksum([torch.zeros(3, dtype=torch.uint8)])
     assert block_checksum(ts[2:], impl="kernel") == block_checksum(ts[2:], impl="torch")
     # One flipped bit in one block changes that tensor's value and no other.
     ts[2].view(torch.int16)[1, 7] ^= 1
@@ -403,7 +418,7 @@ def test_prefetched_checksum_is_the_same_read_and_never_outlives_its_update() ->
     loader.load([pk2.buffer], _message_for(pk2, "fast"))
     after = loader.checksum()
     assert after["prefetched"] is False and after["values"] == pk2.checksum()
-    # Only the torch definition is prefetched; asking for another impl recomputes.
+    # The prefetch hashes as the trainer asked at init (auto, i.e. torch, here).
     loader.prefetch_checksum()
     assert loader.checksum("torch")["prefetched"] is True
     ref = SliceLoader(_TinyModel())

@@ -38,7 +38,7 @@ from rolloutcore.errors import (
     EngineUnavailable,
     TransferError,
 )
-from rolloutcore.evidence import CacheKind, Check, PauseMode, UpdateTarget
+from rolloutcore.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
 from rolloutcore.versions import (
     ParameterManifest,
     Provenance,
@@ -776,6 +776,87 @@ def test_paused_validation_includes_the_transports_own_check() -> None:
         assert v is not None and tr.urls == [BASE]
         assert [c.name for c in v.checks] == ["transport-checksum"]
         assert (v.problems(target()) == []) is passed
+
+
+class _SendingCheckingTransport(_CheckingTransport):
+    """Sends (nothing real) and can check; records the order of its calls."""
+
+    def __init__(self, passed: bool | Exception) -> None:
+        super().__init__(passed is True)
+        self.outcome = passed
+        self.events: list[str] = []
+        self.release = threading.Event()
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float) -> Any:
+        self.events.append(f"send {target_label}")
+        return TransferEvidence(completed=True, mutation_started=True, backend=self.backend,
+                                tensors=1, bytes=8, finish_label=target_label, elapsed_s=0.0)
+
+    def validation_check(self, base_url: str) -> Check:
+        self.events.append("check start")
+        self.release.wait(10)
+        self.events.append("check end")
+        if isinstance(self.outcome, Exception):
+            raise self.outcome
+        return super().validation_check(base_url)
+
+
+def test_transport_check_starts_when_the_transfer_returns_and_the_validation_collects_it(
+) -> None:
+    e = Engine()
+    tr = _SendingCheckingTransport(True)
+    a = VllmAdapter(client(e), tr)  # type: ignore[arg-type]
+    t = target()
+    a.stage(_source())
+    a.drain(PauseMode.WAIT)
+    a.transfer(t)
+    # The check runs beside the cache reset: the reset does not wait for it.
+    a.reset_cache(CacheKind.PREFIX)
+    assert tr.events == ["send rc-1", "check start"]
+    tr.release.set()
+    v = a.validate(t, live=False)
+    assert v is not None and v.paused is True
+    (chk,) = v.checks
+    assert chk.name == "transport-checksum" and chk.passed
+    assert "alongside the cache reset" in chk.detail
+    assert tr.events == ["send rc-1", "check start", "check end"] and len(tr.urls) == 1
+    # Collected once: a second validation of the same target reads again.
+    a.validate(t, live=False)
+    assert len(tr.urls) == 2
+    # An early check belongs to its target: another target's validation reads anew.
+    a.transfer(t)
+    other = target("rc-2")
+    a.validate(other, live=False)
+    assert len(tr.urls) == 4 and tr.events.count("check start") == 4
+    # A failing or raising early check fails the validation as a late one would.
+    for outcome, want in ((False, "check transport-checksum failed"),
+                          (EngineUnavailable("rpc", "gone", mutation_started=False), None)):
+        tr2 = _SendingCheckingTransport(outcome)
+        tr2.release.set()
+        b = VllmAdapter(client(Engine()), tr2)  # type: ignore[arg-type]
+        b.stage(_source())
+        b.transfer(t)
+        if want is None:
+            with pytest.raises(EngineUnavailable, match="gone"):
+                b.validate(t, live=False)
+        else:
+            v3 = b.validate(t, live=False)
+            assert v3 is not None and any(want in p for p in v3.problems(t))
+        b.close()
+    # Off: the check runs inside the validation, as before.
+    tr3 = _SendingCheckingTransport(True)
+    tr3.release.set()
+    c = VllmAdapter(client(Engine()), tr3, early_transport_check=False)  # type: ignore[arg-type]
+    c.stage(_source())
+    c.transfer(t)
+    assert tr3.events == ["send rc-1"]
+    c.validate(t, live=False)
+    assert tr3.events == ["send rc-1", "check start", "check end"]
+    with pytest.raises(BadInput):
+        VllmAdapter(client(Engine()), tr3, early_transport_check=1)  # type: ignore[arg-type]
+    a.close()
+    c.close()
 
 
 class _Probes:

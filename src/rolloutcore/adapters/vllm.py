@@ -36,6 +36,7 @@ Rules this module keeps:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import re
@@ -944,7 +945,7 @@ class VllmAdapter:
     def __init__(self, http: VllmHTTP, transport: WeightTransport | None = None, *,
                  engine_epoch: str | None = None, probes: ProbeSet | None = None,
                  drain_timeout_s: float = 120.0, transfer_timeout_s: float = 300.0,
-                 connect_timeout_s: float = 120.0) -> None:
+                 connect_timeout_s: float = 120.0, early_transport_check: bool = True) -> None:
         if not isinstance(http, VllmHTTP):
             raise BadInput("http must be a VllmHTTP")
         if engine_epoch is not None and (not isinstance(engine_epoch, str) or not engine_epoch):
@@ -965,6 +966,12 @@ class VllmAdapter:
         # The engine's enable_sleep_mode, read at bootstrap (None: not known).
         self._sleep_mode: bool | None = None
         self._side_pool: ThreadPoolExecutor | None = None
+        if not isinstance(early_transport_check, bool):
+            raise BadInput("early_transport_check must be a boolean")
+        # The transport's own check of what it installed, started as soon as the
+        # transfer returns (see ``transfer``) and collected by the paused validation.
+        self.early_transport_check = early_transport_check
+        self._early: tuple[UpdateTarget, Future[Check]] | None = None
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -1164,14 +1171,24 @@ class VllmAdapter:
             raise TransferError("transfer", "no weight source staged" if self.transport
                                 else "no weight transport", mutation_started=False)
         self._ensure_connected(self.transport, TransferError, "transfer")
+        self._early = None
         try:
-            return self.transport.send(self.http.base_url, target.version.label,
-                                       self._staged.source, timeout_s=self._transfer_timeout_s)
+            ev = self.transport.send(self.http.base_url, target.version.label,
+                                     self._staged.source, timeout_s=self._transfer_timeout_s)
         except RolloutCoreError:
             raise
         except Exception as exc:
             raise TransferError("transfer", f"{type(exc).__name__}: {exc}",
                                 mutation_started=True) from exc
+        # The update session is over and the engine stays paused until the runner
+        # resumes it, after the validation: the transport's check of what it
+        # installed (a read of the parameters on the workers) can start now and
+        # overlap the cache reset, which does not touch weights. The validation
+        # collects it, for this target only.
+        tcheck = getattr(self.transport, "validation_check", None)
+        if self.early_transport_check and callable(tcheck):
+            self._early = (target, self._side().submit(tcheck, self.http.base_url))
+        return ev
 
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         return self.http.reset_cache(cache, mutation_started=True)
@@ -1220,8 +1237,16 @@ class VllmAdapter:
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
+        early, self._early = self._early, None
         if callable(tcheck):
-            chk = tcheck(h.base_url)
+            if early is not None and early[0] == target:
+                chk = early[1].result()
+                if isinstance(chk, Check):
+                    chk = dataclasses.replace(chk, detail=(
+                        f"{chk.detail}; read after the transfer, alongside the cache reset"
+                    ).lstrip("; "))
+            else:
+                chk = tcheck(h.base_url)
             if not isinstance(chk, Check):
                 raise EffectError("validate", f"transport check returned {type(chk).__name__}")
             checks.append(chk)
@@ -1234,9 +1259,10 @@ class VllmAdapter:
                                   unverified=tuple(unverified))
 
     def _side(self) -> ThreadPoolExecutor:
-        """One worker thread for engine reads that overlap another call."""
+        """Worker threads for engine reads that overlap another call (two: the early
+        transport check and the paused-state read may be in flight together)."""
         if self._side_pool is None:
-            self._side_pool = ThreadPoolExecutor(1, thread_name_prefix="rc-vllm-side")
+            self._side_pool = ThreadPoolExecutor(2, thread_name_prefix="rc-vllm-side")
         return self._side_pool
 
     def resume(self) -> ResumeEvidence:

@@ -69,6 +69,33 @@ def csum_loop_kernel(base, offs, rows, grow0, item_t, item_r, out,
 
 
 @triton.jit
+def csum_small_kernel(base, offs, rows, cols, grow0, item_t, item_r, out,
+                      R: tl.constexpr, C: tl.constexpr, W_MUL: tl.constexpr,
+                      W_ADD: tl.constexpr):
+    """Tensors whose blocks are narrower than C words (a runtime width per tensor).
+
+    Scalar loads and 4-byte alignment only: these are the few small tensors
+    (norm weights) that the vectorized kernel cannot take.
+    """
+    pid = tl.program_id(0)
+    t = tl.load(item_t + pid)
+    r0 = tl.load(item_r + pid)
+    nrows = tl.load(rows + t)
+    ncols = tl.load(cols + t)
+    g0 = tl.load(grow0 + t)
+    p = base + (tl.load(offs + t) + r0 * ncols)
+    ri = tl.arange(0, R)
+    ci = tl.arange(0, C)
+    r = r0 + ri.to(tl.int64)
+    live = r < nrows
+    x = tl.load(p + (ri[:, None] * ncols + ci[None, :]),
+                mask=live[:, None] & (ci < ncols)[None, :], other=0)
+    s = tl.sum(x, axis=1).to(tl.int64) & 0xFFFFFFFF
+    w = (((g0 + r) * W_MUL + W_ADD) & 0x7FFFFFFF) | 1
+    tl.store(out + pid, tl.sum(tl.where(live, (s * w) & 0xFFFFFFFF, 0), axis=0))
+
+
+@triton.jit
 def copy_kernel(dbase, sbase, doffs, soffs, words, item_t, item_w,
                 B: tl.constexpr):
     pid = tl.program_id(0)

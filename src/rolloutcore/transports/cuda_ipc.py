@@ -413,12 +413,7 @@ _weights_cache: dict[tuple[int, str], torch.Tensor] = {}
 _weights_lock = threading.Lock()
 
 
-def _rows_cols(nbytes: int) -> tuple[int, int]:
-    n32 = nbytes // 4
-    c = _BLOCK_INT32
-    while c > 1 and n32 % c:
-        c //= 2
-    return n32 // c, c
+_rows_cols = cuda_kernels.block_shape
 
 
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
@@ -459,10 +454,10 @@ def block_checksum(tensors: Sequence[torch.Tensor], *, impl: str = "auto") -> li
     512-byte block, times an odd weight of the block's position, summed
     (mod 2**32 per term, exact in int64). Same bytes in the same layout give
     the same list on any device and with either implementation: ``torch``
-    (per-tensor reductions) or ``kernel`` (one Triton launch for every
-    whole-block tensor, ``cuda_kernels``). ``auto`` is ``torch``: on the H200
-    the kernel measured slower (15.8 vs 10.5 ms for 16.4 GB,
-    results/gpu/h200-8b-ipc.json ``kernel_tiles``), so it is opt-in.
+    (per-tensor reductions, several launches per tensor) or ``kernel``
+    (``cuda_kernels.MultiChecksum``: two Triton launches for all tensors, the
+    work tables prepared once per set of tensors). ``auto`` is ``torch``; the
+    H200 diagnostics compare both on the real engine and pick.
     """
     if impl not in CHECKSUM_IMPLS:
         raise BadInput(f"impl must be one of {CHECKSUM_IMPLS}, got {impl!r}")
@@ -472,42 +467,32 @@ def block_checksum(tensors: Sequence[torch.Tensor], *, impl: str = "auto") -> li
     for t in tensors:
         if t.device != device:
             raise BadInput("block_checksum: tensors are on different devices")
+    return [int(x) for x in block_checksum_device(tensors, impl=impl).tolist()]
+
+
+def block_checksum_device(tensors: Sequence[torch.Tensor], *, impl: str = "auto"
+                          ) -> torch.Tensor:
+    """``block_checksum``'s values as an int64 device tensor, queued without waiting."""
+    if impl not in CHECKSUM_IMPLS:
+        raise BadInput(f"impl must be one of {CHECKSUM_IMPLS}, got {impl!r}")
+    device = tensors[0].device
+    if impl == "kernel" and all(_kernel_ok(t) for t in tensors) \
+            and cuda_kernels.available(device):
+        return cuda_kernels.block_checksum_device(tensors)
+    if impl == "kernel":
+        raise BadInput("the checksum kernel cannot take these tensors (device, alignment)")
     rows = [_rows_cols(t.numel() * t.element_size()) for t in tensors]
-    if impl != "kernel":
-        return _block_checksum_torch(tensors, rows)
-    first: list[int] = []
-    start = 0
-    for r, _ in rows:
-        first.append(start)
-        start += r
-    big = [i for i, (t, (r, c)) in enumerate(zip(tensors, rows, strict=True))
-           if r and c == cuda_kernels.CHECKSUM_COLS and _kernel_ok(t)]
-    out: list[int] = [0] * len(tensors)
-    for i, v in zip(big, cuda_kernels.block_checksum_rows(
-            [tensors[i] for i in big], [first[i] for i in big]), strict=True):
-        out[i] = v
-    rest = [i for i in range(len(tensors)) if i not in set(big) and rows[i][0]]
-    vals = []
-    for i in rest:
-        r, c = rows[i]
-        sums = torch.sum(_as_int32(tensors[i]).view(r, c), dim=1, dtype=torch.int32)
-        pos = torch.arange(first[i], first[i] + r, dtype=torch.int64, device=device)
-        w = _weights_at(pos)
-        vals.append((((sums.to(torch.int64) & _MASK32) * w) & _MASK32).sum())
-    if vals:
-        for i, v in zip(rest, torch.stack(vals).tolist(), strict=True):
-            out[i] = int(v)
-    return out
+    return _block_checksum_device(tensors, rows)
+
+
+def _same_impl(a: str, b: str) -> bool:
+    """Whether two checksum impl names compute the same way (``auto`` is ``torch``)."""
+    return (a if a != "auto" else "torch") == (b if b != "auto" else "torch")
 
 
 def _kernel_ok(t: torch.Tensor) -> bool:
     nb = t.numel() * t.element_size()
-    return t.is_contiguous() and nb % 16 == 0 and t.data_ptr() % 16 == 0
-
-
-def _block_checksum_torch(tensors: Sequence[torch.Tensor],
-                          rows: Sequence[tuple[int, int]]) -> list[int]:
-    return [int(x) for x in _block_checksum_device(tensors, rows).tolist()]
+    return t.is_contiguous() and nb % 4 == 0 and t.data_ptr() % 4 == 0
 
 
 def _block_checksum_device(tensors: Sequence[torch.Tensor],
@@ -704,7 +689,9 @@ class SliceLoader:
         self._plan: SlicePlan | None = None
         self._src_cache: tuple[Any, list[torch.Tensor]] | None = None
         self._prog: _CopyProgram | None = None
-        self._pending: tuple[UpdateMessage, SlicePlan, torch.Tensor, float] | None = None
+        self._pending: tuple[UpdateMessage, SlicePlan, torch.Tensor, float, str] | None = None
+        #: what ``prefetch_checksum`` hashes with (set from the trainer's init_info)
+        self.checksum_impl = "auto"
         self._names_digest: tuple[UpdateMessage, str] | None = None
         self.last: UpdateMessage | None = None
         self.stats: dict[str, Any] = {}
@@ -793,7 +780,7 @@ class SliceLoader:
         p = self._prog = _CopyProgram(plan, srcs, self._copy_impl)
         return p
 
-    def prefetch_checksum(self) -> bool:
+    def prefetch_checksum(self, impl: str | None = None) -> bool:
         """Start hashing the slices the last fast update wrote; do not wait for it.
 
         Called when the update session finishes (the engine still paused): the
@@ -811,8 +798,8 @@ class SliceLoader:
         if not dsts:
             return False
         t = time.monotonic()
-        rows = [_rows_cols(d.numel() * d.element_size()) for d in dsts]
-        self._pending = (msg, plan, _block_checksum_device(dsts, rows), t)
+        impl = self.checksum_impl if impl is None else impl
+        self._pending = (msg, plan, block_checksum_device(dsts, impl=impl), t, impl)
         return True
 
     def checksum(self, impl: str = "auto") -> dict[str, Any]:
@@ -824,7 +811,7 @@ class SliceLoader:
         idx = [i for i, d in enumerate(plan.dsts) if d is not None]
         pend, self._pending = self._pending, None
         t = time.monotonic()
-        prefetched = (pend is not None and impl in ("auto", "torch") and pend[0] is msg
+        prefetched = (pend is not None and _same_impl(pend[4], impl) and pend[0] is msg
                       and pend[1] is plan)
         if prefetched:
             assert pend is not None
@@ -1071,7 +1058,8 @@ class CudaIpcTransport:
         self._delivered = {d for d in self._delivered if d[0] != base_url}
         self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
                    step="connect", mutation=False,
-                   body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl}})
+                   body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
+                                       "checksum_impl": self.checksum_impl}})
         hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
             if self.device.type == "cuda" else ""

@@ -68,6 +68,7 @@ class CudaIpcInitInfo(WeightTransferInitInfo):
     protocol: str = PROTOCOL
     allow_fallback: bool = False
     copy_impl: str = "auto"
+    checksum_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.protocol != PROTOCOL:
@@ -76,6 +77,8 @@ class CudaIpcInitInfo(WeightTransferInitInfo):
             raise ValueError("allow_fallback must be a boolean")
         if self.copy_impl not in COPY_IMPLS:
             raise ValueError(f"copy_impl must be one of {COPY_IMPLS}")
+        if self.checksum_impl not in CHECKSUM_IMPLS:
+            raise ValueError(f"checksum_impl must be one of {CHECKSUM_IMPLS}")
 
 
 @dataclass
@@ -140,6 +143,7 @@ class CudaIpcWeightTransferEngine(
     def init_transfer_engine(self, init_info: CudaIpcInitInfo) -> None:
         self.loader.allow_fallback = init_info.allow_fallback
         self.loader.copy_impl = init_info.copy_impl
+        self.loader.checksum_impl = init_info.checksum_impl
 
     def set_weight_update_target(self, model: torch.nn.Module, model_config: Any) -> None:
         super().set_weight_update_target(model, model_config)

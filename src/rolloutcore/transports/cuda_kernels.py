@@ -39,8 +39,9 @@ import torch
 
 __all__ = [
     "CHECKSUM_COLS", "COPY_WORDS", "CSUM_KERNEL", "CSUM_KERNELS", "CSUM_PER_SM", "CSUM_ROWS",
-    "CSUM_WARPS", "W_ADD", "W_MUL", "MultiCopy", "available",
-    "block_checksum_rows", "multi_copy",
+    "CSUM_WARPS", "W_ADD", "W_MUL", "MultiChecksum", "MultiCopy", "available",
+    "block_checksum_device", "block_shape", "forget_programs",
+    "multi_copy",
 ]
 
 #: int32 words per checksum block (512 bytes).
@@ -109,7 +110,7 @@ def _kernels() -> Any:
         from . import _triton_kernels as tk
 
         k = _built[key] = {"csum": tk.csum_kernel, "csum_loop": tk.csum_loop_kernel,
-                           "copy": tk.copy_kernel}
+                           "csum_small": tk.csum_small_kernel, "copy": tk.copy_kernel}
         return k
 
 
@@ -124,22 +125,6 @@ def _words(t: torch.Tensor) -> tuple[int, int]:
         raise ValueError("multi-tensor kernels need contiguous, 16-byte aligned tensors "
                          "whose size is a multiple of 16 bytes")
     return t.data_ptr(), nb // 4
-
-
-_tables: dict[tuple[Any, ...], tuple[torch.Tensor, ...]] = {}
-
-
-def _table(key: tuple[Any, ...], build: Any) -> tuple[torch.Tensor, ...]:
-    """Argument tensors for one layout, built once (an update repeats its layout)."""
-    with _lock:
-        v = _tables.get(key)
-    if v is None:
-        v = build()
-        with _lock:
-            if len(_tables) >= 8:
-                _tables.clear()
-            _tables[key] = v
-    return v
 
 
 def _items(lengths: Sequence[int], per: int, device: torch.device
@@ -163,57 +148,132 @@ def _flat32(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8).view(torch.int32)
 
 
-def block_checksum_rows(tensors: Sequence[torch.Tensor], first_rows: Sequence[int]
-                        ) -> list[int]:
-    """Checksums of tensors made of whole 128-word blocks, one launch.
+def block_shape(nbytes: int) -> tuple[int, int]:
+    """(blocks, words per block) of a tensor of ``nbytes``: 128-word blocks, or the
+    widest power of two that divides its word count (the checksum's definition)."""
+    n32 = nbytes // 4
+    c = CHECKSUM_COLS
+    while c > 1 and n32 % c:
+        c //= 2
+    return n32 // c, c
+
+
+class MultiChecksum:
+    """The block checksum of a fixed list of tensors: checked once, launched many times.
 
     ``first_rows[i]`` is the global position of tensor ``i``'s first block
-    (the weights depend on it). Every tensor must be contiguous, 4-byte
-    aligned, on one device, with a word count that is a multiple of 128.
+    (default: the running sum, as ``cuda_ipc.block_checksum`` defines it).
+    Tensors of whole 128-word blocks, 16-byte aligned, go to one vectorized
+    launch; the rest (4-byte aligned) to a second, small one. ``run`` queues
+    the work on the current stream and returns the per-tensor values as an
+    int64 device tensor without waiting: all the per-tensor CPU work
+    (pointers, shapes, work tables) was done here, once. The tensors are
+    held, so their memory stays valid while this object lives.
     """
-    if not tensors:
-        return []
-    device = tensors[0].device
-    ptrs, rows = [], []
-    for t in tensors:
-        if t.device != device:
-            raise ValueError("tensors are on different devices")
-        p, w = _words(t)
-        if w % CHECKSUM_COLS:
-            raise ValueError("tensor is not a whole number of 512-byte blocks")
-        ptrs.append(p)
-        rows.append(w // CHECKSUM_COLS)
-    kern = _kernels()
-    if CSUM_KERNEL not in CSUM_KERNELS:
-        raise ValueError(f"CSUM_KERNEL must be one of {CSUM_KERNELS}, got {CSUM_KERNEL!r}")
-    first = tuple(int(r) for r in first_rows)
-    if len(first) != len(tensors):
-        raise ValueError("one first row per tensor")
-    i64 = torch.int64
 
-    def build() -> tuple[torch.Tensor, ...]:
-        item_t, item_r = _items(rows, CSUM_ROWS, device)
-        return (torch.tensor([(p - ptrs[0]) // 4 for p in ptrs], dtype=i64, device=device),
-                torch.tensor(rows, dtype=i64, device=device),
-                torch.tensor(first, dtype=i64, device=device), item_t, item_r)
-
-    offs, nrows, grow0, item_t, item_r = _table(
-        ("csum", CSUM_ROWS, str(device), tuple(ptrs), tuple(rows), first), build)
-    n_items = int(item_t.numel())
-    per = torch.zeros(len(tensors), dtype=i64, device=device)
-    if n_items:
-        out = torch.empty(n_items, dtype=i64, device=device)
-        flat = CSUM_KERNEL.startswith("flat")
-        args = (_flat32(tensors[0]), offs, nrows, grow0, item_t, item_r, out)
-        consts = dict(R=CSUM_ROWS, C=CHECKSUM_COLS, W_MUL=W_MUL, W_ADD=W_ADD, FLAT=flat,
-                      num_warps=CSUM_WARPS)
-        if CSUM_KERNEL.endswith("-loop"):
-            grid = min(n_items, _programs(device))
-            kern["csum_loop"][(grid,)](*args, n_items, **consts)
+    def __init__(self, tensors: Sequence[torch.Tensor],
+                 first_rows: Sequence[int] | None = None) -> None:
+        if not tensors:
+            raise ValueError("nothing to hash")
+        device = tensors[0].device
+        shapes = []
+        for t in tensors:
+            if t.device != device:
+                raise ValueError("tensors are on different devices")
+            if not t.is_contiguous() or t.data_ptr() % 4 or t.numel() * t.element_size() % 4:
+                raise ValueError("the checksum kernels need contiguous, 4-byte aligned "
+                                 "tensors of whole 4-byte words")
+            shapes.append(block_shape(t.numel() * t.element_size()))
+        if first_rows is None:
+            first, start = [], 0
+            for r, _ in shapes:
+                first.append(start)
+                start += r
         else:
-            kern["csum"][(n_items,)](*args, **consts)
-        per.index_add_(0, item_t, out[:n_items])
-    return [int(x) for x in per.tolist()]
+            first = [int(r) for r in first_rows]
+            if len(first) != len(tensors):
+                raise ValueError("one first row per tensor")
+        self.device = device
+        self.n = len(tensors)
+        self.kernel, self.rows_per_item, self.warps = CSUM_KERNEL, CSUM_ROWS, CSUM_WARPS
+        if self.kernel not in CSUM_KERNELS:
+            raise ValueError(f"CSUM_KERNEL must be one of {CSUM_KERNELS}, got {self.kernel!r}")
+        i64 = torch.int64
+        main = [i for i, (t, (r, c)) in enumerate(zip(tensors, shapes, strict=True))
+                if r and c == CHECKSUM_COLS and t.data_ptr() % 16 == 0]
+        mset = set(main)
+        small = [i for i, (r, _) in enumerate(shapes) if r and i not in mset]
+        self._held = list(tensors)
+        self._launches: list[tuple[str, torch.Tensor, tuple[torch.Tensor, ...],
+                                   torch.Tensor, torch.Tensor]] = []
+        for name, idx in (("main", main), ("small", small)):
+            if not idx:
+                continue
+            ptrs = [tensors[i].data_ptr() for i in idx]
+            rows = [shapes[i][0] for i in idx]
+            per = self.rows_per_item if name == "main" else 16
+            item_t, item_r = _items(rows, per, device)
+            table = [torch.tensor([(p - ptrs[0]) // 4 for p in ptrs], dtype=i64, device=device),
+                     torch.tensor(rows, dtype=i64, device=device)]
+            if name == "small":
+                table.append(torch.tensor([shapes[i][1] for i in idx], dtype=i64,
+                                          device=device))
+            table += [torch.tensor([first[i] for i in idx], dtype=i64, device=device),
+                      item_t, item_r]
+            owner = torch.tensor(idx, dtype=i64, device=device)[item_t]
+            out = torch.empty(int(item_t.numel()), dtype=i64, device=device)
+            self._launches.append((name, _flat32(tensors[idx[0]]), tuple(table), out, owner))
+        self.items = sum(int(x[3].numel()) for x in self._launches)
+
+    def run(self) -> torch.Tensor:
+        kern = _kernels()
+        per = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        for name, base, table, out, owner in self._launches:
+            n_items = int(out.numel())
+            if name == "small":
+                kern["csum_small"][(n_items,)](base, *table, out, R=16, C=CHECKSUM_COLS,
+                                               W_MUL=W_MUL, W_ADD=W_ADD, num_warps=4)
+            elif self.kernel.endswith("-loop"):
+                kern["csum_loop"][(min(n_items, _programs(self.device)),)](
+                    base, *table, out, n_items, R=self.rows_per_item, C=CHECKSUM_COLS,
+                    W_MUL=W_MUL, W_ADD=W_ADD, FLAT=self.kernel.startswith("flat"),
+                    num_warps=self.warps)
+            else:
+                kern["csum"][(n_items,)](
+                    base, *table, out, R=self.rows_per_item, C=CHECKSUM_COLS,
+                    W_MUL=W_MUL, W_ADD=W_ADD, FLAT=self.kernel.startswith("flat"),
+                    num_warps=self.warps)
+            per.index_add_(0, owner, out)
+        return per
+
+
+_programs_cache: dict[tuple[int, ...], MultiChecksum] = {}
+
+
+def forget_programs() -> None:
+    """Drop the prepared checksum programs (and with them their hold on memory)."""
+    with _lock:
+        _programs_cache.clear()
+
+
+def block_checksum_device(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``MultiChecksum(tensors).run()``, the prepared program reused for the same tensors.
+
+    Keyed by every tensor's address and size and the kernel settings, so a
+    new list of the same memory (a parameter walk, an update's slices) costs
+    one dictionary lookup, not a new work table.
+    """
+    key = (CSUM_ROWS, CSUM_WARPS, CSUM_KERNELS.index(CSUM_KERNEL),
+           *(x for t in tensors for x in (t.data_ptr(), t.numel() * t.element_size())))
+    with _lock:
+        prog = _programs_cache.get(key)
+    if prog is None or prog.device != tensors[0].device:
+        prog = MultiChecksum(tensors)
+        with _lock:
+            if len(_programs_cache) >= 4:  # it holds its tensors: keep few
+                _programs_cache.clear()
+            _programs_cache[key] = prog
+    return prog.run()
 
 
 class MultiCopy:
