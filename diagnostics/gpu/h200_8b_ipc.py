@@ -332,14 +332,22 @@ def main() -> int:
         R["kernel_tiles"] = sweep
         sweep["checksum_torch_s"] = gpu_time(lambda: packed.checksum("torch"))
         ref_sum = packed.checksum("torch")
-        for rows in (32, 64, 128, 256, 512):
-            ck.CSUM_ROWS = rows
-            if packed.checksum("kernel") != ref_sum:
-                sweep["checksum_s"][rows] = "disagrees"
-                continue
-            sweep["checksum_s"][rows] = gpu_time(lambda: packed.checksum("kernel"))
+        # Kernel form x rows per program x warps (results/gpu/csum-bench.json swept
+        # more; these are its front runners).
+        for form in ("flat", "2d", "flat-loop"):
+            for rows in (64, 128):
+                for warps in (8, 16):
+                    ck.CSUM_KERNEL, ck.CSUM_ROWS, ck.CSUM_WARPS = form, rows, warps
+                    key = f"{form}/{rows}/{warps}"
+                    if packed.checksum("kernel") != ref_sum:
+                        sweep["checksum_s"][key] = "disagrees"
+                        continue
+                    sweep["checksum_s"][key] = gpu_time(lambda: packed.checksum("kernel"))
         ok_rows = {k: v for k, v in sweep["checksum_s"].items() if isinstance(v, float)}
-        ck.CSUM_ROWS = min(ok_rows, key=lambda k: ok_rows[k]) if ok_rows else 128
+        best = min(ok_rows, key=lambda k: ok_rows[k]) if ok_rows else "flat/64/8"
+        form, rows_s, warps_s = best.split("/")
+        ck.CSUM_KERNEL, ck.CSUM_ROWS, ck.CSUM_WARPS = form, int(rows_s), int(warps_s)
+        ck.forget_programs()
         scratch = torch.empty_like(packed.buffer)
         dv = [scratch[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
         sv = [packed.buffer[e.offset_bytes:e.offset_bytes + e.nbytes] for e in packed.entries]
@@ -352,6 +360,8 @@ def main() -> int:
         scratch, dv, sv, mc = torch.empty(0), [], [], None  # free the 16 GB scratch
         torch.cuda.empty_cache()
         sweep["chosen"] = {"RC_CUDA_IPC_CSUM_ROWS": ck.CSUM_ROWS,
+                           "RC_CUDA_IPC_CSUM_KERNEL": ck.CSUM_KERNEL,
+                           "RC_CUDA_IPC_CSUM_WARPS": ck.CSUM_WARPS,
                            "RC_CUDA_IPC_COPY_WORDS": ck.COPY_WORDS}
         log(f"kernel tiles: {sweep}")
 
@@ -651,6 +661,36 @@ def main() -> int:
             fill(packed, 1 if seed == 2 else 2)
             http.bare_cycle(body)
             state["seed"] = 1 if seed == 2 else 2
+        # Ablations, after the headline reps and reported beside them (the headline
+        # configuration is the default one: the transport check starts when the
+        # transfer returns, beside the cache reset; no hashing inside the finish).
+        R["benchmark_config"] = {
+            "early_transport_check": getattr(adapter, "early_transport_check", None),
+            "hash_at_finish": transport.hash_at_finish,
+            "checksum_impl": transport.checksum_impl, "copy_impl": transport.copy_impl}
+        ablations: dict[str, Any] = {}
+        if hasattr(adapter, "early_transport_check"):
+            for name, early, at_finish in (("check_inside_validation", False, False),
+                                           ("hash_at_finish", True, True)):
+                adapter.early_transport_check, transport.hash_at_finish = early, at_finish
+                runs = []
+                for _ in range(max(3, args.reps // 2)):
+                    seed = 1 if state["seed"] == 2 else 2
+                    o = transition(seed)
+                    if o.published is None:
+                        raise RuntimeError(f"{name}: transition not published: {o.state}")
+                    runs.append({"total_s": o.total_s, "breakdown": o.breakdown(),
+                                 "finish_s": transport.last_timings.finish_s})
+                ablations[name] = {
+                    "early_transport_check": early, "hash_at_finish": at_finish,
+                    "hot_s": med([r["total_s"] for r in runs]),
+                    "phase_medians_s": {k: med([r["breakdown"][k] for r in runs])
+                                        for k in runs[0]["breakdown"]},
+                    "finish_s": med([r["finish_s"] for r in runs]), "runs": runs}
+                log(f"ablation {name}: hot {ablations[name]['hot_s']:.4f}s")
+            adapter.early_transport_check = R["benchmark_config"]["early_transport_check"]
+            transport.hash_at_finish = R["benchmark_config"]["hash_at_finish"]
+        R["ablations"] = ablations
         hot_s = med([h["total_s"] for h in hot])
         bare_s = med([b["total"] for b in bare])
         upd = med([h["transport"]["update_s"] for h in hot])
@@ -873,6 +913,11 @@ def table(R: dict[str, Any]) -> str:
                      f" s, by reference {_f(ic.get('by_reference_update_s'), '.4f')} s")
     if ic.get("checksum"):
         lines.append(f"checksum: {json.dumps(ic['checksum'])}")
+    for name, a in (R.get("ablations") or {}).items():
+        lines.append(f"ablation {name}: hot {_f(a.get('hot_s'), '.4f')} s, finish "
+                     f"{_f(a.get('finish_s'), '.4f')} s, phases " + ", ".join(
+                         f"{k} {v:.4f}" for k, v in a.get("phase_medians_s", {}).items()
+                         if v is not None))
     if R.get("d2d_kernel_copy_gbps"):
         lines.append(f"d2d in one process: memcpy {_f(R.get('d2d_copy_gbps'), '.0f')} GB/s, "
                      f"one-launch kernel over the 399 tensors "

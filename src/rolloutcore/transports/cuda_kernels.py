@@ -5,10 +5,12 @@ Why they exist. On the H200 (vLLM 0.26, Qwen3-8B shapes, 399 tensors,
 waiting on the CPU (views rebuilt, one launch per tensor): 11-15 ms of GPU
 time for copies that take 8.9 ms back to back. ``MultiCopy`` is one launch
 over a work table of (tensor, chunk) items built once per layout: 9.8 ms
-(results/gpu/h200-8b-ipc.json ``impl_compare``). The block checksum kernel
-gives the torch definition's values bit for bit but measured slower than
-torch's per-tensor reductions there (16-24 ms vs 12-14 ms for 16 GB, at any
-tile size), so ``cuda_ipc.block_checksum`` uses it only when asked.
+(results/gpu/h200-8b-ipc.json ``impl_compare``). ``MultiChecksum`` hashes
+the same 16.4 GB in 4.2 ms (3.9 TB/s; a plain read is 3.75 ms) where torch's
+per-tensor reductions take 10-11 ms, most of it launching ~1,600 small
+kernels from Python (results/gpu/csum-bench.json, every form and tile size;
+an earlier measurement that had the kernel slower was timing a quadratic
+Python loop after it).
 
 Addressing: every tensor is reached as ``base + offset`` in elements, where
 ``base`` is the first tensor of the call and ``offset`` the difference of
@@ -64,14 +66,14 @@ def _tile(env: str, default: int, lo: int, hi: int) -> int:
 
 #: 512-byte blocks per checksum program, int32 words per copy program; a
 #: program streams one tile. Tunable per process (the H200 diagnostics sweep them).
-CSUM_ROWS = _tile("RC_CUDA_IPC_CSUM_ROWS", 128, 16, 1024)
+CSUM_ROWS = _tile("RC_CUDA_IPC_CSUM_ROWS", 64, 16, 1024)
 COPY_WORDS = _tile("RC_CUDA_IPC_COPY_WORDS", 16384, 1024, 65536)
 CSUM_WARPS = _tile("RC_CUDA_IPC_CSUM_WARPS", 8, 1, 32)
 #: How the checksum kernel reads a tile: ``2d`` (rows of blocks), ``flat`` (one
 #: run of words, the copy kernel's pattern), and each of them as persistent
 #: programs walking the work table (``2d-loop``, ``flat-loop``). Same values.
 CSUM_KERNELS = ("2d", "flat", "2d-loop", "flat-loop")
-CSUM_KERNEL = os.environ.get("RC_CUDA_IPC_CSUM_KERNEL", "2d")
+CSUM_KERNEL = os.environ.get("RC_CUDA_IPC_CSUM_KERNEL", "flat")
 if CSUM_KERNEL not in CSUM_KERNELS:
     raise ValueError(f"RC_CUDA_IPC_CSUM_KERNEL must be one of {CSUM_KERNELS}, "
                      f"got {CSUM_KERNEL!r}")
