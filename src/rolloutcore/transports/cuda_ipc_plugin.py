@@ -175,6 +175,8 @@ class CudaIpcWeightTransferEngine(
     def receive_weights(self, update_info: CudaIpcUpdateInfo) -> None:
         msg = update_info.message
         self._hash_at_finish = update_info.hash_at_finish
+        self.loader.stats.pop("prefetched", None)  # per update: set again at finish
+        self.loader.stats.pop("prefetch_error", None)
         t0 = time.monotonic()
         bufs = [self._map(b) for b in msg.buffers]
         map_s = time.monotonic() - t0
