@@ -161,7 +161,7 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
     and forwards over loopback to a real HTTP server (uvicorn, in another
     thread) that answers a fixed body at once. The same upstream is then
     asked the same number of times by the gateway's upstream client alone
-    (aiohttp, the same settings). Both are this thread's CPU time only, so
+    (``rolloutcore.service.upstream``, the same pool). Both are this thread's CPU time only, so
     the upstream server's work is not in either; the difference is the
     gateway's own code: validation, admission, binding, version splice,
     release, metrics. Medians of ``repeats`` runs.
@@ -233,15 +233,10 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
         gw: list[float] = []
         cl: list[float] = []
         async with app.router.lifespan_context(app):
-            data = app.state.gateway.data
-            session = data.upstream
-            url = data._urls["/inference/v1/generate"]
-            hdrs = {"Content-Type": "application/json", "Accept-Encoding": "identity",
-                    "X-Request-Id": "r-1"}
+            pool = app.state.gateway.data.upstream
 
             async def client_only() -> None:
-                resp = await session.post(url, data=body, allow_redirects=False,
-                                          headers=hdrs)
+                resp = await pool.post(b"/inference/v1/generate", body, b"r-1")
                 await resp.read()
                 resp.release()
 
@@ -478,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"p50_added_ms": "< 1", "throughput_ratio": ">= 0.95"},
         "machine": _machine(),
         "versions": _versions(),
-        "upstream_client": "aiohttp",
+        "upstream_client": "rolloutcore.service.upstream (httptools)",
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "gateway_command": " ".join(shlex.quote(a) for a in gw_cmd),
         "gateway_src": args.gateway_src,

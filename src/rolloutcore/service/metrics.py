@@ -84,21 +84,23 @@ class ServiceMetrics:
         # Pre-create the label sets people alert on, so they read 0 rather than absent.
         for s in State:
             self.state.labels(s.value).set(0)
-        for res in ("accepted", "refused"):
-            self.admissions.labels(res)
+        # Children of the per-request series, looked up once (``labels()``
+        # builds a key and takes a lock on every call).
+        self._accepted = self.admissions.labels("accepted")
+        self._refused = self.admissions.labels("refused")
         for out in ("published", "no_mutation", "ambiguous", "lease_expired"):
             self.updates.labels(out)
 
     # ---------------------------------------------------------------- feeding
     def listener(self, kind: str, data: dict[str, Any]) -> None:
         """Controller listener: runs under the controller's lock, so it stays O(1)."""
-        if kind == "transition":
+        if kind == "admit":
+            self._accepted.inc()
+        elif kind == "transition":
             self.transitions.labels(data["from"], data["to"], data["event"]).inc()
             self.state_seconds.labels(data["from"]).observe(float(data["duration_s"]))
-        elif kind == "admit":
-            self.admissions.labels("accepted").inc()
         elif kind == "refuse":
-            self.admissions.labels("refused").inc()
+            self._refused.inc()
 
     def observe_update(self, outcome: str, phases: dict[str, float]) -> None:
         self.updates.labels(outcome).inc()

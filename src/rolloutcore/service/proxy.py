@@ -3,7 +3,7 @@
 Every request is a rollout of the lifecycle controller::
 
     read + validate body -> admit (bound to the committed version)
-        -> forward to vLLM (aiohttp, streaming or not) -> relay the answer
+        -> forward to vLLM (streaming or not) -> relay the answer
         -> release the binding (always: finished, client gone, upstream broken)
 
 The binding is what makes a response attributable: admission happens only in
@@ -22,11 +22,11 @@ it, and its binding released, so a drain is never held up by a dead client.
 
 This module is a plain ASGI application rather than Starlette endpoints: the
 gateway's added latency is its main cost, and the request/response wrappers
-are not needed to move bytes. For the same reason the upstream client is
-aiohttp's (vLLM's own HTTP client library): measured against a real vLLM at
-eight requests in flight it spent about a quarter of the CPU per request of
-httpx's pooled transport, whose pool re-checks every idle connection on each
-request (docs/service.md, "What the gateway costs").
+are not needed to move bytes. For the same reason the upstream client is the
+gateway's own (``upstream``: a keep-alive pool to the one vLLM, answers
+parsed by httptools): measured against a real vLLM it spends well under
+half the CPU per request of aiohttp's, which was the largest share of the
+gateway's cost (docs/service.md, "What the gateway costs").
 """
 
 from __future__ import annotations
@@ -35,22 +35,21 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import anyio
-from yarl import URL
 
 from ..errors import AdmissionRefused, BadInput, InvalidTransition
 from ..lifecycle import Binding, LifecycleController, State
 from .auth import check_bearer
 from .config import ServiceConfig
 from .metrics import ServiceMetrics
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = [
     "BODY_FIELD",
@@ -102,8 +101,16 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
             raise BadInput("Content-Length is not an integer") from None
         if declared > limit:
             raise _TooLarge
-    chunks: list[bytes] = []
-    n = 0
+    msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise _ClientGone
+    body = msg.get("body", b"")
+    if len(body) > limit:
+        raise _TooLarge
+    if not msg.get("more_body", False):  # the usual case: the whole body at once
+        return bytes(body)
+    chunks = [body]
+    n = len(body)
     while True:
         msg = await receive()
         if msg["type"] == "http.disconnect":
@@ -117,11 +124,16 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
             return b"".join(chunks)
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
+_WANTED = frozenset({b"authorization", b"content-type", b"content-length", _ROLLOUT_HEADER_B})
+
+
+def _headers_of_interest(scope: Scope) -> dict[bytes, bytes]:
+    """The request headers the data plane reads, first occurrence of each, in one pass."""
+    out: dict[bytes, bytes] = {}
     for k, v in scope["headers"]:
-        if k == name:
-            return bytes(v)
-    return None
+        if k in _WANTED and k not in out:
+            out[k] = bytes(v)
+    return out
 
 
 async def send_json(send: Send, status: int, obj: Any,
@@ -141,7 +153,7 @@ def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, 
     return out
 
 
-@dataclass
+@dataclass(slots=True)
 class FinishedRequest:
     """What the data plane saw of one request, handed to the optional recorder."""
 
@@ -245,7 +257,7 @@ class _SseRelay:
 class _VersionView:
     """A version's answer decorations: body field (less the rollout id) and headers."""
 
-    __slots__ = ("headers", "identity", "info", "version")
+    __slots__ = ("headers", "identity", "info", "info_head", "version")
 
     def __init__(self, b: Binding) -> None:
         self.version = b.version
@@ -254,6 +266,10 @@ class _VersionView:
         self.info: dict[str, Any] = {
             "version": b.version.label, "generation": b.version.generation,
             "engine_epoch": b.version.engine_epoch, "identity_digest": digest}
+        # The serialized body field up to the rollout id, which is all that
+        # differs between this version's answers (ids match _ROLLOUT_ID: no
+        # character needs escaping in JSON).
+        self.info_head = _dumps({**self.info, "rollout_id": ""})[:-2]
         self.headers = ((VERSION_HEADER.encode(), b.version.label.encode()),
                         (GENERATION_HEADER.encode(), str(b.version.generation).encode()),
                         (IDENTITY_HEADER.encode(), digest.encode()))
@@ -269,8 +285,8 @@ class DataPlane:
         self.config = config
         self.metrics = metrics
         self._on_finished = on_finished
-        self.upstream: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}
+        self.upstream: UpstreamPool | None = None
+        self._paths = {r: r.encode() for r in DATA_ROUTES}
         self._vview: _VersionView | None = None
         # Metric children, looked up once (``labels()`` hashes and locks).
         self._requests: dict[tuple[str, int], Any] = {}
@@ -287,26 +303,20 @@ class DataPlane:
         cfg = self.config
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
-        # One pool towards one fixed origin (TCP_NODELAY is aiohttp's default).
-        # Deadlines: ``sock_connect`` for a new connection, ``connect`` for
-        # waiting on the pool as well, ``sock_read`` for the longest silence
-        # while the answer is read. Idle connections are dropped before vLLM's
-        # own keep-alive (5 s) would, so a request is never written into a
-        # connection the server is closing (a POST is not retried).
-        # No cookie jar: answers for one client must not leak into another's.
-        self.upstream = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=cfg.upstream_max_connections,
-                                           keepalive_timeout=cfg.upstream_keepalive_s),
-            timeout=aiohttp.ClientTimeout(total=None, connect=cfg.upstream_read_s,
-                                          sock_connect=cfg.upstream_connect_s,
-                                          sock_read=cfg.upstream_read_s),
-            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
-            skip_auto_headers=("User-Agent", "Accept"))
-        self._urls = {r: URL(cfg.upstream_url + r) for r in DATA_ROUTES}
+        # One pool towards one fixed origin. Deadlines: ``connect_s`` for a new
+        # connection, ``pool_s`` for waiting on a full pool, ``read_s`` for
+        # the longest silence while the answer is read. Idle connections are
+        # dropped before vLLM's own keep-alive (5 s) would, so a request is
+        # never written into a connection the server is closing (a POST is
+        # not retried). No cookies, no redirects, no decompression.
+        self.upstream = UpstreamPool(
+            cfg.upstream_url, max_connections=cfg.upstream_max_connections,
+            connect_s=cfg.upstream_connect_s, pool_s=cfg.upstream_read_s,
+            read_s=cfg.upstream_read_s, keepalive_s=cfg.upstream_keepalive_s)
 
     async def aclose(self) -> None:
         if self.upstream is not None:
-            await self.upstream.close()
+            await self.upstream.aclose()
             self.upstream = None
 
     @property
@@ -375,6 +385,10 @@ class DataPlane:
         """The ``rolloutcore`` body field of ``b``'s answer."""
         return {**self._view(b).info, "rollout_id": b.rollout_id}
 
+    def info_json(self, b: Binding) -> bytes:
+        """``info(b)`` serialized (the same bytes ``json.dumps`` makes of it)."""
+        return self._view(b).info_head + b.rollout_id.encode() + b'"}'
+
     def version_headers(self, b: Binding) -> list[tuple[bytes, bytes]]:
         return [*self._view(b).headers, (_ROLLOUT_HEADER_B, b.rollout_id.encode())]
 
@@ -397,20 +411,21 @@ class DataPlane:
             await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
                             [(b"allow", b"POST")])
             return 405
-        auth = check_bearer(_header(scope, b"authorization"), cfg.data_token)
+        hdrs = _headers_of_interest(scope)
+        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
             assert auth.status is not None
             await send_json(send, auth.status, error_body(auth.status, auth.reason,
                                                           "Unauthorized"),
                             [(b"www-authenticate", b"Bearer")])
             return auth.status
-        ctype = _header(scope, b"content-type") or b""
+        ctype = hdrs.get(b"content-type", b"")
         if ctype.split(b";")[0].strip().lower() != b"application/json":
             await send_json(send, 415, error_body(415, "Content-Type must be application/json",
                                                   "UnsupportedMediaType"))
             return 415
         try:
-            raw = await read_body(receive, cfg.max_body_bytes, _header(scope, b"content-length"))
+            raw = await read_body(receive, cfg.max_body_bytes, hdrs.get(b"content-length"))
         except _TooLarge:
             await send_json(send, 413, error_body(
                 413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"))
@@ -424,8 +439,10 @@ class DataPlane:
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
-        rid_h = _header(scope, ROLLOUT_HEADER.encode())
-        rid = rid_h.decode("latin-1") if rid_h is not None else f"r-{uuid.uuid4().hex}"
+        rid_h = hdrs.get(_ROLLOUT_HEADER_B)
+        # 128 random bits, the same "r-" + 32 hex digits a uuid4 gave, without
+        # the UUID object.
+        rid = rid_h.decode("latin-1") if rid_h is not None else f"r-{os.urandom(16).hex()}"
         if not _ROLLOUT_ID.match(rid):
             await send_json(send, 400, error_body(
                 400, f"{ROLLOUT_HEADER} must match {_ROLLOUT_ID.pattern}", "BadRequest"))
@@ -433,12 +450,12 @@ class DataPlane:
         try:
             binding = await self._admit(rid)
         except AdmissionRefused as exc:
-            hdrs = []
+            retry = []
             if exc.retry_after_s is not None:
-                hdrs.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
+                retry.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
             await send_json(send, 503, error_body(503, str(exc), "ServiceUnavailable",
                                                   state=exc.state,
-                                                  retry_after_s=exc.retry_after_s), hdrs)
+                                                  retry_after_s=exc.retry_after_s), retry)
             return 503
         except BadInput as exc:  # the rollout id is already active
             await send_json(send, 409, error_body(409, str(exc), "Conflict"))
@@ -519,40 +536,43 @@ class DataPlane:
         upstream = self.upstream
         if upstream is None:
             raise RuntimeError("data plane not started")
-        info = self.info(binding)
         vh = self.version_headers(binding)
         try:
-            resp = await upstream.post(
-                self._urls[route], data=raw, allow_redirects=False,
-                headers={"Content-Type": "application/json", "Accept-Encoding": "identity",
-                         "X-Request-Id": binding.rollout_id})
-        except TimeoutError as exc:  # aiohttp's connect/read timeouts are TimeoutErrors
+            resp = await upstream.post(self._paths[route], raw, binding.rollout_id.encode())
+        except TimeoutError as exc:
             fin.status = 504
             self._finishing(state, fin)
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
-                                                  "UpstreamTimeout", **info), vh)
+                                                  "UpstreamTimeout", **self.info(binding)), vh)
             return
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             fin.status = 502
             self._finishing(state, fin)
             await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
-                                                  "UpstreamError", **info), vh)
+                                                  "UpstreamError", **self.info(binding)),
+                            vh)
             return
         try:
             headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
             fin.status = resp.status
             if resp.content_type == "text/event-stream":
-                await self._relay_stream(send, resp, headers + vh, info, fin, state)
+                await self._relay_stream(send, resp, headers + vh, self.info(binding), fin,
+                                         state)
             else:
                 try:
                     body = await resp.read()
-                except (aiohttp.ClientError, TimeoutError) as exc:
+                except (UpstreamError, TimeoutError) as exc:
                     fin.status = 502
                     self._finishing(state, fin)
                     await send_json(send, 502, error_body(
-                        502, f"vLLM answer broke off: {exc!r}", "UpstreamError", **info), vh)
+                        502, f"vLLM answer broke off: {exc!r}", "UpstreamError",
+                        **self.info(binding)), vh)
                     return
-                body, obj = _inject_json(body, info, parse=self._on_finished is not None)
+                if self._on_finished is None:
+                    out = splice_field(body, self.info_json(binding))
+                    body, obj = (body if out is None else out), None
+                else:
+                    body, obj = _inject_json(body, self.info(binding))
                 fin.response = obj
                 fin.ending = "complete"
                 headers = headers + vh + [(b"content-length", str(len(body)).encode())]
@@ -569,7 +589,7 @@ class DataPlane:
             else:
                 resp.close()
 
-    async def _relay_stream(self, send: Send, resp: aiohttp.ClientResponse,
+    async def _relay_stream(self, send: Send, resp: UpstreamResponse,
                             headers: list[tuple[bytes, bytes]], info: dict[str, Any],
                             fin: FinishedRequest, state: dict[str, bool]) -> None:
         sse = _SseRelay(info, collect=self._on_finished is not None)
@@ -577,11 +597,11 @@ class DataPlane:
                     "headers": headers})
         error: str | None = None
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_any():
                 out = sse.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             error = f"vLLM stream broke off: {exc!r}"
         tail = sse.flush()
         if error is None and not sse.complete:
@@ -632,11 +652,8 @@ def splice_field(obj: bytes, value: bytes) -> bytes | None:
     return head + sep + b'"' + BODY_FIELD.encode() + b'":' + value + b"}"
 
 
-def _inject_json(body: bytes, info: dict[str, Any], *,
-                 parse: bool) -> tuple[bytes, dict[str, Any] | None]:
-    if not parse:
-        out = splice_field(body, _dumps(info))
-        return (body if out is None else out), None
+def _inject_json(body: bytes, info: dict[str, Any]) -> tuple[bytes, dict[str, Any] | None]:
+    """Parse, add the field and re-serialize (for the recorder, which keeps the parsed answer)."""
     try:
         obj = json.loads(body)
     except (ValueError, UnicodeDecodeError):

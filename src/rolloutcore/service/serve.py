@@ -16,6 +16,7 @@ non-loopback bind without a given token, bad limits, a missing checkpoint.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -149,7 +150,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rolloutcore-serve-"))
     engine: Any = None
-    journal = Journal(args.journal)
+    # Without --journal nothing would read the records, and a Journal keeps
+    # every record in memory (two per data-plane request): none at all then.
+    journal = Journal(args.journal) if args.journal else None
     adapter: Any = None
     recorder: Any = None
     try:
@@ -176,9 +179,10 @@ def run_serve(args: argparse.Namespace) -> int:
             str(model_dir.resolve()), "", args.step), source.content_digest())
         adapter = VllmAdapter(VllmHTTP(url), None, engine_epoch=epoch,
                               drain_timeout_s=args.drain_timeout_s)
-        controller = LifecycleController(listener=journal.listener)
+        controller = LifecycleController(
+            listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
-                                 record=journal.write)
+                                 record=None if journal is None else journal.write)
         runner.bootstrap(identity)
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
@@ -209,8 +213,17 @@ def run_serve(args: argparse.Namespace) -> int:
         # with the default SIGTERM disposition that kills the process before
         # the engine below is stopped. Turned into SystemExit, cleanup runs.
         signal.signal(signal.SIGTERM, _exit_on_signal)
+        # The data path's per-request CPU is the gateway's added latency
+        # (docs/service.md, "What the gateway costs"): no access log (uvicorn
+        # formats its arguments even when INFO is filtered out) and no
+        # X-Forwarded-* rewriting (nothing here reads the client address).
+        # Everything allocated so far (modules, app, identity) is moved out of
+        # the collector's reach, so a full collection scans only what requests
+        # leave behind.
+        gc.collect()
+        gc.freeze()
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    timeout_graceful_shutdown=10)
+                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10)
         return 0
     finally:
         if recorder is not None:
@@ -219,7 +232,8 @@ def run_serve(args: argparse.Namespace) -> int:
             adapter.close()
         if engine is not None:
             engine.stop()
-        journal.close()
+        if journal is not None:
+            journal.close()
 
 
 def main(argv: list[str] | None = None) -> int:
