@@ -150,6 +150,42 @@ async def test_chunked_stream_is_yielded_as_it_comes() -> None:
         await p.aclose()
 
 
+async def test_large_answers_arrive_whole_read_or_streamed_slowly() -> None:
+    blob = bytes(range(256)) * (4 * 4096)  # 4 MiB: past the 1 MiB at which reading pauses
+
+    async def big(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        w.write(b"HTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n")
+        if len(s.requests) == 1:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n" % len(blob))
+            w.write(blob)
+        else:
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n")
+            for i in range(0, len(blob), 1 << 16):
+                part = blob[i:i + (1 << 16)]
+                w.write(b"%x\r\n%s\r\n" % (len(part), part))
+            w.write(b"0\r\n\r\n")
+        await w.drain()
+
+    async with Server(big) as s:
+        p = pool(s.url)
+        resp = await p.post(b"/x", b"{}", b"r")
+        assert resp.status == 200 and resp.content_type == "application/json"
+        assert all(k != b"link" for k, _ in resp.raw_headers)  # the 1xx's are not the answer's
+        assert await resp.read() == blob
+        resp.release()
+        resp = await p.post(b"/x", b"{}", b"r")
+        got = []
+        async for chunk in resp.iter_any():
+            got.append(chunk)
+            await asyncio.sleep(0.001)  # a slow client
+        assert b"".join(got) == blob
+        resp.release()
+        assert s.connections == 1
+        await p.aclose()
+
+
 async def test_answer_without_length_ends_at_eof_and_is_not_reused() -> None:
     async def until_eof(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
         w.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")

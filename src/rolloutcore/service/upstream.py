@@ -68,7 +68,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         resp = self.resp
-        if resp is None:  # bytes nobody asked for: the connection is unusable
+        if resp is None or resp.done:  # bytes nobody asked for: the connection is unusable
             self.abort()
             return
         resp.active = time.monotonic()
@@ -104,7 +104,13 @@ class _Conn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         resp = self.resp
         assert resp is not None
-        resp.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if status < 200:  # informational (1xx): the answer proper is still to come
+            resp.raw_headers.clear()
+            resp.content_type = ""
+            resp.framed = False
+            return
+        resp.status = status
         resp.wake()
 
     def on_body(self, body: bytes) -> None:
@@ -115,6 +121,8 @@ class _Conn(asyncio.Protocol):
     def on_message_complete(self) -> None:
         resp = self.resp
         assert resp is not None
+        if not resp.status:  # the end of a 1xx
+            return
         resp.complete(keep_alive=self._parser.should_keep_alive())
 
     def abort(self) -> None:
