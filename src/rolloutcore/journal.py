@@ -13,6 +13,7 @@ rollout's ``complete`` came before ``begin_update``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
@@ -71,13 +72,22 @@ class JournalRecord:
 
 
 class Journal:
-    """Writes records; usable as a controller listener (``journal.listener``)."""
+    """Writes records; usable as a controller listener (``journal.listener``).
+
+    ``keep`` bounds the records held in memory (``records``): ``None`` keeps
+    all (a short run, a test), a number keeps the most recent ones. A
+    long-running writer of a file journal (the service) passes a bound, else
+    memory grows with every request; the file has everything either way.
+    """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
-                 repair_torn_tail: bool = False) -> None:
+                 repair_torn_tail: bool = False, keep: int | None = None) -> None:
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
+                                 or keep < 0):
+            raise JournalError(f"keep must be None or an int >= 0, got {keep!r}")
         self._lock = threading.Lock()
         self._seq = 0
-        self._records: list[JournalRecord] = []
+        self._records: collections.deque[JournalRecord] = collections.deque(maxlen=keep)
         self._fsync = fsync
         self._fh: IO[str] | None = None
         self.path = Path(path) if path is not None else None
@@ -113,6 +123,7 @@ class Journal:
 
     @property
     def records(self) -> list[JournalRecord]:
+        """The records written through this object (the most recent ``keep`` of them)."""
         with self._lock:
             return list(self._records)
 

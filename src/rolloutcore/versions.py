@@ -22,6 +22,7 @@ Standard library only.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 import re
@@ -131,8 +132,9 @@ class ParameterManifest:
     def from_items(cls, items: Iterable[tuple[str, Iterable[int], str]]) -> ParameterManifest:
         return cls(tuple(ParamSpec(n, tuple(int(x) for x in s), str(d)) for n, s, d in items))
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
+        # Computed once: the manifest is immutable (a frozen tuple of frozen specs).
         return _sha256_json([[p.name, list(p.shape), p.dtype] for p in self.params])
 
     def __len__(self) -> int:
@@ -219,9 +221,12 @@ class WeightIdentity:
                 content_digest: str | None = None) -> WeightIdentity:
         return cls(manifest.digest, provenance, content_digest)
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
-        """What the weights *are*: manifest + provenance + content, not the checks."""
+        """What the weights *are*: manifest + provenance + content, not the checks.
+
+        Computed once per identity (immutable): every admission records it.
+        """
         return _sha256_json({"manifest": self.manifest_digest,
                              "provenance": self.provenance.to_dict(),
                              "content": self.content_digest})

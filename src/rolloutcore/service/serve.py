@@ -150,9 +150,10 @@ def run_serve(args: argparse.Namespace) -> int:
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rolloutcore-serve-"))
     engine: Any = None
-    # Without --journal nothing would read the records, and a Journal keeps
-    # every record in memory (two per data-plane request): none at all then.
-    journal = Journal(args.journal) if args.journal else None
+    # Without --journal nothing would read the records: no journal then. With one,
+    # the file has every record and memory only the last few (two records per
+    # data-plane request would otherwise grow without bound).
+    journal = Journal(args.journal, keep=256) if args.journal else None
     adapter: Any = None
     recorder: Any = None
     try:
