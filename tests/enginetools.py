@@ -6,13 +6,24 @@ and imported by tests for type annotations.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.engine import ManagedEngine
+import httpx
 
-__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels"]
+from rolloutcore.engine import ManagedEngine, free_port
+
+__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MAX_ALIVE = 2
 
@@ -82,3 +93,52 @@ class EngineFactory:
         self._shared.clear()
         if errors:
             raise errors[0]
+
+
+@contextlib.contextmanager
+def gateway_process(upstream: str, checkpoint: Path, token_file: Path, log: Path,
+                    extra: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m rolloutcore.service.serve --upstream ...`` in its own process group.
+
+    Yields (its URL, the process) once ``/health`` answers; stops the group on exit.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--upstream", upstream,
+           "--checkpoint", str(checkpoint), "--port", str(port), "--token-file",
+           str(token_file), *extra]
+    with open(log, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code in (200, 503):
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def kill_engine(engine: ManagedEngine) -> float:
+    """SIGKILL the engine's whole process group; return when its API server is gone."""
+    t = time.monotonic()
+    engine.signal_group(signal.SIGKILL)
+    deadline = t + 10
+    while engine.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.alive()
+    return t

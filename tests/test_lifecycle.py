@@ -87,6 +87,7 @@ EXPECTED = {
     (State.UNINITIALIZED, Event.FAIL): State.UNINITIALIZED,
     (State.READY, Event.ADMIT): State.READY,
     (State.READY, Event.REQUEST_UPDATE): State.DRAINING,
+    (State.READY, Event.FAIL): State.TAINTED,                     # engine lost serving
     (State.DRAINING, Event.DRAINED): State.QUIESCED,
     (State.DRAINING, Event.FAIL): State.RESUMING,
     (State.QUIESCED, Event.PREFLIGHTED): State.UPDATING,
@@ -314,6 +315,42 @@ def test_recovery_on_same_epoch_is_refused() -> None:
     c, _ = drive_to(State.RECOVERING)
     v = c.recovered(recovery_ev(c, "e0"))
     assert v.tainted
+
+
+def test_engine_lost_while_serving_taints_and_only_recovery_returns() -> None:
+    from rolloutcore.invariants import check_journal
+
+    j = Journal()
+    c, _ = drive_to(State.READY, j)
+    b = c.admit("r-inflight")
+    published = c.published
+    # Wrong step, or a ticket: refused, nothing changes.
+    before = c.snapshot()
+    with pytest.raises(InvalidTransition):
+        c.fail(None, Step.TRANSFER, FailureKind.DIED, "x")
+    with pytest.raises(BadInput):
+        c.fail(_dummy_ticket(), Step.SERVE, FailureKind.DIED, "x")
+    assert c.snapshot() == before
+    v = c.fail(None, Step.SERVE, FailureKind.DIED, "engine pid 4242 exited")
+    assert v.tainted and v.classification is Classification.AMBIGUOUS
+    assert "engine pid 4242 exited" in v.problems
+    assert c.state is State.TAINTED and c.published == published
+    with pytest.raises(AdmissionRefused):
+        c.admit("r-after")
+    # The rollout bound before the loss completes, but is not attributable.
+    done = c.complete("r-inflight")
+    assert done.binding == b and done.attributable is False
+    # A serving failure is not an update failure: it is refused once tainted.
+    with pytest.raises(InvalidTransition):
+        c.fail(None, Step.SERVE, FailureKind.DIED, "again")
+    # The journal replays to TAINTED, with no invariant broken.
+    assert LifecycleController.restore([(r.kind, r.data) for r in j.records]).state \
+        is State.TAINTED
+    c.begin_recovery("operator")
+    rv = c.recovered(recovery_ev(c, "e-replacement"))
+    assert rv.accepted and c.state is State.READY
+    assert c.committed is not None and c.committed.engine_epoch == "e-replacement"
+    assert check_journal(j.records) == []
 
 
 @pytest.mark.parametrize(("step", "kind"), sorted(FAILURE_POLICY, key=str))

@@ -155,6 +155,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             assert s is State.RESUMING
             c.fail(t, Step.RESUME, kind, "resume failed")
 
+    @rule(kind=st.sampled_from(list(FailureKind)))
+    def engine_lost_while_serving(self, kind: FailureKind) -> None:
+        """The health watcher saw the engine die or restart while READY."""
+        if self.c.state is State.READY:
+            v = self.c.fail(None, Step.SERVE, kind, f"engine lost ({kind.value})")
+            assert v.tainted and self.c.state is State.TAINTED
+
     @rule(good=st.booleans())
     def recover(self, good: bool) -> None:
         c = self.c

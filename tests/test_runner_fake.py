@@ -14,7 +14,7 @@ from rolloutcore.adapters.fake import (
     FaultKind,
     reference_tokens,
 )
-from rolloutcore.errors import AdmissionRefused, UpdateFailed
+from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed
 from rolloutcore.evidence import PauseMode
 from rolloutcore.invariants import check_journal
 from rolloutcore.journal import Journal, first_index
@@ -228,3 +228,86 @@ def test_drain_timeout_with_a_stuck_rollout_returns_to_ready() -> None:
     assert ei.value.classification == "no_mutation" and c.state is State.READY
     assert not eng.paused
     c.complete("stuck")
+
+
+# ------------------------------------------------------- failures while serving
+
+
+def test_engine_death_while_serving_taints_after_two_checks_and_recovery_returns() -> None:
+    from rolloutcore.adapters.fake import FakeRecoverer
+    from rolloutcore.lifecycle import Classification
+
+    eng, ad, c, r, j = make()
+    w0 = FakeWeights.from_seed(0)
+    assert r.check_serving() is None and c.state is State.READY
+    b = c.admit("r-serving")
+    published = c.published
+    eng.kill()
+    # One failed observation is not a death (a slow /health under load).
+    assert r.check_serving() is None and c.state is State.READY
+    v = r.check_serving()
+    assert v is not None and v.tainted and v.classification is Classification.AMBIGUOUS
+    assert any("not answering" in p for p in v.problems)
+    assert c.state is State.TAINTED and c.published == published
+    with pytest.raises(AdmissionRefused):
+        c.admit("r-after")
+    assert c.complete(b.rollout_id).attributable is False
+    assert r.check_serving() is None  # nothing to do outside READY
+    r.recover(FakeRecoverer(ad, w0))
+    assert c.state is State.READY
+    assert r.check_serving() is None and c.state is State.READY  # the new process
+    assert check_journal(j.records) == []
+
+
+def test_engine_restarted_behind_the_controller_taints_at_once_and_is_fenced() -> None:
+    eng, ad, c, r, j = make()
+    w1 = FakeWeights.from_seed(1, step=1)
+    ad.stage(w1)
+    assert r.run_update(w1.identity()).published is not None
+    # A supervisor restarts the engine on its start checkpoint: it answers and is
+    # healthy, but it serves rc-0's weights under the controller's rc-1.
+    eng.restart(FakeWeights.from_seed(0))
+    v = r.check_serving()
+    assert v is not None and v.tainted and c.state is State.TAINTED
+    assert any("restarted" in p for p in v.problems)
+    assert eng.paused  # fenced: it serves nobody, not even direct clients
+    assert check_journal(j.records) == []
+
+
+def test_a_transient_failure_resets_and_checks_stay_out_of_updates() -> None:
+    eng, ad, c, r, _ = make()
+    eng.dead = True
+    assert r.check_serving() is None
+    eng.dead = False  # the same process answers again
+    assert r.check_serving() is None
+    eng.dead = True
+    assert r.check_serving() is None and c.state is State.READY  # counted from one again
+    eng.dead = False
+    # During an update the update's own effects classify failures: no observation.
+    t = c.request_update(FakeWeights.from_seed(2, step=2).identity(), "trainer")
+    eng.kill()
+    assert r.check_serving() is None and r.check_serving() is None
+    assert c.state is State.DRAINING and c.current_ticket == t
+    with pytest.raises(BadInput):
+        r.check_serving(failures_to_taint=0)
+    with pytest.raises(BadInput):
+        r.check_serving(timeout_s=0)
+
+
+def test_a_hanging_health_read_is_a_timeout_and_taints_within_the_deadline() -> None:
+    eng, ad, c, r, _ = make()
+    gate = threading.Event()
+
+    def hang(*, timeout_s: float) -> object:
+        gate.wait(60)
+        raise AssertionError("released")
+
+    ad.observe_health = hang  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    assert r.check_serving(timeout_s=0.05) is None
+    v = r.check_serving(timeout_s=0.05)
+    gate.set()
+    assert v is not None and v.tainted
+    assert any("deadline" in p or "timed out" in p or "timeout" in p for p in v.problems)
+    # Both checks ended at their deadlines, long before the read would have.
+    assert time.monotonic() - t0 < 30

@@ -40,6 +40,8 @@ def test_non_loopback_bind_needs_a_given_token() -> None:
     {"queue_max": -1}, {"queue_wait_s": 0}, {"lease_s": float("inf")},
     {"lease_s": 100, "max_lease_s": 10}, {"upstream_read_s": -1}, {"history": 0},
     {"transport": ["backend"]}, {"engine_url": "nope"},
+    {"health_interval_s": -1}, {"health_interval_s": float("nan")},
+    {"health_timeout_s": 0}, {"health_failures": 0}, {"health_failures": 1.5},
 ])
 def test_bad_settings_fail_at_construction(kw: dict[str, Any]) -> None:
     base: dict[str, Any] = {"upstream_url": "http://127.0.0.1:8000", "control_token": TOK}
@@ -54,6 +56,8 @@ def test_good_settings() -> None:
     assert c.advertised_engine_url == c.upstream_url
     assert ServiceConfig(upstream_url="http://a:1", control_token=TOK,
                          engine_url="http://b:2").advertised_engine_url == "http://b:2"
+    assert ServiceConfig(upstream_url="http://a:1", control_token=TOK,
+                         health_interval_s=0).health_interval_s == 0  # watch off
 
 
 def test_bearer_checks() -> None:

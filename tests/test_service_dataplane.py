@@ -411,3 +411,43 @@ async def test_lifespan_closes_cleanly_with_requests_done() -> None:
     async with rig() as r:
         await asyncio.gather(*(r.client.post(GEN, json=gen_body(2)) for _ in range(8)))
         assert r.controller.active == {}
+
+
+async def test_an_engine_lost_between_updates_is_tainted_by_the_watch_and_refused() -> None:
+    async with rig(health_interval_s=0.02, health_timeout_s=0.5) as r:
+        ok = await r.client.post(GEN, json=gen_body(4))
+        assert ok.status_code == 200
+        # A supervisor restarts the engine behind the gateway: it answers again,
+        # healthy, on its start checkpoint. It must not be served as the committed
+        # version.
+        r.engine.restart(FakeWeights.from_seed(0))
+        with anyio.fail_after(10):
+            while r.controller.state is not State.TAINTED:
+                await anyio.sleep(0.02)
+        n_before = len(r.fake.received)
+        resp = await r.client.post(GEN, json=gen_body(4))
+        assert resp.status_code == 503
+        assert resp.json()[BODY_FIELD]["state"] == "TAINTED"
+        assert len(r.fake.received) == n_before
+        assert (await r.client.get("/health")).status_code == 503
+        st = (await r.client.get("/control/status", headers=AUTH)).json()
+        assert st["state"] == "TAINTED"
+        assert "rolloutcore_engine_lost_total 1.0" in (await r.client.get("/metrics")).text
+        taint = r.kinds("taint")[-1]
+        assert "engine failed while serving" in taint["problems"][0]
+        assert "restarted" in taint["problems"][0]
+        assert r.engine.paused  # fenced
+
+
+async def test_the_watch_leaves_a_healthy_engine_and_updates_alone() -> None:
+    async with rig(health_interval_s=0.01, health_timeout_s=0.5) as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        await anyio.sleep(0.1)  # several watch periods inside the update
+        ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
+        done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                   json=transfer_body(ev), headers=AUTH)
+        assert done.json()["status"] == "published"
+        await anyio.sleep(0.1)
+        assert r.controller.state is State.READY and r.kinds("taint") == []

@@ -32,6 +32,7 @@ __all__ = [
     "Check",
     "DrainEvidence",
     "Evidence",
+    "HealthEvidence",
     "PauseMode",
     "PreflightEvidence",
     "RecoveryEvidence",
@@ -113,6 +114,30 @@ class BootstrapEvidence(Evidence):
 
     def problems(self, target: UpdateTarget | None) -> list[str]:
         return [] if self.healthy else ["engine is not healthy"]
+
+
+@dataclass(frozen=True)
+class HealthEvidence(Evidence):
+    """The engine observed between updates: answering, healthy, the same incarnation.
+
+    ``restarted`` is set when the engine answers as a different process than
+    the one bootstrapped (vLLM's ``instance_id`` changed): it then serves
+    whatever its start checkpoint holds, not the committed version.
+    """
+
+    answering: bool
+    healthy: bool
+    restarted: bool = False
+    reason: str = ""
+
+    def problems(self, target: UpdateTarget | None = None) -> list[str]:
+        why = f": {self.reason}" if self.reason else ""
+        if not self.answering:
+            return [f"engine not answering{why}"]
+        out = [] if self.healthy else [f"engine reports unhealthy{why}"]
+        if self.restarted:
+            out.append(f"engine restarted{why}")
+        return out
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,13 @@ Failures go through one table, ``FAILURE_POLICY``, keyed by (step, kind):
   path (a replacement engine loading a checkpoint of known identity, verified
   like an update) leads back to READY, under a new engine epoch.
 
+Outside any update, the engine can still fail: it dies, restarts on its own
+(a new epoch, loading whatever its start checkpoint holds, not the committed
+version) or stops answering. Whoever watches its health reports that as a
+``fail`` in READY with ``Step.SERVE`` and no ticket; it is always
+ambiguous, so the engine is TAINTED and leaves service until a recovery.
+Rollouts still bound then complete unattributable.
+
 ``TRANSITIONS`` is the one table of legal (state, event) pairs and the states
 each may lead to; an event with no entry raises ``InvalidTransition`` and
 changes nothing.
@@ -142,6 +149,9 @@ TRANSITIONS: Mapping[tuple[State, Event], frozenset[State]] = {
     (S.READY, E.ADMIT): frozenset({S.READY}),
     **{(s, E.COMPLETE): frozenset({s}) for s in _ALL_BUT_UNINIT},
     (S.READY, E.REQUEST_UPDATE): frozenset({S.DRAINING}),
+    # The engine failed while serving (died, restarted, stopped answering): what it
+    # serves next is unknown, so it leaves service until a recovery replaces it.
+    (S.READY, E.FAIL): frozenset({S.TAINTED}),
     (S.DRAINING, E.DRAINED): frozenset({S.QUIESCED, S.DRAINING, S.RESUMING}),
     (S.DRAINING, E.FAIL): frozenset({S.DRAINING, S.RESUMING}),
     (S.QUIESCED, E.PREFLIGHTED): frozenset({S.UPDATING, S.RESUMING}),
@@ -171,6 +181,7 @@ class Step(enum.StrEnum):
     VALIDATE = "validate"
     RESUME = "resume"
     RECOVER = "recover"
+    SERVE = "serve"        # no effect: the engine observed failing while READY
 
 
 #: Which state each step's effect runs in.
@@ -183,6 +194,7 @@ STEP_STATE: Mapping[Step, State] = {
     Step.VALIDATE: S.VALIDATING,
     Step.RESUME: S.RESUMING,
     Step.RECOVER: S.RECOVERING,
+    Step.SERVE: S.READY,
 }
 
 
@@ -219,6 +231,7 @@ FAILURE_POLICY: Mapping[tuple[Step, FailureKind], Classification] = {
     **dict(zip([(Step.VALIDATE, k) for k in _K], [_INC, _INC, _AMB, _AMB, _AMB], strict=True)),
     **dict(zip([(Step.RESUME, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
     **dict(zip([(Step.RECOVER, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.SERVE, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
 }
 
 #: Where an incomplete observation ends up once its retries are used up.
@@ -752,6 +765,19 @@ class LifecycleController:
                 self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
                 self._move(E.FAIL, S.TAINTED)
                 return self._verdict(E.FAIL, before, accepted=False, cls=_AMB, problems=[reason])
+            if self._state is S.READY:
+                # Outside any update: a health watcher saw the engine die, restart
+                # (new epoch) or stop answering. Bound rollouts stay bound and will
+                # complete unattributable; nothing is admitted until a recovery.
+                if step is not Step.SERVE:
+                    raise InvalidTransition(E.FAIL.value, self._state.value,
+                                            f"step {step.value} does not run in this state")
+                if ticket is not None:
+                    raise BadInput("a serving failure has no update ticket")
+                self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
+                self._taint(E.FAIL, [f"engine failed while serving: {reason}"])
+                return self._verdict(E.FAIL, S.READY, accepted=False, cls=_AMB,
+                                     problems=[reason])
             if self._state is not S.UNINITIALIZED:
                 if ticket is None:
                     raise BadInput("fail during an update needs the ticket")

@@ -12,6 +12,11 @@ Every method may be called from a worker thread supervised by a deadline;
 must make the stuck call return (tear down a transfer group, close a
 connection). The fake engine (``adapters.fake``) and the vLLM HTTP adapter
 (``adapters.vllm``) are adapters like any other.
+
+One method is optional: ``observe_health(*, timeout_s) -> HealthEvidence``,
+the engine seen between updates (answering, healthy, the same process as
+at bootstrap). ``LifecycleRunner.check_serving`` uses it where it exists;
+an adapter without it is simply not watched.
 """
 
 from __future__ import annotations

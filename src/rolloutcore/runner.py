@@ -24,9 +24,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import BadInput, EffectError, EffectTimeout, TransferError, UpdateFailed
+from .errors import (
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    InvalidTransition,
+    TransferError,
+    UpdateFailed,
+)
 from .evidence import (
     CacheKind,
+    HealthEvidence,
     PauseMode,
     PreflightEvidence,
     TransferEvidence,
@@ -145,6 +153,7 @@ class LifecycleRunner:
         self.adapter = adapter
         self.deadlines = deadlines or Deadlines()
         self._record = record
+        self._health_failures = 0  # consecutive failed check_serving observations
         self._drain_mode = drain_mode
 
     # ------------------------------------------------------------ effects
@@ -260,6 +269,65 @@ class LifecycleRunner:
         v = c.recovered(ev)
         if not v.accepted:
             raise UpdateFailed("recover", "ambiguous", v.after.value, "; ".join(v.problems))
+        return v
+
+    # ------------------------------------------------------------ serving
+    def check_serving(self, *, timeout_s: float = 5.0,
+                      failures_to_taint: int = 2) -> Verdict | None:
+        """Between updates: taint the engine if it died, restarted or stopped answering.
+
+        Asks the adapter's ``observe_health`` (an optional port method) under
+        a deadline. A restart (another process answering) taints at once: it
+        serves its start checkpoint, not the committed version. Not answering
+        or unhealthy taints after ``failures_to_taint`` checks in a row (one
+        slow ``/health`` under load is not a death). The tainted engine is
+        then fenced (paused with abort), so a restarted one serves nobody
+        either. Returns the verdict when it tainted, else ``None``; does
+        nothing outside READY (an update's own effects classify failures
+        then) and drops a check that raced an update's start.
+        """
+        if isinstance(failures_to_taint, bool) or not isinstance(failures_to_taint, int) \
+                or failures_to_taint < 1:
+            raise BadInput("failures_to_taint must be an int >= 1")
+        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                and timeout_s > 0):
+            raise BadInput("timeout_s must be a positive number")
+        observe = getattr(self.adapter, "observe_health", None)
+        if not callable(observe) or self.controller.state is not State.READY:
+            return None
+        # An observation belongs to the version served when it began: one that an
+        # update overtook (the update verified the engine itself) is dropped.
+        serving = self.controller.committed
+        restarted = False
+        try:
+            ev = self._effect("health", lambda: observe(timeout_s=timeout_s),
+                              timeout_s * 2 + 1.0, None)
+        except EffectError as exc:
+            problems, kind = [str(exc)], _kind(exc)
+            if kind is FailureKind.REFUSED:
+                kind = FailureKind.ERROR
+        else:
+            if not isinstance(ev, HealthEvidence):
+                raise EffectError("health", f"observe_health returned {type(ev).__name__}")
+            problems = ev.problems(None)
+            restarted = ev.restarted
+            kind = FailureKind.DIED if (restarted or not ev.answering) else FailureKind.ERROR
+        if not problems or self.controller.committed != serving:
+            self._health_failures = 0
+            return None
+        self._health_failures += 1
+        self._note("health", problems=problems, consecutive=self._health_failures)
+        if not restarted and self._health_failures < failures_to_taint:
+            return None
+        try:
+            v = self.controller.fail(None, Step.SERVE, kind, "; ".join(problems))
+        except InvalidTransition:
+            return None  # an update began meanwhile: its effects meet the engine
+        self._health_failures = 0
+        try:
+            self._effect("fence", self.adapter.fence, self.deadlines.fence_s, None)
+        except EffectError as exc:
+            self._note("fence_failed", error=str(exc))
         return v
 
     # ------------------------------------------------------------ update

@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import EngineFactory, TinyModels
+from enginetools import EngineFactory, TinyModels, kill_engine
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.checksums import ReferenceChecksums
 from rolloutcore.engine import ManagedEngine, vllm_available
@@ -206,17 +206,6 @@ class Hooked:
 
     def close(self) -> None:
         self.inner.close()
-
-
-def kill_engine(engine: ManagedEngine) -> float:
-    """SIGKILL the engine's whole process group; return when its API server is gone."""
-    t = time.monotonic()
-    engine.signal_group(signal.SIGKILL)
-    deadline = t + 10
-    while engine.alive() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not engine.alive()
-    return t
 
 
 class Lines:

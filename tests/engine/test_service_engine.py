@@ -38,9 +38,9 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import EngineFactory, TinyModels
+from enginetools import EngineFactory, TinyModels, gateway_process
 from rolloutcore.client import RolloutCoreClient
-from rolloutcore.engine import ManagedEngine, free_port, vllm_available
+from rolloutcore.engine import ManagedEngine, vllm_available
 from rolloutcore.journal import read_journal
 from rolloutcore.recorder import read_groups
 from rolloutcore.transports.gloo import GlooTransport
@@ -76,37 +76,14 @@ def gateway(engine_factory: EngineFactory, tiny_models: TinyModels,
     eng = engine_factory(tiny_models.A, backend="rolloutcore_gloo")
     token_file = work / "token"
     token_file.write_text(TOKEN + "\n")
-    port = free_port()
     journal, log = work / "journal.jsonl", work / "gateway.log"
-    cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--upstream", eng.base_url,
-           "--checkpoint", str(tiny_models.A), "--port", str(port), "--token-file",
-           str(token_file), "--journal", str(journal), "--lease-s", "120",
-           "--record", str(work / "trajectories.jsonl")]
-    with open(log, "wb") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code in (200, 503):
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        yield Gateway(url, proc, journal, log, work / "trajectories.jsonl", eng, tiny_models)
+        with gateway_process(eng.base_url, tiny_models.A, token_file, log,
+                             ["--journal", str(journal), "--lease-s", "120",
+                              "--record", str(work / "trajectories.jsonl")]) as (url, proc):
+            yield Gateway(url, proc, journal, log, work / "trajectories.jsonl", eng,
+                          tiny_models)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
         engine_factory.stop(eng)
 
 

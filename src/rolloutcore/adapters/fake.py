@@ -37,6 +37,7 @@ from ..evidence import (
     CacheResetEvidence,
     Check,
     DrainEvidence,
+    HealthEvidence,
     PauseMode,
     PreflightEvidence,
     RecoveryEvidence,
@@ -303,6 +304,24 @@ class FakeEngine:
             self.dead = True
             self._cond.notify_all()
 
+    def restart(self, weights: FakeWeights) -> None:
+        """A new process on ``weights`` (its start checkpoint): new epoch, empty caches.
+
+        What a supervisor restarting a crashed engine does behind the
+        controller's back: it serves again, but not the committed version.
+        """
+        with self._cond:
+            self.dead = False
+            self.epoch = uuid.uuid4().hex[:12]
+            self.label = "default"
+            self._weights = dict(weights.tensors)
+            self._wdigest = weights.digest
+            self._paused = None
+            self._in_flight.clear()
+            self._cache.clear()
+            self._updating = False
+            self._cond.notify_all()
+
     def start_update(self) -> None:
         with self._cond:
             self._alive()
@@ -342,6 +361,7 @@ class FakeAdapter:
         self._probe_tokens = probe_tokens
         #: transfer fault helper: names to skip silently (a transport bug)
         self.skip_params: set[str] = set()
+        self._epoch_at_bootstrap: str | None = None
 
     # -------------------------------------------------------------- set-up
     def stage(self, weights: FakeWeights) -> None:
@@ -377,10 +397,21 @@ class FakeAdapter:
     def bootstrap(self) -> BootstrapEvidence:
         self._fault("bootstrap")
         e = self.engine
+        self._epoch_at_bootstrap = e.epoch
         return BootstrapEvidence(engine_epoch=e.epoch, healthy=not e.dead,
                                  observed_label=e.label, label_supported=True,
                                  capabilities=frozenset({"fake"}),
                                  engine_info={"engine": "fake"})
+
+    def observe_health(self, *, timeout_s: float = 5.0) -> HealthEvidence:
+        """Between updates: dead, or a different process than the one bootstrapped."""
+        e = self.engine
+        if e.dead:
+            return HealthEvidence(False, False, reason="engine process is dead")
+        restarted = self._epoch_at_bootstrap is not None and e.epoch != self._epoch_at_bootstrap
+        return HealthEvidence(True, True, restarted,
+                              f"epoch {self._epoch_at_bootstrap} is now {e.epoch}"
+                              if restarted else "")
 
     def drain(self, mode: PauseMode) -> DrainEvidence:
         t0 = time.monotonic()
@@ -496,6 +527,7 @@ class FakeRecoverer:
             raise EngineUnavailable("recover", "replacement engine died at start")
         new.label = target.label  # a cold load: the label is given at load time
         self.adapter.engine = new
+        self.adapter._epoch_at_bootstrap = new.epoch  # the process health is checked against
         self.adapter.faults.clear()
         self.adapter.stage(self.weights)
         live = self.adapter.validate(UpdateTarget(target, self.weights.identity(), "recovery"),

@@ -66,6 +66,7 @@ from ..evidence import (
     CacheResetEvidence,
     Check,
     DrainEvidence,
+    HealthEvidence,
     PauseMode,
     PreflightEvidence,
     ResumeEvidence,
@@ -972,6 +973,9 @@ class VllmAdapter:
         # transfer returns (see ``transfer``) and collected by the paused validation.
         self.early_transport_check = early_transport_check
         self._early: tuple[UpdateTarget, Future[Check]] | None = None
+        # vLLM's instance_id at bootstrap (None: the engine does not say); a
+        # different one later means the engine process was replaced behind us.
+        self._instance_id: str | None = None
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -1046,6 +1050,7 @@ class VllmAdapter:
                 self._sleep_mode = sleep if isinstance(sleep, bool) else None
                 info["enable_sleep_mode"] = self._sleep_mode
         info["instance_id"] = instance_id
+        self._instance_id = instance_id if isinstance(instance_id, str) and instance_id else None
         epoch = self._epoch
         if epoch is None:
             if instance_id:
@@ -1257,6 +1262,31 @@ class VllmAdapter:
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
                                   unverified=tuple(unverified))
+
+    def observe_health(self, *, timeout_s: float = 5.0) -> HealthEvidence:
+        """Between updates: does the engine answer, is it healthy, is it the same process?
+
+        ``/health``, then (when bootstrap saw an ``instance_id``)
+        ``/server_info``'s ``instance_id``: a restarted engine answers healthy
+        but serves its start checkpoint, which only the incarnation reveals.
+        """
+        t0 = time.monotonic()
+        h = self.http
+        try:
+            healthy = h.health(timeout_s=timeout_s, mutation_started=False)
+            now: object = None
+            if healthy and self._instance_id is not None:
+                cfg = h.server_info(timeout_s=timeout_s, mutation_started=False).get(
+                    "vllm_config")
+                now = cfg.get("instance_id") if isinstance(cfg, dict) else None
+        except RolloutCoreError as exc:
+            return HealthEvidence(False, False, reason=str(exc),
+                                  elapsed_s=time.monotonic() - t0)
+        restarted = healthy and self._instance_id is not None and now != self._instance_id
+        reason = (f"instance_id {self._instance_id} is now {now}" if restarted
+                  else "" if healthy else "/health answered non-200")
+        return HealthEvidence(True, healthy, restarted, reason,
+                              elapsed_s=time.monotonic() - t0)
 
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (two: the early

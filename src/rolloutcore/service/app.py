@@ -14,6 +14,10 @@ Routes::
     GET  /control/status                       state, versions, history   control token
     GET  /metrics                              Prometheus text            open
     GET  /health                               liveness and state         open
+
+Between updates the app watches the engine (``config.health_interval_s``):
+``runner.check_serving`` taints it when it dies, restarts or stops
+answering, after which the data plane refuses and ``/health`` says so.
     GET  /openapi.json                         the control API schema     open
 
 The upstream is always reached over HTTP at ``config.upstream_url``: the fast
@@ -23,11 +27,15 @@ that talks to vLLM is the one they exercise.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -35,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..errors import BadInput
-from ..lifecycle import LifecycleController
+from ..lifecycle import LifecycleController, State
 from ..runner import LifecycleRunner
 from .auth import check_bearer
 from .config import ServiceConfig
@@ -46,6 +54,7 @@ from .proxy import DATA_ROUTES, DataPlane, FinishedRequest
 __all__ = ["Gateway", "create_app"]
 
 _INT63 = 2**63 - 1
+log = logging.getLogger("rolloutcore.service")
 
 
 @dataclass
@@ -198,12 +207,40 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         assert isinstance(exc, HTTPException)
         return _json(exc.status_code, {"error": exc.detail}, dict(exc.headers or {}))
 
+    async def watch_engine() -> None:
+        """Between updates, notice an engine that died, restarted or stopped answering.
+
+        Without this a dead engine would leave the gateway READY, answering
+        every request with a 502, and a restarted one (its start checkpoint)
+        would be served under the committed version's name.
+        """
+        while True:
+            await asyncio.sleep(config.health_interval_s)
+            if controller.state is not State.READY:
+                continue
+            try:
+                v = await anyio.to_thread.run_sync(functools.partial(
+                    runner.check_serving, timeout_s=config.health_timeout_s,
+                    failures_to_taint=config.health_failures))
+            except Exception as exc:  # the watch must outlive any one check
+                log.warning("engine health check failed to run: %r", exc)
+                continue
+            if v is not None:
+                metrics.engine_lost.inc()
+                log.error("engine tainted while serving: %s", "; ".join(v.problems))
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await data.start()
+        watch = (asyncio.create_task(watch_engine(), name="rolloutcore-engine-watch")
+                 if config.health_interval_s > 0 else None)
         try:
             yield
         finally:
+            if watch is not None:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
             await updates.aclose()
             await data.aclose()
 

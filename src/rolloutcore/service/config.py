@@ -100,6 +100,13 @@ class ServiceConfig:
     history: int = 64
     #: Finished updates remembered for ``GET /control/updates/{id}``.
     remember_updates: int = 64
+    #: Between updates the engine is watched (``/health`` and its process
+    #: identity) every this many seconds; 0 turns the watch off. A restarted
+    #: engine is tainted at once, one that stops answering after
+    #: ``health_failures`` checks in a row, each given ``health_timeout_s``.
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -119,8 +126,12 @@ class ServiceConfig:
         for name in ("queue_wait_s", "lease_s", "max_lease_s", "upstream_connect_s",
                      "upstream_read_s", "upstream_keepalive_s"):
             _positive(name, getattr(self, name))
-        for name in ("upstream_max_connections", "history", "remember_updates"):
+        for name in ("upstream_max_connections", "history", "remember_updates",
+                     "health_failures"):
             _positive(name, getattr(self, name), integer=True)
+        _positive("health_timeout_s", self.health_timeout_s)
+        if self.health_interval_s != 0:
+            _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:
             raise BadInput("lease_s must not exceed max_lease_s")
         if not isinstance(self.transport, Mapping):

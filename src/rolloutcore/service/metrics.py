@@ -81,6 +81,10 @@ class ServiceMetrics:
             ["ending"], registry=r)
         self.leases_expired = Counter("rolloutcore_leases_expired_total",
                                       "updates whose trainer lease expired", registry=r)
+        self.engine_lost = Counter(
+            "rolloutcore_engine_lost_total",
+            "engines tainted between updates (died, restarted, stopped answering)",
+            registry=r)
         # Pre-create the label sets people alert on, so they read 0 rather than absent.
         for s in State:
             self.state.labels(s.value).set(0)

@@ -97,6 +97,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     lim.add_argument("--lease-s", type=_pos_float, default=120.0,
                      help="default trainer lease per update")
     lim.add_argument("--drain-timeout-s", type=_pos_float, default=120.0)
+    lim.add_argument("--health-interval-s", type=float, default=2.0,
+                     help="watch the engine between updates this often (0: no watch); a "
+                          "dead, restarted or silent engine is tainted and refused")
     lim.add_argument("--journal", default=None, help="append the lifecycle journal here")
     lim.add_argument("--record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
@@ -137,7 +140,8 @@ def run_serve(args: argparse.Namespace) -> int:
                           engine_url=args.engine_url, control_token=token,
                           data_token=args.data_token, max_body_bytes=args.max_body_bytes,
                           queue_max=args.queue, queue_wait_s=args.queue_wait_s,
-                          lease_s=min(args.lease_s, 1800.0))
+                          lease_s=min(args.lease_s, 1800.0),
+                          health_interval_s=args.health_interval_s)
     import uvicorn
 
     from ..adapters.vllm import VllmAdapter, VllmHTTP
