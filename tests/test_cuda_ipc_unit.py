@@ -397,6 +397,11 @@ def test_every_copy_impl_is_bit_exact(impl: str, interpreted_kernels: None) -> N
     loader.load([pk.buffer], _message_for(pk, "fast"))
     assert loader._prog is prog
     assert loader.checksum("torch")["values"] == fresh.checksum("torch") != ref_sum
+    # The kernel's prepared checksum of the plan is reused, and reads the new bytes.
+    kept = loader._csum_prog
+    assert kept is not None and kept[1] is not None
+    assert loader.checksum("kernel")["values"] == fresh.checksum("torch")
+    assert loader._csum_prog is kept
     with pytest.raises(BadInput, match="copy_impl"):
         SliceLoader(model, copy_impl="dma")
 

@@ -697,6 +697,7 @@ class SliceLoader:
         self._pending: tuple[UpdateMessage, SlicePlan, torch.Tensor, float, str] | None = None
         #: what ``prefetch_checksum`` hashes with (set from the trainer's init_info)
         self.checksum_impl = "auto"
+        self._csum_prog: tuple[SlicePlan, cuda_kernels.MultiChecksum | None] | None = None
         self._names_digest: tuple[UpdateMessage, str] | None = None
         self.last: UpdateMessage | None = None
         self.stats: dict[str, Any] = {}
@@ -804,8 +805,27 @@ class SliceLoader:
             return False
         t = time.monotonic()
         impl = resolve_impl(self.checksum_impl if impl is None else impl, dsts[0].device)
-        self._pending = (msg, plan, block_checksum_device(dsts, impl=impl), t, impl)
+        self._pending = (msg, plan, self._hash(plan, impl), t, impl)
         return True
+
+    def _hash(self, plan: SlicePlan, impl: str) -> torch.Tensor:
+        """The block checksum of a plan's slices, queued (a device tensor, no wait).
+
+        With the kernel, the prepared ``MultiChecksum`` of the plan is kept: a
+        validation then costs the GPU pass and no per-tensor CPU work (the
+        worker's RPC waits on that CPU work as much as on the GPU).
+        """
+        if impl not in CHECKSUM_IMPLS:
+            raise BadInput(f"impl must be one of {CHECKSUM_IMPLS}, got {impl!r}")
+        dsts = [d for d in plan.dsts if d is not None]
+        if resolve_impl(impl, dsts[0].device) == "kernel":
+            c = self._csum_prog
+            if c is None or c[0] is not plan:
+                ok = cuda_kernels.available(dsts[0].device) and all(_kernel_ok(d) for d in dsts)
+                c = self._csum_prog = (plan, cuda_kernels.MultiChecksum(dsts) if ok else None)
+            if c[1] is not None:
+                return c[1].run()
+        return block_checksum_device(dsts, impl=impl)
 
     def checksum(self, impl: str = "auto") -> dict[str, Any]:
         """Block checksum of the slices the last update wrote, read from parameter memory."""
@@ -823,7 +843,7 @@ class SliceLoader:
             vals = [int(x) for x in pend[2].tolist()]
             since = pend[3]
         else:
-            vals = block_checksum([d for d in plan.dsts if d is not None], impl=impl)
+            vals = [int(x) for x in self._hash(plan, impl).tolist()] if idx else []
             since = t
         out: list[int | None] = [None] * len(plan.dsts)
         for i, v in zip(idx, vals, strict=True):
@@ -901,8 +921,11 @@ class PackedWeights:
         """True when ``named`` are exactly this buffer's views (then sending copies nothing)."""
         if len(named) != len(self.entries):
             return False
+        views = self._views
         for name, t in named:
-            v = self._views.get(name)
+            v = views.get(name)
+            if t is v:  # the view itself (a module bound to the buffer, its items())
+                continue
             if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape or (
                     t.dtype != v.dtype):
                 return False
