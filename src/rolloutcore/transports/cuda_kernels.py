@@ -84,7 +84,7 @@ W_MUL = 0x9E3779B1
 W_ADD = 0x7F4A7C15
 
 _lock = threading.Lock()
-_built: dict[bool, Any] = {}
+_built: dict[str, Any] = {}
 
 
 def _interpret() -> bool:
@@ -102,18 +102,16 @@ def available(device: torch.device) -> bool:
     return True
 
 
-def _kernels() -> Any:
-    """Build the kernels once per interpreter setting (``triton.jit`` reads it at decoration)."""
-    key = _interpret()
+def _kernels() -> dict[str, Any]:
+    """The kernels, imported once per process (``triton.jit`` reads ``TRITON_INTERPRET``
+    when the module is first imported: the interpreted tests run in a child process)."""
     with _lock:
-        k = _built.get(key)
-        if k is not None:
-            return k
-        from . import _triton_kernels as tk
+        if not _built:
+            from . import _triton_kernels as tk
 
-        k = _built[key] = {"csum": tk.csum_kernel, "csum_loop": tk.csum_loop_kernel,
-                           "csum_small": tk.csum_small_kernel, "copy": tk.copy_kernel}
-        return k
+            _built.update(csum=tk.csum_kernel, csum_loop=tk.csum_loop_kernel,
+                          csum_small=tk.csum_small_kernel, copy=tk.copy_kernel)
+        return _built
 
 
 def _words(t: torch.Tensor) -> tuple[int, int]:
