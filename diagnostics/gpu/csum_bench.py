@@ -33,22 +33,11 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gputime import gpu_time  # noqa: E402
 from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
 
 from rolloutcore.transports import cuda_kernels as ck  # noqa: E402
 from rolloutcore.transports.cuda_ipc import PackedWeights, block_checksum  # noqa: E402
-
-
-def gpu_time(fn: Any, n: int = 5) -> float:
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return float(sorted(ts)[n // 2])
 
 
 def sweep(tensors: list[torch.Tensor], ref: list[int], rows_set: tuple[int, ...],

@@ -79,6 +79,7 @@ from rolloutcore.versions import (  # noqa: E402
 from rolloutcore.weights import WeightSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gputime import gpu_time  # noqa: E402
 from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
 
 RESULTS: dict[str, Any] = {"stages": {}, "errors": {}, "commands": []}
@@ -316,17 +317,6 @@ def main() -> int:
         # The one-launch kernels' tile sizes, swept on the trainer's own buffer
         # (same GPU, same bytes); the engine is started with the best ones.
         from rolloutcore.transports import cuda_kernels as ck
-
-        def gpu_time(fn: Any, n: int = 5) -> float:
-            ts = []
-            for _ in range(n):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                ts.append(a.elapsed_time(b) / 1e3)
-            return float(sorted(ts)[n // 2])
 
         sweep: dict[str, Any] = {"checksum_s": {}, "copy_s": {}}
         R["kernel_tiles"] = sweep
