@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any, ClassVar
 
 import pytest
@@ -21,15 +22,26 @@ import torch
 from rolloutcore.errors import BadInput
 from rolloutcore.transports.cuda_ipc import (
     PROTOCOL,
+    RESULTS,
+    ROW_COUNT,
+    ROW_HEADER,
+    ROW_NAMES,
+    ROW_NONCE,
+    ROW_UNCOVERED,
     BufferHandle,
+    CudaIpcTransport,
     EntrySpec,
     PackedWeights,
+    ResultSlot,
     SliceLoader,
     UpdateMessage,
     block_checksum,
     build_plan,
+    decode_results,
     decode_update,
     encode_update,
+    names_digest,
+    names_digest60,
 )
 
 UUID = "GPU-3b1f6a2c-0d4e-4f5a-9b8c-7d6e5f4a3b2c"
@@ -429,3 +441,143 @@ def test_prefetched_checksum_is_the_same_read_and_never_outlives_its_update() ->
     ref = SliceLoader(_TinyModel())
     ref.load([pk.buffer], _message_for(pk, "reference"))
     assert ref.prefetch_checksum() is False  # reference mode: parameters may move
+
+
+# ----------------------------------------------------------- results in the trainer's memory
+
+
+def _slot(nonce: int = 5, rows: int = 1, n: int = 2) -> ResultSlot:
+    return ResultSlot(_handle(8 * rows * (ROW_HEADER + n)), nonce, rows, ROW_HEADER + n)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("nonce", 0, "nonce"), ("nonce", True, "nonce"), ("nonce", 1 << 63, "nonce"),
+    ("rows", 0, "rows"), ("rows", 65, "rows"), ("row_len", ROW_HEADER, "row_len"),
+    ("row_len", ROW_HEADER + 3, "not 1 rows"), ("buffer", {"x": 1}, "buffer"),
+])
+def test_result_slot_is_checked_on_receipt(field: str, value: Any, match: str) -> None:
+    body = _body()
+    body[RESULTS] = _slot().to_json()
+    assert decode_results(body) == _slot()
+    decode_update(body)  # a good slot is part of a good update_info
+    body[RESULTS][field] = value
+    with pytest.raises(BadInput, match=match):
+        decode_update(body)
+    with pytest.raises(BadInput, match=match):
+        decode_results(body)
+    assert decode_results(_body()) is None
+
+
+def test_published_row_is_the_workers_checksum_with_the_nonce_written_last() -> None:
+    pk = _packed(31)
+    loader = SliceLoader(_TinyModel())
+    n = len(pk.entries)
+    row = torch.zeros(ROW_HEADER + n, dtype=torch.int64)
+    # Nothing loaded yet: the row says so (count -1) and still carries the nonce.
+    assert loader.publish_checksum(torch.zeros(ROW_HEADER + 1, dtype=torch.int64), 9) is False
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    with pytest.raises(BadInput, match="result row"):
+        loader.publish_checksum(torch.zeros(ROW_HEADER + n + 1, dtype=torch.int64), 9)
+    with pytest.raises(BadInput, match="result row"):
+        loader.publish_checksum(torch.zeros(ROW_HEADER + n, dtype=torch.int32), 9)
+    assert loader.publish_checksum(row, 12345) is True
+    got = row.tolist()
+    assert got[ROW_NONCE] == 12345 and got[ROW_COUNT] == n and got[ROW_UNCOVERED] == 0
+    assert got[ROW_NAMES] == names_digest60(names_digest(pk.names()))
+    assert got[ROW_HEADER:] == pk.checksum()
+    # The hash it published is the one an RPC then collects (same read, prefetched).
+    assert loader.checksum()["prefetched"] is True
+    # Reference mode: parameters may move, nothing is hashed, the row says so.
+    ref = SliceLoader(_TinyModel())
+    ref.load([pk.buffer], _message_for(pk, "reference"))
+    row2 = torch.zeros(ROW_HEADER + n, dtype=torch.int64)
+    assert ref.publish_checksum(row2, 7) is False
+    assert row2[ROW_NONCE] == 7 and row2[ROW_COUNT] == -1
+
+
+class _LocalEngine:
+    """The worker side in this process: a SliceLoader and the row it publishes into."""
+
+    def __init__(self, tr: CudaIpcTransport, pk: PackedWeights, slot: ResultSlot) -> None:
+        self.loader = SliceLoader(_TinyModel())
+        self.loader.load([pk.buffer], _message_for(pk, "fast"))
+        assert tr._slot is not None
+        self.row = tr._slot[0][0]
+        self.slot = slot
+        self.asked = 0
+
+    def rpc(self, base_url: str, method: str, *args: str, timeout_s: float = 60.0
+            ) -> list[Any]:
+        assert method == "rc_cuda_ipc_checksum"
+        self.asked += 1
+        return [self.loader.checksum()]
+
+
+def _trainer_with_slot(pk: PackedWeights, wait_s: float = 2.0
+                       ) -> tuple[CudaIpcTransport, _LocalEngine]:
+    tr = CudaIpcTransport(device="cpu", results_wait_s=wait_s)
+    n = len(pk.entries)
+    slot = _slot(nonce=4242, n=n)
+    tr._slot = (torch.zeros(1, ROW_HEADER + n, dtype=torch.int64), slot.buffer)
+    tr._expect = (slot, "http://engine")
+    tr.last_sent_checksum, tr.last_sent_names = pk.checksum(), pk.names()
+    eng = _LocalEngine(tr, pk, slot)
+    tr.rpc = eng.rpc  # type: ignore[method-assign]
+    return tr, eng
+
+
+def test_trainer_reads_the_published_row_and_compares_without_asking() -> None:
+    pk = _packed(41)
+    tr, eng = _trainer_with_slot(pk)
+    eng.loader.publish_checksum(eng.row, eng.slot.nonce)
+    r = tr.engine_checksum("http://engine")
+    assert r["passed"] and r["via"] == "ipc" and r["coverage"] == 1.0 and eng.asked == 0
+    # One value off in the engine's row: the check fails, naming the tensor.
+    tr, eng = _trainer_with_slot(pk)
+    eng.loader.publish_checksum(eng.row, eng.slot.nonce)
+    eng.row[ROW_HEADER + 1] += 1
+    r = tr.engine_checksum("http://engine")
+    assert not r["passed"] and r["mismatched"] == [pk.names()[1]] and eng.asked == 0
+    # Another layout's row (names digest differs): not this update's evidence.
+    tr, eng = _trainer_with_slot(pk)
+    eng.loader.publish_checksum(eng.row, eng.slot.nonce)
+    eng.row[ROW_NAMES] += 1
+    r = tr.engine_checksum("http://engine")
+    assert not r["passed"] and r["coverage"] == 0.0
+    # The trainer sent other bytes than the engine holds: fails.
+    tr, eng = _trainer_with_slot(pk)
+    eng.loader.publish_checksum(eng.row, eng.slot.nonce)
+    tr.last_sent_checksum = _packed(42).checksum()
+    assert not tr.engine_checksum("http://engine")["passed"]
+
+
+def test_a_row_without_this_updates_nonce_is_never_taken_the_trainer_asks() -> None:
+    pk = _packed(43)
+    # A row from an earlier update (other nonce) is ignored until the wait ends.
+    tr, eng = _trainer_with_slot(pk, wait_s=0.05)
+    eng.loader.publish_checksum(eng.row, eng.slot.nonce + 1)
+    r = tr.engine_checksum("http://engine")
+    assert r["via"] == "rpc" and eng.asked == 1 and r["passed"]
+    assert "within" in r["ipc_note"]
+    # The worker could not hash at finish (count -1): asked at once.
+    tr, eng = _trainer_with_slot(pk, wait_s=30)
+    eng.row[ROW_COUNT] = -1
+    eng.row[ROW_NONCE] = eng.slot.nonce
+    t = time.monotonic()
+    r = tr.engine_checksum("http://engine")
+    assert r["via"] == "rpc" and eng.asked == 1 and r["passed"]
+    assert time.monotonic() - t < 10  # not the 30 s wait
+    # The expectation is used once: the next check asks.
+    assert tr.engine_checksum("http://engine")["via"] == "rpc" and eng.asked == 2
+
+
+def test_result_route_options_are_checked() -> None:
+    with pytest.raises(BadInput, match="checksum_results"):
+        CudaIpcTransport(device="cpu", checksum_results="shm")
+    for bad in (0, -1, True, "2", 601):
+        with pytest.raises(BadInput, match="results_wait_s"):
+            CudaIpcTransport(device="cpu", results_wait_s=bad)
+    # Off CUDA (or with rpc chosen, or before connect) no slot is offered.
+    tr = CudaIpcTransport(device="cpu")
+    tr._ranks["http://engine"] = [0]
+    assert tr._result_slot("http://engine", 3) is None

@@ -813,10 +813,18 @@ def test_transport_check_starts_when_the_transfer_returns_and_the_validation_col
     a.transfer(t)
     # The check runs beside the cache reset: the reset does not wait for it.
     a.reset_cache(CacheKind.PREFIX)
+    deadline = time.monotonic() + 10
+    while len(tr.events) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert tr.events == ["send rc-1", "check start"]
+    # The paused state was read as the transfer returned, for this validation.
+    while e.sent(Routes.IS_PAUSED) < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert e.sent(Routes.IS_PAUSED) == 1
     tr.release.set()
     v = a.validate(t, live=False)
     assert v is not None and v.paused is True
+    assert e.sent(Routes.IS_PAUSED) == 1  # the validation took that read, not another
     (chk,) = v.checks
     assert chk.name == "transport-checksum" and chk.passed
     assert "alongside the cache reset" in chk.detail

@@ -639,8 +639,8 @@ def main() -> int:
                         "zero_copy": transport.last_zero_copy,
                         "staging_checksum_s": state.get("staging_checksum_s"),
                         "engine_checksum": {k: transport.last_check.get(k) for k in
-                                            ("engine_s", "engine_wait_s", "prefetched",
-                                             "rpc_s", "coverage", "passed")},
+                                            ("via", "engine_s", "engine_wait_s", "prefetched",
+                                             "rpc_s", "coverage", "passed", "ipc_note")},
                         "engine": transport.rpc(http.base, "rc_cuda_ipc_stats")[0]})
             seed = 1 if state["seed"] == 2 else 2
             fill(packed, seed)
@@ -652,17 +652,22 @@ def main() -> int:
             http.bare_cycle(body)
             state["seed"] = 1 if seed == 2 else 2
         # Ablations, after the headline reps and reported beside them (the headline
-        # configuration is the default one: the transport check starts when the
-        # transfer returns, beside the cache reset; no hashing inside the finish).
+        # configuration is the default one: the workers hash at finish and write the
+        # values into the trainer's result slot; the validation reads them there, and
+        # the paused state read starts as the transfer returns).
         R["benchmark_config"] = {
             "early_transport_check": getattr(adapter, "early_transport_check", None),
             "hash_at_finish": transport.hash_at_finish,
+            "checksum_results": transport.checksum_results,
             "checksum_impl": transport.checksum_impl, "copy_impl": transport.copy_impl}
         ablations: dict[str, Any] = {}
         if hasattr(adapter, "early_transport_check"):
-            for name, early, at_finish in (("check_inside_validation", False, False),
-                                           ("hash_at_finish", True, True)):
+            for name, early, at_finish, route in (
+                    ("rpc_check_inside_validation", False, False, "rpc"),
+                    ("rpc_check_beside_reset", True, False, "rpc"),
+                    ("rpc_hash_at_finish", True, True, "rpc")):
                 adapter.early_transport_check, transport.hash_at_finish = early, at_finish
+                transport.checksum_results = route
                 runs = []
                 for _ in range(max(3, args.reps // 2)):
                     seed = 1 if state["seed"] == 2 else 2
@@ -673,6 +678,7 @@ def main() -> int:
                                  "finish_s": transport.last_timings.finish_s})
                 ablations[name] = {
                     "early_transport_check": early, "hash_at_finish": at_finish,
+                    "checksum_results": route,
                     "hot_s": med([r["total_s"] for r in runs]),
                     "phase_medians_s": {k: med([r["breakdown"][k] for r in runs])
                                         for k in runs[0]["breakdown"]},
@@ -680,6 +686,7 @@ def main() -> int:
                 log(f"ablation {name}: hot {ablations[name]['hot_s']:.4f}s")
             adapter.early_transport_check = R["benchmark_config"]["early_transport_check"]
             transport.hash_at_finish = R["benchmark_config"]["hash_at_finish"]
+            transport.checksum_results = R["benchmark_config"]["checksum_results"]
         R["ablations"] = ablations
         hot_s = med([h["total_s"] for h in hot])
         bare_s = med([b["total"] for b in bare])
@@ -690,6 +697,8 @@ def main() -> int:
         R["staging_checksum_s"] = med([h["staging_checksum_s"] for h in hot])
         R["engine_checksum_s"] = med([h["engine_checksum"]["engine_s"] for h in hot])
         R["engine_checksum_rpc_s"] = med([h["engine_checksum"]["rpc_s"] for h in hot])
+        R["engine_checksum_via"] = sorted({str(h["engine_checksum"]["via"]) for h in hot})
+        R["worker_publish_s"] = med([float(h["engine"].get("publish_s") or 0.0) for h in hot])
         R["hot_s"] = hot_s
         R["bare_primitives_s"] = bare_s
         R["hot_over_bare"] = hot_s / bare_s if hot_s and bare_s else None
@@ -832,10 +841,13 @@ def main() -> int:
     R["evidence_used"] = (
         "vLLM 0.26 has no weight_version and no /weight_checker: the paused validation "
         "compares the workers' block checksum (int32 sums of 512-byte blocks weighted by "
-        "position, mod 2^32, per tensor; via /collective_rpc rc_cuda_ipc_checksum on the "
-        "worker extension) of the parameter slices the update wrote with the trainer's "
-        "block checksum of the buffer it sent; coverage = fraction of tensors compared; "
-        "it sets verification level engine-checksum")
+        "position, mod 2^32, per tensor) of the parameter slices the update wrote with the "
+        "trainer's block checksum of the buffer it sent (taken at staging); the workers "
+        "hash inside /finish_weight_update and write the values, a names digest and the "
+        "trainer's per-update nonce (last) into a trainer-owned CUDA IPC result buffer, "
+        "which the validation reads (engine_checksum_via: ipc; /collective_rpc "
+        "rc_cuda_ipc_checksum is the fallback and the ablations' route); coverage = "
+        "fraction of tensors compared; it sets verification level engine-checksum")
     with contextlib.suppress(Exception):
         engine.stop()
     return finish(out, logs)

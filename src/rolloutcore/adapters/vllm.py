@@ -972,7 +972,7 @@ class VllmAdapter:
         # The transport's own check of what it installed, started as soon as the
         # transfer returns (see ``transfer``) and collected by the paused validation.
         self.early_transport_check = early_transport_check
-        self._early: tuple[UpdateTarget, Future[Check]] | None = None
+        self._early: tuple[UpdateTarget, Future[Check], Future[bool] | None] | None = None
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
@@ -1190,9 +1190,16 @@ class VllmAdapter:
         # installed (a read of the parameters on the workers) can start now and
         # overlap the cache reset, which does not touch weights. The validation
         # collects it, for this target only.
+        # The paused state is read then too (the engine stays paused until the runner
+        # resumes it after the validation, so a read from here on is inside the
+        # same paused window as one taken during the validation).
         tcheck = getattr(self.transport, "validation_check", None)
         if self.early_transport_check and callable(tcheck):
-            self._early = (target, self._side().submit(tcheck, self.http.base_url))
+            side = self._side()
+            check = side.submit(tcheck, self.http.base_url)
+            paused = (side.submit(self.http.is_paused)
+                      if Routes.IS_PAUSED in self.http.capabilities() else None)
+            self._early = (target, check, paused)
         return ev
 
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
@@ -1226,8 +1233,13 @@ class VllmAdapter:
         # state is read alongside it: both are taken inside the paused window
         # (only the runner resumes, after this returns), one round trip apart.
         tcheck = getattr(self.transport, "validation_check", None)
+        early, self._early = self._early, None
+        if early is not None and early[0] != target:
+            early = None
         paused_read: Future[bool] | None = None
-        if Routes.IS_PAUSED in caps and callable(tcheck):
+        if early is not None and early[2] is not None:
+            paused_read = early[2]
+        elif Routes.IS_PAUSED in caps and callable(tcheck):
             paused_read = self._side().submit(h.is_paused)
         checks: list[Check] = []
         ref = None if st is None else st.reference_checksums
@@ -1242,9 +1254,8 @@ class VllmAdapter:
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
-        early, self._early = self._early, None
         if callable(tcheck):
-            if early is not None and early[0] == target:
+            if early is not None:
                 chk = early[1].result()
                 if isinstance(chk, Check):
                     chk = dataclasses.replace(chk, detail=(

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import itertools
 import json
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -66,6 +68,8 @@ __all__ = [
     "CudaIpcTransport",
     "EntrySpec",
     "PackedWeights",
+    "RESULTS",
+    "ResultSlot",
     "UpdateMessage",
     "block_checksum",
     "decode_update",
@@ -74,6 +78,8 @@ __all__ = [
     "engine_flags",
     "map_buffer",
     "names_digest",
+    "names_digest60",
+    "share_buffer",
 ]
 
 BACKEND = "rc_cuda_ipc"
@@ -83,6 +89,8 @@ WORKER_EXTENSION = "rolloutcore.transports.cuda_ipc_plugin.CudaIpcWorkerExtensio
 #: dtypes a buffer entry may have (name on the wire -> element size in bytes).
 DTYPES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 MODES = ("fast", "reference")
+#: how the workers' checksum reaches the trainer (``CudaIpcTransport.checksum_results``)
+RESULT_ROUTES = ("ipc", "rpc")
 
 _MAX_ENTRIES = 100_000
 _MAX_BUFFERS = 64
@@ -346,6 +354,59 @@ def encode_update(msg: UpdateMessage, *, by_reference: bool = False) -> dict[str
 #: so they start hashing when the session finishes (read by the engine side).
 HASH_AT_FINISH = "hash_at_finish"
 
+#: ``update_info`` field: where the workers publish this update's checksum, a
+#: ``ResultSlot`` (implies hashing at finish). The paused validation then reads
+#: it from the trainer's own device memory: no round trip through the engine.
+RESULTS = "results"
+
+#: A result row (int64): the nonce, the 60-bit names digest, the count of model
+#: parameters the update did not cover, the count of values (-1: the worker
+#: could not hash), then one value per entry (-1: entry not hashable here).
+ROW_NONCE, ROW_NAMES, ROW_UNCOVERED, ROW_COUNT, ROW_HEADER = 0, 1, 2, 3, 4
+_MAX_WORKERS = 64
+
+
+def names_digest60(hexdigest: str) -> int:
+    """The first 60 bits of a ``names_digest``: fits a non-negative int64 cell."""
+    return int(hexdigest[:15], 16)
+
+
+@dataclass(frozen=True)
+class ResultSlot:
+    """A trainer-owned int64 device buffer of ``rows`` x ``row_len``, shared by handle.
+
+    Worker of rank r writes row r after hashing at finish: the values, then
+    (stream-ordered, last) the ``nonce`` the trainer chose for this update. The
+    trainer waits for its nonce in every row, then reads the rows. A nonce is
+    fresh per update, so a row left from an earlier update is never taken.
+    """
+
+    buffer: BufferHandle
+    nonce: int
+    rows: int
+    row_len: int
+
+    def __post_init__(self) -> None:
+        _int(self.nonce, "results.nonce", lo=1)
+        _int(self.rows, "results.rows", lo=1, hi=_MAX_WORKERS)
+        _int(self.row_len, "results.row_len", lo=ROW_HEADER + 1, hi=ROW_HEADER + _MAX_ENTRIES)
+        if self.buffer.nbytes != 8 * self.rows * self.row_len:
+            raise BadInput(f"results.buffer holds {self.buffer.nbytes} bytes, not "
+                           f"{self.rows} rows of {self.row_len} int64")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"buffer": self.buffer.to_json(), "nonce": self.nonce, "rows": self.rows,
+                "row_len": self.row_len}
+
+    @classmethod
+    def from_json(cls, d: object) -> ResultSlot:
+        o = _obj(d, f"update_info.{RESULTS}", {"buffer", "nonce", "rows", "row_len"})
+        return cls(BufferHandle.from_json(o["buffer"], f"{RESULTS}.buffer"),
+                   _int(o["nonce"], f"{RESULTS}.nonce", lo=1),
+                   _int(o["rows"], f"{RESULTS}.rows", lo=1, hi=_MAX_WORKERS),
+                   _int(o["row_len"], f"{RESULTS}.row_len", lo=ROW_HEADER + 1,
+                        hi=ROW_HEADER + _MAX_ENTRIES))
+
 
 def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
                   ) -> UpdateMessage:
@@ -357,9 +418,11 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
     are re-checked against the body's buffers unless those are the same.
     """
     o = _obj(d, "update_info", {"protocol", "mode", "buffers"},
-             optional=frozenset({"entries", "layout", HASH_AT_FINISH}))
+             optional=frozenset({"entries", "layout", HASH_AT_FINISH, RESULTS}))
     if not isinstance(o.get(HASH_AT_FINISH, False), bool):
         raise BadInput(f"update_info.{HASH_AT_FINISH} must be a boolean")
+    if RESULTS in o:
+        decode_results(o)  # checked here with the rest; the engine side reads it again
     if o["protocol"] != PROTOCOL:
         raise BadInput(f"update_info.protocol must be {PROTOCOL!r}, got {o['protocol']!r}")
     if ("entries" in o) == ("layout" in o):
@@ -389,6 +452,12 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
         mode, buffers,
         tuple(EntrySpec.from_json(e, f"entries[{i}]") for i, e in enumerate(ents)),
     )
+
+
+def decode_results(d: Mapping[str, Any]) -> ResultSlot | None:
+    """The ``results`` slot of an ``update_info`` (validated), or None when absent."""
+    r = d.get(RESULTS)
+    return None if r is None else ResultSlot.from_json(r)
 
 
 def map_buffer(b: BufferHandle, device_index: int) -> torch.Tensor:
@@ -699,6 +768,8 @@ class SliceLoader:
         self.checksum_impl = "auto"
         self._csum_prog: tuple[SlicePlan, cuda_kernels.MultiChecksum | None] | None = None
         self._names_digest: tuple[UpdateMessage, str] | None = None
+        self._row_head: tuple[UpdateMessage, SlicePlan, torch.Tensor,
+                              torch.Tensor | None] | None = None
         self.last: UpdateMessage | None = None
         self.stats: dict[str, Any] = {}
 
@@ -827,6 +898,61 @@ class SliceLoader:
                 return c[1].run()
         return block_checksum_device(dsts, impl=impl)
 
+    def _names_digest_of(self, msg: UpdateMessage) -> str:
+        if self._names_digest is None or self._names_digest[0] is not msg:
+            self._names_digest = (msg, names_digest([e.name for e in msg.entries]))
+        return self._names_digest[1]
+
+    def publish_checksum(self, row: torch.Tensor, nonce: int) -> bool:
+        """Write the last update's checksum into ``row``, the ``nonce`` last.
+
+        ``row``: int64, ``ROW_HEADER`` + one cell per entry (a ``ResultSlot``
+        row, mapped from the trainer). Everything is queued on the current
+        stream behind the hash, which is behind the copies: nothing here waits
+        on the GPU (the header of a layout is made once, before the hash is
+        queued). Where no hash can be made (no fast update, nothing
+        hashable) the row says so with a count of -1, so that the reader asks
+        instead of waiting. Returns whether values were published.
+        """
+        msg = self.last
+        n = len(msg.entries) if msg is not None else 0
+        if row.dtype != torch.int64 or row.dim() != 1 or (
+                msg is not None and row.numel() != ROW_HEADER + n):
+            raise BadInput(f"result row must be int64 of {ROW_HEADER} + {n} cells, got "
+                           f"{row.dtype} {tuple(row.shape)}")
+        head = None
+        if msg is not None and msg.mode == "fast":
+            plan = self.plan(msg)
+            h = self._row_head
+            if h is None or h[0] is not msg or h[1] is not plan or h[2].device != row.device:
+                idx = [i for i, d in enumerate(plan.dsts) if d is not None]
+                h = self._row_head = (
+                    msg, plan,
+                    torch.tensor([names_digest60(self._names_digest_of(msg)),
+                                  len(plan.uncovered), n], dtype=torch.int64,
+                                 device=row.device),
+                    None if len(idx) == n else torch.tensor(idx, dtype=torch.int64,
+                                                            device=row.device))
+            head = h
+        pend = self._pending
+        if head is not None and (pend is None or pend[0] is not msg or pend[1] is not head[1]):
+            self.prefetch_checksum()
+            pend = self._pending
+        if head is None or pend is None:
+            row[ROW_COUNT].fill_(-1)
+            row[ROW_NONCE].fill_(nonce)
+            return False
+        vals, idx_t = pend[2], head[3]
+        cells = row[ROW_HEADER:]
+        if idx_t is None:
+            cells.copy_(vals)
+        else:
+            cells.fill_(-1)
+            cells.index_copy_(0, idx_t, vals)
+        row[ROW_NAMES:ROW_HEADER].copy_(head[2])
+        row[ROW_NONCE].fill_(nonce)
+        return True
+
     def checksum(self, impl: str = "auto") -> dict[str, Any]:
         """Block checksum of the slices the last update wrote, read from parameter memory."""
         msg = self.last
@@ -848,10 +974,8 @@ class SliceLoader:
         out: list[int | None] = [None] * len(plan.dsts)
         for i, v in zip(idx, vals, strict=True):
             out[i] = v
-        if self._names_digest is None or self._names_digest[0] is not msg:
-            self._names_digest = (msg, names_digest([e.name for e in msg.entries]))
         now = time.monotonic()
-        return {"values": out, "names_digest": self._names_digest[1],
+        return {"values": out, "names_digest": self._names_digest_of(msg),
                 "elapsed_s": now - since, "wait_s": now - t, "prefetched": prefetched,
                 "uncovered": plan.uncovered[:20], "n_uncovered": len(plan.uncovered)}
 
@@ -955,22 +1079,7 @@ class PackedWeights:
     def handle(self) -> BufferHandle:
         """The buffer's IPC handle, created once (re-sharing would add ref counters)."""
         if self._handle is None:
-            from torch.multiprocessing.reductions import reduce_tensor
-
-            if self.buffer.device.type != "cuda":
-                raise BadInput("CUDA IPC needs the buffer on a CUDA device")
-            _, a = reduce_tensor(self.buffer)  # type: ignore[no-untyped-call]
-            # a = (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device,
-            #      handle, storage_size_bytes, storage_offset_bytes, requires_grad,
-            #      ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
-            uuid = str(torch.cuda.get_device_properties(self.buffer.device).uuid)
-            self._handle = BufferHandle(
-                device_uuid=uuid, handle=bytes(a[7]), storage_size_bytes=int(a[8]),
-                storage_offset_bytes=int(a[9]), ref_counter_handle=bytes(a[11]),
-                ref_counter_offset=int(a[12]),
-                event_handle=bytes(a[13]) if a[13] is not None else b"",
-                event_sync_required=bool(a[14]), tensor_offset_bytes=int(a[3]),
-                nbytes=self.buffer.numel())
+            self._handle = share_buffer(self.buffer)
         return self._handle
 
     def message(self, mode: str = "fast") -> UpdateMessage:
@@ -978,6 +1087,28 @@ class PackedWeights:
 
     def checksum(self, impl: str = "auto") -> list[int]:
         return block_checksum([self._views[e.name] for e in self.entries], impl=impl)
+
+
+def share_buffer(buf: torch.Tensor) -> BufferHandle:
+    """The CUDA IPC handle of a flat ``uint8`` device tensor, as plain data."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buf.device.type != "cuda":
+        raise BadInput("CUDA IPC needs the buffer on a CUDA device")
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise BadInput("share_buffer takes a flat uint8 tensor")
+    _, a = reduce_tensor(buf)  # type: ignore[no-untyped-call]
+    # a = (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device,
+    #      handle, storage_size_bytes, storage_offset_bytes, requires_grad,
+    #      ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+    uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
+    return BufferHandle(
+        device_uuid=uuid, handle=bytes(a[7]), storage_size_bytes=int(a[8]),
+        storage_offset_bytes=int(a[9]), ref_counter_handle=bytes(a[11]),
+        ref_counter_offset=int(a[12]),
+        event_handle=bytes(a[13]) if a[13] is not None else b"",
+        event_sync_required=bool(a[14]), tensor_offset_bytes=int(a[3]),
+        nbytes=buf.numel())
 
 
 def engine_flags() -> list[str]:
@@ -1011,7 +1142,13 @@ class CudaIpcTransport:
 
     def __init__(self, *, mode: str = "fast", device: torch.device | str = "cuda",
                  compute_checksum: bool = True, copy_impl: str = "auto",
-                 checksum_impl: str = "auto", hash_at_finish: bool = False) -> None:
+                 checksum_impl: str = "auto", hash_at_finish: bool = False,
+                 checksum_results: str = "ipc", results_wait_s: float = 2.0) -> None:
+        if checksum_results not in RESULT_ROUTES:
+            raise BadInput(f"checksum_results must be one of {RESULT_ROUTES}")
+        if isinstance(results_wait_s, bool) or not isinstance(results_wait_s, (int, float)) \
+                or not 0 < results_wait_s <= 600:
+            raise BadInput("results_wait_s must be a number of seconds in (0, 600]")
         if mode not in MODES:
             raise BadInput(f"mode must be one of {MODES}")
         if copy_impl not in COPY_IMPLS:
@@ -1031,6 +1168,16 @@ class CudaIpcTransport:
         #: Off by default: VllmAdapter starts the check as the transfer returns,
         #: beside the cache reset, which costs the paused window less.
         self.hash_at_finish = hash_at_finish
+        #: how the workers' checksum comes back: ``ipc``, written by the workers at
+        #: finish into a small buffer of the trainer's (no round trip while the
+        #: engine is paused; ``rpc`` is asked if it is not there within
+        #: ``results_wait_s``); ``rpc``, asked through ``/collective_rpc``.
+        self.checksum_results = checksum_results
+        self.results_wait_s = float(results_wait_s)
+        self._ranks: dict[str, list[int]] = {}
+        self._slot: tuple[torch.Tensor, BufferHandle] | None = None
+        self._expect: tuple[ResultSlot, str] | None = None
+        self._read_stream: Any = None
         self._client: Any = None
         self._lock = threading.Lock()
         self._staging: PackedWeights | None = None
@@ -1096,6 +1243,8 @@ class CudaIpcTransport:
         hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
             if self.device.type == "cuda" else ""
+        ranks = sorted(h.get("rank", -1) if isinstance(h, dict) else -1 for h in hello)
+        self._ranks[base_url] = ranks if ranks == list(range(len(hello))) else []
         for h in hello:
             if not isinstance(h, dict) or h.get("backend") != BACKEND:
                 raise EngineUnavailable("connect", f"worker is not running {BACKEND}: {h!r}",
@@ -1120,6 +1269,10 @@ class CudaIpcTransport:
         body = encode_update(msg, by_reference=delivered in self._delivered)
         if self.compute_checksum and self.hash_at_finish:
             body[HASH_AT_FINISH] = True
+        self._expect = None
+        slot = self._result_slot(base_url, len(msg.entries))
+        if slot is not None:
+            body[RESULTS] = slot.to_json()
         mutation = False
         try:
             torch.cuda.synchronize(packed.device)  # the engine reads after our writes
@@ -1146,6 +1299,8 @@ class CudaIpcTransport:
             self._call("POST", base_url, "/finish_weight_update", timeout_s, step="transfer",
                        mutation=True, body=fin)
             tm.finish_s = time.monotonic() - t
+            if slot is not None:
+                self._expect = (slot, base_url)
         except (EngineUnavailable, TransferError) as exc:
             raise TransferError("transfer", exc.reason, mutation_started=mutation) from exc
         self.last_timings = tm
@@ -1193,12 +1348,21 @@ class CudaIpcTransport:
         names and the engine's own timing.
         """
         t0 = time.monotonic()
-        res = self.rpc(base_url, "rc_cuda_ipc_checksum", self.checksum_impl,
-                       timeout_s=timeout_s)
+        expect, self._expect = self._expect, None
+        via, note = "rpc", ""
+        res: list[Any] | None = None
+        if expect is not None and expect[1] == base_url:
+            res, note = self._collect(expect[0], min(timeout_s, self.results_wait_s))
+            via = "ipc" if res is not None else "rpc"
+        if res is None:
+            res = self.rpc(base_url, "rc_cuda_ipc_checksum", self.checksum_impl,
+                           timeout_s=timeout_s)
         names, mine = self.last_sent_names, self.last_sent_checksum
+        want_names = self._digests(names, mine)[0]
         out: dict[str, Any] = {"evidence": "worker block checksum of updated slices vs "
                                "trainer block checksum of the sent buffer",
-                               "workers": len(res)}
+                               "workers": len(res), "via": via,
+                               **({"ipc_note": note} if note else {})}
         mism: list[str] = []
         covered = len(names)
         engine_s = wait_s = 0.0
@@ -1209,8 +1373,9 @@ class CudaIpcTransport:
                 raise EngineUnavailable("rpc", f"bad checksum reply {w!r}",
                                         mutation_started=False)
             theirs = w.get("values")
-            if w.get("names_digest") != self._digests(names, mine)[0] \
-                    or not isinstance(theirs, list) \
+            same_names = (w.get("names_digest") == want_names if "names_digest" in w
+                          else w.get("names_digest60") == names_digest60(want_names))
+            if not same_names or not isinstance(theirs, list) \
                     or len(theirs) != len(names):
                 mism.append("<layout differs from the last update sent>")
                 covered = 0
@@ -1235,6 +1400,51 @@ class CudaIpcTransport:
         self.last_check = out
         return out
 
+    def _result_slot(self, base_url: str, n_entries: int) -> ResultSlot | None:
+        """This update's result slot (a fresh nonce), or None where ``ipc`` cannot be used."""
+        ranks = self._ranks.get(base_url)
+        if not (self.compute_checksum and self.checksum_results == "ipc" and ranks
+                and self.device.type == "cuda"):
+            return None
+        rows, row_len = len(ranks), ROW_HEADER + n_entries
+        s = self._slot
+        if s is None or s[0].shape != (rows, row_len):
+            buf = torch.zeros(8 * rows * row_len, dtype=torch.uint8, device=self.device)
+            torch.cuda.synchronize(self.device)  # zeroed before anyone maps it
+            s = self._slot = (buf.view(torch.int64).view(rows, row_len), share_buffer(buf))
+        return ResultSlot(s[1], secrets.randbelow((1 << 62) - 1) + 1, rows, row_len)
+
+    def _collect(self, slot: ResultSlot, wait_s: float) -> tuple[list[Any] | None, str]:
+        """The workers' rows of ``slot``, once each carries its nonce; (None, why) if not."""
+        assert self._slot is not None
+        rows = self._slot[0]
+        if self._read_stream is None and rows.is_cuda:
+            # Reads on a stream of their own: trainer work queued on the default
+            # stream does not delay the validation.
+            self._read_stream = torch.cuda.Stream(rows.device)  # type: ignore[no-untyped-call]
+        t = time.monotonic()
+        deadline = t + wait_s
+        with (torch.cuda.stream(self._read_stream) if rows.is_cuda
+              else contextlib.nullcontext()):
+            # A row's nonce is written after its values (stream order on the worker):
+            # once every row shows ours, a second read gets the values it covers.
+            while not bool((rows[:, ROW_NONCE].cpu() == slot.nonce).all()):
+                if time.monotonic() >= deadline:
+                    return None, f"no result for this update within {wait_s:.3g}s: asked"
+                time.sleep(5e-5)
+            data = rows.cpu().tolist()
+        waited = time.monotonic() - t
+        out: list[Any] = []
+        for r in data:
+            count = r[ROW_COUNT]
+            if r[ROW_NONCE] != slot.nonce or not 0 <= count <= slot.row_len - ROW_HEADER:
+                return None, "a worker published no values at finish: asked"
+            out.append({"values": [v if v >= 0 else None
+                                   for v in r[ROW_HEADER:ROW_HEADER + count]],
+                        "names_digest60": r[ROW_NAMES], "n_uncovered": r[ROW_UNCOVERED],
+                        "elapsed_s": waited, "wait_s": waited, "prefetched": True})
+        return out, ""
+
     def _digests(self, names: tuple[str, ...], values: list[int]) -> tuple[str, str]:
         """(names digest, checksum digest) of what was sent, computed once per send."""
         c = self._digest_cache
@@ -1252,7 +1462,8 @@ class CudaIpcTransport:
         model parameter covered by the update.
         """
         r = self.engine_checksum(base_url, timeout_s=timeout_s)
-        detail = (f"{r['evidence']}; workers={r['workers']} coverage={r['coverage']:.3f} "
+        detail = (f"{r['evidence']} (via {r['via']}); workers={r['workers']} "
+                  f"coverage={r['coverage']:.3f} "
                   f"mismatched={r['n_mismatched']} uncovered_params={r['n_uncovered']} "
                   f"engine_s={r['engine_s']:.4f} trainer_s={r['trainer_s']:.4f}")
         if r["mismatched"]:

@@ -32,10 +32,15 @@ from .cuda_ipc import (
     COPY_IMPLS,
     HASH_AT_FINISH,
     PROTOCOL,
+    RESULTS,
+    ROW_COUNT,
+    ROW_NONCE,
     BufferHandle,
+    ResultSlot,
     SliceLoader,
     UpdateMessage,
     block_checksum,
+    decode_results,
     decode_update,
     map_buffer,
 )
@@ -85,6 +90,14 @@ class CudaIpcInitInfo(WeightTransferInitInfo):
 class CudaIpcUpdateInfo(WeightTransferUpdateInfo):
     message: UpdateMessage = field(default=None)  # type: ignore[assignment]
     hash_at_finish: bool = False
+    results: ResultSlot | None = None
+
+
+def worker_rank() -> int:
+    """This worker's rank in vLLM's world (its row in a ``ResultSlot``); 0 alone."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
 
 
 class CudaIpcWeightTransferEngine(
@@ -112,6 +125,7 @@ class CudaIpcWeightTransferEngine(
         self._layouts: dict[str, UpdateMessage] = {}
         self._layerwise = False
         self._hash_at_finish = False
+        self._results: ResultSlot | None = None
         self._uuid: str | None = None
 
     @property
@@ -137,8 +151,16 @@ class CudaIpcWeightTransferEngine(
         if msg.layout_digest not in self._layouts and len(self._layouts) >= 4:
             self._layouts.pop(next(iter(self._layouts)))
         self._layouts[msg.layout_digest] = msg
+        try:
+            results = decode_results(update_dict)
+        except ValueError as exc:
+            raise ValueError(f"rejected {BACKEND} update_info.{RESULTS}: {exc}") from exc
+        if results is not None and worker_rank() >= results.rows:
+            raise ValueError(f"rejected {BACKEND} update_info.{RESULTS}: {results.rows} rows "
+                             f"for worker rank {worker_rank()}")
         return CudaIpcUpdateInfo(message=msg,
-                                 hash_at_finish=update_dict.get(HASH_AT_FINISH) is True)
+                                 hash_at_finish=update_dict.get(HASH_AT_FINISH) is True,
+                                 results=results)
 
     def init_transfer_engine(self, init_info: CudaIpcInitInfo) -> None:
         self.loader.allow_fallback = init_info.allow_fallback
@@ -175,8 +197,9 @@ class CudaIpcWeightTransferEngine(
     def receive_weights(self, update_info: CudaIpcUpdateInfo) -> None:
         msg = update_info.message
         self._hash_at_finish = update_info.hash_at_finish
-        self.loader.stats.pop("prefetched", None)  # per update: set again at finish
-        self.loader.stats.pop("prefetch_error", None)
+        self._results = update_info.results
+        for k in ("prefetched", "prefetch_error", "published", "publish_s"):
+            self.loader.stats.pop(k, None)  # per update: set again at finish
         t0 = time.monotonic()
         bufs = [self._map(b) for b in msg.buffers]
         map_s = time.monotonic() - t0
@@ -207,9 +230,28 @@ class CudaIpcWeightTransferEngine(
         # (it validates by checksum), hash what the update wrote now, so the
         # paused validation only collects the values. A failure here only means
         # the validation hashes itself.
-        if not self._hash_at_finish:
+        # With a result slot, the values also go into the trainer's buffer (its
+        # validation then reads its own memory); the nonce is written last.
+        slot, self._results = self._results, None
+        at_finish, self._hash_at_finish = self._hash_at_finish, False
+        if slot is not None:
+            t = time.monotonic()
+            row = None
+            try:
+                row = self._map(slot.buffer).view(torch.int64).view(
+                    slot.rows, slot.row_len)[worker_rank()]
+                self.loader.stats["published"] = self.loader.publish_checksum(row, slot.nonce)
+                self.loader.stats["prefetched"] = self.loader.stats["published"]
+            except Exception as exc:  # recorded; the trainer asks instead (count -1)
+                self.loader.stats["prefetch_error"] = f"{type(exc).__name__}: {exc}"
+                if row is not None:
+                    with contextlib.suppress(Exception):
+                        row[ROW_COUNT].fill_(-1)
+                        row[ROW_NONCE].fill_(slot.nonce)
+            self.loader.stats["publish_s"] = time.monotonic() - t
             return
-        self._hash_at_finish = False
+        if not at_finish:
+            return
         try:
             self.loader.stats["prefetched"] = self.loader.prefetch_checksum()
         except Exception as exc:  # recorded; the validation recomputes
@@ -242,7 +284,8 @@ class CudaIpcWorkerExtension:
         if not isinstance(eng, CudaIpcWeightTransferEngine):
             return {"backend": type(eng).__name__, "protocol": None, "device_uuid": None}
         return {"backend": BACKEND, "protocol": PROTOCOL, "device_uuid": eng.device_uuid,
-                "device": str(eng.device), "torch": str(torch.__version__)}
+                "device": str(eng.device), "torch": str(torch.__version__),
+                "rank": worker_rank()}
 
     def rc_cuda_ipc_checksum(self, impl: str = "auto") -> dict[str, Any]:
         if impl not in CHECKSUM_IMPLS:
