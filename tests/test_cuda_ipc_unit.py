@@ -581,3 +581,34 @@ def test_result_route_options_are_checked() -> None:
     tr = CudaIpcTransport(device="cpu")
     tr._ranks["http://engine"] = [0]
     assert tr._result_slot("http://engine", 3) is None
+
+
+class _CountingParam(torch.nn.Parameter):
+    """A parameter subclass with its own __torch_function__ (as vLLM's are)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        cls.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_plan_check_skips_parameter_subclass_dispatch_and_sees_moves() -> None:
+    pk = _packed(51)
+    model = _TinyModel()
+    for mod in model.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, _CountingParam(p.data))
+    loader = SliceLoader(model)
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    _CountingParam.calls = 0
+    msg = _message_for(pk, "fast")
+    assert loader.plan(msg) is loader._plan and loader.stats["plan_cached"] is True
+    assert _CountingParam.calls == 0
+    # A parameter that moved is seen: the plan is rebuilt.
+    first = next(iter(model.parameters()))
+    first.data = first.data.clone()
+    old = loader._plan
+    assert loader.plan(msg) is not old and loader.stats["plan_cached"] is False

@@ -688,6 +688,29 @@ def main() -> int:
             transport.hash_at_finish = R["benchmark_config"]["hash_at_finish"]
             transport.checksum_results = R["benchmark_config"]["checksum_results"]
         R["ablations"] = ablations
+        # Where the controller's own time goes: the calling thread profiled over a few
+        # transitions (effects run in their own threads and are not in it). Reported
+        # per transition; the profile slows what it watches, so only the split counts.
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        n_prof = 5
+        prof_ovh = []
+        for _ in range(n_prof):
+            seed = 1 if state["seed"] == 2 else 2
+            prof.enable()
+            o = transition(seed)
+            prof.disable()
+            prof_ovh.append(o.controller_overhead_s)
+        ps = pstats.Stats(prof)
+        rows = sorted(((v[2], v[0], f"{k[0].rsplit('/', 2)[-1]}:{k[1]}({k[2]})")
+                       for k, v in ps.stats.items()), reverse=True)  # type: ignore[attr-defined]
+        R["overhead_profile"] = {
+            "transitions": n_prof,
+            "controller_overhead_s_profiled": med(prof_ovh),
+            "top_tottime_us_per_transition": [
+                {"fn": fn, "calls": calls // n_prof, "us": round(tt / n_prof * 1e6, 1)}
+                for tt, calls, fn in rows[:30]]}
         hot_s = med([h["total_s"] for h in hot])
         bare_s = med([b["total"] for b in bare])
         upd = med([h["transport"]["update_s"] for h in hot])

@@ -423,8 +423,10 @@ class LifecycleController:
         frm = self._state
         if to is not frm:
             self._history.append((frm, to, event, now, now - self._entered_at))
-            self._emit("transition", {"from": frm.value, "to": to.value, "event": event.value,
-                                      "duration_s": now - self._entered_at})
+            if self._listeners:  # records are built only for someone to read them
+                self._emit("transition", {"from": frm.value, "to": to.value,
+                                          "event": event.value,
+                                          "duration_s": now - self._entered_at})
             self._state = to
             self._entered_at = now
             if to is S.READY:
@@ -519,7 +521,8 @@ class LifecycleController:
         self._max_generation = max(self._max_generation, version.generation)
         self._used_labels.add(version.label)
         self._update = None
-        self._emit("commit", {"version": version.to_dict(), "identity": identity.to_dict()})
+        if self._listeners:
+            self._emit("commit", {"version": version.to_dict(), "identity": identity.to_dict()})
         self._move(event, S.READY)
         return self._verdict(event, before, accepted=True, published=version)
 
@@ -607,10 +610,11 @@ class LifecycleController:
             target = UpdateTarget(nxt, target_identity, owner)
             ticket = UpdateTicket(next(self._update_ids), target, min_verification)
             self._update = _Update(ticket)
-            self._emit("request_update", {"update_id": ticket.update_id, "owner": owner,
-                                          "target": nxt.to_dict(),
-                                          "identity": target_identity.to_dict(),
-                                          "active_rollouts": len(self._active)})
+            if self._listeners:
+                self._emit("request_update", {"update_id": ticket.update_id, "owner": owner,
+                                              "target": nxt.to_dict(),
+                                              "identity": target_identity.to_dict(),
+                                              "active_rollouts": len(self._active)})
             self._move(E.REQUEST_UPDATE, S.DRAINING)
             return ticket
 
@@ -645,8 +649,9 @@ class LifecycleController:
             # From here the target's label may reach the engine: never reuse it.
             self._max_generation = max(self._max_generation, ticket.target.version.generation)
             self._used_labels.add(ticket.target.version.label)
-            self._emit("begin_update", {"update_id": ticket.update_id,
-                                        "target": ticket.target.version.to_dict()})
+            if self._listeners:
+                self._emit("begin_update", {"update_id": ticket.update_id,
+                                            "target": ticket.target.version.to_dict()})
             self._move(E.PREFLIGHTED, S.UPDATING)
             upd.mutation_started = False
             return self._verdict(E.PREFLIGHTED, before, accepted=True)

@@ -761,6 +761,8 @@ class SliceLoader:
         self.allow_fallback = allow_fallback
         self.copy_impl = copy_impl
         self._plan: SlicePlan | None = None
+        #: the message whose load last checked the plan against the parameters
+        self._plan_checked: UpdateMessage | None = None
         self._src_cache: tuple[Any, list[torch.Tensor]] | None = None
         self._prog: _CopyProgram | None = None
         self._pending: tuple[UpdateMessage, SlicePlan, torch.Tensor, float, str] | None = None
@@ -783,15 +785,22 @@ class SliceLoader:
             raise BadInput(f"copy_impl must be one of {COPY_IMPLS}, got {v!r}")
         self._copy_impl = v
 
+    def _param_ptrs(self) -> dict[str, int]:
+        # vLLM's parameters are tensor subclasses: without this, every data_ptr()
+        # goes through their __torch_function__ (milliseconds for an 8B model).
+        with torch._C.DisableTorchFunctionSubclass():
+            return {n: q.data_ptr() for n, q in self.model.named_parameters()}
+
     def plan(self, msg: UpdateMessage) -> SlicePlan:
         p = self._plan
-        if p is not None and p.layout_digest == msg.layout_digest:
-            now = {n: q.data_ptr() for n, q in self.model.named_parameters()}
-            if now == p.ptrs:
-                self.stats["plan_cached"] = True
-                return p
+        if p is not None and p.layout_digest == msg.layout_digest \
+                and self._param_ptrs() == p.ptrs:
+            self.stats["plan_cached"] = True
+            self._plan_checked = msg
+            return p
         t = time.monotonic()
         p = self._plan = build_plan(self.model, msg.entries, allow_fallback=self.allow_fallback)
+        self._plan_checked = msg
         self.stats["plan_cached"] = False
         self.stats["plan_s"] = time.monotonic() - t
         return p
@@ -825,8 +834,21 @@ class SliceLoader:
         self._src_cache = (key, srcs)
         return srcs
 
+    def _session_plan(self, msg: UpdateMessage) -> SlicePlan:
+        """The plan of the update being finished: checked by its load moments ago.
+
+        Between ``load`` and the end of the same update session nothing moves a
+        parameter in the fast mode, so the finish does not walk the model again.
+        Anything later (an RPC after resume) uses ``plan``, which checks.
+        """
+        p = self._plan
+        if p is not None and self._plan_checked is msg and self.last is msg:
+            return p
+        return self.plan(msg)
+
     def load(self, bufs: Sequence[torch.Tensor], msg: UpdateMessage) -> None:
         self._pending = None  # hashed before this update: stale
+        self._plan_checked = None
         plan = self.plan(msg)  # validates names, shapes and dtypes in both modes
         srcs = self._sources(bufs, msg)
         t = time.monotonic()
@@ -870,7 +892,7 @@ class SliceLoader:
         self._pending = None
         if msg is None or msg.mode != "fast":
             return False
-        plan = self.plan(msg)
+        plan = self._session_plan(msg)
         dsts = [d for d in plan.dsts if d is not None]
         if not dsts:
             return False
@@ -922,7 +944,7 @@ class SliceLoader:
                            f"{row.dtype} {tuple(row.shape)}")
         head = None
         if msg is not None and msg.mode == "fast":
-            plan = self.plan(msg)
+            plan = self._session_plan(msg)
             h = self._row_head
             if h is None or h[0] is not msg or h[1] is not plan or h[2].device != row.device:
                 idx = [i for i, d in enumerate(plan.dsts) if d is not None]
