@@ -20,9 +20,12 @@ update is a run of large device-to-device copies with no per-tensor
 
 Version evidence without an engine label. vLLM 0.26 has no
 ``weight_version``. Both sides compute ``block_checksum`` over the same
-tensors in the same order: the trainer over what it sent, the engine's
-workers (through ``/collective_rpc`` and the worker extension) over the
-parameter slices the update wrote. It is one pass over the bytes on the
+tensors in the same order: the trainer over what it sent (at staging), the
+engine's workers over the parameter slices the update wrote. The workers
+hash inside ``/finish_weight_update`` and write the values, then this
+update's nonce, into a small trainer-owned device buffer shared the same way
+(``ResultSlot``), which the paused validation reads locally; ``/collective_rpc``
+on the worker extension is the fallback. It is one pass over the bytes on the
 GPU: int32 sums of 512-byte blocks of the raw bits, weighted by block
 position and reduced per tensor (exact integer arithmetic, so both sides
 agree bit for bit whatever the reduction order). It detects stale, missing,
