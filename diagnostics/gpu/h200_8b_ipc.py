@@ -688,9 +688,9 @@ def main() -> int:
             transport.hash_at_finish = R["benchmark_config"]["hash_at_finish"]
             transport.checksum_results = R["benchmark_config"]["checksum_results"]
         R["ablations"] = ablations
-        # Where the controller's own time goes: the calling thread profiled over a few
-        # transitions (effects run in their own threads and are not in it). Reported
-        # per transition; the profile slows what it watches, so only the split counts.
+        # Where the process spends CPU over a few transitions, per transition. Under
+        # Python 3.12 cProfile sees every thread (the effects' too), so this does not
+        # isolate the controller; the profile also slows what it watches.
         import cProfile
         import pstats
         prof = cProfile.Profile()
