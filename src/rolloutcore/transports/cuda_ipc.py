@@ -404,11 +404,9 @@ class ResultSlot:
     @classmethod
     def from_json(cls, d: object) -> ResultSlot:
         o = _obj(d, f"update_info.{RESULTS}", {"buffer", "nonce", "rows", "row_len"})
+        # The numbers are checked once, by __post_init__.
         return cls(BufferHandle.from_json(o["buffer"], f"{RESULTS}.buffer"),
-                   _int(o["nonce"], f"{RESULTS}.nonce", lo=1),
-                   _int(o["rows"], f"{RESULTS}.rows", lo=1, hi=_MAX_WORKERS),
-                   _int(o["row_len"], f"{RESULTS}.row_len", lo=ROW_HEADER + 1,
-                        hi=ROW_HEADER + _MAX_ENTRIES))
+                   o["nonce"], o["rows"], o["row_len"])
 
 
 def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
