@@ -23,6 +23,7 @@ import pytest
 from rolloutcore.adapters.vllm import (
     CACHE_ROUTES,
     EMPTY_SHA256,
+    KEEPALIVE_S,
     MetricsSnapshot,
     Routes,
     VllmAdapter,
@@ -147,6 +148,39 @@ def test_bad_base_url(url: Any) -> None:
 def test_bad_timeout(t: Any) -> None:
     with pytest.raises(BadInput):
         VllmHTTP(BASE, timeout_s=t)
+
+
+@pytest.mark.parametrize("k", [-1, float("nan"), float("inf"), True, "2"])
+def test_bad_keepalive(k: Any) -> None:
+    with pytest.raises(BadInput, match="keepalive_s"):
+        VllmHTTP(BASE, keepalive_s=k)
+
+
+def test_idle_connections_are_dropped_before_the_server_would_drop_them() -> None:
+    """A pooled connection idle past ``keepalive_s`` is not sent on again.
+
+    The server (uvicorn, as vLLM's) keeps idle connections for 5 s; the
+    client reuses one for ``keepalive_s``. Inside that, calls share a
+    connection (the same client port); past it, a new one is opened.
+    """
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from helpers.gateway_rig import uvicorn_thread
+
+    def port(request: Request) -> JSONResponse:
+        assert request.client is not None
+        return JSONResponse({"version": str(request.client.port)})
+
+    assert KEEPALIVE_S < 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
+    with uvicorn_thread(Starlette(routes=[Route(Routes.VERSION, port)])) as url, \
+            VllmHTTP(url, keepalive_s=0.2) as h:
+        first, again = h.version(), h.version()
+        time.sleep(0.5)
+        later = h.version()
+    assert first == again != later
 
 
 def test_capabilities_are_read_once_from_openapi() -> None:

@@ -3,18 +3,20 @@
 One server for the whole module. Every engine state used here is made for
 real: a request frozen by ``/pause?mode=keep`` holds KV blocks, and that is
 what makes ``/reset_prefix_cache`` answer HTTP 200 with ``{"success": false}``.
-A streamed request is used to know that a request is running (its first
-chunk has arrived) before the pause, so nothing depends on timing.
+Which pause caught a request running is decided by the engine's own answer
+to that reset (see ``_freeze``), so nothing depends on timing.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
 
 import httpx
 import pytest
@@ -57,9 +59,17 @@ LONG = 460  # output tokens of a "long" request (prompt 40, max_model_len 512)
 def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[ManagedEngine]:
     """This module's server, on checkpoint A, with the gloo weight-transfer backend.
 
-    Tests leave it resumed; only the last ones (transfers) change its weights.
+    Its steps are paced (``slowstep``: 4 ms of sleep in the worker per step),
+    so that its API server keeps up and a pause sent while a request runs
+    lands while it runs. Tests leave it resumed; only the last ones
+    (transfers) change its weights.
     """
-    eng = engine_factory(tiny_models.A)
+    import slowstep  # imports vLLM: only where the engine runs
+
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    eng = engine_factory(tiny_models.A, extra_args=("--logits-processors", "slowstep:SlowStep"),
+                         env={"PYTHONPATH": path, slowstep.ENV: "0.004"})
     try:
         yield eng
     finally:
@@ -95,29 +105,37 @@ def _freeze(http: VllmHTTP, pool: ThreadPoolExecutor,
             seed: int) -> tuple[list[Future[Generation]], CacheResetEvidence]:
     """Pause(keep) while requests hold KV blocks; proven by the engine refusing the reset.
 
-    Four long generations are started and the engine is paused in place a
-    moment later. Whether one of them was already running (holding blocks)
-    at that moment depends on scheduling, so the engine's own answer decides:
-    ``/reset_prefix_cache`` says ``success: false`` exactly when blocks are
-    held. Otherwise everything is let finish and the attempt is repeated.
+    Four long generations are started; a moment later the engine is paused
+    in place and asked for a prefix-cache reset, which says ``success:
+    false`` exactly when blocks are held. If it succeeds (nothing ran yet),
+    the engine is resumed and the same is tried a longer moment later, and a
+    fresh batch is started once a batch has finished. Neither a metric nor
+    an answer's arrival is trusted to say "running": in CI,
+    ``vllm:num_requests_running`` read 0 while requests ran and pausing once
+    it said otherwise missed 20 times in a row; and on an unpaced engine
+    under load, ``/resume`` answered only after the whole batch had run.
+    The engine is paced (see ``engine``): with two busy loops on the 2
+    cores, every freeze of the module was caught at the first pause.
     """
-    for attempt in range(20):
-        futs = [pool.submit(http.generate, _prompt(40, seed * 1000 + attempt * 10 + k),
+    delays = [0.05 * 2 ** min(k, 5) for k in range(12)]  # 0.05 s .. 1.6 s
+    tries = iter(delays)
+    for batch in range(6):
+        futs = [pool.submit(http.generate, _prompt(40, seed * 1000 + batch * 10 + k),
                             max_tokens=LONG, ignore_eos=True, logprobs=False)
                 for k in range(4)]
-        # Pause only once the engine itself says a request is running (a fixed
-        # sleep is a guess that a loaded machine defeats).
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and not (
-                http.metrics().get("vllm:num_requests_running") or 0) > 0:
-            time.sleep(0.005)
-        http.pause(PauseMode.KEEP)
-        ev = http.reset_prefix_cache()
-        if ev.engine_success is False:
-            return futs, ev
-        http.resume()
-        wait(futs, timeout=60)
-    pytest.fail("no request was caught running in 20 attempts")
+        for delay in tries:
+            time.sleep(delay)
+            if all(f.done() for f in futs):
+                break
+            http.pause(PauseMode.KEEP)
+            ev = http.reset_prefix_cache()
+            if ev.engine_success is False:
+                return futs, ev
+            http.resume()
+        else:
+            break
+        wait(futs, timeout=120)
+    pytest.fail(f"no request was caught running in {len(delays)} pauses")
 
 
 def _target(label: str, epoch: str = "e") -> UpdateTarget:

@@ -83,6 +83,7 @@ __all__ = [
     "CACHE_ROUTES",
     "engine_identity",
     "EMPTY_SHA256",
+    "KEEPALIVE_S",
     "ChecksumComparison",
     "Completion",
     "Generation",
@@ -137,6 +138,13 @@ CACHE_ROUTES: Mapping[CacheKind, str] = {
 
 _OPENAPI = "/openapi.json"
 _BODY_SNIPPET = 300
+
+#: How long an idle pooled connection is reused. vLLM's server closes one
+#: after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s by default), httpx's default
+#: reuse is also 5 s, and a request sent on a connection the server is
+#: closing fails with "Server disconnected without sending a response": on
+#: ``/pause`` that reads as an engine failure. Seen on a loaded 2-core machine.
+KEEPALIVE_S = 2.0
 
 
 # --------------------------------------------------------------------------- results
@@ -392,13 +400,18 @@ class VllmHTTP:
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 30.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
+        if isinstance(keepalive_s, bool) or not isinstance(keepalive_s, (int, float)) or not (
+                math.isfinite(keepalive_s) and keepalive_s >= 0):
+            raise BadInput(f"keepalive_s must be a number of seconds >= 0, got {keepalive_s!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = _timeout(timeout_s)
         self._client = httpx.Client(base_url=self.base_url, transport=transport,
-                                    timeout=self.timeout_s)
+                                    timeout=self.timeout_s,
+                                    limits=httpx.Limits(keepalive_expiry=keepalive_s))
         self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._cancels = 0
