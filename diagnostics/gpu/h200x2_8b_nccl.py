@@ -1216,8 +1216,37 @@ class Trainer:
         return views, covered
 
 
+class ChecksumValidated:
+    """The port of an adapter, with the worker checksum added to the paused validation.
+
+    vLLM 0.26 has no ``weight_version`` and no ``/weight_checker``, so the
+    paused validation gets ``validator.validation_check(base_url)`` as one
+    more ``Check``. (The one-GPU harness had this wrapper; it now validates
+    through the CUDA-IPC transport's own check instead.)
+    """
+
+    def __init__(self, inner: Any, validator: Any, base_url: str) -> None:
+        self.inner, self.validator, self.base_url = inner, validator, base_url
+
+    @property
+    def caches(self) -> tuple[Any, ...]:
+        return tuple(self.inner.caches)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def validate(self, target: Any, *, live: bool) -> Any:
+        ev = self.inner.validate(target, live=live)
+        if live or ev is None:
+            return ev
+        t = time.monotonic()
+        chk = self.validator.validation_check(self.base_url)
+        return dataclasses.replace(ev, checks=(*ev.checks, chk),
+                                   elapsed_s=ev.elapsed_s + time.monotonic() - t)
+
+
 class NcclChecksumValidator:
-    """``validation_check(base_url)`` for helper-4's ``ChecksumValidated`` wrapper."""
+    """``validation_check(base_url)`` for ``ChecksumValidated``."""
 
     def __init__(self, http: Any, trainer: Trainer | None, *, timeout_s: float = 60.0) -> None:
         self.http = http
@@ -1439,7 +1468,7 @@ class Run:
         inner = VllmAdapter(VllmHTTP(eng.base_url, timeout_s=120), transport,
                             engine_epoch=eng.epoch,
                             transfer_timeout_s=self.cfg.adapter_transfer_timeout_s)
-        adapter = RecordingAdapter(h4.ChecksumValidated(inner, validator, eng.base_url),
+        adapter = RecordingAdapter(ChecksumValidated(inner, validator, eng.base_url),
                                    on_transfer_start)
         runner = LifecycleRunner(controller, adapter, self.deadlines())
         return {"transport": transport, "holder": holder, "http": http,
