@@ -135,7 +135,7 @@ def _freeze(http: VllmHTTP, pool: ThreadPoolExecutor,
         else:
             break
         wait(futs, timeout=120)
-    pytest.fail(f"no request was caught running in {len(delays)} pauses")
+    pytest.fail(f"no request was caught running ({len(delays)} tries, at most 6 batches)")
 
 
 def _target(label: str, epoch: str = "e") -> UpdateTarget:
