@@ -1216,37 +1216,14 @@ class Trainer:
         return views, covered
 
 
-class ChecksumValidated:
-    """The port of an adapter, with the worker checksum added to the paused validation.
-
-    vLLM 0.26 has no ``weight_version`` and no ``/weight_checker``, so the
-    paused validation gets ``validator.validation_check(base_url)`` as one
-    more ``Check``. (The one-GPU harness had this wrapper; it now validates
-    through the CUDA-IPC transport's own check instead.)
-    """
-
-    def __init__(self, inner: Any, validator: Any, base_url: str) -> None:
-        self.inner, self.validator, self.base_url = inner, validator, base_url
-
-    @property
-    def caches(self) -> tuple[Any, ...]:
-        return tuple(self.inner.caches)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def validate(self, target: Any, *, live: bool) -> Any:
-        ev = self.inner.validate(target, live=live)
-        if live or ev is None:
-            return ev
-        t = time.monotonic()
-        chk = self.validator.validation_check(self.base_url)
-        return dataclasses.replace(ev, checks=(*ev.checks, chk),
-                                   elapsed_s=ev.elapsed_s + time.monotonic() - t)
-
-
 class NcclChecksumValidator:
-    """``validation_check(base_url)`` for ``ChecksumValidated``."""
+    """The workers' parameter checksums against the trainer's, as a paused-validation ``Check``.
+
+    ``validation_check(base_url)`` is the transport hook ``VllmAdapter.validate``
+    calls (vLLM 0.26 has no ``weight_version`` and no ``/weight_checker``, so
+    it is the evidence there is); ``rolloutcore_stack`` attaches it to the
+    NCCL transport.
+    """
 
     def __init__(self, http: Any, trainer: Trainer | None, *, timeout_s: float = 60.0) -> None:
         self.http = http
@@ -1465,11 +1442,14 @@ class Run:
         transport, holder = make_nccl_transport()
         http = h4.Http(eng.base_url)
         validator = NcclChecksumValidator(http, trainer)
+        # The adapter's transport-check hook; taken at validation time, as on the
+        # first two-GPU run (a262b60, where a wrapper around the adapter did the same).
+        transport.validation_check = validator.validation_check
         inner = VllmAdapter(VllmHTTP(eng.base_url, timeout_s=120), transport,
                             engine_epoch=eng.epoch,
-                            transfer_timeout_s=self.cfg.adapter_transfer_timeout_s)
-        adapter = RecordingAdapter(ChecksumValidated(inner, validator, eng.base_url),
-                                   on_transfer_start)
+                            transfer_timeout_s=self.cfg.adapter_transfer_timeout_s,
+                            early_transport_check=False)
+        adapter = RecordingAdapter(inner, on_transfer_start)
         runner = LifecycleRunner(controller, adapter, self.deadlines())
         return {"transport": transport, "holder": holder, "http": http,
                 "validator": validator, "adapter": adapter, "inner": inner, "runner": runner}
@@ -1623,7 +1603,7 @@ def phase_hot(run: Run) -> dict[str, Any]:
         st["runner"].bootstrap(run.dummy_identity(trainer.source.manifest()))
         res["driver"] = {"transport": "rolloutcore.transports.nccl.NcclTransport",
                          "trainer_engine": st["holder"].kind,
-                         "adapter": "VllmAdapter + ChecksumValidated(NcclChecksumValidator)",
+                         "adapter": "VllmAdapter, transport check NcclChecksumValidator",
                          "runner": "LifecycleRunner", "deadlines": runner_deadlines(cfg)}
     if not st:
         return res
