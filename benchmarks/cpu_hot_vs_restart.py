@@ -55,10 +55,10 @@ def main() -> int:
     import torch
     import vllm
 
-    from rolloutcore.model import make_checkpoint
-    from rolloutcore.trainer import EngineSession
-    from rolloutcore.versions import Provenance
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.transports.source import WeightSource
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rc-bench-"))
     a, b = work / "A", work / "B"

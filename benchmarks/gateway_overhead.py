@@ -171,10 +171,10 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
     import uvicorn
     import uvloop
 
-    from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
-    from rolloutcore.lifecycle import LifecycleController
-    from rolloutcore.runner import LifecycleRunner
+    from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.service import ServiceConfig, create_app
+    from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 
     body = json.dumps(_body(1, 0)).encode()
     answer = json.dumps({"request_id": "x", "choices": [{
@@ -189,7 +189,7 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
                                 (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    from rolloutcore.engine.launcher import free_port
+    from rolloutcore.adapters.vllm.process import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(upstream_app, host="127.0.0.1", port=port,
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("pinning needs at least 2 CPUs")
 
     sys.path.insert(0, str(ROOT / "src"))
-    from rolloutcore.engine.launcher import ManagedEngine, free_port
+    from rolloutcore.adapters.vllm.process import ManagedEngine, free_port
 
     work = Path(tempfile.mkdtemp(prefix="rc-gw-bench-"))
     engine = None
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.upstream:
             direct, ckpt = args.upstream.rstrip("/"), Path(args.checkpoint)
         else:
-            from rolloutcore.model import make_checkpoint
+            from rolloutcore.testing.models import make_checkpoint
 
             ckpt = make_checkpoint(work / "policy", seed=0)
             engine = ManagedEngine(ckpt, log_dir=work / "logs")

@@ -40,12 +40,12 @@ def main() -> int:
     import torch
     import vllm
 
-    from rolloutcore.evidence import PauseMode
-    from rolloutcore.model import make_checkpoint
-    from rolloutcore.probe import DEFAULT_TOLERANCE, PolicyProbe
-    from rolloutcore.trainer import EngineSession
-    from rolloutcore.versions import Provenance
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.core.evidence import PauseMode
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.transports.source import WeightSource
+    from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe
 
     work = Path(tempfile.mkdtemp(prefix="rc-probe-"))
     ckpts = [make_checkpoint(work / f"s{seed}", seed) for seed in range(1, args.checkpoints + 2)]

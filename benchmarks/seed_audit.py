@@ -37,12 +37,12 @@ def main() -> int:
     import vllm
 
     from rolloutcore.adapters.vllm import engine_identity
-    from rolloutcore.audit import audit_file
-    from rolloutcore.model import make_checkpoint
-    from rolloutcore.recorder import TrajectoryRecorder
-    from rolloutcore.seeds import SEED_DERIVATION, derive_seed
-    from rolloutcore.trainer import EngineSession
-    from rolloutcore.trajectory import (
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.provenance.audit import audit_file
+    from rolloutcore.provenance.recorder import TrajectoryRecorder
+    from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
+    from rolloutcore.provenance.trajectory import (
         SEED_EXTERNAL,
         PolicyBinding,
         Prompt,
@@ -54,7 +54,7 @@ def main() -> int:
         VersionSpan,
         group_id_for,
     )
-    from rolloutcore.versions import Provenance
+    from rolloutcore.testing.models import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="rc-seed-audit-"))
     ckpt = make_checkpoint(work / "A", 1)

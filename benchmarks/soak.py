@@ -64,14 +64,14 @@ from rolloutcore.adapters.vllm import (  # noqa: E402
     VllmHTTP,
     engine_identity,
 )
-from rolloutcore.audit import audit_purity, read_journal_summary  # noqa: E402
+from rolloutcore.control.journal import read_journal  # noqa: E402
+from rolloutcore.core.invariants import check_journal  # noqa: E402
+from rolloutcore.core.lifecycle import Binding, LifecycleController, State  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, RolloutCoreError, UpdateFailed  # noqa: E402
-from rolloutcore.invariants import check_journal  # noqa: E402
-from rolloutcore.journal import read_journal  # noqa: E402
-from rolloutcore.lifecycle import Binding, LifecycleController, State  # noqa: E402
-from rolloutcore.recorder import TrajectoryRecorder, read_trajectories  # noqa: E402
-from rolloutcore.seeds import SEED_DERIVATION, derive_seed  # noqa: E402
-from rolloutcore.trajectory import (  # noqa: E402
+from rolloutcore.provenance.audit import audit_purity, read_journal_summary  # noqa: E402
+from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories  # noqa: E402
+from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed  # noqa: E402
+from rolloutcore.provenance.trajectory import (  # noqa: E402
     EngineIdentity,
     PolicyBinding,
     Prompt,
@@ -300,7 +300,7 @@ _TAINTING = ("kill", "kill", "control-500", "control-close", "control-hold",
 
 
 def _deadlines() -> Any:
-    from rolloutcore.runner import Deadlines
+    from rolloutcore.control.runner import Deadlines
 
     return Deadlines(drain_s=60, pause_s=10, preflight_s=30, transfer_s=20, reset_s=10,
                      validate_s=20, resume_s=10, live_validate_s=60, bootstrap_s=60,
@@ -316,18 +316,18 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     object with ``A`` and ``B`` checkpoint paths. Both are made here when not
     given.
     """
-    from rolloutcore.checksums import ReferenceChecksums
-    from rolloutcore.engine import ManagedEngine
-    from rolloutcore.faultproxy import Fault, FaultProxy
-    from rolloutcore.journal import Journal
-    from rolloutcore.model import make_checkpoint
-    from rolloutcore.probe import PolicyProbe
-    from rolloutcore.recovery import ManagedRecoverer
-    from rolloutcore.runner import LifecycleRunner
-    from rolloutcore.trainer import identity_of
+    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.control.journal import Journal
+    from rolloutcore.control.recovery import ManagedRecoverer
+    from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.control.session import identity_of
+    from rolloutcore.core.versions import Provenance, VerificationLevel
+    from rolloutcore.testing.faultproxy import Fault, FaultProxy
+    from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
-    from rolloutcore.versions import Provenance, VerificationLevel
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.transports.source import WeightSource
+    from rolloutcore.verification.checksums import ReferenceChecksums
+    from rolloutcore.verification.probe import PolicyProbe
 
     rng = random.Random(cfg.seed)
     workdir.mkdir(parents=True, exist_ok=True)

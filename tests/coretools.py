@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rolloutcore.evidence import (
+from rolloutcore.control.journal import Journal
+from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
     CacheResetEvidence,
@@ -14,15 +15,14 @@ from rolloutcore.evidence import (
     TransferEvidence,
     ValidationEvidence,
 )
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import (
+from rolloutcore.core.lifecycle import (
     FailureKind,
     LifecycleController,
     State,
     Step,
     UpdateTicket,
 )
-from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity
+from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity
 
 MANIFEST = ParameterManifest.from_items([("w", (2, 2), "bfloat16"), ("b", (2,), "bfloat16")])
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from rolloutcore.engine import ManagedEngine, free_port
+from rolloutcore.adapters.vllm.process import ManagedEngine, free_port
 
 __all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine"]
 

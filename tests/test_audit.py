@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from helpers.trajtools import IDENTITY, ToyEngine, make_group, make_sample, version
-from rolloutcore.audit import (
+from rolloutcore.control.journal import Journal
+from rolloutcore.errors import BadInput
+from rolloutcore.provenance.audit import (
     DiversityBaseline,
     DiversityFlag,
     PurityIssue,
@@ -22,10 +24,8 @@ from rolloutcore.audit import (
     binomial_tail,
     read_journal_summary,
 )
-from rolloutcore.errors import BadInput
-from rolloutcore.journal import Journal
-from rolloutcore.recorder import TrajectoryRecorder
-from rolloutcore.trajectory import TrajectoryGroup
+from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.provenance.trajectory import TrajectoryGroup
 
 # --------------------------------------------------------------------------- diversity
 

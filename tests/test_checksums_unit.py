@@ -18,7 +18,10 @@ from typing import Any
 import pytest
 
 from rolloutcore.adapters.vllm import EMPTY_SHA256, WeightChecksums
-from rolloutcore.checksums import (
+from rolloutcore.core.evidence import Check
+from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.verification.checksums import (
     LAYOUT_FIELDS,
     ChecksumCache,
     ReferenceChecksums,
@@ -27,9 +30,6 @@ from rolloutcore.checksums import (
     reference_checksums,
     verify,
 )
-from rolloutcore.errors import BadInput, JournalError
-from rolloutcore.evidence import Check
-from rolloutcore.versions import VerificationLevel
 
 R0 = "dp0:pp0:pcp0:tp0:"
 R1 = "dp0:pp0:pcp0:tp1:"
@@ -272,7 +272,7 @@ def _tiny_checkpoint(d: Path) -> Path:
 
 def test_reference_checksums_reuses_a_cached_reference_without_starting(
         tmp_path: Path) -> None:
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.transports.source import WeightSource
 
     ckpt = _tiny_checkpoint(tmp_path / "ckpt")
     digest = WeightSource.from_checkpoint(ckpt).content_digest()

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import first_index, read_journal
+from rolloutcore.control.journal import first_index, read_journal
+from rolloutcore.core.invariants import check_journal
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -325,7 +325,7 @@ def interpreted_kernels() -> None:
     """
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("runs in the TRITON_INTERPRET=1 child of test_kernels_interpreted")
-    from rolloutcore.transports import cuda_kernels
+    from rolloutcore.transports.cuda_ipc import kernels as cuda_kernels
     assert cuda_kernels.available(torch.device("cpu"))
 
 
@@ -358,7 +358,7 @@ def _mixed_tensors(seed: int) -> list[torch.Tensor]:
 
 
 def test_kernel_checksum_equals_torch_checksum(interpreted_kernels: None) -> None:
-    from rolloutcore.transports import cuda_kernels as ck
+    from rolloutcore.transports.cuda_ipc import kernels as ck
 
     ts = _mixed_tensors(3)
     ref = block_checksum(ts, impl="torch")

@@ -21,9 +21,9 @@ from starlette.routing import Route
 
 from helpers.gateway_rig import uvicorn_thread
 from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.engine import free_port
+from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
-from rolloutcore.faultproxy import Fault, FaultKind, FaultProxy
+from rolloutcore.testing.faultproxy import Fault, FaultKind, FaultProxy
 
 
 class Upstream:

@@ -29,16 +29,16 @@ import pytest
 import torch
 
 from helpers.gateway_rig import remote_transfer
-from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.errors import TransferError
-from rolloutcore.lifecycle import LifecycleController
-from rolloutcore.runner import Deadlines, LifecycleRunner
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import UpdateManager
 from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
 from rolloutcore.transports.cuda_ipc import PackedWeights, block_checksum
 from rolloutcore.transports.driver import DeviceGuard
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200x2_8b_nccl.py"
 

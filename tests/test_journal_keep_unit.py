@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.errors import JournalError
-from rolloutcore.journal import Journal, read_journal
 
 
 def test_keep_bounds_memory_not_the_file(tmp_path: Path) -> None:

@@ -16,8 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from rolloutcore.engine import DEFAULT_ENV, ManagedEngine, free_port, vllm_available
-from rolloutcore.engine.launcher import _group_alive
+from rolloutcore.adapters.vllm.process import (
+    DEFAULT_ENV,
+    ManagedEngine,
+    _group_alive,
+    free_port,
+    vllm_available,
+)
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 
 

@@ -20,13 +20,8 @@ from coretools import (
     transfer_ev,
     validation_ev,
 )
-from rolloutcore.errors import (
-    AdmissionRefused,
-    BadInput,
-    InvalidTransition,
-    UpdateRefused,
-)
-from rolloutcore.evidence import (
+from rolloutcore.control.journal import Journal
+from rolloutcore.core.evidence import (
     CacheKind,
     Check,
     DrainEvidence,
@@ -35,8 +30,7 @@ from rolloutcore.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import (
+from rolloutcore.core.lifecycle import (
     ESCALATION,
     FAILURE_POLICY,
     STEP_STATE,
@@ -50,7 +44,13 @@ from rolloutcore.lifecycle import (
     Step,
     UpdateTicket,
 )
-from rolloutcore.versions import VerificationLevel, WeightVersion
+from rolloutcore.core.versions import VerificationLevel, WeightVersion
+from rolloutcore.errors import (
+    AdmissionRefused,
+    BadInput,
+    InvalidTransition,
+    UpdateRefused,
+)
 
 _STEP_OF_STATE = {v: k for k, v in STEP_STATE.items()}
 
@@ -318,7 +318,7 @@ def test_recovery_on_same_epoch_is_refused() -> None:
 
 
 def test_engine_lost_while_serving_taints_and_only_recovery_returns() -> None:
-    from rolloutcore.invariants import check_journal
+    from rolloutcore.core.invariants import check_journal
 
     j = Journal()
     c, _ = drive_to(State.READY, j)
@@ -404,7 +404,7 @@ def test_failure_in_abort_path_taints() -> None:
 
 def test_concurrent_admissions_and_update_keep_invariants() -> None:
     """Many threads admit/complete while another drives updates; no rollout straddles."""
-    from rolloutcore.invariants import check_journal
+    from rolloutcore.core.invariants import check_journal
 
     j = Journal()
     c, _ = drive_to(State.READY, j)

@@ -20,16 +20,15 @@ from coretools import (
     transfer_ev,
     validation_ev,
 )
-from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
-from rolloutcore.evidence import (
+from rolloutcore.control.journal import Journal
+from rolloutcore.core.evidence import (
     CacheKind,
     DrainEvidence,
     PauseMode,
     TransferEvidence,
 )
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import (
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import (
     STEP_STATE,
     FailureKind,
     LifecycleController,
@@ -37,7 +36,8 @@ from rolloutcore.lifecycle import (
     Step,
     UpdateTicket,
 )
-from rolloutcore.versions import WeightVersion
+from rolloutcore.core.versions import WeightVersion
+from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 
 _STEP_OF = {v: k for k, v in STEP_STATE.items()}
 _MUTATING = {State.QUIESCED, State.UPDATING, State.INVALIDATING, State.VALIDATING}
@@ -128,7 +128,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             c.drained(t, DrainEvidence(paused=which % 2 == 0, mode=PauseMode.WAIT,
                                        engine_in_flight=which))
         elif s is State.QUIESCED:
-            from rolloutcore.evidence import PreflightEvidence
+            from rolloutcore.core.evidence import PreflightEvidence
             c.preflighted(t, PreflightEvidence(source_manifest_digest="f" * 64))
         elif s is State.UPDATING:
             c.transferred(t, TransferEvidence(completed=False, mutation_started=True,
@@ -138,7 +138,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         elif s is State.VALIDATING:
             c.validated(t, validation_ev(t, label="rc-999"))
         elif s is State.RESUMING:
-            from rolloutcore.evidence import ResumeEvidence
+            from rolloutcore.core.evidence import ResumeEvidence
             c.resumed(t, ResumeEvidence(resumed=False))
 
     @rule(kind=st.sampled_from(list(FailureKind)))

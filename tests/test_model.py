@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from rolloutcore.errors import BadInput
-from rolloutcore.model import (
+from rolloutcore.testing.models import (
     EOS_ID,
     VOCAB_SIZE,
     cli_model_make,
     make_checkpoint,
     make_pair,
 )
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -20,16 +20,16 @@ from pathlib import Path
 import pytest
 
 from helpers.trajtools import make_group
-from rolloutcore import recorder as recorder_mod
 from rolloutcore.errors import BadInput, JournalError
-from rolloutcore.recorder import (
+from rolloutcore.provenance import recorder as recorder_mod
+from rolloutcore.provenance.recorder import (
     AppendOutcome,
     GenerationCursor,
     TrajectoryRecorder,
     read_groups,
     read_trajectories,
 )
-from rolloutcore.trajectory import SCHEMA_VERSION, TrajectoryGroup, group_id_for
+from rolloutcore.provenance.trajectory import SCHEMA_VERSION, TrajectoryGroup, group_id_for
 
 WRITER = Path(__file__).parent / "helpers" / "traj_writer.py"
 

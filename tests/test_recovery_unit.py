@@ -22,17 +22,17 @@ from starlette.routing import Route
 
 from coretools import drive_to
 from helpers.gateway_rig import uvicorn_thread
-from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
-from rolloutcore.engine import free_port
+from rolloutcore.adapters.vllm.process import free_port
+from rolloutcore.control.journal import Journal
+from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateFailed
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import LifecycleController, State
-from rolloutcore.model import make_checkpoint
-from rolloutcore.recovery import ManagedRecoverer, OperatorRecoverer
-from rolloutcore.runner import Deadlines, LifecycleRunner
-from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
-from rolloutcore.weights import WeightSource
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
+from rolloutcore.testing.models import make_checkpoint
+from rolloutcore.transports.source import WeightSource
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")

@@ -21,8 +21,8 @@ import pytest
 from helpers.trajtools import make_group, make_sample, version
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
 from rolloutcore.errors import BadInput
-from rolloutcore.recorder import TrajectoryRecorder
-from rolloutcore.replay import (
+from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.provenance.replay import (
     DEFAULT_TOLERANCE,
     LaneStatus,
     LogprobLane,

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from coretools import drive_to
-from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights, FaultKind
+from rolloutcore.control.journal import Journal, read_journal, restore_controller
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import LifecycleController, State
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import Journal, read_journal, restore_controller
-from rolloutcore.lifecycle import LifecycleController, State
-from rolloutcore.runner import Deadlines, LifecycleRunner
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights, FaultKind
 
 
 def _restore(j: Journal) -> tuple[LifecycleController, Journal]:
@@ -143,9 +143,9 @@ def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: 
 def test_labels_never_repeat_across_bootstrap_updates_and_recovery() -> None:
     """An engine already labelled rc-2 continues at generation 2; recovery never reuses a label."""
     from coretools import drain_ev, ident, preflight_ev, recovery_ev
+    from rolloutcore.core.evidence import BootstrapEvidence
+    from rolloutcore.core.lifecycle import FailureKind, Step
     from rolloutcore.errors import BadInput
-    from rolloutcore.evidence import BootstrapEvidence
-    from rolloutcore.lifecycle import FailureKind, Step
 
     c = LifecycleController()
     ev = BootstrapEvidence(engine_epoch="e1", healthy=True, observed_label="rc-2",

@@ -7,20 +7,20 @@ import time
 
 import pytest
 
-from rolloutcore.adapters.fake import (
+from rolloutcore.control.journal import Journal, first_index
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.evidence import PauseMode
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed
+from rolloutcore.testing.fake import (
     FakeAdapter,
     FakeEngine,
     FakeWeights,
     FaultKind,
     reference_tokens,
 )
-from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed
-from rolloutcore.evidence import PauseMode
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import Journal, first_index
-from rolloutcore.lifecycle import LifecycleController, State
-from rolloutcore.runner import Deadlines, LifecycleRunner
-from rolloutcore.versions import VerificationLevel
 
 FAST = Deadlines(drain_s=5, pause_s=0.5, preflight_s=0.5, transfer_s=0.5, reset_s=0.5,
                  validate_s=0.5, resume_s=0.5, live_validate_s=5, bootstrap_s=2, fence_s=0.5,
@@ -234,8 +234,8 @@ def test_drain_timeout_with_a_stuck_rollout_returns_to_ready() -> None:
 
 
 def test_engine_death_while_serving_taints_after_two_checks_and_recovery_returns() -> None:
-    from rolloutcore.adapters.fake import FakeRecoverer
-    from rolloutcore.lifecycle import Classification
+    from rolloutcore.core.lifecycle import Classification
+    from rolloutcore.testing.fake import FakeRecoverer
 
     eng, ad, c, r, j = make()
     w0 = FakeWeights.from_seed(0)

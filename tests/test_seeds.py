@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rolloutcore.errors import BadInput
-from rolloutcore.seeds import SEED_BITS, SEED_DERIVATION, derive_seed, seed_encoding
+from rolloutcore.provenance.seeds import SEED_BITS, SEED_DERIVATION, derive_seed, seed_encoding
 
 
 def test_matches_the_documented_formula() -> None:

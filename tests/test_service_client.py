@@ -19,14 +19,14 @@ import httpx
 import pytest
 
 from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake, uvicorn_thread
-from rolloutcore.adapters.fake import FakeAdapter, FakeWeights, reference_tokens
-from rolloutcore.client import RolloutCoreClient, UpdateGrant, identity_of
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, TransferError, UpdateFailed, UpdateRefused
-from rolloutcore.evidence import TransferEvidence
-from rolloutcore.lifecycle import State
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
-from rolloutcore.versions import Provenance
+from rolloutcore.service.client import RolloutCoreClient, UpdateGrant, identity_of
+from rolloutcore.testing.fake import FakeAdapter, FakeWeights, reference_tokens
 
 W1 = FakeWeights.from_seed(1, step=1)
 P1 = Provenance("fake-seed-1", "fake-run", 1)
@@ -169,8 +169,8 @@ def test_trainer_killed_between_begin_and_report(
     ident = identity_of(W1, P1)
     script = textwrap.dedent(f"""
         import sys, time
-        from rolloutcore.client import RolloutCoreClient
-        from rolloutcore.versions import Provenance, WeightIdentity
+        from rolloutcore.service.client import RolloutCoreClient
+        from rolloutcore.core.versions import Provenance, WeightIdentity
         ident = WeightIdentity({ident.manifest_digest!r}, Provenance("fake-seed-1", "fake-run", 1),
                                {ident.content_digest!r})
         rc = RolloutCoreClient({url!r}, {TOKEN!r})

@@ -26,10 +26,10 @@ from helpers.gateway_rig import (
     sse_events,
     transfer_body,
 )
-from rolloutcore.adapters.fake import FakeWeights, reference_tokens
-from rolloutcore.journal import first_index
-from rolloutcore.lifecycle import State
+from rolloutcore.control.journal import first_index
+from rolloutcore.core.lifecycle import State
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
+from rolloutcore.testing.fake import FakeWeights, reference_tokens
 
 pytestmark = pytest.mark.anyio
 

@@ -9,10 +9,11 @@ import anyio
 import pytest
 
 from helpers.gateway_rig import AUTH, begin_body, remote_transfer, rig, sse_events, transfer_body
-from rolloutcore.adapters.fake import FakeWeights
+from rolloutcore.core.lifecycle import Binding
+from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput
-from rolloutcore.lifecycle import Binding
-from rolloutcore.recorder import read_groups
+from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.provenance.trajectory import EngineIdentity, validate_spans
 from rolloutcore.service.proxy import FinishedRequest
 from rolloutcore.service.recording import (
     PROMPT_INDEX_HEADER,
@@ -21,8 +22,7 @@ from rolloutcore.service.recording import (
     GatewayRecorder,
     build_group,
 )
-from rolloutcore.trajectory import EngineIdentity, validate_spans
-from rolloutcore.versions import WeightVersion
+from rolloutcore.testing.fake import FakeWeights
 
 pytestmark = pytest.mark.anyio
 ENGINE = EngineIdentity("fake-0", "fake-model", {"dtype": "bytes"}, "http://vllm.test")
@@ -111,7 +111,7 @@ async def test_a_second_answer_for_the_same_prompt_is_refused_not_overwritten(
 
 
 def _fin(choices: list[dict[str, Any]], **headers: str) -> FinishedRequest:
-    from rolloutcore.versions import Provenance, WeightIdentity
+    from rolloutcore.core.versions import Provenance, WeightIdentity
 
     ident = WeightIdentity("a" * 64, Provenance("ckpt"))
     b = Binding("r-1", WeightVersion(3, "rc-3", "e1"), ident, 1.0)

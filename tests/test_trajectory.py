@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.trajtools import ENGINE, IDENTITY, make_group, make_sample, version
+from rolloutcore.core.lifecycle import Binding as LifecycleBinding
+from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput
-from rolloutcore.lifecycle import Binding as LifecycleBinding
-from rolloutcore.seeds import SEED_DERIVATION
-from rolloutcore.trajectory import (
+from rolloutcore.provenance.seeds import SEED_DERIVATION
+from rolloutcore.provenance.trajectory import (
     SCHEMA_VERSION,
     SEED_EXTERNAL,
     SEED_NONE,
@@ -33,7 +34,6 @@ from rolloutcore.trajectory import (
     group_id_for,
     prompt_digest,
 )
-from rolloutcore.versions import WeightVersion
 
 
 def _roundtrip(s: TrajectorySample) -> TrajectorySample:

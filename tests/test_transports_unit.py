@@ -30,7 +30,7 @@ from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient
 from rolloutcore.transports.gloo import GlooInitInfo, GlooTransport, GlooUpdateInfo
 from rolloutcore.transports.ipc import IpcTransport
 from rolloutcore.transports.nccl import NcclTransport
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 torch = pytest.importorskip("torch")
 

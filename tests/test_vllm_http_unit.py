@@ -32,20 +32,20 @@ from rolloutcore.adapters.vllm import (
     compare_checksums,
     prefix_cache_delta,
 )
+from rolloutcore.core.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
+from rolloutcore.core.versions import (
+    ParameterManifest,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+)
 from rolloutcore.errors import (
     BadInput,
     EffectError,
     EffectTimeout,
     EngineUnavailable,
     TransferError,
-)
-from rolloutcore.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
-from rolloutcore.versions import (
-    ParameterManifest,
-    Provenance,
-    VerificationLevel,
-    WeightIdentity,
-    WeightVersion,
 )
 
 BASE = "http://engine.test"
@@ -614,7 +614,7 @@ def test_adapter_cancel_shuts_http_for_non_transfer_steps(stuck_server: str) -> 
 def _source() -> Any:
     import torch
 
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.transports.source import WeightSource
 
     return WeightSource.from_state_dict({"w": torch.ones(2)})
 

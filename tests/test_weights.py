@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from rolloutcore.core.versions import ParameterManifest
 from rolloutcore.errors import BadInput
-from rolloutcore.versions import ParameterManifest
-from rolloutcore.weights import WeightSource, dtype_name
+from rolloutcore.transports.source import WeightSource, dtype_name
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

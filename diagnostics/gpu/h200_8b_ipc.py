@@ -47,9 +47,9 @@ sys.path.insert(0, str(REPO / "src"))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from rolloutcore.engine.launcher import ManagedEngine  # noqa: E402
-from rolloutcore.errors import AdmissionRefused, BadInput  # noqa: E402
-from rolloutcore.evidence import (  # noqa: E402
+from rolloutcore.adapters.vllm.process import ManagedEngine  # noqa: E402
+from rolloutcore.control.runner import Deadlines, LifecycleRunner  # noqa: E402
+from rolloutcore.core.evidence import (  # noqa: E402
     BootstrapEvidence,
     CacheKind,
     CacheResetEvidence,
@@ -61,8 +61,14 @@ from rolloutcore.evidence import (  # noqa: E402
     UpdateTarget,
     ValidationEvidence,
 )
-from rolloutcore.lifecycle import LifecycleController  # noqa: E402
-from rolloutcore.runner import Deadlines, LifecycleRunner  # noqa: E402
+from rolloutcore.core.lifecycle import LifecycleController  # noqa: E402
+from rolloutcore.core.versions import (  # noqa: E402
+    ParameterManifest,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+)
+from rolloutcore.errors import AdmissionRefused, BadInput  # noqa: E402
 from rolloutcore.transports.cuda_ipc import (  # noqa: E402
     BACKEND,
     WORKER_EXTENSION,
@@ -70,13 +76,7 @@ from rolloutcore.transports.cuda_ipc import (  # noqa: E402
     PackedWeights,
     encode_update,
 )
-from rolloutcore.versions import (  # noqa: E402
-    ParameterManifest,
-    Provenance,
-    VerificationLevel,
-    WeightIdentity,
-)
-from rolloutcore.weights import WeightSource  # noqa: E402
+from rolloutcore.transports.source import WeightSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gputime import gpu_time  # noqa: E402
@@ -316,7 +316,7 @@ def main() -> int:
     with stage("kernel_tiles"):
         # The one-launch kernels' tile sizes, swept on the trainer's own buffer
         # (same GPU, same bytes); the engine is started with the best ones.
-        from rolloutcore.transports import cuda_kernels as ck
+        from rolloutcore.transports.cuda_ipc import kernels as ck
 
         sweep: dict[str, Any] = {"checksum_s": {}, "copy_s": {}}
         R["kernel_tiles"] = sweep
@@ -509,7 +509,7 @@ def main() -> int:
             runner.bootstrap(identity(1))
             R["driver"] = {"adapter": "rolloutcore.adapters.vllm.VllmAdapter (its paused "
                            "validation adds the transport's worker checksum check)",
-                           "runner": "rolloutcore.runner.LifecycleRunner"}
+                           "runner": "rolloutcore.control.runner.LifecycleRunner"}
         except Exception as exc:
             R["driver"]["vllm_adapter_error"] = f"{type(exc).__name__}: {exc}"
             log(f"VllmAdapter unusable ({exc}); falling back to ThinAdapter")
@@ -519,7 +519,7 @@ def main() -> int:
             runner = LifecycleRunner(controller, adapter, deadlines)
             runner.bootstrap(identity(1))
             R["driver"].update(adapter="diagnostics ThinAdapter (VllmAdapter failed)",
-                               runner="rolloutcore.runner.LifecycleRunner")
+                               runner="rolloutcore.control.runner.LifecycleRunner")
         R["driver"]["caches_reset"] = ("prefix only: controller required_caches=(prefix,), "
                                        "a text-only model has no encoder/mm cache")
     state: dict[str, Any] = {"seed": 1}
@@ -783,7 +783,7 @@ def main() -> int:
         assert tp is not None
         R["d2d_per_tensor_copies_gbps"] = packed.nbytes / tp / 1e9
         with contextlib.suppress(Exception):  # the SM-copy kernel, same process, same bytes
-            from rolloutcore.transports import cuda_kernels
+            from rolloutcore.transports.cuda_ipc import kernels as cuda_kernels
 
             kt = []
             for _ in range(6):

@@ -564,7 +564,7 @@ def summarize_kill(r: KillRecord) -> dict[str, Any]:
 def recover_and_record(controller: Any, rcv: Any, run: Any, gpu: int, why: str,
                        eng: Any) -> dict[str, Any]:
     """Run RolloutCore's recovery onto ``gpu`` and describe what it reached."""
-    from rolloutcore.runner import LifecycleRunner
+    from rolloutcore.control.runner import LifecycleRunner
 
     r = LifecycleRunner(controller, RecordingAdapter(None), run.deadlines())
     t = time.monotonic()
@@ -1073,7 +1073,7 @@ def nccl026_transport_class() -> Any:
     if _NCCL026 is None:
         from urllib.parse import urlsplit
 
-        from rolloutcore.engine.launcher import free_port
+        from rolloutcore.adapters.vllm.process import free_port
         from rolloutcore.transports.base import local_address_towards
         from rolloutcore.transports.nccl import NcclTransport
 
@@ -1124,7 +1124,7 @@ def make_nccl_transport(*, packed: bool = True, **kwargs: Any) -> tuple[Any, Tra
 
 def gated_source(source: Any, trigger: HalfwayTrigger, on_fire: Callable[[], None]) -> Any:
     """The same ``WeightSource`` (same manifest, same tensors) with a byte-counting tap."""
-    from rolloutcore.weights import WeightSource
+    from rolloutcore.transports.source import WeightSource
 
     entries = [(p.name, tuple(p.shape), p.dtype) for p in source.manifest().params]
     return WeightSource(entries, lambda: tap_bytes(
@@ -1157,7 +1157,7 @@ class Trainer:
         import torch
 
         from rolloutcore.transports.cuda_ipc import PackedWeights
-        from rolloutcore.weights import WeightSource
+        from rolloutcore.transports.source import WeightSource
 
         self.h4 = load_helper4()
         self.specs = self.h4.qwen3_specs(self.h4.QWEN3_8B)
@@ -1172,13 +1172,13 @@ class Trainer:
         self.seed = seed
 
     def identity(self, seed: int) -> Any:
-        from rolloutcore.versions import Provenance, WeightIdentity
+        from rolloutcore.core.versions import Provenance, WeightIdentity
 
         return WeightIdentity.declare(self.source.manifest(), Provenance(
             f"synthetic-qwen3-8b-seed{seed}", "h200x2-harness", seed))
 
     def provenance(self, seed: int) -> Any:
-        from rolloutcore.versions import Provenance
+        from rolloutcore.core.versions import Provenance
 
         return Provenance(f"synthetic-qwen3-8b-seed{seed}", "h200x2-harness", seed)
 
@@ -1270,8 +1270,8 @@ class NcclChecksumValidator:
         return cmp
 
     def validation_check(self, base_url: str) -> Any:
-        from rolloutcore.evidence import Check
-        from rolloutcore.versions import VerificationLevel
+        from rolloutcore.core.evidence import Check
+        from rolloutcore.core.versions import VerificationLevel
 
         cmp = self.compare()
         detail = (f"worker block checksums of {cmp.get('params')} parameters vs the trainer's "
@@ -1287,8 +1287,8 @@ class NcclChecksumValidator:
 def reference_check(http: Any, reference: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
     """A fresh engine's parameter checksums against the dummy-init reference (seeded,
     so the same on every start of the same shapes)."""
-    from rolloutcore.evidence import Check
-    from rolloutcore.versions import VerificationLevel
+    from rolloutcore.core.evidence import Check
+    from rolloutcore.core.versions import VerificationLevel
 
     v = NcclChecksumValidator(http, None)
     got = v.engine_params()
@@ -1319,7 +1319,7 @@ class DummyCheckpointRecoverer:
         self.timings: dict[str, Any] = {}
 
     def replace_engine(self, target: Any) -> Any:
-        from rolloutcore.evidence import RecoveryEvidence, ValidationEvidence
+        from rolloutcore.core.evidence import RecoveryEvidence, ValidationEvidence
 
         h4 = load_helper4()
         t0 = time.monotonic()
@@ -1387,7 +1387,7 @@ class Run:
         return ":".join(parts)
 
     def new_engine(self, gpu: int) -> Any:
-        from rolloutcore.engine.launcher import ManagedEngine
+        from rolloutcore.adapters.vllm.process import ManagedEngine
 
         h4 = load_helper4()
         self.model_dir.mkdir(parents=True, exist_ok=True)
@@ -1415,19 +1415,19 @@ class Run:
         return eng
 
     def deadlines(self) -> Any:
-        from rolloutcore.runner import Deadlines
+        from rolloutcore.control.runner import Deadlines
 
         return Deadlines(**runner_deadlines(self.cfg))
 
     def controller(self) -> tuple[Any, TransitionClock]:
-        from rolloutcore.evidence import CacheKind
-        from rolloutcore.lifecycle import LifecycleController
+        from rolloutcore.core.evidence import CacheKind
+        from rolloutcore.core.lifecycle import LifecycleController
 
         clock = TransitionClock()
         return LifecycleController(required_caches=(CacheKind.PREFIX,), listener=clock), clock
 
     def dummy_identity(self, trainer_manifest: Any) -> Any:
-        from rolloutcore.versions import Provenance, WeightIdentity
+        from rolloutcore.core.versions import Provenance, WeightIdentity
 
         return WeightIdentity.declare(trainer_manifest, Provenance(
             "vllm-dummy-init-seed1234-qwen3-8b-shapes", "h200x2-harness", 0))
@@ -1436,7 +1436,7 @@ class Run:
                           on_transfer_start: Callable[[], None] | None = None) -> dict[str, Any]:
         """VllmAdapter + NcclTransport (+ checksum validation, + transfer recording)."""
         from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-        from rolloutcore.runner import LifecycleRunner
+        from rolloutcore.control.runner import LifecycleRunner
 
         h4 = load_helper4()
         transport, holder = make_nccl_transport()
@@ -1456,7 +1456,7 @@ class Run:
 
     def transition(self, st: dict[str, Any], trainer: Trainer, seed: int,
                    source: Any = None) -> Any:
-        from rolloutcore.versions import VerificationLevel
+        from rolloutcore.core.versions import VerificationLevel
 
         trainer.fill(seed)
         st["adapter"].stage(source if source is not None else trainer.source,
@@ -1709,7 +1709,7 @@ class Carry:
 
 def phase_kill_engine(run: Run, hot: Mapping[str, Any] | None) -> tuple[dict[str, Any],
                                                                         Carry | None]:
-    from rolloutcore.engine.launcher import _group_alive
+    from rolloutcore.adapters.vllm.process import _group_alive
 
     cfg = run.cfg
     res = run.base_result()
@@ -1789,7 +1789,7 @@ def phase_kill_engine(run: Run, hot: Mapping[str, Any] | None) -> tuple[dict[str
             arm["timer"] = arm_timer
         st["adapter"].stage(source, provenance=trainer.provenance(seed))
         st["validator"].stage()
-        from rolloutcore.versions import VerificationLevel
+        from rolloutcore.core.versions import VerificationLevel
 
         out = supervised_update(st["runner"], clock, trainer.identity(seed), rec, st["adapter"],
                                 min_verification=VerificationLevel.ENGINE_CHECKSUM)
@@ -1945,7 +1945,7 @@ def observe_engine(eng: Any, seconds: float) -> list[dict[str, Any]]:
 
 def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-    from rolloutcore.runner import LifecycleRunner
+    from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.service.config import ServiceConfig
     from rolloutcore.service.control import UpdateManager
     from rolloutcore.service.metrics import ServiceMetrics
@@ -1956,7 +1956,7 @@ def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
     rec = KillRecord("kill-trainer", cfg.lease_s)
     h4 = load_helper4()
     specs = h4.qwen3_specs(h4.QWEN3_8B)
-    from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity
+    from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity
 
     manifest = ParameterManifest.from_items((n, s, "bfloat16") for n, s in specs)
     if carry is None:
@@ -2118,7 +2118,7 @@ def plan_main(cfg: HarnessConfig) -> int:
     """Print the plan with the real engine commands (``ManagedEngine.command``) and check it."""
     import tempfile
 
-    from rolloutcore.engine.launcher import ManagedEngine
+    from rolloutcore.adapters.vllm.process import ManagedEngine
 
     h4 = load_helper4()
     with tempfile.TemporaryDirectory() as d:

@@ -4,7 +4,27 @@ The pure core (``lifecycle``, ``evidence``, ``versions``, ``errors``) imports
 only the standard library; engine effects live behind ``port.LifecycleAdapter``.
 """
 
-from .errors import (
+from rolloutcore.core.lifecycle import (
+    Binding,
+    Classification,
+    Completion,
+    ControllerConfig,
+    FailureKind,
+    LifecycleController,
+    State,
+    Step,
+    UpdateTicket,
+    Verdict,
+)
+from rolloutcore.core.versions import (
+    ParameterManifest,
+    ParamSpec,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+)
+from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
     EffectError,
@@ -17,26 +37,6 @@ from .errors import (
     TransferError,
     UpdateFailed,
     UpdateRefused,
-)
-from .lifecycle import (
-    Binding,
-    Classification,
-    Completion,
-    ControllerConfig,
-    FailureKind,
-    LifecycleController,
-    State,
-    Step,
-    UpdateTicket,
-    Verdict,
-)
-from .versions import (
-    ParameterManifest,
-    ParamSpec,
-    Provenance,
-    VerificationLevel,
-    WeightIdentity,
-    WeightVersion,
 )
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.model import make_checkpoint
+from rolloutcore.testing.models import make_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,14 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import EMPTY_SHA256, VllmHTTP
-from rolloutcore.checksums import (
+from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.control.session import EngineSession
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.errors import UpdateFailed
+from rolloutcore.transports import GlooTransport
+from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import (
     ChecksumCache,
     ReferenceChecksums,
     engine_layout,
@@ -37,13 +44,6 @@ from rolloutcore.checksums import (
     verify,
     verify_engine,
 )
-from rolloutcore.engine import ManagedEngine, vllm_available
-from rolloutcore.errors import UpdateFailed
-from rolloutcore.lifecycle import State
-from rolloutcore.trainer import EngineSession
-from rolloutcore.transports import GlooTransport
-from rolloutcore.versions import Provenance, VerificationLevel
-from rolloutcore.weights import WeightSource
 
 pytestmark = [
     pytest.mark.engine,

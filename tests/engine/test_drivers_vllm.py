@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from rolloutcore.engine import vllm_available
+from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.errors import TransferError
 from rolloutcore.transports.driver import DeviceGuard, SourceSlot, TargetAwareSyncClient
 from rolloutcore.transports.nccl import NcclTransport
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,

@@ -20,9 +20,9 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process, kill_engine
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.engine import vllm_available
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import read_journal
+from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.control.journal import read_journal
+from rolloutcore.core.invariants import check_journal
 
 pytestmark = [
     pytest.mark.engine,

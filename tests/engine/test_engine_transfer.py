@@ -23,11 +23,11 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.engine import ManagedEngine, vllm_available
+from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.gloo import GlooUpdateInfo
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,

@@ -26,16 +26,16 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmHTTP, prefix_cache_delta
+from rolloutcore.control.journal import first_index
+from rolloutcore.control.session import EngineSession
+from rolloutcore.core.evidence import PauseMode
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
-from rolloutcore.evidence import PauseMode
-from rolloutcore.invariants import check_journal
-from rolloutcore.journal import first_index
-from rolloutcore.lifecycle import State
-from rolloutcore.probe import PolicyProbe
-from rolloutcore.trainer import EngineSession
 from rolloutcore.transports.gloo import GlooTransport
-from rolloutcore.versions import Provenance
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.probe import PolicyProbe
 
 pytestmark = pytest.mark.engine
 

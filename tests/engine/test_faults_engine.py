@@ -59,10 +59,12 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels, kill_engine
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.checksums import ReferenceChecksums
-from rolloutcore.engine import ManagedEngine, vllm_available
-from rolloutcore.errors import RolloutCoreError, TransferError, UpdateFailed
-from rolloutcore.evidence import (
+from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.control.journal import Journal, read_journal, restore_controller
+from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
+from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
+from rolloutcore.control.session import identity_of
+from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
     CacheResetEvidence,
@@ -75,17 +77,15 @@ from rolloutcore.evidence import (
     ValidationEvidence,
     evidence_to_dict,
 )
-from rolloutcore.faultproxy import Fault, FaultProxy
-from rolloutcore.journal import Journal, read_journal, restore_controller
-from rolloutcore.lifecycle import ControllerConfig, FailureKind, LifecycleController, State
-from rolloutcore.probe import PolicyProbe
-from rolloutcore.recorder import TrajectoryRecorder
-from rolloutcore.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
-from rolloutcore.runner import Deadlines, LifecycleRunner, UpdateOutcome
-from rolloutcore.trainer import identity_of
+from rolloutcore.core.lifecycle import ControllerConfig, FailureKind, LifecycleController, State
+from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+from rolloutcore.errors import RolloutCoreError, TransferError, UpdateFailed
+from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.transports.gloo import GlooTransport, _as_cpu
-from rolloutcore.versions import Provenance, VerificationLevel, WeightIdentity
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import ReferenceChecksums
+from rolloutcore.verification.probe import PolicyProbe
 
 pytestmark = [
     pytest.mark.engine,

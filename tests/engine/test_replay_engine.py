@@ -29,10 +29,11 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmHTTP, engine_identity
-from rolloutcore.checksums import ChecksumCache, ReferenceChecksums
-from rolloutcore.engine import vllm_available
-from rolloutcore.recorder import TrajectoryRecorder, read_trajectories
-from rolloutcore.replay import (
+from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.control.session import EngineSession
+from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories
+from rolloutcore.provenance.replay import (
     DEFAULT_TOLERANCE,
     LaneStatus,
     MismatchPolicy,
@@ -44,9 +45,8 @@ from rolloutcore.replay import (
     replay_lanes,
     run_replay,
 )
-from rolloutcore.seeds import SEED_DERIVATION, derive_seed
-from rolloutcore.trainer import EngineSession
-from rolloutcore.trajectory import (
+from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
+from rolloutcore.provenance.trajectory import (
     SEED_NONE,
     PolicyBinding,
     Prompt,
@@ -59,8 +59,8 @@ from rolloutcore.trajectory import (
     group_id_for,
 )
 from rolloutcore.transports import GlooTransport
-from rolloutcore.versions import Provenance, VerificationLevel
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import ChecksumCache, ReferenceChecksums
 
 pytestmark = [
     pytest.mark.engine,
@@ -285,7 +285,7 @@ def relabel(session: EngineSession, label: str) -> None:
 
 
 def _groups(path: Path) -> list[TrajectoryGroup]:
-    from rolloutcore.recorder import read_groups
+    from rolloutcore.provenance.recorder import read_groups
 
     return list(read_groups(path))
 

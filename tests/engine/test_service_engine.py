@@ -39,13 +39,13 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process
-from rolloutcore.client import RolloutCoreClient
-from rolloutcore.engine import ManagedEngine, vllm_available
-from rolloutcore.journal import read_journal
-from rolloutcore.recorder import read_groups
+from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.control.journal import read_journal
+from rolloutcore.core.versions import Provenance
+from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.service.client import RolloutCoreClient
 from rolloutcore.transports.gloo import GlooTransport
-from rolloutcore.versions import Provenance
-from rolloutcore.weights import WeightSource
+from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,
@@ -252,10 +252,10 @@ def test_trainer_sigkilled_between_begin_and_report(gateway: Gateway) -> None:
     ckpt = gw.models.A
     script = textwrap.dedent(f"""
         import time
-        from rolloutcore.client import RolloutCoreClient, identity_of
+        from rolloutcore.service.client import RolloutCoreClient, identity_of
         from rolloutcore.transports.gloo import GlooTransport
-        from rolloutcore.versions import Provenance
-        from rolloutcore.weights import WeightSource
+        from rolloutcore.core.versions import Provenance
+        from rolloutcore.transports.source import WeightSource
         src = WeightSource.from_checkpoint({str(ckpt)!r})
         rc = RolloutCoreClient({gw.url!r}, {TOKEN!r}, transport=GlooTransport())
         g = rc.begin(identity_of(src, Provenance({str(ckpt)!r}, "doomed", 9)),

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.engine import vllm_available
+from rolloutcore.adapters.vllm.process import vllm_available
 
 pytestmark = [
     pytest.mark.engine,

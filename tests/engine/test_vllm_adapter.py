@@ -31,20 +31,20 @@ from rolloutcore.adapters.vllm import (
     compare_checksums,
     prefix_cache_delta,
 )
-from rolloutcore.engine import ManagedEngine, free_port, vllm_available
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, UpdateFailed
-from rolloutcore.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
-from rolloutcore.lifecycle import LifecycleController, State
-from rolloutcore.model import VOCAB_SIZE
-from rolloutcore.runner import LifecycleRunner
-from rolloutcore.transports.gloo import GlooTransport
-from rolloutcore.versions import (
+from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
+from rolloutcore.control.runner import LifecycleRunner
+from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
+from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.versions import (
     ParameterManifest,
     Provenance,
     WeightIdentity,
     WeightVersion,
 )
-from rolloutcore.weights import WeightSource
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, UpdateFailed
+from rolloutcore.testing.models import VOCAB_SIZE
+from rolloutcore.transports.gloo import GlooTransport
+from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,

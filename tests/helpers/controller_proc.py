@@ -3,10 +3,10 @@ transfer hangs, and prints READY-TO-KILL once the journal shows begin_update."""
 
 import sys
 
-from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import LifecycleController
-from rolloutcore.runner import Deadlines, LifecycleRunner
+from rolloutcore.control.journal import Journal
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.lifecycle import LifecycleController
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
 
 
 def main(path: str) -> None:

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rolloutcore.adapters.fake import VOCAB, FakeEngine, Generation
+from rolloutcore.testing.fake import VOCAB, FakeEngine, Generation
 
 
 def _err(status: int, msg: str) -> JSONResponse:

@@ -26,13 +26,13 @@ import uvicorn
 
 from helpers.asgi_stream import StreamingASGITransport, lifespan
 from helpers.fake_vllm import FakeVllm
-from rolloutcore.adapters.fake import FakeAdapter, FakeEngine, FakeWeights
-from rolloutcore.evidence import TransferEvidence
-from rolloutcore.journal import Journal
-from rolloutcore.lifecycle import LifecycleController
-from rolloutcore.runner import Deadlines, LifecycleRunner
+from rolloutcore.control.journal import Journal
+from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 
 TOKEN = "control-token-0123456789abcdef"
 DATA_TOKEN = "data-token-0123456789abcdef"

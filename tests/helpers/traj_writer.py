@@ -13,7 +13,7 @@
         prompt K, either ``mid-write`` (half the group's bytes written) or
         ``after-commit`` (group committed, cursor not saved yet).
 
-The stall replaces ``rolloutcore.recorder._write_all`` from here, so the
+The stall replaces ``rolloutcore.provenance.recorder._write_all`` from here, so the
 library carries no test hook.
 """
 
@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from trajtools import make_group
 
-from rolloutcore import recorder
-from rolloutcore.recorder import GenerationCursor, TrajectoryRecorder
+from rolloutcore.provenance import recorder
+from rolloutcore.provenance.recorder import GenerationCursor, TrajectoryRecorder
 
 RUN, STEP, N = "run-a", 3, 4
 

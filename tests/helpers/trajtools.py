@@ -17,8 +17,9 @@ import random
 import time
 from collections.abc import Sequence
 
-from rolloutcore.seeds import SEED_DERIVATION, derive_seed
-from rolloutcore.trajectory import (
+from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
+from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
+from rolloutcore.provenance.trajectory import (
     SEED_EXTERNAL,
     SEED_NONE,
     EngineIdentity,
@@ -32,7 +33,6 @@ from rolloutcore.trajectory import (
     VersionSpan,
     group_id_for,
 )
-from rolloutcore.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
 
 __all__ = [
     "EPOCH",

@@ -1,1 +1,1 @@
-"""Adapters: engine effects behind the port (``rolloutcore.port.LifecycleAdapter``)."""
+"""Adapters: engine effects behind the port (``rolloutcore.control.port.LifecycleAdapter``)."""

@@ -7,7 +7,7 @@ that version); ``control`` is the trainer protocol (begin, lease, report);
 the ``rolloutcore serve`` command.
 """
 
-from .app import Gateway, create_app
-from .config import ServiceConfig
+from rolloutcore.service.app import Gateway, create_app
+from rolloutcore.service.config import ServiceConfig
 
 __all__ = ["Gateway", "ServiceConfig", "create_app"]

@@ -42,14 +42,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import BadInput
-from ..lifecycle import LifecycleController, State
-from ..runner import LifecycleRunner
-from .auth import check_bearer
-from .config import ServiceConfig
-from .control import BeginBody, ReportBody, UpdateManager, openapi_document, parse_body
-from .metrics import CONTENT_TYPE, ServiceMetrics
-from .proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.control.runner import LifecycleRunner
+from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.errors import BadInput
+from rolloutcore.service.auth import check_bearer
+from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.control import (
+    BeginBody,
+    ReportBody,
+    UpdateManager,
+    openapi_document,
+    parse_body,
+)
+from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
+from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 
 __all__ = ["Gateway", "create_app"]
 

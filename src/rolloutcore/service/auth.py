@@ -11,7 +11,7 @@ import hmac
 import secrets
 from pathlib import Path
 
-from ..errors import BadInput
+from rolloutcore.errors import BadInput
 
 __all__ = ["AuthResult", "check_bearer", "generate_token", "read_token_file"]
 

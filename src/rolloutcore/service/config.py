@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import BadInput
+from rolloutcore.errors import BadInput
 
 __all__ = ["ServiceConfig", "check_bind", "is_loopback"]
 

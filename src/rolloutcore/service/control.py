@@ -46,13 +46,13 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic import model_validator as _model_validator
 from pydantic.json_schema import models_json_schema
 
-from ..errors import BadInput, UpdateFailed, UpdateRefused
-from ..evidence import PreflightEvidence, TransferEvidence
-from ..lifecycle import FailureKind
-from ..runner import LifecycleRunner, UpdateOutcome
-from ..versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
-from .config import ServiceConfig
-from .metrics import ServiceMetrics
+from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
+from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
+from rolloutcore.core.lifecycle import FailureKind
+from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
+from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.metrics import ServiceMetrics
 
 __all__ = [
     "BeginBody",

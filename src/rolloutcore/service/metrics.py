@@ -24,7 +24,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from ..lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import LifecycleController, State
 
 __all__ = ["CONTENT_TYPE", "ServiceMetrics"]
 

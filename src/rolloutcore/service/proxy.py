@@ -44,12 +44,12 @@ from typing import Any
 
 import anyio
 
-from ..errors import AdmissionRefused, BadInput, InvalidTransition
-from ..lifecycle import Binding, LifecycleController, State
-from .auth import check_bearer
-from .config import ServiceConfig
-from .metrics import ServiceMetrics
-from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from rolloutcore.core.lifecycle import Binding, LifecycleController, State
+from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition
+from rolloutcore.service.auth import check_bearer
+from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.service.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 __all__ = [
     "BODY_FIELD",

@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput, RolloutCoreError
-from ..recorder import TrajectoryRecorder
-from ..trajectory import (
+from rolloutcore.errors import BadInput, RolloutCoreError
+from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.provenance.trajectory import (
     SEED_EXTERNAL,
     SEED_NONE,
     EngineIdentity,
@@ -47,7 +47,7 @@ from ..trajectory import (
     VersionSpan,
     group_id_for,
 )
-from .proxy import FinishedRequest
+from rolloutcore.service.proxy import FinishedRequest
 
 __all__ = ["PROMPT_INDEX_HEADER", "RUN_HEADER", "STEP_HEADER", "GatewayRecorder",
            "build_group"]

@@ -24,9 +24,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInput
-from .auth import generate_token, read_token_file
-from .config import ServiceConfig, check_bind
+from rolloutcore.errors import BadInput
+from rolloutcore.service.auth import generate_token, read_token_file
+from rolloutcore.service.config import ServiceConfig, check_bind
 
 __all__ = ["add_serve_parser", "main", "run_serve"]
 
@@ -144,13 +144,13 @@ def run_serve(args: argparse.Namespace) -> int:
                           health_interval_s=args.health_interval_s)
     import uvicorn
 
-    from ..adapters.vllm import VllmAdapter, VllmHTTP
-    from ..journal import Journal
-    from ..lifecycle import LifecycleController
-    from ..runner import Deadlines, LifecycleRunner
-    from ..versions import Provenance, WeightIdentity
-    from ..weights import WeightSource
-    from .app import create_app
+    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+    from rolloutcore.control.journal import Journal
+    from rolloutcore.control.runner import Deadlines, LifecycleRunner
+    from rolloutcore.core.lifecycle import LifecycleController
+    from rolloutcore.core.versions import Provenance, WeightIdentity
+    from rolloutcore.service.app import create_app
+    from rolloutcore.transports.source import WeightSource
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rolloutcore-serve-"))
     engine: Any = None
@@ -165,12 +165,12 @@ def run_serve(args: argparse.Namespace) -> int:
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
                 None, None
         else:
-            from ..engine.launcher import ManagedEngine
+            from rolloutcore.adapters.vllm.process import ManagedEngine
 
             if args.model:
                 model_dir = Path(args.model)
             else:
-                from ..model import make_checkpoint
+                from rolloutcore.testing.models import make_checkpoint
 
                 model_dir = make_checkpoint(workdir / "policy-0", seed=0)
                 print(f"[rolloutcore] generated a tiny checkpoint at {model_dir}",
@@ -192,8 +192,8 @@ def run_serve(args: argparse.Namespace) -> int:
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
         if args.record:
-            from ..trajectory import EngineIdentity
-            from .recording import GatewayRecorder
+            from rolloutcore.provenance.trajectory import EngineIdentity
+            from rolloutcore.service.recording import GatewayRecorder
 
             http = adapter.http
             caps = http.capabilities()
@@ -243,7 +243,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m rolloutcore.service.serve ...``: the same command without the CLI."""
-    from ..errors import RolloutCoreError
+    from rolloutcore.errors import RolloutCoreError
 
     parser = argparse.ArgumentParser(prog="rolloutcore")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))

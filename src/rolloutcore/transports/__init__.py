@@ -6,12 +6,12 @@ vLLM plugin); ``nccl`` and ``ipc`` drive vLLM's built-in trainer engines
 deadline/abort plumbing they all share.
 """
 
-from .base import HTTPError, TransportBase, WeightTransport, preflight
-from .driver import DeviceGuard, TargetAwareSyncClient, VllmTrainerTransport
-from .gloo import BACKEND as GLOO_BACKEND
-from .gloo import GlooTransport
-from .ipc import IpcTransport
-from .nccl import NcclTransport
+from rolloutcore.transports.base import HTTPError, TransportBase, WeightTransport, preflight
+from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient, VllmTrainerTransport
+from rolloutcore.transports.gloo import BACKEND as GLOO_BACKEND
+from rolloutcore.transports.gloo import GlooTransport
+from rolloutcore.transports.ipc import IpcTransport
+from rolloutcore.transports.nccl import NcclTransport
 
 __all__ = [
     "GLOO_BACKEND",

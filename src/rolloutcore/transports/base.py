@@ -41,9 +41,9 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
-from ..errors import BadInput, TransferError
-from ..evidence import TransferEvidence
-from ..weights import WeightSource
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.source import WeightSource
 
 __all__ = [
     "HTTPError",

@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import BadInput, TransferError
-from ..evidence import TransferEvidence
-from ..weights import WeightSource
-from .base import (
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.base import (
     HTTPError,
     TransportBase,
     check_label,
@@ -46,6 +45,7 @@ from .base import (
     preflight,
     run_side,
 )
+from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
     import torch

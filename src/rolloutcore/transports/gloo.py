@@ -37,11 +37,10 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from ..errors import BadInput, TransferError
-from ..evidence import TransferEvidence
-from ..versions import ParameterManifest
-from ..weights import WeightSource
-from .base import (
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.versions import ParameterManifest
+from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.base import (
     TransportBase,
     check_label,
     check_timeout,
@@ -50,6 +49,7 @@ from .base import (
     preflight,
     run_side,
 )
+from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
     import torch

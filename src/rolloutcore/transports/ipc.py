@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .driver import VllmTrainerTransport
+from rolloutcore.transports.driver import VllmTrainerTransport
 
 __all__ = ["IpcTransport"]
 

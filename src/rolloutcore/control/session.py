@@ -1,0 +1,197 @@
+"""The trainer-facing API: one call per training step performs a verified transition.
+
+``EngineSession`` owns one vLLM engine under RolloutCore control: the
+(optional) managed process, the HTTP adapter, the weight transport, the
+controller, the runner and the journal. ``session.update(weights,
+provenance)`` takes a ``torch.nn.Module``, a state dict or a safetensors
+checkpoint directory, computes its identity and (by default) a policy probe
+from the very tensors it sends, and runs the whole transition through the
+runner. It returns the new committed ``WeightVersion`` or raises
+``UpdateFailed`` with the classification; it never returns with the engine
+serving unverified weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+from rolloutcore.control.journal import Journal
+from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
+from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController
+from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.errors import BadInput
+from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+
+__all__ = ["EngineSession", "PreparedUpdate", "UpdateResult", "identity_of"]
+
+
+def identity_of(source: WeightSource, provenance: Provenance, *,
+                content: bool = True) -> WeightIdentity:
+    """Manifest + declared provenance (+ content digest, which reads every byte once)."""
+    return WeightIdentity.declare(source.manifest(), provenance,
+                                  source.content_digest() if content else None)
+
+
+@dataclass(frozen=True)
+class PreparedUpdate:
+    source: WeightSource
+    provenance: Provenance
+    identity: WeightIdentity
+    probe: PolicyProbe | None
+    reference_checksums: Mapping[str, str] | None
+
+
+@dataclass
+class UpdateResult:
+    version: WeightVersion
+    identity: WeightIdentity
+    outcome: UpdateOutcome
+
+
+class EngineSession:
+    """One engine under RolloutCore: adapter + transport + controller + runner + journal."""
+
+    def __init__(self, http: VllmHTTP, transport: Any, *, engine: Any = None,
+                 engine_epoch: str | None = None, journal_path: str | os.PathLike[str] | None
+                 = None, deadlines: Deadlines | None = None,
+                 controller_config: ControllerConfig | None = None) -> None:
+        self.engine = engine
+        self.http = http
+        self.transport = transport
+        self.journal = Journal(journal_path)
+        self.adapter = VllmAdapter(http, transport,
+                                   engine_epoch=engine_epoch or (engine.epoch if engine else None))
+        self.controller = LifecycleController(config=controller_config,
+                                              listener=self.journal.listener)
+        self.runner = LifecycleRunner(self.controller, self.adapter, deadlines,
+                                      record=self.journal.write)
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def launch(cls, model_dir: str | Path, *, transport: Any = None,
+               journal_path: str | os.PathLike[str] | None = None,
+               deadlines: Deadlines | None = None, start_timeout_s: float = 300.0,
+               progress: bool = False, engine_kwargs: Mapping[str, Any] | None = None,
+               ) -> EngineSession:
+        """Start a managed vLLM on ``model_dir`` with RolloutCore's CPU transfer backend."""
+        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.transports.gloo import GlooTransport
+
+        tr = transport or GlooTransport()
+        eng = ManagedEngine(model_dir, backend=tr.backend, progress=progress,
+                            startup_timeout_s=start_timeout_s, **dict(engine_kwargs or {}))
+        eng.start()
+        try:
+            http = VllmHTTP(eng.base_url)
+            return cls(http, tr, engine=eng, journal_path=journal_path, deadlines=deadlines)
+        except BaseException:
+            eng.stop()
+            raise
+
+    def bootstrap(self, model_dir: str | Path,
+                  provenance: Provenance | None = None) -> WeightVersion:
+        """Take over the engine; it must be serving ``model_dir`` (its identity is recorded)."""
+        src = WeightSource.from_checkpoint(model_dir)
+        prov = provenance or Provenance(str(Path(model_dir).resolve()), "", 0)
+        self.runner.bootstrap(identity_of(src, prov))
+        committed = self.controller.committed
+        assert committed is not None
+        return committed
+
+    # ------------------------------------------------------------------ the call
+    def update(self, weights: Any, provenance: Provenance, *, label: str | None = None,
+               probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
+               reference_checksums: Mapping[str, str] | None = None,
+               owner: str = "trainer", content_digest: bool = True) -> UpdateResult:
+        """Install ``weights`` as the next policy version, verified, or raise UpdateFailed.
+
+        ``probe=True`` computes the policy probe from ``weights`` (a module is
+        used directly; a checkpoint or state dict is loaded into a reference
+        model); ``probe=False`` validates by label and checksums only.
+        """
+        prepared = self.prepare(weights, provenance, probe=probe,
+                                probe_tolerance=probe_tolerance,
+                                reference_checksums=reference_checksums,
+                                content_digest=content_digest)
+        return self.apply(prepared, label=label, owner=owner)
+
+    def prepare(self, weights: Any, provenance: Provenance, *,
+                probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
+                reference_checksums: Mapping[str, str] | None = None,
+                content_digest: bool = True) -> PreparedUpdate:
+        """Everything that does not touch the engine's serving: identity and probe.
+
+        Done before the update is requested, so admission is closed only for
+        the transition itself.
+        """
+        if not isinstance(provenance, Provenance):
+            raise BadInput("provenance must be a Provenance")
+        src = WeightSource.of(weights)
+        identity = identity_of(src, provenance, content=content_digest)
+        pset: PolicyProbe | None
+        if isinstance(probe, PolicyProbe):
+            pset = probe
+        elif probe:
+            pset = self._probe_for(weights, probe_tolerance)
+        else:
+            pset = None
+        return PreparedUpdate(src, provenance, identity, pset, reference_checksums)
+
+    def apply(self, prepared: PreparedUpdate, *, label: str | None = None,
+              owner: str = "trainer") -> UpdateResult:
+        """Run the verified transition for a prepared update."""
+        self.adapter.stage(prepared.source, provenance=prepared.provenance,
+                           reference_checksums=prepared.reference_checksums,
+                           probes=prepared.probe)
+        level = (VerificationLevel.PROBE if prepared.probe is not None
+                 else VerificationLevel.DECLARED)
+        out = self.runner.run_update(prepared.identity, owner=owner, label=label,
+                                     min_verification=level)
+        assert out.published is not None and self.controller.identity is not None
+        return UpdateResult(out.published, self.controller.identity, out)
+
+    def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe:
+        if isinstance(weights, (str, Path)):
+            return PolicyProbe.from_checkpoint(str(weights), tolerance=tolerance)
+        if hasattr(weights, "config") and hasattr(weights, "forward"):
+            vocab = int(weights.config.vocab_size)
+            return PolicyProbe.from_model(weights, default_prompts(vocab), tolerance=tolerance)
+        if self.engine is None:
+            raise BadInput("a probe from a state dict needs the engine's model config: pass "
+                           "probe=PolicyProbe(...) or probe=False")
+        return _probe_from_state_dict(weights, Path(self.engine.model_dir), tolerance)
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        finally:
+            self.http.close()
+            self.journal.close()
+            if self.engine is not None:
+                self.engine.stop()
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _probe_from_state_dict(state: Mapping[str, Any], config_dir: Path,
+                           tolerance: float) -> PolicyProbe:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(config_dir)
+    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    if unexpected or [m for m in missing if "rotary" not in m]:
+        raise BadInput(f"state dict does not fit the engine's model: missing {missing[:3]}, "
+                       f"unexpected {unexpected[:3]}")
+    return PolicyProbe.from_model(model, default_prompts(int(cfg.vocab_size)),
+                                  tolerance=tolerance)

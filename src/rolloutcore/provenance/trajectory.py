@@ -1,0 +1,712 @@
+"""The versioned trajectory schema: what one sampled completion was, exactly.
+
+A trajectory record must answer, long after the run, four questions without
+consulting anything else: *what was asked* (prompt token ids and their
+digest), *how it was sampled* (sampling parameters and the seed, with the rule
+that derived it), *what came back* (tokens, sampled-token logprobs, finish
+reason, and vLLM's own per-token ``weight_versions`` spans), and *under which
+policy* (the controller's binding: ``WeightVersion`` + ``WeightIdentity``,
+and the engine's identity and configuration). The audit (version purity,
+group diversity) and the replay validator read nothing but these records.
+
+House rules of this module:
+
+* every type is a frozen dataclass that validates itself in its constructor,
+  so a malformed record cannot exist in memory; JSON-like sub-objects are
+  deep-frozen (mappings become read-only, lists become tuples);
+* ``to_dict``/``from_dict`` are exact inverses and JSON-safe (no NaN or
+  infinity, string keys only); ``from_dict`` rejects unknown keys, because a
+  silently dropped field would change a record's content digest on rewrite;
+* ``SCHEMA_VERSION`` changes whenever a field is added, removed or changes
+  meaning. A reader refuses any record whose ``schema_version`` it does not
+  know, naming the version, instead of guessing (newer writers may have
+  changed a meaning, not only added a field).
+
+The on-disk transaction format (groups + commit markers) belongs to
+``recorder``; this module only knows records. ``docs/trajectory-schema.md``
+documents every field.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from rolloutcore.core.versions import WeightIdentity, WeightVersion
+from rolloutcore.errors import BadInput
+from rolloutcore.provenance.seeds import SEED_DERIVATION
+
+__all__ = [
+    "SAMPLING_EPS",
+    "SCHEMA_VERSION",
+    "SEED_EXTERNAL",
+    "SEED_NONE",
+    "PolicyBinding",
+    "SampledCompletion",
+    "EngineIdentity",
+    "Prompt",
+    "SamplingSpec",
+    "Timestamps",
+    "TrajectoryGroup",
+    "TrajectorySample",
+    "VersionSpan",
+    "check_schema_version",
+    "encode_line",
+    "group_id_for",
+    "prompt_digest",
+    "validate_spans",
+]
+
+SCHEMA_VERSION = 1
+
+#: ``seed_derivation`` values besides ``seeds.SEED_DERIVATION``: a seed chosen
+#: by the caller some other way (for instance vLLM's ``seed + i`` for ``n > 1``),
+#: or no seed at all (the engine's global stream: the seed-collision hazard).
+SEED_EXTERNAL = "external"
+SEED_NONE = "none"
+_SEED_SCHEMES = frozenset({SEED_DERIVATION, SEED_EXTERNAL, SEED_NONE})
+
+#: vLLM treats temperatures below this as greedy (``vllm.sampling_params``).
+SAMPLING_EPS = 1e-5
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_FINISH_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+_INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
+_TYPED_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed"})
+
+
+# --------------------------------------------------------------------------- helpers
+
+class _HasBinding(Protocol):
+    """The shape of ``lifecycle.Binding``, without importing the controller."""
+
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def version(self) -> WeightVersion: ...
+    @property
+    def identity(self) -> WeightIdentity: ...
+
+
+def _fail(where: str, msg: str) -> BadInput:
+    return BadInput(f"{where}: {msg}")
+
+
+def _int(where: str, x: object, *, lo: int | None = 0, hi: int | None = None) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise _fail(where, f"must be an int, got {x!r}")
+    if lo is not None and x < lo:
+        raise _fail(where, f"must be >= {lo}, got {x}")
+    if hi is not None and x > hi:
+        raise _fail(where, f"must be <= {hi}, got {x}")
+    return x
+
+
+def _float(where: str, x: object) -> float:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise _fail(where, f"must be a number, got {x!r}")
+    f = float(x)
+    if not math.isfinite(f):
+        raise _fail(where, f"must be finite, got {x!r}")
+    return f
+
+
+def _str(where: str, x: object, pattern: re.Pattern[str] | None = None) -> str:
+    if not isinstance(x, str) or not x:
+        raise _fail(where, f"must be a non-empty string, got {x!r}")
+    if pattern is not None and not pattern.match(x):
+        raise _fail(where, f"must match {pattern.pattern}, got {x!r}")
+    return x
+
+
+def _tokens(where: str, xs: object) -> tuple[int, ...]:
+    if isinstance(xs, (str, bytes)) or not isinstance(xs, Iterable):
+        raise _fail(where, f"must be a sequence of token ids, got {type(xs).__name__}")
+    out = tuple(xs)
+    for i, t in enumerate(out):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise _fail(f"{where}[{i}]", f"token ids are ints >= 0, got {t!r}")
+    return out
+
+
+def _freeze_json(where: str, x: object) -> Any:
+    """A deep read-only copy of a JSON value; rejects what JSON cannot hold exactly."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise _fail(where, f"non-finite number {x!r} is not JSON")
+        return x
+    if isinstance(x, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise _fail(where, f"object keys must be strings, got {k!r}")
+            out[k] = _freeze_json(f"{where}.{k}", v)
+        return MappingProxyType(out)
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze_json(f"{where}[{i}]", v) for i, v in enumerate(x))
+    raise _fail(where, f"{type(x).__name__} is not a JSON value")
+
+
+def _thaw_json(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _thaw_json(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return [_thaw_json(v) for v in x]
+    return x
+
+
+def _obj(where: str, d: object) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise _fail(where, f"must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def _exact_keys(where: str, d: Mapping[str, Any], required: Iterable[str],
+                optional: Iterable[str] = ()) -> None:
+    req, opt = set(required), set(optional)
+    missing = sorted(req - d.keys())
+    unknown = sorted(d.keys() - req - opt)
+    if missing:
+        raise _fail(where, f"missing keys {missing}")
+    if unknown:
+        raise _fail(where, f"unknown keys {unknown} (schema version {SCHEMA_VERSION})")
+
+
+def encode_line(d: Mapping[str, Any]) -> bytes:
+    """One canonical JSON line: sorted keys, compact, ASCII, no NaN, newline-terminated.
+
+    Canonical so that the same record always has the same bytes, which is what
+    content digests (and idempotent re-appends) are computed over.
+    """
+    try:
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                          allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"record is not JSON-safe: {exc}") from exc
+    return text.encode("ascii") + b"\n"
+
+
+def check_schema_version(d: Mapping[str, Any], what: str = "record") -> None:
+    """Refuse a record whose schema version this reader does not know."""
+    if "schema_version" not in d:
+        raise BadInput(f"{what} has no schema_version; not a RolloutCore trajectory record")
+    v = d["schema_version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadInput(f"{what} has an unreadable schema_version {v!r}")
+    if v > SCHEMA_VERSION:
+        raise BadInput(f"{what} has schema_version {v}, newer than this reader supports "
+                       f"({SCHEMA_VERSION}); upgrade rolloutcore to read it")
+    if v != SCHEMA_VERSION:
+        raise BadInput(f"{what} has unknown schema_version {v} "
+                       f"(this reader knows {SCHEMA_VERSION})")
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """sha256 hex of the compact JSON array of the token ids, e.g. ``[1,2,3]``."""
+    ids = _tokens("prompt.token_ids", token_ids)
+    return hashlib.sha256(json.dumps(list(ids), separators=(",", ":")).encode("ascii")).hexdigest()
+
+
+def group_id_for(run: str, step: int, prompt_index: int) -> str:
+    """The stable group id of prompt ``prompt_index`` at ``step`` of ``run``.
+
+    A pure function of the prompt's position, so a generator that resumes
+    after a crash names a regenerated group exactly as before.
+    """
+    _str("run", run, _ID_RE)
+    return f"{run}:s{_int('step', step)}:p{_int('prompt_index', prompt_index)}"
+
+
+# --------------------------------------------------------------------------- records
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """vLLM's ``WeightVersionSpan``: output tokens ``[start, end)`` sampled under ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        _str("weight_versions.version", self.version)
+        _int("weight_versions.start", self.start)
+        _int("weight_versions.end", self.end)
+        if self.end < self.start:
+            raise BadInput(f"weight_versions: span {self.version!r} ends ({self.end}) "
+                           f"before it starts ({self.start})")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, d: object) -> VersionSpan:
+        m = _obj("weight_versions[]", d)
+        _exact_keys("weight_versions[]", m, ("version", "start", "end"))
+        return cls(m["version"], m["start"], m["end"])
+
+
+def validate_spans(spans: Sequence[VersionSpan], n_tokens: int) -> None:
+    """Contiguous spans covering exactly ``[0, n_tokens)``, as vLLM builds them.
+
+    vLLM starts a span whenever the label changes, so an empty span can occur
+    (two label changes between tokens) and a zero-token completion may carry
+    either no span or one empty span; both are accepted.
+    """
+    if not spans:
+        if n_tokens:
+            raise BadInput(f"weight_versions is empty but there are {n_tokens} output tokens")
+        return
+    if spans[0].start != 0:
+        raise BadInput(f"weight_versions must start at token 0, starts at {spans[0].start}")
+    for a, b in itertools.pairwise(spans):
+        if a.end != b.start:
+            raise BadInput(f"weight_versions not contiguous: {a.version!r} ends at {a.end}, "
+                           f"{b.version!r} starts at {b.start}")
+    if spans[-1].end != n_tokens:
+        raise BadInput(f"weight_versions end at {spans[-1].end}, "
+                       f"but there are {n_tokens} output tokens")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The prompt as token ids; ``digest`` is computed when empty and checked otherwise."""
+
+    token_ids: tuple[int, ...]
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        ids = _tokens("prompt.token_ids", self.token_ids)
+        if not ids:
+            raise BadInput("prompt.token_ids must not be empty")
+        object.__setattr__(self, "token_ids", ids)
+        actual = prompt_digest(ids)
+        if self.digest and self.digest != actual:
+            raise BadInput(f"prompt.digest {self.digest!r} does not match its token ids "
+                           f"({actual})")
+        object.__setattr__(self, "digest", actual)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"digest": self.digest, "token_ids": list(self.token_ids)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Prompt:
+        m = _obj("prompt", d)
+        _exact_keys("prompt", m, ("digest", "token_ids"))
+        return cls(_tokens("prompt.token_ids", m["token_ids"]),
+                   _str("prompt.digest", m["digest"], _HEX64))
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """The sampling parameters sent to the engine, and where the seed came from.
+
+    The typed fields are those the audit and replay read; anything else sent
+    to vLLM goes, unchanged, in ``extra`` (e.g. ``{"logprobs": 0}``).
+    """
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int | None = None
+    seed: int | None = None
+    seed_derivation: str = SEED_NONE
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        t = _float("sampling.temperature", self.temperature)
+        if t < 0:
+            raise BadInput(f"sampling.temperature must be >= 0, got {t}")
+        object.__setattr__(self, "temperature", t)
+        p = _float("sampling.top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise BadInput(f"sampling.top_p must be in (0, 1], got {p}")
+        object.__setattr__(self, "top_p", p)
+        _int("sampling.top_k", self.top_k, lo=-1)
+        if self.max_tokens is not None:
+            _int("sampling.max_tokens", self.max_tokens, lo=1)
+        if self.seed is not None:
+            _int("sampling.seed", self.seed, lo=_INT64_MIN, hi=_UINT64_MAX)
+        if self.seed_derivation not in _SEED_SCHEMES:
+            raise BadInput(f"sampling.seed_derivation must be one of {sorted(_SEED_SCHEMES)}, "
+                           f"got {self.seed_derivation!r}")
+        if (self.seed is None) != (self.seed_derivation == SEED_NONE):
+            raise BadInput("sampling.seed and seed_derivation disagree: a seed needs a "
+                           f"derivation other than {SEED_NONE!r}, and {SEED_NONE!r} needs "
+                           f"seed=None (got seed={self.seed!r}, "
+                           f"derivation={self.seed_derivation!r})")
+        extra = _freeze_json("sampling.extra", _obj("sampling.extra", self.extra))
+        clash = sorted(_TYPED_SAMPLING_KEYS & extra.keys())
+        if clash:
+            raise BadInput(f"sampling.extra must not repeat the typed fields {clash}")
+        object.__setattr__(self, "extra", extra)
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy decoding ignores the seed: identical siblings are then expected."""
+        return self.temperature < SAMPLING_EPS
+
+    def to_vllm(self) -> dict[str, Any]:
+        """The ``sampling_params`` object for vLLM's ``/inference/v1/generate``."""
+        out: dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                               "top_k": self.top_k}
+        if self.max_tokens is not None:
+            out["max_tokens"] = self.max_tokens
+        if self.seed is not None:
+            out["seed"] = self.seed
+        out.update(_thaw_json(self.extra))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_tokens": self.max_tokens, "seed": self.seed,
+                "seed_derivation": self.seed_derivation, "extra": _thaw_json(self.extra)}
+
+    @classmethod
+    def from_dict(cls, d: object) -> SamplingSpec:
+        m = _obj("sampling", d)
+        keys = ("temperature", "top_p", "top_k", "max_tokens", "seed", "seed_derivation",
+                "extra")
+        _exact_keys("sampling", m, keys)
+        return cls(**{k: m[k] for k in keys})
+
+
+@dataclass(frozen=True)
+class SampledCompletion:
+    """What the engine returned for one sample.
+
+    ``logprobs`` are the sampled-token logprobs, one per output token, as
+    vLLM reports them (their meaning depends on the engine's
+    ``logprobs_mode``, recorded in ``EngineIdentity.config``); ``None`` when
+    not requested. ``weight_versions`` are the engine's own spans, ``None``
+    when the engine does not report them (vLLM < 0.32, or no label known).
+    """
+
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    logprobs: tuple[float, ...] | None = None
+    stop_reason: int | str | None = None
+    weight_versions: tuple[VersionSpan, ...] | None = None
+
+    def __post_init__(self) -> None:
+        ids = _tokens("completion.token_ids", self.token_ids)
+        object.__setattr__(self, "token_ids", ids)
+        _str("completion.finish_reason", self.finish_reason, _FINISH_RE)
+        if self.logprobs is not None:
+            if isinstance(self.logprobs, (str, bytes)) or not isinstance(self.logprobs, Iterable):
+                raise BadInput("completion.logprobs must be a sequence of numbers or None")
+            lps = tuple(_float(f"completion.logprobs[{i}]", x)
+                        for i, x in enumerate(self.logprobs))
+            if len(lps) != len(ids):
+                raise BadInput(f"completion.logprobs has {len(lps)} entries for "
+                               f"{len(ids)} output tokens")
+            object.__setattr__(self, "logprobs", lps)
+        sr = self.stop_reason
+        if sr is not None and (isinstance(sr, bool) or not isinstance(sr, (int, str))):
+            raise BadInput(f"completion.stop_reason must be an int, a string or None, got {sr!r}")
+        if self.weight_versions is not None:
+            if not isinstance(self.weight_versions, Iterable):
+                raise BadInput("completion.weight_versions must be a sequence of spans or None")
+            spans = tuple(self.weight_versions)
+            for s in spans:
+                if not isinstance(s, VersionSpan):
+                    raise BadInput(f"completion.weight_versions holds a {type(s).__name__}, "
+                                   "not a VersionSpan")
+            validate_spans(spans, len(ids))
+            object.__setattr__(self, "weight_versions", spans)
+
+    @property
+    def span_versions(self) -> tuple[str, ...] | None:
+        """Distinct version labels that sampled at least one token, in order."""
+        if self.weight_versions is None:
+            return None
+        seen: list[str] = []
+        for s in self.weight_versions:
+            if len(s) and s.version not in seen:
+                seen.append(s.version)
+        return tuple(seen)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
+                "logprobs": None if self.logprobs is None else list(self.logprobs),
+                "stop_reason": self.stop_reason,
+                "weight_versions": (None if self.weight_versions is None
+                                    else [s.to_dict() for s in self.weight_versions])}
+
+    @classmethod
+    def from_dict(cls, d: object) -> SampledCompletion:
+        m = _obj("completion", d)
+        _exact_keys("completion", m, ("token_ids", "finish_reason", "logprobs",
+                                      "stop_reason", "weight_versions"))
+        wv = m["weight_versions"]
+        if wv is not None and not isinstance(wv, list):
+            raise BadInput("completion.weight_versions must be a list or null")
+        return cls(_tokens("completion.token_ids", m["token_ids"]), m["finish_reason"],
+                   m["logprobs"], m["stop_reason"],
+                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv))
+
+
+@dataclass(frozen=True)
+class PolicyBinding:
+    """The controller's claim: this sample was admitted under ``version`` (``identity``).
+
+    ``rollout_id`` is the id the controller admitted the rollout under
+    (``LifecycleController.admit``), so the sample can be matched with the
+    journal's ``admit``/``complete`` records; ``None`` when not admitted
+    through a controller.
+    """
+
+    version: WeightVersion
+    identity: WeightIdentity
+    rollout_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, WeightVersion):
+            raise BadInput("binding.version must be a WeightVersion")
+        if not isinstance(self.identity, WeightIdentity):
+            raise BadInput("binding.identity must be a WeightIdentity")
+        if self.rollout_id is not None:
+            _str("binding.rollout_id", self.rollout_id)
+
+    @classmethod
+    def of(cls, binding: _HasBinding) -> PolicyBinding:
+        """From the controller's ``lifecycle.Binding`` (or anything shaped like it)."""
+        return cls(binding.version, binding.identity, binding.rollout_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version.to_dict(), "identity": self.identity.to_dict(),
+                "rollout_id": self.rollout_id}
+
+    @classmethod
+    def from_dict(cls, d: object) -> PolicyBinding:
+        m = _obj("binding", d)
+        _exact_keys("binding", m, ("version", "identity", "rollout_id"))
+        try:
+            version = WeightVersion.from_dict(_obj("binding.version", m["version"]))
+        except BadInput as exc:
+            raise _fail("binding.version", str(exc)) from exc
+        try:
+            identity = WeightIdentity.from_dict(_obj("binding.identity", m["identity"]))
+        except BadInput as exc:
+            raise _fail("binding.identity", str(exc)) from exc
+        return cls(version, identity, m["rollout_id"])
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Which engine produced the sample: vLLM version, served model, relevant config.
+
+    ``config`` holds what changes numerics or replay (dtype, max_model_len,
+    logprobs_mode, enable_prefix_caching, tensor_parallel_size, ...);
+    ``replica`` names the engine instance (e.g. its base URL) so diversity
+    problems can be traced to engines.
+    """
+
+    vllm_version: str
+    model: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    replica: str = ""
+
+    def __post_init__(self) -> None:
+        _str("engine.vllm_version", self.vllm_version)
+        _str("engine.model", self.model)
+        if not isinstance(self.replica, str):
+            raise BadInput("engine.replica must be a string")
+        object.__setattr__(self, "config",
+                           _freeze_json("engine.config", _obj("engine.config", self.config)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vllm_version": self.vllm_version, "model": self.model,
+                "config": _thaw_json(self.config), "replica": self.replica}
+
+    @classmethod
+    def from_dict(cls, d: object) -> EngineIdentity:
+        m = _obj("engine", d)
+        _exact_keys("engine", m, ("vllm_version", "model", "config", "replica"))
+        return cls(m["vllm_version"], m["model"], m["config"], m["replica"])
+
+
+@dataclass(frozen=True)
+class Timestamps:
+    """Admission and completion, as wall time (``time.time``) and ``time.monotonic``.
+
+    Monotonic times are comparable with the lifecycle journal's ``t_mono``
+    only for processes on the same host and boot.
+    """
+
+    admitted_wall: float
+    admitted_mono: float
+    completed_wall: float
+    completed_mono: float
+
+    def __post_init__(self) -> None:
+        for name in ("admitted_wall", "admitted_mono", "completed_wall", "completed_mono"):
+            v = _float(f"timestamps.{name}", getattr(self, name))
+            if v < 0:
+                raise BadInput(f"timestamps.{name} must be >= 0, got {v}")
+            object.__setattr__(self, name, v)
+        if self.completed_mono < self.admitted_mono:
+            raise BadInput(f"timestamps: completed_mono {self.completed_mono} is before "
+                           f"admitted_mono {self.admitted_mono}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"admitted_wall": self.admitted_wall, "admitted_mono": self.admitted_mono,
+                "completed_wall": self.completed_wall, "completed_mono": self.completed_mono}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Timestamps:
+        m = _obj("timestamps", d)
+        keys = ("admitted_wall", "admitted_mono", "completed_wall", "completed_mono")
+        _exact_keys("timestamps", m, keys)
+        return cls(*(m[k] for k in keys))
+
+
+_SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
+                "group_size", "sample_index", "prompt", "sampling", "completion",
+                "binding", "engine", "timestamps")
+
+
+@dataclass(frozen=True)
+class TrajectorySample:
+    """One sampled completion: sample ``sample_index`` of ``group_size`` in ``group_id``."""
+
+    run: str
+    step: int
+    group_id: str
+    prompt_index: int
+    group_size: int
+    sample_index: int
+    prompt: Prompt
+    sampling: SamplingSpec
+    completion: SampledCompletion
+    binding: PolicyBinding
+    engine: EngineIdentity
+    timestamps: Timestamps
+
+    def __post_init__(self) -> None:
+        _str("run", self.run, _ID_RE)
+        _int("step", self.step)
+        _str("group_id", self.group_id, _ID_RE)
+        _int("prompt_index", self.prompt_index)
+        _int("group_size", self.group_size, lo=1)
+        _int("sample_index", self.sample_index)
+        if self.sample_index >= self.group_size:
+            raise BadInput(f"sample_index {self.sample_index} is out of range for "
+                           f"group_size {self.group_size}")
+        for name, typ in (("prompt", Prompt), ("sampling", SamplingSpec),
+                          ("completion", SampledCompletion), ("binding", PolicyBinding),
+                          ("engine", EngineIdentity), ("timestamps", Timestamps)):
+            if not isinstance(getattr(self, name), typ):
+                raise BadInput(f"{name} must be a {typ.__name__}, "
+                               f"got {type(getattr(self, name)).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "record": "sample", "run": self.run,
+                "step": self.step, "group_id": self.group_id,
+                "prompt_index": self.prompt_index, "group_size": self.group_size,
+                "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
+                "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
+                "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
+                "timestamps": self.timestamps.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: object) -> TrajectorySample:
+        m = _obj("sample", d)
+        check_schema_version(m, "trajectory sample")
+        if m.get("record") != "sample":
+            raise BadInput(f"not a sample record (record={m.get('record')!r})")
+        _exact_keys("sample", m, _SAMPLE_KEYS)
+        return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
+                   m["sample_index"], Prompt.from_dict(m["prompt"]),
+                   SamplingSpec.from_dict(m["sampling"]),
+                   SampledCompletion.from_dict(m["completion"]),
+                   PolicyBinding.from_dict(m["binding"]),
+                   EngineIdentity.from_dict(m["engine"]),
+                   Timestamps.from_dict(m["timestamps"]))
+
+    def encode(self) -> bytes:
+        """The canonical JSON line of this record."""
+        return encode_line(self.to_dict())
+
+
+@dataclass(frozen=True)
+class TrajectoryGroup:
+    """The n siblings of one prompt, the unit the recorder commits atomically.
+
+    Samples are kept sorted by ``sample_index`` and must be exactly
+    ``0..group_size-1``, all naming the same run, step, group, prompt index,
+    group size and prompt.
+    """
+
+    samples: tuple[TrajectorySample, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.samples, (str, bytes)) or not isinstance(self.samples, Iterable):
+            raise BadInput("a group is a sequence of TrajectorySample")
+        samples = tuple(self.samples)
+        if not samples:
+            raise BadInput("a group needs at least one sample")
+        for s in samples:
+            if not isinstance(s, TrajectorySample):
+                raise BadInput(f"a group holds TrajectorySample, not {type(s).__name__}")
+        samples = tuple(sorted(samples, key=lambda s: s.sample_index))
+        first = samples[0]
+        for s in samples[1:]:
+            for attr in ("run", "step", "group_id", "prompt_index", "group_size"):
+                if getattr(s, attr) != getattr(first, attr):
+                    raise BadInput(f"group {first.group_id!r}: sample {s.sample_index} has "
+                                   f"{attr}={getattr(s, attr)!r}, sample "
+                                   f"{first.sample_index} has {getattr(first, attr)!r}")
+            if s.prompt.digest != first.prompt.digest:
+                raise BadInput(f"group {first.group_id!r}: siblings have different prompts")
+        indices = [s.sample_index for s in samples]
+        if indices != list(range(first.group_size)):
+            raise BadInput(f"group {first.group_id!r}: sample indices {indices} are not "
+                           f"exactly 0..{first.group_size - 1}")
+        object.__setattr__(self, "samples", samples)
+
+    @property
+    def group_id(self) -> str:
+        return self.samples[0].group_id
+
+    @property
+    def run(self) -> str:
+        return self.samples[0].run
+
+    @property
+    def step(self) -> int:
+        return self.samples[0].step
+
+    @property
+    def prompt_index(self) -> int:
+        return self.samples[0].prompt_index
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @cached_property
+    def lines(self) -> bytes:
+        """The canonical JSON lines of the samples, in sample order."""
+        return b"".join(s.encode() for s in self.samples)
+
+    @cached_property
+    def content_digest(self) -> str:
+        """sha256 of ``lines``: equal digests mean byte-identical groups."""
+        return hashlib.sha256(self.lines).hexdigest()

@@ -1,0 +1,238 @@
+"""Tiny Llama-architecture checkpoints, made offline.
+
+Real-engine tests and benchmarks need checkpoints that vLLM loads like any
+Hugging Face model, but nothing may come from a model hub. This module writes
+one from a seed: a transformers ``LlamaConfig``, random weights saved as
+safetensors, and a byte-level BPE tokenizer with no merges (every byte is a
+token, so any text round-trips and token ids stay below the vocabulary size).
+
+A "next policy" must have the same parameter manifest as the current one, so
+that it can be hot-swapped into a running engine. Two ways to get one:
+
+* another seed (``make_checkpoint(out, seed=2)``): every weight differs;
+* a perturbation of a given checkpoint (``like=A, negate_layer=K``): the
+  weights of A with decoder layer K negated, everything else byte-identical.
+  Negating a whole layer (its norms included) flips the sign of what that
+  layer adds to the residual stream, so the output changes while the
+  embeddings and the other layers stay the same, as in the seed's cache
+  experiment.
+
+The shapes are fixed by what the CPU attention backend accepts: head_dim 32
+works, 16 kills the engine core on the first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.errors import BadInput
+
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "PAD_ID",
+    "VOCAB_SIZE",
+    "add_model_parser",
+    "cli_model_make",
+    "make_checkpoint",
+    "make_pair",
+    "model_config",
+]
+
+# 256 byte tokens, then three specials.
+BOS_ID = 256
+EOS_ID = 257
+PAD_ID = 258
+VOCAB_SIZE = 259
+
+_HIDDEN = 128
+_LAYERS = 2
+_HEADS = 4
+_KV_HEADS = 2
+_HEAD_DIM = 32
+_INTERMEDIATE = 256
+_MAX_POS = 1024
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_META_FILE = "rolloutcore.json"
+
+
+def model_config() -> dict[str, Any]:
+    """The LlamaConfig keyword arguments every tiny checkpoint shares."""
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": _HIDDEN,
+        "intermediate_size": _INTERMEDIATE,
+        "num_hidden_layers": _LAYERS,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": _KV_HEADS,
+        "head_dim": _HEAD_DIM,
+        "max_position_embeddings": _MAX_POS,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _write_tokenizer(out: Path) -> None:
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tf: Any = transformers  # its stubs are partial; use it untyped
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel.alphabet() is unordered; order it by the byte each char stands for
+    # (GPT-2's bytes_to_unicode), so token id == byte value.
+    vocab = {ch: b for b, ch in enumerate(_bytes_to_unicode())}
+    if set(vocab) != set(byte_chars):
+        raise RuntimeError("byte-level alphabet mismatch in tokenizers")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        model_max_length=_MAX_POS,
+    )
+    added = fast.convert_tokens_to_ids(["<s>", "</s>", "<pad>"])
+    if added != [BOS_ID, EOS_ID, PAD_ID]:
+        raise RuntimeError(f"special token ids came out as {added}")
+    fast.save_pretrained(str(out))
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable char table, as a list indexed by byte."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def _check_out(out_dir: str | Path) -> Path:
+    if not isinstance(out_dir, (str, Path)) or not str(out_dir):
+        raise BadInput(f"out_dir must be a path, got {out_dir!r}")
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise BadInput(f"{out} exists and is not an empty directory")
+    return out
+
+
+def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None = None,
+                    negate_layer: int | None = None) -> Path:
+    """Write a tiny Llama checkpoint to ``out_dir`` (new or empty) and return it.
+
+    Without ``like`` the weights are random from ``seed``. With ``like`` and
+    ``negate_layer`` the weights are those of ``like`` with one decoder layer
+    negated (``seed`` is then only recorded). The config and tokenizer are the
+    same in both cases, so the result is hot-swappable with ``like``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise BadInput(f"seed must be an int >= 0, got {seed!r}")
+    if (like is None) != (negate_layer is None):
+        raise BadInput("like and negate_layer go together")
+    if negate_layer is not None and (
+            isinstance(negate_layer, bool) or not isinstance(negate_layer, int)
+            or not 0 <= negate_layer < _LAYERS):
+        raise BadInput(f"negate_layer must be an int in [0, {_LAYERS}), got {negate_layer!r}")
+    src: Path | None = None
+    if like is not None:
+        src = Path(like)
+        if not (src / "config.json").is_file() or not list(src.glob("*.safetensors")):
+            raise BadInput(f"{src} is not a safetensors checkpoint directory")
+    out = _check_out(out_dir)
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tf: Any = transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    if src is None:
+        config = tf.LlamaConfig(**model_config())
+        config.architectures = ["LlamaForCausalLM"]
+        # fork_rng: the seed must not leak into (or depend on) the caller's RNG state.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(out))
+        meta: dict[str, Any] = {"seed": seed}
+    else:
+        assert negate_layer is not None
+        for name in ("config.json", "generation_config.json"):
+            if (src / name).is_file():
+                (out / name).write_bytes((src / name).read_bytes())
+        for shard in sorted(src.glob("*.safetensors")):
+            tensors = load_file(str(shard))
+            hit = {k: -v if _layer_of(k) == negate_layer else v for k, v in tensors.items()}
+            save_file(hit, str(out / shard.name), metadata={"format": "pt"})
+        for idx in src.glob("*.safetensors.index.json"):
+            (out / idx.name).write_bytes(idx.read_bytes())
+        meta = {"seed": seed, "like": str(src.resolve()), "negate_layer": negate_layer}
+    _write_tokenizer(out)
+    (out / _META_FILE).write_text(json.dumps(meta, sort_keys=True) + "\n")
+    return out
+
+
+def _layer_of(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def make_pair(root: str | Path) -> tuple[Path, Path]:
+    """Checkpoints ``root/A`` (seed 1) and ``root/B`` (seed 2): a policy and its next."""
+    base = Path(root)
+    return make_checkpoint(base / "A", 1), make_checkpoint(base / "B", 2)
+
+
+def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``model`` (with ``make``) to a CLI's subparsers; returns the ``model`` parser.
+
+    The ``make`` parser sets ``func`` to a callable taking the parsed
+    namespace and returning an exit status.
+    """
+    model = subparsers.add_parser("model", help="tiny offline checkpoints")
+    sub = model.add_subparsers(dest="model_command", required=True)
+    make = sub.add_parser("make", help="write a tiny Llama checkpoint (no network)")
+    make.add_argument("--out", required=True, help="new or empty directory")
+    make.add_argument("--seed", type=int, required=True)
+    make.add_argument("--like", default=None, help="derive from this checkpoint")
+    make.add_argument("--negate-layer", type=int, default=None,
+                      help="with --like: negate this decoder layer")
+    make.set_defaults(func=_run_make)
+    return model  # type: ignore[no-any-return]
+
+
+def _run_make(ns: argparse.Namespace) -> int:
+    out = make_checkpoint(ns.out, ns.seed, like=ns.like, negate_layer=ns.negate_layer)
+    print(out)
+    return 0
+
+
+def cli_model_make(argv: Sequence[str] | None = None) -> int:
+    """``rolloutcore model make`` as a standalone function (argv without the prefix)."""
+    parser = argparse.ArgumentParser(prog="rolloutcore")
+    add_model_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["model", "make", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(ns.func(ns))
+    except BadInput as exc:
+        print(f"rolloutcore model make: {exc}", file=sys.stderr)
+        return 2
