@@ -51,6 +51,7 @@ def test_a_route_list_alone_cannot_tell_spans() -> None:
     v = assess("0.32.0", frozenset(REAL["openapi"]["paths"]))
     assert v.supported and v.capabilities["weight_versions"] is None
     assert v.capabilities["weight_checker"] is True
+    assert v.describe().endswith("; cannot tell weight_versions)")
 
 
 def test_a_026_engine_is_supported_without_the_optional_parts() -> None:

@@ -228,3 +228,10 @@ def run_serve(args: ServeOptions) -> int:
             engine.stop()
         if journal is not None:
             journal.close()
+
+
+if __name__ == "__main__":  # pragma: no cover - the old entry point, kept as a pointer
+    # The options are parsed in rolloutcore.cli (a higher layer than this one),
+    # so this module no longer runs the command; it says where it went.
+    sys.exit("python -m rolloutcore.service.serve is now `rolloutcore serve` "
+             "(or `python -m rolloutcore serve`), same options")

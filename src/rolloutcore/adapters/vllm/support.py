@@ -102,9 +102,12 @@ class SupportVerdict:
         """One line: the verdict and the optional capabilities."""
         have = sorted(k for k, v in self.capabilities.items() if v)
         lacks = sorted(k for k, v in self.capabilities.items() if v is False)
+        unknown = sorted(k for k, v in self.capabilities.items() if v is None)
         caps = f"optional: has {', '.join(have) or 'none'}"
         if lacks:
             caps += f"; lacks {', '.join(lacks)}"
+        if unknown:
+            caps += f"; cannot tell {', '.join(unknown)}"
         head = (f"vLLM {self.version or '(unknown version)'} is supported" if self.supported
                 else "unsupported vLLM: " + "; ".join(self.reasons))
         return f"{head} ({caps})"
