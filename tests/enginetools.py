@@ -98,12 +98,12 @@ class EngineFactory:
 @contextlib.contextmanager
 def gateway_process(upstream: str, checkpoint: Path, token_file: Path, log: Path,
                     extra: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``python -m rolloutcore.service.serve --upstream ...`` in its own process group.
+    """``python -m rolloutcore serve --upstream ...`` in its own process group.
 
     Yields (its URL, the process) once ``/health`` answers; stops the group on exit.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--upstream", upstream,
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", upstream,
            "--checkpoint", str(checkpoint), "--port", str(port), "--token-file",
            str(token_file), *extra]
     with open(log, "wb") as lf:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -10,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from helpers.trajtools import IDENTITY, ToyEngine, make_group, make_sample, version
+from rolloutcore.cli import build_parser
 from rolloutcore.control.journal import Journal
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.audit import (
     DiversityBaseline,
     DiversityFlag,
     PurityIssue,
-    add_audit_parser,
     audit_diversity,
     audit_file,
     audit_group,
@@ -222,9 +221,7 @@ def test_unverifiable_and_empty_spans(journal: Path) -> None:
 # --------------------------------------------------------------------------- file + CLI
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_audit_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
+    args = build_parser("audit").parse_args(argv)
     rc: int = args.func(args)
     return rc
 

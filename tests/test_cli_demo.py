@@ -1,4 +1,4 @@
-"""The demo end to end, as a subprocess, and the CLI's answers to bad arguments."""
+"""The demo end to end, as a subprocess (also with nothing installed), and the CLI's errors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from rolloutcore.cli import COMMANDS
 from rolloutcore.control.journal import first_index, read_journal
 from rolloutcore.core.invariants import check_journal
 
@@ -48,3 +51,62 @@ def test_demo_unwritable_journal_is_a_clear_error(tmp_path: Path) -> None:
     p = _cli("demo", "--json", str(tmp_path / "no" / "such" / "dir" / "j.jsonl"))
     assert p.returncode == 2
     assert "cannot open journal" in p.stderr
+
+
+# --------------------------------------------------------------------------- no install
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A fresh venv with nothing installed: not pip, not httpx, not torch."""
+    venv = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)],
+                   check=True, capture_output=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    probe = subprocess.run([py, "-c", "import httpx"], capture_output=True, text=True,
+                           timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert probe.returncode != 0, "the bare venv can import httpx: not bare"
+    return py
+
+
+def _bare(py: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """As the README says: ``PYTHONPATH=src python -m ...``, from another directory."""
+    return subprocess.run([py, *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(SRC)})
+
+
+@pytest.mark.parametrize("entry", ["rolloutcore", "rolloutcore.cli"])
+def test_demo_needs_no_dependency(bare_python: str, tmp_path: Path, entry: str) -> None:
+    p = _bare(bare_python, tmp_path, "-m", entry, "demo", "--tokens", "24",
+              "--token-delay-ms", "2", "--json", "j.jsonl")
+    assert p.returncode == 0, p.stderr
+    assert "published: rc-1" in p.stdout
+    assert "complete(R-long) before begin_update: True" in p.stdout
+    assert check_journal(read_journal(tmp_path / "j.jsonl")) == []
+
+
+def test_help_lists_every_subcommand_without_importing_them(bare_python: str,
+                                                            tmp_path: Path) -> None:
+    p = _bare(bare_python, tmp_path, "-m", "rolloutcore", "--help")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())   # argparse wraps the help lines
+    for cmd in COMMANDS:
+        assert f"{cmd.name} {cmd.help}" in text
+    p = _bare(bare_python, tmp_path, "-m", "rolloutcore", "serve", "--help")
+    assert p.returncode == 0 and "--upstream" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("args,extra", [
+    (["replay", "--help"], "service"),
+    (["serve", "--upstream", "http://127.0.0.1:9", "--checkpoint", "x"], "service"),
+    (["model", "make", "--out", "m", "--seed", "1"], "cpu"),
+])
+def test_a_missing_extra_is_named(bare_python: str, tmp_path: Path, args: list[str],
+                                  extra: str) -> None:
+    p = _bare(bare_python, tmp_path, "-m", "rolloutcore", *args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr
+    assert f"pip install 'rolloutcore[{extra}]'" in p.stderr and "needs the" in p.stderr
+    assert not (tmp_path / "m").exists()

@@ -23,6 +23,7 @@ from rolloutcore.adapters.vllm.process import (
     free_port,
     vllm_available,
 )
+from rolloutcore.adapters.vllm.support import REQUIRED_ROUTES
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 
 
@@ -87,7 +88,7 @@ def test_missing_vllm_is_a_clear_error(tmp_path: Path) -> None:
     nopy.chmod(0o755)
     assert not vllm_available(str(nopy))
     e = ManagedEngine(_model(tmp_path), python=str(nopy))
-    with pytest.raises(EngineUnavailable, match="rolloutcore\\[vllm\\]") as ei:
+    with pytest.raises(EngineUnavailable, match=r"rolloutcore\[gpu\].*rolloutcore\[cpu\]") as ei:
         e.start()
     assert ei.value.mutation_started is False
     assert not e.alive()
@@ -118,18 +119,29 @@ def test_deadline_kills_the_whole_group(tmp_path: Path) -> None:
     assert not e.alive()
 
 
-def test_stop_and_restart_give_new_epoch_and_kill_group(tmp_path: Path) -> None:
-    port = free_port()
-    # A stand-in server that answers /health: python's http.server serves 200 on any
-    # existing path, so serve a directory holding a file named "health".
+def _standin_server(tmp_path: Path, version: str = "0.32.0",
+                    routes: tuple[str, ...] = tuple(REQUIRED_ROUTES)) -> str:
+    """A fake interpreter that serves /health, /version and /openapi.json.
+
+    python's http.server answers 200 on any existing path, so it serves a
+    directory holding files of those names, in vLLM's shapes.
+    """
     www = tmp_path / "www"
     www.mkdir()
     (www / "health").write_text("ok")
+    (www / "version").write_text(json.dumps({"version": version}))
+    (www / "openapi.json").write_text(json.dumps({"paths": {r: {} for r in routes}}))
     body = f'exec {sys.executable} -m http.server --bind 127.0.0.1 "$PORT" -d {www}'
-    py = _script(tmp_path, 'PORT=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")\n'
-                 + body)
+    return _script(tmp_path, 'PORT=$(echo "$@" | sed "s/.*--port \\([0-9]*\\).*/\\1/")\n'
+                   + body)
+
+
+def test_stop_and_restart_give_new_epoch_and_kill_group(tmp_path: Path) -> None:
+    port = free_port()
+    py = _standin_server(tmp_path)
     e = ManagedEngine(_model(tmp_path), python=py, port=port, startup_timeout_s=30)
     e.start()
+    assert e.support is not None and e.support.supported
     try:
         first_pid, first_epoch = e.pid, e.epoch
         assert e.alive() and e.last_start_s is not None
@@ -142,6 +154,21 @@ def test_stop_and_restart_give_new_epoch_and_kill_group(tmp_path: Path) -> None:
         e.stop()
     assert not e.alive() and not _group_alive(pid)
     e.stop()  # idempotent
+
+
+@pytest.mark.parametrize("version,routes,match", [
+    ("0.25.1", tuple(REQUIRED_ROUTES), "outside the supported range 0.26..0.32"),
+    ("0.32.0", ("/health", "/version"), "VLLM_SERVER_DEV_MODE=1"),
+])
+def test_unsupported_engine_fails_start_and_is_stopped(
+        tmp_path: Path, version: str, routes: tuple[str, ...], match: str) -> None:
+    """A vLLM RolloutCore cannot drive fails at start, with the reason, and is killed."""
+    py = _standin_server(tmp_path, version, routes)
+    e = ManagedEngine(_model(tmp_path), python=py, startup_timeout_s=30, stop_grace_s=2)
+    with pytest.raises(EngineUnavailable, match=match) as ei:
+        e.start()
+    assert ei.value.mutation_started is False
+    assert not e.alive()
 
 
 def _pid_alive(pid: int) -> bool:

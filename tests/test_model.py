@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from rolloutcore.cli import main as cli_main
 from rolloutcore.errors import BadInput
 from rolloutcore.testing.models import (
     EOS_ID,
     VOCAB_SIZE,
-    cli_model_make,
     make_checkpoint,
     make_pair,
 )
@@ -95,9 +95,10 @@ def test_cli_make_like(pair: tuple[Path, Path, Path], tmp_path: Path,
                        capsys: pytest.CaptureFixture[str]) -> None:
     a, _, neg = pair
     out = tmp_path / "cli"
-    assert cli_model_make(["--out", str(out), "--seed", "1", "--like", str(a),
-                           "--negate-layer", "0"]) == 0
+    assert cli_main(["model", "make", "--out", str(out), "--seed", "1", "--like", str(a),
+                     "--negate-layer", "0"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     assert (WeightSource.from_checkpoint(out).content_digest()
             == WeightSource.from_checkpoint(neg).content_digest())
-    assert cli_model_make(["--out", str(out), "--seed", "1"]) == 2
+    assert cli_main(["model", "make", "--out", str(out), "--seed", "1"]) == 2
+    assert "rolloutcore: error:" in capsys.readouterr().err

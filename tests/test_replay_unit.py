@@ -9,7 +9,6 @@ here only for what vLLM 0.32 cannot be made to show: an engine without
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from pathlib import Path
@@ -20,6 +19,8 @@ import pytest
 
 from helpers.trajtools import make_group, make_sample, version
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
+from rolloutcore.cli import build_parser
+from rolloutcore.cli import replay as cli_replay
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.recorder import TrajectoryRecorder
 from rolloutcore.provenance.replay import (
@@ -33,7 +34,6 @@ from rolloutcore.provenance.replay import (
     SampleReplay,
     SampleStatus,
     TokenLane,
-    add_replay_parser,
     compare_logprobs,
     compare_tokens,
     record_version_issue,
@@ -253,11 +253,10 @@ def test_replay_file_bad_input(tmp_path: Path) -> None:
 
 
 def test_cli_parser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_replay_parser(parser.add_subparsers(dest="command"))
+    parser = build_parser("replay")
     args = parser.parse_args(["replay", "--trajectories", "t.jsonl", "--engine", "http://e"])
     assert args.tolerance == DEFAULT_TOLERANCE and args.on_mismatch == "refuse"
-    assert args.func is run_replay and args.checksum_cache is None
+    assert args.func is cli_replay._run and args.checksum_cache is None
     for bad in (["--tolerance", "-1"], ["--tolerance", "nan"], ["--on-mismatch", "ignore"],
                 ["--timeout", "0"]):
         with pytest.raises(SystemExit) as exc:
@@ -267,7 +266,9 @@ def test_cli_parser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     args = parser.parse_args(["replay", "--trajectories", str(tmp_path / "nope.jsonl"),
                               "--engine", "http://127.0.0.1:9"])
     with pytest.raises(BadInput, match="does not exist"):
-        run_replay(args)
+        args.func(args)
+    with pytest.raises(BadInput, match="does not exist"):
+        run_replay(tmp_path / "nope.jsonl", "http://127.0.0.1:9")
 
 
 def test_group_helper_records_are_replay_candidates(tmp_path: Path) -> None:

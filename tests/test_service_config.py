@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from rolloutcore.cli import build_parser
+from rolloutcore.cli import main as cli_main
+from rolloutcore.cli.serve import options
 from rolloutcore.errors import BadInput
 from rolloutcore.service.auth import check_bearer, generate_token, read_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind, is_loopback
-from rolloutcore.service.serve import add_serve_parser, main, run_serve
+from rolloutcore.service.serve import ServeOptions, run_serve
 
 TOK = "t" * 20
 
@@ -84,10 +86,9 @@ def test_token_file(tmp_path: Path) -> None:
         read_token_file(tmp_path / "missing")
 
 
-def _args(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["serve", *argv])
+def _args(*argv: str) -> ServeOptions:
+    opts: ServeOptions = options(build_parser("serve").parse_args(["serve", *argv]))
+    return opts
 
 
 def test_serve_refuses_before_launching_anything(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,8 +102,21 @@ def test_serve_refuses_before_launching_anything(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(BadInput, match="at least 16"):
         run_serve(_args("--token", "short", "--upstream", "http://127.0.0.1:9",
                         "--checkpoint", "/x"))
-    assert main(["--host", "0.0.0.0"]) == 2
+    assert cli_main(["serve", "--host", "0.0.0.0"]) == 2
     with pytest.raises(SystemExit):
         _args("--port", "70000")
     with pytest.raises(SystemExit):
         _args("--upstream", "http://a:1", "--model", "/m")
+
+
+def test_serve_options_refuse_bad_values_without_the_cli() -> None:
+    """``run_serve`` is a library entry point: its options check themselves."""
+    for bad in ({"port": 0}, {"port": 70000}, {"port": True}, {"step": -1},
+                {"queue": 1.5}, {"max_body_bytes": -1}, {"transport_backend": ""},
+                {"drain_timeout_s": 0}, {"drain_timeout_s": float("inf")},
+                {"upstream": "http://a:1", "model": "/m"}):
+        with pytest.raises(BadInput):
+            ServeOptions(**bad)  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="ServeOptions"):
+        run_serve(_args().__dict__)  # type: ignore[arg-type]
+    assert _args("--port", "9000", "--queue", "3") == ServeOptions(port=9000, queue=3)

@@ -16,7 +16,6 @@ for.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
@@ -30,6 +29,7 @@ import pytest
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmHTTP, engine_identity
 from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.cli import build_parser
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories
@@ -40,10 +40,8 @@ from rolloutcore.provenance.replay import (
     ReplayRefused,
     ReplayValidator,
     SampleStatus,
-    add_replay_parser,
     replay_file,
     replay_lanes,
-    run_replay,
 )
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.trajectory import (
@@ -135,11 +133,9 @@ def record_rollout(session: EngineSession, path: Path, *, run: str, step: int,
 
 
 def cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_replay_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["replay", *argv])
+    args = build_parser("replay").parse_args(["replay", *argv])
     capsys.readouterr()
-    rc = run_replay(args)
+    rc: int = args.func(args)
     return rc, capsys.readouterr().out
 
 

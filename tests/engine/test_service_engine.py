@@ -1,7 +1,7 @@
 """The gateway (real uvicorn, own process) in front of a real vLLM, with a real trainer.
 
 One vLLM on checkpoint A with the gloo weight-transfer backend; one gateway
-process (``python -m rolloutcore.service.serve --upstream ...``) writing its
+process (``python -m rolloutcore serve --upstream ...``) writing its
 journal to a file. The test process is both the rollout clients (asyncio,
 streaming and not) and the trainer (``RolloutCoreClient`` + ``GlooTransport``,
 in a thread).

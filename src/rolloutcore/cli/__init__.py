@@ -1,91 +1,117 @@
-"""The ``rolloutcore`` command line.
+"""The ``rolloutcore`` command line: every argparse line of the project lives in this package.
 
-Subcommands register themselves through ``add_*_parser`` functions of the
-modules that own them, so that importing the CLI does not import torch or
-vLLM until a subcommand needs them.
+Each subcommand is one module here with ``add_arguments(parser)``, which
+declares the options and sets ``func`` (namespace -> exit status); the work
+itself is a library function of the package that owns it. ``COMMANDS``
+names them with their one-line help, so that ``rolloutcore --help`` lists
+every subcommand without importing any, and only the module of the
+subcommand that runs is imported. That is what keeps ``rolloutcore demo``
+(standard library only) working without httpx, torch or vLLM installed; a
+subcommand whose extra is missing says which one to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-from rolloutcore.errors import RolloutCoreError
+from rolloutcore import errors
 
-__all__ = ["build_parser", "main"]
+__all__ = ["COMMANDS", "Command", "MissingExtra", "build_parser", "main"]
 
 
-def _positive_int(s: str) -> int:
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its name, its help line, the module that declares it, its extra."""
+
+    name: str
+    help: str
+    module: str
+    extra: str | None = None   # what to install when its imports are missing
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("demo", "a live update on the simulated engine (no install needed)",
+            "rolloutcore.cli.demo"),
+    Command("model", "tiny offline checkpoints", "rolloutcore.cli.model", "cpu"),
+    Command("live-update", "a live policy update on a real vLLM (tiny model)",
+            "rolloutcore.cli.live", "cpu"),
+    Command("audit", "version purity and group diversity of a trajectory file",
+            "rolloutcore.cli.audit"),
+    Command("replay", "replay recorded samples against an engine at the same version",
+            "rolloutcore.cli.replay", "service"),
+    Command("serve", "the gateway in front of vLLM: versioned rollouts, trainer protocol",
+            "rolloutcore.cli.serve", "service"),
+)
+_BY_NAME = {c.name: c for c in COMMANDS}
+
+
+class MissingExtra(errors.BadInput):
+    """A subcommand needs a package that is not installed."""
+
+
+def _missing(cmd: Command, exc: ModuleNotFoundError) -> MissingExtra:
+    """The error for a third-party import that failed; re-raises our own bugs."""
+    if exc.name is None or exc.name.split(".")[0] == "rolloutcore":
+        raise exc
+    fix = (f"pip install 'rolloutcore[{cmd.extra}]'" if cmd.extra == "service" else
+           "pip install 'rolloutcore[cpu]' (or 'rolloutcore[gpu]' on a GPU machine)")
+    return MissingExtra(f"'{cmd.name}' needs the {exc.name!r} package, which is not "
+                        f"installed: {fix} (README, 'Install')")
+
+
+def _load(cmd: Command, parser: argparse.ArgumentParser) -> None:
     try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {v}")
-    return v
+        module = importlib.import_module(cmd.module)
+    except ModuleNotFoundError as exc:
+        raise _missing(cmd, exc) from exc
+    module.add_arguments(parser)
 
 
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {s}")
-    return v
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named on the command line: the first word that is not an option."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+    return None
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from rolloutcore.cli.demo import format_demo, run_demo
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the options of ``command`` loaded (only its module is imported).
 
-    r = run_demo(tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000.0,
-                 journal_path=args.json)
-    print(format_demo(r))
-    return 0 if r.ordering_ok else 1
-
-
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="a live update on the simulated engine (no install needed)")
-    p.add_argument("--tokens", type=_positive_int, default=64,
-                   help="length of the rollout that is mid-generation (default 64)")
-    p.add_argument("--token-delay-ms", type=_nonneg_float, default=10.0,
-                   help="simulated time per token (default 10)")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="write the journal (JSON lines) to PATH")
-    p.set_defaults(func=_cmd_demo)
-
-
-def _optional_parsers() -> list[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]],
-                                         None]]:
-    """Subcommands whose modules need the engine extras; imported lazily inside them."""
-    out = []
-    from rolloutcore.cli import commands as cli_engine
-
-    out.extend(cli_engine.PARSERS)
-    return out
-
-
-def build_parser() -> argparse.ArgumentParser:
+    Every subcommand is listed; the others parse no options until named.
+    """
     parser = argparse.ArgumentParser(prog="rolloutcore",
                                      description="Verified live policy updates for vLLM.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    _add_demo(sub)
-    for add in _optional_parsers():
-        add(sub)
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        if cmd.name == command:
+            _load(cmd, p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """The console script (and ``python -m rolloutcore``): an exit status, 2 on bad input."""
+    args_in = list(sys.argv[1:] if argv is None else argv)
     try:
-        rc: int = args.func(args)
-    except RolloutCoreError as exc:
+        parser = build_parser(_command_in(args_in))
+    except MissingExtra as exc:
+        print(f"rolloutcore: error: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(args_in)
+    try:
+        try:
+            rc: int = args.func(args)
+        except ModuleNotFoundError as exc:
+            raise _missing(_BY_NAME[args.command], exc) from exc
+    except errors.RolloutCoreError as exc:
         print(f"rolloutcore: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return rc
-

@@ -9,6 +9,7 @@ next rollout runs under the new version.
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.cli import argtypes
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, Generation
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DemoResult", "add_arguments", "format_demo", "run_demo"]
 
 
 @dataclass
@@ -108,3 +110,21 @@ def format_demo(r: DemoResult) -> str:
     if r.journal_path:
         lines.append(f"journal written to {Path(r.journal_path)}")
     return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    r = run_demo(tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000.0,
+                 journal_path=args.json)
+    print(format_demo(r))
+    return 0 if r.ordering_ok else 1
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rolloutcore demo``."""
+    p.add_argument("--tokens", type=argtypes.positive_int, default=64,
+                   help="length of the rollout that is mid-generation (default 64)")
+    p.add_argument("--token-delay-ms", type=argtypes.nonneg_float, default=10.0,
+                   help="simulated time per token (default 10)")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write the journal (JSON lines) to PATH")
+    p.set_defaults(func=_run)

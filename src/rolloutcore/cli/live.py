@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_live_parser", "run_live_update"]
+__all__ = ["add_arguments", "run_live_update"]
 
 
 def run_live_update(workdir: Path, *, journal_path: Path | None = None,
@@ -131,8 +131,8 @@ def _tokens(s: str) -> int:
     return v
 
 
-def add_live_parser(sub: Any) -> None:
-    p = sub.add_parser("live-update", help="a live policy update on a real vLLM (tiny model)")
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rolloutcore live-update``."""
     p.add_argument("--workdir", help="where checkpoints and logs go (default: a temp dir)")
     p.add_argument("--journal", help="write the lifecycle journal (JSON lines) here")
     p.add_argument("--json", help="write the full report here")

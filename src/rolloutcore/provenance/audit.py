@@ -41,7 +41,6 @@ Standard library only.
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import math
@@ -68,7 +67,6 @@ __all__ = [
     "PurityFinding",
     "PurityIssue",
     "PurityReport",
-    "add_audit_parser",
     "audit_diversity",
     "audit_file",
     "audit_group",
@@ -535,41 +533,20 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
             for r in rows]
 
 
-# --------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------- command
 
-def run_audit(args: argparse.Namespace) -> int:
-    """``rolloutcore audit``: 0 when clean, 1 when anything is reported."""
-    baseline = DiversityBaseline(prefix_tokens=args.prefix_tokens,
-                                 short_answer_tokens=args.short_answer_tokens,
-                                 alpha=args.alpha)
-    report = audit_file(args.trajectories, args.journal, baseline)
-    if args.json:
+def run_audit(trajectories: str | os.PathLike[str],
+              journal: str | os.PathLike[str] | None = None, *,
+              baseline: DiversityBaseline | None = None, as_json: bool = False,
+              max_rows: int = 50) -> int:
+    """``rolloutcore audit``: print the report; 0 when clean, 1 when anything is reported.
+
+    The exit status is the point: a pipeline gates on it. Bad input raises
+    ``BadInput`` before anything is printed.
+    """
+    report = audit_file(trajectories, journal, baseline or DiversityBaseline())
+    if as_json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
-        print(report.format_table(args.max_rows))
+        print(report.format_table(max_rows))
     return 0 if report.ok else 1
-
-
-def add_audit_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
-                     ) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "audit", help="version purity and group diversity of a trajectory file",
-        description="Report samples whose engine weight-version spans are mixed, disagree "
-                    "with the controller binding or name an uncommitted version, and groups "
-                    "whose siblings are less diverse than independent seeds give. Exit "
-                    "status 0 when clean, 1 when anything is reported, 2 on bad input.")
-    p.add_argument("--trajectories", required=True, metavar="FILE",
-                   help="trajectory file written by TrajectoryRecorder")
-    p.add_argument("--journal", default=None, metavar="FILE",
-                   help="lifecycle journal (JSON lines); enables the committed-version checks")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--max-rows", type=int, default=50, metavar="N",
-                   help="rows per table in the text report (default 50)")
-    p.add_argument("--prefix-tokens", type=int, default=16, metavar="N",
-                   help="shared-prefix length that counts as a near-duplicate (default 16)")
-    p.add_argument("--short-answer-tokens", type=int, default=8, metavar="N",
-                   help="identical answers up to this length are expected (default 8)")
-    p.add_argument("--alpha", type=float, default=1e-3,
-                   help="binomial-tail threshold of the screens (default 1e-3)")
-    p.set_defaults(func=run_audit)
-    return p

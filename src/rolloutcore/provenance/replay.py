@@ -43,7 +43,6 @@ noise (small) from a wrong policy (large).
 
 from __future__ import annotations
 
-import argparse
 import enum
 import json
 import math
@@ -73,7 +72,6 @@ __all__ = [
     "SampleStatus",
     "TokenLane",
     "WeightsCheck",
-    "add_replay_parser",
     "compare_logprobs",
     "compare_tokens",
     "record_version_issue",
@@ -652,66 +650,22 @@ def replay_file(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
                                timeout_s=timeout_s).replay(samples, trajectories=path)
 
 
-# --------------------------------------------------------------------------- CLI
+# --------------------------------------------------------------------------- command
 
+def run_replay(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
+               tolerance: float = DEFAULT_TOLERANCE,
+               policy: MismatchPolicy | str = MismatchPolicy.REFUSE,
+               checksum_cache: ChecksumCache | str | os.PathLike[str] | None = None,
+               timeout_s: float = 120.0, as_json: bool = False, max_rows: int = 50) -> int:
+    """``rolloutcore replay``: print the report; 0 when everything replayed matches, else 1.
 
-def _tolerance_arg(s: str) -> float:
-    try:
-        return _check_tolerance(float(s))
-    except (ValueError, BadInput):
-        raise argparse.ArgumentTypeError(f"not a finite number >= 0: {s!r}") from None
-
-
-def _timeout_arg(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {s!r}")
-    return v
-
-
-def run_replay(args: argparse.Namespace) -> int:
-    """``rolloutcore replay``: 0 when everything replayed matches, 1 otherwise, 2 refused."""
-    report = replay_file(args.trajectories, args.engine, tolerance=args.tolerance,
-                         policy=args.on_mismatch, checksum_cache=args.checksum_cache,
-                         timeout_s=args.timeout)
-    if args.json:
+    A refused replay (``ReplayRefused``) and bad input raise before anything
+    is printed; the CLI answers them with status 2.
+    """
+    report = replay_file(trajectories, engine, tolerance=tolerance, policy=policy,
+                         checksum_cache=checksum_cache, timeout_s=timeout_s)
+    if as_json:
         print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
     else:
-        print(report.format_table(args.max_rows))
+        print(report.format_table(max_rows))
     return 0 if report.ok else 1
-
-
-def add_replay_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
-                      ) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "replay", help="replay recorded samples against an engine at the same version",
-        description="Regenerate greedy and seeded samples (token lane, exact) and re-score "
-                    "every recorded prompt + completion (logprob lane, within a tolerance) "
-                    "on a vLLM engine serving the records' version. Refuses an engine at "
-                    "another version. Exit status 0 when everything replayed matches, 1 "
-                    "when anything differs, 2 when refused or on bad input.")
-    p.add_argument("--trajectories", required=True, metavar="FILE",
-                   help="trajectory file written by TrajectoryRecorder")
-    p.add_argument("--engine", required=True, metavar="URL",
-                   help="base URL of the vLLM server (dev mode, --enable-scale-out)")
-    p.add_argument("--tolerance", type=_tolerance_arg, default=DEFAULT_TOLERANCE,
-                   metavar="NATS",
-                   help=f"logprob lane tolerance in nats (default {DEFAULT_TOLERANCE})")
-    p.add_argument("--on-mismatch", choices=[m.value for m in MismatchPolicy],
-                   default=MismatchPolicy.REFUSE.value,
-                   help="samples at another version: refuse the replay (default), report "
-                        "them as mismatches, or skip them")
-    p.add_argument("--checksum-cache", default=None, metavar="DIR",
-                   help="reference checksums (rolloutcore.verification.checksums.ChecksumCache):"
-                        " verify the engine's weights against the bound checkpoints,"
-                        " not just labels")
-    p.add_argument("--timeout", type=_timeout_arg, default=120.0, metavar="S",
-                   help="timeout of each engine call in seconds (default 120)")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.add_argument("--max-rows", type=int, default=50, metavar="N",
-                   help="rows in the text report (default 50)")
-    p.set_defaults(func=run_replay)
-    return p

@@ -1,114 +1,87 @@
-"""``rolloutcore serve``: the gateway in front of a vLLM server, under uvicorn.
+"""The gateway in front of a vLLM server, under uvicorn: ``rolloutcore serve``.
 
-Three ways to get the engine:
+``run_serve(ServeOptions(...))`` gets the engine one of three ways: a vLLM
+already running (``upstream`` with the ``checkpoint`` it was started from,
+whose identity becomes the first committed version); a vLLM it launches on
+``model`` and stops on exit; or, with neither, a vLLM it launches on a tiny
+checkpoint it generates offline. The options are parsed in
+``rolloutcore.cli.serve``.
 
-* ``--upstream URL`` with ``--checkpoint DIR``: a vLLM already running (started
-  from DIR, whose identity becomes the first committed version);
-* ``--model DIR``: launch vLLM on DIR (loopback, dev endpoints, weight-transfer
-  backend) and stop it on exit;
-* neither: generate a tiny offline checkpoint and launch vLLM on it (the
-  embedded default; nothing is downloaded).
-
-Everything that can be refused is refused before anything starts: a
-non-loopback bind without a given token, bad limits, a missing checkpoint.
+Everything that can be refused is refused before anything is admitted: a
+non-loopback bind without a given token, bad limits, a missing checkpoint,
+and a vLLM that RolloutCore cannot drive (``adapters.vllm.support``: its
+version and routes, read from the engine itself).
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.errors import BadInput
+from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.errors import BadInput, EffectError
 from rolloutcore.service.auth import generate_token, read_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 
-__all__ = ["add_serve_parser", "main", "run_serve"]
+__all__ = ["ServeOptions", "run_serve"]
 
 
-def _pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number: {s}")
-    return v
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``rolloutcore serve`` takes; the CLI's options map one to one.
+
+    Checked on construction (types and ranges) and again in ``run_serve``
+    (what needs the environment: tokens, the bind address), so a bad value
+    is refused before any engine is started.
+    """
+
+    upstream: str | None = None          # a running vLLM server
+    model: str | None = None             # launch vLLM on this checkpoint
+    checkpoint: str | None = None        # with upstream: what the engine was started from
+    step: int = 0                        # training step of the initial weights
+    transport_backend: str = "rolloutcore_gloo"
+    engine_url: str | None = None        # vLLM as trainers reach it (default: upstream)
+    workdir: str | None = None           # a generated checkpoint and engine logs
+    host: str = "127.0.0.1"
+    port: int = 8100
+    token: str | None = None
+    token_file: str | None = None
+    token_out: str | None = None
+    data_token: str | None = None
+    max_body_bytes: int = 1 << 20
+    queue: int = 0
+    queue_wait_s: float = 30.0
+    lease_s: float = 120.0
+    drain_timeout_s: float = 120.0
+    health_interval_s: float = 2.0
+    journal: str | None = None
+    record: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.upstream and self.model:
+            raise BadInput("give upstream (a running vLLM) or model (launch one), not both")
+        for name in ("step", "port", "max_body_bytes", "queue"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise BadInput(f"{name} must be an integer >= 0, got {v!r}")
+        if not 0 < self.port < 65536:
+            raise BadInput(f"port must be in 1..65535, got {self.port}")
+        if not isinstance(self.transport_backend, str) or not self.transport_backend:
+            raise BadInput("transport_backend must be a non-empty string")
+        if (isinstance(self.drain_timeout_s, bool)
+                or not isinstance(self.drain_timeout_s, (int, float))
+                or not 0 < self.drain_timeout_s < float("inf")):
+            raise BadInput(f"drain_timeout_s must be a positive number of seconds, "
+                           f"got {self.drain_timeout_s!r}")
 
 
-def _nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {s}")
-    return v
-
-
-def _port(s: str) -> int:
-    v = _nonneg_int(s)
-    if not 0 < v < 65536:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535: {s}")
-    return v
-
-
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``serve`` to a CLI's subparsers; sets ``func`` to ``run_serve``."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "serve", help="the gateway in front of vLLM: versioned rollouts, trainer protocol",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    eng = p.add_argument_group("engine")
-    src = eng.add_mutually_exclusive_group()
-    src.add_argument("--upstream", metavar="URL", help="a running vLLM server")
-    src.add_argument("--model", metavar="DIR", help="launch vLLM on this checkpoint")
-    eng.add_argument("--checkpoint", metavar="DIR",
-                     help="with --upstream: the checkpoint the engine was started from")
-    eng.add_argument("--step", type=_nonneg_int, default=0,
-                     help="training step of the initial weights (provenance)")
-    eng.add_argument("--transport-backend", default="rolloutcore_gloo",
-                     help="vLLM weight-transfer backend trainers must use "
-                          "(default rolloutcore_gloo)")
-    eng.add_argument("--engine-url", default=None,
-                     help="URL of vLLM as trainers reach it (default: the upstream URL)")
-    eng.add_argument("--workdir", default=None,
-                     help="where a generated checkpoint and engine logs go")
-    net = p.add_argument_group("network and security")
-    net.add_argument("--host", default="127.0.0.1",
-                     help="bind address (default loopback; others need --token)")
-    net.add_argument("--port", type=_port, default=8100)
-    net.add_argument("--token", default=None,
-                     help="control token (else ROLLOUTCORE_TOKEN, else generated and printed)")
-    net.add_argument("--token-file", default=None, help="read the control token from a file")
-    net.add_argument("--token-out", default=None,
-                     help="write the (generated) control token to this file, mode 0600")
-    net.add_argument("--data-token", default=None,
-                     help="require this bearer token on the data endpoints too")
-    net.add_argument("--max-body-bytes", type=_nonneg_int, default=1 << 20)
-    lim = p.add_argument_group("admission and updates")
-    lim.add_argument("--queue", type=_nonneg_int, default=0,
-                     help="hold up to N requests during an update (default 0: 503 at once)")
-    lim.add_argument("--queue-wait-s", type=_pos_float, default=30.0)
-    lim.add_argument("--lease-s", type=_pos_float, default=120.0,
-                     help="default trainer lease per update")
-    lim.add_argument("--drain-timeout-s", type=_pos_float, default=120.0)
-    lim.add_argument("--health-interval-s", type=float, default=2.0,
-                     help="watch the engine between updates this often (0: no watch); a "
-                          "dead, restarted or silent engine is tainted and refused")
-    lim.add_argument("--journal", default=None, help="append the lifecycle journal here")
-    lim.add_argument("--record", default=None, metavar="PATH",
-                     help="record finished /inference/v1/generate requests that carry "
-                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
-    p.set_defaults(func=run_serve)
-    return p
-
-
-def _token(args: argparse.Namespace) -> tuple[str, bool]:
+def _token(args: ServeOptions) -> tuple[str, bool]:
     """(token, given): given by flag, file or environment; else generated."""
     if args.token and args.token_file:
         raise BadInput("give --token or --token-file, not both")
@@ -126,8 +99,21 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def _check_engine(http: Any) -> SupportVerdict:
+    """The engine's own version and routes, judged before anything is admitted."""
+    answers: list[object] = []
+    for fetch in (http.version, http.capabilities):
+        try:
+            answers.append(fetch(timeout_s=30.0, mutation_started=False))
+        except EffectError as exc:
+            answers.append({"error": str(exc)})
+    return assess(*answers)
+
+
+def run_serve(args: ServeOptions) -> int:
     """The ``serve`` command; blocks until interrupted. Returns an exit status."""
+    if not isinstance(args, ServeOptions):
+        raise BadInput(f"run_serve takes ServeOptions, got {type(args).__name__}")
     token, given = _token(args)
     check_bind(args.host, given)
     if args.upstream and not args.checkpoint:
@@ -161,7 +147,7 @@ def run_serve(args: argparse.Namespace) -> int:
     adapter: Any = None
     recorder: Any = None
     try:
-        if args.upstream:
+        if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
                 None, None
         else:
@@ -184,6 +170,9 @@ def run_serve(args: argparse.Namespace) -> int:
             str(model_dir.resolve()), "", args.step), source.content_digest())
         adapter = VllmAdapter(VllmHTTP(url), None, engine_epoch=epoch,
                               drain_timeout_s=args.drain_timeout_s)
+        support = engine.support if engine is not None else None
+        support = (support or _check_engine(adapter.http)).require("serve")
+        print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
         controller = LifecycleController(
             listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
@@ -241,21 +230,8 @@ def run_serve(args: argparse.Namespace) -> int:
             journal.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m rolloutcore.service.serve ...``: the same command without the CLI."""
-    from rolloutcore.errors import RolloutCoreError
-
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_serve_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(ns.func(ns))
-    except RolloutCoreError as exc:
-        print(f"rolloutcore serve: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+if __name__ == "__main__":  # pragma: no cover - the old entry point, kept as a pointer
+    # The options are parsed in rolloutcore.cli (a higher layer than this one),
+    # so this module no longer runs the command; it says where it went.
+    sys.exit("python -m rolloutcore.service.serve is now `rolloutcore serve` "
+             "(or `python -m rolloutcore serve`), same options")

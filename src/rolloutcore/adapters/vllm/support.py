@@ -1,0 +1,192 @@
+"""Which vLLM RolloutCore supports, decided from the engine's own answers.
+
+A verified hot update needs routes that only some vLLM builds serve (the RL
+endpoints exist from 0.26 on, and only with ``VLLM_SERVER_DEV_MODE=1``).
+Without them an update would fail half-way, on the first ``/pause``; with a
+vLLM outside the tested range the routes may exist but mean something
+else. So both are checked once, at start-up, before anything is admitted,
+and the answer says exactly what is wrong and how to fix it.
+
+``assess`` is pure: the caller fetches ``/version`` and ``/openapi.json``
+(``ManagedEngine.start``, ``rolloutcore serve``) and hands the parsed
+bodies over, so the decision is unit-tested without an engine and the
+module imports no HTTP client. The route names are spelled here rather
+than taken from the adapter for the same reason.
+
+Optional capabilities are reported, never required: what the engine lacks
+is later stated as unverified evidence (``VllmAdapter``), not assumed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rolloutcore.errors import EngineUnavailable
+
+__all__ = [
+    "MAX_MINOR",
+    "MIN_MINOR",
+    "OPTIONAL_CAPABILITIES",
+    "REQUIRED_ROUTES",
+    "SupportVerdict",
+    "assess",
+    "parse_version",
+]
+
+#: The supported range, by minor version: 0.26.x up to 0.32.x (pyproject's
+#: ``gpu`` extra says the same: ``vllm>=0.26,<0.33``). 0.26 is the first
+#: release with the RL endpoints; 0.32 is the newest one tested.
+MIN_MINOR = (0, 26)
+MAX_MINOR = (0, 32)
+
+#: Routes a hot update cannot do without, with what each is for.
+REQUIRED_ROUTES: Mapping[str, str] = {
+    "/pause": "drain the engine before the weights change",
+    "/resume": "serve again after the update",
+    "/start_weight_update": "open a weight update",
+    "/update_weights": "receive the weights",
+    "/finish_weight_update": "close the update (and set its label)",
+    "/reset_prefix_cache": "drop KV computed by the old weights",
+}
+
+#: Optional capabilities, each with how it shows in ``/openapi.json``.
+OPTIONAL_CAPABILITIES: Mapping[str, str] = {
+    "weight_info": "/weight_info: the engine's weight-version label",
+    "weight_checker": "/weight_checker: per-parameter checksums while paused",
+    "weight_versions": "per-token weight_versions spans in /inference/v1/generate answers",
+    "generate": "/inference/v1/generate: token in, token out (--enable-scale-out)",
+    "sleep": "/sleep and /wake_up",
+}
+
+_ROUTE_OF = {"weight_info": "/weight_info", "weight_checker": "/weight_checker",
+             "generate": "/inference/v1/generate", "sleep": "/sleep"}
+_VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a vLLM version string, local and pre-release parts ignored.
+
+    ``0.32.0+cpu``, ``0.26.0rc1`` and ``0.33.0.dev12+gabc`` all parse; the
+    range is decided on (major, minor) only, so a pre-release of 0.33 is
+    outside it and a patch release of 0.32 inside.
+    """
+    m = _VERSION_RE.match(text.strip())
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+@dataclass(frozen=True)
+class SupportVerdict:
+    """Whether RolloutCore can drive this engine, and if not, every reason why.
+
+    ``capabilities`` maps each name of ``OPTIONAL_CAPABILITIES`` to whether
+    the engine offers it, or ``None`` when the answers given cannot tell
+    (per-token spans show only in the full ``/openapi.json`` schemas, not
+    in a route list).
+    """
+
+    version: str | None
+    reasons: tuple[str, ...]
+    missing_routes: tuple[str, ...]
+    capabilities: Mapping[str, bool | None] = field(default_factory=dict)
+
+    @property
+    def supported(self) -> bool:
+        return not self.reasons
+
+    def describe(self) -> str:
+        """One line: the verdict and the optional capabilities."""
+        have = sorted(k for k, v in self.capabilities.items() if v)
+        lacks = sorted(k for k, v in self.capabilities.items() if v is False)
+        unknown = sorted(k for k, v in self.capabilities.items() if v is None)
+        caps = f"optional: has {', '.join(have) or 'none'}"
+        if lacks:
+            caps += f"; lacks {', '.join(lacks)}"
+        if unknown:
+            caps += f"; cannot tell {', '.join(unknown)}"
+        head = (f"vLLM {self.version or '(unknown version)'} is supported" if self.supported
+                else "unsupported vLLM: " + "; ".join(self.reasons))
+        return f"{head} ({caps})"
+
+    def require(self, where: str) -> SupportVerdict:
+        """Raise ``EngineUnavailable`` (nothing changed) unless supported; else self."""
+        if not self.supported:
+            raise EngineUnavailable(where, self.describe(), mutation_started=False)
+        return self
+
+
+def _version_text(answer: object) -> str | None:
+    if isinstance(answer, str):
+        return answer
+    if isinstance(answer, Mapping) and isinstance(answer.get("version"), str):
+        return str(answer["version"])
+    return None
+
+
+def _routes_and_schemas(openapi: object) -> tuple[frozenset[str] | None,
+                                                  Mapping[str, Any] | None]:
+    if isinstance(openapi, Mapping):
+        paths = openapi.get("paths")
+        if not isinstance(paths, Mapping):
+            return None, None
+        comps = openapi.get("components")
+        schemas = comps.get("schemas") if isinstance(comps, Mapping) else None
+        return (frozenset(str(p) for p in paths),
+                schemas if isinstance(schemas, Mapping) else {})
+    if isinstance(openapi, (str, bytes)) or not isinstance(openapi, Iterable):
+        return None, None
+    routes = list(openapi)
+    if not all(isinstance(r, str) for r in routes):
+        return None, None
+    return frozenset(routes), None
+
+
+def _has_spans(schemas: Mapping[str, Any]) -> bool:
+    if "WeightVersionSpan" in schemas:
+        return True
+    return any(isinstance(s, Mapping) and isinstance(s.get("properties"), Mapping)
+               and "weight_versions" in s["properties"] for s in schemas.values())
+
+
+def assess(version: object, openapi: object) -> SupportVerdict:
+    """Decide support from the engine's ``/version`` and ``/openapi.json`` answers.
+
+    ``version`` is the parsed ``/version`` body (``{"version": "0.32.0"}``) or
+    the version string; ``openapi`` is the parsed ``/openapi.json`` body or
+    just its route paths (what ``VllmHTTP.capabilities()`` returns). A
+    malformed answer is a reason, not an exception: it comes from the
+    engine, and the verdict says what it was.
+    """
+    reasons: list[str] = []
+    text = _version_text(version)
+    if text is None:
+        reasons.append(f"/version did not answer {{'version': str}}: {str(version)[:80]}")
+    else:
+        parsed = parse_version(text)
+        if parsed is None:
+            reasons.append(f"cannot read vLLM version {text!r}")
+        elif not MIN_MINOR <= parsed[:2] <= MAX_MINOR:
+            reasons.append(
+                f"vLLM {text} is outside the supported range "
+                f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]} "
+                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one)")
+    routes, schemas = _routes_and_schemas(openapi)
+    if routes is None:
+        reasons.append(f"/openapi.json has no route list ('paths'): {str(openapi)[:80]}")
+        return SupportVerdict(text, tuple(reasons), (), {})
+    missing = tuple(r for r in REQUIRED_ROUTES if r not in routes)
+    if missing:
+        hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1: the RL endpoints are dev-mode "
+                "routes)" if "/pause" in missing else "")
+        reasons.append("missing required routes " + ", ".join(
+            f"{r} ({REQUIRED_ROUTES[r]})" for r in missing) + hint)
+    caps: dict[str, bool | None] = {k: r in routes for k, r in _ROUTE_OF.items()}
+    caps["sleep"] = "/sleep" in routes and "/wake_up" in routes
+    caps["weight_versions"] = (None if schemas is None else bool(
+        caps["generate"] and _has_spans(schemas)))
+    return SupportVerdict(text, tuple(reasons), missing,
+                          {k: caps[k] for k in OPTIONAL_CAPABILITIES})

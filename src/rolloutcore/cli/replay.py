@@ -1,0 +1,47 @@
+"""``rolloutcore replay``: the replay validator of ``rolloutcore.provenance.replay``."""
+
+from __future__ import annotations
+
+import argparse
+
+from rolloutcore.cli import argtypes
+from rolloutcore.provenance.replay import DEFAULT_TOLERANCE, MismatchPolicy, run_replay
+
+__all__ = ["add_arguments"]
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_replay(args.trajectories, args.engine, tolerance=args.tolerance,
+                      policy=args.on_mismatch, checksum_cache=args.checksum_cache,
+                      timeout_s=args.timeout, as_json=args.json, max_rows=args.max_rows)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rolloutcore replay``."""
+    p.description = (
+        "Regenerate greedy and seeded samples (token lane, exact) and re-score every "
+        "recorded prompt + completion (logprob lane, within a tolerance) on a vLLM engine "
+        "serving the records' version. Refuses an engine at another version. Exit status 0 "
+        "when everything replayed matches, 1 when anything differs, 2 when refused or on "
+        "bad input.")
+    p.add_argument("--trajectories", required=True, metavar="FILE",
+                   help="trajectory file written by TrajectoryRecorder")
+    p.add_argument("--engine", required=True, metavar="URL",
+                   help="base URL of the vLLM server (dev mode, --enable-scale-out)")
+    p.add_argument("--tolerance", type=argtypes.tolerance, default=DEFAULT_TOLERANCE,
+                   metavar="NATS",
+                   help=f"logprob lane tolerance in nats (default {DEFAULT_TOLERANCE})")
+    p.add_argument("--on-mismatch", choices=[m.value for m in MismatchPolicy],
+                   default=MismatchPolicy.REFUSE.value,
+                   help="samples at another version: refuse the replay (default), report "
+                        "them as mismatches, or skip them")
+    p.add_argument("--checksum-cache", default=None, metavar="DIR",
+                   help="reference checksums (rolloutcore.verification.checksums.ChecksumCache):"
+                        " verify the engine's weights against the bound checkpoints,"
+                        " not just labels")
+    p.add_argument("--timeout", type=argtypes.positive_seconds, default=120.0, metavar="S",
+                   help="timeout of each engine call in seconds (default 120)")
+    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    p.add_argument("--max-rows", type=int, default=50, metavar="N",
+                   help="rows in the text report (default 50)")
+    p.set_defaults(func=_run)

@@ -1,0 +1,92 @@
+"""``rolloutcore serve``: the options of ``rolloutcore.service.serve.run_serve``.
+
+This module imports nothing from the service until the command runs, so
+``rolloutcore serve --help`` works without the service extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rolloutcore.cli import argtypes
+
+__all__ = ["DESCRIPTION", "add_arguments", "options"]
+
+DESCRIPTION = """\
+The gateway in front of a vLLM server, under uvicorn. Three ways to get the engine:
+
+* --upstream URL with --checkpoint DIR: a vLLM already running (started
+  from DIR, whose identity becomes the first committed version);
+* --model DIR: launch vLLM on DIR (loopback, dev endpoints, weight-transfer
+  backend) and stop it on exit;
+* neither: generate a tiny offline checkpoint and launch vLLM on it (the
+  embedded default; nothing is downloaded).
+
+Everything that can be refused is refused before anything starts: a
+non-loopback bind without a given token, bad limits, a missing checkpoint,
+a vLLM outside the supported range or without the routes an update needs.
+"""
+
+
+def options(args: argparse.Namespace) -> Any:
+    """The parsed command line as ``ServeOptions`` (imports the service)."""
+    from dataclasses import fields
+
+    from rolloutcore.service.serve import ServeOptions
+
+    return ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rolloutcore.service.serve import run_serve
+
+    return run_serve(options(args))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``rolloutcore serve``; sets ``func`` to run the gateway."""
+    p.description = DESCRIPTION
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    eng = p.add_argument_group("engine")
+    src = eng.add_mutually_exclusive_group()
+    src.add_argument("--upstream", metavar="URL", help="a running vLLM server")
+    src.add_argument("--model", metavar="DIR", help="launch vLLM on this checkpoint")
+    eng.add_argument("--checkpoint", metavar="DIR",
+                     help="with --upstream: the checkpoint the engine was started from")
+    eng.add_argument("--step", type=argtypes.nonneg_int, default=0,
+                     help="training step of the initial weights (provenance)")
+    eng.add_argument("--transport-backend", default="rolloutcore_gloo",
+                     help="vLLM weight-transfer backend trainers must use "
+                          "(default rolloutcore_gloo)")
+    eng.add_argument("--engine-url", default=None,
+                     help="URL of vLLM as trainers reach it (default: the upstream URL)")
+    eng.add_argument("--workdir", default=None,
+                     help="where a generated checkpoint and engine logs go")
+    net = p.add_argument_group("network and security")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="bind address (default loopback; others need --token)")
+    net.add_argument("--port", type=argtypes.port, default=8100)
+    net.add_argument("--token", default=None,
+                     help="control token (else ROLLOUTCORE_TOKEN, else generated and printed)")
+    net.add_argument("--token-file", default=None, help="read the control token from a file")
+    net.add_argument("--token-out", default=None,
+                     help="write the (generated) control token to this file, mode 0600")
+    net.add_argument("--data-token", default=None,
+                     help="require this bearer token on the data endpoints too")
+    net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20)
+    lim = p.add_argument_group("admission and updates")
+    lim.add_argument("--queue", type=argtypes.nonneg_int, default=0,
+                     help="hold up to N requests during an update (default 0: 503 at once)")
+    lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0)
+    lim.add_argument("--lease-s", type=argtypes.positive_float, default=120.0,
+                     help="default trainer lease per update")
+    lim.add_argument("--drain-timeout-s", type=argtypes.positive_float, default=120.0)
+    lim.add_argument("--health-interval-s", type=float, default=2.0,
+                     help="watch the engine between updates this often (0: no watch); a "
+                          "dead, restarted or silent engine is tainted and refused")
+    lim.add_argument("--journal", default=None, help="append the lifecycle journal here")
+    lim.add_argument("--record", default=None, metavar="PATH",
+                     help="record finished /inference/v1/generate requests that carry "
+                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
+    p.set_defaults(func=_run)

@@ -1,0 +1,276 @@
+"""The package's layering, checked from the source text alone.
+
+Every module under ``src/`` is parsed with ``ast``; every import counts,
+including those inside functions, under ``TYPE_CHECKING`` and through
+``importlib.import_module("literal")``, because a lazy import is still a
+dependency: it only fails later. Checked:
+
+(a) no import cycle among modules;
+(b) no import from a lower layer to a higher one (``RANKS``);
+(c) the core (``rolloutcore.core`` and ``rolloutcore.errors``) imports the
+    standard library only;
+(d) no file over ``MAX_LINES`` lines unless ``ALLOWED_LARGE`` says why.
+
+The implicit import of a parent package (``import a.b`` runs ``a/__init__``)
+is not an edge: otherwise every package that re-exports its modules would be
+a cycle. ``rolloutcore/__init__`` (the public facade, which loads from every
+layer) and ``rolloutcore/__main__`` are exempt.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+ROOT = "rolloutcore"
+
+#: An import may go to the same rank or a lower one, never higher.
+RANKS: dict[str, int] = {
+    "errors": 0,
+    "core": 1,
+    "transports": 2, "verification": 2,
+    "adapters": 3, "testing": 3,
+    "control": 4, "provenance": 4,
+    "service": 5,
+    "cli": 6, "integrations": 6,
+}
+EXEMPT = frozenset({ROOT, f"{ROOT}.__main__"})
+PURE = ("core", "errors")
+MAX_LINES = 800
+
+#: Files allowed over MAX_LINES, each with the reason it cannot be split.
+ALLOWED_LARGE: dict[str, str] = {}
+
+#: Today's violations, written down so that this test passes now and fails on
+#: any new one. Other work of issue #15 removes them; an entry that no longer
+#: occurs fails too ("fixed: remove it"), so the list stays exact. The lead
+#: empties it at merge.
+KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset({
+    # (b) verification (2) reaches up into adapters (3): the reference
+    # checksums are taken on a managed engine and through VllmHTTP.
+    ("layer", "rolloutcore.verification.checksums", "rolloutcore.adapters.vllm"),
+    ("layer", "rolloutcore.verification.checksums", "rolloutcore.adapters.vllm.process"),
+    # (b) the adapter (3) builds the provenance EngineIdentity (4).
+    ("layer", "rolloutcore.adapters.vllm", "rolloutcore.provenance.trajectory"),
+    # (b) the NCCL transport (2) takes free_port from the managed process (3).
+    ("layer", "rolloutcore.transports.nccl", "rolloutcore.adapters.vllm.process"),
+    # (d) the files still to be split.
+    ("size", "rolloutcore/adapters/vllm/__init__.py"),
+    ("size", "rolloutcore/core/lifecycle.py"),
+    ("size", "rolloutcore/transports/cuda_ipc/__init__.py"),
+})
+
+
+# --------------------------------------------------------------------------- the graph
+
+def _files() -> dict[str, Path]:
+    """Module name -> file, for every module under src/."""
+    out: dict[str, Path] = {}
+    for path in sorted((SRC / ROOT).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+FILES = _files()
+
+
+def _package_of(module: str) -> str:
+    """The package a module's relative imports are resolved against."""
+    return module if FILES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _imports(module: str) -> Iterator[tuple[str, int]]:
+    """(imported module, line) for every import in the module, wherever it is."""
+    tree = ast.parse(FILES[module].read_text(), filename=str(FILES[module]))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = _package_of(module).split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                yield (sub if sub in FILES else target), node.lineno
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if (name == "import_module" and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)):
+                yield node.args[0].value, node.lineno
+
+
+def _internal(target: str) -> str | None:
+    """The known module an import of ``target`` lands on (longest known prefix)."""
+    parts = target.split(".")
+    while parts:
+        name = ".".join(parts)
+        if name in FILES:
+            return name
+        parts.pop()
+    return None
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1]
+
+
+def _graph() -> dict[str, set[str]]:
+    g: dict[str, set[str]] = {m: set() for m in FILES if m not in EXEMPT}
+    for m in g:
+        for target, _ in _imports(m):
+            if target == ROOT or not target.startswith(ROOT + "."):
+                continue
+            t = _internal(target)
+            if t is not None and t != m and t not in EXEMPT:
+                g[m].add(t)
+    return g
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    sys.setrecursionlimit(max(10_000, sys.getrecursionlimit()))
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def violations() -> dict[tuple[str, ...], str]:
+    """Every violation of (a)-(d), each with a message saying where."""
+    out: dict[tuple[str, ...], str] = {}
+    g = _graph()
+    for comp in _cycles(g):
+        edges = [f"{a} -> {b}" for a in comp for b in sorted(g[a]) if b in comp]
+        out[("cycle", *comp)] = "import cycle: " + "; ".join(edges)
+    for m in g:
+        if _layer(m) not in RANKS:
+            out[("unranked", m)] = f"{m}: layer {_layer(m)!r} has no rank in RANKS"
+            continue
+        for target, line in _imports(m):
+            t = _internal(target) if target.startswith(ROOT + ".") else None
+            if t is not None and t not in EXEMPT and t != m and _layer(t) in RANKS and (
+                    RANKS[_layer(t)] > RANKS[_layer(m)]):
+                out[("layer", m, t)] = (
+                    f"{m} (line {line}, {_layer(m)}={RANKS[_layer(m)]}) imports {t} "
+                    f"({_layer(t)}={RANKS[_layer(t)]}): a lower layer may not import a "
+                    "higher one")
+            top = target.split(".")[0]
+            if _layer(m) in PURE and top not in (ROOT, "__future__") and (
+                    top not in sys.stdlib_module_names):
+                out[("third-party", m, top)] = (
+                    f"{m} (line {line}) imports {target}: the core is stdlib only")
+    for path in FILES.values():
+        n = len(path.read_text().splitlines())
+        rel = path.relative_to(SRC).as_posix()
+        if n > MAX_LINES and rel not in ALLOWED_LARGE:
+            out[("size", rel)] = f"{rel}: {n} lines > {MAX_LINES} (split it or allow it)"
+    return out
+
+
+# --------------------------------------------------------------------------- the tests
+
+def test_no_new_violation() -> None:
+    found = violations()
+    new = [msg for key, msg in sorted(found.items()) if key not in KNOWN_VIOLATIONS]
+    assert not new, "layering violations:\n  " + "\n  ".join(new)
+
+
+def test_known_violations_still_occur() -> None:
+    """A fixed violation leaves the list, so the list never hides a new one."""
+    stale = sorted(KNOWN_VIOLATIONS - violations().keys())
+    assert not stale, f"fixed (remove from KNOWN_VIOLATIONS): {stale}"
+
+
+def test_allowed_large_files_exist_and_give_a_reason() -> None:
+    for rel, reason in ALLOWED_LARGE.items():
+        assert (SRC / rel).is_file(), rel
+        assert len((SRC / rel).read_text().splitlines()) > MAX_LINES, (
+            f"{rel} is no longer large: remove it from ALLOWED_LARGE")
+        assert reason.strip(), rel
+
+
+def test_every_layer_is_ranked() -> None:
+    layers = {_layer(m) for m in FILES if m not in EXEMPT}
+    assert layers <= RANKS.keys(), layers - RANKS.keys()
+
+
+# --------------------------------------------------------------------------- the checker itself
+
+def _with_files(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "FILES", _files())
+
+
+def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """The checker catches what it claims to: lazy, TYPE_CHECKING and relative imports."""
+    _with_files(monkeypatch, tmp_path, {
+        "rolloutcore/__init__.py": "from rolloutcore.cli import main\n",
+        "rolloutcore/errors.py": "",
+        "rolloutcore/core/__init__.py": "",
+        "rolloutcore/core/a.py": (
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n    from rolloutcore.service import app\n"
+            "def f():\n    import numpy\n    from . import b\n"),
+        "rolloutcore/core/b.py": "from rolloutcore.core.a import f\n",
+        "rolloutcore/service/__init__.py": "",
+        "rolloutcore/service/app.py": (
+            "import importlib\nm = importlib.import_module('rolloutcore.cli.x')\n"),
+        "rolloutcore/cli/__init__.py": "",
+        "rolloutcore/cli/x.py": "\n" * (MAX_LINES + 1),
+        "rolloutcore/widgets/__init__.py": "",
+    })
+    assert set(violations()) == {
+        ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
+        ("layer", "rolloutcore.core.a", "rolloutcore.service.app"),
+        ("third-party", "rolloutcore.core.a", "numpy"),
+        ("layer", "rolloutcore.service.app", "rolloutcore.cli.x"),
+        ("size", "rolloutcore/cli/x.py"),
+        ("unranked", "rolloutcore.widgets"),
+    }
