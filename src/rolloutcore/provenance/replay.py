@@ -55,10 +55,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
+from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.trajectory import TrajectorySample
-from rolloutcore.verification.checksums import ChecksumCache, engine_layout, verify_engine
 
 __all__ = [
     "DEFAULT_LABEL",
@@ -705,7 +705,7 @@ def add_replay_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPa
                    help="samples at another version: refuse the replay (default), report "
                         "them as mismatches, or skip them")
     p.add_argument("--checksum-cache", default=None, metavar="DIR",
-                   help="reference checksums (rolloutcore.verification.checksums.ChecksumCache):"
+                   help="reference checksums (rolloutcore.adapters.vllm.verify.ChecksumCache):"
                         " verify the engine's weights against the bound checkpoints,"
                         " not just labels")
     p.add_argument("--timeout", type=_timeout_arg, default=120.0, metavar="S",

@@ -6,9 +6,9 @@ to vLLM's own ``WeightTransferEngineFactory`` under the name
 ``rc_cuda_ipc``; the server selects it with
 ``--weight-transfer-config '{"backend": "rc_cuda_ipc"}'``. The engine never
 unpickles anything: ``parse_update_info`` hands the JSON body to
-``cuda_ipc.decode_update`` (validation), the buffer is mapped from the
+``wire.decode_update`` (validation), the buffer is mapped from the
 validated numbers with classes fixed here, and the copy work is
-``cuda_ipc.SliceLoader``.
+``loader.SliceLoader``.
 
 ``CudaIpcWorkerExtension`` (``--worker-extension-cls``) gives
 ``/collective_rpc`` the methods that return evidence from the workers: the
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from rolloutcore.transports.cuda_ipc import (
+from rolloutcore.transports.cuda_ipc.checksum import CHECKSUM_IMPLS, block_checksum
+from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS, SliceLoader, map_buffer
+from rolloutcore.transports.cuda_ipc.wire import (
     BACKEND,
-    CHECKSUM_IMPLS,
-    COPY_IMPLS,
     HASH_AT_FINISH,
     PROTOCOL,
     RESULTS,
@@ -37,12 +37,9 @@ from rolloutcore.transports.cuda_ipc import (
     ROW_NONCE,
     BufferHandle,
     ResultSlot,
-    SliceLoader,
     UpdateMessage,
-    block_checksum,
     decode_results,
     decode_update,
-    map_buffer,
 )
 
 __all__ = ["CudaIpcWeightTransferEngine", "CudaIpcWorkerExtension", "register"]
