@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
@@ -343,7 +343,7 @@ def _check_digests(where: str, m: object) -> dict[str, str]:
     return out
 
 
-def _named(m: object) -> bool:
+def _named(m: object) -> TypeGuard[NamedChecksums]:
     return not isinstance(m, Mapping) and isinstance(getattr(m, "digests", None), Mapping) \
         and isinstance(getattr(m, "raw_keys", None), Mapping)
 
