@@ -142,9 +142,9 @@ class ChecksumReport:
     """An engine's checksums against a reference, key by key (what ``compare`` returns).
 
     ``coverage`` = compared / engine parameters: the fraction whose content
-    was actually compared. ``hashable`` counts the engine parameters with a
-    non-empty hash. Keys are raw (``dp0:...:<name>``) when ``keyed_by`` is
-    ``raw``, bare parameter names when it is ``name``.
+    was actually compared. ``hashable`` counts the engine parameters whose
+    value verifies something. ``keyed_by``: ``raw`` (``dp0:...:<name>``),
+    ``name`` (bare parameter names) or ``position`` (``compare_lists``).
     """
 
     keyed_by: str
@@ -152,10 +152,12 @@ class ChecksumReport:
     reference_params: int
     matched: tuple[str, ...]
     mismatched: tuple[str, ...]
-    unverifiable: tuple[str, ...]              # engine hashed zero bytes
-    unverifiable_reference: tuple[str, ...]    # only the reference hashed zero bytes
+    unverifiable: tuple[str, ...]              # the engine's value verifies nothing
+    unverifiable_reference: tuple[str, ...]    # only the reference's value verifies nothing
     missing_in_engine: tuple[str, ...]         # reference keys the engine lacks
     missing_in_reference: tuple[str, ...]      # engine keys the reference lacks
+    #: why the two sides are not comparable at all (reference under another
+    #: engine layout, tensors in another order): fails ``passed``
     layout_mismatch: tuple[str, ...] = ()
 
     @property
@@ -197,8 +199,7 @@ class ChecksumReport:
             parts.append(f"{len(self.missing_in_reference)} without reference: "
                          f"{_show(self.missing_in_reference)}")
         if self.layout_mismatch:
-            parts.append("reference taken under another layout: "
-                         + "; ".join(self.layout_mismatch))
+            parts.append("not comparable, layout differs: " + "; ".join(self.layout_mismatch))
         if self.compared == 0:
             parts.append("nothing compared")
         return "; ".join(parts)
@@ -219,6 +220,7 @@ class ChecksumReport:
                 "missing_in_engine": list(self.missing_in_engine),
                 "missing_in_reference": list(self.missing_in_reference),
                 "layout_mismatch": list(self.layout_mismatch)}
+
 
 def compare(engine: Mapping[str, Hashable], reference: Mapping[str, Hashable], *,
             keyed_by: str = "raw",
@@ -274,9 +276,9 @@ def compare_lists(engine_names: Sequence[str], engine: Sequence[Hashable],
         if len(set(names)) != len(names):
             raise BadInput(f"{what}: duplicate tensor names")
     if list(engine_names) != list(reference_names):
-        return ChecksumReport("position", len(engine_names), len(reference_names), (), (),
-                              (), (), (), (),
-                              layout_mismatch=("names or order differ from the reference",))
+        return ChecksumReport(
+            "position", len(engine_names), len(reference_names), (), (), (), (), (), (),
+            layout_mismatch=("tensor names or order differ from the reference's",))
     return compare(dict(zip(engine_names, engine, strict=True)),
                    dict(zip(reference_names, reference, strict=True)), keyed_by="position")
 
