@@ -317,6 +317,7 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     given.
     """
     from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.adapters.vllm.verify import take_reference
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.recovery import ManagedRecoverer
     from rolloutcore.control.runner import LifecycleRunner
@@ -326,7 +327,6 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
-    from rolloutcore.verification.checksums import ReferenceChecksums
     from rolloutcore.verification.probe import PolicyProbe
 
     rng = random.Random(cfg.seed)
@@ -359,8 +359,8 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     direct = VllmHTTP(engine.base_url, timeout_s=60)
     ref_a = None
     if direct.label() == "default":  # a cold load of A: its checksums are A's reference
-        ref_a = ReferenceChecksums.take(direct, srcs["A"].content_digest(), origin="cold-load",
-                                        source=str(ckpts["A"]))
+        ref_a = take_reference(direct, srcs["A"].content_digest(), origin="cold-load",
+                               source=str(ckpts["A"]))
     direct.close()
 
     def new_adapter() -> VllmAdapter:

@@ -1,8 +1,10 @@
 """Engine-checksum comparison, references and their cache, without an engine.
 
-The comparison and the cache are pure; the real ``/weight_checker`` (CPU
-repacking, rank-prefixed keys, a cold-loaded reference after a real hot
-update) is exercised in ``tests/engine/test_checksum_engine.py``. Keys and
+The comparison (``verification.checksums``) is pure; the cache and the
+reference taking (``adapters.vllm.verify``) run here on files and fakes. The
+real ``/weight_checker`` (CPU repacking, rank-prefixed keys, a cold-loaded
+reference after a real hot update) is exercised in
+``tests/engine/test_checksum_engine.py``. Keys and
 digests here have the shape vLLM 0.32 gives them, including a tensor-parallel
 layout (two ranks hashing their own shards of the same parameter), which the
 CPU engine cannot produce.
@@ -10,24 +12,35 @@ CPU engine cannot produce.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from rolloutcore.adapters.vllm import EMPTY_SHA256, WeightChecksums
+from rolloutcore.adapters import vllm as adapter
+from rolloutcore.adapters.vllm import WeightChecksums
+from rolloutcore.adapters.vllm.verify import (
+    ChecksumCache,
+    engine_layout,
+    reference_checksums,
+    take_reference,
+)
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.verification import checksums as vc
 from rolloutcore.verification.checksums import (
+    EMPTY_SHA256,
     LAYOUT_FIELDS,
-    ChecksumCache,
     ReferenceChecksums,
-    engine_layout,
+    compare,
+    compare_lists,
     layout_digest,
-    reference_checksums,
     verify,
 )
 
@@ -211,6 +224,20 @@ def test_layout_digest_is_canonical_and_sensitive() -> None:
 def test_engine_layout_needs_a_client() -> None:
     with pytest.raises(BadInput):
         engine_layout("http://x")  # type: ignore[arg-type]
+    with pytest.raises(BadInput):
+        take_reference("http://x", h("c"))  # type: ignore[arg-type]
+
+
+def test_verification_does_no_io_and_imports_no_adapter() -> None:
+    """verification is rank 2: it may not reach adapters (rank 3), nor start anything."""
+    import ast
+
+    tree = ast.parse(Path(vc.__file__).read_text())
+    mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not {m for m in mods if m.startswith(("rolloutcore.adapters", "rolloutcore.control",
+                                                  "rolloutcore.transports"))}
+    assert not mods & {"os", "subprocess", "socket", "tempfile", "pathlib", "httpx"}
 
 
 # --------------------------------------------------------------------------- cache
@@ -299,3 +326,85 @@ def test_reference_checksums_bad_input(tmp_path: Path) -> None:
     ckpt = _tiny_checkpoint(tmp_path / "ckpt")
     with pytest.raises(BadInput):
         reference_checksums(ckpt, layout={"dtype": ["not", "scalar"]})
+
+
+# --------------------------------------------------------------------------- the one comparison
+
+
+def test_compare_never_counts_a_value_that_verifies_nothing() -> None:
+    r = compare({"a": 1, "b": None, "c": EMPTY_SHA256, "d": 4, "e": 5},
+                {"a": 1, "b": None, "c": EMPTY_SHA256, "d": None, "e": 6, "f": 7})
+    assert r.matched == ("a",) and r.mismatched == ("e",)
+    assert r.unverifiable == ("b", "c") and r.unverifiable_reference == ("d",)
+    assert r.missing_in_engine == ("f",) and r.compared == 2
+    assert r.coverage == pytest.approx(2 / 5) and not r.passed and not r.complete
+
+
+def test_compare_keeps_the_callers_order_and_complete_means_everything() -> None:
+    names = ["z", "a", "m"]
+    r = compare(dict(zip(names, [3, 1, 2], strict=True)),
+                dict(zip(names, [0, 1, 0], strict=True)))
+    assert r.mismatched == ("z", "m")  # engine order, not sorted
+    same = compare({"a": 1, "b": 2}, {"b": 2, "a": 1})
+    assert same.passed and same.complete and same.coverage == 1.0
+    # passed tolerates what cannot be hashed (the CPU engine's fused layers); complete not.
+    part = compare({"a": 1, "b": None}, {"a": 1, "b": 2})
+    assert part.passed and not part.complete and part.coverage == 0.5
+    assert not compare({}, {}).passed and not compare({}, {}).complete
+
+
+def test_compare_lists_needs_the_same_layout() -> None:
+    r = compare_lists(["a", "b"], [1, 2], ["a", "b"], [1, 2])
+    assert r.complete and r.keyed_by == "position"
+    moved = compare_lists(["b", "a"], [2, 1], ["a", "b"], [1, 2])
+    assert not moved.passed and not moved.complete and moved.compared == 0
+    assert moved.layout_mismatch and moved.coverage == 0.0
+    with pytest.raises(BadInput, match="values"):
+        compare_lists(["a"], [], ["a"], [1])
+    with pytest.raises(BadInput, match="duplicate"):
+        compare_lists(["a", "a"], [1, 1], ["a", "a"], [1, 1])
+
+
+def _sums(**d: str) -> vc.WeightChecksums:
+    return vc.WeightChecksums(d, {k: f"dp0:pp0:pcp0:tp0:{k}" for k in d})
+
+
+def test_compare_checksums_view_never_counts_zero_bytes_as_a_match() -> None:
+    eng = _sums(a="1" * 64, b="2" * 64, fused=EMPTY_SHA256, c="3" * 64)
+    cmp = vc.compare_checksums(eng, {"a": "1" * 64, "b": "2" * 64, "fused": EMPTY_SHA256})
+    assert cmp.matched == ("a", "b") and cmp.unverifiable == ("fused",)
+    assert cmp.no_reference == ("c",) and cmp.passed and cmp.coverage == 0.5
+    chk = cmp.to_check()
+    assert chk.passed and chk.level is VerificationLevel.ENGINE_CHECKSUM
+    assert "1 unverifiable" in chk.detail and "1 without reference" in chk.detail
+    # A reference that hashed zero bytes where the engine hashed content: a mismatch.
+    assert vc.compare_checksums(eng, {"a": EMPTY_SHA256}).mismatched == ("a",)
+    assert vc.compare_checksums(eng, {"dp0:pp0:pcp0:tp0:a": "1" * 64}).matched == ("a",)
+    missing = vc.compare_checksums(eng, {"a": "1" * 64, "gone": "1" * 64})
+    assert not missing.passed and missing.missing_in_engine == ("gone",)
+    with pytest.raises(BadInput):
+        vc.compare_checksums(eng, {"a": 1})  # type: ignore[dict-item]
+
+
+def test_strip_rank() -> None:
+    assert vc.strip_rank(R0 + "model.x") == "model.x"
+    assert vc.strip_rank("model.x") == "model.x"
+
+
+_DIGESTS = st.sampled_from(["1" * 64, "2" * 64, "A" * 64, EMPTY_SHA256])
+_NAMES = st.sampled_from(["a", "b", "c", "fused", "x.y"])
+
+
+@given(eng=st.dictionaries(_NAMES, _DIGESTS, max_size=5),
+       ref=st.dictionaries(st.one_of(_NAMES, _NAMES.map(lambda n: R0 + n), st.just("gone")),
+                           _DIGESTS, max_size=6))
+def test_the_adapters_comparison_is_verifications(eng: dict[str, str],
+                                                  ref: dict[str, str]) -> None:
+    """Until the adapter re-exports verification's names, both must agree exactly."""
+    mine = vc.compare_checksums(_sums(**eng), ref)
+    theirs = adapter.compare_checksums(adapter.WeightChecksums(
+        eng, {k: R0 + k for k in eng}), ref)
+    assert dataclasses.asdict(mine) == dataclasses.asdict(theirs)
+    assert (mine.passed, mine.coverage, mine.detail()) == (
+        theirs.passed, theirs.coverage, theirs.detail())
+    assert vc.EMPTY_SHA256 == adapter.EMPTY_SHA256

@@ -612,3 +612,31 @@ def test_plan_check_skips_parameter_subclass_dispatch_and_sees_moves() -> None:
     first.data = first.data.clone()
     old = loader._plan
     assert loader.plan(msg) is not old and loader.stats["plan_cached"] is False
+
+
+def test_engine_checksum_compares_each_worker_and_reports_the_least_covered() -> None:
+    pk = _packed(61)
+    tr = CudaIpcTransport(device="cpu")
+    tr.last_sent_checksum, tr.last_sent_names = pk.checksum(), pk.names()
+    n = len(pk.names())
+    digest = names_digest(list(pk.names()))
+    full = {"values": list(tr.last_sent_checksum), "names_digest": digest}
+    hole = {"values": [None, *tr.last_sent_checksum[1:]], "names_digest": digest}
+    wrong = {"values": [*tr.last_sent_checksum[:-1], 0], "names_digest": digest}
+
+    def check(*workers: dict[str, Any]) -> dict[str, Any]:
+        tr.rpc = lambda *a, **k: list(workers)  # type: ignore[method-assign]
+        return tr.engine_checksum("http://engine")
+
+    r = check(full, full)
+    assert r["passed"] and r["coverage"] == 1.0 and r["workers"] == 2 and r["via"] == "rpc"
+    # A value the worker could not hash is never a match: not compared, coverage drops.
+    r = check(full, hole)
+    assert not r["passed"] and r["coverage"] == (n - 1) / n and r["n_mismatched"] == 0
+    r = check(hole, hole)  # per worker, not summed over workers
+    assert not r["passed"] and r["coverage"] == (n - 1) / n
+    r = check(full, wrong)
+    assert not r["passed"] and r["mismatched"] == [pk.names()[-1]] and r["coverage"] == 1.0
+    r = check(full, {**full, "names_digest": "0" * 64})
+    assert not r["passed"] and r["coverage"] == 0.0
+    assert r["mismatched"] == ["<layout differs from the last update sent>"]

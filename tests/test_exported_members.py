@@ -35,7 +35,6 @@ PACKAGES = sorted(".".join(p.parent.relative_to(SRC).parts)
 #: the lead removes it when the split lands.
 KNOWN_IMPLEMENTATION_INITS = frozenset({
     "rolloutcore.adapters.vllm",
-    "rolloutcore.transports.cuda_ipc",
 })
 
 

@@ -4,23 +4,21 @@
 what it decides and records without a GPU is tested here: the plan and its
 environments (multicast off everywhere), the half-broadcast kill timing,
 the classification bookkeeping (driven through RolloutCore's real runner and
-lease over the fake engine), the checksum layout of the paused validation,
-the vLLM 0.26 trainer round under RolloutCore's NCCL driver (fake
-communicator), and the artifact.
+lease over the fake engine), the checksum validation as the harness wires it,
+and the artifact. The product code the harness uses (the vLLM 0.26 trainer
+round, the checksum worker extension and validator) lives in
+``rolloutcore.transports.compat`` and is tested in
+``tests/test_transports_compat_unit.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import http.server
 import importlib.util
 import json
 import queue
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,15 +27,14 @@ import pytest
 import torch
 
 from helpers.gateway_rig import remote_transfer
+from helpers.param_models import engine_model, tiny_packed
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.lifecycle import LifecycleController
-from rolloutcore.errors import TransferError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import UpdateManager
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
-from rolloutcore.transports.cuda_ipc import PackedWeights, block_checksum
-from rolloutcore.transports.driver import DeviceGuard
+from rolloutcore.transports.cuda_ipc import block_checksum
 from rolloutcore.transports.source import WeightSource
 
 HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200x2_8b_nccl.py"
@@ -445,46 +442,6 @@ def test_checksum_lists_pass_only_complete_equal_and_in_order() -> None:
         f(["a"], [], ["a"], [1])
 
 
-def _tiny_packed(order: list[str]) -> PackedWeights:
-    shapes = {"q": (16, 8), "k": (16, 8), "v": (16, 8), "o": (8, 16), "gate": (32, 8),
-              "up": (32, 8), "norm": (128,)}
-    names = {"q": "model.layers.0.self_attn.q_proj.weight",
-             "k": "model.layers.0.self_attn.k_proj.weight",
-             "v": "model.layers.0.self_attn.v_proj.weight",
-             "o": "model.layers.0.self_attn.o_proj.weight",
-             "gate": "model.layers.0.mlp.gate_proj.weight",
-             "up": "model.layers.0.mlp.up_proj.weight", "norm": "model.norm.weight"}
-    pk = PackedWeights([(names[k], shapes[k], torch.bfloat16) for k in order], device="cpu")
-    g = torch.Generator().manual_seed(7)
-    for _, t in pk.items():
-        t.copy_(torch.randn(t.shape, generator=g).to(torch.bfloat16))
-    return pk
-
-
-def _engine_model(pk: PackedWeights) -> torch.nn.Module:
-    """What vLLM holds after loading ``pk``: fused qkv and gate_up, in module order."""
-    t = dict(pk.items())
-    p = "model.layers.0."
-    m = torch.nn.Module()
-    m.model = torch.nn.Module()
-    layer = torch.nn.Module()
-    m.model.layers = torch.nn.ModuleList([layer])
-    layer.self_attn = torch.nn.Module()
-    layer.mlp = torch.nn.Module()
-    for mod, attr, val in [
-            (layer.self_attn, "qkv_proj", torch.cat([t[p + f"self_attn.{x}_proj.weight"]
-                                                     for x in "qkv"])),
-            (layer.self_attn, "o_proj", t[p + "self_attn.o_proj.weight"]),
-            (layer.mlp, "gate_up_proj", torch.cat([t[p + "mlp.gate_proj.weight"],
-                                                   t[p + "mlp.up_proj.weight"]]))]:
-        sub = torch.nn.Module()
-        sub.weight = torch.nn.Parameter(val.clone(), requires_grad=False)
-        setattr(mod, attr, sub)
-    m.model.norm = torch.nn.Module()
-    m.model.norm.weight = torch.nn.Parameter(t["model.norm.weight"].clone(), requires_grad=False)
-    return m
-
-
 class WorkerStub(h.NcclChecksumExtension):
     def __init__(self, model: torch.nn.Module) -> None:
         self.weight_transfer_engine = SimpleNamespace(model=model)
@@ -506,12 +463,12 @@ class RpcStub:
 @pytest.mark.parametrize("order", [["q", "k", "v", "o", "gate", "up", "norm"],
                                    ["q", "o", "k", "v", "up", "norm", "gate"]])
 def test_paused_validation_matches_the_workers_checksums_in_vllm_layout(order: list[str]) -> None:
-    pk = _tiny_packed(order)
-    model = _engine_model(pk)
+    pk = tiny_packed(order)
+    model = engine_model(pk)
     tr = h.Trainer.__new__(h.Trainer)
     tr.packed = pk
     rpc = RpcStub(WorkerStub(model))
-    v = h.NcclChecksumValidator(rpc, tr)
+    v = h.nccl_checksum_validator(rpc, tr)
     v.learn_layout()
     v.stage()
     chk = v.validation_check("http://unused")
@@ -531,13 +488,13 @@ def test_paused_validation_matches_the_workers_checksums_in_vllm_layout(order: l
 
 
 def test_validation_fails_closed_without_a_staged_checksum_or_with_unknown_params() -> None:
-    pk = _tiny_packed(["q", "k", "v", "o", "gate", "up", "norm"])
-    model = _engine_model(pk)
+    pk = tiny_packed(["q", "k", "v", "o", "gate", "up", "norm"])
+    model = engine_model(pk)
     model.model.extra = torch.nn.Module()
     model.model.extra.weight = torch.nn.Parameter(torch.zeros(128, dtype=torch.bfloat16))
     tr = h.Trainer.__new__(h.Trainer)
     tr.packed = pk
-    v = h.NcclChecksumValidator(RpcStub(WorkerStub(model)), tr)
+    v = h.nccl_checksum_validator(RpcStub(WorkerStub(model)), tr)
     v.learn_layout()
     assert not v.validation_check("x").passed  # nothing staged
     v.stage()
@@ -545,159 +502,18 @@ def test_validation_fails_closed_without_a_staged_checksum_or_with_unknown_param
     assert not chk.passed and chk.coverage < 1.0
 
 
-# ---------------------------------------------------------------- the vLLM 0.26 round
+# ---------------------------------------------------------------- what moved into src/
 
-class FakeComm:
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.destroyed = False
+def test_the_harness_uses_the_product_code_it_moved_into_src() -> None:
+    from rolloutcore.transports.compat import param_checksums, vllm026
 
-    def destroy(self) -> None:
-        self.destroyed = True
-        self.release.set()
-
-
-class FakeSyncClient:
-    """vLLM's sync-client surface (0.26's finish plus the label, as ``sync_client_026``)."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def init_weight_transfer_engine(self, info: dict[str, Any]) -> None:
-        self.calls.append(("init", info))
-
-    def start_weight_update(self) -> None:
-        self.calls.append(("start",))
-
-    def update_weights(self, info: dict[str, Any]) -> None:
-        self.calls.append(("update", info))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.calls.append(("finish", weight_version))
-
-
-def cpu_transport(block: bool) -> tuple[Any, FakeSyncClient, FakeComm, dict[str, Any]]:
-    comm, client = FakeComm(), FakeSyncClient()
-    box: dict[str, Any] = {"sent": [], "entered": threading.Event()}
-
-    def bcast(items: Iterator[tuple[str, torch.Tensor]], c: Any, packed: bool) -> None:
-        box["packed"] = packed
-        box["sent"] = [(n, t.clone()) for n, t in items]
-        box["entered"].set()
-        if block:
-            c.release.wait(30)
-            if c.destroyed:  # a collective on an aborted communicator fails
-                raise RuntimeError("NCCL communicator aborted")
-
-    def init(info: Any, *, client: Any, source: Any) -> Any:
-        box["info"] = info
-        box["engine"] = h.Nccl026TrainerEngine.trainer_init(
-            info, client=client, source=source,
-            open_endpoint=lambda w: box.setdefault("worker", w) and comm, broadcast=bcast)
-        return box["engine"]
-
-    class CpuTransport(h.nccl026_transport_class()):  # type: ignore[misc]
-        def torch_device(self, index: int) -> Any:
-            return torch.device("cpu")
-
-    t = CpuTransport(trainer_init=init, client_factory=lambda url, s: client,
-                     guard=DeviceGuard(lambda: 0, lambda i: None), engine_world_size=1)
-    t.connect("http://127.0.0.1:9", timeout_s=5)
-    return t, client, comm, box
-
-
-def small_source() -> WeightSource:
-    return WeightSource.from_state_dict({"b.weight": torch.ones(3, 2, dtype=torch.bfloat16),
-                                         "a.bias": torch.arange(4, dtype=torch.float32)})
-
-
-def test_the_026_round_runs_under_rolloutcores_driver_and_finishes_with_the_label() -> None:
-    t, client, comm, box = cpu_transport(block=False)
-    assert box["worker"]["rank_offset"] == 1 and box["worker"]["world_size"] == 2
-    assert box["info"]["packed"] is True and client.calls[0] == ("init", box["worker"])
-    src = small_source()
-    ev = t.send("http://127.0.0.1:9", "rc-7", src, timeout_s=5,
-                expected_manifest_digest=src.manifest().digest)
-    assert ev.completed and ev.finish_label == "rc-7" and ev.bytes == src.nbytes
-    kinds = [c[0] for c in client.calls]
-    assert kinds == ["init", "start", "update", "finish"] and client.calls[-1][1] == "rc-7"
-    info = client.calls[2][1]
-    assert info == {"names": ["a.bias", "b.weight"], "dtype_names": ["float32", "bfloat16"],
-                    "shapes": [[4], [3, 2]], "packed": True}
-    assert [n for n, _ in box["sent"]] == ["a.bias", "b.weight"] and box["packed"] is True
-    assert torch.equal(box["sent"][1][1], torch.ones(3, 2, dtype=torch.bfloat16))
-    # The identity preflight refuses a source that is not the target, before any call.
-    with pytest.raises(TransferError) as ei:
-        t.send("http://127.0.0.1:9", "rc-8", src, timeout_s=5, expected_manifest_digest="0" * 64)
-    assert not ei.value.mutation_started and len(client.calls) == 4
-
-
-def test_driver_abort_returns_the_caller_and_its_comm_abort_frees_the_broadcast() -> None:
-    t, client, comm, box = cpu_transport(block=True)
-    result: queue.Queue[BaseException | object] = queue.Queue()
-
-    def send() -> None:
-        try:
-            result.put(t.send("http://127.0.0.1:9", "rc-9", small_source(), timeout_s=30))
-        except BaseException as exc:
-            result.put(exc)
-
-    threading.Thread(target=send, daemon=True).start()
-    assert box["entered"].wait(5)
-    t0 = time.monotonic()
-    t.abort()  # what the runner's watchdog does, through adapter.cancel
-    err = result.get(timeout=5)
-    assert isinstance(err, TransferError) and err.mutation_started
-    assert time.monotonic() - t0 < 5.0
-    # The driver's abort shuts the trainer engine down (communicator destroy,
-    # i.e. ncclCommAbort): the broadcast blocked on its peer is freed too.
-    end = time.monotonic() + 5
-    while h.send_thread_alive() and time.monotonic() < end:
-        time.sleep(0.01)
-    assert not h.send_thread_alive()
-    # The abandoned round never finishes under a label (the target was cleared).
-    assert [c[0] for c in client.calls] == ["init", "start", "update"]
-
-
-@contextlib.contextmanager
-def capture_server() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
-    got: list[tuple[str, Any]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            n = int(self.headers.get("content-length") or 0)
-            raw = self.rfile.read(n) if n else b""
-            got.append((self.path, json.loads(raw) if raw else None))
-            self.send_response(200)
-            self.send_header("content-length", "2")
-            self.end_headers()
-            self.wfile.write(b"{}")
-
-        def log_message(self, *a: Any) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
-    th.start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", got
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
-@pytest.mark.slow  # imports vLLM (about 6 s on these CPUs)
-def test_sync_client_026_is_vllms_client_with_the_label_in_finish() -> None:
-    with capture_server() as (url, got):
-        c = h.sync_client_026(url, 5.0)
-        c.start_weight_update()
-        c.update_weights({"names": ["a"], "dtype_names": ["bfloat16"], "shapes": [[2]]})
-        c.finish_weight_update(weight_version="rc-3")
-        c.finish_weight_update()
-    assert [p for p, _ in got] == ["/start_weight_update", "/update_weights",
-                                   "/finish_weight_update", "/finish_weight_update"]
-    assert got[1][1]["update_info"]["names"] == ["a"]
-    assert got[2][1] == {"weight_version": "rc-3"} and got[3][1] is None
+    assert h.NcclChecksumExtension is param_checksums.ParamChecksumExtension
+    assert h.WORKER_EXTENSION == param_checksums.WORKER_EXTENSION
+    assert h.nccl026_transport_class() is vllm026.Nccl026Transport
+    assert h.Nccl026TrainerEngine is vllm026.Nccl026TrainerEngine
+    assert h.sync_client_026 is vllm026.sync_client_026
+    with pytest.raises(AttributeError):
+        _ = h.no_such_name
 
 
 # ---------------------------------------------------------------- NCCL logs and the artifact

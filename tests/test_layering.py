@@ -51,18 +51,11 @@ ALLOWED_LARGE: dict[str, str] = {}
 #: occurs fails too ("fixed: remove it"), so the list stays exact. The lead
 #: empties it at merge.
 KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset({
-    # (b) verification (2) reaches up into adapters (3): the reference
-    # checksums are taken on a managed engine and through VllmHTTP.
-    ("layer", "rolloutcore.verification.checksums", "rolloutcore.adapters.vllm"),
-    ("layer", "rolloutcore.verification.checksums", "rolloutcore.adapters.vllm.process"),
     # (b) the adapter (3) builds the provenance EngineIdentity (4).
     ("layer", "rolloutcore.adapters.vllm", "rolloutcore.provenance.trajectory"),
-    # (b) the NCCL transport (2) takes free_port from the managed process (3).
-    ("layer", "rolloutcore.transports.nccl", "rolloutcore.adapters.vllm.process"),
     # (d) the files still to be split.
     ("size", "rolloutcore/adapters/vllm/__init__.py"),
     ("size", "rolloutcore/core/lifecycle.py"),
-    ("size", "rolloutcore/transports/cuda_ipc/__init__.py"),
 })
 
 

@@ -437,3 +437,141 @@ def test_wait_reports_the_first_failure_and_honours_abort() -> None:
         tb.wait([run_side(lambda: time.sleep(5), "s")], time.monotonic() + 10, "x",
                 mutation_started=False)
     assert time.monotonic() - t0 < 1.5
+
+
+# ---------------------------------------------------------------- backend registry
+
+
+class VllmLikeFactory:
+    """``WeightTransferEngineFactory``'s registration, as vLLM 0.26-0.32 has it."""
+
+    _registry: dict[str, Any]
+
+    @classmethod
+    def register_engine(cls, name: str, module: str, class_name: str | None = None) -> None:
+        import importlib
+
+        if name in cls._registry:
+            raise ValueError(f"Weight transfer engine '{name}' is already registered.")
+        cls._registry[name] = lambda: getattr(importlib.import_module(module), class_name or "")
+
+
+def _factory(**held: Any) -> type[VllmLikeFactory]:
+    return type("Factory", (VllmLikeFactory,), {"_registry": dict(held)})
+
+
+def test_registry_loads_lazily_and_refuses_duplicates_and_unknown_names() -> None:
+    from rolloutcore.transports.registry import BackendConflict, BackendRegistry
+
+    reg = BackendRegistry("trainer transport")
+    reg.register("x", "rolloutcore.transports.nccl", "NcclTransport")
+    assert reg.names() == ("x",) and "x" in reg and len(reg) == 1
+    assert reg.load("x") is NcclTransport
+    with pytest.raises(BackendConflict, match=r"'x' is already registered to .*NcclTransport"):
+        reg.register("x", "rolloutcore.transports.nccl", "NcclTransport")
+    with pytest.raises(BadInput, match=r"unknown trainer transport 'y'; registered: x"):
+        reg.load("y")
+    for bad in ("", "a b", None, "x" * 65):
+        with pytest.raises(BadInput):
+            reg.register(bad, "m", "C")  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="dotted"):
+        reg.register("z", "not a module", "C")
+    assert reg.names() == ("x",)  # refusals changed nothing
+    reg.register("z", "rolloutcore.transports", "__all__")
+    with pytest.raises(BadInput, match="not a class"):
+        reg.load("z")
+    reg.register("gone", "rolloutcore.no_such_module", "C")  # registering imports nothing
+    with pytest.raises(ImportError):
+        reg.load("gone")
+
+
+def test_builtin_backends_are_registered_in_one_place() -> None:
+    from rolloutcore.transports import registry
+    from rolloutcore.transports.cuda_ipc import BACKEND as CUDA_IPC
+    from rolloutcore.transports.cuda_ipc import CudaIpcTransport
+
+    assert registry.ENGINE_BACKENDS.names() == ("rc_cuda_ipc", "rolloutcore_gloo")
+    assert registry.TRAINER_TRANSPORTS.names() == ("ipc", "nccl", "rc_cuda_ipc",
+                                                   "rolloutcore_gloo")
+    for name in registry.TRAINER_TRANSPORTS.names():
+        # A trainer transport answers to the backend name the engine is started with.
+        assert registry.TRAINER_TRANSPORTS.load(name).backend == name
+    assert registry.TRAINER_TRANSPORTS.load(CUDA_IPC) is CudaIpcTransport
+    t = registry.trainer_transport("nccl", packed=False)
+    assert isinstance(t, NcclTransport) and t.packed is False
+    with pytest.raises(BadInput, match="registered: ipc, nccl"):
+        registry.trainer_transport("gloo")
+    # Engine halves are checked by path only: their modules import vLLM.
+    assert {n: lo.path for n, lo in registry.ENGINE_BACKENDS.items()} == {
+        "rc_cuda_ipc": "rolloutcore.transports.cuda_ipc.engine.CudaIpcWeightTransferEngine",
+        "rolloutcore_gloo": "rolloutcore.transports.gloo.GlooWeightTransferEngine"}
+
+
+def test_install_into_vllm_is_idempotent_and_imports_nothing() -> None:
+    from rolloutcore.transports.registry import BackendRegistry, install_into_vllm
+
+    reg = BackendRegistry("weight transfer engine")
+    reg.register("rc_a", "rolloutcore.transports.nccl", "NcclTransport")
+    reg.register("rc_b", "rolloutcore.no_such_module", "Engine")  # lazy: never imported here
+    f = _factory(nccl=lambda: NcclTransport)
+    assert install_into_vllm(f, reg) == ("rc_a", "rc_b")
+    assert install_into_vllm(f, reg) == ("rc_a", "rc_b")  # every vLLM process calls it again
+    assert set(f._registry) == {"nccl", "rc_a", "rc_b"}
+    assert f._registry["rc_a"]() is NcclTransport
+
+
+def test_install_into_vllm_after_a_reimport_accepts_its_own_loader_only() -> None:
+    from rolloutcore.transports import registry as r
+
+    reg = r.BackendRegistry("weight transfer engine")
+    reg.register("rc_a", "rolloutcore.transports.nccl", "NcclTransport")
+    # A forked or re-imported process: vLLM's factory has the name, our record is gone.
+    f = _factory(rc_a=lambda: NcclTransport)
+    assert r.install_into_vllm(f, reg) == ("rc_a",)
+    # Someone else's class under our name: refused, naming both.
+    g = _factory(rc_a=lambda: IpcTransport)
+    with pytest.raises(r.BackendConflict, match=r"'rc_a' is already registered in vLLM to "
+                       r"rolloutcore\.transports\.ipc\.IpcTransport; RolloutCore's "
+                       r"rolloutcore\.transports\.nccl\.NcclTransport"):
+        r.install_into_vllm(g, reg)
+    assert g._registry["rc_a"]() is IpcTransport  # left as it was
+
+    def broken() -> Any:
+        raise ImportError("no module named foreign")
+
+    with pytest.raises(r.BackendConflict, match="loader fails"):
+        r.install_into_vllm(_factory(rc_a=broken), reg)
+
+    class Opaque:
+        """A vLLM whose factory keeps no readable registry: who holds the name is unknown."""
+
+        @classmethod
+        def register_engine(cls, name: str, module: str, class_name: str) -> None:
+            raise ValueError("already registered")
+
+    with pytest.raises(r.BackendConflict, match="does not let us inspect"):
+        r.install_into_vllm(Opaque, reg)
+
+
+def test_the_plugin_entry_point_is_the_registrys_install() -> None:
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    from rolloutcore.transports import vllm_plugin
+
+    pyproject = Path(vllm_plugin.__file__).parents[3] / "pyproject.toml"
+    eps = tomllib.loads(pyproject.read_text())["project"]["entry-points"]
+    assert eps["vllm.general_plugins"] == {
+        "rolloutcore": "rolloutcore.transports.vllm_plugin:register"}
+    mod, fn = eps["vllm.general_plugins"]["rolloutcore"].split(":")
+    assert getattr(importlib.import_module(mod), fn) is vllm_plugin.register
+
+
+@pytest.mark.slow  # imports vLLM (about 6 s on these CPUs)
+def test_the_old_cuda_ipc_entry_point_is_the_same_registration() -> None:
+    """Installs made from an older pyproject name ``cuda_ipc.engine:register``."""
+    from rolloutcore.transports import vllm_plugin
+    from rolloutcore.transports.cuda_ipc import engine
+
+    assert engine.register is vllm_plugin.register

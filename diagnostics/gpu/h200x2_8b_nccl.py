@@ -38,16 +38,20 @@ this process before CUDA starts, and forced into every child environment.
 vLLM 0.26.0 (the last release that matches the device image's torch) has
 the worker half of the ``nccl`` backend but registers no trainer engine in
 ``WeightTransferTrainerFactory`` and its HTTP sync client's finish takes no
-version. ``make_nccl_transport`` therefore gives the driver a trainer engine
-that runs vLLM's own round (as vLLM 0.32's ``NCCLTrainerWeightTransferEngine``
-does) on 0.26's pieces: ``nccl_common.trainer_init`` for the rendezvous and
+version. ``make_nccl_transport`` (``rolloutcore.transports.compat.vllm026``)
+therefore gives the driver a trainer engine that runs vLLM's own round (as
+vLLM 0.32's ``NCCLTrainerWeightTransferEngine`` does) on 0.26's pieces:
+``nccl_common.trainer_init`` for the rendezvous and
 ``NCCLWeightTransferEngine.trainer_send_weights`` for the broadcast. Where
 the factory has ``nccl`` (vLLM >= 0.27) the driver's default path is used.
+The paused validation's evidence is the workers' block checksum of every
+parameter (``rolloutcore.transports.compat.param_checksums``: the worker
+extension vLLM loads, and the validator). This module keeps the experiment.
 
 ``--plan`` prints and checks the plan (commands, environments, phases,
 deadlines, device calls) without CUDA or vLLM. The module's top level
-imports the standard library only: vLLM's workers import it for
-``NcclChecksumExtension`` (``--worker-extension-cls``).
+imports the standard library only (``--plan`` needs no rolloutcore on the
+path); the names that moved into ``src/`` resolve on first use.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -83,7 +87,6 @@ __all__ = [
     "HalfwayTrigger",
     "HarnessConfig",
     "KillRecord",
-    "NcclChecksumExtension",
     "RecordingAdapter",
     "TransitionClock",
     "apply_multicast_off",
@@ -125,7 +128,7 @@ ARTIFACT_NAME = "h200x2-8b-nccl.json"
 ARTIFACT_KEYS = ("hot_s", "bare_primitives_s", "restart_s", "ratio", "nccl_gbps",
                  "p2p_copy_gbps", "kill_engine_classify_s", "kill_trainer_classify_s",
                  "published_unvalidated")
-WORKER_EXTENSION = "h200x2_8b_nccl.NcclChecksumExtension"
+WORKER_EXTENSION = "rolloutcore.transports.compat.param_checksums.ParamChecksumExtension"
 CHILD_TAG = "RCX2 "  # prefix of the trainer child's protocol lines on stdout
 DEFAULT_STATE = "/tmp/rc-x2"
 SEND_THREAD = "rolloutcore-nccl-send"  # the driver's side thread (run_side name)
@@ -600,61 +603,25 @@ def choose_recovery_gpu(requested: str, *, engine_gpu: int, trainer_gpu: int,
 
 
 # ====================================================================== checksum layout
-
-#: vLLM fuses these HF tensors into one parameter (concatenated along dim 0, TP=1).
-FUSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (".self_attn.qkv_proj.weight", (".self_attn.q_proj.weight", ".self_attn.k_proj.weight",
-                                    ".self_attn.v_proj.weight")),
-    (".mlp.gate_up_proj.weight", (".mlp.gate_proj.weight", ".mlp.up_proj.weight")),
-)
+# The layout mapping, the comparison and the validator are product code now
+# (``rolloutcore.transports.compat.param_checksums``; the comparison itself is
+# ``verification.checksums.compare_lists``): this module keeps thin delegates.
 
 
 def engine_param_sources(engine_names: Sequence[str],
                          trainer_names: Iterable[str]) -> dict[str, tuple[str, ...]]:
-    """For each engine parameter, the trainer tensors whose bytes it holds, in order.
+    """For each engine parameter, the trainer tensors whose bytes it holds (``param_checksums``)."""
+    from rolloutcore.transports.compat import param_checksums
 
-    Parameters with no source (unknown fusion, missing tensor) are absent.
-    """
-    have = set(trainer_names)
-    out: dict[str, tuple[str, ...]] = {}
-    for name in engine_names:
-        if name in have:
-            out[name] = (name,)
-            continue
-        for fused, parts in FUSIONS:
-            if name.endswith(fused):
-                stem = name[: -len(fused)]
-                srcs = tuple(stem + p for p in parts)
-                if all(s in have for s in srcs):
-                    out[name] = srcs
-                break
-    return out
+    return param_checksums.engine_param_sources(engine_names, trainer_names)
 
 
 def compare_checksum_lists(want_names: Sequence[str], want: Sequence[int | None],
                            got_names: Sequence[str], got: Sequence[int]) -> dict[str, Any]:
-    """Compare per-parameter checksums; ``None`` in ``want`` is a parameter not covered.
+    """The trainer's per-parameter checksums against the engine's (``param_checksums``)."""
+    from rolloutcore.transports.compat import param_checksums
 
-    Passes only with the same parameters in the same order, every one covered
-    and equal (the block checksum depends on position, so order matters).
-    """
-    if len(want_names) != len(want) or len(got_names) != len(got):
-        raise ValueError("names and values differ in length")
-    same_layout = list(want_names) == list(got_names)
-    mism: list[str] = []
-    compared = 0
-    if same_layout:
-        for n, a, b in zip(want_names, want, got, strict=True):
-            if a is None:
-                continue
-            compared += 1
-            if a != b:
-                mism.append(n)
-    total = len(got_names)
-    coverage = compared / total if total else 0.0
-    return {"same_layout": same_layout, "compared": compared, "params": total,
-            "coverage": coverage, "n_mismatched": len(mism), "mismatched": mism[:20],
-            "passed": same_layout and total > 0 and compared == total and not mism}
+    return param_checksums.compare_param_checksums(want_names, want, got_names, got)
 
 
 _VIA = re.compile(r"\bvia\s+((?:P2P|SHM|NET|COLLNET)(?:/[A-Za-z0-9_]+)*)")
@@ -917,36 +884,8 @@ async def drive_remote_update(manager: Any, begin: Mapping[str, Any], trainer: R
 
 
 # ====================================================================== GPU machine: vLLM side
-
-class NcclChecksumExtension:
-    """Worker methods for ``/collective_rpc`` (``--worker-extension-cls``).
-
-    vLLM 0.26 has no ``weight_version`` and no ``/weight_checker``: the paused
-    validation reads the workers' block checksum of every model parameter
-    (``cuda_ipc.block_checksum``, exact integer arithmetic on the GPU) and
-    compares it with the trainer's checksum of the same bytes in vLLM's layout.
-    """
-
-    def _rc_model(self) -> Any:
-        eng = getattr(self, "weight_transfer_engine", None)
-        model = getattr(eng, "model", None)
-        if model is None:
-            model = self.model_runner.model  # type: ignore[attr-defined]
-        return model
-
-    def rc_nccl_param_checksums(self) -> dict[str, Any]:
-        import torch
-
-        from rolloutcore.transports.cuda_ipc import block_checksum
-
-        named = list(self._rc_model().named_parameters())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t = time.monotonic()
-        vals = block_checksum([p.data for _, p in named])
-        return {"names": [n for n, _ in named], "values": vals,
-                "nbytes": [p.numel() * p.element_size() for _, p in named],
-                "elapsed_s": time.monotonic() - t}
+# vLLM's workers load the checksum extension from rolloutcore
+# (``param_checksums.ParamChecksumExtension``, ``WORKER_EXTENSION``), not from here.
 
 
 # ====================================================================== GPU machine: trainer side
@@ -964,162 +903,39 @@ def load_helper4() -> Any:
     return mod
 
 
-class TrainerEngineHolder:
-    """Keeps the trainer engine the driver builds, to reach its NCCL communicator."""
-
-    def __init__(self) -> None:
-        self.engine: Any = None
-        self.kind: str = ""
-
-    def comm(self) -> Any:
-        e = self.engine
-        return None if e is None else getattr(e, "comm", getattr(e, "model_update_group", None))
+def _moved(module: str, name: str) -> Any:
+    return getattr(importlib.import_module(module), name)
 
 
-def sync_client_026(url: str, timeout_s: float) -> Any:
-    """vLLM's own HTTP sync client, whose finish also carries the target label.
-
-    vLLM 0.26's ``/finish_weight_update`` ignores the body (no weight versions
-    there), so the label is enforced by RolloutCore's wrapper but not recorded
-    by the engine.
-    """
-    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
-    class _Client(HTTPVLLMWeightSyncClient):
-        def finish_weight_update(self, weight_version: str | None = None) -> None:
-            self._post("finish_weight_update",
-                       None if weight_version is None else {"weight_version": weight_version})
-
-    return _Client(url, timeout=timeout_s)
+#: Product code that lived here, now in ``src/`` (vLLM 0.26 stand-ins, the checksum
+#: worker extension); resolved on first use (PEP 562) so that the top level stays
+#: standard-library only and ``--plan`` needs no rolloutcore import.
+_MOVED: Mapping[str, tuple[str, str]] = {
+    "NcclChecksumExtension": ("rolloutcore.transports.compat.param_checksums",
+                              "ParamChecksumExtension"),
+    "TrainerEngineHolder": ("rolloutcore.transports.compat.vllm026", "TrainerEngineHolder"),
+    "Nccl026TrainerEngine": ("rolloutcore.transports.compat.vllm026", "Nccl026TrainerEngine"),
+    "sync_client_026": ("rolloutcore.transports.compat.vllm026", "sync_client_026"),
+    "native_nccl_trainer": ("rolloutcore.transports.compat.vllm026", "native_nccl_trainer"),
+}
 
 
-def _vllm_broadcast(items: Iterator[tuple[str, Any]], comm: Any, packed: bool) -> None:
-    """vLLM 0.26's trainer-side broadcast (packed: 1 GiB chunks, two in flight)."""
-    from vllm.distributed.weight_transfer import nccl_engine  # 0.26: these two exist
-
-    nccl_engine.NCCLWeightTransferEngine.trainer_send_weights(  # type: ignore[attr-defined]
-        items, nccl_engine.NCCLTrainerSendWeightsArgs(  # type: ignore[attr-defined]
-            group=comm, packed=packed))
-
-
-def _vllm_open_endpoint(worker_info: Mapping[str, Any]) -> Any:
-    from vllm.distributed.weight_transfer.nccl_common import trainer_init
-
-    return trainer_init(dict(worker_info))
-
-
-class Nccl026TrainerEngine:
-    """vLLM's NCCL trainer round (0.32's ``NCCLTrainerWeightTransferEngine``) on vLLM 0.26.
-
-    ``send_weights`` does what vLLM's does: start, ``update_weights`` on a side
-    thread while this thread broadcasts, then finish; a broadcast to a dead
-    peer blocks here exactly as it does there. ``open_endpoint`` and
-    ``broadcast`` default to vLLM 0.26's ``nccl_common.trainer_init`` and
-    ``NCCLWeightTransferEngine.trainer_send_weights``.
-    """
-
-    def __init__(self, client: Any, source: Any, comm: Any, packed: bool,
-                 broadcast: Callable[[Iterator[tuple[str, Any]], Any, bool], None]
-                 = _vllm_broadcast) -> None:
-        self.client, self.source, self.comm, self.packed = client, source, comm, packed
-        self._broadcast = broadcast
-
-    @classmethod
-    def trainer_init(cls, info: Mapping[str, Any], *, client: Any, source: Any,
-                     open_endpoint: Callable[[Mapping[str, Any]], Any] = _vllm_open_endpoint,
-                     broadcast: Callable[[Iterator[tuple[str, Any]], Any, bool], None]
-                     = _vllm_broadcast) -> Nccl026TrainerEngine:
-        from rolloutcore.transports.base import run_side
-
-        worker = {"master_address": info["master_address"], "master_port": info["master_port"],
-                  "rank_offset": 1, "world_size": info["world_size"]}
-        # The workers block in init until the trainer joins: their call goes on a
-        # side thread while this one opens rank 0 (vLLM's own pattern).
-        fut = run_side(lambda: client.init_weight_transfer_engine(worker), "nccl026-init")
-        comm = open_endpoint(worker)
-        fut.result()
-        return cls(client, source, comm, bool(info.get("packed", True)), broadcast)
-
-    def update_info(self) -> dict[str, Any]:
-        specs = self.source.specs()
-        return {"names": [n for n, _, _ in specs],
-                "dtype_names": [str(d).rsplit(".", 1)[-1] for _, d, _ in specs],
-                "shapes": [list(s) for _, _, s in specs], "packed": self.packed}
-
-    def send_weights(self) -> None:
-        from rolloutcore.transports.base import run_side
-
-        info = self.update_info()
-        self.client.start_weight_update()
-        fut = run_side(lambda: self.client.update_weights(info), "nccl026-update")
-        if fut.done():
-            fut.result()
-        self._broadcast(iter(self.source), self.comm, self.packed)
-        fut.result()
-        self.client.finish_weight_update()
-
-    def shutdown(self) -> None:
-        destroy = getattr(self.comm, "destroy", None)
-        if callable(destroy):
-            destroy()
-
-
-_NCCL026: Any = None
+def __getattr__(name: str) -> Any:
+    where = _MOVED.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _moved(*where)
 
 
 def nccl026_transport_class() -> Any:
-    """``NcclTransport`` whose init info is a plain dict (0.26 has no ``NCCLTrainerInitInfo``)."""
-    global _NCCL026
-    if _NCCL026 is None:
-        from urllib.parse import urlsplit
-
-        from rolloutcore.adapters.vllm.process import free_port
-        from rolloutcore.transports.base import local_address_towards
-        from rolloutcore.transports.nccl import NcclTransport
-
-        class Nccl026Transport(NcclTransport):
-            def init_info(self, base_url: str, engine_world_size: int) -> Any:
-                host = urlsplit(base_url).hostname or "127.0.0.1"
-                addr = self.master_address or local_address_towards(host)
-                return {"master_address": addr, "master_port": self.master_port
-                        or free_port(addr), "world_size": 1 + engine_world_size,
-                        "packed": self.packed}
-
-        _NCCL026 = Nccl026Transport
-    return _NCCL026
+    """``NcclTransport`` whose init info is a plain dict (``compat.vllm026.Nccl026Transport``)."""
+    return _moved("rolloutcore.transports.compat.vllm026", "Nccl026Transport")
 
 
-def native_nccl_trainer() -> bool:
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-    return "nccl" in getattr(WeightTransferTrainerFactory, "_registry", {})
-
-
-def make_nccl_transport(*, packed: bool = True, **kwargs: Any) -> tuple[Any, TrainerEngineHolder]:
-    """RolloutCore's NCCL driver, with the trainer engine this vLLM needs (see module doc)."""
-    holder = TrainerEngineHolder()
-    if native_nccl_trainer():
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        from rolloutcore.transports.nccl import NcclTransport
-
-        def init(info: Any, *, client: Any, source: Any) -> Any:
-            holder.engine = WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=source.as_vllm())
-            return holder.engine
-
-        holder.kind = "vllm WeightTransferTrainerFactory nccl (native)"
-        return NcclTransport(packed=packed, trainer_init=init, **kwargs), holder
-
-    def init026(info: Any, *, client: Any, source: Any) -> Any:
-        holder.engine = Nccl026TrainerEngine.trainer_init(info, client=client, source=source)
-        return holder.engine
-
-    holder.kind = ("vLLM 0.26 shim: nccl_common.trainer_init + "
-                   "NCCLWeightTransferEngine.trainer_send_weights (no trainer engine in 0.26)")
-    cls = nccl026_transport_class()
-    return cls(packed=packed, trainer_init=init026, client_factory=sync_client_026,
-               **kwargs), holder
+def make_nccl_transport(*, packed: bool = True, **kwargs: Any) -> tuple[Any, Any]:
+    """RolloutCore's NCCL driver with the trainer engine this vLLM needs (``compat.vllm026``)."""
+    return _moved("rolloutcore.transports.compat.vllm026", "make_nccl_transport")(
+        packed=packed, **kwargs)
 
 
 def gated_source(source: Any, trigger: HalfwayTrigger, on_fire: Callable[[], None]) -> Any:
@@ -1184,104 +1000,32 @@ class Trainer:
 
     def engine_layout_views(self, names: Sequence[str], nbytes: Sequence[int]) -> tuple[
             list[Any], list[bool]]:
-        """Byte views of the trainer's tensors in the engine's parameter order (fused
-        parameters as one contiguous slice when the parts are adjacent); zeros of the
-        right size where no source is known (not covered)."""
-        import torch
+        """Byte views of the trainer's tensors in the engine's parameter order
+        (``param_checksums.engine_layout_views``)."""
+        from rolloutcore.transports.compat.param_checksums import engine_layout_views
 
-        entries = {e.name: e for e in self.packed.entries}
-        srcs = engine_param_sources(names, entries)
-        buf = self.packed.buffer
-        views: list[Any] = []
-        covered: list[bool] = []
-        for name, nb in zip(names, nbytes, strict=True):
-            parts = srcs.get(name)
-            if parts is None:
-                views.append(torch.zeros(nb, dtype=torch.uint8, device=buf.device))
-                covered.append(False)
-                continue
-            es = [entries[p] for p in parts]
-            if sum(e.nbytes for e in es) != nb:
-                views.append(torch.zeros(nb, dtype=torch.uint8, device=buf.device))
-                covered.append(False)
-                continue
-            adjacent = all(b.offset_bytes == a.offset_bytes + a.nbytes
-                           for a, b in itertools.pairwise(es))
-            if adjacent:
-                views.append(buf[es[0].offset_bytes:es[0].offset_bytes + nb])
-            else:
-                views.append(torch.cat([buf[e.offset_bytes:e.offset_bytes + e.nbytes]
-                                        for e in es]))
-            covered.append(True)
-        return views, covered
+        return engine_layout_views(self.packed, names, nbytes)
 
 
-class NcclChecksumValidator:
-    """The workers' parameter checksums against the trainer's, as a paused-validation ``Check``.
+def _http_rpc(http: Any) -> Callable[[str, float], tuple[list[Any], float]]:
+    """``/collective_rpc`` over helper-4's ``Http`` (its ``post`` returns (body, seconds))."""
 
-    ``validation_check(base_url)`` is the transport hook ``VllmAdapter.validate``
-    calls (vLLM 0.26 has no ``weight_version`` and no ``/weight_checker``, so
-    it is the evidence there is); ``rolloutcore_stack`` attaches it to the
-    NCCL transport.
-    """
+    def rpc(method: str, timeout_s: float) -> tuple[list[Any], float]:
+        body, dt = http.post("/collective_rpc", {"method": method, "args": [],
+                                                 "timeout": timeout_s}, timeout=timeout_s + 10)
+        return (body.get("results") if isinstance(body, dict) else body), dt
 
-    def __init__(self, http: Any, trainer: Trainer | None, *, timeout_s: float = 60.0) -> None:
-        self.http = http
-        self.trainer = trainer
-        self.timeout_s = timeout_s
-        self.names: list[str] = []
-        self.nbytes: list[int] = []
-        self.expected: list[int | None] | None = None
-        self.last: dict[str, Any] = {}
+    return rpc
 
-    def engine_params(self) -> dict[str, Any]:
-        body, dt = self.http.post("/collective_rpc", {
-            "method": "rc_nccl_param_checksums", "args": [], "timeout": self.timeout_s},
-            timeout=self.timeout_s + 10)
-        res = body.get("results") if isinstance(body, dict) else None
-        if not isinstance(res, list) or len(res) != 1 or not isinstance(res[0], dict):
-            raise RuntimeError(f"rc_nccl_param_checksums: unexpected answer {str(body)[:300]}")
-        return {**res[0], "rpc_s": dt}
 
-    def learn_layout(self) -> dict[str, Any]:
-        got = self.engine_params()
-        self.names, self.nbytes = list(got["names"]), [int(x) for x in got["nbytes"]]
-        return got
+def nccl_checksum_validator(http: Any, trainer: Trainer | None, *,
+                            timeout_s: float = 60.0) -> Any:
+    """The paused validation's transport check (``param_checksums.ParamChecksumValidator``)
+    over ``http``, staging from ``trainer``'s weights (None: compare only)."""
+    from rolloutcore.transports.compat.param_checksums import ParamChecksumValidator
 
-    def stage(self) -> float:
-        """The trainer's checksums of what it will send, in the engine's layout (taken at
-        staging, while the engine still serves). Returns the seconds it took."""
-        from rolloutcore.transports.cuda_ipc import block_checksum
-
-        assert self.trainer is not None and self.names
-        t = time.monotonic()
-        views, covered = self.trainer.engine_layout_views(self.names, self.nbytes)
-        vals = block_checksum(views)
-        self.expected = [v if c else None for v, c in zip(vals, covered, strict=True)]
-        return time.monotonic() - t
-
-    def compare(self) -> dict[str, Any]:
-        got = self.engine_params()
-        if self.expected is None:
-            return {"passed": False, "detail": "no trainer checksum staged", "engine": got}
-        cmp = compare_checksum_lists(self.names, self.expected, got["names"], got["values"])
-        cmp.update(engine_s=got.get("elapsed_s"), rpc_s=got.get("rpc_s"))
-        self.last = cmp
-        return cmp
-
-    def validation_check(self, base_url: str) -> Any:
-        from rolloutcore.core.evidence import Check
-        from rolloutcore.core.versions import VerificationLevel
-
-        cmp = self.compare()
-        detail = (f"worker block checksums of {cmp.get('params')} parameters vs the trainer's "
-                  f"of the same bytes in vLLM's layout; compared={cmp.get('compared')} "
-                  f"mismatched={cmp.get('n_mismatched')} same_layout={cmp.get('same_layout')}")
-        if cmp.get("mismatched"):
-            detail += f" first: {cmp['mismatched'][:3]}"
-        return Check("worker_param_block_checksum", bool(cmp["passed"]), detail=detail,
-                     coverage=float(cmp.get("coverage", 0.0)),
-                     level=VerificationLevel.ENGINE_CHECKSUM)
+    return ParamChecksumValidator(_http_rpc(http), None if trainer is None
+                                  else trainer.engine_layout_views, timeout_s=timeout_s)
 
 
 def reference_check(http: Any, reference: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -1290,7 +1034,7 @@ def reference_check(http: Any, reference: Mapping[str, Any]) -> tuple[Any, dict[
     from rolloutcore.core.evidence import Check
     from rolloutcore.core.versions import VerificationLevel
 
-    v = NcclChecksumValidator(http, None)
+    v = nccl_checksum_validator(http, None)
     got = v.engine_params()
     cmp = compare_checksum_lists(reference["names"], reference["values"], got["names"],
                                  got["values"])
@@ -1441,7 +1185,7 @@ class Run:
         h4 = load_helper4()
         transport, holder = make_nccl_transport()
         http = h4.Http(eng.base_url)
-        validator = NcclChecksumValidator(http, trainer)
+        validator = nccl_checksum_validator(http, trainer)
         # The adapter's transport-check hook; taken at validation time, as on the
         # first two-GPU run (a262b60, where a wrapper around the adapter did the same).
         transport.validation_check = validator.validation_check
@@ -1513,7 +1257,7 @@ def bare_cycle(http: Any, comm: Any, trainer: Trainer) -> dict[str, float]:
     t = time.monotonic()
     fut = run_side(lambda: http.post("/update_weights", {"update_info": info}, timeout=120.0),
                    "bare-update")
-    _vllm_broadcast(iter(items), comm, True)
+    _moved("rolloutcore.transports.compat.vllm026", "broadcast_026")(iter(items), comm, True)
     fut.result(timeout=120.0)
     ph["update"] = time.monotonic() - t
     _, ph["finish"] = http.post("/finish_weight_update")
@@ -1603,7 +1347,7 @@ def phase_hot(run: Run) -> dict[str, Any]:
         st["runner"].bootstrap(run.dummy_identity(trainer.source.manifest()))
         res["driver"] = {"transport": "rolloutcore.transports.nccl.NcclTransport",
                          "trainer_engine": st["holder"].kind,
-                         "adapter": "VllmAdapter, transport check NcclChecksumValidator",
+                         "adapter": "VllmAdapter, transport check ParamChecksumValidator",
                          "runner": "LifecycleRunner", "deadlines": runner_deadlines(cfg)}
     if not st:
         return res
@@ -1963,7 +1707,7 @@ def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
         with run.stage(res, "engine_start"):
             eng = run.start_engine(res, cfg.engine_gpu, "standalone")
             controller, clock = run.controller()
-            v = NcclChecksumValidator(h4.Http(eng.base_url), None)
+            v = nccl_checksum_validator(h4.Http(eng.base_url), None)
             got = v.learn_layout()
             reference = {"names": got["names"], "values": got["values"]}
             identity0 = run.dummy_identity(manifest)

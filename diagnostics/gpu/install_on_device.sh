@@ -20,7 +20,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 DI="$SITE/rolloutcore_gpu_plugin-0.0.0.dist-info"
 mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: rolloutcore-gpu-plugin\nVersion: 0.0.0\n' > "$DI/METADATA"
-printf '[vllm.general_plugins]\nrolloutcore_cuda_ipc = rolloutcore.transports.cuda_ipc.engine:register\n' \
+printf '[vllm.general_plugins]\nrolloutcore = rolloutcore.transports.vllm_plugin:register\n' \
   > "$DI/entry_points.txt"
 : > "$DI/RECORD"
 echo "installed into $SITE: $(ls /tmp/rc-whl | wc -l) wheels"

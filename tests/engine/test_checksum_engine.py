@@ -30,20 +30,20 @@ import pytest
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import EMPTY_SHA256, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.adapters.vllm.verify import (
+    ChecksumCache,
+    engine_layout,
+    reference_checksums,
+    take_reference,
+    verify_engine,
+)
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import (
-    ChecksumCache,
-    ReferenceChecksums,
-    engine_layout,
-    reference_checksums,
-    verify,
-    verify_engine,
-)
+from rolloutcore.verification.checksums import ReferenceChecksums, verify
 
 pytestmark = [
     pytest.mark.engine,
@@ -70,7 +70,7 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
                       engine=eng, journal_path=root / "journal.jsonl")
     try:
         # Nothing has touched this engine yet: what it holds is vLLM's cold load of A.
-        cold_a = ReferenceChecksums.take(
+        cold_a = take_reference(
             s.http, WeightSource.from_checkpoint(tiny_models.A).content_digest(),
             origin="cold-load", source=str(tiny_models.A))
         s.bootstrap(tiny_models.A, Provenance(str(tiny_models.A), "checksum-test", 0))

@@ -255,19 +255,24 @@ def test_abort_unblocks_a_send_to_a_hung_engine_and_a_killed_one_fails_fast(
 def test_plugin_registers_idempotently_and_refuses_a_conflict() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from rolloutcore.transports import vllm_plugin
+    from rolloutcore.transports import registry, vllm_plugin
+    from rolloutcore.transports.cuda_ipc import engine as cuda_ipc_engine
 
     vllm_plugin.register()
     vllm_plugin.register()  # every vLLM process may call it more than once
+    cuda_ipc_engine.register()  # the older entry point: the same registration
     cls = WeightTransferEngineFactory._registry["rolloutcore_gloo"]()
     assert cls.__name__ == "GlooWeightTransferEngine"
     assert cls.__module__ == "rolloutcore.transports.gloo"
-    saved = dict(vllm_plugin.BACKENDS)
-    try:
-        vllm_plugin.BACKENDS["nccl"] = ("rolloutcore.transports.gloo",
-                                        "GlooWeightTransferEngine")
-        with pytest.raises(RuntimeError, match="already registered"):
-            vllm_plugin.register()
-    finally:
-        vllm_plugin.BACKENDS.clear()
-        vllm_plugin.BACKENDS.update(saved)
+    ipc = WeightTransferEngineFactory._registry["rc_cuda_ipc"]()
+    assert ipc is cuda_ipc_engine.CudaIpcWeightTransferEngine
+    # A process that lost its record of installing (a re-imported registry) finds
+    # its own loaders in vLLM's factory: a no-op.
+    registry._installed.clear()
+    vllm_plugin.register()
+    # A RolloutCore backend under a name vLLM's own engine holds: refused, naming both.
+    rogue = registry.BackendRegistry("weight transfer engine")
+    rogue.register("nccl", "rolloutcore.transports.gloo", "GlooWeightTransferEngine")
+    with pytest.raises(registry.BackendConflict, match="already registered"):
+        registry.install_into_vllm(registry=rogue)
+    assert WeightTransferEngineFactory._registry["nccl"]().__name__ == "NCCLWeightTransferEngine"

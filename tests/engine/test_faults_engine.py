@@ -60,6 +60,7 @@ import pytest
 from enginetools import EngineFactory, TinyModels, kill_engine
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.adapters.vllm.verify import take_reference
 from rolloutcore.control.journal import Journal, read_journal, restore_controller
 from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
@@ -321,7 +322,7 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[Rig]
     try:
         with VllmHTTP(eng.base_url, timeout_s=60) as h:
             assert h.label() == "default"  # a cold load of A: its checksums are A's reference
-            ref_a = ReferenceChecksums.take(
+            ref_a = take_reference(
                 h, WeightSource.from_checkpoint(tiny_models.A).content_digest(),
                 origin="cold-load", source=str(tiny_models.A))
         r = Rig(eng, tiny_models, proxy,

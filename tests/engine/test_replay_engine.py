@@ -29,6 +29,7 @@ import pytest
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmHTTP, engine_identity
 from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.adapters.vllm.verify import ChecksumCache, take_reference
 from rolloutcore.cli import build_parser
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
@@ -58,7 +59,6 @@ from rolloutcore.provenance.trajectory import (
 )
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import ChecksumCache, ReferenceChecksums
 
 pytestmark = [
     pytest.mark.engine,
@@ -151,7 +151,7 @@ def cold_cache(session: EngineSession, tiny_models: TinyModels,
     """A's engine checksums from this engine's cold load (nothing has updated it yet)."""
     assert session.http.label() == "default"
     cache = ChecksumCache(tmp_path_factory.mktemp("replay-cache"))
-    cache.put(ReferenceChecksums.take(
+    cache.put(take_reference(
         session.http, WeightSource.from_checkpoint(tiny_models.A).content_digest(),
         origin="cold-load", source=str(tiny_models.A)))
     return cache

@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="samples at another version: refuse the replay (default), report "
                         "them as mismatches, or skip them")
     p.add_argument("--checksum-cache", default=None, metavar="DIR",
-                   help="reference checksums (rolloutcore.verification.checksums.ChecksumCache):"
+                   help="reference checksums (rolloutcore.adapters.vllm.verify.ChecksumCache):"
                         " verify the engine's weights against the bound checkpoints,"
                         " not just labels")
     p.add_argument("--timeout", type=argtypes.positive_seconds, default=120.0, metavar="S",

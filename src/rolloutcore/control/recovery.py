@@ -199,7 +199,8 @@ class _Checkpoint:
     def verify(self, http: VllmHTTP, target: WeightVersion, epoch: str,
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
         """Label it, then observe it like an update's validation."""
-        from rolloutcore.verification.checksums import ReferenceChecksums, verify_engine
+        from rolloutcore.adapters.vllm.verify import verify_engine
+        from rolloutcore.verification.checksums import ReferenceChecksums
 
         t0 = time.monotonic()
         healthy = http.health()

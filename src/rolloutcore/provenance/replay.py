@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
+from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.trajectory import TrajectorySample
-from rolloutcore.verification.checksums import ChecksumCache, engine_layout, verify_engine
 
 __all__ = [
     "DEFAULT_LABEL",

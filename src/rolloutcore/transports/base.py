@@ -33,7 +33,6 @@ layerwise reload), is ``mutation_started=True``.
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.net import local_address_towards
 from rolloutcore.transports.source import WeightSource
 
 __all__ = [
@@ -143,18 +143,6 @@ def preflight(source: WeightSource, expected_manifest_digest: str | None) -> Non
             "transfer", f"preflight: source manifest {got[:12]} differs from the "
             f"target's {expected_manifest_digest[:12]}; nothing was sent",
             mutation_started=False)
-
-
-def local_address_towards(host: str) -> str:
-    """The local address the engine at ``host`` can reach us on (loopback stays loopback)."""
-    if host in ("localhost", "127.0.0.1", "::1") or host.startswith("127."):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))  # UDP connect sends nothing; it picks the route
-            return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
 
 
 def run_side(fn: Callable[[], T], name: str) -> Future[T]:

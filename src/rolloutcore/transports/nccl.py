@@ -17,9 +17,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from rolloutcore.adapters.vllm.process import free_port
-from rolloutcore.transports.base import local_address_towards
 from rolloutcore.transports.driver import VllmTrainerTransport
+from rolloutcore.transports.net import free_port, local_address_towards
 
 __all__ = ["NcclTransport"]
 

@@ -1,41 +1,24 @@
-"""vLLM plugin entry point: registers RolloutCore's weight-transfer backends.
+"""vLLM plugin entry point: installs RolloutCore's weight-transfer backends into vLLM.
 
 Declared in pyproject under ``vllm.general_plugins``, so vLLM calls
 ``register()`` in every process it starts (API server, engine core,
-workers), sometimes more than once. It therefore must be idempotent and
-cheap: it registers the backend by module path, and vLLM imports the module
-only in the process that creates the engine (the worker).
+workers), sometimes more than once. It must therefore be cheap and
+idempotent: it registers every backend of ``registry.ENGINE_BACKENDS`` by
+module path (nothing is imported until a worker creates that engine), and
+the policy for a name already taken is the registry's (the same loader: a
+no-op; another class: ``BackendConflict``).
 
-A name that is already taken by someone else's backend is a real conflict
-and raises, naming both: vLLM would otherwise route our configuration to a
-foreign engine.
+``rolloutcore.transports.cuda_ipc.engine.register`` is this same function,
+kept at that path for installs whose entry points still name it.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "register"]
+from rolloutcore.transports.registry import install_into_vllm
 
-# name -> (module, class) of each engine half RolloutCore provides
-BACKENDS: dict[str, tuple[str, str]] = {
-    "rolloutcore_gloo": ("rolloutcore.transports.gloo", "GlooWeightTransferEngine"),
-}
+__all__ = ["register"]
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    registry = WeightTransferEngineFactory._registry
-    for name, (module, cls_name) in BACKENDS.items():
-        loader = registry.get(name)
-        if loader is None:
-            WeightTransferEngineFactory.register_engine(name, module, cls_name)
-            continue
-        # Already registered: ours (a second call, or a reloaded module) is fine.
-        # Resolving the loader imports its module; for ours that is cheap and
-        # needs no vLLM engine state.
-        existing = loader()
-        where = (getattr(existing, "__module__", "?"), getattr(existing, "__name__", "?"))
-        if where != (module, cls_name):
-            raise RuntimeError(
-                f"weight transfer backend {name!r} is already registered to "
-                f"{where[0]}.{where[1]}; RolloutCore's {module}.{cls_name} cannot take it")
+    """Entry point of ``vllm.general_plugins``."""
+    install_into_vllm()

@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import IO, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
 
 __all__ = [
     "DEFAULT_ENV",
@@ -87,13 +87,6 @@ def require_vllm(python: str | None = None) -> None:
             "machines without a GPU; then remove torchvision/torchaudio/torchcodec, "
             "which break transformers there)",
             mutation_started=False)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller retries if it is taken since)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,14 +1,14 @@
 """vLLM side of ``rc_cuda_ipc``: the weight transfer engine and its worker extension.
 
-vLLM imports this module in every one of its processes through the
-``vllm.general_plugins`` entry point (``register``), which adds the backend
-to vLLM's own ``WeightTransferEngineFactory`` under the name
-``rc_cuda_ipc``; the server selects it with
+The ``vllm.general_plugins`` entry point (``vllm_plugin.register``) adds
+the backend to vLLM's own ``WeightTransferEngineFactory`` under the name
+``rc_cuda_ipc`` (``registry.ENGINE_BACKENDS``), by module path: vLLM imports
+this module only in the worker that creates the engine. The server selects it with
 ``--weight-transfer-config '{"backend": "rc_cuda_ipc"}'``. The engine never
 unpickles anything: ``parse_update_info`` hands the JSON body to
-``cuda_ipc.decode_update`` (validation), the buffer is mapped from the
+``wire.decode_update`` (validation), the buffer is mapped from the
 validated numbers with classes fixed here, and the copy work is
-``cuda_ipc.SliceLoader``.
+``loader.SliceLoader``.
 
 ``CudaIpcWorkerExtension`` (``--worker-extension-cls``) gives
 ``/collective_rpc`` the methods that return evidence from the workers: the
@@ -26,10 +26,17 @@ from typing import Any
 
 import torch
 
-from rolloutcore.transports.cuda_ipc import (
+# Imported only where vLLM is present (its factory, a worker, the plugin loader).
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from rolloutcore.transports.cuda_ipc.checksum import CHECKSUM_IMPLS, block_checksum
+from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS, SliceLoader, map_buffer
+from rolloutcore.transports.cuda_ipc.wire import (
     BACKEND,
-    CHECKSUM_IMPLS,
-    COPY_IMPLS,
     HASH_AT_FINISH,
     PROTOCOL,
     RESULTS,
@@ -37,35 +44,16 @@ from rolloutcore.transports.cuda_ipc import (
     ROW_NONCE,
     BufferHandle,
     ResultSlot,
-    SliceLoader,
     UpdateMessage,
-    block_checksum,
     decode_results,
     decode_update,
-    map_buffer,
 )
+
+# An older entry point names this module's ``register``: it is the plugin's one
+# registration (every RolloutCore backend, one policy), not a second one.
+from rolloutcore.transports.vllm_plugin import register
 
 __all__ = ["CudaIpcWeightTransferEngine", "CudaIpcWorkerExtension", "register"]
-
-# Imported only by vLLM's plugin loader and factory, where vLLM is present.
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
-
-
-def register() -> None:
-    """Entry point of ``vllm.general_plugins``: add ``rc_cuda_ipc`` to vLLM's factory.
-
-    Called once per vLLM process (API server, engine core, workers); a second
-    call in the same process is a no-op.
-    """
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "rolloutcore.transports.cuda_ipc.engine", "CudaIpcWeightTransferEngine")
 
 
 @dataclass

@@ -1,0 +1,632 @@
+"""The trainer half of ``rc_cuda_ipc``: one shared buffer, and the update session.
+
+The trainer keeps its weights in ONE contiguous device buffer
+(``PackedWeights``; a module can be re-based onto it, the way a flat
+parameter is) and shares that buffer through a single IPC handle, created
+once and reused for every update (``share_buffer``). ``CudaIpcTransport``
+runs vLLM's update session with the JSON handle body and, where the engine
+has no version label (vLLM 0.26), gathers the version evidence: the workers'
+block checksum of what the update wrote, read from a small trainer-owned
+device buffer the workers fill at finish (``ResultSlot``), or asked through
+``/collective_rpc``; compared with the trainer's own checksum of what it
+sent by ``verification.checksums.compare``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rolloutcore.core.evidence import Check, TransferEvidence
+from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.errors import BadInput, EngineUnavailable, TransferError
+from rolloutcore.transports.cuda_ipc.checksum import (
+    CHECKSUM_IMPLS,
+    block_checksum,
+    checksum_digest,
+)
+from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS
+from rolloutcore.transports.cuda_ipc.wire import (
+    ALIGN,
+    BACKEND,
+    HASH_AT_FINISH,
+    MODES,
+    PROTOCOL,
+    RESULT_ROUTES,
+    RESULTS,
+    ROW_COUNT,
+    ROW_HEADER,
+    ROW_NAMES,
+    ROW_NONCE,
+    ROW_UNCOVERED,
+    WORKER_EXTENSION,
+    BufferHandle,
+    EntrySpec,
+    ResultSlot,
+    UpdateMessage,
+    dtype_name,
+    encode_update,
+    names_digest,
+    names_digest60,
+)
+from rolloutcore.verification.checksums import compare
+
+__all__ = ["CudaIpcTransport", "PackedWeights", "SendTimings", "engine_flags", "share_buffer"]
+
+
+class PackedWeights:
+    """Named tensors laid out in one contiguous device buffer.
+
+    The trainer can re-base its module onto it (``bind_module``): each
+    parameter's ``.data`` becomes a view into the buffer, so an optimizer
+    step writes straight into what is shared and ``send`` copies nothing.
+    Otherwise ``load_`` copies tensors in (one device copy each).
+    """
+
+    def __init__(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], *,
+                 device: torch.device | str = "cuda") -> None:
+        entries: list[EntrySpec] = []
+        off = 0
+        for name, shape, dt in specs:
+            dn = dtype_name(dt)
+            e = EntrySpec(name, dn, tuple(int(s) for s in shape), 0, off)
+            entries.append(e)
+            off += -(-e.nbytes // ALIGN) * ALIGN
+        if not entries:
+            raise BadInput("PackedWeights needs at least one tensor")
+        names = [e.name for e in entries]
+        if len(set(names)) != len(names):
+            raise BadInput("PackedWeights: duplicate tensor names")
+        self.entries: tuple[EntrySpec, ...] = tuple(entries)
+        self.device = torch.device(device)
+        self.buffer = torch.empty(max(off, ALIGN), dtype=torch.uint8, device=self.device)
+        self._views: dict[str, torch.Tensor] = {}
+        for e in entries:
+            raw = self.buffer[e.offset_bytes:e.offset_bytes + e.nbytes]
+            self._views[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
+        self._handle: BufferHandle | None = None
+
+    @classmethod
+    def like(cls, named: Iterable[tuple[str, torch.Tensor]], *,
+             device: torch.device | str = "cuda") -> PackedWeights:
+        return cls(((n, tuple(t.shape), t.dtype) for n, t in named), device=device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data (without alignment padding)."""
+        return sum(e.nbytes for e in self.entries)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self._views[name]
+        except KeyError:
+            raise BadInput(f"no tensor {name!r} in this PackedWeights") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for e in self.entries:
+            yield e.name, self._views[e.name]
+
+    def holds(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """True when ``named`` are exactly this buffer's views (then sending copies nothing)."""
+        if len(named) != len(self.entries):
+            return False
+        views = self._views
+        for name, t in named:
+            v = views.get(name)
+            if t is v:  # the view itself (a module bound to the buffer, its items())
+                continue
+            if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape or (
+                    t.dtype != v.dtype):
+                return False
+        return True
+
+    def load_(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors in by name; every name must exist with the same shape and dtype."""
+        with torch.no_grad():
+            for name, t in named:
+                dst = self.tensor(name)
+                if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
+                    raise BadInput(f"{name}: {tuple(t.shape)}/{t.dtype} does not match "
+                                   f"{tuple(dst.shape)}/{dst.dtype}")
+                dst.copy_(t)
+
+    def bind_module(self, module: torch.nn.Module) -> None:
+        """Make every parameter of ``module`` named here a view into the buffer (values kept)."""
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name in self._views:
+                    dst = self._views[name]
+                    if tuple(p.shape) != tuple(dst.shape) or p.dtype != dst.dtype:
+                        raise BadInput(f"{name}: module parameter differs from the layout")
+                    dst.copy_(p.data)
+                    p.data = dst
+
+    def handle(self) -> BufferHandle:
+        """The buffer's IPC handle, created once (re-sharing would add ref counters)."""
+        if self._handle is None:
+            self._handle = share_buffer(self.buffer)
+        return self._handle
+
+    def message(self, mode: str = "fast") -> UpdateMessage:
+        return UpdateMessage(mode, (self.handle(),), self.entries)
+
+    def checksum(self, impl: str = "auto") -> list[int]:
+        return block_checksum([self._views[e.name] for e in self.entries], impl=impl)
+
+
+def share_buffer(buf: torch.Tensor) -> BufferHandle:
+    """The CUDA IPC handle of a flat ``uint8`` device tensor, as plain data."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buf.device.type != "cuda":
+        raise BadInput("CUDA IPC needs the buffer on a CUDA device")
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise BadInput("share_buffer takes a flat uint8 tensor")
+    _, a = reduce_tensor(buf)  # type: ignore[no-untyped-call]
+    # a = (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device,
+    #      handle, storage_size_bytes, storage_offset_bytes, requires_grad,
+    #      ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
+    uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
+    return BufferHandle(
+        device_uuid=uuid, handle=bytes(a[7]), storage_size_bytes=int(a[8]),
+        storage_offset_bytes=int(a[9]), ref_counter_handle=bytes(a[11]),
+        ref_counter_offset=int(a[12]),
+        event_handle=bytes(a[13]) if a[13] is not None else b"",
+        event_sync_required=bool(a[14]), tensor_offset_bytes=int(a[3]),
+        nbytes=buf.numel())
+
+
+def engine_flags() -> list[str]:
+    """``vllm serve`` flags that select this backend and its worker extension."""
+    return ["--weight-transfer-config", json.dumps({"backend": BACKEND}),
+            "--worker-extension-cls", WORKER_EXTENSION]
+
+
+@dataclass
+class SendTimings:
+    start_s: float = 0.0
+    update_s: float = 0.0
+    finish_s: float = 0.0
+    pack_s: float = 0.0
+    trainer_checksum_s: float = 0.0
+
+
+class CudaIpcTransport:
+    """Trainer side of ``rc_cuda_ipc``: a RolloutCore weight transport.
+
+    ``send`` runs vLLM's update session (``/start_weight_update``,
+    ``/update_weights`` with the JSON handle body, ``/finish_weight_update``)
+    and passes the target's label to the finish when the engine has weight
+    versions (read from its ``/openapi.json``: vLLM 0.26 has none, and then
+    the label is not sent and the evidence says so). It also computes the
+    trainer's own checksum of what it sent (``last_sent_checksum``), which
+    ``engine_checksum`` compares against the workers' one.
+    """
+
+    backend = BACKEND
+
+    def __init__(self, *, mode: str = "fast", device: torch.device | str = "cuda",
+                 compute_checksum: bool = True, copy_impl: str = "auto",
+                 checksum_impl: str = "auto", hash_at_finish: bool = False,
+                 checksum_results: str = "ipc", results_wait_s: float = 2.0) -> None:
+        if checksum_results not in RESULT_ROUTES:
+            raise BadInput(f"checksum_results must be one of {RESULT_ROUTES}")
+        if isinstance(results_wait_s, bool) or not isinstance(results_wait_s, (int, float)) \
+                or not 0 < results_wait_s <= 600:
+            raise BadInput("results_wait_s must be a number of seconds in (0, 600]")
+        if mode not in MODES:
+            raise BadInput(f"mode must be one of {MODES}")
+        if copy_impl not in COPY_IMPLS:
+            raise BadInput(f"copy_impl must be one of {COPY_IMPLS}")
+        if checksum_impl not in CHECKSUM_IMPLS:
+            raise BadInput(f"checksum_impl must be one of {CHECKSUM_IMPLS}")
+        self.mode = mode
+        self.copy_impl = copy_impl
+        self.checksum_impl = checksum_impl
+        # (engine URL, layout digest) pairs the engine has accepted in full since
+        # connect(): later updates of that layout name it instead of listing it.
+        self._delivered: set[tuple[str, str]] = set()
+        self.device = torch.device(device)
+        self.compute_checksum = compute_checksum
+        #: ask the workers to hash the updated slices inside /finish_weight_update
+        #: (the finish then takes the hash's time; the check only collects values).
+        #: Off by default: VllmAdapter starts the check as the transfer returns,
+        #: beside the cache reset, which costs the paused window less.
+        self.hash_at_finish = hash_at_finish
+        #: how the workers' checksum comes back: ``ipc``, written by the workers at
+        #: finish into a small buffer of the trainer's (no round trip while the
+        #: engine is paused; ``rpc`` is asked if it is not there within
+        #: ``results_wait_s``); ``rpc``, asked through ``/collective_rpc``.
+        self.checksum_results = checksum_results
+        self.results_wait_s = float(results_wait_s)
+        self._ranks: dict[str, list[int]] = {}
+        self._slot: tuple[torch.Tensor, BufferHandle] | None = None
+        self._expect: tuple[ResultSlot, str] | None = None
+        self._read_stream: Any = None
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._staging: PackedWeights | None = None
+        self._routes: frozenset[str] = frozenset()
+        self.label_supported = False
+        self.last_timings = SendTimings()
+        self.last_sent_checksum: list[int] = []
+        self.last_sent_names: tuple[str, ...] = ()
+        self._msg_cache: tuple[PackedWeights, str, UpdateMessage] | None = None
+        self._adopted: list[PackedWeights] = []
+        self.last_zero_copy = False
+        self._pre: tuple[PackedWeights, list[int], tuple[str, ...]] | None = None
+        self.last_check: dict[str, Any] = {}
+        self._digest_cache: tuple[tuple[str, ...], list[int], str, str,
+                                  dict[str, int]] | None = None
+
+    def precompute_checksum(self, packed: PackedWeights) -> float:
+        """Checksum ``packed`` now (at staging, outside the engine's pause window).
+
+        The next ``send`` of this buffer uses it instead of hashing again; the
+        buffer must not change in between, and if it does the engine's
+        checksum will not match and the paused validation fails (fail-closed).
+        Returns the seconds it took.
+        """
+        t = time.monotonic()
+        self._pre = (packed, packed.checksum(self.checksum_impl), packed.names())
+        return time.monotonic() - t
+
+    def adopt(self, packed: PackedWeights) -> None:
+        """Register a trainer buffer: a source whose tensors are its views is sent as is."""
+        if not isinstance(packed, PackedWeights):
+            raise BadInput("adopt() takes a PackedWeights")
+        if packed not in self._adopted:
+            self._adopted.append(packed)
+
+    # -- RolloutCore transport interface ---------------------------------------
+
+    def engine_config(self) -> dict[str, Any]:
+        """What the engine must be started with (flags) for this transport."""
+        return {"backend": BACKEND, "flags": engine_flags(),
+                "weight_transfer_config": {"backend": BACKEND},
+                "worker_extension_cls": WORKER_EXTENSION}
+
+    def connect(self, base_url: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Check the engine offers the update session, init the backend, say hello."""
+        self._check_url(base_url)
+        r = self._call("GET", base_url, "/openapi.json", timeout_s, step="connect",
+                       mutation=False)
+        paths = frozenset(r.get("paths", {}))
+        need = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                "/finish_weight_update", "/collective_rpc"}
+        if not need <= paths:
+            raise EngineUnavailable("connect", f"engine lacks routes {sorted(need - paths)}",
+                                    mutation_started=False)
+        self._routes = paths
+        # Weight versions came with /update_weight_version and /weight_info; a finish
+        # body with weight_version is read only where those exist (not in 0.26).
+        self.label_supported = "/weight_info" in paths and "/update_weight_version" in paths
+        self._delivered = {d for d in self._delivered if d[0] != base_url}
+        self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
+                   step="connect", mutation=False,
+                   body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
+                                       "checksum_impl": self.checksum_impl}})
+        hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
+            if self.device.type == "cuda" else ""
+        ranks = sorted(h.get("rank", -1) if isinstance(h, dict) else -1 for h in hello)
+        self._ranks[base_url] = ranks if ranks == list(range(len(hello))) else []
+        for h in hello:
+            if not isinstance(h, dict) or h.get("backend") != BACKEND:
+                raise EngineUnavailable("connect", f"worker is not running {BACKEND}: {h!r}",
+                                        mutation_started=False)
+            if uuid and h.get("device_uuid") != uuid:
+                raise EngineUnavailable("connect", f"worker GPU {h.get('device_uuid')} is not "
+                                        f"the trainer's {uuid}: CUDA IPC needs one host GPU",
+                                        mutation_started=False)
+        return {"label_supported": self.label_supported, "workers": hello}
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float = 300.0) -> TransferEvidence:
+        """One update session. ``source``: a PackedWeights, or (name, tensor) pairs."""
+        self._check_url(base_url)
+        if not isinstance(target_label, str) or not target_label:
+            raise BadInput("target_label must be a non-empty string")
+        t0 = time.monotonic()
+        tm = SendTimings()
+        packed = self._packed(source, tm)
+        msg = self._message(packed)
+        delivered = (base_url, msg.layout_digest)
+        body = encode_update(msg, by_reference=delivered in self._delivered)
+        if self.compute_checksum and self.hash_at_finish:
+            body[HASH_AT_FINISH] = True
+        self._expect = None
+        slot = self._result_slot(base_url, len(msg.entries))
+        if slot is not None:
+            body[RESULTS] = slot.to_json()
+        mutation = False
+        try:
+            torch.cuda.synchronize(packed.device)  # the engine reads after our writes
+            t = time.monotonic()
+            self._call("POST", base_url, "/start_weight_update", timeout_s, step="transfer",
+                       mutation=False)
+            tm.start_s = time.monotonic() - t
+            mutation = True
+            t = time.monotonic()
+            self._call("POST", base_url, "/update_weights", timeout_s, step="transfer",
+                       mutation=True, body={"update_info": body})
+            tm.update_s = time.monotonic() - t
+            self._delivered.add(delivered)
+            pre, self._pre = self._pre, None
+            if pre is not None and pre[0] is packed:
+                self.last_sent_checksum, self.last_sent_names = pre[1], pre[2]
+            elif self.compute_checksum:
+                t = time.monotonic()
+                self.last_sent_checksum = packed.checksum(self.checksum_impl)
+                self.last_sent_names = packed.names()
+                tm.trainer_checksum_s = time.monotonic() - t
+            t = time.monotonic()
+            fin = {"weight_version": target_label} if self.label_supported else None
+            self._call("POST", base_url, "/finish_weight_update", timeout_s, step="transfer",
+                       mutation=True, body=fin)
+            tm.finish_s = time.monotonic() - t
+            if slot is not None:
+                self._expect = (slot, base_url)
+        except (EngineUnavailable, TransferError) as exc:
+            raise TransferError("transfer", exc.reason, mutation_started=mutation) from exc
+        self.last_timings = tm
+        unverified: tuple[str, ...] = ()
+        if not self.label_supported:
+            unverified = ("engine has no weight_version: the label was not passed through "
+                          "finish_weight_update",)
+        return TransferEvidence(
+            completed=True, mutation_started=True, backend=BACKEND,
+            tensors=len(packed.entries), bytes=packed.nbytes,
+            finish_label=target_label if self.label_supported else None,
+            elapsed_s=time.monotonic() - t0, unverified=unverified)
+
+    def abort(self) -> None:
+        """From another thread: make a stuck HTTP call return (closes the connection pool)."""
+        with self._lock:
+            c, self._client = self._client, None
+        if c is not None:
+            c.close()
+
+    def close(self) -> None:
+        self.abort()
+        self._staging = None
+        self._msg_cache = None
+        self._delivered = set()
+
+    # -- engine-side evidence --------------------------------------------------
+
+    def rpc(self, base_url: str, method: str, *args: str, timeout_s: float = 60.0) -> list[Any]:
+        """``/collective_rpc`` of a worker-extension method; one result per worker."""
+        r = self._call("POST", base_url, "/collective_rpc", timeout_s, step="rpc",
+                       mutation=False, body={"method": method, "args": list(args),
+                                             "timeout": timeout_s})
+        res = r.get("results") if isinstance(r, dict) else None
+        if not isinstance(res, list) or not res:
+            raise EngineUnavailable("rpc", f"{method}: no results in {r!r}",
+                                    mutation_started=False)
+        return res
+
+    def engine_checksum(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Compare the workers' checksum of the last update with the trainer's.
+
+        Returns a dict with ``passed``, ``coverage`` (fraction of entries the
+        engine could hash: fallback-loaded entries cannot be), ``mismatched``
+        names and the engine's own timing.
+        """
+        t0 = time.monotonic()
+        expect, self._expect = self._expect, None
+        via, note = "rpc", ""
+        res: list[Any] | None = None
+        if expect is not None and expect[1] == base_url:
+            res, note = self._collect(expect[0], min(timeout_s, self.results_wait_s))
+            via = "ipc" if res is not None else "rpc"
+        if res is None:
+            res = self.rpc(base_url, "rc_cuda_ipc_checksum", self.checksum_impl,
+                           timeout_s=timeout_s)
+        names, mine = self.last_sent_names, self.last_sent_checksum
+        want_names, digest, expected = self._digests(names, mine)
+        out: dict[str, Any] = {"evidence": "worker block checksum of updated slices vs "
+                               "trainer block checksum of the sent buffer",
+                               "workers": len(res), "via": via,
+                               **({"ipc_note": note} if note else {})}
+        mism: list[str] = []
+        covered = len(names)
+        engine_s = wait_s = 0.0
+        prefetched = True
+        uncovered = 0
+        for w in res:
+            if not isinstance(w, dict):
+                raise EngineUnavailable("rpc", f"bad checksum reply {w!r}",
+                                        mutation_started=False)
+            theirs = w.get("values")
+            same_names = (w.get("names_digest") == want_names if "names_digest" in w
+                          else w.get("names_digest60") == names_digest60(want_names))
+            if not same_names or not isinstance(theirs, list) \
+                    or len(theirs) != len(names):
+                mism.append("<layout differs from the last update sent>")
+                covered = 0
+                continue
+            engine_s = max(engine_s, float(w.get("elapsed_s", 0.0)))
+            wait_s = max(wait_s, float(w.get("wait_s", 0.0)))
+            prefetched = prefetched and bool(w.get("prefetched"))
+            uncovered = max(uncovered, int(w.get("n_uncovered", 0)))
+            # The one comparison (verification.checksums): a value the worker could
+            # not hash (None) is not compared, so it lowers this worker's coverage.
+            r = compare(dict(zip(names, theirs, strict=True)), expected, keyed_by="position")
+            mism.extend(r.mismatched)
+            covered = min(covered, r.compared)
+        out.update(passed=bool(names) and not mism and covered == len(names) and not uncovered,
+                   n_uncovered=uncovered,
+                   coverage=(covered / len(names)) if names else 0.0,
+                   mismatched=mism[:20], n_mismatched=len(mism),
+                   engine_s=engine_s, engine_wait_s=wait_s, prefetched=prefetched,
+                   rpc_s=time.monotonic() - t0,
+                   trainer_s=self.last_timings.trainer_checksum_s,
+                   digest=digest if names else None)
+        self.last_check = out
+        return out
+
+    def _result_slot(self, base_url: str, n_entries: int) -> ResultSlot | None:
+        """This update's result slot (a fresh nonce), or None where ``ipc`` cannot be used."""
+        ranks = self._ranks.get(base_url)
+        if not (self.compute_checksum and self.checksum_results == "ipc" and ranks
+                and self.device.type == "cuda"):
+            return None
+        rows, row_len = len(ranks), ROW_HEADER + n_entries
+        s = self._slot
+        if s is None or s[0].shape != (rows, row_len):
+            buf = torch.zeros(8 * rows * row_len, dtype=torch.uint8, device=self.device)
+            torch.cuda.synchronize(self.device)  # zeroed before anyone maps it
+            s = self._slot = (buf.view(torch.int64).view(rows, row_len), share_buffer(buf))
+        return ResultSlot(s[1], secrets.randbelow((1 << 62) - 1) + 1, rows, row_len)
+
+    def _collect(self, slot: ResultSlot, wait_s: float) -> tuple[list[Any] | None, str]:
+        """The workers' rows of ``slot``, once each carries its nonce; (None, why) if not."""
+        assert self._slot is not None
+        rows = self._slot[0]
+        if self._read_stream is None and rows.is_cuda:
+            # Reads on a stream of their own: trainer work queued on the default
+            # stream does not delay the validation.
+            self._read_stream = torch.cuda.Stream(rows.device)  # type: ignore[no-untyped-call]
+        t = time.monotonic()
+        deadline = t + wait_s
+        with (torch.cuda.stream(self._read_stream) if rows.is_cuda
+              else contextlib.nullcontext()):
+            # A row's nonce is written after its values (stream order on the worker):
+            # once every row shows ours, a second read gets the values it covers.
+            while not bool((rows[:, ROW_NONCE].cpu() == slot.nonce).all()):
+                if time.monotonic() >= deadline:
+                    return None, f"no result for this update within {wait_s:.3g}s: asked"
+                time.sleep(5e-5)
+            data = rows.cpu().tolist()
+        waited = time.monotonic() - t
+        out: list[Any] = []
+        for r in data:
+            count = r[ROW_COUNT]
+            if r[ROW_NONCE] != slot.nonce or not 0 <= count <= slot.row_len - ROW_HEADER:
+                return None, "a worker published no values at finish: asked"
+            out.append({"values": [v if v >= 0 else None
+                                   for v in r[ROW_HEADER:ROW_HEADER + count]],
+                        "names_digest60": r[ROW_NAMES], "n_uncovered": r[ROW_UNCOVERED],
+                        "elapsed_s": waited, "wait_s": waited, "prefetched": True})
+        return out, ""
+
+    def _digests(self, names: tuple[str, ...], values: list[int]
+                 ) -> tuple[str, str, dict[str, int]]:
+        """(names digest, checksum digest, name -> value) of what was sent, once per send."""
+        c = self._digest_cache
+        if c is None or c[0] is not names or c[1] is not values:
+            c = self._digest_cache = (names, values, names_digest(names),
+                                      checksum_digest(names, values),
+                                      dict(zip(names, values, strict=True)))
+        return c[2], c[3], c[4]
+
+    def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
+        """The paused validation's evidence on an engine without a version label.
+
+        A ``Check`` at ``ENGINE_CHECKSUM`` level: the workers' block checksum
+        of the slices the last update wrote equals the trainer's checksum of
+        the buffer it sent, for every tensor (coverage 1.0) and with every
+        model parameter covered by the update.
+        """
+        r = self.engine_checksum(base_url, timeout_s=timeout_s)
+        detail = (f"{r['evidence']} (via {r['via']}); workers={r['workers']} "
+                  f"coverage={r['coverage']:.3f} "
+                  f"mismatched={r['n_mismatched']} uncovered_params={r['n_uncovered']} "
+                  f"engine_s={r['engine_s']:.4f} trainer_s={r['trainer_s']:.4f}")
+        if r["mismatched"]:
+            detail += f" first mismatches: {r['mismatched'][:3]}"
+        return Check("worker_block_checksum", bool(r["passed"]), detail=detail,
+                     coverage=float(r["coverage"]), level=VerificationLevel.ENGINE_CHECKSUM)
+
+    # -- internals -------------------------------------------------------------
+
+    def _packed(self, source: Any, tm: SendTimings) -> PackedWeights:
+        self.last_zero_copy = True
+        if isinstance(source, PackedWeights):
+            return source
+        t = time.monotonic()
+        if callable(getattr(source, "named_tensors", None)):  # a rolloutcore WeightSource
+            items = list(source.named_tensors())
+        elif isinstance(source, Mapping):
+            items = list(source.items())
+        else:
+            items = list(source)
+        if not items:
+            raise BadInput("nothing to send")
+        for n, x in items:
+            if not isinstance(n, str) or not isinstance(x, torch.Tensor):
+                raise BadInput("source must yield (name, tensor) pairs")
+        for pk in self._adopted:
+            if pk.holds(items):
+                tm.pack_s = time.monotonic() - t
+                return pk
+        self.last_zero_copy = False
+        st = self._staging
+        if st is None or st.names() != tuple(n for n, _ in items) or any(
+                tuple(x.shape) != tuple(st.tensor(n).shape) or x.dtype != st.tensor(n).dtype
+                for n, x in items):
+            st = self._staging = PackedWeights.like(items, device=self.device)
+        st.load_(items)
+        tm.pack_s = time.monotonic() - t
+        return st
+
+    def _message(self, packed: PackedWeights) -> UpdateMessage:
+        c = self._msg_cache
+        if c is not None and c[0] is packed and c[1] == self.mode:
+            return c[2]
+        msg = packed.message(self.mode)
+        self._msg_cache = (packed, self.mode, msg)
+        return msg
+
+    @staticmethod
+    def _check_url(base_url: str) -> None:
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
+
+    def _http(self) -> Any:
+        with self._lock:
+            if self._client is None:
+                import httpx
+
+                self._client = httpx.Client(
+                    limits=httpx.Limits(max_keepalive_connections=4))
+            return self._client
+
+    def _call(self, method: str, base_url: str, path: str, timeout_s: float, *, step: str,
+              mutation: bool, body: Any = None) -> Any:
+        import httpx
+
+        client = self._http()
+        try:
+            if method == "GET":
+                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s)
+            else:
+                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s,
+                                **({"json": body} if body is not None else {}))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            # RuntimeError: the client was closed under us by abort().
+            raise EngineUnavailable(step, f"{path}: {type(exc).__name__}: {exc}",
+                                    mutation_started=mutation) from exc
+        if r.status_code >= 300:
+            raise EngineUnavailable(step, f"{path} answered HTTP {r.status_code}: "
+                                    f"{r.text[:300]}", mutation_started=mutation)
+        if not r.content:
+            return {}
+        try:
+            return r.json()
+        except ValueError:
+            return {"text": r.text[:300]}
+
+
