@@ -6,7 +6,7 @@ vLLM plugin); ``nccl`` and ``ipc`` drive vLLM's built-in trainer engines
 deadline/abort plumbing they all share.
 """
 
-from rolloutcore.transports.base import HTTPError, TransportBase, WeightTransport, preflight
+from rolloutcore.transports.base import TransportBase, WeightTransport, preflight
 from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient, VllmTrainerTransport
 from rolloutcore.transports.gloo import BACKEND as GLOO_BACKEND
 from rolloutcore.transports.gloo import GlooTransport
@@ -17,7 +17,6 @@ __all__ = [
     "GLOO_BACKEND",
     "DeviceGuard",
     "GlooTransport",
-    "HTTPError",
     "IpcTransport",
     "NcclTransport",
     "TargetAwareSyncClient",
