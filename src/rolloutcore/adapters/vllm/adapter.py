@@ -242,8 +242,7 @@ class VllmAdapter:
         caps = h.capabilities(refresh=True)
         self._caches = tuple(k for k in CacheKind if CACHE_ROUTES[k] in caps)
         info: dict[str, Any] = {"base_url": h.base_url, "model": h.model()}
-        info["vllm_version"] = (h.version()
-                                if Routes.VERSION in caps else None)
+        info["vllm_version"] = h.version() if Routes.VERSION in caps else None
         instance_id = None
         if Routes.SERVER_INFO in caps:
             si = h.server_info()
