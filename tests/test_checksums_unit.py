@@ -12,15 +12,12 @@ CPU engine cannot produce.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from rolloutcore.adapters import vllm as adapter
 from rolloutcore.adapters.vllm import WeightChecksums
@@ -391,20 +388,9 @@ def test_strip_rank() -> None:
     assert vc.strip_rank("model.x") == "model.x"
 
 
-_DIGESTS = st.sampled_from(["1" * 64, "2" * 64, "A" * 64, EMPTY_SHA256])
-_NAMES = st.sampled_from(["a", "b", "c", "fused", "x.y"])
-
-
-@given(eng=st.dictionaries(_NAMES, _DIGESTS, max_size=5),
-       ref=st.dictionaries(st.one_of(_NAMES, _NAMES.map(lambda n: R0 + n), st.just("gone")),
-                           _DIGESTS, max_size=6))
-def test_the_adapters_comparison_is_verifications(eng: dict[str, str],
-                                                  ref: dict[str, str]) -> None:
-    """Until the adapter re-exports verification's names, both must agree exactly."""
-    mine = vc.compare_checksums(_sums(**eng), ref)
-    theirs = adapter.compare_checksums(adapter.WeightChecksums(
-        eng, {k: R0 + k for k in eng}), ref)
-    assert dataclasses.asdict(mine) == dataclasses.asdict(theirs)
-    assert (mine.passed, mine.coverage, mine.detail()) == (
-        theirs.passed, theirs.coverage, theirs.detail())
-    assert vc.EMPTY_SHA256 == adapter.EMPTY_SHA256
+def test_the_adapters_comparison_is_verifications() -> None:
+    """One comparison: the adapter's names are verification's own objects."""
+    assert adapter.compare_checksums is vc.compare_checksums
+    assert adapter.WeightChecksums is vc.WeightChecksums
+    assert adapter.ChecksumComparison is vc.ChecksumComparison
+    assert adapter.EMPTY_SHA256 == vc.EMPTY_SHA256

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from helpers.gateway_rig import uvicorn_thread
 from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import free_port
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, EngineUnreachable
 from rolloutcore.testing.faultproxy import Fault, FaultKind, FaultProxy
 
 
@@ -162,8 +162,7 @@ def test_delay_holds_the_answer_after_the_engine_acted(proxy: FaultProxy, up: Up
     with VllmHTTP(proxy.base_url, timeout_s=0.5) as h:
         t0 = time.monotonic()
         with pytest.raises(EffectTimeout):
-            h._request("POST", "/reset_prefix_cache", step="reset", timeout_s=0.5,
-                       mutation_started=True)
+            h._request("POST", "/reset_prefix_cache", step="reset", timeout_s=0.5)
         assert time.monotonic() - t0 < 5
     assert up.count("/reset_prefix_cache") == before + 1  # the engine did reset
     assert proxy.wait_hit("/reset_prefix_cache", timeout_s=1).kind is FaultKind.DELAY
@@ -192,8 +191,9 @@ def test_close_cuts_the_connection_mid_response(proxy: FaultProxy, up: Upstream)
     assert up.count("/echo") == before
     proxy.inject("/echo", Fault.close(upstream=True), times=1)
     with VllmHTTP(proxy.base_url, timeout_s=10) as h, pytest.raises(EngineUnavailable) as ei:
-        h._request("POST", "/echo", step="finish", timeout_s=10, mutation_started=True)
+        h._request("POST", "/echo", step="finish", timeout_s=10)
     assert "RemoteProtocolError" in str(ei.value) and ei.value.mutation_started
+    assert not isinstance(ei.value, EngineUnreachable)  # it was delivered, then cut
     assert up.count("/echo") == before + 1
     assert httpx.post(f"{proxy.base_url}/echo", timeout=10).status_code == 200  # still serving
 

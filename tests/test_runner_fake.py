@@ -8,15 +8,28 @@ import time
 import pytest
 
 from rolloutcore.control.journal import Journal, first_index
+from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.core.evidence import PauseMode
+from rolloutcore.core.evidence import (
+    BootstrapEvidence,
+    CacheKind,
+    CacheResetEvidence,
+    DrainEvidence,
+    PauseMode,
+    PreflightEvidence,
+    ResumeEvidence,
+    TransferEvidence,
+    UpdateTarget,
+    ValidationEvidence,
+)
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import LifecycleController, State, Step
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed
 from rolloutcore.testing.fake import (
     FakeAdapter,
     FakeEngine,
+    FakeRecoverer,
     FakeWeights,
     FaultKind,
     reference_tokens,
@@ -311,3 +324,104 @@ def test_a_hanging_health_read_is_a_timeout_and_taints_within_the_deadline() -> 
     assert any("deadline" in p or "timed out" in p or "timeout" in p for p in v.problems)
     # Both checks ended at their deadlines, long before the read would have.
     assert time.monotonic() - t0 < 30
+
+
+# ------------------------------------------------------- the port
+
+
+class _CancelRecorder(FakeAdapter):
+    """The fake adapter, recording which step the watchdog cancelled."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        super().__init__(engine)
+        self.cancelled: list[Step] = []
+
+    def cancel(self, step: Step) -> None:
+        self.cancelled.append(step)
+        super().cancel(step)
+
+
+def test_the_watchdog_cancels_the_overrunning_step_by_its_typed_name() -> None:
+    w0 = FakeWeights.from_seed(0)
+    ad = _CancelRecorder(FakeEngine(w0, token_delay_s=0.001))
+    c = LifecycleController()
+    r = LifecycleRunner(c, ad, FAST)
+    ad.stage(w0)
+    r.bootstrap(w0.identity())
+    for effect, step in (("transfer", Step.TRANSFER), ("validate_live", Step.VALIDATE)):
+        w = FakeWeights.from_seed(len(ad.cancelled) + 1, step=len(ad.cancelled) + 1)
+        ad.stage(w)
+        ad.inject(effect, FaultKind.HANG)
+        with pytest.raises(UpdateFailed):
+            r.run_update(w.identity())
+        assert ad.cancelled[-1] is step and all(isinstance(s, Step) for s in ad.cancelled)
+        r.recover(FakeRecoverer(ad, w0))
+    gate = threading.Event()
+
+    def hang(*, timeout_s: float) -> object:
+        gate.wait(60)
+        raise AssertionError("released")
+
+    ad.observe_health = hang  # type: ignore[method-assign]
+    r.check_serving(timeout_s=0.05)
+    gate.set()
+    assert ad.cancelled[-1] is Step.SERVE
+
+
+class _PortOnly:
+    """Exactly the port, nothing more: no health observation."""
+
+    def __init__(self, inner: FakeAdapter) -> None:
+        self.inner = inner
+
+    @property
+    def caches(self) -> tuple[CacheKind, ...]:
+        return self.inner.caches
+
+    def bootstrap(self) -> BootstrapEvidence:
+        return self.inner.bootstrap()
+
+    def drain(self, mode: PauseMode) -> DrainEvidence:
+        return self.inner.drain(mode)
+
+    def preflight(self, target: UpdateTarget) -> PreflightEvidence:
+        return self.inner.preflight(target)
+
+    def transfer(self, target: UpdateTarget) -> TransferEvidence:
+        return self.inner.transfer(target)
+
+    def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        return self.inner.reset_cache(cache)
+
+    def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
+        return self.inner.validate(target, live=live)
+
+    def resume(self) -> ResumeEvidence:
+        return self.inner.resume()
+
+    def fence(self) -> None:
+        self.inner.fence()
+
+    def cancel(self, step: Step) -> None:
+        self.inner.cancel(step)
+
+
+def test_health_observation_is_a_capability_the_runner_tests_for() -> None:
+    w0 = FakeWeights.from_seed(0)
+    eng = FakeEngine(w0, token_delay_s=0.001)
+    fake = FakeAdapter(eng)
+    port = _PortOnly(fake)
+    assert isinstance(port, LifecycleAdapter) and not isinstance(port, HealthObserver)
+    assert isinstance(fake, LifecycleAdapter) and isinstance(fake, HealthObserver)
+    assert isinstance(FakeRecoverer(fake, w0), Recoverer)
+    c = LifecycleController()
+    r = LifecycleRunner(c, port, FAST)
+    fake.stage(w0)
+    r.bootstrap(w0.identity())
+    w1 = FakeWeights.from_seed(1, step=1)
+    fake.stage(w1)
+    assert r.run_update(w1.identity()).published is not None  # the port alone runs updates
+    eng.kill()
+    # Unwatched: the runner cannot see the death, and says nothing about it.
+    assert r.check_serving() is None and r.check_serving() is None
+    assert c.state is State.READY

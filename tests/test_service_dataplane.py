@@ -243,6 +243,16 @@ async def test_upstream_unreachable_is_502_with_version_and_released() -> None:
         assert r.controller.active == {}
 
 
+async def test_upstream_silence_past_read_s_is_504_with_version_and_released() -> None:
+    # The upstream client's EffectTimeout (the one translation's class) is the 504.
+    async with rig(token_delay_s=0.05, upstream_read_s=0.2) as r:
+        resp = await r.client.post(GEN, json=gen_body(40))
+        assert resp.status_code == 504
+        assert "did not answer in time" in resp.json()["error"]["message"]
+        assert resp.headers[VERSION_HEADER] == "default"
+        assert r.controller.active == {}
+
+
 async def test_upstream_errors_pass_through_with_version() -> None:
     async with rig() as r:
         bad = await r.client.post(GEN, json={"token_ids": [999], "sampling_params": {}})

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from rolloutcore.service.upstream import UpstreamError, UpstreamPool
+from rolloutcore.errors import EffectTimeout, EngineUnavailable, EngineUnreachable
+from rolloutcore.service.upstream import STEP, UpstreamPool
 
 pytestmark = pytest.mark.anyio
 
@@ -214,7 +215,7 @@ async def test_answer_cut_short_is_an_error() -> None:
     async with Server(short) as s:
         p = pool(s.url)
         resp = await p.post(b"/x", b"{}", b"r")
-        with pytest.raises(UpstreamError, match="before its answer was complete"):
+        with pytest.raises(EngineUnavailable, match="before its answer was complete"):
             await resp.read()
         resp.close()
         await p.aclose()
@@ -227,7 +228,7 @@ async def test_not_http_is_an_error() -> None:
 
     async with Server(garbage) as s:
         p = pool(s.url)
-        with pytest.raises(UpstreamError, match="malformed"):
+        with pytest.raises(EngineUnavailable, match="malformed"):
             await p.post(b"/x", b"{}", b"r")
         await p.aclose()
 
@@ -243,12 +244,13 @@ async def test_silence_longer_than_read_s_times_out_and_closes() -> None:
 
     async with Server(headers_then_nothing) as s:
         p = pool(s.url, read_s=0.2)
-        with pytest.raises(TimeoutError):
+        with pytest.raises(EffectTimeout, match="vLLM sent nothing") as ei:
             await p.post(b"/x", b"{}", b"r")
+        assert ei.value.deadline_s == 0.2 and ei.value.step == STEP
         resp = await p.post(b"/x", b"{}", b"r")
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        with pytest.raises(TimeoutError):
+        with pytest.raises(EffectTimeout):
             await resp.read()
         assert 0.15 < loop.time() - t0 < 2
         resp.close()
@@ -279,7 +281,7 @@ async def test_closing_an_unfinished_answer_closes_the_connection() -> None:
 async def test_full_pool_waits_at_most_pool_s(json_server: Server) -> None:
     p = pool(json_server.url, max_connections=1, pool_s=0.1)
     held = await p.post(b"/x", b"{}", b"r")
-    with pytest.raises(TimeoutError, match="no upstream connection free"):
+    with pytest.raises(EffectTimeout, match="no upstream connection free"):
         await p.post(b"/x", b"{}", b"r")
     waiting = asyncio.ensure_future(p.post(b"/x", b"{}", b"r2"))
     await asyncio.sleep(0.02)
@@ -292,12 +294,13 @@ async def test_full_pool_waits_at_most_pool_s(json_server: Server) -> None:
     await p.aclose()
 
 
-async def test_unreachable_is_an_upstream_error() -> None:
+async def test_unreachable_is_engine_unreachable() -> None:
     async with Server(answer_json) as s:
         url = s.url
     await asyncio.sleep(0.01)
     p = pool(url)
-    with pytest.raises(UpstreamError, match="cannot connect"):
+    with pytest.raises(EngineUnreachable, match="cannot connect") as ei:
         await p.post(b"/x", b"{}", b"r")
+    assert isinstance(ei.value.__cause__, ConnectionRefusedError)
     assert p.open_connections == 0
     await p.aclose()

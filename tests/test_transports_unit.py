@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 
-from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.errors import BadInput, EffectError, EffectTimeout, TransferError
 from rolloutcore.transports.base import (
-    HTTPError,
     TransportBase,
     check_label,
     check_url,
@@ -28,6 +27,7 @@ from rolloutcore.transports.base import (
 )
 from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient
 from rolloutcore.transports.gloo import GlooInitInfo, GlooTransport, GlooUpdateInfo
+from rolloutcore.transports.http import is_refusal, status_error, transport_error
 from rolloutcore.transports.ipc import IpcTransport
 from rolloutcore.transports.nccl import NcclTransport
 from rolloutcore.transports.source import WeightSource
@@ -35,6 +35,20 @@ from rolloutcore.transports.source import WeightSource
 torch = pytest.importorskip("torch")
 
 URL = "http://127.0.0.1:9"  # discard port: nothing listens there
+
+
+def answered(path: str, status: int, body: str) -> EffectError:
+    """What the one HTTP translation point makes of ``status`` on ``POST path``."""
+    err = status_error(path.lstrip("/"), f"POST {path}", status, body)
+    assert err is not None
+    return err
+
+
+def unreachable(path: str) -> EffectError:
+    import httpx
+
+    return transport_error(httpx.ConnectError("refused"), path.lstrip("/"), f"POST {path}",
+                           timeout_s=5)
 
 
 def _source() -> WeightSource:
@@ -169,9 +183,10 @@ def test_finish_with_a_different_label_is_refused() -> None:
 
 
 @pytest.mark.parametrize(("error", "state", "possible"), [
-    (HTTPError("/start_weight_update", 409, "busy"), "refused", False),
-    (HTTPError("/start_weight_update", None, "refused", connect_failed=True), "refused", False),
-    (HTTPError("/start_weight_update", 500, "boom"), "sent", True),
+    (answered("/start_weight_update", 409, "busy"), "refused", False),
+    (unreachable("/start_weight_update"), "refused", False),
+    (answered("/start_weight_update", 500, "boom"), "sent", True),
+    (EffectTimeout("start_weight_update", 5), "sent", True),
     (TimeoutError("read timed out"), "sent", True),
 ])
 def test_start_outcome_classifies_mutation(error: BaseException, state: str,
@@ -311,7 +326,7 @@ def test_deadline_unblocks_a_stuck_round() -> None:
 
 
 def test_refused_start_is_not_a_mutation() -> None:
-    rec = RecordingClient(start_error=HTTPError("/start_weight_update", 400, "no"))
+    rec = RecordingClient(start_error=answered("/start_weight_update", 400, "no"))
     tr, _, _ = _driver(client=rec)
     tr.connect(URL, timeout_s=5)
     with pytest.raises(TransferError) as ei:
@@ -404,10 +419,11 @@ def test_preflight_and_checks() -> None:
     assert local_address_towards("localhost") == "127.0.0.1"
 
 
-def test_http_error_refusal() -> None:
-    assert HTTPError("/x", 404, "").refused
-    assert not HTTPError("/x", 500, "").refused
-    assert HTTPError("/x", None, "", connect_failed=True).refused
+def test_only_a_4xx_or_no_connection_is_a_refusal() -> None:
+    assert is_refusal(answered("/x", 404, "")) and is_refusal(answered("/x", 409, ""))
+    assert not is_refusal(answered("/x", 500, ""))
+    assert is_refusal(unreachable("/x"))
+    assert not is_refusal(EffectTimeout("x", 1.0))  # the request may have arrived
 
 
 def test_run_side_delivers_results_and_errors() -> None:
@@ -425,7 +441,7 @@ def test_wait_reports_the_first_failure_and_honours_abort() -> None:
     slow = run_side(lambda: time.sleep(5), "slow")
 
     def fail() -> None:
-        raise HTTPError("/update_weights", 500, "nope")
+        raise answered("/update_weights", 500, "nope")
 
     with pytest.raises(TransferError, match="nope") as ei:
         tb.wait([slow, run_side(fail, "f")], time.monotonic() + 10, "update",

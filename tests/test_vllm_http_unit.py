@@ -33,6 +33,7 @@ from rolloutcore.adapters.vllm import (
     prefix_cache_delta,
 )
 from rolloutcore.core.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
+from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
     ParameterManifest,
     Provenance,
@@ -44,7 +45,10 @@ from rolloutcore.errors import (
     BadInput,
     EffectError,
     EffectTimeout,
+    EngineRefused,
     EngineUnavailable,
+    EngineUnreachable,
+    RequestRejected,
     TransferError,
 )
 
@@ -196,26 +200,44 @@ def test_capabilities_are_read_once_from_openapi() -> None:
 def test_openapi_without_paths_is_an_effect_error() -> None:
     h = client(Engine(overrides={"/openapi.json": answer(200, {"info": {}})}))
     with pytest.raises(EffectError, match="paths"):
-        h.capabilities(mutation_started=False)
+        h.capabilities()
 
 
 # --------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("started", [True, False])
-def test_server_error_is_engine_unavailable_with_callers_mutation_flag(started: bool) -> None:
+def test_server_error_is_engine_unavailable_and_the_step_says_whether_weights_moved() -> None:
+    # The HTTP client cannot know whether weights moved: it says "maybe" ...
     h = client(Engine(overrides={Routes.PAUSE: answer(500, {"error": "boom"})}))
     with pytest.raises(EngineUnavailable, match=r"HTTP 500.*boom") as ei:
-        h.pause(PauseMode.WAIT, mutation_started=started)
-    assert ei.value.mutation_started is started and ei.value.step == "pause"
-
-
-def test_connect_error_is_engine_unavailable_from_the_httpx_error() -> None:
-    h = client(Engine(overrides={Routes.RESUME: raising(httpx.ConnectError("refused"))}))
+        h.pause(PauseMode.WAIT)
+    assert ei.value.mutation_started is True and ei.value.step == "pause"
+    assert ei.value.status == 500
+    # ... the adapter's step knows: a drain moves no weights, a resume may follow a transfer.
+    with pytest.raises(EngineUnavailable, match=r"HTTP 500.*boom") as ei:
+        VllmAdapter(h).drain(PauseMode.WAIT)
+    assert ei.value.mutation_started is False and ei.value.step == "pause"
+    h2 = client(Engine(overrides={Routes.RESUME: answer(500, {"error": "boom"})}))
     with pytest.raises(EngineUnavailable) as ei:
-        h.resume(mutation_started=False)
+        VllmAdapter(h2).resume()
+    assert ei.value.mutation_started is True
+
+
+def test_connect_error_is_engine_unreachable_from_the_httpx_error() -> None:
+    h = client(Engine(overrides={Routes.RESUME: raising(httpx.ConnectError("refused"))}))
+    with pytest.raises(EngineUnreachable) as ei:
+        h.resume()
+    assert isinstance(ei.value, EngineUnavailable)
     assert isinstance(ei.value.__cause__, httpx.ConnectError)
-    assert ei.value.mutation_started is False
+    assert "POST /resume" in str(ei.value) and ei.value.mutation_started is True
+
+
+def test_a_reset_connection_is_engine_unavailable_not_unreachable() -> None:
+    h = client(Engine(overrides={Routes.PAUSE: raising(
+        httpx.RemoteProtocolError("Server disconnected without sending a response."))}))
+    with pytest.raises(EngineUnavailable, match="RemoteProtocolError") as ei:
+        h.pause(PauseMode.WAIT)
+    assert not isinstance(ei.value, EngineUnreachable)  # the request may have arrived
 
 
 def test_timeout_is_effect_timeout_with_the_deadline_used() -> None:
@@ -224,29 +246,35 @@ def test_timeout_is_effect_timeout_with_the_deadline_used() -> None:
     with pytest.raises(EffectTimeout) as ei:
         h.is_paused()
     assert ei.value.deadline_s == 7 and ei.value.mutation_started is True
+    assert isinstance(ei.value.__cause__, httpx.ReadTimeout)
     with pytest.raises(EffectTimeout) as ei:
-        h.is_paused(timeout_s=0.25, mutation_started=False)
-    assert ei.value.deadline_s == 0.25 and ei.value.mutation_started is False
+        h.is_paused(timeout_s=0.25)
+    assert ei.value.deadline_s == 0.25 and "GET /is_paused" in str(ei.value)
 
 
 def test_client_error_on_our_request_is_bad_input() -> None:
     h = client(Engine(overrides={Routes.GENERATE: answer(
         400, {"error": {"message": "Token id 999 is out of vocabulary"}})}))
-    with pytest.raises(BadInput, match="out of vocabulary"):
+    with pytest.raises(BadInput, match="out of vocabulary") as ei:
         h.generate([1, 999], max_tokens=2)
+    assert isinstance(ei.value, RequestRejected) and ei.value.status == 400
 
 
 def test_a_route_the_engine_does_not_offer_is_not_bad_input() -> None:
     e = Engine(routes=V032 - {Routes.PAUSE})
     h = client(e)
     h.capabilities()
-    with pytest.raises(EffectError, match="not offered") as ei:
-        h.pause(PauseMode.WAIT, mutation_started=False)
+    with pytest.raises(EngineRefused, match="not offered") as ei:
+        h.pause(PauseMode.WAIT)
+    assert not isinstance(ei.value, BadInput) and ei.value.status == 404
+    with pytest.raises(EngineRefused, match="not offered") as ei:
+        VllmAdapter(h).drain(PauseMode.WAIT)
     assert ei.value.mutation_started is False
     # vLLM answers 403 on /inference/v1/generate without --enable-scale-out.
     h2 = client(Engine(overrides={Routes.GENERATE: answer(403, {"detail": "Forbidden"})}))
-    with pytest.raises(EffectError, match="not offered"):
+    with pytest.raises(EngineRefused, match="not offered") as ei:
         h2.generate([1], max_tokens=1)
+    assert not isinstance(ei.value, BadInput)
 
 
 @pytest.mark.parametrize("body", [{"is_paused": "yes"}, {"paused": True}, [], None])
@@ -395,8 +423,8 @@ def test_checksums_of_a_tensor_parallel_engine_keep_rank_keys_for_repeated_names
 def test_checksums_without_the_checker_route() -> None:
     h = client(Engine(routes=V026))
     with pytest.raises(EffectError, match="no /weight_checker") as ei:
-        h.weight_checksums(mutation_started=False)
-    assert ei.value.mutation_started is False
+        h.weight_checksums()
+    assert ei.value.mutation_started is True  # the HTTP client cannot tell
 
 
 def _sums(**d: str) -> WeightChecksums:
@@ -573,7 +601,7 @@ def test_cancel_inflight_unblocks_a_stuck_call_from_another_thread(stuck_server:
 
     def call() -> None:
         try:
-            h.is_paused(mutation_started=False)
+            h.is_paused()
         except BaseException as exc:
             errs.append(exc)
 
@@ -585,7 +613,7 @@ def test_cancel_inflight_unblocks_a_stuck_call_from_another_thread(stuck_server:
     assert h.cancel_inflight() == 1
     th.join(5)
     assert not th.is_alive() and time.monotonic() - t0 < 2
-    assert isinstance(errs[0], EffectTimeout) and errs[0].mutation_started is False
+    assert isinstance(errs[0], EffectTimeout) and "cancelled" in str(errs[0])
     h.close()
 
 
@@ -602,7 +630,7 @@ def test_adapter_cancel_shuts_http_for_non_transfer_steps(stuck_server: str) -> 
     th = threading.Thread(target=call)
     th.start()
     th.join(0.3)
-    a.cancel("validate")
+    a.cancel(Step.VALIDATE)
     th.join(5)
     assert not th.is_alive() and isinstance(errs[0], EffectTimeout)
     a.close()
@@ -959,3 +987,81 @@ def test_resume_confirms_and_fence_swallows_errors() -> None:
     VllmAdapter(client(fenced)).fence()
     req = [r for r in fenced.requests if r.url.path == Routes.PAUSE][-1]
     assert req.url.params["mode"] == "abort"
+
+
+# --------------------------------------------------------------------------- failure policy
+
+
+def test_each_step_declares_once_whether_its_failures_may_have_moved_weights() -> None:
+    """Every route failing with a 5xx: what each step raises carries its declaration."""
+    from rolloutcore.adapters.vllm import STEP_MAY_MUTATE
+
+    def down(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, text="down")
+
+    def broken(*, health: bool = True) -> Engine:
+        # /openapi.json answers (the routes are known), (/health,) everything else is down.
+        return Engine(overrides={r: down for r in V032 if r != Routes.HEALTH or not health})
+
+    assert STEP_MAY_MUTATE[Step.DRAIN] is False and STEP_MAY_MUTATE[Step.TRANSFER] is True
+    t = target()
+    calls: list[tuple[Step, Callable[[VllmAdapter], object]]] = [
+        (Step.BOOTSTRAP, lambda a: a.bootstrap()),
+        (Step.DRAIN, lambda a: a.drain(PauseMode.WAIT)),
+        (Step.INVALIDATE, lambda a: a.reset_cache(CacheKind.PREFIX)),
+        (Step.VALIDATE, lambda a: a.validate(t, live=False)),
+        (Step.RESUME, lambda a: a.resume()),
+    ]
+    for step, call in calls:
+        a = VllmAdapter(client(broken()), engine_epoch="e")
+        with pytest.raises(EngineUnavailable, match="HTTP 503") as ei:
+            call(a)
+        assert ei.value.mutation_started is STEP_MAY_MUTATE[step], step
+    # Between updates a dead engine is evidence, not an exception.
+    ev = VllmAdapter(client(broken(health=False))).observe_health(timeout_s=1)
+    assert not ev.healthy and ev.problems(None)
+
+
+class _AbortableTransport(_SendingCheckingTransport):
+    def __init__(self, send_error: BaseException | None = None) -> None:
+        super().__init__(True)
+        self.aborted = 0
+        self.send_error = send_error
+
+    def send(self, base_url: str, target_label: str, source: Any, *,
+             timeout_s: float) -> Any:
+        if self.send_error is not None:
+            raise self.send_error
+        return super().send(base_url, target_label, source, timeout_s=timeout_s)
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def test_a_transfer_failure_keeps_the_transports_own_classification() -> None:
+    for err, started in ((TransferError("transfer", "refused at start", mutation_started=False),
+                          False),
+                         (TransferError("transfer", "cut mid-way", mutation_started=True), True),
+                         (RuntimeError("collective broke"), True)):
+        a = VllmAdapter(client(Engine()), _AbortableTransport(err))  # type: ignore[arg-type]
+        a.stage(_source())
+        with pytest.raises(TransferError) as ei:
+            a.transfer(target())
+        assert ei.value.mutation_started is started, err
+
+
+def test_cancel_of_the_transfer_step_aborts_the_transport() -> None:
+    tr = _AbortableTransport()
+    a = VllmAdapter(client(Engine()), tr)  # type: ignore[arg-type]
+    a.cancel(Step.VALIDATE)
+    assert tr.aborted == 0
+    a.cancel(Step.TRANSFER)
+    assert tr.aborted == 1
+    a.close()
+
+
+def test_the_adapter_is_the_port_and_observes_health() -> None:
+    from rolloutcore.control.port import HealthObserver, LifecycleAdapter
+
+    a = VllmAdapter(client(Engine()))
+    assert isinstance(a, LifecycleAdapter) and isinstance(a, HealthObserver)

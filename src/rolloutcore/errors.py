@@ -1,22 +1,36 @@
 """The one exception hierarchy of RolloutCore.
 
 Everything RolloutCore raises on purpose is a ``RolloutCoreError``. Low-level
-failures (an HTTP timeout, a dead process, a broken collective) are caught at
-the adapter boundary and re-raised as the most specific class below with
-``raise ... from exc``, so callers never need to know which library failed::
+failures (an HTTP timeout, a reset connection, a dead process, a broken
+collective) are caught at the boundary where they happen and re-raised as the
+most specific class below with ``raise ... from exc``, so callers never need
+to know which library failed. For HTTP to vLLM that boundary is one place,
+``rolloutcore.transports.http`` (httpx's ``map_exceptions`` is the model)::
 
     RolloutCoreError
     ├── BadInput (also a ValueError)          bad argument; nothing changed
+    │   ├── RequestTooLarge                   a request body over the configured limit
+    │   └── ReplayRefused                     replay refused: engine not at the recorded version
     ├── InvalidTransition                     event not legal in this state
     ├── AdmissionRefused                      no rollout admitted; says when to retry
     ├── UpdateRefused                         update not started; nothing changed
     ├── EvidenceRejected                      an effect's evidence failed its postcondition
     ├── EffectError                           an adapter effect failed
     │   ├── EffectTimeout                     ... or overran its deadline
-    │   ├── EngineUnavailable                 ... because the engine cannot be reached
+    │   ├── EngineUnavailable                 ... because the engine cannot be reached (or 5xx)
+    │   │   └── EngineUnreachable             ... and the request was never delivered
+    │   ├── EngineRefused                     ... because an engine route answered 4xx
+    │   │   └── RequestRejected (also a BadInput)  ... to a request it found malformed
     │   └── TransferError                     ... during a weight transfer
     ├── UpdateFailed                          a whole update ended without a publish
     └── JournalError                          the journal cannot be read or written
+
+``EffectError.mutation_started`` is the failure policy's input: whether the
+engine's weights may have changed before the failure. The HTTP boundary
+cannot know it (none of its calls moves weights, but a cache reset after a
+transfer meets weights the transfer changed), so what it raises says
+``True`` (unknown); the adapter step that can prove otherwise says so, once
+per step (``rolloutcore.adapters.vllm.adapter.STEP_MAY_MUTATE``).
 
 The pure core (``lifecycle``, ``evidence``, ``versions``) uses this module; it
 imports only the standard library.
@@ -29,10 +43,15 @@ __all__ = [
     "BadInput",
     "EffectError",
     "EffectTimeout",
+    "EngineRefused",
     "EngineUnavailable",
+    "EngineUnreachable",
     "EvidenceRejected",
     "InvalidTransition",
     "JournalError",
+    "ReplayRefused",
+    "RequestRejected",
+    "RequestTooLarge",
     "RolloutCoreError",
     "TransferError",
     "UpdateFailed",
@@ -46,6 +65,14 @@ class RolloutCoreError(Exception):
 
 class BadInput(RolloutCoreError, ValueError):
     """An argument is malformed; the call changed nothing."""
+
+
+class RequestTooLarge(BadInput):
+    """A request body exceeds the configured limit; it was not read further."""
+
+
+class ReplayRefused(BadInput):
+    """The engine is not at the recorded version (or cannot say): nothing was replayed."""
 
 
 class InvalidTransition(RolloutCoreError):
@@ -97,17 +124,57 @@ class EffectError(RolloutCoreError):
 
 
 class EffectTimeout(EffectError):
-    """An effect overran its deadline."""
+    """An effect overran its deadline (the request may have arrived: never a refusal).
 
-    def __init__(self, step: str, deadline_s: float, *, mutation_started: bool = True) -> None:
+    ``detail`` says what was being waited for, where the step alone does not.
+    """
+
+    def __init__(self, step: str, deadline_s: float, *, mutation_started: bool = True,
+                 detail: str = "") -> None:
         self.deadline_s = deadline_s
-        super().__init__(
-            step, f"deadline of {deadline_s:g}s expired", mutation_started=mutation_started
-        )
+        reason = f"deadline of {deadline_s:g}s expired"
+        super().__init__(step, f"{reason}: {detail}" if detail else reason,
+                         mutation_started=mutation_started)
 
 
 class EngineUnavailable(EffectError):
-    """The engine could not be reached or answered with a server error."""
+    """The engine could not be reached or answered with a server error (HTTP 5xx).
+
+    ``status`` is the HTTP status when the engine answered, else ``None``.
+    """
+
+    def __init__(self, step: str, reason: str, *, mutation_started: bool = True,
+                 status: int | None = None) -> None:
+        self.status = status
+        super().__init__(step, reason, mutation_started=mutation_started)
+
+
+class EngineUnreachable(EngineUnavailable):
+    """The request never reached the engine (the connection could not be made).
+
+    Nothing was delivered, so nothing on the engine acted on it: a caller
+    whose step is otherwise safe may treat it as a refusal.
+    """
+
+
+class EngineRefused(EffectError):
+    """An engine route answered HTTP 4xx: the engine refused the request before acting.
+
+    Also what a route the engine does not offer (HTTP 403, or 404/405 on a
+    path absent from its ``/openapi.json``) raises: not our request's fault.
+    """
+
+    def __init__(self, step: str, reason: str, *, status: int,
+                 mutation_started: bool = True) -> None:
+        self.status = status
+        super().__init__(step, reason, mutation_started=mutation_started)
+
+
+class RequestRejected(EngineRefused, BadInput):
+    """The engine found a request we built malformed (a 4xx on a route it offers).
+
+    A ``BadInput`` as well: the argument that went into the request was bad.
+    """
 
 
 class TransferError(EffectError):

@@ -78,7 +78,13 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
     evidence_to_dict,
 )
-from rolloutcore.core.lifecycle import ControllerConfig, FailureKind, LifecycleController, State
+from rolloutcore.core.lifecycle import (
+    ControllerConfig,
+    FailureKind,
+    LifecycleController,
+    State,
+    Step,
+)
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.errors import RolloutCoreError, TransferError, UpdateFailed
 from rolloutcore.provenance.recorder import TrajectoryRecorder
@@ -202,7 +208,7 @@ class Hooked:
     def fence(self) -> None:
         self.inner.fence()
 
-    def cancel(self, step: str) -> None:
+    def cancel(self, step: Step) -> None:
         self.inner.cancel(step)
 
     def close(self) -> None:

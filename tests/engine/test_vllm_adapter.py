@@ -41,7 +41,13 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, UpdateFailed
+from rolloutcore.errors import (
+    BadInput,
+    EffectTimeout,
+    EngineUnavailable,
+    EngineUnreachable,
+    UpdateFailed,
+)
 from rolloutcore.testing.models import VOCAB_SIZE
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
@@ -218,11 +224,15 @@ def test_bad_requests_are_bad_input_and_change_nothing(http: VllmHTTP) -> None:
 
 
 def test_unreachable_engine_is_engine_unavailable() -> None:
-    with VllmHTTP(f"http://127.0.0.1:{free_port()}", timeout_s=5) as h, \
-            pytest.raises(EngineUnavailable) as ei:
-        h.pause(PauseMode.WAIT, mutation_started=False)
-    assert ei.value.mutation_started is False
-    assert isinstance(ei.value.__cause__, httpx.ConnectError)
+    with VllmHTTP(f"http://127.0.0.1:{free_port()}", timeout_s=5) as h:
+        with pytest.raises(EngineUnreachable) as ei:
+            h.pause(PauseMode.WAIT)
+        assert isinstance(ei.value, EngineUnavailable)
+        assert isinstance(ei.value.__cause__, httpx.ConnectError)
+        # The drain step moves no weights: its failure says so.
+        with pytest.raises(EngineUnreachable) as ei:
+            VllmAdapter(h).drain(PauseMode.WAIT)
+        assert ei.value.mutation_started is False
 
 
 # --------------------------------------------------------------------------- pause
@@ -305,8 +315,8 @@ def test_timeout_and_cancel_unblock_a_held_call(http: VllmHTTP) -> None:
     try:
         t0 = time.monotonic()
         with pytest.raises(EffectTimeout) as ei:
-            http.generate(_prompt(10, 4), max_tokens=4, timeout_s=0.5, mutation_started=False)
-        assert ei.value.mutation_started is False and time.monotonic() - t0 < 5
+            http.generate(_prompt(10, 4), max_tokens=4, timeout_s=0.5)
+        assert ei.value.deadline_s == 0.5 and time.monotonic() - t0 < 5
         # cancel_inflight() from another thread makes a call held by the engine return.
         err: list[BaseException] = []
 

@@ -7,16 +7,23 @@ low-level failures into ``rolloutcore.errors.EffectError`` subclasses, with
 ``mutation_started=False`` only when they can prove the weights are
 untouched.
 
-Every method may be called from a worker thread supervised by a deadline;
-``cancel`` is called from *another* thread when that deadline expires and
-must make the stuck call return (tear down a transfer group, close a
-connection). The fake engine (``adapters.fake``) and the vLLM HTTP adapter
-(``adapters.vllm``) are adapters like any other.
+``LifecycleAdapter`` holds only what the runner calls for an update: one
+method per step, ``fence`` after a taint, and ``cancel``. Every method may
+be called from a worker thread supervised by a deadline; ``cancel(step)`` is
+called from *another* thread when that deadline expires and must make the
+stuck call of ``step`` return (tear down a transfer group, close a
+connection). The fake engine (``rolloutcore.testing.fake``) and the vLLM
+HTTP adapter (``rolloutcore.adapters.vllm``) are adapters like any other;
+how an adapter is made and closed is its own business.
 
-One method is optional: ``observe_health(*, timeout_s) -> HealthEvidence``,
-the engine seen between updates (answering, healthy, the same process as
-at bootstrap). ``LifecycleRunner.check_serving`` uses it where it exists;
-an adapter without it is simply not watched.
+What an adapter *may* do beyond that is a capability of its own, a small
+protocol the runner tests for with ``isinstance``:
+
+* ``HealthObserver``: the engine seen between updates (answering, healthy,
+  the same process as at bootstrap); ``LifecycleRunner.check_serving``
+  watches an adapter that has it, and leaves one without it unwatched;
+* ``Recoverer``: brings a tainted engine back on a replacement process;
+  given to ``LifecycleRunner.recover`` beside the adapter.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from rolloutcore.core.evidence import (
     CacheKind,
     CacheResetEvidence,
     DrainEvidence,
+    HealthEvidence,
     PauseMode,
     PreflightEvidence,
     RecoveryEvidence,
@@ -36,14 +44,15 @@ from rolloutcore.core.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["LifecycleAdapter", "Recoverer"]
+__all__ = ["HealthObserver", "LifecycleAdapter", "Recoverer"]
 
 
 @runtime_checkable
 class LifecycleAdapter(Protocol):
-    """Effects on one engine. See the module docstring for the contract."""
+    """Effects on one engine, one per step. See the module docstring for the contract."""
 
     @property
     def caches(self) -> tuple[CacheKind, ...]:
@@ -51,27 +60,27 @@ class LifecycleAdapter(Protocol):
         ...
 
     def bootstrap(self) -> BootstrapEvidence:
-        """Reach the engine and describe it (epoch, label, capabilities)."""
+        """``Step.BOOTSTRAP``: reach the engine and describe it (epoch, label, capabilities)."""
         ...
 
     def drain(self, mode: PauseMode) -> DrainEvidence:
-        """Pause the engine; with WAIT, return once its in-flight work is done."""
+        """``Step.DRAIN``: pause the engine; with WAIT, return once its in-flight work is done."""
         ...
 
     def preflight(self, target: UpdateTarget) -> PreflightEvidence:
-        """Describe the trainer's source (and the engine's manifest) before mutating."""
+        """``Step.PREFLIGHT``: describe the trainer's source before anything mutates."""
         ...
 
     def transfer(self, target: UpdateTarget) -> TransferEvidence:
-        """Move the weights, finishing the engine's update with ``target``'s label."""
+        """``Step.TRANSFER``: move the weights, finishing with ``target``'s label."""
         ...
 
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
-        """Reset one cache and report the engine's own success flag."""
+        """``Step.INVALIDATE``: reset one cache and report the engine's own success flag."""
         ...
 
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
-        """Observe what the engine serves. ``live=False``: still paused.
+        """``Step.VALIDATE``: observe what the engine serves. ``live=False``: still paused.
 
         ``live=True`` is called after resume with admission still closed; it
         returns ``None`` when the adapter has nothing that needs a running
@@ -80,18 +89,32 @@ class LifecycleAdapter(Protocol):
         ...
 
     def resume(self) -> ResumeEvidence:
-        """Resume the engine and confirm it is no longer paused."""
+        """``Step.RESUME``: resume the engine and confirm it is no longer paused."""
         ...
 
     def fence(self) -> None:
         """Best effort, after a taint: stop the engine from serving anyone."""
         ...
 
-    def cancel(self, step: str) -> None:
-        """Called from another thread when ``step`` overran: unblock it."""
+    def cancel(self, step: Step) -> None:
+        """Called from another thread when ``step``'s effect overran: unblock it.
+
+        The live validation is ``Step.VALIDATE``; the health observation and
+        the fence, which act on the serving engine, are ``Step.SERVE``.
+        """
         ...
 
-    def close(self) -> None:
+
+@runtime_checkable
+class HealthObserver(Protocol):
+    """An adapter that can observe its engine between updates."""
+
+    def observe_health(self, *, timeout_s: float) -> HealthEvidence:
+        """Answering, healthy, and the process bootstrapped (``restarted`` when not).
+
+        Never raises for an engine that is down: that is evidence
+        (``answering=False``). Cancelled as ``Step.SERVE``.
+        """
         ...
 
 

@@ -66,7 +66,6 @@ from rolloutcore.errors import (
     BadInput,
     EffectError,
     EffectTimeout,
-    EngineUnavailable,
     RolloutCoreError,
 )
 from rolloutcore.transports.source import WeightSource
@@ -95,21 +94,8 @@ _FRESH_LABEL = "default"  # what vLLM reports before anyone sets a weight versio
 
 def set_weight_version(base_url: str, label: str, *, timeout_s: float) -> None:
     """``POST /update_weight_version``: only for a cold-loaded engine (see the module doc)."""
-    import httpx
-
-    if not isinstance(label, str) or not label or any(c.isspace() for c in label):
-        raise BadInput(f"label must be a non-empty string without spaces, got {label!r}")
-    try:
-        r = httpx.post(f"{base_url.rstrip('/')}/update_weight_version",
-                       json={"new_version": label}, timeout=timeout_s)
-    except httpx.TimeoutException as exc:
-        raise EffectTimeout(STEP, timeout_s) from exc
-    except httpx.HTTPError as exc:
-        raise EngineUnavailable(STEP, f"/update_weight_version: {type(exc).__name__}: {exc}"
-                                ) from exc
-    if r.status_code != 200:
-        raise EffectError(STEP, f"/update_weight_version answered HTTP {r.status_code}: "
-                          f"{r.text[:300]}")
+    with VllmHTTP(base_url, timeout_s=timeout_s) as http:
+        http.set_weight_version(label)
 
 
 @dataclass
@@ -210,7 +196,7 @@ class _Checkpoint:
             return RecoveryEvidence(engine_epoch=epoch, identity=self.identity, validation=val,
                                     healthy=False, unverified=tuple(notes))
         tl = time.monotonic()
-        set_weight_version(http.base_url, target.label, timeout_s=http.timeout_s)
+        http.set_weight_version(target.label)
         timings.label_s = time.monotonic() - tl
         unverified = [*notes, LABEL_NOTE]
         wi = http.weight_info()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rolloutcore.control.port import LifecycleAdapter, Recoverer
+from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
 from rolloutcore.core.evidence import (
     CacheKind,
     HealthEvidence,
@@ -125,6 +125,13 @@ class UpdateOutcome:
         return out
 
 
+#: The lifecycle step of each effect the runner names otherwise, for the port's
+#: ``cancel``: the live validation is part of VALIDATE; the health observation
+#: and the fence act on the serving engine.
+_CANCEL_STEP: dict[str, Step] = {"validate_live": Step.VALIDATE, "health": Step.SERVE,
+                                 "fence": Step.SERVE}
+
+
 class _Abort(Exception):
     def __init__(self, verdict: Verdict) -> None:
         self.verdict = verdict
@@ -179,7 +186,7 @@ class LifecycleRunner:
                 if cancel is not None:
                     cancel()
                 else:
-                    self.adapter.cancel(step)
+                    self.adapter.cancel(_CANCEL_STEP.get(step) or Step(step))
             except Exception as exc:
                 self._note("cancel_failed", step=step, error=repr(exc))
             th.join(self.deadlines.cancel_grace_s)
@@ -276,7 +283,7 @@ class LifecycleRunner:
                       failures_to_taint: int = 2) -> Verdict | None:
         """Between updates: taint the engine if it died, restarted or stopped answering.
 
-        Asks the adapter's ``observe_health`` (an optional port method) under
+        Asks the adapter's ``observe_health`` (a port ``HealthObserver``) under
         a deadline. A restart (another process answering) taints at once: it
         serves its start checkpoint, not the committed version. Not answering
         or unhealthy taints after ``failures_to_taint`` checks in a row (one
@@ -292,15 +299,15 @@ class LifecycleRunner:
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and timeout_s > 0):
             raise BadInput("timeout_s must be a positive number")
-        observe = getattr(self.adapter, "observe_health", None)
-        if not callable(observe) or self.controller.state is not State.READY:
+        adapter = self.adapter
+        if not isinstance(adapter, HealthObserver) or self.controller.state is not State.READY:
             return None
         # An observation belongs to the version served when it began: one that an
         # update overtook (the update verified the engine itself) is dropped.
         serving = self.controller.committed
         restarted = False
         try:
-            ev = self._effect("health", lambda: observe(timeout_s=timeout_s),
+            ev = self._effect("health", lambda: adapter.observe_health(timeout_s=timeout_s),
                               timeout_s * 2 + 1.0, None)
         except EffectError as exc:
             problems, kind = [str(exc)], _kind(exc)

@@ -55,7 +55,7 @@ from typing import Any
 
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
 from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
-from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
+from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.trajectory import TrajectorySample
 
@@ -92,10 +92,6 @@ DEFAULT_LABEL = "default"
 
 _SHOW_POSITIONS = 5
 _RAW = "raw_logprobs"
-
-
-class ReplayRefused(BadInput):
-    """The engine is not at the recorded version (or cannot say): nothing was replayed."""
 
 
 class MismatchPolicy(enum.StrEnum):

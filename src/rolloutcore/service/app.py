@@ -44,7 +44,7 @@ from starlette.routing import Route
 
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import LifecycleController, State
-from rolloutcore.errors import BadInput
+from rolloutcore.errors import BadInput, RequestTooLarge
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import (
@@ -98,23 +98,20 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
     return JSONResponse(obj, status_code=status, headers=headers)
 
 
-class _TooLarge(Exception):
-    pass
-
-
 async def _body(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
-            if int(cl) > limit:
-                raise _TooLarge
+            declared = int(cl)
         except ValueError:
-            raise _TooLarge from None
+            raise RequestTooLarge(f"Content-Length {cl!r} is not an integer") from None
+        if declared > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
     buf = bytearray()
     async for chunk in request.stream():
         buf += chunk
         if len(buf) > limit:
-            raise _TooLarge
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
     return bytes(buf)
 
 
@@ -145,7 +142,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             return _json(415, {"error": "Content-Type must be application/json"})
         try:
             return await _body(request, config.max_body_bytes)
-        except _TooLarge:
+        except RequestTooLarge:
             return _json(413, {"error": f"request body exceeds {config.max_body_bytes} bytes"})
 
     def update_id(request: Request) -> int | None:

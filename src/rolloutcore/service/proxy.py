@@ -45,11 +45,18 @@ from typing import Any
 import anyio
 
 from rolloutcore.core.lifecycle import Binding, LifecycleController, State
-from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition
+from rolloutcore.errors import (
+    AdmissionRefused,
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    InvalidTransition,
+    RequestTooLarge,
+)
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
-from rolloutcore.service.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
     "BODY_FIELD",
@@ -84,10 +91,6 @@ _ROLLOUT_HEADER_B = ROLLOUT_HEADER.encode()
 _MAX_FIRST_EVENT = 1 << 20
 
 
-class _TooLarge(Exception):
-    pass
-
-
 class _ClientGone(Exception):
     pass
 
@@ -100,13 +103,13 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
         except ValueError:
             raise BadInput("Content-Length is not an integer") from None
         if declared > limit:
-            raise _TooLarge
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
     msg = await receive()
     if msg["type"] == "http.disconnect":
         raise _ClientGone
     body = msg.get("body", b"")
     if len(body) > limit:
-        raise _TooLarge
+        raise RequestTooLarge(f"request body exceeds {limit} bytes")
     if not msg.get("more_body", False):  # the usual case: the whole body at once
         return bytes(body)
     chunks = [body]
@@ -118,7 +121,7 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
         body = msg.get("body", b"")
         n += len(body)
         if n > limit:
-            raise _TooLarge
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
         chunks.append(body)
         if not msg.get("more_body", False):
             return b"".join(chunks)
@@ -426,7 +429,7 @@ class DataPlane:
             return 415
         try:
             raw = await read_body(receive, cfg.max_body_bytes, hdrs.get(b"content-length"))
-        except _TooLarge:
+        except RequestTooLarge:
             await send_json(send, 413, error_body(
                 413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"))
             return 413
@@ -539,13 +542,13 @@ class DataPlane:
         vh = self.version_headers(binding)
         try:
             resp = await upstream.post(self._paths[route], raw, binding.rollout_id.encode())
-        except TimeoutError as exc:
+        except EffectTimeout as exc:
             fin.status = 504
             self._finishing(state, fin)
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
                                                   "UpstreamTimeout", **self.info(binding)), vh)
             return
-        except UpstreamError as exc:
+        except EffectError as exc:  # EngineUnavailable, EngineUnreachable
             fin.status = 502
             self._finishing(state, fin)
             await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
@@ -561,7 +564,7 @@ class DataPlane:
             else:
                 try:
                     body = await resp.read()
-                except (UpstreamError, TimeoutError) as exc:
+                except EffectError as exc:
                     fin.status = 502
                     self._finishing(state, fin)
                     await send_json(send, 502, error_body(
@@ -601,7 +604,7 @@ class DataPlane:
                 out = sse.feed(chunk)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-        except (UpstreamError, TimeoutError) as exc:
+        except EffectError as exc:
             error = f"vLLM stream broke off: {exc!r}"
         tail = sse.flush()
         if error is None and not sse.complete:

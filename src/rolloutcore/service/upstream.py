@@ -17,7 +17,12 @@ Semantics kept from the aiohttp client it replaces:
 
 * deadlines: ``connect_s`` for a new connection, ``pool_s`` for waiting on a
   full pool, ``read_s`` for the longest silence while the answer is read;
-  expiry raises ``TimeoutError``; any other failure ``UpstreamError``;
+* failures are the package's, as every client of vLLM has them
+  (``rolloutcore.transports.http``, whose ``transport_error`` maps the
+  socket's): a deadline ``EffectTimeout``, no connection
+  ``EngineUnreachable``, an answer that broke off or was not HTTP
+  ``EngineUnavailable``. They are made where the failure is seen, off the
+  path of a request that succeeds;
 * idle connections are dropped after ``keepalive_s`` (below vLLM's own 5 s,
   so a request is never written into a connection the server is closing; a
   POST is never retried);
@@ -39,13 +44,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["UpstreamError", "UpstreamPool", "UpstreamResponse"]
+from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.transports.http import transport_error
+
+__all__ = ["STEP", "UpstreamPool", "UpstreamResponse"]
 
 _HIGH_WATER = 1 << 20
 
-
-class UpstreamError(Exception):
-    """vLLM could not be reached, or its answer broke off or was not HTTP."""
+#: The ``step`` of every error this client raises.
+STEP = "upstream"
 
 
 class _Conn(asyncio.Protocol):
@@ -75,7 +82,7 @@ class _Conn(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            resp.fail(UpstreamError(f"malformed HTTP answer from vLLM: {exc}"))
+            resp.fail(EngineUnavailable(STEP, f"malformed HTTP answer from vLLM: {exc}"))
             self.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -85,9 +92,9 @@ class _Conn(asyncio.Protocol):
             if resp.status and not resp.framed:  # no length, not chunked: ends at EOF
                 resp.complete(keep_alive=False)
             else:
-                resp.fail(UpstreamError(
-                    "vLLM closed the connection before its answer was complete"
-                    + (f": {exc!r}" if exc is not None else "")))
+                what = "vLLM closed the connection before its answer was complete"
+                resp.fail(EngineUnavailable(STEP, what) if exc is None else
+                          transport_error(exc, STEP, what, timeout_s=self._pool.read_s))
         self._pool._lost(self)
 
     # -- httptools callbacks
@@ -207,7 +214,7 @@ class UpstreamResponse:
         if left > 0 or self._paused:  # heard from recently, or we are the slow side
             self._timer = self._pool._loop.call_later(max(left, 0.1), self._check_silence)
             return
-        self.fail(TimeoutError(f"vLLM sent nothing for {self._pool.read_s} s"))
+        self.fail(EffectTimeout(STEP, self._pool.read_s, detail="vLLM sent nothing"))
         conn = self._conn
         if conn is not None:
             conn.abort()
@@ -288,7 +295,7 @@ class UpstreamPool:
                  pool_s: float, read_s: float, keepalive_s: float) -> None:
         p = urlsplit(base_url)
         if p.scheme not in ("http", "https") or not p.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
+            raise BadInput(f"not an http(s) URL: {base_url!r}")
         self._host = p.hostname
         self._port = p.port or (443 if p.scheme == "https" else 80)
         self._ssl: ssl.SSLContext | None = (ssl.create_default_context()
@@ -343,7 +350,7 @@ class UpstreamPool:
         deadline: float | None = None
         while True:
             if self._closed:
-                raise UpstreamError("upstream client closed")
+                raise EngineUnavailable(STEP, "upstream client closed")
             now = time.monotonic()
             while self._idle:
                 conn = self._idle.pop()
@@ -359,14 +366,14 @@ class UpstreamPool:
                 deadline = now + self.pool_s
             left = deadline - now
             if left <= 0:
-                raise TimeoutError(f"no upstream connection free in {self.pool_s} s")
+                raise EffectTimeout(STEP, self.pool_s, detail="no upstream connection free")
             w = self._loop.create_future()
             self._waiters.append(w)
             try:
                 await asyncio.wait_for(w, left)
             except TimeoutError:
-                raise TimeoutError(
-                    f"no upstream connection free in {self.pool_s} s") from None
+                raise EffectTimeout(STEP, self.pool_s,
+                                    detail="no upstream connection free") from None
             except BaseException:
                 if w.done() and not w.cancelled():
                     self._notify()  # pass on the turn this waiter was given
@@ -378,12 +385,10 @@ class UpstreamPool:
             async with asyncio.timeout(self.connect_s):
                 _, conn = await self._loop.create_connection(
                     lambda: _Conn(self), self._host, self._port, ssl=self._ssl)
-        except TimeoutError:
+        except OSError as exc:  # a TimeoutError too: transport_error tells them apart
             self._open -= 1
-            raise TimeoutError(f"connecting to vLLM took over {self.connect_s} s") from None
-        except OSError as exc:
-            self._open -= 1
-            raise UpstreamError(f"cannot connect to vLLM: {exc!r}") from exc
+            raise transport_error(exc, STEP, "cannot connect to vLLM", timeout_s=self.connect_s,
+                                  connecting=True) from exc
         except BaseException:
             self._open -= 1
             raise

@@ -17,7 +17,8 @@ It models the behaviours that decide correctness, not speed:
 * injectable faults at every effect: raise, hang (until cancelled), lie in
   the body, die mid-transfer.
 
-``FakeAdapter`` is a ``LifecycleAdapter`` like any other.
+``FakeAdapter`` is a ``LifecycleAdapter`` like any other, and a
+``HealthObserver``; ``FakeRecoverer`` is a ``Recoverer``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from rolloutcore.core.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
     ParameterManifest,
     Provenance,
@@ -500,7 +502,7 @@ class FakeAdapter:
         if not self.engine.dead:
             self.engine.pause(PauseMode.ABORT, timeout_s=1.0)
 
-    def cancel(self, step: str) -> None:
+    def cancel(self, step: Step) -> None:
         self._cancel.set()
 
     def close(self) -> None:
@@ -538,4 +540,4 @@ class FakeRecoverer:
                                 elapsed_s=time.monotonic() - t0)
 
     def cancel(self) -> None:
-        self.adapter.cancel("recover")
+        self.adapter.cancel(Step.RECOVER)

@@ -10,7 +10,7 @@ halves into vLLM (``vllm_plugin``, the entry point). ``compat`` holds the
 stand-ins for what vLLM 0.26 lacks.
 """
 
-from rolloutcore.transports.base import HTTPError, TransportBase, WeightTransport, preflight
+from rolloutcore.transports.base import TransportBase, WeightTransport, preflight
 from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient, VllmTrainerTransport
 from rolloutcore.transports.gloo import BACKEND as GLOO_BACKEND
 from rolloutcore.transports.gloo import GlooTransport
@@ -30,7 +30,6 @@ __all__ = [
     "BackendConflict",
     "DeviceGuard",
     "GlooTransport",
-    "HTTPError",
     "IpcTransport",
     "NcclTransport",
     "TargetAwareSyncClient",

@@ -42,11 +42,11 @@ from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.http import is_refusal, request
 from rolloutcore.transports.net import local_address_towards
 from rolloutcore.transports.source import WeightSource
 
 __all__ = [
-    "HTTPError",
     "TransportBase",
     "WeightTransport",
     "check_label",
@@ -87,24 +87,6 @@ class WeightTransport(Protocol):
 
     def close(self) -> None:
         ...
-
-
-class HTTPError(Exception):
-    """An engine route answered with a non-2xx status (or could not be reached)."""
-
-    def __init__(self, path: str, status: int | None, body: str,
-                 connect_failed: bool = False) -> None:
-        self.path = path
-        self.status = status
-        self.body = body
-        self.connect_failed = connect_failed
-        what = "unreachable" if connect_failed else f"HTTP {status}"
-        super().__init__(f"{path}: {what}: {body[:500]}")
-
-    @property
-    def refused(self) -> bool:
-        """The engine said no before doing anything (4xx), or was never reached."""
-        return self.connect_failed or (self.status is not None and 400 <= self.status < 500)
 
 
 def check_label(label: object) -> str:
@@ -202,15 +184,14 @@ class TransportBase:
     @staticmethod
     def post(base_url: str, path: str, body: dict[str, Any] | None,
              timeout_s: float) -> Any:
-        """POST and return the JSON body; ``HTTPError`` on non-2xx or no connection."""
-        import httpx
+        """POST and return the JSON body (or the text); failures as ``transports.http`` maps them.
 
-        try:
-            r = httpx.post(f"{base_url}{path}", json=body, timeout=timeout_s)
-        except httpx.ConnectError as exc:
-            raise HTTPError(path, None, repr(exc), connect_failed=True) from exc
-        if not 200 <= r.status_code < 300:
-            raise HTTPError(path, r.status_code, r.text)
+        A 4xx is ``EngineRefused`` and no connection ``EngineUnreachable``:
+        ``transports.http.is_refusal`` tells those from a call that may have
+        been acted on.
+        """
+        r = request("POST", f"{base_url}{path}", step=path.lstrip("/"), timeout_s=timeout_s,
+                    json_body=body)
         try:
             return r.json()
         except ValueError:
@@ -218,15 +199,8 @@ class TransportBase:
 
     @staticmethod
     def get(base_url: str, path: str, timeout_s: float) -> Any:
-        import httpx
-
-        try:
-            r = httpx.get(f"{base_url}{path}", timeout=timeout_s)
-        except httpx.ConnectError as exc:
-            raise HTTPError(path, None, repr(exc), connect_failed=True) from exc
-        if not 200 <= r.status_code < 300:
-            raise HTTPError(path, r.status_code, r.text)
-        return r.json()
+        return request("GET", f"{base_url}{path}", step=path.lstrip("/"),
+                       timeout_s=timeout_s).json()
 
     # -- waiting ----------------------------------------------------------------
 
@@ -237,7 +211,7 @@ class TransportBase:
         The first side call to fail decides the error: when the trainer's
         end fails, the engine's matching HTTP call will only fail later (on
         its own timeout), and vice versa. With ``refusal_is_safe``, an
-        engine that refused the call (``HTTPError.refused``) is reported as
+        engine that refused the call (``transports.http.is_refusal``) is reported as
         ``mutation_started=False``; abort and deadline never are, since the
         request may have arrived.
         """
@@ -250,7 +224,7 @@ class TransportBase:
                 if f.done():
                     exc = f.exception()
                     if exc is not None:
-                        safe = refusal_is_safe and isinstance(exc, HTTPError) and exc.refused
+                        safe = refusal_is_safe and is_refusal(exc)
                         raise self.classify(exc, what, mutation_started and not safe) from exc
                     pending.remove(f)
             if not pending:

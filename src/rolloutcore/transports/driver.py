@@ -35,9 +35,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import TransferEvidence
-from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
 from rolloutcore.transports.base import (
-    HTTPError,
     TransportBase,
     check_label,
     check_timeout,
@@ -45,6 +44,7 @@ from rolloutcore.transports.base import (
     preflight,
     run_side,
 )
+from rolloutcore.transports.http import is_refusal
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
@@ -141,8 +141,8 @@ class TargetAwareSyncClient:
 
 def _is_refusal(exc: BaseException) -> bool:
     """The engine said no to a request (4xx) or was never reached."""
-    if isinstance(exc, HTTPError):
-        return exc.refused
+    if isinstance(exc, RolloutCoreError):  # our own transports.http mapping
+        return is_refusal(exc)
     resp = getattr(exc, "response", None)  # requests.HTTPError, httpx.HTTPStatusError
     status = getattr(resp, "status_code", None)
     if isinstance(status, int):

@@ -53,8 +53,8 @@ DEFAULT_TOLERANCE = 0.005
 class Scorer(Protocol):
     """What the probe needs from an engine client (``VllmHTTP`` provides both)."""
 
-    def score(self, token_ids: Sequence[int], *, timeout_s: float | None = None,
-              mutation_started: bool = True) -> list[float | None]: ...
+    def score(self, token_ids: Sequence[int], *,
+              timeout_s: float | None = None) -> list[float | None]: ...
 
 
 @dataclass(frozen=True)

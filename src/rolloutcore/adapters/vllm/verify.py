@@ -58,13 +58,12 @@ def engine_layout(http: VllmHTTP, *, timeout_s: float | None = None) -> dict[str
     """
     if not isinstance(http, VllmHTTP):
         raise BadInput("http must be a VllmHTTP")
-    info = http.server_info(timeout_s=timeout_s, mutation_started=False)
+    info = http.server_info(timeout_s=timeout_s)
     cfg = info.get("vllm_config")
     if not isinstance(cfg, Mapping):
         raise EffectError("server_info", "no vllm_config in /server_info: engine layout "
                           "unknown", mutation_started=False)
-    out: dict[str, Any] = {"vllm_version": http.version(timeout_s=timeout_s,
-                                                        mutation_started=False)}
+    out: dict[str, Any] = {"vllm_version": http.version(timeout_s=timeout_s)}
     for key, (section, name) in LAYOUT_FIELDS.items():
         sec = cfg.get(section)
         v = sec.get(name) if isinstance(sec, Mapping) else None
@@ -82,7 +81,7 @@ def take_reference(http: VllmHTTP, content_digest: str, *, origin: str = "cold-l
     """
     if not isinstance(http, VllmHTTP):
         raise BadInput("http must be a VllmHTTP")
-    cs = http.weight_checksums(timeout_s=timeout_s, mutation_started=False)
+    cs = http.weight_checksums(timeout_s=timeout_s)
     return ReferenceChecksums(content_digest, engine_layout(http, timeout_s=timeout_s),
                               raw_checksums(cs), origin, source or http.base_url)
 
@@ -240,7 +239,7 @@ def verify_engine(http: VllmHTTP, reference: ReferenceChecksums, *,
     """``verify`` of the engine behind ``http`` now, with the layouts compared as well."""
     if not isinstance(reference, ReferenceChecksums):
         raise BadInput("reference must be a ReferenceChecksums")
-    report = verify(http.weight_checksums(timeout_s=timeout_s, mutation_started=False),
+    report = verify(http.weight_checksums(timeout_s=timeout_s),
                     reference)
     diff = layout_diff(reference.layout, engine_layout(http, timeout_s=timeout_s))
     return dataclasses.replace(report, layout_mismatch=tuple(diff)) if diff else report

@@ -1,0 +1,564 @@
+"""``VllmAdapter``: the lifecycle port over one vLLM server (``VllmHTTP``) and a transport.
+
+It performs each step's effects and returns evidence; whether an effect
+*worked* is the controller's call, from that evidence. What the engine does
+not offer (vLLM 0.26: no ``/weight_info``, no ``/weight_checker``, no
+per-token ``weight_versions``) is stated in ``Evidence.unverified``, never
+assumed.
+
+The failure policy's one input from an adapter is whether a failed step may
+have changed the engine's weights (``EffectError.mutation_started``). The
+HTTP client cannot know; each step does, and says it once, in
+``STEP_MAY_MUTATE``: a step declared ``False`` can prove the weights are
+untouched, so whatever it raises says so. A transfer may mutate once it has
+sent anything; what it refuses before sending says ``False`` where it is
+raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Protocol, runtime_checkable
+
+from rolloutcore.adapters.vllm.checksums import compare_checksums
+from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
+from rolloutcore.core.evidence import (
+    BootstrapEvidence,
+    CacheKind,
+    CacheResetEvidence,
+    Check,
+    DrainEvidence,
+    HealthEvidence,
+    PauseMode,
+    PreflightEvidence,
+    ResumeEvidence,
+    TransferEvidence,
+    UpdateTarget,
+    ValidationEvidence,
+)
+from rolloutcore.core.lifecycle import Step
+from rolloutcore.core.versions import Provenance
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EngineUnavailable,
+    RolloutCoreError,
+    TransferError,
+)
+from rolloutcore.provenance.trajectory import EngineIdentity
+from rolloutcore.transports.base import WeightTransport
+from rolloutcore.transports.source import WeightSource
+
+__all__ = [
+    "STEP_MAY_MUTATE",
+    "CheckingTransport",
+    "ProbeSet",
+    "VllmAdapter",
+    "engine_identity",
+]
+
+#: Whether a failure inside each of the adapter's steps may have changed the
+#: engine's weights. ``False`` is a proof, so only steps that move no weights
+#: and run before this update's transfer say it.
+STEP_MAY_MUTATE: Mapping[Step, bool] = MappingProxyType({
+    Step.BOOTSTRAP: False,   # reads, and the transport's handshake: no weights move
+    Step.DRAIN: False,       # /pause and reads, before this update's transfer
+    Step.PREFLIGHT: False,   # compares the staged source; no engine call
+    Step.TRANSFER: True,     # once sent (refusals before the send say False themselves)
+    Step.INVALIDATE: True,   # after the transfer: the weights there may be new
+    Step.VALIDATE: True,
+    Step.RESUME: True,
+    Step.SERVE: False,       # observe_health, between updates: reads only
+})
+
+
+@contextlib.contextmanager
+def _step(step: Step) -> Iterator[None]:
+    """Apply ``STEP_MAY_MUTATE[step]`` to what the step raises (also a decorator)."""
+    try:
+        yield
+    except EffectError as exc:
+        if not STEP_MAY_MUTATE[step]:
+            exc.mutation_started = False
+        raise
+
+
+@runtime_checkable
+class CheckingTransport(Protocol):
+    """A transport that can check what it installed (e.g. rc_cuda_ipc's block checksum
+    of the updated slices, computed on the workers): an optional capability."""
+
+    def validation_check(self, base_url: str) -> Check:
+        ...
+
+
+def engine_identity(http: VllmHTTP, *, timeout_s: float | None = None) -> EngineIdentity:
+    """What a trajectory records about the engine, read from the engine (``/server_info``).
+
+    The settings that decide whether a sample can be replayed exactly (dtype,
+    context, logprobs mode, prefix caching), never assumed by the caller.
+    """
+    cfg = http.server_info(timeout_s=timeout_s).get("vllm_config") or {}
+    mc = cfg.get("model_config") or {}
+    cc = cfg.get("cache_config") or {}
+    config = {"dtype": str(mc.get("dtype", "")).removeprefix("torch.") or None,
+              "max_model_len": mc.get("max_model_len"),
+              "logprobs_mode": mc.get("logprobs_mode"),
+              "enable_prefix_caching": cc.get("enable_prefix_caching")}
+    return EngineIdentity(http.version(timeout_s=timeout_s),
+                          http.model(timeout_s=timeout_s),
+                          {k: v for k, v in config.items() if v is not None}, http.base_url)
+
+
+@runtime_checkable
+class ProbeSet(Protocol):
+    """Behavioural validation (issue 9): run fixed probes, compare with expectations.
+
+    Provided by another module; the adapter calls it after resume with
+    admission still closed and records the returned check.
+    """
+
+    def run(self, http: VllmHTTP, target: UpdateTarget) -> Check:
+        ...
+
+
+@dataclass
+class _Staged:
+    source: WeightSource
+    provenance: Provenance | None
+    reference_checksums: Mapping[str, str] | None
+    probes: ProbeSet | None
+    manifest_digest: str
+
+
+class VllmAdapter:
+    """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
+
+    The trainer side calls ``stage(source, ...)`` before each update; the
+    runner then drives ``drain -> preflight -> transfer -> reset_cache ->
+    validate -> resume -> validate(live=True)``. ``engine_epoch`` should come
+    from the launcher (``ManagedEngine.epoch``); without it the adapter derives
+    one from the engine's ``instance_id`` (new on every process start).
+    """
+
+    def __init__(self, http: VllmHTTP, transport: WeightTransport | None = None, *,
+                 engine_epoch: str | None = None, probes: ProbeSet | None = None,
+                 drain_timeout_s: float = 120.0, transfer_timeout_s: float = 300.0,
+                 connect_timeout_s: float = 120.0, early_transport_check: bool = True) -> None:
+        if not isinstance(http, VllmHTTP):
+            raise BadInput("http must be a VllmHTTP")
+        if engine_epoch is not None and (not isinstance(engine_epoch, str) or not engine_epoch):
+            raise BadInput("engine_epoch must be a non-empty string or None")
+        if probes is not None and not isinstance(probes, ProbeSet):
+            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
+        self.http = http
+        self.transport = transport
+        self.probes = probes
+        self._epoch = engine_epoch
+        self._drain_timeout_s = check_timeout(drain_timeout_s)
+        self._transfer_timeout_s = check_timeout(transfer_timeout_s)
+        self._connect_timeout_s = check_timeout(connect_timeout_s)
+        self._staged: _Staged | None = None
+        self._connected = False
+        self._caches: tuple[CacheKind, ...] = tuple(CacheKind)
+        self._sleeping_at_drain: bool | None = None
+        # The engine's enable_sleep_mode, read at bootstrap (None: not known).
+        self._sleep_mode: bool | None = None
+        self._side_pool: ThreadPoolExecutor | None = None
+        if not isinstance(early_transport_check, bool):
+            raise BadInput("early_transport_check must be a boolean")
+        # The transport's own check of what it installed, started as soon as the
+        # transfer returns (see ``transfer``) and collected by the paused validation.
+        self.early_transport_check = early_transport_check
+        self._early: tuple[UpdateTarget, Future[Check], Future[bool] | None] | None = None
+        # vLLM's instance_id at bootstrap (None: the engine does not say); a
+        # different one later means the engine process was replaced behind us.
+        self._instance_id: str | None = None
+
+    @classmethod
+    def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
+                   timeout_s: float = 30.0, **kw: Any) -> VllmAdapter:
+        """An adapter for a launcher's engine (anything with ``base_url`` and ``epoch``)."""
+        return cls(VllmHTTP(engine.base_url, timeout_s=timeout_s), transport,
+                   engine_epoch=str(engine.epoch), **kw)
+
+    # -- trainer side -------------------------------------------------------
+
+    def stage(self, source: WeightSource, *, provenance: Provenance | None = None,
+              reference_checksums: Mapping[str, str] | None = None,
+              probes: ProbeSet | None = None) -> None:
+        """Set what the next transfer sends, and what the next validation compares with.
+
+        ``source`` is a ``rolloutcore.transports.source.WeightSource``; ``reference_checksums``
+        are ``/weight_checker``-style sha256 digests of the target's engine
+        parameters; ``probes`` override the adapter's default probe set.
+        """
+        if not isinstance(source, WeightSource):
+            raise BadInput(f"source must be a WeightSource, got {type(source).__name__} "
+                           "(WeightSource.of() takes a module, a state dict or a checkpoint)")
+        if provenance is not None and not isinstance(provenance, Provenance):
+            raise BadInput("provenance must be a Provenance or None")
+        if reference_checksums is not None:
+            if not isinstance(reference_checksums, Mapping) or not reference_checksums or \
+                    not all(isinstance(k, str) and isinstance(v, str)
+                            for k, v in reference_checksums.items()):
+                raise BadInput("reference_checksums must be a non-empty mapping of str to str")
+            reference_checksums = dict(reference_checksums)
+        if probes is not None and not isinstance(probes, ProbeSet):
+            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
+        self._staged = _Staged(source, provenance, reference_checksums, probes,
+                               source.manifest().digest)
+
+    @property
+    def staged(self) -> WeightSource | None:
+        return None if self._staged is None else self._staged.source
+
+    # -- port ---------------------------------------------------------------
+
+    @property
+    def caches(self) -> tuple[CacheKind, ...]:
+        """Caches with a reset route (all three until ``bootstrap`` has read the routes)."""
+        return self._caches
+
+    @_step(Step.BOOTSTRAP)
+    def bootstrap(self) -> BootstrapEvidence:
+        t0 = time.monotonic()
+        h = self.http
+        unverified: list[str] = []
+        healthy = h.health()
+        if not healthy:
+            # The API server answers but its engine is dead: describe nothing more.
+            return BootstrapEvidence(self._epoch or f"vllm-dead-{uuid.uuid4().hex[:12]}",
+                                     False, elapsed_s=time.monotonic() - t0,
+                                     unverified=("engine unhealthy: not described",))
+        caps = h.capabilities(refresh=True)
+        self._caches = tuple(k for k in CacheKind if CACHE_ROUTES[k] in caps)
+        info: dict[str, Any] = {"base_url": h.base_url, "model": h.model()}
+        info["vllm_version"] = h.version() if Routes.VERSION in caps else None
+        instance_id = None
+        if Routes.SERVER_INFO in caps:
+            si = h.server_info()
+            cfg = si.get("vllm_config")
+            if isinstance(cfg, dict):
+                instance_id = cfg.get("instance_id")
+                wt = cfg.get("weight_transfer_config")
+                info["weight_transfer_config"] = wt
+                mc = cfg.get("model_config")
+                sleep = mc.get("enable_sleep_mode") if isinstance(mc, dict) else None
+                self._sleep_mode = sleep if isinstance(sleep, bool) else None
+                info["enable_sleep_mode"] = self._sleep_mode
+        info["instance_id"] = instance_id
+        self._instance_id = instance_id if isinstance(instance_id, str) and instance_id else None
+        epoch = self._epoch
+        if epoch is None:
+            if instance_id:
+                epoch = f"vllm-{instance_id}"
+            else:
+                epoch = f"vllm-unidentified-{uuid.uuid4().hex[:12]}"
+                unverified.append("engine incarnation not identifiable (no instance_id): "
+                                  "epoch is local to this adapter")
+            self._epoch = epoch
+        wi = h.weight_info()
+        if not wi.label_supported:
+            unverified.append("no weight_version endpoint: label not verified")
+        if Routes.WEIGHT_CHECKER not in caps:
+            unverified.append("no /weight_checker: engine checksums not available")
+        if Routes.GENERATE not in caps:
+            unverified.append("no /inference/v1/generate: per-token weight versions not seen")
+        missing = [k.value for k in CacheKind if k not in self._caches]
+        if missing:
+            unverified.append(f"cache reset routes absent: {', '.join(missing)}")
+        if Routes.IS_PAUSED in caps:
+            info["paused"] = h.is_paused()
+        if self.transport is not None:
+            wt = info.get("weight_transfer_config")
+            engine_backend = wt.get("backend") if isinstance(wt, dict) else None
+            if Routes.SERVER_INFO in caps and engine_backend != self.transport.backend:
+                # Connecting would block on a handshake the engine never joins.
+                raise EngineUnavailable(
+                    "bootstrap", f"engine weight-transfer backend is {engine_backend!r}, "
+                    f"the transport is {self.transport.backend!r} (start the engine with "
+                    f"--weight-transfer-config {json.dumps(self.transport.engine_config())})")
+            self._ensure_connected(self.transport, EngineUnavailable, "bootstrap")
+            info["transport"] = self.transport.backend
+        return BootstrapEvidence(epoch, healthy, wi.label, wi.label_supported, caps, info,
+                                 elapsed_s=time.monotonic() - t0, unverified=tuple(unverified))
+
+    def _ensure_connected(self, transport: WeightTransport,
+                          error: type[EngineUnavailable | TransferError], step: str) -> None:
+        """The transport's init handshake (no weights change), once per engine."""
+        if self._connected:
+            return
+        try:
+            transport.connect(self.http.base_url, timeout_s=self._connect_timeout_s)
+        except RolloutCoreError:
+            raise
+        except Exception as exc:
+            raise error(step, f"transport connect failed: {exc!r}",
+                        mutation_started=False) from exc
+        self._connected = True
+
+    @_step(Step.DRAIN)
+    def drain(self, mode: PauseMode) -> DrainEvidence:
+        """``/pause?mode=...&clear_cache=false`` then ``/is_paused``.
+
+        The cache is never cleared here: invalidation is its own step, after the
+        transfer, with its own evidence.
+        """
+        if not isinstance(mode, PauseMode):
+            raise BadInput(f"mode must be a PauseMode, got {mode!r}")
+        t0 = time.monotonic()
+        self._sleeping_at_drain = self._sleep_state()
+        said = self.http.pause(mode, clear_cache=False, timeout_s=self._drain_timeout_s)
+        # The answer is sent once the engine core has paused; only an answer
+        # that does not say so costs a second round trip to ask.
+        paused = said or self.http.is_paused()
+        return DrainEvidence(paused, mode, elapsed_s=time.monotonic() - t0,
+                             unverified=("engine in-flight count not observed "
+                                         "(the pause call's return is the drain signal)",))
+
+    def _sleep_state(self) -> bool | None:
+        """Whether the engine's weights are asleep; ``None`` when it cannot be told.
+
+        vLLM's ``/is_sleeping`` is true when the engine sleeps *or* is paused,
+        so it is read before the drain's pause, and a paused engine is unknown.
+        (An update into sleeping weights writes to freed memory: vLLM #57853.)
+        """
+        h = self.http
+        if self._sleep_mode is False:
+            return False  # started without sleep mode: its weights cannot be put to sleep
+        if Routes.IS_SLEEPING not in h.capabilities():
+            return None
+        if not h.is_sleeping():
+            return False
+        if Routes.IS_PAUSED in h.capabilities() and \
+                not h.is_paused():
+            return True
+        return None
+
+    @_step(Step.PREFLIGHT)
+    def preflight(self, target: UpdateTarget) -> PreflightEvidence:
+        """Compare the staged source with the target's identity. Mutates nothing."""
+        t0 = time.monotonic()
+        if not isinstance(target, UpdateTarget):
+            raise BadInput("target must be an UpdateTarget")
+        unverified = ["engine parameter manifest not compared "
+                      "(vLLM fuses and renames parameters)"]
+        st = self._staged
+        if st is None:
+            return PreflightEvidence("", None, detail="no weight source staged for this update",
+                                     elapsed_s=time.monotonic() - t0,
+                                     unverified=tuple(unverified))
+        details = []
+        want_content = target.identity.content_digest
+        if want_content is not None:
+            got = st.source.content_digest()
+            if got != want_content:
+                details.append(f"source content digest {got[:12]} differs from the "
+                               f"target's {want_content[:12]}")
+        else:
+            unverified.append("target declares no content digest: source content not checked")
+        if st.provenance is None:
+            unverified.append("no provenance staged with the source: provenance not compared")
+        if self._sleeping_at_drain is True:
+            details.append("engine was asleep when drained: weights cannot be updated")
+        elif self._sleeping_at_drain is None:
+            unverified.append("engine sleep state unknown (vLLM's is_sleeping also reports "
+                              "a pause): not checked")
+        return PreflightEvidence(st.manifest_digest, st.provenance, None,
+                                 detail="; ".join(details), elapsed_s=time.monotonic() - t0,
+                                 unverified=tuple(unverified))
+
+    @_step(Step.TRANSFER)
+    def transfer(self, target: UpdateTarget) -> TransferEvidence:
+        if self._staged is None or self.transport is None:
+            raise TransferError("transfer", "no weight source staged" if self.transport
+                                else "no weight transport", mutation_started=False)
+        self._ensure_connected(self.transport, TransferError, "transfer")
+        self._early = None
+        try:
+            ev = self.transport.send(self.http.base_url, target.version.label,
+                                     self._staged.source, timeout_s=self._transfer_timeout_s)
+        except RolloutCoreError:
+            raise
+        except Exception as exc:
+            raise TransferError("transfer", f"{type(exc).__name__}: {exc}",
+                                mutation_started=True) from exc
+        # The update session is over and the engine stays paused until the runner
+        # resumes it, after the validation: the transport's check of what it
+        # installed (a read of the parameters on the workers) can start now and
+        # overlap the cache reset, which does not touch weights. The validation
+        # collects it, for this target only.
+        # The paused state is read then too (the engine stays paused until the runner
+        # resumes it after the validation, so a read from here on is inside the
+        # same paused window as one taken during the validation).
+        tr = self.transport
+        if self.early_transport_check and isinstance(tr, CheckingTransport):
+            side = self._side()
+            check = side.submit(tr.validation_check, self.http.base_url)
+            paused = (side.submit(self.http.is_paused)
+                      if Routes.IS_PAUSED in self.http.capabilities() else None)
+            self._early = (target, check, paused)
+        return ev
+
+    @_step(Step.INVALIDATE)
+    def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        return self.http.reset_cache(cache)
+
+    @_step(Step.VALIDATE)
+    def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
+        """``live=False``: label, paused state, engine checksums; ``live=True``: probes."""
+        t0 = time.monotonic()
+        h = self.http
+        st = self._staged
+        if live:
+            probes = (st.probes if st is not None and st.probes is not None else self.probes)
+            if probes is None:
+                return None
+            wi = h.weight_info()
+            check = probes.run(h, target)
+            if not isinstance(check, Check):
+                raise EffectError("validate_live", f"probe set returned {type(check).__name__}, "
+                                  "not a Check")
+            live_paused = h.is_paused() if h.has(Routes.IS_PAUSED) else None
+            return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
+                                      checks=(check,), elapsed_s=time.monotonic() - t0)
+        unverified: list[str] = []
+        wi = h.weight_info()
+        if not wi.label_supported:
+            unverified.append("no weight_version endpoint: label not verified")
+        caps = h.capabilities()
+        # A transport that can check what it installed (e.g. rc_cuda_ipc's block
+        # checksum of the updated slices, computed on the workers) adds its own
+        # evidence: on vLLM 0.26 it is the only evidence there is. The paused
+        # state is read alongside it: both are taken inside the paused window
+        # (only the runner resumes, after this returns), one round trip apart.
+        checker = self.transport if isinstance(self.transport, CheckingTransport) else None
+        early, self._early = self._early, None
+        if early is not None and early[0] != target:
+            early = None
+        paused_read: Future[bool] | None = None
+        if early is not None and early[2] is not None:
+            paused_read = early[2]
+        elif Routes.IS_PAUSED in caps and checker is not None:
+            paused_read = self._side().submit(h.is_paused)
+        checks: list[Check] = []
+        ref = None if st is None else st.reference_checksums
+        if Routes.WEIGHT_CHECKER not in caps:
+            unverified.append("no /weight_checker: engine checksums not verified")
+        elif ref is None:
+            unverified.append("no reference checksums for the target: "
+                              "engine checksums not compared")
+        else:
+            cmp = compare_checksums(h.weight_checksums(), ref)
+            checks.append(cmp.to_check())
+            if cmp.unverifiable:
+                unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
+                                  "hash as zero bytes (repacked): content not verifiable")
+        if checker is not None:
+            if early is not None:
+                chk = early[1].result()
+                if isinstance(chk, Check):
+                    chk = dataclasses.replace(chk, detail=(
+                        f"{chk.detail}; read after the transfer, alongside the cache reset"
+                    ).lstrip("; "))
+            else:
+                chk = checker.validation_check(h.base_url)
+            if not isinstance(chk, Check):
+                raise EffectError("validate", f"transport check returned {type(chk).__name__}")
+            checks.append(chk)
+        if paused_read is not None:
+            paused: bool | None = paused_read.result()
+        else:
+            paused = h.is_paused() if Routes.IS_PAUSED in caps else None
+        return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
+                                  checks=tuple(checks), elapsed_s=time.monotonic() - t0,
+                                  unverified=tuple(unverified))
+
+    @_step(Step.SERVE)
+    def observe_health(self, *, timeout_s: float = 5.0) -> HealthEvidence:
+        """Between updates: does the engine answer, is it healthy, is it the same process?
+
+        ``/health``, then (when bootstrap saw an ``instance_id``)
+        ``/server_info``'s ``instance_id``: a restarted engine answers healthy
+        but serves its start checkpoint, which only the incarnation reveals.
+        """
+        t0 = time.monotonic()
+        h = self.http
+        try:
+            healthy = h.health(timeout_s=timeout_s)
+            now: object = None
+            if healthy and self._instance_id is not None:
+                cfg = h.server_info(timeout_s=timeout_s).get(
+                    "vllm_config")
+                now = cfg.get("instance_id") if isinstance(cfg, dict) else None
+        except RolloutCoreError as exc:
+            return HealthEvidence(False, False, reason=str(exc),
+                                  elapsed_s=time.monotonic() - t0)
+        restarted = healthy and self._instance_id is not None and now != self._instance_id
+        reason = (f"instance_id {self._instance_id} is now {now}" if restarted
+                  else "" if healthy else "/health answered non-200")
+        return HealthEvidence(True, healthy, restarted, reason,
+                              elapsed_s=time.monotonic() - t0)
+
+    def _side(self) -> ThreadPoolExecutor:
+        """Worker threads for engine reads that overlap another call (two: the early
+        transport check and the paused-state read may be in flight together)."""
+        if self._side_pool is None:
+            self._side_pool = ThreadPoolExecutor(2, thread_name_prefix="rc-vllm-side")
+        return self._side_pool
+
+    @_step(Step.RESUME)
+    def resume(self) -> ResumeEvidence:
+        t0 = time.monotonic()
+        said = self.http.resume()
+        unverified: tuple[str, ...] = ()
+        after: bool | None
+        if said:  # sent once the engine core has resumed its scheduler
+            after = False
+        elif Routes.IS_PAUSED in self.http.capabilities():
+            after = self.http.is_paused()
+        else:
+            after, unverified = None, ("no /is_paused: resume not confirmed",)
+        return ResumeEvidence(True, after, elapsed_s=time.monotonic() - t0,
+                              unverified=unverified)
+
+    def fence(self) -> None:
+        """Best effort: abort and hold everything. A tainted engine must serve no one."""
+        with contextlib.suppress(RolloutCoreError):
+            self.http.pause(PauseMode.ABORT, clear_cache=False,
+                            timeout_s=min(10.0, self.http.timeout_s))
+
+    def cancel(self, step: Step) -> None:
+        """Unblock ``step``, called from the runner's watchdog thread."""
+        if step is Step.TRANSFER and self.transport is not None:
+            # The transfer group is torn down: the next transfer reconnects.
+            self._connected = False
+            self.transport.abort()
+        else:
+            self.http.cancel_inflight()
+
+    def close(self) -> None:
+        try:
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            self._connected = False
+            if self._side_pool is not None:
+                self._side_pool.shutdown(wait=False)
+                self._side_pool = None
+            self.http.close()
+
+    def __enter__(self) -> VllmAdapter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,119 @@
+"""What vLLM's answers are parsed into: typed, once, at the edge.
+
+``VllmHTTP`` returns these; nothing past it reads vLLM's JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from rolloutcore.errors import BadInput
+
+__all__ = [
+    "PREFIX_HITS",
+    "PREFIX_QUERIES",
+    "Completion",
+    "Generation",
+    "MetricsSnapshot",
+    "PrefixCacheDelta",
+    "VersionSpan",
+    "WeightInfo",
+    "prefix_cache_delta",
+]
+
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+
+@dataclass(frozen=True)
+class WeightInfo:
+    """The engine's weight-version label; ``None`` where it has none (vLLM 0.26)."""
+
+    label: str | None
+    label_supported: bool
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` were sampled by weights the engine labels ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise BadInput(f"bad weight-version span [{self.start}, {self.end})")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One choice of ``/inference/v1/generate``.
+
+    ``logprobs`` are the sampled tokens' logprobs (``None`` if not asked);
+    ``weight_versions`` is ``None`` when the engine does not report spans.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: str | None
+    weight_versions: tuple[VersionSpan, ...] | None
+
+    def versions(self) -> frozenset[str]:
+        """The labels that sampled at least one output token."""
+        return frozenset(s.version for s in self.weight_versions or () if s.end > s.start)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One choice of ``/v1/completions``."""
+
+    text: str
+    token_ids: tuple[int, ...] | None
+    logprobs: tuple[float | None, ...] | None
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Prometheus samples of one ``/metrics`` scrape, summed over label sets.
+
+    Histogram buckets and summary quantiles are left out (their sum over
+    labels means nothing); counters and gauges are kept by sample name, so
+    ``values["vllm:prefix_cache_hits_total"]`` is the engine-wide total.
+    """
+
+    values: Mapping[str, float]
+    taken_at: float
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+
+@dataclass(frozen=True)
+class PrefixCacheDelta:
+    """Prefix-cache tokens queried and hit between two scrapes (after minus before)."""
+
+    queries: float
+    hits: float
+
+    @property
+    def hit_rate(self) -> float | None:
+        return None if self.queries == 0 else self.hits / self.queries
+
+
+def prefix_cache_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> PrefixCacheDelta:
+    """Prefix-cache queries and hits between two scrapes of one engine incarnation."""
+    out = []
+    for name in (PREFIX_QUERIES, PREFIX_HITS):
+        a, b = after.get(name), before.get(name)
+        if a is None or b is None:
+            raise BadInput(f"metric {name} missing from a snapshot "
+                           "(is prefix caching enabled?)")
+        if a < b:
+            raise BadInput(f"{name} went down ({b} -> {a}): the snapshots come from "
+                           "different engine incarnations")
+        out.append(a - b)
+    return PrefixCacheDelta(queries=out[0], hits=out[1])

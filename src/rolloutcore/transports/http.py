@@ -1,0 +1,169 @@
+"""HTTP to vLLM: the one place where a failed request becomes the exception tree.
+
+Every client of a vLLM server meets the same failures: the adapter's
+``VllmHTTP``, the transports' calls to the weight-transfer routes, the
+recoverer's label write, the gateway's own data-path client
+(``service.upstream``, hand-written for speed). The deadline expires, the
+connection is refused or reset, the answer is not HTTP, the server answers
+5xx or 4xx. Each becomes the most specific class of ``rolloutcore.errors``
+here, and nowhere else, with ``raise ... from exc`` (httpx's
+``_transports/default.py`` ``map_exceptions`` is the model):
+
+* ``map_errors``: a context manager around one request made with httpx;
+* ``transport_error``: the same mapping for a client that meets the
+  exception elsewhere (the gateway's, inside its protocol callbacks);
+* ``status_error``: the same for a status code that is not a success.
+
+What each class lets a caller conclude:
+
+* ``EffectTimeout``: the deadline expired; the request may have arrived;
+* ``EngineUnreachable``: no connection was made; nothing was delivered;
+* ``EngineUnavailable``: the connection broke, the answer was not HTTP, or
+  the server answered 5xx; the request may have been acted on;
+* ``EngineRefused``: a 4xx; the engine refused before acting
+  (``RequestRejected`` when it found the request itself malformed).
+
+``is_refusal`` is what the weight transports ask of a failed call: only a
+refusal proves the engine did nothing with it. Whether the engine's
+*weights* changed is not known here (``mutation_started`` stays ``True``):
+only the step that sent the request knows (see ``rolloutcore.errors``).
+
+httpx is imported only where a request is made: the engine half of the
+gloo transport imports this package inside vLLM's workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from rolloutcore.errors import (
+    EffectError,
+    EffectTimeout,
+    EngineRefused,
+    EngineUnavailable,
+    EngineUnreachable,
+    RequestRejected,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = [
+    "BODY_SNIPPET",
+    "is_refusal",
+    "map_errors",
+    "raise_for_status",
+    "request",
+    "snippet",
+    "status_error",
+    "transport_error",
+]
+
+#: How much of an answer's body an error message quotes.
+BODY_SNIPPET = 300
+
+
+def snippet(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= BODY_SNIPPET else text[:BODY_SNIPPET] + "..."
+
+
+def transport_error(exc: BaseException, step: str, what: str, *, timeout_s: float,
+                    connecting: bool = False) -> EffectError:
+    """The tree's error for a request that failed below HTTP (no status to read).
+
+    ``what`` names the request (``"POST /pause"``); ``connecting`` says the
+    failure happened while the connection was being made (httpx says so
+    itself with ``ConnectError``).
+    """
+    httpx_mod = sys.modules.get("httpx")  # an httpx error implies httpx is imported
+    if isinstance(exc, TimeoutError) or (
+            httpx_mod is not None and isinstance(exc, httpx_mod.TimeoutException)):
+        return EffectTimeout(step, timeout_s, detail=what)
+    reason = f"{what}: {type(exc).__name__}: {exc}"
+    if connecting or (httpx_mod is not None and isinstance(exc, httpx_mod.ConnectError)):
+        return EngineUnreachable(step, reason)
+    return EngineUnavailable(step, reason)
+
+
+@contextlib.contextmanager
+def map_errors(step: str, what: str, *, timeout_s: float,
+               cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+    """Translate what an httpx request raises into the tree.
+
+    ``cancelled`` tells a connection shut down on purpose (a watchdog
+    unblocking a stuck call from another thread) from one the engine broke:
+    the former is the step's timeout, however soon it came.
+    """
+    import httpx
+
+    t0 = time.monotonic()
+    try:
+        yield
+    except (httpx.RequestError, OSError) as exc:
+        if cancelled is not None and not isinstance(exc, (httpx.TimeoutException, TimeoutError)) \
+                and cancelled():
+            raise EffectTimeout(step, time.monotonic() - t0,
+                                detail=f"{what}: cancelled by its watchdog") from exc
+        raise transport_error(exc, step, what, timeout_s=timeout_s) from exc
+
+
+def status_error(step: str, what: str, status: int, body: str, *,
+                 offered: bool = True) -> EffectError | None:
+    """The tree's error for an answer with status ``status``; ``None`` for a 2xx.
+
+    ``offered=False``: the engine's ``/openapi.json`` does not list the
+    route, so a 404 or 405 means "not offered", not "bad request". A 403 is
+    always "not offered": vLLM refuses its dev and scale-out routes so when
+    they are switched off.
+    """
+    if 200 <= status < 300:
+        return None
+    text = snippet(body)
+    if status >= 500:
+        return EngineUnavailable(step, f"{what} answered HTTP {status}: {text}", status=status)
+    if status == 403 or (status in (404, 405) and not offered):
+        return EngineRefused(step, f"{what} not offered by this engine (HTTP {status}): {text}",
+                             status=status)
+    if status >= 400:
+        return RequestRejected(step, f"{what} refused with HTTP {status}: {text}",
+                               status=status)
+    return EngineUnavailable(step, f"{what} answered HTTP {status}, not a success: {text}",
+                             status=status)
+
+
+def raise_for_status(resp: httpx.Response, step: str, what: str, *,
+                     offered: bool = True) -> httpx.Response:
+    """``resp`` itself when it is a 2xx; else ``status_error``'s error."""
+    err = status_error(step, what, resp.status_code, resp.text, offered=offered)
+    if err is not None:
+        raise err
+    return resp
+
+
+def request(method: str, url: str, *, step: str, timeout_s: float, json_body: Any = None,
+            client: httpx.Client | None = None) -> httpx.Response:
+    """One request, its failures in the tree; returns a 2xx answer.
+
+    For the callers that make one call now and then (the transports, the
+    recoverer); ``VllmHTTP`` keeps a pool and uses the same mapping.
+    """
+    import httpx
+
+    what = f"{method} {urlsplit(url).path}"
+    with map_errors(step, what, timeout_s=timeout_s):
+        if client is None:
+            resp = httpx.request(method, url, json=json_body, timeout=timeout_s)
+        else:
+            resp = client.request(method, url, json=json_body, timeout=timeout_s)
+    return raise_for_status(resp, step, what)
+
+
+def is_refusal(exc: BaseException) -> bool:
+    """The engine said no before acting (4xx), or the request never reached it."""
+    return isinstance(exc, (EngineRefused, EngineUnreachable))
