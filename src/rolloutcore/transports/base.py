@@ -42,6 +42,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.versions import check_label
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.source import WeightSource
 
@@ -105,13 +106,6 @@ class HTTPError(Exception):
     def refused(self) -> bool:
         """The engine said no before doing anything (4xx), or was never reached."""
         return self.connect_failed or (self.status is not None and 400 <= self.status < 500)
-
-
-def check_label(label: object) -> str:
-    if not isinstance(label, str) or not label or len(label) > 128 or any(
-            c.isspace() for c in label):
-        raise BadInput(f"target label must be a non-empty string without spaces, got {label!r}")
-    return label
 
 
 def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:

@@ -66,7 +66,7 @@ from rolloutcore.core.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
-from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.core.versions import EngineIdentity, Provenance, VerificationLevel
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -75,7 +75,6 @@ from rolloutcore.errors import (
     RolloutCoreError,
     TransferError,
 )
-from rolloutcore.provenance.trajectory import EngineIdentity
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
 
