@@ -573,3 +573,19 @@ def test_concurrent_admissions_and_update_keep_invariants() -> None:
     assert [v.label for v in c.published] == ["rc-0", "rc-1", "rc-2", "rc-3", "rc-4", "rc-5"]
     assert check_journal(j.records) == []
     assert sum(r.kind == "admit" for r in j.records) > 0
+
+
+def test_wait_idle_reads_the_injected_clock() -> None:
+    """The drain deadline is on the controller's clock, not the wall's."""
+    now = [0.0]
+    c = LifecycleController(clock=lambda: now[0])
+    c.bootstrap(boot_ev(), ident(0))
+    c.admit("r")
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(c.wait_idle(3600.0)))
+    waiter.start()
+    now[0] = 3600.5  # an hour passes on the controller's clock
+    waiter.join(30)
+    assert not waiter.is_alive() and got == [False]
+    c.complete("r")
+    assert c.wait_idle(3600.0) is True

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from rolloutcore.core.lifecycle import LifecycleController
 
 _TYPES = frozenset(RECORD_TYPES.values())
+_LINGER_S = 0.005  # how long the writer lets a batch grow before writing it
 
 __all__ = [
     "KINDS",
@@ -81,6 +82,7 @@ class Journal:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise JournalError(f"{name} must be a positive number, got {v!r}")
         self._cond = threading.Condition(threading.Lock())
+        self._io = threading.Lock()        # held while a batch is written (writer or sync)
         self._seq = 0
         self._written = 0                  # highest seq on disk (flushed)
         self._pending: list[JournalRecord] = []
@@ -161,55 +163,78 @@ class Journal:
                 else:
                     self._pending.append(jr)
                     if len(self._pending) == 1:
-                        self._cond.notify_all()
+                        self._cond.notify_all()  # wake the writer (it lingers, then writes)
         if failed is not None:
             self._tell(failed)
             raise JournalError(f"journal failed: {failed}")
         return jr
 
     def sync(self) -> None:
-        """Return once every record accepted so far is written; raise if it cannot be."""
+        """Return once every record accepted so far is written; raise if it cannot be.
+
+        The caller writes what is pending itself rather than waiting for the
+        writer thread to wake (an update step's latency is one write + flush,
+        as when the journal wrote synchronously), but outside the controller's
+        lock. ``sync_timeout_s`` bounds the wait for a write in progress.
+        """
         with self._cond:
-            target = self._seq
-            deadline = time.monotonic() + self._sync_timeout_s
-            while self._written < target and self._failed is None:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._failed = f"journal write did not complete in {self._sync_timeout_s:g}s"
-                    break
-                self._cond.wait(left)
-            failed = None if self._written >= target else self._failed
+            target, failed = self._seq, self._failed
+        if failed is None and self._written < target:
+            if not self._io.acquire(timeout=self._sync_timeout_s):
+                with self._cond:
+                    self._failed = self._failed or (
+                        f"journal write did not complete in {self._sync_timeout_s:g}s")
+            else:
+                try:
+                    self._write_pending()
+                finally:
+                    self._io.release()
+            with self._cond:
+                failed = None if self._written >= target else self._failed
         if failed is not None:
             self._tell(failed)
             raise JournalError(f"journal failed: {failed}")
 
     # ---------------------------------------------------------------- the writer
-    def _write_loop(self) -> None:
+    def _write_pending(self) -> None:
+        """Write and flush everything pending as one batch. Caller holds ``_io``: whoever
+        holds it takes the next batch, so batches reach the file in ``seq`` order."""
         fh = self._fh
-        assert fh is not None
+        with self._cond:
+            if self._failed is not None or not self._pending or fh is None:
+                return
+            batch, self._pending = self._pending, []
+            self._cond.notify_all()  # room in the queue
+        try:
+            fh.write("".join(jr.to_json() + "\n" for jr in batch))
+            fh.flush()
+            if self._fsync:
+                os.fsync(fh.fileno())
+        except (OSError, TypeError, ValueError) as exc:
+            seqs = f"{batch[0].seq}" + ("" if len(batch) == 1 else f"..{batch[-1].seq}")
+            with self._cond:
+                if self._failed is None:
+                    self._failed = f"cannot write journal records {seqs}: {exc}"
+                failed = self._failed
+            self._tell(failed)
+            return
+        with self._cond:
+            self._written = batch[-1].seq
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._pending and not self._closing and self._failed is None:
                     self._cond.wait()
                 if self._failed is not None or (self._closing and not self._pending):
                     return
-                batch, self._pending = self._pending, []
-                self._cond.notify_all()  # room in the queue
-            try:
-                fh.write("".join(jr.to_json() + "\n" for jr in batch))
-                fh.flush()
-                if self._fsync:
-                    os.fsync(fh.fileno())
-            except (OSError, TypeError, ValueError) as exc:
-                seqs = f"{batch[0].seq}" + ("" if len(batch) == 1 else f"..{batch[-1].seq}")
-                with self._cond:
-                    if self._failed is None:
-                        self._failed = f"cannot write journal records {seqs}: {exc}"
-                self._tell(self._failed or str(exc))
-                return
-            with self._cond:
-                self._written = batch[-1].seq
-                self._cond.notify_all()
+                # Linger: more records join the batch (one flush for many admissions),
+                # and an update step's own sync usually writes its records first.
+                if not self._closing and len(self._pending) < self._queue_max // 2:
+                    self._cond.wait(_LINGER_S)
+            with self._io:
+                self._write_pending()
 
     def _tell(self, reason: str) -> None:
         """Wake every waiter and tell the watchers (once), outside the journal's lock:

@@ -188,6 +188,7 @@ S, E = State, Event
 _NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
 _K = FailureKind
 _ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
+_IDLE_POLL_S = 0.1
 _UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
                   S.RESUMING)
 
@@ -533,6 +534,8 @@ class LifecycleController:
         its records, then waits for every sink to confirm them durable; a
         failure then raises ``JournalError`` to that caller.
         """
+        if not self._outbox and not (wait and self._sinks):
+            return  # nothing to hand over (no listener, or someone delivered it)
         if self._delivering == threading.get_ident():
             return  # a listener called back into the controller: the outer loop delivers
         err: BaseException | None = None
@@ -808,14 +811,19 @@ class LifecycleController:
         return c
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no rollout is bound (or the timeout, on the injected clock)."""
+        """Block until no rollout is bound (or the timeout, on the injected clock).
+
+        The last completion wakes the waiter at once; the deadline is re-read
+        from the injected clock at least every ``_IDLE_POLL_S``, so a fake
+        clock moved forward by a test is seen without real waiting.
+        """
         deadline = self._clock() + max(0.0, timeout_s)
         with self._idle:
             while self._active:
                 left = deadline - self._clock()
                 if left <= 0:
                     return False
-                self._idle.wait(left)
+                self._idle.wait(min(left, _IDLE_POLL_S))
             return True
 
     # ---------------------------------------------------------------- update
