@@ -15,7 +15,8 @@ event loop, and one write + flush per admission there is what the journal
 must not cost. So a file journal accepts a record into a bounded queue
 (``queue_max``; a full queue makes the caller wait, at most ``put_timeout_s``)
 and one writer thread writes whatever has queued up, then flushes once (and
-``fsync``s, when asked) per batch. The controller calls ``sync`` after every
+``fsync``s, when asked) per batch; a data-plane record is on disk shortly
+after the call that made it returned, not before. The controller calls ``sync`` after every
 decision that is not the data plane's (an update step, a publish, a taint):
 it returns once everything accepted so far is written, so a published
 version is on disk before the trainer is told.
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
     from rolloutcore.core.lifecycle import LifecycleController
 
 _TYPES = frozenset(RECORD_TYPES.values())
-_LINGER_S = 0.005  # how long the writer lets a batch grow before writing it
 
 __all__ = [
     "KINDS",
@@ -163,7 +163,7 @@ class Journal:
                 else:
                     self._pending.append(jr)
                     if len(self._pending) == 1:
-                        self._cond.notify_all()  # wake the writer (it lingers, then writes)
+                        self._cond.notify_all()  # wake the writer
         if failed is not None:
             self._tell(failed)
             raise JournalError(f"journal failed: {failed}")
@@ -229,10 +229,9 @@ class Journal:
                     self._cond.wait()
                 if self._failed is not None or (self._closing and not self._pending):
                     return
-                # Linger: more records join the batch (one flush for many admissions),
-                # and an update step's own sync usually writes its records first.
-                if not self._closing and len(self._pending) < self._queue_max // 2:
-                    self._cond.wait(_LINGER_S)
+            # No artificial delay: while one batch is written (the GIL released in the
+            # write), the next one accumulates, so batches grow with the load and an
+            # idle journal has each record on disk within one thread switch.
             with self._io:
                 self._write_pending()
 

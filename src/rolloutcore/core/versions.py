@@ -103,18 +103,6 @@ class WeightVersion:
         if not isinstance(self.engine_epoch, str) or not self.engine_epoch:
             raise BadInput("engine_epoch must be a non-empty string")
 
-    @classmethod
-    def initial(cls, engine_epoch: str, label: str | None = None) -> WeightVersion:
-        return cls(0, label or label_for(0), engine_epoch)
-
-    def next(self, label: str | None = None) -> WeightVersion:
-        """The generation after this one, on the same engine incarnation."""
-        gen = self.generation + 1
-        return WeightVersion(gen, label or label_for(gen), self.engine_epoch)
-
-    def on_epoch(self, engine_epoch: str) -> WeightVersion:
-        return WeightVersion(self.generation, self.label, engine_epoch)
-
     def same_policy(self, other: WeightVersion) -> bool:
         """True when both name the same published generation, on any engine."""
         return self.generation == other.generation and self.label == other.label
