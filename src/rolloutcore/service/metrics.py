@@ -104,6 +104,10 @@ class ServiceMetrics:
             assert isinstance(rec, Transition)
             self.transitions.labels(rec.before.value, rec.after.value, rec.event.value).inc()
             self.state_seconds.labels(rec.before.value).observe(rec.duration_s)
+            if rec.before is State.READY and rec.after is State.TAINTED:
+                # READY leaves for TAINTED only on a serving failure (the table's one
+                # FAIL row there): counted when decided, before the engine is fenced.
+                self.engine_lost.inc()
         elif t is Refuse:
             self._refused.inc()
 
