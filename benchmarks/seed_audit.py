@@ -44,7 +44,6 @@ def main() -> int:
     from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
     from rolloutcore.provenance.trajectory import (
         SEED_EXTERNAL,
-        PolicyBinding,
         Prompt,
         SampledCompletion,
         SamplingSpec,
@@ -90,7 +89,7 @@ def main() -> int:
                                           g.logprobs, None,
                                           tuple(VersionSpan(s.version, s.start, s.end)
                                                 for s in g.weight_versions)),
-                        PolicyBinding.of(b), ident,
+                        b, ident,
                         Timestamps(w0, m0, time.time(), time.monotonic())))
                 rec.append_group(TrajectoryGroup(tuple(samples)))
     finally:

@@ -73,7 +73,6 @@ from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectorie
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed  # noqa: E402
 from rolloutcore.provenance.trajectory import (  # noqa: E402
     EngineIdentity,
-    PolicyBinding,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -225,7 +224,7 @@ class RolloutBook:
                                   extra={"logprobs": 0, "ignore_eos": True}),
             completion=SampledCompletion(g.token_ids, g.finish_reason or "length", g.logprobs,
                                          weight_versions=spans),
-            binding=PolicyBinding.of(b), engine=self.engine,
+            binding=b, engine=self.engine,
             timestamps=Timestamps(t_adm[0], t_adm[1], t_done[0], t_done[1]))
         return TrajectoryGroup((s,))
 

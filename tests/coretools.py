@@ -1,6 +1,8 @@
-"""Builders shared by the core tests: good evidence for each step, and drive_to(state)."""
+"""Builders shared by the core tests: good evidence for each step, drive_to(state), whole()."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
@@ -107,3 +109,15 @@ def drive_to(state: State, journal: Journal | None = None
     c.validated(t, validation_ev(t))
     assert state is State.RESUMING
     return c, t
+
+
+def whole(c: LifecycleController) -> dict[str, Any]:
+    """Everything observable about a controller: its snapshot, the bindings (ids and
+    versions), the caches still to reset, the next fresh label (what burnt labels
+    and generations imply), and how many transitions it made."""
+    return {**c.snapshot(),
+            "active": {rid: b.version.to_dict() for rid, b in c.active.items()},
+            "pending_resets": sorted(k.value for k in c.pending_resets),
+            "next_label": c.recovery_target().label,
+            "ticket": None if c.current_ticket is None else c.current_ticket.update_id,
+            "transitions": len(c.history())}

@@ -11,6 +11,7 @@ import pytest
 from helpers.trajtools import IDENTITY, ToyEngine, make_group, make_sample, version
 from rolloutcore.cli import build_parser
 from rolloutcore.control.journal import Journal
+from rolloutcore.core.records import Admit, Commit
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.audit import (
     DiversityBaseline,
@@ -144,9 +145,8 @@ def journal(tmp_path: Path) -> Path:
     path = tmp_path / "journal.jsonl"
     j = Journal(path)
     for gen in range(3):
-        j.write("commit", {"version": version(gen).to_dict(), "identity": IDENTITY.to_dict()})
-    j.write("admit", {"rollout_id": "r-9", "version": version(2).to_dict(),
-                      "identity_digest": IDENTITY.digest})
+        j.write(Commit(version(gen), IDENTITY))
+    j.write(Admit("r-9", version(2), IDENTITY.digest))
     j.close()
     with path.open("a") as f:  # a torn last line must not stop the audit
         f.write('{"seq": 99, "kind": "comm')

@@ -30,6 +30,7 @@ from helpers.gateway_rig import remote_transfer
 from helpers.param_models import engine_model, tiny_packed
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.lifecycle import LifecycleController
+from rolloutcore.core.records import Event, State, Taint, Transition
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import UpdateManager
 from rolloutcore.service.metrics import ServiceMetrics
@@ -313,10 +314,10 @@ def test_a_publication_during_a_kill_scenario_is_flagged() -> None:
 def test_transition_clock_times_only_transitions_after_a_mark() -> None:
     t = [0.0]
     clock = h.TransitionClock(lambda: t[0])
-    clock("transition", {"from": "READY", "to": "TAINTED"})
+    clock(Transition(State.READY, State.TAINTED, Event.FAIL, 0.0))
     t[0] = 5.0
-    clock("evidence", {"to": "TAINTED"})
-    clock("transition", {"from": "RECOVERING", "to": "TAINTED"})
+    clock(Taint(("x",), None))
+    clock(Transition(State.RECOVERING, State.TAINTED, Event.FAIL, 0.0))
     assert clock.first_to("TAINTED", 0.0) == 0.0
     assert clock.first_to("TAINTED", 1.0) == 5.0 and clock.first_to("READY", 0.0) is None
 

@@ -44,18 +44,17 @@ PURE = ("core", "errors")
 MAX_LINES = 800
 
 #: Files allowed over MAX_LINES, each with the reason it cannot be split.
-ALLOWED_LARGE: dict[str, str] = {}
+ALLOWED_LARGE: dict[str, str] = {
+    "rolloutcore/core/lifecycle.py": (
+        "the controller that applies core.rules' tables: everything that changes the state "
+        "lives in one file (h11's rule); ~130 lines are its theory-of-operation docstring"),
+}
 
 #: Today's violations, written down so that this test passes now and fails on
 #: any new one. Other work of issue #15 removes them; an entry that no longer
 #: occurs fails too ("fixed: remove it"), so the list stays exact. The lead
 #: empties it at merge.
-KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset({
-    # (b) the adapter (3) builds the provenance EngineIdentity (4).
-    ("layer", "rolloutcore.adapters.vllm.adapter", "rolloutcore.provenance.trajectory"),
-    # (d) the files still to be split.
-    ("size", "rolloutcore/core/lifecycle.py"),
-})
+KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset()
 
 
 # --------------------------------------------------------------------------- the graph

@@ -19,6 +19,7 @@ from coretools import (
     resume_ev,
     transfer_ev,
     validation_ev,
+    whole,
 )
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
@@ -30,9 +31,14 @@ from rolloutcore.core.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import (
+    ABORT_STEPS,
     ESCALATION,
+    FAIL_STEPS,
     FAILURE_POLICY,
+    FAILURE_TARGETS,
+    OUTCOMES,
     STEP_STATE,
     TRANSITIONS,
     Classification,
@@ -40,15 +46,19 @@ from rolloutcore.core.lifecycle import (
     Event,
     FailureKind,
     LifecycleController,
+    Lookup,
     State,
     Step,
     UpdateTicket,
+    targets,
 )
+from rolloutcore.core.records import Refuse, Restore, Taint, Transition
 from rolloutcore.core.versions import VerificationLevel, WeightVersion
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
     InvalidTransition,
+    JournalError,
     UpdateRefused,
 )
 
@@ -105,33 +115,149 @@ EXPECTED = {
     (State.RECOVERING, Event.FAIL): State.TAINTED,
 }
 
+_ALL_CACHES = sorted(k.value for k in CacheKind)
+
+
+def _expected_whole(state: State, event: Event, before: dict[str, Any]) -> dict[str, Any]:
+    """The whole state after a legal (state, event) fired by ``_fire``: ``before`` plus
+    exactly what the pair changes."""
+    after = dict(before)
+    to = EXPECTED[(state, event)]
+    after["state"] = to.value
+    if to is not state:
+        after["transitions"] = before["transitions"] + 1
+    upd = dict(before["update"]) if before["update"] else None
+
+    def published(v: dict[str, Any], identity: dict[str, Any]) -> None:
+        after.update(committed=v, identity=identity, published=[*before["published"], v],
+                     update=None, ticket=None, pending_resets=_ALL_CACHES)
+
+    if (state, event) == (State.UNINITIALIZED, Event.BOOTSTRAP):
+        published(WeightVersion(0, "rc-0", "e0").to_dict(), ident(0).to_dict())
+        after["next_label"] = "rc-1"
+    elif event is Event.ADMIT:
+        after["active"] = {"r-matrix": before["committed"]}
+        after["active_rollouts"] = 1
+    elif event is Event.REQUEST_UPDATE:
+        after["update"] = {"update_id": 1, "target": WeightVersion(1, "rc-1", "e0").to_dict(),
+                           "owner": "trainer-2", "aborting": False, "mutation_started": False}
+        after["ticket"] = 1
+    elif (state, event) in ((State.DRAINING, Event.FAIL), (State.QUIESCED, Event.FAIL)):
+        assert upd is not None
+        after["update"] = {**upd, "aborting": True}
+    elif event is Event.PREFLIGHTED:
+        after["next_label"] = "rc-2"  # rc-1 may reach the engine from here: burnt
+    elif event is Event.TRANSFERRED:
+        assert upd is not None
+        after["update"] = {**upd, "mutation_started": True}
+    elif event is Event.INVALIDATED:
+        after["pending_resets"] = [k for k in before["pending_resets"] if k != "prefix"]
+    elif event is Event.RESUMED:
+        ident1 = ident(1, "next").verified(VerificationLevel.MANIFEST, ["label=rc-1"])
+        published(WeightVersion(1, "rc-1", "e0").to_dict(), ident1.to_dict())
+        after["next_label"] = "rc-2"
+    elif event is Event.RECOVERED:
+        label = before["next_label"]
+        rid = ident(99, "recovery").verified(VerificationLevel.MANIFEST, [f"label={label}"])
+        published(WeightVersion(int(label[3:]), label, "e-new").to_dict(), rid.to_dict())
+        after["next_label"] = f"rc-{int(label[3:]) + 1}"
+    if to is State.TAINTED:
+        after.update(update=None, ticket=None, pending_resets=_ALL_CACHES)
+    return after
+
 
 def test_expected_covers_every_legal_pair_but_complete() -> None:
     legal = {k for k in TRANSITIONS if k[1] is not Event.COMPLETE}
     assert set(EXPECTED) == legal
     for k, v in EXPECTED.items():
-        assert v in TRANSITIONS[k]
+        assert v in targets(*k)
+
+
+def test_every_table_entry_names_one_target_or_one_outcome_table() -> None:
+    for (s, e), rule in TRANSITIONS.items():
+        assert isinstance(rule, (State, Lookup)), (s, e)
+        if isinstance(rule, Lookup):
+            assert rule in OUTCOMES
+    # Every class a reported failure can take, in every state it can be reported in,
+    # escalated or overridden, leads somewhere: the failure lookup has no hole.
+    for steps in (FAIL_STEPS, ABORT_STEPS):
+        for (s, _), row in steps.items():
+            assert TRANSITIONS[(s, Event.FAIL)] is Lookup.FAILURE
+            for k in FailureKind:
+                cls = FAILURE_POLICY[(row, k)]
+                classes = {cls, ESCALATION.get(row, cls)}
+                if Classification.NO_MUTATION in classes and s is not State.UNINITIALIZED:
+                    classes.add(Classification.AMBIGUOUS)  # a mutation was seen
+                for c in classes:
+                    assert (s, c) in FAILURE_TARGETS, (s, row, k, c)
+    assert set(STEP_STATE) == set(Step) - {Step.RESTART}
 
 
 @pytest.mark.parametrize("state", list(State))
 @pytest.mark.parametrize("event", list(Event))
 def test_every_state_event_pair(state: State, event: Event) -> None:
-    c, t = drive_to(state)
-    before = c.snapshot()
+    """h11's test_state, one step further: every pair, and the whole state after it."""
+    j = Journal()
+    c, t = drive_to(state, j)
+    before = whole(c)
+    n = len(j.records)
     if (state, event) not in TRANSITIONS:
         with pytest.raises((InvalidTransition, AdmissionRefused, UpdateRefused)):
             _fire(c, t, event, state)
-        assert c.snapshot() == before, "an illegal event changed the controller"
-        assert c.state is state
+        assert whole(c) == before, "an illegal event changed the controller"
+        # ...and recorded nothing but the refusal of an admission.
+        assert [type(r.record) for r in j.records[n:]] == ([Refuse] if event is Event.ADMIT
+                                                           else [])
         return
     if event is Event.COMPLETE:
         with pytest.raises(BadInput):
             _fire(c, t, event, state)
-        assert c.snapshot() == before
+        assert whole(c) == before
+        assert len(j.records) == n
         return
     _fire(c, t, event, state)
     assert c.state is EXPECTED[(state, event)]
-    assert c.state in TRANSITIONS[(state, event)]
+    assert whole(c) == _expected_whole(state, event, before)
+    assert check_journal(j.records) == []
+    if c.state is not state:
+        tr = [r.record for r in j.records[n:] if isinstance(r.record, Transition)]
+        assert [(x.before, x.after) for x in tr] == [(state, c.state)]
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_restore_replays_every_state(state: State) -> None:
+    """The journal of any state replays to it; mid-update or mid-recovery it taints."""
+    j = Journal()
+    c, _ = drive_to(state, j)
+    before = whole(c)
+    j2 = Journal()
+    r = LifecycleController.restore(j.records, listener=j2.listener)
+    got = whole(r)
+    mid = (state, Step.RESTART) in FAIL_STEPS
+    want_state = State.TAINTED if mid else state
+    assert got["state"] == want_state.value
+    for k in ("committed", "identity", "published", "active", "next_label"):
+        assert got[k] == before[k], k
+    if mid:
+        assert got["update"] is None and got["ticket"] is None
+        assert [type(x.record) for x in j2.records] == [Restore, Transition, Taint]
+        assert r.history()[-1]["event"] == "fail"
+    else:
+        assert got["update"] == before["update"]
+        assert [type(x.record) for x in j2.records] == [Restore]
+    assert check_journal([*j.records, *j2.records]) == [] or state is State.UNINITIALIZED
+
+
+def test_restore_refuses_a_journal_the_tables_do_not_allow() -> None:
+    j = Journal()
+    drive_to(State.READY, j)
+    recs = [r.record for r in j.records]
+    bogus = Transition(State.READY, State.UPDATING, Event.PREFLIGHTED, 0.0)
+    with pytest.raises(JournalError, match="not a transition of its tables"):
+        LifecycleController.restore([*recs, bogus])
+    with pytest.raises(JournalError, match="without the request_update"):
+        LifecycleController.restore([*recs, Transition(State.READY, State.DRAINING,
+                                                       Event.REQUEST_UPDATE, 0.0)])
 
 
 def test_stale_ticket_is_refused_and_changes_nothing() -> None:
@@ -344,7 +470,7 @@ def test_engine_lost_while_serving_taints_and_only_recovery_returns() -> None:
     with pytest.raises(InvalidTransition):
         c.fail(None, Step.SERVE, FailureKind.DIED, "again")
     # The journal replays to TAINTED, with no invariant broken.
-    assert LifecycleController.restore([(r.kind, r.data) for r in j.records]).state \
+    assert LifecycleController.restore(j.records).state \
         is State.TAINTED
     c.begin_recovery("operator")
     rv = c.recovered(recovery_ev(c, "e-replacement"))
@@ -353,18 +479,17 @@ def test_engine_lost_while_serving_taints_and_only_recovery_returns() -> None:
     assert check_journal(j.records) == []
 
 
-@pytest.mark.parametrize(("step", "kind"), sorted(FAILURE_POLICY, key=str))
-def test_failure_policy_row(step: Step, kind: FailureKind) -> None:
-    """One test per row of the failure-policy table."""
-    cls = FAILURE_POLICY[(step, kind)]
-    state = STEP_STATE[step]
+@pytest.mark.parametrize("kind", list(FailureKind))
+@pytest.mark.parametrize(("state", "step"), list(FAIL_STEPS))
+def test_failure_policy_row(state: State, step: Step, kind: FailureKind) -> None:
+    """Every step in every state it can be reported in, for every kind: one lookup each."""
+    row = FAIL_STEPS[(state, step)]
+    cls = FAILURE_POLICY[(row, kind)]
     c, t = drive_to(state)
-    if step is Step.RESUME:
-        # resume in an update: any failure taints
-        pass
     published_before = c.published
     v = c.fail(t, step, kind, f"{step.value} {kind.value}")
     assert v.classification is cls
+    assert c.state is FAILURE_TARGETS[(state, cls)]
     if state is State.UNINITIALIZED:
         assert c.state is State.UNINITIALIZED
     elif cls is Classification.NO_MUTATION:
@@ -448,3 +573,19 @@ def test_concurrent_admissions_and_update_keep_invariants() -> None:
     assert [v.label for v in c.published] == ["rc-0", "rc-1", "rc-2", "rc-3", "rc-4", "rc-5"]
     assert check_journal(j.records) == []
     assert sum(r.kind == "admit" for r in j.records) > 0
+
+
+def test_wait_idle_reads_the_injected_clock() -> None:
+    """The drain deadline is on the controller's clock, not the wall's."""
+    now = [0.0]
+    c = LifecycleController(clock=lambda: now[0])
+    c.bootstrap(boot_ev(), ident(0))
+    c.admit("r")
+    got: list[bool] = []
+    waiter = threading.Thread(target=lambda: got.append(c.wait_idle(3600.0)))
+    waiter.start()
+    now[0] = 3600.5  # an hour passes on the controller's clock
+    waiter.join(30)
+    assert not waiter.is_alive() and got == [False]
+    c.complete("r")
+    assert c.wait_idle(3600.0) is True

@@ -29,6 +29,7 @@ from rolloutcore.core.evidence import (
 )
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import (
+    FAIL_STEPS,
     STEP_STATE,
     FailureKind,
     LifecycleController,
@@ -196,6 +197,22 @@ class LifecycleMachine(RuleBasedStateMachine):
         for th in ths:
             th.join()
         assert not errors, errors
+
+    @rule()
+    def restore_from_journal(self) -> None:
+        """A controller replayed from the journal so far agrees with the live one."""
+        with self.lock:  # no burst runs now; the journal is whole
+            recs = self.journal.records
+        c = self.c
+        r = LifecycleController.restore(recs)
+        assert r.committed == c.committed and r.identity == c.identity
+        assert r.published == c.published
+        assert set(r.active) == set(c.active)
+        assert r.recovery_target().label == c.recovery_target().label
+        mid = (c.state, Step.RESTART) in FAIL_STEPS
+        assert r.state is (State.TAINTED if mid else c.state)
+        if not mid:
+            assert r.current_ticket == c.current_ticket
 
     # ---------------------------------------------------------------- invariants
     @invariant()

@@ -21,7 +21,7 @@ from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, Fak
 
 def _restore(j: Journal) -> tuple[LifecycleController, Journal]:
     j2 = Journal()
-    c = LifecycleController.restore(((r.kind, r.data) for r in j.records), listener=j2.listener)
+    c = LifecycleController.restore(j.records, listener=j2.listener)
     return c, j2
 
 

@@ -114,7 +114,7 @@ def _fin(choices: list[dict[str, Any]], **headers: str) -> FinishedRequest:
     from rolloutcore.core.versions import Provenance, WeightIdentity
 
     ident = WeightIdentity("a" * 64, Provenance("ckpt"))
-    b = Binding("r-1", WeightVersion(3, "rc-3", "e1"), ident, 1.0)
+    b = Binding(WeightVersion(3, "rc-3", "e1"), ident, "r-1", 1.0)
     return FinishedRequest(GEN, b, {"token_ids": [1, 2], "sampling_params": {
         "n": len(choices), "max_tokens": 2, "logprobs": 0}}, 200, "complete",
         response={"choices": choices}, headers=headers, admitted_wall=10.0,

@@ -12,9 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.trajtools import ENGINE, IDENTITY, make_group, make_sample, version
-from rolloutcore.core.lifecycle import Binding as LifecycleBinding
-from rolloutcore.core.versions import WeightVersion
+from helpers.trajtools import ENGINE, IDENTITY, make_group, make_sample
+from rolloutcore.core.versions import Binding, WeightVersion
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 from rolloutcore.provenance.trajectory import (
@@ -22,7 +21,6 @@ from rolloutcore.provenance.trajectory import (
     SEED_EXTERNAL,
     SEED_NONE,
     EngineIdentity,
-    PolicyBinding,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -87,8 +85,8 @@ def samples(draw: st.DrawFn) -> TrajectorySample:
             None if lps is None else tuple(lps),
             draw(st.none() | st.integers(0, 10) | st.text(min_size=1, max_size=4)),
             draw(_spans(len(toks)))),
-        binding=PolicyBinding(WeightVersion(draw(st.integers(0, 50)), draw(_ids), "ep-1"),
-                              IDENTITY, draw(st.none() | _ids)),
+        binding=Binding(WeightVersion(draw(st.integers(0, 50)), draw(_ids), "ep-1"),
+                        IDENTITY, draw(st.none() | _ids)),
         engine=EngineIdentity("0.32.0", draw(_ids), draw(st.dictionaries(st.text(max_size=5),
                                                                          _json, max_size=4)),
                               draw(st.text(max_size=10))),
@@ -249,10 +247,10 @@ def test_sample_validation() -> None:
     with pytest.raises(BadInput, match="completed_mono"):
         Timestamps(10.0, 10.0, 11.0, 9.0)
     s = make_sample()
-    with pytest.raises(BadInput, match="binding must be a PolicyBinding"):
+    with pytest.raises(BadInput, match="binding must be a Binding"):
         dataclasses.replace(s, binding=s.binding.to_dict())  # type: ignore[arg-type]
     with pytest.raises(BadInput, match=r"binding\.version"):
-        PolicyBinding.from_dict({"version": {"generation": -1, "label": "rc-1",
+        Binding.from_dict({"version": {"generation": -1, "label": "rc-1",
                                              "engine_epoch": "e"},
                                  "identity": IDENTITY.to_dict(), "rollout_id": None})
     tampered = s.to_dict()
@@ -262,10 +260,20 @@ def test_sample_validation() -> None:
 
 
 def test_binding_from_the_lifecycle_controller_binding() -> None:
-    lb = LifecycleBinding("rollout-7", version(2), IDENTITY, 12.5)
-    b = PolicyBinding.of(lb)
-    assert (b.version, b.identity, b.rollout_id) == (version(2), IDENTITY, "rollout-7")
-    assert PolicyBinding.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+    """The controller's binding is the sample's: one type, recorded as it was handed out."""
+    from coretools import boot_ev
+    from rolloutcore.core.lifecycle import LifecycleController
+
+    c = LifecycleController(clock=lambda: 12.5)
+    c.bootstrap(boot_ev(), IDENTITY)
+    b = c.admit("rollout-7")
+    assert isinstance(b, Binding) and b.admitted_at == 12.5
+    assert (b.version, b.identity, b.rollout_id) == (c.committed, IDENTITY, "rollout-7")
+    assert "admitted_at" not in b.to_dict()
+    back = Binding.from_dict(json.loads(json.dumps(b.to_dict())))
+    assert back == b and back.admitted_at is None
+    s = make_sample(bound=b.version, rollout_id="rollout-7")
+    assert s.binding == b and TrajectorySample.from_dict(s.to_dict()).binding == b
 
 
 def test_group_validation_and_digest() -> None:

@@ -490,10 +490,12 @@ class TransitionClock:
         self._lock = threading.Lock()
         self.events: list[tuple[float, str, str]] = []
 
-    def __call__(self, kind: str, data: Mapping[str, Any]) -> None:
-        if kind == "transition":
+    def __call__(self, rec: Any) -> None:
+        from rolloutcore.core.records import Transition  # lazily: this module is stdlib-only
+
+        if isinstance(rec, Transition):
             with self._lock:
-                self.events.append((self._clock(), str(data["from"]), str(data["to"])))
+                self.events.append((self._clock(), rec.before.value, rec.after.value))
 
     def first_to(self, state: str, after: float) -> float | None:
         """When the controller first entered ``state`` at or after ``after``."""

@@ -47,7 +47,6 @@ from rolloutcore.provenance.replay import (
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.trajectory import (
     SEED_NONE,
-    PolicyBinding,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -124,7 +123,7 @@ def record_rollout(session: EngineSession, path: Path, *, run: str, step: int,
                     SampledCompletion(g.token_ids, g.finish_reason or "length", g.logprobs,
                                       None, tuple(VersionSpan(s.version, s.start, s.end)
                                                   for s in g.weight_versions)),
-                    PolicyBinding.of(b), ident,
+                    b, ident,
                     Timestamps(w0, m0, time.time(), time.monotonic())))
             group = TrajectoryGroup(tuple(samples))
             rec.append_group(group)

@@ -17,13 +17,18 @@ import random
 import time
 from collections.abc import Sequence
 
-from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
+from rolloutcore.core.versions import (
+    Binding,
+    ParameterManifest,
+    Provenance,
+    WeightIdentity,
+    WeightVersion,
+)
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.trajectory import (
     SEED_EXTERNAL,
     SEED_NONE,
     EngineIdentity,
-    PolicyBinding,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -129,7 +134,7 @@ def make_sample(*, run: str = "run-a", step: int = 3, prompt_index: int = 0,
         completion=SampledCompletion(tuple(tokens), finish_reason,
                                      None if logprobs is None else tuple(logprobs), None,
                                      span_objs),
-        binding=PolicyBinding(bound, IDENTITY, rollout_id),
+        binding=Binding(bound, IDENTITY, rollout_id),
         engine=ENGINE,
         timestamps=Timestamps(wall, mono, wall + 0.25, mono + 0.25))
 

@@ -1,14 +1,31 @@
 """An append-only JSON-lines journal of everything the controller and runner saw.
 
-One JSON object per line: ``seq`` (gap-free, from 1), ``t_mono`` (monotonic
-seconds, for durations and ordering), ``t_wall`` (for people), ``kind`` and
-``data``. Each record is flushed as it is written, so a crash loses at most
-the record being written; a torn last line is reported, never silently
-skipped in the middle of a file.
+One JSON object per line: ``v`` (the schema version), ``seq`` (gap-free,
+from 1), ``t_mono`` (monotonic seconds, for durations and ordering),
+``t_wall`` (for people), ``kind`` and ``data`` (the typed record's JSON
+form; ``docs/journal-schema.md``). A torn last line is reported, never
+silently skipped in the middle of a file.
 
-The controller calls the journal's listener *under its lock*, so the order
-of lines is the order of events: the journal alone shows that an old
-rollout's ``complete`` came before ``begin_update``.
+Why a writer thread. The controller hands records to its listeners outside
+its lock, in the order it decided them (``core.lifecycle``); the journal
+numbers them as they arrive, so the order of lines is the order of events:
+the journal alone shows that an old rollout's ``complete`` came before
+``begin_update``. Writing them is another matter: the gateway admits on its
+event loop, and one write + flush per admission there is what the journal
+must not cost. So a file journal accepts a record into a bounded queue
+(``queue_max``; a full queue makes the caller wait, at most ``put_timeout_s``)
+and one writer thread writes whatever has queued up, then flushes once (and
+``fsync``s, when asked) per batch; a data-plane record is on disk shortly
+after the call that made it returned, not before. The controller calls ``sync`` after every
+decision that is not the data plane's (an update step, a publish, a taint):
+it returns once everything accepted so far is written, so a published
+version is on disk before the trainer is told.
+
+Nothing accepted is lost silently: a record is either written, or the write
+fails and the journal is *failed*: ``sync`` and every later ``write`` raise
+``JournalError``, and whoever registered with ``on_failure`` (the
+controller, when this journal is its listener) is told at once, from the
+writer thread, and refuses every further step (it fails closed).
 """
 
 from __future__ import annotations
@@ -19,15 +36,17 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from rolloutcore.core.records import KINDS, JournalRecord
+from rolloutcore.core.records import KINDS, RECORD_TYPES, JournalRecord, Record
 from rolloutcore.errors import JournalError
 
 if TYPE_CHECKING:
     from rolloutcore.core.lifecycle import LifecycleController
+
+_TYPES = frozenset(RECORD_TYPES.values())
 
 __all__ = [
     "KINDS",
@@ -39,25 +58,44 @@ __all__ = [
     "restore_controller",
 ]
 
+
 class Journal:
-    """Writes records; usable as a controller listener (``journal.listener``).
+    """Writes records; it is itself the controller's listener (``journal.listener``).
 
     ``keep`` bounds the records held in memory (``records``): ``None`` keeps
     all (a short run, a test), a number keeps the most recent ones. A
     long-running writer of a file journal (the service) passes a bound, else
     memory grows with every request; the file has everything either way.
+    Without a path the journal is memory only and writes synchronously.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
-                 repair_torn_tail: bool = False, keep: int | None = None) -> None:
+                 repair_torn_tail: bool = False, keep: int | None = None,
+                 queue_max: int = 4096, put_timeout_s: float = 30.0,
+                 sync_timeout_s: float = 60.0) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 0):
             raise JournalError(f"keep must be None or an int >= 0, got {keep!r}")
-        self._lock = threading.Lock()
+        if isinstance(queue_max, bool) or not isinstance(queue_max, int) or queue_max < 1:
+            raise JournalError(f"queue_max must be an int >= 1, got {queue_max!r}")
+        for name, v in (("put_timeout_s", put_timeout_s), ("sync_timeout_s", sync_timeout_s)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise JournalError(f"{name} must be a positive number, got {v!r}")
+        self._cond = threading.Condition(threading.Lock())
+        self._io = threading.Lock()        # held while a batch is written (writer or sync)
         self._seq = 0
+        self._written = 0                  # highest seq on disk (flushed)
+        self._pending: list[JournalRecord] = []
+        self._failed: str | None = None
+        self._closing = False
+        self._watchers: list[Callable[[str], None]] = []
         self._records: collections.deque[JournalRecord] = collections.deque(maxlen=keep)
         self._fsync = fsync
+        self._queue_max = queue_max
+        self._put_timeout_s = float(put_timeout_s)
+        self._sync_timeout_s = float(sync_timeout_s)
         self._fh: IO[str] | None = None
+        self._writer: threading.Thread | None = None
         self.path = Path(path) if path is not None else None
         if self.path is not None:
             if repair_torn_tail:
@@ -67,39 +105,170 @@ class Journal:
             except OSError as exc:
                 raise JournalError(f"cannot open journal {self.path}: {exc}") from exc
             if self.path.stat().st_size:
-                self._seq = max((r.seq for r in read_journal(self.path)), default=0)
+                self._seq = self._written = max(
+                    (r.seq for r in read_journal(self.path)), default=0)
+            self._writer = threading.Thread(target=self._write_loop, daemon=True,
+                                            name=f"rolloutcore-journal-{self.path.name}")
+            self._writer.start()
 
-    def listener(self, kind: str, data: dict[str, Any]) -> None:
-        self.write(kind, data)
+    # ---------------------------------------------------------------- the listener
+    @property
+    def listener(self) -> Journal:
+        """The journal itself: a controller listener that is a ``Sink`` (sync, on_failure)."""
+        return self
 
-    def write(self, kind: str, data: dict[str, Any]) -> JournalRecord:
-        if kind not in KINDS:
-            raise JournalError(f"unknown record kind {kind!r}")
-        with self._lock:
-            self._seq += 1
-            rec = JournalRecord(self._seq, time.monotonic(), time.time(), kind, data)
-            self._records.append(rec)
-            if self._fh is not None:
+    def __call__(self, record: Record) -> None:
+        self.write(record)
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` when a write fails (at once if it already has)."""
+        with self._cond:
+            failed = self._failed
+            if failed is None:
+                self._watchers.append(callback)
+        if failed is not None:
+            callback(failed)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the journal stopped writing, or None."""
+        with self._cond:
+            return self._failed
+
+    def write(self, record: Record) -> JournalRecord:
+        """Number ``record`` and queue it for the file (memory only: keep it now)."""
+        if type(record) not in _TYPES:
+            raise JournalError(f"not a journal record: {record!r}")
+        with self._cond:
+            if self._failed is not None:
+                raise JournalError(f"journal failed earlier: {self._failed}")
+            if self._closing:
+                raise JournalError("journal is closed")
+            if self._fh is not None and len(self._pending) >= self._queue_max:
+                deadline = time.monotonic() + self._put_timeout_s
+                while len(self._pending) >= self._queue_max and self._failed is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._failed = (f"journal queue full for {self._put_timeout_s:g}s "
+                                        f"(the disk is not keeping up)")
+                        break
+                    self._cond.wait(left)
+            failed = self._failed
+            if failed is None:
+                self._seq += 1
+                jr = JournalRecord(self._seq, time.monotonic(), time.time(), record)
+                self._records.append(jr)
+                if self._fh is None:
+                    self._written = self._seq
+                else:
+                    self._pending.append(jr)
+                    if len(self._pending) == 1:
+                        self._cond.notify_all()  # wake the writer
+        if failed is not None:
+            self._tell(failed)
+            raise JournalError(f"journal failed: {failed}")
+        return jr
+
+    def sync(self) -> None:
+        """Return once every record accepted so far is written; raise if it cannot be.
+
+        The caller writes what is pending itself rather than waiting for the
+        writer thread to wake (an update step's latency is one write + flush,
+        as when the journal wrote synchronously), but outside the controller's
+        lock. ``sync_timeout_s`` bounds the wait for a write in progress.
+        """
+        with self._cond:
+            target, failed = self._seq, self._failed
+        if failed is None and self._written < target:
+            if not self._io.acquire(timeout=self._sync_timeout_s):
+                with self._cond:
+                    self._failed = self._failed or (
+                        f"journal write did not complete in {self._sync_timeout_s:g}s")
+            else:
                 try:
-                    self._fh.write(rec.to_json() + "\n")
-                    self._fh.flush()
-                    if self._fsync:
-                        os.fsync(self._fh.fileno())
-                except (OSError, TypeError, ValueError) as exc:
-                    raise JournalError(f"cannot write journal record: {exc}") from exc
-            return rec
+                    self._write_pending()
+                finally:
+                    self._io.release()
+            with self._cond:
+                failed = None if self._written >= target else self._failed
+        if failed is not None:
+            self._tell(failed)
+            raise JournalError(f"journal failed: {failed}")
 
+    # ---------------------------------------------------------------- the writer
+    def _write_pending(self) -> None:
+        """Write and flush everything pending as one batch. Caller holds ``_io``: whoever
+        holds it takes the next batch, so batches reach the file in ``seq`` order."""
+        fh = self._fh
+        with self._cond:
+            if self._failed is not None or not self._pending or fh is None:
+                return
+            batch, self._pending = self._pending, []
+            self._cond.notify_all()  # room in the queue
+        try:
+            fh.write("".join(jr.to_json() + "\n" for jr in batch))
+            fh.flush()
+            if self._fsync:
+                os.fsync(fh.fileno())
+        except (OSError, TypeError, ValueError) as exc:
+            seqs = f"{batch[0].seq}" + ("" if len(batch) == 1 else f"..{batch[-1].seq}")
+            with self._cond:
+                if self._failed is None:
+                    self._failed = f"cannot write journal records {seqs}: {exc}"
+                failed = self._failed
+            self._tell(failed)
+            return
+        with self._cond:
+            self._written = batch[-1].seq
+            self._cond.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing and self._failed is None:
+                    self._cond.wait()
+                if self._failed is not None or (self._closing and not self._pending):
+                    return
+            # No artificial delay: while one batch is written (the GIL released in the
+            # write), the next one accumulates, so batches grow with the load and an
+            # idle journal has each record on disk within one thread switch.
+            with self._io:
+                self._write_pending()
+
+    def _tell(self, reason: str) -> None:
+        """Wake every waiter and tell the watchers (once), outside the journal's lock:
+        a watcher (the controller) takes its own lock."""
+        with self._cond:
+            self._cond.notify_all()
+            watchers, self._watchers = self._watchers, []
+        for w in watchers:
+            w(reason)
+
+    # ---------------------------------------------------------------- reading back
     @property
     def records(self) -> list[JournalRecord]:
         """The records written through this object (the most recent ``keep`` of them)."""
-        with self._lock:
+        with self._cond:
             return list(self._records)
 
     def close(self) -> None:
-        with self._lock:
-            if self._fh is not None:
-                self._fh.close()
-                self._fh = None
+        """Write what is queued, stop the writer, close the file (a failure stays readable
+        in ``failed``; it was already reported)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        with self._cond:
+            fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError as exc:
+                with self._cond:
+                    self._failed = self._failed or f"cannot close journal: {exc}"
+                self._tell(f"cannot close journal: {exc}")
 
 
 def _parse_lines(lines: Iterable[str], name: str) -> Iterator[JournalRecord]:
@@ -149,22 +318,29 @@ def repair_journal(path: str | os.PathLike[str]) -> int:
     return len(data) - keep
 
 
-def first_index(records: Sequence[JournalRecord], kind: str, **match: Any) -> int:
-    """Index of the first record of ``kind`` whose data matches; -1 if none."""
+def first_index(records: Sequence[JournalRecord], kind: type[Record] | str,
+                **match: Any) -> int:
+    """Index of the first record of type ``kind`` whose fields match; -1 if none.
+
+    ``kind`` may also be a kind's name, matched against the JSON form (``data``).
+    """
     for i, r in enumerate(records):
-        if r.kind == kind and all(r.data.get(k) == v for k, v in match.items()):
+        rec = r.record
+        if isinstance(kind, str):
+            if r.kind == kind and all(r.data.get(k) == v for k, v in match.items()):
+                return i
+        elif isinstance(rec, kind) and all(getattr(rec, k) == v for k, v in match.items()):
             return i
     return -1
 
 
 def restore_controller(path: str | os.PathLike[str], **kw: Any
                        ) -> tuple[LifecycleController, Journal]:
-    """A ``LifecycleController`` rebuilt from the journal at ``path``, appending to it."""
+    """A ``LifecycleController`` replayed from the journal at ``path``, appending to it."""
     from rolloutcore.core.lifecycle import LifecycleController
 
     repair_journal(path)
     recs = read_journal(path) if Path(path).exists() else []
     journal = Journal(path)
-    c = LifecycleController.restore(((r.kind, r.data) for r in recs), listener=journal.listener,
-                                    **kw)
+    c = LifecycleController.restore(recs, listener=journal.listener, **kw)
     return c, journal

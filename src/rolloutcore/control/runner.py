@@ -42,13 +42,14 @@ from rolloutcore.core.lifecycle import (
     UpdateTicket,
     Verdict,
 )
+from rolloutcore.core.records import Effect, Note, Record
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import (
     BadInput,
     EffectError,
     EffectTimeout,
     InvalidTransition,
-    TransferError,
+    JournalError,
     UpdateFailed,
 )
 
@@ -151,7 +152,7 @@ class LifecycleRunner:
 
     def __init__(self, controller: LifecycleController, adapter: LifecycleAdapter,
                  deadlines: Deadlines | None = None, *,
-                 record: Callable[[str, dict[str, Any]], object] | None = None,
+                 record: Callable[[Record], object] | None = None,
                  drain_mode: PauseMode = PauseMode.WAIT) -> None:
         if drain_mode is PauseMode.KEEP:
             raise BadInput("strict mode drains with WAIT (or ABORT); KEEP lets rollouts span "
@@ -194,8 +195,7 @@ class LifecycleRunner:
         if phases is not None:
             phases.append(PhaseTiming(phase or step, dt, True))
         ok = not timed_out and "error" not in box
-        self._note("effect", step=step, seconds=dt, ok=ok,
-                   error=None if ok else repr(box.get("error", "deadline expired")))
+        self._emit(Effect(step, dt, ok, None if ok else repr(box.get("error", "deadline expired"))))
         if timed_out:
             raise EffectTimeout(step, deadline_s, mutation_started=step != Step.PREFLIGHT)
         if "error" in box:
@@ -208,8 +208,18 @@ class LifecycleRunner:
         return box["value"]  # type: ignore[no-any-return]
 
     def _note(self, what: str, **data: Any) -> None:
+        self._emit(Note(what, data))
+
+    def _emit(self, rec: Record) -> None:
+        """Hand the runner's own record (``record=``, normally the journal's ``write``).
+
+        A journal that failed refuses it; the controller was told of the same
+        failure and refuses the next step with a clear error, so the effect's
+        outcome still reaches it rather than this error.
+        """
         if self._record is not None:
-            self._record("effect" if what == "effect" else "note", {"what": what, **data})
+            with contextlib.suppress(JournalError):
+                self._record(rec)
 
     def _run_step(self, ticket: UpdateTicket, step: Step, fn: Callable[[], T],
                   feed: Callable[[T], Verdict], deadline_s: float, out: UpdateOutcome,
@@ -508,7 +518,3 @@ _PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",
                    State.UPDATING: "transfer", State.INVALIDATING: "invalidate",
                    State.VALIDATING: "validate", State.RESUMING: "resume"}
 
-
-def classify_transfer_error(exc: TransferError) -> FailureKind:
-    """Exposed for adapters' tests: how a transfer error is classified."""
-    return _kind(exc)

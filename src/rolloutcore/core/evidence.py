@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import enum
 import math
+import types
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
@@ -40,6 +42,7 @@ __all__ = [
     "TransferEvidence",
     "UpdateTarget",
     "ValidationEvidence",
+    "evidence_from_dict",
     "evidence_to_dict",
 ]
 
@@ -368,9 +371,71 @@ def _jsonable(v: Any) -> Any:
 
 def evidence_to_dict(ev: Evidence) -> dict[str, Any]:
     """A JSON-safe dict of any evidence object, tagged with its type."""
-    from dataclasses import fields
-
     out: dict[str, Any] = {"type": type(ev).__name__}
     for f in fields(ev):
         out[f.name] = _jsonable(getattr(ev, f.name))
     return out
+
+
+_EVIDENCE_TYPES: Mapping[str, type[Evidence]] = {t.__name__: t for t in (
+    Evidence, BootstrapEvidence, HealthEvidence, DrainEvidence, PreflightEvidence,
+    TransferEvidence, CacheResetEvidence, ValidationEvidence, ResumeEvidence,
+    RecoveryEvidence)}
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """Field types, resolved once per class (the annotations are strings)."""
+    h = _HINTS.get(cls)
+    if h is None:
+        h = _HINTS[cls] = typing.get_type_hints(cls)
+    return h
+
+
+def _from_json(tp: Any, v: Any) -> Any:
+    """Undo ``_jsonable`` for a value of declared type ``tp``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if v is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _from_json(inner, v)
+    if origin is tuple:
+        return tuple(_from_json(args[0], x) for x in v)
+    if origin is frozenset:
+        return frozenset(_from_json(args[0], x) for x in v)
+    if origin is not None and issubclass(origin, Mapping):
+        return dict(v)
+    if tp is VerificationLevel:
+        return VerificationLevel(v) if isinstance(v, int) else VerificationLevel.parse(str(v))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return tp(v)
+    if tp is WeightIdentity:
+        return WeightIdentity.from_dict(v)
+    if tp is WeightVersion:
+        return WeightVersion.from_dict(v)
+    if isinstance(tp, type) and issubclass(tp, Evidence):
+        return evidence_from_dict(v)
+    if tp in (Provenance, Check):
+        hints = _hints(tp)
+        return tp(**{k: _from_json(hints[k], x) for k, x in v.items()})
+    if tp is float:
+        return float(v)
+    return v
+
+
+def evidence_from_dict(d: Mapping[str, Any]) -> Evidence:
+    """The evidence object ``evidence_to_dict`` made ``d`` of (its constructor validates)."""
+    if not isinstance(d, Mapping):
+        raise BadInput(f"not an evidence object: {d!r}")
+    cls = _EVIDENCE_TYPES.get(str(d.get("type")))
+    if cls is None:
+        raise BadInput(f"unknown evidence type {d.get('type')!r}")
+    hints = _hints(cls)
+    try:
+        kw = {f.name: _from_json(hints[f.name], d[f.name]) for f in fields(cls) if f.name in d}
+        return cls(**kw)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadInput(f"not a {cls.__name__}: {exc}") from exc

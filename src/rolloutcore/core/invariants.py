@@ -22,7 +22,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.core.records import JournalRecord
+from rolloutcore.core.records import (
+    Abandon,
+    Admit,
+    BeginRecovery,
+    BeginUpdate,
+    Commit,
+    Complete,
+    Event,
+    EvidenceSeen,
+    JournalRecord,
+    RequestUpdate,
+    State,
+    Taint,
+    Transition,
+    Verdict,
+)
+from rolloutcore.core.versions import WeightVersion
 
 __all__ = ["Violation", "check_journal"]
 
@@ -39,65 +55,65 @@ class Violation:
 
 def check_journal(records: Iterable[JournalRecord]) -> list[Violation]:
     out: list[Violation] = []
-    state = "UNINITIALIZED"
-    active: dict[str, dict[str, Any]] = {}
+    state = State.UNINITIALIZED
+    active: dict[str, WeightVersion] = {}
     mutations = 0                       # begin_update records seen so far
     admitted_at_mutation: dict[str, int] = {}
     in_update = False
     validated = resumed_ev = False
     recovering = recovery_ok = False
     tainted = False
-    for r in records:
-        d = r.data
-        if r.kind == "transition":
-            state = str(d.get("to"))
-        elif r.kind == "admit":
-            rid = str(d.get("rollout_id"))
-            if state != "READY":
-                out.append(Violation("admission", r.seq, f"{rid} admitted in {state}"))
-            active[rid] = dict(d.get("version") or {})
-            admitted_at_mutation[rid] = mutations
-        elif r.kind == "complete":
-            rid = str(d.get("rollout_id"))
+    for jr in records:
+        r, seq = jr.record, jr.seq
+        if isinstance(r, Transition):
+            state = r.after
+        elif isinstance(r, Admit):
+            if state is not State.READY:
+                out.append(Violation("admission", seq, f"{r.rollout_id} admitted in {state}"))
+            active[r.rollout_id] = r.version
+            admitted_at_mutation[r.rollout_id] = mutations
+        elif isinstance(r, Complete):
+            rid = r.rollout_id
             bound = active.pop(rid, None)
             if bound is None:
-                out.append(Violation("version_pure", r.seq, f"{rid} completed, never admitted"))
+                out.append(Violation("version_pure", seq, f"{rid} completed, never admitted"))
                 continue
             if admitted_at_mutation.pop(rid, mutations) != mutations:
-                out.append(Violation("version_pure", r.seq,
-                                     f"{rid} straddles a weight mutation"))
-            if d.get("version") != bound:
-                out.append(Violation("version_pure", r.seq,
-                                     f"{rid} completed under {d.get('version')}, bound {bound}"))
-        elif r.kind == "request_update":
+                out.append(Violation("version_pure", seq, f"{rid} straddles a weight mutation"))
+            if r.version != bound:
+                out.append(Violation("version_pure", seq,
+                                     f"{rid} completed under {r.version}, bound {bound}"))
+        elif isinstance(r, RequestUpdate):
             in_update, validated, resumed_ev = True, False, False
-        elif r.kind == "begin_update":
+        elif isinstance(r, BeginUpdate):
             mutations += 1
             if active:
-                out.append(Violation("drain_before_mutation", r.seq,
+                out.append(Violation("drain_before_mutation", seq,
                                      f"mutation began with {sorted(active)} bound"))
-        elif r.kind == "verdict" and d.get("event") == "validated" and d.get("accepted"):
-            validated = True
-        elif r.kind == "evidence" and d.get("event") == "resumed" and not d.get("problems"):
-            resumed_ev = True
-        elif r.kind == "evidence" and d.get("event") == "recovered":
-            recovery_ok = recovering and not d.get("problems")
-        elif r.kind == "taint":
+        elif isinstance(r, Verdict):
+            if r.event is Event.VALIDATED and r.accepted:
+                validated = True
+        elif isinstance(r, EvidenceSeen):
+            if r.event is Event.RESUMED and not r.problems:
+                resumed_ev = True
+            elif r.event is Event.RECOVERED:
+                recovery_ok = recovering and not r.problems
+        elif isinstance(r, Taint):
             tainted, in_update = True, False
-        elif r.kind == "begin_recovery":
+        elif isinstance(r, BeginRecovery):
             recovering, recovery_ok = True, False
-        elif r.kind == "abandon":
+        elif isinstance(r, Abandon):
             in_update = False
-        elif r.kind == "commit":
+        elif isinstance(r, Commit):
             if recovering:
                 if not recovery_ok:
-                    out.append(Violation("commit_after_validation", r.seq,
+                    out.append(Violation("commit_after_validation", seq,
                                          "recovery published without clean recovery evidence"))
                 recovering = tainted = False
             elif tainted:
-                out.append(Violation("fail_closed", r.seq, "published while tainted"))
+                out.append(Violation("fail_closed", seq, "published while tainted"))
             elif in_update and not (validated and resumed_ev):
-                out.append(Violation("commit_after_validation", r.seq,
+                out.append(Violation("commit_after_validation", seq,
                                      f"published without validation={validated} "
                                      f"resume={resumed_ev}"))
             in_update = False

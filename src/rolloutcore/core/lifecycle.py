@@ -3,14 +3,23 @@
 House rules (after h11's ``_state.py``):
 
 * Everything that decides *whether* the engine may serve, mutate or publish
-  lives in this file. It performs no I/O: it never talks to an engine, a
-  trainer, a socket or a file. Adapters perform effects and hand back typed
-  evidence (``rolloutcore.core.evidence``); the controller checks the evidence's
+  lives in this file, and it decides through tables: ``TRANSITIONS`` names
+  the one target of each legal (state, event), or the one named outcome
+  table (``Lookup``) that picks it; ``FAIL_STEPS`` says which failure-policy
+  row a reported failure falls in; ``FAILURE_POLICY`` classifies it and
+  ``FAILURE_TARGETS`` says where the class leads. A (state, event) with no
+  entry is one ``InvalidTransition`` naming both, and changes nothing.
+* It performs no I/O: it never talks to an engine, a trainer, a socket or a
+  file. Adapters perform effects and hand back typed evidence
+  (``rolloutcore.core.evidence``); the controller checks the evidence's
   postcondition and advances, waits, refuses or taints.
+* Its outputs are typed records (``rolloutcore.core.records``, the journal
+  schema). Every change of durable state (the state, the committed version,
+  the bindings, the update in flight, the burnt labels) is made by applying
+  such a record, through the ``_apply_*`` methods, and by nothing else; a
+  crash restore replays the journal's records through the same methods
+  (``restore``), so the restored controller is what the journal says.
 * It knows nothing of vLLM, HTTP or tensors. Standard library only.
-* It is safe to call from many threads: one lock guards all of its state
-  (no reliance on the GIL); one condition variable wakes whoever waits for
-  the active rollouts to drain.
 
 Theory of operation
 -------------------
@@ -25,10 +34,12 @@ owner then feeds the controller evidence, step by step::
     UPDATING --transferred--> INVALIDATING --invalidated--> VALIDATING
     --validated--> RESUMING --resumed--> READY (target published)
 
+Evidence that does not establish its step's postcondition is a failure of
+that step (``FailureKind.BAD_EVIDENCE``) and takes the failure path below.
 ``drained`` is accepted only when the engine reports paused with nothing in
-flight *and* no rollout is bound locally; otherwise the controller stays in
-DRAINING (an incomplete observation, retried within the drain deadline). So
-no mutation can begin while a rollout admitted under the old version is
+flight *and* no rollout is bound locally; otherwise the drain is incomplete
+and the controller stays in DRAINING (retried within the drain deadline).
+So no mutation can begin while a rollout admitted under the old version is
 active, and a rollout always completes under the version it was admitted
 with. The target is published only on ``resumed``, after transfer, cache
 invalidation, a validation while paused, and the resume (plus a live
@@ -54,23 +65,44 @@ Outside any update, the engine can still fail: it dies, restarts on its own
 version) or stops answering. Whoever watches its health reports that as a
 ``fail`` in READY with ``Step.SERVE`` and no ticket; it is always
 ambiguous, so the engine is TAINTED and leaves service until a recovery.
-Rollouts still bound then complete unattributable.
+Rollouts still bound then complete unattributable. A controller restored
+from a journal that ends mid-update (or mid-recovery) fails the same way,
+with ``Step.RESTART``: whatever step was reached, its outcome is unknown.
 
-``TRANSITIONS`` is the one table of legal (state, event) pairs and the states
-each may lead to; an event with no entry raises ``InvalidTransition`` and
-changes nothing.
+Records leave the lock before anyone reads them
+-----------------------------------------------
+
+One lock guards the state (no reliance on the GIL); one condition variable
+wakes whoever waits for the active rollouts to drain. Nothing runs under
+that lock but the decision itself: a decision appends its records to an
+outbox (a deque: its order is the order of decisions, so the order of
+records is the order of events), and the thread that made it, once it has
+left the lock, delivers the outbox to the listeners, in order, under a
+second lock that only serialises delivery. A listener (the journal, the
+metrics, the gateway's wake-up) therefore never runs under the state lock,
+and a slow or failing one cannot leave a decision half made.
+
+Calls on the data plane (``admit``, ``complete``) do not wait for delivery:
+if another thread is delivering, it delivers their records too. Every other
+call returns only after its records were delivered, and after every
+``Sink`` (a listener that writes asynchronously: the journal's writer
+thread) confirmed them durable, so a published version is in the journal
+before anyone is told. A listener or sink that fails puts the controller
+in a fail-closed condition (``fail_closed``): from then on admissions,
+updates, evidence and recovery are refused with a clear error, because the
+controller can no longer record what it would decide. The in-memory state
+is consistent (each decision is applied whole, under the lock), but the
+journal may lack the last records; a restart restores from the journal.
 """
 
 from __future__ import annotations
 
-import enum
-import itertools
-import re
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -84,14 +116,68 @@ from rolloutcore.core.evidence import (
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
-    evidence_to_dict,
 )
-from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
-from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
+from rolloutcore.core.records import (
+    Abandon,
+    Admit,
+    BeginRecovery,
+    BeginUpdate,
+    Classification,
+    Commit,
+    Complete,
+    Event,
+    EvidenceSeen,
+    Failure,
+    FailureKind,
+    JournalRecord,
+    Record,
+    Refuse,
+    RequestUpdate,
+    Restore,
+    State,
+    Step,
+    Taint,
+    Transition,
+    Verdict,
+)
+from rolloutcore.core.rules import (
+    ABORT_STEPS,
+    ESCALATION,
+    FAIL_STEPS,
+    FAILURE_POLICY,
+    FAILURE_TARGETS,
+    OUTCOMES,
+    RESETS_DONE,
+    STEP_STATE,
+    TRANSITIONS,
+    Lookup,
+    targets,
+)
+from rolloutcore.core.versions import (
+    Binding,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+    generation_of,
+    label_for,
+)
+from rolloutcore.errors import (
+    AdmissionRefused,
+    BadInput,
+    InvalidTransition,
+    JournalError,
+    UpdateRefused,
+)
 
 __all__ = [
+    "ABORT_STEPS",
     "ESCALATION",
     "FAILURE_POLICY",
+    "FAILURE_TARGETS",
+    "FAIL_STEPS",
+    "OUTCOMES",
+    "RESETS_DONE",
+    "STEP_STATE",
     "TRANSITIONS",
     "Binding",
     "Classification",
@@ -100,146 +186,22 @@ __all__ = [
     "Event",
     "FailureKind",
     "LifecycleController",
+    "Listener",
+    "Lookup",
+    "Sink",
     "State",
     "Step",
     "UpdateTicket",
     "Verdict",
+    "targets",
 ]
 
-
-class State(enum.StrEnum):
-    UNINITIALIZED = "UNINITIALIZED"
-    READY = "READY"
-    DRAINING = "DRAINING"
-    QUIESCED = "QUIESCED"
-    UPDATING = "UPDATING"
-    INVALIDATING = "INVALIDATING"
-    VALIDATING = "VALIDATING"
-    RESUMING = "RESUMING"
-    TAINTED = "TAINTED"
-    RECOVERING = "RECOVERING"
-
-
-class Event(enum.StrEnum):
-    BOOTSTRAP = "bootstrap"
-    ADMIT = "admit"
-    COMPLETE = "complete"
-    REQUEST_UPDATE = "request_update"
-    DRAINED = "drained"
-    PREFLIGHTED = "preflighted"      # begin_update: the mutation may start
-    TRANSFERRED = "transferred"
-    INVALIDATED = "invalidated"
-    VALIDATED = "validated"
-    RESUMED = "resumed"
-    FAIL = "fail"
-    BEGIN_RECOVERY = "begin_recovery"
-    RECOVERED = "recovered"
-
-
 S, E = State, Event
-_ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
-
-#: The one table of legal (state, event) pairs -> the states they may lead to.
-#: Where several, the evidence decides (e.g. DRAINED stays in DRAINING while a
-#: rollout is still bound; a bad transfer taints or, if it provably mutated
-#: nothing, goes to RESUMING to return to service on the old version).
-TRANSITIONS: Mapping[tuple[State, Event], frozenset[State]] = {
-    (S.UNINITIALIZED, E.BOOTSTRAP): frozenset({S.READY, S.UNINITIALIZED}),
-    (S.UNINITIALIZED, E.FAIL): frozenset({S.UNINITIALIZED}),
-    (S.READY, E.ADMIT): frozenset({S.READY}),
-    **{(s, E.COMPLETE): frozenset({s}) for s in _ALL_BUT_UNINIT},
-    (S.READY, E.REQUEST_UPDATE): frozenset({S.DRAINING}),
-    # The engine failed while serving (died, restarted, stopped answering): what it
-    # serves next is unknown, so it leaves service until a recovery replaces it.
-    (S.READY, E.FAIL): frozenset({S.TAINTED}),
-    (S.DRAINING, E.DRAINED): frozenset({S.QUIESCED, S.DRAINING, S.RESUMING}),
-    (S.DRAINING, E.FAIL): frozenset({S.DRAINING, S.RESUMING}),
-    (S.QUIESCED, E.PREFLIGHTED): frozenset({S.UPDATING, S.RESUMING}),
-    (S.QUIESCED, E.FAIL): frozenset({S.RESUMING}),
-    (S.UPDATING, E.TRANSFERRED): frozenset({S.INVALIDATING, S.TAINTED}),
-    (S.UPDATING, E.FAIL): frozenset({S.RESUMING, S.TAINTED}),
-    (S.INVALIDATING, E.INVALIDATED): frozenset({S.VALIDATING, S.INVALIDATING, S.TAINTED}),
-    (S.INVALIDATING, E.FAIL): frozenset({S.INVALIDATING, S.TAINTED}),
-    (S.VALIDATING, E.VALIDATED): frozenset({S.RESUMING, S.TAINTED}),
-    (S.VALIDATING, E.FAIL): frozenset({S.VALIDATING, S.TAINTED}),
-    (S.RESUMING, E.RESUMED): frozenset({S.READY, S.TAINTED}),
-    (S.RESUMING, E.FAIL): frozenset({S.TAINTED}),
-    (S.TAINTED, E.BEGIN_RECOVERY): frozenset({S.RECOVERING}),
-    (S.RECOVERING, E.RECOVERED): frozenset({S.READY, S.TAINTED}),
-    (S.RECOVERING, E.FAIL): frozenset({S.TAINTED}),
-}
-
-
-class Step(enum.StrEnum):
-    """The effect a failure happened in."""
-
-    BOOTSTRAP = "bootstrap"
-    DRAIN = "drain"
-    PREFLIGHT = "preflight"
-    TRANSFER = "transfer"
-    INVALIDATE = "invalidate"
-    VALIDATE = "validate"
-    RESUME = "resume"
-    RECOVER = "recover"
-    SERVE = "serve"        # no effect: the engine observed failing while READY
-
-
-#: Which state each step's effect runs in.
-STEP_STATE: Mapping[Step, State] = {
-    Step.BOOTSTRAP: S.UNINITIALIZED,
-    Step.DRAIN: S.DRAINING,
-    Step.PREFLIGHT: S.QUIESCED,
-    Step.TRANSFER: S.UPDATING,
-    Step.INVALIDATE: S.INVALIDATING,
-    Step.VALIDATE: S.VALIDATING,
-    Step.RESUME: S.RESUMING,
-    Step.RECOVER: S.RECOVERING,
-    Step.SERVE: S.READY,
-}
-
-
-class FailureKind(enum.StrEnum):
-    REFUSED = "refused"            # the effect proves it did nothing (e.g. rejected up front)
-    ERROR = "error"                # raised / server error / connection cut
-    TIMEOUT = "timeout"            # overran its deadline
-    BAD_EVIDENCE = "bad_evidence"  # returned, but the postcondition does not hold
-    DIED = "died"                  # the engine or trainer process is gone
-
-
-class Classification(enum.StrEnum):
-    NO_MUTATION = "no_mutation"
-    INCOMPLETE = "incomplete"
-    AMBIGUOUS = "ambiguous"
-
-
-_RC_LABEL = re.compile(r"^rc-(\d+)$")
 _NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
-_K = FailureKind
-
-#: The failure policy: (step, kind) -> class. Enforced by ``LifecycleController.fail``.
-#: Read by row: a drain that fails in any way mutated nothing; a transfer that
-#: fails mutated nothing only when it was refused up front; a cache reset or a
-#: label read that comes back incomplete may be retried; once a mutation may
-#: have started, anything else is ambiguous.
-FAILURE_POLICY: Mapping[tuple[Step, FailureKind], Classification] = {
-    # step              REFUSED       ERROR          TIMEOUT        BAD_EVIDENCE   DIED
-    **dict(zip([(Step.BOOTSTRAP, k) for k in _K], [_NM, _NM, _NM, _NM, _NM], strict=True)),
-    **dict(zip([(Step.DRAIN, k) for k in _K], [_NM, _NM, _NM, _INC, _NM], strict=True)),
-    **dict(zip([(Step.PREFLIGHT, k) for k in _K], [_NM, _NM, _NM, _NM, _NM], strict=True)),
-    **dict(zip([(Step.TRANSFER, k) for k in _K], [_NM, _AMB, _AMB, _AMB, _AMB], strict=True)),
-    **dict(zip([(Step.INVALIDATE, k) for k in _K], [_INC, _INC, _AMB, _INC, _AMB], strict=True)),
-    **dict(zip([(Step.VALIDATE, k) for k in _K], [_INC, _INC, _AMB, _AMB, _AMB], strict=True)),
-    **dict(zip([(Step.RESUME, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
-    **dict(zip([(Step.RECOVER, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
-    **dict(zip([(Step.SERVE, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
-}
-
-#: Where an incomplete observation ends up once its retries are used up.
-ESCALATION: Mapping[Step, Classification] = {
-    Step.DRAIN: _NM,
-    Step.INVALIDATE: _AMB,
-    Step.VALIDATE: _AMB,
-}
+_ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
+_IDLE_POLL_S = 0.1
+_UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
+                  S.RESUMING)
 
 
 @dataclass(frozen=True)
@@ -251,16 +213,6 @@ class ControllerConfig:
     def __post_init__(self) -> None:
         if self.max_incomplete < 0 or self.retry_after_s <= 0 or self.recovering_retry_after_s <= 0:
             raise BadInput("ControllerConfig values must be positive")
-
-
-@dataclass(frozen=True)
-class Binding:
-    """A rollout admitted under one committed version."""
-
-    rollout_id: str
-    version: WeightVersion
-    identity: WeightIdentity
-    admitted_at: float
 
 
 @dataclass(frozen=True)
@@ -283,29 +235,31 @@ class UpdateTicket:
     min_verification: VerificationLevel
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """What the controller made of one event."""
-
-    event: Event
-    accepted: bool
-    before: State
-    after: State
-    classification: Classification | None = None
-    problems: tuple[str, ...] = ()
-    published: WeightVersion | None = None
-
-    @property
-    def tainted(self) -> bool:
-        return self.after is State.TAINTED
+#: A listener receives every record, in order, outside the controller's lock.
+Listener = Callable[[Record], None]
 
 
-Listener = Callable[[str, dict[str, Any]], None]
+@runtime_checkable
+class Sink(Protocol):
+    """A listener that writes asynchronously (the journal's writer thread).
+
+    ``sync`` blocks until every record it accepted is durable (or raises);
+    ``on_failure`` registers whom to tell when a write fails later.
+    """
+
+    def __call__(self, record: Record) -> None: ...
+
+    def sync(self) -> None: ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None: ...
 
 
 @dataclass
 class _Update:
+    """The update in flight: the ticket (durable, from its record) and working memory."""
+
     ticket: UpdateTicket
+    request: RequestUpdate
     aborting: bool = False          # RESUMING to return to the *old* version
     mutation_started: bool = False
     incomplete: dict[Step, int] = field(default_factory=dict)
@@ -314,7 +268,11 @@ class _Update:
 
 
 class LifecycleController:
-    """The sans-I/O lifecycle of one engine. Thread-safe. See the module docstring."""
+    """The sans-I/O lifecycle of one engine. Thread-safe. See the module docstring.
+
+    ``clock`` is the only time source (``wait_idle``, transition durations,
+    binding times): inject a fake one to test timing without sleeping.
+    """
 
     def __init__(self, *, config: ControllerConfig | None = None,
                  required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
@@ -325,21 +283,32 @@ class LifecycleController:
         self._cfg = config or ControllerConfig()
         self._required_caches = frozenset(required_caches)
         self._clock = clock
-        self._listeners: list[Listener] = [listener] if listener else []
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
+        # Delivery (outside the state lock): copy-on-write lists, so a delivery
+        # iterates a list no one appends to.
+        self._listeners: list[Listener] = []
+        self._sinks: list[Sink] = []
+        self._outbox: collections.deque[Record] = collections.deque()
+        self._deliver_lock = threading.Lock()
+        self._delivering: int | None = None  # the delivering thread, against re-entry
+        self._broken: str | None = None
+        # Durable state: changed only by the _apply_* methods.
         self._state = S.UNINITIALIZED
-        self._entered_at = clock()
         self._committed: WeightVersion | None = None
         self._identity: WeightIdentity | None = None
         self._published: list[WeightVersion] = []
         self._active: dict[str, Binding] = {}
         self._update: _Update | None = None
-        self._update_ids = itertools.count(1)
-        self._history: list[tuple[State, State, Event, float, float]] = []
+        self._next_update_id = 1
         self._max_generation = -1
         self._used_labels: set[str] = set()   # published, or burnt at begin_update
         self._engine_epoch: str | None = None
+        # Timing, for history() and the transition records.
+        self._entered_at = clock()
+        self._history: list[tuple[State, State, Event, float, float]] = []
+        if listener is not None:
+            self.add_listener(listener)
 
     # ---------------------------------------------------------------- queries
     @property
@@ -378,6 +347,12 @@ class LifecycleController:
             done = self._update.reset_ok if self._update else set()
             return frozenset(self._required_caches - done)
 
+    @property
+    def failed_closed(self) -> str | None:
+        """Why the controller refuses every step (a record could not be delivered), or None."""
+        with self._lock:
+            return self._broken
+
     def history(self) -> list[dict[str, Any]]:
         """Transitions with the time spent in the state that was left."""
         with self._lock:
@@ -400,37 +375,173 @@ class LifecycleController:
                     "mutation_started": upd.mutation_started,
                 },
                 "published": [v.to_dict() for v in self._published],
+                "failed_closed": self._broken,
             }
 
+    # ---------------------------------------------------------------- listeners
     def add_listener(self, listener: Listener) -> None:
-        """Listeners see every record, in order, under the lock (keep them quick)."""
+        """Listeners see every record, in order, outside the state lock (keep them quick).
+
+        A ``Sink`` is also waited on after each decision (``sync``) and tells the
+        controller when it fails (``on_failure``): the controller then fails closed.
+        """
+        if not callable(listener):
+            raise BadInput("a listener must be callable")
         with self._lock:
-            self._listeners.append(listener)
+            self._listeners = [*self._listeners, listener]
+            if isinstance(listener, Sink):
+                self._sinks = [*self._sinks, listener]
+        if isinstance(listener, Sink):
+            listener.on_failure(self.fail_closed)
+
+    def fail_closed(self, reason: str) -> None:
+        """Refuse every further step: something the records go to failed (the journal).
+
+        Sticky: the first reason is kept. Queries and ``complete`` still work
+        (a release decides nothing); admissions, updates, evidence and recovery
+        are refused, naming the reason. A restart restores from the journal.
+        """
+        with self._lock:
+            if self._broken is None:
+                self._broken = str(reason) or "a record sink failed"
+
+    def _deliver(self, wait: bool) -> None:
+        """Hand the outbox to the listeners, in order, outside the state lock.
+
+        One thread delivers at a time (``_deliver_lock``); it delivers every
+        record appended before it finds the outbox empty, and re-checks after
+        releasing the lock, so a record whose own thread did not wait
+        (``wait=False``: the data plane) is delivered by whoever holds the
+        lock. With ``wait`` the caller delivers (or waits for the delivery of)
+        its records, then waits for every sink to confirm them durable; a
+        failure then raises ``JournalError`` to that caller.
+        """
+        if not self._outbox and not (wait and self._sinks):
+            return  # nothing to hand over (no listener, or someone delivered it)
+        if self._delivering == threading.get_ident():
+            return  # a listener called back into the controller: the outer loop delivers
+        err: BaseException | None = None
+        while True:
+            if not self._deliver_lock.acquire(blocking=wait):
+                return  # the holder delivers ours: it re-checks after releasing
+            self._delivering = threading.get_ident()
+            try:
+                out = self._outbox
+                listeners = self._listeners
+                while out:
+                    rec = out.popleft()  # only the lock holder pops
+                    for listener in listeners:
+                        try:
+                            listener(rec)
+                        except Exception as exc:
+                            err = err or exc
+                            self.fail_closed(f"a listener failed on a {rec.KIND} record: "
+                                             f"{exc}")
+            finally:
+                self._delivering = None
+                self._deliver_lock.release()
+            if not self._outbox:
+                break
+        if wait:
+            for sink in self._sinks:
+                try:
+                    sink.sync()
+                except Exception as exc:
+                    err = err or exc
+                    self.fail_closed(f"the journal failed: {exc}")
+            if err is not None:
+                raise JournalError(f"records could not be delivered; the controller now "
+                                   f"refuses every step: {err}") from err
+
+    # ---------------------------------------------------------------- appliers
+    # The only code that changes durable state; used live and by restore().
+    def _apply_transition(self, rec: Transition) -> None:
+        self._state = rec.after
+        if rec.after is S.READY:
+            self._idle.notify_all()
+
+    def _apply_commit(self, rec: Commit) -> None:
+        v = rec.version
+        self._committed, self._identity = v, rec.identity
+        self._published.append(v)
+        self._max_generation = max(self._max_generation, v.generation)
+        self._used_labels.add(v.label)
+        self._engine_epoch = v.engine_epoch
+        self._update = None
+
+    def _apply_admit(self, rec: Admit, at: float) -> Binding:
+        assert self._identity is not None
+        b = Binding(rec.version, self._identity, rec.rollout_id, at)
+        self._active[rec.rollout_id] = b
+        return b
+
+    def _apply_complete(self, rec: Complete) -> None:
+        self._active.pop(rec.rollout_id, None)
+        if not self._active:
+            self._idle.notify_all()
+
+    def _apply_request_update(self, rec: RequestUpdate) -> None:
+        ticket = UpdateTicket(rec.update_id, UpdateTarget(rec.target, rec.identity, rec.owner),
+                              rec.min_verification)
+        self._update = _Update(ticket, rec)
+        self._next_update_id = max(self._next_update_id, rec.update_id + 1)
+
+    def _apply_begin_update(self, rec: BeginUpdate) -> None:
+        self._max_generation = max(self._max_generation, rec.target.generation)
+        self._used_labels.add(rec.target.label)
+
+    def _apply_end_update(self, rec: Abandon | Taint) -> None:
+        self._update = None
+
+    def _record(self, rec: Transition | Commit | RequestUpdate | BeginUpdate | Abandon | Taint
+                ) -> None:
+        """Apply a record that changes durable state, and queue it for the listeners."""
+        t = type(rec)
+        if t is Transition:
+            self._apply_transition(rec)  # type: ignore[arg-type]
+        elif t is Commit:
+            self._apply_commit(rec)  # type: ignore[arg-type]
+        elif t is RequestUpdate:
+            self._apply_request_update(rec)  # type: ignore[arg-type]
+        elif t is BeginUpdate:
+            self._apply_begin_update(rec)  # type: ignore[arg-type]
+        else:
+            self._apply_end_update(rec)  # type: ignore[arg-type]
+        if self._listeners:
+            self._outbox.append(rec)
 
     # ---------------------------------------------------------------- internals
-    def _emit(self, kind: str, data: dict[str, Any]) -> None:
-        for listener in self._listeners:
-            listener(kind, data)
-
     def _check(self, event: Event) -> None:
+        if self._broken is not None:
+            raise JournalError(f"{event.value} refused: the controller failed closed "
+                               f"({self._broken})")
         if (self._state, event) not in TRANSITIONS:
             raise InvalidTransition(event.value, self._state.value)
 
+    def _target(self, event: Event, key: object = None) -> State:
+        """The one lookup: the table entry's target, or its outcome table's."""
+        rule = TRANSITIONS.get((self._state, event))
+        if rule is None:
+            raise InvalidTransition(event.value, self._state.value)
+        if isinstance(rule, State):
+            return rule
+        to = OUTCOMES[rule].get(key)
+        if to is None:
+            raise InvalidTransition(event.value, self._state.value,
+                                    f"{rule.value} has no outcome for {key!r}")
+        return to
+
+    def _go(self, event: Event, key: object = None) -> None:
+        self._move(event, self._target(event, key))
+
     def _move(self, event: Event, to: State) -> None:
-        allowed = TRANSITIONS[(self._state, event)]
-        assert to in allowed, f"table violation: {self._state}->{to} on {event}"
-        now = self._clock()
         frm = self._state
-        if to is not frm:
-            self._history.append((frm, to, event, now, now - self._entered_at))
-            if self._listeners:  # records are built only for someone to read them
-                self._emit("transition", {"from": frm.value, "to": to.value,
-                                          "event": event.value,
-                                          "duration_s": now - self._entered_at})
-            self._state = to
-            self._entered_at = now
-            if to is S.READY:
-                self._idle.notify_all()
+        if to is frm:
+            return
+        now = self._clock()
+        self._history.append((frm, to, event, now, now - self._entered_at))
+        self._record(Transition(frm, to, event, now - self._entered_at))
+        self._entered_at = now
 
     def _own(self, event: Event, ticket: UpdateTicket) -> _Update:
         self._check(event)
@@ -440,56 +551,60 @@ class LifecycleController:
         return self._update
 
     def _evidence(self, event: Event, ev: Evidence, problems: list[str]) -> None:
-        if not self._listeners:  # serializing evidence is the costliest bookkeeping here
-            return
-        self._emit("evidence", {"event": event.value, "evidence": evidence_to_dict(ev),
-                                "problems": problems})
+        if self._listeners:  # serialised only by whoever writes it, off this path
+            self._outbox.append(EvidenceSeen(event, ev, tuple(problems)))
 
     def _verdict(self, event: Event, before: State, *, accepted: bool,
                  cls: Classification | None = None, problems: list[str] | None = None,
-                 published: WeightVersion | None = None) -> Verdict:
+                 published: WeightVersion | None = None, report: bool = True) -> Verdict:
         v = Verdict(event, accepted, before, self._state, cls, tuple(problems or ()), published)
-        if not self._listeners:
-            return v
-        self._emit("verdict", {"event": event.value, "accepted": accepted,
-                               "before": before.value, "after": self._state.value,
-                               "classification": None if cls is None else cls.value,
-                               "problems": list(v.problems),
-                               "published": None if published is None else published.to_dict()})
+        if report and self._listeners:
+            self._outbox.append(v)
         return v
 
-    def _apply_failure(self, event: Event, step: Step, kind: FailureKind,
-                       problems: list[str]) -> Verdict:
+    def _failure(self, event: Event, step: Step, kind: FailureKind, problems: list[str],
+                 taint_problems: list[str] | None = None, *, report: bool = True) -> Verdict:
+        """Classify (FAILURE_POLICY), decide the target (FAILURE_TARGETS), then apply."""
         before = self._state
-        cls = FAILURE_POLICY[(step, kind)]
         upd = self._update
-        if step is Step.TRANSFER and upd is not None and kind is not FailureKind.REFUSED:
-            upd.mutation_started = True
+        cls = FAILURE_POLICY[(step, kind)]
+        mutated = upd is not None and (
+            upd.mutation_started or (step is Step.TRANSFER and kind is not FailureKind.REFUSED))
+        count = 0
         if cls is _INC:
-            count = 0
-            if upd is not None:
-                count = upd.incomplete.get(step, 0) + 1
-                upd.incomplete[step] = count
+            count = (upd.incomplete.get(step, 0) if upd is not None else 0) + 1
             if count > self._cfg.max_incomplete:
                 cls = ESCALATION[step]
                 problems = [*problems, f"{step.value}: gave up after {count - 1} retries"]
-            else:
-                return self._verdict(event, before, accepted=False, cls=_INC, problems=problems)
-        if before is S.UNINITIALIZED:
-            return self._verdict(event, before, accepted=False, cls=cls, problems=problems)
-        if cls is _NM and upd is not None and not upd.mutation_started and not upd.aborting:
-            upd.aborting = True
-            self._move(event, S.RESUMING)
-            return self._verdict(event, before, accepted=False, cls=cls, problems=problems)
-        self._taint(event, problems)
-        return self._verdict(event, before, accepted=False, cls=_AMB, problems=problems)
+        if cls is _NM and upd is not None and (mutated or upd.aborting):
+            cls = _AMB  # a no_mutation claim never overrides what the controller knows
+        to = self._target(E.FAIL, (before, cls))
+        # Decided; apply.
+        if upd is not None:
+            upd.mutation_started = mutated
+            if count:
+                upd.incomplete[step] = count
+            if to is S.RESUMING:
+                upd.aborting = True
+        if to is S.TAINTED:
+            self._taint(taint_problems or problems)
+        else:
+            self._move(E.FAIL, to)
+        return self._verdict(event, before, accepted=False, cls=cls, problems=problems,
+                             report=report)
 
-    def _taint(self, event: Event, problems: list[str]) -> None:
-        self._move(event, S.TAINTED)
-        self._emit("taint", {"problems": problems,
-                             "target": None if self._update is None
-                             else self._update.ticket.target.version.to_dict()})
-        self._update = None
+    def _taint(self, problems: list[str]) -> None:
+        upd = self._update
+        self._move(E.FAIL, S.TAINTED)
+        self._record(Taint(tuple(problems),
+                           None if upd is None else upd.ticket.target.version))
+
+    def _fresh_generation(self) -> int:
+        """The next generation whose default label was never used (published or burnt)."""
+        gen = self._max_generation + 1
+        while label_for(gen) in self._used_labels:
+            gen += 1
+        return gen
 
     # ---------------------------------------------------------------- bootstrap
     def bootstrap(self, ev: BootstrapEvidence, identity: WeightIdentity,
@@ -503,27 +618,21 @@ class LifecycleController:
             problems = ev.problems(None)
             self._evidence(E.BOOTSTRAP, ev, problems)
             if problems:
-                return self._apply_failure(E.BOOTSTRAP, Step.BOOTSTRAP,
-                                           FailureKind.BAD_EVIDENCE, problems)
-            # An engine already labelled rc-N by an earlier controller continues
-            # at generation N, so labels and generations keep agreeing.
-            m = _RC_LABEL.match(label or "")
-            version = WeightVersion(int(m.group(1)) if m else 0, label or "rc-0",
-                                    ev.engine_epoch)
-            self._engine_epoch = ev.engine_epoch
-            return self._commit(E.BOOTSTRAP, before, version, identity)
+                v = self._failure(E.BOOTSTRAP, Step.BOOTSTRAP, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                # An engine already labelled rc-N by an earlier controller continues
+                # at generation N, so labels and generations keep agreeing.
+                version = WeightVersion(generation_of(label) or 0, label or label_for(0),
+                                        ev.engine_epoch)
+                v = self._commit(E.BOOTSTRAP, before, version, identity)
+        self._deliver(True)
+        return v
 
     def _commit(self, event: Event, before: State, version: WeightVersion,
                 identity: WeightIdentity) -> Verdict:
-        self._committed = version
-        self._identity = identity
-        self._published.append(version)
-        self._max_generation = max(self._max_generation, version.generation)
-        self._used_labels.add(version.label)
-        self._update = None
-        if self._listeners:
-            self._emit("commit", {"version": version.to_dict(), "identity": identity.to_dict()})
-        self._move(event, S.READY)
+        self._record(Commit(version, identity))
+        self._go(event)
         return self._verdict(event, before, accepted=True, published=version)
 
     # ---------------------------------------------------------------- rollouts
@@ -531,9 +640,14 @@ class LifecycleController:
         """Bind a rollout to the committed version; raise AdmissionRefused outside READY."""
         if not isinstance(rollout_id, str) or not rollout_id or len(rollout_id) > 256:
             raise BadInput("rollout_id must be a non-empty string of at most 256 characters")
+        refused: AdmissionRefused | None = None
+        b: Binding | None = None
         with self._lock:
             st = self._state
-            if st is not S.READY:
+            if self._broken is not None:
+                refused = AdmissionRefused(st.value, f"the controller failed closed "
+                                                     f"({self._broken})", None)
+            elif (st, E.ADMIT) not in TRANSITIONS:
                 retry: float | None
                 if st is S.TAINTED:
                     retry, reason = None, "engine is tainted; it serves nothing until recovered"
@@ -541,45 +655,57 @@ class LifecycleController:
                     retry, reason = self._cfg.recovering_retry_after_s, "engine not ready"
                 else:
                     retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
-                self._emit("refuse", {"rollout_id": rollout_id, "state": st.value,
-                                      "reason": reason})
-                raise AdmissionRefused(st.value, reason, retry)
-            if rollout_id in self._active:
-                raise BadInput(f"rollout {rollout_id!r} is already active")
-            assert self._committed is not None and self._identity is not None
-            b = Binding(rollout_id, self._committed, self._identity, self._clock())
-            self._active[rollout_id] = b
-            self._emit("admit", {"rollout_id": rollout_id, "version": b.version.to_dict(),
-                                 "identity_digest": b.identity.digest})
-            return b
+                if self._listeners:
+                    self._outbox.append(Refuse(rollout_id, st, reason))
+                refused = AdmissionRefused(st.value, reason, retry)
+            else:
+                if rollout_id in self._active:
+                    raise BadInput(f"rollout {rollout_id!r} is already active")
+                assert self._committed is not None and self._identity is not None
+                rec = Admit(rollout_id, self._committed, self._identity.digest)
+                b = self._apply_admit(rec, self._clock())
+                if self._listeners:
+                    self._outbox.append(rec)
+        if self._outbox:
+            self._deliver(False)
+        if refused is not None:
+            raise refused
+        assert b is not None
+        return b
 
     def complete(self, rollout_id: str) -> Completion:
         """Release a rollout's binding. Unknown ids are an error and change nothing."""
         with self._lock:
-            if self._state is S.UNINITIALIZED:
+            if (self._state, E.COMPLETE) not in TRANSITIONS:
                 raise InvalidTransition(E.COMPLETE.value, self._state.value)
             b = self._active.get(rollout_id) if isinstance(rollout_id, str) else None
             if b is None:
                 raise BadInput(f"rollout {rollout_id!r} is not active")
-            del self._active[rollout_id]
             attributable = (self._state not in (S.TAINTED, S.RECOVERING)
                             and self._committed == b.version)
+            rec = Complete(rollout_id, b.version, self._state, attributable)
+            self._apply_complete(rec)
+            if self._listeners:
+                self._outbox.append(rec)
             c = Completion(b, self._clock(), self._state, self._committed, attributable)
-            self._emit("complete", {"rollout_id": rollout_id, "version": b.version.to_dict(),
-                                    "state": self._state.value, "attributable": attributable})
-            if not self._active:
-                self._idle.notify_all()
-            return c
+        if self._outbox:
+            self._deliver(False)
+        return c
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no rollout is bound (or the timeout); True when idle."""
-        deadline = time.monotonic() + max(0.0, timeout_s)
+        """Block until no rollout is bound (or the timeout, on the injected clock).
+
+        The last completion wakes the waiter at once; the deadline is re-read
+        from the injected clock at least every ``_IDLE_POLL_S``, so a fake
+        clock moved forward by a test is seen without real waiting.
+        """
+        deadline = self._clock() + max(0.0, timeout_s)
         with self._idle:
             while self._active:
-                left = deadline - time.monotonic()
+                left = deadline - self._clock()
                 if left <= 0:
                     return False
-                self._idle.wait(left)
+                self._idle.wait(min(left, _IDLE_POLL_S))
             return True
 
     # ---------------------------------------------------------------- update
@@ -595,66 +721,63 @@ class LifecycleController:
         if not isinstance(min_verification, VerificationLevel):
             raise BadInput("min_verification must be a VerificationLevel")
         with self._lock:
+            if self._broken is not None:
+                raise UpdateRefused(f"the controller failed closed ({self._broken})")
             if self._update is not None:
                 raise UpdateRefused(
                     f"an update by {self._update.ticket.target.owner!r} is in progress "
                     f"(state {self._state.value}); one writer at a time")
-            if self._state is not S.READY:
+            if (self._state, E.REQUEST_UPDATE) not in TRANSITIONS:
                 raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
             assert self._committed is not None
             gen = self._fresh_generation()
-            nxt = WeightVersion(gen, label or f"rc-{gen}", self._committed.engine_epoch)
+            nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
             if nxt.label in self._used_labels:
                 raise BadInput(f"label {nxt.label!r} was already used; labels name one "
                                f"weight set each")
-            target = UpdateTarget(nxt, target_identity, owner)
-            ticket = UpdateTicket(next(self._update_ids), target, min_verification)
-            self._update = _Update(ticket)
-            if self._listeners:
-                self._emit("request_update", {"update_id": ticket.update_id, "owner": owner,
-                                              "target": nxt.to_dict(),
-                                              "identity": target_identity.to_dict(),
-                                              "active_rollouts": len(self._active)})
-            self._move(E.REQUEST_UPDATE, S.DRAINING)
-            return ticket
+            self._record(RequestUpdate(self._next_update_id, owner, nxt, target_identity,
+                                       len(self._active), min_verification))
+            self._go(E.REQUEST_UPDATE)
+            assert self._update is not None
+            ticket = self._update.ticket
+        self._deliver(True)
+        return ticket
 
     def drained(self, ticket: UpdateTicket, ev: DrainEvidence) -> Verdict:
         with self._lock:
-            upd = self._own(E.DRAINED, ticket)
+            self._own(E.DRAINED, ticket)
             before = self._state
-            if upd.aborting:
-                raise InvalidTransition(E.DRAINED.value, before.value, "update is aborting")
             problems = ev.problems(ticket.target)
             if self._active:
                 problems.append(f"{len(self._active)} rollouts still bound")
             self._evidence(E.DRAINED, ev, problems)
             if problems:
-                return self._apply_failure(E.DRAINED, Step.DRAIN, FailureKind.BAD_EVIDENCE,
-                                           problems)
-            self._move(E.DRAINED, S.QUIESCED)
-            return self._verdict(E.DRAINED, before, accepted=True)
+                v = self._failure(E.DRAINED, Step.DRAIN, FailureKind.BAD_EVIDENCE, problems)
+            else:
+                self._go(E.DRAINED)
+                v = self._verdict(E.DRAINED, before, accepted=True)
+        self._deliver(True)
+        return v
 
     def preflighted(self, ticket: UpdateTicket, ev: PreflightEvidence) -> Verdict:
         """begin_update: the preflight holds and no rollout is bound, so mutation may start."""
         with self._lock:
-            upd = self._own(E.PREFLIGHTED, ticket)
+            self._own(E.PREFLIGHTED, ticket)
             before = self._state
             problems = ev.problems(ticket.target)
             if self._active:  # unreachable by construction: admission is closed
                 problems.append(f"{len(self._active)} rollouts bound at begin_update")
             self._evidence(E.PREFLIGHTED, ev, problems)
             if problems:
-                return self._apply_failure(E.PREFLIGHTED, Step.PREFLIGHT,
-                                           FailureKind.BAD_EVIDENCE, problems)
-            # From here the target's label may reach the engine: never reuse it.
-            self._max_generation = max(self._max_generation, ticket.target.version.generation)
-            self._used_labels.add(ticket.target.version.label)
-            if self._listeners:
-                self._emit("begin_update", {"update_id": ticket.update_id,
-                                            "target": ticket.target.version.to_dict()})
-            self._move(E.PREFLIGHTED, S.UPDATING)
-            upd.mutation_started = False
-            return self._verdict(E.PREFLIGHTED, before, accepted=True)
+                v = self._failure(E.PREFLIGHTED, Step.PREFLIGHT, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                # From here the target's label may reach the engine: never reuse it.
+                self._record(BeginUpdate(ticket.update_id, ticket.target.version))
+                self._go(E.PREFLIGHTED)
+                v = self._verdict(E.PREFLIGHTED, before, accepted=True)
+        self._deliver(True)
+        return v
 
     def transferred(self, ticket: UpdateTicket, ev: TransferEvidence) -> Verdict:
         with self._lock:
@@ -662,16 +785,18 @@ class LifecycleController:
             before = self._state
             problems = ev.problems(ticket.target)
             self._evidence(E.TRANSFERRED, ev, problems)
-            upd.mutation_started = upd.mutation_started or ev.mutation_started
             if problems:
                 # Evidence came back but does not hold: the weights may be
                 # anything now. Ambiguous, even if the transport says it never
                 # started (use fail(REFUSED) for a provable no-op).
-                upd.mutation_started = True
-                return self._apply_failure(E.TRANSFERRED, Step.TRANSFER,
-                                           FailureKind.BAD_EVIDENCE, problems)
-            self._move(E.TRANSFERRED, S.INVALIDATING)
-            return self._verdict(E.TRANSFERRED, before, accepted=True)
+                v = self._failure(E.TRANSFERRED, Step.TRANSFER, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                upd.mutation_started = upd.mutation_started or ev.mutation_started
+                self._go(E.TRANSFERRED)
+                v = self._verdict(E.TRANSFERRED, before, accepted=True)
+        self._deliver(True)
+        return v
 
     def invalidated(self, ticket: UpdateTicket, ev: CacheResetEvidence) -> Verdict:
         """One cache reset; VALIDATING once every required cache has been reset."""
@@ -681,12 +806,14 @@ class LifecycleController:
             problems = ev.problems(ticket.target)
             self._evidence(E.INVALIDATED, ev, problems)
             if problems:
-                return self._apply_failure(E.INVALIDATED, Step.INVALIDATE,
-                                           FailureKind.BAD_EVIDENCE, problems)
-            upd.reset_ok.add(ev.cache)
-            if self._required_caches <= upd.reset_ok:
-                self._move(E.INVALIDATED, S.VALIDATING)
-            return self._verdict(E.INVALIDATED, before, accepted=True)
+                v = self._failure(E.INVALIDATED, Step.INVALIDATE, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                upd.reset_ok.add(ev.cache)
+                self._go(E.INVALIDATED, self._required_caches <= upd.reset_ok)
+                v = self._verdict(E.INVALIDATED, before, accepted=True)
+        self._deliver(True)
+        return v
 
     def validated(self, ticket: UpdateTicket, ev: ValidationEvidence) -> Verdict:
         """The validation while paused. It must hold; a failed one taints."""
@@ -698,11 +825,14 @@ class LifecycleController:
                 problems.append("validation ran on a resumed engine; it must run while paused")
             self._evidence(E.VALIDATED, ev, problems)
             if problems:
-                return self._apply_failure(E.VALIDATED, Step.VALIDATE,
-                                           FailureKind.BAD_EVIDENCE, problems)
-            upd.validations.append(ev)
-            self._move(E.VALIDATED, S.RESUMING)
-            return self._verdict(E.VALIDATED, before, accepted=True)
+                v = self._failure(E.VALIDATED, Step.VALIDATE, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                upd.validations.append(ev)
+                self._go(E.VALIDATED)
+                v = self._verdict(E.VALIDATED, before, accepted=True)
+        self._deliver(True)
+        return v
 
     def resumed(self, ticket: UpdateTicket, ev: ResumeEvidence,
                 live: ValidationEvidence | None = None) -> Verdict:
@@ -712,35 +842,38 @@ class LifecycleController:
         version and publishes nothing.
         """
         with self._lock:
-            upd = self._own(E.RESUMED, ticket)
-            before = self._state
-            problems = ev.problems(ticket.target)
-            if upd.aborting and live is not None:
-                raise BadInput("no live validation on the abort path: nothing was installed")
-            if live is not None:
-                lp = live.problems(ticket.target)
-                problems += [f"live validation: {p}" for p in lp]
-                upd.validations.append(live)
-            self._evidence(E.RESUMED, ev, problems)
-            if live is not None:
-                self._evidence(E.RESUMED, live, problems)
-            if problems:
-                return self._apply_failure(E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
-                                           problems)
-            if upd.aborting:
-                self._update = None
-                self._emit("abandon", {"update_id": ticket.update_id,
-                                       "target": ticket.target.version.to_dict()})
-                self._move(E.RESUMED, S.READY)
-                return self._verdict(E.RESUMED, before, accepted=True)
-            level, summary = self._verification(upd.validations)
-            if level < ticket.min_verification:
-                return self._apply_failure(
-                    E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
-                    [f"verification reached {level.wire}, "
-                     f"update requires {ticket.min_verification.wire}"])
-            identity = ticket.target.identity.verified(level, summary)
-            return self._commit(E.RESUMED, before, ticket.target.version, identity)
+            v = self._resumed(ticket, ev, live)
+        self._deliver(True)
+        return v
+
+    def _resumed(self, ticket: UpdateTicket, ev: ResumeEvidence,
+                 live: ValidationEvidence | None) -> Verdict:
+        upd = self._own(E.RESUMED, ticket)
+        before = self._state
+        if upd.aborting and live is not None:
+            raise BadInput("no live validation on the abort path: nothing was installed")
+        problems = ev.problems(ticket.target)
+        if live is not None:
+            problems += [f"live validation: {p}" for p in live.problems(ticket.target)]
+        self._evidence(E.RESUMED, ev, problems)
+        if live is not None:
+            self._evidence(E.RESUMED, live, problems)
+        if problems:
+            return self._failure(E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE, problems)
+        if upd.aborting:
+            self._record(Abandon(ticket.update_id, ticket.target.version))
+            self._go(E.RESUMED)
+            return self._verdict(E.RESUMED, before, accepted=True)
+        if live is not None:
+            upd.validations.append(live)
+        level, summary = self._verification(upd.validations)
+        if level < ticket.min_verification:
+            return self._failure(
+                E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
+                [f"verification reached {level.wire}, "
+                 f"update requires {ticket.min_verification.wire}"])
+        identity = ticket.target.identity.verified(level, summary)
+        return self._commit(E.RESUMED, before, ticket.target.version, identity)
 
     @staticmethod
     def _verification(vals: list[ValidationEvidence]) -> tuple[VerificationLevel, list[str]]:
@@ -757,52 +890,42 @@ class LifecycleController:
 
     def fail(self, ticket: UpdateTicket | None, step: Step, kind: FailureKind,
              reason: str) -> Verdict:
-        """An effect failed (raised, timed out, died). Classified by FAILURE_POLICY."""
+        """An effect failed (raised, timed out, died): ``FAIL_STEPS`` then ``FAILURE_POLICY``.
+
+        In READY the failure is the engine's while serving (``Step.SERVE``,
+        no ticket); during an update it needs the update's ticket.
+        """
         if not isinstance(step, Step) or not isinstance(kind, FailureKind):
             raise BadInput("fail needs a Step and a FailureKind")
         with self._lock:
-            self._check(E.FAIL)
-            if self._state is S.RECOVERING:
-                if step is not Step.RECOVER:
-                    raise InvalidTransition(E.FAIL.value, self._state.value,
-                                            f"step {step.value} does not run in this state")
-                before = self._state
-                self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
-                self._move(E.FAIL, S.TAINTED)
-                return self._verdict(E.FAIL, before, accepted=False, cls=_AMB, problems=[reason])
-            if self._state is S.READY:
-                # Outside any update: a health watcher saw the engine die, restart
-                # (new epoch) or stop answering. Bound rollouts stay bound and will
-                # complete unattributable; nothing is admitted until a recovery.
-                if step is not Step.SERVE:
-                    raise InvalidTransition(E.FAIL.value, self._state.value,
-                                            f"step {step.value} does not run in this state")
-                if ticket is not None:
-                    raise BadInput("a serving failure has no update ticket")
-                self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
-                self._taint(E.FAIL, [f"engine failed while serving: {reason}"])
-                return self._verdict(E.FAIL, S.READY, accepted=False, cls=_AMB,
-                                     problems=[reason])
-            if self._state is not S.UNINITIALIZED:
-                if ticket is None:
-                    raise BadInput("fail during an update needs the ticket")
-                upd = self._own(E.FAIL, ticket)
-                if upd.aborting and step is not Step.RESUME:
-                    raise InvalidTransition(E.FAIL.value, self._state.value,
-                                            f"update is aborting; step {step.value} is over")
-                expected = S.RESUMING if upd.aborting else STEP_STATE[step]
-                if step is Step.VALIDATE and self._state is S.RESUMING:
-                    expected = S.RESUMING  # the live validation runs after resume
-                if self._state is not expected:
-                    raise InvalidTransition(E.FAIL.value, self._state.value,
-                                            f"step {step.value} does not run in this state")
-            elif step is not Step.BOOTSTRAP:
-                raise InvalidTransition(E.FAIL.value, self._state.value,
-                                        f"step {step.value} does not run in this state")
-            if self._state is S.RESUMING and step is Step.VALIDATE:
-                step = Step.RESUME  # a failed live validation cannot be retried into service
-            self._emit("failure", {"step": step.value, "kind": kind.value, "reason": reason})
-            return self._apply_failure(E.FAIL, step, kind, [reason])
+            v = self._fail(ticket, step, kind, str(reason), report=True)
+        self._deliver(True)
+        return v
+
+    def _fail(self, ticket: UpdateTicket | None, step: Step, kind: FailureKind, reason: str,
+              *, report: bool) -> Verdict:
+        """``fail`` under the lock; ``report=False`` (restore) records only the transition
+        and the taint, as a restore always has."""
+        self._check(E.FAIL)
+        upd = self._update
+        aborting = upd is not None and upd.aborting
+        row = (ABORT_STEPS if aborting else FAIL_STEPS).get((self._state, step))
+        if row is None:
+            raise InvalidTransition(E.FAIL.value, self._state.value,
+                                    f"update is aborting; step {step.value} is over" if aborting
+                                    else f"step {step.value} does not run in this state")
+        if self._state is S.READY and ticket is not None:
+            raise BadInput("a serving failure has no update ticket")
+        if self._state in _UPDATE_STATES:
+            if ticket is None:
+                raise BadInput("fail during an update needs the ticket")
+            self._own(E.FAIL, ticket)
+        if report and self._listeners:
+            self._outbox.append(Failure(row, kind, reason))
+        # Serving: the verdict names the observation, the taint record what it means.
+        return self._failure(E.FAIL, row, kind, [reason],
+                             [f"engine failed while serving: {reason}"]
+                             if row is Step.SERVE else None, report=report)
 
     # ---------------------------------------------------------------- recovery
     def begin_recovery(self, owner: str) -> None:
@@ -810,8 +933,10 @@ class LifecycleController:
             raise BadInput("owner must be a non-empty string")
         with self._lock:
             self._check(E.BEGIN_RECOVERY)
-            self._emit("begin_recovery", {"owner": owner})
-            self._move(E.BEGIN_RECOVERY, S.RECOVERING)
+            if self._listeners:
+                self._outbox.append(BeginRecovery(owner))
+            self._go(E.BEGIN_RECOVERY)
+        self._deliver(True)
 
     def recovered(self, ev: RecoveryEvidence) -> Verdict:
         """A replacement engine (new epoch) verified on a known checkpoint: READY again.
@@ -825,100 +950,110 @@ class LifecycleController:
             self._check(E.RECOVERED)
             before = self._state
             gen = self._fresh_generation()
-            version = WeightVersion(gen, f"rc-{gen}", ev.engine_epoch)
+            version = WeightVersion(gen, label_for(gen), ev.engine_epoch)
             target = UpdateTarget(version, ev.identity, "recovery")
             problems = ev.problems(target)
             if ev.engine_epoch == self._engine_epoch:
                 problems.append("recovery must replace the engine (same epoch observed)")
             self._evidence(E.RECOVERED, ev, problems)
             if problems:
-                self._update = None
-                self._emit("failure", {"step": Step.RECOVER.value, "kind": "bad_evidence",
-                                       "reason": "; ".join(problems)})
-                self._move(E.RECOVERED, S.TAINTED)
-                return self._verdict(E.RECOVERED, before, accepted=False, cls=_AMB,
-                                     problems=problems)
-            self._engine_epoch = ev.engine_epoch
-            level, summary = self._verification([ev.validation])
-            return self._commit(E.RECOVERED, before, version, ev.identity.verified(level, summary))
+                if self._listeners:
+                    self._outbox.append(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE,
+                                                "; ".join(problems)))
+                v = self._failure(E.RECOVERED, Step.RECOVER, FailureKind.BAD_EVIDENCE,
+                                  problems)
+            else:
+                level, summary = self._verification([ev.validation])
+                v = self._commit(E.RECOVERED, before, version,
+                                 ev.identity.verified(level, summary))
+        self._deliver(True)
+        return v
 
     def recovery_target(self) -> WeightVersion:
         """The version a recovery would publish (its label must be set on the new engine)."""
         with self._lock:
             gen = self._fresh_generation()
-            return WeightVersion(gen, f"rc-{gen}", self._engine_epoch or "pending")
-
-    def _fresh_generation(self) -> int:
-        """The next generation whose default label was never used (published or burnt)."""
-        gen = self._max_generation + 1
-        while f"rc-{gen}" in self._used_labels:
-            gen += 1
-        return gen
+            return WeightVersion(gen, label_for(gen), self._engine_epoch or "pending")
 
     # ---------------------------------------------------------------- crash restore
     @classmethod
-    def restore(cls, records: Iterable[tuple[str, Mapping[str, Any]]], *,
+    def restore(cls, records: Iterable[Record | JournalRecord], *,
                 config: ControllerConfig | None = None,
                 required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
                 clock: Callable[[], float] = time.monotonic,
                 listener: Listener | None = None) -> LifecycleController:
-        """Rebuild a controller from the (kind, data) records of its journal.
+        """Rebuild a controller by replaying the records of its journal.
 
-        Committed versions, the identity and active bindings are restored.
-        An update that was in flight when the process died is never resumed
-        as if it had succeeded: whatever step it had reached, the restored
-        controller is TAINTED and only recovery leads back to READY.
+        Each record that changed durable state is applied through the same
+        method that applied it live, after checking it against the tables
+        (a transition must leave the state the replay is in, for a target
+        the table allows); a journal that breaks them raises
+        ``JournalError``. An update (or recovery) that was in flight when the
+        process died is never resumed as if it had succeeded: whatever step
+        it had reached, the restored controller fails it with
+        ``Step.RESTART`` (ambiguous: TAINTED), and only recovery leads back
+        to READY.
         """
         c = cls(config=config, required_caches=required_caches, clock=clock)
-        state = S.UNINITIALIZED
-        in_flight: dict[str, Any] | None = None
-        for kind, d in records:
-            if kind == "transition":
-                state = State(str(d["to"]))
-            elif kind == "commit":
-                v = WeightVersion.from_dict(d["version"])
-                c._committed, c._identity = v, WeightIdentity.from_dict(d["identity"])
-                c._published.append(v)
-                c._max_generation = max(c._max_generation, v.generation)
-                c._used_labels.add(v.label)
-                c._engine_epoch = v.engine_epoch
-                in_flight = None
-            elif kind == "admit":
-                v = WeightVersion.from_dict(d["version"])
-                assert c._identity is not None
-                c._active[str(d["rollout_id"])] = Binding(str(d["rollout_id"]), v, c._identity,
-                                                          clock())
-            elif kind == "complete":
-                c._active.pop(str(d["rollout_id"]), None)
-            elif kind == "request_update":
-                in_flight = dict(d)
-            elif kind == "begin_update":
-                c._max_generation = max(c._max_generation,
-                                        int(d["target"]["generation"]))
-                c._used_labels.add(str(d["target"]["label"]))
-            elif kind in ("taint", "abandon"):
-                in_flight = None
-        c._state = state
-        if listener is not None:
-            c._listeners.append(listener)
         with c._lock:
-            c._emit("restore", {"state": state.value, "active_rollouts": len(c._active),
-                                "in_flight_update": in_flight})
-            if state not in (S.UNINITIALIZED, S.READY, S.TAINTED, S.RECOVERING):
-                # The update's outcome is unknown: ambiguous, whatever step it reached.
-                c._force_taint(state)
-                c._emit("taint", {"problems": ["controller restarted during an update"],
-                                  "target": None if in_flight is None
-                                  else in_flight.get("target")})
-            elif state is S.RECOVERING:
-                c._force_taint(state)
+            for r in records:
+                c._replay(r.record if isinstance(r, JournalRecord) else r)
+            c._entered_at = clock()
+        if listener is not None:
+            c.add_listener(listener)
+        with c._lock:
+            upd = c._update
+            if c._state in _UPDATE_STATES and upd is None:
+                raise JournalError(f"journal ends in {c._state.value} without the "
+                                   f"request_update that opened the update")
+            if c._listeners:
+                c._outbox.append(Restore(c._state, len(c._active),
+                                         None if upd is None else upd.request))
+            if (c._state, Step.RESTART) in FAIL_STEPS:
+                what = "a recovery" if c._state is S.RECOVERING else "an update"
+                c._fail(None if upd is None else upd.ticket, Step.RESTART, FailureKind.DIED,
+                        f"controller restarted during {what}", report=False)
+        c._deliver(True)
         return c
 
-    def _force_taint(self, frm: State) -> None:
-        """Crash restore only: the journal says we were mid-way; go to TAINTED directly."""
-        now = self._clock()
-        self._history.append((frm, S.TAINTED, E.FAIL, now, 0.0))
-        self._emit("transition", {"from": frm.value, "to": S.TAINTED.value,
-                                  "event": E.FAIL.value, "duration_s": 0.0})
-        self._state = S.TAINTED
-        self._entered_at = now
+    def _replay(self, rec: Record) -> None:
+        t = type(rec)
+        if t is Transition:
+            assert isinstance(rec, Transition)
+            if rec.before is not self._state or rec.after not in _replay_targets(
+                    rec.before, rec.event):
+                raise JournalError(
+                    f"journal replays {rec.before.value} -> {rec.after.value} on "
+                    f"{rec.event.value} while the controller is {self._state.value}: "
+                    f"not a transition of its tables")
+            self._apply_transition(rec)
+        elif t is Admit:
+            assert isinstance(rec, Admit)
+            if (self._state, E.ADMIT) not in TRANSITIONS or self._identity is None or \
+                    rec.identity_digest != self._identity.digest:
+                raise JournalError(f"journal admits {rec.rollout_id!r} in "
+                                   f"{self._state.value} under an identity not committed")
+            self._apply_admit(rec, self._clock())
+        elif t is Complete:
+            self._apply_complete(rec)  # type: ignore[arg-type]
+        elif t is Commit:
+            self._apply_commit(rec)  # type: ignore[arg-type]
+        elif t is RequestUpdate:
+            self._apply_request_update(rec)  # type: ignore[arg-type]
+        elif t is BeginUpdate:
+            self._apply_begin_update(rec)  # type: ignore[arg-type]
+        elif t is Abandon or t is Taint:
+            self._apply_end_update(rec)  # type: ignore[arg-type]
+        # Every other record describes a decision; it changes no durable state.
+
+
+def _replay_targets(state: State, event: Event) -> frozenset[State]:
+    """Targets a journal may show for (state, event).
+
+    Schema 1 labelled a transition caused by failing evidence with the
+    evidence's event rather than ``fail``; such a journal still restores.
+    """
+    out = targets(state, event) if (state, event) in TRANSITIONS else frozenset()
+    if event is not E.FAIL and (state, E.FAIL) in TRANSITIONS:
+        out |= targets(state, E.FAIL)
+    return out

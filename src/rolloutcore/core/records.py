@@ -1,47 +1,542 @@
-"""The records the controller and the runner write: the journal's schema.
+"""What the controller and the runner output: typed records, and the journal's schema.
 
-Pure data, standard library only: the journal (``control.journal``) writes
-and reads them, the invariant checker (``core.invariants``) and the audit
-read them.
+Every output of the controller (``core.lifecycle``) and of the runner
+(``control.runner``) is one of the frozen record classes below; listeners
+receive the objects themselves and match on their types. The journal
+(``control.journal``) writes each as one JSON line through ``to_data`` and
+reads it back through ``decode``; the invariant checker (``core.invariants``),
+the crash restore, the metrics and the audit read the typed records.
+``docs/journal-schema.md`` documents every field.
+
+The vocabulary that appears in records lives here too (``State``, ``Event``,
+``Step``, ``FailureKind``, ``Classification``), so the schema is one module;
+``core.lifecycle`` re-exports it and holds the tables that use it.
+
+Why typed records rather than (kind, dict) pairs: a consumer that matches on
+a class cannot misspell a kind or a key, and mypy sees every field. The JSON
+form is built only when something is written (the journal's writer thread),
+never on the controller's path.
+
+``SCHEMA_VERSION`` is written in every journal line (``"v"``). It changes
+whenever a record gains, loses or changes the meaning of a field. A reader
+decodes the versions in ``READABLE_VERSIONS`` (version 1 lines, written
+before the number existed, carry no ``"v"``) and refuses any other, naming
+it, rather than guess.
+
+Standard library only.
 """
 
 from __future__ import annotations
 
+import enum
 import json
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
 
-from rolloutcore.errors import JournalError
+from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
+from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.errors import BadInput, JournalError
 
-__all__ = ["KINDS", "JournalRecord"]
+__all__ = [
+    "KINDS",
+    "READABLE_VERSIONS",
+    "RECORD_TYPES",
+    "SCHEMA_VERSION",
+    "Abandon",
+    "Admit",
+    "BeginRecovery",
+    "BeginUpdate",
+    "Classification",
+    "Commit",
+    "Complete",
+    "Effect",
+    "Event",
+    "EvidenceSeen",
+    "Failure",
+    "FailureKind",
+    "JournalRecord",
+    "Note",
+    "Record",
+    "Refuse",
+    "RequestUpdate",
+    "Restore",
+    "State",
+    "Step",
+    "Taint",
+    "Transition",
+    "Verdict",
+    "decode",
+]
 
-#: Record kinds written by the controller (``lifecycle``) and the runner.
-KINDS = frozenset({
-    "admit", "complete", "refuse", "request_update", "transition", "evidence", "verdict",
-    "begin_update", "commit", "abandon", "failure", "taint", "begin_recovery",
-    "effect", "note", "restore",
-})
+#: The journal schema's version; see docs/journal-schema.md for what changed.
+SCHEMA_VERSION = 2
+#: Versions this reader decodes (1: lines without ``"v"``).
+READABLE_VERSIONS = frozenset({1, 2})
+
+
+# --------------------------------------------------------------------------- vocabulary
+
+class State(enum.StrEnum):
+    UNINITIALIZED = "UNINITIALIZED"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    QUIESCED = "QUIESCED"
+    UPDATING = "UPDATING"
+    INVALIDATING = "INVALIDATING"
+    VALIDATING = "VALIDATING"
+    RESUMING = "RESUMING"
+    TAINTED = "TAINTED"
+    RECOVERING = "RECOVERING"
+
+
+class Event(enum.StrEnum):
+    BOOTSTRAP = "bootstrap"
+    ADMIT = "admit"
+    COMPLETE = "complete"
+    REQUEST_UPDATE = "request_update"
+    DRAINED = "drained"
+    PREFLIGHTED = "preflighted"      # begin_update: the mutation may start
+    TRANSFERRED = "transferred"
+    INVALIDATED = "invalidated"
+    VALIDATED = "validated"
+    RESUMED = "resumed"
+    FAIL = "fail"
+    BEGIN_RECOVERY = "begin_recovery"
+    RECOVERED = "recovered"
+
+
+class Step(enum.StrEnum):
+    """The effect a failure happened in."""
+
+    BOOTSTRAP = "bootstrap"
+    DRAIN = "drain"
+    PREFLIGHT = "preflight"
+    TRANSFER = "transfer"
+    INVALIDATE = "invalidate"
+    VALIDATE = "validate"
+    RESUME = "resume"
+    RECOVER = "recover"
+    SERVE = "serve"        # no effect: the engine observed failing while READY
+    RESTART = "restart"    # no effect: the controller itself restarted mid-way (crash restore)
+
+
+class FailureKind(enum.StrEnum):
+    REFUSED = "refused"            # the effect proves it did nothing (e.g. rejected up front)
+    ERROR = "error"                # raised / server error / connection cut
+    TIMEOUT = "timeout"            # overran its deadline
+    BAD_EVIDENCE = "bad_evidence"  # returned, but the postcondition does not hold
+    DIED = "died"                  # the engine or trainer process is gone
+
+
+class Classification(enum.StrEnum):
+    NO_MUTATION = "no_mutation"
+    INCOMPLETE = "incomplete"
+    AMBIGUOUS = "ambiguous"
+
+
+# --------------------------------------------------------------------------- records
+
+R = TypeVar("R", bound="Record")
 
 
 @dataclass(frozen=True)
+class Record:
+    """One output. ``KIND`` is its name in the journal; ``to_data`` its JSON ``data``."""
+
+    KIND: ClassVar[str] = ""
+
+    def to_data(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_data(cls: type[R], d: Mapping[str, Any]) -> R:
+        raise NotImplementedError
+
+
+def _v(d: Any) -> WeightVersion:
+    return WeightVersion.from_dict(d)
+
+
+def _vd(v: WeightVersion | None) -> dict[str, Any] | None:
+    return None if v is None else v.to_dict()
+
+
+def _strs(xs: Any) -> tuple[str, ...]:
+    if isinstance(xs, (str, bytes)):
+        raise BadInput("expected a list of strings")
+    return tuple(str(x) for x in xs)
+
+
+@dataclass(frozen=True)
+class Admit(Record):
+    """A rollout was admitted (bound to the committed version)."""
+
+    KIND: ClassVar[str] = "admit"
+    rollout_id: str
+    version: WeightVersion
+    identity_digest: str
+
+    def to_data(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "version": self.version.to_dict(),
+                "identity_digest": self.identity_digest}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Admit:
+        return cls(str(d["rollout_id"]), _v(d["version"]), str(d["identity_digest"]))
+
+
+@dataclass(frozen=True)
+class Complete(Record):
+    """A rollout's binding was released."""
+
+    KIND: ClassVar[str] = "complete"
+    rollout_id: str
+    version: WeightVersion
+    state: State
+    attributable: bool
+
+    def to_data(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "version": self.version.to_dict(),
+                "state": self.state.value, "attributable": self.attributable}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Complete:
+        return cls(str(d["rollout_id"]), _v(d["version"]), State(d["state"]),
+                   bool(d["attributable"]))
+
+
+@dataclass(frozen=True)
+class Refuse(Record):
+    """An admission was refused."""
+
+    KIND: ClassVar[str] = "refuse"
+    rollout_id: str
+    state: State
+    reason: str
+
+    def to_data(self) -> dict[str, Any]:
+        return {"rollout_id": self.rollout_id, "state": self.state.value, "reason": self.reason}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Refuse:
+        return cls(str(d["rollout_id"]), State(d["state"]), str(d["reason"]))
+
+
+@dataclass(frozen=True)
+class RequestUpdate(Record):
+    """An update was opened (admission closes)."""
+
+    KIND: ClassVar[str] = "request_update"
+    update_id: int
+    owner: str
+    target: WeightVersion
+    identity: WeightIdentity
+    active_rollouts: int
+    min_verification: VerificationLevel = VerificationLevel.DECLARED  # since version 2
+
+    def to_data(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "owner": self.owner,
+                "target": self.target.to_dict(), "identity": self.identity.to_dict(),
+                "active_rollouts": self.active_rollouts,
+                "min_verification": self.min_verification.wire}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> RequestUpdate:
+        return cls(int(d["update_id"]), str(d["owner"]), _v(d["target"]),
+                   WeightIdentity.from_dict(d["identity"]), int(d["active_rollouts"]),
+                   VerificationLevel.parse(str(d.get("min_verification", "declared"))))
+
+
+@dataclass(frozen=True)
+class Transition(Record):
+    """The controller's state changed; ``duration_s`` is the time spent in ``before``."""
+
+    KIND: ClassVar[str] = "transition"
+    before: State
+    after: State
+    event: Event
+    duration_s: float
+
+    def to_data(self) -> dict[str, Any]:
+        return {"from": self.before.value, "to": self.after.value, "event": self.event.value,
+                "duration_s": self.duration_s}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Transition:
+        return cls(State(d["from"]), State(d["to"]), Event(d["event"]),
+                   float(d["duration_s"]))
+
+
+@dataclass(frozen=True)
+class EvidenceSeen(Record):
+    """Evidence an effect returned, and what the controller found wrong with it."""
+
+    KIND: ClassVar[str] = "evidence"
+    event: Event
+    evidence: Evidence
+    problems: tuple[str, ...]
+
+    def to_data(self) -> dict[str, Any]:
+        return {"event": self.event.value, "evidence": evidence_to_dict(self.evidence),
+                "problems": list(self.problems)}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> EvidenceSeen:
+        return cls(Event(d["event"]), evidence_from_dict(d["evidence"]), _strs(d["problems"]))
+
+
+@dataclass(frozen=True)
+class Verdict(Record):
+    """What the controller made of one event: returned to the caller, and recorded."""
+
+    KIND: ClassVar[str] = "verdict"
+    event: Event
+    accepted: bool
+    before: State
+    after: State
+    classification: Classification | None = None
+    problems: tuple[str, ...] = ()
+    published: WeightVersion | None = None
+
+    @property
+    def tainted(self) -> bool:
+        return self.after is State.TAINTED
+
+    def to_data(self) -> dict[str, Any]:
+        return {"event": self.event.value, "accepted": self.accepted,
+                "before": self.before.value, "after": self.after.value,
+                "classification": None if self.classification is None
+                else self.classification.value,
+                "problems": list(self.problems), "published": _vd(self.published)}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Verdict:
+        c, p = d.get("classification"), d.get("published")
+        return cls(Event(d["event"]), bool(d["accepted"]), State(d["before"]),
+                   State(d["after"]), None if c is None else Classification(c),
+                   _strs(d.get("problems", ())), None if p is None else _v(p))
+
+
+@dataclass(frozen=True)
+class BeginUpdate(Record):
+    """The mutation may start: from here the target's label is never reused."""
+
+    KIND: ClassVar[str] = "begin_update"
+    update_id: int
+    target: WeightVersion
+
+    def to_data(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "target": self.target.to_dict()}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> BeginUpdate:
+        return cls(int(d["update_id"]), _v(d["target"]))
+
+
+@dataclass(frozen=True)
+class Commit(Record):
+    """A version was published (bootstrap, update or recovery)."""
+
+    KIND: ClassVar[str] = "commit"
+    version: WeightVersion
+    identity: WeightIdentity
+
+    def to_data(self) -> dict[str, Any]:
+        return {"version": self.version.to_dict(), "identity": self.identity.to_dict()}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Commit:
+        return cls(_v(d["version"]), WeightIdentity.from_dict(d["identity"]))
+
+
+@dataclass(frozen=True)
+class Abandon(Record):
+    """An update that mutated nothing ended; the old version serves again."""
+
+    KIND: ClassVar[str] = "abandon"
+    update_id: int
+    target: WeightVersion
+
+    def to_data(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "target": self.target.to_dict()}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Abandon:
+        return cls(int(d["update_id"]), _v(d["target"]))
+
+
+@dataclass(frozen=True)
+class Failure(Record):
+    """An effect failed (as reported through ``fail``)."""
+
+    KIND: ClassVar[str] = "failure"
+    step: Step
+    kind: FailureKind
+    reason: str
+
+    def to_data(self) -> dict[str, Any]:
+        return {"step": self.step.value, "kind": self.kind.value, "reason": self.reason}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Failure:
+        return cls(Step(d["step"]), FailureKind(d["kind"]), str(d["reason"]))
+
+
+@dataclass(frozen=True)
+class Taint(Record):
+    """The engine may serve anything: nothing is admitted or published until recovery."""
+
+    KIND: ClassVar[str] = "taint"
+    problems: tuple[str, ...]
+    target: WeightVersion | None
+
+    def to_data(self) -> dict[str, Any]:
+        return {"problems": list(self.problems), "target": _vd(self.target)}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Taint:
+        t = d.get("target")
+        return cls(_strs(d["problems"]), None if t is None else _v(t))
+
+
+@dataclass(frozen=True)
+class BeginRecovery(Record):
+    KIND: ClassVar[str] = "begin_recovery"
+    owner: str
+
+    def to_data(self) -> dict[str, Any]:
+        return {"owner": self.owner}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> BeginRecovery:
+        return cls(str(d["owner"]))
+
+
+@dataclass(frozen=True)
+class Restore(Record):
+    """A controller was rebuilt from its journal (written before any taint it implies)."""
+
+    KIND: ClassVar[str] = "restore"
+    state: State
+    active_rollouts: int
+    in_flight_update: RequestUpdate | None
+
+    def to_data(self) -> dict[str, Any]:
+        u = self.in_flight_update
+        return {"state": self.state.value, "active_rollouts": self.active_rollouts,
+                "in_flight_update": None if u is None else u.to_data()}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Restore:
+        u = d.get("in_flight_update")
+        return cls(State(d["state"]), int(d["active_rollouts"]),
+                   None if u is None else RequestUpdate.from_data(u))
+
+
+@dataclass(frozen=True)
+class Effect(Record):
+    """The runner ran one effect (its duration, whether it returned)."""
+
+    KIND: ClassVar[str] = "effect"
+    step: str
+    seconds: float
+    ok: bool
+    error: str | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        return {"what": "effect", "step": self.step, "seconds": self.seconds, "ok": self.ok,
+                "error": self.error}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Effect:
+        e = d.get("error")
+        return cls(str(d["step"]), float(d["seconds"]), bool(d["ok"]),
+                   None if e is None else str(e))
+
+
+@dataclass(frozen=True)
+class Note(Record):
+    """Something the runner saw that is not an effect (a failed cancel, a health miss)."""
+
+    KIND: ClassVar[str] = "note"
+    what: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_data(self) -> dict[str, Any]:
+        return {"what": self.what, **self.fields}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Note:
+        rest = dict(d)
+        return cls(str(rest.pop("what")), rest)
+
+
+#: Kind -> record class: the whole schema.
+RECORD_TYPES: Mapping[str, type[Record]] = {t.KIND: t for t in (
+    Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
+    Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note)}
+
+KINDS = frozenset(RECORD_TYPES)
+
+
+def decode(kind: str, data: Mapping[str, Any]) -> Record:
+    """The typed record of one (kind, data) pair; ``JournalError`` if it is not one."""
+    t = RECORD_TYPES.get(kind)
+    if t is None:
+        raise JournalError(f"unknown record kind {kind!r}")
+    try:
+        return t.from_data(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput is a ValueError
+        raise JournalError(f"bad {kind} record: {exc!r}") from exc
+
+
+# --------------------------------------------------------------------------- the journal line
+
+@dataclass(frozen=True)
 class JournalRecord:
+    """One journal line: the journal's sequence number and clocks around a record.
+
+    ``kind`` and ``data`` are the record's JSON form, for people and tools
+    that read lines; code matches on ``record``.
+    """
+
     seq: int
     t_mono: float
     t_wall: float
-    kind: str
-    data: dict[str, Any]
+    record: Record
+
+    @property
+    def kind(self) -> str:
+        return self.record.KIND
+
+    @property
+    def data(self) -> dict[str, Any]:
+        return self.record.to_data()
 
     def to_json(self) -> str:
-        return json.dumps({"seq": self.seq, "t_mono": self.t_mono, "t_wall": self.t_wall,
-                           "kind": self.kind, "data": self.data}, sort_keys=True)
+        return json.dumps({"v": SCHEMA_VERSION, "seq": self.seq, "t_mono": self.t_mono,
+                           "t_wall": self.t_wall, "kind": self.kind, "data": self.data},
+                          sort_keys=True)
 
     @classmethod
     def from_obj(cls, obj: Any, where: str) -> JournalRecord:
+        if not isinstance(obj, Mapping):
+            raise JournalError(f"{where}: not a journal record")
+        v = obj.get("v", 1)
+        if v not in READABLE_VERSIONS:
+            raise JournalError(
+                f"{where}: journal schema version {v!r} is not readable here (this reader "
+                f"knows {sorted(READABLE_VERSIONS)}); use a newer RolloutCore")
         try:
-            rec = cls(int(obj["seq"]), float(obj["t_mono"]), float(obj["t_wall"]),
-                      str(obj["kind"]), dict(obj["data"]))
+            seq, t_mono, t_wall = int(obj["seq"]), float(obj["t_mono"]), float(obj["t_wall"])
+            kind, data = str(obj["kind"]), obj["data"]
         except (KeyError, TypeError, ValueError) as exc:
             raise JournalError(f"{where}: not a journal record") from exc
-        if rec.kind not in KINDS:
-            raise JournalError(f"{where}: unknown record kind {rec.kind!r}")
-        return rec
+        if not isinstance(data, Mapping):
+            raise JournalError(f"{where}: not a journal record")
+        try:
+            rec = decode(kind, data)
+        except JournalError as exc:
+            raise JournalError(f"{where}: {exc}") from exc
+        return cls(seq, t_mono, t_wall, rec)

@@ -7,11 +7,17 @@ document; a test checks the committed copy is current.
 from __future__ import annotations
 
 from rolloutcore.core.lifecycle import (
+    ABORT_STEPS,
     ESCALATION,
+    FAIL_STEPS,
     FAILURE_POLICY,
+    FAILURE_TARGETS,
+    RESETS_DONE,
     TRANSITIONS,
+    Classification,
     Event,
     FailureKind,
+    Lookup,
     State,
     Step,
 )
@@ -24,33 +30,63 @@ Generated from `rolloutcore.core.lifecycle` by `python -m rolloutcore.core.table
 
 A rollout is admitted only in READY. `request_update` closes admission; the
 update's owner feeds the controller evidence step by step; the target is
-published only on `resumed`. Illegal (state, event) pairs raise
-`InvalidTransition` and change nothing.
+published only on `resumed`. Each legal (state, event) names its one target,
+or the one outcome table that picks it; evidence that does not hold is a
+failure of its step (`bad_evidence`) and leaves through the state's `fail`
+entry. Illegal (state, event) pairs raise `InvalidTransition` and change
+nothing.
 """
 
 
 def render() -> str:
     lines = [_INTRO, "## Transitions", "",
-             "| state | event | may lead to |", "|---|---|---|"]
-    for (s, e), tos in TRANSITIONS.items():
-        lines.append(f"| {s.value} | {e.value} | {', '.join(sorted(t.value for t in tos))} |")
+             "| state | event | target |", "|---|---|---|"]
+    for (s, e), rule in TRANSITIONS.items():
+        to = rule.value if isinstance(rule, State) else f"*{rule.value}* (below)"
+        lines.append(f"| {s.value} | {e.value} | {to} |")
     lines += ["", "## Legal events per state", "",
               "| state | " + " | ".join(e.value for e in Event) + " |",
               "|---|" + "---|" * len(Event)]
     for s in State:
         row = ["x" if (s, e) in TRANSITIONS else "" for e in Event]
         lines.append(f"| {s.value} | " + " | ".join(row) + " |")
-    lines += ["", "## Failure policy", "",
+    lines += ["", f"## Outcome: {Lookup.RESETS.value}", "",
+              "| every required cache reset | target |", "|---|---|"]
+    for done, to in RESETS_DONE.items():
+        lines.append(f"| {'yes' if done else 'no'} | {to.value} |")
+    lines += ["", f"## Outcome: {Lookup.FAILURE.value}", "",
+              "A `fail` (or evidence that does not hold) is decided by the three tables "
+              "below, in order: the policy row the reported step falls in, in this state "
+              "(no row: `InvalidTransition`, nothing changes); the row's class for the "
+              "failure's kind; where that class leads from this state.", "",
+              "### Which row", "",
+              "| state | step reported | row | while an abandoned update resumes |",
+              "|---|---|---|---|"]
+    for (s, st), policy_row in FAIL_STEPS.items():
+        abort = ABORT_STEPS.get((s, st))
+        lines.append(f"| {s.value} | {st.value} | {policy_row.value} | "
+                     f"{abort.value if abort else 'refused'} |")
+    lines += ["", "### The failure policy", "",
               "`no_mutation`: the update is abandoned, the engine resumed on the old version "
               "(RESUMING -> READY), nothing published. `incomplete`: state unchanged, retried "
               "at most `max_incomplete` times, then escalated. `ambiguous`: TAINTED, nothing "
-              "published or admitted until recovery.", "",
+              "published or admitted until recovery. A `no_mutation` failure after the "
+              "controller saw a mutation start is ambiguous.", "",
               "| step | " + " | ".join(k.value for k in FailureKind) + " | after retries |",
               "|---|" + "---|" * (len(FailureKind) + 1)]
     for st in Step:
         row = [FAILURE_POLICY[(st, k)].value for k in FailureKind]
         esc = ESCALATION[st].value if st in ESCALATION else ""
         lines.append(f"| {st.value} | " + " | ".join(row) + f" | {esc} |")
+    lines += ["", "### Where the class leads", "",
+              "| state | " + " | ".join(c.value for c in Classification) + " |",
+              "|---|" + "---|" * len(Classification)]
+    for s in State:
+        if (s, Event.FAIL) not in TRANSITIONS:
+            continue
+        row = [FAILURE_TARGETS[(s, c)].value if (s, c) in FAILURE_TARGETS else ""
+               for c in Classification]
+        lines.append(f"| {s.value} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -16,6 +16,13 @@ Two different questions, two types:
   architecture have the same manifest, so the manifest alone never
   identifies weights: the identity digest folds in provenance and content.
 
+Beside them: the label rule (``check_label``, ``label_for``,
+``generation_of``: the one place that says what a label may be and how
+``rc-N`` maps to generation N), the one ``Binding`` (a rollout bound to a
+version: what the controller hands out on admission and what a trajectory
+sample records), and ``EngineIdentity`` (which engine produced a sample),
+so adapters and the trajectory share them without importing each other.
+
 Standard library only.
 """
 
@@ -30,21 +37,48 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail, freeze_json, thaw_json
 from rolloutcore.errors import BadInput
 
 __all__ = [
     "LABEL_PREFIX",
+    "Binding",
+    "EngineIdentity",
     "ParamSpec",
     "ParameterManifest",
     "Provenance",
     "VerificationLevel",
     "WeightIdentity",
     "WeightVersion",
+    "check_label",
+    "generation_of",
+    "label_for",
 ]
 
 LABEL_PREFIX = "rc-"
+#: What a label may be: it travels to vLLM (``finish_weight_update``), into
+#: HTTP headers and file names, so no spaces, no slashes, at most 128 characters.
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_RC_LABEL = re.compile(rf"^{re.escape(LABEL_PREFIX)}(\d+)$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_label(label: object) -> str:
+    """The label rule; every module that takes a label calls this one."""
+    if not isinstance(label, str) or not _LABEL_RE.match(label):
+        raise BadInput(f"label must match {_LABEL_RE.pattern}, got {label!r}")
+    return label
+
+
+def label_for(generation: int) -> str:
+    """The default label of a generation: ``rc-N``."""
+    return f"{LABEL_PREFIX}{generation}"
+
+
+def generation_of(label: str | None) -> int | None:
+    """N for a label ``rc-N`` (an engine an earlier controller labelled), else None."""
+    m = _RC_LABEL.match(label or "")
+    return int(m.group(1)) if m else None
 
 
 def _sha256_json(obj: Any) -> str:
@@ -65,22 +99,9 @@ class WeightVersion:
             raise BadInput(f"generation must be an int, got {self.generation!r}")
         if self.generation < 0:
             raise BadInput(f"generation must be >= 0, got {self.generation}")
-        if not isinstance(self.label, str) or not _LABEL_RE.match(self.label):
-            raise BadInput(f"label must match {_LABEL_RE.pattern}, got {self.label!r}")
+        check_label(self.label)
         if not isinstance(self.engine_epoch, str) or not self.engine_epoch:
             raise BadInput("engine_epoch must be a non-empty string")
-
-    @classmethod
-    def initial(cls, engine_epoch: str, label: str | None = None) -> WeightVersion:
-        return cls(0, label or f"{LABEL_PREFIX}0", engine_epoch)
-
-    def next(self, label: str | None = None) -> WeightVersion:
-        """The generation after this one, on the same engine incarnation."""
-        gen = self.generation + 1
-        return WeightVersion(gen, label or f"{LABEL_PREFIX}{gen}", self.engine_epoch)
-
-    def on_epoch(self, engine_epoch: str) -> WeightVersion:
-        return WeightVersion(self.generation, self.label, engine_epoch)
 
     def same_policy(self, other: WeightVersion) -> bool:
         """True when both name the same published generation, on any engine."""
@@ -261,3 +282,82 @@ class WeightIdentity:
         if "digest" in d and d["digest"] != ident.digest:
             raise BadInput("WeightIdentity digest does not match its fields")
         return ident
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A rollout bound to one committed version: the controller's claim at admission.
+
+    The controller (``LifecycleController.admit``) hands it out; a trajectory
+    sample records the same object, so the sample can be matched with the
+    journal's ``admit``/``complete`` records by ``rollout_id`` (``None`` when
+    the sample was not admitted through a controller). ``admitted_at`` is the
+    controller's clock at admission: local bookkeeping, not part of the
+    record (``to_dict``) nor of equality.
+    """
+
+    version: WeightVersion
+    identity: WeightIdentity
+    rollout_id: str | None = None
+    admitted_at: float | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.version, WeightVersion):
+            raise BadInput("binding.version must be a WeightVersion")
+        if not isinstance(self.identity, WeightIdentity):
+            raise BadInput("binding.identity must be a WeightIdentity")
+        if self.rollout_id is not None:
+            check_str("binding.rollout_id", self.rollout_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version.to_dict(), "identity": self.identity.to_dict(),
+                "rollout_id": self.rollout_id}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Binding:
+        m = check_obj("binding", d)
+        exact_keys("binding", m, ("version", "identity", "rollout_id"))
+        try:
+            version = WeightVersion.from_dict(check_obj("binding.version", m["version"]))
+        except BadInput as exc:
+            raise fail("binding.version", str(exc)) from exc
+        try:
+            identity = WeightIdentity.from_dict(check_obj("binding.identity", m["identity"]))
+        except BadInput as exc:
+            raise fail("binding.identity", str(exc)) from exc
+        return cls(version, identity, m["rollout_id"])
+
+
+@dataclass(frozen=True)
+class EngineIdentity:
+    """Which engine produced a sample: vLLM version, served model, relevant config.
+
+    ``config`` holds what changes numerics or replay (dtype, max_model_len,
+    logprobs_mode, enable_prefix_caching, tensor_parallel_size, ...);
+    ``replica`` names the engine instance (e.g. its base URL) so diversity
+    problems can be traced to engines. The adapter builds it, the trajectory
+    records it; it lives here so neither imports the other.
+    """
+
+    vllm_version: str
+    model: str
+    config: Mapping[str, Any] = field(default_factory=dict)
+    replica: str = ""
+
+    def __post_init__(self) -> None:
+        check_str("engine.vllm_version", self.vllm_version)
+        check_str("engine.model", self.model)
+        if not isinstance(self.replica, str):
+            raise BadInput("engine.replica must be a string")
+        object.__setattr__(self, "config",
+                           freeze_json("engine.config", check_obj("engine.config", self.config)))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vllm_version": self.vllm_version, "model": self.model,
+                "config": thaw_json(self.config), "replica": self.replica}
+
+    @classmethod
+    def from_dict(cls, d: object) -> EngineIdentity:
+        m = check_obj("engine", d)
+        exact_keys("engine", m, ("vllm_version", "model", "config", "replica"))
+        return cls(m["vllm_version"], m["model"], m["config"], m["replica"])

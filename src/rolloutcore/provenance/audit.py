@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from rolloutcore.core.records import Admit, Commit, JournalRecord
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.provenance.recorder import read_groups
@@ -103,10 +104,10 @@ def _vkey(v: WeightVersion) -> tuple[int, str, str]:
 
 
 def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
-    """Read ``commit`` (data.version) and ``admit`` (data.rollout_id, data.version) records.
+    """Read the ``Commit`` and ``Admit`` records (typed, as the journal decodes them).
 
-    One JSON object per line with ``kind`` and ``data``; anything else is
-    skipped and counted, so a torn last line does not stop an audit.
+    A line that does not decode (a torn last line, a version this reader does
+    not know) is skipped and counted, so it does not stop an audit.
     """
     commits: set[WeightVersion] = set()
     admissions: dict[str, WeightVersion] = {}
@@ -118,15 +119,14 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     continue
                 lines += 1
                 try:
-                    rec = json.loads(raw)
-                    kind, data = rec.get("kind"), rec.get("data")
-                    if kind == "commit":
-                        commits.add(WeightVersion.from_dict(data["version"]))
-                    elif kind == "admit":
-                        admissions[str(data["rollout_id"])] = \
-                            WeightVersion.from_dict(data["version"])
-                except (ValueError, KeyError, TypeError, AttributeError):
+                    rec = JournalRecord.from_obj(json.loads(raw), "journal").record
+                except (ValueError, JournalError):  # JSONDecodeError is a ValueError
                     skipped += 1
+                    continue
+                if isinstance(rec, Commit):
+                    commits.add(rec.version)
+                elif isinstance(rec, Admit):
+                    admissions[rec.rollout_id] = rec.version
     except FileNotFoundError as exc:
         raise BadInput(f"journal {os.fspath(path)!r} does not exist") from exc
     except OSError as exc:

@@ -39,10 +39,14 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
-from rolloutcore.core.versions import WeightIdentity, WeightVersion
+from rolloutcore.core.strict import check_obj as _obj
+from rolloutcore.core.strict import check_str, exact_keys
+from rolloutcore.core.strict import fail as _fail
+from rolloutcore.core.strict import freeze_json as _freeze_json
+from rolloutcore.core.strict import thaw_json as _thaw_json
+from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 
@@ -51,9 +55,9 @@ __all__ = [
     "SCHEMA_VERSION",
     "SEED_EXTERNAL",
     "SEED_NONE",
-    "PolicyBinding",
-    "SampledCompletion",
+    "Binding",
     "EngineIdentity",
+    "SampledCompletion",
     "Prompt",
     "SamplingSpec",
     "Timestamps",
@@ -88,21 +92,6 @@ _TYPED_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens",
 
 # --------------------------------------------------------------------------- helpers
 
-class _HasBinding(Protocol):
-    """The shape of ``lifecycle.Binding``, without importing the controller."""
-
-    @property
-    def rollout_id(self) -> str: ...
-    @property
-    def version(self) -> WeightVersion: ...
-    @property
-    def identity(self) -> WeightIdentity: ...
-
-
-def _fail(where: str, msg: str) -> BadInput:
-    return BadInput(f"{where}: {msg}")
-
-
 def _int(where: str, x: object, *, lo: int | None = 0, hi: int | None = None) -> int:
     if isinstance(x, bool) or not isinstance(x, int):
         raise _fail(where, f"must be an int, got {x!r}")
@@ -123,8 +112,8 @@ def _float(where: str, x: object) -> float:
 
 
 def _str(where: str, x: object, pattern: re.Pattern[str] | None = None) -> str:
-    if not isinstance(x, str) or not x:
-        raise _fail(where, f"must be a non-empty string, got {x!r}")
+    check_str(where, x)
+    assert isinstance(x, str)
     if pattern is not None and not pattern.match(x):
         raise _fail(where, f"must match {pattern.pattern}, got {x!r}")
     return x
@@ -140,51 +129,9 @@ def _tokens(where: str, xs: object) -> tuple[int, ...]:
     return out
 
 
-def _freeze_json(where: str, x: object) -> Any:
-    """A deep read-only copy of a JSON value; rejects what JSON cannot hold exactly."""
-    if x is None or isinstance(x, (bool, str)):
-        return x
-    if isinstance(x, int):
-        return x
-    if isinstance(x, float):
-        if not math.isfinite(x):
-            raise _fail(where, f"non-finite number {x!r} is not JSON")
-        return x
-    if isinstance(x, Mapping):
-        out: dict[str, Any] = {}
-        for k, v in x.items():
-            if not isinstance(k, str):
-                raise _fail(where, f"object keys must be strings, got {k!r}")
-            out[k] = _freeze_json(f"{where}.{k}", v)
-        return MappingProxyType(out)
-    if isinstance(x, (list, tuple)):
-        return tuple(_freeze_json(f"{where}[{i}]", v) for i, v in enumerate(x))
-    raise _fail(where, f"{type(x).__name__} is not a JSON value")
-
-
-def _thaw_json(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {k: _thaw_json(v) for k, v in x.items()}
-    if isinstance(x, tuple):
-        return [_thaw_json(v) for v in x]
-    return x
-
-
-def _obj(where: str, d: object) -> Mapping[str, Any]:
-    if not isinstance(d, Mapping):
-        raise _fail(where, f"must be a JSON object, got {type(d).__name__}")
-    return d
-
-
 def _exact_keys(where: str, d: Mapping[str, Any], required: Iterable[str],
                 optional: Iterable[str] = ()) -> None:
-    req, opt = set(required), set(optional)
-    missing = sorted(req - d.keys())
-    unknown = sorted(d.keys() - req - opt)
-    if missing:
-        raise _fail(where, f"missing keys {missing}")
-    if unknown:
-        raise _fail(where, f"unknown keys {unknown} (schema version {SCHEMA_VERSION})")
+    exact_keys(where, d, required, optional, f"schema version {SCHEMA_VERSION}")
 
 
 def encode_line(d: Mapping[str, Any]) -> bytes:
@@ -464,86 +411,6 @@ class SampledCompletion:
 
 
 @dataclass(frozen=True)
-class PolicyBinding:
-    """The controller's claim: this sample was admitted under ``version`` (``identity``).
-
-    ``rollout_id`` is the id the controller admitted the rollout under
-    (``LifecycleController.admit``), so the sample can be matched with the
-    journal's ``admit``/``complete`` records; ``None`` when not admitted
-    through a controller.
-    """
-
-    version: WeightVersion
-    identity: WeightIdentity
-    rollout_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.version, WeightVersion):
-            raise BadInput("binding.version must be a WeightVersion")
-        if not isinstance(self.identity, WeightIdentity):
-            raise BadInput("binding.identity must be a WeightIdentity")
-        if self.rollout_id is not None:
-            _str("binding.rollout_id", self.rollout_id)
-
-    @classmethod
-    def of(cls, binding: _HasBinding) -> PolicyBinding:
-        """From the controller's ``lifecycle.Binding`` (or anything shaped like it)."""
-        return cls(binding.version, binding.identity, binding.rollout_id)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version.to_dict(), "identity": self.identity.to_dict(),
-                "rollout_id": self.rollout_id}
-
-    @classmethod
-    def from_dict(cls, d: object) -> PolicyBinding:
-        m = _obj("binding", d)
-        _exact_keys("binding", m, ("version", "identity", "rollout_id"))
-        try:
-            version = WeightVersion.from_dict(_obj("binding.version", m["version"]))
-        except BadInput as exc:
-            raise _fail("binding.version", str(exc)) from exc
-        try:
-            identity = WeightIdentity.from_dict(_obj("binding.identity", m["identity"]))
-        except BadInput as exc:
-            raise _fail("binding.identity", str(exc)) from exc
-        return cls(version, identity, m["rollout_id"])
-
-
-@dataclass(frozen=True)
-class EngineIdentity:
-    """Which engine produced the sample: vLLM version, served model, relevant config.
-
-    ``config`` holds what changes numerics or replay (dtype, max_model_len,
-    logprobs_mode, enable_prefix_caching, tensor_parallel_size, ...);
-    ``replica`` names the engine instance (e.g. its base URL) so diversity
-    problems can be traced to engines.
-    """
-
-    vllm_version: str
-    model: str
-    config: Mapping[str, Any] = field(default_factory=dict)
-    replica: str = ""
-
-    def __post_init__(self) -> None:
-        _str("engine.vllm_version", self.vllm_version)
-        _str("engine.model", self.model)
-        if not isinstance(self.replica, str):
-            raise BadInput("engine.replica must be a string")
-        object.__setattr__(self, "config",
-                           _freeze_json("engine.config", _obj("engine.config", self.config)))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"vllm_version": self.vllm_version, "model": self.model,
-                "config": _thaw_json(self.config), "replica": self.replica}
-
-    @classmethod
-    def from_dict(cls, d: object) -> EngineIdentity:
-        m = _obj("engine", d)
-        _exact_keys("engine", m, ("vllm_version", "model", "config", "replica"))
-        return cls(m["vllm_version"], m["model"], m["config"], m["replica"])
-
-
-@dataclass(frozen=True)
 class Timestamps:
     """Admission and completion, as wall time (``time.time``) and ``time.monotonic``.
 
@@ -596,7 +463,7 @@ class TrajectorySample:
     prompt: Prompt
     sampling: SamplingSpec
     completion: SampledCompletion
-    binding: PolicyBinding
+    binding: Binding
     engine: EngineIdentity
     timestamps: Timestamps
 
@@ -611,7 +478,7 @@ class TrajectorySample:
             raise BadInput(f"sample_index {self.sample_index} is out of range for "
                            f"group_size {self.group_size}")
         for name, typ in (("prompt", Prompt), ("sampling", SamplingSpec),
-                          ("completion", SampledCompletion), ("binding", PolicyBinding),
+                          ("completion", SampledCompletion), ("binding", Binding),
                           ("engine", EngineIdentity), ("timestamps", Timestamps)):
             if not isinstance(getattr(self, name), typ):
                 raise BadInput(f"{name} must be a {typ.__name__}, "
@@ -637,7 +504,7 @@ class TrajectorySample:
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),
                    SampledCompletion.from_dict(m["completion"]),
-                   PolicyBinding.from_dict(m["binding"]),
+                   Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
                    Timestamps.from_dict(m["timestamps"]))
 

@@ -228,8 +228,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             except Exception as exc:  # the watch must outlive any one check
                 log.warning("engine health check failed to run: %r", exc)
                 continue
-            if v is not None:
-                metrics.engine_lost.inc()
+            if v is not None:  # metrics.engine_lost counted it from the controller's record
                 log.error("engine tainted while serving: %s", "; ".join(v.problems))
 
     @contextlib.asynccontextmanager

@@ -1,7 +1,7 @@
 """Prometheus metrics of one gateway, fed by the controller's own records.
 
-The controller reports every event to its listeners, in order, under its
-lock; ``ServiceMetrics.listener`` turns those records into counters and
+The controller hands every record to its listeners, in order (outside its
+lock); ``ServiceMetrics.listener`` turns those typed records into counters and
 histograms, so the metrics cannot disagree with the journal. Values that are
 a *state* rather than a count (the lifecycle state, the active rollouts, the
 committed generation) are read from the controller at scrape time instead of
@@ -13,8 +13,6 @@ in one process do not share metrics.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -25,6 +23,7 @@ from prometheus_client import (
 )
 
 from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.records import Admit, Record, Refuse, Transition
 
 __all__ = ["CONTENT_TYPE", "ServiceMetrics"]
 
@@ -96,14 +95,20 @@ class ServiceMetrics:
             self.updates.labels(out)
 
     # ---------------------------------------------------------------- feeding
-    def listener(self, kind: str, data: dict[str, Any]) -> None:
-        """Controller listener: runs under the controller's lock, so it stays O(1)."""
-        if kind == "admit":
+    def listener(self, rec: Record) -> None:
+        """Controller listener: runs on the data plane's path too, so it stays O(1)."""
+        t = type(rec)
+        if t is Admit:
             self._accepted.inc()
-        elif kind == "transition":
-            self.transitions.labels(data["from"], data["to"], data["event"]).inc()
-            self.state_seconds.labels(data["from"]).observe(float(data["duration_s"]))
-        elif kind == "refuse":
+        elif t is Transition:
+            assert isinstance(rec, Transition)
+            self.transitions.labels(rec.before.value, rec.after.value, rec.event.value).inc()
+            self.state_seconds.labels(rec.before.value).observe(rec.duration_s)
+            if rec.before is State.READY and rec.after is State.TAINTED:
+                # READY leaves for TAINTED only on a serving failure (the table's one
+                # FAIL row there): counted when decided, before the engine is fenced.
+                self.engine_lost.inc()
+        elif t is Refuse:
             self._refused.inc()
 
     def observe_update(self, outcome: str, phases: dict[str, float]) -> None:

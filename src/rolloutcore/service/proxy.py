@@ -45,6 +45,7 @@ from typing import Any
 import anyio
 
 from rolloutcore.core.lifecycle import Binding, LifecycleController, State
+from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -278,6 +279,13 @@ class _VersionView:
                         (IDENTITY_HEADER.encode(), digest.encode()))
 
 
+def _rid(b: Binding) -> str:
+    """The rollout id of a binding the controller handed out (admission always names one)."""
+    rid = b.rollout_id
+    assert rid is not None
+    return rid
+
+
 class DataPlane:
     """ASGI app of the three data routes. ``start``/``aclose`` manage the upstream client."""
 
@@ -326,10 +334,10 @@ class DataPlane:
     def waiting(self) -> int:
         return self._waiting
 
-    def _record(self, kind: str, data: dict[str, Any]) -> None:
+    def _record(self, rec: Record) -> None:
         """Controller listener (any thread): wake queued requests on every transition."""
         loop = self._loop
-        if kind == "transition" and loop is not None and not loop.is_closed():
+        if type(rec) is Transition and loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
@@ -390,10 +398,10 @@ class DataPlane:
 
     def info_json(self, b: Binding) -> bytes:
         """``info(b)`` serialized (the same bytes ``json.dumps`` makes of it)."""
-        return self._view(b).info_head + b.rollout_id.encode() + b'"}'
+        return self._view(b).info_head + _rid(b).encode() + b'"}'
 
     def version_headers(self, b: Binding) -> list[tuple[bytes, bytes]]:
-        return [*self._view(b).headers, (_ROLLOUT_HEADER_B, b.rollout_id.encode())]
+        return [*self._view(b).headers, (_ROLLOUT_HEADER_B, _rid(b).encode())]
 
     def _count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -493,7 +501,7 @@ class DataPlane:
         fin.released = True
         fin.completed_mono, fin.completed_wall = time.monotonic(), time.time()
         with contextlib.suppress(BadInput, InvalidTransition):
-            self.controller.complete(fin.binding.rollout_id)
+            self.controller.complete(_rid(fin.binding))
 
     async def _forward(self, scope: Scope, receive: Receive, send: Send, route: str,
                        raw: bytes, binding: Binding, fin: FinishedRequest) -> None:
@@ -541,7 +549,7 @@ class DataPlane:
             raise RuntimeError("data plane not started")
         vh = self.version_headers(binding)
         try:
-            resp = await upstream.post(self._paths[route], raw, binding.rollout_id.encode())
+            resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
         except EffectTimeout as exc:
             fin.status = 504
             self._finishing(state, fin)

@@ -37,7 +37,6 @@ from rolloutcore.provenance.trajectory import (
     SEED_EXTERNAL,
     SEED_NONE,
     EngineIdentity,
-    PolicyBinding,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -135,7 +134,7 @@ def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup
     stamps = Timestamps(fin.admitted_wall, fin.admitted_mono, fin.completed_wall,
                         fin.completed_mono)
     gid = group_id_for(run, step, index)
-    binding = PolicyBinding.of(fin.binding)
+    binding = fin.binding  # the controller's binding is the trajectory's
     samples = [TrajectorySample(run, step, gid, index, len(choices), int(c.get("index", i)),
                                 prompt, sampling, _completion(c), binding, engine, stamps)
                for i, c in enumerate(choices)]

@@ -181,7 +181,7 @@ def run_serve(args: ServeOptions) -> int:
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
         if args.record:
-            from rolloutcore.provenance.trajectory import EngineIdentity
+            from rolloutcore.core.versions import EngineIdentity
             from rolloutcore.service.recording import GatewayRecorder
 
             http = adapter.http

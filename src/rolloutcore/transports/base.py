@@ -41,6 +41,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.versions import check_label
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.http import is_refusal, request
 from rolloutcore.transports.net import local_address_towards
@@ -89,11 +90,6 @@ class WeightTransport(Protocol):
         ...
 
 
-def check_label(label: object) -> str:
-    if not isinstance(label, str) or not label or len(label) > 128 or any(
-            c.isspace() for c in label):
-        raise BadInput(f"target label must be a non-empty string without spaces, got {label!r}")
-    return label
 
 
 def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:

@@ -45,7 +45,7 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
 )
 from rolloutcore.core.lifecycle import Step
-from rolloutcore.core.versions import Provenance
+from rolloutcore.core.versions import EngineIdentity, Provenance
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -53,7 +53,6 @@ from rolloutcore.errors import (
     RolloutCoreError,
     TransferError,
 )
-from rolloutcore.provenance.trajectory import EngineIdentity
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
 

@@ -1,0 +1,169 @@
+"""The tables that decide: every legal (state, event), and the failure policy.
+
+Pure data and one lookup helper, standard library only. ``core.lifecycle``
+applies them (one lookup per event; a missing key is one
+``InvalidTransition``); ``core.tables`` renders them into
+``docs/state-machine.md``, so the docs cannot drift. A change of the
+lifecycle's behaviour is a change of these tables first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from rolloutcore.core.records import Classification, Event, FailureKind, State, Step
+
+__all__ = [
+    "ABORT_STEPS",
+    "ESCALATION",
+    "FAILURE_POLICY",
+    "FAILURE_TARGETS",
+    "FAIL_STEPS",
+    "Lookup",
+    "OUTCOMES",
+    "RESETS_DONE",
+    "STEP_STATE",
+    "TRANSITIONS",
+    "targets",
+]
+
+S, E = State, Event
+_NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
+_K = FailureKind
+_ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
+_IDLE_POLL_S = 0.1
+_UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
+                  S.RESUMING)
+
+
+class Lookup(enum.StrEnum):
+    """A named outcome table: the target of an entry whose event can end two ways."""
+
+    FAILURE = "failure policy"  # FAILURE_TARGETS[(state, FAILURE_POLICY[(step, kind)])]
+    RESETS = "cache resets"     # RESETS_DONE[every required cache reset?]
+
+
+#: The one table of legal (state, event) pairs -> the target, or the named
+#: outcome table that picks it. Evidence that does not hold is a failure of
+#: its step, so it leaves through the state's FAIL entry.
+TRANSITIONS: Mapping[tuple[State, Event], State | Lookup] = {
+    (S.UNINITIALIZED, E.BOOTSTRAP): S.READY,
+    (S.UNINITIALIZED, E.FAIL): Lookup.FAILURE,
+    (S.READY, E.ADMIT): S.READY,
+    **{(s, E.COMPLETE): s for s in _ALL_BUT_UNINIT},
+    (S.READY, E.REQUEST_UPDATE): S.DRAINING,
+    # The engine failed while serving (died, restarted, stopped answering): what it
+    # serves next is unknown, so it leaves service until a recovery replaces it.
+    (S.READY, E.FAIL): Lookup.FAILURE,
+    (S.DRAINING, E.DRAINED): S.QUIESCED,
+    (S.DRAINING, E.FAIL): Lookup.FAILURE,
+    (S.QUIESCED, E.PREFLIGHTED): S.UPDATING,
+    (S.QUIESCED, E.FAIL): Lookup.FAILURE,
+    (S.UPDATING, E.TRANSFERRED): S.INVALIDATING,
+    (S.UPDATING, E.FAIL): Lookup.FAILURE,
+    (S.INVALIDATING, E.INVALIDATED): Lookup.RESETS,
+    (S.INVALIDATING, E.FAIL): Lookup.FAILURE,
+    (S.VALIDATING, E.VALIDATED): S.RESUMING,
+    (S.VALIDATING, E.FAIL): Lookup.FAILURE,
+    (S.RESUMING, E.RESUMED): S.READY,
+    (S.RESUMING, E.FAIL): Lookup.FAILURE,
+    (S.TAINTED, E.BEGIN_RECOVERY): S.RECOVERING,
+    (S.RECOVERING, E.RECOVERED): S.READY,
+    (S.RECOVERING, E.FAIL): Lookup.FAILURE,
+}
+
+#: (state, step reported) -> the failure-policy row that applies. A step that
+#: does not run in a state has no entry. The live validation runs after the
+#: resume, so its failure is a resume failure: it cannot be retried into service.
+FAIL_STEPS: Mapping[tuple[State, Step], Step] = {
+    (S.UNINITIALIZED, Step.BOOTSTRAP): Step.BOOTSTRAP,
+    (S.READY, Step.SERVE): Step.SERVE,
+    (S.DRAINING, Step.DRAIN): Step.DRAIN,
+    (S.QUIESCED, Step.PREFLIGHT): Step.PREFLIGHT,
+    (S.UPDATING, Step.TRANSFER): Step.TRANSFER,
+    (S.INVALIDATING, Step.INVALIDATE): Step.INVALIDATE,
+    (S.VALIDATING, Step.VALIDATE): Step.VALIDATE,
+    (S.RESUMING, Step.RESUME): Step.RESUME,
+    (S.RESUMING, Step.VALIDATE): Step.RESUME,
+    (S.RECOVERING, Step.RECOVER): Step.RECOVER,
+    **{(s, Step.RESTART): Step.RESTART for s in (*_UPDATE_STATES, S.RECOVERING)},
+}
+
+#: The same, while an update that mutated nothing resumes the old version:
+#: only the resume is left to fail.
+ABORT_STEPS: Mapping[tuple[State, Step], Step] = {
+    (S.RESUMING, Step.RESUME): Step.RESUME,
+    (S.RESUMING, Step.RESTART): Step.RESTART,
+}
+
+#: Which state each step's effect runs in (derived from FAIL_STEPS).
+STEP_STATE: Mapping[Step, State] = {step: s for (s, step), row in FAIL_STEPS.items()
+                                    if row is step and step is not Step.RESTART}
+
+#: The failure policy: (step, kind) -> class. Read by row: a drain that fails
+#: in any way mutated nothing; a transfer that fails mutated nothing only when
+#: it was refused up front; a cache reset or a label read that comes back
+#: incomplete may be retried; once a mutation may have started, anything else
+#: is ambiguous.
+FAILURE_POLICY: Mapping[tuple[Step, FailureKind], Classification] = {
+    # step              REFUSED       ERROR          TIMEOUT        BAD_EVIDENCE   DIED
+    **dict(zip([(Step.BOOTSTRAP, k) for k in _K], [_NM, _NM, _NM, _NM, _NM], strict=True)),
+    **dict(zip([(Step.DRAIN, k) for k in _K], [_NM, _NM, _NM, _INC, _NM], strict=True)),
+    **dict(zip([(Step.PREFLIGHT, k) for k in _K], [_NM, _NM, _NM, _NM, _NM], strict=True)),
+    **dict(zip([(Step.TRANSFER, k) for k in _K], [_NM, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.INVALIDATE, k) for k in _K], [_INC, _INC, _AMB, _INC, _AMB], strict=True)),
+    **dict(zip([(Step.VALIDATE, k) for k in _K], [_INC, _INC, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.RESUME, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.RECOVER, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.SERVE, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.RESTART, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+}
+
+#: Where an incomplete observation ends up once its retries are used up.
+ESCALATION: Mapping[Step, Classification] = {
+    Step.DRAIN: _NM,
+    Step.INVALIDATE: _AMB,
+    Step.VALIDATE: _AMB,
+}
+
+#: (state, class) -> target: no_mutation resumes the old version (nothing to
+#: resume before bootstrap), incomplete stays, ambiguous taints.
+FAILURE_TARGETS: Mapping[tuple[State, Classification], State] = {
+    (S.UNINITIALIZED, _NM): S.UNINITIALIZED,
+    (S.READY, _AMB): S.TAINTED,
+    (S.DRAINING, _NM): S.RESUMING,
+    (S.DRAINING, _INC): S.DRAINING,
+    (S.DRAINING, _AMB): S.TAINTED,
+    (S.QUIESCED, _NM): S.RESUMING,
+    (S.QUIESCED, _AMB): S.TAINTED,
+    (S.UPDATING, _NM): S.RESUMING,
+    (S.UPDATING, _AMB): S.TAINTED,
+    (S.INVALIDATING, _INC): S.INVALIDATING,
+    (S.INVALIDATING, _AMB): S.TAINTED,
+    (S.VALIDATING, _INC): S.VALIDATING,
+    (S.VALIDATING, _AMB): S.TAINTED,
+    (S.RESUMING, _AMB): S.TAINTED,
+    (S.RECOVERING, _AMB): S.TAINTED,
+}
+
+#: Every required cache reset? -> target.
+RESETS_DONE: Mapping[bool, State] = {False: S.INVALIDATING, True: S.VALIDATING}
+
+OUTCOMES: Mapping[Lookup, Mapping[Any, State]] = {
+    Lookup.FAILURE: FAILURE_TARGETS,
+    Lookup.RESETS: RESETS_DONE,
+}
+
+
+def targets(state: State, event: Event) -> frozenset[State]:
+    """The states a legal (state, event) may lead to (for the docs and the restore)."""
+    rule = TRANSITIONS[(state, event)]
+    if isinstance(rule, State):
+        return frozenset({rule})
+    if rule is Lookup.FAILURE:
+        return frozenset(t for (s, _), t in FAILURE_TARGETS.items() if s is state)
+    return frozenset(OUTCOMES[rule].values())
+
+

@@ -1,0 +1,78 @@
+"""Strict checks for typed records built from JSON: one set, shared.
+
+The trajectory schema (``provenance.trajectory``), the engine identity and
+the binding (``core.versions``) all parse JSON objects the same strict way:
+an unknown key is an error (a silently dropped field would change a record's
+digest on rewrite), JSON-like values are deep-frozen so a record cannot be
+changed after it was validated. Errors name the field path (``where``).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from rolloutcore.errors import BadInput
+
+__all__ = ["check_obj", "check_str", "exact_keys", "fail", "freeze_json", "thaw_json"]
+
+
+def fail(where: str, msg: str) -> BadInput:
+    return BadInput(f"{where}: {msg}")
+
+
+def check_str(where: str, x: object) -> str:
+    if not isinstance(x, str) or not x:
+        raise fail(where, f"must be a non-empty string, got {x!r}")
+    return x
+
+
+def check_obj(where: str, d: object) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise fail(where, f"must be a JSON object, got {type(d).__name__}")
+    return d
+
+
+def exact_keys(where: str, d: Mapping[str, Any], required: Iterable[str],
+               optional: Iterable[str] = (), note: str = "") -> None:
+    req, opt = set(required), set(optional)
+    missing = sorted(req - d.keys())
+    unknown = sorted(d.keys() - req - opt)
+    if missing:
+        raise fail(where, f"missing keys {missing}")
+    if unknown:
+        raise fail(where, f"unknown keys {unknown}" + (f" ({note})" if note else ""))
+
+
+def freeze_json(where: str, x: object) -> Any:
+    """A deep read-only copy of a JSON value; rejects what JSON cannot hold exactly."""
+    if x is None or isinstance(x, (bool, str)):
+        return x
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            raise fail(where, f"non-finite number {x!r} is not JSON")
+        return x
+    if isinstance(x, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in x.items():
+            if not isinstance(k, str):
+                raise fail(where, f"object keys must be strings, got {k!r}")
+            out[k] = freeze_json(f"{where}.{k}", v)
+        return MappingProxyType(out)
+    if isinstance(x, (list, tuple)):
+        return tuple(freeze_json(f"{where}[{i}]", v) for i, v in enumerate(x))
+    raise fail(where, f"{type(x).__name__} is not a JSON value")
+
+
+def thaw_json(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: thaw_json(v) for k, v in x.items()}
+    if isinstance(x, tuple):
+        return [thaw_json(v) for v in x]
+    return x

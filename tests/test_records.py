@@ -1,0 +1,209 @@
+"""The typed records: every type round-trips through a journal file; old journals read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from coretools import MANIFEST, ident
+from rolloutcore.control.journal import Journal, first_index, read_journal, restore_controller
+from rolloutcore.core.evidence import (
+    BootstrapEvidence,
+    CacheKind,
+    CacheResetEvidence,
+    Check,
+    DrainEvidence,
+    HealthEvidence,
+    PauseMode,
+    PreflightEvidence,
+    RecoveryEvidence,
+    ResumeEvidence,
+    TransferEvidence,
+    ValidationEvidence,
+    evidence_from_dict,
+    evidence_to_dict,
+)
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import LifecycleController
+from rolloutcore.core.records import (
+    RECORD_TYPES,
+    SCHEMA_VERSION,
+    Abandon,
+    Admit,
+    BeginRecovery,
+    BeginUpdate,
+    Classification,
+    Commit,
+    Complete,
+    Effect,
+    Event,
+    EvidenceSeen,
+    Failure,
+    FailureKind,
+    Note,
+    Record,
+    Refuse,
+    RequestUpdate,
+    Restore,
+    State,
+    Step,
+    Taint,
+    Transition,
+    Verdict,
+)
+from rolloutcore.core.versions import Provenance, VerificationLevel, WeightVersion
+from rolloutcore.errors import BadInput, JournalError
+
+DATA = Path(__file__).parent / "data"
+V0, V1 = WeightVersion(0, "rc-0", "e0"), WeightVersion(1, "rc-1", "e0")
+IDENT = ident(1).verified(VerificationLevel.PROBE, ["label=rc-1", "probe=pass"])
+
+EVIDENCE = [
+    BootstrapEvidence(engine_epoch="e0", healthy=True, observed_label="rc-0",
+                      label_supported=True, capabilities=frozenset({"pause", "label"}),
+                      engine_info={"vllm": "0.32.0", "tp": [1, 2]}, elapsed_s=0.5,
+                      unverified=("encoder cache",)),
+    HealthEvidence(answering=True, healthy=False, restarted=True, reason="pid changed"),
+    DrainEvidence(paused=True, mode=PauseMode.WAIT, engine_in_flight=0),
+    PreflightEvidence(source_manifest_digest=MANIFEST.digest,
+                      source_provenance=Provenance("ckpt", "run", 3),
+                      engine_manifest_digest=None, detail=""),
+    TransferEvidence(completed=True, mutation_started=True, backend="gloo", tensors=2,
+                     bytes=12, finish_label="rc-1", error=None),
+    CacheResetEvidence(cache=CacheKind.ENCODER, http_status=200, engine_success=None),
+    ValidationEvidence(observed_label="rc-1", label_supported=True, paused=True,
+                       checks=(Check("checksum", True, "ok", coverage=0.25,
+                                     level=VerificationLevel.ENGINE_CHECKSUM),
+                               Check("probe", False, "diff 3", max_abs_diff=3.0,
+                                     tolerance=0.05, level=VerificationLevel.PROBE))),
+    ResumeEvidence(resumed=True, is_paused_after=False),
+    RecoveryEvidence(engine_epoch="e1", identity=IDENT, healthy=True,
+                     validation=ValidationEvidence(observed_label=None,
+                                                   label_supported=False)),
+]
+
+RU = RequestUpdate(1, "trainer", V1, IDENT, 2, VerificationLevel.MANIFEST)
+SAMPLES: list[Record] = [
+    Admit("r-1", V0, IDENT.digest),
+    Complete("r-1", V0, State.DRAINING, True),
+    Refuse("r-2", State.TAINTED, "engine is tainted"),
+    RU,
+    Transition(State.READY, State.DRAINING, Event.REQUEST_UPDATE, 1.25),
+    *[EvidenceSeen(Event.DRAINED, ev, ("a problem",)) for ev in EVIDENCE],
+    Verdict(Event.RESUMED, True, State.RESUMING, State.READY, None, (), V1),
+    Verdict(Event.FAIL, False, State.UPDATING, State.TAINTED, Classification.AMBIGUOUS,
+            ("cut",), None),
+    BeginUpdate(1, V1),
+    Commit(V1, IDENT),
+    Abandon(1, V1),
+    Failure(Step.TRANSFER, FailureKind.TIMEOUT, "deadline of 3s expired"),
+    Taint(("controller restarted during an update",), V1),
+    Taint((), None),
+    BeginRecovery("operator"),
+    Restore(State.DRAINING, 1, RU),
+    Restore(State.READY, 0, None),
+    Effect("transfer", 0.125, False, "EffectTimeout('transfer')"),
+    Effect("drain", 0.5, True),
+    Note("health", {"problems": ["engine not answering"], "consecutive": 2}),
+]
+
+
+def test_samples_cover_every_record_type() -> None:
+    assert {type(r) for r in SAMPLES} == set(RECORD_TYPES.values())
+    assert {type(r.evidence) for r in SAMPLES if isinstance(r, EvidenceSeen)} == {
+        type(e) for e in EVIDENCE}
+
+
+def test_every_record_type_round_trips_through_a_journal_file(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    for r in SAMPLES:
+        j.write(r)
+    j.close()
+    back = read_journal(path)
+    assert [b.record for b in back] == SAMPLES
+    assert [type(b.record) for b in back] == [type(r) for r in SAMPLES]
+    assert [b.to_json() for b in back] == [m.to_json() for m in j.records]
+    for line in path.read_text().splitlines():
+        assert json.loads(line)["v"] == SCHEMA_VERSION
+
+
+def test_evidence_round_trips_exactly() -> None:
+    for ev in EVIDENCE:
+        d = json.loads(json.dumps(evidence_to_dict(ev)))
+        assert evidence_from_dict(d) == ev
+        assert evidence_to_dict(evidence_from_dict(d)) == d
+    with pytest.raises(BadInput, match="unknown evidence type"):
+        evidence_from_dict({"type": "Nonsense"})
+    with pytest.raises(BadInput, match="DrainEvidence"):
+        evidence_from_dict({"type": "DrainEvidence", "paused": True, "mode": "sideways"})
+
+
+def test_the_journal_refuses_what_is_not_a_record() -> None:
+    j = Journal()
+    with pytest.raises(JournalError, match="not a journal record"):
+        j.write({"kind": "admit"})  # type: ignore[arg-type]
+    with pytest.raises(JournalError, match="not a journal record"):
+        j.write(Record())
+
+
+def test_a_newer_schema_is_refused_by_name_and_bad_lines_say_where(tmp_path: Path) -> None:
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    j.write(Note("x"))
+    j.close()
+    obj = json.loads(path.read_text())
+    path.write_text(json.dumps({**obj, "v": 99}) + "\n")
+    with pytest.raises(JournalError, match=r"j.jsonl:1: journal schema version 99"):
+        read_journal(path)
+    path.write_text(json.dumps({**obj, "kind": "admit", "data": {"rollout_id": "r"}}) + "\n")
+    with pytest.raises(JournalError, match=r"j.jsonl:1: bad admit record"):
+        read_journal(path)
+    path.write_text(json.dumps({**obj, "kind": "gossip"}) + "\n")
+    with pytest.raises(JournalError, match="unknown record kind 'gossip'"):
+        read_journal(path)
+
+
+@pytest.mark.parametrize(("name", "state"), [("journal-v1-ready.jsonl", "READY"),
+                                             ("journal-v1-mid-update.jsonl", "TAINTED")])
+def test_a_schema_1_journal_still_restores(tmp_path: Path, name: str, state: str) -> None:
+    """Written by the controller before records were typed (no "v", a failed transfer's
+    transition labelled with its evidence event, no min_verification)."""
+    path = tmp_path / name
+    shutil.copyfile(DATA / name, path)
+    recs = read_journal(path)
+    assert all("v" not in json.loads(line) for line in path.read_text().splitlines())
+    assert check_journal(recs) == []
+    i = first_index(recs, Transition, event=Event.TRANSFERRED, after=State.TAINTED)
+    assert i > 0, "the fixture has a schema-1 failure transition"
+    ru = [r.record for r in recs if isinstance(r.record, RequestUpdate)]
+    assert ru and all(x.min_verification is VerificationLevel.DECLARED for x in ru)
+    c, j = restore_controller(path)
+    assert c.state.value == state
+    assert c.committed == WeightVersion(3, "rc-3", "e-new")  # rc-2 burnt by the taint
+    assert [v.label for v in c.published] == ["rc-0", "rc-1", "rc-3"]
+    assert set(c.active) == {"c"}
+    if state == "READY":
+        assert c.request_update(ident(4), "trainer").target.version.label == "rc-4"
+    j.close()
+    after = read_journal(path)
+    assert isinstance(after[len(recs)].record, Restore)
+    assert json.loads(path.read_text().splitlines()[-1])["v"] == SCHEMA_VERSION
+    assert check_journal(after) == []
+
+
+def test_first_index_matches_on_types_and_on_names() -> None:
+    j = Journal()
+    c = LifecycleController(listener=j.listener)
+    from coretools import boot_ev
+
+    c.bootstrap(boot_ev(), ident(0))
+    c.admit("a")
+    c.admit("b")
+    recs = j.records
+    assert first_index(recs, Admit, rollout_id="b") == first_index(recs, "admit",
+                                                                   rollout_id="b") > 0
+    assert first_index(recs, Complete) == -1
