@@ -15,6 +15,11 @@ answers about the same image comes through the image embedding.
   answer is bit-identical (greedy tokens and logprobs) to the cold engine;
 * the transports carry the vision tower: after A -> B every vision
   parameter the engine can hash matches B's cold-loaded reference;
+* every RolloutCore update is validated by text and image probes
+  (``verification.image_probe``); an encoder reset that silently does
+  nothing (an empty 200, what vLLM answers whatever happened) leaves the
+  probe images' old embeddings in the cache, and the image probe catches
+  it: TAINTED, nothing published;
 * a cache reset that reports failure is handled like a failed prefix reset:
   once, retried and published (and still no stale embedding); always, the
   update fails closed (TAINTED, nothing admitted).
@@ -56,6 +61,7 @@ from rolloutcore.testing.vlm import is_vision_param, make_vlm_pair
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.checksums import ReferenceChecksums, verify_engine
+from rolloutcore.verification.image_probe import ProbeSuite, vlm_probe
 
 pytestmark = [
     pytest.mark.engine,
@@ -75,6 +81,7 @@ class Rig:
     b: Path
     cold_b: ReferenceChecksums
     model: str
+    probes: dict[str, ProbeSuite]
     step: int = 10
 
     def prov(self, name: str, step: int | None = None) -> Provenance:
@@ -83,11 +90,15 @@ class Rig:
             step = self.step
         return Provenance(name, "mm-cache-test", step)
 
-    def update(self, name: str, **kw: Any) -> Any:
-        ckpt = self.a if name == "A" else self.b
+    def kwargs(self, name: str) -> dict[str, Any]:
+        kw: dict[str, Any] = {"probe": self.probes[name]}
         if name == "B":
-            kw.setdefault("reference_checksums", self.cold_b.checksums)
-        return self.session.update(ckpt, self.prov(name), probe=False, **kw)
+            kw["reference_checksums"] = self.cold_b.checksums
+        return kw
+
+    def update(self, name: str) -> Any:
+        ckpt = self.a if name == "A" else self.b
+        return self.session.update(ckpt, self.prov(name), **self.kwargs(name))
 
     def ask(self) -> Observation:
         return observe(self.session.http, self.log, self.model, IMAGE)
@@ -98,6 +109,7 @@ def rig(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
         ) -> Iterator[Rig]:
     root = tmp_path_factory.mktemp("vlm")
     a, b = make_vlm_pair(root)
+    probes = {"A": vlm_probe(a), "B": vlm_probe(b)}
     eng = engine_factory(b, extra_args=["--enforce-eager", ITERATION_LOG_FLAG])
     proxy = FaultProxy(eng.base_url).start()
     s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=120.0), GlooTransport(op_timeout_s=60),
@@ -108,7 +120,9 @@ def rig(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
             s.http, WeightSource.from_checkpoint(b).content_digest(), origin="cold-load",
             source=str(b))
         s.bootstrap(b, Provenance("B", "mm-cache-test", 0))
-        yield Rig(eng, s, proxy, EncoderLog(eng.log_path), a, b, cold_b, s.http.model())
+        r = Rig(eng, s, proxy, EncoderLog(eng.log_path), a, b, cold_b, s.http.model(), probes)
+        yield r
+        r.session.journal.close()
     finally:
         try:
             s.transport.close()
@@ -122,10 +136,8 @@ def rig(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def experiment(rig: Rig) -> ExperimentResult:
     """The whole measurement, once: its first request is B's cold answer about the image."""
-    return mm_cache_experiment(
-        rig.session, rig.log, rig.a, rig.b, IMAGE, provenance=rig.prov,
-        update_kwargs=lambda n: {"probe": False, **(
-            {"reference_checksums": rig.cold_b.checksums} if n == "B" else {})})
+    return mm_cache_experiment(rig.session, rig.log, rig.a, rig.b, IMAGE,
+                               provenance=rig.prov, update_kwargs=rig.kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +180,8 @@ def test_the_vision_tower_travels_and_checksums_cover_it(
     cs = s.http.weight_checksums()
     on_a = {cs.raw_keys[n]: d for n, d in cs.digests.items()}
     res = rig.update("B")
-    assert res.identity.verification is VerificationLevel.ENGINE_CHECKSUM
+    assert res.identity.verification is VerificationLevel.PROBE
+    assert any(e.startswith("engine_checksum=pass") for e in res.identity.evidence)
     report = verify_engine(s.http, rig.cold_b)
     assert report.passed and not report.missing_in_engine and not report.missing_in_reference
     names = {k: k.rsplit(":", 1)[1] for k in rig.cold_b.checksums}
@@ -208,8 +221,37 @@ def test_an_encoder_reset_that_fails_once_is_retried_and_leaves_nothing_stale(
     assert obs.encoder_inputs == 1 and obs.answer == cold.answer
 
 
+def test_a_silent_encoder_reset_is_caught_by_the_image_probe(rig: Rig) -> None:
+    """Leaves the controller TAINTED (the next test takes over with a new one)."""
+    rig.update("A")  # its live validation ran the probe images: A's embeddings are cached
+    c = rig.session.controller
+    before = c.published
+    rig.proxy.reset()
+    rig.proxy.inject("/reset_encoder_cache", Fault.swallow())
+    try:
+        with pytest.raises(UpdateFailed) as ei:
+            rig.update("B")
+    finally:
+        swallowed = len(rig.proxy.hits)
+        rig.proxy.reset()
+    assert swallowed >= 1
+    assert ei.value.classification == "ambiguous"
+    assert c.state is State.TAINTED and c.published == before
+    text, image = rig.probes["B"].last
+    assert text.passed, "the text path is B's: only the image path can tell"
+    assert not image.passed and image.max_abs_diff is not None
+    assert image.tolerance is not None and image.max_abs_diff > 10 * image.tolerance
+    with pytest.raises(AdmissionRefused):
+        c.admit("after-silent-reset")
+
+
 def test_an_mm_reset_that_always_fails_fails_closed(rig: Rig) -> None:
     """Last in the module: it leaves the controller TAINTED."""
+    # A new controller takes over the engine after the previous test's taint.
+    old = rig.session
+    rig.session = EngineSession(old.http, old.transport, engine=rig.engine,
+                                journal_path=Path(str(old.journal.path) + ".2"))
+    rig.session.bootstrap(rig.b, Provenance("B", "mm-cache-test", 99))
     rig.update("A")
     rig.proxy.reset()
     rig.proxy.inject("/reset_mm_cache", Fault.engine_failure())

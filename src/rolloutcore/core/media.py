@@ -208,7 +208,7 @@ def decode_image_url(url: object, limits: MediaLimits | None = None) -> tuple[Im
     lim = limits or MediaLimits()
     if not isinstance(url, str) or not url:
         raise MediaError(400, "an image URL must be a non-empty string")
-    if not url[:5].lower() == "data:":
+    if url[:5].lower() != "data:":
         scheme = url.split(":", 1)[0][:16] if ":" in url else ""
         raise MediaError(400, "only data: URLs are accepted for images (the gateway records "
                               "a digest of each image), got "

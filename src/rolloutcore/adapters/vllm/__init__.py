@@ -66,6 +66,7 @@ from rolloutcore.core.evidence import (
     UpdateTarget,
     ValidationEvidence,
 )
+from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import (
     BadInput,
@@ -175,7 +176,8 @@ class Generation:
     """One choice of ``/inference/v1/generate``.
 
     ``logprobs`` are the sampled tokens' logprobs (``None`` if not asked);
-    ``weight_versions`` is ``None`` when the engine does not report spans.
+    ``weight_versions`` is ``None`` when the engine does not report spans;
+    ``media`` describes the images sent with the prompt (for its trajectory).
     """
 
     request_id: str
@@ -183,6 +185,7 @@ class Generation:
     logprobs: tuple[float, ...] | None
     finish_reason: str | None
     weight_versions: tuple[VersionSpan, ...] | None
+    media: tuple[ImageRef, ...] = ()
 
     def versions(self) -> frozenset[str]:
         """The labels that sampled at least one output token."""
@@ -799,15 +802,25 @@ class VllmHTTP:
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None, mutation_started: bool = True) -> Generation:
-        """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``)."""
+                 images: Sequence[str] = (), timeout_s: float | None = None,
+                 mutation_started: bool = True) -> Generation:
+        """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
+
+        ``images`` are ``data:`` URLs sent as vLLM's ``content_parts``; the
+        prompt must hold the model's image placeholder token once per image
+        (vLLM expands it). They are checked like the gateway checks them, and
+        described in ``Generation.media``.
+        """
         step = "generate"
+        media, parts = self._images(images)
         body: dict[str, Any] = {
             "model": self.model(timeout_s=timeout_s, mutation_started=mutation_started),
             "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
         }
+        if parts:
+            body["content_parts"] = parts
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise BadInput("request_id must be a non-empty string")
@@ -829,7 +842,7 @@ class VllmHTTP:
                 VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
                 for s in spans_raw)
             return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
-                              ch.get("finish_reason"), spans)
+                              ch.get("finish_reason"), spans, media)
         except (KeyError, IndexError, TypeError, ValueError, BadInput) as exc:
             raise EffectError(step, f"unexpected generate answer: {exc}: "
                               f"{_snippet(json.dumps(resp))}",
@@ -870,26 +883,38 @@ class VllmHTTP:
             raise EffectError(step, f"unexpected completions answer: {exc}",
                               mutation_started=mutation_started) from exc
 
-    def score(self, token_ids: Sequence[int], *, timeout_s: float | None = None,
+    def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
+              timeout_s: float | None = None,
               mutation_started: bool = True) -> list[float | None]:
         """Teacher-forced log-probability of every token of ``token_ids`` (the first is None).
 
         One ``/inference/v1/generate`` call with ``prompt_logprobs=0``: the
         engine scores the sequence as a prompt and generates one token that
         is ignored. Used by the policy probe and the replay validator.
+
+        With ``images`` (``data:`` URLs, one placeholder token each in
+        ``token_ids``) the engine expands each placeholder into the image's
+        tokens, so the answer has one entry per token of the *expanded*
+        prompt (vLLM returns it, and the logprobs are aligned to it).
         """
         step = "score"
         ids = self._token_ids(token_ids)
+        _, parts = self._images(images)
         body: dict[str, Any] = {
             "model": self.model(timeout_s=timeout_s, mutation_started=mutation_started),
             "token_ids": ids,
             "sampling_params": self._sampling(1, 0.0, False, None, True,
                                               {"prompt_logprobs": 0}),
         }
+        if parts:
+            body["content_parts"] = parts
+            body["return_token_ids"] = True
         resp = self._json(self._request("POST", Routes.GENERATE, step=step, timeout_s=timeout_s,
                                         mutation_started=mutation_started, json_body=body),
                           step, mutation_started)
         try:
+            if parts:
+                ids = [int(t) for t in resp["prompt_token_ids"]]
             raw = resp["prompt_logprobs"]
             out: list[float | None] = []
             for pos, entry in enumerate(raw):
@@ -906,6 +931,16 @@ class VllmHTTP:
             raise EffectError(step, f"unexpected score answer: {exc}: "
                               f"{_snippet(json.dumps(resp))}",
                               mutation_started=mutation_started) from exc
+
+    @staticmethod
+    def _images(images: Sequence[str]) -> tuple[tuple[ImageRef, ...], list[dict[str, str]]]:
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise BadInput("images must be a sequence of data: URLs")
+        lim = MediaLimits()
+        if len(images) > lim.max_images:
+            raise BadInput(f"{len(images)} images, more than the limit of {lim.max_images}")
+        refs = tuple(decode_image_url(u, lim)[0] for u in images)
+        return refs, [{"type": "image_url", "url": u} for u in images]
 
     def close(self) -> None:
         self._closed = True
