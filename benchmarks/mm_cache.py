@@ -13,8 +13,12 @@ B, serves the same test image throughout:
     bit-identical (greedy tokens and logprobs) to the cold engine;
   * which reset matters: the negative control again with only the
     multimodal reset, then with only the encoder reset;
-  * the transition's phase times, repeated A <-> B (engine checksums against
-    B's cold-loaded reference on the updates to B).
+  * the transition's phase times, repeated A <-> B, every update validated
+    by text and image probes (and engine checksums against B's cold-loaded
+    reference on the updates to B);
+  * the image probe's margins: its difference on correct updates, with the
+    vision tower of the other policy, and on a stale encoder cache (B's
+    weights, the probe images' A embeddings left in the cache).
 
 Writes results/mm-cache.json and prints a summary. Not a test.
 
@@ -68,12 +72,16 @@ def main() -> int:
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
     from rolloutcore.verification.checksums import ReferenceChecksums
+    from rolloutcore.verification.image_probe import vlm_probe
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rc-mm-bench-"))
     a, b = work / "A", work / "B"
     if not (b / "config.json").exists():
         a, b = make_vlm_pair(work)
     image = png_data_url(make_image_png(7))
+    t0 = time.monotonic()
+    probes = {"A": vlm_probe(a), "B": vlm_probe(b)}
+    probe_build_s = (time.monotonic() - t0) / 2
     flags = ["--enforce-eager", ITERATION_LOG_FLAG]
     eng = ManagedEngine(b, extra_args=flags, log_dir=work / "logs", startup_timeout_s=900)
     t0 = time.monotonic()
@@ -95,8 +103,16 @@ def main() -> int:
         session.bootstrap(b, Provenance("B", "mm-cache-bench", 0))
 
         def kw(name: str) -> dict[str, Any]:
-            return {"probe": False,
+            return {"probe": probes[name],
                     **({"reference_checksums": cold_b.checksums} if name == "B" else {})}
+
+        def probe_diffs(name: str) -> dict[str, Any]:
+            chk = probes[name].run(h, None)
+            text, img = probes[name].last
+            return {"passed": chk.passed, "text_max_abs_diff": text.max_abs_diff,
+                    "image_max_abs_diff": img.max_abs_diff}
+
+        wrong_tower = probe_diffs("A")  # A's probe on the cold engine on B
 
         log = EncoderLog(eng.log_path)
         res = mm_cache_experiment(session, log, a, b, image, provenance=prov,
@@ -124,13 +140,29 @@ def main() -> int:
             name = "A" if i % 2 == 0 else "B"
             out = session.update(a if name == "A" else b, prov(name), **kw(name))
             o = observe(h, log, model, image)
+            text, img = probes[name].last
             runs.append({"to": name, "version": out.version.label,
+                         "probe_text_max_abs_diff": text.max_abs_diff,
+                         "probe_image_max_abs_diff": img.max_abs_diff,
                          "verification": out.identity.verification.wire,
                          "phases_s": out.outcome.breakdown(),
                          "encoder_hits_after": o.encoder_hits,
                          "mm_cache_hits_after": o.mm_hits,
                          "identical_to_cold": (o.answer == res.cold.answer) if name == "B"
                          else None})
+        # The engine is on A now and its probe images' A embeddings are cached:
+        # B's weights without the encoder reset, then with it.
+        if runs[-1]["to"] != "A":
+            session.update(a, prov("A"), **kw("A"))
+        h.pause(PauseMode.WAIT, clear_cache=False)
+        session.transport.send(h.base_url, "rogue-B", WeightSource.from_checkpoint(b),
+                               timeout_s=120)
+        h.resume()
+        h.reset_prefix_cache()
+        stale_probe = probe_diffs("B")
+        h.reset_cache(CacheKind.ENCODER)
+        h.reset_cache(CacheKind.MULTIMODAL)
+        reset_probe = probe_diffs("B")
         nbytes = WeightSource.from_checkpoint(b).nbytes
     finally:
         session.close()
@@ -148,6 +180,16 @@ def main() -> int:
             r["encoder_hits_after"] == 0 and r["mm_cache_hits_after"] == 0 for r in runs),
         "every_update_to_b_identical_to_cold": all(r["identical_to_cold"] for r in to_b),
         "isolation": isolation,
+        "probe": {
+            "text_tolerance": probes["B"].probes[0].tolerance,
+            "image_tolerance": probes["B"].probes[1].tolerance,
+            "correct_updates_max_abs_diff": {
+                "text": max(r["probe_text_max_abs_diff"] for r in runs),
+                "image": max(r["probe_image_max_abs_diff"] for r in runs)},
+            "wrong_vision_tower": wrong_tower,
+            "stale_encoder_cache": stale_probe,
+            "after_encoder_and_mm_reset": reset_probe,
+            "build_s_per_checkpoint": probe_build_s},
         "observations": {
             "cold_b": res.cold.to_dict(), "warm_b": res.warm.to_dict(),
             "after_rolloutcore_to_a": res.after_rc_to_a.to_dict(),
@@ -174,7 +216,8 @@ def main() -> int:
                  "(negative_control_equals_old_policy). The processor cache holds "
                  "preprocessed pixels, which do not depend on the weights: skipping only "
                  "its reset leaves no stale answer; skipping the encoder reset does. "
-                 "probe=False: the policy probe is text-only (see docs/results-cpu.md).",
+                 "Every RolloutCore update here is validated by text + image probes "
+                 "(validate_live) and, to B, by engine checksums.",
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
@@ -185,6 +228,10 @@ def main() -> int:
     print("isolation: " + "; ".join(
         f"only {x['reset']} reset: encoder hits {x['encoder_hits']}, old answer "
         f"{x['equals_old_policy']}" for x in isolation))
+    pr = result["probe"]
+    print(f"image probe: correct <= {pr['correct_updates_max_abs_diff']['image']:.4f}, "
+          f"wrong tower {wrong_tower['image_max_abs_diff']:.4f}, stale encoder "
+          f"{stale_probe['image_max_abs_diff']:.4f} (tolerance {pr['image_tolerance']})")
     print("phase medians (ms): " + ", ".join(f"{k}={v * 1000:.1f}" for k, v in phases.items()))
     print(f"wrote {args.out}")
     return 0
