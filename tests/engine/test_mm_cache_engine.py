@@ -20,6 +20,9 @@ answers about the same image comes through the image embedding.
   nothing (an empty 200, what vLLM answers whatever happened) leaves the
   probe images' old embeddings in the cache, and the image probe catches
   it: TAINTED, nothing published;
+* the gateway (its own process) takes images on chat and generate, binds
+  them like any rollout, answers as the engine does, records each image's
+  digest in the trajectory and refuses a malformed image before admission;
 * a cache reset that reports failure is handled like a failed prefix reset:
   once, retried and published (and still no stale embedding); always, the
   update fails closed (TAINTED, nothing admitted).
@@ -32,20 +35,25 @@ counter in /metrics. The processor cache's counters are vLLM's
 
 from __future__ import annotations
 
+import hashlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
-from enginetools import EngineFactory
+from enginetools import EngineFactory, gateway_process
 from rolloutcore.adapters.vllm import EMPTY_SHA256, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.control.journal import read_journal
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
+from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.mmcache import (
     ITERATION_LOG_FLAG,
@@ -57,7 +65,7 @@ from rolloutcore.testing.mmcache import (
     observe,
     png_data_url,
 )
-from rolloutcore.testing.vlm import is_vision_param, make_vlm_pair
+from rolloutcore.testing.vlm import IMAGE_TOKEN_ID, is_vision_param, make_vlm_pair
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.checksums import ReferenceChecksums, verify_engine
@@ -69,6 +77,7 @@ pytestmark = [
 ]
 
 IMAGE = png_data_url(make_image_png(7))
+GW_TOKEN = "mm-engine-test-token-0123456789"
 
 
 @dataclass
@@ -200,6 +209,53 @@ def test_the_vision_tower_travels_and_checksums_cover_it(
               f"tensors; engine {len(vision)} of {len(names)} params, hashable "
               f"{len(hashable)}, matched {len(hashable & set(report.matched))}; "
               f"overall coverage {report.coverage:.3f}")
+
+
+def test_images_through_the_gateway_are_bound_recorded_and_checked(
+        rig: Rig, cold: Observation, tmp_path: Path) -> None:
+    """The gateway (own process) in front of the VLM engine: chat and generate with images."""
+    token_file = tmp_path / "token"
+    token_file.write_text(GW_TOKEN + "\n")
+    traj, journal = tmp_path / "traj.jsonl", tmp_path / "journal.jsonl"
+    png = make_image_png(7)
+    with gateway_process(rig.engine.base_url, rig.b, token_file, tmp_path / "gw.log",
+                         ["--journal", str(journal), "--record", str(traj)]) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            chat = c.post("/v1/chat/completions", json={
+                "model": rig.model, "max_tokens": 8, "temperature": 0, "logprobs": True,
+                "return_token_ids": True, "messages": [{"role": "user", "content": [
+                    {"type": "text", "text": "what is this?"},
+                    {"type": "image_url", "image_url": {"url": IMAGE}}]}]})
+            assert chat.status_code == 200, chat.text
+            assert chat.headers["x-rolloutcore-version"] == chat.json()["rolloutcore"]["version"]
+            # The gateway forwards the image untouched: the engine's answer, as if direct.
+            assert tuple(chat.json()["choices"][0]["token_ids"]) == cold.answer.token_ids
+            ids = [ord(ch) for ch in "user: "] + [IMAGE_TOKEN_ID] + [ord(ch) for ch in "hi"]
+            gen = c.post("/inference/v1/generate", headers={
+                "x-rolloutcore-run": "mm", "x-rolloutcore-step": "0",
+                "x-rolloutcore-prompt-index": "0"}, json={
+                "model": rig.model, "token_ids": ids,
+                "content_parts": [{"type": "image_url", "url": IMAGE}],
+                "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0}})
+            assert gen.status_code == 200, gen.text
+            label = gen.json()["rolloutcore"]["version"]
+            assert {sp["version"] for sp in gen.json()["choices"][0]["weight_versions"]} == {
+                rig.session.http.label()}
+            bad = c.post("/v1/chat/completions", json={
+                "model": rig.model, "max_tokens": 2, "messages": [{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": png_data_url(b"GIF89a")}}]}]})
+            assert bad.status_code == 400 and "malformed image/gif" in bad.text
+        deadline = time.monotonic() + 30
+        while not traj.exists() or not list(read_groups(traj)):
+            assert time.monotonic() < deadline, "the generate request was not recorded"
+            time.sleep(0.1)
+    (group,) = list(read_groups(traj))
+    (sample,) = group.samples
+    (ref,) = sample.prompt.media
+    assert ref.digest == hashlib.sha256(png).hexdigest() and ref.mime == "image/png"
+    assert sample.binding.version.label == label and sample.schema_version == 2
+    admits = [r for r in read_journal(journal) if r.kind == "admit"]
+    assert len(admits) == 2  # chat and generate; the bad image was never admitted
 
 
 def test_an_encoder_reset_that_fails_once_is_retried_and_leaves_nothing_stale(

@@ -49,6 +49,7 @@ __all__ = [
     "ARCHITECTURE",
     "IMAGE_SIZE",
     "IMAGE_TOKEN",
+    "IMAGE_TOKEN_ID",
     "IMAGE_TOKENS_PER_IMAGE",
     "VLM_VOCAB_SIZE",
     "is_vision_param",
