@@ -159,9 +159,17 @@ class FakeVllm:
             return body
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+                isinstance(m, dict) and isinstance(m.get("content"), (str, list))
+                for m in msgs):
             return _err(400, "messages must be a non-empty list of {role, content}")
-        text = "\n".join(m["content"] for m in msgs) or " "
+
+        def text_of(content: Any) -> str:  # content parts: the text ones (images ignored)
+            if isinstance(content, str):
+                return content
+            return "".join(p.get("text", "") for p in content
+                           if isinstance(p, dict) and p.get("type") == "text")
+
+        text = "\n".join(text_of(m["content"]) for m in msgs) or " "
         n = self._max_tokens(body.get("max_tokens"))
         if n is None:
             return _err(400, "max_tokens must be a positive integer")

@@ -20,7 +20,10 @@ House rules of this module:
 * ``SCHEMA_VERSION`` changes whenever a field is added, removed or changes
   meaning. A reader refuses any record whose ``schema_version`` it does not
   know, naming the version, instead of guessing (newer writers may have
-  changed a meaning, not only added a field).
+  changed a meaning, not only added a field). Version 2 added
+  ``prompt.media`` (digests of the images sent with the prompt); a record
+  without images is still written as version 1, byte for byte as before,
+  so version-1 readers keep reading text-only files.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -41,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from rolloutcore.core.media import ImageRef
 from rolloutcore.core.strict import check_obj as _obj
 from rolloutcore.core.strict import check_str, exact_keys
 from rolloutcore.core.strict import fail as _fail
@@ -52,6 +56,7 @@ from rolloutcore.provenance.seeds import SEED_DERIVATION
 
 __all__ = [
     "SAMPLING_EPS",
+    "KNOWN_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "SEED_EXTERNAL",
     "SEED_NONE",
@@ -71,7 +76,9 @@ __all__ = [
     "validate_spans",
 ]
 
-SCHEMA_VERSION = 1
+#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``.
+SCHEMA_VERSION = 2
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2})
 
 #: ``seed_derivation`` values besides ``seeds.SEED_DERIVATION``: a seed chosen
 #: by the caller some other way (for instance vLLM's ``seed + i`` for ``n > 1``),
@@ -158,9 +165,9 @@ def check_schema_version(d: Mapping[str, Any], what: str = "record") -> None:
     if v > SCHEMA_VERSION:
         raise BadInput(f"{what} has schema_version {v}, newer than this reader supports "
                        f"({SCHEMA_VERSION}); upgrade rolloutcore to read it")
-    if v != SCHEMA_VERSION:
+    if v not in KNOWN_SCHEMA_VERSIONS:
         raise BadInput(f"{what} has unknown schema_version {v} "
-                       f"(this reader knows {SCHEMA_VERSION})")
+                       f"(this reader knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -234,16 +241,27 @@ def validate_spans(spans: Sequence[VersionSpan], n_tokens: int) -> None:
 
 @dataclass(frozen=True)
 class Prompt:
-    """The prompt as token ids; ``digest`` is computed when empty and checked otherwise."""
+    """The prompt as token ids; ``digest`` is computed when empty and checked otherwise.
+
+    ``media`` describes the images sent with it, in request order (digest,
+    format, size; never the bytes). ``digest`` covers the token ids only.
+    """
 
     token_ids: tuple[int, ...]
     digest: str = ""
+    media: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         ids = _tokens("prompt.token_ids", self.token_ids)
         if not ids:
             raise BadInput("prompt.token_ids must not be empty")
         object.__setattr__(self, "token_ids", ids)
+        if isinstance(self.media, (str, bytes)) or not isinstance(self.media, Iterable):
+            raise BadInput("prompt.media must be a sequence of ImageRef")
+        media = tuple(self.media)
+        if not all(isinstance(m, ImageRef) for m in media):
+            raise BadInput("prompt.media must contain ImageRef only")
+        object.__setattr__(self, "media", media)
         actual = prompt_digest(ids)
         if self.digest and self.digest != actual:
             raise BadInput(f"prompt.digest {self.digest!r} does not match its token ids "
@@ -251,14 +269,24 @@ class Prompt:
         object.__setattr__(self, "digest", actual)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"digest": self.digest, "token_ids": list(self.token_ids)}
+        d: dict[str, Any] = {"digest": self.digest, "token_ids": list(self.token_ids)}
+        if self.media:  # absent, not empty, when there are none (schema version 1)
+            d["media"] = [x.to_dict() for x in self.media]
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> Prompt:
         m = _obj("prompt", d)
-        _exact_keys("prompt", m, ("digest", "token_ids"))
+        _exact_keys("prompt", m, ("digest", "token_ids"), ("media",))
+        media: tuple[ImageRef, ...] = ()
+        if "media" in m:
+            raw = m["media"]
+            if not isinstance(raw, (list, tuple)) or not raw:
+                raise BadInput("prompt.media must be a non-empty list when present")
+            media = tuple(ImageRef.from_dict(dict(x) if isinstance(x, Mapping) else x)
+                          for x in raw)
         return cls(_tokens("prompt.token_ids", m["token_ids"]),
-                   _str("prompt.digest", m["digest"], _HEX64))
+                   _str("prompt.digest", m["digest"], _HEX64), media)
 
 
 @dataclass(frozen=True)
@@ -484,8 +512,13 @@ class TrajectorySample:
                 raise BadInput(f"{name} must be a {typ.__name__}, "
                                f"got {type(getattr(self, name)).__name__}")
 
+    @property
+    def schema_version(self) -> int:
+        """1 for a text prompt (written exactly as before version 2), 2 with images."""
+        return 2 if self.prompt.media else 1
+
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "record": "sample", "run": self.run,
+        return {"schema_version": self.schema_version, "record": "sample", "run": self.run,
                 "step": self.step, "group_id": self.group_id,
                 "prompt_index": self.prompt_index, "group_size": self.group_size,
                 "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
@@ -500,6 +533,12 @@ class TrajectorySample:
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
         _exact_keys("sample", m, _SAMPLE_KEYS)
+        has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
+        if has_media != (m["schema_version"] == 2):
+            raise BadInput("trajectory sample: prompt.media is written with schema_version 2 "
+                           "and only then (got schema_version "
+                           f"{m['schema_version']}, {'with' if has_media else 'without'} "
+                           "media)")
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.core.media import MediaLimits
 from rolloutcore.errors import BadInput
 
 __all__ = ["ServiceConfig", "check_bind", "is_loopback"]
@@ -107,6 +108,9 @@ class ServiceConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     health_failures: int = 2
+    #: Bounds on the images of one data-plane request (size, pixels, count);
+    #: images must also fit in ``max_body_bytes``, base64-encoded.
+    media: MediaLimits = field(default_factory=MediaLimits)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -134,6 +138,8 @@ class ServiceConfig:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:
             raise BadInput("lease_s must not exceed max_lease_s")
+        if not isinstance(self.media, MediaLimits):
+            raise BadInput("media must be a MediaLimits")
         if not isinstance(self.transport, Mapping):
             raise BadInput("transport must be a mapping")
         object.__setattr__(self, "transport", dict(self.transport))

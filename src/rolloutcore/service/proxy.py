@@ -45,6 +45,7 @@ from typing import Any
 import anyio
 
 from rolloutcore.core.lifecycle import Binding, LifecycleController, State
+from rolloutcore.core.media import MediaError
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (
     AdmissionRefused,
@@ -56,6 +57,7 @@ from rolloutcore.errors import (
 )
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.images import inspect_media
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 
@@ -90,6 +92,7 @@ _HOP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep
 _DONE = b"data: [DONE]"
 _ROLLOUT_HEADER_B = ROLLOUT_HEADER.encode()
 _MAX_FIRST_EVENT = 1 << 20
+_MEDIA_KIND = {400: "BadRequest", 413: "PayloadTooLarge", 415: "UnsupportedMediaType"}
 
 
 class _ClientGone(Exception):
@@ -176,6 +179,8 @@ class FinishedRequest:
     completed_wall: float = 0.0
     completed_mono: float = 0.0
     released: bool = field(default=False, repr=False)
+    #: The request's images, described (``core.media.ImageRef``), in request order.
+    media: tuple[Any, ...] = ()
 
 
 class _SseRelay:
@@ -450,6 +455,12 @@ class DataPlane:
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
+        try:  # images: checked and described before anything is admitted
+            media = inspect_media(route, payload, cfg.media)
+        except MediaError as exc:
+            await send_json(send, exc.status, error_body(exc.status, str(exc),
+                                                         _MEDIA_KIND[exc.status]))
+            return exc.status
         rid_h = hdrs.get(_ROLLOUT_HEADER_B)
         # 128 random bits, the same "r-" + 32 hex digits a uuid4 gave, without
         # the UUID object.
@@ -473,7 +484,7 @@ class DataPlane:
             return 409
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
-                              admitted_wall=time.time(), admitted_mono=t0)
+                              admitted_wall=time.time(), admitted_mono=t0, media=media)
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
