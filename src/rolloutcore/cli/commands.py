@@ -26,6 +26,12 @@ def _live(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_live_parser(sub)
 
 
+def _train(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from rolloutcore.cli.train import add_train_parser
+
+    add_train_parser(sub)
+
+
 def _audit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from rolloutcore.provenance.audit import add_audit_parser
 
@@ -44,4 +50,4 @@ def _serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_serve_parser(sub)
 
 
-PARSERS: list[Callable[[Any], None]] = [_model, _live, _audit, _replay, _serve]
+PARSERS: list[Callable[[Any], None]] = [_model, _train, _live, _audit, _replay, _serve]
