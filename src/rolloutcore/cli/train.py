@@ -93,11 +93,14 @@ def run_train(workdir: Path, *, steps: int = 24, seed: int = 0, learning_rate: f
     from rolloutcore.integrations.trl import RolloutCoreRollout, import_trl
 
     trl = import_trl()
+    import importlib
+
     import torch
     import transformers
-    from datasets import Dataset
 
-    transformers.logging.set_verbosity_error()
+    tf: Any = transformers  # its stubs are partial; use it untyped
+    Dataset = importlib.import_module("datasets").Dataset
+    tf.logging.set_verbosity_error()
     # vLLM runs on the same CPU. With every core given to the trainer's torch too,
     # its threads wait on each other while the engine holds a core: a forward on
     # the tiny model measured 25x slower with 2 threads than with 1 on 2 busy cores.
@@ -171,7 +174,7 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     rows: list[dict[str, Any]] = []
     begun: dict[str, float] = {}
 
-    class Progress(transformers.TrainerCallback):  # type: ignore[misc, name-defined]
+    class Progress(transformers.TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             begun["t"] = time.monotonic()
 

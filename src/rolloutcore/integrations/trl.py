@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import math
 import threading
 import time
@@ -99,9 +100,13 @@ from rolloutcore.provenance.trajectory import (
 from rolloutcore.transports.source import WeightSource
 
 __all__ = [
+    "DEFAULT_PROBE_TOLERANCE",
     "TESTED_VERSIONS",
+    "EngineSample",
     "GenerationReport",
+    "PublishedUpdate",
     "RolloutCoreRollout",
+    "RolloutEngine",
     "StepReport",
     "TrainingStopped",
     "UpdateReport",
@@ -135,7 +140,7 @@ def import_trl() -> Any:
             import trl
 
             # trl is a lazy module: the warnings come when the trainer is first reached.
-            from trl import GRPOConfig, GRPOTrainer  # noqa: F401
+            importlib.import_module("trl.trainer.grpo_trainer")
         except ImportError as exc:
             raise BadInput("TRL is not installed: pip install 'rolloutcore[trl]'") from exc
     return trl
@@ -239,14 +244,18 @@ class StepReport:
 
 
 @dataclass(frozen=True)
-class _Published:
+class PublishedUpdate:
+    """What an engine's update published (the transition's phase times included)."""
+
     version: WeightVersion
     identity: WeightIdentity
     phases_s: Mapping[str, float]
 
 
 @dataclass(frozen=True)
-class _Sample:
+class EngineSample:
+    """One generated sample as the engine answered it, with its binding."""
+
     binding: PolicyBinding
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
@@ -256,18 +265,22 @@ class _Sample:
     attributable: bool = True
 
 
-class _Engine(Protocol):
-    """What the rollout function needs from where the policy is served."""
+class RolloutEngine(Protocol):
+    """What the rollout function needs from where the policy is served.
+
+    Two are built in (an ``EngineSession``; a gateway); another serving stack
+    under a ``LifecycleController`` can be plugged in by implementing this.
+    """
 
     replica: str
 
     def committed(self) -> tuple[WeightVersion, WeightIdentity]: ...
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
-               owner: str) -> _Published: ...
+               owner: str) -> PublishedUpdate: ...
 
     def generate(self, rollout_id: str, prompt: Sequence[int],
-                 spec: SamplingSpec) -> _Sample: ...
+                 spec: SamplingSpec) -> EngineSample: ...
 
     def engine_identity(self) -> EngineIdentity: ...
 
@@ -306,11 +319,11 @@ class _SessionEngine:
         return c.committed, c.identity
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
-               owner: str) -> _Published:
+               owner: str) -> PublishedUpdate:
         res = self.session.update(state, provenance, probe=probe, owner=owner)
-        return _Published(res.version, res.identity, res.outcome.breakdown())
+        return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
 
-    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> _Sample:
+    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         c, http = self.session.controller, self.session.http
         binding = c.admit(rollout_id)
         aw, am = time.time(), time.monotonic()
@@ -323,7 +336,7 @@ class _SessionEngine:
         finally:
             done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
-        return _Sample(PolicyBinding.of(binding), tuple(g.token_ids), tuple(g.logprobs or ()),
+        return EngineSample(PolicyBinding.of(binding), tuple(g.token_ids), tuple(g.logprobs or ()),
                        g.finish_reason or "unknown", _spans(g.weight_versions),
                        Timestamps(aw, am, cw, max(cm, am)), done.attributable)
 
@@ -367,7 +380,7 @@ class _GatewayEngine:
         return v, ident
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
-               owner: str) -> _Published:
+               owner: str) -> PublishedUpdate:
         res = self.client.update(WeightSource.of(state), provenance, owner=owner,
                                  min_verification=self.min_verification)
         if res.published is None or res.identity is None:
@@ -377,7 +390,7 @@ class _GatewayEngine:
         ident = WeightIdentity.from_dict(res.identity)
         with self._lock:
             self._version, self._identity = res.published, ident
-        return _Published(res.published, ident, dict(res.phases))
+        return PublishedUpdate(res.published, ident, dict(res.phases))
 
     def _served_model(self) -> str:
         if self._model is None:
@@ -386,7 +399,7 @@ class _GatewayEngine:
             self._model = str(r.json()["data"][0]["id"])
         return self._model
 
-    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> _Sample:
+    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         import httpx
 
         body = {"model": self._served_model(), "token_ids": list(prompt),
@@ -432,8 +445,9 @@ class _GatewayEngine:
                 ident = self._identity
         assert ident is not None
         known = ident.digest == digest
-        return _Sample(PolicyBinding(version, ident, str(info.get("rollout_id") or rollout_id)),
-                       toks, lps, finish, spans, Timestamps(aw, am, cw, max(cm, am)), known)
+        rid = str(info.get("rollout_id") or rollout_id)
+        return EngineSample(PolicyBinding(version, ident, rid), toks, lps, finish, spans,
+                            Timestamps(aw, am, cw, max(cm, am)), known)
 
     def engine_identity(self) -> EngineIdentity:
         r = self.http.get("/version")
@@ -565,32 +579,32 @@ class _Pending:
     prompt_index: int
     group_id: str
     prompt: tuple[int, ...]
-    futures: list[Future[_Sample]] = field(default_factory=list)
+    futures: list[Future[EngineSample]] = field(default_factory=list)
 
 
 class RolloutCoreRollout:
     """TRL's ``rollout_func``: verified updates, bound and recorded samples.
 
     ``RolloutCoreRollout(session, checkpoint=..., run=...)`` over an
-    ``EngineSession`` (bootstrapped on ``checkpoint``), or the constructors
-    ``launch`` and ``through_gateway``. ``trajectories`` is the trajectory
-    file (opened now: one writer). ``max_concurrency`` bounds the requests in
-    flight (vLLM batches them).
+    ``EngineSession`` (bootstrapped on ``checkpoint``) or any
+    ``RolloutEngine``, or the constructors ``launch`` and ``through_gateway``.
+    ``trajectories`` is the trajectory file (opened now: one writer).
+    ``max_concurrency`` bounds the requests in flight (vLLM batches them).
     """
 
-    def __init__(self, session: Any, *, checkpoint: str | Path, run: str,
+    def __init__(self, engine: Any, *, checkpoint: str | Path, run: str,
                  trajectories: str | Path | None = None, origin: str | None = None,
                  probe: bool = True, probe_tolerance: float = DEFAULT_PROBE_TOLERANCE,
                  importance_sampling: bool = True,
-                 max_concurrency: int = 32, owner: str = "trl",
-                 _engine: _Engine | None = None) -> None:
-        if _engine is None:
-            from rolloutcore.control.session import EngineSession
+                 max_concurrency: int = 32, owner: str = "trl") -> None:
+        from rolloutcore.control.session import EngineSession
 
-            if not isinstance(session, EngineSession):
-                raise BadInput("session must be an EngineSession (or use "
-                               "RolloutCoreRollout.launch / through_gateway)")
-            _engine = _SessionEngine(session, owns=False)
+        if isinstance(engine, EngineSession):
+            engine = _SessionEngine(engine, owns=False)
+        elif not all(callable(getattr(engine, m, None)) for m in (
+                "committed", "update", "generate", "engine_identity", "close")):
+            raise BadInput("engine must be an EngineSession or a RolloutEngine (or use "
+                           "RolloutCoreRollout.launch / through_gateway)")
         ckpt = Path(checkpoint)
         if not (ckpt / "config.json").is_file():
             raise BadInput(f"{ckpt} is not a checkpoint directory (no config.json)")
@@ -601,8 +615,7 @@ class RolloutCoreRollout:
         if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or \
                 max_concurrency < 1:
             raise BadInput(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
-        self.engine = _engine
-        self.session = session
+        self.engine: RolloutEngine = engine
         self.run = run
         self.checkpoint = ckpt
         self.origin = origin or str(ckpt.resolve())
@@ -614,7 +627,7 @@ class RolloutCoreRollout:
         self.importance_sampling = bool(importance_sampling)
         self.owner = owner
         self.manifest = WeightSource.from_checkpoint(ckpt).manifest()
-        version, identity = _engine.committed()
+        version, identity = engine.committed()
         self.version = version
         self.identity = identity
         self.synced_step: int = identity.provenance.step
@@ -647,8 +660,8 @@ class RolloutCoreRollout:
         try:
             origin = kw.get("origin") or str(Path(checkpoint).resolve())
             session.bootstrap(checkpoint, Provenance(origin, run, 0))
-            return cls(session, checkpoint=checkpoint, run=run, trajectories=trajectories,
-                       _engine=_SessionEngine(session, owns=True), **kw)
+            return cls(_SessionEngine(session, owns=True), checkpoint=checkpoint, run=run,
+                       trajectories=trajectories, **kw)
         except BaseException:
             session.close()
             raise
@@ -672,11 +685,15 @@ class RolloutCoreRollout:
         eng = _GatewayEngine(url, token, transport=transport, data_token=data_token,
                              timeout_s=timeout_s, min_verification=min_verification)
         try:
-            return cls(None, checkpoint=checkpoint, run=run, trajectories=trajectories,
-                       _engine=eng, **kw)
+            return cls(eng, checkpoint=checkpoint, run=run, trajectories=trajectories, **kw)
         except BaseException:
             eng.close()
             raise
+
+    @property
+    def session(self) -> Any:
+        """The in-process ``EngineSession`` (controller, journal, HTTP client); else None."""
+        return self.engine.session if isinstance(self.engine, _SessionEngine) else None
 
     # ------------------------------------------------------------------ TRL's hooks
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
@@ -834,7 +851,7 @@ class RolloutCoreRollout:
                 pend.futures.append(pool.submit(self.engine.generate, f"{gid}/{i}", p, spec))
             pending.append(pend)
         self._next_index[step] = first + len(prompts)
-        results: list[list[_Sample]] = []
+        results: list[list[EngineSample]] = []
         errors: list[BaseException] = []
         for pend in pending:
             row = []
@@ -956,7 +973,7 @@ def _groups(prompts: Sequence[Any], n: int) -> list[Any]:
     return out
 
 
-def _attribution_problem(s: _Sample, expected: WeightVersion) -> str | None:
+def _attribution_problem(s: EngineSample, expected: WeightVersion) -> str | None:
     """Why ``s`` cannot be credited to ``expected``; ``None`` when it can."""
     bound = s.binding.version
     if not s.attributable:
