@@ -69,7 +69,7 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def run_train(workdir: Path, *, steps: int = 24, seed: int = 0, learning_rate: float = 2e-3,
+def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: float = 2e-3,
               prompts_per_step: int = 4, num_generations: int = 8, max_tokens: int = 16,
               gateway: str | None = None, token: str | None = None,
               progress: Callable[[str], None] | None = print,
@@ -384,8 +384,8 @@ def add_train_parser(sub: Any) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", help="checkpoint, trajectories, journal, plot, report "
                    "(default: a temp dir)")
-    p.add_argument("--steps", type=_int_in(10, 500), default=24,
-                   help="optimizer steps (default 24; the reward check needs 10+)")
+    p.add_argument("--steps", type=_int_in(10, 500), default=20,
+                   help="optimizer steps (default 20; the reward check needs 10+)")
     p.add_argument("--seed", type=_int_in(0, 2**31 - 1), default=0, help="training seed")
     p.add_argument("--lr", type=_pos_float, default=2e-3, help="learning rate (default 2e-3)")
     p.add_argument("--gateway", metavar="URL", default=None,
