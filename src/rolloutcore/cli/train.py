@@ -75,15 +75,29 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
               progress: Callable[[str], None] | None = print,
               engine_progress: bool = False) -> dict[str, Any]:
     """Run the training; returns the report (also written to ``workdir/report.json``)."""
+    from rolloutcore.errors import BadInput
     from rolloutcore.testing.models import make_checkpoint
+
+    for name, v in (("steps", steps), ("prompts_per_step", prompts_per_step),
+                    ("num_generations", num_generations), ("max_tokens", max_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"{name} must be an int >= 1, got {v!r}")
+    if num_generations < 2:
+        raise BadInput("num_generations must be >= 2 (GRPO compares siblings)")
+    if not (isinstance(learning_rate, (int, float)) and 0 < learning_rate < float("inf")):
+        raise BadInput(f"learning_rate must be a positive number, got {learning_rate!r}")
+    if gateway and not token:
+        raise BadInput("--gateway needs the gateway's control token (--token-file or "
+                       "ROLLOUTCORE_TOKEN)")
 
     say = progress or (lambda s: None)
     workdir.mkdir(parents=True, exist_ok=True)
     ckpt = workdir / "policy-0"
     traj, journal = workdir / "trajectories.jsonl", workdir / "journal.jsonl"
-    for p in (traj, journal):
+    # One run per workdir: a fresh record of this run (a gateway's journal is its own).
+    for p in (traj,) if gateway else (traj, journal):
         if p.exists():
-            p.unlink()  # one run per workdir's files: a fresh record of this run
+            p.unlink()
     t_all = time.monotonic()
     if not (ckpt / "config.json").exists():
         make_checkpoint(ckpt, MODEL_SEED)
@@ -111,10 +125,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
     run = f"grpo-toy-seed{seed}"
     t0 = time.monotonic()
     if gateway:
-        if not token:
-            from rolloutcore.errors import BadInput
-
-            raise BadInput("--gateway needs the gateway's control token (--token-file)")
+        assert token is not None
         rollout = RolloutCoreRollout.through_gateway(gateway, token, checkpoint=ckpt, run=run,
                                                      trajectories=traj)
         engine_s = 0.0
