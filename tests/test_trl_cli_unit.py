@@ -68,3 +68,11 @@ def test_the_summary_has_every_step_the_split_and_the_restart_comparison() -> No
     assert "share of the step spent updating: 30.0%" in text
     assert "a vLLM restart per step (50.0 s" in text and "95.0% of the step" in text
     assert text.rstrip().endswith("audit of t.jsonl: OK")
+
+
+def test_a_journal_is_only_taken_with_a_gateway(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    work = tmp_path / "w"
+    rc = main(["train", "--journal", str(tmp_path / "j"), "--workdir", str(work), "--quiet"])
+    assert rc == 2 and "--journal is for --gateway" in capsys.readouterr().err
+    assert not work.exists()

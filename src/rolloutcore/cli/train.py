@@ -72,7 +72,7 @@ def _mean(xs: list[float]) -> float:
 def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: float = 2e-3,
               prompts_per_step: int = 4, num_generations: int = 8, max_tokens: int = 16,
               gateway: str | None = None, token: str | None = None,
-              progress: Callable[[str], None] | None = print,
+              gateway_journal: Path | None = None, progress: Callable[[str], None] | None = print,
               engine_progress: bool = False) -> dict[str, Any]:
     """Run the training; returns the report (also written to ``workdir/report.json``)."""
     from rolloutcore.errors import BadInput
@@ -145,11 +145,12 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
         rollout.close()
     from rolloutcore.provenance.audit import audit_file
 
-    audit = audit_file(traj, None if gateway else journal)
+    audit_journal = gateway_journal if gateway else journal
+    audit = audit_file(traj, audit_journal)
     (workdir / "audit.json").write_text(json.dumps(audit.to_dict(), indent=2, sort_keys=True))
     report.update({
         "workdir": str(workdir), "checkpoint": str(ckpt), "trajectories": str(traj),
-        "journal": None if gateway else str(journal), "gateway": gateway,
+        "journal": None if audit_journal is None else str(audit_journal), "gateway": gateway,
         "audit": {"ok": audit.ok, "samples": audit.purity.samples,
                   "findings": len(audit.purity.findings),
                   "table": audit.format_table(10)},
@@ -351,8 +352,14 @@ def _cmd(args: argparse.Namespace) -> int:
         from rolloutcore.service.auth import read_token_file
 
         token = read_token_file(args.token_file)
+    if args.journal and not args.gateway:
+        from rolloutcore.errors import BadInput
+
+        raise BadInput("--journal is for --gateway (the gateway's journal); without one the "
+                       "journal is written to the workdir")
     rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr,
                     gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
+                    gateway_journal=Path(args.journal) if args.journal else None,
                     progress=None if args.quiet else print, engine_progress=not args.quiet)
     print(format_summary(rep))
     if args.json:
@@ -403,6 +410,9 @@ def add_train_parser(sub: Any) -> None:
                    help="generate and update through a running `rolloutcore serve`")
     p.add_argument("--token-file", default=None,
                    help="with --gateway: the control token (else ROLLOUTCORE_TOKEN)")
+    p.add_argument("--journal", default=None,
+                   help="with --gateway: the gateway's journal (serve --journal), so the "
+                        "audit checks every version was committed")
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")
