@@ -367,6 +367,11 @@ def test_bad_set_ups_are_refused_before_the_engine_is_touched(rig: Rig, tmp_path
     own.use_vllm, own.vllm_generation = True, object()
     with pytest.raises(BadInput, match="use_vllm"):
         rig.rollout(rig.prompts(), own)
+    vespo = make_trainer(rig.model)
+    vespo.loss_type, vespo.vllm_importance_sampling_mode = "vespo", "sequence_mask"
+    with pytest.raises(BadInput, match="vespo"):
+        rig.rollout(rig.prompts(), vespo)
+    assert vespo.use_vllm is False
     assert rig.engine.specs == [] and rig.engine.controller.committed is not None
 
 

@@ -794,6 +794,13 @@ class RolloutCoreRollout:
                     getattr(trainer, "vllm_generation", None), _WeightSync):
                 raise BadInput("the trainer runs its own vLLM (use_vllm=True); RolloutCore "
                                "generates instead: leave use_vllm off")
+            if getattr(trainer, "loss_type", None) == "vespo" and getattr(
+                    trainer, "vllm_importance_sampling_mode", None) not in (
+                    "token_truncate", "token_mask"):
+                # TRL checks this at init, only for its own vLLM backend.
+                raise BadInput("loss_type 'vespo' with the importance-sampling correction "
+                               "needs vllm_importance_sampling_mode 'token_truncate' or "
+                               "'token_mask'")
             trainer.use_vllm = True
             trainer.vllm_generation = _WeightSync(self, trainer)
             trainer._last_loaded_step = self.synced_step
