@@ -1,6 +1,6 @@
 """A tiny vLLM data plane over a FakeEngine, for the gateway's FAST tests only.
 
-It answers the three routes the gateway forwards, in vLLM's shapes
+It answers the three data routes the gateway forwards, in vLLM's shapes
 (non-streaming JSON, or SSE events ending with ``data: [DONE]``), with the
 engine's per-token version spans as ``weight_versions`` on
 ``/inference/v1/generate``. Generation runs in the FakeEngine (so its pause,
@@ -11,6 +11,11 @@ when something happens.
 Faults, set on the instance: ``break_after_events`` (the connection drops
 after N events: the app raises), ``omit_done`` (the stream ends without its
 terminator), ``status_error`` (answer this HTTP status with vLLM's error body).
+
+It also answers the read-only routes the gateway passes through
+(``/v1/models``, ``/version``, ``/tokenizer_info``, ``/tokenize``,
+``/detokenize``) and, to show that the gateway never forwards them, one dev
+route (``/pause``, counted in ``dev_calls``).
 
 The real-engine tests (tests/engine/) never use this: they run vLLM.
 """
@@ -46,10 +51,17 @@ class FakeVllm:
         self.status_error: int | None = None
         self.received: list[dict[str, Any]] = []
         self.streams_closed_early = 0
+        self.dev_calls = 0
         self.app = Starlette(routes=[
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/pause", self.pause, methods=["POST"]),
         ])
 
     # ------------------------------------------------------------ helpers
@@ -93,6 +105,40 @@ class FakeVllm:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             return None
         return v
+
+    # ------------------------------------------------------------ read-only routes
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": "fake-model", "object": "model", "owned_by": "vllm", "max_model_len": 512}]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": "fake-0.0"})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse({"tokenizer_class": "FakeByteTokenizer", "vocab_size": VOCAB})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            return _err(400, "prompt must be a string")
+        toks = list(text.encode())
+        return JSONResponse({"tokens": toks, "count": len(toks), "max_model_len": 512})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or any(not isinstance(t, int) for t in toks):
+            return _err(400, "tokens must be a list of ints")
+        return JSONResponse({"prompt": bytes(t % 256 for t in toks).decode("latin-1")})
+
+    async def pause(self, request: Request) -> Response:
+        self.dev_calls += 1
+        return JSONResponse({"status": "paused"})
 
     # ------------------------------------------------------------ routes
     async def generate(self, request: Request) -> Response:

@@ -8,6 +8,8 @@ there, with any open lease expired so that no update is left half-done.
 Routes::
 
     POST /v1/completions, /v1/chat/completions, /inference/v1/generate   data plane
+    GET  /v1/models, /version, /tokenizer_info; POST /tokenize, /detokenize
+                                               vLLM's, passed through (read-only)
     POST /control/updates                      begin an update (lease)    control token
     GET  /control/updates/{id}                 lease and result           control token
     POST /control/updates/{id}/transfer        report evidence / failure  control token
@@ -55,7 +57,13 @@ from rolloutcore.service.control import (
     parse_body,
 )
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
-from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.service.proxy import (
+    DATA_ROUTES,
+    READ_ONLY_ROUTES,
+    DataPlane,
+    FinishedRequest,
+    ReadOnlyRoutes,
+)
 
 __all__ = ["Gateway", "create_app"]
 
@@ -126,6 +134,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
     data = DataPlane(controller, config, metrics, on_finished=on_finished)
+    read_only = ReadOnlyRoutes(config, metrics)
     updates = UpdateManager(runner, config, metrics)
     gw = Gateway(runner, config, metrics, data, updates)
 
@@ -234,6 +243,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await data.start()
+        await read_only.start()
         watch = (asyncio.create_task(watch_engine(), name="rolloutcore-engine-watch")
                  if config.health_interval_s > 0 else None)
         try:
@@ -244,6 +254,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
             await updates.aclose()
+            await read_only.aclose()
             await data.aclose()
 
     routes = [Route(p, data) for p in DATA_ROUTES] + [
@@ -266,6 +277,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     async def fast_path(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
             await data(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:
+            await read_only(scope, receive, send)
         else:
             await starlette_app(scope, receive, send)
 

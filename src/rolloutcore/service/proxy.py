@@ -38,8 +38,9 @@ import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -64,12 +65,14 @@ from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 __all__ = [
     "BODY_FIELD",
     "DATA_ROUTES",
+    "READ_ONLY_ROUTES",
     "GENERATION_HEADER",
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
     "VERSION_HEADER",
     "DataPlane",
     "FinishedRequest",
+    "ReadOnlyRoutes",
     "read_body",
 ]
 
@@ -79,6 +82,15 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+#: vLLM's read-only routes that OpenAI-style clients ask before (or besides)
+#: generating (the OpenAI SDK, TRL and vLLM's own benchmark list ``/v1/models``
+#: first), with their one method. They read no weights, so they are passed
+#: through without admission or binding, during updates too. The dev and control
+#: routes (``/pause``, ``/update_weights``, ``/collective_rpc``, ``/server_info``,
+#: ...) are never among them: only the gateway changes the engine.
+READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
+    "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
+    "/tokenize": "POST", "/detokenize": "POST"})
 VERSION_HEADER = "x-rolloutcore-version"
 GENERATION_HEADER = "x-rolloutcore-generation"
 IDENTITY_HEADER = "x-rolloutcore-identity"
@@ -472,7 +484,9 @@ class DataPlane:
         try:
             binding = await self._admit(rid)
         except AdmissionRefused as exc:
-            retry = []
+            # ``x-should-retry`` is what OpenAI's SDKs obey before their own status
+            # rules: retry an update's refusal, never a tainted engine's.
+            retry = [(b"x-should-retry", b"false" if exc.retry_after_s is None else b"true")]
             if exc.retry_after_s is not None:
                 retry.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
             await send_json(send, 503, error_body(503, str(exc), "ServiceUnavailable",
@@ -637,6 +651,98 @@ class DataPlane:
         fin.events = sse.events
         self._finishing(state, fin)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+class ReadOnlyRoutes:
+    """ASGI app of ``READ_ONLY_ROUTES``: answered by vLLM, relayed as they are.
+
+    Its own small connection pool (httpx), so the data plane's pool, sized and
+    tuned for generation, is not shared with lookups. The data token applies
+    as on the data routes.
+    """
+
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._client: Any = None
+
+    async def start(self) -> None:
+        import httpx
+
+        cfg = self.config
+        self._client = httpx.AsyncClient(
+            base_url=cfg.upstream_url, follow_redirects=False,
+            timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
+                                keepalive_expiry=cfg.upstream_keepalive_s))
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = scope["path"]
+        status = await self._handle(scope, receive, send, route)
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
+        import httpx
+
+        cfg = self.config
+        method = READ_ONLY_ROUTES[route]
+        if scope["method"] != method:
+            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
+                            [(b"allow", method.encode())])
+            return 405
+        hdrs = _headers_of_interest(scope)
+        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
+        if not auth.ok:
+            assert auth.status is not None
+            await send_json(send, auth.status, error_body(auth.status, auth.reason,
+                                                          "Unauthorized"),
+                            [(b"www-authenticate", b"Bearer")])
+            return auth.status
+        body = b""
+        if method == "POST":
+            try:
+                body = await read_body(receive, cfg.max_body_bytes,
+                                       hdrs.get(b"content-length"))
+            except RequestTooLarge:
+                await send_json(send, 413, error_body(
+                    413, f"request body exceeds {cfg.max_body_bytes} bytes",
+                    "PayloadTooLarge"))
+                return 413
+            except _ClientGone:
+                return 499
+            except BadInput as exc:
+                await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
+                return 400
+        client = self._client
+        if client is None:
+            raise RuntimeError("read-only routes not started")
+        headers = {}
+        if b"content-type" in hdrs:
+            headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
+        qs = scope.get("query_string", b"")
+        try:
+            resp = await client.request(method, route + ("?" + qs.decode("latin-1")
+                                                         if qs else ""),
+                                        content=body or None, headers=headers)
+        except httpx.TimeoutException as exc:
+            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
+                                                  f"{exc!r}", "UpstreamTimeout"))
+            return 504
+        except httpx.HTTPError as exc:
+            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
+                                                  "UpstreamError"))
+            return 502
+        out = [(b"content-type", resp.headers.get("content-type", "application/json")
+                .encode("latin-1")), (b"content-length", str(len(resp.content)).encode())]
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": out})
+        await send({"type": "http.response.body", "body": resp.content, "more_body": False})
+        return int(resp.status_code)
 
 
 def _validate(raw: bytes) -> tuple[str, dict[str, Any]]:

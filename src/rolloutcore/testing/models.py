@@ -6,6 +6,11 @@ one from a seed: a transformers ``LlamaConfig``, random weights saved as
 safetensors, and a byte-level BPE tokenizer with no merges (every byte is a
 token, so any text round-trips and token ids stay below the vocabulary size).
 
+The tokenizer carries a chat template (``CHAT_TEMPLATE``: plain role
+markers, nothing model-specific) so that chat clients work against an
+engine serving it: vLLM refuses ``/v1/chat/completions`` with 400 for a
+tokenizer without one.
+
 A "next policy" must have the same parameter manifest as the current one, so
 that it can be hot-swapped into a running engine. Two ways to get one:
 
@@ -32,6 +37,7 @@ from rolloutcore.errors import BadInput
 
 __all__ = [
     "BOS_ID",
+    "CHAT_TEMPLATE",
     "EOS_ID",
     "PAD_ID",
     "VOCAB_SIZE",
@@ -53,6 +59,16 @@ _KV_HEADS = 2
 _HEAD_DIM = 32
 _INTERMEDIATE = 256
 _MAX_POS = 1024
+
+#: ``<s><|user|>\nHi\n<|assistant|>\n``: every message as a role marker line and its
+#: content; with ``add_generation_prompt`` the assistant's marker ends the prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _META_FILE = "rolloutcore.json"
@@ -97,6 +113,7 @@ def _write_tokenizer(out: Path) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         model_max_length=_MAX_POS,
     )
+    fast.chat_template = CHAT_TEMPLATE
     added = fast.convert_tokens_to_ids(["<s>", "</s>", "<pad>"])
     if added != [BOS_ID, EOS_ID, PAD_ID]:
         raise RuntimeError(f"special token ids came out as {added}")
