@@ -460,6 +460,8 @@ def _handle(nbytes: int = 4096, **kw: Any) -> BufferHandle:
     ({"handle": b"c" + bytes(63)}, "65 bytes"),
     ({"handle": b"c" + bytes(65)}, "65 bytes"),
     ({"storage_size_bytes": 0, "nbytes": 0}, "storage_size_bytes must be > 0"),
+    ({"event_handle": bytes(8)}, "event_handle must be 64 bytes"),
+    ({"event_handle": b""}, "event_handle must be 64 bytes"),
     ({"tensor_offset_bytes": 1}, "exceeds its storage"),
     ({"storage_offset_bytes": 1 << 63}, r"\[0,"),
 ])

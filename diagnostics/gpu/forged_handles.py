@@ -108,6 +108,8 @@ CASES: list[dict[str, Any]] = [
      "forge": lambda h, f: {**h, "handle": _b64(b"x" + bytes(64))}},
     {"name": "short cudaMalloc handle", "level": "wire",
      "forge": lambda h, f: {**h, "handle": _b64(b"c" + bytes(63))}},
+    {"name": "short event handle that must be synced on", "level": "wire",
+     "forge": _with(event_handle=_b64(bytes(8)), event_sync_required=True)},
     {"name": "zero-byte storage", "level": "wire",
      "forge": _with(storage_size_bytes=0, nbytes=0, tensor_offset_bytes=0)},
     {"name": "entry beyond its buffer", "level": "wire", "message": True,

@@ -623,7 +623,11 @@ class GlooTransport(TransportBase):
 
     ``op_timeout_s`` bounds every collective on both ends (the engine gets
     it at init): a peer that disappears mid-broadcast fails the other side
-    after at most that long, even without ``abort()``.
+    after at most that long, even without ``abort()``. The engine refuses,
+    at connect and before any mutation, a value above its own cap
+    (``ROLLOUTCORE_GLOO_MAX_TIMEOUT_S``, default 300 s), and a rendezvous
+    address that is neither loopback nor in its ``ROLLOUTCORE_GLOO_PEERS``
+    (a trainer on another host must be listed there).
     """
 
     backend = BACKEND

@@ -76,6 +76,7 @@ _MAX_DIMS = 8
 _MAX_HANDLE = 1024
 HANDLE_KINDS = {b"c"[0]: 1 + 64, b"e"[0]: None}  # kind byte -> exact length (None: bounded)
 _MAX_REF_COUNTER_HANDLE = 1024       # a shared-memory file name
+_EVENT_HANDLE = 64                    # sizeof(cudaIpcEventHandle_t)
 #: The producer's reference counters: a shared-memory file of this many int64 slots
 #: (torch's ``CUDA_IPC_REF_COUNTER_FILE_SIZE``), named ``/torch_<pid>_<random>_<n>``
 #: (``at::NewProcessWideShmHandle``). When the receiver releases a mapping, torch
@@ -177,6 +178,11 @@ class BufferHandle:
             raise BadInput(f"event_handle must be at most {_MAX_HANDLE} bytes")
         if not isinstance(self.event_sync_required, bool):
             raise BadInput("event_sync_required must be a boolean")
+        # torch reads a whole cudaIpcEventHandle_t from these bytes when it must sync:
+        # a shorter string would be read past its end in the worker.
+        if self.event_sync_required and len(self.event_handle) != _EVENT_HANDLE:
+            raise BadInput(f"event_handle must be {_EVENT_HANDLE} bytes when "
+                           f"event_sync_required, got {len(self.event_handle)}")
         for name in ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset",
                      "tensor_offset_bytes", "nbytes"):
             _int(getattr(self, name), name)
