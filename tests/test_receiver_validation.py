@@ -437,7 +437,9 @@ REF = "/torch_4242_17_3"
 
 
 def _handle(nbytes: int = 4096, **kw: Any) -> BufferHandle:
-    d: dict[str, Any] = dict(device_uuid=UUID, handle=b"c" + bytes(range(64)),
+    # torch's own layout (CUDACachingAllocator::shareIpcHandle): version 2, kind 'c',
+    # then the 64-byte cudaIpcMemHandle_t.
+    d: dict[str, Any] = dict(device_uuid=UUID, handle=b"\x02c" + bytes(range(64)),
                              storage_size_bytes=nbytes, storage_offset_bytes=0,
                              ref_counter_handle=REF.encode(), ref_counter_offset=3,
                              event_handle=bytes(64), event_sync_required=True,
@@ -457,6 +459,10 @@ def _handle(nbytes: int = 4096, **kw: Any) -> BufferHandle:
     ({"ref_counter_handle": b"/torch_1_2_3\n"}, "reference-counter file name"),
     ({"ref_counter_handle": b"/torch_1_2_3\x00"}, "reference-counter file name"),
     ({"handle": b"x" + bytes(64)}, "handle kind"),
+    ({"handle": b"\x02x" + bytes(64)}, "handle kind"),
+    ({"handle": b"\x09c" + bytes(64)}, "handle kind"),
+    ({"handle": b"\x02c" + bytes(63)}, "66 bytes"),
+    ({"handle": b"\x02c" + bytes(65)}, "66 bytes"),
     ({"handle": b"c" + bytes(63)}, "65 bytes"),
     ({"handle": b"c" + bytes(65)}, "65 bytes"),
     ({"storage_size_bytes": 0, "nbytes": 0}, "storage_size_bytes must be > 0"),
@@ -472,6 +478,19 @@ def test_forged_handle_fields_are_refused_on_the_wire(kw: dict[str, Any], match:
     d.update({k: (wire._b64(v) if isinstance(v, bytes) else v) for k, v in kw.items()})
     with pytest.raises(BadInput):
         BufferHandle.from_json(d)
+
+
+def test_both_torch_handle_layouts_are_accepted() -> None:
+    """torch 2.x writes <version 2><kind><payload> (seen on the H200, torch 2.11: the first
+    byte is 0x02); older releases wrote <kind><payload>. Both carry kind 'c' or 'e'."""
+    from rolloutcore.transports.cuda_ipc.wire import handle_kind
+
+    assert handle_kind(b"\x02c" + bytes(64)) == (ord("c"), 2)
+    assert handle_kind(b"\x02e" + bytes(40)) == (ord("e"), 2)
+    assert handle_kind(b"c" + bytes(64)) == (ord("c"), 1)
+    assert _handle().handle[:2] == b"\x02c"
+    assert _handle(handle=b"c" + bytes(64)).handle[:1] == b"c"
+    assert _handle(handle=b"\x02e" + bytes(100)).handle[:2] == b"\x02e"
 
 
 def test_one_update_has_one_producer() -> None:

@@ -52,6 +52,7 @@ from rolloutcore.transports.cuda_ipc.wire import (
     UpdateMessage,
     decode_update,
     encode_update,
+    handle_kind,
 )
 
 BUF_BYTES = 64 << 20
@@ -107,7 +108,9 @@ CASES: list[dict[str, Any]] = [
     {"name": "unknown handle kind", "level": "wire",
      "forge": lambda h, f: {**h, "handle": _b64(b"x" + bytes(64))}},
     {"name": "short cudaMalloc handle", "level": "wire",
-     "forge": lambda h, f: {**h, "handle": _b64(b"c" + bytes(63))}},
+     "forge": lambda h, f: {**h, "handle": _b64(b"\x02c" + bytes(63))}},
+    {"name": "unknown handle version", "level": "wire",
+     "forge": lambda h, f: {**h, "handle": _b64(b"\x09c" + bytes(64))}},
     {"name": "short event handle that must be synced on", "level": "wire",
      "forge": _with(event_handle=_b64(bytes(8)), event_sync_required=True)},
     {"name": "zero-byte storage", "level": "wire",
@@ -149,7 +152,7 @@ CASES: list[dict[str, Any]] = [
      "forge": lambda h, f: {**h, "storage_size_bytes": f["alloc_bytes"] + 4096,
                             "tensor_offset_bytes": f["alloc_bytes"] + 1024, "nbytes": 48}},
     {"name": "random cudaMalloc handle", "level": "map",
-     "forge": lambda h, f: {**h, "handle": _b64(b"c" + os.urandom(64))}},
+     "forge": lambda h, f: {**h, "handle": _b64(b"\x02c" + os.urandom(64))}},
     {"name": "in-bounds foreign slot of the producer's own counter file", "level": "map",
      "expect": "either", "slot_probe": True,
      "forge": lambda h, f: {**h, "ref_counter_offset": (h["ref_counter_offset"] + 1)
@@ -304,7 +307,7 @@ def plan() -> dict[str, Any]:
     Path(shm, small[1:]).write_bytes(bytes(80))
     link = f"/torch_{os.getpid()}_1_2"
     os.symlink(Path(shm, ref[1:]), Path(shm, link[1:]))
-    legit = BufferHandle(device_uuid=PLAN_UUID, handle=b"c" + bytes(64),
+    legit = BufferHandle(device_uuid=PLAN_UUID, handle=b"\x02c" + bytes(64),
                          storage_size_bytes=BUF_BYTES, storage_offset_bytes=0,
                          ref_counter_handle=ref.encode(), ref_counter_offset=5,
                          event_handle=b"", event_sync_required=False,
@@ -426,13 +429,13 @@ def gpu() -> dict[str, Any]:
     e_info = e_parent.recv() if e_parent.poll(120) else None
     slots_before = _slots(h.ref_counter_handle.decode(), h.ref_counter_offset)
     facts = {"alloc_bytes": BUF_BYTES, "ref_name": h.ref_counter_handle.decode(),
-             "ref_offset": h.ref_counter_offset, "handle_kind": chr(h.handle[0]),
+             "ref_offset": h.ref_counter_offset, "handle_kind": chr(handle_kind(h.handle)[0]),
              "handle_len": len(h.handle),
              "ref_file_bytes": os.path.getsize(Path(SHM_DIR, h.ref_counter_handle.decode()[1:]))
              if Path(SHM_DIR, h.ref_counter_handle.decode()[1:]).exists() else None}
     if e_info is not None:
         eh = e_info["handle"]
-        facts["expandable_handle_kind"] = chr(BufferHandle.from_json(eh).handle[0])
+        facts["expandable_handle_kind"] = chr(handle_kind(BufferHandle.from_json(eh).handle)[0])
         facts["expandable_handle_len"] = len(BufferHandle.from_json(eh).handle)
     parent, child = ctx.Pipe()
     cp = ctx.Process(target=_consumer, args=(child,), daemon=True)

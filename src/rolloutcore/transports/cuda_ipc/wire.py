@@ -29,6 +29,7 @@ __all__ = [
     "HASH_AT_FINISH",
     "MODES",
     "HANDLE_KINDS",
+    "HANDLE_VERSIONS",
     "PROTOCOL",
     "REF_COUNTER_FILE_BYTES",
     "REF_COUNTER_RE",
@@ -51,6 +52,7 @@ __all__ = [
     "encode_update",
     "layout_digest",
     "names_digest",
+    "handle_kind",
     "names_digest60",
 ]
 
@@ -74,7 +76,27 @@ _MAX_DIMS = 8
 # it; here its kind and size are checked, and the receiver checks the declared sizes
 # against the allocation it opened (``loader.map_buffer``).
 _MAX_HANDLE = 1024
-HANDLE_KINDS = {b"c"[0]: 1 + 64, b"e"[0]: None}  # kind byte -> exact length (None: bounded)
+#: torch's CUDA storage handle (``CUDACachingAllocator::shareIpcHandle``): a version byte
+#: (``SHAREABLE_HANDLE_VERSION``, 2 since torch 2.x), a kind byte (``c``: cudaMalloc, then
+#: the 64-byte ``cudaIpcMemHandle_t``; ``e``: an expandable segment, then its own bounded
+#: payload). Kind byte -> exact length of the payload after it (None: bounded).
+HANDLE_VERSIONS = frozenset({2})
+HANDLE_KINDS = {b"c"[0]: 64, b"e"[0]: None}
+
+
+def handle_kind(handle: bytes) -> tuple[int, int]:
+    """(kind byte, header length) of a torch CUDA storage handle, or ``BadInput``.
+
+    The versioned form is ``<version><kind><payload>``; a handle that starts
+    with a kind byte is the versionless form of older torch releases.
+    """
+    if len(handle) >= 2 and handle[0] in HANDLE_VERSIONS and handle[1] in HANDLE_KINDS:
+        return handle[1], 2
+    if handle[0] in HANDLE_KINDS:
+        return handle[0], 1
+    raise BadInput(f"handle kind {handle[:2]!r} is not a torch CUDA storage handle "
+                   f"(version {sorted(HANDLE_VERSIONS)}, then one of "
+                   f"{sorted(bytes([k]) for k in HANDLE_KINDS)})")
 _MAX_REF_COUNTER_HANDLE = 1024       # a shared-memory file name
 _EVENT_HANDLE = 64                    # sizeof(cudaIpcEventHandle_t)
 #: The producer's reference counters: a shared-memory file of this many int64 slots
@@ -161,12 +183,10 @@ class BufferHandle:
             raise BadInput(f"device_uuid is not a GPU UUID: {self.device_uuid!r}")
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= _MAX_HANDLE:
             raise BadInput(f"handle must be 1..{_MAX_HANDLE} bytes")
-        if self.handle[0] not in HANDLE_KINDS:
-            raise BadInput(f"handle kind {self.handle[:1]!r} is not a torch CUDA storage "
-                           f"handle ({sorted(bytes([k]) for k in HANDLE_KINDS)})")
-        exact = HANDLE_KINDS[self.handle[0]]
-        if exact is not None and len(self.handle) != exact:
-            raise BadInput(f"a {self.handle[:1]!r} handle is {exact} bytes, got "
+        kind, header = handle_kind(self.handle)
+        exact = HANDLE_KINDS[kind]
+        if exact is not None and len(self.handle) != header + exact:
+            raise BadInput(f"a {bytes([kind])!r} handle is {header + exact} bytes, got "
                            f"{len(self.handle)}")
         if not isinstance(self.ref_counter_handle, bytes) or not (
                 0 < len(self.ref_counter_handle) <= _MAX_REF_COUNTER_HANDLE):
