@@ -73,7 +73,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     (work / "token").write_text(TOKEN + "\n")
     port = free_port()
     log = work / "serve.log"
-    cmd = [sys.executable, "-m", "rolloutcore.service.serve", "--workdir", str(work),
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--workdir", str(work),
            "--port", str(port), "--token-file", str(work / "token"),
            "--journal", str(work / "journal.jsonl")]
     with open(log, "wb") as lf:
