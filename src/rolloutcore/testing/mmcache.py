@@ -99,7 +99,7 @@ class EncoderLog:
     def mark(self) -> int:
         return self.path.stat().st_size
 
-    def since(self, mark: int, steps: int, *, timeout_s: float = 10.0) -> tuple[int, int, int]:
+    def since(self, mark: int, steps: int, *, timeout_s: float = 30.0) -> tuple[int, int, int]:
         """(encoder inputs, encoder output embeddings, iteration lines) logged after ``mark``."""
         deadline = time.monotonic() + timeout_s
         while True:
