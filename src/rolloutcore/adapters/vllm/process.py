@@ -58,6 +58,10 @@ DEFAULT_ENV: Mapping[str, str] = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on the CPU backend
+    # the log file is read while the engine runs (iteration details, errors):
+    # without this a child's stdout is block-buffered into the file and a
+    # reader sees nothing for minutes (CI's environment does not set it)
+    "PYTHONUNBUFFERED": "1",
 }
 
 _PORT_IN_USE = ("Address already in use", "address already in use", "Errno 98")
