@@ -20,7 +20,10 @@ House rules of this module:
 * ``SCHEMA_VERSION`` changes whenever a field is added, removed or changes
   meaning. A reader refuses any record whose ``schema_version`` it does not
   know, naming the version, instead of guessing (newer writers may have
-  changed a meaning, not only added a field).
+  changed a meaning, not only added a field). Version 2 added
+  ``attribution`` (whether the controller credits the sample to its
+  binding's version); a version 1 record reads as attributable, which is
+  what its writer claimed by writing it.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -51,8 +54,11 @@ from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 
 __all__ = [
+    "MAX_EXTRA_DEPTH",
+    "READABLE_SCHEMA_VERSIONS",
     "SAMPLING_EPS",
     "SCHEMA_VERSION",
+    "Attribution",
     "SEED_EXTERNAL",
     "SEED_NONE",
     "Binding",
@@ -71,7 +77,12 @@ __all__ = [
     "validate_spans",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: Versions this reader decodes (1: before ``attribution``).
+READABLE_SCHEMA_VERSIONS = frozenset({1, 2})
+#: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
+#: a record: the record's own encoders and readers recurse over it.
+MAX_EXTRA_DEPTH = 32
 
 #: ``seed_derivation`` values besides ``seeds.SEED_DERIVATION``: a seed chosen
 #: by the caller some other way (for instance vLLM's ``seed + i`` for ``n > 1``),
@@ -143,7 +154,7 @@ def encode_line(d: Mapping[str, Any]) -> bytes:
     try:
         text = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                           allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BadInput(f"record is not JSON-safe: {exc}") from exc
     return text.encode("ascii") + b"\n"
 
@@ -158,9 +169,27 @@ def check_schema_version(d: Mapping[str, Any], what: str = "record") -> None:
     if v > SCHEMA_VERSION:
         raise BadInput(f"{what} has schema_version {v}, newer than this reader supports "
                        f"({SCHEMA_VERSION}); upgrade rolloutcore to read it")
-    if v != SCHEMA_VERSION:
+    if v not in READABLE_SCHEMA_VERSIONS:
         raise BadInput(f"{what} has unknown schema_version {v} "
-                       f"(this reader knows {SCHEMA_VERSION})")
+                       f"(this reader knows {sorted(READABLE_SCHEMA_VERSIONS)})")
+
+
+def _depth(x: object) -> int:
+    """Nesting depth of a JSON-like value, without recursion."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, Mapping):
+            items: Iterable[object] = o.values()
+        elif isinstance(o, (list, tuple)):
+            items = o
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_EXTRA_DEPTH:
+            break
+        stack.extend((v, d + 1) for v in items)
+    return deepest
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -299,6 +328,8 @@ class SamplingSpec:
                            f"derivation other than {SEED_NONE!r}, and {SEED_NONE!r} needs "
                            f"seed=None (got seed={self.seed!r}, "
                            f"derivation={self.seed_derivation!r})")
+        if _depth(self.extra) > MAX_EXTRA_DEPTH:
+            raise BadInput(f"sampling.extra nests deeper than {MAX_EXTRA_DEPTH}")
         extra = _freeze_json("sampling.extra", _obj("sampling.extra", self.extra))
         clash = sorted(_TYPED_SAMPLING_KEYS & extra.keys())
         if clash:
@@ -445,9 +476,47 @@ class Timestamps:
         return cls(*(m[k] for k in keys))
 
 
-_SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
-                "group_size", "sample_index", "prompt", "sampling", "completion",
-                "binding", "engine", "timestamps")
+_SAMPLE_KEYS_V1 = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
+                   "group_size", "sample_index", "prompt", "sampling", "completion",
+                   "binding", "engine", "timestamps")
+_SAMPLE_KEYS = (*_SAMPLE_KEYS_V1, "attribution")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Whether the controller credits the sample to its binding's version (schema 2).
+
+    ``attributable`` is the controller's own word at the rollout's release
+    (``Completion.attributable``). It is false when the answer was cut by a
+    policy abort (the drain deadline of an update expired), or when the
+    engine was tainted or the committed version changed before the release:
+    the tokens are what the engine returned, but no version may be named as
+    their policy. ``reason`` says why (``None`` exactly when attributable).
+    """
+
+    attributable: bool = True
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attributable, bool):
+            raise BadInput("attribution.attributable must be a boolean")
+        if self.attributable:
+            if self.reason is not None:
+                raise BadInput("attribution.reason is null for an attributable sample")
+        else:
+            if not isinstance(self.reason, str) or not self.reason or len(self.reason) > 512:
+                raise BadInput("attribution.reason must say, in 1..512 characters, why the "
+                               "sample is not attributable")
+            check_str("attribution.reason", self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attributable": self.attributable, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Attribution:
+        m = _obj("attribution", d)
+        _exact_keys("attribution", m, ("attributable", "reason"))
+        return cls(m["attributable"], m["reason"])
 
 
 @dataclass(frozen=True)
@@ -466,6 +535,7 @@ class TrajectorySample:
     binding: Binding
     engine: EngineIdentity
     timestamps: Timestamps
+    attribution: Attribution = field(default_factory=Attribution)
 
     def __post_init__(self) -> None:
         _str("run", self.run, _ID_RE)
@@ -479,7 +549,8 @@ class TrajectorySample:
                            f"group_size {self.group_size}")
         for name, typ in (("prompt", Prompt), ("sampling", SamplingSpec),
                           ("completion", SampledCompletion), ("binding", Binding),
-                          ("engine", EngineIdentity), ("timestamps", Timestamps)):
+                          ("engine", EngineIdentity), ("timestamps", Timestamps),
+                          ("attribution", Attribution)):
             if not isinstance(getattr(self, name), typ):
                 raise BadInput(f"{name} must be a {typ.__name__}, "
                                f"got {type(getattr(self, name)).__name__}")
@@ -491,7 +562,8 @@ class TrajectorySample:
                 "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
                 "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
                 "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
-                "timestamps": self.timestamps.to_dict()}
+                "timestamps": self.timestamps.to_dict(),
+                "attribution": self.attribution.to_dict()}
 
     @classmethod
     def from_dict(cls, d: object) -> TrajectorySample:
@@ -499,14 +571,16 @@ class TrajectorySample:
         check_schema_version(m, "trajectory sample")
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
-        _exact_keys("sample", m, _SAMPLE_KEYS)
+        v1 = m["schema_version"] == 1
+        _exact_keys("sample", m, _SAMPLE_KEYS_V1 if v1 else _SAMPLE_KEYS)
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),
                    SampledCompletion.from_dict(m["completion"]),
                    Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
-                   Timestamps.from_dict(m["timestamps"]))
+                   Timestamps.from_dict(m["timestamps"]),
+                   Attribution() if v1 else Attribution.from_dict(m["attribution"]))
 
     def encode(self) -> bytes:
         """The canonical JSON line of this record."""
