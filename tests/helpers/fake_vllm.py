@@ -12,6 +12,10 @@ Faults, set on the instance: ``break_after_events`` (the connection drops
 after N events: the app raises), ``omit_done`` (the stream ends without its
 terminator), ``status_error`` (answer this HTTP status with vLLM's error body).
 
+``/abort_requests`` answers as vLLM's dev route does (``{"status": "aborted",
+"aborted": n}``) and keeps the ids it was given in ``aborted`` (the engine
+here generates before it streams, so there is nothing left to stop).
+
 The real-engine tests (tests/engine/) never use this: they run vLLM.
 """
 
@@ -46,7 +50,9 @@ class FakeVllm:
         self.status_error: int | None = None
         self.received: list[dict[str, Any]] = []
         self.streams_closed_early = 0
+        self.aborted: list[list[str]] = []
         self.app = Starlette(routes=[
+            Route("/abort_requests", self.abort_requests, methods=["POST"]),
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -95,6 +101,14 @@ class FakeVllm:
         return v
 
     # ------------------------------------------------------------ routes
+    async def abort_requests(self, request: Request) -> Response:
+        body = await request.json()
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not ids:
+            return _err(400, "the fake aborts only named requests")
+        self.aborted.append([str(i) for i in ids])
+        return JSONResponse({"status": "aborted", "aborted": len(ids)})
+
     async def generate(self, request: Request) -> Response:
         body = await self._parse(request)
         if isinstance(body, Response):

@@ -664,6 +664,8 @@ class DataPlane:
             fin.ending, fin.status = "client_slow", 408
             return
         fin.ending, fin.status = "aborted", 503
+        if f.sse is not None:  # what it got before the cut: recorded, unattributable
+            fin.events, fin.record_overflow = f.sse.events, f.sse.overflow
         self._release(fin)
         msg = f.reason or "aborted by the gateway"
         if f.started_response and f.sse is not None:

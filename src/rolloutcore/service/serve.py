@@ -55,6 +55,7 @@ class ServeOptions:
     token_out: str | None = None
     data_token: str | None = None
     max_body_bytes: int = 1 << 20
+    drain_policy: str = "abort"          # at the drain deadline: abort stragglers, or refuse
     queue: int = 0
     queue_wait_s: float = 30.0
     lease_s: float = 120.0
@@ -74,6 +75,8 @@ class ServeOptions:
             raise BadInput(f"port must be in 1..65535, got {self.port}")
         if not isinstance(self.transport_backend, str) or not self.transport_backend:
             raise BadInput("transport_backend must be a non-empty string")
+        if self.drain_policy not in ("abort", "refuse"):
+            raise BadInput(f"drain_policy must be 'abort' or 'refuse', got {self.drain_policy!r}")
         if (isinstance(self.drain_timeout_s, bool)
                 or not isinstance(self.drain_timeout_s, (int, float))
                 or not 0 < self.drain_timeout_s < float("inf")):
@@ -115,7 +118,8 @@ def run_serve(args: ServeOptions) -> int:
     if not isinstance(args, ServeOptions):
         raise BadInput(f"run_serve takes ServeOptions, got {type(args).__name__}")
     token, given = _token(args)
-    check_bind(args.host, given)
+    data_token = args.data_token or os.environ.get("ROLLOUTCORE_DATA_TOKEN") or None
+    check_bind(args.host, given, data_token is not None)
     if args.upstream and not args.checkpoint:
         raise BadInput("--upstream needs --checkpoint: the weights the engine was started "
                        "from become the first committed version")
@@ -124,7 +128,7 @@ def run_serve(args: ServeOptions) -> int:
     # Settings are checked before anything is launched.
     probe = ServiceConfig(upstream_url=args.upstream or "http://127.0.0.1:1",
                           engine_url=args.engine_url, control_token=token,
-                          data_token=args.data_token, max_body_bytes=args.max_body_bytes,
+                          data_token=data_token, max_body_bytes=args.max_body_bytes,
                           queue_max=args.queue, queue_wait_s=args.queue_wait_s,
                           lease_s=min(args.lease_s, 1800.0),
                           health_interval_s=args.health_interval_s)
@@ -132,7 +136,7 @@ def run_serve(args: ServeOptions) -> int:
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.journal import Journal
-    from rolloutcore.control.runner import Deadlines, LifecycleRunner
+    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
     from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
@@ -176,7 +180,8 @@ def run_serve(args: ServeOptions) -> int:
         controller = LifecycleController(
             listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
-                                 record=None if journal is None else journal.write)
+                                 record=None if journal is None else journal.write,
+                                 drain_policy=DrainPolicy(args.drain_policy))
         runner.bootstrap(identity)
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
@@ -216,8 +221,11 @@ def run_serve(args: ServeOptions) -> int:
         # leave behind.
         gc.collect()
         gc.freeze()
+        from rolloutcore.service.server import http_protocol
+
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10)
+                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
+                    http=http_protocol(cfg.client_header_s))
         return 0
     finally:
         if recorder is not None:

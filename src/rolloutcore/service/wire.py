@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
@@ -46,6 +47,8 @@ IDENTITY_HEADER = "x-rolloutcore-identity"
 ROLLOUT_HEADER = "x-rolloutcore-rollout-id"
 _DONE = b"data: [DONE]"
 _MAX_FIRST_EVENT = 1 << 20
+#: A JSON escape of a UTF-16 surrogate (paired ones are fine; lone ones are not).
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def _no_constant(name: str) -> Any:
@@ -197,11 +200,13 @@ def validate_request(raw: bytes, max_depth: int = 64) -> tuple[str, dict[str, An
     """The gateway's own checks; everything else is vLLM's to validate (it answers 400).
 
     JSON as the standard has it: no ``NaN``/``Infinity`` (Python's parser takes
-    them, and so would vLLM's, as numbers) and no number a double overflows
-    on; nesting bounded (the C parser's recursion limit is far deeper, and
-    whatever later walks the request recursively, the recorder among them,
-    would fail on it). The depth is walked only when the body has enough
-    brackets to be that deep, so an ordinary request pays two byte counts.
+    them, and so would vLLM's, as numbers), no number a double overflows on,
+    no string with a lone surrogate escape (``"\\ud800"``: not a character;
+    only a body that has such an escape at all is checked); nesting bounded
+    (the C parser's recursion limit is far deeper, and whatever later walks
+    the request recursively, the recorder among them, would fail on it).
+    The depth is walked only when the body has enough brackets to be that
+    deep, so an ordinary request pays two byte counts.
     """
     try:
         payload = json.loads(raw, parse_constant=_no_constant, parse_float=_finite)
@@ -214,6 +219,11 @@ def validate_request(raw: bytes, max_depth: int = 64) -> tuple[str, dict[str, An
     if raw.count(b"[") + raw.count(b"{") > max_depth and json_depth(payload, max_depth) > \
             max_depth:
         return f"malformed JSON: nested deeper than {max_depth}", {}
+    if _SURROGATE.search(raw) is not None:
+        try:  # a lone surrogate is no character: tokenizers fail on it (a 500 upstream)
+            json.dumps(payload, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return "malformed JSON: a string holds a lone UTF-16 surrogate", {}
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         return "'stream' must be a boolean", {}
