@@ -303,16 +303,23 @@ async def test_unattributable_answers_are_recorded_as_such(tmp_path: Path) -> No
     async with rig(streaming=True, event_delay_s=0.03, on_finished=rec) as r:
         r.runner.deadlines = dataclasses.replace(r.runner.deadlines, drain_s=0.3)
         got: dict[str, Any] = {}
+        events = {0: anyio.Event(), 1: anyio.Event()}
 
         async def stream(name: str, index: int) -> None:
-            got[name] = await r.client.post(GEN, headers=coords(0, index), json={
-                "token_ids": [1, 2], "stream": True,
-                "sampling_params": {"max_tokens": 300, "n": 1}})
+            async with r.client.stream("POST", GEN, headers=coords(0, index), json={
+                    "token_ids": [1, 2], "stream": True,
+                    "sampling_params": {"max_tokens": 300, "n": 1}}) as resp:
+                text = ""
+                async for t in resp.aiter_text():
+                    text += t
+                    if text.count("\n\n") >= 3:
+                        events[index].set()
+                got[name] = text
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream, "aborted", 0)
-            await until(lambda: bool(r.controller.active))
-            await anyio.sleep(0.2)
+            with anyio.fail_after(10):
+                await events[0].wait()  # a few tokens in, whatever the load
             r.adapter.stage(W1)
             b = await r.client.post("/control/updates", json=begin_body(W1), headers=AUTH)
             assert b.status_code == 201
@@ -322,7 +329,8 @@ async def test_unattributable_answers_are_recorded_as_such(tmp_path: Path) -> No
             assert rep.json()["status"] == "published"
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream, "tainted", 1)
-            await until(lambda: bool(r.controller.active))
+            with anyio.fail_after(10):
+                await events[1].wait()
             await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,
                                     "engine lost (test)")
         await until(lambda: sum(rec.counts.values()) >= 2)

@@ -76,6 +76,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="require this bearer token on the data endpoints too (else "
                           "ROLLOUTCORE_DATA_TOKEN; required when --host is not loopback)")
     net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20)
+    net.add_argument("--client-body-s", type=argtypes.positive_float, default=30.0,
+                     help="a request body must arrive within this (else 408)")
+    net.add_argument("--client-send-s", type=argtypes.positive_float, default=30.0,
+                     help="a client that leaves its answer unread this long is cut off")
     lim = p.add_argument_group("admission and updates")
     lim.add_argument("--queue", type=argtypes.nonneg_int, default=0,
                      help="hold up to N requests during an update (default 0: 503 at once)")

@@ -506,11 +506,16 @@ class DataPlane:
         self._count(route, status)
 
     async def _last_word(self, send: Send, status: int, message: str, kind: str,
-                         **extra: Any) -> None:
-        """A cut request's clear ending, if the client takes it in time (else nothing)."""
+                         close: bool = False, **extra: Any) -> None:
+        """A cut request's clear ending, if the client takes it in time (else nothing).
+
+        ``close``: the connection cannot carry another request (its body was not
+        read to the end), so the answer says ``Connection: close``.
+        """
+        hdrs = [(b"connection", b"close")] if close else []
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_LAST_WORD_S):
-                await send_json(send, status, error_body(status, message, kind, **extra))
+                await send_json(send, status, error_body(status, message, kind, **extra), hdrs)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str,
                       f: _Flight) -> int:
@@ -534,9 +539,10 @@ class DataPlane:
             return 415
         try:
             raw = await read_body(receive, cfg.max_body_bytes, hdrs.get(b"content-length"))
-        except RequestTooLarge:
+        except RequestTooLarge:  # not read further: the connection cannot be reused
             await send_json(send, 413, error_body(
-                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"))
+                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"),
+                [(b"connection", b"close")])
             return 413
         except _ClientGone:
             return 499
@@ -548,7 +554,7 @@ class DataPlane:
                 raise
             self.metrics.body_timeouts.inc()
             await self._last_word(send, 408, f"the request body did not arrive within "
-                                  f"{cfg.client_body_s:g}s", "RequestTimeout")
+                                  f"{cfg.client_body_s:g}s", "RequestTimeout", close=True)
             return 408
         f.phase = "checking"
         problem, payload = validate_request(raw, cfg.max_json_depth)

@@ -56,6 +56,8 @@ class ServeOptions:
     data_token: str | None = None
     max_body_bytes: int = 1 << 20
     drain_policy: str = "abort"          # at the drain deadline: abort stragglers, or refuse
+    client_body_s: float = 30.0          # a request body must arrive within this
+    client_send_s: float = 30.0          # a client may leave its answer unread this long
     queue: int = 0
     queue_wait_s: float = 30.0
     lease_s: float = 120.0
@@ -107,7 +109,7 @@ def _check_engine(http: Any) -> SupportVerdict:
     answers: list[object] = []
     for fetch in (http.version, http.capabilities):
         try:
-            answers.append(fetch(timeout_s=30.0, mutation_started=False))
+            answers.append(fetch(timeout_s=30.0))
         except EffectError as exc:
             answers.append({"error": str(exc)})
     return assess(*answers)
@@ -131,7 +133,8 @@ def run_serve(args: ServeOptions) -> int:
                           data_token=data_token, max_body_bytes=args.max_body_bytes,
                           queue_max=args.queue, queue_wait_s=args.queue_wait_s,
                           lease_s=min(args.lease_s, 1800.0),
-                          health_interval_s=args.health_interval_s)
+                          health_interval_s=args.health_interval_s,
+                          client_body_s=args.client_body_s, client_send_s=args.client_send_s)
     import uvicorn
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
@@ -172,8 +175,11 @@ def run_serve(args: ServeOptions) -> int:
         source = WeightSource.from_checkpoint(model_dir)
         identity = WeightIdentity.declare(source.manifest(), Provenance(
             str(model_dir.resolve()), "", args.step), source.content_digest())
+        # The pause call's own timeout is the pause step's deadline, not the
+        # drain deadline (how long bound rollouts may take): after a drain-policy
+        # abort the pause may take a while on a busy engine.
         adapter = VllmAdapter(VllmHTTP(url), None, engine_epoch=epoch,
-                              drain_timeout_s=args.drain_timeout_s)
+                              drain_timeout_s=Deadlines().pause_s)
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
@@ -225,7 +231,7 @@ def run_serve(args: ServeOptions) -> int:
 
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                     access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
-                    http=http_protocol(cfg.client_header_s))
+                    http=http_protocol(cfg.client_header_s, cfg.client_send_s))
         return 0
     finally:
         if recorder is not None:
