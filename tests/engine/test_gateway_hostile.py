@@ -372,9 +372,13 @@ def test_slow_reader_is_aborted_at_the_drain_deadline_and_the_update_publishes(
         assert done.data["attributable"] is False and done.data["state"] == "DRAINING"
         (ab,) = note(recs, "stragglers_aborted")
         assert ab.data["rollouts"] == ["slow-reader-1"]
-        engine_said = ab.data["result"]["engine"]
         assert ab.data["result"]["request_ids"] == ["cmpl-slow-reader-1-0"]
-        assert engine_said["/abort_requests"]["status"] == 200, engine_said
+        # vLLM's answer: {"status": "aborted", "aborted": 1}, or, on a machine so
+        # loaded that its API server did not answer within 4 s, the timeout (the
+        # pause with abort that follows stops the request then).
+        engine_said = ab.data["result"]["engine"]["/abort_requests"]
+        assert engine_said == {"status": 200, "body": '{"status":"aborted","aborted":1}'} \
+            or "EffectTimeout" in str(engine_said), engine_said
         t_req = next(r.t_mono for r in recs if r.kind == "request_update")
         t_dec = ab.t_mono
         # The recorder does not record /v1/completions (text, not token ids): the
@@ -425,6 +429,9 @@ def test_a_token_in_straggler_is_recorded_unattributable(rig: Rig) -> None:
         recs = read_journal(gw.journal)
         (ab,) = note(recs, "stragglers_aborted")
         assert ab.data["result"]["request_ids"] == ["generate-tokens-slow-gen-1"]
+        said = ab.data["result"]["engine"]["/abort_requests"]
+        assert said == {"status": 200, "body": '{"status":"aborted","aborted":1}'} \
+            or "EffectTimeout" in str(said), said
         t_req = next(r.t_mono for r in recs if r.kind == "request_update")
         row = {"case": "slow_reader_token_in",
                "fault": "the same on /inference/v1/generate, recorded by the gateway "

@@ -133,6 +133,8 @@ _ROLLOUT_HEADER_B = ROLLOUT_HEADER.encode()
 #: How long the gateway tries to hand a cut request its clear ending (an error
 #: event, a 408 or 503) before it closes the connection instead.
 _LAST_WORD_S = 1.0
+#: vLLM's /abort_requests answer is awaited this long (the runner's abort_s is 10).
+_ABORT_CALL_S = 4.0
 #: Endings of a request (the metric's label values).
 ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
 
@@ -395,13 +397,15 @@ class DataPlane:
             return {"error": "upstream client closed"}
         body = dumps({"request_ids": ids})
         out: dict[str, Any] = {}
-        # The dev route (awaits the abort) first; the tokens-only route otherwise.
+        # The dev route (awaits the abort) first; the tokens-only route only when
+        # the engine has no dev route (404). Bounded well inside the runner's
+        # abort_s: an engine too busy to answer is still paused with abort next.
         for path in (b"/abort_requests", b"/inference/v1/abort_requests"):
             try:
-                status, answer = await up.call(path, body, timeout_s=5.0)
+                status, answer = await up.call(path, body, timeout_s=_ABORT_CALL_S)
             except EffectError as exc:
                 out[path.decode()] = repr(exc)
-                continue
+                break
             out[path.decode()] = {"status": status, "body": answer[:512].decode("latin-1")}
             if status != 404:
                 break
