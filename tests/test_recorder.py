@@ -92,7 +92,8 @@ def test_append_and_read_back(tmp_path: Path) -> None:
     lines = path.read_bytes().splitlines()
     assert len(lines) == 3 * (3 + 1)
     commit = json.loads(lines[3])
-    assert commit["record"] == "commit" and commit["schema_version"] == SCHEMA_VERSION
+    # A text-only group is written as schema version 1, as before version 2 (media).
+    assert commit["record"] == "commit" and commit["schema_version"] == 1
     assert commit["content_digest"] == groups[0].content_digest
 
 

@@ -333,7 +333,8 @@ async def test_health_openapi_and_unknown_routes() -> None:
         assert set(doc["paths"]) == {"/control/updates", "/control/updates/{update_id}",
                                      "/control/updates/{update_id}/transfer", "/control/status"}
         assert "BeginBody" in doc["components"]["schemas"]
-        for path in ("/control", "/control/updates/1/abort", "/admin", "/v1/models"):
+        # /v1/models is vLLM's, passed through (test_service_passthrough.py); /pause never.
+        for path in ("/control", "/control/updates/1/abort", "/admin", "/pause"):
             resp = await r.client.get(path, headers=AUTH)
             assert resp.status_code == 404 and resp.json()["error"]
         assert (await r.client.delete("/control/status", headers=AUTH)).status_code == 405

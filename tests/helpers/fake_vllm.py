@@ -1,6 +1,6 @@
 """A tiny vLLM data plane over a FakeEngine, for the gateway's FAST tests only.
 
-It answers the three routes the gateway forwards, in vLLM's shapes
+It answers the three data routes the gateway forwards, in vLLM's shapes
 (non-streaming JSON, or SSE events ending with ``data: [DONE]``), with the
 engine's per-token version spans as ``weight_versions`` on
 ``/inference/v1/generate``. Generation runs in the FakeEngine (so its pause,
@@ -11,6 +11,11 @@ when something happens.
 Faults, set on the instance: ``break_after_events`` (the connection drops
 after N events: the app raises), ``omit_done`` (the stream ends without its
 terminator), ``status_error`` (answer this HTTP status with vLLM's error body).
+
+It also answers the read-only routes the gateway passes through
+(``/v1/models``, ``/version``, ``/tokenizer_info``, ``/tokenize``,
+``/detokenize``) and, to show that the gateway never forwards them, one dev
+route (``/pause``, counted in ``dev_calls``).
 
 ``/abort_requests`` answers as vLLM's dev route does (``{"status": "aborted",
 "aborted": n}``) and keeps the ids it was given in ``aborted`` (the engine
@@ -51,11 +56,18 @@ class FakeVllm:
         self.received: list[dict[str, Any]] = []
         self.streams_closed_early = 0
         self.aborted: list[list[str]] = []
+        self.dev_calls = 0
         self.app = Starlette(routes=[
             Route("/abort_requests", self.abort_requests, methods=["POST"]),
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenizer_info", self.tokenizer_info, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/pause", self.pause, methods=["POST"]),
         ])
 
     # ------------------------------------------------------------ helpers
@@ -99,6 +111,40 @@ class FakeVllm:
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             return None
         return v
+
+    # ------------------------------------------------------------ read-only routes
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": "fake-model", "object": "model", "owned_by": "vllm", "max_model_len": 512}]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": "fake-0.0"})
+
+    async def tokenizer_info(self, request: Request) -> Response:
+        return JSONResponse({"tokenizer_class": "FakeByteTokenizer", "vocab_size": VOCAB})
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            return _err(400, "prompt must be a string")
+        toks = list(text.encode())
+        return JSONResponse({"tokens": toks, "count": len(toks), "max_model_len": 512})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self._parse(request)
+        if isinstance(body, Response):
+            return body
+        toks = body.get("tokens")
+        if not isinstance(toks, list) or any(not isinstance(t, int) for t in toks):
+            return _err(400, "tokens must be a list of ints")
+        return JSONResponse({"prompt": bytes(t % 256 for t in toks).decode("latin-1")})
+
+    async def pause(self, request: Request) -> Response:
+        self.dev_calls += 1
+        return JSONResponse({"status": "paused"})
 
     # ------------------------------------------------------------ routes
     async def abort_requests(self, request: Request) -> Response:
@@ -173,9 +219,17 @@ class FakeVllm:
             return body
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+                isinstance(m, dict) and isinstance(m.get("content"), (str, list))
+                for m in msgs):
             return _err(400, "messages must be a non-empty list of {role, content}")
-        text = "\n".join(m["content"] for m in msgs) or " "
+
+        def text_of(content: Any) -> str:  # content parts: the text ones (images ignored)
+            if isinstance(content, str):
+                return content
+            return "".join(p.get("text", "") for p in content
+                           if isinstance(p, dict) and p.get("type") == "text")
+
+        text = "\n".join(text_of(m["content"]) for m in msgs) or " "
         n = self._max_tokens(body.get("max_tokens"))
         if n is None:
             return _err(400, "max_tokens must be a positive integer")

@@ -37,6 +37,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("demo", "a live update on the simulated engine (no install needed)",
             "rolloutcore.cli.demo"),
     Command("model", "tiny offline checkpoints", "rolloutcore.cli.model", "cpu"),
+    Command("train", "a short GRPO training (TRL) through RolloutCore on a real vLLM "
+            "(tiny model, CPU)", "rolloutcore.cli.train", "trl"),
     Command("live-update", "a live policy update on a real vLLM (tiny model)",
             "rolloutcore.cli.live", "cpu"),
     Command("audit", "version purity and group diversity of a trajectory file",
@@ -57,7 +59,7 @@ def _missing(cmd: Command, exc: ModuleNotFoundError) -> MissingExtra:
     """The error for a third-party import that failed; re-raises our own bugs."""
     if exc.name is None or exc.name.split(".")[0] == "rolloutcore":
         raise exc
-    fix = (f"pip install 'rolloutcore[{cmd.extra}]'" if cmd.extra == "service" else
+    fix = (f"pip install 'rolloutcore[{cmd.extra}]'" if cmd.extra in ("service", "trl") else
            "pip install 'rolloutcore[cpu]' (or 'rolloutcore[gpu]' on a GPU machine)")
     return MissingExtra(f"'{cmd.name}' needs the {exc.name!r} package, which is not "
                         f"installed: {fix} (README, 'Install')")

@@ -26,6 +26,7 @@ from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.image_probe import ProbeSuite, is_vision_language, vlm_probe
 from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
 
 __all__ = ["EngineSession", "PreparedUpdate", "UpdateResult", "identity_of"]
@@ -43,7 +44,7 @@ class PreparedUpdate:
     source: WeightSource
     provenance: Provenance
     identity: WeightIdentity
-    probe: PolicyProbe | None
+    probe: PolicyProbe | ProbeSuite | None
     reference_checksums: Mapping[str, str] | None
 
 
@@ -106,7 +107,8 @@ class EngineSession:
 
     # ------------------------------------------------------------------ the call
     def update(self, weights: Any, provenance: Provenance, *, label: str | None = None,
-               probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
+               probe: PolicyProbe | ProbeSuite | bool = True,
+               probe_tolerance: float = DEFAULT_TOLERANCE,
                reference_checksums: Mapping[str, str] | None = None,
                owner: str = "trainer", content_digest: bool = True) -> UpdateResult:
         """Install ``weights`` as the next policy version, verified, or raise UpdateFailed.
@@ -122,7 +124,8 @@ class EngineSession:
         return self.apply(prepared, label=label, owner=owner)
 
     def prepare(self, weights: Any, provenance: Provenance, *,
-                probe: PolicyProbe | bool = True, probe_tolerance: float = DEFAULT_TOLERANCE,
+                probe: PolicyProbe | ProbeSuite | bool = True,
+                probe_tolerance: float = DEFAULT_TOLERANCE,
                 reference_checksums: Mapping[str, str] | None = None,
                 content_digest: bool = True) -> PreparedUpdate:
         """Everything that does not touch the engine's serving: identity and probe.
@@ -134,8 +137,8 @@ class EngineSession:
             raise BadInput("provenance must be a Provenance")
         src = WeightSource.of(weights)
         identity = identity_of(src, provenance, content=content_digest)
-        pset: PolicyProbe | None
-        if isinstance(probe, PolicyProbe):
+        pset: PolicyProbe | ProbeSuite | None
+        if isinstance(probe, (PolicyProbe, ProbeSuite)):
             pset = probe
         elif probe:
             pset = self._probe_for(weights, probe_tolerance)
@@ -156,8 +159,10 @@ class EngineSession:
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
 
-    def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe:
+    def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         if isinstance(weights, (str, Path)):
+            if is_vision_language(weights):  # text and image probes (issue 22)
+                return vlm_probe(weights, tolerance=tolerance)
             return PolicyProbe.from_checkpoint(str(weights), tolerance=tolerance)
         if hasattr(weights, "config") and hasattr(weights, "forward"):
             vocab = int(weights.config.vocab_size)

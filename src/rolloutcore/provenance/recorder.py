@@ -53,7 +53,6 @@ from typing import Any, BinaryIO
 
 from rolloutcore.errors import BadInput, JournalError, RolloutCoreError
 from rolloutcore.provenance.trajectory import (
-    SCHEMA_VERSION,
     TrajectoryGroup,
     TrajectorySample,
     check_schema_version,
@@ -379,7 +378,9 @@ class TrajectoryRecorder:
                            f"{self._by_prompt[key]!r}, not {group.group_id!r}")
         body = group.lines
         marker = encode_line({
-            "schema_version": SCHEMA_VERSION, "record": "commit", "group_id": group.group_id,
+            # The newest version among its samples: a text-only group stays version 1.
+            "schema_version": max(x.schema_version for x in group.samples),
+            "record": "commit", "group_id": group.group_id,
             "run": group.run, "step": group.step, "prompt_index": group.prompt_index,
             "group_size": len(group), "content_digest": group.content_digest,
             "bytes": len(body), "committed_wall": time.time()})

@@ -307,6 +307,12 @@ def replay_lanes(http: VllmHTTP, sample: TrajectorySample, *,
     """
     tol = _check_tolerance(tolerance)
     labels: frozenset[str] = frozenset()
+    if sample.prompt.media:
+        # Images are recorded as digests only: without them the prompt is not the prompt.
+        media = (f"the prompt had {len(sample.prompt.media)} image(s), recorded as digests "
+                 "only: the replay would need the images")
+        return (TokenLane(LaneStatus.NOT_APPLICABLE, media, len(sample.completion.token_ids)),
+                LogprobLane(LaneStatus.NOT_APPLICABLE, media, tol), labels)
     why = token_lane_reason(sample)
     if why is not None:
         tok = TokenLane(LaneStatus.NOT_APPLICABLE, why, len(sample.completion.token_ids))

@@ -21,9 +21,14 @@ House rules of this module:
   meaning. A reader refuses any record whose ``schema_version`` it does not
   know, naming the version, instead of guessing (newer writers may have
   changed a meaning, not only added a field). Version 2 added
+  ``prompt.media`` (digests of the images sent with the prompt), version 3
   ``attribution`` (whether the controller credits the sample to its
-  binding's version); a version 1 record reads as attributable, which is
-  what its writer claimed by writing it.
+  binding's version). A record is written with the lowest version that can
+  hold it: a text prompt attributable as before is version 1, byte for byte
+  as before (so version-1 readers keep reading such files and content
+  digests do not change); with images version 2; an unattributable sample
+  version 3. A record without ``attribution`` reads as attributable, which
+  is what its writer claimed by writing it.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from rolloutcore.core.media import ImageRef
 from rolloutcore.core.strict import check_obj as _obj
 from rolloutcore.core.strict import check_str, exact_keys
 from rolloutcore.core.strict import fail as _fail
@@ -54,8 +60,8 @@ from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 
 __all__ = [
+    "KNOWN_SCHEMA_VERSIONS",
     "MAX_EXTRA_DEPTH",
-    "READABLE_SCHEMA_VERSIONS",
     "SAMPLING_EPS",
     "SCHEMA_VERSION",
     "Attribution",
@@ -77,9 +83,10 @@ __all__ = [
     "validate_spans",
 ]
 
-SCHEMA_VERSION = 2
-#: Versions this reader decodes (1: before ``attribution``).
-READABLE_SCHEMA_VERSIONS = frozenset({1, 2})
+#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``;
+#: 3: + ``attribution`` (written only for a sample credited to no version).
+SCHEMA_VERSION = 3
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 #: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
 #: a record: the record's own encoders and readers recurse over it.
 MAX_EXTRA_DEPTH = 32
@@ -169,9 +176,9 @@ def check_schema_version(d: Mapping[str, Any], what: str = "record") -> None:
     if v > SCHEMA_VERSION:
         raise BadInput(f"{what} has schema_version {v}, newer than this reader supports "
                        f"({SCHEMA_VERSION}); upgrade rolloutcore to read it")
-    if v not in READABLE_SCHEMA_VERSIONS:
+    if v not in KNOWN_SCHEMA_VERSIONS:
         raise BadInput(f"{what} has unknown schema_version {v} "
-                       f"(this reader knows {sorted(READABLE_SCHEMA_VERSIONS)})")
+                       f"(this reader knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
 
 
 def _depth(x: object) -> int:
@@ -263,16 +270,27 @@ def validate_spans(spans: Sequence[VersionSpan], n_tokens: int) -> None:
 
 @dataclass(frozen=True)
 class Prompt:
-    """The prompt as token ids; ``digest`` is computed when empty and checked otherwise."""
+    """The prompt as token ids; ``digest`` is computed when empty and checked otherwise.
+
+    ``media`` describes the images sent with it, in request order (digest,
+    format, size; never the bytes). ``digest`` covers the token ids only.
+    """
 
     token_ids: tuple[int, ...]
     digest: str = ""
+    media: tuple[ImageRef, ...] = ()
 
     def __post_init__(self) -> None:
         ids = _tokens("prompt.token_ids", self.token_ids)
         if not ids:
             raise BadInput("prompt.token_ids must not be empty")
         object.__setattr__(self, "token_ids", ids)
+        if isinstance(self.media, (str, bytes)) or not isinstance(self.media, Iterable):
+            raise BadInput("prompt.media must be a sequence of ImageRef")
+        media = tuple(self.media)
+        if not all(isinstance(m, ImageRef) for m in media):
+            raise BadInput("prompt.media must contain ImageRef only")
+        object.__setattr__(self, "media", media)
         actual = prompt_digest(ids)
         if self.digest and self.digest != actual:
             raise BadInput(f"prompt.digest {self.digest!r} does not match its token ids "
@@ -280,14 +298,24 @@ class Prompt:
         object.__setattr__(self, "digest", actual)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"digest": self.digest, "token_ids": list(self.token_ids)}
+        d: dict[str, Any] = {"digest": self.digest, "token_ids": list(self.token_ids)}
+        if self.media:  # absent, not empty, when there are none (schema version 1)
+            d["media"] = [x.to_dict() for x in self.media]
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> Prompt:
         m = _obj("prompt", d)
-        _exact_keys("prompt", m, ("digest", "token_ids"))
+        _exact_keys("prompt", m, ("digest", "token_ids"), ("media",))
+        media: tuple[ImageRef, ...] = ()
+        if "media" in m:
+            raw = m["media"]
+            if not isinstance(raw, (list, tuple)) or not raw:
+                raise BadInput("prompt.media must be a non-empty list when present")
+            media = tuple(ImageRef.from_dict(dict(x) if isinstance(x, Mapping) else x)
+                          for x in raw)
         return cls(_tokens("prompt.token_ids", m["token_ids"]),
-                   _str("prompt.digest", m["digest"], _HEX64))
+                   _str("prompt.digest", m["digest"], _HEX64), media)
 
 
 @dataclass(frozen=True)
@@ -476,15 +504,15 @@ class Timestamps:
         return cls(*(m[k] for k in keys))
 
 
-_SAMPLE_KEYS_V1 = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
-                   "group_size", "sample_index", "prompt", "sampling", "completion",
-                   "binding", "engine", "timestamps")
-_SAMPLE_KEYS = (*_SAMPLE_KEYS_V1, "attribution")
+_SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
+                "group_size", "sample_index", "prompt", "sampling", "completion",
+                "binding", "engine", "timestamps")
+_SAMPLE_KEYS_V3 = (*_SAMPLE_KEYS, "attribution")
 
 
 @dataclass(frozen=True)
 class Attribution:
-    """Whether the controller credits the sample to its binding's version (schema 2).
+    """Whether the controller credits the sample to its binding's version (schema 3).
 
     ``attributable`` is the controller's own word at the rollout's release
     (``Completion.attributable``). It is false when the answer was cut by a
@@ -555,15 +583,25 @@ class TrajectorySample:
                 raise BadInput(f"{name} must be a {typ.__name__}, "
                                f"got {type(getattr(self, name)).__name__}")
 
+    @property
+    def schema_version(self) -> int:
+        """The lowest version that holds this record: 1 for a text prompt (written
+        exactly as before version 2), 2 with images, 3 when not attributable."""
+        if not self.attribution.attributable:
+            return 3
+        return 2 if self.prompt.media else 1
+
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "record": "sample", "run": self.run,
-                "step": self.step, "group_id": self.group_id,
-                "prompt_index": self.prompt_index, "group_size": self.group_size,
-                "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
-                "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
-                "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
-                "timestamps": self.timestamps.to_dict(),
-                "attribution": self.attribution.to_dict()}
+        out = {"schema_version": self.schema_version, "record": "sample", "run": self.run,
+               "step": self.step, "group_id": self.group_id,
+               "prompt_index": self.prompt_index, "group_size": self.group_size,
+               "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
+               "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
+               "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
+               "timestamps": self.timestamps.to_dict()}
+        if not self.attribution.attributable:
+            out["attribution"] = self.attribution.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: object) -> TrajectorySample:
@@ -571,16 +609,24 @@ class TrajectorySample:
         check_schema_version(m, "trajectory sample")
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
-        v1 = m["schema_version"] == 1
-        _exact_keys("sample", m, _SAMPLE_KEYS_V1 if v1 else _SAMPLE_KEYS)
+        v = m["schema_version"]
+        _exact_keys("sample", m, _SAMPLE_KEYS_V3 if v == 3 else _SAMPLE_KEYS)
+        has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
+        if (v == 1 and has_media) or (v == 2 and not has_media):
+            raise BadInput("trajectory sample: prompt.media is written with schema_version 2 "
+                           "(or 3) and only then (got schema_version "
+                           f"{v}, {'with' if has_media else 'without'} media)")
+        attribution = Attribution.from_dict(m["attribution"]) if v == 3 else Attribution()
+        if v == 3 and attribution.attributable:
+            raise BadInput("trajectory sample: schema_version 3 is written only for a sample "
+                           "that is not attributable")
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),
                    SampledCompletion.from_dict(m["completion"]),
                    Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
-                   Timestamps.from_dict(m["timestamps"]),
-                   Attribution() if v1 else Attribution.from_dict(m["attribution"]))
+                   Timestamps.from_dict(m["timestamps"]), attribution)
 
     def encode(self) -> bytes:
         """The canonical JSON line of this record."""

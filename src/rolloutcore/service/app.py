@@ -8,6 +8,8 @@ there, with any open lease expired so that no update is left half-done.
 Routes::
 
     POST /v1/completions, /v1/chat/completions, /inference/v1/generate   data plane
+    GET  /v1/models, /version, /tokenizer_info; POST /tokenize, /detokenize
+                                               vLLM's, passed through (read-only)
     POST /control/updates                      begin an update (lease)    control token
     GET  /control/updates/{id}                 lease and result           control token
     POST /control/updates/{id}/transfer        report evidence / failure  control token
@@ -63,7 +65,13 @@ from rolloutcore.service.control import (
     parse_body,
 )
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
-from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.service.proxy import (
+    DATA_ROUTES,
+    READ_ONLY_ROUTES,
+    DataPlane,
+    FinishedRequest,
+    ReadOnlyRoutes,
+)
 
 __all__ = ["Gateway", "create_app"]
 
@@ -146,6 +154,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
     data = DataPlane(controller, config, metrics, on_finished=on_finished)
+    read_only = ReadOnlyRoutes(config, metrics)
     # The drain policy's stragglers are this data plane's requests (#16).
     runner.stragglers = data.abort_stragglers
     updates = UpdateManager(runner, config, metrics)
@@ -271,6 +280,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await data.start()
+        await read_only.start()
         watch = (asyncio.create_task(watch_engine(), name="rolloutcore-engine-watch")
                  if config.health_interval_s > 0 else None)
         try:
@@ -281,6 +291,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
             await updates.aclose()
+            await read_only.aclose()
             await data.aclose()
 
     routes = [Route(p, data) for p in DATA_ROUTES] + [
@@ -303,6 +314,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     async def fast_path(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
             await data(scope, receive, send)
+        elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:
+            await read_only(scope, receive, send)
         else:
             await starlette_app(scope, receive, send)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.core.media import MediaLimits
 from rolloutcore.errors import BadInput
 
 __all__ = ["ServiceConfig", "check_bind", "is_loopback"]
@@ -116,6 +117,9 @@ class ServiceConfig:
     health_interval_s: float = 2.0
     health_timeout_s: float = 5.0
     health_failures: int = 2
+    #: Bounds on the images of one data-plane request (size, pixels, count);
+    #: images must also fit in ``max_body_bytes``, base64-encoded.
+    media: MediaLimits = field(default_factory=MediaLimits)
     # -- liveness and bounds of the data plane (#16): no client can hold an
     # update, a connection or the gateway's memory without limit.
     #: The whole request body must arrive within this (else 408).
@@ -165,6 +169,8 @@ class ServiceConfig:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:
             raise BadInput("lease_s must not exceed max_lease_s")
+        if not isinstance(self.media, MediaLimits):
+            raise BadInput("media must be a MediaLimits")
         if not isinstance(self.transport, Mapping):
             raise BadInput("transport must be a mapping")
         object.__setattr__(self, "transport", dict(self.transport))

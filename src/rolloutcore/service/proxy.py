@@ -21,9 +21,9 @@ goes away has its upstream request closed at once, which makes vLLM abort
 it, and its binding released, so a drain is never held up by a dead client.
 
 Nobody holds the gateway hostage either (#16). Every request is a
-``_Flight`` that one sweeper task looks at a few times a second (one timer
-for all of them, not one per request: the hot path only writes two
-timestamps):
+``Flight`` (``liveness``) that one sweeper task looks at a few times a
+second (one timer for all of them, not one per request: the hot path only
+writes two timestamps):
 
 * a body that has not fully arrived after ``client_body_s`` is answered 408;
 * a send to the client still pending after ``client_send_s`` (a client that
@@ -59,13 +59,15 @@ import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import anyio
 
 from rolloutcore.core.lifecycle import Binding, Completion, LifecycleController, State
+from rolloutcore.core.media import MediaError
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (
     AdmissionRefused,
@@ -77,6 +79,8 @@ from rolloutcore.errors import (
 )
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.images import inspect_media
+from rolloutcore.service.liveness import Flight, Flights
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 from rolloutcore.service.wire import (
@@ -87,7 +91,6 @@ from rolloutcore.service.wire import (
     VERSION_HEADER,
     SseRelay,
     VersionView,
-    dumps,
     error_body,
     inject_json,
     json_depth,
@@ -102,6 +105,7 @@ _SseRelay = SseRelay  # its old name here
 __all__ = [
     "BODY_FIELD",
     "DATA_ROUTES",
+    "READ_ONLY_ROUTES",
     "GENERATION_HEADER",
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
@@ -109,6 +113,7 @@ __all__ = [
     "ENDINGS",
     "DataPlane",
     "FinishedRequest",
+    "ReadOnlyRoutes",
     "error_body",
     "json_depth",
     "read_body",
@@ -123,6 +128,15 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
+#: vLLM's read-only routes that OpenAI-style clients ask before (or besides)
+#: generating (the OpenAI SDK, TRL and vLLM's own benchmark list ``/v1/models``
+#: first), with their one method. They read no weights, so they are passed
+#: through without admission or binding, during updates too. The dev and control
+#: routes (``/pause``, ``/update_weights``, ``/collective_rpc``, ``/server_info``,
+#: ...) are never among them: only the gateway changes the engine.
+READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
+    "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
+    "/tokenize": "POST", "/detokenize": "POST"})
 
 #: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
@@ -130,11 +144,10 @@ _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 _HOP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
                   b"date", b"server", b"content-encoding", b"x-request-id"})
 _ROLLOUT_HEADER_B = ROLLOUT_HEADER.encode()
+_MEDIA_KIND = {400: "BadRequest", 413: "PayloadTooLarge", 415: "UnsupportedMediaType"}
 #: How long the gateway tries to hand a cut request its clear ending (an error
 #: event, a 408 or 503) before it closes the connection instead.
 _LAST_WORD_S = 1.0
-#: vLLM's /abort_requests answer is awaited this long (the runner's abort_s is 10).
-_ABORT_CALL_S = 4.0
 #: Endings of a request (the metric's label values).
 ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
 
@@ -217,6 +230,8 @@ class FinishedRequest:
     unattributable: str | None = None
     #: The stream was longer than the recorder may collect (events incomplete).
     record_overflow: bool = False
+    #: The request's images, described (``core.media.ImageRef``), in request order.
+    media: tuple[Any, ...] = ()
 
 
 def _rid(b: Binding) -> str:
@@ -224,30 +239,6 @@ def _rid(b: Binding) -> str:
     rid = b.rollout_id
     assert rid is not None
     return rid
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    """One data-plane request in progress, as the sweeper and the abort see it."""
-
-    task: asyncio.Task[Any]
-    started: float
-    #: body (reading the request) | bound (admitted, relaying) | done
-    phase: str = "body"
-    rid: str | None = None
-    route: str = ""
-    payload: dict[str, Any] = field(default_factory=dict)
-    fin: FinishedRequest | None = None
-    #: ``time.monotonic()`` when the send to the client now pending began; 0: none.
-    send_since: float = 0.0
-    #: Why the gateway cut it (the first reason wins; one cancel per flight).
-    cut: str | None = None
-    reason: str = ""
-    #: The final send is under way (the binding is already released).
-    finishing: bool = False
-    #: The answer's headers went out (a stream: its end must be an event).
-    started_response: bool = False
-    sse: SseRelay | None = None
 
 
 class DataPlane:
@@ -270,9 +261,7 @@ class DataPlane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._waiting = 0
-        self._flights: set[_Flight] = set()
-        self._bound: dict[str, _Flight] = {}
-        self._sweeper: asyncio.Task[None] | None = None
+        self.flights = Flights(config, metrics, lambda: self.upstream)
         controller.add_listener(self._record)
 
     # ------------------------------------------------------------ lifecycle
@@ -290,14 +279,10 @@ class DataPlane:
             cfg.upstream_url, max_connections=cfg.upstream_max_connections,
             connect_s=cfg.upstream_connect_s, pool_s=cfg.upstream_read_s,
             read_s=cfg.upstream_read_s, keepalive_s=cfg.upstream_keepalive_s)
-        self._sweeper = self._loop.create_task(self._sweep(), name="rolloutcore-sweeper")
+        self.flights.start()
 
     async def aclose(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await self.flights.aclose()
         if self.upstream is not None:
             await self.upstream.aclose()
             self.upstream = None
@@ -309,7 +294,7 @@ class DataPlane:
     @property
     def in_progress(self) -> int:
         """Data-plane requests in progress (reading, queued, relaying)."""
-        return len(self._flights)
+        return len(self.flights)
 
     def _record(self, rec: Record) -> None:
         """Controller listener (any thread): wake queued requests on every transition."""
@@ -322,94 +307,10 @@ class DataPlane:
         if ev is not None:
             ev.set()
 
-    # ------------------------------------------------------------ deadlines
-    async def _sweep(self) -> None:
-        """Cut requests whose body or whose client's reading overran its deadline.
-
-        One task for every request: a timer per request (or per send) would
-        cost the hot path more than the two timestamps it now writes.
-        """
-        cfg = self.config
-        tick = max(0.02, min(0.5, cfg.client_body_s / 4, cfg.client_send_s / 4))
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            for f in list(self._flights):
-                if f.cut is not None or f.phase == "done":
-                    continue
-                if f.phase == "body" and now - f.started > cfg.client_body_s:
-                    self._cut(f, "body_timeout")
-                elif f.send_since and now - f.send_since > cfg.client_send_s:
-                    self.metrics.slow_clients.inc()
-                    self._cut(f, "client_slow")
-
-    def _cut(self, f: _Flight, why: str, reason: str = "") -> bool:
-        """Stop ``f``'s handler where it waits (once; the first reason wins)."""
-        if f.cut is not None or f.phase == "done" or f.task.done():
-            return False
-        f.cut, f.reason = why, reason
-        f.task.cancel()
-        return True
-
-    def _consume_cut(self, f: _Flight) -> bool:
-        """After a ``CancelledError``: True when it was our cut (consumed), False when
-        someone else cancels the task (server shutdown: re-raise)."""
-        return f.cut is not None and f.task.uncancel() == 0
-
     # ------------------------------------------------------------ stragglers
     def abort_stragglers(self, bindings: tuple[Binding, ...], reason: str) -> dict[str, Any]:
-        """The runner's ``stragglers`` hook (its thread): cut them and abort them in vLLM."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return {"cut": [], "engine": "the data plane is not running"}
-        fut = asyncio.run_coroutine_threadsafe(self.abort(bindings, reason), loop)
-        try:
-            return fut.result(timeout=60.0)
-        except BaseException:
-            fut.cancel()
-            raise
-
-    async def abort(self, bindings: Iterable[Binding], reason: str) -> dict[str, Any]:
-        """Cut these bound requests (a clear end for each client) and abort them in vLLM.
-
-        Each request's upstream connection closes (vLLM aborts a request whose
-        client left); ``/abort_requests`` with vLLM's own ids says it once
-        more, in case the connection is not noticed at once. Never with an
-        empty list: vLLM's dev route aborts *everything* then.
-        """
-        hit: list[_Flight] = []
-        for b in bindings:
-            f = self._bound.get(b.rollout_id or "")
-            if f is None or f.fin is None or f.fin.released:
-                continue
-            if self._cut(f, "aborted", reason):
-                hit.append(f)
-        ids = [i for f in hit for i in vllm_request_ids(f.route, f.rid or "", f.payload)]
-        engine: Any = None
-        if ids:
-            engine = await self._abort_in_engine(ids)
-        self.metrics.aborted_rollouts.inc(len(hit))
-        return {"cut": [f.rid for f in hit], "request_ids": ids, "engine": engine}
-
-    async def _abort_in_engine(self, ids: list[str]) -> dict[str, Any]:
-        up = self.upstream
-        if up is None:
-            return {"error": "upstream client closed"}
-        body = dumps({"request_ids": ids})
-        out: dict[str, Any] = {}
-        # The dev route (awaits the abort) first; the tokens-only route only when
-        # the engine has no dev route (404). Bounded well inside the runner's
-        # abort_s: an engine too busy to answer is still paused with abort next.
-        for path in (b"/abort_requests", b"/inference/v1/abort_requests"):
-            try:
-                status, answer = await up.call(path, body, timeout_s=_ABORT_CALL_S)
-            except EffectError as exc:
-                out[path.decode()] = repr(exc)
-                break
-            out[path.decode()] = {"status": status, "body": answer[:512].decode("latin-1")}
-            if status != 404:
-                break
-        return out
+        """The runner's ``stragglers`` hook (``liveness.Flights.abort_stragglers``)."""
+        return self.flights.abort_stragglers(bindings, reason)
 
     # ------------------------------------------------------------ admission
     async def _admit(self, rollout_id: str) -> Binding:
@@ -480,7 +381,7 @@ class DataPlane:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = scope["path"]
         cfg = self.config
-        if len(self._flights) >= cfg.max_concurrent_requests:
+        if len(self.flights) >= cfg.max_concurrent_requests:
             self.metrics.overloaded.inc()
             await send_json(send, 503, error_body(
                 503, f"the gateway has {cfg.max_concurrent_requests} requests in progress",
@@ -489,7 +390,7 @@ class DataPlane:
             return
         task = asyncio.current_task()
         assert task is not None
-        f = _Flight(task, time.monotonic())
+        f = self.flights.add(task)
 
         async def guarded(msg: Message) -> None:
             # The sweeper cuts a send that stays pending past client_send_s.
@@ -499,14 +400,10 @@ class DataPlane:
             finally:
                 f.send_since = 0.0
 
-        self._flights.add(f)
         try:
             status = await self._handle(scope, receive, guarded, route, f)
         finally:
-            f.phase = "done"
-            self._flights.discard(f)
-            if f.rid is not None and self._bound.get(f.rid) is f:
-                del self._bound[f.rid]
+            self.flights.discard(f)
         self._count(route, status)
 
     async def _last_word(self, send: Send, status: int, message: str, kind: str,
@@ -522,7 +419,7 @@ class DataPlane:
                 await send_json(send, status, error_body(status, message, kind, **extra), hdrs)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str,
-                      f: _Flight) -> int:
+                      f: Flight) -> int:
         cfg = self.config
         if scope["method"] != "POST":
             await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
@@ -554,7 +451,7 @@ class DataPlane:
             await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
             return 400
         except asyncio.CancelledError:
-            if not self._consume_cut(f):
+            if not self.flights.consume_cut(f):
                 raise
             self.metrics.body_timeouts.inc()
             await self._last_word(send, 408, f"the request body did not arrive within "
@@ -565,6 +462,12 @@ class DataPlane:
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
+        try:  # images: checked and described before anything is admitted
+            media = inspect_media(route, payload, cfg.media)
+        except MediaError as exc:
+            await send_json(send, exc.status, error_body(exc.status, str(exc),
+                                                         _MEDIA_KIND[exc.status]))
+            return exc.status
         rid_h = hdrs.get(_ROLLOUT_HEADER_B)
         # 128 random bits, the same "r-" + 32 hex digits a uuid4 gave, without
         # the UUID object.
@@ -576,7 +479,9 @@ class DataPlane:
         try:
             binding = await self._admit(rid)
         except AdmissionRefused as exc:
-            retry = []
+            # ``x-should-retry`` is what OpenAI's SDKs obey before their own status
+            # rules: retry an update's refusal, never a tainted engine's.
+            retry = [(b"x-should-retry", b"false" if exc.retry_after_s is None else b"true")]
             if exc.retry_after_s is not None:
                 retry.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
             await send_json(send, 503, error_body(503, str(exc), "ServiceUnavailable",
@@ -588,12 +493,12 @@ class DataPlane:
             return 409
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
-                              admitted_wall=time.time(), admitted_mono=t0)
+                              admitted_wall=time.time(), admitted_mono=t0, media=media)
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
-        f.phase, f.rid, f.route, f.payload, f.fin = "bound", rid, route, payload, fin
-        self._bound[rid] = f
+        f.route, f.payload, f.fin = route, payload, fin
+        self.flights.bind(f, rid)
         try:
             await self._forward(receive, send, route, raw, binding, fin, f)
         finally:
@@ -630,7 +535,7 @@ class DataPlane:
                 else f"released in {done.state.value} after {done.committed} was committed")
 
     async def _forward(self, receive: Receive, send: Send, route: str, raw: bytes,
-                       binding: Binding, fin: FinishedRequest, f: _Flight) -> None:
+                       binding: Binding, fin: FinishedRequest, f: Flight) -> None:
         """Relay one admitted request while watching for the client going away.
 
         Plain asyncio rather than an anyio task group: the group's cancel
@@ -646,21 +551,21 @@ class DataPlane:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     if not f.finishing:
-                        self._cut(f, "client_disconnect")
+                        self.flights.cut(f, "client_disconnect")
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
             await self._relay(send, route, raw, binding, fin, f)
         except asyncio.CancelledError:
-            if not self._consume_cut(f):
+            if not self.flights.consume_cut(f):
                 raise
             await self._after_cut(send, binding, fin, f)
         finally:
             watcher.cancel()
 
     async def _after_cut(self, send: Send, binding: Binding, fin: FinishedRequest,
-                         f: _Flight) -> None:
+                         f: Flight) -> None:
         """The ending of a request the gateway cut (the upstream side is closed already)."""
         why = f.cut
         if f.finishing:
@@ -686,12 +591,12 @@ class DataPlane:
         elif not f.started_response:
             await self._last_word(send, 503, msg, "Aborted", **self.info(binding))
 
-    def _finishing(self, f: _Flight, fin: FinishedRequest) -> None:
+    def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
         f.finishing = True
         self._release(fin)
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
-                     fin: FinishedRequest, f: _Flight) -> None:
+                     fin: FinishedRequest, f: Flight) -> None:
         upstream = self.upstream
         if upstream is None:
             raise RuntimeError("data plane not started")
@@ -750,7 +655,7 @@ class DataPlane:
 
     async def _relay_stream(self, send: Send, resp: UpstreamResponse,
                             headers: list[tuple[bytes, bytes]], info: dict[str, Any],
-                            fin: FinishedRequest, f: _Flight) -> None:
+                            fin: FinishedRequest, f: Flight) -> None:
         sse = f.sse = SseRelay(info, collect=self._on_finished is not None,
                                 collect_limit=self.config.max_record_bytes)
         f.started_response = True
@@ -777,3 +682,101 @@ class DataPlane:
         fin.record_overflow = sse.overflow
         self._finishing(f, fin)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+class ReadOnlyRoutes:
+    """ASGI app of ``READ_ONLY_ROUTES``: answered by vLLM, relayed as they are.
+
+    Its own small connection pool (httpx), so the data plane's pool, sized and
+    tuned for generation, is not shared with lookups. The data token applies
+    as on the data routes.
+    """
+
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._client: Any = None
+
+    async def start(self) -> None:
+        import httpx
+
+        cfg = self.config
+        self._client = httpx.AsyncClient(
+            base_url=cfg.upstream_url, follow_redirects=False,
+            timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
+                                keepalive_expiry=cfg.upstream_keepalive_s))
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = scope["path"]
+        status = await self._handle(scope, receive, send, route)
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
+        import httpx
+
+        cfg = self.config
+        method = READ_ONLY_ROUTES[route]
+        if scope["method"] != method:
+            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
+                            [(b"allow", method.encode())])
+            return 405
+        hdrs = _headers_of_interest(scope)
+        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
+        if not auth.ok:
+            assert auth.status is not None
+            await send_json(send, auth.status, error_body(auth.status, auth.reason,
+                                                          "Unauthorized"),
+                            [(b"www-authenticate", b"Bearer")])
+            return auth.status
+        body = b""
+        if method == "POST":
+            try:
+                async with asyncio.timeout(cfg.client_body_s):  # rare path: a timer is fine
+                    body = await read_body(receive, cfg.max_body_bytes,
+                                           hdrs.get(b"content-length"))
+            except TimeoutError:
+                await send_json(send, 408, error_body(
+                    408, f"the request body did not arrive within {cfg.client_body_s:g}s",
+                    "RequestTimeout"), [(b"connection", b"close")])
+                return 408
+            except RequestTooLarge:
+                await send_json(send, 413, error_body(
+                    413, f"request body exceeds {cfg.max_body_bytes} bytes",
+                    "PayloadTooLarge"))
+                return 413
+            except _ClientGone:
+                return 499
+            except BadInput as exc:
+                await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
+                return 400
+        client = self._client
+        if client is None:
+            raise RuntimeError("read-only routes not started")
+        headers = {}
+        if b"content-type" in hdrs:
+            headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
+        qs = scope.get("query_string", b"")
+        try:
+            resp = await client.request(method, route + ("?" + qs.decode("latin-1")
+                                                         if qs else ""),
+                                        content=body or None, headers=headers)
+        except httpx.TimeoutException as exc:
+            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
+                                                  f"{exc!r}", "UpstreamTimeout"))
+            return 504
+        except httpx.HTTPError as exc:
+            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
+                                                  "UpstreamError"))
+            return 502
+        out = [(b"content-type", resp.headers.get("content-type", "application/json")
+                .encode("latin-1")), (b"content-length", str(len(resp.content)).encode())]
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": out})
+        await send({"type": "http.response.body", "body": resp.content, "more_body": False})
+        return int(resp.status_code)

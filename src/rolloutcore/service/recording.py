@@ -10,7 +10,8 @@ place in the run with three request headers::
 A finished ``/inference/v1/generate`` request (status 200, complete, streamed
 or not) with those headers becomes one ``TrajectoryGroup``: one sample per
 choice (``sampling_params.n``), each with the prompt, the sampling
-parameters, the tokens, logprobs and vLLM's ``weight_versions`` spans, the
+parameters, the tokens, logprobs and vLLM's ``weight_versions`` spans, a
+digest of each image sent with the prompt (never the image), the
 controller's binding (version, identity, rollout id) and the admission and
 release times. Requests without the headers, and the other routes (whose
 answers are text, not token ids), are not recorded.
@@ -142,7 +143,7 @@ def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup
         int(sp.get("top_k", -1)), sp.get("max_tokens"),
         seed, SEED_NONE if seed is None else SEED_EXTERNAL,
         {k: v for k, v in sp.items() if k not in _TYPED})
-    prompt = Prompt(tuple(req.get("token_ids") or ()))
+    prompt = Prompt(tuple(req.get("token_ids") or ()), media=tuple(fin.media))
     cut = fin.ending == "aborted"
     choices = _choices(fin) if fin.response is not None or fin.events else []
     if cut:

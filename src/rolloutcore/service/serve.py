@@ -20,14 +20,18 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError
 from rolloutcore.service.auth import generate_token, read_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
+
+if TYPE_CHECKING:
+    from rolloutcore.adapters.vllm import VllmHTTP
 
 __all__ = ["ServeOptions", "run_serve"]
 
@@ -104,15 +108,17 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _check_engine(http: Any) -> SupportVerdict:
+def _check_engine(http: VllmHTTP) -> SupportVerdict:
     """The engine's own version and routes, judged before anything is admitted."""
-    answers: list[object] = []
-    for fetch in (http.version, http.capabilities):
+
+    def answer(call: Callable[[], object]) -> object:
         try:
-            answers.append(fetch(timeout_s=30.0))
+            return call()
         except EffectError as exc:
-            answers.append({"error": str(exc)})
-    return assess(*answers)
+            return {"error": str(exc)}
+
+    return assess(answer(lambda: http.version(timeout_s=30.0)),
+                  answer(lambda: http.capabilities(timeout_s=30.0)))
 
 
 def run_serve(args: ServeOptions) -> int:

@@ -21,6 +21,8 @@ Faults (``FaultKind``):
   client is still connected.
 * ``close``: send the response head and cut the connection before the body
   (the client sees the peer close mid-response). ``upstream`` as for status.
+* ``swallow``: answer an empty 200 without forwarding, as vLLM's
+  ``/reset_encoder_cache`` answers whatever happened: a silent no-op.
 * ``engine_failure``: forward, then rewrite a 2xx JSON object body to
   ``"success": false`` (an empty body becomes ``{"success": false}``): HTTP
   200, engine-level failure, as ``/reset_prefix_cache`` says when blocks are
@@ -89,6 +91,7 @@ class FaultKind(enum.StrEnum):
     DELAY = "delay"
     CLOSE = "close"
     ENGINE_FAILURE = "engine_failure"
+    SWALLOW = "swallow"
 
 
 def _positive(name: str, v: object) -> float:
@@ -116,6 +119,8 @@ class Fault:
         _positive("delay_s", self.delay_s)
         if self.kind is FaultKind.ENGINE_FAILURE and not self.upstream:
             raise BadInput("engine_failure rewrites the engine's answer: it needs upstream=True")
+        if self.kind is FaultKind.SWALLOW and self.upstream:
+            raise BadInput("swallow never forwards: it needs upstream=False")
 
     @classmethod
     def http_status(cls, status: int = 500, *, upstream: bool = False,
@@ -134,6 +139,15 @@ class Fault:
     def engine_failure(cls) -> Fault:
         return cls(FaultKind.ENGINE_FAILURE, upstream=True)
 
+    @classmethod
+    def swallow(cls) -> Fault:
+        """An empty 200 without forwarding: the engine never acts, the client sees success.
+
+        What ``/reset_encoder_cache`` and ``/reset_mm_cache`` answer whatever
+        happened: a reset that silently did nothing looks exactly like this.
+        """
+        return cls(FaultKind.SWALLOW, status=200, upstream=False)
+
     def describe(self) -> str:
         where = "after forwarding" if self.upstream else "without forwarding"
         if self.kind is FaultKind.STATUS:
@@ -142,6 +156,8 @@ class Fault:
             return f"hold {self.delay_s:g}s ({'answer' if self.upstream else 'request'})"
         if self.kind is FaultKind.CLOSE:
             return f"connection cut {where}"
+        if self.kind is FaultKind.SWALLOW:
+            return "empty 200 without forwarding"
         return "2xx rewritten to success=false"
 
 
@@ -434,6 +450,10 @@ class FaultProxy:
             self._hit(rule, method, path, fault.describe(), status)
             await self._hold(fault.delay_s)
             await self._respond(send, status, held_headers, held)
+            return
+        if fault.kind is FaultKind.SWALLOW:
+            self._hit(rule, method, path, fault.describe())
+            await self._respond(send, 200, [], b"")
             return
         upstream_status: int | None = None
         content = b""

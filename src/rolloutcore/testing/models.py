@@ -6,6 +6,11 @@ one from a seed: a transformers ``LlamaConfig``, random weights saved as
 safetensors, and a byte-level BPE tokenizer with no merges (every byte is a
 token, so any text round-trips and token ids stay below the vocabulary size).
 
+The tokenizer carries a chat template (``CHAT_TEMPLATE``: plain role
+markers, nothing model-specific) so that chat clients work against an
+engine serving it: vLLM refuses ``/v1/chat/completions`` with 400 for a
+tokenizer without one.
+
 A "next policy" must have the same parameter manifest as the current one, so
 that it can be hot-swapped into a running engine. Two ways to get one:
 
@@ -19,6 +24,13 @@ that it can be hot-swapped into a running engine. Two ways to get one:
 
 The shapes are fixed by what the CPU attention backend accepts: head_dim 32
 works, 16 kills the engine core on the first request.
+
+``tie_word_embeddings=True`` makes the architecture of most small real models
+(Qwen3 and Llama 3.2 small sizes, Gemma): the output projection is the input
+embedding. The checkpoint then holds no ``lm_head.weight``, as Hugging Face
+saves tied models, so a hot update writes the one shared matrix through
+``model.embed_tokens.weight`` only: the case where an engine that keeps a
+derived copy of the output projection goes stale.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ from rolloutcore.errors import BadInput
 
 __all__ = [
     "BOS_ID",
+    "CHAT_TEMPLATE",
     "EOS_ID",
     "PAD_ID",
     "VOCAB_SIZE",
@@ -54,12 +67,24 @@ _HEAD_DIM = 32
 _INTERMEDIATE = 256
 _MAX_POS = 1024
 
+#: ``<s><|user|>\nHi\n<|assistant|>\n``: every message as a role marker line and its
+#: content; with ``add_generation_prompt`` the assistant's marker ends the prompt.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _META_FILE = "rolloutcore.json"
 
 
-def model_config() -> dict[str, Any]:
+def model_config(*, tie_word_embeddings: bool = False) -> dict[str, Any]:
     """The LlamaConfig keyword arguments every tiny checkpoint shares."""
+    if not isinstance(tie_word_embeddings, bool):
+        raise BadInput(f"tie_word_embeddings must be a boolean, got {tie_word_embeddings!r}")
     return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": _HIDDEN,
@@ -72,7 +97,7 @@ def model_config() -> dict[str, Any]:
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tie_word_embeddings,
         "rms_norm_eps": 1e-5,
         "torch_dtype": "bfloat16",
     }
@@ -97,6 +122,7 @@ def _write_tokenizer(out: Path) -> None:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         model_max_length=_MAX_POS,
     )
+    fast.chat_template = CHAT_TEMPLATE
     added = fast.convert_tokens_to_ids(["<s>", "</s>", "<pad>"])
     if added != [BOS_ID, EOS_ID, PAD_ID]:
         raise RuntimeError(f"special token ids came out as {added}")
@@ -128,16 +154,23 @@ def _check_out(out_dir: str | Path) -> Path:
 
 
 def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None = None,
-                    negate_layer: int | None = None) -> Path:
+                    negate_layer: int | None = None,
+                    tie_word_embeddings: bool | None = None) -> Path:
     """Write a tiny Llama checkpoint to ``out_dir`` (new or empty) and return it.
 
     Without ``like`` the weights are random from ``seed``. With ``like`` and
     ``negate_layer`` the weights are those of ``like`` with one decoder layer
     negated (``seed`` is then only recorded). The config and tokenizer are the
     same in both cases, so the result is hot-swappable with ``like``.
+
+    ``tie_word_embeddings`` (default False) ties the output projection to the
+    input embedding; with ``like`` it is taken from ``like`` (passing a
+    different value is refused: the result would not be hot-swappable).
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed must be an int >= 0, got {seed!r}")
+    if tie_word_embeddings is not None and not isinstance(tie_word_embeddings, bool):
+        raise BadInput(f"tie_word_embeddings must be a boolean, got {tie_word_embeddings!r}")
     if (like is None) != (negate_layer is None):
         raise BadInput("like and negate_layer go together")
     if negate_layer is not None and (
@@ -149,6 +182,10 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
         src = Path(like)
         if not (src / "config.json").is_file() or not list(src.glob("*.safetensors")):
             raise BadInput(f"{src} is not a safetensors checkpoint directory")
+        src_tied = json.loads((src / "config.json").read_text()).get("tie_word_embeddings")
+        if tie_word_embeddings is not None and tie_word_embeddings != bool(src_tied):
+            raise BadInput(f"tie_word_embeddings={tie_word_embeddings} differs from {src}'s "
+                           f"config ({bool(src_tied)}): the result would not be hot-swappable")
     out = _check_out(out_dir)
 
     import torch
@@ -159,16 +196,25 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
 
     out.mkdir(parents=True, exist_ok=True)
     if src is None:
-        config = tf.LlamaConfig(**model_config())
+        tied = bool(tie_word_embeddings)
+        config = tf.LlamaConfig(**model_config(tie_word_embeddings=tied))
         config.architectures = ["LlamaForCausalLM"]
         # fork_rng: the seed must not leak into (or depend on) the caller's RNG state.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+        if tied:
+            # One matrix, saved once under the embedding's name (as save_pretrained does).
+            if state["lm_head.weight"].data_ptr() != \
+                    model.model.embed_tokens.weight.data_ptr():
+                raise RuntimeError("transformers did not tie lm_head to embed_tokens")
+            del state["lm_head.weight"]
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(out))
         meta: dict[str, Any] = {"seed": seed}
+        if tied:
+            meta["tie_word_embeddings"] = True
     else:
         assert negate_layer is not None
         for name in ("config.json", "generation_config.json"):
@@ -191,7 +237,8 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def make_pair(root: str | Path) -> tuple[Path, Path]:
+def make_pair(root: str | Path, *, tie_word_embeddings: bool = False) -> tuple[Path, Path]:
     """Checkpoints ``root/A`` (seed 1) and ``root/B`` (seed 2): a policy and its next."""
     base = Path(root)
-    return make_checkpoint(base / "A", 1), make_checkpoint(base / "B", 2)
+    return (make_checkpoint(base / "A", 1, tie_word_embeddings=tie_word_embeddings),
+            make_checkpoint(base / "B", 2, tie_word_embeddings=tie_word_embeddings))

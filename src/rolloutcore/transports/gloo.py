@@ -25,14 +25,41 @@ Wire: the per-round metadata (names, dtype names, shapes) travels in the
 manifest digest over them; the engine validates it all before receiving a
 byte, so a malformed body is refused before the model is touched by this
 round's tensors.
+
+The engine half trusts nothing in a request body (anyone who can reach the
+engine's HTTP port can post one):
+
+* ``/init_weight_transfer_engine``: ``master_address`` must be an IP address
+  (or ``localhost``) that is loopback or inside ``ROLLOUTCORE_GLOO_PEERS``
+  (comma-separated addresses or CIDR networks, read by the engine's worker;
+  empty by default: loopback only); ``timeout_s`` must not exceed
+  ``ROLLOUTCORE_GLOO_MAX_TIMEOUT_S`` (default 300 s), which bounds the
+  rendezvous and every later broadcast; ``world_size`` at most
+  ``MAX_WORLD_SIZE``. Refused before any connection is made
+  (``check_init_info``).
+* ``/update_weights``: every name must be a parameter of the engine's model
+  (or a shard of one of its fused parameters), sent once, not as an alias
+  of a tied one; each shape must fit its target (the engine's own size,
+  times its tensor-parallel degree along the sharded dimension) and each
+  dtype convert to it (``check_against_model``). Refused before the
+  layerwise reload opens and before a byte is received or allocated: the
+  engine keeps serving its current weights.
+* ``/start_weight_update``: a model whose tied weights cannot be rebuilt
+  exactly after an update (``derived.plan_rederive``) is refused; at
+  finish, derived copies of the weights the round wrote are rebuilt
+  (``derived.rederive``: the tied ``lm_head``'s packed GEMM on the CPU
+  backend).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import ipaddress
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -40,6 +67,7 @@ from urllib.parse import urlsplit
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.versions import ParameterManifest
 from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports import derived
 from rolloutcore.transports.base import (
     TransportBase,
     check_label,
@@ -56,10 +84,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND",
+    "MAX_WORLD_SIZE",
     "GlooInitInfo",
     "GlooTransport",
     "GlooUpdateInfo",
     "GlooWeightTransferEngine",
+    "ModelIndex",
+    "ReceiverPolicy",
+    "check_against_model",
+    "check_init_info",
 ]
 
 BACKEND = "rolloutcore_gloo"
@@ -71,6 +104,17 @@ _DTYPES = frozenset({
 })
 _MAX_TENSORS = 1_000_000
 _MAX_RANK = 8
+#: The largest group an engine joins (trainer + engine workers): gloo connects every
+#: pair of ranks at init, so a forged size would make the engine wait on peers that
+#: never come.
+MAX_WORLD_SIZE = 1024
+#: Floating dtypes that convert exactly as a cold load converts them (``copy_``) into a
+#: floating parameter; any other dtype must equal the parameter's.
+_FLOAT_WIRE = frozenset({"bfloat16", "float16", "float32", "float64"})
+
+PEERS_ENV = "ROLLOUTCORE_GLOO_PEERS"
+MAX_TIMEOUT_ENV = "ROLLOUTCORE_GLOO_MAX_TIMEOUT_S"
+_DEFAULT_MAX_TIMEOUT_S = 300.0
 
 
 def _is_loopback(host: str) -> bool:
@@ -126,6 +170,75 @@ class GlooInitInfo:
             raise ValueError(f"timeout_s must be in (0, 86400], got {self.timeout_s!r}")
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+@dataclass(frozen=True)
+class ReceiverPolicy:
+    """What the engine half accepts from an ``init_info``, set by the engine's operator.
+
+    ``peers``: networks besides loopback the engine may connect to for the
+    rendezvous; ``max_timeout_s``: the longest any rendezvous or broadcast may
+    block a worker. Read from the environment of the engine's workers
+    (``from_env``), never from a request.
+    """
+
+    peers: tuple[Network, ...] = ()
+    max_timeout_s: float = _DEFAULT_MAX_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        t = self.max_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
+            raise ValueError(f"max_timeout_s must be in (0, 86400], got {t!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ReceiverPolicy:
+        e = os.environ if env is None else env
+        peers: list[Network] = []
+        for item in e.get(PEERS_ENV, "").split(","):
+            if item.strip():
+                try:
+                    peers.append(ipaddress.ip_network(item.strip(), strict=False))
+                except ValueError as exc:
+                    raise ValueError(f"{PEERS_ENV}: {item.strip()!r} is not an IP address "
+                                     "or network") from exc
+        raw = e.get(MAX_TIMEOUT_ENV, "").strip()
+        try:
+            t = float(raw) if raw else _DEFAULT_MAX_TIMEOUT_S
+        except ValueError as exc:
+            raise ValueError(f"{MAX_TIMEOUT_ENV} must be a number of seconds, "
+                             f"got {raw!r}") from exc
+        return cls(tuple(peers), t)
+
+    def allows(self, address: str) -> bool:
+        if address == "localhost":
+            return True
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return ip.is_loopback or any(ip.version == n.version and ip in n for n in self.peers)
+
+
+def check_init_info(info: GlooInitInfo, policy: ReceiverPolicy) -> None:
+    """Refuse an ``init_info`` the engine must not act on, before it connects anywhere.
+
+    A hostname is refused (what it resolves to can change between this check
+    and the connect); so is an address outside loopback and the policy's
+    peers, a timeout above the policy's cap, a world beyond ``MAX_WORLD_SIZE``.
+    """
+    if not policy.allows(info.master_address):
+        raise ValueError(
+            f"master_address {info.master_address!r} refused: this engine joins a "
+            f"rendezvous only on loopback or an address in {PEERS_ENV} "
+            f"({', '.join(map(str, policy.peers)) or 'unset'}); give an IP address")
+    if info.timeout_s > policy.max_timeout_s:
+        raise ValueError(f"timeout_s {info.timeout_s} exceeds this engine's cap of "
+                         f"{policy.max_timeout_s} s ({MAX_TIMEOUT_ENV})")
+    if info.world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size {info.world_size} exceeds {MAX_WORLD_SIZE}")
+
+
 @dataclass
 class GlooUpdateInfo:
     """One round's tensor metadata, in send order, as vLLM's NCCL backend spells it."""
@@ -175,6 +288,191 @@ class GlooUpdateInfo:
                    [list(p.shape) for p in man.params], man.digest)
 
 
+def _dim_bound(shape: Any, module: Any, param: Any) -> tuple[int, ...]:
+    """The largest tensor a cold load could copy into ``param``: its own shape, times the
+    module's tensor-parallel degree along a sharded dimension (the checkpoint holds the
+    whole tensor, each worker its shard)."""
+    bound = [int(d) for d in shape]
+    tp = getattr(module, "tp_size", 1)
+    tp = tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 1 else 1
+    if tp > 1:
+        for attr in ("output_dim", "input_dim"):
+            d = getattr(param, attr, None)
+            if isinstance(d, int) and 0 <= d < len(bound):
+                bound[d] *= tp
+    return tuple(bound)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a checkpoint tensor may land: a parameter, whole (``parts`` empty) or the
+    shards ``parts`` of a fused one."""
+
+    param: str
+    parts: tuple[int, ...]
+    bound: tuple[int, ...]
+    dtype: str
+    floating: bool
+
+
+@dataclass(frozen=True)
+class _Fused:
+    odim: int
+    sizes: tuple[int, ...]
+    slot: _Slot  # the whole parameter
+
+    def shard(self, parts: tuple[int, ...]) -> _Slot:
+        b = self.slot.bound
+        size = sum(self.sizes[i] for i in parts)  # output_sizes are whole (unsharded)
+        return dataclasses.replace(self.slot, parts=parts,
+                                   bound=(*b[:self.odim], size, *b[self.odim + 1:]))
+
+
+_QKV_SHARDS = {"q": 0, "k": 1, "v": 2}  # vLLM's QKVParallelLinear shard ids
+
+
+class ModelIndex:
+    """What a round may write into one model, taken while its tensors are real.
+
+    Built before the layerwise reload opens (the reload swaps parameters for
+    meta tensors and unties tied ones), then used for every round of the
+    session: ``resolve`` places a checkpoint name on ``_Slot``s.
+
+    A layer's live parameters are not always what a load writes: on the CPU
+    backend a packed linear layer keeps an empty ``weight`` (its GEMM holds
+    the packed copy). ``layout(module)``, when given, returns the module's
+    model-format tensors (vLLM's reload metadata, meta tensors with the
+    shapes, dtypes and attributes a load writes); those are used where they
+    exist, the live parameters elsewhere.
+    """
+
+    def __init__(self, model: Any,
+                 layout: Callable[[Any], Mapping[str, Any] | None] | None = None) -> None:
+        packed: Mapping[str, Any] = getattr(model, "packed_modules_mapping", None) or {}
+        self.packed = {k: tuple(v) for k, v in packed.items()}
+        self.direct: dict[str, _Slot] = {}
+        self.fused: dict[str, _Fused] = {}
+        canonical: dict[int, str] = {}
+        self.aliases: dict[str, str] = {}
+        for mname, mod in model.named_modules():
+            live = {k: v for k, v in mod._parameters.items() if v is not None}
+            fmt = (layout(mod) if layout is not None else None) or {}
+            for pname in dict.fromkeys([*live, *fmt]):
+                n = f"{mname}.{pname}" if mname else pname
+                p = live.get(pname)
+                if p is not None:
+                    first = canonical.setdefault(id(p), n)
+                    if first != n:
+                        self.aliases[n] = first
+                        continue
+                self._add(n, mod, fmt.get(pname, p))
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        self.map_shard = getattr(mapper, "_map_name_with_shard", None)
+        self.map_name = getattr(mapper, "_map_name", None)
+
+    def _add(self, n: str, mod: Any, t: Any) -> None:
+        slot = _Slot(n, (), _dim_bound(t.shape, mod, t), str(t.dtype).rsplit(".", 1)[-1],
+                     bool(t.dtype.is_floating_point))
+        self.direct[n] = slot
+        sizes = getattr(mod, "output_sizes", None)
+        if isinstance(sizes, (list, tuple)) and len(sizes) > 1:
+            odim = getattr(t, "output_dim", 0)
+            odim = odim if isinstance(odim, int) and 0 <= odim < len(slot.bound) else 0
+            self.fused[n] = _Fused(odim, tuple(int(x) for x in sizes), slot)
+
+    def _mapped(self, name: str) -> tuple[str, Any]:
+        """The model's own renaming: (parameter name, shard id or None)."""
+        if callable(self.map_shard):
+            r = self.map_shard(name)
+            if r is None:
+                raise ValueError(f"{name}: this model's loader drops that name")
+            return str(r[0]), r[1]
+        if callable(self.map_name):
+            m = self.map_name(name)
+            if not isinstance(m, str):
+                raise ValueError(f"{name}: this model's loader drops that name")
+            return m, None
+        return name, None
+
+    def _shards(self, name: str, target: str, shard: Any) -> list[_Slot]:
+        f = self.fused.get(target)
+        if f is None:
+            raise ValueError(f"{name}: maps to shard {shard!r} of {target}, which is not a "
+                             "fused parameter of this model")
+        groups = shard if isinstance(shard, list) else [shard]
+        out = []
+        for g in groups:
+            ids = g if isinstance(g, tuple) else (g,)
+            idx = [_QKV_SHARDS.get(i, i) if isinstance(i, str) else i for i in ids]
+            ok = [i for i in idx if isinstance(i, int) and not isinstance(i, bool)
+                  and 0 <= i < len(f.sizes)]
+            if not ok or len(ok) != len(idx):
+                raise ValueError(f"{name}: shard {shard!r} of {target} is not one of its "
+                                 f"{len(f.sizes)} shards")
+            out.append(f.shard(tuple(ok)))
+        return out
+
+    def resolve(self, name: str) -> list[_Slot]:
+        target, shard = self._mapped(name)
+        if target in self.aliases:
+            raise ValueError(f"{name}: tied to {self.aliases[target]} in this engine; send "
+                             f"the shared weight once, as {self.aliases[target]}")
+        if shard is not None:
+            return self._shards(name, target, shard)
+        slot = self.direct.get(target)
+        if slot is not None:
+            return [slot]
+        dotted = "." + target
+        for fused, parts in self.packed.items():
+            for i, part in enumerate(parts):
+                tag = f".{part}."
+                if tag in dotted:
+                    f = self.fused.get(dotted.replace(tag, f".{fused}.", 1)[1:])
+                    if f is not None and len(f.sizes) == len(parts):
+                        return [f.shard((i,))]
+        raise ValueError(f"{name}: not a parameter of this model nor a shard of one of its "
+                         "fused parameters")
+
+
+def check_against_model(info: GlooUpdateInfo, model: Any) -> set[str]:
+    """Refuse a round the engine's model cannot take; return the parameters it writes.
+
+    ``model``: the model, or its ``ModelIndex``. Every name must place on the
+    model: a parameter, or the shard of a fused parameter the model's
+    ``packed_modules_mapping`` names (``q_proj`` of ``qkv_proj``), after the
+    model's own ``hf_to_vllm_mapper`` if it has one. A name that is an alias of
+    a tied parameter is refused (send the shared weight once, under its first
+    name: a cold load skips the alias, a hot one would write the storage
+    twice). No two names may land on one target. Each shape must have the
+    target's rank and fit it (``_dim_bound``), each dtype convert to it.
+    Anything else raises ``ValueError`` naming the tensor: the round allocates
+    at most what the model itself holds.
+    """
+    index = model if isinstance(model, ModelIndex) else ModelIndex(model)
+    seen: dict[str, dict[int, str]] = {}  # parameter -> shard (-1: whole) -> name
+    written: set[str] = set()
+    for name, dt, shape in zip(info.names, info.dtype_names, info.shapes, strict=True):
+        slots = index.resolve(name)
+        for slot in slots:
+            taken = seen.setdefault(slot.param, {})
+            wants = slot.parts or (-1,)
+            clash = [taken[i] for i in (*wants, -1) if i in taken] or (
+                list(taken.values()) if not slot.parts else [])
+            if clash:
+                raise ValueError(f"{name} and {clash[0]} both land on {slot.param}")
+            if len(shape) != len(slot.bound) or any(
+                    d > b for d, b in zip(shape, slot.bound, strict=True)):
+                raise ValueError(f"{name}: shape {shape} does not fit {slot.param} "
+                                 f"(at most {list(slot.bound)} here)")
+            if not (dt == slot.dtype or (slot.floating and dt in _FLOAT_WIRE)):
+                raise ValueError(f"{name}: dtype {dt} does not convert exactly to "
+                                 f"{slot.param}'s {slot.dtype}")
+        for slot in slots:
+            seen[slot.param].update(dict.fromkeys(slot.parts or (-1,), name))
+            written.add(slot.param)
+    return written
+
+
 # ------------------------------------------------------------------ engine half
 
 _ENGINE_CLS: type[Any] | None = None
@@ -188,9 +486,23 @@ def _build_engine_class() -> type[Any]:
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
     reload: Any = importlib.import_module("vllm.model_executor.model_loader.reload")
+    layerwise: Any = importlib.import_module(
+        "vllm.model_executor.model_loader.reload.layerwise")
+
+    def _reload_layout(module: Any) -> Mapping[str, Any] | None:
+        # The model-format parameters vLLM recorded for its layerwise reload (read
+        # without creating an entry: get_layerwise_info would add one).
+        info = layerwise.LAYERWISE_INFO.get(module)
+        return None if info is None else info.restore_metadata[0]
 
     class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
-        """vLLM worker side of ``rolloutcore_gloo``: receive over gloo, ``load_weights``."""
+        """vLLM worker side of ``rolloutcore_gloo``: receive over gloo, ``load_weights``.
+
+        The layerwise reload opens only once a round's metadata has passed
+        ``check_against_model``: a refused round leaves the model as it was,
+        serving. At finish, derived copies of what the round wrote are rebuilt
+        (``derived.rederive``).
+        """
 
         init_info_cls = GlooInitInfo
         update_info_cls = GlooUpdateInfo
@@ -199,16 +511,24 @@ def _build_engine_class() -> type[Any]:
             super().__init__(config, vllm_config, device, model)
             self._group: Any = None
             self._store: Any = None
+            self._policy = ReceiverPolicy.from_env()
+            self._rederive: derived.RederivePlan | None = None
+            self._index: ModelIndex | None = None
+            # The layerwise reload is open on the model (from the first accepted round
+            # until a finish closes it, across a failed session too) and what it wrote.
+            self._opened = False
+            self._written: set[str] = set()
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             """Join the trainer's group; blocks until the trainer (rank 0) joins too."""
-            self.shutdown()
+            check_init_info(init_info, self._policy)
             pc = self.parallel_config
             rank = (pc.data_parallel_index * pc.world_size + pc.rank
                     + init_info.rank_offset)
             if rank >= init_info.world_size:
                 raise ValueError(f"worker rank {rank} outside a world of "
                                  f"{init_info.world_size}")
+            self.shutdown()
             td = datetime.timedelta(seconds=init_info.timeout_s)
             self._store = _dist().TCPStore(init_info.master_address, init_info.master_port,
                                    init_info.world_size, False, timeout=td)
@@ -216,10 +536,21 @@ def _build_engine_class() -> type[Any]:
                                      init_info.timeout_s, init_info.master_address)
 
         def start_weight_update(self) -> None:
-            reload.initialize_layerwise_reload(self.model)
+            # Refuses, writing nothing, a model whose shared weights could not be exact.
+            # (Planned before the reload moves any tensor to meta.)
+            if not self._opened:
+                self._rederive = derived.plan_rederive(self.model)
+                self._index = ModelIndex(self.model, _reload_layout)
 
         def finish_weight_update(self) -> None:
+            if not self._opened:
+                return  # nothing was received: nothing was opened, nothing to rebuild
+            written, self._written, self._opened = self._written, set(), False
             reload.finalize_layerwise_reload(self.model, self.model_config)
+            plan = self._rederive
+            if plan is None:  # opened without a start (cannot happen through vLLM's worker)
+                plan = derived.plan_rederive(self.model)
+            derived.rederive(self.model, plan, written)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises
@@ -232,6 +563,13 @@ def _build_engine_class() -> type[Any]:
             if self._group is None:
                 raise RuntimeError("rolloutcore_gloo weight transfer not initialized. "
                                    "Call init_transfer_engine() first.")
+            if self._index is None:
+                raise RuntimeError("start_weight_update() first")
+            written = check_against_model(update_info, self._index)
+            if not self._opened:
+                reload.initialize_layerwise_reload(self.model)
+                self._opened = True
+            self._written |= written
             ctx: Any = contextlib.nullcontext()
             with contextlib.suppress(ImportError):
                 from vllm.model_executor.model_loader.mtp_validation import (
@@ -285,7 +623,11 @@ class GlooTransport(TransportBase):
 
     ``op_timeout_s`` bounds every collective on both ends (the engine gets
     it at init): a peer that disappears mid-broadcast fails the other side
-    after at most that long, even without ``abort()``.
+    after at most that long, even without ``abort()``. The engine refuses,
+    at connect and before any mutation, a value above its own cap
+    (``ROLLOUTCORE_GLOO_MAX_TIMEOUT_S``, default 300 s), and a rendezvous
+    address that is neither loopback nor in its ``ROLLOUTCORE_GLOO_PEERS``
+    (a trainer on another host must be listed there).
     """
 
     backend = BACKEND

@@ -49,6 +49,7 @@ from rolloutcore.adapters.vllm.wire import (
     WeightInfo,
 )
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
+from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports.http import map_errors, snippet, status_error
 
@@ -466,15 +467,24 @@ class VllmHTTP:
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
-                 timeout_s: float | None = None) -> Generation:
-        """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``)."""
+                 images: Sequence[str] = (), timeout_s: float | None = None) -> Generation:
+        """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
+
+        ``images`` are ``data:`` URLs sent as vLLM's ``content_parts``; the
+        prompt must hold the model's image placeholder token once per image
+        (vLLM expands it). They are checked like the gateway checks them, and
+        described in ``Generation.media``.
+        """
         step = "generate"
+        media, parts = self._images(images)
         body: dict[str, Any] = {
             "model": self.model(timeout_s=timeout_s),
             "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
         }
+        if parts:
+            body["content_parts"] = parts
         if request_id is not None:
             if not isinstance(request_id, str) or not request_id:
                 raise BadInput("request_id must be a non-empty string")
@@ -501,7 +511,7 @@ class VllmHTTP:
         if lps is not None and len(lps) != len(toks):
             raise unexpected(f"{len(lps)} logprobs for {len(toks)} tokens")
         return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
-                          ch.get("finish_reason"), spans)
+                          ch.get("finish_reason"), spans, media)
 
     def complete(self, prompt: str | Sequence[int], *, max_tokens: int,
                  temperature: float = 0.0, logprobs: bool = True, seed: int | None = None,
@@ -532,22 +542,31 @@ class VllmHTTP:
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EffectError(step, f"unexpected completions answer: {exc}") from exc
 
-    def score(self, token_ids: Sequence[int], *,
+    def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
               timeout_s: float | None = None) -> list[float | None]:
         """Teacher-forced log-probability of every token of ``token_ids`` (the first is None).
 
         One ``/inference/v1/generate`` call with ``prompt_logprobs=0``: the
         engine scores the sequence as a prompt and generates one token that
         is ignored. Used by the policy probe and the replay validator.
+
+        With ``images`` (``data:`` URLs, one placeholder token each in
+        ``token_ids``) the engine expands each placeholder into the image's
+        tokens, so the answer has one entry per token of the *expanded*
+        prompt (vLLM returns it, and the logprobs are aligned to it).
         """
         step = "score"
         ids = self._token_ids(token_ids)
+        _, parts = self._images(images)
         body: dict[str, Any] = {
             "model": self.model(timeout_s=timeout_s),
             "token_ids": ids,
             "sampling_params": self._sampling(1, 0.0, False, None, True,
                                               {"prompt_logprobs": 0}),
         }
+        if parts:
+            body["content_parts"] = parts
+            body["return_token_ids"] = True
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
 
         def unexpected(why: object) -> EffectError:
@@ -555,6 +574,8 @@ class VllmHTTP:
                                f"{snippet(json.dumps(resp))}")
 
         try:
+            if parts:
+                ids = [int(t) for t in resp["prompt_token_ids"]]
             raw = resp["prompt_logprobs"]
             out: list[float | None] = []
             for pos, entry in enumerate(raw):
@@ -569,6 +590,16 @@ class VllmHTTP:
         if len(out) != len(ids):
             raise unexpected(f"{len(out)} prompt logprobs for {len(ids)} tokens")
         return out
+
+    @staticmethod
+    def _images(images: Sequence[str]) -> tuple[tuple[ImageRef, ...], list[dict[str, str]]]:
+        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+            raise BadInput("images must be a sequence of data: URLs")
+        lim = MediaLimits()
+        if len(images) > lim.max_images:
+            raise BadInput(f"{len(images)} images, more than the limit of {lim.max_images}")
+        refs = tuple(decode_image_url(u, lim)[0] for u in images)
+        return refs, [{"type": "image_url", "url": u} for u in images]
 
     def close(self) -> None:
         self._closed = True

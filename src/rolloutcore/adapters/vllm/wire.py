@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rolloutcore.core.media import ImageRef
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -52,7 +53,8 @@ class Generation:
     """One choice of ``/inference/v1/generate``.
 
     ``logprobs`` are the sampled tokens' logprobs (``None`` if not asked);
-    ``weight_versions`` is ``None`` when the engine does not report spans.
+    ``weight_versions`` is ``None`` when the engine does not report spans;
+    ``media`` describes the images sent with the prompt (for its trajectory).
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class Generation:
     logprobs: tuple[float, ...] | None
     finish_reason: str | None
     weight_versions: tuple[VersionSpan, ...] | None
+    media: tuple[ImageRef, ...] = ()
 
     def versions(self) -> frozenset[str]:
         """The labels that sampled at least one output token."""

@@ -33,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from rolloutcore.transports import derived
 from rolloutcore.transports.cuda_ipc.checksum import CHECKSUM_IMPLS, block_checksum
 from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS, SliceLoader, map_buffer
 from rolloutcore.transports.cuda_ipc.wire import (
@@ -115,6 +116,10 @@ class CudaIpcWeightTransferEngine(
         self._hash_at_finish = False
         self._results: ResultSlot | None = None
         self._uuid: str | None = None
+        # The tied weights of the model being updated, checked before its first write,
+        # and whether this session wrote anything (then they are rebuilt at finish).
+        self._tied: tuple[torch.nn.Module, derived.RederivePlan] | None = None
+        self._received = False
 
     @property
     def device_uuid(self) -> str | None:
@@ -169,6 +174,14 @@ class CudaIpcWeightTransferEngine(
 
     def start_weight_update(self) -> None:
         self._layerwise = False
+        self._received = False
+
+    def _tied_plan(self) -> derived.RederivePlan:
+        """``derived.plan_rederive`` of the target model (raises before anything is
+        mapped or written when a shared weight could not be exact), once per model."""
+        if self._tied is None or self._tied[0] is not self.model:
+            self._tied = (self.model, derived.plan_rederive(self.model))
+        return self._tied[1]
 
     def _map(self, b: BufferHandle) -> torch.Tensor:
         if b.device_uuid != self.device_uuid:
@@ -188,6 +201,7 @@ class CudaIpcWeightTransferEngine(
         self._results = update_info.results
         for k in ("prefetched", "prefetch_error", "published", "publish_s"):
             self.loader.stats.pop(k, None)  # per update: set again at finish
+        self._tied_plan()
         t0 = time.monotonic()
         bufs = [self._map(b) for b in msg.buffers]
         map_s = time.monotonic() - t0
@@ -199,6 +213,7 @@ class CudaIpcWeightTransferEngine(
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         start.record()
+        self._received = True
         self.loader.load(bufs, msg)
         end.record()
         end.synchronize()
@@ -208,12 +223,18 @@ class CudaIpcWeightTransferEngine(
                                  receive_s=time.monotonic() - t0)
 
     def finish_weight_update(self) -> None:
+        received, self._received = self._received, False
         if self._layerwise:
             from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
             finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
             self._layerwise = False
+            derived.rederive(self.model, self._tied_plan())
             return
+        if received:
+            # On a CUDA device the rebuild is a no-op for unquantized layers; it also
+            # checks that the tied weights still share one storage.
+            derived.rederive(self.model, self._tied_plan())
         # The session is over and the engine still paused: when the sender asked
         # (it validates by checksum), hash what the update wrote now, so the
         # paused validation only collects the values. A failure here only means

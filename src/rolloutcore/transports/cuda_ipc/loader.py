@@ -12,8 +12,10 @@ vLLM engine.
 
 from __future__ import annotations
 
+import os
+import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ from rolloutcore.transports.cuda_ipc.checksum import (
     resolve_impl,
 )
 from rolloutcore.transports.cuda_ipc.wire import (
+    REF_COUNTER_FILE_BYTES,
     ROW_COUNT,
     ROW_HEADER,
     ROW_NAMES,
@@ -41,22 +44,141 @@ from rolloutcore.transports.cuda_ipc.wire import (
     names_digest60,
 )
 
-__all__ = ["COPY_IMPLS", "SliceLoader", "SlicePlan", "build_plan", "map_buffer"]
+__all__ = [
+    "COPY_IMPLS",
+    "FAST_EXACT",
+    "SHM_DIR",
+    "SliceLoader",
+    "SlicePlan",
+    "build_plan",
+    "check_mapped_range",
+    "check_ref_counter_file",
+    "driver_address_range",
+    "map_buffer",
+]
 
-def map_buffer(b: BufferHandle, device_index: int) -> torch.Tensor:
+#: Where torch's reference-counter files live (``shm_open`` names on Linux).
+SHM_DIR = "/dev/shm"
+
+
+def check_ref_counter_file(b: BufferHandle, shm_dir: str = SHM_DIR) -> None:
+    """Refuse a reference counter torch must not decrement, before anything is opened.
+
+    When the receiver releases a mapping (or maps an allocation it already
+    holds), torch opens the named shared-memory file, maps its header and
+    ``REF_COUNTER_SLOTS`` int64 and decrements slot ``ref_counter_offset``
+    (a slot past the file's end would be a SIGBUS in the worker). The name and
+    the slot are checked by ``BufferHandle``; here the file: it must exist in
+    ``shm_dir`` as a regular file (not a link) of exactly
+    ``REF_COUNTER_FILE_BYTES``, as torch makes it.
+    """
+    name = b.ref_counter_handle.decode("ascii").lstrip("/")
+    path = os.path.join(shm_dir, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise BadInput(f"ref_counter_handle {name!r}: cannot open it as a reference-counter "
+                       f"file ({exc.strerror}; links are not followed)") from exc
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    want = REF_COUNTER_FILE_BYTES
+    if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+        raise BadInput(f"ref_counter_handle {name!r} is not a torch reference-counter file "
+                       f"(a regular file of {want} bytes; this one: {st.st_size} bytes)")
+
+
+def check_mapped_range(b: BufferHandle, storage_ptr: int, storage_nbytes: int,
+                       range_base: int, range_size: int) -> None:
+    """Refuse a mapping whose declared numbers do not fit the allocation really opened.
+
+    torch opens the producer's allocation at ``base`` and places the storage
+    at ``base + storage_offset_bytes``, with the *declared* size: nothing
+    checks that it fits. ``range_base``/``range_size`` are the driver's
+    answer for ``storage_ptr - storage_offset_bytes`` (the opened base): the
+    allocation must start there and hold the whole declared storage.
+    """
+    base = storage_ptr - b.storage_offset_bytes
+    if storage_nbytes != b.storage_size_bytes:
+        raise BadInput(f"the opened storage holds {storage_nbytes} bytes, the handle declares "
+                       f"{b.storage_size_bytes}")
+    if range_base != base:
+        raise BadInput(f"the opened allocation starts at {range_base:#x}, not at the mapped "
+                       f"base {base:#x}: storage_offset_bytes {b.storage_offset_bytes} is "
+                       "not inside it")
+    end = b.storage_offset_bytes + b.storage_size_bytes
+    if end > range_size:
+        raise BadInput(f"declared storage [{b.storage_offset_bytes}, {end}) exceeds the "
+                       f"opened allocation of {range_size} bytes")
+
+
+def driver_address_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the device allocation containing ``ptr``: cuMemGetAddressRange.
+
+    Asked of the CUDA driver (libcuda) directly: torch does not expose it.
+    Raises ``BadInput`` when the driver does not know the address (then the
+    size cannot be shown, and the buffer is refused).
+    """
+    import ctypes
+
+    lib = _libcuda()
+    base = ctypes.c_uint64(0)
+    size = ctypes.c_size_t(0)
+    rc = lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                     ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise BadInput(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}: the "
+                       "opened allocation's size cannot be shown")
+    return int(base.value), int(size.value)
+
+
+_LIBCUDA: Any = None
+
+
+def _libcuda() -> Any:
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.restype = ctypes.c_int
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
+                                                ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
+        _LIBCUDA = lib
+    return _LIBCUDA
+
+
+def map_buffer(b: BufferHandle, device_index: int, *, shm_dir: str = SHM_DIR,
+               address_range: Callable[[int], tuple[int, int]] | None = None
+               ) -> torch.Tensor:
     """Open a peer's shared allocation as a flat ``uint8`` tensor on this device.
 
     The classes and dtype are ours, not the sender's; the numbers come from a
-    validated ``BufferHandle``. CUDA itself checks the handle when it opens it.
+    validated ``BufferHandle``. Before anything is opened the reference
+    counter torch will decrement is checked (``check_ref_counter_file``);
+    after the handle is opened, and before any byte is read or written, the
+    declared storage is checked against the allocation the driver really
+    mapped (``check_mapped_range``). A refused mapping is released at once.
     """
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
+    check_ref_counter_file(b, shm_dir)
+    t: torch.Tensor = rebuild_cuda_tensor(  # type: ignore[no-untyped-call]
         torch.Tensor, (b.nbytes,), (1,), b.tensor_offset_bytes,
         torch.storage.TypedStorage, torch.uint8, device_index, b.handle,
         b.storage_size_bytes, b.storage_offset_bytes, False, b.ref_counter_handle,
         b.ref_counter_offset, b.event_handle, b.event_sync_required)
-
+    st = t.untyped_storage()
+    try:
+        ptr = int(st.data_ptr())
+        rng = (address_range or driver_address_range)(ptr - b.storage_offset_bytes)
+        check_mapped_range(b, ptr, int(st.nbytes()), *rng)
+    except BaseException:
+        del t, st  # drop our references: torch releases the mapping (counter checked)
+        raise
+    return t
 
 
 @dataclass
@@ -77,6 +199,26 @@ class SlicePlan:
     fused: int = 0
     direct: int = 0
     names: tuple[str, ...] = ()
+    #: targets whose layer processes its weights after loading (``FAST_EXACT``)
+    inexact: tuple[str, ...] = ()
+
+
+#: Quant methods whose ``process_weights_after_loading`` leaves an unquantized weight
+#: as it is on a CUDA device (vLLM's only packs on its CPU backend and, opted in, on
+#: XPU): there the fast path's in-place copy is exactly what a load gives. A target
+#: whose layer has any other quant method (fp8, int4, MoE kernels' layouts...) keeps
+#: a transformed weight the copy cannot reproduce: a fast update is refused.
+FAST_EXACT = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+
+
+def _inexact(model: torch.nn.Module, targets: Sequence[str | None]) -> tuple[str, ...]:
+    out = []
+    for t in dict.fromkeys(x for x in targets if x is not None):
+        mod = model.get_submodule(t.rsplit(".", 1)[0]) if "." in t else model
+        qm = getattr(mod, "quant_method", None)
+        if qm is not None and type(qm).__name__ not in FAST_EXACT:
+            out.append(f"{t} ({type(qm).__name__})")
+    return tuple(out)
 
 
 def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
@@ -150,7 +292,7 @@ def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
     uncovered = [n for n, p in params.items() if covered.get(n, 0) != p.numel()]
     return SlicePlan(layout_digest(entries), dsts, targets,
                      {n: p.data_ptr() for n, p in params.items()}, uncovered, fused_n, direct_n,
-                     tuple(e.name for e in entries))
+                     tuple(e.name for e in entries), _inexact(model, targets))
 
 
 COPY_IMPLS = ("auto", "memcpy", "foreach", "kernel")
@@ -301,6 +443,10 @@ class SliceLoader:
         self._pending = None  # hashed before this update: stale
         self._plan_checked = None
         plan = self.plan(msg)  # validates names, shapes and dtypes in both modes
+        if msg.mode == "fast" and plan.inexact:
+            raise BadInput(f"{len(plan.inexact)} targets process their weights after loading, "
+                           f"which an in-place copy cannot reproduce: {list(plan.inexact[:5])}; "
+                           "send them in mode 'reference'")
         srcs = self._sources(bufs, msg)
         t = time.monotonic()
         with torch.no_grad():

@@ -28,7 +28,12 @@ __all__ = [
     "DTYPES",
     "HASH_AT_FINISH",
     "MODES",
+    "HANDLE_KINDS",
+    "HANDLE_VERSIONS",
     "PROTOCOL",
+    "REF_COUNTER_FILE_BYTES",
+    "REF_COUNTER_RE",
+    "REF_COUNTER_SLOTS",
     "RESULTS",
     "RESULT_ROUTES",
     "ROW_COUNT",
@@ -47,6 +52,7 @@ __all__ = [
     "encode_update",
     "layout_digest",
     "names_digest",
+    "handle_kind",
     "names_digest60",
 ]
 
@@ -64,11 +70,45 @@ _MAX_ENTRIES = 100_000
 _MAX_BUFFERS = 64
 _MAX_NAME = 512
 _MAX_DIMS = 8
-# torch's CUDA storage handle is opaque: a kind byte then cudaIpcMemHandle_t (64 bytes)
-# for cudaMalloc'd blocks, longer for expandable segments. CUDA itself validates it
-# when the receiver opens it; here only its size is bounded.
+# torch's CUDA storage handle: a kind byte, then cudaIpcMemHandle_t (64 bytes) for a
+# cudaMalloc'd segment ("c"), or a share header and per-chunk handles for an
+# expandable segment ("e"). CUDA itself validates the handle when the receiver opens
+# it; here its kind and size are checked, and the receiver checks the declared sizes
+# against the allocation it opened (``loader.map_buffer``).
 _MAX_HANDLE = 1024
+#: torch's CUDA storage handle (``CUDACachingAllocator::shareIpcHandle``): a version byte
+#: (``SHAREABLE_HANDLE_VERSION``, 2 since torch 2.x), a kind byte (``c``: cudaMalloc, then
+#: the 64-byte ``cudaIpcMemHandle_t``; ``e``: an expandable segment, then its own bounded
+#: payload). Kind byte -> exact length of the payload after it (None: bounded).
+HANDLE_VERSIONS = frozenset({2})
+HANDLE_KINDS = {b"c"[0]: 64, b"e"[0]: None}
+
+
+def handle_kind(handle: bytes) -> tuple[int, int]:
+    """(kind byte, header length) of a torch CUDA storage handle, or ``BadInput``.
+
+    The versioned form is ``<version><kind><payload>``; a handle that starts
+    with a kind byte is the versionless form of older torch releases.
+    """
+    if len(handle) >= 2 and handle[0] in HANDLE_VERSIONS and handle[1] in HANDLE_KINDS:
+        return handle[1], 2
+    if handle[0] in HANDLE_KINDS:
+        return handle[0], 1
+    raise BadInput(f"handle kind {handle[:2]!r} is not a torch CUDA storage handle "
+                   f"(version {sorted(HANDLE_VERSIONS)}, then one of "
+                   f"{sorted(bytes([k]) for k in HANDLE_KINDS)})")
 _MAX_REF_COUNTER_HANDLE = 1024       # a shared-memory file name
+_EVENT_HANDLE = 64                    # sizeof(cudaIpcEventHandle_t)
+#: The producer's reference counters: a shared-memory file of this many int64 slots
+#: (torch's ``CUDA_IPC_REF_COUNTER_FILE_SIZE``), named ``/torch_<pid>_<random>_<n>``
+#: (``at::NewProcessWideShmHandle``). When the receiver releases a mapping, torch
+#: decrements slot ``ref_counter_offset`` of that file with no bound check: an offset
+#: at or past the end would be a write outside the file's mapping in the worker.
+REF_COUNTER_SLOTS = 10_000
+#: The file's size: torch's ``RefcountedMapAllocator`` puts a 64-byte header (its own
+#: reference count, ``map_alloc_alignment``) before the slots.
+REF_COUNTER_FILE_BYTES = 8 * REF_COUNTER_SLOTS + 64
+REF_COUNTER_RE = re.compile(r"/torch_([0-9]{1,10})_([0-9]{1,20})_([0-9]{1,20})")  # fullmatch
 ALIGN = 256                           # entries start on 256-byte boundaries
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 _UUID_RE = re.compile(r"^(GPU-)?[0-9a-fA-F-]{16,64}$")
@@ -143,19 +183,44 @@ class BufferHandle:
             raise BadInput(f"device_uuid is not a GPU UUID: {self.device_uuid!r}")
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= _MAX_HANDLE:
             raise BadInput(f"handle must be 1..{_MAX_HANDLE} bytes")
+        kind, header = handle_kind(self.handle)
+        exact = HANDLE_KINDS[kind]
+        if exact is not None and len(self.handle) != header + exact:
+            raise BadInput(f"a {bytes([kind])!r} handle is {header + exact} bytes, got "
+                           f"{len(self.handle)}")
         if not isinstance(self.ref_counter_handle, bytes) or not (
                 0 < len(self.ref_counter_handle) <= _MAX_REF_COUNTER_HANDLE):
             raise BadInput("ref_counter_handle must be 1..1024 bytes")
+        if not REF_COUNTER_RE.fullmatch(self.ref_counter_handle.decode("ascii", "replace")):
+            raise BadInput(f"ref_counter_handle {self.ref_counter_handle[:64]!r} is not a "
+                           "torch reference-counter file name (/torch_<pid>_<n>_<n>)")
         if not isinstance(self.event_handle, bytes) or len(self.event_handle) > _MAX_HANDLE:
             raise BadInput(f"event_handle must be at most {_MAX_HANDLE} bytes")
         if not isinstance(self.event_sync_required, bool):
             raise BadInput("event_sync_required must be a boolean")
+        # torch reads a whole cudaIpcEventHandle_t from these bytes when it must sync:
+        # a shorter string would be read past its end in the worker.
+        if self.event_sync_required and len(self.event_handle) != _EVENT_HANDLE:
+            raise BadInput(f"event_handle must be {_EVENT_HANDLE} bytes when "
+                           f"event_sync_required, got {len(self.event_handle)}")
         for name in ("storage_size_bytes", "storage_offset_bytes", "ref_counter_offset",
                      "tensor_offset_bytes", "nbytes"):
             _int(getattr(self, name), name)
+        if self.ref_counter_offset >= REF_COUNTER_SLOTS:
+            raise BadInput(f"ref_counter_offset {self.ref_counter_offset} is outside the "
+                           f"{REF_COUNTER_SLOTS} slots of a reference-counter file")
+        if self.storage_size_bytes == 0:
+            raise BadInput("storage_size_bytes must be > 0")
         if self.tensor_offset_bytes + self.nbytes > self.storage_size_bytes:
             raise BadInput(f"buffer [{self.tensor_offset_bytes}, +{self.nbytes}) exceeds its "
                            f"storage of {self.storage_size_bytes} bytes")
+
+    @property
+    def producer_pid(self) -> int:
+        """The pid of the process that made the reference counter (its owner's)."""
+        m = REF_COUNTER_RE.fullmatch(self.ref_counter_handle.decode("ascii"))
+        assert m is not None  # checked at construction
+        return int(m.group(1))
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -270,6 +335,10 @@ class UpdateMessage:
             raise BadInput(f"1..{_MAX_BUFFERS} buffers expected, got {len(self.buffers)}")
         if not 0 < len(self.entries) <= _MAX_ENTRIES:
             raise BadInput(f"1..{_MAX_ENTRIES} entries expected, got {len(self.entries)}")
+        pids = {b.producer_pid for b in self.buffers}
+        if len(pids) != 1:
+            raise BadInput(f"buffers come from several processes ({sorted(pids)}): one "
+                           "update has one producer")
         names = [e.name for e in self.entries]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})[:5]
@@ -388,8 +457,7 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
              optional=frozenset({"entries", "layout", HASH_AT_FINISH, RESULTS}))
     if not isinstance(o.get(HASH_AT_FINISH, False), bool):
         raise BadInput(f"update_info.{HASH_AT_FINISH} must be a boolean")
-    if RESULTS in o:
-        decode_results(o)  # checked here with the rest; the engine side reads it again
+    slot = decode_results(o) if RESULTS in o else None  # the engine side reads it again
     if o["protocol"] != PROTOCOL:
         raise BadInput(f"update_info.protocol must be {PROTOCOL!r}, got {o['protocol']!r}")
     if ("entries" in o) == ("layout" in o):
@@ -401,17 +469,11 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
     if not isinstance(mode, str):
         raise BadInput("update_info.mode must be a string")
     buffers = tuple(BufferHandle.from_json(b, f"buffers[{i}]") for i, b in enumerate(bufs))
+    if slot is not None and buffers and slot.buffer.producer_pid != buffers[0].producer_pid:
+        raise BadInput(f"update_info.{RESULTS} comes from process {slot.buffer.producer_pid}, "
+                       f"the buffers from {buffers[0].producer_pid}")
     if "layout" in o:
-        digest = o["layout"]
-        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise BadInput("update_info.layout must be a sha256 hex digest")
-        prev = (known or {}).get(digest)
-        if prev is None:
-            raise BadInput(f"unknown layout {digest[:12]}: this engine has not received its "
-                           "entries (send them in full)")
-        if prev.mode == mode and prev.buffers == buffers:
-            return prev
-        return UpdateMessage(mode, buffers, prev.entries, layout_digest=digest)
+        return _by_layout(o["layout"], mode, buffers, known)
     ents = o["entries"]
     if not isinstance(ents, list) or len(ents) > _MAX_ENTRIES:
         raise BadInput(f"update_info.entries must be a list of at most {_MAX_ENTRIES}")
@@ -419,6 +481,19 @@ def decode_update(d: object, known: Mapping[str, UpdateMessage] | None = None
         mode, buffers,
         tuple(EntrySpec.from_json(e, f"entries[{i}]") for i, e in enumerate(ents)),
     )
+
+
+def _by_layout(digest: object, mode: str, buffers: tuple[BufferHandle, ...],
+               known: Mapping[str, UpdateMessage] | None) -> UpdateMessage:
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise BadInput("update_info.layout must be a sha256 hex digest")
+    prev = (known or {}).get(digest)
+    if prev is None:
+        raise BadInput(f"unknown layout {digest[:12]}: this engine has not received its "
+                       "entries (send them in full)")
+    if prev.mode == mode and prev.buffers == buffers:
+        return prev
+    return UpdateMessage(mode, buffers, prev.entries, layout_digest=digest)
 
 
 def decode_results(d: Mapping[str, Any]) -> ResultSlot | None:

@@ -1,0 +1,255 @@
+"""Where the TRL integration generates: an in-process session or a gateway, behind one protocol."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rolloutcore.core.versions import (
+    Binding,
+    EngineIdentity,
+    Provenance,
+    WeightIdentity,
+    WeightVersion,
+)
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    UpdateFailed,
+)
+from rolloutcore.integrations.trl.common import (
+    _RETRY_503_S,
+)
+from rolloutcore.provenance.trajectory import (
+    SamplingSpec,
+    Timestamps,
+    VersionSpan,
+)
+from rolloutcore.transports.source import WeightSource
+
+__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine"]
+
+# --------------------------------------------------------------------------- engines
+
+
+@dataclass(frozen=True)
+class PublishedUpdate:
+    """What an engine's update published (the transition's phase times included)."""
+
+    version: WeightVersion
+    identity: WeightIdentity
+    phases_s: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """One generated sample as the engine answered it, with its binding."""
+
+    binding: Binding
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+    spans: tuple[VersionSpan, ...] | None
+    stamps: Timestamps
+    attributable: bool = True
+
+
+class RolloutEngine(Protocol):
+    """What the rollout function needs from where the policy is served.
+
+    Two are built in (an ``EngineSession``; a gateway); another serving stack
+    under a ``LifecycleController`` can be plugged in by implementing this.
+    """
+
+    replica: str
+
+    def committed(self) -> tuple[WeightVersion, WeightIdentity]: ...
+
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+               owner: str) -> PublishedUpdate: ...
+
+    def generate(self, rollout_id: str, prompt: Sequence[int],
+                 spec: SamplingSpec) -> EngineSample: ...
+
+    def engine_identity(self) -> EngineIdentity: ...
+
+    def close(self) -> None: ...
+
+
+def _spans(raw: Any) -> tuple[VersionSpan, ...] | None:
+    if raw is None:
+        return None
+    return tuple(VersionSpan(str(s.version), int(s.start), int(s.end)) if not isinstance(
+        s, Mapping) else VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
+        for s in raw)
+
+
+def _vllm_extra(spec: SamplingSpec) -> dict[str, Any]:
+    """``spec.to_vllm()`` less what ``VllmHTTP.generate`` takes as arguments."""
+    out = spec.to_vllm()
+    for k in ("max_tokens", "temperature", "seed", "logprobs", "ignore_eos"):
+        out.pop(k, None)
+    return out
+
+
+class _SessionEngine:
+    """An in-process ``EngineSession``: its controller admits, its runner updates."""
+
+    def __init__(self, session: Any, *, owns: bool) -> None:
+        self.session = session
+        self.owns = owns
+        self.replica = str(session.http.base_url)
+
+    def committed(self) -> tuple[WeightVersion, WeightIdentity]:
+        c = self.session.controller
+        if c.committed is None or c.identity is None:
+            raise BadInput("the session is not bootstrapped: call session.bootstrap(checkpoint) "
+                           "first (or use RolloutCoreRollout.launch)")
+        return c.committed, c.identity
+
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+               owner: str) -> PublishedUpdate:
+        res = self.session.update(state, provenance, probe=probe, owner=owner)
+        return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
+
+    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
+        c, http = self.session.controller, self.session.http
+        binding = c.admit(rollout_id)
+        aw, am = time.time(), time.monotonic()
+        try:
+            assert spec.max_tokens is not None
+            g = http.generate(prompt, max_tokens=spec.max_tokens, temperature=spec.temperature,
+                              seed=spec.seed, logprobs=True,
+                              ignore_eos=bool(spec.extra.get("ignore_eos", False)),
+                              request_id=rollout_id, sampling_extra=_vllm_extra(spec))
+        finally:
+            done = c.complete(rollout_id)
+        cw, cm = time.time(), time.monotonic()
+        return EngineSample(binding, tuple(g.token_ids), tuple(g.logprobs or ()),
+                       g.finish_reason or "unknown", _spans(g.weight_versions),
+                       Timestamps(aw, am, cw, max(cm, am)), done.attributable)
+
+    def engine_identity(self) -> EngineIdentity:
+        from rolloutcore.adapters.vllm import engine_identity
+
+        return engine_identity(self.session.http)
+
+    def close(self) -> None:
+        if self.owns:
+            self.session.close()
+
+
+class _GatewayEngine:
+    """A ``rolloutcore serve`` gateway: its data plane admits, its control API updates."""
+
+    def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
+                 timeout_s: float, min_verification: str) -> None:
+        import httpx
+
+        from rolloutcore.service.client import RolloutCoreClient
+
+        self.replica = url.rstrip("/")
+        self.client = RolloutCoreClient(self.replica, token, transport=transport)
+        headers = {"authorization": f"Bearer {data_token}"} if data_token else {}
+        self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers)
+        self.min_verification = min_verification
+        self._lock = threading.Lock()
+        self._version: WeightVersion | None = None
+        self._identity: WeightIdentity | None = None
+        self._model: str | None = None
+
+    def committed(self) -> tuple[WeightVersion, WeightIdentity]:
+        st = self.client.status()
+        if not st.get("committed") or not st.get("identity"):
+            raise BadInput(f"the gateway has no committed version (state {st.get('state')})")
+        v, ident = WeightVersion.from_dict(st["committed"]), WeightIdentity.from_dict(
+            st["identity"])
+        with self._lock:
+            self._version, self._identity = v, ident
+        return v, ident
+
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+               owner: str) -> PublishedUpdate:
+        res = self.client.update(WeightSource.of(state), provenance, owner=owner,
+                                 min_verification=self.min_verification)
+        if res.published is None or res.identity is None:
+            raise UpdateFailed(res.phase or "commit", res.classification or "ambiguous",
+                               res.state, f"the gateway answered {res.status} without a "
+                               "published version")
+        ident = WeightIdentity.from_dict(res.identity)
+        with self._lock:
+            self._version, self._identity = res.published, ident
+        return PublishedUpdate(res.published, ident, dict(res.phases))
+
+    def _served_model(self) -> str:
+        if self._model is None:
+            r = self.http.get("/v1/models")
+            r.raise_for_status()
+            self._model = str(r.json()["data"][0]["id"])
+        return self._model
+
+    def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
+        import httpx
+
+        body = {"model": self._served_model(), "token_ids": list(prompt),
+                "sampling_params": spec.to_vllm()}
+        deadline = time.monotonic() + _RETRY_503_S
+        while True:
+            aw, am = time.time(), time.monotonic()
+            try:
+                r = self.http.post("/inference/v1/generate", json=body,
+                                   headers={"x-rolloutcore-rollout-id": rollout_id})
+            except httpx.HTTPError as exc:
+                raise EffectError("generate", f"gateway unreachable: {exc!r}",
+                                  mutation_started=False) from exc
+            retry = r.headers.get("retry-after")
+            if r.status_code == 503 and retry is not None and time.monotonic() < deadline:
+                time.sleep(min(float(retry), max(0.0, deadline - time.monotonic())))
+                continue
+            break
+        cw, cm = time.time(), time.monotonic()
+        if r.status_code != 200:
+            raise EffectError("generate", f"gateway answered {r.status_code}: {r.text[:300]}",
+                              mutation_started=False)
+        try:
+            d = r.json()
+            info = d["rolloutcore"]
+            ch = d["choices"][0]
+            toks = tuple(int(t) for t in ch.get("token_ids") or ())
+            lps = tuple(float(c["logprob"]) for c in (ch.get("logprobs") or {}).get(
+                "content") or ())
+            version = WeightVersion(int(info["generation"]), str(info["version"]),
+                                    str(info["engine_epoch"]))
+            digest = str(info["identity_digest"])
+            spans = _spans(ch.get("weight_versions"))
+            finish = str(ch.get("finish_reason") or "unknown")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EffectError("generate", f"unexpected gateway answer: {exc!r}",
+                              mutation_started=False) from exc
+        with self._lock:
+            ident = self._identity
+        if ident is None or ident.digest != digest:
+            self.committed()
+            with self._lock:
+                ident = self._identity
+        assert ident is not None
+        known = ident.digest == digest
+        rid = str(info.get("rollout_id") or rollout_id)
+        return EngineSample(Binding(version, ident, rid), toks, lps, finish, spans,
+                            Timestamps(aw, am, cw, max(cm, am)), known)
+
+    def engine_identity(self) -> EngineIdentity:
+        r = self.http.get("/version")
+        version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
+        return EngineIdentity(version, self._served_model(), {}, self.replica)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        finally:
+            self.http.close()
+
+

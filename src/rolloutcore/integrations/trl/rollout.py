@@ -1,0 +1,496 @@
+"""``RolloutCoreRollout``: GRPOTrainer's ``rollout_func`` through RolloutCore."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.core.versions import (
+    EngineIdentity,
+    Provenance,
+    WeightVersion,
+)
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    UpdateFailed,
+    UpdateRefused,
+)
+from rolloutcore.integrations.trl.common import (
+    DEFAULT_PROBE_TOLERANCE,
+    GenerationReport,
+    StepReport,
+    TrainingStopped,
+    UpdateReport,
+)
+from rolloutcore.integrations.trl.engines import (
+    EngineSample,
+    RolloutEngine,
+    _GatewayEngine,
+    _SessionEngine,
+)
+from rolloutcore.integrations.trl.weights import (
+    engine_state_dict,
+    probe_for,
+)
+from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
+from rolloutcore.provenance.trajectory import (
+    Prompt,
+    SampledCompletion,
+    SamplingSpec,
+    TrajectoryGroup,
+    TrajectorySample,
+    group_id_for,
+)
+from rolloutcore.transports.source import WeightSource
+
+__all__ = ["RolloutCoreRollout"]
+
+# --------------------------------------------------------------------------- rollout
+
+
+class _WeightSync:
+    """Stands in for TRL's ``vllm_generation``: TRL calls ``sync_weights`` when its step moved."""
+
+    def __init__(self, rollout: RolloutCoreRollout, trainer: Any) -> None:
+        self._rollout = rollout
+        self._trainer = trainer
+
+    def sync_weights(self) -> None:
+        self._rollout.sync(self._trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"RolloutCore generates for this trainer; TRL's vLLM backend "
+                             f"attribute {name!r} does not exist here")
+
+
+@dataclass
+class _Pending:
+    prompt_index: int
+    group_id: str
+    prompt: tuple[int, ...]
+    futures: list[Future[EngineSample]] = field(default_factory=list)
+
+
+class RolloutCoreRollout:
+    """TRL's ``rollout_func``: verified updates, bound and recorded samples.
+
+    ``RolloutCoreRollout(session, checkpoint=..., run=...)`` over an
+    ``EngineSession`` (bootstrapped on ``checkpoint``) or any
+    ``RolloutEngine``, or the constructors ``launch`` and ``through_gateway``.
+    ``trajectories`` is the trajectory file (opened now: one writer).
+    ``max_concurrency`` bounds the requests in flight (vLLM batches them).
+    """
+
+    def __init__(self, engine: Any, *, checkpoint: str | Path, run: str,
+                 trajectories: str | Path | None = None, origin: str | None = None,
+                 probe: bool = True, probe_tolerance: float = DEFAULT_PROBE_TOLERANCE,
+                 importance_sampling: bool = True,
+                 max_concurrency: int = 32, owner: str = "trl") -> None:
+        from rolloutcore.control.session import EngineSession
+
+        if isinstance(engine, EngineSession):
+            engine = _SessionEngine(engine, owns=False)
+        elif not all(callable(getattr(engine, m, None)) for m in (
+                "committed", "update", "generate", "engine_identity", "close")):
+            raise BadInput("engine must be an EngineSession or a RolloutEngine (or use "
+                           "RolloutCoreRollout.launch / through_gateway)")
+        ckpt = Path(checkpoint)
+        if not (ckpt / "config.json").is_file():
+            raise BadInput(f"{ckpt} is not a checkpoint directory (no config.json)")
+        if not isinstance(run, str) or not run:
+            raise BadInput("run must be a non-empty string")
+        # The run name is part of every group id and seed: check it once, here.
+        group_id_for(run, 0, 0)
+        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or \
+                max_concurrency < 1:
+            raise BadInput(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        self.engine: RolloutEngine = engine
+        self.run = run
+        self.checkpoint = ckpt
+        self.origin = origin or str(ckpt.resolve())
+        self.probe = bool(probe)
+        if isinstance(probe_tolerance, bool) or not isinstance(probe_tolerance, (int, float)) \
+                or not 0 < probe_tolerance < math.inf:
+            raise BadInput(f"probe_tolerance must be a positive number, got {probe_tolerance!r}")
+        self.probe_tolerance = float(probe_tolerance)
+        self.importance_sampling = bool(importance_sampling)
+        self.owner = owner
+        self.manifest = WeightSource.from_checkpoint(ckpt).manifest()
+        version, identity = engine.committed()
+        self.version = version
+        self.identity = identity
+        self.synced_step: int = identity.provenance.step
+        self.steps: list[StepReport] = []
+        self.updates: list[UpdateReport] = []
+        self.samples_generated = 0
+        self.samples_recorded = 0
+        self.stopped: TrainingStopped | None = None
+        self._pending_update: UpdateReport | None = None
+        self._next_index: dict[int, int] = {}
+        self._engine_identity: EngineIdentity | None = None
+        self._pool: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=max_concurrency,
+                                        thread_name_prefix="rolloutcore-gen")
+        self._adopted: Any = None
+        self.recorder = TrajectoryRecorder(trajectories) if trajectories is not None else None
+        self.trajectories = None if trajectories is None else Path(trajectories)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def launch(cls, checkpoint: str | Path, *, run: str, trajectories: str | Path | None = None,
+               journal: str | Path | None = None, transport: Any = None,
+               engine_kwargs: Mapping[str, Any] | None = None, progress: bool = False,
+               start_timeout_s: float = 600.0, **kw: Any) -> RolloutCoreRollout:
+        """Start vLLM on ``checkpoint`` under RolloutCore and bootstrap it (step 0)."""
+        from rolloutcore.control.session import EngineSession
+
+        session = EngineSession.launch(checkpoint, transport=transport, journal_path=journal,
+                                       engine_kwargs=engine_kwargs, progress=progress,
+                                       start_timeout_s=start_timeout_s)
+        try:
+            origin = kw.get("origin") or str(Path(checkpoint).resolve())
+            session.bootstrap(checkpoint, Provenance(origin, run, 0))
+            return cls(_SessionEngine(session, owns=True), checkpoint=checkpoint, run=run,
+                       trajectories=trajectories, **kw)
+        except BaseException:
+            session.close()
+            raise
+
+    @classmethod
+    def through_gateway(cls, url: str, token: str, *, checkpoint: str | Path, run: str,
+                        trajectories: str | Path | None = None, transport: Any = None,
+                        data_token: str | None = None, timeout_s: float = 300.0,
+                        min_verification: str = "declared", **kw: Any) -> RolloutCoreRollout:
+        """Generate and update through a ``rolloutcore serve`` gateway at ``url``.
+
+        ``token`` is the gateway's control token; ``transport`` moves the
+        weights into the engine the gateway names (default: gloo, the CPU
+        backend ``rolloutcore serve`` starts vLLM with).
+        """
+        if transport is None:
+            from rolloutcore.transports.gloo import GlooTransport
+
+            transport = GlooTransport()
+        kw.setdefault("probe", False)  # the probe runs where the engine is: the gateway
+        eng = _GatewayEngine(url, token, transport=transport, data_token=data_token,
+                             timeout_s=timeout_s, min_verification=min_verification)
+        try:
+            return cls(eng, checkpoint=checkpoint, run=run, trajectories=trajectories, **kw)
+        except BaseException:
+            eng.close()
+            raise
+
+    @property
+    def session(self) -> Any:
+        """The in-process ``EngineSession`` (controller, journal, HTTP client); else None."""
+        return self.engine.session if isinstance(self.engine, _SessionEngine) else None
+
+    # ------------------------------------------------------------------ TRL's hooks
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        """TRL's ``rollout_func(prompts, trainer)``."""
+        self._check_usable()
+        t0 = time.monotonic()
+        self._adopt(trainer)
+        step = int(trainer.state.global_step)
+        hooked = self._pending_update
+        upd = self.sync(trainer)
+        self._pending_update = None
+        # An update TRL's own sync hook made just before this call is part of it.
+        before = upd.total_s if upd is not None and upd is hooked else 0.0
+        training = bool(getattr(trainer.model, "training", True))
+        n = int(trainer.num_generations if training else
+                getattr(trainer, "num_generations_eval", None) or trainer.num_generations)
+        unique = _groups(prompts, n)
+        ids = self._tokenize(trainer, unique)
+        spec = self._sampling(trainer)
+        try:
+            out, gen = self._generate(step, ids, n, spec)
+        except TrainingStopped as exc:
+            self._stop(exc)
+            raise
+        self.steps.append(StepReport(step, upd, gen, before + time.monotonic() - t0))
+        self._metrics(trainer, training, upd, gen)
+        return out
+
+    def sync(self, trainer: Any) -> UpdateReport | None:
+        """Push the trainer's weights (verified) if its step moved since the last push.
+
+        Idempotent per step: TRL's sync hook and the rollout call may both
+        ask. Returns the update made by this call or the one made earlier
+        for the same step by TRL's hook (once), else ``None``.
+        """
+        self._check_usable()
+        step = int(trainer.state.global_step)
+        if step == self.synced_step:
+            upd, self._pending_update = self._pending_update, None
+            return upd
+        if getattr(getattr(trainer, "accelerator", None), "num_processes", 1) != 1:
+            raise BadInput("RolloutCoreRollout runs in one training process")
+        model = trainer.model
+        acc = getattr(trainer, "accelerator", None)
+        if acc is not None and hasattr(acc, "unwrap_model"):
+            model = acc.unwrap_model(model)
+        t0 = time.monotonic()
+        state = engine_state_dict(model, self.manifest)
+        probe: Any = False
+        if self.probe:
+            probe = probe_for(model, state, tolerance=self.probe_tolerance)
+        prov = Provenance(self.origin, self.run, step)
+        prepare_s = time.monotonic() - t0
+        try:
+            pub = self.engine.update(state, prov, probe, self.owner)
+        except (UpdateFailed, UpdateRefused, EffectError) as exc:
+            err = TrainingStopped(
+                step, "update_failed", f"{type(exc).__name__}: {exc}",
+                phase=getattr(exc, "phase", None),
+                classification=getattr(exc, "classification", None),
+                state=getattr(exc, "state", None), published=self.version)
+            self._stop(err)
+            raise err from exc
+        self.version, self.identity, self.synced_step = pub.version, pub.identity, step
+        last = getattr(probe, "last", None)
+        rep = UpdateReport(step, pub.version, pub.identity, prepare_s, dict(pub.phases_s),
+                           time.monotonic() - t0,
+                           None if last is None else float(last.max_abs_diff))
+        self.updates.append(rep)
+        self._pending_update = rep
+        return rep
+
+    # ------------------------------------------------------------------ internals
+    def _check_usable(self) -> None:
+        if self.stopped is not None:
+            raise self.stopped
+        if self._pool is None:
+            raise BadInput("this rollout function is closed")
+
+    def _stop(self, err: TrainingStopped) -> None:
+        if self.stopped is None:
+            self.stopped = err
+
+    def _adopt(self, trainer: Any) -> None:
+        """Once per trainer: checks, and TRL's importance-sampling correction switched on."""
+        if self._adopted is trainer:
+            return
+        for attr in ("state", "model", "num_generations", "processing_class"):
+            if not hasattr(trainer, attr):
+                raise BadInput(f"not a TRL GRPOTrainer: it has no {attr!r}")
+        if getattr(getattr(trainer, "accelerator", None), "num_processes", 1) != 1:
+            raise BadInput("RolloutCoreRollout runs in one training process")
+        if self.importance_sampling and not getattr(trainer, "tools", None) and getattr(
+                trainer, "vllm_importance_sampling_correction", False):
+            if getattr(trainer, "use_vllm", False) and not isinstance(
+                    getattr(trainer, "vllm_generation", None), _WeightSync):
+                raise BadInput("the trainer runs its own vLLM (use_vllm=True); RolloutCore "
+                               "generates instead: leave use_vllm off")
+            if getattr(trainer, "loss_type", None) == "vespo" and getattr(
+                    trainer, "vllm_importance_sampling_mode", None) not in (
+                    "token_truncate", "token_mask"):
+                # TRL checks this at init, only for its own vLLM backend.
+                raise BadInput("loss_type 'vespo' with the importance-sampling correction "
+                               "needs vllm_importance_sampling_mode 'token_truncate' or "
+                               "'token_mask'")
+            trainer.use_vllm = True
+            trainer.vllm_generation = _WeightSync(self, trainer)
+            trainer._last_loaded_step = self.synced_step
+        self._adopted = trainer
+
+    def _tokenize(self, trainer: Any, prompts: list[Any]) -> list[tuple[int, ...]]:
+        tok = trainer.processing_class
+        if _conversational(prompts[0]):
+            enc = tok.apply_chat_template(
+                conversation=prompts, chat_template=getattr(trainer, "chat_template", None),
+                add_generation_prompt=True, tokenize=True, return_dict=True,
+                **(getattr(trainer, "chat_template_kwargs", None) or {}))
+            raw = enc["input_ids"]
+        else:
+            raw = tok(text=prompts)["input_ids"]
+        out = []
+        for p, ids in zip(prompts, raw, strict=True):
+            t = tuple(int(x) for x in ids)
+            if not t:
+                raise BadInput(f"prompt {p!r} tokenizes to nothing")
+            out.append(t)
+        return out
+
+    @staticmethod
+    def _sampling(trainer: Any) -> SamplingSpec:
+        max_tokens = int(trainer.max_completion_length)
+        top_k = int(getattr(trainer, "top_k", 0) or 0)
+        extra: dict[str, Any] = {"logprobs": 0, "ignore_eos": False}
+        min_p = getattr(trainer, "min_p", None)
+        if min_p:
+            extra["min_p"] = float(min_p)
+        rep = getattr(trainer, "repetition_penalty", 1.0)
+        if rep is not None and rep != 1.0:
+            extra["repetition_penalty"] = float(rep)
+        gk = getattr(getattr(trainer, "args", None), "generation_kwargs", None) or {}
+        extra.update({k: v for k, v in dict(gk).items()
+                      if k not in ("temperature", "top_p", "top_k", "max_tokens", "seed", "n")})
+        return SamplingSpec(float(trainer.temperature), float(trainer.top_p or 1.0),
+                            top_k if top_k > 0 else -1, max_tokens, 0, SEED_DERIVATION, extra)
+
+    def _generate(self, step: int, prompts: list[tuple[int, ...]], n: int,
+                  base: SamplingSpec) -> tuple[dict[str, Any], GenerationReport]:
+        pool = self._pool
+        assert pool is not None
+        first = self._next_index.get(step, 0)
+        version = self.version
+        t0 = time.monotonic()
+        pending: list[_Pending] = []
+        for k, p in enumerate(prompts):
+            idx = first + k
+            gid = group_id_for(self.run, step, idx)
+            pend = _Pending(idx, gid, p)
+            for i in range(n):
+                spec = SamplingSpec(base.temperature, base.top_p, base.top_k, base.max_tokens,
+                                    derive_seed(self.run, step, gid, i), SEED_DERIVATION,
+                                    base.extra)
+                pend.futures.append(pool.submit(self.engine.generate, f"{gid}/{i}", p, spec))
+            pending.append(pend)
+        self._next_index[step] = first + len(prompts)
+        results: list[list[EngineSample]] = []
+        errors: list[BaseException] = []
+        for pend in pending:
+            row = []
+            for f in pend.futures:
+                try:
+                    row.append(f.result())
+                except BaseException as exc:  # every future is awaited before raising
+                    errors.append(exc)
+            results.append(row)
+        generate_s = time.monotonic() - t0
+        self.samples_generated += sum(len(r) for r in results)
+        if errors:
+            e = errors[0]
+            st = getattr(e, "state", None)
+            raise TrainingStopped(step, "generation", f"{len(errors)} of {len(prompts) * n} "
+                                  f"samples failed; first: {type(e).__name__}: {e}",
+                                  state=st, published=self.version) from e
+        for pend, row in zip(pending, results, strict=True):
+            for i, s in enumerate(row):
+                problem = _attribution_problem(s, version)
+                if problem:
+                    raise TrainingStopped(step, "attribution",
+                                          f"sample {pend.group_id}/{i}: {problem}",
+                                          published=self.version)
+        t1 = time.monotonic()
+        engine = self._engine_id()
+        groups = []
+        for pend, row in zip(pending, results, strict=True):
+            groups.append(TrajectoryGroup(tuple(
+                TrajectorySample(self.run, step, pend.group_id, pend.prompt_index, n, i,
+                                 Prompt(pend.prompt),
+                                 SamplingSpec(base.temperature, base.top_p, base.top_k,
+                                              base.max_tokens,
+                                              derive_seed(self.run, step, pend.group_id, i),
+                                              SEED_DERIVATION, base.extra),
+                                 SampledCompletion(s.token_ids, s.finish_reason, s.logprobs,
+                                                   None, s.spans),
+                                 s.binding, engine, s.stamps)
+                for i, s in enumerate(row))))
+        if self.recorder is not None:
+            for g in groups:
+                self.recorder.append_group(g)
+            self.samples_recorded += sum(len(g) for g in groups)
+        record_s = time.monotonic() - t1
+        out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
+                               "rc_version": [], "rc_generation": [], "rc_rollout_id": []}
+        tokens = 0
+        for pend, row in zip(pending, results, strict=True):
+            for s in row:
+                out["prompt_ids"].append(list(pend.prompt))
+                out["completion_ids"].append(list(s.token_ids))
+                out["logprobs"].append(list(s.logprobs))
+                out["rc_version"].append(s.binding.version.label)
+                out["rc_generation"].append(s.binding.version.generation)
+                out["rc_rollout_id"].append(s.binding.rollout_id)
+                tokens += len(s.token_ids)
+        return out, GenerationReport(step, version, len(prompts), len(prompts) * n, tokens,
+                                     generate_s, record_s, first)
+
+    def _engine_id(self) -> EngineIdentity:
+        if self._engine_identity is None:
+            self._engine_identity = self.engine.engine_identity()
+        return self._engine_identity
+
+    @staticmethod
+    def _metrics(trainer: Any, training: bool, upd: UpdateReport | None,
+                 gen: GenerationReport) -> None:
+        """RolloutCore's numbers in TRL's own logs (averaged and printed with its metrics)."""
+        m = getattr(trainer, "_metrics", None)
+        if not isinstance(m, Mapping):
+            return
+        mode = m.get("train" if training else "eval")
+        if mode is None:
+            return
+        with contextlib.suppress(Exception):
+            mode["rolloutcore/generation"].append(float(gen.version.generation))
+            mode["rolloutcore/generate_s"].append(gen.generate_s)
+            if upd is not None:
+                mode["rolloutcore/update_s"].append(upd.total_s)
+                mode["rolloutcore/drain_s"].append(upd.drain_s)
+
+    def close(self) -> None:
+        """Stop the generation threads, close the trajectory file (and an owned engine)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            if self.recorder is not None:
+                self.recorder.close()
+        finally:
+            self.engine.close()
+
+    def __enter__(self) -> RolloutCoreRollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _conversational(prompt: Any) -> bool:
+    """TRL's test: a prompt is a list of messages (dicts with a role)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) \
+        and "role" in prompt[0]
+
+
+def _groups(prompts: Sequence[Any], n: int) -> list[Any]:
+    """The distinct prompts of TRL's batch, which repeats each one ``n`` times in a row."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise BadInput("prompts must be a non-empty list")
+    if n < 1 or len(prompts) % n:
+        raise BadInput(f"{len(prompts)} prompts are not groups of num_generations={n}")
+    out = []
+    for k in range(0, len(prompts), n):
+        block = prompts[k:k + n]
+        if any(p != block[0] for p in block[1:]):
+            raise BadInput(f"prompts {k}..{k + n - 1} are not one prompt repeated "
+                           f"{n} times (TRL's RepeatSampler order)")
+        out.append(block[0])
+    return out
+
+
+def _attribution_problem(s: EngineSample, expected: WeightVersion) -> str | None:
+    """Why ``s`` cannot be credited to ``expected``; ``None`` when it can."""
+    bound = s.binding.version
+    if not s.attributable:
+        return (f"its binding to {bound.label} did not survive (the engine left service "
+                "while it ran)")
+    if bound != expected:
+        return f"bound to {bound} but this step's version is {expected}"
+    if s.spans is not None:
+        named = {sp.version for sp in s.spans if sp.end > sp.start}
+        if named - {bound.label}:
+            return (f"vLLM labels its tokens {sorted(named)} but it is bound to "
+                    f"{bound.label}")
+    if not all(math.isfinite(x) for x in s.logprobs) or len(s.logprobs) != len(s.token_ids):
+        return "the engine's logprobs do not cover its tokens"
+    return None
+

@@ -1,0 +1,264 @@
+"""The gateway as a drop-in OpenAI endpoint, and TRL training through it.
+
+``rolloutcore serve`` with its embedded default (a generated tiny checkpoint,
+vLLM launched on it) in its own process; the official ``openai`` SDK as the
+client: the model list, completions, chat, streaming, and the SDK's own
+retry on ``503`` + ``Retry-After`` while an update holds admission closed.
+Then a short GRPO training with ``RolloutCoreRollout.through_gateway``:
+updates through the gateway's two-phase protocol, generation through its
+data plane.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from rolloutcore.adapters.vllm.process import free_port, vllm_available
+from rolloutcore.control.journal import read_journal
+from rolloutcore.core.versions import Provenance
+from rolloutcore.provenance.audit import audit_file
+from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.service.client import RolloutCoreClient
+from rolloutcore.testing.models import make_checkpoint
+from rolloutcore.transports.gloo import GlooTransport
+from rolloutcore.transports.source import WeightSource
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+openai = pytest.importorskip("openai")
+httpx2 = pytest.importorskip("httpx2")
+
+TOKEN = "openai-sdk-test-token-0123456789abcdef"
+ROOT = Path(__file__).resolve().parents[2]
+VERSION = "x-rolloutcore-version"
+
+
+@dataclass
+class Served:
+    url: str
+    work: Path
+    journal: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.work / "policy-0"  # what the embedded default generates
+
+    def sdk(self, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", **kw)
+
+    def control(self) -> RolloutCoreClient:
+        return RolloutCoreClient(self.url, TOKEN, transport=GlooTransport())
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    work = tmp_path_factory.mktemp("serve")
+    (work / "token").write_text(TOKEN + "\n")
+    port = free_port()
+    log = work / "serve.log"
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--workdir", str(work),
+           "--port", str(port), "--token-file", str(work / "token"),
+           "--journal", str(work / "journal.jsonl")]
+    with open(log, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # generates a checkpoint and cold-starts vLLM
+        while True:
+            assert proc.poll() is None, log.read_text()[-4000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        yield Served(url, work, work / "journal.jsonl", proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.fixture
+def client(served: Served) -> Iterator[Any]:
+    with served.sdk() as c:
+        yield c
+
+
+def test_the_model_list_answers_like_vllm(client: Any) -> None:
+    models = client.models.list()
+    assert [(m.id, m.owned_by) for m in models.data] == [("policy", "vllm")]
+    assert models.data[0].model_extra["max_model_len"] == 512  # vLLM's own answer
+
+
+def _model(client: Any) -> str:
+    return str(client.models.list().data[0].id)
+
+
+def test_completions_carry_the_version(client: Any) -> None:
+    raw = client.completions.with_raw_response.create(model=_model(client), prompt="Hello",
+                                                      max_tokens=8, temperature=0)
+    done = raw.parse()
+    assert done.choices[0].text is not None and done.usage.completion_tokens > 0
+    assert raw.headers[VERSION] == done.model_extra["rolloutcore"]["version"]
+
+
+def test_chat_works_with_the_generated_tokenizer_s_template(client: Any) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=_model(client), messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+        temperature=0)
+    done = raw.parse()
+    assert isinstance(done.choices[0].message.content, str)
+    assert done.usage.prompt_tokens == len(b"<s><|user|>\nHi\n<|assistant|>\n") - 2
+    assert raw.headers[VERSION] == done.model_extra["rolloutcore"]["version"]
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_streaming_carries_the_version_in_its_first_event(client: Any, kind: str) -> None:
+    m = _model(client)
+    if kind == "completions":
+        stream = client.completions.create(model=m, prompt="Hello", max_tokens=12,
+                                           temperature=0, stream=True)
+    else:
+        stream = client.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+            temperature=0, stream=True)
+    chunks = list(stream)
+    assert len(chunks) >= 2
+    info = chunks[0].model_extra["rolloutcore"]
+    assert info["version"] and info["rollout_id"]
+    assert all("rolloutcore" not in (c.model_extra or {}) for c in chunks[1:])
+
+
+def test_trl_trains_through_the_gateway(served: Served, tmp_path: Path) -> None:
+    """``--gateway`` mode: every update is the gateway's, every sample its data plane's."""
+    import torch
+    import transformers
+
+    from rolloutcore.cli.train import target_reward
+    from rolloutcore.integrations.trl import RolloutCoreRollout, import_trl
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    trl = import_trl()
+    from datasets import Dataset
+
+    traj = tmp_path / "traj.jsonl"
+    rollout = RolloutCoreRollout.through_gateway(served.url, TOKEN,
+                                                 checkpoint=served.checkpoint,
+                                                 run="via-gateway", trajectories=traj)
+    v0 = rollout.version
+    seen: list[tuple[int, set[str]]] = []
+
+    def reward(prompts: Any, completions: Any, completion_ids: list[list[int]],
+               trainer_state: Any, rc_version: list[str], **kw: Any) -> list[float]:
+        seen.append((int(trainer_state.global_step), set(rc_version)))
+        return target_reward(completion_ids)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(served.checkpoint)
+        model = transformers.AutoModelForCausalLM.from_pretrained(served.checkpoint,
+                                                                  dtype=torch.float32)
+        args = trl.GRPOConfig(
+            output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, seed=0,
+            per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+            learning_rate=2e-3, max_steps=2, logging_steps=1, report_to="none",
+            save_strategy="no", disable_tqdm=True, log_level="error",
+            gradient_checkpointing=False)
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=reward, args=args,
+            train_dataset=Dataset.from_dict({"prompt": [f"say a ({i})" for i in range(16)]}),
+            processing_class=tok, rollout_func=rollout)
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
+        rollout.close()
+    (upd,) = rollout.updates
+    assert seen == [(0, {v0.label}), (1, {upd.version.label})]
+    assert upd.version.generation == v0.generation + 1
+    assert upd.identity.provenance == Provenance(str(served.checkpoint.resolve()),
+                                                 "via-gateway", 1)
+    commits = [r for r in read_journal(served.journal) if r.kind == "commit"]
+    assert commits[-1].data["version"]["label"] == upd.version.label
+    groups = list(read_groups(traj))
+    assert len(groups) == 4 and {s.engine.replica for g in groups for s in g.samples} == {
+        served.url}
+    assert {s.engine.vllm_version for g in groups for s in g.samples} != {"unknown"}
+    rep = audit_file(traj, served.journal)
+    assert rep.purity.ok and rep.purity.with_spans == 16, rep.format_table()
+
+
+def test_the_sdk_retries_503_with_retry_after_during_an_update(served: Served,
+                                                               tmp_path: Path) -> None:
+    """An update holds admission closed; the SDK's own retry gets the answer after it."""
+    target = make_checkpoint(tmp_path / "next", 11)
+    src = WeightSource.from_checkpoint(target)
+    statuses: list[tuple[int, str | None, str | None]] = []
+    refused = threading.Event()
+
+    def on_response(resp: Any) -> None:
+        statuses.append((resp.status_code, resp.headers.get("retry-after"),
+                         resp.headers.get("x-should-retry")))
+        if resp.status_code == 503:
+            refused.set()
+
+    http = httpx2.Client(event_hooks={"response": [on_response]})
+    client = served.sdk(max_retries=20, timeout=120, http_client=http)
+    m = _model(client)
+    statuses.clear()
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            out["raw"] = client.completions.with_raw_response.create(
+                model=m, prompt="Hello", max_tokens=4, temperature=0)
+        except BaseException as exc:
+            out["error"] = exc
+
+    tr = GlooTransport()
+
+    def transfer_after_a_refusal(grant: Any, source: Any) -> Any:
+        th = threading.Thread(target=call)
+        th.start()
+        out["thread"] = th
+        assert refused.wait(60), f"no 503 seen: {statuses}"
+        tr.connect(grant.engine_url, timeout_s=120)
+        return tr.send(grant.engine_url, grant.target.label, source, timeout_s=120)
+
+    with served.control() as rc:
+        res = rc.update(src, Provenance("next", "sdk-retry", 1), owner="sdk-test",
+                        transfer=transfer_after_a_refusal)
+    tr.close()
+    out["thread"].join(120)
+    client.close()
+    http.close()
+    assert "error" not in out, repr(out.get("error"))
+    assert res.published is not None
+    raw = out["raw"]
+    assert raw.headers[VERSION] == res.published.label
+    first = statuses[0]
+    assert first == (503, "1", "true"), statuses
+    assert statuses[-1][0] == 200 and len(statuses) >= 2
