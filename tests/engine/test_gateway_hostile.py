@@ -274,23 +274,29 @@ class SlowReader:
     """A raw HTTP client on a socket with a tiny receive buffer that stops reading."""
 
     def __init__(self, url: str, path: str, body: dict[str, Any], rid: str,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, head_timeout_s: float = 300) -> None:
         host, port = url.rsplit("/", 1)[-1].split(":")
         self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        self.sock.connect((host, int(port)))
-        raw = json.dumps(body).encode()
-        hdrs = {"host": host, "content-type": "application/json",
-                "content-length": str(len(raw)), "x-rolloutcore-rollout-id": rid,
-                **(headers or {})}
-        self.sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"".join(
-            f"{k}: {v}\r\n".encode() for k, v in hdrs.items()) + b"\r\n" + raw)
-        self.head = b""
-        self.sock.settimeout(60)
-        while b"\r\n\r\n" not in self.head:  # read the head, then stop reading
-            chunk = self.sock.recv(1)
-            assert chunk, "the gateway closed before answering"
-            self.head += chunk
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            self.sock.connect((host, int(port)))
+            raw = json.dumps(body).encode()
+            hdrs = {"host": host, "content-type": "application/json",
+                    "content-length": str(len(raw)), "x-rolloutcore-rollout-id": rid,
+                    **(headers or {})}
+            self.sock.sendall(f"POST {path} HTTP/1.1\r\n".encode() + b"".join(
+                f"{k}: {v}\r\n".encode() for k, v in hdrs.items()) + b"\r\n" + raw)
+            self.head = b""
+            # A non-streamed answer's head comes once vLLM has generated all of it
+            # (minutes on a loaded 2-core host).
+            self.sock.settimeout(head_timeout_s)
+            while b"\r\n\r\n" not in self.head:  # read the head, then stop reading
+                chunk = self.sock.recv(1)
+                assert chunk, "the gateway closed before answering"
+                self.head += chunk
+        except BaseException:
+            self.sock.close()
+            raise
 
     def __enter__(self) -> SlowReader:
         return self
@@ -462,7 +468,7 @@ def test_slow_reader_of_an_unstreamed_answer_is_dropped_and_holds_nothing(rig: R
         # Released at the last byte from vLLM, before the send: it never held an
         # update, and its handler is done while the answer waits to be read.
         wait_until(lambda: gw.status()["active_rollouts"] == 0
-                   and gw.status()["requests_in_progress"] == 0, 120, "still held")
+                   and gw.status()["requests_in_progress"] == 0, 300, "still held")
         t_released = time.monotonic()
         th, res = update_in_thread(rig, gw)
         th.join(PAUSE_S + 240)

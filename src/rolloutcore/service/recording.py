@@ -17,7 +17,7 @@ release times. Requests without the headers, and the other routes (whose
 answers are text, not token ids), are not recorded.
 
 A request the controller released *unattributable* is recorded as such
-(``attribution``: trajectory schema 2): one cut by the drain policy (its
+(``attribution``: trajectory schema 3): one cut by the drain policy (its
 tokens so far, ``finish_reason: abort``), or one that completed after the
 engine was tainted. Nothing of it is credited to a version, and nothing is
 silently missing either.
