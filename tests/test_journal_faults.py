@@ -28,7 +28,7 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import FailureKind, LifecycleController, State, Step
 from rolloutcore.core.records import Admit, Commit, JournalRecord, Note
-from rolloutcore.errors import AdmissionRefused, JournalError, UpdateRefused
+from rolloutcore.errors import AdmissionRefused, JournalError, UpdateFailed, UpdateRefused
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 
 PAGE = 4096
@@ -176,8 +176,11 @@ def test_an_update_meets_a_full_disk(small_fs: Path | None, tmp_path: Path, room
     ad.stage(w1)
     try:
         out = r.run_update(w1.identity())
-    except JournalError as exc:
+    except UpdateFailed as exc:
+        # The runner classifies the journal's failure like any other (#16): the
+        # caller gets UpdateFailed, naming it, with the update ended.
         assert "No space left" in str(exc) or "failed closed" in str(exc)
+        assert exc.classification == "ambiguous"
         out = None
     if out is not None:  # the update fitted
         assert c.failed_closed is None and c.committed == out.published
@@ -187,8 +190,12 @@ def test_an_update_meets_a_full_disk(small_fs: Path | None, tmp_path: Path, room
     assert "No space left" in (c.failed_closed or "")
     _refuses_everything(c)
     snap = c.snapshot()
-    # Whole, whatever step it reached: an update in flight exactly in update states.
-    assert (snap["update"] is not None) == (c.state not in (State.READY, State.TAINTED))
+    # Whole, whatever step it reached, and ended: a failure the controller cannot
+    # record is ambiguous, so the update is over, TAINTED (in memory; the file may
+    # lack the taint) and the engine fenced, rather than left open refusing every
+    # later begin as "in progress" (#16).
+    assert snap["update"] is None and c.state is State.TAINTED
+    assert ad.engine.paused
     assert c.active == {}
     j.close()
     disk = _on_disk(path, tmp_path)

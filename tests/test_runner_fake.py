@@ -9,7 +9,7 @@ import pytest
 
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
-from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -231,9 +231,11 @@ def test_hang_is_classified_within_deadline() -> None:
 
 
 def test_drain_timeout_with_a_stuck_rollout_returns_to_ready() -> None:
+    """Drain policy REFUSE (the ABORT default: tests/test_drain_policy.py)."""
     eng, ad, c, r, j = make()
     c.admit("stuck")
     r.deadlines = Deadlines(drain_s=0.2, cancel_grace_s=0.1)
+    r.drain_policy = DrainPolicy.REFUSE
     w1 = FakeWeights.from_seed(1, step=1)
     ad.stage(w1)
     with pytest.raises(UpdateFailed) as ei:

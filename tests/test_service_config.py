@@ -28,7 +28,7 @@ def test_loopback_detection(host: str, loop: bool) -> None:
 
 def test_non_loopback_bind_needs_a_given_token() -> None:
     check_bind("127.0.0.1", False)
-    check_bind("0.0.0.0", True)
+    check_bind("0.0.0.0", True, True)  # both tokens given (the data token: #16)
     with pytest.raises(BadInput, match="without a control token"):
         check_bind("0.0.0.0", False)
     with pytest.raises(BadInput):

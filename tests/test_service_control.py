@@ -20,6 +20,7 @@ from helpers.gateway_rig import (
     transfer_body,
 )
 from rolloutcore.control.journal import first_index
+from rolloutcore.control.runner import DrainPolicy
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service.control import openapi_document
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
@@ -205,9 +206,11 @@ async def test_label_already_published_is_refused_without_state_change() -> None
 
 
 async def test_begin_that_cannot_drain_in_time_is_503_and_stays_on_the_old_version() -> None:
+    """Drain policy REFUSE (the ABORT default: tests/test_gateway_liveness.py)."""
     async with rig(streaming=True, event_delay_s=0.2) as r:
         r.runner.deadlines = r.runner.deadlines.__class__(
             **{**r.runner.deadlines.__dict__, "drain_s": 0.1})
+        r.runner.drain_policy = DrainPolicy.REFUSE
         async with anyio.create_task_group() as tg:
             async def slow() -> None:
                 await r.client.post(GEN, json={"token_ids": [1], "stream": True,

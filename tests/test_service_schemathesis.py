@@ -9,6 +9,8 @@ rejected request changed nothing.
 
 from __future__ import annotations
 
+import collections
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,8 +49,12 @@ def gateway() -> Iterator[tuple[str, Any]]:
         yield url, app.state.gateway
 
 
+#: More with ROLLOUTCORE_FUZZ_EXAMPLES (benchmarks/fuzz.py: results/fuzz.json).
+EXAMPLES = min(int(os.environ.get("ROLLOUTCORE_FUZZ_EXAMPLES", "25")), 500)
+
+
 @schema.parametrize()
-@settings(max_examples=25, deadline=None,
+@settings(max_examples=EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
                                  HealthCheck.filter_too_much])
 def test_control_api_conforms_and_rejects_bad_input(case: Any,
@@ -72,3 +78,10 @@ def test_zz_fuzzing_reached_past_auth_and_validation() -> None:
     assert ("GET", "/control/status", 200) in codes
     authed = [s for _, _, s in SEEN if s not in (401, 403)]
     assert len(authed) > len(SEEN) // 2
+    from helpers.fuzzing import Tally, write_section
+
+    tally = Tally("control_api_schemathesis", examples=len(SEEN),
+                  statuses=collections.Counter(s for _, _, s in SEEN))
+    tally.server_errors = [f"{m} {p} -> {s}" for m, p, s in SEEN if s >= 500]
+    write_section("control_api_schemathesis", tally)
+    assert not tally.server_errors

@@ -17,6 +17,10 @@ It also answers the read-only routes the gateway passes through
 ``/detokenize``) and, to show that the gateway never forwards them, one dev
 route (``/pause``, counted in ``dev_calls``).
 
+``/abort_requests`` answers as vLLM's dev route does (``{"status": "aborted",
+"aborted": n}``) and keeps the ids it was given in ``aborted`` (the engine
+here generates before it streams, so there is nothing left to stop).
+
 The real-engine tests (tests/engine/) never use this: they run vLLM.
 """
 
@@ -51,8 +55,10 @@ class FakeVllm:
         self.status_error: int | None = None
         self.received: list[dict[str, Any]] = []
         self.streams_closed_early = 0
+        self.aborted: list[list[str]] = []
         self.dev_calls = 0
         self.app = Starlette(routes=[
+            Route("/abort_requests", self.abort_requests, methods=["POST"]),
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -141,6 +147,14 @@ class FakeVllm:
         return JSONResponse({"status": "paused"})
 
     # ------------------------------------------------------------ routes
+    async def abort_requests(self, request: Request) -> Response:
+        body = await request.json()
+        ids = body.get("request_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not ids:
+            return _err(400, "the fake aborts only named requests")
+        self.aborted.append([str(i) for i in ids])
+        return JSONResponse({"status": "aborted", "aborted": len(ids)})
+
     async def generate(self, request: Request) -> Response:
         body = await self._parse(request)
         if isinstance(body, Response):

@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="where a generated checkpoint and engine logs go")
     net = p.add_argument_group("network and security")
     net.add_argument("--host", default="127.0.0.1",
-                     help="bind address (default loopback; others need --token)")
+                     help="bind address (default loopback; others need --token and --data-token)")
     net.add_argument("--port", type=argtypes.port, default=8100)
     net.add_argument("--token", default=None,
                      help="control token (else ROLLOUTCORE_TOKEN, else generated and printed)")
@@ -73,15 +73,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--token-out", default=None,
                      help="write the (generated) control token to this file, mode 0600")
     net.add_argument("--data-token", default=None,
-                     help="require this bearer token on the data endpoints too")
+                     help="require this bearer token on the data endpoints too (else "
+                          "ROLLOUTCORE_DATA_TOKEN; required when --host is not loopback)")
     net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20)
+    net.add_argument("--client-body-s", type=argtypes.positive_float, default=30.0,
+                     help="a request body must arrive within this (else 408)")
+    net.add_argument("--client-send-s", type=argtypes.positive_float, default=30.0,
+                     help="a client that leaves its answer unread this long is cut off")
     lim = p.add_argument_group("admission and updates")
     lim.add_argument("--queue", type=argtypes.nonneg_int, default=0,
                      help="hold up to N requests during an update (default 0: 503 at once)")
     lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0)
     lim.add_argument("--lease-s", type=argtypes.positive_float, default=120.0,
                      help="default trainer lease per update")
-    lim.add_argument("--drain-timeout-s", type=argtypes.positive_float, default=120.0)
+    lim.add_argument("--drain-timeout-s", type=argtypes.positive_float, default=120.0,
+                     help="how long an update waits for bound rollouts to finish")
+    lim.add_argument("--drain-policy", choices=("abort", "refuse"), default="abort",
+                     help="at the drain deadline: abort the stragglers (unattributable) and "
+                          "update (default), or refuse the update")
     lim.add_argument("--health-interval-s", type=float, default=2.0,
                      help="watch the engine between updates this often (0: no watch); a "
                           "dead, restarted or silent engine is tainted and refused")

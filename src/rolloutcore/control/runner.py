@@ -13,16 +13,34 @@ runner calls ``adapter.cancel(step)`` from *this* thread (the watchdog): the
 adapter must make the stuck call return (tear down the transfer group, close
 connections). The step is classified as a TIMEOUT at once; the worker thread
 is a daemon and is left to unwind.
+
+Nobody holds an update hostage. The drain waits at most ``drain_s`` for the
+bound rollouts; then the ``DrainPolicy`` decides: ``ABORT`` (the default)
+aborts the stragglers (the gateway's data plane cuts their streams and
+aborts them in vLLM, through ``stragglers``; the controller releases their
+bindings unattributable) and drains the engine with ``PauseMode.ABORT``, so
+the engine is paused with nothing in flight before anything mutates;
+``REFUSE`` fails the drain (no mutation: the update is refused and the
+stragglers keep running).
+
+Nothing that goes wrong inside an update leaves it half-way. An exception
+the runner did not expect (a journal that failed, an invalid transition, a
+bug in an adapter's evidence) is reported to the controller as a failure of
+the step the update was in, with kind TIMEOUT (the step's outcome is
+unknown, exactly as when its deadline expires) and classified by the
+failure policy; the engine is resumed or fenced accordingly and the caller
+gets ``UpdateFailed``, never the raw exception.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
 from rolloutcore.core.evidence import (
@@ -42,8 +60,13 @@ from rolloutcore.core.lifecycle import (
     UpdateTicket,
     Verdict,
 )
-from rolloutcore.core.records import Effect, Note, Record
-from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.core.records import Effect, Event, Note, Record
+from rolloutcore.core.versions import (
+    Binding,
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+)
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -53,9 +76,24 @@ from rolloutcore.errors import (
     UpdateFailed,
 )
 
-__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "UpdateOutcome"]
+__all__ = ["Deadlines", "DrainPolicy", "LifecycleRunner", "PhaseTiming", "StragglerAborter",
+           "UpdateOutcome"]
 
 T = TypeVar("T")
+
+
+class DrainPolicy(enum.StrEnum):
+    """What the drain deadline does to rollouts still bound when it expires."""
+
+    #: Abort them (unattributable) and go on with the update: the fleet keeps moving.
+    ABORT = "abort"
+    #: Refuse the update (no mutation); they keep running on the old version.
+    REFUSE = "refuse"
+
+
+#: Cuts the stragglers' requests and aborts them in the engine (the gateway's data
+#: plane): gets the bindings and the reason, returns what it did (for the journal).
+StragglerAborter = Callable[[tuple[Binding, ...], str], Any]
 
 
 @dataclass(frozen=True)
@@ -63,6 +101,7 @@ class Deadlines:
     """Seconds each effect may take before it is classified as a timeout."""
 
     drain_s: float = 120.0        # local rollouts finishing (admission closed)
+    abort_s: float = 10.0         # stragglers cut and aborted in the engine (drain policy)
     pause_s: float = 60.0         # engine pause(mode=wait): engine's own in-flight work
     preflight_s: float = 30.0
     transfer_s: float = 300.0
@@ -153,16 +192,26 @@ class LifecycleRunner:
     def __init__(self, controller: LifecycleController, adapter: LifecycleAdapter,
                  deadlines: Deadlines | None = None, *,
                  record: Callable[[Record], object] | None = None,
-                 drain_mode: PauseMode = PauseMode.WAIT) -> None:
+                 drain_mode: PauseMode = PauseMode.WAIT,
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT,
+                 stragglers: StragglerAborter | None = None) -> None:
         if drain_mode is PauseMode.KEEP:
             raise BadInput("strict mode drains with WAIT (or ABORT); KEEP lets rollouts span "
                            "versions")
+        if not isinstance(drain_policy, DrainPolicy):
+            raise BadInput(f"drain_policy must be a DrainPolicy, got {drain_policy!r}")
+        if stragglers is not None and not callable(stragglers):
+            raise BadInput("stragglers must be callable")
         self.controller = controller
         self.adapter = adapter
         self.deadlines = deadlines or Deadlines()
         self._record = record
         self._health_failures = 0  # consecutive failed check_serving observations
         self._drain_mode = drain_mode
+        #: What the drain deadline does (public: a gateway's configuration sets it).
+        self.drain_policy = drain_policy
+        #: Who cuts the stragglers' requests (the gateway's data plane sets it).
+        self.stragglers = stragglers
 
     # ------------------------------------------------------------ effects
     def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
@@ -380,8 +429,23 @@ class LifecycleRunner:
         ``preflight`` is the trainer's own description of its source when the
         trainer is remote; otherwise the adapter is asked.
         """
-        ticket = self.controller.request_update(identity, owner, label=label,
-                                                min_verification=min_verification)
+        try:
+            ticket = self.controller.request_update(identity, owner, label=label,
+                                                    min_verification=min_verification)
+        except JournalError as exc:
+            # The update was opened in memory and its record could not be
+            # delivered: this call owns it, so it fails it (ambiguous: the
+            # controller failed closed) rather than leave it open for ever.
+            mine = self._opened_by_us(owner, identity)
+            if mine is None:
+                raise
+            failed = UpdateOutcome(mine, None, State.DRAINING, 0.0)
+            try:
+                self._after_failure(mine, self._unexpected(failed, exc), failed)
+            except UpdateFailed as uf:
+                failed.state = self.controller.state
+                uf.outcome = failed
+                raise uf from exc
         out = UpdateOutcome(ticket, None, State.DRAINING, 0.0)
         out.started_at = time.monotonic()
         c, a, d = self.controller, self.adapter, self.deadlines
@@ -391,12 +455,20 @@ class LifecycleRunner:
             tw = time.monotonic()
             idle = c.wait_idle(d.drain_s)
             out.phases.append(PhaseTiming("drain", time.monotonic() - tw, False))
+            mode = self._drain_mode
             if not idle:
-                v = c.fail(ticket, Step.DRAIN, FailureKind.TIMEOUT,
-                           f"{len(c.active)} rollouts still active after {d.drain_s:g}s")
-                out.verdicts.append(v)
-                raise _Abort(v)
-            self._run_step(ticket, Step.DRAIN, lambda: a.drain(self._drain_mode),
+                if self.drain_policy is DrainPolicy.REFUSE:
+                    v = c.fail(ticket, Step.DRAIN, FailureKind.TIMEOUT,
+                               f"{len(c.active)} rollouts still active after {d.drain_s:g}s "
+                               "(drain policy: refuse)")
+                    out.verdicts.append(v)
+                    raise _Abort(v)
+                self._abort_stragglers(ticket, out)
+                # Whatever the engine still runs is a straggler whose abort has
+                # not landed yet (admission is closed): the pause aborts it too,
+                # and returns once nothing is in flight.
+                mode = PauseMode.ABORT
+            self._run_step(ticket, Step.DRAIN, lambda: a.drain(mode),
                            lambda ev: c.drained(ticket, ev), d.pause_s, out, "pause")
             if preflight is not None:
                 v = c.preflighted(ticket, preflight)
@@ -474,25 +546,129 @@ class LifecycleRunner:
 
     @contextlib.contextmanager
     def _phase(self, out: UpdateOutcome) -> Iterator[None]:
-        """Route a failure verdict to the failure path; keep the outcome's clock."""
+        """Route a failure verdict to the failure path; keep the outcome's clock.
+
+        Anything else that escapes (a journal error, an invalid transition, a
+        bug) is classified too (``_unexpected``): the caller always gets
+        ``UpdateFailed`` with the update ended, never a half-done update.
+        """
         try:
-            yield
-        except _Abort as ab:
             try:
-                self._after_failure(out.ticket, ab.verdict, out)
+                yield
+            except _Abort as ab:
+                verdict = ab.verdict
+            except UpdateFailed:
+                raise
+            except Exception as exc:
+                verdict = self._unexpected(out, exc)
+            else:
+                return
+            try:
+                self._after_failure(out.ticket, verdict, out)
             except UpdateFailed as uf:
                 uf.outcome = out
                 raise
+            except Exception as exc:  # the failure path itself broke: end it anyway
+                last = self._last_resort(out, exc)
+                last.outcome = out
+                raise last from exc
         finally:
             out.total_s = time.monotonic() - out.started_at
             out.state = self.controller.state
+
+    def _opened_by_us(self, owner: str, identity: WeightIdentity) -> UpdateTicket | None:
+        t = self.controller.current_ticket
+        if t is not None and t.target.owner == owner and t.target.identity == identity:
+            return t
+        return None
+
+    def _unexpected(self, out: UpdateOutcome, exc: Exception) -> Verdict:
+        """Report an exception nobody classified as a failure of the current step.
+
+        Kind TIMEOUT: the step's outcome is unknown, as when its deadline
+        expires, so the policy's TIMEOUT column decides (a drain or a
+        preflight mutated nothing; from the transfer on it is ambiguous). A
+        controller that failed closed applies it as ambiguous and then cannot
+        deliver its records: the verdict is rebuilt from its state.
+        """
+        c = self.controller
+        before = c.state
+        reason = f"unexpected {type(exc).__name__} in {before.value}: {exc}"
+        self._note("unexpected_error", state=before.value, error=reason)
+        step = _STEP_OF_STATE.get(before)
+        ticket: UpdateTicket | None = out.ticket
+        if before is State.READY and c.current_ticket is None:
+            # The update got as far as the publish, whose records did not reach
+            # the journal: what the engine serves is not on record.
+            step, ticket = Step.SERVE, None
+        if step is not None and (ticket is None or c.current_ticket == ticket):
+            try:
+                return c.fail(ticket, step, FailureKind.TIMEOUT, reason)
+            except JournalError:
+                pass  # applied (as ambiguous), but not delivered
+            except (InvalidTransition, BadInput) as e2:
+                self._note("unexpected_error_unclassified", error=repr(e2))
+        after = c.state
+        return Verdict(Event.FAIL, False, before, after,
+                       Classification.AMBIGUOUS if after is State.TAINTED
+                       else Classification.NO_MUTATION, (reason,))
+
+    def _last_resort(self, out: UpdateOutcome, exc: Exception) -> UpdateFailed:
+        """The failure path raised: taint if anything is still open, fence, report."""
+        c = self.controller
+        reason = f"failure path broke: {type(exc).__name__}: {exc}"
+        self._note("unexpected_error", state=c.state.value, error=reason)
+        step = _STEP_OF_STATE.get(c.state)
+        if step is not None and c.current_ticket == out.ticket:
+            with contextlib.suppress(Exception):
+                c.fail(out.ticket, step, FailureKind.TIMEOUT, reason)
+        if c.state is State.TAINTED:
+            try:
+                self._effect("fence", self.adapter.fence, self.deadlines.fence_s, out.phases)
+            except Exception as e2:
+                self._note("fence_failed", error=str(e2))
+        cls = "ambiguous" if c.state is State.TAINTED else "no_mutation"
+        return UpdateFailed(_PHASE_OF_STATE.get(c.state, c.state.value.lower()), cls,
+                            c.state.value, reason)
+
+    def _abort_stragglers(self, ticket: UpdateTicket, out: UpdateOutcome) -> None:
+        """The drain deadline expired under ``DrainPolicy.ABORT``: cut, abort, release.
+
+        The controller releases the bindings first (unattributable), so no
+        straggler can still complete as attributable; then whoever serves
+        them (``stragglers``) cuts their requests and aborts them in the
+        engine, under ``abort_s``. A failure there is noted, not fatal: the
+        drain that follows pauses with ``PauseMode.ABORT`` and must see
+        nothing in flight.
+        """
+        c, d = self.controller, self.deadlines
+        bound = tuple(c.active.values())
+        reason = (f"aborted by the drain policy: the drain deadline of {d.drain_s:g}s "
+                  "expired before it finished")
+        t0 = time.monotonic()
+        released = c.abort_rollouts(ticket, [b.rollout_id for b in bound if b.rollout_id],
+                                    reason)
+        done: Any = None
+        handler = self.stragglers
+        if handler is not None and released:
+            try:
+                done = self._effect("abort", lambda: handler(tuple(r.binding for r in released),
+                                                             reason),
+                                    d.abort_s, out.phases, "abort", cancel=lambda: None)
+            except EffectError as exc:
+                self._note("abort_failed", error=str(exc))
+        elif released:
+            out.phases.append(PhaseTiming("abort", time.monotonic() - t0, False))
+        self._note("stragglers_aborted", rollouts=[r.binding.rollout_id for r in released],
+                   reason=reason, result=done)
 
     def _caches_in_order(self) -> list[CacheKind]:
         order = [CacheKind.PREFIX, CacheKind.ENCODER, CacheKind.MULTIMODAL]
         have = set(self.adapter.caches)
         return [k for k in order if k in have]
 
-    def _after_failure(self, ticket: UpdateTicket, verdict: Verdict, out: UpdateOutcome) -> None:
+    def _after_failure(self, ticket: UpdateTicket, verdict: Verdict,
+                       out: UpdateOutcome) -> NoReturn:
         c, d = self.controller, self.deadlines
         if verdict.after is State.RESUMING:
             # Nothing mutated: return the engine to service on the old version.
@@ -513,6 +689,11 @@ class LifecycleRunner:
         phase = _PHASE_OF_STATE.get(verdict.before, verdict.before.value)
         raise UpdateFailed(phase, cls, c.state.value, "; ".join(verdict.problems))
 
+
+#: The step an update is in, by state (what an unexpected failure is reported as).
+_STEP_OF_STATE = {State.DRAINING: Step.DRAIN, State.QUIESCED: Step.PREFLIGHT,
+                  State.UPDATING: Step.TRANSFER, State.INVALIDATING: Step.INVALIDATE,
+                  State.VALIDATING: Step.VALIDATE, State.RESUMING: Step.RESUME}
 
 _PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",
                    State.UPDATING: "transfer", State.INVALIDATING: "invalidate",

@@ -69,6 +69,22 @@ Rollouts still bound then complete unattributable. A controller restored
 from a journal that ends mid-update (or mid-recovery) fails the same way,
 with ``Step.RESTART``: whatever step was reached, its outcome is unknown.
 
+Stragglers: the drain deadline
+------------------------------
+
+A rollout that never ends (a client that stopped reading its stream, a
+generation that outlives the drain deadline) would hold every update
+hostage. When the drain deadline expires the update's owner may abort the
+stragglers (``abort_rollouts``, DRAINING only, with the ticket): each
+binding is released *unattributable* (a ``complete`` record with
+``attributable: false`` in DRAINING, which nothing else produces), so
+nothing it received is ever credited to a version, and the update goes on.
+Aborting a binding decides nothing about the engine: the drain step that
+follows still needs the engine paused with nothing in flight before any
+mutation may start. The rollout's own ``complete`` then answers with the
+same unattributable completion instead of an error, so its caller learns
+what happened to it.
+
 Records leave the lock before anyone reads them
 -----------------------------------------------
 
@@ -93,6 +109,13 @@ updates, evidence and recovery are refused with a clear error, because the
 controller can no longer record what it would decide. The in-memory state
 is consistent (each decision is applied whole, under the lock), but the
 journal may lack the last records; a restart restores from the journal.
+
+A failure (``fail``) is still applied after the controller failed closed,
+and always as *ambiguous*: a controller that cannot record cannot prove a
+return to the old version either, and an update left half-way in memory
+would refuse every later begin as "in progress" forever. So a journal that
+fails mid-update ends the update TAINTED (in memory; the journal may lack
+the taint), and the runner fences the engine.
 """
 
 from __future__ import annotations
@@ -202,6 +225,8 @@ _ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
 _IDLE_POLL_S = 0.1
 _UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
                   S.RESUMING)
+#: Rollouts released by ``abort_rollouts`` whose own ``complete`` has not come yet.
+_ABORTED_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -224,6 +249,8 @@ class Completion:
     #: True when the version the rollout was bound to is still what the engine
     #: is known to serve (False e.g. if the engine was tainted meanwhile).
     attributable: bool
+    #: Why a policy abort released it (``abort_rollouts``), else None.
+    aborted: str | None = None
 
 
 @dataclass(frozen=True)
@@ -299,6 +326,9 @@ class LifecycleController:
         self._identity: WeightIdentity | None = None
         self._published: list[WeightVersion] = []
         self._active: dict[str, Binding] = {}
+        # Working memory, not durable: bindings a policy abort released, kept so
+        # that the rollout's own ``complete`` can say so (bounded, oldest dropped).
+        self._aborted: collections.OrderedDict[str, Completion] = collections.OrderedDict()
         self._update: _Update | None = None
         self._next_update_id = 1
         self._max_generation = -1
@@ -545,6 +575,13 @@ class LifecycleController:
 
     def _own(self, event: Event, ticket: UpdateTicket) -> _Update:
         self._check(event)
+        return self._own_any(event, ticket)
+
+    def _own_any(self, event: Event, ticket: UpdateTicket) -> _Update:
+        """The ticket owns the update in progress (no fail-closed check: releases and
+        failures are still applied after the controller failed closed)."""
+        if (self._state, event) not in TRANSITIONS:
+            raise InvalidTransition(event.value, self._state.value)
         if self._update is None or self._update.ticket != ticket:
             raise UpdateRefused(f"{event.value}: ticket {ticket.update_id} does not own the "
                                 f"update in progress")
@@ -578,6 +615,12 @@ class LifecycleController:
                 problems = [*problems, f"{step.value}: gave up after {count - 1} retries"]
         if cls is _NM and upd is not None and (mutated or upd.aborting):
             cls = _AMB  # a no_mutation claim never overrides what the controller knows
+        if self._broken is not None and cls is not _AMB and (before, _AMB) in FAILURE_TARGETS:
+            # Failed closed: the return to the old version could not be recorded
+            # (nor proved by evidence, which is refused now), so the outcome is unknown.
+            cls = _AMB
+            problems = [*problems, f"the controller failed closed ({self._broken}); a "
+                        "failure it cannot record is ambiguous"]
         to = self._target(E.FAIL, (before, cls))
         # Decided; apply.
         if upd is not None:
@@ -674,12 +717,20 @@ class LifecycleController:
         return b
 
     def complete(self, rollout_id: str) -> Completion:
-        """Release a rollout's binding. Unknown ids are an error and change nothing."""
+        """Release a rollout's binding. Unknown ids are an error and change nothing.
+
+        A rollout that ``abort_rollouts`` released already gets that
+        (unattributable) completion back once, and nothing is recorded again.
+        """
         with self._lock:
             if (self._state, E.COMPLETE) not in TRANSITIONS:
                 raise InvalidTransition(E.COMPLETE.value, self._state.value)
             b = self._active.get(rollout_id) if isinstance(rollout_id, str) else None
             if b is None:
+                done = self._aborted.pop(rollout_id, None) if isinstance(rollout_id, str) \
+                    else None
+                if done is not None:
+                    return done
                 raise BadInput(f"rollout {rollout_id!r} is not active")
             attributable = (self._state not in (S.TAINTED, S.RECOVERING)
                             and self._committed == b.version)
@@ -691,6 +742,46 @@ class LifecycleController:
         if self._outbox:
             self._deliver(False)
         return c
+
+    def abort_rollouts(self, ticket: UpdateTicket, rollout_ids: Iterable[str],
+                       reason: str) -> list[Completion]:
+        """The drain deadline expired: release these stragglers, unattributable.
+
+        Only the update's owner, and only in DRAINING: admission is closed and
+        nothing has touched the engine's weights, so each binding was to the
+        committed version and ends there, credited to no version at all (the
+        answer was cut; its tokens are not training data of any policy). Ids
+        no longer bound (they completed meanwhile) are skipped. The engine
+        side is not decided here: the drain step that follows must still show
+        the engine paused with nothing in flight.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise BadInput("abort_rollouts needs a reason")
+        if isinstance(rollout_ids, str):
+            raise BadInput("rollout_ids must be a collection of ids, not one string")
+        ids = list(rollout_ids)
+        out: list[Completion] = []
+        with self._lock:
+            self._own_any(E.COMPLETE, ticket)
+            if self._state is not S.DRAINING:
+                raise InvalidTransition("abort_rollouts", self._state.value,
+                                        "stragglers are aborted only while DRAINING")
+            for rid in ids:
+                b = self._active.get(rid) if isinstance(rid, str) else None
+                if b is None:
+                    continue
+                rec = Complete(rid, b.version, self._state, False)
+                self._apply_complete(rec)
+                if self._listeners:
+                    self._outbox.append(rec)
+                c = Completion(b, self._clock(), self._state, self._committed, False,
+                               aborted=reason)
+                self._aborted[rid] = c
+                while len(self._aborted) > _ABORTED_KEPT:
+                    self._aborted.popitem(last=False)
+                out.append(c)
+        self._deliver(True)
+        return out
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until no rollout is bound (or the timeout, on the injected clock).
@@ -906,7 +997,10 @@ class LifecycleController:
               *, report: bool) -> Verdict:
         """``fail`` under the lock; ``report=False`` (restore) records only the transition
         and the taint, as a restore always has."""
-        self._check(E.FAIL)
+        # No fail-closed refusal: a failure is applied whatever the journal did
+        # (as ambiguous when it failed, see ``_failure``).
+        if (self._state, E.FAIL) not in TRANSITIONS:
+            raise InvalidTransition(E.FAIL.value, self._state.value)
         upd = self._update
         aborting = upd is not None and upd.aborting
         row = (ABORT_STEPS if aborting else FAIL_STEPS).get((self._state, step))
@@ -919,7 +1013,7 @@ class LifecycleController:
         if self._state in _UPDATE_STATES:
             if ticket is None:
                 raise BadInput("fail during an update needs the ticket")
-            self._own(E.FAIL, ticket)
+            self._own_any(E.FAIL, ticket)
         if report and self._listeners:
             self._outbox.append(Failure(row, kind, reason))
         # Serving: the verdict names the observation, the taint record what it means.

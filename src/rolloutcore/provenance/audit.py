@@ -204,6 +204,9 @@ class PurityReport:
     with_spans: int
     findings: tuple[PurityFinding, ...]
     journal: JournalSummary | None = None
+    #: Samples the controller credited to no version (``attribution``): recorded
+    #: so that nothing is lost, never training data of the version they name.
+    unattributable: int = 0
 
     @property
     def without_spans(self) -> int:
@@ -225,6 +228,7 @@ class PurityReport:
     def to_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "with_spans": self.with_spans,
                 "without_spans": self.without_spans, "impure_samples": self.impure_samples,
+                "unattributable": self.unattributable,
                 "ok": self.ok, "counts": self.counts(),
                 "journal": None if self.journal is None else self.journal.to_dict(),
                 "findings": [f.to_dict() for f in self.findings]}
@@ -233,7 +237,8 @@ class PurityReport:
         j = self.journal
         lines = [f"version purity: {self.samples} samples, {self.with_spans} with engine spans, "
                  f"{self.without_spans} without (unverifiable); "
-                 f"{self.impure_samples} samples with findings"]
+                 f"{self.impure_samples} samples with findings; "
+                 f"{self.unattributable} unattributable"]
         if j is None:
             lines.append("  journal: not given, committed-version checks skipped")
         else:
@@ -253,13 +258,14 @@ class PurityReport:
 
 def audit_purity(samples: Iterable[TrajectorySample],
                  journal: JournalSummary | None = None) -> PurityReport:
-    n = with_spans = 0
+    n = with_spans = unattributable = 0
     findings: list[PurityFinding] = []
     for s in samples:
         n += 1
         with_spans += s.completion.weight_versions is not None
+        unattributable += not s.attribution.attributable
         findings += _purity_findings(s, journal)
-    return PurityReport(n, with_spans, tuple(findings), journal)
+    return PurityReport(n, with_spans, tuple(findings), journal, unattributable)
 
 
 # --------------------------------------------------------------------------- diversity

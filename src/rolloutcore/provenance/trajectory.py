@@ -21,9 +21,14 @@ House rules of this module:
   meaning. A reader refuses any record whose ``schema_version`` it does not
   know, naming the version, instead of guessing (newer writers may have
   changed a meaning, not only added a field). Version 2 added
-  ``prompt.media`` (digests of the images sent with the prompt); a record
-  without images is still written as version 1, byte for byte as before,
-  so version-1 readers keep reading text-only files.
+  ``prompt.media`` (digests of the images sent with the prompt), version 3
+  ``attribution`` (whether the controller credits the sample to its
+  binding's version). A record is written with the lowest version that can
+  hold it: a text prompt attributable as before is version 1, byte for byte
+  as before (so version-1 readers keep reading such files and content
+  digests do not change); with images version 2; an unattributable sample
+  version 3. A record without ``attribution`` reads as attributable, which
+  is what its writer claimed by writing it.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -55,9 +60,11 @@ from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 
 __all__ = [
-    "SAMPLING_EPS",
     "KNOWN_SCHEMA_VERSIONS",
+    "MAX_EXTRA_DEPTH",
+    "SAMPLING_EPS",
     "SCHEMA_VERSION",
+    "Attribution",
     "SEED_EXTERNAL",
     "SEED_NONE",
     "Binding",
@@ -76,9 +83,13 @@ __all__ = [
     "validate_spans",
 ]
 
-#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``.
-SCHEMA_VERSION = 2
-KNOWN_SCHEMA_VERSIONS = frozenset({1, 2})
+#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``;
+#: 3: + ``attribution`` (written only for a sample credited to no version).
+SCHEMA_VERSION = 3
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3})
+#: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
+#: a record: the record's own encoders and readers recurse over it.
+MAX_EXTRA_DEPTH = 32
 
 #: ``seed_derivation`` values besides ``seeds.SEED_DERIVATION``: a seed chosen
 #: by the caller some other way (for instance vLLM's ``seed + i`` for ``n > 1``),
@@ -150,7 +161,7 @@ def encode_line(d: Mapping[str, Any]) -> bytes:
     try:
         text = json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                           allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise BadInput(f"record is not JSON-safe: {exc}") from exc
     return text.encode("ascii") + b"\n"
 
@@ -168,6 +179,24 @@ def check_schema_version(d: Mapping[str, Any], what: str = "record") -> None:
     if v not in KNOWN_SCHEMA_VERSIONS:
         raise BadInput(f"{what} has unknown schema_version {v} "
                        f"(this reader knows {sorted(KNOWN_SCHEMA_VERSIONS)})")
+
+
+def _depth(x: object) -> int:
+    """Nesting depth of a JSON-like value, without recursion."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, Mapping):
+            items: Iterable[object] = o.values()
+        elif isinstance(o, (list, tuple)):
+            items = o
+        else:
+            continue
+        deepest = max(deepest, d)
+        if deepest > MAX_EXTRA_DEPTH:
+            break
+        stack.extend((v, d + 1) for v in items)
+    return deepest
 
 
 def prompt_digest(token_ids: Sequence[int]) -> str:
@@ -327,6 +356,8 @@ class SamplingSpec:
                            f"derivation other than {SEED_NONE!r}, and {SEED_NONE!r} needs "
                            f"seed=None (got seed={self.seed!r}, "
                            f"derivation={self.seed_derivation!r})")
+        if _depth(self.extra) > MAX_EXTRA_DEPTH:
+            raise BadInput(f"sampling.extra nests deeper than {MAX_EXTRA_DEPTH}")
         extra = _freeze_json("sampling.extra", _obj("sampling.extra", self.extra))
         clash = sorted(_TYPED_SAMPLING_KEYS & extra.keys())
         if clash:
@@ -476,6 +507,44 @@ class Timestamps:
 _SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
                 "group_size", "sample_index", "prompt", "sampling", "completion",
                 "binding", "engine", "timestamps")
+_SAMPLE_KEYS_V3 = (*_SAMPLE_KEYS, "attribution")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Whether the controller credits the sample to its binding's version (schema 3).
+
+    ``attributable`` is the controller's own word at the rollout's release
+    (``Completion.attributable``). It is false when the answer was cut by a
+    policy abort (the drain deadline of an update expired), or when the
+    engine was tainted or the committed version changed before the release:
+    the tokens are what the engine returned, but no version may be named as
+    their policy. ``reason`` says why (``None`` exactly when attributable).
+    """
+
+    attributable: bool = True
+    reason: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attributable, bool):
+            raise BadInput("attribution.attributable must be a boolean")
+        if self.attributable:
+            if self.reason is not None:
+                raise BadInput("attribution.reason is null for an attributable sample")
+        else:
+            if not isinstance(self.reason, str) or not self.reason or len(self.reason) > 512:
+                raise BadInput("attribution.reason must say, in 1..512 characters, why the "
+                               "sample is not attributable")
+            check_str("attribution.reason", self.reason)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"attributable": self.attributable, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Attribution:
+        m = _obj("attribution", d)
+        _exact_keys("attribution", m, ("attributable", "reason"))
+        return cls(m["attributable"], m["reason"])
 
 
 @dataclass(frozen=True)
@@ -494,6 +563,7 @@ class TrajectorySample:
     binding: Binding
     engine: EngineIdentity
     timestamps: Timestamps
+    attribution: Attribution = field(default_factory=Attribution)
 
     def __post_init__(self) -> None:
         _str("run", self.run, _ID_RE)
@@ -507,24 +577,31 @@ class TrajectorySample:
                            f"group_size {self.group_size}")
         for name, typ in (("prompt", Prompt), ("sampling", SamplingSpec),
                           ("completion", SampledCompletion), ("binding", Binding),
-                          ("engine", EngineIdentity), ("timestamps", Timestamps)):
+                          ("engine", EngineIdentity), ("timestamps", Timestamps),
+                          ("attribution", Attribution)):
             if not isinstance(getattr(self, name), typ):
                 raise BadInput(f"{name} must be a {typ.__name__}, "
                                f"got {type(getattr(self, name)).__name__}")
 
     @property
     def schema_version(self) -> int:
-        """1 for a text prompt (written exactly as before version 2), 2 with images."""
+        """The lowest version that holds this record: 1 for a text prompt (written
+        exactly as before version 2), 2 with images, 3 when not attributable."""
+        if not self.attribution.attributable:
+            return 3
         return 2 if self.prompt.media else 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"schema_version": self.schema_version, "record": "sample", "run": self.run,
-                "step": self.step, "group_id": self.group_id,
-                "prompt_index": self.prompt_index, "group_size": self.group_size,
-                "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
-                "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
-                "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
-                "timestamps": self.timestamps.to_dict()}
+        out = {"schema_version": self.schema_version, "record": "sample", "run": self.run,
+               "step": self.step, "group_id": self.group_id,
+               "prompt_index": self.prompt_index, "group_size": self.group_size,
+               "sample_index": self.sample_index, "prompt": self.prompt.to_dict(),
+               "sampling": self.sampling.to_dict(), "completion": self.completion.to_dict(),
+               "binding": self.binding.to_dict(), "engine": self.engine.to_dict(),
+               "timestamps": self.timestamps.to_dict()}
+        if not self.attribution.attributable:
+            out["attribution"] = self.attribution.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, d: object) -> TrajectorySample:
@@ -532,20 +609,24 @@ class TrajectorySample:
         check_schema_version(m, "trajectory sample")
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
-        _exact_keys("sample", m, _SAMPLE_KEYS)
+        v = m["schema_version"]
+        _exact_keys("sample", m, _SAMPLE_KEYS_V3 if v == 3 else _SAMPLE_KEYS)
         has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
-        if has_media != (m["schema_version"] == 2):
+        if (v == 1 and has_media) or (v == 2 and not has_media):
             raise BadInput("trajectory sample: prompt.media is written with schema_version 2 "
-                           "and only then (got schema_version "
-                           f"{m['schema_version']}, {'with' if has_media else 'without'} "
-                           "media)")
+                           "(or 3) and only then (got schema_version "
+                           f"{v}, {'with' if has_media else 'without'} media)")
+        attribution = Attribution.from_dict(m["attribution"]) if v == 3 else Attribution()
+        if v == 3 and attribution.attributable:
+            raise BadInput("trajectory sample: schema_version 3 is written only for a sample "
+                           "that is not attributable")
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),
                    SampledCompletion.from_dict(m["completion"]),
                    Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
-                   Timestamps.from_dict(m["timestamps"]))
+                   Timestamps.from_dict(m["timestamps"]), attribution)
 
     def encode(self) -> bytes:
         """The canonical JSON line of this record."""

@@ -17,10 +17,18 @@ Routes::
     GET  /metrics                              Prometheus text            open
     GET  /health                               liveness and state         open
 
+    GET  /openapi.json                         the control API schema     open
+
 Between updates the app watches the engine (``config.health_interval_s``):
 ``runner.check_serving`` taints it when it dies, restarts or stops
 answering, after which the data plane refuses and ``/health`` says so.
-    GET  /openapi.json                         the control API schema     open
+
+The app gives the runner its data plane as the drain policy's straggler
+handler (``runner.stragglers``): when an update's drain deadline expires,
+the requests still bound are cut and aborted in vLLM (the runner's
+``DrainPolicy``; ``docs/service.md``, "Nobody holds an update hostage").
+An ``on_finished`` hook with a ``stats()`` method (the trajectory
+recorder) is reported in ``/control/status`` and ``/metrics``.
 
 The upstream is always reached over HTTP at ``config.upstream_url``: the fast
 tests serve an in-process fake engine on a loopback port, so the client code
@@ -80,6 +88,8 @@ class Gateway:
     metrics: ServiceMetrics
     data: DataPlane
     updates: UpdateManager
+    #: The trajectory recorder's counts (``GatewayRecorder.stats``), if one records.
+    recorder_stats: Callable[[], dict[str, Any]] | None = None
 
     @property
     def controller(self) -> LifecycleController:
@@ -95,10 +105,14 @@ class Gateway:
             "identity": snap["identity"],
             "active_rollouts": snap["active_rollouts"],
             "queued_requests": self.data.waiting,
+            "requests_in_progress": self.data.in_progress,
+            "drain_policy": self.runner.drain_policy.value,
+            "failed_closed": snap["failed_closed"],
             "update": None if open_upd is None else open_upd.describe(),
             "published": snap["published"],
             "transitions": c.history()[-self.config.history:],
             "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model},
+            "recorder": None if self.recorder_stats is None else self.recorder_stats(),
         }
 
 
@@ -106,7 +120,13 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
     return JSONResponse(obj, status_code=status, headers=headers)
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
+    """The whole body, bounded in size and in time (``TimeoutError`` past ``timeout_s``)."""
+    with anyio.fail_after(timeout_s):
+        return await _read_body(request, limit)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     cl = request.headers.get("content-length")
     if cl is not None:
         try:
@@ -135,8 +155,15 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     controller.add_listener(metrics.listener)
     data = DataPlane(controller, config, metrics, on_finished=on_finished)
     read_only = ReadOnlyRoutes(config, metrics)
+    # The drain policy's stragglers are this data plane's requests (#16).
+    runner.stragglers = data.abort_stragglers
     updates = UpdateManager(runner, config, metrics)
-    gw = Gateway(runner, config, metrics, data, updates)
+    recorder_stats = getattr(on_finished, "stats", None)
+    if not callable(recorder_stats):
+        recorder_stats = None
+    else:
+        metrics.watch_recorder(recorder_stats)
+    gw = Gateway(runner, config, metrics, data, updates, recorder_stats)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -150,9 +177,19 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         if ctype != "application/json":
             return _json(415, {"error": "Content-Type must be application/json"})
         try:
-            return await _body(request, config.max_body_bytes)
+            return await _body(request, config.max_body_bytes, config.client_body_s)
         except RequestTooLarge:
             return _json(413, {"error": f"request body exceeds {config.max_body_bytes} bytes"})
+        except TimeoutError:
+            return _json(408, {"error": f"the request body did not arrive within "
+                                        f"{config.client_body_s:g}s"})
+
+    def parsed(model: Any, raw: bytes) -> tuple[int, Any]:
+        """``parse_body``, with JSON nested too deep for the parser answered 400, not 500."""
+        try:
+            return parse_body(model, raw)
+        except RecursionError:
+            return 400, {"error": "malformed JSON", "detail": "nested too deeply"}
 
     def update_id(request: Request) -> int | None:
         raw = request.path_params["update_id"]
@@ -167,10 +204,10 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         raw = await json_body(request)
         if isinstance(raw, Response):
             return raw
-        code, parsed = parse_body(BeginBody, raw)
+        code, body_ = parsed(BeginBody, raw)
         if code:
-            return _json(code, parsed)
-        status, body = await updates.begin(parsed)
+            return _json(code, body_)
+        status, body = await updates.begin(body_)
         return _json(status, body)
 
     async def report(request: Request) -> Response:
@@ -182,10 +219,10 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         raw = await json_body(request)
         if isinstance(raw, Response):
             return raw
-        code, parsed = parse_body(ReportBody, raw)
+        code, body_ = parsed(ReportBody, raw)
         if code:
-            return _json(code, parsed)
-        status, body = await updates.report(uid, parsed)
+            return _json(code, body_)
+        status, body = await updates.report(uid, body_)
         return _json(status, body)
 
     async def get_update(request: Request) -> Response:

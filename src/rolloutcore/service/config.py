@@ -5,8 +5,9 @@ bound, upstream timeouts), so that a bad value fails at start with a
 ``BadInput`` naming the setting, never on the first request.
 
 The bind rule is here too: a service that listens beyond loopback must have
-been *given* a control token; a generated one is only acceptable on a
-loopback address, where the operator reads it from the console.
+been *given* a control token (a generated one is only acceptable on a
+loopback address, where the operator reads it from the console) and a data
+token: beyond loopback the data plane is never open.
 """
 
 from __future__ import annotations
@@ -34,13 +35,21 @@ def is_loopback(host: str) -> bool:
         return False  # a name other than localhost may resolve anywhere
 
 
-def check_bind(host: str, control_token_given: bool) -> None:
-    """Refuse a non-loopback bind unless the operator gave a control token."""
+def check_bind(host: str, control_token_given: bool, data_token_given: bool = False) -> None:
+    """Refuse a non-loopback bind unless the operator gave a control *and* a data token.
+
+    The data plane spends the engine's compute and its answers are training
+    data: open to anyone who can reach a non-loopback address, it is neither
+    private nor attributable to a known client.
+    """
     if not isinstance(host, str) or not host:
         raise BadInput("host must be a non-empty string")
     if not is_loopback(host) and not control_token_given:
         raise BadInput(f"refusing to bind {host!r} (not loopback) without a control token: "
                        "pass --token or --token-file (or set ROLLOUTCORE_TOKEN)")
+    if not is_loopback(host) and not data_token_given:
+        raise BadInput(f"refusing to bind {host!r} (not loopback) with an open data plane: "
+                       "pass --data-token (or set ROLLOUTCORE_DATA_TOKEN)")
 
 
 def _positive(name: str, v: object, *, integer: bool = False) -> None:
@@ -111,6 +120,23 @@ class ServiceConfig:
     #: Bounds on the images of one data-plane request (size, pixels, count);
     #: images must also fit in ``max_body_bytes``, base64-encoded.
     media: MediaLimits = field(default_factory=MediaLimits)
+    # -- liveness and bounds of the data plane (#16): no client can hold an
+    # update, a connection or the gateway's memory without limit.
+    #: The whole request body must arrive within this (else 408).
+    client_body_s: float = 30.0
+    #: The request line and headers must arrive within this (the server's side).
+    client_header_s: float = 10.0
+    #: The longest a client may leave a piece of its answer unread; past it the
+    #: client is cut off (its stream ends, the upstream request is aborted).
+    client_send_s: float = 30.0
+    #: Data-plane requests in progress at once; beyond, 503 with Retry-After.
+    max_concurrent_requests: int = 1024
+    #: Largest non-streamed answer from vLLM the gateway holds (else 502).
+    max_response_bytes: int = 64 << 20
+    #: Most bytes of one streamed answer collected for the trajectory recorder.
+    max_record_bytes: int = 16 << 20
+    #: Deepest JSON nesting accepted in a request body (else 400).
+    max_json_depth: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -134,6 +160,11 @@ class ServiceConfig:
                      "health_failures"):
             _positive(name, getattr(self, name), integer=True)
         _positive("health_timeout_s", self.health_timeout_s)
+        for name in ("client_body_s", "client_header_s", "client_send_s"):
+            _positive(name, getattr(self, name))
+        for name in ("max_concurrent_requests", "max_response_bytes", "max_record_bytes",
+                     "max_json_depth"):
+            _positive(name, getattr(self, name), integer=True)
         if self.health_interval_s != 0:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:

@@ -13,6 +13,9 @@ in one process do not share metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -21,6 +24,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from rolloutcore.core.lifecycle import LifecycleController, State
 from rolloutcore.core.records import Admit, Record, Refuse, Transition
@@ -80,6 +85,21 @@ class ServiceMetrics:
             ["ending"], registry=r)
         self.leases_expired = Counter("rolloutcore_leases_expired_total",
                                       "updates whose trainer lease expired", registry=r)
+        # Liveness and bounds of the data plane (#16).
+        self.aborted_rollouts = Counter(
+            "rolloutcore_aborted_rollouts_total",
+            "rollouts aborted by the drain policy (released unattributable)", registry=r)
+        self.slow_clients = Counter(
+            "rolloutcore_slow_clients_total",
+            "requests cut because the client left its answer unread past client_send_s",
+            registry=r)
+        self.body_timeouts = Counter(
+            "rolloutcore_body_timeouts_total",
+            "requests whose body did not arrive within client_body_s (answered 408)",
+            registry=r)
+        self.overloaded = Counter(
+            "rolloutcore_overloaded_total",
+            "data-plane requests refused at max_concurrent_requests (503)", registry=r)
         self.engine_lost = Counter(
             "rolloutcore_engine_lost_total",
             "engines tainted between updates (died, restarted, stopped answering)",
@@ -111,6 +131,10 @@ class ServiceMetrics:
         elif t is Refuse:
             self._refused.inc()
 
+    def watch_recorder(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        """Export the trajectory recorder's counts (read at scrape time from ``stats``)."""
+        self.registry.register(_RecorderCollector(stats))
+
     def observe_update(self, outcome: str, phases: dict[str, float]) -> None:
         self.updates.labels(outcome).inc()
         for phase, seconds in phases.items():
@@ -126,3 +150,26 @@ class ServiceMetrics:
         self.committed_generation.set(-1 if committed is None else committed.generation)
         self.active_rollouts.set(len(c.active))
         return bytes(generate_latest(self.registry))
+
+
+class _RecorderCollector(Collector):
+    """The recorder's own counters, as they are when scraped (no copy to drift)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        c = CounterMetricFamily("rolloutcore_recorder_records",
+                                "finished requests the trajectory recorder saw, by result "
+                                "(committed, unattributable, failed, dropped, skipped, ...)",
+                                labels=["result"])
+        for result, n in sorted(dict(s.get("counts", {})).items()):
+            c.add_metric([str(result)], float(n))
+        yield c
+        yield GaugeMetricFamily("rolloutcore_recorder_pending",
+                                "records queued for the recorder's writer",
+                                value=float(s.get("pending", 0)))
+        yield GaugeMetricFamily("rolloutcore_recorder_alive",
+                                "1 while the recorder's writer thread runs",
+                                value=1.0 if s.get("alive") else 0.0)

@@ -20,6 +20,28 @@ without its ``data: [DONE]`` terminator, the client gets an ``error`` event
 goes away has its upstream request closed at once, which makes vLLM abort
 it, and its binding released, so a drain is never held up by a dead client.
 
+Nobody holds the gateway hostage either (#16). Every request is a
+``Flight`` (``liveness``) that one sweeper task looks at a few times a
+second (one timer for all of them, not one per request: the hot path only
+writes two timestamps):
+
+* a body that has not fully arrived after ``client_body_s`` is answered 408;
+* a send to the client still pending after ``client_send_s`` (a client that
+  stopped reading) cuts the request: its upstream request is closed (vLLM
+  aborts it), its binding released, the connection closed;
+* when an update's drain deadline expires, the runner hands the stragglers
+  to ``abort_stragglers``: each is cut (a stream ends with an ``error``
+  event of type ``Aborted`` and ``[DONE]`` if the client still reads, else
+  the connection closes; an answer not started yet is a 503) and aborted in
+  vLLM (``/abort_requests`` with the request ids vLLM gave them); the
+  controller has released it unattributable already.
+
+Bounds: at most ``max_concurrent_requests`` data requests at once (beyond:
+503 with ``Retry-After``), a non-streamed answer of at most
+``max_response_bytes``, at most ``max_record_bytes`` of a stream collected
+for the recorder, request JSON nested at most ``max_json_depth`` deep and
+without ``NaN``/``Infinity`` (not JSON; vLLM would take them as numbers).
+
 This module is a plain ASGI application rather than Starlette endpoints: the
 gateway's added latency is its main cost, and the request/response wrappers
 are not needed to move bytes. For the same reason the upstream client is the
@@ -33,19 +55,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 import anyio
 
-from rolloutcore.core.lifecycle import Binding, LifecycleController, State
+from rolloutcore.core.lifecycle import Binding, Completion, LifecycleController, State
 from rolloutcore.core.media import MediaError
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (
@@ -59,8 +80,27 @@ from rolloutcore.errors import (
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
+from rolloutcore.service.liveness import Flight, Flights
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
+from rolloutcore.service.wire import (
+    BODY_FIELD,
+    GENERATION_HEADER,
+    IDENTITY_HEADER,
+    ROLLOUT_HEADER,
+    VERSION_HEADER,
+    SseRelay,
+    VersionView,
+    error_body,
+    inject_json,
+    json_depth,
+    send_json,
+    splice_field,
+    validate_request,
+    vllm_request_ids,
+)
+
+_SseRelay = SseRelay  # its old name here
 
 __all__ = [
     "BODY_FIELD",
@@ -70,10 +110,16 @@ __all__ = [
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
     "VERSION_HEADER",
+    "ENDINGS",
     "DataPlane",
     "FinishedRequest",
     "ReadOnlyRoutes",
+    "error_body",
+    "json_depth",
     "read_body",
+    "send_json",
+    "splice_field",
+    "vllm_request_ids",
 ]
 
 Scope = MutableMapping[str, Any]
@@ -91,20 +137,19 @@ DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generat
 READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
     "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
     "/tokenize": "POST", "/detokenize": "POST"})
-VERSION_HEADER = "x-rolloutcore-version"
-GENERATION_HEADER = "x-rolloutcore-generation"
-IDENTITY_HEADER = "x-rolloutcore-identity"
-ROLLOUT_HEADER = "x-rolloutcore-rollout-id"
-BODY_FIELD = "rolloutcore"
 
-_ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+#: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 #: Upstream response headers that describe the upstream connection, not the answer.
 _HOP = frozenset({b"content-length", b"transfer-encoding", b"connection", b"keep-alive",
                   b"date", b"server", b"content-encoding", b"x-request-id"})
-_DONE = b"data: [DONE]"
 _ROLLOUT_HEADER_B = ROLLOUT_HEADER.encode()
-_MAX_FIRST_EVENT = 1 << 20
 _MEDIA_KIND = {400: "BadRequest", 413: "PayloadTooLarge", 415: "UnsupportedMediaType"}
+#: How long the gateway tries to hand a cut request its clear ending (an error
+#: event, a 408 or 503) before it closes the connection instead.
+_LAST_WORD_S = 1.0
+#: Endings of a request (the metric's label values).
+ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
 
 
 class _ClientGone(Exception):
@@ -112,7 +157,11 @@ class _ClientGone(Exception):
 
 
 async def read_body(receive: Receive, limit: int, content_length: bytes | None) -> bytes:
-    """The whole request body, refused as soon as it is known to exceed ``limit``."""
+    """The whole request body, refused as soon as it is known to exceed ``limit``.
+
+    Unbounded in time by itself: the data plane's sweeper cuts a body that
+    takes longer than ``client_body_s``.
+    """
     if content_length is not None:
         try:
             declared = int(content_length)
@@ -155,23 +204,6 @@ def _headers_of_interest(scope: Scope) -> dict[bytes, bytes]:
     return out
 
 
-async def send_json(send: Send, status: int, obj: Any,
-                    headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()), *headers]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def error_body(status: int, message: str, kind: str, **extra: Any) -> dict[str, Any]:
-    """vLLM's (OpenAI's) error shape, so existing clients read it."""
-    out: dict[str, Any] = {"error": {"message": message, "type": kind, "code": status}}
-    if extra:
-        out[BODY_FIELD] = extra
-    return out
-
-
 @dataclass(slots=True)
 class FinishedRequest:
     """What the data plane saw of one request, handed to the optional recorder."""
@@ -191,109 +223,15 @@ class FinishedRequest:
     completed_wall: float = 0.0
     completed_mono: float = 0.0
     released: bool = field(default=False, repr=False)
+    #: What the controller said at the release: False when it credits the
+    #: answer to no version (a policy abort, an engine tainted meanwhile).
+    attributable: bool = True
+    #: Why it is not attributable (``None`` when it is).
+    unattributable: str | None = None
+    #: The stream was longer than the recorder may collect (events incomplete).
+    record_overflow: bool = False
     #: The request's images, described (``core.media.ImageRef``), in request order.
     media: tuple[Any, ...] = ()
-
-
-class _SseRelay:
-    """Passes an SSE stream through, adding the version field to its first event.
-
-    Only the first event is parsed; after it the bytes flow untouched and only
-    a short tail is kept, to tell a complete stream (``data: [DONE]``) from a
-    truncated one. With ``collect`` every event is parsed (for the recorder).
-    """
-
-    def __init__(self, info: dict[str, Any], collect: bool) -> None:
-        self._info = info
-        self._buf = bytearray()
-        self._first_done = False
-        self._tail = b""
-        self._collect = collect
-        self._cbuf = bytearray()
-        self.events: list[dict[str, Any]] = []
-
-    def _keep(self, out: bytes) -> bytes:
-        self._tail = (self._tail + out)[-64:]
-        if self._collect:
-            self._cbuf += out
-            while (i := self._cbuf.find(b"\n\n")) >= 0:
-                ev = bytes(self._cbuf[:i])
-                del self._cbuf[:i + 2]
-                if ev.startswith(b"data:") and ev[5:].strip() != b"[DONE]":
-                    try:
-                        obj = json.loads(ev[5:])
-                    except ValueError:
-                        continue
-                    if isinstance(obj, dict):
-                        self.events.append(obj)
-        return out
-
-    def _inject(self, ev: bytes) -> bytes:
-        payload = ev[5:].lstrip() if ev.startswith(b"data:") else b""
-        if payload.startswith(b"{"):
-            out = splice_field(payload, _dumps(self._info))
-            if out is not None:
-                return b"data: " + out
-        # Not a JSON event (an empty stream's [DONE], a comment): put the
-        # version in an event of its own in front of it.
-        return b"data: " + _dumps({BODY_FIELD: self._info}) + b"\n\n" + ev
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self._first_done:
-            return self._keep(chunk)
-        self._buf += chunk
-        i = self._buf.find(b"\n\n")
-        if i < 0:
-            if len(self._buf) > _MAX_FIRST_EVENT:  # not SSE as we know it: pass through
-                self._first_done = True
-                out = bytes(self._buf)
-                self._buf.clear()
-                return self._keep(out)
-            return b""
-        first = bytes(self._buf[:i])
-        rest = bytes(self._buf[i + 2:])
-        self._buf.clear()
-        self._first_done = True
-        return self._keep(self._inject(first) + b"\n\n" + rest)
-
-    def flush(self) -> bytes:
-        """Whatever is still held back (a stream that ended inside its first event)."""
-        out = bytes(self._buf)
-        self._buf.clear()
-        return self._keep(out) if out else b""
-
-    @property
-    def complete(self) -> bool:
-        return self._tail.rstrip(b"\r\n").endswith(_DONE)
-
-    def error_tail(self, message: str) -> bytes:
-        ev = error_body(502, message, "UpstreamError", **self._info)
-        out = b""
-        if self._tail and not self._tail.endswith(b"\n\n"):
-            out += b"\n\n"  # close a torn event so the error parses on its own
-        out += b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
-        return self._keep(out + _DONE + b"\n\n")
-
-
-class _VersionView:
-    """A version's answer decorations: body field (less the rollout id) and headers."""
-
-    __slots__ = ("headers", "identity", "info", "info_head", "version")
-
-    def __init__(self, b: Binding) -> None:
-        self.version = b.version
-        self.identity = b.identity
-        digest = b.identity.digest
-        self.info: dict[str, Any] = {
-            "version": b.version.label, "generation": b.version.generation,
-            "engine_epoch": b.version.engine_epoch, "identity_digest": digest}
-        # The serialized body field up to the rollout id, which is all that
-        # differs between this version's answers (ids match _ROLLOUT_ID: no
-        # character needs escaping in JSON).
-        self.info_head = _dumps({**self.info, "rollout_id": ""})[:-2]
-        self.headers = ((VERSION_HEADER.encode(), b.version.label.encode()),
-                        (GENERATION_HEADER.encode(), str(b.version.generation).encode()),
-                        (IDENTITY_HEADER.encode(), digest.encode()))
 
 
 def _rid(b: Binding) -> str:
@@ -315,15 +253,15 @@ class DataPlane:
         self._on_finished = on_finished
         self.upstream: UpstreamPool | None = None
         self._paths = {r: r.encode() for r in DATA_ROUTES}
-        self._vview: _VersionView | None = None
+        self._vview: VersionView | None = None
         # Metric children, looked up once (``labels()`` hashes and locks).
         self._requests: dict[tuple[str, int], Any] = {}
         self._seconds = {r: metrics.request_seconds.labels(r) for r in DATA_ROUTES}
-        self._endings = {e: metrics.stream_endings.labels(e)
-                         for e in ("complete", "client_disconnect", "upstream_error")}
+        self._endings = {e: metrics.stream_endings.labels(e) for e in ENDINGS}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._waiting = 0
+        self.flights = Flights(config, metrics, lambda: self.upstream)
         controller.add_listener(self._record)
 
     # ------------------------------------------------------------ lifecycle
@@ -341,8 +279,10 @@ class DataPlane:
             cfg.upstream_url, max_connections=cfg.upstream_max_connections,
             connect_s=cfg.upstream_connect_s, pool_s=cfg.upstream_read_s,
             read_s=cfg.upstream_read_s, keepalive_s=cfg.upstream_keepalive_s)
+        self.flights.start()
 
     async def aclose(self) -> None:
+        await self.flights.aclose()
         if self.upstream is not None:
             await self.upstream.aclose()
             self.upstream = None
@@ -350,6 +290,11 @@ class DataPlane:
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    @property
+    def in_progress(self) -> int:
+        """Data-plane requests in progress (reading, queued, relaying)."""
+        return len(self.flights)
 
     def _record(self, rec: Record) -> None:
         """Controller listener (any thread): wake queued requests on every transition."""
@@ -361,6 +306,11 @@ class DataPlane:
         ev, self._changed = self._changed, asyncio.Event()
         if ev is not None:
             ev.set()
+
+    # ------------------------------------------------------------ stragglers
+    def abort_stragglers(self, bindings: tuple[Binding, ...], reason: str) -> dict[str, Any]:
+        """The runner's ``stragglers`` hook (``liveness.Flights.abort_stragglers``)."""
+        return self.flights.abort_stragglers(bindings, reason)
 
     # ------------------------------------------------------------ admission
     async def _admit(self, rollout_id: str) -> Binding:
@@ -397,7 +347,7 @@ class DataPlane:
         finally:
             self._waiting -= 1
 
-    def _view(self, b: Binding) -> _VersionView:
+    def _view(self, b: Binding) -> VersionView:
         """What every answer of ``b``'s version carries, built once per version.
 
         The identity digest is a hash over the identity's JSON; recomputing it
@@ -406,7 +356,7 @@ class DataPlane:
         """
         v = self._vview
         if v is None or v.version is not b.version or v.identity is not b.identity:
-            v = self._vview = _VersionView(b)
+            v = self._vview = VersionView(b)
         return v
 
     def info(self, b: Binding) -> dict[str, Any]:
@@ -430,10 +380,46 @@ class DataPlane:
     # ------------------------------------------------------------ ASGI
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = scope["path"]
-        status = await self._handle(scope, receive, send, route)
+        cfg = self.config
+        if len(self.flights) >= cfg.max_concurrent_requests:
+            self.metrics.overloaded.inc()
+            await send_json(send, 503, error_body(
+                503, f"the gateway has {cfg.max_concurrent_requests} requests in progress",
+                "ServiceUnavailable"), [(b"retry-after", b"1")])
+            self._count(route, 503)
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        f = self.flights.add(task)
+
+        async def guarded(msg: Message) -> None:
+            # The sweeper cuts a send that stays pending past client_send_s.
+            f.send_since = time.monotonic()
+            try:
+                await send(msg)
+            finally:
+                f.send_since = 0.0
+
+        try:
+            status = await self._handle(scope, receive, guarded, route, f)
+        finally:
+            self.flights.discard(f)
         self._count(route, status)
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
+    async def _last_word(self, send: Send, status: int, message: str, kind: str,
+                         close: bool = False, **extra: Any) -> None:
+        """A cut request's clear ending, if the client takes it in time (else nothing).
+
+        ``close``: the connection cannot carry another request (its body was not
+        read to the end), so the answer says ``Connection: close``.
+        """
+        hdrs = [(b"connection", b"close")] if close else []
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(_LAST_WORD_S):
+                await send_json(send, status, error_body(status, message, kind, **extra), hdrs)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str,
+                      f: Flight) -> int:
         cfg = self.config
         if scope["method"] != "POST":
             await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
@@ -454,16 +440,25 @@ class DataPlane:
             return 415
         try:
             raw = await read_body(receive, cfg.max_body_bytes, hdrs.get(b"content-length"))
-        except RequestTooLarge:
+        except RequestTooLarge:  # not read further: the connection cannot be reused
             await send_json(send, 413, error_body(
-                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"))
+                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"),
+                [(b"connection", b"close")])
             return 413
         except _ClientGone:
             return 499
         except BadInput as exc:
             await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
             return 400
-        problem, payload = _validate(raw)
+        except asyncio.CancelledError:
+            if not self.flights.consume_cut(f):
+                raise
+            self.metrics.body_timeouts.inc()
+            await self._last_word(send, 408, f"the request body did not arrive within "
+                                  f"{cfg.client_body_s:g}s", "RequestTimeout", close=True)
+            return 408
+        f.phase = "checking"
+        problem, payload = validate_request(raw, cfg.max_json_depth)
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
@@ -477,7 +472,7 @@ class DataPlane:
         # 128 random bits, the same "r-" + 32 hex digits a uuid4 gave, without
         # the UUID object.
         rid = rid_h.decode("latin-1") if rid_h is not None else f"r-{os.urandom(16).hex()}"
-        if not _ROLLOUT_ID.match(rid):
+        if not _ROLLOUT_ID.fullmatch(rid):
             await send_json(send, 400, error_body(
                 400, f"{ROLLOUT_HEADER} must match {_ROLLOUT_ID.pattern}", "BadRequest"))
             return 400
@@ -502,8 +497,10 @@ class DataPlane:
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
+        f.route, f.payload, f.fin = route, payload, fin
+        self.flights.bind(f, rid)
         try:
-            await self._forward(scope, receive, send, route, raw, binding, fin)
+            await self._forward(receive, send, route, raw, binding, fin, f)
         finally:
             self._release(fin)
             fin.seconds = time.monotonic() - t0
@@ -519,56 +516,87 @@ class DataPlane:
         Released *before* the final send: everything the client is still to
         receive was computed already, so an update may begin while it is on
         the wire, and a client that reads its answer and then asks for an
-        update never waits on its own request.
+        update never waits on its own request. What the controller says of
+        the release (attributable or not, and why) goes into ``fin``.
         """
         if fin.released:
             return
         fin.released = True
         fin.completed_mono, fin.completed_wall = time.monotonic(), time.time()
+        done: Completion | None = None
         with contextlib.suppress(BadInput, InvalidTransition):
-            self.controller.complete(_rid(fin.binding))
+            done = self.controller.complete(_rid(fin.binding))
+        if done is None:
+            fin.attributable, fin.unattributable = False, "the controller no longer held it"
+        elif not done.attributable:
+            fin.attributable = False
+            fin.unattributable = done.aborted or (
+                f"released in {done.state.value}" if done.committed == fin.binding.version
+                else f"released in {done.state.value} after {done.committed} was committed")
 
-    async def _forward(self, scope: Scope, receive: Receive, send: Send, route: str,
-                       raw: bytes, binding: Binding, fin: FinishedRequest) -> None:
+    async def _forward(self, receive: Receive, send: Send, route: str, raw: bytes,
+                       binding: Binding, fin: FinishedRequest, f: Flight) -> None:
         """Relay one admitted request while watching for the client going away.
 
         Plain asyncio rather than an anyio task group: the group's cancel
         scope machinery cost more than the rest of the gateway's own path.
-        The watcher can only run while this task is suspended in an await, so
-        its ``cancel()`` is always delivered there, as a ``CancelledError``
-        that is consumed below (``uncancel``); a cancellation from anyone
+        The watcher, the sweeper and an abort stop the relay the same way
+        (``_cut``: one ``cancel()`` per request, delivered where the relay
+        waits, consumed here with ``uncancel``); a cancellation from anyone
         else (server shutdown) still propagates.
         """
-        state = {"finishing": False, "gone": False}
-        task = asyncio.current_task()
-        assert task is not None
 
         async def watch() -> None:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
-                    if not state["finishing"]:
-                        fin.ending = "client_disconnect"
-                        fin.status = 499
-                        state["gone"] = True
-                        task.cancel()
+                    if not f.finishing:
+                        self.flights.cut(f, "client_disconnect")
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self._relay(send, route, raw, binding, fin, state)
+            await self._relay(send, route, raw, binding, fin, f)
         except asyncio.CancelledError:
-            if not state["gone"] or task.uncancel() > 0:
+            if not self.flights.consume_cut(f):
                 raise
+            await self._after_cut(send, binding, fin, f)
         finally:
             watcher.cancel()
 
-    def _finishing(self, state: dict[str, bool], fin: FinishedRequest) -> None:
-        state["finishing"] = True
+    async def _after_cut(self, send: Send, binding: Binding, fin: FinishedRequest,
+                         f: Flight) -> None:
+        """The ending of a request the gateway cut (the upstream side is closed already)."""
+        why = f.cut
+        if f.finishing:
+            return  # the answer was whole; only its last send was cut
+        if why == "client_disconnect":
+            fin.ending, fin.status = "client_disconnect", 499
+            return
+        if why == "client_slow":
+            # It does not read: nothing more can reach it. The connection closes
+            # (the response is left incomplete, so the server closes it).
+            fin.ending, fin.status = "client_slow", 408
+            return
+        fin.ending, fin.status = "aborted", 503
+        if f.sse is not None:  # what it got before the cut: recorded, unattributable
+            fin.events, fin.record_overflow = f.sse.events, f.sse.overflow
+        self._release(fin)
+        msg = f.reason or "aborted by the gateway"
+        if f.started_response and f.sse is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_LAST_WORD_S):
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": f.sse.flush() + f.sse.error_tail(msg, 503, "Aborted")})
+        elif not f.started_response:
+            await self._last_word(send, 503, msg, "Aborted", **self.info(binding))
+
+    def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
+        f.finishing = True
         self._release(fin)
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
-                     fin: FinishedRequest, state: dict[str, bool]) -> None:
+                     fin: FinishedRequest, f: Flight) -> None:
         upstream = self.upstream
         if upstream is None:
             raise RuntimeError("data plane not started")
@@ -577,13 +605,13 @@ class DataPlane:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
         except EffectTimeout as exc:
             fin.status = 504
-            self._finishing(state, fin)
+            self._finishing(f, fin)
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
                                                   "UpstreamTimeout", **self.info(binding)), vh)
             return
         except EffectError as exc:  # EngineUnavailable, EngineUnreachable
             fin.status = 502
-            self._finishing(state, fin)
+            self._finishing(f, fin)
             await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
                                                   "UpstreamError", **self.info(binding)),
                             vh)
@@ -592,14 +620,13 @@ class DataPlane:
             headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
             fin.status = resp.status
             if resp.content_type == "text/event-stream":
-                await self._relay_stream(send, resp, headers + vh, self.info(binding), fin,
-                                         state)
+                await self._relay_stream(send, resp, headers + vh, self.info(binding), fin, f)
             else:
                 try:
-                    body = await resp.read()
+                    body = await resp.read(self.config.max_response_bytes)
                 except EffectError as exc:
                     fin.status = 502
-                    self._finishing(state, fin)
+                    self._finishing(f, fin)
                     await send_json(send, 502, error_body(
                         502, f"vLLM answer broke off: {exc!r}", "UpstreamError",
                         **self.info(binding)), vh)
@@ -608,18 +635,19 @@ class DataPlane:
                     out = splice_field(body, self.info_json(binding))
                     body, obj = (body if out is None else out), None
                 else:
-                    body, obj = _inject_json(body, self.info(binding))
+                    body, obj = inject_json(body, self.info(binding))
                 fin.response = obj
                 fin.ending = "complete"
                 headers = headers + vh + [(b"content-length", str(len(body)).encode())]
-                self._finishing(state, fin)
+                self._finishing(f, fin)
+                f.started_response = True
                 await send({"type": "http.response.start", "status": resp.status,
                             "headers": headers})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
         finally:
             # A whole answer has already gone back to the pool; anything else
-            # (client gone, upstream broken) closes the connection, which is
-            # what makes vLLM abort the request.
+            # (client gone or cut, upstream broken) closes the connection,
+            # which is what makes vLLM abort the request.
             if fin.ending == "complete":
                 resp.release()
             else:
@@ -627,8 +655,10 @@ class DataPlane:
 
     async def _relay_stream(self, send: Send, resp: UpstreamResponse,
                             headers: list[tuple[bytes, bytes]], info: dict[str, Any],
-                            fin: FinishedRequest, state: dict[str, bool]) -> None:
-        sse = _SseRelay(info, collect=self._on_finished is not None)
+                            fin: FinishedRequest, f: Flight) -> None:
+        sse = f.sse = SseRelay(info, collect=self._on_finished is not None,
+                                collect_limit=self.config.max_record_bytes)
+        f.started_response = True
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": headers})
         error: str | None = None
@@ -649,7 +679,8 @@ class DataPlane:
         else:
             fin.ending = "complete"
         fin.events = sse.events
-        self._finishing(state, fin)
+        fin.record_overflow = sse.overflow
+        self._finishing(f, fin)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
 
 
@@ -706,8 +737,14 @@ class ReadOnlyRoutes:
         body = b""
         if method == "POST":
             try:
-                body = await read_body(receive, cfg.max_body_bytes,
-                                       hdrs.get(b"content-length"))
+                async with asyncio.timeout(cfg.client_body_s):  # rare path: a timer is fine
+                    body = await read_body(receive, cfg.max_body_bytes,
+                                           hdrs.get(b"content-length"))
+            except TimeoutError:
+                await send_json(send, 408, error_body(
+                    408, f"the request body did not arrive within {cfg.client_body_s:g}s",
+                    "RequestTimeout"), [(b"connection", b"close")])
+                return 408
             except RequestTooLarge:
                 await send_json(send, 413, error_body(
                     413, f"request body exceeds {cfg.max_body_bytes} bytes",
@@ -743,50 +780,3 @@ class ReadOnlyRoutes:
                     "headers": out})
         await send({"type": "http.response.body", "body": resp.content, "more_body": False})
         return int(resp.status_code)
-
-
-def _validate(raw: bytes) -> tuple[str, dict[str, Any]]:
-    """The gateway's own checks; everything else is vLLM's to validate (it answers 400)."""
-    try:
-        payload = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        return f"malformed JSON: {exc}", {}
-    if not isinstance(payload, dict):
-        return "the request body must be a JSON object", {}
-    stream = payload.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        return "'stream' must be a boolean", {}
-    if BODY_FIELD in payload:
-        return f"'{BODY_FIELD}' is reserved for the gateway's answer", {}
-    return "", payload
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def splice_field(obj: bytes, value: bytes) -> bytes | None:
-    """Add ``"rolloutcore": value`` to a serialized JSON object without re-parsing it.
-
-    vLLM's answers are JSON objects; splicing before the closing brace costs
-    one copy, where a parse and a dump cost a multiple of the gateway's whole
-    budget for large answers (logprobs). ``None`` when ``obj`` is no object.
-    """
-    body = obj.strip()
-    if len(body) < 2 or body[:1] != b"{" or body[-1:] != b"}":
-        return None
-    head = body[:-1].rstrip()
-    sep = b"" if head == b"{" else b","
-    return head + sep + b'"' + BODY_FIELD.encode() + b'":' + value + b"}"
-
-
-def _inject_json(body: bytes, info: dict[str, Any]) -> tuple[bytes, dict[str, Any] | None]:
-    """Parse, add the field and re-serialize (for the recorder, which keeps the parsed answer)."""
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return body, None
-    if not isinstance(obj, dict):
-        return body, None
-    obj[BODY_FIELD] = info
-    return _dumps(obj), obj

@@ -59,6 +59,9 @@ class ServeOptions:
     token_out: str | None = None
     data_token: str | None = None
     max_body_bytes: int = 1 << 20
+    drain_policy: str = "abort"          # at the drain deadline: abort stragglers, or refuse
+    client_body_s: float = 30.0          # a request body must arrive within this
+    client_send_s: float = 30.0          # a client may leave its answer unread this long
     queue: int = 0
     queue_wait_s: float = 30.0
     lease_s: float = 120.0
@@ -78,6 +81,8 @@ class ServeOptions:
             raise BadInput(f"port must be in 1..65535, got {self.port}")
         if not isinstance(self.transport_backend, str) or not self.transport_backend:
             raise BadInput("transport_backend must be a non-empty string")
+        if self.drain_policy not in ("abort", "refuse"):
+            raise BadInput(f"drain_policy must be 'abort' or 'refuse', got {self.drain_policy!r}")
         if (isinstance(self.drain_timeout_s, bool)
                 or not isinstance(self.drain_timeout_s, (int, float))
                 or not 0 < self.drain_timeout_s < float("inf")):
@@ -121,7 +126,8 @@ def run_serve(args: ServeOptions) -> int:
     if not isinstance(args, ServeOptions):
         raise BadInput(f"run_serve takes ServeOptions, got {type(args).__name__}")
     token, given = _token(args)
-    check_bind(args.host, given)
+    data_token = args.data_token or os.environ.get("ROLLOUTCORE_DATA_TOKEN") or None
+    check_bind(args.host, given, data_token is not None)
     if args.upstream and not args.checkpoint:
         raise BadInput("--upstream needs --checkpoint: the weights the engine was started "
                        "from become the first committed version")
@@ -130,15 +136,16 @@ def run_serve(args: ServeOptions) -> int:
     # Settings are checked before anything is launched.
     probe = ServiceConfig(upstream_url=args.upstream or "http://127.0.0.1:1",
                           engine_url=args.engine_url, control_token=token,
-                          data_token=args.data_token, max_body_bytes=args.max_body_bytes,
+                          data_token=data_token, max_body_bytes=args.max_body_bytes,
                           queue_max=args.queue, queue_wait_s=args.queue_wait_s,
                           lease_s=min(args.lease_s, 1800.0),
-                          health_interval_s=args.health_interval_s)
+                          health_interval_s=args.health_interval_s,
+                          client_body_s=args.client_body_s, client_send_s=args.client_send_s)
     import uvicorn
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.journal import Journal
-    from rolloutcore.control.runner import Deadlines, LifecycleRunner
+    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
     from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
@@ -174,15 +181,19 @@ def run_serve(args: ServeOptions) -> int:
         source = WeightSource.from_checkpoint(model_dir)
         identity = WeightIdentity.declare(source.manifest(), Provenance(
             str(model_dir.resolve()), "", args.step), source.content_digest())
+        # The pause call's own timeout is the pause step's deadline, not the
+        # drain deadline (how long bound rollouts may take): after a drain-policy
+        # abort the pause may take a while on a busy engine.
         adapter = VllmAdapter(VllmHTTP(url), None, engine_epoch=epoch,
-                              drain_timeout_s=args.drain_timeout_s)
+                              drain_timeout_s=Deadlines().pause_s)
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
         controller = LifecycleController(
             listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
-                                 record=None if journal is None else journal.write)
+                                 record=None if journal is None else journal.write,
+                                 drain_policy=DrainPolicy(args.drain_policy))
         runner.bootstrap(identity)
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend}})
@@ -222,8 +233,11 @@ def run_serve(args: ServeOptions) -> int:
         # leave behind.
         gc.collect()
         gc.freeze()
+        from rolloutcore.service.server import http_protocol
+
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10)
+                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
+                    http=http_protocol(cfg.client_header_s, cfg.client_send_s))
         return 0
     finally:
         if recorder is not None:

@@ -29,7 +29,14 @@ Semantics kept from the aiohttp client it replaces:
 * a complete answer returns its connection to the pool (``release``); any
   other ending closes it (``close``), which makes vLLM abort the request;
 * the answer's bytes are read with flow control: reading from vLLM pauses
-  while more than ``high_water`` bytes wait for the client.
+  while more than ``high_water`` bytes wait for the client (the gateway bounds
+  how long the client may leave them unread: ``proxy``'s send deadline);
+* an answer is complete only when its framing says so: one without length
+  or chunking ends at a *clean* end of the connection, and one cut by a
+  reset is an error, never a short complete answer;
+* a whole answer (``read``) is bounded in size; the few requests the gateway
+  makes of vLLM itself (``call``: aborting stragglers) use a connection of
+  their own, so a pool full of stragglers cannot block them.
 """
 
 from __future__ import annotations
@@ -89,7 +96,9 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         resp = self.resp
         if resp is not None and not resp.done:
-            if resp.status and not resp.framed:  # no length, not chunked: ends at EOF
+            if resp.status and not resp.framed and exc is None:
+                # No length, not chunked: the answer ends at a clean EOF. A reset
+                # (``exc``) cut it short: that is an error, not an answer.
                 resp.complete(keep_alive=False)
             else:
                 what = "vLLM closed the connection before its answer was complete"
@@ -239,12 +248,17 @@ class UpstreamResponse:
                 conn.transport.resume_reading()
         return out
 
-    async def read(self) -> bytes:
-        """The whole body (raises what broke it off)."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body; raises what broke it off, or ``EngineUnavailable`` once more
+        than ``max_bytes`` arrived (the gateway does not hold an unbounded answer)."""
         while not self.done:
+            if max_bytes is not None and self._buffered > max_bytes:
+                raise EngineUnavailable(STEP, f"vLLM's answer exceeds {max_bytes} bytes")
             await self._wait()
         if self._error is not None:
             raise self._error
+        if max_bytes is not None and self._buffered > max_bytes:
+            raise EngineUnavailable(STEP, f"vLLM's answer exceeds {max_bytes} bytes")
         return self._take() if self._buf else b""
 
     async def iter_any(self) -> AsyncIterator[bytes]:
@@ -401,7 +415,10 @@ class UpstreamPool:
         ``request_id`` goes out as ``X-Request-Id``; the caller has checked it
         (the gateway's rollout-id pattern: no spaces or control characters).
         """
-        conn = await self._acquire()
+        return await self._send(await self._acquire(), path, body, request_id)
+
+    async def _send(self, conn: _Conn, path: bytes, body: bytes,
+                    request_id: bytes) -> UpstreamResponse:
         resp = UpstreamResponse(self, conn)
         conn.resp = resp
         transport = conn.transport
@@ -421,6 +438,26 @@ class UpstreamPool:
             resp.close()
             raise
         return resp
+
+    async def call(self, path: bytes, body: bytes, *, timeout_s: float,
+                   max_bytes: int = 1 << 20) -> tuple[int, bytes]:
+        """One POST of the gateway's own on a connection outside the pool: (status, body).
+
+        Outside the pool's limit, so it is never queued behind the requests it
+        is about (aborting stragglers that hold every pooled connection). The
+        connection is closed afterwards. Bounded by ``timeout_s`` as a whole.
+        """
+        if self._closed:
+            raise EngineUnavailable(STEP, "upstream client closed")
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._send(await self._connect(), path, body, b"rolloutcore")
+                try:
+                    return resp.status, await resp.read(max_bytes)
+                finally:
+                    resp.close()
+        except TimeoutError:
+            raise EffectTimeout(STEP, timeout_s, detail=f"POST {path.decode()}") from None
 
     async def aclose(self) -> None:
         self._closed = True
