@@ -24,13 +24,21 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
+from rolloutcore.control.port import (
+    ExpectationTaker,
+    HealthObserver,
+    LifecycleAdapter,
+    Recoverer,
+    WriteObserver,
+)
 from rolloutcore.core.evidence import (
+    BootstrapEvidence,
     CacheKind,
     HealthEvidence,
     PauseMode,
     PreflightEvidence,
     TransferEvidence,
+    UpdateTarget,
     ValidationEvidence,
 )
 from rolloutcore.core.lifecycle import (
@@ -43,7 +51,13 @@ from rolloutcore.core.lifecycle import (
     Verdict,
 )
 from rolloutcore.core.records import Effect, Note, Record
-from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.core.versions import (
+    VerificationLevel,
+    WeightIdentity,
+    WeightVersion,
+    generation_of,
+    label_for,
+)
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -53,7 +67,7 @@ from rolloutcore.errors import (
     UpdateFailed,
 )
 
-__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "UpdateOutcome"]
+__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "TakeoverRefused", "UpdateOutcome"]
 
 T = TypeVar("T")
 
@@ -130,7 +144,11 @@ class UpdateOutcome:
 #: ``cancel``: the live validation is part of VALIDATE; the health observation
 #: and the fence act on the serving engine.
 _CANCEL_STEP: dict[str, Step] = {"validate_live": Step.VALIDATE, "health": Step.SERVE,
-                                 "fence": Step.SERVE}
+                                 "fence": Step.SERVE, "lease": Step.SERVE}
+
+
+class TakeoverRefused(UpdateFailed):
+    """A takeover that could not verify the engine: nothing was published from it."""
 
 
 class _Abort(Exception):
@@ -256,6 +274,154 @@ class LifecycleRunner:
             raise UpdateFailed("bootstrap", "no_mutation", v.after.value, "; ".join(v.problems))
         return v
 
+    # ------------------------------------------------------------ takeover
+    def take_over(self, identity: WeightIdentity, *, probes: Any | None = None,
+                  reference_checksums: Any | None = None,
+                  min_verification: VerificationLevel = VerificationLevel.DECLARED,
+                  recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
+        """Take over a running engine that is declared to hold ``identity``, verified.
+
+        What is declared is verified at least as an update would be: the
+        engine must be awake and not paused (a paused engine may be one a
+        dead controller left half-written), its label, the checksums against
+        ``reference_checksums`` where it hashes, and the policy probe
+        ``probes`` (computed from the declared checkpoint) must hold and
+        reach ``min_verification``. What happens then depends on the
+        controller (new, or restored from the previous gateway's journal):
+
+        * new (UNINITIALIZED): the engine's current weights are published
+          as the first version, with the level reached; anything that does
+          not hold is refused (``TakeoverRefused``, ``no_mutation``) and
+          nothing is published.
+        * READY (the journal's last version): the same engine incarnation
+          must still serve that version (same epoch, same label, ``identity``
+          the journal's weights, the probe): it keeps serving it; otherwise
+          the engine is tainted (``TakeoverRefused``, ``ambiguous``).
+        * TAINTED (an update was in flight, or the engine was tainted): only a
+          *replacement* engine (another epoch) freshly loaded from the
+          declared checkpoint is accepted, through ``recoverer(previous
+          epoch)``, verified like any recovery; the same tainted incarnation
+          is refused.
+
+        Returns the verdict that published, or ``None`` when a restored READY
+        version was confirmed.
+        """
+        c, a = self.controller, self.adapter
+        try:
+            ev = self._effect(Step.BOOTSTRAP.value, a.bootstrap, self.deadlines.bootstrap_s,
+                              None)
+        except EffectError as exc:
+            if c.state is State.UNINITIALIZED:
+                v = c.fail(None, Step.BOOTSTRAP, _kind(exc), str(exc))
+                raise TakeoverRefused("bootstrap", "no_mutation", v.after.value,
+                                      str(exc)) from exc
+            raise TakeoverRefused("takeover", "no_mutation", c.state.value,
+                                  f"the engine could not be described: {exc}") from exc
+        if not isinstance(ev, BootstrapEvidence):
+            raise EffectError("bootstrap", f"bootstrap returned {type(ev).__name__}")
+        unfit = _unfit(ev)
+        state = c.state
+        if state is State.UNINITIALIZED:
+            if unfit:
+                v = c.fail(None, Step.BOOTSTRAP, FailureKind.REFUSED, "; ".join(unfit))
+                raise TakeoverRefused("bootstrap", "no_mutation", v.after.value,
+                                      "; ".join(unfit))
+            label = ev.observed_label if ev.label_supported else None
+            version = WeightVersion(generation_of(label) or 0, label or label_for(0),
+                                    ev.engine_epoch)
+            vals = self._observe_takeover(UpdateTarget(version, identity, "takeover"),
+                                          probes, reference_checksums)
+            v = c.bootstrap(ev, identity, label=label, validations=vals,
+                            min_verification=min_verification)
+            if not v.accepted:
+                raise TakeoverRefused("bootstrap", "no_mutation", v.after.value,
+                                      "; ".join(v.problems))
+            return v
+        committed, known = c.committed, c.identity
+        if committed is None or known is None:
+            raise TakeoverRefused("takeover", "no_mutation", state.value,
+                                  "the journal has no committed version")
+        same_engine = ev.engine_epoch == committed.engine_epoch
+        if state is State.READY:
+            problems = list(unfit)
+            if not same_engine:
+                problems.append(f"the engine is another process than the journal's "
+                                f"(epoch {committed.engine_epoch}, now {ev.engine_epoch}): "
+                                "it restarted on its start checkpoint")
+            if not _same_weights(identity, known):
+                problems.append("the declared checkpoint is not the weights the journal "
+                                f"last published ({committed.label}: "
+                                f"{known.content_digest or known.manifest_digest}, declared "
+                                f"{identity.content_digest or identity.manifest_digest})")
+            if not problems:
+                target = UpdateTarget(committed, known, "takeover")
+                vals = self._observe_takeover(target, probes, reference_checksums)
+                for val in vals:
+                    problems += val.problems(target)
+                level, _ = LifecycleController._verification(vals)
+                if not problems and level < min_verification:
+                    problems.append(f"takeover verification reached {level.wire}, "
+                                    f"{min_verification.wire} required")
+            if not problems:
+                self._note("takeover_verified", version=committed.to_dict(),
+                           checks=[x for val in vals for x in val.summary])
+                return None
+            try:
+                c.fail(None, Step.SERVE, FailureKind.BAD_EVIDENCE,
+                       "takeover: " + "; ".join(problems))
+            finally:
+                self._fence_quietly()
+            if same_engine:
+                raise TakeoverRefused("takeover", "ambiguous", c.state.value,
+                                      "; ".join(problems))
+        # TAINTED now: only a replacement incarnation, fresh from the checkpoint.
+        if c.state is not State.TAINTED:
+            raise TakeoverRefused("takeover", "no_mutation", c.state.value,
+                                  f"cannot take over in {c.state.value}")
+        if ev.engine_epoch in {v.engine_epoch for v in c.published} or unfit:
+            raise TakeoverRefused(
+                "takeover", "ambiguous", c.state.value,
+                "; ".join(unfit) or "the journal left this engine TAINTED and it is still "
+                "the same process: restart it from the declared checkpoint, then start "
+                "again")
+        if recoverer is None:
+            raise TakeoverRefused("takeover", "ambiguous", c.state.value,
+                                  "the engine is TAINTED and no recoverer was given")
+        try:
+            v = self.recover(recoverer(committed.engine_epoch), owner="takeover")
+        except UpdateFailed as exc:
+            raise TakeoverRefused("recover", exc.classification, exc.state,
+                                  exc.reason) from exc
+        # The adapter describes the new incarnation (its process identity and the
+        # weight counters the health watch compares with).
+        with contextlib.suppress(EffectError):
+            self._effect(Step.BOOTSTRAP.value, a.bootstrap, self.deadlines.bootstrap_s, None)
+        return v
+
+    def _observe_takeover(self, target: UpdateTarget, probes: Any | None,
+                          reference_checksums: Any | None) -> list[ValidationEvidence]:
+        """The engine observed as an update's validations would (paused checks, probes)."""
+        a = self.adapter
+        if isinstance(a, ExpectationTaker):
+            a.expect(probes=probes, reference_checksums=reference_checksums)
+        elif probes is not None or reference_checksums is not None:
+            raise BadInput("this adapter cannot take expectations (ExpectationTaker)")
+        out: list[ValidationEvidence] = []
+        for live, deadline in ((False, self.deadlines.validate_s),
+                               (True, self.deadlines.live_validate_s)):
+            val = self._effect("validate_live" if live else Step.VALIDATE.value,
+                               lambda live=live: a.validate(  # type: ignore[misc]
+                                   target, live=live), deadline, None)
+            if val is not None:
+                out.append(val)
+        return out
+
+    def _fence_quietly(self) -> None:
+        try:
+            self._effect("fence", self.adapter.fence, self.deadlines.fence_s, None)
+        except EffectError as exc:
+            self._note("fence_failed", error=str(exc))
+
     # ------------------------------------------------------------ recovery
     def recover(self, recoverer: Recoverer, *, owner: str = "operator") -> Verdict:
         """TAINTED -> RECOVERING -> READY on a replacement engine, or back to TAINTED.
@@ -327,8 +493,16 @@ class LifecycleRunner:
             if not isinstance(ev, HealthEvidence):
                 raise EffectError("health", f"observe_health returned {type(ev).__name__}")
             problems = ev.problems(None)
-            restarted = ev.restarted
-            kind = FailureKind.DIED if (restarted or not ev.answering) else FailureKind.ERROR
+            if serving is not None and ev.observed_label is not None and \
+                    ev.observed_label != serving.label:
+                problems.append(f"engine's weight version is {ev.observed_label!r}, the "
+                                f"committed version is {serving.label!r}: weights written "
+                                "outside any update")
+            # A restart or a write nobody published is proof at once, not a slow answer.
+            restarted = ev.restarted or ev.written or bool(problems and ev.answering
+                                                           and ev.healthy)
+            kind = (FailureKind.DIED if (ev.restarted or not ev.answering)
+                    else FailureKind.BAD_EVIDENCE if restarted else FailureKind.ERROR)
         if not problems or self.controller.committed != serving:
             self._health_failures = 0
             return None
@@ -341,10 +515,7 @@ class LifecycleRunner:
         except InvalidTransition:
             return None  # an update began meanwhile: its effects meet the engine
         self._health_failures = 0
-        try:
-            self._effect("fence", self.adapter.fence, self.deadlines.fence_s, None)
-        except EffectError as exc:
-            self._note("fence_failed", error=str(exc))
+        self._fence_quietly()
         return v
 
     # ------------------------------------------------------------ update
@@ -423,6 +594,34 @@ class LifecycleRunner:
             v = self.controller.fail(out.ticket, Step.TRANSFER, kind, reason)
             out.verdicts.append(v)
             raise _Abort(v)
+
+    def expire_lease(self, out: UpdateOutcome, reason: str, *, timeout_s: float = 5.0) -> None:
+        """A remote trainer's lease ran out without a report: classified from the engine.
+
+        The trainer may have died before sending anything (or never got the
+        begin's answer), or in the middle of the transfer: only the engine
+        can tell. An adapter that is a ``WriteObserver`` reads the engine's
+        own count of weight-update operations; when it proves none ran since
+        the drain, nothing was sent and the update ends as REFUSED
+        (no_mutation: back to service on the old version). Otherwise it is a
+        TIMEOUT of the transfer: ambiguous, TAINTED.
+        """
+        a = self.adapter
+        writes: tuple[str, ...] | None = None
+        if isinstance(a, WriteObserver):
+            try:
+                writes = self._effect("lease", lambda: a.writes_since_drain(timeout_s=timeout_s),
+                                      timeout_s * 2 + 1.0, out.phases, "lease_check")
+            except EffectError as exc:
+                self._note("lease_check_failed", error=str(exc))
+        if writes == ():
+            self.report_transfer_failure(
+                out, FailureKind.REFUSED,
+                f"{reason}; the engine counted no weight update since the drain: nothing "
+                "was sent")
+        detail = ("the engine cannot tell whether anything was sent" if writes is None
+                  else "the engine counted " + ", ".join(writes))
+        self.report_transfer_failure(out, FailureKind.TIMEOUT, f"{reason}; {detail}")
 
     def close_update(self, out: UpdateOutcome) -> UpdateOutcome:
         """Invalidate caches, validate while paused, resume, live-validate, publish."""
@@ -512,6 +711,27 @@ class LifecycleRunner:
         cls = verdict.classification.value if verdict.classification else "ambiguous"
         phase = _PHASE_OF_STATE.get(verdict.before, verdict.before.value)
         raise UpdateFailed(phase, cls, c.state.value, "; ".join(verdict.problems))
+
+
+def _unfit(ev: BootstrapEvidence) -> list[str]:
+    """Why an engine must not be taken over as it is (paused, asleep), in words."""
+    info = ev.engine_info
+    out = []
+    if info.get("paused") is True:
+        out.append("the engine is paused: a controller may have died in the middle of an "
+                   "update (its weights are unknown) or fenced it after a taint")
+    if info.get("awake") is False:
+        out.append("the engine is asleep: its weights are not loaded")
+    return out
+
+
+def _same_weights(declared: WeightIdentity, known: WeightIdentity) -> bool:
+    """Whether a declared checkpoint is the weights a journal published (content first)."""
+    if declared.manifest_digest != known.manifest_digest:
+        return False
+    if declared.content_digest is not None and known.content_digest is not None:
+        return declared.content_digest == known.content_digest
+    return True
 
 
 _PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",

@@ -48,6 +48,7 @@ from rolloutcore.errors import BadInput, RequestTooLarge
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import (
+    LEASE_HEADER,
     BeginBody,
     ReportBody,
     UpdateManager,
@@ -90,7 +91,9 @@ class Gateway:
             "update": None if open_upd is None else open_upd.describe(),
             "published": snap["published"],
             "transitions": c.history()[-self.config.history:],
-            "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model},
+            "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model,
+                       "base_url": self.config.advertised_engine_url},
+            "verification": self.updates.verification(),
         }
 
 
@@ -161,7 +164,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         code, parsed = parse_body(BeginBody, raw)
         if code:
             return _json(code, parsed)
-        status, body = await updates.begin(parsed)
+        status, body = await updates.begin(parsed, disconnected=request.is_disconnected)
         return _json(status, body)
 
     async def report(request: Request) -> Response:
@@ -176,17 +179,16 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         code, parsed = parse_body(ReportBody, raw)
         if code:
             return _json(code, parsed)
-        status, body = await updates.report(uid, parsed)
+        status, body = await updates.report(uid, parsed, request.headers.get(LEASE_HEADER))
         return _json(status, body)
 
     async def get_update(request: Request) -> Response:
         if (r := denied(request)) is not None:
             return r
         uid = update_id(request)
-        found = None if uid is None else updates.get(uid)
-        if found is None:
+        if uid is None:
             return _json(404, {"error": "no such update"})
-        return _json(200, found)
+        return _json(*updates.get(uid, request.headers.get(LEASE_HEADER)))
 
     async def status(request: Request) -> Response:
         if (r := denied(request)) is not None:

@@ -104,7 +104,7 @@ def _check_engine(http: Any) -> SupportVerdict:
     answers: list[object] = []
     for fetch in (http.version, http.capabilities):
         try:
-            answers.append(fetch(timeout_s=30.0, mutation_started=False))
+            answers.append(fetch(timeout_s=30.0))
         except EffectError as exc:
             answers.append({"error": str(exc)})
     return assess(*answers)
