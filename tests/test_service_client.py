@@ -205,9 +205,8 @@ def test_trainer_killed_between_begin_and_report(
     while gw.updates.open_update is not None and time.monotonic() < deadline:
         time.sleep(0.02)
     assert gw.controller.state is State.READY
-    with RolloutCoreClient(url, TOKEN) as rc:
-        with pytest.raises(BadInput, match="403"):
-            rc.get_update(uid)  # the lease's secret died with its trainer
+    with RolloutCoreClient(url, TOKEN) as rc, pytest.raises(BadInput, match="403"):
+        rc.get_update(uid)  # the lease's secret died with its trainer
     info = gw.updates.get(uid, gw.updates._updates[uid].secret)[1]
     assert info["status"] == "expired" and info["result"]["classification"] == "no_mutation"
     assert [v.label for v in gw.controller.published] == ["default"]

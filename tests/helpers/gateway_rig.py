@@ -151,15 +151,18 @@ def expectations(w: FakeWeights) -> dict[str, Any]:
     return {"probe": fake_probe(w).to_wire(), "engine_checksums": {"fake-digest": w.digest}}
 
 
-def begin_body(w: Any, owner: str = "trainer", *, expect: bool = True,
+def begin_body(w: Any, owner: str = "trainer", *, expect: bool | dict[str, Any] = True,
                **extra: Any) -> dict[str, Any]:
-    """A begin for ``w`` with the expectations a trainer computes (``expect=False``: none)."""
+    """A begin for ``w`` with the expectations a trainer computes (``expect=False``: none;
+    a dict: those)."""
     ident = w.identity()
     body = {"identity": {"manifest_digest": ident.manifest_digest,
                          "provenance": ident.provenance.to_dict(),
                          "content_digest": ident.content_digest},
             "owner": owner, **extra}
-    if expect:
+    if isinstance(expect, dict):
+        body["expect"] = expect
+    elif expect:
         body.setdefault("expect", expectations(w))
     return body
 

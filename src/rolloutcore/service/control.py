@@ -622,6 +622,9 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
     auth_errors = (401, 403)
     uid = {"name": "update_id", "in": "path", "required": True,
            "schema": {"type": "integer", "minimum": 1, "maximum": _INT63}}
+    lease = {"name": LEASE_HEADER, "in": "header", "required": True,
+             "description": "the lease secret from the begin's answer (lease.secret)",
+             "schema": {"type": "string", "maxLength": 256}}
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -633,21 +636,24 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
         "paths": {
             "/control/updates": {"post": {
                 "operationId": "beginUpdate",
-                "summary": "Begin an update: drain, quiesce, grant a lease",
+                "summary": "Begin an update: check the expectations and the floor, drain, "
+                           "quiesce, grant a lease (200: the same begin_key again)",
                 "requestBody": {"required": True,
                                 "content": {"application/json": {"schema": ref("BeginBody")}}},
-                "responses": resp(400, *auth_errors, 409, 413, 415, 422, 503, ok=201),
+                "responses": {**resp(400, *auth_errors, 409, 413, 415, 422, 503, ok=201),
+                              "200": {"description": "the open grant of this begin_key",
+                                      "content": {"application/json": {"schema": obj}}}},
             }},
             "/control/updates/{update_id}": {"get": {
                 "operationId": "getUpdate",
                 "summary": "An update's lease and result",
-                "parameters": [uid],
+                "parameters": [uid, lease],
                 "responses": resp(*auth_errors, 404),
             }},
             "/control/updates/{update_id}/transfer": {"post": {
                 "operationId": "reportTransfer",
                 "summary": "Report the transfer (evidence or failure); the service commits",
-                "parameters": [uid],
+                "parameters": [uid, lease],
                 "requestBody": {"required": True,
                                 "content": {"application/json": {"schema": ref("ReportBody")}}},
                 "responses": resp(400, *auth_errors, 404, 409, 410, 413, 415, 422),
@@ -661,7 +667,9 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
     }
 
 
-_REASONS = {400: "malformed JSON", 401: "missing bearer token", 403: "wrong token",
+_REASONS = {400: "malformed JSON", 401: "missing bearer token",
+            403: "wrong token, or not this update's lease secret",
             404: "no such update", 409: "conflict (another update, or already reported)",
             410: "the lease expired", 413: "body too large", 415: "not JSON",
-            422: "invalid fields", 503: "the update could not begin"}
+            422: "invalid fields, expectations, or below the verification floor",
+            503: "the update could not begin"}
