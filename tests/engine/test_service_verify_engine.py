@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import EngineFactory, TinyModels
+from enginetools import EngineFactory, TinyModels, merge_rows
 from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.invariants import check_journal
@@ -116,7 +116,7 @@ class Rig:
         return Provenance(str(self.ckpt(name)), "verify-engine", step)
 
     def start(self, checkpoint: str, *, journal: bool = True,
-              upstream: str | None = None) -> Gw:
+              upstream: str | None = None, compute_probe: bool = False) -> Gw:
         """A gateway over the engine; returns once it serves or has exited (refused)."""
         port = free_port()
         log = self.work / f"gateway-{len(self.gateways)}.log"
@@ -127,6 +127,11 @@ class Rig:
                "--lease-s", "60"]
         if journal:
             cmd += ["--journal", str(self.journal)]
+        if not compute_probe:  # the checkpoint's probe, computed once for the module
+            f = self.work / f"probe-{checkpoint}.json"
+            if not f.exists():
+                f.write_text(json.dumps(self.probes[checkpoint].to_wire()))
+            cmd += ["--takeover-probe", str(f)]
         t0 = time.monotonic()
         with open(log, "wb") as lf:
             proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
@@ -229,18 +234,6 @@ def _versions() -> dict[str, Any]:
     return out
 
 
-def merge_rows(path: Path, rows: list[dict[str, Any]]) -> None:
-    """Rows replace those of the same case in the matrix at ``path``; others are kept."""
-    old: list[dict[str, Any]] = []
-    if path.exists():
-        with contextlib.suppress(ValueError):
-            old = json.loads(path.read_text())
-    names = {r["case"] for r in rows}
-    merged = [r for r in old if r.get("case") not in names] + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
-
-
 @pytest.fixture(scope="module")
 def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
@@ -272,7 +265,7 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
 
 def test_the_service_path_refuses_below_the_floor_and_malformed_probes_then_verifies(
         rig: Rig) -> None:
-    gw = rig.start("A")
+    gw = rig.start("A", compute_probe=True)  # the takeover's own forward pass of A, once
     assert gw.url is not None, gw.text()[-3000:]
     st = gw.status()
     assert st["state"] == "READY" and st["verification"]["floor"] == "probe"
@@ -313,7 +306,8 @@ def test_the_service_path_refuses_below_the_floor_and_malformed_probes_then_veri
         assert r.status_code == 422
         unchanged()
         # The same update verified as in process: the probe, computed from what is sent.
-        res = rc.update(rig.source("B"), rig.prov("B", 1), owner="verify-engine")
+        res = rc.update(rig.source("B"), rig.prov("B", 1), owner="verify-engine",
+                        probe=True)  # computed from what it sends, as in process
     assert res.status == "published" and res.verification == "probe"
     assert res.published is not None and res.published.label == "rc-1"
     ev = res.raw["result"]["verification"]["evidence"]
@@ -389,8 +383,9 @@ def test_an_out_of_band_weight_write_is_noticed_and_taints(rig: Rig) -> None:
             "another local process sends A through vLLM's weight routes, keeping the "
             "label rc-1, while the gateway serves",
             classification="ambiguous", state_after_fault="TAINTED",
-            seconds_to_classify=round(t_taint - t_done, 3),
-            seconds_from_write_start=round(t_taint - t_write, 3), deadline_s=WATCH_BOUND_S,
+            seconds_to_classify=round(t_taint - t_write, 3),
+            seconds_after_the_write_returned=round(t_taint - t_done, 3),
+            deadline_s=WATCH_BOUND_S + (t_done - t_write),
             bound="health interval + one check's reads", published_unvalidated=0,
             published=rig.published(), recovered=None, recovery="next case")
 
@@ -474,7 +469,8 @@ def test_a_trainer_clock_hours_off_changes_nothing(rig: Rig, monkeypatch: pytest
     monkeypatch.setattr(client_mod.time, "time", lambda: real() + 3 * 3600.0)
     t0 = time.monotonic()
     with rig.client(gw) as rc:
-        res = rc.update(rig.source("B"), rig.prov("B", 8), owner="skewed-trainer")
+        res = rc.update(rig.source("B"), rig.prov("B", 8), owner="skewed-trainer",
+                        probe=rig.probes["B"])
     took = time.monotonic() - t0
     monkeypatch.setattr(client_mod.time, "time", real)
     assert res.status == "published" and res.verification == "probe"

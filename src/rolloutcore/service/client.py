@@ -245,7 +245,10 @@ class RolloutCoreClient:
                  timeout_s: float = 30.0, begin_timeout_s: float = 600.0,
                  report_timeout_s: float = 600.0, transfer_timeout_s: float = 600.0,
                  connect_timeout_s: float = 120.0,
-                 http_transport: httpx.BaseTransport | None = None) -> None:
+                 http_transport: httpx.BaseTransport | None = None,
+                 connected_to: str | None = None) -> None:
+        """``connected_to``: the engine URL ``transport`` is already connected to (its
+        handshake is not repeated); otherwise the first update connects it."""
         if not isinstance(token, str) or not token:
             raise BadInput("token must be a non-empty string")
         for name, v in (("timeout_s", timeout_s), ("begin_timeout_s", begin_timeout_s),
@@ -261,7 +264,9 @@ class RolloutCoreClient:
         self._report_timeout_s = float(report_timeout_s)
         self._transfer_timeout_s = float(transfer_timeout_s)
         self._connect_timeout_s = float(connect_timeout_s)
-        self._connected_to: str | None = None
+        if connected_to is not None and (not isinstance(connected_to, str) or not connected_to):
+            raise BadInput("connected_to must be an engine URL or None")
+        self._connected_to: str | None = connected_to
         self._secrets: dict[int, str] = {}
         # One keep-alive connection to the gateway, reused by every call.
         self._http = httpx.Client(base_url=base_url.rstrip("/"), transport=http_transport,

@@ -368,9 +368,28 @@ def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
         return PolicyProbe.from_wire(raw, vocab_size=_vocab_size(model_dir))
     if reachable < VerificationLevel.PROBE:
         return None
-    print(f"[rolloutcore] computing the policy probe of {model_dir} for the takeover",
-          file=sys.stderr)
-    return PolicyProbe.from_checkpoint(str(model_dir))
+    return _LazyProbe(model_dir)
+
+
+class _LazyProbe:
+    """The checkpoint's probe, computed on first use: a takeover that is refused for a
+    cheaper reason (a paused engine) does not pay a forward pass of the checkpoint."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._probe: Any = None
+
+    def get(self) -> Any:
+        if self._probe is None:
+            from rolloutcore.verification.probe import PolicyProbe
+
+            print(f"[rolloutcore] computing the policy probe of {self.model_dir} for the "
+                  "takeover", file=sys.stderr)
+            self._probe = PolicyProbe.from_checkpoint(str(self.model_dir))
+        return self._probe
+
+    def run(self, http: Any, target: Any) -> Any:
+        return self.get().run(http, target)
 
 
 def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
@@ -378,9 +397,10 @@ def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
     from rolloutcore.control.recovery import OperatorRecoverer
 
     def make(previous_epoch: str) -> Any:
+        p = probe.get() if isinstance(probe, _LazyProbe) else probe
         return OperatorRecoverer(url, model_dir, signal=lambda: True, wait_s=5.0,
                                  previous_epoch=previous_epoch, identity=identity,
-                                 probe=probe if probe is not None else False)
+                                 probe=p if p is not None else False)
 
     return make
 
