@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rolloutcore.verification.probe import PolicyProbe
 
     soak = _soak()
+    load_start = os.getloadavg()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rc-service-vs-inprocess-"))
     engine = None
     if args.upstream:
@@ -217,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "validate_live", "controller_overhead", "total")}
                             for p in ("inprocess", "service")},
         "updates": rows,
-        "machine": soak.machine(),
+        "machine": {**soak.machine(), "loadavg_at_start": load_start},
         "load_average_after": os.getloadavg(),
         "versions": soak.versions(),
         "command": shlex.join([sys.executable, *sys.argv]),
