@@ -7,6 +7,7 @@ and imported by tests for type annotations.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -21,7 +22,8 @@ import httpx
 
 from rolloutcore.adapters.vllm.process import ManagedEngine, free_port
 
-__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine"]
+__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine",
+           "merge_rows"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,3 +144,17 @@ def kill_engine(engine: ManagedEngine) -> float:
         time.sleep(0.01)
     assert not engine.alive()
     return t
+
+
+def merge_rows(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write fault-matrix ``rows`` into the JSON list at ``path``, replacing the rows of the
+    same ``case`` and keeping the others (several engine modules write one matrix)."""
+    old: list[dict[str, Any]] = []
+    if path.exists():
+        with contextlib.suppress(ValueError):
+            loaded = json.loads(path.read_text())
+            old = loaded if isinstance(loaded, list) else []
+    names = {r["case"] for r in rows}
+    merged = [r for r in old if r.get("case") not in names] + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=2, default=str) + "\n")

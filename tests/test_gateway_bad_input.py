@@ -27,7 +27,7 @@ import pytest
 
 from helpers.asgi_drive import Drive
 from helpers.asgi_stream import lifespan
-from helpers.gateway_rig import AUTH, TOKEN, begin_body, make_parts, remote_transfer, rig
+from helpers.gateway_rig import AUTH, TOKEN, begin_body, lease, make_parts, remote_transfer, rig
 from helpers.gateway_rig import transfer_body as _transfer_body
 from rolloutcore.core.lifecycle import Binding, FailureKind, Step
 from rolloutcore.core.versions import Provenance, WeightIdentity, WeightVersion
@@ -325,7 +325,7 @@ async def test_unattributable_answers_are_recorded_as_such(tmp_path: Path) -> No
             assert b.status_code == 201
             ev = remote_transfer(r.adapter, W1, b.json()["target"]["label"])
             rep = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                                      json=_transfer_body(ev), headers=AUTH)
+                                      json=_transfer_body(ev), headers=lease(b.json()))
             assert rep.json()["status"] == "published"
         async with anyio.create_task_group() as tg:
             tg.start_soon(stream, "tainted", 1)

@@ -22,7 +22,15 @@ import pytest
 import uvicorn
 
 from helpers.asgi_drive import Drive
-from helpers.gateway_rig import AUTH, begin_body, remote_transfer, rig, sse_events, transfer_body
+from helpers.gateway_rig import (
+    AUTH,
+    begin_body,
+    lease,
+    remote_transfer,
+    rig,
+    sse_events,
+    transfer_body,
+)
 from rolloutcore.control.runner import DrainPolicy
 from rolloutcore.core.lifecycle import FailureKind, State, Step
 from rolloutcore.core.records import Record
@@ -60,7 +68,7 @@ async def publish(r: Any) -> dict[str, Any]:
     assert b.status_code == 201, b.text
     ev = remote_transfer(r.adapter, W1, b.json()["target"]["label"])
     rep = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                              json=transfer_body(ev), headers=AUTH)
+                              json=transfer_body(ev), headers=lease(b.json()))
     assert rep.status_code == 200 and rep.json()["status"] == "published", rep.text
     return b.json()
 
@@ -317,7 +325,7 @@ async def test_a_journal_that_fails_during_the_report_ends_the_update() -> None:
         ev = remote_transfer(r.adapter, W1, b.json()["target"]["label"])
         armed.set()
         rep = await r.client.post(f"/control/updates/{uid}/transfer", json=transfer_body(ev),
-                                  headers=AUTH)
+                                  headers=lease(b.json()))
         assert rep.status_code == 200, rep.text
         body = rep.json()
         assert body["status"] == "failed" and body["result"]["classification"] == "ambiguous"

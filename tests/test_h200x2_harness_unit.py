@@ -333,6 +333,11 @@ class FakeRemote(h.RemoteTrainer):
     def go(self, label: str) -> None:
         if self.die:
             self.q.put({"event": "sending"})
+            e = self.adapter.engine  # half the tensors really reach the engine
+            e.start_update()
+            items = sorted(self.weights.tensors.items())
+            for name, data in items[:len(items) // 2]:
+                e.load(name, data)
             self.q.put({"event": "half", "fraction": 0.5})
             return
         ev = remote_transfer(self.adapter, self.weights, label)
@@ -361,7 +366,8 @@ def remote(die: bool, lease_s: float = 0.5) -> tuple[dict[str, Any], Any, FakeRe
     metrics = ServiceMetrics(c)
     c.add_listener(metrics.listener)
     mgr = UpdateManager(r, ServiceConfig(upstream_url="http://vllm.test",
-                                         control_token="t" * 20, lease_s=lease_s), metrics)
+                                         control_token="t" * 20, lease_s=lease_s,
+                                         min_verification="declared"), metrics)
     w1 = FakeWeights.from_seed(1)
     ad.stage(w1)  # what the paused validation compares the engine with
     ident = w1.identity()

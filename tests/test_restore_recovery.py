@@ -38,7 +38,7 @@ def test_restore_mid_update_is_tainted_never_resumed(state: State) -> None:
         r.admit("x")
 
 
-def test_restore_ready_keeps_versions_and_bindings() -> None:
+def test_restore_ready_keeps_versions_and_releases_the_dead_process_bindings() -> None:
     j = Journal()
     c, _ = drive_to(State.RESUMING, j)
     t = c.current_ticket
@@ -49,11 +49,14 @@ def test_restore_ready_keeps_versions_and_bindings() -> None:
     c.admit("a")
     c.admit("b")
     c.complete("a")
-    r, _ = _restore(j)
+    r, j2 = _restore(j)
     assert r.state is State.READY
     assert r.committed == c.committed and r.identity == c.identity
-    assert set(r.active) == {"b"}
-    assert r.active["b"].version == c.committed
+    # "b" was bound by the process that wrote the journal: released, not attributable.
+    assert r.active == {}
+    done = [x for x in j2.records if x.kind == "complete"]
+    assert [(x.data["rollout_id"], x.data["attributable"]) for x in done] == [("b", False)]
+    assert done[0].data["version"] == c.committed.to_dict()  # type: ignore[union-attr]
     assert [v.label for v in r.published] == ["rc-0", "rc-1"]
     nxt = r.request_update(c.identity, "trainer")  # type: ignore[arg-type]
     assert nxt.target.version.label == "rc-2"
@@ -131,8 +134,8 @@ def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: 
         read_journal(path)
     r, j2 = restore_controller(path)
     j2.close()
-    assert r.state is State.READY and set(r.active) == {"r1"}
-    assert read_journal(path)[-1].kind == "restore"
+    assert r.state is State.READY and r.active == {}
+    assert [x.kind for x in read_journal(path)[-2:]] == ["restore", "complete"]
     lines = good.split(b"\n")
     lines[1] = b"garbage"
     path.write_bytes(b"\n".join(lines))

@@ -136,10 +136,10 @@ def test_wrong_token_and_one_writer(served: tuple[str, Gateway, FakeAdapter]) ->
     with RolloutCoreClient(url, "not-the-token") as bad, pytest.raises(BadInput):
         bad.status()
     with RolloutCoreClient(url, TOKEN) as rc:
-        g = rc.begin(identity_of(W1, P1), owner="a")
+        g = rc.begin(identity_of(W1, P1), owner="a", probe=W1.policy_probe())
         with pytest.raises(UpdateRefused):
-            rc.begin(identity_of(W1, P1), owner="b")
-        res = rc.report_failure(g.update_id, "refused", "changed my mind")
+            rc.begin(identity_of(W1, P1), owner="b", probe=W1.policy_probe())
+        res = rc.report_failure(g, "refused", "changed my mind")
         assert res.status == "failed" and res.classification == "no_mutation"
     with pytest.raises(BadInput):
         RolloutCoreClient(url, TOKEN, timeout_s=0)
@@ -150,10 +150,12 @@ def test_a_report_after_the_lease_expired_is_told_so(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
     url, gw, ad = served
     with RolloutCoreClient(url, TOKEN) as rc:
-        g = rc.begin(identity_of(W1, P1), owner="slow")
+        g = rc.begin(identity_of(W1, P1), owner="slow", probe=W1.policy_probe())
+        ad.engine.start_update()  # it began sending, and overran its lease
         time.sleep(0.6)
+        ad.engine.finish_update("late")
         ev = remote_transfer(ad, W1, g.target.label)
-        res = rc.report(g.update_id, ev)
+        res = rc.report(g, ev)
         assert res.status == "expired" and res.classification == "ambiguous"
         with pytest.raises(UpdateFailed):
             res.raise_for_failure()
@@ -164,17 +166,21 @@ def test_a_report_after_the_lease_expired_is_told_so(
 @pytest.mark.parametrize("served", [{"lease_s": 1.5}], indirect=True)
 def test_trainer_killed_between_begin_and_report(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
-    """A real trainer process begins, then is SIGKILLed: the lease expires, no publish."""
+    """A real trainer process begins, then is SIGKILLed before it sent anything: the lease
+    expires, nothing is published, and (#16) the engine, which counted no write, goes back
+    to service on the old version instead of being tainted."""
     url, gw, ad = served
     ident = identity_of(W1, P1)
     script = textwrap.dedent(f"""
         import sys, time
         from rolloutcore.service.client import RolloutCoreClient
         from rolloutcore.core.versions import Provenance, WeightIdentity
+        from rolloutcore.testing.fake import FakeWeights
         ident = WeightIdentity({ident.manifest_digest!r}, Provenance("fake-seed-1", "fake-run", 1),
                                {ident.content_digest!r})
         rc = RolloutCoreClient({url!r}, {TOKEN!r})
-        g = rc.begin(ident, owner="doomed-trainer")
+        g = rc.begin(ident, owner="doomed-trainer",
+                     probe=FakeWeights.from_seed(1, step=1).policy_probe())
         print("BEGUN", g.update_id, flush=True)
         time.sleep(600)
     """)
@@ -185,7 +191,7 @@ def test_trainer_killed_between_begin_and_report(
         assert line.startswith("BEGUN"), (line, proc.stderr.read() if proc.stderr else "")
         uid = int(line.split()[1])
         # open (or, on a very slow machine, already expired): never published
-        assert gw.controller.state in (State.UPDATING, State.TAINTED)
+        assert gw.controller.state in (State.UPDATING, State.READY)
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.wait(10) == -signal.SIGKILL
     finally:
@@ -196,16 +202,17 @@ def test_trainer_killed_between_begin_and_report(
             if f is not None:
                 f.close()
     deadline = time.monotonic() + 10
-    while gw.controller.state is not State.TAINTED and time.monotonic() < deadline:
+    while gw.updates.open_update is not None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert gw.controller.state is State.TAINTED
-    with RolloutCoreClient(url, TOKEN) as rc:
-        info = rc.get_update(uid)
-    assert info.status == "expired" and info.classification == "ambiguous"
+    assert gw.controller.state is State.READY
+    with RolloutCoreClient(url, TOKEN) as rc, pytest.raises(BadInput, match="403"):
+        rc.get_update(uid)  # the lease's secret died with its trainer
+    info = gw.updates.get(uid, gw.updates._updates[uid].secret)[1]
+    assert info["status"] == "expired" and info["result"]["classification"] == "no_mutation"
     assert [v.label for v in gw.controller.published] == ["default"]
     r = httpx.post(f"{url}/inference/v1/generate", json={"token_ids": [1],
                                                          "sampling_params": {}})
-    assert r.status_code == 503 and "retry-after" not in r.headers
+    assert r.status_code == 200 and r.headers["x-rolloutcore-version"] == "default"
 
 
 def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:

@@ -14,6 +14,7 @@ from helpers.gateway_rig import (
     AUTH,
     TOKEN,
     begin_body,
+    lease,
     remote_transfer,
     rig,
     sse_events,
@@ -58,7 +59,7 @@ async def test_begin_answers_what_the_transport_needs_and_quiesces() -> None:
         assert g["lease"]["seconds"] == 30 and 29 < g["lease"]["expires_in_s"] <= 30
         assert g["state"] == "UPDATING" and r.engine.paused
         assert g["identity_digest"] == W1.identity().digest
-        got = await r.client.get(f"/control/updates/{g['update_id']}", headers=AUTH)
+        got = await r.client.get(f"/control/updates/{g['update_id']}", headers=lease(g))
         assert got.json()["status"] == "open"
 
 
@@ -67,7 +68,7 @@ async def test_report_publishes_and_the_next_rollout_serves_the_new_policy() -> 
         g = await begin(r, min_verification="probe")
         ev = remote_transfer(r.adapter, W1, g["target"]["label"])
         d = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
-                                json=transfer_body(ev), headers=AUTH)
+                                json=transfer_body(ev), headers=lease(g))
         body = d.json()
         assert d.status_code == 200 and body["status"] == "published"
         assert body["result"]["published"]["label"] == "rc-1"
@@ -106,7 +107,7 @@ async def test_begin_waits_for_a_stream_in_flight_which_stays_on_the_old_version
             assert r.controller.active == {}
             ev = remote_transfer(r.adapter, W1, g["target"]["label"])
             await r.client.post(f"/control/updates/{g['update_id']}/transfer",
-                                json=transfer_body(ev), headers=AUTH)
+                                json=transfer_body(ev), headers=lease(g))
         evs = out["events"]
         assert evs[-1] == "[DONE]" and len(evs) == 31
         assert evs[-2]["choices"][0]["weight_versions"] == [
@@ -122,7 +123,7 @@ async def test_failure_report_refused_returns_to_service_on_the_old_version() ->
         g = await begin(r)
         d = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
                                 json={"failure": {"kind": "refused", "reason": "preflight"}},
-                                headers=AUTH)
+                                headers=lease(g))
         res = d.json()["result"]
         assert res["status"] == "failed" and res["classification"] == "no_mutation"
         assert r.controller.state is State.READY and r.controller.committed.label == "default"  # type: ignore[union-attr]
@@ -137,7 +138,7 @@ async def test_failure_report_after_mutation_may_have_started_taints(kind: str) 
         g = await begin(r)
         d = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
                                 json={"failure": {"kind": kind, "reason": "gloo broke"}},
-                                headers=AUTH)
+                                headers=lease(g))
         res = d.json()["result"]
         assert res["classification"] == "ambiguous" and res["state"] == "TAINTED"
         assert r.controller.state is State.TAINTED
@@ -149,7 +150,7 @@ async def test_evidence_that_does_not_hold_taints_and_publishes_nothing() -> Non
         g = await begin(r)
         ev = remote_transfer(r.adapter, W1, "rc-wrong")
         d = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
-                                json=transfer_body(ev), headers=AUTH)
+                                json=transfer_body(ev), headers=lease(g))
         res = d.json()["result"]
         assert res["status"] == "failed" and res["state"] == "TAINTED"
         assert "rc-wrong" in res["reason"]
@@ -159,22 +160,47 @@ async def test_evidence_that_does_not_hold_taints_and_publishes_nothing() -> Non
 async def test_lease_expiry_taints_publishes_nothing_and_a_late_report_is_gone() -> None:
     async with rig() as r:
         g = await begin(r, lease_s=0.2)
+        # The trainer began sending, then vanished: the engine counted a write.
+        r.engine.start_update()
+        r.engine.load("layers.0.weight", W1.tensors["layers.0.weight"])
         with anyio.fail_after(5):
             while r.controller.state is not State.TAINTED:
                 await anyio.sleep(0.01)
-        info = (await r.client.get(f"/control/updates/{g['update_id']}", headers=AUTH)).json()
+        info = (await r.client.get(f"/control/updates/{g['update_id']}", headers=lease(g))).json()
         assert info["status"] == "expired"
         assert info["result"]["classification"] == "ambiguous"
         assert "lease" in info["result"]["reason"]
+        assert "counted" in info["result"]["reason"]
+        r.engine.finish_update("late")
         ev = remote_transfer(r.adapter, W1, g["target"]["label"])
         late = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
-                                   json=transfer_body(ev), headers=AUTH)
+                                   json=transfer_body(ev), headers=lease(g))
         assert late.status_code == 410
         assert [v.label for v in r.controller.published] == ["default"]
         assert r.engine.paused  # fenced
         text = (await r.client.get("/metrics")).text
         assert "rolloutcore_leases_expired_total 1.0" in text
         assert 'rolloutcore_updates_total{outcome="lease_expired"} 1.0' in text
+
+
+async def test_a_lease_that_expires_with_nothing_sent_returns_to_service_untainted() -> None:
+    """#16: a begin whose answer was lost (or a trainer that died before sending) must not
+    taint an engine to which nothing was sent: the engine's own counters decide."""
+    async with rig() as r:
+        before = r.engine.weights_digest
+        g = await begin(r, lease_s=0.2)
+        with anyio.fail_after(5):
+            while r.gateway.updates.open_update is not None:
+                await anyio.sleep(0.01)
+        info = (await r.client.get(f"/control/updates/{g['update_id']}", headers=lease(g))).json()
+        assert info["status"] == "expired"
+        assert info["result"]["classification"] == "no_mutation", info
+        assert "nothing was sent" in info["result"]["reason"]
+        assert r.controller.state is State.READY and not r.engine.paused
+        assert [v.label for v in r.controller.published] == ["default"]
+        assert r.engine.weights_digest == before
+        ok = await r.client.post(GEN, json={"token_ids": [1], "sampling_params": {}})
+        assert ok.status_code == 200 and ok.headers["x-rolloutcore-version"] == "default"
 
 
 async def test_one_writer_unknown_ids_and_double_reports() -> None:
@@ -191,8 +217,9 @@ async def test_one_writer_unknown_ids_and_double_reports() -> None:
         assert r.controller.state is State.UPDATING
         ev = remote_transfer(r.adapter, W1, g["target"]["label"])
         url = f"/control/updates/{g['update_id']}/transfer"
-        assert (await r.client.post(url, json=transfer_body(ev), headers=AUTH)).status_code == 200
-        twice = await r.client.post(url, json=transfer_body(ev), headers=AUTH)
+        first = await r.client.post(url, json=transfer_body(ev), headers=lease(g))
+        assert first.status_code == 200
+        twice = await r.client.post(url, json=transfer_body(ev), headers=lease(g))
         assert twice.status_code == 409 and twice.json()["status"] == "published"
 
 
@@ -301,7 +328,7 @@ async def test_bad_report_bodies_are_4xx_and_leave_the_lease_open() -> None:
         ]
         before = snapshot(r)
         for b in bads:
-            resp = await r.client.post(url, json=b, headers=AUTH)
+            resp = await r.client.post(url, json=b, headers=lease(g))
             assert resp.status_code == 422, (b, resp.text)
         nan = await r.client.post(url, content=b'{"transfer": {"completed": true, '
                                   b'"mutation_started": true, "backend": "x", "elapsed_s": NaN}}',
@@ -312,7 +339,7 @@ async def test_bad_report_bodies_are_4xx_and_leave_the_lease_open() -> None:
         assert text.status_code == 415
         assert snapshot(r) == before
         ok = await r.client.post(url, json=transfer_body(remote_transfer(r.adapter, W1, "rc-1")),
-                                 headers=AUTH)
+                                 headers=lease(g))
         assert ok.json()["status"] == "published"
 
 
@@ -383,7 +410,7 @@ def test_fuzz_report_never_5xx(body: Any) -> None:
         async with rig() as r:
             g = await begin(r)
             resp = await r.client.post(f"/control/updates/{g['update_id']}/transfer",
-                                       content=json.dumps(body), headers=JSON_AUTH)
+                                       content=json.dumps(body), headers={**JSON_AUTH, **lease(g)})
             assert resp.status_code < 500
             if resp.status_code != 200:
                 assert r.controller.state is State.UPDATING

@@ -21,6 +21,7 @@ from helpers.gateway_rig import (
     AUTH,
     DATA_TOKEN,
     begin_body,
+    lease,
     remote_transfer,
     rig,
     sse_events,
@@ -139,7 +140,7 @@ async def test_requests_during_an_update_get_503_retry_after_and_never_reach_vll
         assert len(r.fake.received) == n_before
         ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
         done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                                   json=transfer_body(ev), headers=AUTH)
+                                   json=transfer_body(ev), headers=lease(b.json()))
         assert done.json()["status"] == "published"
         after = await r.client.post(GEN, json=gen_body(4))
         assert after.headers[VERSION_HEADER] == "rc-1"
@@ -167,7 +168,7 @@ async def test_queue_holds_requests_during_an_update_and_admits_them_after_the_c
             assert r.fake.received == []  # nobody ran before the commit
             ev = remote_transfer(r.adapter, w1, "rc-1")
             await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                                json=transfer_body(ev), headers=AUTH)
+                                json=transfer_body(ev), headers=lease(b.json()))
         assert [x.status_code for x in results] == [200] * 4
         for x in results:
             assert x.headers[VERSION_HEADER] == "rc-1"
@@ -269,7 +270,7 @@ async def test_tainted_engine_refuses_without_retry_after() -> None:
         b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
         await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
                             json={"failure": {"kind": "error", "reason": "nccl died"}},
-                            headers=AUTH)
+                            headers=lease(b.json()))
         assert r.controller.state is State.TAINTED
         resp = await r.client.post(GEN, json=gen_body())
         assert resp.status_code == 503 and "retry-after" not in resp.headers
@@ -362,7 +363,7 @@ async def test_concurrent_streams_across_updates_are_version_pure() -> None:
                 label = b.json()["target"]["label"]
                 ev = await anyio.to_thread.run_sync(remote_transfer, r.adapter, w, label)
                 d = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                                        json=transfer_body(ev), headers=AUTH)
+                                        json=transfer_body(ev), headers=lease(b.json()))
                 assert d.json()["status"] == "published", d.text
             await anyio.sleep(0.05)
             stop.set()
@@ -457,7 +458,7 @@ async def test_the_watch_leaves_a_healthy_engine_and_updates_alone() -> None:
         await anyio.sleep(0.1)  # several watch periods inside the update
         ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
         done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                                   json=transfer_body(ev), headers=AUTH)
+                                   json=transfer_body(ev), headers=lease(b.json()))
         assert done.json()["status"] == "published"
         await anyio.sleep(0.1)
         assert r.controller.state is State.READY and r.kinds("taint") == []

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from helpers.asgi_stream import lifespan
-from helpers.gateway_rig import AUTH, DATA_TOKEN, TOKEN, begin_body, rig
+from helpers.gateway_rig import AUTH, DATA_TOKEN, TOKEN, begin_body, lease, rig
 from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service import ServiceConfig, create_app
@@ -63,7 +63,8 @@ async def test_a_tainted_engine_tells_openai_clients_not_to_retry() -> None:
         w1 = FakeWeights.from_seed(1, step=1)
         b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
         await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                            json={"failure": {"kind": "error", "reason": "lost"}}, headers=AUTH)
+                            json={"failure": {"kind": "error", "reason": "lost"}},
+                            headers=lease(b.json()))
         assert r.controller.state is State.TAINTED
         gen = await r.client.post("/v1/completions", json={"prompt": "x"})
         assert gen.status_code == 503 and gen.headers["x-should-retry"] == "false"

@@ -8,7 +8,15 @@ from typing import Any
 import anyio
 import pytest
 
-from helpers.gateway_rig import AUTH, begin_body, remote_transfer, rig, sse_events, transfer_body
+from helpers.gateway_rig import (
+    AUTH,
+    begin_body,
+    lease,
+    remote_transfer,
+    rig,
+    sse_events,
+    transfer_body,
+)
 from rolloutcore.core.lifecycle import Binding
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput
@@ -62,7 +70,7 @@ async def test_generate_answers_are_recorded_with_their_binding(tmp_path: Path) 
         b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
         ev = remote_transfer(r.adapter, w1, "rc-1")
         await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
-                            json=transfer_body(ev), headers=AUTH)
+                            json=transfer_body(ev), headers=lease(b.json()))
         after = await r.client.post(GEN, headers=coords(1, 0), json={
             "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 3}})
         await settle(rec, 5)

@@ -961,7 +961,7 @@ def test_live_validation_runs_the_probe_hook() -> None:
         a2.validate(t, live=True)
 
 
-def test_resume_confirms_and_fence_swallows_errors() -> None:
+def test_resume_confirms_and_fence_reports_its_failures() -> None:
     e = Engine()
     a = VllmAdapter(client(e))
     d = a.drain(PauseMode.WAIT)
@@ -982,7 +982,8 @@ def test_resume_confirms_and_fence_swallows_errors() -> None:
         "engine does not report paused"]
     dead = VllmAdapter(client(Engine(overrides={Routes.PAUSE: raising(
         httpx.ConnectError("gone"))})))
-    dead.fence()  # best effort: no exception
+    with pytest.raises(EngineUnreachable):  # #16: a fence that failed says so
+        dead.fence()
     fenced = Engine()
     VllmAdapter(client(fenced)).fence()
     req = [r for r in fenced.requests if r.url.path == Routes.PAUSE][-1]

@@ -17,7 +17,16 @@ One run on one GPU (trainer and engine share it), against a real
 4. the cache negative control (resume without the prefix reset: stale KV);
 5. the benchmark, in one run: full RolloutCore transitions with their phase
    breakdown, the bare primitive sequence on the same engine and weights, a
-   device-to-device copy of the same bytes, and stop + restart to health.
+   device-to-device copy of the same bytes, and stop + restart to health;
+6. the service path (``--service``, on by default): the same hot transition
+   through a gateway (``rolloutcore.service.create_app`` over the same
+   controller, under uvicorn on loopback) and ``RolloutCoreClient`` over
+   rc_cuda_ipc, timed against the bare primitives interleaved with it
+   (``service_phase``; goal ``service_over_bare`` <= 1.3). The gateway
+   verifies as the in-process path does here: the trainer reports its
+   checksum of what it sent and the gateway has the workers hash what the
+   update wrote (``/collective_rpc rc_cuda_ipc_checksum``) and compares,
+   level engine-checksum.
 
 Writes ``$OUT/h200-8b-ipc.json`` (or ``--out``), ``$OUT/gpu-results.md`` and
 the engine logs. Every stage records its own error and the run goes on.
@@ -112,6 +121,81 @@ def stage(name: str):  # type: ignore[no-untyped-def]
 
 def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
+
+
+# ---------------------------------------------------------------------- service path
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, host: str = "127.0.0.1"):  # type: ignore[no-untyped-def]
+    """``app`` under uvicorn on a free loopback port, from a thread; yields its URL."""
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not th.is_alive():
+            raise RuntimeError("the gateway (uvicorn) did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        th.join(15)
+        sock.close()
+
+
+def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds: Any,
+                  reps: int, bare: Any = None) -> dict[str, Any]:
+    """The hot transition through a gateway and its client, against the bare primitives.
+
+    ``runner``: a bootstrapped ``LifecycleRunner`` whose adapter holds no
+    transport (the trainer sends); ``config``: its ``ServiceConfig``;
+    ``client_for(url)``: a ``RolloutCoreClient`` with the trainer's transport;
+    ``prepare(seed)``: the trainer's work before an update, outside the timing
+    (fill the buffer, checksum it at staging), returning ``(source, identity,
+    provenance, probe, min_verification)``; ``seeds``: an iterator of the next
+    policy; ``bare()``: one timed bare-primitive cycle (seconds), run after
+    each service update, or None. Returns the timings, the verification
+    reached and every run.
+    """
+    from rolloutcore.service import create_app
+
+    app = create_app(runner, config)
+    runs: list[dict[str, Any]] = []
+    bare_s: list[float] = []
+    with serve_in_thread(app) as url, client_for(url) as rc:
+        for _ in range(reps):
+            seed = next(seeds)
+            source, ident, prov, probe, level = prepare(seed)
+            t0 = time.monotonic()
+            res = rc.update(source, prov, identity=ident, probe=probe,
+                            min_verification=level, owner="h200-service-phase")
+            wall = time.monotonic() - t0
+            phases = dict(res.phases)
+            effects = sum(phases.get(k, 0.0) for k in ("pause", "transfer", "invalidate",
+                                                       "validate", "resume", "validate_live"))
+            runs.append({"seed": seed, "service_s": wall, "gateway_total_s": phases.get("total"),
+                         "protocol_overhead_s": max(0.0, wall - effects),
+                         "verification": res.verification, "published": None
+                         if res.published is None else res.published.to_dict(),
+                         "phases": phases})
+            if bare is not None:
+                bare_s.append(float(bare()))
+    svc = med([r["service_s"] for r in runs])
+    bs = med(bare_s)
+    return {"reps": reps, "service_s": svc, "bare_primitives_s": bs,
+            "service_over_bare": svc / bs if svc and bs else None,
+            "protocol_overhead_s": med([r["protocol_overhead_s"] for r in runs]),
+            "verification": sorted({str(r["verification"]) for r in runs}),
+            "runs": runs, "bare": bare_s}
 
 
 # ---------------------------------------------------------------------- trainer
@@ -284,6 +368,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gpu-util", type=float, default=0.45)
+    ap.add_argument("--service", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run the hot transition through a gateway + RolloutCoreClient")
+    ap.add_argument("--service-reps", type=int, default=None,
+                    help="service-path transitions (default: --reps)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -743,6 +831,63 @@ def main() -> int:
         log(f"hot {hot_s:.4f}s bare {bare_s:.4f}s update {upd * 1e3:.1f}ms "
             f"({R['transfer_gbps']:.0f} GB/s) overhead {ovh:.4%}")
 
+    with stage("service_path"):
+        if not args.service:
+            R["service_path"] = {"skipped": "--no-service"}
+        else:
+            from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+            from rolloutcore.service import ServiceConfig
+            from rolloutcore.service.client import RolloutCoreClient
+
+            # The gateway's own adapter: no transport (the trainer sends through it).
+            gw_adapter = VllmAdapter(VllmHTTP(engine.base_url, timeout_s=120), None,
+                                     engine_epoch=engine.epoch)
+            gw_adapter.bootstrap()
+            gw_runner = LifecycleRunner(controller, gw_adapter, deadlines)
+            token = "h200-service-phase-0123456789abcdef"
+            # No engine watch: the bare cycles interleaved here are, to the gateway,
+            # out-of-band writes (and vLLM 0.26 counts none it could see).
+            cfg = ServiceConfig(upstream_url=engine.base_url, control_token=token,
+                                transport={"backend": BACKEND}, health_interval_s=0,
+                                min_verification="engine-checksum")
+            sbody = wire(by_reference=True)
+
+            def prepare(seed: int) -> tuple[Any, ...]:
+                assert packed is not None
+                fill(packed, seed)
+                transport.precompute_checksum(packed)  # at staging, as in process
+                state["seed"] = seed
+                return (source, identity(seed), Provenance(
+                    f"synthetic-qwen3-8b-seed{seed}", "h200-harness-service", seed), False,
+                    "engine-checksum")
+
+            def bare() -> float:
+                assert packed is not None
+                other = 1 if state["seed"] == 2 else 2
+                fill(packed, other)
+                t = http.bare_cycle(sbody)["total"]
+                fill(packed, 1 if other == 2 else 2)  # back to what the gateway published
+                http.bare_cycle(sbody)
+                return t
+
+            def seeds() -> Any:
+                while True:
+                    yield 1 if state["seed"] == 2 else 2
+
+            R["service_path"] = service_phase(
+                gw_runner, cfg,
+                lambda url: RolloutCoreClient(url, token, transport=transport,
+                                              connected_to=engine.base_url,
+                                              begin_timeout_s=300, report_timeout_s=300),
+                prepare, seeds(), args.service_reps or args.reps, bare)
+            sp = R["service_path"]
+            R["service_s"] = sp["service_s"]
+            R["service_over_bare"] = sp["service_over_bare"]
+            R["service_over_hot"] = (sp["service_s"] / R["hot_s"]
+                                     if sp["service_s"] and R.get("hot_s") else None)
+            log(f"service path: {sp['service_s']:.4f}s, bare {sp['bare_primitives_s']:.4f}s, "
+                f"ratio {sp['service_over_bare']:.3f}, verification {sp['verification']}")
+
     with stage("d2d_copy"):
         dst = torch.empty_like(packed.buffer)
         ts = []
@@ -880,7 +1025,8 @@ def finish(out: Path, logs: Path) -> int:
     R = RESULTS
     R["wall_s"] = time.monotonic() - T_START
     keys = ["hot_s", "bare_primitives_s", "restart_s", "ratio",
-            "controller_overhead_fraction", "transfer_gbps", "d2d_copy_gbps"]
+            "controller_overhead_fraction", "transfer_gbps", "d2d_copy_gbps",
+            "service_s", "service_over_bare", "service_over_hot"]
     R["summary"] = {k: R.get(k) for k in keys}
     (out / "h200-8b-ipc.json").write_text(json.dumps(R, indent=1, default=str))
     (out / "gpu-results.md").write_text(table(R))
@@ -908,6 +1054,9 @@ def table(R: dict[str, Any]) -> str:
         f"| bare_primitives_s (pause, start, update, finish, reset, resume) | "
         f"{_f(R.get('bare_primitives_s'), '.4f')} s | |",
         f"| hot / bare | {_f(R.get('hot_over_bare'), '.3f')} | <= 1.3 |",
+        f"| service_s (same transition through gateway + client, median) | "
+        f"{_f(R.get('service_s'), '.4f')} s | |",
+        f"| service / bare | {_f(R.get('service_over_bare'), '.3f')} | <= 1.3 |",
         f"| controller_overhead_fraction | {_f(R.get('controller_overhead_fraction'), '.4%')}"
         " | < 1% |",
         f"| restart_s (stop + start to health) | {_f(R.get('restart_s'), '.1f')} s | |",

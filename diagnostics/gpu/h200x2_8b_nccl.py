@@ -847,13 +847,14 @@ async def drive_remote_update(manager: Any, begin: Mapping[str, Any], trainer: R
         record.state_after = c.state.value
         return out
     uid = int(g["update_id"])
+    secret = str(g["lease"]["secret"])  # every later call of the update presents it
     record.t_transfer_start = time.monotonic()  # the lease runs from here
     trainer.go(str(g["target"]["label"]))
     events: list[dict[str, Any]] = []
     end = time.monotonic() + max_wait_s
     while time.monotonic() < end:
-        d = manager.get(uid)
-        if d is not None and d["status"] not in ("open", "reporting") and d["result"]:
+        code, d = manager.get(uid, secret)
+        if code == 200 and d["status"] not in ("open", "reporting") and d["result"]:
             break
         ev = await asyncio.to_thread(trainer.next_event, poll_s)
         if ev is None:
@@ -866,14 +867,17 @@ async def drive_remote_update(manager: Any, begin: Mapping[str, Any], trainer: R
             record.t_dead = await asyncio.to_thread(trainer.kill)
         elif kind == "report":
             code, _ = await manager.report(uid, ReportBody.model_validate(
-                {"transfer": ev["transfer"]}))
+                {"transfer": ev["transfer"]}), secret)
             out["report_status"] = code
         elif kind == "error":
             fk = "error" if ev.get("mutation_started", True) else "refused"
             code, _ = await manager.report(uid, ReportBody.model_validate(
-                {"failure": {"kind": fk, "reason": str(ev.get("error", "trainer error"))[:3000]}}))
+                {"failure": {"kind": fk, "reason": str(ev.get("error", "trainer error"))[:3000]}}),
+                secret)
             out["report_status"] = code
-    d = manager.get(uid) or {}
+    code, d = manager.get(uid, secret)
+    if code != 200:
+        d = {}
     record.t_call_returned = time.monotonic()
     record.t_classified = clock.first_to("TAINTED", record.t_update_start)
     result = d.get("result") or {}
@@ -1742,8 +1746,11 @@ def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
         ad = VllmAdapter(VllmHTTP(eng.base_url, timeout_s=30), None, engine_epoch=eng.epoch)
         ad.bootstrap()  # reads the routes (cache resets); no transport to connect
         runner = LifecycleRunner(controller, ad, run.deadlines())
+        # The experiment measures how a killed trainer's lease is classified, not
+        # verification: the floor of its begin stays what it was ("declared").
         scfg = ServiceConfig(upstream_url=eng.base_url, control_token="h200x2-harness-0123456789",
-                             lease_s=cfg.lease_s, transport={"backend": "nccl"})
+                             lease_s=cfg.lease_s, transport={"backend": "nccl"},
+                             min_verification="declared")
         metrics = ServiceMetrics(controller)
         controller.add_listener(metrics.listener)
         mgr = UpdateManager(runner, scfg, metrics)

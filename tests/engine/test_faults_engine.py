@@ -57,7 +57,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import EngineFactory, TinyModels, kill_engine
+from enginetools import EngineFactory, TinyModels, kill_engine, merge_rows
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.adapters.vllm.verify import take_reference
@@ -349,9 +349,8 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[Rig]
                + shlex.join([sys.executable, "-m", "pytest", *sys.argv[1:]]),
                "started_unix": t_run, "deadlines": dict(DL.__dict__),
                "op_timeout_s": OP_TIMEOUT_S, "lease_s": LEASE_S}
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps([{**row, "run": run} for row in rows], indent=2,
-                                        default=str) + "\n")
+        # Merged by case: tests/engine/test_service_verify_engine.py writes rows too.
+        merge_rows(Path(out), [{**row, "run": run} for row in rows])
 
 
 # --------------------------------------------------------------------------- one case

@@ -32,7 +32,8 @@ from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
-from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
+from rolloutcore.service.control import LEASE_HEADER
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, fake_probe
 
 TOKEN = "control-token-0123456789abcdef"
 DATA_TOKEN = "data-token-0123456789abcdef"
@@ -144,12 +145,31 @@ def transfer_body(ev: TransferEvidence) -> dict[str, Any]:
                          "finish_label": ev.finish_label, "elapsed_s": ev.elapsed_s}}
 
 
-def begin_body(w: Any, owner: str = "trainer", **extra: Any) -> dict[str, Any]:
+def expectations(w: FakeWeights) -> dict[str, Any]:
+    """What a trainer computes from ``w`` and sends with its begin: the policy probe and,
+    as the fake engine's reference checksum, the weights' digest."""
+    return {"probe": fake_probe(w).to_wire(), "engine_checksums": {"fake-digest": w.digest}}
+
+
+def begin_body(w: Any, owner: str = "trainer", *, expect: bool | dict[str, Any] = True,
+               **extra: Any) -> dict[str, Any]:
+    """A begin for ``w`` with the expectations a trainer computes (``expect=False``: none;
+    a dict: those)."""
     ident = w.identity()
-    return {"identity": {"manifest_digest": ident.manifest_digest,
+    body = {"identity": {"manifest_digest": ident.manifest_digest,
                          "provenance": ident.provenance.to_dict(),
                          "content_digest": ident.content_digest},
             "owner": owner, **extra}
+    if isinstance(expect, dict):
+        body["expect"] = expect
+    elif expect:
+        body.setdefault("expect", expectations(w))
+    return body
+
+
+def lease(grant: dict[str, Any]) -> dict[str, str]:
+    """Headers of a call that the update's trainer makes (token + the lease's secret)."""
+    return {**AUTH, LEASE_HEADER: grant["lease"]["secret"]}
 
 
 def sse_events(text: str) -> list[Any]:

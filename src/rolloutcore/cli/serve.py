@@ -23,6 +23,10 @@ The gateway in front of a vLLM server, under uvicorn. Three ways to get the engi
 * neither: generate a tiny offline checkpoint and launch vLLM on it (the
   embedded default; nothing is downloaded).
 
+The engine is taken over only verified: awake, not paused, and serving the
+checkpoint's policy (its policy probe), to the verification floor
+(--min-verification); otherwise serve exits with status 3.
+
 Everything that can be refused is refused before anything starts: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
 a vLLM outside the supported range or without the routes an update needs.
@@ -94,7 +98,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--health-interval-s", type=float, default=2.0,
                      help="watch the engine between updates this often (0: no watch); a "
                           "dead, restarted or silent engine is tainted and refused")
-    lim.add_argument("--journal", default=None, help="append the lifecycle journal here")
+    lim.add_argument("--journal", default=None,
+                     help="append the lifecycle journal here; an existing one (a previous "
+                          "gateway's) is restored first")
+    ver = p.add_argument_group("verification")
+    ver.add_argument("--min-verification", default=None,
+                     choices=["declared", "manifest", "engine-checksum", "probe"],
+                     help="the floor every update (and the takeover) must reach; a begin "
+                          "asking for less is refused with 422 (default: the highest level "
+                          "this engine can reach, probe on any engine that scores prompts)")
+    ver.add_argument("--takeover-probe", default=None, metavar="FILE",
+                     help="the checkpoint's policy probe (PolicyProbe.to_wire() as JSON), "
+                          "instead of computing it here with a forward pass of the checkpoint")
     lim.add_argument("--record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
                           "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")

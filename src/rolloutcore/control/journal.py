@@ -3,8 +3,9 @@
 One JSON object per line: ``v`` (the schema version), ``seq`` (gap-free,
 from 1), ``t_mono`` (monotonic seconds, for durations and ordering),
 ``t_wall`` (for people), ``kind`` and ``data`` (the typed record's JSON
-form; ``docs/journal-schema.md``). A torn last line is reported, never
-silently skipped in the middle of a file.
+form; ``docs/journal-schema.md``). A torn last line (a crash in the middle
+of a write) is cut when the journal is opened again, and how many bytes were
+cut is kept (``repaired_bytes``); damage anywhere else is never skipped.
 
 Why a writer thread. The controller hands records to its listeners outside
 its lock, in the order it decided them (``core.lifecycle``); the journal
@@ -70,7 +71,7 @@ class Journal:
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
-                 repair_torn_tail: bool = False, keep: int | None = None,
+                 repair_torn_tail: bool = True, keep: int | None = None,
                  queue_max: int = 4096, put_timeout_s: float = 30.0,
                  sync_timeout_s: float = 60.0) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
@@ -97,9 +98,13 @@ class Journal:
         self._fh: IO[str] | None = None
         self._writer: threading.Thread | None = None
         self.path = Path(path) if path is not None else None
+        #: Bytes of a torn last line cut when the file was opened (0: none).
+        self.repaired_bytes = 0
         if self.path is not None:
             if repair_torn_tail:
-                repair_journal(self.path)
+                # A restart after a crash mid-write must not be fatal: appending after
+                # the torn line would make it damage in the middle of the file.
+                self.repaired_bytes = repair_journal(self.path)
             try:
                 self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
             except OSError as exc:
@@ -305,17 +310,32 @@ def repair_journal(path: str | os.PathLike[str]) -> int:
     crash artefact and still raises when the journal is read.
     """
     p = Path(path)
-    if not p.exists():
-        return 0
-    data = p.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return 0
-    keep = data.rfind(b"\n") + 1
-    with open(p, "r+b") as fh:
-        fh.truncate(keep)
-        fh.flush()
-        os.fsync(fh.fileno())
-    return len(data) - keep
+    if not p.is_file():
+        return 0  # nothing to repair (absent), or not a file a crash can tear (a device)
+    try:
+        with open(p, "r+b") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return 0
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return 0
+            # Only the tail is read: back from the end, a block at a time, to the last newline.
+            keep, pos = 0, size
+            while pos > 0:
+                start = max(0, pos - 65536)
+                fh.seek(start)
+                nl = fh.read(pos - start).rfind(b"\n")
+                if nl >= 0:
+                    keep = start + nl + 1
+                    break
+                pos = start
+            fh.truncate(keep)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise JournalError(f"cannot repair journal {p}: {exc}") from exc
+    return size - keep
 
 
 def first_index(records: Sequence[JournalRecord], kind: type[Record] | str,

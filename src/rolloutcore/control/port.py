@@ -23,12 +23,19 @@ protocol the runner tests for with ``isinstance``:
   the same process as at bootstrap); ``LifecycleRunner.check_serving``
   watches an adapter that has it, and leaves one without it unwatched;
 * ``Recoverer``: brings a tainted engine back on a replacement process;
-  given to ``LifecycleRunner.recover`` beside the adapter.
+  given to ``LifecycleRunner.recover`` beside the adapter;
+* ``ExpectationTaker``: validates against expectations a trainer in another
+  process computed (the policy probe from the tensors it sends, reference
+  checksums, the transport's checksum of what it sent), the gateway's case;
+* ``WriteObserver``: can tell from the engine's own counters whether any
+  weight write happened since this update's drain, so that a lease that
+  expires with nothing sent is not mistaken for a half-done transfer.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -47,7 +54,8 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["HealthObserver", "LifecycleAdapter", "Recoverer"]
+__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "Recoverer",
+           "WriteObserver"]
 
 
 @runtime_checkable
@@ -132,4 +140,33 @@ class Recoverer(Protocol):
         ...
 
     def cancel(self) -> None:
+        ...
+
+
+@runtime_checkable
+class ExpectationTaker(Protocol):
+    """An adapter that validates an update against what a remote trainer computed.
+
+    ``expect`` is called once per update, after the begin was accepted and
+    before the transfer (it replaces whatever the last update staged);
+    ``expect_sent`` once the trainer reported its transport's checksum of
+    what it sent. The adapter compares them in its own validation, while
+    admission is still closed, exactly as with expectations staged in process.
+    """
+
+    def expect(self, *, probes: Any | None,
+               reference_checksums: Mapping[str, str] | None) -> None:
+        ...
+
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
+        ...
+
+
+@runtime_checkable
+class WriteObserver(Protocol):
+    """An adapter that can prove the weights were not written since this update's drain."""
+
+    def writes_since_drain(self, *, timeout_s: float) -> tuple[str, ...] | None:
+        """What wrote weights since the drain, in words (``()``: nothing, proven by the
+        engine's own counters); ``None`` when it cannot tell."""
         ...

@@ -42,7 +42,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
-from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
+from rolloutcore.control.port import (
+    HealthObserver,
+    LifecycleAdapter,
+    Recoverer,
+    WriteObserver,
+)
+from rolloutcore.control.takeover import TakeoverRefused, take_over
 from rolloutcore.core.evidence import (
     CacheKind,
     HealthEvidence,
@@ -77,7 +83,7 @@ from rolloutcore.errors import (
 )
 
 __all__ = ["Deadlines", "DrainPolicy", "LifecycleRunner", "PhaseTiming", "StragglerAborter",
-           "UpdateOutcome"]
+           "TakeoverRefused", "UpdateOutcome"]
 
 T = TypeVar("T")
 
@@ -169,20 +175,12 @@ class UpdateOutcome:
 #: ``cancel``: the live validation is part of VALIDATE; the health observation
 #: and the fence act on the serving engine.
 _CANCEL_STEP: dict[str, Step] = {"validate_live": Step.VALIDATE, "health": Step.SERVE,
-                                 "fence": Step.SERVE}
+                                 "fence": Step.SERVE, "lease": Step.SERVE}
 
 
 class _Abort(Exception):
     def __init__(self, verdict: Verdict) -> None:
         self.verdict = verdict
-
-
-def _kind(exc: BaseException) -> FailureKind:
-    if isinstance(exc, EffectTimeout):
-        return FailureKind.TIMEOUT
-    if isinstance(exc, EffectError) and not exc.mutation_started:
-        return FailureKind.REFUSED
-    return FailureKind.ERROR
 
 
 class LifecycleRunner:
@@ -278,7 +276,7 @@ class LifecycleRunner:
             try:
                 ev = self._effect(step.value, fn, deadline_s, out.phases, phase)
             except EffectError as exc:
-                verdict = self.controller.fail(ticket, step, _kind(exc), str(exc))
+                verdict = self.controller.fail(ticket, step, FailureKind.of(exc), str(exc))
             else:
                 verdict = feed(ev)
             out.verdicts.append(verdict)
@@ -296,7 +294,7 @@ class LifecycleRunner:
             ev = self._effect(Step.BOOTSTRAP.value, self.adapter.bootstrap,
                               self.deadlines.bootstrap_s, None)
         except EffectError as exc:
-            v = self.controller.fail(None, Step.BOOTSTRAP, _kind(exc), str(exc))
+            v = self.controller.fail(None, Step.BOOTSTRAP, FailureKind.of(exc), str(exc))
             raise UpdateFailed("bootstrap", v.classification.value if v.classification
                                else "no_mutation", v.after.value, str(exc)) from exc
         label = ev.observed_label if ev.label_supported else None
@@ -304,6 +302,22 @@ class LifecycleRunner:
         if not v.accepted:
             raise UpdateFailed("bootstrap", "no_mutation", v.after.value, "; ".join(v.problems))
         return v
+
+    # ------------------------------------------------------------ takeover
+    def take_over(self, identity: WeightIdentity, *, probes: Any | None = None,
+                  reference_checksums: Any | None = None,
+                  min_verification: VerificationLevel = VerificationLevel.DECLARED,
+                  recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
+        """Take over a running engine declared to hold ``identity``, verified
+        (``rolloutcore.control.takeover.take_over`` says how)."""
+        return take_over(self, identity, probes=probes, reference_checksums=reference_checksums,
+                         min_verification=min_verification, recoverer=recoverer)
+
+    def _fence_quietly(self) -> None:
+        try:
+            self._effect("fence", self.adapter.fence, self.deadlines.fence_s, None)
+        except EffectError as exc:
+            self._note("fence_failed", error=str(exc))
 
     # ------------------------------------------------------------ recovery
     def recover(self, recoverer: Recoverer, *, owner: str = "operator") -> Verdict:
@@ -330,7 +344,7 @@ class LifecycleRunner:
                 if not isinstance(exc, EffectTimeout):
                     recoverer.cancel()  # clean up a half-started replacement
             finally:
-                v = c.fail(None, Step.RECOVER, _kind(exc), str(exc))
+                v = c.fail(None, Step.RECOVER, FailureKind.of(exc), str(exc))
             raise UpdateFailed("recover", "ambiguous", v.after.value, str(exc)) from exc
         v = c.recovered(ev)
         if not v.accepted:
@@ -369,15 +383,23 @@ class LifecycleRunner:
             ev = self._effect("health", lambda: adapter.observe_health(timeout_s=timeout_s),
                               timeout_s * 2 + 1.0, None)
         except EffectError as exc:
-            problems, kind = [str(exc)], _kind(exc)
+            problems, kind = [str(exc)], FailureKind.of(exc)
             if kind is FailureKind.REFUSED:
                 kind = FailureKind.ERROR
         else:
             if not isinstance(ev, HealthEvidence):
                 raise EffectError("health", f"observe_health returned {type(ev).__name__}")
             problems = ev.problems(None)
-            restarted = ev.restarted
-            kind = FailureKind.DIED if (restarted or not ev.answering) else FailureKind.ERROR
+            if serving is not None and ev.observed_label is not None and \
+                    ev.observed_label != serving.label:
+                problems.append(f"engine's weight version is {ev.observed_label!r}, the "
+                                f"committed version is {serving.label!r}: weights written "
+                                "outside any update")
+            # A restart or a write nobody published is proof at once, not a slow answer.
+            restarted = ev.restarted or ev.written or bool(problems and ev.answering
+                                                           and ev.healthy)
+            kind = (FailureKind.DIED if (ev.restarted or not ev.answering)
+                    else FailureKind.BAD_EVIDENCE if restarted else FailureKind.ERROR)
         if not problems or self.controller.committed != serving:
             self._health_failures = 0
             return None
@@ -390,10 +412,7 @@ class LifecycleRunner:
         except InvalidTransition:
             return None  # an update began meanwhile: its effects meet the engine
         self._health_failures = 0
-        try:
-            self._effect("fence", self.adapter.fence, self.deadlines.fence_s, None)
-        except EffectError as exc:
-            self._note("fence_failed", error=str(exc))
+        self._fence_quietly()
         return v
 
     # ------------------------------------------------------------ update
@@ -496,6 +515,34 @@ class LifecycleRunner:
             out.verdicts.append(v)
             raise _Abort(v)
 
+    def expire_lease(self, out: UpdateOutcome, reason: str, *, timeout_s: float = 5.0) -> None:
+        """A remote trainer's lease ran out without a report: classified from the engine.
+
+        The trainer may have died before sending anything (or never got the
+        begin's answer), or in the middle of the transfer: only the engine
+        can tell. An adapter that is a ``WriteObserver`` reads the engine's
+        own count of weight-update operations; when it proves none ran since
+        the drain, nothing was sent and the update ends as REFUSED
+        (no_mutation: back to service on the old version). Otherwise it is a
+        TIMEOUT of the transfer: ambiguous, TAINTED.
+        """
+        a = self.adapter
+        writes: tuple[str, ...] | None = None
+        if isinstance(a, WriteObserver):
+            try:
+                writes = self._effect("lease", lambda: a.writes_since_drain(timeout_s=timeout_s),
+                                      timeout_s * 2 + 1.0, out.phases, "lease_check")
+            except EffectError as exc:
+                self._note("lease_check_failed", error=str(exc))
+        if writes == ():
+            self.report_transfer_failure(
+                out, FailureKind.REFUSED,
+                f"{reason}; the engine counted no weight update since the drain: nothing "
+                "was sent")
+        detail = ("the engine cannot tell whether anything was sent" if writes is None
+                  else "the engine counted " + ", ".join(writes))
+        self.report_transfer_failure(out, FailureKind.TIMEOUT, f"{reason}; {detail}")
+
     def close_update(self, out: UpdateOutcome) -> UpdateOutcome:
         """Invalidate caches, validate while paused, resume, live-validate, publish."""
         ticket = out.ticket
@@ -527,14 +574,14 @@ class LifecycleRunner:
             try:
                 rev = self._effect(Step.RESUME.value, a.resume, d.resume_s, out.phases)
             except EffectError as exc:
-                v = c.fail(ticket, Step.RESUME, _kind(exc), str(exc))
+                v = c.fail(ticket, Step.RESUME, FailureKind.of(exc), str(exc))
                 out.verdicts.append(v)
                 raise _Abort(v) from exc
             try:
                 live = self._effect("validate_live", lambda: a.validate(ticket.target, live=True),
                                     d.live_validate_s, out.phases)
             except EffectError as exc:
-                v = c.fail(ticket, Step.VALIDATE, _kind(exc), str(exc))
+                v = c.fail(ticket, Step.VALIDATE, FailureKind.of(exc), str(exc))
                 out.verdicts.append(v)
                 raise _Abort(v) from exc
             v = c.resumed(ticket, rev, live)
@@ -628,7 +675,7 @@ class LifecycleRunner:
             except Exception as e2:
                 self._note("fence_failed", error=str(e2))
         cls = "ambiguous" if c.state is State.TAINTED else "no_mutation"
-        return UpdateFailed(_PHASE_OF_STATE.get(c.state, c.state.value.lower()), cls,
+        return UpdateFailed(_phase_of(c.state), cls,
                             c.state.value, reason)
 
     def _abort_stragglers(self, ticket: UpdateTicket, out: UpdateOutcome) -> None:
@@ -676,7 +723,7 @@ class LifecycleRunner:
                 rev = self._effect(Step.RESUME.value, self.adapter.resume, d.resume_s,
                                    out.phases)
             except EffectError as exc:
-                v2 = c.fail(ticket, Step.RESUME, _kind(exc), str(exc))
+                v2 = c.fail(ticket, Step.RESUME, FailureKind.of(exc), str(exc))
             else:
                 v2 = c.resumed(ticket, rev)
             out.verdicts.append(v2)
@@ -686,7 +733,7 @@ class LifecycleRunner:
             except EffectError as exc:
                 self._note("fence_failed", error=str(exc))
         cls = verdict.classification.value if verdict.classification else "ambiguous"
-        phase = _PHASE_OF_STATE.get(verdict.before, verdict.before.value)
+        phase = _phase_of(verdict.before)
         raise UpdateFailed(phase, cls, c.state.value, "; ".join(verdict.problems))
 
 
@@ -695,7 +742,8 @@ _STEP_OF_STATE = {State.DRAINING: Step.DRAIN, State.QUIESCED: Step.PREFLIGHT,
                   State.UPDATING: Step.TRANSFER, State.INVALIDATING: Step.INVALIDATE,
                   State.VALIDATING: Step.VALIDATE, State.RESUMING: Step.RESUME}
 
-_PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",
-                   State.UPDATING: "transfer", State.INVALIDATING: "invalidate",
-                   State.VALIDATING: "validate", State.RESUMING: "resume"}
 
+def _phase_of(state: State) -> str:
+    """The phase an ``UpdateFailed`` names for a failure in ``state``."""
+    step = _STEP_OF_STATE.get(state)
+    return step.value if step is not None else state.value.lower()

@@ -132,6 +132,12 @@ class HealthEvidence(Evidence):
     healthy: bool
     restarted: bool = False
     reason: str = ""
+    #: The engine's weight version label now (``None``: not read or not offered).
+    observed_label: str | None = None
+    #: Weight writes the engine counted since the adapter last verified it (its
+    #: own weight-update operations: start, update, finish), or a label it was
+    #: given, that no update of this controller made; empty when none.
+    writes: tuple[str, ...] = ()
 
     def problems(self, target: UpdateTarget | None = None) -> list[str]:
         why = f": {self.reason}" if self.reason else ""
@@ -140,7 +146,13 @@ class HealthEvidence(Evidence):
         out = [] if self.healthy else [f"engine reports unhealthy{why}"]
         if self.restarted:
             out.append(f"engine restarted{why}")
+        out += [f"weights written outside any update: {w}" for w in self.writes]
         return out
+
+    @property
+    def written(self) -> bool:
+        """Evidence that the served weights are no longer what was verified."""
+        return bool(self.writes)
 
 
 @dataclass(frozen=True)

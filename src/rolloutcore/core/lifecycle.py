@@ -651,24 +651,50 @@ class LifecycleController:
 
     # ---------------------------------------------------------------- bootstrap
     def bootstrap(self, ev: BootstrapEvidence, identity: WeightIdentity,
-                  label: str | None = None) -> Verdict:
-        """Take over an engine: its current weights become generation 0 (or the label given)."""
+                  label: str | None = None, *,
+                  validations: Iterable[ValidationEvidence] = (),
+                  min_verification: VerificationLevel = VerificationLevel.DECLARED,
+                  ) -> Verdict:
+        """Take over an engine: its current weights become generation 0 (or the label given).
+
+        A takeover declares what the engine holds; ``validations`` are what
+        was observed of it (its label, checksums, the policy probe of the
+        declared checkpoint), judged like an update's: each must hold, and
+        together they must reach ``min_verification``, or nothing is
+        published (UNINITIALIZED stays, ``no_mutation``: a takeover changes
+        no weights). The committed identity carries the level reached.
+        """
         if not isinstance(ev, BootstrapEvidence) or not isinstance(identity, WeightIdentity):
             raise BadInput("bootstrap needs BootstrapEvidence and a WeightIdentity")
+        vals = list(validations)
+        if not all(isinstance(x, ValidationEvidence) for x in vals):
+            raise BadInput("validations must be ValidationEvidence")
+        if not isinstance(min_verification, VerificationLevel):
+            raise BadInput("min_verification must be a VerificationLevel")
         with self._lock:
             self._check(E.BOOTSTRAP)
             before = self._state
             problems = ev.problems(None)
+            # An engine already labelled rc-N by an earlier controller continues
+            # at generation N, so labels and generations keep agreeing.
+            version = WeightVersion(generation_of(label) or 0, label or label_for(0),
+                                    ev.engine_epoch)
+            target = UpdateTarget(version, identity, "bootstrap")
+            for val in vals:
+                problems += val.problems(target)
+            level, summary = self._verification(vals)
+            if not problems and level < min_verification:
+                problems.append(f"takeover verification reached {level.wire}, "
+                                f"{min_verification.wire} required")
             self._evidence(E.BOOTSTRAP, ev, problems)
+            for val in vals:
+                self._evidence(E.BOOTSTRAP, val, problems)
             if problems:
                 v = self._failure(E.BOOTSTRAP, Step.BOOTSTRAP, FailureKind.BAD_EVIDENCE,
                                   problems)
             else:
-                # An engine already labelled rc-N by an earlier controller continues
-                # at generation N, so labels and generations keep agreeing.
-                version = WeightVersion(generation_of(label) or 0, label or label_for(0),
-                                        ev.engine_epoch)
-                v = self._commit(E.BOOTSTRAP, before, version, identity)
+                v = self._commit(E.BOOTSTRAP, before, version,
+                                 identity.verified(level, summary) if vals else identity)
         self._deliver(True)
         return v
 
@@ -1086,7 +1112,9 @@ class LifecycleController:
         process died is never resumed as if it had succeeded: whatever step
         it had reached, the restored controller fails it with
         ``Step.RESTART`` (ambiguous: TAINTED), and only recovery leads back
-        to READY.
+        to READY. Rollouts the journal shows still bound belonged to the dead
+        process: each is released at once with a ``complete`` record that
+        says it is not attributable (their requests ended with the process).
         """
         c = cls(config=config, required_caches=required_caches, clock=clock)
         with c._lock:
@@ -1103,6 +1131,13 @@ class LifecycleController:
             if c._listeners:
                 c._outbox.append(Restore(c._state, len(c._active),
                                          None if upd is None else upd.request))
+            # Rollouts bound by the process that wrote the journal died with it:
+            # released here, unattributable (recorded as such), never kept active.
+            for rid, b in list(c._active.items()):
+                rec = Complete(rid, b.version, c._state, False)
+                c._apply_complete(rec)
+                if c._listeners:
+                    c._outbox.append(rec)
             if (c._state, Step.RESTART) in FAIL_STEPS:
                 what = "a recovery" if c._state is S.RECOVERING else "an update"
                 c._fail(None if upd is None else upd.ticket, Step.RESTART, FailureKind.DIED,

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, TypeVar
 
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
-from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.errors import BadInput, EffectError, EffectTimeout, JournalError
 
 __all__ = [
     "KINDS",
@@ -127,6 +127,16 @@ class FailureKind(enum.StrEnum):
     TIMEOUT = "timeout"            # overran its deadline
     BAD_EVIDENCE = "bad_evidence"  # returned, but the postcondition does not hold
     DIED = "died"                  # the engine or trainer process is gone
+
+    @classmethod
+    def of(cls, exc: BaseException) -> FailureKind:
+        """The kind an effect's exception is: a timeout, a refusal that proves
+        nothing was mutated, or an error (anything else, mutation unknown)."""
+        if isinstance(exc, EffectTimeout):
+            return cls.TIMEOUT
+        if isinstance(exc, EffectError) and not exc.mutation_started:
+            return cls.REFUSED
+        return cls.ERROR
 
 
 class Classification(enum.StrEnum):

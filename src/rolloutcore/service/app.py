@@ -58,6 +58,7 @@ from rolloutcore.errors import BadInput, RequestTooLarge
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import (
+    LEASE_HEADER,
     BeginBody,
     ReportBody,
     UpdateManager,
@@ -111,8 +112,10 @@ class Gateway:
             "update": None if open_upd is None else open_upd.describe(),
             "published": snap["published"],
             "transitions": c.history()[-self.config.history:],
-            "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model},
+            "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model,
+                       "base_url": self.config.advertised_engine_url},
             "recorder": None if self.recorder_stats is None else self.recorder_stats(),
+            "verification": self.updates.verification(),
         }
 
 
@@ -207,7 +210,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         code, body_ = parsed(BeginBody, raw)
         if code:
             return _json(code, body_)
-        status, body = await updates.begin(body_)
+        status, body = await updates.begin(body_, disconnected=request.is_disconnected)
         return _json(status, body)
 
     async def report(request: Request) -> Response:
@@ -222,17 +225,16 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         code, body_ = parsed(ReportBody, raw)
         if code:
             return _json(code, body_)
-        status, body = await updates.report(uid, body_)
+        status, body = await updates.report(uid, body_, request.headers.get(LEASE_HEADER))
         return _json(status, body)
 
     async def get_update(request: Request) -> Response:
         if (r := denied(request)) is not None:
             return r
         uid = update_id(request)
-        found = None if uid is None else updates.get(uid)
-        if found is None:
+        if uid is None:
             return _json(404, {"error": "no such update"})
-        return _json(200, found)
+        return _json(*updates.get(uid, request.headers.get(LEASE_HEADER)))
 
     async def status(request: Request) -> Response:
         if (r := denied(request)) is not None:

@@ -7,12 +7,23 @@
         print(result.published)          # WeightVersion of the new policy
 
 ``update`` declares the identity of what it will send (manifest digest,
-content digest, provenance), asks the gateway to begin (the gateway drains
-its rollouts and pauses vLLM, then grants a lease), moves the weights
+content digest, provenance) and computes, from the very weights it sends,
+the policy probe's expectations (``PolicyProbe``: the greedy continuation of
+fixed prompts and its log-probabilities), as ``EngineSession.update`` does
+in process. It asks the gateway to begin with them (the gateway checks them,
+drains its rollouts and pauses vLLM, then grants a lease), moves the weights
 straight into vLLM through vLLM's weight-transfer path with a
-``WeightTransport``, reports the transport's evidence, and returns once the
-gateway has invalidated caches, validated, resumed and committed (or raises
-``UpdateFailed`` with the gateway's classification).
+``WeightTransport``, reports the transport's evidence (and, where the
+transport hashes what it sent, that checksum), and returns once the gateway
+has invalidated caches, validated while paused, resumed, run the probe with
+admission still closed and committed (or raises ``UpdateFailed`` with the
+gateway's classification). ``result.verification`` is the level reached.
+
+The lease is the caller's: its secret (from the begin's answer) goes with
+every later call of the update, and its deadline is kept on this process's
+monotonic clock from the duration the gateway granted, so a clock that
+disagrees with the gateway's changes nothing. The transport's handshake
+with the engine is done before the begin, outside the engine's pause.
 
 Failures are always reported, never left to the lease: a transport error is
 sent as a failure of the matching kind (``refused`` when the transport proves
@@ -20,16 +31,20 @@ nothing reached the engine, so the engine goes back to service on the old
 weights); only a trainer that dies outright leaves the lease to expire.
 
 Every HTTP call has a timeout. ``begin`` waits for the drain, so its timeout
-must be longer than the gateway's drain deadline; a report whose answer is
-lost is recovered by polling the update's status.
+must be longer than the gateway's drain deadline; a begin whose connection
+breaks is sent again with the same ``begin_key`` (the gateway answers the
+same grant, or classifies the one nobody received); a report whose answer is
+lost is recovered by reading the update's status.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -53,7 +68,11 @@ from rolloutcore.errors import (
     UpdateRefused,
 )
 
-__all__ = ["RolloutCoreClient", "TransferFn", "UpdateGrant", "UpdateResult", "identity_of"]
+__all__ = ["RolloutCoreClient", "TransferFn", "UpdateGrant", "UpdateResult", "identity_of",
+           "probe_for"]
+
+#: The header of the lease secret (``rolloutcore.service.control.LEASE_HEADER``).
+LEASE_HEADER = "x-rolloutcore-lease"
 
 
 @dataclass(frozen=True)
@@ -64,24 +83,36 @@ class UpdateGrant:
     target: WeightVersion
     identity_digest: str
     lease_s: float
+    #: For people: the gateway's wall clock. Never compared with this host's.
     lease_deadline_unix: float
     engine_url: str
     model: str | None
     transport: Mapping[str, Any]
     raw: Mapping[str, Any] = field(repr=False)
+    #: The lease's secret: every later call of this update presents it.
+    lease_secret: str = field(default="", repr=False)
+    #: The lease's end on *this* process's monotonic clock: the granted duration
+    #: counted from when the begin was sent (so never later than the gateway's).
+    deadline_mono: float = 0.0
 
     @property
     def expires_in_s(self) -> float:
-        return self.lease_deadline_unix - time.time()
+        return self.deadline_mono - time.monotonic()
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> UpdateGrant:
+    def from_json(cls, d: Mapping[str, Any], sent_mono: float | None = None) -> UpdateGrant:
         try:
+            lease = d["lease"]
+            left = float(lease["expires_in_s"])
+            if not math.isfinite(left) or left < 0:
+                raise BadInput(f"expires_in_s {left!r}")
+            start = time.monotonic() if sent_mono is None else sent_mono
             return cls(int(d["update_id"]), WeightVersion.from_dict(d["target"]),
-                       str(d["identity_digest"]), float(d["lease"]["seconds"]),
-                       float(d["lease"]["deadline_unix"]), str(d["engine"]["base_url"]),
-                       d["engine"].get("model"), dict(d.get("transport") or {}), dict(d))
-        except (KeyError, TypeError, ValueError) as exc:
+                       str(d["identity_digest"]), float(lease["seconds"]),
+                       float(lease["deadline_unix"]), str(d["engine"]["base_url"]),
+                       d["engine"].get("model"), dict(d.get("transport") or {}), dict(d),
+                       str(lease.get("secret") or ""), start + left)
+        except (KeyError, TypeError, ValueError, BadInput) as exc:
             raise RolloutCoreError(f"the gateway's begin answer is malformed: {d!r}") from exc
 
 
@@ -103,6 +134,12 @@ class UpdateResult:
     @property
     def final(self) -> bool:
         return self.status in ("published", "failed", "expired")
+
+    @property
+    def verification(self) -> str | None:
+        """The verification level the published version reached (``None``: not published)."""
+        v = (self.raw.get("result") or {}).get("verification")
+        return None if not isinstance(v, Mapping) else str(v.get("level"))
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> UpdateResult:
@@ -146,6 +183,53 @@ def identity_of(source: Any, provenance: Provenance) -> WeightIdentity:
     return WeightIdentity.declare(manifest, provenance, content)
 
 
+def probe_for(weights: Any, *, tolerance: float | None = None) -> Any:
+    """The policy probe a trainer computes from what it sends (``PolicyProbe``).
+
+    ``weights``: a checkpoint directory, a ``WeightSource`` read from one, a
+    HF causal LM module, or anything with a ``policy_probe()`` method.
+    Anything else has no model to run: pass a ``PolicyProbe`` you computed
+    (``PolicyProbe.from_model``) instead.
+    """
+    from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+
+    tol = DEFAULT_TOLERANCE if tolerance is None else tolerance
+    own = getattr(weights, "policy_probe", None)
+    if callable(own):  # a source that computes its own (the fake weights)
+        return own()
+    path: str | None = None
+    if isinstance(weights, (str, Path)):
+        path = str(weights)
+    else:
+        desc = getattr(weights, "description", None)
+        if isinstance(desc, str) and desc.startswith("checkpoint "):
+            path = desc.removeprefix("checkpoint ")
+    if path is not None:
+        return PolicyProbe.from_checkpoint(path, tolerance=tol)
+    if hasattr(weights, "config") and hasattr(weights, "forward"):
+        vocab = int(weights.config.vocab_size)
+        return PolicyProbe.from_model(weights, default_prompts(vocab), tolerance=tol)
+    raise BadInput(f"cannot compute a policy probe from {type(weights).__name__}: pass "
+                   "probe=PolicyProbe.from_model(model, prompts) (or probe=False where the "
+                   "gateway's floor allows)")
+
+
+def _hashes_what_it_sends(transport: Any) -> bool:
+    """A transport that checksums what it sent (rc_cuda_ipc, ``compute_checksum``)."""
+    return (getattr(transport, "backend", None) == "rc_cuda_ipc"
+            and bool(getattr(transport, "compute_checksum", False)))
+
+
+def _sent_checksum(transport: Any) -> dict[str, Any] | None:
+    """The transport's checksum of the last send, for the gateway to compare (or None)."""
+    names = tuple(getattr(transport, "last_sent_names", ()) or ())
+    values = list(getattr(transport, "last_sent_checksum", ()) or ())
+    if not names or len(values) != len(names):
+        return None
+    return {"scheme": "rc_cuda_ipc/block", "names": list(names),
+            "values": [None if v is None or v < 0 else int(v) for v in values]}
+
+
 def _failure_kind(exc: BaseException) -> FailureKind:
     if isinstance(exc, EffectTimeout):
         return FailureKind.TIMEOUT
@@ -161,7 +245,10 @@ class RolloutCoreClient:
                  timeout_s: float = 30.0, begin_timeout_s: float = 600.0,
                  report_timeout_s: float = 600.0, transfer_timeout_s: float = 600.0,
                  connect_timeout_s: float = 120.0,
-                 http_transport: httpx.BaseTransport | None = None) -> None:
+                 http_transport: httpx.BaseTransport | None = None,
+                 connected_to: str | None = None) -> None:
+        """``connected_to``: the engine URL ``transport`` is already connected to (its
+        handshake is not repeated); otherwise the first update connects it."""
         if not isinstance(token, str) or not token:
             raise BadInput("token must be a non-empty string")
         for name, v in (("timeout_s", timeout_s), ("begin_timeout_s", begin_timeout_s),
@@ -177,16 +264,21 @@ class RolloutCoreClient:
         self._report_timeout_s = float(report_timeout_s)
         self._transfer_timeout_s = float(transfer_timeout_s)
         self._connect_timeout_s = float(connect_timeout_s)
-        self._connected_to: str | None = None
+        if connected_to is not None and (not isinstance(connected_to, str) or not connected_to):
+            raise BadInput("connected_to must be an engine URL or None")
+        self._connected_to: str | None = connected_to
+        self._secrets: dict[int, str] = {}
+        # One keep-alive connection to the gateway, reused by every call.
         self._http = httpx.Client(base_url=base_url.rstrip("/"), transport=http_transport,
                                   headers={"authorization": f"Bearer {token}"},
                                   timeout=self._timeout_s)
 
     # ------------------------------------------------------------ plumbing
     def _call(self, method: str, path: str, *, body: Any = None,
-              timeout_s: float | None = None) -> tuple[int, Any]:
+              timeout_s: float | None = None,
+              headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
         try:
-            r = self._http.request(method, path, json=body,
+            r = self._http.request(method, path, json=body, headers=headers,
                                    timeout=timeout_s or self._timeout_s)
         except httpx.TimeoutException as exc:
             raise EffectTimeout(f"{method} {path}", timeout_s or self._timeout_s) from exc
@@ -210,108 +302,183 @@ class RolloutCoreClient:
 
     # ------------------------------------------------------------ protocol steps
     def begin(self, identity: WeightIdentity, *, owner: str, label: str | None = None,
-              min_verification: VerificationLevel | str = VerificationLevel.DECLARED,
+              min_verification: VerificationLevel | str | None = None,
               lease_s: float | None = None,
-              source_manifest_digest: str | None = None) -> UpdateGrant:
-        """Ask the gateway to drain and quiesce; returns the grant (raises when refused)."""
+              source_manifest_digest: str | None = None, probe: Any = None,
+              engine_checksums: Mapping[str, str] | None = None,
+              transport_checksum: bool = False, begin_key: str | None = None,
+              retries: int = 2) -> UpdateGrant:
+        """Ask the gateway to drain and quiesce; returns the grant (raises when refused).
+
+        ``probe`` (a ``PolicyProbe``) and ``engine_checksums`` are what the
+        gateway will compare the engine with; ``min_verification`` defaults
+        to the gateway's floor. A begin whose connection breaks is sent again
+        (``retries`` times) with the same ``begin_key``.
+        """
         if not isinstance(identity, WeightIdentity):
             raise BadInput("identity must be a WeightIdentity")
-        level = (min_verification if isinstance(min_verification, VerificationLevel)
-                 else VerificationLevel.parse(min_verification))
         body: dict[str, Any] = {
             "identity": {"manifest_digest": identity.manifest_digest,
                          "provenance": identity.provenance.to_dict(),
                          "content_digest": identity.content_digest},
-            "owner": owner, "min_verification": level.wire}
+            "owner": owner, "begin_key": begin_key or secrets.token_urlsafe(24)}
+        if min_verification is not None:
+            level = (min_verification if isinstance(min_verification, VerificationLevel)
+                     else VerificationLevel.parse(min_verification))
+            body["min_verification"] = level.wire
+        expect: dict[str, Any] = {}
+        if probe is not None:
+            wire = getattr(probe, "to_wire", None)
+            if not callable(wire):
+                raise BadInput("probe must be a PolicyProbe (or None)")
+            expect["probe"] = wire()
+        if engine_checksums is not None:
+            expect["engine_checksums"] = dict(engine_checksums)
+        if transport_checksum:
+            expect["transport_checksum"] = True
+        if expect:
+            body["expect"] = expect
         if label is not None:
             body["label"] = label
         if lease_s is not None:
             body["lease_s"] = lease_s
         if source_manifest_digest is not None:
             body["source_manifest_digest"] = source_manifest_digest
-        code, data = self._call("POST", "/control/updates", body=body,
-                                timeout_s=self._begin_timeout_s)
-        if code == 201:
-            return UpdateGrant.from_json(data)
+        for attempt in range(retries + 1):
+            sent = time.monotonic()
+            try:
+                code, data = self._call("POST", "/control/updates", body=body,
+                                        timeout_s=self._begin_timeout_s)
+            except EngineUnavailable:
+                # The answer (if any) was lost with the connection: the same key gets
+                # the same grant while it is open; a grant nobody received was
+                # classified by the gateway from the engine.
+                if attempt == retries:
+                    raise
+                continue
+            break
+        if code in (200, 201):
+            return UpdateGrant.from_json(data, sent)
         msg = data.get("error") if isinstance(data, dict) else data
         if code == 409:
             raise UpdateRefused(f"begin refused: {msg}")
+        if code == 422:
+            raise BadInput(f"begin refused (422): {msg}")
         if code == 503 and isinstance(data, dict):
             raise UpdateFailed(str(data.get("phase", "drain")),
                                str(data.get("classification", "no_mutation")),
                                str(data.get("state", "unknown")), str(msg))
         raise BadInput(f"begin: HTTP {code}: {msg}")
 
-    def _report(self, update_id: int, body: dict[str, Any]) -> UpdateResult:
+    def _lease(self, grant: UpdateGrant | int) -> tuple[int, dict[str, str]]:
+        if isinstance(grant, UpdateGrant):
+            self._secrets[grant.update_id] = grant.lease_secret
+            return grant.update_id, {LEASE_HEADER: grant.lease_secret}
+        secret = self._secrets.get(grant)
+        return grant, {} if secret is None else {LEASE_HEADER: secret}
+
+    def _report(self, grant: UpdateGrant | int, body: dict[str, Any]) -> UpdateResult:
+        update_id, headers = self._lease(grant)
         try:
             code, data = self._call("POST", f"/control/updates/{update_id}/transfer", body=body,
-                                    timeout_s=self._report_timeout_s)
-        except EffectTimeout:
+                                    timeout_s=self._report_timeout_s, headers=headers)
+        except (EffectTimeout, EngineUnavailable):
             # The report may have been taken; the update's record says how it ended.
-            return self.wait(update_id, self._report_timeout_s)
+            return self.wait(grant, self._report_timeout_s)
         if code in (200, 409, 410) and isinstance(data, dict) and "update_id" in data:
             res = UpdateResult.from_json(data)
-            return res if res.final else self.wait(update_id, self._report_timeout_s)
+            return res if res.final else self.wait(grant, self._report_timeout_s)
         raise BadInput(f"report: HTTP {code}: {data}")
 
-    def report(self, update_id: int, evidence: TransferEvidence) -> UpdateResult:
-        """Report the transfer's evidence; returns once the gateway published or classified."""
+    def report(self, grant: UpdateGrant | int, evidence: TransferEvidence, *,
+               sent_checksum: Mapping[str, Any] | None = None) -> UpdateResult:
+        """Report the transfer's evidence; returns once the gateway published or classified.
+
+        The gateway answers only once it has validated, resumed and committed
+        (or classified): one call, no polling.
+        """
         if not isinstance(evidence, TransferEvidence):
             raise BadInput("evidence must be a TransferEvidence")
-        ev = {"completed": evidence.completed, "mutation_started": evidence.mutation_started,
-              "backend": evidence.backend, "tensors": evidence.tensors,
-              "bytes": evidence.bytes, "finish_label": evidence.finish_label,
-              "error": evidence.error, "elapsed_s": evidence.elapsed_s,
-              "unverified": list(evidence.unverified)[:32]}
-        return self._report(update_id, {"transfer": ev})
+        ev: dict[str, Any] = {
+            "completed": evidence.completed, "mutation_started": evidence.mutation_started,
+            "backend": evidence.backend, "tensors": evidence.tensors,
+            "bytes": evidence.bytes, "finish_label": evidence.finish_label,
+            "error": evidence.error, "elapsed_s": evidence.elapsed_s,
+            "unverified": list(evidence.unverified)[:32]}
+        if sent_checksum is not None:
+            ev["sent_checksum"] = dict(sent_checksum)
+        return self._report(grant, {"transfer": ev})
 
-    def report_failure(self, update_id: int, kind: FailureKind | str,
+    def report_failure(self, grant: UpdateGrant | int, kind: FailureKind | str,
                        reason: str) -> UpdateResult:
         k = FailureKind(kind)
         if k is FailureKind.BAD_EVIDENCE:
             raise BadInput("bad_evidence is the gateway's verdict, not a trainer's report")
-        return self._report(update_id, {"failure": {"kind": k.value,
-                                                    "reason": (reason or k.value)[:4000]}})
+        return self._report(grant, {"failure": {"kind": k.value,
+                                                "reason": (reason or k.value)[:4000]}})
 
-    def get_update(self, update_id: int) -> UpdateResult:
-        code, data = self._call("GET", f"/control/updates/{update_id}")
+    def get_update(self, grant: UpdateGrant | int) -> UpdateResult:
+        update_id, headers = self._lease(grant)
+        code, data = self._call("GET", f"/control/updates/{update_id}", headers=headers)
         if code != 200:
             raise BadInput(f"update {update_id}: HTTP {code}: {data}")
         return UpdateResult.from_json(data)
 
-    def wait(self, update_id: int, timeout_s: float, poll_s: float = 0.2) -> UpdateResult:
-        """Poll until the update is published, failed or expired (bounded)."""
+    def wait(self, grant: UpdateGrant | int, timeout_s: float,
+             poll_s: float = 0.2) -> UpdateResult:
+        """Poll until the update is published, failed or expired (bounded).
+
+        Only for a report whose answer was lost: the report itself answers
+        with the final result.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
-            res = self.get_update(update_id)
+            res = self.get_update(grant)
             if res.final:
                 return res
             if time.monotonic() >= deadline:
+                update_id = grant.update_id if isinstance(grant, UpdateGrant) else grant
                 raise EffectTimeout(f"wait for update {update_id}", timeout_s)
             time.sleep(poll_s)
 
     # ------------------------------------------------------------ the one call
     def update(self, source: Any, provenance: Provenance, *, owner: str = "trainer",
                label: str | None = None,
-               min_verification: VerificationLevel | str = VerificationLevel.DECLARED,
+               min_verification: VerificationLevel | str | None = None,
                lease_s: float | None = None, transfer: TransferFn | None = None,
-               identity: WeightIdentity | None = None) -> UpdateResult:
+               identity: WeightIdentity | None = None, probe: Any = True,
+               probe_tolerance: float | None = None,
+               engine_checksums: Mapping[str, str] | None = None) -> UpdateResult:
         """Begin, transfer, report, wait for the commit. Raises ``UpdateFailed`` on failure.
 
-        ``transfer`` replaces the default (``self.transport`` into the granted
-        engine URL) when the caller moves the weights itself.
+        ``probe=True`` computes the policy probe from ``source`` (``probe_for``:
+        a checkpoint directory, a ``WeightSource`` read from one, a HF
+        module), as ``EngineSession.update`` does; a ``PolicyProbe`` is used as
+        given; ``False`` sends none (the gateway refuses that when its floor is
+        ``probe``). ``transfer`` replaces the default (``self.transport`` into
+        the granted engine URL) when the caller moves the weights itself.
         """
+        if isinstance(source, (str, Path)):
+            from rolloutcore.transports.source import WeightSource
+
+            source = WeightSource.from_checkpoint(source)
         ident = identity or identity_of(source, provenance)
         if transfer is None and self.transport is None:
             raise BadInput("no weight transport: pass transport= to the client or transfer=")
+        pset = (probe_for(source, tolerance=probe_tolerance) if probe is True
+                else None if probe is False or probe is None else probe)
+        hashes = transfer is None and _hashes_what_it_sends(self.transport)
+        if transfer is None:
+            self._preconnect()
         grant = self.begin(ident, owner=owner, label=label, min_verification=min_verification,
-                           lease_s=lease_s)
+                           lease_s=lease_s, probe=pset, engine_checksums=engine_checksums,
+                           transport_checksum=hashes)
         try:
             ev = (transfer or self._transfer)(grant, source)
         except BaseException as exc:
             # Report what we know at once; the lease is for trainers that cannot.
             try:
-                res = self.report_failure(grant.update_id, _failure_kind(exc),
+                res = self.report_failure(grant, _failure_kind(exc),
                                           f"{type(exc).__name__}: {exc}")
             except RolloutCoreError as rep_exc:
                 exc.add_note(f"reporting the failure to the gateway failed too: {rep_exc}")
@@ -322,7 +489,22 @@ class RolloutCoreClient:
                 failed.outcome = res
                 raise failed from exc
             raise
-        return self.report(grant.update_id, ev).raise_for_failure()
+        sent = _sent_checksum(self.transport) if hashes else None
+        return self.report(grant, ev, sent_checksum=sent).raise_for_failure()
+
+    def _preconnect(self) -> None:
+        """The transport's handshake with the engine before the begin: it changes no
+        weights, so it need not be paid inside the engine's pause (once per engine)."""
+        t = self.transport
+        if t is None or self._connected_to is not None:
+            return
+        try:
+            url = self.status().get("engine", {}).get("base_url")
+        except RolloutCoreError:
+            return  # the begin will say what is wrong
+        if isinstance(url, str) and url:
+            t.connect(url, timeout_s=self._connect_timeout_s)
+            self._connected_to = url
 
     def _transfer(self, grant: UpdateGrant, source: Any) -> TransferEvidence:
         t = self.transport

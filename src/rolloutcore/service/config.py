@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rolloutcore.core.media import MediaLimits
+from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput
 
 __all__ = ["ServiceConfig", "check_bind", "is_loopback"]
@@ -137,6 +138,19 @@ class ServiceConfig:
     max_record_bytes: int = 16 << 20
     #: Deepest JSON nesting accepted in a request body (else 400).
     max_json_depth: int = 64
+    #: The verification floor: a begin that asks for less is refused (422).
+    #: Default: the highest level reachable here (``reachable_verification``).
+    min_verification: VerificationLevel | None = None
+    #: The highest level this engine and transport can reach (``probe`` on any
+    #: engine that scores prompts); ``rolloutcore serve`` reads it from the engine.
+    reachable_verification: VerificationLevel = VerificationLevel.PROBE
+    #: The largest probe tolerance (nats) a trainer may send: above it a
+    #: ``probe`` would pass anything.
+    max_probe_tolerance: float = 0.05
+    #: What probe token ids and lengths are checked against at the edge (the
+    #: served model's vocabulary and context; ``None``: not known, not checked).
+    vocab_size: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -174,6 +188,27 @@ class ServiceConfig:
         if not isinstance(self.transport, Mapping):
             raise BadInput("transport must be a mapping")
         object.__setattr__(self, "transport", dict(self.transport))
+        for name in ("min_verification", "reachable_verification"):
+            v = getattr(self, name)
+            if isinstance(v, str):
+                v = VerificationLevel.parse(v)
+                object.__setattr__(self, name, v)
+            if not (v is None and name == "min_verification") and not isinstance(
+                    v, VerificationLevel):
+                raise BadInput(f"{name} must be a VerificationLevel, got {v!r}")
+        if self.floor > self.reachable_verification:
+            raise BadInput(f"min_verification {self.floor.wire} cannot be reached here (the "
+                           f"highest level is {self.reachable_verification.wire})")
+        _positive("max_probe_tolerance", self.max_probe_tolerance)
+        for name in ("vocab_size", "max_model_len"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name), integer=True)
+
+    @property
+    def floor(self) -> VerificationLevel:
+        """The level every update must reach (``min_verification``, else the highest)."""
+        return (self.reachable_verification if self.min_verification is None
+                else self.min_verification)
 
     @property
     def advertised_engine_url(self) -> str:

@@ -3,27 +3,51 @@
 ::
 
     trainer                         gateway (this module)                 vLLM
-    POST /control/updates   ---->   runner.open_update: close admission,
-      {identity, owner, ...}        drain bound rollouts, pause, preflight
-                            <----   201 {update_id, target label, lease,
-                                         engine URL, transport config}
+    POST /control/updates   ---->   check the expectations and the floor,
+      {identity, owner,             runner.open_update: close admission,
+       expect: {probe, ...}}        drain bound rollouts, pause, preflight
+                            <----   201 {update_id, target label, lease
+                                         (its secret), engine URL, transport}
     transfer through vLLM's weight-transfer path  ----------------------> /start_weight_update
                                                                            /update_weights
                                                                            /finish_weight_update
-    POST /control/updates/{id}/transfer
+    POST /control/updates/{id}/transfer       (X-RolloutCore-Lease: secret)
       {transfer: TransferEvidence} or {failure: {kind, reason}}
                             ---->   runner.report_transfer + close_update:
                                     invalidate caches, validate while
-                                    paused, resume, publish (or classify)
+                                    paused (label, checksums), resume, run
+                                    the probe with admission still closed,
+                                    publish (or classify)
                             <----   200 {status: published | failed, ...}
 
-The begin grants a **lease**: if no report arrives before its deadline (the
-trainer died, hung or overran) the service itself reports a TIMEOUT failure
-of the transfer step. The failure policy classifies that as ambiguous (a
-mutation may have started), so the engine is TAINTED and fenced and nothing
-is published; a report that arrives later is answered 410 with that
-classification. Report and expiry are serialized per update, so exactly one
-of them decides.
+**Verification through the protocol.** The trainer computes what only it
+can, from the very tensors it sends: the policy probe's expected greedy
+continuations and their log-probabilities (``expect.probe``), optionally
+reference checksums of the engine's parameters (``expect.engine_checksums``),
+and, where its transport hashes what it sent, that checksum (in the report).
+The gateway checks them at the edge (sizes, token ids within the served
+vocabulary, finite log-probabilities, a tolerance no larger than its own
+cap) before anything drains, then runs the comparisons itself, as the
+in-process runner does: a miss taints. ``min_verification`` is a **floor**
+(``ServiceConfig.min_verification``, ``serve --min-verification``; by default
+the highest level the engine can reach): a begin that asks for less, or that
+cannot reach it with what it sent, is refused with a 422 and nothing changes.
+
+The begin grants a **lease** that belongs to the trainer that took it: a
+secret in the begin's answer that every later call of that update presents
+(``X-RolloutCore-Lease``); update ids are random, so an id from before a
+gateway restart names nothing. Its deadline is a duration on the gateway's
+monotonic clock (``expires_in_s``), never a wall-clock instant compared
+across hosts. If no report arrives in time (the trainer died, hung or
+overran) the service classifies the update from the engine: when the
+engine's own weight-operation counters prove nothing was sent since the
+drain, the update ends with no mutation (back to service on the old
+version); otherwise it is a TIMEOUT of the transfer, ambiguous, TAINTED and
+fenced, nothing published. A report that arrives later is answered 410 with
+that classification. Report and expiry are serialized per update, so exactly
+one of them decides. A begin whose answer could not be delivered (the
+trainer disconnected while it drained) is classified the same way at once,
+and a begin retried with the same ``begin_key`` gets the same grant back.
 
 Request bodies are validated by strict pydantic models (no type coercion,
 no unknown fields, bounded strings and numbers); the same models produce
@@ -35,9 +59,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
+import secrets
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -46,6 +73,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic import model_validator as _model_validator
 from pydantic.json_schema import models_json_schema
 
+from rolloutcore.control.port import ExpectationTaker
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
 from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind
@@ -53,13 +81,19 @@ from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdent
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.verification.probe import WIRE_LIMITS, PolicyProbe
 
 __all__ = [
+    "LEASE_HEADER",
     "BeginBody",
+    "ExpectBody",
     "FailureBody",
     "IdentityBody",
+    "ProbeBody",
+    "ProbeCaseBody",
     "ProvenanceBody",
     "ReportBody",
+    "SentChecksumBody",
     "TransferBody",
     "UpdateManager",
     "openapi_document",
@@ -72,6 +106,12 @@ _INT63 = 2**63 - 1
 
 Hex64 = Annotated[str, StringConstraints(pattern=_HEX64)]
 Label = Annotated[str, StringConstraints(pattern=_LABEL)]
+Level = Literal["declared", "manifest", "engine-checksum", "probe"]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+LogProb = Annotated[float, Field(allow_inf_nan=False, ge=-1e6, le=1.0)]
+
+#: The header that carries an update's lease secret on every call after its begin.
+LEASE_HEADER = "x-rolloutcore-lease"
 
 
 class _Strict(BaseModel):
@@ -100,20 +140,76 @@ class IdentityBody(_Strict):
                               self.content_digest)
 
 
+class ProbeCaseBody(_Strict):
+    """One probe: a prompt, the trainer's greedy continuation, its log-probabilities."""
+
+    prompt: Annotated[list[TokenId], Field(min_length=1, max_length=WIRE_LIMITS["prompt"])]
+    continuation: Annotated[list[TokenId],
+                            Field(min_length=1, max_length=WIRE_LIMITS["continuation"])]
+    logprobs: Annotated[list[LogProb],
+                        Field(min_length=1, max_length=WIRE_LIMITS["continuation"])]
+
+
+class ProbeBody(_Strict):
+    """``PolicyProbe.to_wire()``: computed by the trainer from the tensors it sends."""
+
+    cases: Annotated[list[ProbeCaseBody], Field(min_length=1, max_length=WIRE_LIMITS["cases"])]
+    tolerance: Annotated[float, Field(gt=0, le=10.0, allow_inf_nan=False)]
+    name: Annotated[str, StringConstraints(min_length=1,
+                                           max_length=WIRE_LIMITS["name"])] = "policy-probe"
+
+    def to_probe(self, config: ServiceConfig) -> PolicyProbe:
+        """The semantic checks (lengths agree, ids in the vocabulary, the tolerance cap)."""
+        return PolicyProbe.from_wire(
+            {"name": self.name, "tolerance": self.tolerance,
+             "cases": [c.model_dump() for c in self.cases]},
+            vocab_size=config.vocab_size, max_tolerance=config.max_probe_tolerance,
+            max_model_len=config.max_model_len)
+
+
+class ExpectBody(_Strict):
+    """What the trainer computed from what it sends; the gateway compares (module doc)."""
+
+    probe: ProbeBody | None = None
+    #: ``/weight_checker``-style sha256 per engine parameter (a cold load's reference).
+    engine_checksums: Annotated[dict[Annotated[str, StringConstraints(min_length=1,
+                                                                      max_length=512)],
+                                     Hex64], Field(min_length=1, max_length=1 << 16)] | None \
+        = None
+    #: The report will carry the transport's checksum of what it sent (``sent_checksum``).
+    transport_checksum: bool = False
+
+
 class BeginBody(_Strict):
     """Ask to begin an update: the service drains, quiesces and grants a lease."""
 
     identity: IdentityBody
     owner: Annotated[str, StringConstraints(min_length=1, max_length=128)]
     label: Label | None = None
-    min_verification: Literal["declared", "manifest", "engine-checksum", "probe"] = "declared"
+    #: At least the gateway's floor; absent: the floor.
+    min_verification: Level | None = None
+    expect: ExpectBody | None = None
     lease_s: Annotated[float, Field(gt=0, le=86400, allow_inf_nan=False)] | None = None
     #: Digest of the manifest the trainer will actually send (defaults to the identity's).
     source_manifest_digest: Hex64 | None = None
+    #: The trainer's key for this begin: the same begin sent again (its answer was
+    #: lost) gets the same grant back while the update is open.
+    begin_key: Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_-]{16,128}$")] | None \
+        = None
+
+
+class SentChecksumBody(_Strict):
+    """The transport's checksum of what it sent (``adapters.vllm.verify.SENT_SCHEMES``)."""
+
+    scheme: Literal["rc_cuda_ipc/block"]
+    names: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=512)]],
+                     Field(min_length=1, max_length=1 << 16)]
+    values: Annotated[list[Annotated[int, Field(ge=0, le=_INT63)] | None],
+                      Field(min_length=1, max_length=1 << 16)]
 
 
 class TransferBody(_Strict):
-    """The trainer's ``TransferEvidence``, field for field."""
+    """The trainer's ``TransferEvidence``, field for field (plus what it sent, hashed)."""
 
     completed: bool
     mutation_started: bool
@@ -125,6 +221,7 @@ class TransferBody(_Strict):
     elapsed_s: Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)] = 0.0
     unverified: Annotated[list[Annotated[str, StringConstraints(max_length=500)]],
                           Field(max_length=32)] = []
+    sent_checksum: SentChecksumBody | None = None
 
     def to_evidence(self) -> TransferEvidence:
         return TransferEvidence(completed=self.completed, mutation_started=self.mutation_started,
@@ -178,6 +275,9 @@ class _Update:
     lease_s: float
     deadline_mono: float
     deadline_wall: float
+    secret: str = field(repr=False, default="")
+    begin_key: str | None = None
+    verification: VerificationLevel = VerificationLevel.DECLARED
     status: str = "open"            # open | reporting | published | failed | expiring | expired
     result: dict[str, Any] | None = None
     timer: asyncio.Task[None] | None = None
@@ -185,12 +285,32 @@ class _Update:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     def describe(self) -> dict[str, Any]:
+        """What anyone with the control token may see (never the lease secret)."""
         left = max(0.0, self.deadline_mono - time.monotonic())
-        return {"update_id": self.update_id, "owner": self.owner, "status": self.status,
+        return {"update_id": self.update_id, "journal_update_id": self.out.ticket.update_id,
+                "owner": self.owner, "status": self.status,
                 "target": self.target.to_dict(), "identity_digest": self.identity_digest,
+                "min_verification": self.verification.wire,
                 "lease": {"seconds": self.lease_s, "deadline_unix": self.deadline_wall,
                           "expires_in_s": left if self.status == "open" else 0.0},
                 "result": self.result}
+
+    def owns(self, presented: str | None) -> bool:
+        return presented is not None and hmac.compare_digest(
+            presented.encode("utf-8", "replace"), self.secret.encode())
+
+
+@dataclass(frozen=True)
+class _Checked:
+    level: VerificationLevel
+    probe: PolicyProbe | None
+    reference: dict[str, str] | None
+
+
+def _new_update_id() -> int:
+    """Random and positive, below 2**53 (a JSON number every client reads exactly): an id
+    from before a gateway restart names nothing after it."""
+    return secrets.randbelow(2**53 - 2) + 1
 
 
 class UpdateManager:
@@ -203,6 +323,15 @@ class UpdateManager:
         self.metrics = metrics
         self._updates: OrderedDict[int, _Update] = OrderedDict()
         self._opening = False
+        metrics.set_floor(config.floor)
+
+    def verification(self) -> dict[str, Any]:
+        """The floor, what this engine can reach, and what the committed version reached."""
+        ident = self.runner.controller.identity
+        return {"floor": self.config.floor.wire,
+                "reachable": self.config.reachable_verification.wire,
+                "committed": None if ident is None else ident.verification.wire,
+                "evidence": [] if ident is None else list(ident.evidence)}
 
     @property
     def open_update(self) -> _Update | None:
@@ -211,32 +340,94 @@ class UpdateManager:
                 return u
         return None
 
-    def get(self, update_id: int) -> dict[str, Any] | None:
+    def get(self, update_id: int, lease: str | None = None) -> tuple[int, dict[str, Any]]:
         u = self._updates.get(update_id)
-        return None if u is None else u.describe()
+        if u is None:
+            return 404, {"error": f"no update {update_id}"}
+        if not u.owns(lease):
+            return 403, _NOT_YOURS
+        return 200, u.describe()
+
+    def _check_begin(self, body: BeginBody) -> tuple[int, dict[str, Any]] | _Checked:
+        """The floor and the expectations, before anything drains (422 with the reason)."""
+        cfg = self.config
+        floor = cfg.floor
+        want = floor if body.min_verification is None else VerificationLevel.parse(
+            body.min_verification)
+        if want < floor:
+            return 422, {"error": f"min_verification {want.wire!r} is below this gateway's "
+                         f"floor {floor.wire!r} (rolloutcore serve --min-verification); "
+                         "ask for at least the floor, or send nothing to get it",
+                         "floor": floor.wire, "requested": want.wire}
+        if want > cfg.reachable_verification:
+            return 422, {"error": f"min_verification {want.wire!r} cannot be reached on this "
+                         f"engine (at most {cfg.reachable_verification.wire!r})",
+                         "floor": floor.wire, "requested": want.wire}
+        ex = body.expect
+        probe: PolicyProbe | None = None
+        if ex is not None and ex.probe is not None:
+            try:
+                probe = ex.probe.to_probe(cfg)
+            except BadInput as exc:
+                return 422, {"error": f"invalid probe expectations: {exc}",
+                             "floor": floor.wire}
+        ref = None if ex is None or ex.engine_checksums is None else dict(ex.engine_checksums)
+        if want >= VerificationLevel.PROBE and probe is None:
+            return 422, {"error": f"min_verification {want.wire!r} needs the policy probe's "
+                         "expectations (expect.probe: PolicyProbe.to_wire() of the weights "
+                         "you send)", "floor": floor.wire, "requested": want.wire}
+        if want is VerificationLevel.ENGINE_CHECKSUM and ref is None and probe is None and (
+                ex is None or not ex.transport_checksum):
+            return 422, {"error": "min_verification 'engine-checksum' needs reference "
+                         "checksums (expect.engine_checksums) or the transport's checksum "
+                         "of what it sends (expect.transport_checksum)",
+                         "floor": floor.wire, "requested": want.wire}
+        if (probe is not None or ref is not None) and not isinstance(
+                self.runner.adapter, ExpectationTaker):
+            return 422, {"error": "this gateway's engine adapter cannot compare expectations"}
+        return _Checked(want, probe, ref)
 
     # ------------------------------------------------------------ begin
-    async def begin(self, body: BeginBody) -> tuple[int, dict[str, Any]]:
+    async def begin(self, body: BeginBody,
+                    disconnected: Callable[[], Awaitable[bool]] | None = None
+                    ) -> tuple[int, dict[str, Any]]:
+        """Check, drain, grant. ``disconnected`` tells whether the trainer is still there
+        to read the answer: a grant nobody received is classified at once."""
         cfg = self.config
         busy = self.open_update
+        if busy is not None and body.begin_key is not None and busy.begin_key == \
+                body.begin_key and busy.owner == body.owner and busy.status == "open":
+            # The same begin again: its answer was lost. The same grant, once more.
+            return 200, self._grant(busy)
         if self._opening or busy is not None:
             who = f"update {busy.update_id} by {busy.owner!r}" if busy else "another begin"
             return 409, {"error": f"{who} is in progress; one writer at a time",
                          "state": self.runner.controller.state.value}
         try:
             identity = body.identity.to_identity()
-            level = VerificationLevel.parse(body.min_verification)
         except BadInput as exc:
             return 422, {"error": str(exc)}
+        checked = self._check_begin(body)
+        if not isinstance(checked, _Checked):
+            return checked
+        level, probe, ref = checked.level, checked.probe, checked.reference
         pre = PreflightEvidence(
             source_manifest_digest=body.source_manifest_digest or identity.manifest_digest,
             source_provenance=identity.provenance)
         lease_s = min(body.lease_s or cfg.lease_s, cfg.max_lease_s)
         self._opening = True
+        adapter = self.runner.adapter
+
+        def open_() -> UpdateOutcome:
+            if isinstance(adapter, ExpectationTaker):
+                # Each begin replaces what the last one staged (None clears it).
+                adapter.expect(probes=probe, reference_checksums=ref)
+                adapter.expect_sent(None)
+            return self.runner.open_update(identity, owner=body.owner, label=body.label,
+                                           min_verification=level, preflight=pre)
+
         try:
-            out = await anyio.to_thread.run_sync(
-                lambda: self.runner.open_update(identity, owner=body.owner, label=body.label,
-                                                min_verification=level, preflight=pre))
+            out = await anyio.to_thread.run_sync(open_)
         except UpdateRefused as exc:
             return 409, {"error": str(exc), "state": self.runner.controller.state.value}
         except BadInput as exc:
@@ -249,31 +440,56 @@ class UpdateManager:
             self._opening = False
         t = out.ticket
         now_m, now_w = time.monotonic(), time.time()
-        upd = _Update(t.update_id, body.owner, t.target.version, identity.digest, out, lease_s,
-                      now_m + lease_s, now_w + lease_s)
-        self._updates[t.update_id] = upd
+        uid = _new_update_id()
+        while uid in self._updates:
+            uid = _new_update_id()
+        upd = _Update(uid, body.owner, t.target.version, identity.digest, out, lease_s,
+                      now_m + lease_s, now_w + lease_s, secrets.token_urlsafe(32),
+                      body.begin_key, level)
+        self._updates[uid] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
             if oldest.status in ("open", "reporting", "expiring"):
                 break
             self._updates.popitem(last=False)
         upd.timer = asyncio.get_running_loop().create_task(self._lease_timer(upd))
-        return 201, {**upd.describe(), "state": out.state.value,
-                     "engine": {"base_url": cfg.advertised_engine_url, "model": cfg.model},
-                     "transport": dict(cfg.transport),
-                     "report": f"/control/updates/{t.update_id}/transfer"}
+        if disconnected is not None and await disconnected():
+            # Nobody holds this grant: classified now (from the engine's own counters),
+            # not when the lease runs out.
+            async with upd.lock:
+                await self._expire_locked(upd, "the begin's answer could not be delivered "
+                                          "(the trainer disconnected while it drained)")
+        return 201, self._grant(upd)
+
+    def _grant(self, upd: _Update) -> dict[str, Any]:
+        """The begin's answer: the only place the lease secret is ever shown."""
+        cfg = self.config
+        d = upd.describe()
+        d["lease"] = {**d["lease"], "secret": upd.secret, "header": LEASE_HEADER}
+        return {**d, "state": upd.out.state.value,
+                "engine": {"base_url": cfg.advertised_engine_url, "model": cfg.model},
+                "transport": dict(cfg.transport),
+                "report": f"/control/updates/{upd.update_id}/transfer"}
 
     # ------------------------------------------------------------ report
-    async def report(self, update_id: int, body: ReportBody) -> tuple[int, dict[str, Any]]:
+    async def report(self, update_id: int, body: ReportBody,
+                     lease: str | None = None) -> tuple[int, dict[str, Any]]:
         upd = self._updates.get(update_id)
         if upd is None:
             return 404, {"error": f"no update {update_id}"}
+        if not upd.owns(lease):
+            return 403, _NOT_YOURS
         ev: TransferEvidence | None = None
+        sent: dict[str, Any] | None = None
         if body.transfer is not None:
             try:
                 ev = body.transfer.to_evidence()
             except BadInput as exc:
                 return 422, {"error": str(exc)}
+            if body.transfer.sent_checksum is not None:
+                sent = body.transfer.sent_checksum.model_dump()
+                if not isinstance(self.runner.adapter, ExpectationTaker):
+                    return 422, {"error": "this gateway cannot compare a sent checksum"}
         async with upd.lock:
             if upd.status == "open" and time.monotonic() > upd.deadline_mono:
                 await self._expire_locked(upd, "lease expired before the report arrived")
@@ -289,9 +505,13 @@ class UpdateManager:
                 upd.timer.cancel()
         out = upd.out
 
+        adapter = self.runner.adapter
+
         def work() -> dict[str, Any]:
             try:
                 if ev is not None:
+                    if isinstance(adapter, ExpectationTaker):
+                        adapter.expect_sent(sent)
                     self.runner.report_transfer(out, ev)
                     self.runner.close_update(out)
                 else:
@@ -304,7 +524,10 @@ class UpdateManager:
             assert out.published is not None
             ident = c.identity
             return {"status": "published", "published": out.published.to_dict(),
-                    "identity": None if ident is None else ident.to_dict()}
+                    "identity": None if ident is None else ident.to_dict(),
+                    "verification": None if ident is None else {
+                        "level": ident.verification.wire, "required": upd.verification.wire,
+                        "evidence": list(ident.evidence)}}
 
         result = await anyio.to_thread.run_sync(work)
         result.update(state=out.state.value, phases=out.breakdown())
@@ -333,7 +556,7 @@ class UpdateManager:
 
         def work() -> dict[str, Any]:
             try:
-                self.runner.report_transfer_failure(out, FailureKind.TIMEOUT, reason)
+                self.runner.expire_lease(out, reason)
             except UpdateFailed as exc:
                 return _failure(exc)
             return {"status": "failed", "classification": "unknown",  # pragma: no cover
@@ -362,6 +585,10 @@ class UpdateManager:
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
         self.metrics.observe_update(outcome, phases)
+
+
+_NOT_YOURS = {"error": "this update's lease belongs to the trainer that began it: present "
+              f"its secret (the begin's lease.secret) in {LEASE_HEADER}"}
 
 
 def _failure(exc: UpdateFailed) -> dict[str, Any]:
@@ -395,6 +622,9 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
     auth_errors = (401, 403)
     uid = {"name": "update_id", "in": "path", "required": True,
            "schema": {"type": "integer", "minimum": 1, "maximum": _INT63}}
+    lease = {"name": LEASE_HEADER, "in": "header", "required": True,
+             "description": "the lease secret from the begin's answer (lease.secret)",
+             "schema": {"type": "string", "maxLength": 256}}
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -406,21 +636,24 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
         "paths": {
             "/control/updates": {"post": {
                 "operationId": "beginUpdate",
-                "summary": "Begin an update: drain, quiesce, grant a lease",
+                "summary": "Begin an update: check the expectations and the floor, drain, "
+                           "quiesce, grant a lease (200: the same begin_key again)",
                 "requestBody": {"required": True,
                                 "content": {"application/json": {"schema": ref("BeginBody")}}},
-                "responses": resp(400, *auth_errors, 409, 413, 415, 422, 503, ok=201),
+                "responses": {**resp(400, *auth_errors, 409, 413, 415, 422, 503, ok=201),
+                              "200": {"description": "the open grant of this begin_key",
+                                      "content": {"application/json": {"schema": obj}}}},
             }},
             "/control/updates/{update_id}": {"get": {
                 "operationId": "getUpdate",
                 "summary": "An update's lease and result",
-                "parameters": [uid],
+                "parameters": [uid, lease],
                 "responses": resp(*auth_errors, 404),
             }},
             "/control/updates/{update_id}/transfer": {"post": {
                 "operationId": "reportTransfer",
                 "summary": "Report the transfer (evidence or failure); the service commits",
-                "parameters": [uid],
+                "parameters": [uid, lease],
                 "requestBody": {"required": True,
                                 "content": {"application/json": {"schema": ref("ReportBody")}}},
                 "responses": resp(400, *auth_errors, 404, 409, 410, 413, 415, 422),
@@ -434,7 +667,9 @@ def openapi_document(title: str = "RolloutCore gateway: control API",
     }
 
 
-_REASONS = {400: "malformed JSON", 401: "missing bearer token", 403: "wrong token",
+_REASONS = {400: "malformed JSON", 401: "missing bearer token",
+            403: "wrong token, or not this update's lease secret",
             404: "no such update", 409: "conflict (another update, or already reported)",
             410: "the lease expired", 413: "body too large", 415: "not JSON",
-            422: "invalid fields", 503: "the update could not begin"}
+            422: "invalid fields, expectations, or below the verification floor",
+            503: "the update could not begin"}

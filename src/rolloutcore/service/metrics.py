@@ -28,7 +28,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from rolloutcore.core.lifecycle import LifecycleController, State
-from rolloutcore.core.records import Admit, Record, Refuse, Transition
+from rolloutcore.core.records import Admit, Commit, Record, Refuse, Transition
+from rolloutcore.core.versions import VerificationLevel
 
 __all__ = ["CONTENT_TYPE", "ServiceMetrics"]
 
@@ -100,6 +101,17 @@ class ServiceMetrics:
         self.overloaded = Counter(
             "rolloutcore_overloaded_total",
             "data-plane requests refused at max_concurrent_requests (503)", registry=r)
+        self.verification_floor = Gauge(
+            "rolloutcore_verification_floor_level",
+            "the verification every update must reach (0 declared, 1 manifest, "
+            "2 engine-checksum, 3 probe)", registry=r)
+        self.committed_verification = Gauge(
+            "rolloutcore_committed_verification_level",
+            "verification the committed version reached (same scale; -1 before bootstrap)",
+            registry=r)
+        self.published = Counter(
+            "rolloutcore_published_total", "versions published, by the verification reached",
+            ["verification"], registry=r)
         self.engine_lost = Counter(
             "rolloutcore_engine_lost_total",
             "engines tainted between updates (died, restarted, stopped answering)",
@@ -113,6 +125,11 @@ class ServiceMetrics:
         self._refused = self.admissions.labels("refused")
         for out in ("published", "no_mutation", "ambiguous", "lease_expired"):
             self.updates.labels(out)
+        for lvl in VerificationLevel:
+            self.published.labels(lvl.wire)
+
+    def set_floor(self, level: VerificationLevel) -> None:
+        self.verification_floor.set(int(level))
 
     # ---------------------------------------------------------------- feeding
     def listener(self, rec: Record) -> None:
@@ -130,6 +147,9 @@ class ServiceMetrics:
                 self.engine_lost.inc()
         elif t is Refuse:
             self._refused.inc()
+        elif t is Commit:
+            assert isinstance(rec, Commit)
+            self.published.labels(rec.identity.verification.wire).inc()
 
     def watch_recorder(self, stats: Callable[[], Mapping[str, Any]]) -> None:
         """Export the trajectory recorder's counts (read at scrape time from ``stats``)."""
@@ -148,6 +168,8 @@ class ServiceMetrics:
             self.state.labels(s.value).set(1 if s is current else 0)
         committed = c.committed
         self.committed_generation.set(-1 if committed is None else committed.generation)
+        ident = c.identity
+        self.committed_verification.set(-1 if ident is None else int(ident.verification))
         self.active_rollouts.set(len(c.active))
         return bytes(generate_latest(self.registry))
 

@@ -11,6 +11,17 @@ Everything that can be refused is refused before anything is admitted: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
 and a vLLM that RolloutCore cannot drive (``adapters.vllm.support``: its
 version and routes, read from the engine itself).
+
+The first version is published only verified (``LifecycleRunner.take_over``):
+the engine must be awake and not paused, and its label and the policy probe
+of the declared checkpoint must hold, to the verification floor
+(``--min-verification``, by default the highest level the engine can reach).
+With ``--journal`` the previous gateway's journal is restored first: an update
+it had in flight restores as TAINTED (only a replacement engine, freshly
+loaded from the checkpoint, is then accepted), the version it last published
+must still be what the engine serves, and rollouts it had bound are released
+as unattributable. A takeover that cannot verify exits with status 3 and
+publishes nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -33,7 +45,11 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 if TYPE_CHECKING:
     from rolloutcore.adapters.vllm import VllmHTTP
 
-__all__ = ["ServeOptions", "run_serve"]
+__all__ = ["TAKEOVER_REFUSED", "ServeOptions", "reachable_verification", "run_serve",
+           "write_token_file"]
+
+#: Exit status of ``serve`` when the engine it would take over cannot be verified.
+TAKEOVER_REFUSED = 3
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,8 @@ class ServeOptions:
     health_interval_s: float = 2.0
     journal: str | None = None
     record: str | None = None
+    min_verification: str | None = None   # the floor (default: the highest reachable)
+    takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
 
     def __post_init__(self) -> None:
         if self.upstream and self.model:
@@ -104,6 +122,66 @@ def _token(args: ServeOptions) -> tuple[str, bool]:
     return generate_token(), False
 
 
+def write_token_file(path: str | os.PathLike[str], token: str) -> None:
+    """Write ``token`` to ``path``, readable by its owner only, never through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link at ``path`` (a link planted there
+    would send the control token wherever it points); an existing file is
+    truncated and set to 0600 before anything is written to it.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise BadInput(f"cannot write the token to {path} (a symbolic link is refused): "
+                       f"{exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadInput(f"{path} is not a regular file")
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fd = -1
+            fh.write(token + "\n")
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
+    """The highest verification an engine with these routes can reach.
+
+    ``probe`` needs only the scoring route (``/inference/v1/generate`` with
+    prompt logprobs): every engine RolloutCore drives on the CPU and vLLM
+    0.26+ on a GPU has it. Below it: engine checksums (``/weight_checker``),
+    a label (``/weight_info``), nothing.
+    """
+    from rolloutcore.adapters.vllm import Routes
+    from rolloutcore.core.versions import VerificationLevel
+
+    if Routes.GENERATE in capabilities:
+        return VerificationLevel.PROBE
+    if Routes.WEIGHT_CHECKER in capabilities:
+        return VerificationLevel.ENGINE_CHECKSUM
+    if Routes.WEIGHT_INFO in capabilities:
+        return VerificationLevel.MANIFEST
+    return VerificationLevel.DECLARED
+
+
+def _vocab_size(model_dir: Path) -> int | None:
+    """The served model's vocabulary (its config.json), for the probe's edge checks."""
+    import json
+
+    try:
+        cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for d in (cfg, cfg.get("text_config") or {}):
+        v = d.get("vocab_size") if isinstance(d, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 1:
+            return v
+    return None
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -133,6 +211,12 @@ def run_serve(args: ServeOptions) -> int:
                        "from become the first committed version")
     if args.max_body_bytes <= 0:
         raise BadInput("--max-body-bytes must be positive")
+    from rolloutcore.core.versions import VerificationLevel
+
+    floor_asked = (None if args.min_verification is None
+                   else VerificationLevel.parse(args.min_verification))
+    if args.takeover_probe is not None and not Path(args.takeover_probe).is_file():
+        raise BadInput(f"--takeover-probe {args.takeover_probe}: no such file")
     # Settings are checked before anything is launched.
     probe = ServiceConfig(upstream_url=args.upstream or "http://127.0.0.1:1",
                           engine_url=args.engine_url, control_token=token,
@@ -144,8 +228,8 @@ def run_serve(args: ServeOptions) -> int:
     import uvicorn
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-    from rolloutcore.control.journal import Journal
-    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
+    from rolloutcore.control.journal import Journal, read_journal
+    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
     from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
@@ -157,6 +241,10 @@ def run_serve(args: ServeOptions) -> int:
     # the file has every record and memory only the last few (two records per
     # data-plane request would otherwise grow without bound).
     journal = Journal(args.journal, keep=256) if args.journal else None
+    if journal is not None and journal.repaired_bytes:
+        print(f"[rolloutcore] journal {args.journal}: cut a torn last line "
+              f"({journal.repaired_bytes} bytes; a crash in the middle of a write)",
+              file=sys.stderr)
     adapter: Any = None
     recorder: Any = None
     try:
@@ -189,14 +277,50 @@ def run_serve(args: ServeOptions) -> int:
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
-        controller = LifecycleController(
-            listener=None if journal is None else journal.listener)
+        earlier = read_journal(journal.path) if journal is not None and \
+            journal.path is not None and journal.path.stat().st_size else []
+        if earlier:
+            # The previous gateway's journal: what it published, what it had in flight.
+            assert journal is not None
+            controller = LifecycleController.restore(earlier, listener=journal.listener)
+            print(f"[rolloutcore] restored {len(earlier)} journal records: "
+                  f"{controller.state.value}, committed {controller.committed}",
+                  file=sys.stderr)
+        else:
+            controller = LifecycleController(
+                listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))
-        runner.bootstrap(identity)
+        reachable = reachable_verification(adapter.http.capabilities())
+        floor = reachable if floor_asked is None else floor_asked
+        if floor > reachable:
+            raise BadInput(f"--min-verification {floor.wire} cannot be reached on this engine "
+                           f"(at most {reachable.wire})")
+        takeover_probe = _takeover_probe(args, model_dir, reachable)
+        try:
+            runner.take_over(identity, probes=takeover_probe, min_verification=floor,
+                             recoverer=_recoverer(url, model_dir, identity, takeover_probe))
+        except TakeoverRefused as exc:
+            print(f"[rolloutcore] refusing to serve: the engine at {url} could not be "
+                  f"verified to hold {model_dir} ({exc.classification}, now {exc.state}): "
+                  f"{exc.reason}", file=sys.stderr)
+            return TAKEOVER_REFUSED
+        ident = controller.identity
+        print(f"[rolloutcore] took over {controller.committed} verified "
+              f"{ident.verification.wire if ident else '?'}: "
+              f"{', '.join(ident.evidence) if ident else ''}", file=sys.stderr)
+        max_len = None
+        try:
+            mc = (adapter.http.server_info().get("vllm_config") or {}).get("model_config")
+            max_len = mc.get("max_model_len") if isinstance(mc, dict) else None
+        except EffectError:
+            pass
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
-                               "transport": {"backend": args.transport_backend}})
+                               "transport": {"backend": args.transport_backend},
+                               "min_verification": floor, "reachable_verification": reachable,
+                               "vocab_size": _vocab_size(model_dir),
+                               "max_model_len": max_len if isinstance(max_len, int) else None})
         if args.record:
             from rolloutcore.core.versions import EngineIdentity
             from rolloutcore.service.recording import GatewayRecorder
@@ -212,9 +336,7 @@ def run_serve(args: ServeOptions) -> int:
                 served or http.model(), econf, url))
         app = create_app(runner, cfg, on_finished=recorder)
         if args.token_out:
-            fd = os.open(args.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token + "\n")
+            write_token_file(args.token_out, token)
         print(f"[rolloutcore] gateway http://{args.host}:{args.port} -> vLLM {url} "
               f"(committed {controller.committed})", file=sys.stderr)
         if not given:
@@ -248,6 +370,59 @@ def run_serve(args: ServeOptions) -> int:
             engine.stop()
         if journal is not None:
             journal.close()
+
+
+def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
+    """The policy probe the takeover runs: saved (``--takeover-probe``) or computed from
+    the declared checkpoint (a forward pass of it on this host's CPU)."""
+    import json
+
+    from rolloutcore.core.versions import VerificationLevel
+    from rolloutcore.verification.probe import PolicyProbe
+
+    if args.takeover_probe is not None:
+        try:
+            raw = json.loads(Path(args.takeover_probe).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"--takeover-probe {args.takeover_probe}: {exc}") from exc
+        return PolicyProbe.from_wire(raw, vocab_size=_vocab_size(model_dir))
+    if reachable < VerificationLevel.PROBE:
+        return None
+    return _LazyProbe(model_dir)
+
+
+class _LazyProbe:
+    """The checkpoint's probe, computed on first use: a takeover that is refused for a
+    cheaper reason (a paused engine) does not pay a forward pass of the checkpoint."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        self._probe: Any = None
+
+    def get(self) -> Any:
+        if self._probe is None:
+            from rolloutcore.verification.probe import PolicyProbe
+
+            print(f"[rolloutcore] computing the policy probe of {self.model_dir} for the "
+                  "takeover", file=sys.stderr)
+            self._probe = PolicyProbe.from_checkpoint(str(self.model_dir))
+        return self._probe
+
+    def run(self, http: Any, target: Any) -> Any:
+        return self.get().run(http, target)
+
+
+def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
+    """For a journal left TAINTED: accept a replacement engine, fresh from the checkpoint."""
+    from rolloutcore.control.recovery import OperatorRecoverer
+
+    def make(previous_epoch: str) -> Any:
+        p = probe.get() if isinstance(probe, _LazyProbe) else probe
+        return OperatorRecoverer(url, model_dir, signal=lambda: True, wait_s=5.0,
+                                 previous_epoch=previous_epoch, identity=identity,
+                                 probe=p if p is not None else False)
+
+    return make
 
 
 if __name__ == "__main__":  # pragma: no cover - the old entry point, kept as a pointer

@@ -17,8 +17,12 @@ It models the behaviours that decide correctness, not speed:
 * injectable faults at every effect: raise, hang (until cancelled), lie in
   the body, die mid-transfer.
 
-``FakeAdapter`` is a ``LifecycleAdapter`` like any other, and a
-``HealthObserver``; ``FakeRecoverer`` is a ``Recoverer``.
+``FakeAdapter`` is a ``LifecycleAdapter`` like any other, a
+``HealthObserver``, an ``ExpectationTaker`` (a remote trainer's probe:
+``fake_probe`` computes one from ``FakeWeights`` as a trainer would, and the
+engine scores it with ``FakeEngine.score``) and a ``WriteObserver`` (the
+engine counts its weight-update calls, as vLLM does); ``FakeRecoverer`` is a
+``Recoverer``.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -64,6 +69,8 @@ __all__ = [
     "Fault",
     "FaultKind",
     "Generation",
+    "fake_logprob",
+    "fake_probe",
     "reference_tokens",
 ]
 
@@ -105,6 +112,10 @@ class FakeWeights:
     def identity(self) -> WeightIdentity:
         return WeightIdentity.declare(self.manifest, self.provenance, self.digest)
 
+    def policy_probe(self) -> Any:
+        """The probe a trainer computes from these weights (``fake_probe``)."""
+        return fake_probe(self)
+
 
 def _kv_step(kv: bytes, token: int, wdigest: str) -> bytes:
     return _h(kv, token, wdigest)
@@ -112,6 +123,33 @@ def _kv_step(kv: bytes, token: int, wdigest: str) -> bytes:
 
 def _next_token(kv: bytes, wdigest: str) -> int:
     return _h(kv, "next", wdigest)[0] % VOCAB
+
+
+def fake_logprob(kv: bytes, token: int, wdigest: str) -> float:
+    """The fake policy's log-probability of ``token`` after ``kv`` (in [-4, -1/64])."""
+    return -(1 + _h(kv, "logprob", token, wdigest)[0]) / 64.0
+
+
+def fake_probe(weights: FakeWeights, prompts: Sequence[Sequence[int]] = (
+        tuple(range(40)), tuple(range(100, 133))), *, new_tokens: int = 8,
+        tolerance: float = 0.005) -> Any:
+    """What a trainer computes from ``weights``: a ``PolicyProbe`` of the fake policy
+    (its greedy continuation of each prompt and their log-probabilities)."""
+    from rolloutcore.verification.probe import PolicyProbe, ProbeCase
+
+    cases = []
+    for p in prompts:
+        kv = b""
+        for t in p:
+            kv = _kv_step(kv, t, weights.digest)
+        cont, lps = [], []
+        for _ in range(new_tokens):
+            tok = _next_token(kv, weights.digest)
+            lps.append(fake_logprob(kv, tok, weights.digest))
+            cont.append(tok)
+            kv = _kv_step(kv, tok, weights.digest)
+        cases.append(ProbeCase(tuple(p), tuple(cont), tuple(lps)))
+    return PolicyProbe(cases, tolerance=tolerance)
 
 
 def reference_tokens(weights_digest: str, prompt: list[int], n: int) -> list[int]:
@@ -184,6 +222,8 @@ class FakeEngine:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self._ids = 0
+        #: weight-update calls (start, load, finish), counted like vLLM's metrics
+        self.weight_ops = 0
 
     # -------------------------------------------------------------- inspection
     @property
@@ -251,6 +291,21 @@ class FakeEngine:
                 self._in_flight.pop(rid, None)
                 self._abort_ids.discard(rid)
                 self._cond.notify_all()
+
+    def score(self, token_ids: Sequence[int], *,
+              timeout_s: float | None = None) -> list[float | None]:
+        """Teacher-forced log-probabilities of ``token_ids`` under the current weights
+        (a fresh prefill: no cache), the first ``None``, like ``VllmHTTP.score``."""
+        with self._cond:
+            self._alive()
+            wd = self._wdigest
+        out: list[float | None] = [None]
+        kv = b""
+        for i, t in enumerate(token_ids):
+            if i:
+                out.append(fake_logprob(kv, int(t), wd))
+            kv = _kv_step(kv, int(t), wd)
+        return out
 
     def _prefill(self, prompt: list[int]) -> tuple[bytes, int]:
         """Reuse the longest cached block-aligned prefix (stale or not), compute the rest."""
@@ -330,6 +385,7 @@ class FakeEngine:
             if self._updating:
                 raise TransferError("transfer", "update already started", mutation_started=False)
             self._updating = True
+            self.weight_ops += 1
 
     def load(self, name: str, data: bytes) -> None:
         with self._cond:
@@ -338,6 +394,7 @@ class FakeEngine:
                 raise TransferError("transfer", "load outside an update")
             if name not in self._weights or len(self._weights[name]) != len(data):
                 raise TransferError("transfer", f"unknown or mis-shaped parameter {name}")
+            self.weight_ops += 1
             self._weights[name] = data
             self._wdigest = FakeWeights(self._weights, Provenance("x")).digest
 
@@ -345,6 +402,7 @@ class FakeEngine:
         with self._cond:
             self._alive()
             self._updating = False
+            self.weight_ops += 1
             self.label = label
 
 
@@ -364,12 +422,39 @@ class FakeAdapter:
         #: transfer fault helper: names to skip silently (a transport bug)
         self.skip_params: set[str] = set()
         self._epoch_at_bootstrap: str | None = None
+        # A remote trainer's expectations (``expect``): used instead of the staged
+        # weights, which a remote trainer never hands over.
+        self._remote = False
+        self._probes: Any = None
+        self._reference: Mapping[str, str] | None = None
+        self._ops_verified: int | None = None
+        self._ops_at_drain: int | None = None
 
     # -------------------------------------------------------------- set-up
     def stage(self, weights: FakeWeights) -> None:
         if not isinstance(weights, FakeWeights):
             raise BadInput("stage needs FakeWeights")
         self._staged = weights
+        self._remote = False
+
+    def expect(self, *, probes: Any | None, reference_checksums: Mapping[str, str] | None
+               ) -> None:
+        """A remote trainer's expectations: ``probes`` (``fake_probe``) and, as its
+        reference checksum, ``{"fake-digest": weights.digest}``."""
+        self._remote = True
+        self._staged = None
+        self._probes = probes
+        self._reference = None if reference_checksums is None else dict(reference_checksums)
+
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
+        if sent is not None:
+            raise BadInput("the fake engine's transport reports no checksum of what it sent")
+
+    def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
+        if self._ops_at_drain is None or self.engine.dead:
+            return None
+        n = self.engine.weight_ops - self._ops_at_drain
+        return (f"{n} weight-update call(s)",) if n else ()
 
     def inject(self, effect: str, kind: FaultKind, times: int = 1) -> None:
         valid = {"bootstrap", "drain", "preflight", "transfer", "reset_prefix",
@@ -400,10 +485,11 @@ class FakeAdapter:
         self._fault("bootstrap")
         e = self.engine
         self._epoch_at_bootstrap = e.epoch
+        self._ops_verified = e.weight_ops
         return BootstrapEvidence(engine_epoch=e.epoch, healthy=not e.dead,
                                  observed_label=e.label, label_supported=True,
                                  capabilities=frozenset({"fake"}),
-                                 engine_info={"engine": "fake"})
+                                 engine_info={"engine": "fake", "paused": e.paused})
 
     def observe_health(self, *, timeout_s: float = 5.0) -> HealthEvidence:
         """Between updates: dead, or a different process than the one bootstrapped."""
@@ -411,13 +497,17 @@ class FakeAdapter:
         if e.dead:
             return HealthEvidence(False, False, reason="engine process is dead")
         restarted = self._epoch_at_bootstrap is not None and e.epoch != self._epoch_at_bootstrap
+        base = self._ops_verified
+        n = 0 if base is None or restarted else e.weight_ops - base
         return HealthEvidence(True, True, restarted,
                               f"epoch {self._epoch_at_bootstrap} is now {e.epoch}"
-                              if restarted else "")
+                              if restarted else "", observed_label=e.label,
+                              writes=(f"{n} weight-update call(s)",) if n else ())
 
     def drain(self, mode: PauseMode) -> DrainEvidence:
         t0 = time.monotonic()
         fk = self._fault("drain")
+        self._ops_at_drain = self.engine.weight_ops
         self.engine.pause(mode)
         return DrainEvidence(paused=fk is not FaultKind.LIE and self.engine.paused, mode=mode,
                              engine_in_flight=self.engine.in_flight,
@@ -467,6 +557,9 @@ class FakeAdapter:
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
         fk = self._fault("validate_live" if live else "validate")
         e = self.engine
+        if self._remote:
+            return self._validate_remote(target, live, fk)
+        self._ops_verified = e.weight_ops
         if not live:
             staged = self._staged.digest if self._staged else None
             match = staged is not None and e.weights_digest == staged
@@ -491,6 +584,29 @@ class FakeAdapter:
                           f"{len(self._probe_prompts)} probes, worst mismatching tokens {worst}",
                           max_abs_diff=float(worst), tolerance=0.0,
                           level=VerificationLevel.PROBE),))
+
+    def _validate_remote(self, target: UpdateTarget, live: bool,
+                         fk: FaultKind | None) -> ValidationEvidence | None:
+        """Against a remote trainer's expectations only: the staged weights are unknown."""
+        e = self.engine
+        self._ops_verified = e.weight_ops
+        if not live:
+            checks: tuple[Check, ...] = ()
+            if self._reference is not None:
+                match = e.weights_digest == self._reference.get("fake-digest")
+                checks = (Check("engine-checksum", match or fk is FaultKind.LIE,
+                                "engine weight digest vs the trainer's reference",
+                                coverage=1.0, level=VerificationLevel.ENGINE_CHECKSUM),)
+            return ValidationEvidence(observed_label=e.label, label_supported=True,
+                                      paused=e.paused, checks=checks)
+        if self._probes is None:
+            return None
+        check = self._probes.run(e, target)
+        if fk is not None:
+            check = Check(check.name, False, f"injected {fk.value}: {check.detail}",
+                          level=check.level)
+        return ValidationEvidence(observed_label=e.label, label_supported=True, paused=False,
+                                  checks=(check,))
 
     def resume(self) -> ResumeEvidence:
         fk = self._fault("resume")
@@ -530,6 +646,7 @@ class FakeRecoverer:
         new.label = target.label  # a cold load: the label is given at load time
         self.adapter.engine = new
         self.adapter._epoch_at_bootstrap = new.epoch  # the process health is checked against
+        self.adapter._ops_verified = new.weight_ops
         self.adapter.faults.clear()
         self.adapter.stage(self.weights)
         live = self.adapter.validate(UpdateTarget(target, self.weights.identity(), "recovery"),

@@ -35,6 +35,8 @@ from rolloutcore.errors import BadInput, EffectError
 
 __all__ = [
     "DEFAULT_TOLERANCE",
+    "MAX_TOLERANCE",
+    "WIRE_LIMITS",
     "PolicyProbe",
     "ProbeCase",
     "ProbeResult",
@@ -48,6 +50,17 @@ __all__ = [
 #: models and kernels have other noise: calibrate with benchmarks/probe_tolerance.py.
 #: See docs/probe-tolerance.md.
 DEFAULT_TOLERANCE = 0.005
+
+#: The largest tolerance a probe may carry over the wire by default: a probe
+#: with a tolerance of whole nats passes anything, so a gateway that promises
+#: ``probe`` refuses one (``ServiceConfig.max_probe_tolerance`` sets its own).
+MAX_TOLERANCE = 0.05
+
+#: Bounds of a probe sent over the wire (``PolicyProbe.from_wire``): what a
+#: gateway accepts from a trainer before anything drains. Each case costs the
+#: engine one scoring call while admission is closed, so they are bounded.
+WIRE_LIMITS: dict[str, int] = {"cases": 32, "prompt": 4096, "continuation": 512,
+                               "positions": 32768, "name": 128}
 
 
 class Scorer(Protocol):
@@ -162,6 +175,79 @@ class PolicyProbe:
         return cls.from_model(model, prompts or default_prompts(vocab), new_tokens=new_tokens,
                               tolerance=tolerance)
 
+    # ------------------------------------------------------------------ the wire
+    def to_wire(self) -> dict[str, Any]:
+        """The expectations as JSON: what a trainer sends with a gateway's begin.
+
+        Only what the trainer computed (prompts, its greedy continuations,
+        their log-probabilities) and the tolerance travel; the gateway runs
+        the comparison itself (``from_wire`` then ``run``).
+        """
+        return {"name": self.name, "tolerance": self.tolerance,
+                "cases": [{"prompt": list(c.prompt), "continuation": list(c.continuation),
+                           "logprobs": list(c.logprobs)} for c in self.cases]}
+
+    @classmethod
+    def from_wire(cls, d: object, *, vocab_size: int | None = None,
+                  max_tolerance: float = MAX_TOLERANCE, max_model_len: int | None = None,
+                  timeout_s: float = 60.0) -> PolicyProbe:
+        """Expectations received from a trainer, checked before anything is run.
+
+        Refused with ``BadInput`` (naming the field): anything but the exact
+        keys, more cases or tokens than ``WIRE_LIMITS``, a token id outside
+        ``[0, vocab_size)``, one log-probability per continuation token that
+        is not finite or is above 0 (a log-probability cannot be), a
+        tolerance that is not in ``(0, max_tolerance]``, a sequence longer
+        than the engine's context.
+        """
+        lim = WIRE_LIMITS
+        if not isinstance(d, dict):
+            raise BadInput("probe: expected an object")
+        extra = set(d) - {"name", "tolerance", "cases"}
+        if extra or "cases" not in d or "tolerance" not in d:
+            raise BadInput(f"probe: needs exactly 'cases' and 'tolerance' (and an optional "
+                           f"'name'), got {sorted(d)}")
+        name = d.get("name", "policy-probe")
+        if not isinstance(name, str) or not 0 < len(name) <= lim["name"]:
+            raise BadInput(f"probe.name: a string of 1..{lim['name']} characters")
+        tol = d["tolerance"]
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not math.isfinite(tol) \
+                or not 0 < tol <= max_tolerance:
+            raise BadInput(f"probe.tolerance must be a number in (0, {max_tolerance:g}] nats, "
+                           f"got {tol!r}")
+        raw = d["cases"]
+        if not isinstance(raw, list) or not 0 < len(raw) <= lim["cases"]:
+            raise BadInput(f"probe.cases: a list of 1..{lim['cases']} cases")
+        if vocab_size is not None and (isinstance(vocab_size, bool)
+                                       or not isinstance(vocab_size, int) or vocab_size < 2):
+            raise BadInput("vocab_size must be an int >= 2")
+        cases: list[ProbeCase] = []
+        positions = 0
+        for i, c in enumerate(raw):
+            where = f"probe.cases[{i}]"
+            if not isinstance(c, dict) or set(c) != {"prompt", "continuation", "logprobs"}:
+                raise BadInput(f"{where}: needs exactly 'prompt', 'continuation', 'logprobs'")
+            prompt = _token_list(c["prompt"], f"{where}.prompt", lim["prompt"], vocab_size)
+            cont = _token_list(c["continuation"], f"{where}.continuation",
+                               lim["continuation"], vocab_size)
+            lps = c["logprobs"]
+            if not isinstance(lps, list) or len(lps) != len(cont):
+                raise BadInput(f"{where}.logprobs: one per continuation token "
+                               f"({len(cont)})")
+            for j, x in enumerate(lps):
+                if isinstance(x, bool) or not isinstance(x, (int, float)) \
+                        or not math.isfinite(x) or x > _LOGPROB_ROUNDING:
+                    raise BadInput(f"{where}.logprobs[{j}]: a finite log-probability <= 0, "
+                                   f"got {x!r}")
+            if max_model_len is not None and len(prompt) + len(cont) > max_model_len:
+                raise BadInput(f"{where}: {len(prompt) + len(cont)} tokens exceed the "
+                               f"engine's context of {max_model_len}")
+            positions += len(prompt) + len(cont)
+            if positions > lim["positions"]:
+                raise BadInput(f"probe: more than {lim['positions']} tokens in all")
+            cases.append(ProbeCase(tuple(prompt), tuple(cont), tuple(float(x) for x in lps)))
+        return cls(cases, tolerance=float(tol), name=name, timeout_s=timeout_s)
+
     # ------------------------------------------------------------------ engine side
     def measure(self, engine: Scorer) -> ProbeResult:
         diffs: list[tuple[float, int, int]] = []
@@ -193,6 +279,20 @@ class PolicyProbe:
                      f"tolerance {self.tolerance:g}",
                      max_abs_diff=res.max_abs_diff, tolerance=self.tolerance,
                      level=VerificationLevel.PROBE)
+
+
+#: float32 rounding of a log-softmax can land a hair above 0 for a certain token.
+_LOGPROB_ROUNDING = 1e-4
+
+
+def _token_list(v: object, where: str, limit: int, vocab: int | None) -> list[int]:
+    if not isinstance(v, list) or not 0 < len(v) <= limit:
+        raise BadInput(f"{where}: a list of 1..{limit} token ids")
+    hi = vocab if vocab is not None else 2**31
+    for j, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < hi:
+            raise BadInput(f"{where}[{j}]: a token id in [0, {hi}), got {t!r}")
+    return list(v)
 
 
 def _dtype_of(model: Any) -> Any:

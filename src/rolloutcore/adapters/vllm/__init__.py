@@ -41,6 +41,7 @@ from rolloutcore.adapters.vllm.wire import (
     PrefixCacheDelta,
     VersionSpan,
     WeightInfo,
+    WeightOps,
     prefix_cache_delta,
 )
 
@@ -64,6 +65,7 @@ __all__ = [
     "VllmHTTP",
     "WeightChecksums",
     "WeightInfo",
+    "WeightOps",
     "compare_checksums",
     "engine_identity",
     "prefix_cache_delta",

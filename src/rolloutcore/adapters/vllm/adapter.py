@@ -30,6 +30,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.adapters.vllm.checksums import compare_checksums
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
+from rolloutcore.adapters.vllm.sent import check_sent, check_sent_scheme
+from rolloutcore.adapters.vllm.wire import WeightOps
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -131,11 +133,29 @@ class ProbeSet(Protocol):
 
 @dataclass
 class _Staged:
-    source: WeightSource
+    source: WeightSource | None     # None: a remote trainer sends (``expect``)
     provenance: Provenance | None
     reference_checksums: Mapping[str, str] | None
     probes: ProbeSet | None
     manifest_digest: str
+    #: A remote trainer's transport checksum of what it sent (``expect_sent``).
+    sent: Mapping[str, Any] | None = None
+
+
+#: vLLM versions from which the engine counts its weight-transfer operations in
+#: ``/metrics`` (the counters are created on the first operation, so before one
+#: they are absent: absent is zero only where the engine is known to count).
+_COUNTS_WEIGHT_OPS_FROM = (0, 32)
+
+
+def _version_tuple(v: object) -> tuple[int, ...]:
+    out: list[int] = []
+    for part in str(v).split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
 
 
 class VllmAdapter:
@@ -181,6 +201,12 @@ class VllmAdapter:
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
+        # The engine's weight-operation counters when its weights were last
+        # verified (bootstrap, each validation), and at this update's drain; a
+        # difference is a write (``observe_health``, ``writes_since_drain``).
+        self._ops_verified: WeightOps | None = None
+        self._ops_at_drain: WeightOps | None = None
+        self._counts_ops = False  # the engine is known to count weight operations
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -219,6 +245,33 @@ class VllmAdapter:
     @property
     def staged(self) -> WeightSource | None:
         return None if self._staged is None else self._staged.source
+
+    def expect(self, *, probes: ProbeSet | None,
+               reference_checksums: Mapping[str, str] | None) -> None:
+        """A remote trainer's expectations for the next validation (``ExpectationTaker``).
+
+        The trainer sends the weights itself, so nothing is staged to send;
+        what it computed from the very tensors it sends (the probe, reference
+        checksums) is compared here, by this adapter, while paused and then
+        with admission still closed, as for a staged source.
+        """
+        if probes is not None and not isinstance(probes, ProbeSet):
+            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
+        if reference_checksums is not None:
+            if not isinstance(reference_checksums, Mapping) or not reference_checksums or \
+                    not all(isinstance(k, str) and isinstance(v, str)
+                            for k, v in reference_checksums.items()):
+                raise BadInput("reference_checksums must be a non-empty mapping of str to str")
+            reference_checksums = dict(reference_checksums)
+        self._staged = _Staged(None, None, reference_checksums, probes, "")
+
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
+        """The remote transport's checksum of what it sent (compared in ``validate``)."""
+        if sent is not None:
+            check_sent_scheme(sent)
+        if self._staged is None:
+            self._staged = _Staged(None, None, None, None, "")
+        self._staged.sent = None if sent is None else dict(sent)
 
     # -- port ---------------------------------------------------------------
 
@@ -277,6 +330,13 @@ class VllmAdapter:
             unverified.append(f"cache reset routes absent: {', '.join(missing)}")
         if Routes.IS_PAUSED in caps:
             info["paused"] = h.is_paused()
+        self._counts_ops = Routes.METRICS in caps and _version_tuple(
+            info.get("vllm_version")) >= _COUNTS_WEIGHT_OPS_FROM
+        ops = self._weight_ops()
+        if ops is not None:
+            info["awake"] = ops.awake
+            info["weight_ops"] = dict(ops.done)
+        self._ops_verified = ops
         if self.transport is not None:
             wt = info.get("weight_transfer_config")
             engine_backend = wt.get("backend") if isinstance(wt, dict) else None
@@ -316,10 +376,20 @@ class VllmAdapter:
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
         t0 = time.monotonic()
         self._sleeping_at_drain = self._sleep_state()
+        self._ops_at_drain = None
+        # The engine's weight-operation counters, read beside the pause: no grant
+        # exists yet, so nothing writes in between; a later read that differs
+        # means somebody wrote (``writes_since_drain``).
+        ops = self._side().submit(self._weight_ops) if self._counts_ops else None
         said = self.http.pause(mode, clear_cache=False, timeout_s=self._drain_timeout_s)
         # The answer is sent once the engine core has paused; only an answer
         # that does not say so costs a second round trip to ask.
         paused = said or self.http.is_paused()
+        if ops is not None:
+            try:
+                self._ops_at_drain = ops.result()
+            except RolloutCoreError:
+                self._ops_at_drain = None  # then writes_since_drain cannot tell
         return DrainEvidence(paused, mode, elapsed_s=time.monotonic() - t0,
                              unverified=("engine in-flight count not observed "
                                          "(the pause call's return is the drain signal)",))
@@ -356,6 +426,11 @@ class VllmAdapter:
             return PreflightEvidence("", None, detail="no weight source staged for this update",
                                      elapsed_s=time.monotonic() - t0,
                                      unverified=tuple(unverified))
+        if st.source is None:
+            return PreflightEvidence("", None, detail="a remote trainer sends this update: "
+                                     "its preflight comes with its begin",
+                                     elapsed_s=time.monotonic() - t0,
+                                     unverified=tuple(unverified))
         details = []
         want_content = target.identity.content_digest
         if want_content is not None:
@@ -378,14 +453,15 @@ class VllmAdapter:
 
     @_step(Step.TRANSFER)
     def transfer(self, target: UpdateTarget) -> TransferEvidence:
-        if self._staged is None or self.transport is None:
+        st = self._staged
+        if st is None or st.source is None or self.transport is None:
             raise TransferError("transfer", "no weight source staged" if self.transport
                                 else "no weight transport", mutation_started=False)
         self._ensure_connected(self.transport, TransferError, "transfer")
         self._early = None
         try:
             ev = self.transport.send(self.http.base_url, target.version.label,
-                                     self._staged.source, timeout_s=self._transfer_timeout_s)
+                                     st.source, timeout_s=self._transfer_timeout_s)
         except RolloutCoreError:
             raise
         except Exception as exc:
@@ -428,9 +504,13 @@ class VllmAdapter:
                 raise EffectError("validate_live", f"probe set returned {type(check).__name__}, "
                                   "not a Check")
             live_paused = h.is_paused() if h.has(Routes.IS_PAUSED) else None
+            # What the engine has counted by the end of its last validation is what
+            # the published version was verified as (the health watch's baseline).
+            self._ops_verified = self._weight_ops_or_none()
             return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
+        ops_read = self._side().submit(self._weight_ops_or_none) if self._counts_ops else None
         wi = h.weight_info()
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
@@ -462,6 +542,9 @@ class VllmAdapter:
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
+        sent = None if st is None else st.sent
+        if sent is not None:
+            checks.append(check_sent(h, sent))
         if checker is not None:
             if early is not None:
                 chk = early[1].result()
@@ -478,6 +561,7 @@ class VllmAdapter:
             paused: bool | None = paused_read.result()
         else:
             paused = h.is_paused() if Routes.IS_PAUSED in caps else None
+        self._ops_verified = None if ops_read is None else ops_read.result()
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
                                   unverified=tuple(unverified))
@@ -492,6 +576,8 @@ class VllmAdapter:
         """
         t0 = time.monotonic()
         h = self.http
+        label: str | None = None
+        writes: tuple[str, ...] = ()
         try:
             healthy = h.health(timeout_s=timeout_s)
             now: object = None
@@ -499,14 +585,45 @@ class VllmAdapter:
                 cfg = h.server_info(timeout_s=timeout_s).get(
                     "vllm_config")
                 now = cfg.get("instance_id") if isinstance(cfg, dict) else None
+            restarted = healthy and self._instance_id is not None and now != self._instance_id
+            if healthy and not restarted:
+                # Out-of-band writes: any local process can call the engine's weight
+                # routes. The label is compared by the runner (with the committed
+                # one); the engine's own operation counters catch a write that
+                # kept the label.
+                wi = h.weight_info(timeout_s=timeout_s)
+                label = wi.label if wi.label_supported else None
+                base = self._ops_verified
+                if base is not None and self._counts_ops:
+                    writes = h.weight_ops(timeout_s=timeout_s).writes_since(base)
         except RolloutCoreError as exc:
             return HealthEvidence(False, False, reason=str(exc),
                                   elapsed_s=time.monotonic() - t0)
-        restarted = healthy and self._instance_id is not None and now != self._instance_id
         reason = (f"instance_id {self._instance_id} is now {now}" if restarted
                   else "" if healthy else "/health answered non-200")
-        return HealthEvidence(True, healthy, restarted, reason,
-                              elapsed_s=time.monotonic() - t0)
+        return HealthEvidence(True, healthy, restarted, reason, observed_label=label,
+                              writes=writes, elapsed_s=time.monotonic() - t0)
+
+    def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
+        """What wrote weights since this update's drain (``WriteObserver``), from the
+        engine's own counters; ``None`` when the engine does not count or the drain
+        could not read them."""
+        before = self._ops_at_drain
+        if before is None or not self._counts_ops:
+            return None
+        try:
+            return self.http.weight_ops(timeout_s=timeout_s).writes_since(before)
+        except RolloutCoreError:
+            return None
+
+    def _weight_ops(self) -> WeightOps | None:
+        return self.http.weight_ops() if self._counts_ops else None
+
+    def _weight_ops_or_none(self) -> WeightOps | None:
+        try:
+            return self._weight_ops()
+        except RolloutCoreError:
+            return None
 
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (two: the early
@@ -531,10 +648,14 @@ class VllmAdapter:
                               unverified=unverified)
 
     def fence(self) -> None:
-        """Best effort: abort and hold everything. A tainted engine must serve no one."""
-        with contextlib.suppress(RolloutCoreError):
-            self.http.pause(PauseMode.ABORT, clear_cache=False,
-                            timeout_s=min(10.0, self.http.timeout_s))
+        """Abort and hold everything: a tainted engine must serve no one.
+
+        A fence that fails raises, so that its caller (the runner's
+        ``fence_failed`` note, the gateway's status) says the engine may
+        still be serving rather than believing it fenced.
+        """
+        self.http.pause(PauseMode.ABORT, clear_cache=False,
+                        timeout_s=min(10.0, self.http.timeout_s))
 
     def cancel(self, step: Step) -> None:
         """Unblock ``step``, called from the runner's watchdog thread."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import socket
 import threading
 import time
@@ -47,6 +48,7 @@ from rolloutcore.adapters.vllm.wire import (
     MetricsSnapshot,
     VersionSpan,
     WeightInfo,
+    WeightOps,
 )
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
@@ -85,6 +87,14 @@ CACHE_ROUTES: Mapping[CacheKind, str] = {
 }
 
 _OPENAPI = "/openapi.json"
+
+#: One Prometheus text sample: name, {labels}, value (timestamps are not used by vLLM).
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
+
+
+def _label(labels: str, key: str) -> str | None:
+    m = re.search(rf'(?:^|,){key}="([^"]*)"', labels)
+    return None if m is None else m.group(1)
 
 #: How long an idle pooled connection is reused. vLLM's server closes one
 #: after ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` (5 s by default), httpx's default
@@ -427,6 +437,37 @@ class VllmHTTP:
         except ValueError as exc:
             raise EffectError(step, f"unparseable metrics: {exc}") from exc
         return MetricsSnapshot(values, time.time())
+
+    def weight_ops(self, *, timeout_s: float | None = None) -> WeightOps:
+        """vLLM's count of weight-transfer operations and its sleep state, from ``/metrics``.
+
+        Read line by line (only the three families it needs), not through a
+        full Prometheus parse: the health watch reads it every few seconds.
+        """
+        step = "weight_ops"
+        text = self._request("GET", Routes.METRICS, step=step, timeout_s=timeout_s).text
+        done: dict[str, float] = {}
+        flight: dict[str, float] = {}
+        awake: bool | None = None
+        for line in text.splitlines():
+            if not line.startswith(("vllm:rl_weight_update_", "vllm:engine_sleep_state{")):
+                continue
+            m = _SAMPLE.match(line)
+            if m is None:
+                continue
+            name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+            try:
+                v = float(value)
+            except ValueError as exc:
+                raise EffectError(step, f"unparseable metric line {snippet(line)!r}") from exc
+            op = _label(labels, "operation")
+            if name == "vllm:rl_weight_update_operation_duration_seconds_count" and op:
+                done[op] = done.get(op, 0.0) + v
+            elif name == "vllm:rl_weight_update_operations_in_flight" and op:
+                flight[op] = flight.get(op, 0.0) + v
+            elif name == "vllm:engine_sleep_state" and _label(labels, "sleep_state") == "awake":
+                awake = (awake or False) or v >= 1.0
+        return WeightOps(done, flight, awake)
 
     # -- generation ---------------------------------------------------------
 

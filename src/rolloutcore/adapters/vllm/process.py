@@ -64,6 +64,12 @@ DEFAULT_ENV: Mapping[str, str] = {
     "PYTHONUNBUFFERED": "1",
 }
 
+def _is_secret(name: str) -> bool:
+    """RolloutCore's own secrets (``ROLLOUTCORE_TOKEN``, ``ROLLOUTCORE_DATA_TOKEN``...)."""
+    up = name.upper()
+    return up.startswith("ROLLOUTCORE_") and ("TOKEN" in up or "SECRET" in up)
+
+
 _PORT_IN_USE = ("Address already in use", "address already in use", "Errno 98")
 
 
@@ -272,7 +278,13 @@ class ManagedEngine:
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        """The engine's environment: ours, less RolloutCore's secrets, plus its settings.
+
+        The engine never needs a RolloutCore token, and a process environment
+        is readable by the process's user through ``/proc``: a gateway's
+        control or data token does not go to the engine it launches.
+        """
+        env = {k: v for k, v in os.environ.items() if not _is_secret(k)}
         env.update(DEFAULT_ENV)
         env.update(self.env_overrides)
         return env

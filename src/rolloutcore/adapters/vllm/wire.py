@@ -20,6 +20,7 @@ __all__ = [
     "PrefixCacheDelta",
     "VersionSpan",
     "WeightInfo",
+    "WeightOps",
     "prefix_cache_delta",
 ]
 
@@ -33,6 +34,43 @@ class WeightInfo:
 
     label: str | None
     label_supported: bool
+
+
+#: vLLM's weight-transfer operations that write weights (``init`` and
+#: ``shutdown`` set up or tear down a transfer group and write none).
+WRITE_OPERATIONS = ("start", "start_draft", "update", "finish")
+
+
+@dataclass(frozen=True)
+class WeightOps:
+    """vLLM's own count of its weight-transfer operations (``/metrics``), per operation.
+
+    ``vllm:rl_weight_update_operation_duration_seconds_count`` counts each
+    finished ``/start_weight_update``, ``/update_weights`` and
+    ``/finish_weight_update`` of the process; ``..._operations_in_flight``
+    those still running. Whoever calls them, the engine counts them: two
+    snapshots that agree, with nothing in flight, prove no weight update ran
+    between them. ``awake`` is the sleep-state gauge (``None``: not shown).
+    """
+
+    done: Mapping[str, float]
+    in_flight: Mapping[str, float]
+    awake: bool | None = None
+
+    def writes_since(self, before: WeightOps) -> tuple[str, ...]:
+        """What wrote weights between ``before`` and this snapshot, in words."""
+        out = []
+        for op in WRITE_OPERATIONS:
+            n = self.done.get(op, 0.0) - before.done.get(op, 0.0)
+            if n:
+                out.append(f"{n:g} /{_ROUTE_OF.get(op, op)} call(s)")
+            if self.in_flight.get(op, 0.0) > 0:
+                out.append(f"a /{_ROUTE_OF.get(op, op)} call in flight")
+        return tuple(out)
+
+
+_ROUTE_OF = {"start": "start_weight_update", "start_draft": "start_draft_weight_update",
+             "update": "update_weights", "finish": "finish_weight_update"}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,154 @@
+"""The H200 harness's service-path phase, run on the CPU (fake engine), and the gateway's
+comparison of a transport's checksum of what it sent.
+
+``diagnostics/gpu/h200_8b_ipc.py`` times the hot transition through a gateway
+and ``RolloutCoreClient`` over rc_cuda_ipc on the H200 (``service_phase``);
+here the same function drives a gateway over the fake engine, so its
+structure (a gateway runner whose adapter holds no transport, the client's
+expectations, bare cycles interleaved, the summary) is exercised before the
+lead runs it on the device. ``check_sent`` is the gateway side of the
+rc_cuda_ipc comparison; the engine's answers are stood in by a mock transport.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake
+from rolloutcore.adapters.vllm import VllmHTTP
+from rolloutcore.adapters.vllm.sent import check_sent, check_sent_scheme
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.errors import BadInput
+from rolloutcore.service import ServiceConfig
+from rolloutcore.service.client import RolloutCoreClient, _sent_checksum
+from rolloutcore.testing.fake import FakeAdapter, FakeWeights
+from rolloutcore.transports.cuda_ipc.wire import names_digest
+
+HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200_8b_ipc.py"
+
+
+def _load() -> Any:
+    torch = pytest.importorskip("torch")
+    assert torch is not None
+    name = "rc_h200_8b_ipc_harness"
+    spec = importlib.util.spec_from_file_location(name, HARNESS)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Transport:
+    backend = "fake"
+
+    def __init__(self, ad: FakeAdapter) -> None:
+        self.ad = ad
+        self.connects = 0
+
+    def connect(self, base_url: str, *, timeout_s: float) -> None:
+        self.connects += 1
+
+    def send(self, base_url: str, label: str, source: Any, *,
+             timeout_s: float) -> TransferEvidence:
+        return remote_transfer(self.ad, source, label)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_service_phase_times_verified_gateway_updates_against_bare_cycles() -> None:
+    h = _load()
+    eng, ad, c, r, j, fake = make_parts()
+    cfg = ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN,
+                        health_interval_s=0, transport={"backend": "fake"})
+    tr = _Transport(ad)
+    bare_calls: list[int] = []
+
+    def prepare(seed: int) -> tuple[Any, ...]:
+        w = FakeWeights.from_seed(seed, step=seed)
+        return w, w.identity(), w.provenance, w.policy_probe(), "probe"
+
+    def bare() -> float:
+        bare_calls.append(1)
+        return 0.01
+
+    out = h.service_phase(
+        r, cfg, lambda url: RolloutCoreClient(url, TOKEN, transport=tr,
+                                              connected_to=cfg.upstream_url),
+        prepare, itertools.cycle([1, 2]), 4, bare)
+    assert out["reps"] == 4 and len(out["runs"]) == 4 and len(bare_calls) == 4
+    assert out["verification"] == ["probe"]
+    assert [x["published"]["label"] for x in out["runs"]] == ["rc-1", "rc-2", "rc-3", "rc-4"]
+    assert out["service_s"] > 0 and out["service_over_bare"] == pytest.approx(
+        out["service_s"] / 0.01)
+    assert all(x["protocol_overhead_s"] <= x["service_s"] for x in out["runs"])
+    assert tr.connects == 0  # connected_to: the handshake is not repeated
+    assert c.committed is not None and c.committed.label == "rc-4"
+
+
+def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
+                ) -> httpx.MockTransport:
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert req.url.path == "/collective_rpc"
+        import json
+
+        body = json.loads(req.content)
+        assert body["method"] == "rc_cuda_ipc_checksum"
+        return httpx.Response(200, json={"results": [
+            {"values": values, "names_digest": names_digest(names),
+             "n_uncovered": uncovered}]})
+    return httpx.MockTransport(handler)
+
+
+def test_the_gateway_compares_what_was_sent_with_what_the_workers_hash() -> None:
+    names = ["a", "b", "c"]
+    sent = {"scheme": "rc_cuda_ipc/block", "names": names, "values": [1, 2, 3]}
+    ok = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names)), sent)
+    assert ok.passed and ok.coverage == 1.0 and ok.level is VerificationLevel.ENGINE_CHECKSUM
+    bad = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 9, 3], names)), sent)
+    assert not bad.passed and "mismatched=1" in bad.detail
+    other = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], ["x"] * 3)),
+                       sent)
+    assert not other.passed and other.coverage == 0.0
+    partial = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, None], names)),
+                         sent)
+    assert not partial.passed
+    short = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names, 2)),
+                       sent)
+    assert not short.passed and "uncovered_params=2" in short.detail
+
+
+@pytest.mark.parametrize("bad", [
+    {"scheme": "md5", "names": ["a"], "values": [1]},
+    {"scheme": "rc_cuda_ipc/block", "names": ["a", "a"], "values": [1, 2]},
+    {"scheme": "rc_cuda_ipc/block", "names": ["a"], "values": [1, 2]},
+    {"scheme": "rc_cuda_ipc/block", "names": ["a"], "values": [-1]},
+    {"scheme": "rc_cuda_ipc/block", "names": [], "values": []},
+    {"scheme": "rc_cuda_ipc/block", "names": ["a"]},
+])
+def test_a_malformed_sent_checksum_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(BadInput):
+        check_sent_scheme(bad)
+
+
+def test_the_client_reports_the_transports_checksum_of_what_it_sent() -> None:
+    class Ipc:
+        backend = "rc_cuda_ipc"
+        compute_checksum = True
+
+        def __init__(self, values: list[int]) -> None:
+            self.last_sent_names = ("a", "b")
+            self.last_sent_checksum = values
+
+    assert _sent_checksum(Ipc([5, -1])) == {"scheme": "rc_cuda_ipc/block",
+                                            "names": ["a", "b"], "values": [5, None]}
+    assert _sent_checksum(Ipc([5])) is None
