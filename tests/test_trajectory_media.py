@@ -32,11 +32,12 @@ def with_media(s: TrajectorySample, *refs: ImageRef) -> TrajectorySample:
 
 
 def test_versions_known() -> None:
-    assert SCHEMA_VERSION == 2 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2}
-    for v in (1, 2):
+    # Version 3 (issue 20: completion.versions) reads every earlier version.
+    assert SCHEMA_VERSION == 3 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3}
+    for v in (1, 2, 3):
         check_schema_version({"schema_version": v})
     with pytest.raises(BadInput, match="newer than"):
-        check_schema_version({"schema_version": 3})
+        check_schema_version({"schema_version": 4})
 
 
 def test_a_text_prompt_is_written_as_version_1_exactly_as_before() -> None:

@@ -23,7 +23,10 @@ House rules of this module:
   changed a meaning, not only added a field). Version 2 added
   ``prompt.media`` (digests of the images sent with the prompt); a record
   without images is still written as version 1, byte for byte as before,
-  so version-1 readers keep reading text-only files.
+  so version-1 readers keep reading text-only files. Version 3 added
+  ``completion.versions`` (per-token versions, the update mode, the engine
+  requests and their cache salts: ``provenance.token_versions``), written
+  only for samples that carry it; the others keep their version.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -53,6 +56,7 @@ from rolloutcore.core.strict import thaw_json as _thaw_json
 from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
+from rolloutcore.provenance.token_versions import TokenVersions
 
 __all__ = [
     "SAMPLING_EPS",
@@ -66,6 +70,7 @@ __all__ = [
     "Prompt",
     "SamplingSpec",
     "Timestamps",
+    "TokenVersions",
     "TrajectoryGroup",
     "TrajectorySample",
     "VersionSpan",
@@ -76,9 +81,10 @@ __all__ = [
     "validate_spans",
 ]
 
-#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``.
-SCHEMA_VERSION = 2
-KNOWN_SCHEMA_VERSIONS = frozenset({1, 2})
+#: The newest version written and read. 1: text prompts; 2: + ``prompt.media``;
+#: 3: + ``completion.versions`` (asynchronous updates).
+SCHEMA_VERSION = 3
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 
 #: ``seed_derivation`` values besides ``seeds.SEED_DERIVATION``: a seed chosen
 #: by the caller some other way (for instance vLLM's ``seed + i`` for ``n > 1``),
@@ -372,6 +378,8 @@ class SampledCompletion:
     ``logprobs_mode``, recorded in ``EngineIdentity.config``); ``None`` when
     not requested. ``weight_versions`` are the engine's own spans, ``None``
     when the engine does not report them (vLLM < 0.32, or no label known).
+    ``versions`` (schema version 3) are the per-token versions of a rollout
+    an asynchronous update may have carried (``provenance.token_versions``).
     """
 
     token_ids: tuple[int, ...]
@@ -379,6 +387,7 @@ class SampledCompletion:
     logprobs: tuple[float, ...] | None = None
     stop_reason: int | str | None = None
     weight_versions: tuple[VersionSpan, ...] | None = None
+    versions: TokenVersions | None = None
 
     def __post_init__(self) -> None:
         ids = _tokens("completion.token_ids", self.token_ids)
@@ -406,6 +415,10 @@ class SampledCompletion:
                                    "not a VersionSpan")
             validate_spans(spans, len(ids))
             object.__setattr__(self, "weight_versions", spans)
+        if self.versions is not None:
+            if not isinstance(self.versions, TokenVersions):
+                raise BadInput("completion.versions must be a TokenVersions or None")
+            self.versions.check_length(len(ids))
 
     @property
     def span_versions(self) -> tuple[str, ...] | None:
@@ -419,23 +432,28 @@ class SampledCompletion:
         return tuple(seen)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
-                "logprobs": None if self.logprobs is None else list(self.logprobs),
-                "stop_reason": self.stop_reason,
-                "weight_versions": (None if self.weight_versions is None
-                                    else [s.to_dict() for s in self.weight_versions])}
+        d: dict[str, Any] = {"token_ids": list(self.token_ids),
+                             "finish_reason": self.finish_reason,
+             "logprobs": None if self.logprobs is None else list(self.logprobs),
+             "stop_reason": self.stop_reason,
+             "weight_versions": (None if self.weight_versions is None
+                                 else [s.to_dict() for s in self.weight_versions])}
+        if self.versions is not None:  # absent, not null, before schema version 3
+            d["versions"] = self.versions.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> SampledCompletion:
         m = _obj("completion", d)
         _exact_keys("completion", m, ("token_ids", "finish_reason", "logprobs",
-                                      "stop_reason", "weight_versions"))
+                                      "stop_reason", "weight_versions"), ("versions",))
         wv = m["weight_versions"]
         if wv is not None and not isinstance(wv, list):
             raise BadInput("completion.weight_versions must be a list or null")
         return cls(_tokens("completion.token_ids", m["token_ids"]), m["finish_reason"],
                    m["logprobs"], m["stop_reason"],
-                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv))
+                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv),
+                   TokenVersions.from_dict(m["versions"]) if "versions" in m else None)
 
 
 @dataclass(frozen=True)
@@ -514,7 +532,10 @@ class TrajectorySample:
 
     @property
     def schema_version(self) -> int:
-        """1 for a text prompt (written exactly as before version 2), 2 with images."""
+        """1 for a text prompt (written exactly as before version 2), 2 with images,
+        3 with per-token versions (``completion.versions``)."""
+        if self.completion.versions is not None:
+            return 3
         return 2 if self.prompt.media else 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -534,11 +555,14 @@ class TrajectorySample:
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
         _exact_keys("sample", m, _SAMPLE_KEYS)
         has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
-        if has_media != (m["schema_version"] == 2):
+        has_versions = isinstance(m["completion"], Mapping) and "versions" in m["completion"]
+        want = 3 if has_versions else 2 if has_media else 1
+        if m["schema_version"] != want:
             raise BadInput("trajectory sample: prompt.media is written with schema_version 2 "
-                           "and only then (got schema_version "
-                           f"{m['schema_version']}, {'with' if has_media else 'without'} "
-                           "media)")
+                           "(3 with completion.versions), completion.versions with 3, and "
+                           f"only then (got schema_version {m['schema_version']}, "
+                           f"{'with' if has_media else 'without'} media, "
+                           f"{'with' if has_versions else 'without'} versions)")
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),
                    SamplingSpec.from_dict(m["sampling"]),
