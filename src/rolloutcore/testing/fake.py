@@ -228,6 +228,11 @@ class FakeEngine:
         with self._cond:
             return self._paused is not None
 
+    def tokens_in_flight(self) -> dict[str, int]:
+        """Request id -> tokens generated so far, for every request in flight."""
+        with self._cond:
+            return {rid: len(g.tokens) for rid, g in self._in_flight.items()}
+
     def weight_bytes(self) -> dict[str, bytes]:
         with self._cond:
             return dict(self._weights)
