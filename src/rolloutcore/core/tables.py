@@ -98,13 +98,13 @@ def render() -> str:
               "| mode | pause | rollouts in flight | drain waits for them | later tokens "
               "attend to old KV | resets deferred | needs the version salt |",
               "|---|---|---|---|---|---|---|"]
-    for mode, rule in UPDATE_MODES.items():
-        pause = rule.pause.value if rule.pause else "the runner's drain mode (wait)"
-        deferred = ", ".join(k.value for k in CacheKind if k in rule.deferred_resets)
-        lines.append(f"| {mode.value} | {pause} | {rule.in_flight.value} | "
-                     f"{'yes' if rule.drains else 'no'} | "
-                     f"{'yes' if rule.kv_crosses_versions else 'no'} | {deferred or '-'} | "
-                     f"{'yes' if rule.needs_salt else 'no'} |")
+    for mode, mrow in UPDATE_MODES.items():
+        pause = mrow.pause.value if mrow.pause else "the runner's drain mode (wait)"
+        deferred = ", ".join(k.value for k in CacheKind if k in mrow.deferred_resets)
+        lines.append(f"| {mode.value} | {pause} | {mrow.in_flight.value} | "
+                     f"{'yes' if mrow.drains else 'no'} | "
+                     f"{'yes' if mrow.kv_crosses_versions else 'no'} | {deferred or '-'} | "
+                     f"{'yes' if mrow.needs_salt else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
