@@ -274,6 +274,13 @@ class RolloutClient:
         self.update_wait_s = float(update_wait_s)
         self.read_timeout_s = float(read_timeout_s)
         self._on_complete = on_complete
+        self._lock = threading.Lock()
+        self._progress: dict[str, int] = {}
+
+    def in_flight(self) -> dict[str, int]:
+        """Rollout id -> output tokens received so far, for every rollout being generated."""
+        with self._lock:
+            return dict(self._progress)
 
     @property
     def mode(self) -> UpdateMode:
@@ -316,9 +323,13 @@ class RolloutClient:
             return self._done(out)
         out.binding = b
         out.admitted_wall, out.admitted_mono = time.time(), time.monotonic()
+        with self._lock:
+            self._progress[rid] = 0
         try:
             self._generate(out, b, max_tokens, temperature, seed, ignore_eos, logprobs)
         finally:
+            with self._lock:
+                self._progress.pop(rid, None)
             self._release(out)
         return self._done(out)
 
@@ -353,8 +364,12 @@ class RolloutClient:
                         if c.over_bound(rid):
                             over = True  # closing the stream makes the engine abort it
                             break
-                        if ch.token_ids and out.first_token_mono is None:
-                            out.first_token_mono = ch.read_at
+                        if ch.token_ids:
+                            if out.first_token_mono is None:
+                                out.first_token_mono = ch.read_at
+                            with self._lock:
+                                self._progress[rid] = self._progress.get(rid, 0) + len(
+                                    ch.token_ids)
                         chunks.append(ch)
                 finally:
                     stream.close()

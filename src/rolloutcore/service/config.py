@@ -111,6 +111,9 @@ class ServiceConfig:
     #: Bounds on the images of one data-plane request (size, pixels, count);
     #: images must also fit in ``max_body_bytes``, base64-encoded.
     media: MediaLimits = field(default_factory=MediaLimits)
+    #: Salt every admitted request's prefix cache by its version (``cache_salt``;
+    #: ``service.salting``): no request reuses KV of another version, reset or not.
+    salt_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -138,6 +141,8 @@ class ServiceConfig:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:
             raise BadInput("lease_s must not exceed max_lease_s")
+        if not isinstance(self.salt_prefix_cache, bool):
+            raise BadInput("salt_prefix_cache must be a bool")
         if not isinstance(self.media, MediaLimits):
             raise BadInput("media must be a MediaLimits")
         if not isinstance(self.transport, Mapping):

@@ -60,6 +60,7 @@ from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
 from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.service.salting import check_client_salt, salted_body
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 
 __all__ = [
@@ -193,6 +194,8 @@ class FinishedRequest:
     released: bool = field(default=False, repr=False)
     #: The request's images, described (``core.media.ImageRef``), in request order.
     media: tuple[Any, ...] = ()
+    #: The version salt the request was forwarded with (``service.salting``), if any.
+    cache_salt: str | None = None
 
 
 class _SseRelay:
@@ -499,6 +502,8 @@ class DataPlane:
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
+        if cfg.salt_prefix_cache:  # no block computed by another version is reused
+            raw, fin.cache_salt = salted_body(raw, payload, binding)
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
@@ -758,7 +763,7 @@ def _validate(raw: bytes) -> tuple[str, dict[str, Any]]:
         return "'stream' must be a boolean", {}
     if BODY_FIELD in payload:
         return f"'{BODY_FIELD}' is reserved for the gateway's answer", {}
-    return "", payload
+    return check_client_salt(payload), payload
 
 
 def _dumps(obj: Any) -> bytes:
