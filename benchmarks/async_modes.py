@@ -106,6 +106,10 @@ class Harness:
     source: Any
     metrics: Callable[[], float] | None = None   # prefix-cache hits so far (for the control)
     log: Callable[[str], None] = print
+    #: Ends every request in flight (pause(abort) + resume), so a phase ends at once.
+    abort_all: Callable[[], None] | None = None
+    #: Extra sampling_params for every request (``{"detokenize": False}`` without a tokenizer).
+    sampling_extra: dict[str, Any] | None = None
 
 
 @dataclass
@@ -124,7 +128,7 @@ def run_phase(h: Harness, mode: str, *, workload: Workload, duration_s: float,
     um = UpdateMode.STRICT if mode == "none" else UpdateMode(mode)
     c, runner = h.controller(um, max_staleness)
     client = RolloutClient(c, h.source, admit_wait_s=600, update_wait_s=600,
-                           read_timeout_s=600)
+                           read_timeout_s=600, sampling_extra=h.sampling_extra)
     ph = _Phase(mode)
     stop = threading.Event()
     t0 = time.monotonic()
@@ -158,15 +162,20 @@ def run_phase(h: Harness, mode: str, *, workload: Workload, duration_s: float,
             ph.updates.append(rec)
             k += 1
 
-    threads = [threading.Thread(target=client_loop, args=(i,), daemon=True)
+    clients = [threading.Thread(target=client_loop, args=(i,), daemon=True)
                for i in range(workload.concurrency)]
-    if mode != "none":
-        threads.append(threading.Thread(target=updater, daemon=True))
-    for th in threads:
+    upd = threading.Thread(target=updater, daemon=True)
+    for th in clients:
         th.start()
+    if mode != "none":
+        upd.start()
     time.sleep(max(0.0, ph.window[1] - time.monotonic()))
     stop.set()
-    for th in threads:
+    if mode != "none":
+        upd.join(900)  # an update under way finishes first
+    if h.abort_all is not None:
+        h.abort_all()  # what is still running ended now: outside the window anyway
+    for th in clients:
         th.join(900)
     sweep = runner.sweep() if mode == "keep" else None
     return _raw(ph, c, sweep, duration_s)
@@ -207,17 +216,25 @@ def cache_control(h: Harness, *, prompt_tokens: int, kept_tokens: int,
     for salted in (False, True):
         c, runner = h.controller(UpdateMode.KEEP, None)
         client = RolloutClient(c, h.source, salt=salted, unsafe_unsalted=not salted,
-                               update_wait_s=600, read_timeout_s=600)
+                               update_wait_s=600, read_timeout_s=600,
+                               sampling_extra=h.sampling_extra)
         p = [rng.randrange(1, 200) for _ in range(prompt_tokens)]
         box: dict[str, Rollout] = {}
-        th = threading.Thread(target=lambda: box.update(k=client.run(
-            p, max_tokens=kept_tokens, ignore_eos=True)), daemon=True)
+
+        def kept(client: RolloutClient = client, p: list[int] = p,
+                 box: dict[str, Rollout] = box) -> None:
+            box["k"] = client.run(p, max_tokens=kept_tokens, ignore_eos=True)
+
+        th = threading.Thread(target=kept, daemon=True)
         th.start()
         deadline = time.monotonic() + 120
-        while not any(v >= 2 for v in client.in_flight().values()):
+        while th.is_alive() and not any(v >= 2 for v in client.in_flight().values()):
             if time.monotonic() > deadline:
                 raise RuntimeError("the kept rollout never started")
-            time.sleep(0.01)
+            time.sleep(0.005)
+        # Kept across the update, or (on a fast engine) already done: its blocks are the
+        # old version's either way, and a keep update does not reset the prefix cache.
+        kept_across = th.is_alive()
         h.update(runner)
         before = h.metrics()
         r = client.run([*p, 3, 5, 7], max_tokens=8, ignore_eos=True)
@@ -225,7 +242,8 @@ def cache_control(h: Harness, *, prompt_tokens: int, kept_tokens: int,
         th.join(600)
         out["salted" if salted else "unsalted"] = {
             "hits": hits, "kept_status": box["k"].status.value if "k" in box else None,
-            "request_status": r.status.value}
+            "kept_across_the_update": kept_across, "request_status": r.status.value,
+            "kept_error": box["k"].error if "k" in box else None}
     return out
 
 
@@ -376,7 +394,13 @@ def _cpu(args: argparse.Namespace) -> int:
 
         return http.metrics().get(PREFIX_HITS) or 0.0
 
-    h = Harness(controller, update, http, hits, lambda m: print(m, flush=True))
+    def abort_all() -> None:
+        from rolloutcore.core.evidence import PauseMode
+
+        http.pause(PauseMode.ABORT)
+        http.resume()
+
+    h = Harness(controller, update, http, hits, lambda m: print(m, flush=True), abort_all)
     workload = Workload(args.concurrency, args.median_tokens, args.sigma, args.cap_tokens,
                         args.prompt_tokens)
     raw: list[dict[str, Any]] = []
@@ -391,7 +415,7 @@ def _cpu(args: argparse.Namespace) -> int:
                   f"failed {p['failed']}", flush=True)
             raw.append(p)
         print(f"[{time.monotonic() - t_run:6.1f}s] cache control", flush=True)
-        cache = cache_control(h, prompt_tokens=300, kept_tokens=120)
+        cache = cache_control(h, prompt_tokens=300, kept_tokens=200)
     finally:
         adapter.close()
         eng.stop()

@@ -404,6 +404,7 @@ def test_trainer_dies_mid_transfer_with_kept_requests(
     serving.name = "?"  # partly updated: only a replacement process serves a known policy
 
 
+@pytest.mark.slow  # it restarts the engine the trainer-death case left tainted (~1 min)
 def test_engine_killed_while_requests_are_kept(
         engine: ManagedEngine, serving: Serving, rigs: list[Rig]) -> None:
     def kill(rig: Rig, tr: GatedGloo) -> float:

@@ -44,7 +44,7 @@ import enum
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -197,6 +197,10 @@ class Rollout:
     completed_wall: float = 0.0
     completed_mono: float = 0.0
     first_token_mono: float | None = None
+    #: The engine requests as read: (version, salt, prefill, chunks); ``runs`` is
+    #: built from them once the rollout's last update is decided.
+    raw: list[tuple[WeightVersion, str | None, int, list[GenerationChunk]]] = field(
+        default_factory=list, repr=False)
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -252,6 +256,7 @@ class RolloutClient:
                  salt: bool = True, unsafe_unsalted: bool = False,
                  clock: VersionClock | None = None, admit_wait_s: float = 600.0,
                  update_wait_s: float = 600.0, read_timeout_s: float = 600.0,
+                 sampling_extra: Mapping[str, Any] | None = None,
                  on_complete: Callable[[Rollout], None] | None = None) -> None:
         if not isinstance(controller, LifecycleController):
             raise BadInput("controller must be a LifecycleController")
@@ -273,6 +278,11 @@ class RolloutClient:
         self.admit_wait_s = float(admit_wait_s)
         self.update_wait_s = float(update_wait_s)
         self.read_timeout_s = float(read_timeout_s)
+        if sampling_extra is not None and not isinstance(sampling_extra, Mapping):
+            raise BadInput("sampling_extra must be a mapping (extra sampling_params)")
+        #: Sent with every request's sampling_params (``{"detokenize": False}`` for
+        #: an engine started without a tokenizer).
+        self.sampling_extra = dict(sampling_extra or {})
         self._on_complete = on_complete
         self._lock = threading.Lock()
         self._progress: dict[str, int] = {}
@@ -357,7 +367,8 @@ class RolloutClient:
                 stream = self.source.generate_stream(
                     prefill, max_tokens=max_tokens - len(produced), temperature=temperature,
                     logprobs=logprobs, seed=seed, ignore_eos=ignore_eos,
-                    request_id=f"{rid}-{len(out.runs)}", cache_salt=salt,
+                    request_id=f"{rid}-{len(out.raw)}", cache_salt=salt,
+                    sampling_extra=self.sampling_extra or None,
                     read_timeout_s=self.read_timeout_s)
                 try:
                     for ch in stream:
@@ -375,14 +386,14 @@ class RolloutClient:
                     stream.close()
             except RolloutCoreError as exc:
                 error = f"{type(exc).__name__}: {exc}"
-            run = self._segment(ver, salt, len(prefill), chunks)
-            out.runs.append(run)
-            produced += run.token_ids
+            out.raw.append((ver, salt, len(prefill), chunks))
+            produced += [t for ch in chunks for t in ch.token_ids]
             if over:
                 out.status, out.error = RolloutStatus.OVER_BOUND, (
                     f"ended by an update: max_staleness={c.max_staleness} would be exceeded")
                 return
-            finish = run.finish_reason
+            finish = next((ch.finish_reason for ch in reversed(chunks)
+                           if ch.finish_reason is not None), None)
             paused_meanwhile = clock.updates != updates_before or c.state in _UPDATING
             if error is None and finish not in (None, "abort"):
                 out.status = RolloutStatus.COMPLETED
@@ -440,8 +451,9 @@ class RolloutClient:
         c = self.controller
         if c.state is State.RESUMING:
             # Carried and finished while the target serves unpublished: its
-            # attribution is decided by the update's outcome.
+            # attribution (and its last tokens' version) is the update's outcome.
             self.clock.wait(lambda: c.state is not State.RESUMING, self.update_wait_s)
+        out.runs = [self._segment(*r) for r in out.raw]
         out.completed_wall, out.completed_mono = time.time(), time.monotonic()
         try:
             comp = c.complete(out.rollout_id)
