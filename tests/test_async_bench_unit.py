@@ -125,16 +125,28 @@ def test_summarize_computes_retained_and_the_lost_engine_time() -> None:
                 "lengths": [1, 2, 3], "unattributable": 0, "over_bound": 0, "failed": 0,
                 "recomputed_tokens": 7 if mode == "recompute" else 0,
                 "derived_disagrees": 0, "staleness": {"0": 4, "1": 1},
-                "updates": [{"ok": True, "total_s": x, "transition_s": x / 2} for x in stalls]}
+                "updates": [{"ok": True, "total_s": x, "transition_s": x / 2} for x in stalls],
+                "lost_s": [2 * x for x in stalls]}
 
     s = bench.summarize([phase("none", 1000, []), phase("keep", 900, [0.1, 0.3]),
                          phase("recompute", 800, [0.2])], period_s=5.0, concurrency=8)
     assert s["keep"]["retained"] == pytest.approx(0.9)
-    assert s["keep"]["lost_s_per_update"] == pytest.approx(0.5)
+    assert s["keep"]["lost_s_per_update"] == pytest.approx(0.4)
+    assert s["keep"]["lost_within_2x_transition"] is True
     assert s["keep"]["stall_median_s"] == pytest.approx(0.2)
     assert s["keep"]["stall_max_s"] == pytest.approx(0.3)
     assert s["keep"]["max_staleness_seen"] == 1
     assert s["recompute"]["recomputed_tokens"] == 7 and "strict" not in s
+
+
+def test_engine_time_lost_is_the_deficit_around_each_update_at_the_phase_rate() -> None:
+    series = [10] * 100                       # 100 tokens/s in 0.1 s bins
+    for i in range(20, 30):
+        series[i] = 0                         # a 1 s stall
+    ups = [{"t_start": 2.0, "t_end": 2.5}, {"t_start": 6.0, "t_end": 6.2}]
+    lost = bench.engine_time_lost(series, 0.0, ups)
+    assert lost == [pytest.approx(1.0), pytest.approx(0.0)]
+    assert bench.engine_time_lost(series, 0.0, []) == []
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess[str]:
