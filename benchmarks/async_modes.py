@@ -454,7 +454,10 @@ def _cpu(args: argparse.Namespace) -> int:
         http.pause(PauseMode.ABORT)
         http.resume()
 
-    h = Harness(controller, update, http, hits, lambda m: print(m, flush=True), abort_all)
+    # The rollouts' streams on a client of their own: a step's watchdog shuts down
+    # every connection of the adapter's client (VllmHTTP.cancel_inflight).
+    streams = VllmHTTP(eng.base_url, timeout_s=120)
+    h = Harness(controller, update, streams, hits, lambda m: print(m, flush=True), abort_all)
     workload = Workload(args.concurrency, args.median_tokens, args.sigma, args.cap_tokens,
                         args.prompt_tokens)
     raw: list[dict[str, Any]] = []
@@ -472,6 +475,7 @@ def _cpu(args: argparse.Namespace) -> int:
         cache = cache_control(h, prompt_tokens=300, kept_tokens=200)
     finally:
         adapter.close()
+        streams.close()
         eng.stop()
     s = summarize(raw, period_s=args.period_s, concurrency=args.concurrency)
     s["cross_version_prefix_hits_salted"] = cache["salted"]["hits"]

@@ -155,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
     def flip() -> None:
         """The next policy: every weight negated (one pass over the buffer, ~10 ms), so
         that each update really changes all 16 GB while costing the GPU little."""
-        with torch.no_grad():
-            packed.buffer.neg_()
+        with torch.no_grad():  # the buffer is bytes; every tensor in it is bf16
+            packed.buffer.view(torch.bfloat16).neg_()
         torch.cuda.synchronize()
 
     extra = ["--load-format", "dummy", "--skip-tokenizer-init",
@@ -171,6 +171,9 @@ def run(args: argparse.Namespace) -> int:
     R["engine_command"] = " ".join(engine.command())
     log(f"engine healthy in {engine.last_start_s:.1f}s")
     http = VllmHTTP(engine.base_url, timeout_s=120)
+    # The rollouts' streams on a client of their own (a step's watchdog shuts down every
+    # connection of the adapter's client).
+    streams = VllmHTTP(engine.base_url, timeout_s=120)
     try:
         transport.connect(engine.base_url, timeout_s=120)
         adapter = VllmAdapter(http, transport, engine_epoch=engine.epoch)
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             http.pause(PauseMode.ABORT)
             http.resume()
 
-        h = bench.Harness(controller, update, http, hits, log, abort_all,
+        h = bench.Harness(controller, update, streams, hits, log, abort_all,
                           {"detokenize": False})
         _, r0 = controller(UpdateMode.STRICT, None)
         t = time.monotonic()
@@ -263,6 +266,7 @@ def run(args: argparse.Namespace) -> int:
         log(f"!! {exc}")
     finally:
         http.close()
+        streams.close()
         with contextlib.suppress(Exception):
             transport.close()
         engine.stop()

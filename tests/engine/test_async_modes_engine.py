@@ -142,7 +142,10 @@ class Rig:
                                      listener=self.journal.listener)
         self.runner = LifecycleRunner(self.c, self.adapter, DL, record=self.journal.write)
         self.runner.bootstrap(serving.ids[serving.name])
-        self.client = RolloutClient(self.c, self.http, salt=salt, unsafe_unsalted=not salt,
+        # The streams on a client of their own: a step's watchdog shuts down every
+        # connection of the adapter's (VllmHTTP.cancel_inflight).
+        self.streams = VllmHTTP(engine.base_url, timeout_s=60)
+        self.client = RolloutClient(self.c, self.streams, salt=salt, unsafe_unsalted=not salt,
                                     admit_wait_s=120, update_wait_s=120, read_timeout_s=120)
         self.results: dict[str, Rollout] = {}
         self.threads: list[threading.Thread] = []
@@ -204,6 +207,7 @@ class Rig:
                 self.http.resume(timeout_s=60)
         finally:
             self.adapter.close()
+            self.streams.close()
 
 
 @pytest.fixture()

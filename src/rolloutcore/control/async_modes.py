@@ -118,11 +118,13 @@ class VersionClock:
         self._bounds: list[tuple[float, WeightVersion]] = []
         self._taints: list[float] = []
         self.updates = 0
+        self.records = 0
         controller.add_listener(self)
 
     def __call__(self, rec: Record) -> None:
         now = time.monotonic()
         with self._cond:
+            self.records += 1
             if isinstance(rec, RequestUpdate):
                 self.updates += 1
                 self._target, self._resume_at = rec.target, None
@@ -298,16 +300,20 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, rid: str) -> Binding:
-        c = self.controller
+        c, clock = self.controller, self.clock
         deadline = time.monotonic() + self.admit_wait_s
         while True:
+            seen = clock.records
             try:
                 return c.admit(rid)
             except AdmissionRefused as exc:
                 if exc.retry_after_s is None or time.monotonic() >= deadline:
                     raise
-            self.clock.wait(lambda: c.state in (State.READY, State.TAINTED),
-                            max(0.0, min(1.0, deadline - time.monotonic())))
+                wait = max(0.0, min(exc.retry_after_s, deadline - time.monotonic()))
+            # Ask again once something changed (the update ended, a rollout completed
+            # and freed capacity), never in a loop that only refuses.
+            clock.wait(lambda seen=seen: clock.records > seen + 1  # type: ignore[misc]
+                       and c.state in (State.READY, State.TAINTED), wait)
 
     # ------------------------------------------------------------------ one rollout
     def run(self, prompt: Sequence[int], *, max_tokens: int, temperature: float = 0.0,

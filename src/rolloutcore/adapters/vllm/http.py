@@ -470,8 +470,12 @@ class VllmHTTP:
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
-                 images: Sequence[str] = (), timeout_s: float | None = None) -> Generation:
+                 images: Sequence[str] = (), timeout_s: float | None = None,
+                 cache_salt: str | None = None) -> Generation:
         """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
+
+        ``cache_salt`` (top level of the body) is the version salt of the
+        prefix cache (``core.cache_salt``): blocks of another salt are never hit.
 
         ``images`` are ``data:`` URLs sent as vLLM's ``content_parts``; the
         prompt must hold the model's image placeholder token once per image
@@ -492,6 +496,10 @@ class VllmHTTP:
             if not isinstance(request_id, str) or not request_id:
                 raise BadInput("request_id must be a non-empty string")
             body["request_id"] = request_id
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise BadInput("cache_salt must be a non-empty string")
+            body["cache_salt"] = cache_salt
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
 
         def unexpected(why: object) -> EffectError:
