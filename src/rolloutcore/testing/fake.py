@@ -30,8 +30,8 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -56,6 +56,9 @@ from rolloutcore.core.versions import (
     WeightVersion,
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
+
+if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
+    from rolloutcore.adapters.vllm.wire import GenerationChunk
 
 __all__ = [
     "FakeAdapter",
@@ -136,6 +139,9 @@ class FakeStream:
         self._steps = steps
 
     def __iter__(self) -> Iterator[GenerationChunk]:
+        # Imported here: the package imports httpx, which the demo does without.
+        from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
+
         seen = 0
         for g in self._steps:
             new = g.tokens[seen:]
