@@ -35,6 +35,7 @@ from rolloutcore.core.records import (
     Admit,
     BeginRecovery,
     BeginUpdate,
+    Carry,
     Classification,
     Commit,
     Complete,
@@ -52,6 +53,7 @@ from rolloutcore.core.records import (
     Step,
     Taint,
     Transition,
+    UpdateMode,
     Verdict,
 )
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightVersion
@@ -108,6 +110,8 @@ SAMPLES: list[Record] = [
     Effect("transfer", 0.125, False, "EffectTimeout('transfer')"),
     Effect("drain", 0.5, True),
     Note("health", {"problems": ["engine not answering"], "consecutive": 2}),
+    Carry(1, UpdateMode.KEEP, ("r-3", "r-4"), ("r-5",), 1),
+    Carry(2, UpdateMode.RECOMPUTE, (), (), None),
 ]
 
 

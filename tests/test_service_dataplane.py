@@ -28,6 +28,7 @@ from helpers.gateway_rig import (
     transfer_body,
 )
 from rolloutcore.control.journal import first_index
+from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
@@ -105,7 +106,11 @@ async def test_openai_routes_stream_and_not(route: str, body: dict[str, Any],
             assert len(events) == 4 + 1
         else:
             assert resp.json()[BODY_FIELD]["version"] == "default"
-        assert r.fake.received[-1] == {**body, "stream": stream}  # forwarded unchanged
+        # Forwarded unchanged but for the version salt (service.salting).
+        committed = r.controller.committed
+        assert committed is not None
+        assert r.fake.received[-1] == {**body, "stream": stream,
+                                       "cache_salt": salt_for(committed)}
         assert r.controller.active == {}
 
 

@@ -32,8 +32,9 @@ def with_media(s: TrajectorySample, *refs: ImageRef) -> TrajectorySample:
 
 
 def test_versions_known() -> None:
-    # 3 (#16): + attribution, written only for an unattributable sample
-    # (tests/test_trajectory_attribution.py).
+    # 3: + attribution, written only for an unattributable sample
+    # (tests/test_trajectory_attribution.py), and completion.versions
+    # (issue 20: asynchronous updates); it reads every earlier version.
     assert SCHEMA_VERSION == 3 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3}
     for v in (1, 2, 3):
         check_schema_version({"schema_version": v})

@@ -22,6 +22,7 @@ from rolloutcore.core.lifecycle import (
     LifecycleController,
     State,
     Step,
+    UpdateMode,
     UpdateTicket,
     Verdict,
 )
@@ -52,6 +53,7 @@ if _typing.TYPE_CHECKING:
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.adapters.vllm.support import SupportVerdict
+    from rolloutcore.control.async_modes import RolloutClient
     from rolloutcore.control.journal import Journal, read_journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
     from rolloutcore.control.session import EngineSession
@@ -66,6 +68,7 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it, imported on first access.
 _LAZY: dict[str, str] = {
     "EngineSession": "rolloutcore.control.session",
+    "RolloutClient": "rolloutcore.control.async_modes",
     "LifecycleRunner": "rolloutcore.control.runner",
     "Deadlines": "rolloutcore.control.runner",
     "UpdateOutcome": "rolloutcore.control.runner",
@@ -125,6 +128,7 @@ __all__ = [
     "ParamSpec",
     "ParameterManifest",
     "Provenance",
+    "RolloutClient",
     "RolloutCoreClient",
     "RolloutCoreError",
     "State",
@@ -133,6 +137,7 @@ __all__ = [
     "TrajectoryRecorder",
     "TransferError",
     "UpdateFailed",
+    "UpdateMode",
     "UpdateOutcome",
     "UpdateRefused",
     "UpdateTicket",

@@ -71,8 +71,10 @@ class FakeVllm:
         ])
 
     # ------------------------------------------------------------ helpers
-    async def _run(self, prompt: list[int], max_tokens: int) -> Generation:
-        return await anyio.to_thread.run_sync(self.engine.generate, prompt, max_tokens)
+    async def _run(self, prompt: list[int], max_tokens: int,
+                   cache_salt: str | None = None) -> Generation:
+        return await anyio.to_thread.run_sync(self.engine.generate, prompt, max_tokens, None,
+                                              cache_salt)
 
     def _sse(self, events: list[dict[str, Any]]) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
@@ -167,7 +169,8 @@ class FakeVllm:
                 for t in ids) or n is None:
             return _err(400, "token_ids must be ids below the vocabulary size")
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        g = await self._run(ids, n)
+        salt = body.get("cache_salt")
+        g = await self._run(ids, n, salt if isinstance(salt, str) else None)
         if not body.get("stream"):
             return JSONResponse({"request_id": rid, "choices": [{
                 "index": 0, "token_ids": g.tokens, "finish_reason": g.finish_reason,

@@ -67,6 +67,7 @@ from rolloutcore.core.lifecycle import (
     Verdict,
 )
 from rolloutcore.core.records import Effect, Event, Note, Record
+from rolloutcore.core.rules import UPDATE_MODES
 from rolloutcore.core.versions import (
     Binding,
     VerificationLevel,
@@ -435,6 +436,33 @@ class LifecycleRunner:
                            self.deadlines.transfer_s, out)
         return self.close_update(out)
 
+    def sweep(self) -> bool | None:
+        """The prefix reset a keep-mode update deferred, once nothing old runs.
+
+        ``None`` when nothing is due or it is not yet possible (rollouts
+        admitted under an older version still run, or an update is under
+        way); otherwise whether the reset held (vLLM refuses it while any
+        request holds blocks: it stays due and is tried again). Until it
+        holds, every request's version salt keeps new requests off the old
+        blocks, so a failed sweep costs cache memory, never correctness.
+        """
+        c = self.controller
+        if not c.sweep_due or c.stale_rollouts or c.state is not State.READY:
+            return None
+        if CacheKind.PREFIX not in set(self.adapter.caches):
+            return None
+        try:
+            ev = self._effect("sweep", lambda: self.adapter.reset_cache(CacheKind.PREFIX),
+                              self.deadlines.reset_s, None, cancel=lambda: self.adapter.cancel(
+                                  Step.INVALIDATE))
+        except EffectError as exc:
+            self._note("sweep_failed", error=str(exc))
+            return False
+        try:
+            return c.swept(ev)
+        except InvalidTransition:
+            return None  # an update began meanwhile: it resets the caches itself
+
     # The two-phase form, for a trainer in another process: open_update ->
     # (the trainer transfers, through vLLM's weight-transfer path) ->
     # report_transfer / report_transfer_failure -> close_update.
@@ -468,26 +496,32 @@ class LifecycleRunner:
         out = UpdateOutcome(ticket, None, State.DRAINING, 0.0)
         out.started_at = time.monotonic()
         c, a, d = self.controller, self.adapter, self.deadlines
+        rule = UPDATE_MODES[c.update_mode]
+        pause = rule.pause or self._drain_mode
         with self._phase(out):
-            # DRAINING: admission is closed; wait for bound rollouts, then pause
-            # the engine so that anything it runs beyond our view finishes too.
-            tw = time.monotonic()
-            idle = c.wait_idle(d.drain_s)
-            out.phases.append(PhaseTiming("drain", time.monotonic() - tw, False))
-            mode = self._drain_mode
-            if not idle:
-                if self.drain_policy is DrainPolicy.REFUSE:
-                    v = c.fail(ticket, Step.DRAIN, FailureKind.TIMEOUT,
-                               f"{len(c.active)} rollouts still active after {d.drain_s:g}s "
-                               "(drain policy: refuse)")
-                    out.verdicts.append(v)
-                    raise _Abort(v)
-                self._abort_stragglers(ticket, out)
-                # Whatever the engine still runs is a straggler whose abort has
-                # not landed yet (admission is closed): the pause aborts it too,
-                # and returns once nothing is in flight.
-                mode = PauseMode.ABORT
-            self._run_step(ticket, Step.DRAIN, lambda: a.drain(mode),
+            # DRAINING: admission is closed. Strict: wait for bound rollouts, then
+            # pause the engine so that anything it runs beyond our view finishes
+            # too; at the drain deadline the drain policy aborts the stragglers
+            # or refuses the update. Asynchronous (the mode's row): pause at
+            # once, keeping or aborting what runs; the controller carries the
+            # bound rollouts.
+            if rule.drains:
+                tw = time.monotonic()
+                idle = c.wait_idle(d.drain_s)
+                out.phases.append(PhaseTiming("drain", time.monotonic() - tw, False))
+                if not idle:
+                    if self.drain_policy is DrainPolicy.REFUSE:
+                        v = c.fail(ticket, Step.DRAIN, FailureKind.TIMEOUT,
+                                   f"{len(c.active)} rollouts still active after "
+                                   f"{d.drain_s:g}s (drain policy: refuse)")
+                        out.verdicts.append(v)
+                        raise _Abort(v)
+                    self._abort_stragglers(ticket, out)
+                    # Whatever the engine still runs is a straggler whose abort
+                    # has not landed yet (admission is closed): the pause aborts
+                    # it too, and returns once nothing is in flight.
+                    pause = PauseMode.ABORT
+            self._run_step(ticket, Step.DRAIN, lambda: a.drain(pause),
                            lambda ev: c.drained(ticket, ev), d.pause_s, out, "pause")
             if preflight is not None:
                 v = c.preflighted(ticket, preflight)

@@ -180,6 +180,19 @@ class DrainEvidence(Evidence):
             out.append(f"engine still has {self.engine_in_flight} requests in flight")
         return out
 
+    def problems_for(self, expected: PauseMode) -> list[str]:
+        """The postcondition of an asynchronous update's pause (issue 20).
+
+        The engine must be paused in the mode the update's row names
+        (``keep`` or ``abort``); requests it still holds are the point of
+        ``keep``, not a problem.
+        """
+        out = [] if self.paused else ["engine does not report paused"]
+        if self.mode is not expected:
+            out.append(f"the update mode pauses with {expected.value!r}, the engine was "
+                       f"paused with {self.mode.value!r}")
+        return out
+
 
 @dataclass(frozen=True)
 class PreflightEvidence(Evidence):

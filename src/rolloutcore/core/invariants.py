@@ -5,9 +5,13 @@ them afterwards from the records it wrote, so that a test, a soak run or an
 auditor does not have to trust the process that produced them:
 
 * ``admission``: a rollout is admitted only in READY (so never while TAINTED);
-* ``drain_before_mutation``: at ``begin_update`` no rollout is bound;
+* ``drain_before_mutation``: at ``begin_update`` no rollout is bound, except
+  those the update's ``carry`` record names (asynchronous modes);
 * ``version_pure``: no rollout's admission and completion straddle a
-  ``begin_update``, and it completes under the version it was bound to;
+  ``begin_update`` unless a ``carry`` record carried it across, and it
+  completes under the version it was bound to;
+* ``staleness_bound``: a carried rollout that completes attributable saw at
+  most ``max_staleness`` publishes since its admission;
 * ``commit_after_validation``: every publish of an update follows, within
   that update, an accepted paused validation and the resume evidence; a
   recovery publish follows recovery evidence without problems;
@@ -27,6 +31,7 @@ from rolloutcore.core.records import (
     Admit,
     BeginRecovery,
     BeginUpdate,
+    Carry,
     Commit,
     Complete,
     Event,
@@ -63,33 +68,51 @@ def check_journal(records: Iterable[JournalRecord]) -> list[Violation]:
     validated = resumed_ev = False
     recovering = recovery_ok = False
     tainted = False
+    carried: dict[str, int | None] = {}  # rollout -> the bound of the last carry naming it
+    commits = 0
+    admitted_at_commit: dict[str, int] = {}
+    carry_now: frozenset[str] = frozenset()
     for jr in records:
         r, seq = jr.record, jr.seq
-        if isinstance(r, Transition):
+        if isinstance(r, Carry):
+            carry_now = frozenset(r.carried)
+            for rid in r.carried:
+                carried[rid] = r.max_staleness
+        elif isinstance(r, Transition):
             state = r.after
         elif isinstance(r, Admit):
             if state is not State.READY:
                 out.append(Violation("admission", seq, f"{r.rollout_id} admitted in {state}"))
             active[r.rollout_id] = r.version
             admitted_at_mutation[r.rollout_id] = mutations
+            admitted_at_commit[r.rollout_id] = commits
         elif isinstance(r, Complete):
             rid = r.rollout_id
             bound = active.pop(rid, None)
             if bound is None:
                 out.append(Violation("version_pure", seq, f"{rid} completed, never admitted"))
                 continue
-            if admitted_at_mutation.pop(rid, mutations) != mutations:
+            was_carried = rid in carried
+            bound_k = carried.pop(rid, None)
+            age = commits - admitted_at_commit.pop(rid, commits)
+            if admitted_at_mutation.pop(rid, mutations) != mutations and not was_carried:
                 out.append(Violation("version_pure", seq, f"{rid} straddles a weight mutation"))
+            if was_carried and r.attributable and bound_k is not None and age > bound_k:
+                out.append(Violation("staleness_bound", seq,
+                                     f"{rid} completed attributable {age} publishes after "
+                                     f"its admission (max_staleness {bound_k})"))
             if r.version != bound:
                 out.append(Violation("version_pure", seq,
                                      f"{rid} completed under {r.version}, bound {bound}"))
         elif isinstance(r, RequestUpdate):
             in_update, validated, resumed_ev = True, False, False
+            carry_now = frozenset()
         elif isinstance(r, BeginUpdate):
             mutations += 1
-            if active:
+            bound_now = sorted(set(active) - carry_now)
+            if bound_now:
                 out.append(Violation("drain_before_mutation", seq,
-                                     f"mutation began with {sorted(active)} bound"))
+                                     f"mutation began with {bound_now} bound"))
         elif isinstance(r, Verdict):
             if r.event is Event.VALIDATED and r.accepted:
                 validated = True
@@ -105,6 +128,7 @@ def check_journal(records: Iterable[JournalRecord]) -> list[Violation]:
         elif isinstance(r, Abandon):
             in_update = False
         elif isinstance(r, Commit):
+            commits += 1
             if recovering:
                 if not recovery_ok:
                     out.append(Violation("commit_after_validation", seq,

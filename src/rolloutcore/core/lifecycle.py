@@ -145,6 +145,7 @@ from rolloutcore.core.records import (
     Admit,
     BeginRecovery,
     BeginUpdate,
+    Carry,
     Classification,
     Commit,
     Complete,
@@ -161,6 +162,7 @@ from rolloutcore.core.records import (
     Step,
     Taint,
     Transition,
+    UpdateMode,
     Verdict,
 )
 from rolloutcore.core.rules import (
@@ -173,7 +175,9 @@ from rolloutcore.core.rules import (
     RESETS_DONE,
     STEP_STATE,
     TRANSITIONS,
+    UPDATE_MODES,
     Lookup,
+    ModeRule,
     targets,
 )
 from rolloutcore.core.versions import (
@@ -214,6 +218,7 @@ __all__ = [
     "Sink",
     "State",
     "Step",
+    "UpdateMode",
     "UpdateTicket",
     "Verdict",
     "targets",
@@ -227,6 +232,7 @@ _UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATI
                   S.RESUMING)
 #: Rollouts released by ``abort_rollouts`` whose own ``complete`` has not come yet.
 _ABORTED_KEPT = 4096
+_OVER_BOUND_KEPT = 4096  # rollout ids ended over the staleness bound, remembered for owners
 
 
 @dataclass(frozen=True)
@@ -234,10 +240,33 @@ class ControllerConfig:
     max_incomplete: int = 3
     retry_after_s: float = 1.0     # admission hint while an update runs
     recovering_retry_after_s: float = 5.0
+    #: What updates do with rollouts in flight (a row of ``rules.UPDATE_MODES``).
+    update_mode: UpdateMode = UpdateMode.STRICT
+    #: Asynchronous modes: no rollout may hold a token more than this many
+    #: published versions old; one that would is ended (unattributable,
+    #: reported in the ``carry`` record). ``None``: unbounded.
+    max_staleness: int | None = None
+    #: With ``max_staleness``: admit at most ``(k + v + 1) * admission_batch
+    #: - (accepted + running)`` rollouts (AReaL's capacity; ``v`` updates
+    #: published, ``accepted`` attributable completions). ``None``: no cap.
+    admission_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_incomplete < 0 or self.retry_after_s <= 0 or self.recovering_retry_after_s <= 0:
             raise BadInput("ControllerConfig values must be positive")
+        if not isinstance(self.update_mode, UpdateMode):
+            raise BadInput(f"update_mode must be an UpdateMode "
+                           f"({', '.join(m.value for m in UpdateMode)}), got "
+                           f"{self.update_mode!r}")
+        for name in ("max_staleness", "admission_batch"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                  or (name == "admission_batch" and v == 0)):
+                raise BadInput(f"{name} must be None or an int >= "
+                               f"{1 if name == 'admission_batch' else 0}, got {v!r}")
+        if self.admission_batch is not None and self.max_staleness is None:
+            raise BadInput("admission_batch needs max_staleness (the capacity is "
+                           "(max_staleness + version + 1) * admission_batch)")
 
 
 @dataclass(frozen=True)
@@ -292,6 +321,12 @@ class _Update:
     incomplete: dict[Step, int] = field(default_factory=dict)
     reset_ok: set[CacheKind] = field(default_factory=set)
     validations: list[ValidationEvidence] = field(default_factory=list)
+    mode: UpdateMode = UpdateMode.STRICT
+    carry: Carry | None = None      # asynchronous modes: who was bound at the pause
+
+    @property
+    def rule(self) -> ModeRule:
+        return UPDATE_MODES[self.mode]
 
 
 class LifecycleController:
@@ -334,6 +369,13 @@ class LifecycleController:
         self._max_generation = -1
         self._used_labels: set[str] = set()   # published, or burnt at begin_update
         self._engine_epoch: str | None = None
+        # Asynchronous modes (issue 20): the version each carried rollout continues
+        # under, rollouts ended over the staleness bound (recent ones), whether a
+        # deferred prefix reset is still to be done, attributable completions.
+        self._continues: dict[str, WeightVersion] = {}
+        self._over_bound: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._sweep_due = False
+        self._accepted = 0
         # Timing, for history() and the transition records.
         self._entered_at = clock()
         self._history: list[tuple[State, State, Event, float, float]] = []
@@ -374,8 +416,78 @@ class LifecycleController:
     @property
     def pending_resets(self) -> frozenset[CacheKind]:
         with self._lock:
-            done = self._update.reset_ok if self._update else set()
-            return frozenset(self._required_caches - done)
+            return self._pending_resets()
+
+    def _pending_resets(self) -> frozenset[CacheKind]:
+        upd = self._update
+        if upd is None:
+            return frozenset(self._required_caches)
+        return frozenset(self._required_caches - upd.reset_ok - upd.rule.deferred_resets)
+
+    # ------------------------------------------------------- asynchronous modes
+    @property
+    def update_mode(self) -> UpdateMode:
+        return self._cfg.update_mode
+
+    @property
+    def max_staleness(self) -> int | None:
+        return self._cfg.max_staleness
+
+    def serving_version(self, rollout_id: str) -> WeightVersion | None:
+        """The version a bound rollout's next tokens come from (None: not bound).
+
+        Its admission version, or, once an asynchronous update carried it and
+        published, the version it continues under.
+        """
+        with self._lock:
+            b = self._active.get(rollout_id)
+            if b is None:
+                return None
+            return self._continues.get(rollout_id, b.version)
+
+    def over_bound(self, rollout_id: str) -> bool:
+        """Whether an update ended this rollout for exceeding ``max_staleness`` (recently)."""
+        with self._lock:
+            return rollout_id in self._over_bound
+
+    @property
+    def stale_rollouts(self) -> int:
+        """Bound rollouts admitted under a version older than the committed one."""
+        with self._lock:
+            return sum(b.version != self._committed for b in self._active.values())
+
+    @property
+    def sweep_due(self) -> bool:
+        """A prefix reset deferred by a keep-mode update is still to be done.
+
+        It is ready once nothing admitted under an older version runs
+        (``stale_rollouts == 0``) and the controller is READY; until then
+        the version salt keeps new requests off the old blocks.
+        """
+        with self._lock:
+            return self._sweep_due
+
+    def swept(self, ev: CacheResetEvidence) -> bool:
+        """The deferred prefix reset's evidence; True once it holds (nothing due after).
+
+        Refused (``InvalidTransition``) outside READY: an update resets caches itself.
+        """
+        if not isinstance(ev, CacheResetEvidence) or ev.cache is not CacheKind.PREFIX:
+            raise BadInput("swept needs the prefix cache's CacheResetEvidence")
+        with self._lock:
+            if self._broken is not None:
+                raise JournalError(f"swept refused: the controller failed closed "
+                                   f"({self._broken})")
+            if self._state is not S.READY:
+                raise InvalidTransition("swept", self._state.value,
+                                        "a deferred reset runs only between updates")
+            problems = ev.problems(None)
+            self._evidence(E.INVALIDATED, ev, problems)
+            if not problems:
+                self._sweep_due = False
+            ok = not problems
+        self._deliver(True)
+        return ok
 
     @property
     def failed_closed(self) -> str | None:
@@ -406,6 +518,7 @@ class LifecycleController:
                 },
                 "published": [v.to_dict() for v in self._published],
                 "failed_closed": self._broken,
+                "update_mode": self._cfg.update_mode.value,
             }
 
     # ---------------------------------------------------------------- listeners
@@ -492,6 +605,13 @@ class LifecycleController:
 
     def _apply_commit(self, rec: Commit) -> None:
         v = rec.version
+        upd = self._update
+        if upd is not None and upd.carry is not None:
+            # The carried rollouts continue under the version just published.
+            for rid in upd.carry.carried:
+                if rid in self._active:
+                    self._continues[rid] = v
+            self._sweep_due = self._sweep_due or CacheKind.PREFIX in upd.rule.deferred_resets
         self._committed, self._identity = v, rec.identity
         self._published.append(v)
         self._max_generation = max(self._max_generation, v.generation)
@@ -507,13 +627,15 @@ class LifecycleController:
 
     def _apply_complete(self, rec: Complete) -> None:
         self._active.pop(rec.rollout_id, None)
+        self._continues.pop(rec.rollout_id, None)
+        self._accepted += rec.attributable
         if not self._active:
             self._idle.notify_all()
 
     def _apply_request_update(self, rec: RequestUpdate) -> None:
         ticket = UpdateTicket(rec.update_id, UpdateTarget(rec.target, rec.identity, rec.owner),
                               rec.min_verification)
-        self._update = _Update(ticket, rec)
+        self._update = _Update(ticket, rec, mode=self._cfg.update_mode)
         self._next_update_id = max(self._next_update_id, rec.update_id + 1)
 
     def _apply_begin_update(self, rec: BeginUpdate) -> None:
@@ -523,11 +645,24 @@ class LifecycleController:
     def _apply_end_update(self, rec: Abandon | Taint) -> None:
         self._update = None
 
+    def _apply_carry(self, rec: Carry) -> None:
+        upd = self._update
+        if upd is not None:
+            upd.mode = rec.mode
+            upd.carry = rec
+        for rid in rec.over_bound:  # their complete records follow and release them
+            self._over_bound[rid] = rec.update_id
+            self._over_bound.move_to_end(rid)
+        while len(self._over_bound) > _OVER_BOUND_KEPT:
+            self._over_bound.popitem(last=False)
+
     def _record(self, rec: Transition | Commit | RequestUpdate | BeginUpdate | Abandon | Taint
-                ) -> None:
+                | Carry) -> None:
         """Apply a record that changes durable state, and queue it for the listeners."""
         t = type(rec)
-        if t is Transition:
+        if t is Carry:
+            self._apply_carry(rec)  # type: ignore[arg-type]
+        elif t is Transition:
             self._apply_transition(rec)  # type: ignore[arg-type]
         elif t is Commit:
             self._apply_commit(rec)  # type: ignore[arg-type]
@@ -727,6 +862,13 @@ class LifecycleController:
                 if self._listeners:
                     self._outbox.append(Refuse(rollout_id, st, reason))
                 refused = AdmissionRefused(st.value, reason, retry)
+            elif (cap := self._capacity()) is not None and cap <= 0:
+                reason = (f"staleness capacity reached: {len(self._active)} running and "
+                          f"{self._accepted} accepted for max_staleness "
+                          f"{self._cfg.max_staleness} at version {len(self._published) - 1}")
+                if self._listeners:
+                    self._outbox.append(Refuse(rollout_id, st, reason))
+                refused = AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
             else:
                 if rollout_id in self._active:
                     raise BadInput(f"rollout {rollout_id!r} is already active")
@@ -742,11 +884,24 @@ class LifecycleController:
         assert b is not None
         return b
 
+    def _capacity(self) -> int | None:
+        """AReaL's admission capacity: ``(k + v + 1) * batch - (accepted + running)``."""
+        k, batch = self._cfg.max_staleness, self._cfg.admission_batch
+        if k is None or batch is None:
+            return None
+        return (k + max(0, len(self._published) - 1) + 1) * batch - (
+            self._accepted + len(self._active))
+
     def complete(self, rollout_id: str) -> Completion:
         """Release a rollout's binding. Unknown ids are an error and change nothing.
 
         A rollout that ``abort_rollouts`` released already gets that
         (unattributable) completion back once, and nothing is recorded again.
+        Otherwise it is attributable when the version it was bound to (or, carried by an
+        asynchronous update, continues under) is still what the engine is
+        known to serve. A carried rollout that ends while the update's target
+        serves unpublished (RESUMING, after the resume) is not: the target
+        may still fail its live validation.
         """
         with self._lock:
             if (self._state, E.COMPLETE) not in TRANSITIONS:
@@ -758,8 +913,11 @@ class LifecycleController:
                 if done is not None:
                     return done
                 raise BadInput(f"rollout {rollout_id!r} is not active")
-            attributable = (self._state not in (S.TAINTED, S.RECOVERING)
-                            and self._committed == b.version)
+            upd = self._update
+            carried_now = (upd is not None and upd.carry is not None and not upd.aborting
+                           and self._state is S.RESUMING and rollout_id in upd.carry.carried)
+            attributable = (self._state not in (S.TAINTED, S.RECOVERING) and not carried_now
+                            and self._committed == self._continues.get(rollout_id, b.version))
             rec = Complete(rollout_id, b.version, self._state, attributable)
             self._apply_complete(rec)
             if self._listeners:
@@ -861,28 +1019,59 @@ class LifecycleController:
         return ticket
 
     def drained(self, ticket: UpdateTicket, ev: DrainEvidence) -> Verdict:
+        """The engine paused as the update mode's row says (``rules.UPDATE_MODES``).
+
+        Strict: nothing bound, nothing in flight. Asynchronous: paused in the
+        row's mode; the bound rollouts are carried across the update (a
+        ``carry`` record), less those that would exceed ``max_staleness``
+        once the target is published, which end here, unattributable.
+        """
         with self._lock:
-            self._own(E.DRAINED, ticket)
+            upd = self._own(E.DRAINED, ticket)
             before = self._state
-            problems = ev.problems(ticket.target)
-            if self._active:
+            rule = upd.rule
+            problems = (ev.problems(ticket.target) if rule.pause is None
+                        else ev.problems_for(rule.pause))
+            if self._active and rule.drains:
                 problems.append(f"{len(self._active)} rollouts still bound")
             self._evidence(E.DRAINED, ev, problems)
             if problems:
                 v = self._failure(E.DRAINED, Step.DRAIN, FailureKind.BAD_EVIDENCE, problems)
             else:
+                if not rule.drains:
+                    self._carry(upd)
                 self._go(E.DRAINED)
                 v = self._verdict(E.DRAINED, before, accepted=True)
         self._deliver(True)
         return v
 
+    def _carry(self, upd: _Update) -> None:
+        """Record who the asynchronous update carries, and end those over the bound."""
+        k = self._cfg.max_staleness
+        carried: list[str] = []
+        over: list[str] = []
+        for rid, b in sorted(self._active.items()):
+            # Its oldest tokens are its admission version's: once the target is
+            # published they are this many published versions old.
+            age = 1 + sum(v.generation > b.version.generation for v in self._published)
+            (over if k is not None and age > k else carried).append(rid)
+        self._record(Carry(upd.ticket.update_id, upd.mode, tuple(carried), tuple(over), k))
+        for rid in over:
+            rec = Complete(rid, self._active[rid].version, self._state, False)
+            self._apply_complete(rec)
+            if self._listeners:
+                self._outbox.append(rec)
+
     def preflighted(self, ticket: UpdateTicket, ev: PreflightEvidence) -> Verdict:
-        """begin_update: the preflight holds and no rollout is bound, so mutation may start."""
+        """begin_update: the preflight holds and no rollout is bound, so mutation may start.
+
+        (Asynchronous modes: rollouts carried at the pause stay bound.)
+        """
         with self._lock:
-            self._own(E.PREFLIGHTED, ticket)
+            upd = self._own(E.PREFLIGHTED, ticket)
             before = self._state
             problems = ev.problems(ticket.target)
-            if self._active:  # unreachable by construction: admission is closed
+            if self._active and upd.rule.drains:  # unreachable: admission is closed
                 problems.append(f"{len(self._active)} rollouts bound at begin_update")
             self._evidence(E.PREFLIGHTED, ev, problems)
             if problems:
@@ -911,6 +1100,10 @@ class LifecycleController:
             else:
                 upd.mutation_started = upd.mutation_started or ev.mutation_started
                 self._go(E.TRANSFERRED)
+                if not self._pending_resets():
+                    # Every required reset is deferred by the mode (keep, prefix only):
+                    # nothing to invalidate while paused.
+                    self._go(E.INVALIDATED, True)
                 v = self._verdict(E.TRANSFERRED, before, accepted=True)
         self._deliver(True)
         return v
@@ -927,7 +1120,7 @@ class LifecycleController:
                                   problems)
             else:
                 upd.reset_ok.add(ev.cache)
-                self._go(E.INVALIDATED, self._required_caches <= upd.reset_ok)
+                self._go(E.INVALIDATED, not self._pending_resets())
                 v = self._verdict(E.INVALIDATED, before, accepted=True)
         self._deliver(True)
         return v
@@ -1173,6 +1366,8 @@ class LifecycleController:
             self._apply_begin_update(rec)  # type: ignore[arg-type]
         elif t is Abandon or t is Taint:
             self._apply_end_update(rec)  # type: ignore[arg-type]
+        elif t is Carry:
+            self._apply_carry(rec)  # type: ignore[arg-type]
         # Every other record describes a decision; it changes no durable state.
 
 

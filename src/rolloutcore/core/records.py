@@ -47,6 +47,7 @@ __all__ = [
     "Admit",
     "BeginRecovery",
     "BeginUpdate",
+    "Carry",
     "Classification",
     "Commit",
     "Complete",
@@ -65,14 +66,16 @@ __all__ = [
     "Step",
     "Taint",
     "Transition",
+    "UpdateMode",
     "Verdict",
     "decode",
 ]
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
-SCHEMA_VERSION = 2
+#: 3 added the ``carry`` record (asynchronous updates, issue 20).
+SCHEMA_VERSION = 3
 #: Versions this reader decodes (1: lines without ``"v"``).
-READABLE_VERSIONS = frozenset({1, 2})
+READABLE_VERSIONS = frozenset({1, 2, 3})
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -143,6 +146,21 @@ class Classification(enum.StrEnum):
     NO_MUTATION = "no_mutation"
     INCOMPLETE = "incomplete"
     AMBIGUOUS = "ambiguous"
+
+
+class UpdateMode(enum.StrEnum):
+    """What an update does with the rollouts in flight; each is a row of ``rules.UPDATE_MODES``.
+
+    ``strict`` drains them first (every rollout completes under the version
+    it was admitted with); ``keep`` freezes them in the engine
+    (``pause(mode=keep)``) and lets them continue under the new version;
+    ``recompute`` aborts them at the pause and has their owner resubmit
+    prompt + partial output under the new version (the KV is recomputed).
+    """
+
+    STRICT = "strict"
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
 
 
 # --------------------------------------------------------------------------- records
@@ -345,6 +363,37 @@ class BeginUpdate(Record):
 
 
 @dataclass(frozen=True)
+class Carry(Record):
+    """An asynchronous update paused the engine with rollouts bound (since version 3).
+
+    ``carried`` continue across the update (kept, or resubmitted by their
+    owner) and, once the target is published, under it; ``over_bound``
+    would have had tokens more than ``max_staleness`` published versions
+    old, so their bindings are released here, unattributable (each gets its
+    ``complete`` record right after this one): reported, never dropped
+    silently.
+    """
+
+    KIND: ClassVar[str] = "carry"
+    update_id: int
+    mode: UpdateMode
+    carried: tuple[str, ...]
+    over_bound: tuple[str, ...] = ()
+    max_staleness: int | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "mode": self.mode.value,
+                "carried": list(self.carried), "over_bound": list(self.over_bound),
+                "max_staleness": self.max_staleness}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Carry:
+        k = d.get("max_staleness")
+        return cls(int(d["update_id"]), UpdateMode(d["mode"]), _strs(d["carried"]),
+                   _strs(d.get("over_bound", ())), None if k is None else int(k))
+
+
+@dataclass(frozen=True)
 class Commit(Record):
     """A version was published (bootstrap, update or recovery)."""
 
@@ -485,7 +534,7 @@ class Note(Record):
 #: Kind -> record class: the whole schema.
 RECORD_TYPES: Mapping[str, type[Record]] = {t.KIND: t for t in (
     Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
-    Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note)}
+    Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry)}
 
 KINDS = frozenset(RECORD_TYPES)
 

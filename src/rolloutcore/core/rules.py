@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.core.records import Classification, Event, FailureKind, State, Step
+from rolloutcore.core.evidence import CacheKind, PauseMode
+from rolloutcore.core.records import (
+    Classification,
+    Event,
+    FailureKind,
+    State,
+    Step,
+    UpdateMode,
+)
 
 __all__ = [
     "ABORT_STEPS",
@@ -21,11 +30,14 @@ __all__ = [
     "FAILURE_POLICY",
     "FAILURE_TARGETS",
     "FAIL_STEPS",
+    "InFlight",
     "Lookup",
+    "ModeRule",
     "OUTCOMES",
     "RESETS_DONE",
     "STEP_STATE",
     "TRANSITIONS",
+    "UPDATE_MODES",
     "targets",
 ]
 
@@ -154,6 +166,55 @@ RESETS_DONE: Mapping[bool, State] = {False: S.INVALIDATING, True: S.VALIDATING}
 OUTCOMES: Mapping[Lookup, Mapping[Any, State]] = {
     Lookup.FAILURE: FAILURE_TARGETS,
     Lookup.RESETS: RESETS_DONE,
+}
+
+
+class InFlight(enum.StrEnum):
+    """What an update does with the rollouts bound when it pauses the engine."""
+
+    DRAINED = "drained"          # none are left: the drain waits for them (strict)
+    KEPT = "kept"                # frozen in the engine, continue under the new version
+    RESUBMITTED = "resubmitted"  # aborted at the pause; their owner resubmits prompt +
+    #                              partial output under the new version (KV recomputed)
+
+
+@dataclass(frozen=True)
+class ModeRule:
+    """One update mode, as the controller applies it (issue 20).
+
+    ``pause``: how the engine is paused (``None``: the runner's drain mode,
+    WAIT or ABORT, after the bound rollouts finished); ``in_flight``: what
+    happens to rollouts bound at the pause; ``kv_crosses_versions``: a
+    carried rollout's later tokens attend to KV computed by an older
+    version (its record says so); ``deferred_resets``: caches not reset
+    while paused (they cannot be while requests are kept: vLLM refuses a
+    prefix reset then) but isolated by the version salt of every request
+    and reset once nothing admitted under an older version runs;
+    ``needs_salt``: the data plane must salt every request's prefix cache
+    by its admission version, or a new request could reuse KV of the old
+    one.
+    """
+
+    pause: PauseMode | None
+    in_flight: InFlight
+    kv_crosses_versions: bool
+    deferred_resets: frozenset[CacheKind]
+    needs_salt: bool
+
+    @property
+    def drains(self) -> bool:
+        """The drain waits until no rollout is bound (no rollout spans versions)."""
+        return self.in_flight is InFlight.DRAINED
+
+
+#: The update modes, one row each. Strict is today's behaviour; the two
+#: asynchronous ones let rollouts span versions, within ``max_staleness``.
+UPDATE_MODES: Mapping[UpdateMode, ModeRule] = {
+    UpdateMode.STRICT: ModeRule(None, InFlight.DRAINED, False, frozenset(), False),
+    UpdateMode.KEEP: ModeRule(PauseMode.KEEP, InFlight.KEPT, True,
+                              frozenset({CacheKind.PREFIX}), True),
+    UpdateMode.RECOMPUTE: ModeRule(PauseMode.ABORT, InFlight.RESUBMITTED, False,
+                                   frozenset(), False),
 }
 
 

@@ -6,6 +6,7 @@ document; a test checks the committed copy is current.
 
 from __future__ import annotations
 
+from rolloutcore.core.evidence import CacheKind
 from rolloutcore.core.lifecycle import (
     ABORT_STEPS,
     ESCALATION,
@@ -21,6 +22,7 @@ from rolloutcore.core.lifecycle import (
     State,
     Step,
 )
+from rolloutcore.core.rules import UPDATE_MODES
 
 __all__ = ["render"]
 
@@ -87,6 +89,22 @@ def render() -> str:
         row = [FAILURE_TARGETS[(s, c)].value if (s, c) in FAILURE_TARGETS else ""
                for c in Classification]
         lines.append(f"| {s.value} | " + " | ".join(row) + " |")
+    lines += ["", "## Update modes", "",
+              "What an update does with the rollouts bound when it begins (the controller's "
+              "`update_mode`, one row each; `docs/async-modes.md` explains them). The pause "
+              "is the drain step's; deferred resets are not done while paused but once "
+              "nothing admitted under an older version runs (`runner.sweep`), the version "
+              "salt of every request isolating the old entries until then.", "",
+              "| mode | pause | rollouts in flight | drain waits for them | later tokens "
+              "attend to old KV | resets deferred | needs the version salt |",
+              "|---|---|---|---|---|---|---|"]
+    for mode, mrow in UPDATE_MODES.items():
+        pause = mrow.pause.value if mrow.pause else "the runner's drain mode (wait)"
+        deferred = ", ".join(k.value for k in CacheKind if k in mrow.deferred_resets)
+        lines.append(f"| {mode.value} | {pause} | {mrow.in_flight.value} | "
+                     f"{'yes' if mrow.drains else 'no'} | "
+                     f"{'yes' if mrow.kv_crosses_versions else 'no'} | {deferred or '-'} | "
+                     f"{'yes' if mrow.needs_salt else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,15 @@ Engine spans do not see stale KV reused from the prefix cache (VLLM-FACTS):
 purity here is necessary, not sufficient; the cache boundary stays the
 controller's job.
 
+A sample an asynchronous update carried (trajectory schema 3,
+``completion.versions``) is mixed by design: its tokens span versions. Its
+spans are not required to name one version; instead ``provenance.stitch``
+checks them against the engine's own spans, the stitch of its engine
+requests, each request's version salt (no prefix-cache entry of another
+version could be reused) and the staleness bound ("mixed within the bound"
+is counted, not a finding; beyond it is). Rollouts an update ended over the
+bound are listed by the journal's ``carry`` records and reported.
+
 Group diversity asks whether siblings were sampled from independent random
 streams (seed 002, section 1). With distinct seeds the field baseline is
 about 0.1% fully identical sibling pairs, all of them short answers
@@ -51,11 +60,12 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from rolloutcore.core.records import Admit, Commit, JournalRecord
+from rolloutcore.core.records import Admit, Carry, Commit, JournalRecord, UpdateMode
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
+from rolloutcore.provenance.stitch import check_versions
 from rolloutcore.provenance.trajectory import TrajectoryGroup, TrajectorySample
 
 __all__ = [
@@ -89,6 +99,8 @@ class JournalSummary:
     skipped: int                                # lines that could not be read
     commits: frozenset[WeightVersion]
     admissions: Mapping[str, WeightVersion] = field(default_factory=dict)
+    #: Rollouts asynchronous updates ended over the staleness bound (``carry`` records).
+    over_bound: frozenset[str] = frozenset()
 
     def committed_labels(self) -> frozenset[str]:
         return frozenset(v.label for v in self.commits)
@@ -96,7 +108,8 @@ class JournalSummary:
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "lines": self.lines, "skipped": self.skipped,
                 "commits": [v.to_dict() for v in sorted(self.commits, key=_vkey)],
-                "admissions": len(self.admissions)}
+                "admissions": len(self.admissions),
+                "over_bound": sorted(self.over_bound)}
 
 
 def _vkey(v: WeightVersion) -> tuple[int, str, str]:
@@ -111,6 +124,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
     """
     commits: set[WeightVersion] = set()
     admissions: dict[str, WeightVersion] = {}
+    over: set[str] = set()
     lines = skipped = 0
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -127,12 +141,14 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     commits.add(rec.version)
                 elif isinstance(rec, Admit):
                     admissions[rec.rollout_id] = rec.version
+                elif isinstance(rec, Carry):
+                    over.update(rec.over_bound)
     except FileNotFoundError as exc:
         raise BadInput(f"journal {os.fspath(path)!r} does not exist") from exc
     except OSError as exc:
         raise JournalError(f"cannot read journal {os.fspath(path)!r}: {exc}") from exc
     return JournalSummary(os.fspath(path), lines, skipped, frozenset(commits),
-                          MappingProxyType(admissions))
+                          MappingProxyType(admissions), frozenset(over))
 
 
 # --------------------------------------------------------------------------- purity
@@ -143,6 +159,14 @@ class PurityIssue(enum.StrEnum):
     UNCOMMITTED_BINDING = "uncommitted-binding"  # the bound version was never committed
     UNCOMMITTED_SPAN = "uncommitted-span"      # a span's label was never committed
     ADMISSION_MISMATCH = "admission-mismatch"  # the journal admitted the rollout elsewhere
+    # Samples carried by asynchronous updates (trajectory schema 3; provenance.stitch):
+    BEYOND_BOUND = "beyond-staleness-bound"    # a token older than max_staleness versions
+    BAD_STITCH = "bad-stitch"                  # engine requests do not add up to the sample
+    ENGINE_DISAGREES = "engine-spans-disagree"  # recorded per-token versions != engine's
+    SALT_MISMATCH = "salt-mismatch"            # a request's salt names another version
+    UNSALTED = "unsalted-async"                # carried without a version salt
+    KV_CROSS_VERSION = "kv-cross-version"      # outside keep: KV of another version used
+    FIRST_SEGMENT = "first-segment-not-bound"  # the first request is not the binding's
 
 
 @dataclass(frozen=True)
@@ -171,7 +195,17 @@ def _purity_findings(s: TrajectorySample, journal: JournalSummary | None
 
     bound = s.binding.version
     labels = s.completion.span_versions
-    if labels is not None:
+    tv = s.completion.versions
+    if tv is not None:
+        wv = s.completion.weight_versions
+        published = None if journal is None else [v.generation for v in journal.commits
+                                                  if v.engine_epoch == bound.engine_epoch]
+        for issue, detail in check_versions(
+                tv, prompt_tokens=len(s.prompt.token_ids), bound_label=bound.label,
+                engine_spans=None if wv is None else [(x.version, x.start, x.end) for x in wv],
+                published=published):
+            add(PurityIssue(issue.value), detail)
+    if labels is not None and (tv is None or tv.mode is UpdateMode.STRICT):
         if len(labels) > 1:
             add(PurityIssue.MIXED_VERSIONS, f"spans {_spans_text(s)}")
         foreign = [v for v in labels if v != bound.label]
@@ -207,6 +241,8 @@ class PurityReport:
     #: Samples the controller credited to no version (``attribution``): recorded
     #: so that nothing is lost, never training data of the version they name.
     unattributable: int = 0
+    #: Samples whose tokens span versions, all within the bound (not findings).
+    mixed_within_bound: int = 0
 
     @property
     def without_spans(self) -> int:
@@ -229,6 +265,7 @@ class PurityReport:
         return {"samples": self.samples, "with_spans": self.with_spans,
                 "without_spans": self.without_spans, "impure_samples": self.impure_samples,
                 "unattributable": self.unattributable,
+                "mixed_within_bound": self.mixed_within_bound,
                 "ok": self.ok, "counts": self.counts(),
                 "journal": None if self.journal is None else self.journal.to_dict(),
                 "findings": [f.to_dict() for f in self.findings]}
@@ -245,6 +282,14 @@ class PurityReport:
             labels = ", ".join(str(v) for v in sorted(j.commits, key=_vkey)) or "(none)"
             lines.append(f"  journal: {j.path}: {len(j.commits)} committed versions ({labels}); "
                          f"{j.skipped} of {j.lines} lines unreadable")
+            if j.over_bound:
+                lines.append(f"  {len(j.over_bound)} rollouts ended by updates over the "
+                             "staleness bound (reported in the journal, not samples): "
+                             + ", ".join(sorted(j.over_bound)[:10])
+                             + (" ..." if len(j.over_bound) > 10 else ""))
+        if self.mixed_within_bound:
+            lines.append(f"  {self.mixed_within_bound} samples span versions within the "
+                         "staleness bound (asynchronous updates)")
         if self.findings:
             rows = [("group", "sample", "issue", "detail")]
             rows += [(f.group_id, str(f.sample_index), f.issue.value, f.detail)
@@ -256,16 +301,40 @@ class PurityReport:
         return "\n".join(lines)
 
 
+def _mixed_ok(s: TrajectorySample, found: list[PurityFinding]) -> bool:
+    tv = s.completion.versions
+    return tv is not None and len(tv.generations) > 1 and not any(
+        f.issue is PurityIssue.BEYOND_BOUND for f in found)
+
+
+class _PurityTally:
+    """The purity counts of a stream of samples (one pass, any number of samples)."""
+
+    def __init__(self, journal: JournalSummary | None) -> None:
+        self.journal = journal
+        self.n = self.with_spans = self.unattributable = self.mixed = 0
+        self.findings: list[PurityFinding] = []
+
+    def add(self, s: TrajectorySample) -> None:
+        self.n += 1
+        self.with_spans += s.completion.weight_versions is not None
+        self.unattributable += not s.attribution.attributable
+        found = _purity_findings(s, self.journal)
+        self.mixed += _mixed_ok(s, found)
+        self.findings += found
+
+    def report(self) -> PurityReport:
+        return PurityReport(self.n, self.with_spans, tuple(self.findings), self.journal,
+                            unattributable=self.unattributable,
+                            mixed_within_bound=self.mixed)
+
+
 def audit_purity(samples: Iterable[TrajectorySample],
                  journal: JournalSummary | None = None) -> PurityReport:
-    n = with_spans = unattributable = 0
-    findings: list[PurityFinding] = []
+    tally = _PurityTally(journal)
     for s in samples:
-        n += 1
-        with_spans += s.completion.weight_versions is not None
-        unattributable += not s.attribution.attributable
-        findings += _purity_findings(s, journal)
-    return PurityReport(n, with_spans, tuple(findings), journal, unattributable)
+        tally.add(s)
+    return tally.report()
 
 
 # --------------------------------------------------------------------------- diversity
@@ -519,17 +588,13 @@ def audit_file(trajectories: str | os.PathLike[str],
                baseline: DiversityBaseline = DiversityBaseline()) -> AuditReport:
     """Audit the committed groups of a trajectory file in one streaming pass."""
     summary = read_journal_summary(journal) if journal is not None else None
-    n = with_spans = 0
-    findings: list[PurityFinding] = []
+    tally = _PurityTally(summary)
     diversity: list[GroupDiversity] = []
     for g in read_groups(trajectories):
         diversity.append(audit_group(g, baseline))
         for s in g.samples:
-            n += 1
-            with_spans += s.completion.weight_versions is not None
-            findings += _purity_findings(s, summary)
-    return AuditReport(os.fspath(trajectories),
-                       PurityReport(n, with_spans, tuple(findings), summary),
+            tally.add(s)
+    return AuditReport(os.fspath(trajectories), tally.report(),
                        DiversityReport(tuple(diversity), baseline))
 
 

@@ -23,12 +23,15 @@ House rules of this module:
   changed a meaning, not only added a field). Version 2 added
   ``prompt.media`` (digests of the images sent with the prompt), version 3
   ``attribution`` (whether the controller credits the sample to its
-  binding's version). A record is written with the lowest version that can
-  hold it: a text prompt attributable as before is version 1, byte for byte
-  as before (so version-1 readers keep reading such files and content
-  digests do not change); with images version 2; an unattributable sample
-  version 3. A record without ``attribution`` reads as attributable, which
-  is what its writer claimed by writing it.
+  binding's version) and ``completion.versions`` (per-token versions, the
+  update mode, the engine requests and their cache salts:
+  ``provenance.token_versions``). A record is written with the lowest
+  version that can hold it: a text prompt attributable as before is version
+  1, byte for byte as before (so version-1 readers keep reading such files
+  and content digests do not change); with images version 2; a sample that
+  is unattributable or carries per-token versions version 3. A record
+  without ``attribution`` reads as attributable, which is what its writer
+  claimed by writing it.
 
 The on-disk transaction format (groups + commit markers) belongs to
 ``recorder``; this module only knows records. ``docs/trajectory-schema.md``
@@ -58,6 +61,7 @@ from rolloutcore.core.strict import thaw_json as _thaw_json
 from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.seeds import SEED_DERIVATION
+from rolloutcore.provenance.token_versions import TokenVersions
 
 __all__ = [
     "KNOWN_SCHEMA_VERSIONS",
@@ -73,6 +77,7 @@ __all__ = [
     "Prompt",
     "SamplingSpec",
     "Timestamps",
+    "TokenVersions",
     "TrajectoryGroup",
     "TrajectorySample",
     "VersionSpan",
@@ -84,7 +89,8 @@ __all__ = [
 ]
 
 #: The newest version written and read. 1: text prompts; 2: + ``prompt.media``;
-#: 3: + ``attribution`` (written only for a sample credited to no version).
+#: 3: + ``attribution`` (written only for a sample credited to no version) and
+#: ``completion.versions`` (asynchronous updates), each only where it applies.
 SCHEMA_VERSION = 3
 KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3})
 #: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
@@ -403,6 +409,8 @@ class SampledCompletion:
     ``logprobs_mode``, recorded in ``EngineIdentity.config``); ``None`` when
     not requested. ``weight_versions`` are the engine's own spans, ``None``
     when the engine does not report them (vLLM < 0.32, or no label known).
+    ``versions`` (schema version 3) are the per-token versions of a rollout
+    an asynchronous update may have carried (``provenance.token_versions``).
     """
 
     token_ids: tuple[int, ...]
@@ -410,6 +418,7 @@ class SampledCompletion:
     logprobs: tuple[float, ...] | None = None
     stop_reason: int | str | None = None
     weight_versions: tuple[VersionSpan, ...] | None = None
+    versions: TokenVersions | None = None
 
     def __post_init__(self) -> None:
         ids = _tokens("completion.token_ids", self.token_ids)
@@ -437,6 +446,10 @@ class SampledCompletion:
                                    "not a VersionSpan")
             validate_spans(spans, len(ids))
             object.__setattr__(self, "weight_versions", spans)
+        if self.versions is not None:
+            if not isinstance(self.versions, TokenVersions):
+                raise BadInput("completion.versions must be a TokenVersions or None")
+            self.versions.check_length(len(ids))
 
     @property
     def span_versions(self) -> tuple[str, ...] | None:
@@ -450,23 +463,28 @@ class SampledCompletion:
         return tuple(seen)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"token_ids": list(self.token_ids), "finish_reason": self.finish_reason,
-                "logprobs": None if self.logprobs is None else list(self.logprobs),
-                "stop_reason": self.stop_reason,
-                "weight_versions": (None if self.weight_versions is None
-                                    else [s.to_dict() for s in self.weight_versions])}
+        d: dict[str, Any] = {"token_ids": list(self.token_ids),
+                             "finish_reason": self.finish_reason,
+             "logprobs": None if self.logprobs is None else list(self.logprobs),
+             "stop_reason": self.stop_reason,
+             "weight_versions": (None if self.weight_versions is None
+                                 else [s.to_dict() for s in self.weight_versions])}
+        if self.versions is not None:  # absent, not null, before schema version 3
+            d["versions"] = self.versions.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> SampledCompletion:
         m = _obj("completion", d)
         _exact_keys("completion", m, ("token_ids", "finish_reason", "logprobs",
-                                      "stop_reason", "weight_versions"))
+                                      "stop_reason", "weight_versions"), ("versions",))
         wv = m["weight_versions"]
         if wv is not None and not isinstance(wv, list):
             raise BadInput("completion.weight_versions must be a list or null")
         return cls(_tokens("completion.token_ids", m["token_ids"]), m["finish_reason"],
                    m["logprobs"], m["stop_reason"],
-                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv))
+                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv),
+                   TokenVersions.from_dict(m["versions"]) if "versions" in m else None)
 
 
 @dataclass(frozen=True)
@@ -507,7 +525,6 @@ class Timestamps:
 _SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
                 "group_size", "sample_index", "prompt", "sampling", "completion",
                 "binding", "engine", "timestamps")
-_SAMPLE_KEYS_V3 = (*_SAMPLE_KEYS, "attribution")
 
 
 @dataclass(frozen=True)
@@ -586,8 +603,9 @@ class TrajectorySample:
     @property
     def schema_version(self) -> int:
         """The lowest version that holds this record: 1 for a text prompt (written
-        exactly as before version 2), 2 with images, 3 when not attributable."""
-        if not self.attribution.attributable:
+        exactly as before version 2), 2 with images, 3 when not attributable or
+        with per-token versions (``completion.versions``)."""
+        if not self.attribution.attributable or self.completion.versions is not None:
             return 3
         return 2 if self.prompt.media else 1
 
@@ -610,15 +628,22 @@ class TrajectorySample:
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
         v = m["schema_version"]
-        _exact_keys("sample", m, _SAMPLE_KEYS_V3 if v == 3 else _SAMPLE_KEYS)
+        _exact_keys("sample", m, _SAMPLE_KEYS, ("attribution",) if v == 3 else ())
         has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
-        if (v == 1 and has_media) or (v == 2 and not has_media):
-            raise BadInput("trajectory sample: prompt.media is written with schema_version 2 "
-                           "(or 3) and only then (got schema_version "
-                           f"{v}, {'with' if has_media else 'without'} media)")
-        attribution = Attribution.from_dict(m["attribution"]) if v == 3 else Attribution()
-        if v == 3 and attribution.attributable:
-            raise BadInput("trajectory sample: schema_version 3 is written only for a sample "
+        has_versions = isinstance(m["completion"], Mapping) and "versions" in m["completion"]
+        has_attribution = "attribution" in m
+        attribution = (Attribution.from_dict(m["attribution"]) if has_attribution
+                       else Attribution())
+        want = 3 if (has_versions or has_attribution) else 2 if has_media else 1
+        if v != want:
+            raise BadInput("trajectory sample: prompt.media is written with schema_version 2, "
+                           "attribution and completion.versions with 3 (with or without "
+                           f"media), each only then (got schema_version {v}, "
+                           f"{'with' if has_media else 'without'} media, "
+                           f"{'with' if has_attribution else 'without'} attribution, "
+                           f"{'with' if has_versions else 'without'} versions)")
+        if has_attribution and attribution.attributable:
+            raise BadInput("trajectory sample: attribution is written only for a sample "
                            "that is not attributable")
         return cls(m["run"], m["step"], m["group_id"], m["prompt_index"], m["group_size"],
                    m["sample_index"], Prompt.from_dict(m["prompt"]),

@@ -151,6 +151,9 @@ class ServiceConfig:
     #: served model's vocabulary and context; ``None``: not known, not checked).
     vocab_size: int | None = None
     max_model_len: int | None = None
+    #: Salt every admitted request's prefix cache by its version (``cache_salt``;
+    #: ``service.salting``): no request reuses KV of another version, reset or not.
+    salt_prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -183,6 +186,8 @@ class ServiceConfig:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)
         if self.lease_s > self.max_lease_s:
             raise BadInput("lease_s must not exceed max_lease_s")
+        if not isinstance(self.salt_prefix_cache, bool):
+            raise BadInput("salt_prefix_cache must be a bool")
         if not isinstance(self.media, MediaLimits):
             raise BadInput("media must be a MediaLimits")
         if not isinstance(self.transport, Mapping):

@@ -82,6 +82,7 @@ from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
 from rolloutcore.service.liveness import Flight, Flights
 from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.service.salting import check_client_salt, salted_body
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 from rolloutcore.service.wire import (
     BODY_FIELD,
@@ -232,6 +233,8 @@ class FinishedRequest:
     record_overflow: bool = False
     #: The request's images, described (``core.media.ImageRef``), in request order.
     media: tuple[Any, ...] = ()
+    #: The version salt the request was forwarded with (``service.salting``), if any.
+    cache_salt: str | None = None
 
 
 def _rid(b: Binding) -> str:
@@ -459,6 +462,7 @@ class DataPlane:
             return 408
         f.phase = "checking"
         problem, payload = validate_request(raw, cfg.max_json_depth)
+        problem = problem or check_client_salt(payload)
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
@@ -494,6 +498,8 @@ class DataPlane:
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
+        if cfg.salt_prefix_cache:  # no block computed by another version is reused
+            raw, fin.cache_salt = salted_body(raw, payload, binding)
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}

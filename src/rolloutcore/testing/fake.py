@@ -32,9 +32,9 @@ import hashlib
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -61,10 +61,14 @@ from rolloutcore.core.versions import (
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
 
+if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
+    from rolloutcore.adapters.vllm.wire import GenerationChunk
+
 __all__ = [
     "FakeAdapter",
     "FakeRecoverer",
     "FakeEngine",
+    "FakeStream",
     "FakeWeights",
     "Fault",
     "FaultKind",
@@ -165,6 +169,34 @@ def reference_tokens(weights_digest: str, prompt: list[int], n: int) -> list[int
     return out
 
 
+class FakeStream:
+    """A fake engine's streamed request: one ``GenerationChunk`` per token, spans at the end."""
+
+    def __init__(self, steps: Iterator[Generation]) -> None:
+        self._steps = steps
+
+    def __iter__(self) -> Iterator[GenerationChunk]:
+        # Imported here: the package imports httpx, which the demo does without.
+        from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
+
+        seen = 0
+        for g in self._steps:
+            new = g.tokens[seen:]
+            seen = len(g.tokens)
+            if not new and g.finish_reason is None:
+                continue
+            spans = None if g.finish_reason is None else tuple(
+                VersionSpan(str(s["version"]), int(str(s["start"])), int(str(s["end"])))
+                for s in g.version_spans)
+            yield GenerationChunk(tuple(new), tuple(-1.0 for _ in new), g.finish_reason,
+                                  spans, time.monotonic())
+
+    def close(self) -> None:
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()  # GeneratorExit in the engine loop: the request leaves the engine
+
+
 @dataclass
 class Generation:
     request_id: str
@@ -216,7 +248,7 @@ class FakeEngine:
         self._paused: PauseMode | None = None
         self._in_flight: dict[str, Generation] = {}
         self._abort_ids: set[str] = set()
-        self._cache: dict[tuple[int, ...], bytes] = {}
+        self._cache: dict[tuple[str | int | None, ...], bytes] = {}
         self._updating = False
         self.dead = False
         self.prefix_queries = 0
@@ -241,6 +273,11 @@ class FakeEngine:
         with self._cond:
             return self._paused is not None
 
+    def tokens_in_flight(self) -> dict[str, int]:
+        """Request id -> tokens generated so far, for every request in flight."""
+        with self._cond:
+            return {rid: len(g.tokens) for rid, g in self._in_flight.items()}
+
     def weight_bytes(self) -> dict[str, bytes]:
         with self._cond:
             return dict(self._weights)
@@ -251,7 +288,29 @@ class FakeEngine:
 
     # -------------------------------------------------------------- serving
     def generate(self, prompt: list[int], max_tokens: int,
-                 request_id: str | None = None) -> Generation:
+                 request_id: str | None = None, cache_salt: str | None = None) -> Generation:
+        """One request to its end. ``cache_salt`` separates prefix-cache entries like vLLM's."""
+        last: Generation | None = None
+        for step in self._steps(prompt, max_tokens, request_id, cache_salt):
+            last = step
+        assert last is not None
+        return last
+
+    def generate_stream(self, token_ids: list[int] | tuple[int, ...], *, max_tokens: int,
+                        temperature: float = 0.0, logprobs: bool = True,
+                        seed: int | None = None, ignore_eos: bool = False,
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        sampling_extra: object = None,
+                        read_timeout_s: float = 300.0) -> FakeStream:
+        """The request as a stream of one-token events (``VllmHTTP.generate_stream``'s shape).
+
+        The last event carries the per-token labels as spans, like vLLM 0.32.
+        """
+        return FakeStream(self._steps(list(token_ids), max_tokens, request_id, cache_salt))
+
+    def _steps(self, prompt: list[int], max_tokens: int, request_id: str | None,
+               cache_salt: str | None) -> Iterator[Generation]:
+        """Yields the generation after each token (and once at its end)."""
         if not prompt or any(not isinstance(t, int) or not 0 <= t < VOCAB for t in prompt):
             raise BadInput(f"prompt must be non-empty token ids in [0, {VOCAB})")
         if max_tokens <= 0:
@@ -266,7 +325,7 @@ class FakeEngine:
             rid = request_id or f"req-{self._ids}"
             g = Generation(rid, list(prompt))
             self._in_flight[rid] = g
-            kv, cached = self._prefill(prompt)
+            kv, cached = self._prefill(prompt, cache_salt)
             g.cached_tokens = cached
         try:
             for _ in range(max_tokens):
@@ -283,9 +342,10 @@ class FakeEngine:
                     kv = _kv_step(kv, tok, self._wdigest)
                     g.tokens.append(tok)
                     g.token_labels.append(self.label)
+                yield g
             else:
                 g.finish_reason = "length"
-            return g
+            yield g
         finally:
             with self._cond:
                 self._in_flight.pop(rid, None)
@@ -307,13 +367,17 @@ class FakeEngine:
             kv = _kv_step(kv, int(t), wd)
         return out
 
-    def _prefill(self, prompt: list[int]) -> tuple[bytes, int]:
-        """Reuse the longest cached block-aligned prefix (stale or not), compute the rest."""
+    def _prefill(self, prompt: list[int], salt: str | None = None) -> tuple[bytes, int]:
+        """Reuse the longest cached block-aligned prefix (stale or not), compute the rest.
+
+        Entries are keyed by the salt too: a salted request never meets another
+        salt's entries (vLLM hashes the salt into the first block).
+        """
         bs = self.block_size
         self.prefix_queries += len(prompt)
         kv, start = b"", 0
         for end in range((len(prompt) // bs) * bs, 0, -bs):
-            hit = self._cache.get(tuple(prompt[:end]))
+            hit = self._cache.get((salt, *prompt[:end]))
             if hit is not None:
                 kv, start = hit, end
                 break
@@ -321,7 +385,7 @@ class FakeEngine:
         for i in range(start, len(prompt)):
             kv = _kv_step(kv, prompt[i], self._wdigest)
             if (i + 1) % bs == 0:
-                self._cache[tuple(prompt[:i + 1])] = kv
+                self._cache[(salt, *prompt[:i + 1])] = kv
         return kv, start
 
     # -------------------------------------------------------------- lifecycle
@@ -574,7 +638,10 @@ class FakeAdapter:
             return None
         worst = 0
         for p in self._probe_prompts:
-            got = e.generate(list(p), self._probe_tokens).tokens
+            # Salted by the target, as vLLM's probe (prompt logprobs) never reads the
+            # prefix cache: a keep-mode update leaves the old entries in place.
+            got = e.generate(list(p), self._probe_tokens,
+                             cache_salt=f"probe:{target.version.label}").tokens
             want = reference_tokens(self._staged.digest, list(p), self._probe_tokens)
             worst = max(worst, sum(a != b for a, b in zip(got, want, strict=True)))
         passed = worst == 0 and fk is None

@@ -31,12 +31,19 @@ from rolloutcore.adapters.vllm.checksums import (
     WeightChecksums,
     compare_checksums,
 )
-from rolloutcore.adapters.vllm.http import CACHE_ROUTES, KEEPALIVE_S, Routes, VllmHTTP
+from rolloutcore.adapters.vllm.http import (
+    CACHE_ROUTES,
+    KEEPALIVE_S,
+    GenerationStream,
+    Routes,
+    VllmHTTP,
+)
 from rolloutcore.adapters.vllm.wire import (
     PREFIX_HITS,
     PREFIX_QUERIES,
     Completion,
     Generation,
+    GenerationChunk,
     MetricsSnapshot,
     PrefixCacheDelta,
     VersionSpan,
@@ -56,6 +63,8 @@ __all__ = [
     "ChecksumComparison",
     "Completion",
     "Generation",
+    "GenerationChunk",
+    "GenerationStream",
     "MetricsSnapshot",
     "PrefixCacheDelta",
     "ProbeSet",

@@ -29,6 +29,7 @@ Rules it keeps:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -36,7 +37,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -45,6 +46,7 @@ from rolloutcore.adapters.vllm.checksums import WeightChecksums, strip_rank
 from rolloutcore.adapters.vllm.wire import (
     Completion,
     Generation,
+    GenerationChunk,
     MetricsSnapshot,
     VersionSpan,
     WeightInfo,
@@ -55,7 +57,8 @@ from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports.http import map_errors, snippet, status_error
 
-__all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "Routes", "VllmHTTP", "check_timeout"]
+__all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
+           "check_timeout"]
 
 
 class Routes:
@@ -508,8 +511,12 @@ class VllmHTTP:
     def generate(self, token_ids: Sequence[int], *, max_tokens: int, temperature: float = 0.0,
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
-                 images: Sequence[str] = (), timeout_s: float | None = None) -> Generation:
+                 images: Sequence[str] = (), timeout_s: float | None = None,
+                 cache_salt: str | None = None) -> Generation:
         """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
+
+        ``cache_salt`` (top level of the body) is the version salt of the
+        prefix cache (``core.cache_salt``): blocks of another salt are never hit.
 
         ``images`` are ``data:`` URLs sent as vLLM's ``content_parts``; the
         prompt must hold the model's image placeholder token once per image
@@ -530,6 +537,10 @@ class VllmHTTP:
             if not isinstance(request_id, str) or not request_id:
                 raise BadInput("request_id must be a non-empty string")
             body["request_id"] = request_id
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise BadInput("cache_salt must be a non-empty string")
+            body["cache_salt"] = cache_salt
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
 
         def unexpected(why: object) -> EffectError:
@@ -553,6 +564,33 @@ class VllmHTTP:
             raise unexpected(f"{len(lps)} logprobs for {len(toks)} tokens")
         return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
                           ch.get("finish_reason"), spans, media)
+
+    def generate_stream(self, token_ids: Sequence[int], *, max_tokens: int,
+                        temperature: float = 0.0, logprobs: bool = True,
+                        seed: int | None = None, ignore_eos: bool = False,
+                        request_id: str | None = None, cache_salt: str | None = None,
+                        sampling_extra: Mapping[str, Any] | None = None,
+                        read_timeout_s: float = 300.0) -> GenerationStream:
+        """Streamed ``/inference/v1/generate``: the events as they come, each timestamped.
+
+        ``cache_salt`` goes in the body's top level (vLLM hashes it into the
+        first KV block). ``read_timeout_s`` bounds each silence, which must
+        outlast an update that keeps the request frozen.
+        """
+        body: dict[str, Any] = {
+            "model": self.model(), "token_ids": self._token_ids(token_ids),
+            "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
+                                              ignore_eos, sampling_extra),
+            "stream": True, "stream_options": {"include_usage": True}}
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise BadInput("request_id must be a non-empty string")
+            body["request_id"] = request_id
+        if cache_salt is not None:
+            if not isinstance(cache_salt, str) or not cache_salt:
+                raise BadInput("cache_salt must be a non-empty string")
+            body["cache_salt"] = cache_salt
+        return GenerationStream(self, body, check_timeout(read_timeout_s), logprobs)
 
     def complete(self, prompt: str | Sequence[int], *, max_tokens: int,
                  temperature: float = 0.0, logprobs: bool = True, seed: int | None = None,
@@ -654,3 +692,99 @@ class VllmHTTP:
 
     def __repr__(self) -> str:
         return f"VllmHTTP({self.base_url})"
+
+
+class GenerationStream:
+    """One streamed generation: iterate ``GenerationChunk``s, ``close()`` to abort it.
+
+    Closing the response closes its connection, which makes vLLM abort the
+    request. Failures leave as the tree's errors (``transports.http``), like
+    every other call of ``VllmHTTP``.
+    """
+
+    def __init__(self, http: VllmHTTP, body: dict[str, Any], read_timeout_s: float,
+                 logprobs: bool) -> None:
+        self._http, self._body, self._read_s, self._lp = http, body, read_timeout_s, logprobs
+        self._cm: Any = None
+        self._resp: httpx.Response | None = None
+        self._closed = False
+
+    def _open(self) -> httpx.Response:
+        h = self._http
+        if h._closed:
+            raise EngineUnavailable("generate", "client is closed")
+        what = f"POST {Routes.GENERATE} (stream)"
+        timeout = httpx.Timeout(self._read_s, connect=min(30.0, self._read_s))
+        with map_errors("generate", what, timeout_s=self._read_s):
+            self._cm = h._client.stream("POST", Routes.GENERATE, json=self._body,
+                                        timeout=timeout, extensions={"trace": h._trace})
+            resp: httpx.Response = self._cm.__enter__()
+        if resp.status_code != 200:
+            text = resp.read().decode("utf-8", "replace")
+            self.close()
+            err = status_error("generate", what, resp.status_code, text)
+            raise err or EffectError("generate", f"{what}: HTTP {resp.status_code}")
+        self._resp = resp
+        return resp
+
+    def __iter__(self) -> Iterator[GenerationChunk]:
+        resp = self._resp or self._open()
+        what = f"POST {Routes.GENERATE} (stream)"
+        with map_errors("generate", what, timeout_s=self._read_s):
+            for line in resp.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                chunk = self._parse(data)
+                if chunk is not None:
+                    yield chunk
+
+    def _parse(self, data: str) -> GenerationChunk | None:
+        t = time.monotonic()
+        try:
+            ev = json.loads(data)
+            if "error" in ev and not ev.get("choices"):
+                err = ev["error"]
+                msg = err.get("message") if isinstance(err, dict) else err
+                raise EngineUnavailable("generate", f"the stream reported an error: {msg}")
+            usage = ev.get("usage") or {}
+            details = usage.get("prompt_tokens_details") or {}
+            cached = details.get("cached_tokens")
+            choices = ev.get("choices") or []
+            if not choices:
+                return GenerationChunk((), None if not self._lp else (), None, None, t,
+                                       None if cached is None else int(cached))
+            ch = choices[0]
+            toks = tuple(int(x) for x in ch.get("token_ids") or ())
+            lps: tuple[float, ...] | None = None
+            if self._lp:
+                content = (ch.get("logprobs") or {}).get("content") or []
+                lps = tuple(float(c["logprob"]) for c in content)
+                if len(lps) != len(toks):
+                    raise EffectError("generate", f"{len(lps)} logprobs for {len(toks)} "
+                                      "tokens in a stream event")
+            raw = ch.get("weight_versions")
+            spans = None if raw is None else tuple(
+                VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
+        except (ValueError, KeyError, TypeError, AttributeError, BadInput) as exc:
+            raise EffectError("generate", f"unreadable stream event: {exc}: "
+                              f"{snippet(data)}") from exc
+        return GenerationChunk(toks, lps, ch.get("finish_reason"), spans, t,
+                               None if cached is None else int(cached))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cm, self._cm = self._cm, None
+        if cm is not None:
+            with contextlib.suppress(Exception):
+                cm.__exit__(None, None, None)
+
+    def __enter__(self) -> GenerationStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -16,6 +16,7 @@ __all__ = [
     "PREFIX_QUERIES",
     "Completion",
     "Generation",
+    "GenerationChunk",
     "MetricsSnapshot",
     "PrefixCacheDelta",
     "VersionSpan",
@@ -105,6 +106,28 @@ class Generation:
     def versions(self) -> frozenset[str]:
         """The labels that sampled at least one output token."""
         return frozenset(s.version for s in self.weight_versions or () if s.end > s.start)
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """One event of a streamed ``/inference/v1/generate`` (choice 0), as it was read.
+
+    ``read_at`` is ``time.monotonic()`` when the event was parsed: a stream
+    read in order gives the order in which its tokens reached the client,
+    which is what an engine without per-token labels lets one derive
+    versions from. ``weight_versions`` come only with the last event, and
+    only from an engine that reports them (vLLM 0.32). vLLM 0.26 sends no
+    event for an abort: its stream just ends (``finish_reason`` stays
+    ``None`` on every event). ``cached_tokens`` is the prompt's prefix-cache
+    hits, in the final usage event (``--enable-prompt-tokens-details``).
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    finish_reason: str | None
+    weight_versions: tuple[VersionSpan, ...] | None
+    read_at: float
+    cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.versions import (
     Binding,
     EngineIdentity,
@@ -124,7 +125,8 @@ class _SessionEngine:
             g = http.generate(prompt, max_tokens=spec.max_tokens, temperature=spec.temperature,
                               seed=spec.seed, logprobs=True,
                               ignore_eos=bool(spec.extra.get("ignore_eos", False)),
-                              request_id=rollout_id, sampling_extra=_vllm_extra(spec))
+                              request_id=rollout_id, sampling_extra=_vllm_extra(spec),
+                              cache_salt=salt_for(binding.version))
         finally:
             done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
