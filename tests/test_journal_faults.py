@@ -27,7 +27,7 @@ from rolloutcore.control.journal import Journal, read_journal, repair_journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import FailureKind, LifecycleController, State, Step
-from rolloutcore.core.records import Admit, Commit, JournalRecord, Note
+from rolloutcore.core.records import SCHEMA_VERSION, Admit, Commit, JournalRecord, Note
 from rolloutcore.errors import AdmissionRefused, JournalError, UpdateRefused
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 
@@ -238,7 +238,7 @@ def test_admission_does_not_wait_for_a_stalled_writer(tmp_path: Path) -> None:
     th.join(60)
     lines = got[0].decode().splitlines()
     assert len(lines) == len(j.records) == 4 + 3000  # evidence, commit, transition, verdict
-    assert all('"v": 2' in line for line in lines)
+    assert all(f'"v": {SCHEMA_VERSION}' in line for line in lines)
 
 
 def test_a_full_queue_fails_closed_after_its_timeout(tmp_path: Path) -> None:
