@@ -24,19 +24,23 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
+from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer, Sleeper
 from rolloutcore.core.evidence import (
+    SLEEP_LEVELS,
     CacheKind,
     HealthEvidence,
     PauseMode,
     PreflightEvidence,
+    SleepEvidence,
     TransferEvidence,
     ValidationEvidence,
+    WakeTags,
 )
 from rolloutcore.core.lifecycle import (
     Classification,
     FailureKind,
     LifecycleController,
+    SleepTicket,
     State,
     Step,
     UpdateTicket,
@@ -51,9 +55,10 @@ from rolloutcore.errors import (
     InvalidTransition,
     JournalError,
     UpdateFailed,
+    UpdateRefused,
 )
 
-__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "UpdateOutcome"]
+__all__ = ["Deadlines", "LifecycleRunner", "PhaseTiming", "SleepOutcome", "UpdateOutcome"]
 
 T = TypeVar("T")
 
@@ -75,6 +80,8 @@ class Deadlines:
     fence_s: float = 10.0
     cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
     retry_backoff_s: float = 0.2
+    sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
+    wake_s: float = 60.0          # one /wake_up
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():
@@ -131,6 +138,22 @@ class UpdateOutcome:
 #: and the fence act on the serving engine.
 _CANCEL_STEP: dict[str, Step] = {"validate_live": Step.VALIDATE, "health": Step.SERVE,
                                  "fence": Step.SERVE}
+
+
+@dataclass
+class SleepOutcome:
+    """A sleep, as the trainer sees it: where the engine is, and the memory it gave back."""
+
+    ticket: SleepTicket
+    state: State
+    evidence: SleepEvidence | None
+    total_s: float
+    verdicts: list[Verdict] = field(default_factory=list)
+
+    @property
+    def freed_bytes(self) -> int | None:
+        """Device memory the engine reports it gave back (None: it reports none)."""
+        return None if self.evidence is None else self.evidence.freed_bytes
 
 
 class _Abort(Exception):
@@ -347,6 +370,130 @@ class LifecycleRunner:
             self._note("fence_failed", error=str(exc))
         return v
 
+    # ------------------------------------------------------------ colocated training
+    def _sleeper(self) -> Sleeper:
+        a = self.adapter
+        if not isinstance(a, Sleeper):
+            raise UpdateRefused(f"{type(a).__name__} cannot put its engine to sleep "
+                                f"(no Sleeper capability); nothing was changed")
+        return a
+
+    def sleep(self, level: int = 2, *, owner: str = "trainer",
+              reference: bool | None = None) -> SleepOutcome:
+        """Close admission, let bound rollouts finish, put the engine to sleep.
+
+        ``reference`` (default: level 1 only) hashes every engine parameter
+        before the sleep, so that a wake on the same weights can be verified
+        (a level-2 sleep discards them: only an update wakes it well). On
+        return the state is SLEEPING; otherwise ``UpdateFailed``: READY again
+        when the engine was not touched, TAINTED when its memory is unknown.
+        """
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise BadInput(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        ref = level == 1 if reference is None else reference
+        if not isinstance(ref, bool):
+            raise BadInput("reference must be a bool or None")
+        sleeper = self._sleeper()
+        c, d = self.controller, self.deadlines
+        t0 = time.monotonic()
+        ticket = c.request_sleep(owner, level)
+        out = SleepOutcome(ticket, State.DOZING, None, 0.0)
+
+        def failed(v: Verdict, reason: str) -> UpdateFailed:
+            out.verdicts.append(v)
+            if c.state is State.TAINTED:
+                try:
+                    self._effect("fence", self.adapter.fence, d.fence_s, None)
+                except EffectError as exc:
+                    self._note("fence_failed", error=str(exc))
+            out.state, out.total_s = c.state, time.monotonic() - t0
+            cls = v.classification.value if v.classification else "ambiguous"
+            return UpdateFailed("sleep", cls, c.state.value, reason)
+
+        if not c.wait_idle(d.drain_s):
+            why = f"{len(c.active)} rollouts still bound after {d.drain_s:g}s: not slept"
+            raise failed(c.fail(ticket, Step.SLEEP, FailureKind.REFUSED, why), why)
+        try:
+            ev = self._effect(Step.SLEEP.value, lambda: sleeper.sleep(level, reference=ref),
+                              d.sleep_s, None)
+        except EffectError as exc:
+            raise failed(c.fail(ticket, Step.SLEEP, _kind(exc), str(exc)), str(exc)) from exc
+        v = c.slept(ticket, ev)
+        if not v.accepted:
+            raise failed(v, "; ".join(v.problems))
+        out.verdicts.append(v)
+        out.evidence, out.state, out.total_s = ev, c.state, time.monotonic() - t0
+        return out
+
+    def _asleep(self) -> SleepTicket:
+        sl = self.controller.current_sleep
+        if sl is None or self.controller.state is not State.SLEEPING:
+            raise UpdateRefused(f"nothing to wake: the engine is {self.controller.state.value}")
+        return sl
+
+    def _wake_step(self, out: UpdateOutcome, sleeper: Sleeper, tags: WakeTags) -> None:
+        c, ticket = self.controller, out.ticket
+        try:
+            ev = self._effect(Step.WAKE.value, lambda: sleeper.wake(tags), self.deadlines.wake_s,
+                              out.phases, f"wake_{tags.value}")
+        except EffectError as exc:
+            v = c.fail(ticket, Step.WAKE, _kind(exc), str(exc))
+            out.verdicts.append(v)
+            raise _Abort(v) from exc
+        v = c.woke(ticket, ev)
+        out.verdicts.append(v)
+        if not v.accepted:
+            raise _Abort(v)
+
+    def wake(self, *, owner: str = "trainer") -> UpdateOutcome:
+        """Wake the sleeping engine on its own weights (a restore), verified, or taint.
+
+        Wakes everything, resets the caches, validates while paused (every
+        parameter against its checksum from before the sleep), resumes, and
+        publishes the committed version again. After a level-2 sleep (or one
+        without ``reference``) the validation cannot hold: the engine is
+        tainted, never served.
+        """
+        sleeper = self._sleeper()
+        ticket = self.controller.request_wake(self._asleep(), owner)
+        out = UpdateOutcome(ticket, None, State.SLEEPING, 0.0)
+        out.started_at = time.monotonic()
+        with self._phase(out):
+            self._wake_step(out, sleeper, WakeTags.ALL)
+        return self.close_update(out)
+
+    def wake_update(self, identity: WeightIdentity, *, owner: str = "trainer",
+                    label: str | None = None,
+                    min_verification: VerificationLevel = VerificationLevel.ENGINE_CHECKSUM,
+                    ) -> UpdateOutcome:
+        """The colocated update: preflight, wake the weights, transfer, wake the KV cache,
+        reset caches, validate while paused (every parameter), resume, publish.
+
+        A preflight that does not hold refuses the wake before any engine call
+        (``UpdateRefused``; the engine still sleeps). Any failure after the
+        first wake call taints: the old weights are gone or unverified.
+        """
+        sleeper = self._sleeper()
+        c, a, d = self.controller, self.adapter, self.deadlines
+        sl = self._asleep()
+        target = c.wake_target(owner, identity, label=label)
+        try:
+            pf = self._effect(Step.PREFLIGHT.value, lambda: a.preflight(target), d.preflight_s,
+                              None)
+        except EffectError as exc:
+            raise UpdateFailed("preflight", "no_mutation", c.state.value,
+                               f"{exc} (the engine still sleeps)") from exc
+        ticket = c.request_wake(sl, owner, identity, label=label,
+                                min_verification=min_verification, preflight=pf)
+        out = UpdateOutcome(ticket, None, State.SLEEPING, 0.0)
+        out.started_at = time.monotonic()
+        with self._phase(out):
+            self._wake_step(out, sleeper, WakeTags.WEIGHTS)
+            self._run_step(ticket, Step.TRANSFER, lambda: a.transfer(ticket.target),
+                           lambda ev: c.transferred(ticket, ev), d.transfer_s, out)
+            self._wake_step(out, sleeper, WakeTags.KV_CACHE)
+        return self.close_update(out)
+
     # ------------------------------------------------------------ update
     def run_update(self, identity: WeightIdentity, *, owner: str = "trainer",
                    label: str | None = None,
@@ -516,5 +663,6 @@ class LifecycleRunner:
 
 _PHASE_OF_STATE = {State.DRAINING: "drain", State.QUIESCED: "preflight",
                    State.UPDATING: "transfer", State.INVALIDATING: "invalidate",
-                   State.VALIDATING: "validate", State.RESUMING: "resume"}
+                   State.VALIDATING: "validate", State.RESUMING: "resume",
+                   State.SLEEPING: "wake", State.WAKING: "transfer", State.WARMING: "wake"}
 

@@ -15,10 +15,18 @@ It models the behaviours that decide correctness, not speed:
 * a prefix-cache reset that, like vLLM's, answers ``success: false`` while
   requests are running;
 * injectable faults at every effect: raise, hang (until cancelled), lie in
-  the body, die mid-transfer.
+  the body, die mid-transfer;
+* vLLM's sleep levels (colocated training): level 1 keeps a host copy of the
+  weights, level 2 forgets them (a wake brings back memory of garbage, so
+  what the engine then generates is not the policy's); the KV cache is
+  dropped; the scheduler stays paused until everything is awake (vLLM 0.32;
+  ``wake_resumes="always"`` is the older vLLM that resumes on any wake);
+  a weight write or a request that meets asleep memory kills the engine, as
+  the real one crashes (vLLM #57853); the device memory it holds in each
+  condition (``memory()``).
 
-``FakeAdapter`` is a ``LifecycleAdapter`` like any other, and a
-``HealthObserver``; ``FakeRecoverer`` is a ``Recoverer``.
+``FakeAdapter`` is a ``LifecycleAdapter`` like any other, a
+``HealthObserver`` and a ``Sleeper``; ``FakeRecoverer`` is a ``Recoverer``.
 """
 
 from __future__ import annotations
@@ -42,9 +50,12 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
+    WakeEvidence,
+    WakeTags,
 )
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
@@ -164,10 +175,23 @@ class Fault:
 class FakeEngine:
     """The simulated engine. Thread-safe; ``generate`` blocks like an HTTP call would."""
 
+    #: (device total, weights, KV cache, the rest) bytes of the memory model:
+    #: Qwen3-8B-like proportions, as seen on the H200 at gpu-memory-utilization 0.45.
+    MEMORY = (140 << 30, 16 << 30, 46 << 30, 1 << 30)
+
     def __init__(self, weights: FakeWeights, *, token_delay_s: float = 0.002,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, sleep_mode: bool = True,
+                 wake_resumes: str = "when_awake") -> None:
         if token_delay_s < 0 or block_size <= 0:
             raise BadInput("token_delay_s must be >= 0 and block_size > 0")
+        if wake_resumes not in ("when_awake", "always"):
+            raise BadInput("wake_resumes must be 'when_awake' or 'always'")
+        self.sleep_mode = bool(sleep_mode)
+        self.wake_resumes = wake_resumes
+        self._asleep: set[str] = set()   # "weights", "kv_cache"
+        self.sleep_level: int | None = None
+        self._host: dict[str, bytes] | None = None
+        self._garbage = 0
         self.token_delay_s = token_delay_s
         self.block_size = block_size
         self.epoch = uuid.uuid4().hex[:12]
@@ -209,6 +233,32 @@ class FakeEngine:
         if self.dead:
             raise EngineUnavailable("engine", "engine process is dead")
 
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The memory pools asleep now ("weights", "kv_cache")."""
+        with self._cond:
+            return frozenset(self._asleep)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """vLLM's ``/is_sleeping``: true while anything sleeps *or* the scheduler is paused."""
+        with self._cond:
+            return bool(self._asleep) or self._paused is not None
+
+    def memory(self) -> dict[str, int]:
+        """Device memory as the engine's worker sees it: what its pools hold now."""
+        total, w, kv, rest = self.MEMORY
+        with self._cond:
+            used = rest + (0 if "weights" in self._asleep else w) + (
+                0 if "kv_cache" in self._asleep else kv)
+        return {"used_bytes": used, "free_bytes": total - used, "total_bytes": total}
+
+    def _crash(self, why: str) -> EngineUnavailable:
+        """What the real engine does when its kernels meet released memory."""
+        self.dead = True
+        self._cond.notify_all()
+        return EngineUnavailable("engine", f"engine core died: {why}")
+
     # -------------------------------------------------------------- serving
     def generate(self, prompt: list[int], max_tokens: int,
                  request_id: str | None = None) -> Generation:
@@ -222,6 +272,8 @@ class FakeEngine:
             while self._paused is not None and not self.dead:
                 self._cond.wait(0.05)
             self._alive()
+            if self._asleep:  # a scheduler resumed against asleep memory
+                raise self._crash(f"illegal memory access ({sorted(self._asleep)} asleep)")
             self._ids += 1
             rid = request_id or f"req-{self._ids}"
             g = Generation(rid, list(prompt))
@@ -322,11 +374,58 @@ class FakeEngine:
             self._in_flight.clear()
             self._cache.clear()
             self._updating = False
+            self._asleep, self._host, self.sleep_level = set(), None, None
             self._cond.notify_all()
+
+    # -------------------------------------------------------------- sleep mode
+    def sleep(self, level: int) -> None:
+        """vLLM's ``/sleep?level=N&mode=wait``: pause, wait for in-flight work, release."""
+        if level not in (1, 2):
+            raise BadInput("sleep level must be 1 or 2")
+        self.pause(PauseMode.WAIT)
+        with self._cond:
+            self._alive()
+            if not self.sleep_mode:
+                # vLLM without sleep mode (and its CPU build): the worker ignores the
+                # call and keeps every byte, while the engine reports sleeping.
+                self._asleep = {"weights", "kv_cache"}
+                self._host = dict(self._weights)
+                self.sleep_level = level
+                return
+            self._host = dict(self._weights) if level == 1 else None
+            self._asleep = {"weights", "kv_cache"}
+            self.sleep_level = level
+            self._cache.clear()
+
+    def wake(self, tags: str) -> bool:
+        """``/wake_up`` (``tags`` "weights", "kv_cache" or "all"); returns fully awake."""
+        if tags not in ("weights", "kv_cache", "all"):
+            raise BadInput(f"unknown wake tags {tags!r}")
+        with self._cond:
+            self._alive()
+            want = {"weights", "kv_cache"} if tags == "all" else {tags}
+            if "weights" in want and "weights" in self._asleep:
+                if self._host is not None:
+                    self._weights = dict(self._host)
+                else:
+                    # Level 2: the memory comes back, its contents do not.
+                    self._garbage += 1
+                    self._weights = {n: _h("garbage", self._garbage, n)[:1] * len(b)
+                                     for n, b in self._weights.items()}
+                self._wdigest = FakeWeights(self._weights, Provenance("x")).digest
+                self._host = None
+            self._asleep -= want
+            awake = not self._asleep
+            if awake or self.wake_resumes == "always":
+                self._paused = None
+                self._cond.notify_all()
+            return awake
 
     def start_update(self) -> None:
         with self._cond:
             self._alive()
+            if "weights" in self._asleep:
+                raise self._crash("weight update into asleep weights (vLLM #57853)")
             if self._updating:
                 raise TransferError("transfer", "update already started", mutation_started=False)
             self._updating = True
@@ -334,6 +433,8 @@ class FakeEngine:
     def load(self, name: str, data: bytes) -> None:
         with self._cond:
             self._alive()
+            if "weights" in self._asleep:
+                raise self._crash("weight write into asleep weights (vLLM #57853)")
             if not self._updating:
                 raise TransferError("transfer", "load outside an update")
             if name not in self._weights or len(self._weights[name]) != len(data):
@@ -364,6 +465,15 @@ class FakeAdapter:
         #: transfer fault helper: names to skip silently (a transport bug)
         self.skip_params: set[str] = set()
         self._epoch_at_bootstrap: str | None = None
+        # The sleep this adapter put the engine in, until it serves again: its level,
+        # the pools woken since, whether a transfer wrote the weights since, and the
+        # per-parameter digests taken before it (for a wake on the same weights).
+        self._slept: int | None = None
+        self._woken: set[str] = set()
+        self._wrote = False
+        self._reference: dict[str, str] | None = None
+        #: what an adapter call refused before touching the engine, in order (tests)
+        self.refusals: list[str] = []
 
     # -------------------------------------------------------------- set-up
     def stage(self, weights: FakeWeights) -> None:
@@ -373,7 +483,8 @@ class FakeAdapter:
 
     def inject(self, effect: str, kind: FaultKind, times: int = 1) -> None:
         valid = {"bootstrap", "drain", "preflight", "transfer", "reset_prefix",
-                 "reset_encoder", "reset_multimodal", "validate", "validate_live", "resume"}
+                 "reset_encoder", "reset_multimodal", "validate", "validate_live", "resume",
+                 "sleep", "wake_weights", "wake_kv_cache", "wake_all"}
         if effect not in valid:
             raise BadInput(f"unknown effect {effect!r}; one of {sorted(valid)}")
         self.faults[effect] = Fault(FaultKind(kind), times)
@@ -384,8 +495,10 @@ class FakeAdapter:
             return None
         f.times -= 1
         if f.kind is FaultKind.RAISE:
+            # A 500 from /sleep or /wake_up leaves the engine's memory unknown.
             raise EngineUnavailable(effect, "injected server error (HTTP 500)",
-                                    mutation_started=effect == "transfer")
+                                    mutation_started=effect == "transfer" or
+                                    effect.startswith(("sleep", "wake")))
         if f.kind is FaultKind.HANG:
             self._cancel.clear()
             self._cancel.wait()
@@ -415,7 +528,15 @@ class FakeAdapter:
                               f"epoch {self._epoch_at_bootstrap} is now {e.epoch}"
                               if restarted else "")
 
+    def _refuse_asleep(self, step: str, what: str, pool: str = "weights") -> None:
+        """Refuse before any engine call while ``pool`` sleeps (``mutation_started=False``)."""
+        if self._slept is not None and pool not in self._woken:
+            self.refusals.append(step)
+            raise EffectError(step, f"the engine is asleep ({pool} released): {what} refused "
+                              f"before reaching it", mutation_started=False)
+
     def drain(self, mode: PauseMode) -> DrainEvidence:
+        self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
         fk = self._fault("drain")
         self.engine.pause(mode)
@@ -436,7 +557,12 @@ class FakeAdapter:
         t0 = time.monotonic()
         if self._staged is None:
             raise TransferError("transfer", "nothing staged", mutation_started=False)
+        if self._slept is not None and "weights" not in self._woken:
+            self.refusals.append("transfer")
+            raise TransferError("transfer", "the engine is asleep (weights released): "
+                                "nothing sent", mutation_started=False)
         fk = self._fault("transfer")
+        self._wrote = self._wrote or self._slept is not None
         e = self.engine
         e.start_update()
         n = nbytes = 0
@@ -458,6 +584,7 @@ class FakeAdapter:
                                 elapsed_s=time.monotonic() - t0)
 
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
         fk = self._fault(f"reset_{cache.value}")
         ok = self.engine.reset_prefix_cache() if cache is CacheKind.PREFIX else True
         if fk is FaultKind.LIE:
@@ -467,6 +594,8 @@ class FakeAdapter:
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
         fk = self._fault("validate_live" if live else "validate")
         e = self.engine
+        if not live and self._slept is not None:
+            return self._validate_wake(target, fk)
         if not live:
             staged = self._staged.digest if self._staged else None
             match = staged is not None and e.weights_digest == staged
@@ -492,8 +621,83 @@ class FakeAdapter:
                           max_abs_diff=float(worst), tolerance=0.0,
                           level=VerificationLevel.PROBE),))
 
+    def _validate_wake(self, target: UpdateTarget, fk: FaultKind | None) -> ValidationEvidence:
+        """After a wake: every parameter, against the update's source when one was sent
+        since the sleep, against the digests from before the sleep when none was."""
+        e = self.engine
+        now = {n: hashlib.sha256(b).hexdigest() for n, b in e.weight_bytes().items()}
+        if self._wrote:
+            src = self._staged.tensors if self._staged is not None else {}
+            want: dict[str, str] | None = {n: hashlib.sha256(b).hexdigest()
+                                           for n, b in src.items()}
+            against = "the update's source"
+        else:
+            want, against = self._reference, "the digests taken before the sleep"
+        matched = 0 if want is None else sum(want.get(n) == d for n, d in now.items())
+        passed = want is not None and matched == len(now) and set(want) == set(now)
+        if fk is FaultKind.LIE:
+            passed, matched = True, len(now)
+        detail = (f"{matched} of {len(now)} engine parameters equal {against}" if want
+                  is not None else "no digests were taken before the sleep: nothing to "
+                  "compare a wake on the same weights with")
+        return ValidationEvidence(
+            observed_label=e.label, label_supported=True, paused=e.paused,
+            checks=(Check("engine-parameters", passed, detail,
+                          coverage=matched / len(now) if now else 0.0,
+                          level=VerificationLevel.ENGINE_CHECKSUM),))
+
+    # -------------------------------------------------------------- the Sleeper
+    def forget_sleep(self) -> None:
+        """The engine serves again (resumed, or replaced): no sleep of ours is in progress."""
+        self._slept, self._woken, self._wrote, self._reference = None, set(), False, None
+
+    @property
+    def asleep(self) -> int | None:
+        """The level of the sleep this adapter put the engine in (None: not asleep)."""
+        return self._slept
+
+    def sleep(self, level: int, *, reference: bool) -> SleepEvidence:
+        t0 = time.monotonic()
+        e = self.engine
+        if not e.sleep_mode:
+            self.refusals.append("sleep")
+            raise EffectError("sleep", "the engine has no sleep mode (started without "
+                              "--enable-sleep-mode): nothing was sent", mutation_started=False)
+        ref = ({n: hashlib.sha256(b).hexdigest() for n, b in e.weight_bytes().items()}
+               if reference else None)
+        before = {**e.memory(), "source": "fake worker"}
+        fk = self._fault("sleep")
+        e.sleep(level)
+        self._slept, self._woken, self._wrote, self._reference = level, set(), False, ref
+        return SleepEvidence(level=level, is_sleeping_after=e.is_sleeping and fk is None,
+                             paused_after=e.paused,
+                             memory_before=before,
+                             memory_after={**e.memory(), "source": "fake worker"},
+                             reference_params=0 if ref is None else len(ref),
+                             elapsed_s=time.monotonic() - t0)
+
+    def wake(self, tags: WakeTags) -> WakeEvidence:
+        t0 = time.monotonic()
+        if not isinstance(tags, WakeTags):
+            raise BadInput("tags must be WakeTags")
+        fk = self._fault(f"wake_{tags.value}")
+        e = self.engine
+        awake = e.wake(tags.value)
+        self._woken |= ({"weights", "kv_cache"} if tags is WakeTags.ALL else {tags.value})
+        repaused = False
+        if not e.paused:
+            # The engine resumed its scheduler on its own: hold it before anything runs.
+            e.pause(PauseMode.WAIT)
+            repaused = True
+        return WakeEvidence(tags=tags, fully_awake=awake, paused_after=e.paused,
+                            repaused=repaused, memory_after={**e.memory(),
+                                                             "source": "fake worker"},
+                            detail="lied about the wake" if fk is FaultKind.LIE else "",
+                            elapsed_s=time.monotonic() - t0)
+
     def resume(self) -> ResumeEvidence:
         fk = self._fault("resume")
+        self.forget_sleep()
         self.engine.resume()
         return ResumeEvidence(resumed=True,
                               is_paused_after=True if fk is FaultKind.LIE else self.engine.paused)
@@ -523,13 +727,15 @@ class FakeRecoverer:
         old = self.adapter.engine
         old.kill()
         new = FakeEngine(self.weights, token_delay_s=old.token_delay_s,
-                         block_size=old.block_size)
+                         block_size=old.block_size, sleep_mode=old.sleep_mode,
+                         wake_resumes=old.wake_resumes)
         if self.fail:
             new.kill()
             raise EngineUnavailable("recover", "replacement engine died at start")
         new.label = target.label  # a cold load: the label is given at load time
         self.adapter.engine = new
         self.adapter._epoch_at_bootstrap = new.epoch  # the process health is checked against
+        self.adapter.forget_sleep()
         self.adapter.faults.clear()
         self.adapter.stage(self.weights)
         live = self.adapter.validate(UpdateTarget(target, self.weights.identity(), "recovery"),

@@ -68,6 +68,8 @@ class Routes:
     RESUME = "/resume"
     IS_PAUSED = "/is_paused"
     IS_SLEEPING = "/is_sleeping"
+    SLEEP = "/sleep"
+    WAKE_UP = "/wake_up"
     RESET_PREFIX = "/reset_prefix_cache"
     RESET_ENCODER = "/reset_encoder_cache"
     RESET_MM = "/reset_mm_cache"
@@ -292,6 +294,42 @@ class VllmHTTP:
         step = "is_sleeping"
         return bool(self._field(self._get_json(Routes.IS_SLEEPING, step, timeout_s),
                                 "is_sleeping", bool, step))
+
+    # -- sleep mode (a CUDA engine started with --enable-sleep-mode) ---------
+
+    def sleep(self, level: int, *, mode: PauseMode = PauseMode.WAIT,
+              timeout_s: float | None = None) -> None:
+        """``POST /sleep?level=N&mode=...``: pause (waiting for in-flight work with WAIT),
+        then release the weights (offloaded at level 1, discarded at 2) and the KV cache.
+
+        The answer says nothing the caller can rely on (vLLM 0.32: ``{"status":
+        "sleeping"}``, whatever the worker did): read ``is_sleeping`` after.
+        """
+        if isinstance(level, bool) or level not in (1, 2):
+            raise BadInput(f"sleep level must be 1 or 2, got {level!r}")
+        if not isinstance(mode, PauseMode):
+            raise BadInput(f"mode must be a PauseMode, got {mode!r}")
+        self._request("POST", Routes.SLEEP, step="sleep", timeout_s=timeout_s,
+                      params={"level": str(level), "mode": mode.value})
+
+    def wake_up(self, tags: Sequence[str] | None = None, *,
+                timeout_s: float | None = None) -> bool | None:
+        """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``; none: everything).
+
+        Returns whether the engine says it is fully awake (vLLM 0.32 answers
+        ``{"status": "awake" | "sleeping"}``), or ``None`` when the answer
+        does not say (an older vLLM answers an empty 200).
+        """
+        if tags is not None and (isinstance(tags, (str, bytes)) or not tags or any(
+                t not in ("weights", "kv_cache") for t in tags)):
+            raise BadInput(f"wake tags must be 'weights' and/or 'kv_cache', got {tags!r}")
+        r = self._request("POST", Routes.WAKE_UP, step="wake_up", timeout_s=timeout_s,
+                          params=None if tags is None else {"tags": list(tags)})
+        if self._status_is(r, "awake"):
+            return True
+        if self._status_is(r, "sleeping"):
+            return False
+        return None
 
     # -- cache resets -------------------------------------------------------
 
