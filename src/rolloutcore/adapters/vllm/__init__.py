@@ -22,6 +22,7 @@ from rolloutcore.adapters.vllm.adapter import (
     STEP_MAY_MUTATE,
     CheckingTransport,
     ProbeSet,
+    SleepAwareTransport,
     VllmAdapter,
     engine_identity,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "PrefixCacheDelta",
     "ProbeSet",
     "Routes",
+    "SleepAwareTransport",
     "VersionSpan",
     "VllmAdapter",
     "VllmHTTP",
