@@ -42,6 +42,7 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import LifecycleController, State, Step
 from rolloutcore.core.records import (
+    Abandon,
     Commit,
     EvidenceSeen,
     RequestSleep,
@@ -144,9 +145,10 @@ def test_level1_wake_on_the_same_weights_is_verified_and_serves_them_again() -> 
     s = r.sleep(1)
     assert s.evidence is not None and s.evidence.reference_params == len(A.tensors)
     out = r.wake()
-    assert out.published == before and c.committed == before and c.state is State.READY
+    assert out.published is None and c.committed == before and c.state is State.READY
     assert eng.weights_digest == A.digest
-    assert [v.label for v in c.published] == ["default", "default"]  # published again, verified
+    assert [v.label for v in c.published] == ["default"]  # served again, nothing new
+    assert any(isinstance(x.record, Abandon) for x in j.records)
     assert eng.generate(PROMPT, 4).tokens == reference_tokens(A.digest, PROMPT, 4)
     assert states(j)[-5:] == ["SLEEPING", "INVALIDATING", "VALIDATING", "RESUMING", "READY"]
     assert check_journal(j.records) == []

@@ -321,3 +321,24 @@ def test_wake_tags_are_checked_and_sent_as_vllm_reads_them() -> None:
     a.wake(WakeTags.ALL)
     assert [r for r in e.requests if r.url.path == Routes.WAKE_UP][-1].url.params \
         .get_list("tags") == []
+
+
+def test_a_sleep_the_engine_refuses_left_it_untouched_and_a_500_did_not() -> None:
+    a, e, tr = rig()
+    e_refuse = SleepyEngine()
+    h = VllmHTTP(BASE, transport=httpx.MockTransport(
+        lambda r: httpx.Response(400, json={"detail": "bad level"})
+        if r.url.path == Routes.SLEEP else e_refuse(r)))
+    a2 = VllmAdapter(h, engine_epoch="e0")
+    a2._sleep_mode = True
+    with pytest.raises(EngineRefused) as ex:
+        a2.sleep(2, reference=False)
+    assert ex.value.mutation_started is False and a2.asleep is None
+    h5 = VllmHTTP(BASE, transport=httpx.MockTransport(
+        lambda r: httpx.Response(500, json={"error": "boom"})
+        if r.url.path == Routes.SLEEP else e_refuse(r)))
+    a5 = VllmAdapter(h5, engine_epoch="e0")
+    a5._sleep_mode = True
+    with pytest.raises(EffectError) as ex5:
+        a5.sleep(2, reference=False)
+    assert ex5.value.mutation_started is True  # the memory is in an unknown state

@@ -386,7 +386,7 @@ def summarize(R: Mapping[str, Any]) -> dict[str, Any]:
     bare = [r["total_s"] for r in l2.get("bare", [])]
     cov = [r["coverage"] for r in l2.get("verified", []) if r.get("coverage") is not None]
     l1 = [r["total_s"] for r in R.get("colocated_l1", {}).get("verified", [])
-          if r.get("published")]
+          if r.get("served")]
     mem = R.get("memory", {})
     neg = R.get("negative", {})
     v2, b2 = _med(ver), _med(bare)
@@ -556,13 +556,22 @@ def run_colocated_l1(rig: Rig, reps: int) -> dict[str, Any]:
     for i in range(reps):
         n0 = len(rig.records)
         before = rig.controller.committed
-        s = rig.runner.sleep(1, reference=True)
-        trained = rig.train(s.freed_bytes)
-        o = rig.runner.wake()
+        try:
+            s = rig.runner.sleep(1, reference=True)
+            trained = rig.train(s.freed_bytes)
+            o = rig.runner.wake()
+        except UpdateFailed as exc:  # recorded; the engine goes to a fresh controller
+            whole = _whole_check(_rep_record(rig, n0))
+            out["verified"].append({"rep": i, "served": False, "error": str(exc),
+                                    "coverage": whole["coverage"], "whole_check": whole})
+            rig.log(f"verified L1 rep {i} FAILED: {exc}")
+            rig.bring_back(1)
+            continue
         whole = _whole_check(_rep_record(rig, n0))
+        served = o.state is State.READY and rig.controller.committed == before
         out["verified"].append({
-            "rep": i, "published": None if o.published is None else o.published.label,
-            "same_version": o.published == before, "total_s": s.total_s + o.total_s,
+            "rep": i, "served": served, "same_version": served and o.published is None,
+            "total_s": s.total_s + o.total_s,
             "sleep_s": s.total_s, "wake_s": o.total_s, "breakdown": o.breakdown(),
             "coverage": whole["coverage"], "whole_check": whole, "trainer": trained,
             "reference_params": None if s.evidence is None else s.evidence.reference_params})

@@ -449,8 +449,9 @@ class LifecycleRunner:
         """Wake the sleeping engine on its own weights (a restore), verified, or taint.
 
         Wakes everything, resets the caches, validates while paused (every
-        parameter against its checksum from before the sleep), resumes, and
-        publishes the committed version again. After a level-2 sleep (or one
+        parameter against its checksum from before the sleep), resumes: the
+        committed version serves again, nothing new is published (the journal
+        closes the wake with an ``abandon``). After a level-2 sleep (or one
         without ``reference``) the validation cannot hold: the engine is
         tainted, never served.
         """

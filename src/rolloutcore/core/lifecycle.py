@@ -926,6 +926,17 @@ class LifecycleController:
         if live is not None:
             upd.validations.append(live)
         level, summary = self._verification(upd.validations)
+        if upd.restore:
+            # A wake on the engine's own weights, verified unchanged: the committed
+            # version serves again; nothing new is published.
+            if level < ticket.min_verification:
+                return self._failure(
+                    E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
+                    [f"verification reached {level.wire}, "
+                     f"the wake requires {ticket.min_verification.wire}"])
+            self._record(Abandon(ticket.update_id, ticket.target.version))
+            self._go(E.RESUMED)
+            return self._verdict(E.RESUMED, before, accepted=True)
         if level < ticket.min_verification:
             return self._failure(
                 E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,

@@ -291,8 +291,9 @@ class RequestWake(RequestUpdate):
 
     ``restore`` is a wake on the engine's own weights: ``target`` is then the
     committed version itself, verified against the checksums taken before
-    the sleep, and published again once it holds. Otherwise ``target`` is a
-    fresh version, as in ``request_update``. It is a ``request_update``
+    the sleep; it ends with an ``abandon`` (the committed version serves
+    again, nothing is published). Otherwise ``target`` is a fresh version,
+    as in ``request_update``. It is a ``request_update``
     (every consumer that follows updates follows this one) with the sleep's
     level and which kind of wake it is.
     """
@@ -416,7 +417,8 @@ class Commit(Record):
 
 @dataclass(frozen=True)
 class Abandon(Record):
-    """An update that mutated nothing ended; the old version serves again."""
+    """An update that mutated nothing ended, or a restore (a wake on the engine's own
+    weights) was verified: the old version serves again."""
 
     KIND: ClassVar[str] = "abandon"
     update_id: int

@@ -660,7 +660,11 @@ class VllmAdapter:
                                   "same weights cannot be verified")
             else:
                 ref = got[0]
-        h.sleep(level, mode=PauseMode.WAIT, timeout_s=self._drain_timeout_s)
+        try:
+            h.sleep(level, mode=PauseMode.WAIT, timeout_s=self._drain_timeout_s)
+        except EngineRefused as exc:
+            exc.mutation_started = False  # a 4xx: the engine refused before acting
+            raise
         self._slept, self._woken, self._wrote, self._reference = level, set(), False, ref
         sleeping = h.is_sleeping() if Routes.IS_SLEEPING in caps else None
         paused = h.is_paused() if Routes.IS_PAUSED in caps else None
