@@ -69,6 +69,23 @@ Rollouts still bound then complete unattributable. A controller restored
 from a journal that ends mid-update (or mid-recovery) fails the same way,
 with ``Step.RESTART``: whatever step was reached, its outcome is unknown.
 
+Colocated training (a trainer and the engine on one GPU)
+--------------------------------------------------------
+
+``request_sleep`` in READY closes admission for a sleep (DOZING); once the
+bound rollouts finished and the engine reports asleep, ``slept`` leads to
+SLEEPING, where nothing is admitted, transferred or reset. The sleep's
+owner wakes it with ``request_wake``: a colocated update (a fresh target,
+its preflight checked up front: a refusal leaves the engine asleep) or a
+restore (the committed version, on the engine's own weights). Each wake
+call's evidence (``woke``) goes through ``WAKE_TARGETS``: an update wakes the
+weights (WAKING), writes them (WARMING), wakes the KV cache; a restore wakes
+everything at once; both then reset the caches and validate while paused,
+where only a passing check of every engine parameter (coverage 1.0) lets a
+woken engine serve. Failures after the first wake call taint (there is no
+old version to resume); a sleep refused before it reached the engine
+serves on.
+
 Records leave the lock before anyone reads them
 -----------------------------------------------
 
@@ -1005,7 +1022,8 @@ class LifecycleController:
     # an update (level 2 discarded the weights: the update writes every parameter)
     # or on its own weights (a restore, verified against the checksums taken
     # before the sleep). Either way the wake ends like an update: caches reset,
-    # a paused validation that covers every parameter, the resume, the publish.
+    # a paused validation that covers every parameter, the resume; an update
+    # publishes its target, a restore serves the committed version again.
 
     def request_sleep(self, owner: str, level: int = 2) -> SleepTicket:
         """Close admission for a sleep (READY -> DOZING). Refused, changing nothing, elsewhere."""
