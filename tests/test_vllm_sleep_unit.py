@@ -42,8 +42,8 @@ BASE = "http://engine.test"
 ROUTES = frozenset({
     Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO, Routes.MODELS, Routes.PAUSE,
     Routes.RESUME, Routes.IS_PAUSED, Routes.IS_SLEEPING, Routes.SLEEP, Routes.WAKE_UP,
-    Routes.RESET_PREFIX, "/start_weight_update", "/update_weights",
-    "/finish_weight_update", "/collective_rpc"})
+    Routes.RESET_PREFIX, Routes.RESET_ENCODER, Routes.RESET_MM, "/start_weight_update",
+    "/update_weights", "/finish_weight_update", "/collective_rpc"})
 
 
 class SleepyEngine:
@@ -70,7 +70,8 @@ class SleepyEngine:
             return httpx.Response(200, json={"version": f"{self.release}.0"})
         if path == Routes.SERVER_INFO:
             mc = {} if self.sleep_mode is None else {"enable_sleep_mode": self.sleep_mode}
-            return httpx.Response(200, json={"vllm_config": {"model_config": mc}})
+            return httpx.Response(200, json={"vllm_config": {
+                "model_config": mc, "weight_transfer_config": {"backend": "rc_cuda_ipc"}}})
         if path == Routes.PAUSE:
             self.paused = True
             return httpx.Response(200, json={"status": "paused"})
@@ -96,6 +97,8 @@ class SleepyEngine:
                     if new else httpx.Response(200))
         if path == Routes.RESET_PREFIX:
             return httpx.Response(200, json={"success": True})
+        if path in (Routes.RESET_ENCODER, Routes.RESET_MM):
+            return httpx.Response(200)
         return httpx.Response(500, json={"error": f"unexpected {path}"})
 
     def sent(self, path: str) -> int:
@@ -342,3 +345,42 @@ def test_a_sleep_the_engine_refuses_left_it_untouched_and_a_500_did_not() -> Non
     with pytest.raises(EffectError) as ex5:
         a5.sleep(2, reference=False)
     assert ex5.value.mutation_started is True  # the memory is in an unknown state
+
+
+def test_the_session_api_in_a_training_loop() -> None:
+    """EngineSession.sleep / wake_and_update / wake, as a colocated training loop calls them."""
+    import torch
+
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.core.lifecycle import State
+    from rolloutcore.errors import UpdateRefused
+
+    e = SleepyEngine()
+    tr = WorkerTransport()
+    tr.engine = e
+    session = EngineSession(VllmHTTP(BASE, transport=httpx.MockTransport(e)), tr,
+                            engine_epoch="e0")
+    session.adapter._connected = True
+    m = ParameterManifest.from_items([("w", (2,), "float32")])
+    session.runner.bootstrap(WeightIdentity.declare(m, Provenance("ckpt/step-0")))
+    c = session.controller
+    with pytest.raises(UpdateRefused, match="not asleep"):
+        session.wake_and_update({"w": torch.ones(2)}, Provenance("s1", "run", 1), probe=False)
+    for step in (1, 2):
+        rep = session.sleep(2)
+        assert rep.level == 2 and rep.freed_bytes == 69 << 30 and session.asleep == 2
+        assert rep.free_bytes == 139 << 30
+        with pytest.raises(UpdateRefused, match="level 2"):
+            session.wake()  # those weights are gone
+        with pytest.raises(UpdateRefused, match="asleep"):
+            session.update({"w": torch.ones(2)}, Provenance("x", "run", 9), probe=False)
+        assert c.state is State.SLEEPING and "send" not in tr.calls[-3:]
+        res = session.wake_and_update({"w": torch.full((2,), float(step))},
+                                      Provenance(f"s{step}", "run", step), probe=False)
+        assert res.version.label == f"rc-{step}" and c.state is State.READY
+        assert res.identity.verification >= VerificationLevel.ENGINE_CHECKSUM
+        assert session.asleep is None and not e.paused and not e.asleep
+    session.sleep(1)
+    assert session.wake() == c.committed and c.state is State.READY
+    assert [v.label for v in c.published] == ["rc-0", "rc-1", "rc-2"]
+    session.close()
