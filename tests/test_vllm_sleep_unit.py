@@ -229,6 +229,9 @@ def test_the_colocated_wake_keeps_the_scheduler_paused_on_both_releases(release:
     assert w.problems(None) == [] and "after_wake" in tr.calls
     ev = a.transfer(target())
     assert ev.completed and tr.calls.count("send") == 1
+    # The check of what was written starts now; the paused state is read only after the
+    # KV cache wakes (vLLM resumes the scheduler then, and the wake pauses it again).
+    assert a._early is not None and a._early[2] is None
     k = a.wake(WakeTags.KV_CACHE)
     assert k.fully_awake is True and k.paused_after is True and k.repaused and e.paused
     assert any("directly" in u for u in k.unverified)

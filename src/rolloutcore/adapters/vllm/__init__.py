@@ -11,6 +11,8 @@ Modules, each one concern:
 * ``adapter``: ``VllmAdapter``, the port (``rolloutcore.control.port``) over
   a ``VllmHTTP`` and a weight transport; each step declares whether its
   failures may have changed the weights (``STEP_MAY_MUTATE``);
+* ``sleep``: its sleep mode (``SleepMode``: colocated training on one GPU)
+  and what it needs of a transport (``SleepAwareTransport``);
 * ``process``: the managed vLLM process (``ManagedEngine``).
 
 The names other code uses are re-exported here.
@@ -22,7 +24,6 @@ from rolloutcore.adapters.vllm.adapter import (
     STEP_MAY_MUTATE,
     CheckingTransport,
     ProbeSet,
-    SleepAwareTransport,
     VllmAdapter,
     engine_identity,
 )
@@ -33,6 +34,7 @@ from rolloutcore.adapters.vllm.checksums import (
     compare_checksums,
 )
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, KEEPALIVE_S, Routes, VllmHTTP
+from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
 from rolloutcore.adapters.vllm.wire import (
     PREFIX_HITS,
     PREFIX_QUERIES,
@@ -61,6 +63,7 @@ __all__ = [
     "ProbeSet",
     "Routes",
     "SleepAwareTransport",
+    "SleepMode",
     "VersionSpan",
     "VllmAdapter",
     "VllmHTTP",

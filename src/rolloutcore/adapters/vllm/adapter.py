@@ -39,8 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.adapters.vllm.checksums import compare_checksums
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
+from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
 from rolloutcore.core.evidence import (
-    SLEEP_LEVELS,
     BootstrapEvidence,
     CacheKind,
     CacheResetEvidence,
@@ -50,32 +50,26 @@ from rolloutcore.core.evidence import (
     PauseMode,
     PreflightEvidence,
     ResumeEvidence,
-    SleepEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
-    WakeEvidence,
-    WakeTags,
 )
 from rolloutcore.core.lifecycle import Step
-from rolloutcore.core.versions import EngineIdentity, Provenance, VerificationLevel
+from rolloutcore.core.versions import EngineIdentity, Provenance
 from rolloutcore.errors import (
     BadInput,
     EffectError,
-    EngineRefused,
     EngineUnavailable,
     RolloutCoreError,
     TransferError,
 )
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import compare
 
 __all__ = [
     "STEP_MAY_MUTATE",
     "CheckingTransport",
     "ProbeSet",
-    "SleepAwareTransport",
     "VllmAdapter",
     "engine_identity",
 ]
@@ -114,32 +108,6 @@ class CheckingTransport(Protocol):
     of the updated slices, computed on the workers): an optional capability."""
 
     def validation_check(self, base_url: str) -> Check:
-        ...
-
-
-@runtime_checkable
-class SleepAwareTransport(Protocol):
-    """A transport with engine-side state a sleep can leave stale, and a view of the workers.
-
-    rc_cuda_ipc's worker half keeps mapped buffers, copy plans and a checksum
-    prefetched at the last update: ``after_wake`` has the workers drop what a
-    wake may have made stale; ``param_checksums`` hashes every engine
-    parameter now (never a prefetched value); ``engine_memory`` is the
-    device memory as the workers see it; ``engine_parameter_check`` is the
-    last validation's checksum check restated over the engine's whole
-    parameter list (``None`` before one ran).
-    """
-
-    def after_wake(self, base_url: str) -> Mapping[str, Any]:
-        ...
-
-    def param_checksums(self, base_url: str) -> Mapping[str, int]:
-        ...
-
-    def engine_memory(self, base_url: str) -> Mapping[str, Any]:
-        ...
-
-    def engine_parameter_check(self) -> Check | None:
         ...
 
 
@@ -182,7 +150,7 @@ class _Staged:
     manifest_digest: str
 
 
-class VllmAdapter:
+class VllmAdapter(SleepMode):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
     The trainer side calls ``stage(source, ...)`` before each update; the
@@ -225,16 +193,7 @@ class VllmAdapter:
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
-        # The sleep this adapter put the engine in, until it serves again: the level,
-        # the pools woken since, whether a transfer wrote the weights since, and the
-        # per-parameter checksums taken before it (for a wake on the same weights).
-        self._slept: int | None = None
-        self._woken: set[str] = set()
-        self._wrote = False
-        self._reference: Mapping[str, Any] | None = None
-        #: read the workers' memory around sleep and wake (one RPC each, when the
-        #: transport can); off: the evidence carries no memory
-        self.report_memory = True
+        self._init_sleep_mode()
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -457,13 +416,17 @@ class VllmAdapter:
         # collects it, for this target only.
         # The paused state is read then too (the engine stays paused until the runner
         # resumes it after the validation, so a read from here on is inside the
-        # same paused window as one taken during the validation).
+        # same paused window as one taken during the validation), except while the
+        # KV cache still sleeps: vLLM resumes its scheduler when it wakes, and the
+        # wake pauses it again, so the validation reads the state after that.
         tr = self.transport
         if self.early_transport_check and isinstance(tr, CheckingTransport):
             side = self._side()
             check = side.submit(tr.validation_check, self.http.base_url)
+            kv_asleep = self._slept is not None and "kv_cache" not in self._woken
             paused = (side.submit(self.http.is_paused)
-                      if Routes.IS_PAUSED in self.http.capabilities() else None)
+                      if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
+                      else None)
             self._early = (target, check, paused)
         return ev
 
@@ -579,171 +542,6 @@ class VllmAdapter:
                   else "" if healthy else "/health answered non-200")
         return HealthEvidence(True, healthy, restarted, reason,
                               elapsed_s=time.monotonic() - t0)
-
-    # -- sleep mode (control.port.Sleeper) ------------------------------------
-
-    def forget_sleep(self) -> None:
-        """The engine serves again (resumed or replaced): no sleep of ours is in progress."""
-        self._slept, self._woken, self._wrote, self._reference = None, set(), False, None
-
-    @property
-    def asleep(self) -> int | None:
-        """The level of the sleep this adapter put the engine in (None: not asleep)."""
-        return self._slept
-
-    def _refuse_asleep(self, step: str, what: str, pool: str = "weights") -> None:
-        if self._slept is not None and pool not in self._woken:
-            raise EngineRefused(step, f"the engine is asleep ({pool} released): {what} was "
-                                f"refused before reaching it", status=409,
-                                mutation_started=False)
-
-    def _memory(self) -> dict[str, Any]:
-        tr = self.transport
-        if not self.report_memory or not isinstance(tr, SleepAwareTransport):
-            return {}
-        try:
-            return {**tr.engine_memory(self.http.base_url)}
-        except RolloutCoreError:
-            return {}  # a report, not a step: its absence is in the evidence
-
-    def _param_checksums(self) -> tuple[Mapping[str, Any], str] | None:
-        """Every engine parameter hashed now: (name -> value, how), or None if it cannot be."""
-        tr, h = self.transport, self.http
-        if isinstance(tr, SleepAwareTransport):
-            return dict(tr.param_checksums(h.base_url)), "workers' block checksum"
-        if Routes.WEIGHT_CHECKER in h.capabilities():
-            return dict(h.weight_checksums().digests), "/weight_checker sha256"
-        return None
-
-    @_step(Step.SLEEP)
-    def sleep(self, level: int, *, reference: bool) -> SleepEvidence:
-        """``/sleep?level=N&mode=wait`` (after the checksums of ``reference``), then read
-        ``/is_sleeping`` and ``/is_paused``. Refused before any call on an engine
-        without sleep mode."""
-        if isinstance(level, bool) or level not in SLEEP_LEVELS:
-            raise BadInput(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
-        if not isinstance(reference, bool):
-            raise BadInput("reference must be a bool")
-        t0 = time.monotonic()
-        h = self.http
-        caps = h.capabilities()
-        if self._sleep_mode is None and Routes.SERVER_INFO in caps:
-            mc = (h.server_info().get("vllm_config") or {}).get("model_config")
-            sm = mc.get("enable_sleep_mode") if isinstance(mc, dict) else None
-            self._sleep_mode = sm if isinstance(sm, bool) else None
-        if self._sleep_mode is False:
-            raise EngineRefused(
-                "sleep", "the engine was started without --enable-sleep-mode (and vLLM's CPU "
-                "build has no sleep mode: its worker ignores /sleep, keeps every byte, and "
-                "the engine reports asleep): nothing was sent", status=409,
-                mutation_started=False)
-        if Routes.SLEEP not in caps or Routes.WAKE_UP not in caps:
-            raise EngineRefused("sleep", "the engine offers no /sleep and /wake_up (start it "
-                                "with VLLM_SERVER_DEV_MODE=1): nothing was sent", status=404,
-                                mutation_started=False)
-        if self._slept is not None:
-            raise EngineRefused("sleep", f"the engine is already asleep (level {self._slept})",
-                                status=409, mutation_started=False)
-        unverified: list[str] = []
-        if self._sleep_mode is None:
-            unverified.append("sleep mode not confirmed by /server_info")
-        before = self._memory()
-        ref: Mapping[str, Any] | None = None
-        if reference:
-            try:
-                got = self._param_checksums()
-            except RolloutCoreError as exc:
-                raise EffectError("sleep", f"checksums before the sleep failed: {exc}",
-                                  mutation_started=False) from exc
-            if got is None:
-                unverified.append("no way to hash the engine's parameters: a wake on the "
-                                  "same weights cannot be verified")
-            else:
-                ref = got[0]
-        try:
-            h.sleep(level, mode=PauseMode.WAIT, timeout_s=self._drain_timeout_s)
-        except EngineRefused as exc:
-            exc.mutation_started = False  # a 4xx: the engine refused before acting
-            raise
-        self._slept, self._woken, self._wrote, self._reference = level, set(), False, ref
-        sleeping = h.is_sleeping() if Routes.IS_SLEEPING in caps else None
-        paused = h.is_paused() if Routes.IS_PAUSED in caps else None
-        after = self._memory()
-        if not before:
-            unverified.append("the engine reports no memory (no rc_cuda_ipc workers)")
-        return SleepEvidence(level=level, is_sleeping_after=sleeping, paused_after=paused,
-                             memory_before=before, memory_after=after,
-                             reference_params=0 if ref is None else len(ref),
-                             elapsed_s=time.monotonic() - t0, unverified=tuple(unverified))
-
-    @_step(Step.WAKE)
-    def wake(self, tags: WakeTags) -> WakeEvidence:
-        """``/wake_up`` for ``tags``; re-pause a scheduler the engine resumed on its own.
-
-        vLLM resumes its scheduler once everything is awake (0.32) or on any
-        wake (older releases): either way the adapter pauses it again at once,
-        so that nothing runs on weights not yet verified.
-        """
-        if not isinstance(tags, WakeTags):
-            raise BadInput(f"tags must be WakeTags, got {tags!r}")
-        t0 = time.monotonic()
-        h = self.http
-        caps = h.capabilities()
-        unverified: list[str] = []
-        if self._slept is None:
-            unverified.append("this adapter did not put the engine to sleep")
-        said = h.wake_up(None if tags is WakeTags.ALL else [tags.value])
-        self._woken |= ({"weights", "kv_cache"} if tags is WakeTags.ALL else {tags.value})
-        fully = said
-        if fully is None and Routes.IS_SLEEPING in caps:
-            fully = not h.is_sleeping()  # before any re-pause: is_sleeping counts pauses
-        paused = h.is_paused() if Routes.IS_PAUSED in caps else None
-        repaused = False
-        if paused is False:
-            said_paused = h.pause(PauseMode.WAIT, clear_cache=False,
-                                  timeout_s=self._drain_timeout_s)
-            paused, repaused = said_paused or h.is_paused(), True
-            unverified.append("the engine resumed its scheduler on waking and was paused "
-                              "again: a request sent to the engine directly, past "
-                              "RolloutCore, could have started in between")
-        detail = ""
-        tr = self.transport
-        if tags is not WakeTags.KV_CACHE and isinstance(tr, SleepAwareTransport) \
-                and self._connected:
-            try:
-                tr.after_wake(h.base_url)
-            except RolloutCoreError as exc:
-                detail = f"the workers could not drop state the sleep made stale: {exc}"
-        return WakeEvidence(tags=tags, fully_awake=fully, paused_after=paused,
-                            repaused=repaused, memory_after=self._memory(), detail=detail,
-                            elapsed_s=time.monotonic() - t0, unverified=tuple(unverified))
-
-    def _validate_restore(self, t0: float) -> ValidationEvidence:
-        """A wake with no transfer since the sleep: every parameter against its checksum
-        from before the sleep (the engine's whole parameter list is the denominator)."""
-        h = self.http
-        wi = h.weight_info()
-        unverified: list[str] = []
-        ref = self._reference
-        if ref is None:
-            chk = Check("engine-parameters", False, "no checksums were taken before the "
-                        "sleep (a level-2 sleep discards the weights): a wake on the same "
-                        "weights cannot be verified", coverage=0.0,
-                        level=VerificationLevel.ENGINE_CHECKSUM)
-        else:
-            got = self._param_checksums()
-            assert got is not None  # the same way the reference was taken
-            report = compare(dict(sorted(got[0].items())), dict(sorted(ref.items())),
-                             keyed_by="name")
-            chk = dataclasses.replace(
-                report.to_check("engine-parameters"),
-                detail=f"{got[1]} after the wake vs before the sleep: {report.detail()}")
-        paused = h.is_paused() if Routes.IS_PAUSED in h.capabilities() else None
-        if not wi.label_supported:
-            unverified.append("no weight_version endpoint: label not verified")
-        return ValidationEvidence(wi.label, wi.label_supported, paused=paused, checks=(chk,),
-                                  elapsed_s=time.monotonic() - t0,
-                                  unverified=tuple(unverified))
 
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (two: the early
