@@ -9,22 +9,32 @@ from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
     CacheResetEvidence,
+    Check,
     DrainEvidence,
     PauseMode,
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     ValidationEvidence,
+    WakeEvidence,
+    WakeTags,
 )
 from rolloutcore.core.lifecycle import (
     FailureKind,
     LifecycleController,
+    SleepTicket,
     State,
     Step,
     UpdateTicket,
 )
-from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity
+from rolloutcore.core.versions import (
+    ParameterManifest,
+    Provenance,
+    VerificationLevel,
+    WeightIdentity,
+)
 
 MANIFEST = ParameterManifest.from_items([("w", (2, 2), "bfloat16"), ("b", (2,), "bfloat16")])
 
@@ -72,19 +82,67 @@ def recovery_ev(c: LifecycleController, epoch: str = "e-new") -> RecoveryEvidenc
                                                           label_supported=True, paused=True))
 
 
+def sleep_ev(level: int = 2) -> SleepEvidence:
+    return SleepEvidence(level=level, is_sleeping_after=True, paused_after=True,
+                         memory_before={"used_bytes": 100}, memory_after={"used_bytes": 10})
+
+
+def wake_ev(tags: WakeTags = WakeTags.WEIGHTS) -> WakeEvidence:
+    return WakeEvidence(tags=tags, fully_awake=tags is not WakeTags.WEIGHTS, paused_after=True)
+
+
+def full_check(passed: bool = True, coverage: float = 1.0) -> Check:
+    """The check a wake's paused validation needs: every engine parameter, by checksum."""
+    return Check("engine-parameters", passed, coverage=coverage,
+                 level=VerificationLevel.ENGINE_CHECKSUM)
+
+
+def wake_validation_ev(t: UpdateTicket, **kw: object) -> ValidationEvidence:
+    return ValidationEvidence(observed_label=t.target.version.label, label_supported=True,
+                              paused=True, checks=(full_check(**kw),))  # type: ignore[arg-type]
+
+
+def request_wake_update(c: LifecycleController, ckpt: str = "next", step: int = 1
+                        ) -> UpdateTicket:
+    """A colocated update of the sleeping engine, its preflight holding."""
+    sl = c.current_sleep
+    assert sl is not None
+    target = c.wake_target("trainer", ident(step, ckpt))
+    pf = PreflightEvidence(source_manifest_digest=target.identity.manifest_digest,
+                           source_provenance=target.identity.provenance)
+    return c.request_wake(sl, "trainer", ident(step, ckpt), preflight=pf)
+
+
 def new_controller(journal: Journal | None = None) -> LifecycleController:
     return LifecycleController(listener=journal.listener if journal else None)
 
 
 def drive_to(state: State, journal: Journal | None = None
-             ) -> tuple[LifecycleController, UpdateTicket | None]:
-    """A controller in ``state`` through the normal path (taint via a transfer error)."""
+             ) -> tuple[LifecycleController, UpdateTicket | SleepTicket | None]:
+    """A controller in ``state`` through the normal path (taint via a transfer error).
+
+    The colocated states come from a level-2 sleep: DOZING and SLEEPING hand back
+    the sleep's ticket, WAKING and WARMING the colocated update's.
+    """
     c = new_controller(journal)
     if state is State.UNINITIALIZED:
         return c, None
     c.bootstrap(boot_ev(), ident(0))
     if state is State.READY:
         return c, None
+    if state in (State.DOZING, State.SLEEPING, State.WAKING, State.WARMING):
+        sl = c.request_sleep("trainer", 2)
+        if state is State.DOZING:
+            return c, sl
+        c.slept(sl, sleep_ev())
+        if state is State.SLEEPING:
+            return c, sl
+        t = request_wake_update(c)
+        c.woke(t, wake_ev())
+        if state is State.WAKING:
+            return c, t
+        c.transferred(t, transfer_ev(t))
+        return c, t
     t = c.request_update(ident(1, "next"), "trainer")
     if state is State.DRAINING:
         return c, t

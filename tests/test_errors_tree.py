@@ -54,7 +54,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("service/proxy.py", "RuntimeError"): "an ASGI call before the lifespan started: a "
                                          "server wiring bug, not a request error",
     # Control flow inside one module: raised and caught there, never seen outside.
-    ("control/runner.py", "_Abort"): "private control flow, caught in the same module",
+    ("control/outcomes.py", "StepAborted"): "control flow of the runner's update phases: "
+                                            "raised inside them, caught by the runner",
+    ("control/colocated.py", "StepAborted"): "raised inside the runner's update phases",
+    ("control/runner.py", "StepAborted"): "raised inside the runner's update phases",
     ("service/proxy.py", "_ClientGone"): "private control flow, caught in the same module",
 }
 

@@ -15,10 +15,13 @@ from coretools import (
     ident,
     preflight_ev,
     recovery_ev,
+    request_wake_update,
     reset_ev,
     resume_ev,
+    sleep_ev,
     transfer_ev,
     validation_ev,
+    wake_ev,
     whole,
 )
 from rolloutcore.control.journal import Journal
@@ -47,6 +50,7 @@ from rolloutcore.core.lifecycle import (
     FailureKind,
     LifecycleController,
     Lookup,
+    SleepTicket,
     State,
     Step,
     UpdateTicket,
@@ -63,6 +67,8 @@ from rolloutcore.errors import (
 )
 
 _STEP_OF_STATE = {v: k for k, v in STEP_STATE.items()}
+# Colocated states whose step runs elsewhere first (STEP_STATE keeps the first).
+_STEP_OF_STATE.update({State.WAKING: Step.TRANSFER, State.WARMING: Step.WAKE})
 
 
 def _dummy_ticket() -> UpdateTicket:
@@ -70,8 +76,18 @@ def _dummy_ticket() -> UpdateTicket:
     return UpdateTicket(999, t, VerificationLevel.DECLARED)
 
 
-def _fire(c: LifecycleController, t: UpdateTicket | None, event: Event, state: State) -> Any:
-    tk = t or _dummy_ticket()
+def _woke(c: LifecycleController, t: Any) -> Any:
+    """A wake call: in SLEEPING the wake's owner asks first (a colocated update)."""
+    if not isinstance(t, UpdateTicket):
+        t = request_wake_update(c) if c.state is State.SLEEPING else _dummy_ticket()
+    from rolloutcore.core.evidence import WakeTags
+    return c.woke(t, wake_ev(WakeTags.WEIGHTS if c.state is State.SLEEPING
+                             else WakeTags.KV_CACHE))
+
+
+def _fire(c: LifecycleController, t: Any, event: Event, state: State) -> Any:
+    tk = t if isinstance(t, UpdateTicket) else _dummy_ticket()
+    sl = c.current_sleep or SleepTicket(9, "intruder", 2)
     calls: dict[Event, Callable[[], Any]] = {
         Event.BOOTSTRAP: lambda: c.bootstrap(boot_ev(), ident(0)),
         Event.ADMIT: lambda: c.admit("r-matrix"),
@@ -87,6 +103,11 @@ def _fire(c: LifecycleController, t: UpdateTicket | None, event: Event, state: S
                                    FailureKind.ERROR, "boom"),
         Event.BEGIN_RECOVERY: lambda: c.begin_recovery("operator"),
         Event.RECOVERED: lambda: c.recovered(recovery_ev(c)),
+        Event.REQUEST_SLEEP: lambda: c.request_sleep("trainer-2", 2),
+        Event.SLEPT: lambda: c.slept(sl, sleep_ev()),
+        Event.REQUEST_WAKE: lambda: request_wake_update(c) if c.current_sleep is not None
+        else c.request_wake(sl, "trainer"),
+        Event.WOKE: lambda: _woke(c, t),
     }
     return calls[event]()
 
@@ -113,6 +134,16 @@ EXPECTED = {
     (State.TAINTED, Event.BEGIN_RECOVERY): State.RECOVERING,
     (State.RECOVERING, Event.RECOVERED): State.READY,
     (State.RECOVERING, Event.FAIL): State.TAINTED,
+    (State.READY, Event.REQUEST_SLEEP): State.DOZING,
+    (State.DOZING, Event.SLEPT): State.SLEEPING,
+    (State.DOZING, Event.FAIL): State.TAINTED,                  # /sleep errored: unknown
+    (State.SLEEPING, Event.REQUEST_WAKE): State.SLEEPING,       # a colocated update opens
+    (State.SLEEPING, Event.WOKE): State.WAKING,
+    (State.SLEEPING, Event.FAIL): State.TAINTED,
+    (State.WAKING, Event.TRANSFERRED): State.WARMING,
+    (State.WAKING, Event.FAIL): State.TAINTED,
+    (State.WARMING, Event.WOKE): State.INVALIDATING,
+    (State.WARMING, Event.FAIL): State.TAINTED,
 }
 
 _ALL_CACHES = sorted(k.value for k in CacheKind)
@@ -132,6 +163,16 @@ def _expected_whole(state: State, event: Event, before: dict[str, Any]) -> dict[
         after.update(committed=v, identity=identity, published=[*before["published"], v],
                      update=None, ticket=None, pending_resets=_ALL_CACHES)
 
+    wake_update = {"update_id": 1, "target": WeightVersion(1, "rc-1", "e0").to_dict(),
+                   "owner": "trainer", "aborting": False, "mutation_started": False}
+    if event is Event.REQUEST_SLEEP:
+        after["sleep"] = {"sleep_id": 1, "owner": "trainer-2", "level": 2}
+    elif (state, event) in ((State.SLEEPING, Event.REQUEST_WAKE),
+                            (State.SLEEPING, Event.WOKE)):
+        after.update(update=wake_update, ticket=1, next_label="rc-2")  # rc-1 burnt
+    elif (state, event) == (State.WAKING, Event.TRANSFERRED):
+        assert upd is not None
+        after["update"] = {**upd, "mutation_started": True}
     if (state, event) == (State.UNINITIALIZED, Event.BOOTSTRAP):
         published(WeightVersion(0, "rc-0", "e0").to_dict(), ident(0).to_dict())
         after["next_label"] = "rc-1"
@@ -162,7 +203,7 @@ def _expected_whole(state: State, event: Event, before: dict[str, Any]) -> dict[
         published(WeightVersion(int(label[3:]), label, "e-new").to_dict(), rid.to_dict())
         after["next_label"] = f"rc-{int(label[3:]) + 1}"
     if to is State.TAINTED:
-        after.update(update=None, ticket=None, pending_resets=_ALL_CACHES)
+        after.update(update=None, ticket=None, pending_resets=_ALL_CACHES, sleep=None)
     return after
 
 
@@ -493,7 +534,9 @@ def test_failure_policy_row(state: State, step: Step, kind: FailureKind) -> None
     if state is State.UNINITIALIZED:
         assert c.state is State.UNINITIALIZED
     elif cls is Classification.NO_MUTATION:
-        assert c.state is State.RESUMING
+        # A sleep refused up front serves on; a woken engine has no old version left.
+        assert c.state is {State.DOZING: State.READY,
+                           State.WAKING: State.TAINTED}.get(state, State.RESUMING)
     elif cls is Classification.INCOMPLETE:
         assert c.state is state
     else:

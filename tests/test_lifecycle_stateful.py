@@ -15,10 +15,14 @@ from coretools import (
     ident,
     preflight_ev,
     recovery_ev,
+    request_wake_update,
     reset_ev,
     resume_ev,
+    sleep_ev,
     transfer_ev,
     validation_ev,
+    wake_ev,
+    wake_validation_ev,
 )
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
@@ -26,6 +30,7 @@ from rolloutcore.core.evidence import (
     DrainEvidence,
     PauseMode,
     TransferEvidence,
+    WakeTags,
 )
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import (
@@ -110,8 +115,8 @@ class LifecycleMachine(RuleBasedStateMachine):
             return c.transferred(t, transfer_ev(t))
         if s is State.INVALIDATING:
             return c.invalidated(t, reset_ev(next(iter(c.pending_resets))))
-        if s is State.VALIDATING:
-            return c.validated(t, validation_ev(t))
+        if s is State.VALIDATING:  # a woken engine needs every parameter checked
+            return c.validated(t, wake_validation_ev(t))
         if s is State.RESUMING:
             return c.resumed(t, resume_ev())
         return None
@@ -155,6 +160,42 @@ class LifecycleMachine(RuleBasedStateMachine):
             # aborting: only the resume step runs in RESUMING
             assert s is State.RESUMING
             c.fail(t, Step.RESUME, kind, "resume failed")
+
+    # ---------------------------------------------------------------- colocated
+    @rule(level=st.sampled_from([1, 2]))
+    def sleep(self, level: int) -> None:
+        """Put the engine to sleep (the runner waits for bound rollouts first)."""
+        c = self.c
+        try:
+            sl = c.request_sleep("t1", level)
+        except UpdateRefused:
+            assert c.state is not State.READY or c.current_ticket is not None or \
+                c.current_sleep is not None
+            return
+        if c.active:  # the runner's wait for them ran out: the sleep is refused
+            c.fail(sl, Step.SLEEP, FailureKind.REFUSED, "rollouts still bound")
+            assert c.state is State.READY
+        else:
+            assert c.slept(sl, sleep_ev(level)).accepted
+
+    @rule(restore=st.booleans())
+    def wake(self, restore: bool) -> None:
+        """Wake it: a colocated update (to INVALIDATING), or a restore."""
+        c = self.c
+        sl = c.current_sleep
+        if sl is None or c.state is not State.SLEEPING or c.current_ticket is not None:
+            return
+        if restore:
+            t = c.request_wake(sl, "t1")
+            assert c.woke(t, wake_ev(WakeTags.ALL)).accepted
+        else:
+            self.n += 1
+            t = request_wake_update(c, f"w{self.n}", self.n)
+            c.woke(t, wake_ev(WakeTags.WEIGHTS))
+            c.transferred(t, transfer_ev(t))
+            c.woke(t, wake_ev(WakeTags.KV_CACHE))
+        self.ticket = t
+        assert c.state is State.INVALIDATING
 
     @rule(kind=st.sampled_from(list(FailureKind)))
     def engine_lost_while_serving(self, kind: FailureKind) -> None:

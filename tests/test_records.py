@@ -21,8 +21,11 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     ValidationEvidence,
+    WakeEvidence,
+    WakeTags,
     evidence_from_dict,
     evidence_to_dict,
 )
@@ -47,7 +50,9 @@ from rolloutcore.core.records import (
     Note,
     Record,
     Refuse,
+    RequestSleep,
     RequestUpdate,
+    RequestWake,
     Restore,
     State,
     Step,
@@ -85,6 +90,11 @@ EVIDENCE = [
     RecoveryEvidence(engine_epoch="e1", identity=IDENT, healthy=True,
                      validation=ValidationEvidence(observed_label=None,
                                                    label_supported=False)),
+    SleepEvidence(level=2, is_sleeping_after=True, paused_after=True,
+                  memory_before={"used_bytes": 70 << 30, "source": "worker"},
+                  memory_after={"used_bytes": 1 << 30}, reference_params=399),
+    WakeEvidence(tags=WakeTags.KV_CACHE, fully_awake=True, paused_after=True, repaused=True,
+                 memory_after={"free_bytes": 5}, detail="", elapsed_s=0.03),
 ]
 
 RU = RequestUpdate(1, "trainer", V1, IDENT, 2, VerificationLevel.MANIFEST)
@@ -112,6 +122,9 @@ SAMPLES: list[Record] = [
     Note("health", {"problems": ["engine not answering"], "consecutive": 2}),
     Carry(1, UpdateMode.KEEP, ("r-3", "r-4"), ("r-5",), 1),
     Carry(2, UpdateMode.RECOMPUTE, (), (), None),
+    RequestSleep(1, "trainer", 2, 0),
+    RequestWake(2, "trainer", V1, IDENT, 0, VerificationLevel.ENGINE_CHECKSUM, 2, False),
+    RequestWake(3, "trainer", V0, IDENT, 0, VerificationLevel.ENGINE_CHECKSUM, 1, True),
 ]
 
 

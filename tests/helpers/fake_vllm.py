@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rolloutcore.testing.fake import VOCAB, FakeEngine, Generation
+from rolloutcore.testing.fake_engine import VOCAB, FakeEngine, Generation
 
 
 def _err(status: int, msg: str) -> JSONResponse:

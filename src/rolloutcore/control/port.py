@@ -30,6 +30,9 @@ protocol the runner tests for with ``isinstance``:
 * ``WriteObserver``: can tell from the engine's own counters whether any
   weight write happened since this update's drain, so that a lease that
   expires with nothing sent is not mistaken for a half-done transfer.
+* ``Sleeper``: the engine can give its GPU memory back and take it again
+  (colocated training on one GPU); ``LifecycleRunner.sleep``, ``wake`` and
+  ``wake_update`` need it and refuse an adapter without it.
 """
 
 from __future__ import annotations
@@ -47,14 +50,17 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
+    WakeEvidence,
+    WakeTags,
 )
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "Recoverer",
+__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "Recoverer", "Sleeper",
            "WriteObserver"]
 
 
@@ -169,4 +175,32 @@ class WriteObserver(Protocol):
     def writes_since_drain(self, *, timeout_s: float) -> tuple[str, ...] | None:
         """What wrote weights since the drain, in words (``()``: nothing, proven by the
         engine's own counters); ``None`` when it cannot tell."""
+        ...
+
+
+@runtime_checkable
+class Sleeper(Protocol):
+    """An adapter whose engine sleeps while a trainer uses its GPU memory.
+
+    While the engine sleeps (from ``sleep`` until a wake of the weights) the
+    adapter refuses ``transfer``, ``drain`` and ``reset_cache`` itself, before
+    any engine call, with an ``EffectError`` of ``mutation_started=False``:
+    weights sent to a sleeping engine land in released memory. After a wake
+    its paused ``validate`` covers every engine parameter: against what the
+    transfer sent when one ran since the sleep, against the checksums taken
+    before the sleep (``reference``) when none did (a restore).
+    """
+
+    def sleep(self, level: int, *, reference: bool) -> SleepEvidence:
+        """``Step.SLEEP``: put the engine to sleep at ``level`` (1 or 2); ``reference``:
+        hash every parameter first, for a later wake on the same weights.
+
+        Raises with ``mutation_started=False`` when it can prove the engine was
+        not touched (the engine has no sleep mode, say).
+        """
+        ...
+
+    def wake(self, tags: WakeTags) -> WakeEvidence:
+        """``Step.WAKE``: bring back ``tags``, and leave the engine's scheduler paused
+        (re-pausing it where the engine resumed it on its own)."""
         ...

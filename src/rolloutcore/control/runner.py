@@ -39,9 +39,11 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
+from rolloutcore.control import colocated
+from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
     LifecycleAdapter,
@@ -72,7 +74,6 @@ from rolloutcore.core.versions import (
     Binding,
     VerificationLevel,
     WeightIdentity,
-    WeightVersion,
 )
 from rolloutcore.errors import (
     BadInput,
@@ -83,8 +84,8 @@ from rolloutcore.errors import (
     UpdateFailed,
 )
 
-__all__ = ["Deadlines", "DrainPolicy", "LifecycleRunner", "PhaseTiming", "StragglerAborter",
-           "TakeoverRefused", "UpdateOutcome"]
+__all__ = ["Deadlines", "DrainPolicy", "LifecycleRunner", "PhaseTiming", "SleepOutcome",
+           "StragglerAborter", "TakeoverRefused", "UpdateOutcome"]
 
 T = TypeVar("T")
 
@@ -121,6 +122,8 @@ class Deadlines:
     fence_s: float = 10.0
     cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
     retry_backoff_s: float = 0.2
+    sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
+    wake_s: float = 60.0          # one /wake_up
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():
@@ -133,55 +136,11 @@ class Deadlines:
         return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
 
 
-@dataclass(frozen=True)
-class PhaseTiming:
-    phase: str
-    seconds: float
-    in_effect: bool  # True: time spent inside an engine/transport call
-
-
-@dataclass
-class UpdateOutcome:
-    ticket: UpdateTicket
-    published: WeightVersion | None
-    state: State
-    total_s: float
-    phases: list[PhaseTiming] = field(default_factory=list)
-    verdicts: list[Verdict] = field(default_factory=list)
-    started_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def effect_s(self) -> float:
-        return sum(p.seconds for p in self.phases if p.in_effect)
-
-    @property
-    def controller_overhead_s(self) -> float:
-        """Time outside engine and transport calls (decisions, bookkeeping, journal)."""
-        return max(0.0, self.total_s - self.effect_s - self.phase_s("drain"))
-
-
-    def phase_s(self, name: str) -> float:
-        return sum(p.seconds for p in self.phases if p.phase == name)
-
-    def breakdown(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for p in self.phases:
-            out[p.phase] = out.get(p.phase, 0.0) + p.seconds
-        out["controller_overhead"] = self.controller_overhead_s
-        out["total"] = self.total_s
-        return out
-
-
 #: The lifecycle step of each effect the runner names otherwise, for the port's
 #: ``cancel``: the live validation is part of VALIDATE; the health observation
 #: and the fence act on the serving engine.
 _CANCEL_STEP: dict[str, Step] = {"validate_live": Step.VALIDATE, "health": Step.SERVE,
                                  "fence": Step.SERVE, "lease": Step.SERVE}
-
-
-class _Abort(Exception):
-    def __init__(self, verdict: Verdict) -> None:
-        self.verdict = verdict
 
 
 class LifecycleRunner:
@@ -285,7 +244,7 @@ class LifecycleRunner:
                 time.sleep(self.deadlines.retry_backoff_s)
                 continue
             if not verdict.accepted:
-                raise _Abort(verdict)
+                raise StepAborted(verdict)
             return verdict
 
     # ------------------------------------------------------------ bootstrap
@@ -416,6 +375,26 @@ class LifecycleRunner:
         self._fence_quietly()
         return v
 
+    # ------------------------------------------------------------ colocated training
+    def sleep(self, level: int = 2, *, owner: str = "trainer",
+              reference: bool | None = None) -> SleepOutcome:
+        """Close admission, let bound rollouts finish, put the engine to sleep
+        (``rolloutcore.control.colocated.sleep``)."""
+        return colocated.sleep(self, level, owner=owner, reference=reference)
+
+    def wake(self, *, owner: str = "trainer") -> UpdateOutcome:
+        """Wake the sleeping engine on its own weights, verified, or taint
+        (``rolloutcore.control.colocated.wake``)."""
+        return colocated.wake(self, owner=owner)
+
+    def wake_update(self, identity: WeightIdentity, *, owner: str = "trainer",
+                    label: str | None = None,
+                    min_verification: VerificationLevel = VerificationLevel.ENGINE_CHECKSUM,
+                    ) -> UpdateOutcome:
+        """The colocated update (``rolloutcore.control.colocated.wake_update``)."""
+        return colocated.wake_update(self, identity, owner=owner, label=label,
+                                     min_verification=min_verification)
+
     # ------------------------------------------------------------ update
     def run_update(self, identity: WeightIdentity, *, owner: str = "trainer",
                    label: str | None = None,
@@ -515,7 +494,7 @@ class LifecycleRunner:
                                    f"{len(c.active)} rollouts still active after "
                                    f"{d.drain_s:g}s (drain policy: refuse)")
                         out.verdicts.append(v)
-                        raise _Abort(v)
+                        raise StepAborted(v)
                     self._abort_stragglers(ticket, out)
                     # Whatever the engine still runs is a straggler whose abort
                     # has not landed yet (admission is closed): the pause aborts
@@ -527,7 +506,7 @@ class LifecycleRunner:
                 v = c.preflighted(ticket, preflight)
                 out.verdicts.append(v)
                 if not v.accepted:
-                    raise _Abort(v)
+                    raise StepAborted(v)
             else:
                 self._run_step(ticket, Step.PREFLIGHT, lambda: a.preflight(ticket.target),
                                lambda ev: c.preflighted(ticket, ev), d.preflight_s, out)
@@ -540,14 +519,14 @@ class LifecycleRunner:
             out.phases.append(PhaseTiming("transfer", ev.elapsed_s, True))
             out.verdicts.append(v)
             if not v.accepted:
-                raise _Abort(v)
+                raise StepAborted(v)
 
     def report_transfer_failure(self, out: UpdateOutcome, kind: FailureKind, reason: str) -> None:
         """The transfer failed or its lease expired; classified by the failure policy."""
         with self._phase(out):
             v = self.controller.fail(out.ticket, Step.TRANSFER, kind, reason)
             out.verdicts.append(v)
-            raise _Abort(v)
+            raise StepAborted(v)
 
     def expire_lease(self, out: UpdateOutcome, reason: str, *, timeout_s: float = 5.0) -> None:
         """A remote trainer's lease ran out without a report: classified from the engine.
@@ -594,7 +573,7 @@ class LifecycleRunner:
                 v = c.fail(ticket, Step.INVALIDATE, FailureKind.BAD_EVIDENCE,
                            f"adapter cannot reset required caches: {missing}")
                 out.verdicts.append(v)
-                raise _Abort(v)
+                raise StepAborted(v)
 
             def validate_paused() -> ValidationEvidence:
                 ev = a.validate(ticket.target, live=False)
@@ -610,18 +589,18 @@ class LifecycleRunner:
             except EffectError as exc:
                 v = c.fail(ticket, Step.RESUME, FailureKind.of(exc), str(exc))
                 out.verdicts.append(v)
-                raise _Abort(v) from exc
+                raise StepAborted(v) from exc
             try:
                 live = self._effect("validate_live", lambda: a.validate(ticket.target, live=True),
                                     d.live_validate_s, out.phases)
             except EffectError as exc:
                 v = c.fail(ticket, Step.VALIDATE, FailureKind.of(exc), str(exc))
                 out.verdicts.append(v)
-                raise _Abort(v) from exc
+                raise StepAborted(v) from exc
             v = c.resumed(ticket, rev, live)
             out.verdicts.append(v)
             if not v.accepted:
-                raise _Abort(v)
+                raise StepAborted(v)
             out.published = v.published
         return out
 
@@ -636,7 +615,7 @@ class LifecycleRunner:
         try:
             try:
                 yield
-            except _Abort as ab:
+            except StepAborted as ab:
                 verdict = ab.verdict
             except UpdateFailed:
                 raise
@@ -775,9 +754,11 @@ class LifecycleRunner:
 _STEP_OF_STATE = {State.DRAINING: Step.DRAIN, State.QUIESCED: Step.PREFLIGHT,
                   State.UPDATING: Step.TRANSFER, State.INVALIDATING: Step.INVALIDATE,
                   State.VALIDATING: Step.VALIDATE, State.RESUMING: Step.RESUME}
+#: The phase an ``UpdateFailed`` names for a failure in a state no update step owns.
+_PHASE_OF_STATE = {State.SLEEPING: "wake", State.WAKING: "transfer", State.WARMING: "wake"}
 
 
 def _phase_of(state: State) -> str:
     """The phase an ``UpdateFailed`` names for a failure in ``state``."""
     step = _STEP_OF_STATE.get(state)
-    return step.value if step is not None else state.value.lower()
+    return step.value if step is not None else _PHASE_OF_STATE.get(state, state.value.lower())

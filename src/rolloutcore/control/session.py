@@ -9,6 +9,13 @@ from the very tensors it sends, and runs the whole transition through the
 runner. It returns the new committed ``WeightVersion`` or raises
 ``UpdateFailed`` with the classification; it never returns with the engine
 serving unverified weights.
+
+Colocated training (the trainer and the engine on one GPU): ``sleep(level)``
+gives the engine's GPU memory to the trainer and says how much it freed;
+``wake_and_update(weights, provenance)`` wakes the weights, writes the new
+policy into them, wakes the KV cache and runs the same verified transition
+(every parameter checked); ``wake()`` wakes on the weights it had (level 1
+only: level 2 forgot them).
 """
 
 from __future__ import annotations
@@ -21,15 +28,15 @@ from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.control.journal import Journal
-from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
+from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
 from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
-from rolloutcore.errors import BadInput
+from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.image_probe import ProbeSuite, is_vision_language, vlm_probe
 from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
 
-__all__ = ["EngineSession", "PreparedUpdate", "UpdateResult", "identity_of"]
+__all__ = ["EngineSession", "PreparedUpdate", "SleepReport", "UpdateResult", "identity_of"]
 
 
 def identity_of(source: WeightSource, provenance: Provenance, *,
@@ -53,6 +60,22 @@ class UpdateResult:
     version: WeightVersion
     identity: WeightIdentity
     outcome: UpdateOutcome
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What a sleep gave the trainer: the level, and the memory, as the engine reports it.
+
+    ``freed_bytes`` is the drop of device memory in use across the sleep, read
+    by the engine's workers (``None`` where the engine reports no memory);
+    ``free_bytes`` the device memory free right after it.
+    """
+
+    level: int
+    freed_bytes: int | None
+    free_bytes: int | None
+    elapsed_s: float
+    outcome: SleepOutcome
 
 
 class EngineSession:
@@ -156,6 +179,75 @@ class EngineSession:
                  else VerificationLevel.DECLARED)
         out = self.runner.run_update(prepared.identity, owner=owner, label=label,
                                      min_verification=level)
+        assert out.published is not None and self.controller.identity is not None
+        return UpdateResult(out.published, self.controller.identity, out)
+
+    # ------------------------------------------------------------------ colocated
+    @property
+    def asleep(self) -> int | None:
+        """The level the engine sleeps at, or None when it is awake."""
+        s = self.controller.current_sleep
+        return None if s is None else s.level
+
+    def sleep(self, level: int = 2, *, reference: bool | None = None) -> SleepReport:
+        """Give the engine's GPU memory to the trainer: drain, then vLLM's sleep at ``level``.
+
+        Level 2 (the default) discards the weights: the next wake must be
+        ``wake_and_update``, which writes every parameter. Level 1 copies them
+        to host memory (slow for a large model) so that ``wake`` can bring
+        them back, verified against checksums taken now (``reference``,
+        default: level 1 only). Raises ``UpdateFailed`` (READY when the engine
+        was not touched, e.g. it has no sleep mode; TAINTED otherwise).
+        """
+        out = self.runner.sleep(level, reference=reference)
+        ev = out.evidence
+        free = None if ev is None else ev.memory_after.get("free_bytes")
+        return SleepReport(level, out.freed_bytes, free if isinstance(free, int) else None,
+                           out.total_s, out)
+
+    def wake(self) -> WeightVersion:
+        """Wake on the weights the engine had, verified unchanged, and serve them again.
+
+        Refused, changing nothing, after a level-2 sleep (those weights are
+        gone: use ``wake_and_update``).
+        """
+        s = self.controller.current_sleep
+        if s is None:
+            raise UpdateRefused("the engine is not asleep")
+        if s.level == 2:
+            raise UpdateRefused("the engine slept at level 2, which discarded its weights: "
+                                "wake it with wake_and_update(weights, provenance); "
+                                "nothing was changed")
+        self.runner.wake()
+        committed = self.controller.committed
+        assert committed is not None
+        return committed
+
+    def wake_and_update(self, weights: Any, provenance: Provenance, *,
+                        label: str | None = None,
+                        probe: PolicyProbe | ProbeSuite | bool = True,
+                        probe_tolerance: float = DEFAULT_TOLERANCE,
+                        reference_checksums: Mapping[str, str] | None = None,
+                        owner: str = "trainer", content_digest: bool = True) -> UpdateResult:
+        """The colocated update: wake the weights, write ``weights`` into them, wake the KV
+        cache, reset caches, validate while paused (every parameter), resume, publish.
+
+        ``weights`` as for ``update``. Any failure after the first wake taints
+        the engine (its old weights are gone or unverified).
+        """
+        if self.controller.current_sleep is None:
+            raise UpdateRefused("the engine is not asleep: use update()")
+        prepared = self.prepare(weights, provenance, probe=probe,
+                                probe_tolerance=probe_tolerance,
+                                reference_checksums=reference_checksums,
+                                content_digest=content_digest)
+        self.adapter.stage(prepared.source, provenance=prepared.provenance,
+                           reference_checksums=prepared.reference_checksums,
+                           probes=prepared.probe)
+        level = (VerificationLevel.PROBE if prepared.probe is not None
+                 else VerificationLevel.ENGINE_CHECKSUM)
+        out = self.runner.wake_update(prepared.identity, owner=owner, label=label,
+                                      min_verification=level)
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
 

@@ -39,9 +39,13 @@ __all__ = [
     "PreflightEvidence",
     "RecoveryEvidence",
     "ResumeEvidence",
+    "SLEEP_LEVELS",
+    "SleepEvidence",
     "TransferEvidence",
     "UpdateTarget",
     "ValidationEvidence",
+    "WakeEvidence",
+    "WakeTags",
     "evidence_from_dict",
     "evidence_to_dict",
 ]
@@ -378,6 +382,116 @@ class RecoveryEvidence(Evidence):
         return out
 
 
+#: vLLM's sleep levels RolloutCore drives: 1 offloads the weights to host memory
+#: and discards the KV cache; 2 discards both (the colocated-update level).
+#: Level 0 (pause scheduling only) is not a sleep: ``drain`` does that.
+SLEEP_LEVELS = (1, 2)
+
+
+class WakeTags(enum.StrEnum):
+    """What one ``/wake_up`` brings back (vLLM's tags; ``ALL`` sends none)."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+    ALL = "all"
+
+
+def _memory(name: str, m: Mapping[str, Any]) -> None:
+    if not isinstance(m, Mapping) or any(
+            not isinstance(k, str) or (k != "source" and (
+                isinstance(v, bool) or not isinstance(v, int) or v < 0))
+            for k, v in m.items()):
+        raise BadInput(f"{name} must map names to byte counts >= 0 (and 'source' to a string)")
+
+
+@dataclass(frozen=True)
+class SleepEvidence(Evidence):
+    """The engine was put to sleep, as it then described itself.
+
+    ``memory_before`` / ``memory_after`` are what the engine reports (its
+    worker's view of the device: ``used_bytes``, ``free_bytes``,
+    ``total_bytes``, and vLLM's own pool accounting where it has one;
+    ``source`` names where the numbers come from); empty where the engine
+    reports none. ``reference_params`` is how many of the engine's
+    parameters were hashed before the sleep (what a wake on the same weights
+    is verified against; 0: none taken).
+    """
+
+    level: int
+    is_sleeping_after: bool | None
+    paused_after: bool | None = None
+    memory_before: Mapping[str, Any] = field(default_factory=dict)
+    memory_after: Mapping[str, Any] = field(default_factory=dict)
+    reference_params: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.level not in SLEEP_LEVELS:
+            raise BadInput(f"sleep level must be one of {SLEEP_LEVELS}, got {self.level!r}")
+        _memory("memory_before", self.memory_before)
+        _memory("memory_after", self.memory_after)
+        if self.reference_params < 0:
+            raise BadInput("reference_params must be >= 0")
+
+    @property
+    def freed_bytes(self) -> int | None:
+        """Device memory the sleep gave back, as the engine reports it (None: not reported)."""
+        a, b = self.memory_before.get("used_bytes"), self.memory_after.get("used_bytes")
+        if isinstance(a, int) and isinstance(b, int):
+            return a - b
+        return None
+
+    def problems(self, target: UpdateTarget | None) -> list[str]:
+        out = []
+        if self.is_sleeping_after is not True:
+            out.append("engine does not report sleeping after /sleep"
+                       if self.is_sleeping_after is False else
+                       "engine sleep state not observed after /sleep")
+        if self.paused_after is False:
+            out.append("engine reports its scheduler running while asleep")
+        return out
+
+
+@dataclass(frozen=True)
+class WakeEvidence(Evidence):
+    """One wake call: which tags came back, and what the engine says after it.
+
+    ``fully_awake`` is whether nothing is asleep any more (vLLM 0.32 says so
+    in its answer; otherwise read from ``/is_sleeping``). ``paused_after`` is
+    the scheduler after the call, once the adapter re-paused it where the
+    engine resumed it on its own (``repaused``): a woken engine must not
+    serve until its weights are verified.
+    """
+
+    tags: WakeTags
+    fully_awake: bool | None
+    paused_after: bool | None
+    repaused: bool = False
+    memory_after: Mapping[str, Any] = field(default_factory=dict)
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.tags, WakeTags):
+            raise BadInput("tags must be WakeTags")
+        _memory("memory_after", self.memory_after)
+
+    def problems(self, target: UpdateTarget | None) -> list[str]:
+        out = []
+        whole = self.tags is not WakeTags.WEIGHTS
+        if self.fully_awake is False and whole:
+            out.append(f"engine still reports sleeping after waking {self.tags.value}")
+        if self.fully_awake is True and not whole:
+            out.append("engine reports fully awake after waking only its weights "
+                       "(the KV cache was not asleep)")
+        if self.paused_after is False:
+            out.append("engine scheduler runs after the wake: it would serve unverified "
+                       "weights")
+        if self.detail:
+            out.append(self.detail)
+        return out
+
+
 def _jsonable(v: Any) -> Any:
     if isinstance(v, enum.Enum):
         return v.value
@@ -405,7 +519,7 @@ def evidence_to_dict(ev: Evidence) -> dict[str, Any]:
 _EVIDENCE_TYPES: Mapping[str, type[Evidence]] = {t.__name__: t for t in (
     Evidence, BootstrapEvidence, HealthEvidence, DrainEvidence, PreflightEvidence,
     TransferEvidence, CacheResetEvidence, ValidationEvidence, ResumeEvidence,
-    RecoveryEvidence)}
+    RecoveryEvidence, SleepEvidence, WakeEvidence)}
 
 
 _HINTS: dict[type, dict[str, Any]] = {}

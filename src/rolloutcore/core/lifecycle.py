@@ -84,6 +84,22 @@ follows still needs the engine paused with nothing in flight before any
 mutation may start. The rollout's own ``complete`` then answers with the
 same unattributable completion instead of an error, so its caller learns
 what happened to it.
+Colocated training (a trainer and the engine on one GPU)
+--------------------------------------------------------
+
+``request_sleep`` in READY closes admission for a sleep (DOZING); once the
+bound rollouts finished and the engine reports asleep, ``slept`` leads to
+SLEEPING, where nothing is admitted, transferred or reset. The sleep's
+owner wakes it with ``request_wake``: a colocated update (a fresh target,
+its preflight checked up front: a refusal leaves the engine asleep) or a
+restore (the committed version, on the engine's own weights). Each wake
+call's evidence (``woke``) goes through ``WAKE_TARGETS``: an update wakes the
+weights (WAKING), writes them (WARMING), wakes the KV cache; a restore wakes
+everything at once; both then reset the caches and validate while paused,
+where only a passing check of every engine parameter (coverage 1.0) lets a
+woken engine serve. Failures after the first wake call taint (there is no
+old version to resume); a sleep refused before it reached the engine
+serves on.
 
 Records leave the lock before anyone reads them
 -----------------------------------------------
@@ -136,9 +152,11 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
+    WakeEvidence,
 )
 from rolloutcore.core.records import (
     Abandon,
@@ -156,7 +174,9 @@ from rolloutcore.core.records import (
     JournalRecord,
     Record,
     Refuse,
+    RequestSleep,
     RequestUpdate,
+    RequestWake,
     Restore,
     State,
     Step,
@@ -176,6 +196,7 @@ from rolloutcore.core.rules import (
     STEP_STATE,
     TRANSITIONS,
     UPDATE_MODES,
+    WAKE_TARGETS,
     Lookup,
     ModeRule,
     targets,
@@ -206,6 +227,7 @@ __all__ = [
     "RESETS_DONE",
     "STEP_STATE",
     "TRANSITIONS",
+    "WAKE_TARGETS",
     "Binding",
     "Classification",
     "Completion",
@@ -216,6 +238,7 @@ __all__ = [
     "Listener",
     "Lookup",
     "Sink",
+    "SleepTicket",
     "State",
     "Step",
     "UpdateMode",
@@ -233,6 +256,8 @@ _UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATI
 #: Rollouts released by ``abort_rollouts`` whose own ``complete`` has not come yet.
 _ABORTED_KEPT = 4096
 _OVER_BOUND_KEPT = 4096  # rollout ids ended over the staleness bound, remembered for owners
+#: Colocated training: the states a sleep owns (DOZING, SLEEPING) or its wake (all four).
+_SLEEP_STATES = (S.DOZING, S.SLEEPING, S.WAKING, S.WARMING)
 
 
 @dataclass(frozen=True)
@@ -310,6 +335,15 @@ class Sink(Protocol):
     def on_failure(self, callback: Callable[[str], None]) -> None: ...
 
 
+@dataclass(frozen=True)
+class SleepTicket:
+    """Proof of owning a sleep: the sleep's steps and the wake's request present it."""
+
+    sleep_id: int
+    owner: str
+    level: int
+
+
 @dataclass
 class _Update:
     """The update in flight: the ticket (durable, from its record) and working memory."""
@@ -327,6 +361,8 @@ class _Update:
     @property
     def rule(self) -> ModeRule:
         return UPDATE_MODES[self.mode]
+    wake: int | None = None         # the sleep level this update wakes from (colocated)
+    restore: bool = False           # a wake on the engine's own weights, no transfer
 
 
 class LifecycleController:
@@ -366,6 +402,8 @@ class LifecycleController:
         self._aborted: collections.OrderedDict[str, Completion] = collections.OrderedDict()
         self._update: _Update | None = None
         self._next_update_id = 1
+        self._sleep: SleepTicket | None = None  # the sleep in progress (colocated training)
+        self._next_sleep_id = 1
         self._max_generation = -1
         self._used_labels: set[str] = set()   # published, or burnt at begin_update
         self._engine_epoch: str | None = None
@@ -412,6 +450,12 @@ class LifecycleController:
     def current_ticket(self) -> UpdateTicket | None:
         with self._lock:
             return None if self._update is None else self._update.ticket
+
+    @property
+    def current_sleep(self) -> SleepTicket | None:
+        """The sleep in progress (DOZING to the wake's publish or taint), or None."""
+        with self._lock:
+            return self._sleep
 
     @property
     def pending_resets(self) -> frozenset[CacheKind]:
@@ -519,6 +563,9 @@ class LifecycleController:
                 "published": [v.to_dict() for v in self._published],
                 "failed_closed": self._broken,
                 "update_mode": self._cfg.update_mode.value,
+                "sleep": None if self._sleep is None else {
+                    "sleep_id": self._sleep.sleep_id, "owner": self._sleep.owner,
+                    "level": self._sleep.level},
             }
 
     # ---------------------------------------------------------------- listeners
@@ -600,6 +647,8 @@ class LifecycleController:
     # The only code that changes durable state; used live and by restore().
     def _apply_transition(self, rec: Transition) -> None:
         self._state = rec.after
+        if rec.after is S.READY or rec.after is S.TAINTED:
+            self._sleep = None  # awake (or abandoned to recovery): no sleep in progress
         if rec.after is S.READY:
             self._idle.notify_all()
 
@@ -644,6 +693,17 @@ class LifecycleController:
 
     def _apply_end_update(self, rec: Abandon | Taint) -> None:
         self._update = None
+        if isinstance(rec, Taint):
+            self._sleep = None
+
+    def _apply_request_sleep(self, rec: RequestSleep) -> None:
+        self._sleep = SleepTicket(rec.sleep_id, rec.owner, rec.level)
+        self._next_sleep_id = max(self._next_sleep_id, rec.sleep_id + 1)
+
+    def _apply_request_wake(self, rec: RequestWake) -> None:
+        self._apply_request_update(rec)
+        assert self._update is not None
+        self._update.wake, self._update.restore = rec.level, rec.restore
 
     def _apply_carry(self, rec: Carry) -> None:
         upd = self._update
@@ -657,7 +717,7 @@ class LifecycleController:
             self._over_bound.popitem(last=False)
 
     def _record(self, rec: Transition | Commit | RequestUpdate | BeginUpdate | Abandon | Taint
-                | Carry) -> None:
+                | Carry | RequestSleep) -> None:
         """Apply a record that changes durable state, and queue it for the listeners."""
         t = type(rec)
         if t is Carry:
@@ -668,6 +728,10 @@ class LifecycleController:
             self._apply_commit(rec)  # type: ignore[arg-type]
         elif t is RequestUpdate:
             self._apply_request_update(rec)  # type: ignore[arg-type]
+        elif t is RequestSleep:
+            self._apply_request_sleep(rec)  # type: ignore[arg-type]
+        elif t is RequestWake:
+            self._apply_request_wake(rec)  # type: ignore[arg-type]
         elif t is BeginUpdate:
             self._apply_begin_update(rec)  # type: ignore[arg-type]
         else:
@@ -857,6 +921,10 @@ class LifecycleController:
                     retry, reason = None, "engine is tainted; it serves nothing until recovered"
                 elif st in (S.RECOVERING, S.UNINITIALIZED):
                     retry, reason = self._cfg.recovering_retry_after_s, "engine not ready"
+                elif st in _SLEEP_STATES:
+                    retry, reason = (self._cfg.recovering_retry_after_s,
+                                     "engine is asleep (colocated training); it serves "
+                                     "again once woken and verified")
                 else:
                     retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
                 if self._listeners:
@@ -1002,6 +1070,11 @@ class LifecycleController:
                 raise UpdateRefused(
                     f"an update by {self._update.ticket.target.owner!r} is in progress "
                     f"(state {self._state.value}); one writer at a time")
+            if self._state in _SLEEP_STATES:
+                raise UpdateRefused(
+                    f"the engine is asleep ({self._state.value}): an update is its wake "
+                    f"(request_wake); nothing was sent (weights sent to a sleeping engine "
+                    f"land in released memory, vLLM #57853)")
             if (self._state, E.REQUEST_UPDATE) not in TRANSITIONS:
                 raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
             assert self._committed is not None
@@ -1133,6 +1206,8 @@ class LifecycleController:
             problems = ev.problems(ticket.target)
             if ev.paused is False:
                 problems.append("validation ran on a resumed engine; it must run while paused")
+            if upd.wake is not None:
+                problems += _wake_coverage_problems(ev, upd.wake)
             self._evidence(E.VALIDATED, ev, problems)
             if problems:
                 v = self._failure(E.VALIDATED, Step.VALIDATE, FailureKind.BAD_EVIDENCE,
@@ -1177,6 +1252,17 @@ class LifecycleController:
         if live is not None:
             upd.validations.append(live)
         level, summary = self._verification(upd.validations)
+        if upd.restore:
+            # A wake on the engine's own weights, verified unchanged: the committed
+            # version serves again; nothing new is published.
+            if level < ticket.min_verification:
+                return self._failure(
+                    E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
+                    [f"verification reached {level.wire}, "
+                     f"the wake requires {ticket.min_verification.wire}"])
+            self._record(Abandon(ticket.update_id, ticket.target.version))
+            self._go(E.RESUMED)
+            return self._verdict(E.RESUMED, before, accepted=True)
         if level < ticket.min_verification:
             return self._failure(
                 E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
@@ -1198,7 +1284,7 @@ class LifecycleController:
             summary += v.summary
         return level, summary
 
-    def fail(self, ticket: UpdateTicket | None, step: Step, kind: FailureKind,
+    def fail(self, ticket: UpdateTicket | SleepTicket | None, step: Step, kind: FailureKind,
              reason: str) -> Verdict:
         """An effect failed (raised, timed out, died): ``FAIL_STEPS`` then ``FAILURE_POLICY``.
 
@@ -1212,8 +1298,8 @@ class LifecycleController:
         self._deliver(True)
         return v
 
-    def _fail(self, ticket: UpdateTicket | None, step: Step, kind: FailureKind, reason: str,
-              *, report: bool) -> Verdict:
+    def _fail(self, ticket: UpdateTicket | SleepTicket | None, step: Step, kind: FailureKind,
+              reason: str, *, report: bool) -> Verdict:
         """``fail`` under the lock; ``report=False`` (restore) records only the transition
         and the taint, as a restore always has."""
         # No fail-closed refusal: a failure is applied whatever the journal did
@@ -1230,15 +1316,182 @@ class LifecycleController:
         if self._state is S.READY and ticket is not None:
             raise BadInput("a serving failure has no update ticket")
         if self._state in _UPDATE_STATES:
-            if ticket is None:
+            if not isinstance(ticket, UpdateTicket):
                 raise BadInput("fail during an update needs the ticket")
             self._own_any(E.FAIL, ticket)
+        if self._state in _SLEEP_STATES:
+            self._own_sleeping(E.FAIL, ticket)
         if report and self._listeners:
             self._outbox.append(Failure(row, kind, reason))
         # Serving: the verdict names the observation, the taint record what it means.
         return self._failure(E.FAIL, row, kind, [reason],
                              [f"engine failed while serving: {reason}"]
                              if row is Step.SERVE else None, report=report)
+
+    # ---------------------------------------------------------------- colocated training
+    # The trainer and the engine share a GPU (issue 21): the engine sleeps while
+    # the trainer trains in the memory it gave back, then its owner wakes it, with
+    # an update (level 2 discarded the weights: the update writes every parameter)
+    # or on its own weights (a restore, verified against the checksums taken
+    # before the sleep). Either way the wake ends like an update: caches reset,
+    # a paused validation that covers every parameter, the resume; an update
+    # publishes its target, a restore serves the committed version again.
+
+    def request_sleep(self, owner: str, level: int = 2) -> SleepTicket:
+        """Close admission for a sleep (READY -> DOZING). Refused, changing nothing, elsewhere."""
+        if not isinstance(owner, str) or not owner:
+            raise BadInput("owner must be a non-empty string")
+        if isinstance(level, bool) or level not in (1, 2):
+            raise BadInput(f"sleep level must be 1 or 2, got {level!r}")
+        with self._lock:
+            if self._broken is not None:
+                raise UpdateRefused(f"the controller failed closed ({self._broken})")
+            if self._update is not None or self._sleep is not None:
+                raise UpdateRefused(f"the engine is not idle (state {self._state.value}): "
+                                    f"one update or sleep at a time")
+            if (self._state, E.REQUEST_SLEEP) not in TRANSITIONS:
+                raise UpdateRefused(f"a sleep starts only in READY, not {self._state.value}")
+            self._record(RequestSleep(self._next_sleep_id, owner, level, len(self._active)))
+            self._go(E.REQUEST_SLEEP)
+            assert self._sleep is not None
+            ticket = self._sleep
+        self._deliver(True)
+        return ticket
+
+    def slept(self, ticket: SleepTicket, ev: SleepEvidence) -> Verdict:
+        """The engine is asleep at the level asked, nothing bound: SLEEPING, or a taint."""
+        if not isinstance(ev, SleepEvidence):
+            raise BadInput("slept needs SleepEvidence")
+        with self._lock:
+            self._own_sleeping(E.SLEPT, ticket)
+            before = self._state
+            problems = ev.problems(None)
+            if ev.level != ticket.level:
+                problems.append(f"engine slept at level {ev.level}, the sleep asked for "
+                                f"{ticket.level}")
+            if self._active:  # unreachable by construction: admission is closed
+                problems.append(f"{len(self._active)} rollouts bound while asleep")
+            self._evidence(E.SLEPT, ev, problems)
+            if problems:
+                v = self._failure(E.SLEPT, Step.SLEEP, FailureKind.BAD_EVIDENCE, problems)
+            else:
+                self._go(E.SLEPT)
+                v = self._verdict(E.SLEPT, before, accepted=True)
+        self._deliver(True)
+        return v
+
+    def wake_target(self, owner: str, identity: WeightIdentity | None = None, *,
+                    label: str | None = None) -> UpdateTarget:
+        """What ``request_wake`` would install (for the preflight that must come with it).
+
+        No identity: the committed version itself (a restore). Changes nothing.
+        """
+        with self._lock:
+            return self._wake_target(owner, identity, label)
+
+    def _wake_target(self, owner: str, identity: WeightIdentity | None,
+                     label: str | None) -> UpdateTarget:
+        if not isinstance(owner, str) or not owner:
+            raise BadInput("owner must be a non-empty string")
+        if identity is not None and not isinstance(identity, WeightIdentity):
+            raise BadInput("identity must be a WeightIdentity or None (a restore)")
+        if self._committed is None or self._identity is None:
+            raise UpdateRefused("nothing was ever committed: there is nothing to wake")
+        if identity is None:
+            if label is not None:
+                raise BadInput("a restore keeps the committed label; pass no label")
+            return UpdateTarget(self._committed, self._identity, owner)
+        gen = self._fresh_generation()
+        nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
+        if nxt.label in self._used_labels:
+            raise BadInput(f"label {nxt.label!r} was already used; labels name one "
+                           f"weight set each")
+        return UpdateTarget(nxt, identity, owner)
+
+    def request_wake(self, sleep: SleepTicket, owner: str,
+                     identity: WeightIdentity | None = None, *, label: str | None = None,
+                     min_verification: VerificationLevel = VerificationLevel.ENGINE_CHECKSUM,
+                     preflight: PreflightEvidence | None = None) -> UpdateTicket:
+        """The sleep's owner wakes the engine: with an update (``identity``), or a restore.
+
+        Returns the wake's update ticket; the state stays SLEEPING until the
+        first wake call's evidence. An update needs its ``preflight`` (the
+        trainer's source against the target of ``wake_target``): evidence
+        that does not hold refuses the wake, and nothing changes. The
+        verification asked is at least ``ENGINE_CHECKSUM``: a woken engine
+        serves only weights checked parameter by parameter.
+        """
+        if not isinstance(sleep, SleepTicket):
+            raise BadInput("request_wake needs the SleepTicket of the sleep")
+        if not isinstance(min_verification, VerificationLevel):
+            raise BadInput("min_verification must be a VerificationLevel")
+        if identity is not None and not isinstance(preflight, PreflightEvidence):
+            raise BadInput("a wake with an update needs its PreflightEvidence")
+        if identity is None and preflight is not None:
+            raise BadInput("a restore has no source to preflight")
+        level = max(min_verification, VerificationLevel.ENGINE_CHECKSUM)
+        refused: str | None = None
+        with self._lock:
+            if self._broken is not None:
+                raise UpdateRefused(f"the controller failed closed ({self._broken})")
+            if self._sleep != sleep:
+                raise UpdateRefused(f"sleep {sleep.sleep_id} is not the sleep in progress")
+            if self._update is not None:
+                raise UpdateRefused(f"a wake by {self._update.ticket.target.owner!r} is in "
+                                    f"progress (state {self._state.value}); one at a time")
+            if (self._state, E.REQUEST_WAKE) not in TRANSITIONS:
+                raise UpdateRefused(f"a wake starts only in SLEEPING, not {self._state.value}")
+            target = self._wake_target(owner, identity, label)
+            if preflight is not None:
+                problems = preflight.problems(target)
+                self._evidence(E.REQUEST_WAKE, preflight, problems)
+                if problems:
+                    refused = "; ".join(problems)
+            if refused is None:
+                rec = RequestWake(self._next_update_id, owner, target.version,
+                                  target.identity, 0, level, sleep.level, identity is None)
+                self._record(rec)
+                if identity is not None:
+                    # From here the target's label may reach the engine: never reuse it.
+                    self._record(BeginUpdate(rec.update_id, target.version))
+                self._go(E.REQUEST_WAKE)
+                assert self._update is not None
+                ticket = self._update.ticket
+        self._deliver(True)
+        if refused is not None:
+            raise UpdateRefused(f"wake refused, the engine still sleeps: {refused}")
+        return ticket
+
+    def woke(self, ticket: UpdateTicket, ev: WakeEvidence) -> Verdict:
+        """One wake call. ``WAKE_TARGETS`` decides where it leads; a wake it has no
+        entry for is refused (``InvalidTransition``, nothing changes)."""
+        if not isinstance(ev, WakeEvidence):
+            raise BadInput("woke needs WakeEvidence")
+        with self._lock:
+            upd = self._own(E.WOKE, ticket)
+            before = self._state
+            key = (before, "restore" if upd.restore else "update", ev.tags.value)
+            self._target(E.WOKE, key)  # refused here, before anything is recorded
+            problems = ev.problems(ticket.target)
+            self._evidence(E.WOKE, ev, problems)
+            if problems:
+                v = self._failure(E.WOKE, Step.WAKE, FailureKind.BAD_EVIDENCE, problems)
+            else:
+                self._go(E.WOKE, key)
+                v = self._verdict(E.WOKE, before, accepted=True)
+        self._deliver(True)
+        return v
+
+    def _own_sleeping(self, event: Event, ticket: object) -> None:
+        """The caller owns the sleep (or, once a wake was requested, the wake)."""
+        self._check(event)
+        upd = self._update
+        if upd is not None:
+            if ticket != upd.ticket:
+                raise UpdateRefused(f"{event.value}: only the wake's ticket acts on the "
+                                    f"waking engine")
+        elif self._sleep is None or ticket != self._sleep:
+            raise UpdateRefused(f"{event.value}: not the ticket of the sleep in progress")
 
     # ---------------------------------------------------------------- recovery
     def begin_recovery(self, owner: str) -> None:
@@ -1321,6 +1574,9 @@ class LifecycleController:
             if c._state in _UPDATE_STATES and upd is None:
                 raise JournalError(f"journal ends in {c._state.value} without the "
                                    f"request_update that opened the update")
+            if c._state in _SLEEP_STATES and c._sleep is None:
+                raise JournalError(f"journal ends in {c._state.value} without the "
+                                   f"request_sleep that opened the sleep")
             if c._listeners:
                 c._outbox.append(Restore(c._state, len(c._active),
                                          None if upd is None else upd.request))
@@ -1332,9 +1588,10 @@ class LifecycleController:
                 if c._listeners:
                     c._outbox.append(rec)
             if (c._state, Step.RESTART) in FAIL_STEPS:
-                what = "a recovery" if c._state is S.RECOVERING else "an update"
-                c._fail(None if upd is None else upd.ticket, Step.RESTART, FailureKind.DIED,
-                        f"controller restarted during {what}", report=False)
+                what = ("a recovery" if c._state is S.RECOVERING else
+                        "a sleep" if c._state in _SLEEP_STATES else "an update")
+                c._fail(upd.ticket if upd is not None else c._sleep, Step.RESTART,
+                        FailureKind.DIED, f"controller restarted during {what}", report=False)
         c._deliver(True)
         return c
 
@@ -1368,7 +1625,28 @@ class LifecycleController:
             self._apply_end_update(rec)  # type: ignore[arg-type]
         elif t is Carry:
             self._apply_carry(rec)  # type: ignore[arg-type]
+        elif t is RequestSleep:
+            self._apply_request_sleep(rec)  # type: ignore[arg-type]
+        elif t is RequestWake:
+            self._apply_request_wake(rec)  # type: ignore[arg-type]
         # Every other record describes a decision; it changes no durable state.
+
+
+def _wake_coverage_problems(ev: ValidationEvidence, level: int) -> list[str]:
+    """After a wake, only a check of every engine parameter verifies the weights.
+
+    The sleep gave the weights' memory away (level 2 discarded its contents), so
+    a label, or a checksum of part of the parameters, says nothing about the rest.
+    """
+    full = [c for c in ev.checks if c.passed and c.coverage == 1.0 and c.level is not None
+            and c.level >= VerificationLevel.ENGINE_CHECKSUM]
+    if full:
+        return []
+    seen = ", ".join(f"{c.name}={'pass' if c.passed else 'FAIL'}/"
+                     f"{'n.a.' if c.coverage is None else format(c.coverage, '.4f')}"
+                     for c in ev.checks) or "none"
+    return [f"after a level-{level} sleep the paused validation must verify every engine "
+            f"parameter (a passing engine-checksum check of coverage 1.0); checks: {seen}"]
 
 
 def _replay_targets(state: State, event: Event) -> frozenset[State]:

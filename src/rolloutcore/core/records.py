@@ -60,7 +60,9 @@ __all__ = [
     "Note",
     "Record",
     "Refuse",
+    "RequestSleep",
     "RequestUpdate",
+    "RequestWake",
     "Restore",
     "State",
     "Step",
@@ -72,7 +74,8 @@ __all__ = [
 ]
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
-#: 3 added the ``carry`` record (asynchronous updates, issue 20).
+#: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
+#: ``request_sleep``/``request_wake`` records (colocated sleep and wake, issue 21).
 SCHEMA_VERSION = 3
 #: Versions this reader decodes (1: lines without ``"v"``).
 READABLE_VERSIONS = frozenset({1, 2, 3})
@@ -91,6 +94,11 @@ class State(enum.StrEnum):
     RESUMING = "RESUMING"
     TAINTED = "TAINTED"
     RECOVERING = "RECOVERING"
+    # Colocated training (issue 21): the engine gives its GPU memory to the trainer.
+    DOZING = "DOZING"        # admission closed for a sleep: rollouts finish, the engine sleeps
+    SLEEPING = "SLEEPING"    # asleep: weights offloaded (level 1) or discarded (level 2)
+    WAKING = "WAKING"        # weights resident again, KV cache asleep, weights unverified
+    WARMING = "WARMING"      # the update wrote the woken weights; KV cache still asleep
 
 
 class Event(enum.StrEnum):
@@ -107,6 +115,10 @@ class Event(enum.StrEnum):
     FAIL = "fail"
     BEGIN_RECOVERY = "begin_recovery"
     RECOVERED = "recovered"
+    REQUEST_SLEEP = "request_sleep"  # admission closes; the engine is to sleep
+    SLEPT = "slept"
+    REQUEST_WAKE = "request_wake"    # the owner wakes it: with an update, or on its own weights
+    WOKE = "woke"                    # one wake call (weights, KV cache, or both)
 
 
 class Step(enum.StrEnum):
@@ -122,6 +134,8 @@ class Step(enum.StrEnum):
     RECOVER = "recover"
     SERVE = "serve"        # no effect: the engine observed failing while READY
     RESTART = "restart"    # no effect: the controller itself restarted mid-way (crash restore)
+    SLEEP = "sleep"        # put the engine to sleep (after the local rollouts finished)
+    WAKE = "wake"          # wake the weights or the KV cache
 
 
 class FailureKind(enum.StrEnum):
@@ -277,6 +291,58 @@ class RequestUpdate(Record):
 
 
 @dataclass(frozen=True)
+class RequestSleep(Record):
+    """A sleep was opened (admission closes; since version 3).
+
+    ``level`` is vLLM's: 1 offloads the weights to host memory, 2 discards
+    them (a wake then needs an update that writes every parameter).
+    """
+
+    KIND: ClassVar[str] = "request_sleep"
+    sleep_id: int
+    owner: str
+    level: int
+    active_rollouts: int
+
+    def to_data(self) -> dict[str, Any]:
+        return {"sleep_id": self.sleep_id, "owner": self.owner, "level": self.level,
+                "active_rollouts": self.active_rollouts}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> RequestSleep:
+        return cls(int(d["sleep_id"]), str(d["owner"]), int(d["level"]),
+                   int(d["active_rollouts"]))
+
+
+@dataclass(frozen=True)
+class RequestWake(RequestUpdate):
+    """The owner of a sleeping engine wakes it: an update opened while asleep (version 3).
+
+    ``restore`` is a wake on the engine's own weights: ``target`` is then the
+    committed version itself, verified against the checksums taken before
+    the sleep; it ends with an ``abandon`` (the committed version serves
+    again, nothing is published). Otherwise ``target`` is a fresh version,
+    as in ``request_update``. It is a ``request_update``
+    (every consumer that follows updates follows this one) with the sleep's
+    level and which kind of wake it is.
+    """
+
+    KIND: ClassVar[str] = "request_wake"
+    level: int = 2
+    restore: bool = False
+
+    def to_data(self) -> dict[str, Any]:
+        return {**super().to_data(), "level": self.level, "restore": self.restore}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> RequestWake:
+        base = RequestUpdate.from_data(d)
+        return cls(base.update_id, base.owner, base.target, base.identity,
+                   base.active_rollouts, base.min_verification, int(d["level"]),
+                   bool(d["restore"]))
+
+
+@dataclass(frozen=True)
 class Transition(Record):
     """The controller's state changed; ``duration_s`` is the time spent in ``before``."""
 
@@ -411,7 +477,8 @@ class Commit(Record):
 
 @dataclass(frozen=True)
 class Abandon(Record):
-    """An update that mutated nothing ended; the old version serves again."""
+    """An update that mutated nothing ended, or a restore (a wake on the engine's own
+    weights) was verified: the old version serves again."""
 
     KIND: ClassVar[str] = "abandon"
     update_id: int
@@ -534,7 +601,8 @@ class Note(Record):
 #: Kind -> record class: the whole schema.
 RECORD_TYPES: Mapping[str, type[Record]] = {t.KIND: t for t in (
     Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
-    Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry)}
+    Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry,
+    RequestSleep, RequestWake)}
 
 KINDS = frozenset(RECORD_TYPES)
 

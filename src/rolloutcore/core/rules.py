@@ -38,6 +38,7 @@ __all__ = [
     "STEP_STATE",
     "TRANSITIONS",
     "UPDATE_MODES",
+    "WAKE_TARGETS",
     "targets",
 ]
 
@@ -55,6 +56,7 @@ class Lookup(enum.StrEnum):
 
     FAILURE = "failure policy"  # FAILURE_TARGETS[(state, FAILURE_POLICY[(step, kind)])]
     RESETS = "cache resets"     # RESETS_DONE[every required cache reset?]
+    WAKE = "wake"               # WAKE_TARGETS[(state, who wakes, what woke)]
 
 
 #: The one table of legal (state, event) pairs -> the target, or the named
@@ -84,6 +86,18 @@ TRANSITIONS: Mapping[tuple[State, Event], State | Lookup] = {
     (S.TAINTED, E.BEGIN_RECOVERY): S.RECOVERING,
     (S.RECOVERING, E.RECOVERED): S.READY,
     (S.RECOVERING, E.FAIL): Lookup.FAILURE,
+    # Colocated training (issue 21). Nothing is admitted, transferred or reset while
+    # the engine is asleep; a wake reaches READY only through the paused validation.
+    (S.READY, E.REQUEST_SLEEP): S.DOZING,
+    (S.DOZING, E.SLEPT): S.SLEEPING,
+    (S.DOZING, E.FAIL): Lookup.FAILURE,
+    (S.SLEEPING, E.REQUEST_WAKE): S.SLEEPING,  # the wake's owner (an update, or a restore)
+    (S.SLEEPING, E.WOKE): Lookup.WAKE,
+    (S.SLEEPING, E.FAIL): Lookup.FAILURE,
+    (S.WAKING, E.TRANSFERRED): S.WARMING,
+    (S.WAKING, E.FAIL): Lookup.FAILURE,
+    (S.WARMING, E.WOKE): Lookup.WAKE,
+    (S.WARMING, E.FAIL): Lookup.FAILURE,
 }
 
 #: (state, step reported) -> the failure-policy row that applies. A step that
@@ -101,6 +115,13 @@ FAIL_STEPS: Mapping[tuple[State, Step], Step] = {
     (S.RESUMING, Step.VALIDATE): Step.RESUME,
     (S.RECOVERING, Step.RECOVER): Step.RECOVER,
     **{(s, Step.RESTART): Step.RESTART for s in (*_UPDATE_STATES, S.RECOVERING)},
+    # Colocated training. A controller restarted while the engine sleeps cannot
+    # vouch for what the engine holds (nor for the trainer that owns the sleep).
+    (S.DOZING, Step.SLEEP): Step.SLEEP,
+    (S.SLEEPING, Step.WAKE): Step.WAKE,
+    (S.WAKING, Step.TRANSFER): Step.TRANSFER,
+    (S.WARMING, Step.WAKE): Step.WAKE,
+    **{(s, Step.RESTART): Step.RESTART for s in (S.DOZING, S.SLEEPING, S.WAKING, S.WARMING)},
 }
 
 #: The same, while an update that mutated nothing resumes the old version:
@@ -110,9 +131,11 @@ ABORT_STEPS: Mapping[tuple[State, Step], Step] = {
     (S.RESUMING, Step.RESTART): Step.RESTART,
 }
 
-#: Which state each step's effect runs in (derived from FAIL_STEPS).
-STEP_STATE: Mapping[Step, State] = {step: s for (s, step), row in FAIL_STEPS.items()
-                                    if row is step and step is not Step.RESTART}
+#: Which state each step's effect runs in (derived from FAIL_STEPS: the first
+#: state listed for it, so a step the colocated path shares keeps its own).
+STEP_STATE: Mapping[Step, State] = {
+    step: s for (s, step), row in reversed(list(FAIL_STEPS.items()))
+    if row is step and step is not Step.RESTART}
 
 #: The failure policy: (step, kind) -> class. Read by row: a drain that fails
 #: in any way mutated nothing; a transfer that fails mutated nothing only when
@@ -131,6 +154,10 @@ FAILURE_POLICY: Mapping[tuple[Step, FailureKind], Classification] = {
     **dict(zip([(Step.RECOVER, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
     **dict(zip([(Step.SERVE, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
     **dict(zip([(Step.RESTART, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    # A sleep refused up front (no sleep mode, rollouts still bound) left the engine
+    # as it was; once /sleep was sent its memory is in an unknown state.
+    **dict(zip([(Step.SLEEP, k) for k in _K], [_NM, _AMB, _AMB, _AMB, _AMB], strict=True)),
+    **dict(zip([(Step.WAKE, k) for k in _K], [_AMB, _AMB, _AMB, _AMB, _AMB], strict=True)),
 }
 
 #: Where an incomplete observation ends up once its retries are used up.
@@ -158,14 +185,36 @@ FAILURE_TARGETS: Mapping[tuple[State, Classification], State] = {
     (S.VALIDATING, _AMB): S.TAINTED,
     (S.RESUMING, _AMB): S.TAINTED,
     (S.RECOVERING, _AMB): S.TAINTED,
+    # A sleep that never reached the engine: serve on, nothing was touched.
+    (S.DOZING, _NM): S.READY,
+    (S.DOZING, _AMB): S.TAINTED,
+    (S.SLEEPING, _AMB): S.TAINTED,
+    # Once woken, the old weights are gone (level 2) or unverified: there is no
+    # old version to resume, even when the failed step itself changed nothing.
+    (S.WAKING, _NM): S.TAINTED,
+    (S.WAKING, _AMB): S.TAINTED,
+    (S.WARMING, _AMB): S.TAINTED,
 }
 
 #: Every required cache reset? -> target.
 RESETS_DONE: Mapping[bool, State] = {False: S.INVALIDATING, True: S.VALIDATING}
 
+#: (state, who wakes, what the wake call brought back) -> target. An update
+#: wakes the weights, writes them, then wakes the KV cache; a restore (a wake on
+#: the engine's own weights) wakes everything at once. A key with no entry is
+#: refused: the KV cache before the weights (vLLM restores the model's buffers
+#: with the weights), the KV cache before the update wrote the weights, an
+#: update that wakes everything before its transfer.
+WAKE_TARGETS: Mapping[tuple[State, str, str], State] = {
+    (S.SLEEPING, "update", "weights"): S.WAKING,
+    (S.SLEEPING, "restore", "all"): S.INVALIDATING,
+    (S.WARMING, "update", "kv_cache"): S.INVALIDATING,
+}
+
 OUTCOMES: Mapping[Lookup, Mapping[Any, State]] = {
     Lookup.FAILURE: FAILURE_TARGETS,
     Lookup.RESETS: RESETS_DONE,
+    Lookup.WAKE: WAKE_TARGETS,
 }
 
 
@@ -225,6 +274,8 @@ def targets(state: State, event: Event) -> frozenset[State]:
         return frozenset({rule})
     if rule is Lookup.FAILURE:
         return frozenset(t for (s, _), t in FAILURE_TARGETS.items() if s is state)
+    if rule is Lookup.WAKE:
+        return frozenset(t for (s, _, _), t in WAKE_TARGETS.items() if s is state)
     return frozenset(OUTCOMES[rule].values())
 
 

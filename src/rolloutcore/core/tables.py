@@ -15,6 +15,7 @@ from rolloutcore.core.lifecycle import (
     FAILURE_TARGETS,
     RESETS_DONE,
     TRANSITIONS,
+    WAKE_TARGETS,
     Classification,
     Event,
     FailureKind,
@@ -56,6 +57,14 @@ def render() -> str:
               "| every required cache reset | target |", "|---|---|"]
     for done, to in RESETS_DONE.items():
         lines.append(f"| {'yes' if done else 'no'} | {to.value} |")
+    lines += ["", f"## Outcome: {Lookup.WAKE.value}", "",
+              "Colocated training: who wakes the sleeping engine (an update, which writes "
+              "the weights between the two wake calls, or a restore on the engine's own "
+              "weights) and what one wake call brought back. A combination not listed is "
+              "refused (`InvalidTransition`, nothing changes).", "",
+              "| state | who wakes | woke | target |", "|---|---|---|---|"]
+    for (s, who, tags), to in WAKE_TARGETS.items():
+        lines.append(f"| {s.value} | {who} | {tags} | {to.value} |")
     lines += ["", f"## Outcome: {Lookup.FAILURE.value}", "",
               "A `fail` (or evidence that does not hold) is decided by the three tables "
               "below, in order: the policy row the reported step falls in, in this state "

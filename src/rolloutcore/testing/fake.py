@@ -15,25 +15,30 @@ It models the behaviours that decide correctness, not speed:
 * a prefix-cache reset that, like vLLM's, answers ``success: false`` while
   requests are running;
 * injectable faults at every effect: raise, hang (until cancelled), lie in
-  the body, die mid-transfer.
+  the body, die mid-transfer;
+* vLLM's sleep levels (colocated training): level 1 keeps a host copy of the
+  weights, level 2 forgets them (a wake brings back memory of garbage, so
+  what the engine then generates is not the policy's); the KV cache is
+  dropped; the scheduler stays paused until everything is awake (vLLM 0.32;
+  ``wake_resumes="always"`` is the older vLLM that resumes on any wake);
+  a weight write or a request that meets asleep memory kills the engine, as
+  the real one crashes (vLLM #57853); the device memory it holds in each
+  condition (``memory()``).
 
 ``FakeAdapter`` is a ``LifecycleAdapter`` like any other, a
 ``HealthObserver``, an ``ExpectationTaker`` (a remote trainer's probe:
 ``fake_probe`` computes one from ``FakeWeights`` as a trainer would, and the
-engine scores it with ``FakeEngine.score``) and a ``WriteObserver`` (the
-engine counts its weight-update calls, as vLLM does); ``FakeRecoverer`` is a
-``Recoverer``.
+engine scores it with ``FakeEngine.score``), a ``WriteObserver`` (the
+engine counts its weight-update calls, as vLLM does) and a ``Sleeper``;
+``FakeRecoverer`` is a ``Recoverer``.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import threading
 import time
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import (
@@ -47,22 +52,33 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     RecoveryEvidence,
     ResumeEvidence,
+    SleepEvidence,
     TransferEvidence,
     UpdateTarget,
     ValidationEvidence,
+    WakeEvidence,
+    WakeTags,
 )
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
-    ParameterManifest,
-    Provenance,
     VerificationLevel,
-    WeightIdentity,
     WeightVersion,
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
 
 if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
-    from rolloutcore.adapters.vllm.wire import GenerationChunk
+    pass
+from rolloutcore.testing.fake_engine import (
+    FakeEngine,
+    FakeStream,
+    FakeWeights,
+    Fault,
+    FaultKind,
+    Generation,
+    fake_logprob,
+    fake_probe,
+    reference_tokens,
+)
 
 __all__ = [
     "FakeAdapter",
@@ -77,398 +93,6 @@ __all__ = [
     "fake_probe",
     "reference_tokens",
 ]
-
-VOCAB = 256
-
-
-def _h(*parts: object) -> bytes:
-    m = hashlib.sha256()
-    for p in parts:
-        m.update(repr(p).encode())
-        m.update(b"\x00")
-    return m.digest()
-
-
-@dataclass(frozen=True)
-class FakeWeights:
-    """Named byte tensors; ``from_seed`` makes a policy, same shapes for every seed."""
-
-    tensors: Mapping[str, bytes]
-    provenance: Provenance
-
-    @classmethod
-    def from_seed(cls, seed: int, *, step: int = 0, n_params: int = 4,
-                  size: int = 64) -> FakeWeights:
-        t = {f"layers.{i}.weight": (_h(seed, i) * (size // 32 + 1))[:size]
-             for i in range(n_params)}
-        return cls(t, Provenance(f"fake-seed-{seed}", "fake-run", step))
-
-    @property
-    def manifest(self) -> ParameterManifest:
-        return ParameterManifest.from_items((n, (len(b),), "uint8")
-                                            for n, b in self.tensors.items())
-
-    @property
-    def digest(self) -> str:
-        return hashlib.sha256(b"".join(_h(n, self.tensors[n]) for n in sorted(self.tensors))
-                              ).hexdigest()
-
-    def identity(self) -> WeightIdentity:
-        return WeightIdentity.declare(self.manifest, self.provenance, self.digest)
-
-    def policy_probe(self) -> Any:
-        """The probe a trainer computes from these weights (``fake_probe``)."""
-        return fake_probe(self)
-
-
-def _kv_step(kv: bytes, token: int, wdigest: str) -> bytes:
-    return _h(kv, token, wdigest)
-
-
-def _next_token(kv: bytes, wdigest: str) -> int:
-    return _h(kv, "next", wdigest)[0] % VOCAB
-
-
-def fake_logprob(kv: bytes, token: int, wdigest: str) -> float:
-    """The fake policy's log-probability of ``token`` after ``kv`` (in [-4, -1/64])."""
-    return -(1 + _h(kv, "logprob", token, wdigest)[0]) / 64.0
-
-
-def fake_probe(weights: FakeWeights, prompts: Sequence[Sequence[int]] = (
-        tuple(range(40)), tuple(range(100, 133))), *, new_tokens: int = 8,
-        tolerance: float = 0.005) -> Any:
-    """What a trainer computes from ``weights``: a ``PolicyProbe`` of the fake policy
-    (its greedy continuation of each prompt and their log-probabilities)."""
-    from rolloutcore.verification.probe import PolicyProbe, ProbeCase
-
-    cases = []
-    for p in prompts:
-        kv = b""
-        for t in p:
-            kv = _kv_step(kv, t, weights.digest)
-        cont, lps = [], []
-        for _ in range(new_tokens):
-            tok = _next_token(kv, weights.digest)
-            lps.append(fake_logprob(kv, tok, weights.digest))
-            cont.append(tok)
-            kv = _kv_step(kv, tok, weights.digest)
-        cases.append(ProbeCase(tuple(p), tuple(cont), tuple(lps)))
-    return PolicyProbe(cases, tolerance=tolerance)
-
-
-def reference_tokens(weights_digest: str, prompt: list[int], n: int) -> list[int]:
-    """What a fresh engine (empty cache) serving these weights generates, greedily."""
-    kv = b""
-    for t in prompt:
-        kv = _kv_step(kv, t, weights_digest)
-    out = []
-    for _ in range(n):
-        tok = _next_token(kv, weights_digest)
-        out.append(tok)
-        kv = _kv_step(kv, tok, weights_digest)
-    return out
-
-
-class FakeStream:
-    """A fake engine's streamed request: one ``GenerationChunk`` per token, spans at the end."""
-
-    def __init__(self, steps: Iterator[Generation]) -> None:
-        self._steps = steps
-
-    def __iter__(self) -> Iterator[GenerationChunk]:
-        # Imported here: the package imports httpx, which the demo does without.
-        from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
-
-        seen = 0
-        for g in self._steps:
-            new = g.tokens[seen:]
-            seen = len(g.tokens)
-            if not new and g.finish_reason is None:
-                continue
-            spans = None if g.finish_reason is None else tuple(
-                VersionSpan(str(s["version"]), int(str(s["start"])), int(str(s["end"])))
-                for s in g.version_spans)
-            yield GenerationChunk(tuple(new), tuple(-1.0 for _ in new), g.finish_reason,
-                                  spans, time.monotonic())
-
-    def close(self) -> None:
-        close = getattr(self._steps, "close", None)
-        if close is not None:
-            close()  # GeneratorExit in the engine loop: the request leaves the engine
-
-
-@dataclass
-class Generation:
-    request_id: str
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)
-    token_labels: list[str] = field(default_factory=list)
-    cached_tokens: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def version_spans(self) -> list[dict[str, object]]:
-        """Contiguous spans {version, start, end} over the output, as vLLM reports them."""
-        spans: list[dict[str, object]] = []
-        for i, lab in enumerate(self.token_labels):
-            if spans and spans[-1]["version"] == lab:
-                spans[-1]["end"] = i + 1
-            else:
-                spans.append({"version": lab, "start": i, "end": i + 1})
-        return spans
-
-
-class FaultKind(enum.StrEnum):
-    RAISE = "raise"        # the effect fails with a server error
-    HANG = "hang"          # the effect blocks until cancelled
-    LIE = "lie"            # the effect answers "ok" at transport level, the body says otherwise
-    DIE = "die"            # the engine dies in the middle of the effect
-
-
-@dataclass
-class Fault:
-    kind: FaultKind
-    times: int = 1
-
-
-class FakeEngine:
-    """The simulated engine. Thread-safe; ``generate`` blocks like an HTTP call would."""
-
-    def __init__(self, weights: FakeWeights, *, token_delay_s: float = 0.002,
-                 block_size: int = 16) -> None:
-        if token_delay_s < 0 or block_size <= 0:
-            raise BadInput("token_delay_s must be >= 0 and block_size > 0")
-        self.token_delay_s = token_delay_s
-        self.block_size = block_size
-        self.epoch = uuid.uuid4().hex[:12]
-        self.label = "default"
-        self._weights = dict(weights.tensors)
-        self._wdigest = weights.digest
-        self._cond = threading.Condition()
-        self._paused: PauseMode | None = None
-        self._in_flight: dict[str, Generation] = {}
-        self._abort_ids: set[str] = set()
-        self._cache: dict[tuple[str | int | None, ...], bytes] = {}
-        self._updating = False
-        self.dead = False
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self._ids = 0
-        #: weight-update calls (start, load, finish), counted like vLLM's metrics
-        self.weight_ops = 0
-
-    # -------------------------------------------------------------- inspection
-    @property
-    def weights_digest(self) -> str:
-        with self._cond:
-            return self._wdigest
-
-    @property
-    def in_flight(self) -> int:
-        with self._cond:
-            return len(self._in_flight)
-
-    @property
-    def paused(self) -> bool:
-        with self._cond:
-            return self._paused is not None
-
-    def tokens_in_flight(self) -> dict[str, int]:
-        """Request id -> tokens generated so far, for every request in flight."""
-        with self._cond:
-            return {rid: len(g.tokens) for rid, g in self._in_flight.items()}
-
-    def weight_bytes(self) -> dict[str, bytes]:
-        with self._cond:
-            return dict(self._weights)
-
-    def _alive(self) -> None:
-        if self.dead:
-            raise EngineUnavailable("engine", "engine process is dead")
-
-    # -------------------------------------------------------------- serving
-    def generate(self, prompt: list[int], max_tokens: int,
-                 request_id: str | None = None, cache_salt: str | None = None) -> Generation:
-        """One request to its end. ``cache_salt`` separates prefix-cache entries like vLLM's."""
-        last: Generation | None = None
-        for step in self._steps(prompt, max_tokens, request_id, cache_salt):
-            last = step
-        assert last is not None
-        return last
-
-    def generate_stream(self, token_ids: list[int] | tuple[int, ...], *, max_tokens: int,
-                        temperature: float = 0.0, logprobs: bool = True,
-                        seed: int | None = None, ignore_eos: bool = False,
-                        request_id: str | None = None, cache_salt: str | None = None,
-                        sampling_extra: object = None,
-                        read_timeout_s: float = 300.0) -> FakeStream:
-        """The request as a stream of one-token events (``VllmHTTP.generate_stream``'s shape).
-
-        The last event carries the per-token labels as spans, like vLLM 0.32.
-        """
-        return FakeStream(self._steps(list(token_ids), max_tokens, request_id, cache_salt))
-
-    def _steps(self, prompt: list[int], max_tokens: int, request_id: str | None,
-               cache_salt: str | None) -> Iterator[Generation]:
-        """Yields the generation after each token (and once at its end)."""
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < VOCAB for t in prompt):
-            raise BadInput(f"prompt must be non-empty token ids in [0, {VOCAB})")
-        if max_tokens <= 0:
-            raise BadInput("max_tokens must be positive")
-        with self._cond:
-            self._alive()
-            # New requests are held while paused (vLLM queues them until resume).
-            while self._paused is not None and not self.dead:
-                self._cond.wait(0.05)
-            self._alive()
-            self._ids += 1
-            rid = request_id or f"req-{self._ids}"
-            g = Generation(rid, list(prompt))
-            self._in_flight[rid] = g
-            kv, cached = self._prefill(prompt, cache_salt)
-            g.cached_tokens = cached
-        try:
-            for _ in range(max_tokens):
-                if self.token_delay_s:
-                    time.sleep(self.token_delay_s)
-                with self._cond:
-                    while self._paused is PauseMode.KEEP and not self.dead:
-                        self._cond.wait(0.05)
-                    self._alive()
-                    if rid in self._abort_ids:
-                        g.finish_reason = "abort"
-                        break
-                    tok = _next_token(kv, self._wdigest)
-                    kv = _kv_step(kv, tok, self._wdigest)
-                    g.tokens.append(tok)
-                    g.token_labels.append(self.label)
-                yield g
-            else:
-                g.finish_reason = "length"
-            yield g
-        finally:
-            with self._cond:
-                self._in_flight.pop(rid, None)
-                self._abort_ids.discard(rid)
-                self._cond.notify_all()
-
-    def score(self, token_ids: Sequence[int], *,
-              timeout_s: float | None = None) -> list[float | None]:
-        """Teacher-forced log-probabilities of ``token_ids`` under the current weights
-        (a fresh prefill: no cache), the first ``None``, like ``VllmHTTP.score``."""
-        with self._cond:
-            self._alive()
-            wd = self._wdigest
-        out: list[float | None] = [None]
-        kv = b""
-        for i, t in enumerate(token_ids):
-            if i:
-                out.append(fake_logprob(kv, int(t), wd))
-            kv = _kv_step(kv, int(t), wd)
-        return out
-
-    def _prefill(self, prompt: list[int], salt: str | None = None) -> tuple[bytes, int]:
-        """Reuse the longest cached block-aligned prefix (stale or not), compute the rest.
-
-        Entries are keyed by the salt too: a salted request never meets another
-        salt's entries (vLLM hashes the salt into the first block).
-        """
-        bs = self.block_size
-        self.prefix_queries += len(prompt)
-        kv, start = b"", 0
-        for end in range((len(prompt) // bs) * bs, 0, -bs):
-            hit = self._cache.get((salt, *prompt[:end]))
-            if hit is not None:
-                kv, start = hit, end
-                break
-        self.prefix_hits += start
-        for i in range(start, len(prompt)):
-            kv = _kv_step(kv, prompt[i], self._wdigest)
-            if (i + 1) % bs == 0:
-                self._cache[(salt, *prompt[:i + 1])] = kv
-        return kv, start
-
-    # -------------------------------------------------------------- lifecycle
-    def pause(self, mode: PauseMode, timeout_s: float = 30.0) -> None:
-        with self._cond:
-            self._alive()
-            self._paused = mode
-            if mode is PauseMode.ABORT:
-                self._abort_ids.update(self._in_flight)
-            if mode in (PauseMode.ABORT, PauseMode.WAIT):
-                deadline = time.monotonic() + timeout_s
-                while self._in_flight and not self.dead:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise EffectError("drain", "in-flight requests did not finish",
-                                          mutation_started=False)
-                    self._cond.wait(min(left, 0.05))
-            self._cond.notify_all()
-
-    def resume(self) -> None:
-        with self._cond:
-            self._alive()
-            self._paused = None
-            self._cond.notify_all()
-
-    def reset_prefix_cache(self) -> bool:
-        """False while requests run, like vLLM's reset without reset_running_requests."""
-        with self._cond:
-            self._alive()
-            if self._in_flight:
-                return False
-            self._cache.clear()
-            return True
-
-    def kill(self) -> None:
-        with self._cond:
-            self.dead = True
-            self._cond.notify_all()
-
-    def restart(self, weights: FakeWeights) -> None:
-        """A new process on ``weights`` (its start checkpoint): new epoch, empty caches.
-
-        What a supervisor restarting a crashed engine does behind the
-        controller's back: it serves again, but not the committed version.
-        """
-        with self._cond:
-            self.dead = False
-            self.epoch = uuid.uuid4().hex[:12]
-            self.label = "default"
-            self._weights = dict(weights.tensors)
-            self._wdigest = weights.digest
-            self._paused = None
-            self._in_flight.clear()
-            self._cache.clear()
-            self._updating = False
-            self._cond.notify_all()
-
-    def start_update(self) -> None:
-        with self._cond:
-            self._alive()
-            if self._updating:
-                raise TransferError("transfer", "update already started", mutation_started=False)
-            self._updating = True
-            self.weight_ops += 1
-
-    def load(self, name: str, data: bytes) -> None:
-        with self._cond:
-            self._alive()
-            if not self._updating:
-                raise TransferError("transfer", "load outside an update")
-            if name not in self._weights or len(self._weights[name]) != len(data):
-                raise TransferError("transfer", f"unknown or mis-shaped parameter {name}")
-            self.weight_ops += 1
-            self._weights[name] = data
-            self._wdigest = FakeWeights(self._weights, Provenance("x")).digest
-
-    def finish_update(self, label: str) -> None:
-        with self._cond:
-            self._alive()
-            self._updating = False
-            self.weight_ops += 1
-            self.label = label
-
 
 class FakeAdapter:
     """The port over a ``FakeEngine``. ``stage`` sets what the next transfer sends."""
@@ -493,6 +117,15 @@ class FakeAdapter:
         self._reference: Mapping[str, str] | None = None
         self._ops_verified: int | None = None
         self._ops_at_drain: int | None = None
+        # The sleep this adapter put the engine in, until it serves again: its level,
+        # the pools woken since, whether a transfer wrote the weights since, and the
+        # per-parameter digests taken before it (for a wake on the same weights).
+        self._slept: int | None = None
+        self._woken: set[str] = set()
+        self._wrote = False
+        self._sleep_ref: dict[str, str] | None = None
+        #: what an adapter call refused before touching the engine, in order (tests)
+        self.refusals: list[str] = []
 
     # -------------------------------------------------------------- set-up
     def stage(self, weights: FakeWeights) -> None:
@@ -522,7 +155,8 @@ class FakeAdapter:
 
     def inject(self, effect: str, kind: FaultKind, times: int = 1) -> None:
         valid = {"bootstrap", "drain", "preflight", "transfer", "reset_prefix",
-                 "reset_encoder", "reset_multimodal", "validate", "validate_live", "resume"}
+                 "reset_encoder", "reset_multimodal", "validate", "validate_live", "resume",
+                 "sleep", "wake_weights", "wake_kv_cache", "wake_all"}
         if effect not in valid:
             raise BadInput(f"unknown effect {effect!r}; one of {sorted(valid)}")
         self.faults[effect] = Fault(FaultKind(kind), times)
@@ -533,8 +167,10 @@ class FakeAdapter:
             return None
         f.times -= 1
         if f.kind is FaultKind.RAISE:
+            # A 500 from /sleep or /wake_up leaves the engine's memory unknown.
             raise EngineUnavailable(effect, "injected server error (HTTP 500)",
-                                    mutation_started=effect == "transfer")
+                                    mutation_started=effect == "transfer" or
+                                    effect.startswith(("sleep", "wake")))
         if f.kind is FaultKind.HANG:
             self._cancel.clear()
             self._cancel.wait()
@@ -568,7 +204,15 @@ class FakeAdapter:
                               if restarted else "", observed_label=e.label,
                               writes=(f"{n} weight-update call(s)",) if n else ())
 
+    def _refuse_asleep(self, step: str, what: str, pool: str = "weights") -> None:
+        """Refuse before any engine call while ``pool`` sleeps (``mutation_started=False``)."""
+        if self._slept is not None and pool not in self._woken:
+            self.refusals.append(step)
+            raise EffectError(step, f"the engine is asleep ({pool} released): {what} refused "
+                              f"before reaching it", mutation_started=False)
+
     def drain(self, mode: PauseMode) -> DrainEvidence:
+        self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
         fk = self._fault("drain")
         self._ops_at_drain = self.engine.weight_ops
@@ -590,7 +234,12 @@ class FakeAdapter:
         t0 = time.monotonic()
         if self._staged is None:
             raise TransferError("transfer", "nothing staged", mutation_started=False)
+        if self._slept is not None and "weights" not in self._woken:
+            self.refusals.append("transfer")
+            raise TransferError("transfer", "the engine is asleep (weights released): "
+                                "nothing sent", mutation_started=False)
         fk = self._fault("transfer")
+        self._wrote = self._wrote or self._slept is not None
         e = self.engine
         e.start_update()
         n = nbytes = 0
@@ -612,6 +261,7 @@ class FakeAdapter:
                                 elapsed_s=time.monotonic() - t0)
 
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
         fk = self._fault(f"reset_{cache.value}")
         ok = self.engine.reset_prefix_cache() if cache is CacheKind.PREFIX else True
         if fk is FaultKind.LIE:
@@ -621,6 +271,8 @@ class FakeAdapter:
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
         fk = self._fault("validate_live" if live else "validate")
         e = self.engine
+        if not live and self._slept is not None:
+            return self._validate_wake(target, fk)
         if self._remote:
             return self._validate_remote(target, live, fk)
         self._ops_verified = e.weight_ops
@@ -674,9 +326,83 @@ class FakeAdapter:
                           level=check.level)
         return ValidationEvidence(observed_label=e.label, label_supported=True, paused=False,
                                   checks=(check,))
+    def _validate_wake(self, target: UpdateTarget, fk: FaultKind | None) -> ValidationEvidence:
+        """After a wake: every parameter, against the update's source when one was sent
+        since the sleep, against the digests from before the sleep when none was."""
+        e = self.engine
+        now = {n: hashlib.sha256(b).hexdigest() for n, b in e.weight_bytes().items()}
+        if self._wrote:
+            src = self._staged.tensors if self._staged is not None else {}
+            want: dict[str, str] | None = {n: hashlib.sha256(b).hexdigest()
+                                           for n, b in src.items()}
+            against = "the update's source"
+        else:
+            want, against = self._sleep_ref, "the digests taken before the sleep"
+        matched = 0 if want is None else sum(want.get(n) == d for n, d in now.items())
+        passed = want is not None and matched == len(now) and set(want) == set(now)
+        if fk is FaultKind.LIE:
+            passed, matched = True, len(now)
+        detail = (f"{matched} of {len(now)} engine parameters equal {against}" if want
+                  is not None else "no digests were taken before the sleep: nothing to "
+                  "compare a wake on the same weights with")
+        return ValidationEvidence(
+            observed_label=e.label, label_supported=True, paused=e.paused,
+            checks=(Check("engine-parameters", passed, detail,
+                          coverage=matched / len(now) if now else 0.0,
+                          level=VerificationLevel.ENGINE_CHECKSUM),))
+
+    # -------------------------------------------------------------- the Sleeper
+    def forget_sleep(self) -> None:
+        """The engine serves again (resumed, or replaced): no sleep of ours is in progress."""
+        self._slept, self._woken, self._wrote, self._sleep_ref = None, set(), False, None
+
+    @property
+    def asleep(self) -> int | None:
+        """The level of the sleep this adapter put the engine in (None: not asleep)."""
+        return self._slept
+
+    def sleep(self, level: int, *, reference: bool) -> SleepEvidence:
+        t0 = time.monotonic()
+        e = self.engine
+        if not e.sleep_mode:
+            self.refusals.append("sleep")
+            raise EffectError("sleep", "the engine has no sleep mode (started without "
+                              "--enable-sleep-mode): nothing was sent", mutation_started=False)
+        ref = ({n: hashlib.sha256(b).hexdigest() for n, b in e.weight_bytes().items()}
+               if reference else None)
+        before = {**e.memory(), "source": "fake worker"}
+        fk = self._fault("sleep")
+        e.sleep(level)
+        self._slept, self._woken, self._wrote, self._sleep_ref = level, set(), False, ref
+        return SleepEvidence(level=level, is_sleeping_after=e.is_sleeping and fk is None,
+                             paused_after=e.paused,
+                             memory_before=before,
+                             memory_after={**e.memory(), "source": "fake worker"},
+                             reference_params=0 if ref is None else len(ref),
+                             elapsed_s=time.monotonic() - t0)
+
+    def wake(self, tags: WakeTags) -> WakeEvidence:
+        t0 = time.monotonic()
+        if not isinstance(tags, WakeTags):
+            raise BadInput("tags must be WakeTags")
+        fk = self._fault(f"wake_{tags.value}")
+        e = self.engine
+        awake = e.wake(tags.value)
+        self._woken |= ({"weights", "kv_cache"} if tags is WakeTags.ALL else {tags.value})
+        repaused = False
+        if not e.paused:
+            # The engine resumed its scheduler on its own: hold it before anything runs.
+            e.pause(PauseMode.WAIT)
+            repaused = True
+        return WakeEvidence(tags=tags, fully_awake=awake, paused_after=e.paused,
+                            repaused=repaused, memory_after={**e.memory(),
+                                                             "source": "fake worker"},
+                            detail="lied about the wake" if fk is FaultKind.LIE else "",
+                            elapsed_s=time.monotonic() - t0)
 
     def resume(self) -> ResumeEvidence:
         fk = self._fault("resume")
+        self.forget_sleep()
         self.engine.resume()
         return ResumeEvidence(resumed=True,
                               is_paused_after=True if fk is FaultKind.LIE else self.engine.paused)
@@ -706,7 +432,8 @@ class FakeRecoverer:
         old = self.adapter.engine
         old.kill()
         new = FakeEngine(self.weights, token_delay_s=old.token_delay_s,
-                         block_size=old.block_size)
+                         block_size=old.block_size, sleep_mode=old.sleep_mode,
+                         wake_resumes=old.wake_resumes)
         if self.fail:
             new.kill()
             raise EngineUnavailable("recover", "replacement engine died at start")
@@ -714,6 +441,7 @@ class FakeRecoverer:
         self.adapter.engine = new
         self.adapter._epoch_at_bootstrap = new.epoch  # the process health is checked against
         self.adapter._ops_verified = new.weight_ops
+        self.adapter.forget_sleep()
         self.adapter.faults.clear()
         self.adapter.stage(self.weights)
         live = self.adapter.validate(UpdateTarget(target, self.weights.identity(), "recovery"),

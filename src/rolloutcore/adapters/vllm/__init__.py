@@ -11,6 +11,8 @@ Modules, each one concern:
 * ``adapter``: ``VllmAdapter``, the port (``rolloutcore.control.port``) over
   a ``VllmHTTP`` and a weight transport; each step declares whether its
   failures may have changed the weights (``STEP_MAY_MUTATE``);
+* ``sleep``: its sleep mode (``SleepMode``: colocated training on one GPU)
+  and what it needs of a transport (``SleepAwareTransport``);
 * ``process``: the managed vLLM process (``ManagedEngine``).
 
 The names other code uses are re-exported here.
@@ -38,6 +40,7 @@ from rolloutcore.adapters.vllm.http import (
     Routes,
     VllmHTTP,
 )
+from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
 from rolloutcore.adapters.vllm.wire import (
     PREFIX_HITS,
     PREFIX_QUERIES,
@@ -69,6 +72,8 @@ __all__ = [
     "PrefixCacheDelta",
     "ProbeSet",
     "Routes",
+    "SleepAwareTransport",
+    "SleepMode",
     "VersionSpan",
     "VllmAdapter",
     "VllmHTTP",

@@ -13,6 +13,15 @@ HTTP client cannot know; each step does, and says it once, in
 untouched, so whatever it raises says so. A transfer may mutate once it has
 sent anything; what it refuses before sending says ``False`` where it is
 raised.
+
+Sleep mode (colocated training, ``control.port.Sleeper``): the adapter puts
+the engine to sleep only where it was started with ``--enable-sleep-mode``
+(read from ``/server_info`` at bootstrap; vLLM's CPU build has no sleep
+mode: its worker ignores ``/sleep`` and keeps every byte while the engine
+reports asleep), and until the weights are woken it refuses a transfer, a
+drain or a cache reset itself, before any call. After a wake the paused
+validation covers every engine parameter, against what the update sent or,
+when nothing was sent since the sleep, against the checksums taken before it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 from rolloutcore.adapters.vllm.checksums import compare_checksums
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
 from rolloutcore.adapters.vllm.sent import check_sent, check_sent_scheme
+from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
 from rolloutcore.adapters.vllm.wire import WeightOps
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -78,6 +88,8 @@ STEP_MAY_MUTATE: Mapping[Step, bool] = MappingProxyType({
     Step.VALIDATE: True,
     Step.RESUME: True,
     Step.SERVE: False,       # observe_health, between updates: reads only
+    Step.SLEEP: True,        # once /sleep is sent (refusals before it say False themselves)
+    Step.WAKE: True,
 })
 
 
@@ -158,7 +170,7 @@ def _version_tuple(v: object) -> tuple[int, ...]:
     return tuple(out)
 
 
-class VllmAdapter:
+class VllmAdapter(SleepMode):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
     The trainer side calls ``stage(source, ...)`` before each update; the
@@ -207,6 +219,7 @@ class VllmAdapter:
         self._ops_verified: WeightOps | None = None
         self._ops_at_drain: WeightOps | None = None
         self._counts_ops = False  # the engine is known to count weight operations
+        self._init_sleep_mode()
 
     @classmethod
     def for_engine(cls, engine: Any, transport: WeightTransport | None = None, *,
@@ -374,6 +387,7 @@ class VllmAdapter:
         """
         if not isinstance(mode, PauseMode):
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
+        self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
@@ -457,7 +471,11 @@ class VllmAdapter:
         if st is None or st.source is None or self.transport is None:
             raise TransferError("transfer", "no weight source staged" if self.transport
                                 else "no weight transport", mutation_started=False)
+        if self._slept is not None and "weights" not in self._woken:
+            raise TransferError("transfer", "the engine is asleep (its weights are released): "
+                                "nothing was sent (vLLM #57853)", mutation_started=False)
         self._ensure_connected(self.transport, TransferError, "transfer")
+        self._wrote = self._wrote or self._slept is not None
         self._early = None
         try:
             ev = self.transport.send(self.http.base_url, target.version.label,
@@ -474,18 +492,23 @@ class VllmAdapter:
         # collects it, for this target only.
         # The paused state is read then too (the engine stays paused until the runner
         # resumes it after the validation, so a read from here on is inside the
-        # same paused window as one taken during the validation).
+        # same paused window as one taken during the validation), except while the
+        # KV cache still sleeps: vLLM resumes its scheduler when it wakes, and the
+        # wake pauses it again, so the validation reads the state after that.
         tr = self.transport
         if self.early_transport_check and isinstance(tr, CheckingTransport):
             side = self._side()
             check = side.submit(tr.validation_check, self.http.base_url)
+            kv_asleep = self._slept is not None and "kv_cache" not in self._woken
             paused = (side.submit(self.http.is_paused)
-                      if Routes.IS_PAUSED in self.http.capabilities() else None)
+                      if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
+                      else None)
             self._early = (target, check, paused)
         return ev
 
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
+        self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
@@ -494,6 +517,8 @@ class VllmAdapter:
         t0 = time.monotonic()
         h = self.http
         st = self._staged
+        if not live and self._slept is not None and not self._wrote:
+            return self._validate_restore(t0)
         if live:
             probes = (st.probes if st is not None and st.probes is not None else self.probes)
             if probes is None:
@@ -557,6 +582,16 @@ class VllmAdapter:
             if not isinstance(chk, Check):
                 raise EffectError("validate", f"transport check returned {type(chk).__name__}")
             checks.append(chk)
+            tr = self.transport
+            if self._slept is not None and isinstance(tr, SleepAwareTransport):
+                # After a wake the weights' memory was given away: the check must speak
+                # for every engine parameter, not only for what was sent.
+                whole = tr.engine_parameter_check()
+                if whole is not None:
+                    checks.append(whole)
+        elif self._slept is not None:
+            unverified.append("after a wake: the transport cannot check what it wrote, so "
+                              "no check covers every engine parameter")
         if paused_read is not None:
             paused: bool | None = paused_read.result()
         else:
@@ -635,6 +670,7 @@ class VllmAdapter:
     @_step(Step.RESUME)
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
+        self.forget_sleep()
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None

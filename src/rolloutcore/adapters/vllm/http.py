@@ -29,7 +29,6 @@ Rules it keeps:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -37,16 +36,16 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from rolloutcore.adapters.vllm.checksums import WeightChecksums, strip_rank
+from rolloutcore.adapters.vllm.stream import GenerationStream
 from rolloutcore.adapters.vllm.wire import (
     Completion,
     Generation,
-    GenerationChunk,
     MetricsSnapshot,
     VersionSpan,
     WeightInfo,
@@ -73,6 +72,8 @@ class Routes:
     RESUME = "/resume"
     IS_PAUSED = "/is_paused"
     IS_SLEEPING = "/is_sleeping"
+    SLEEP = "/sleep"
+    WAKE_UP = "/wake_up"
     RESET_PREFIX = "/reset_prefix_cache"
     RESET_ENCODER = "/reset_encoder_cache"
     RESET_MM = "/reset_mm_cache"
@@ -305,6 +306,42 @@ class VllmHTTP:
         step = "is_sleeping"
         return bool(self._field(self._get_json(Routes.IS_SLEEPING, step, timeout_s),
                                 "is_sleeping", bool, step))
+
+    # -- sleep mode (a CUDA engine started with --enable-sleep-mode) ---------
+
+    def sleep(self, level: int, *, mode: PauseMode = PauseMode.WAIT,
+              timeout_s: float | None = None) -> None:
+        """``POST /sleep?level=N&mode=...``: pause (waiting for in-flight work with WAIT),
+        then release the weights (offloaded at level 1, discarded at 2) and the KV cache.
+
+        The answer says nothing the caller can rely on (vLLM 0.32: ``{"status":
+        "sleeping"}``, whatever the worker did): read ``is_sleeping`` after.
+        """
+        if isinstance(level, bool) or level not in (1, 2):
+            raise BadInput(f"sleep level must be 1 or 2, got {level!r}")
+        if not isinstance(mode, PauseMode):
+            raise BadInput(f"mode must be a PauseMode, got {mode!r}")
+        self._request("POST", Routes.SLEEP, step="sleep", timeout_s=timeout_s,
+                      params={"level": str(level), "mode": mode.value})
+
+    def wake_up(self, tags: Sequence[str] | None = None, *,
+                timeout_s: float | None = None) -> bool | None:
+        """``POST /wake_up`` (``?tags=weights``, ``?tags=kv_cache``; none: everything).
+
+        Returns whether the engine says it is fully awake (vLLM 0.32 answers
+        ``{"status": "awake" | "sleeping"}``), or ``None`` when the answer
+        does not say (an older vLLM answers an empty 200).
+        """
+        if tags is not None and (isinstance(tags, (str, bytes)) or not tags or any(
+                t not in ("weights", "kv_cache") for t in tags)):
+            raise BadInput(f"wake tags must be 'weights' and/or 'kv_cache', got {tags!r}")
+        r = self._request("POST", Routes.WAKE_UP, step="wake_up", timeout_s=timeout_s,
+                          params=None if tags is None else {"tags": list(tags)})
+        if self._status_is(r, "awake"):
+            return True
+        if self._status_is(r, "sleeping"):
+            return False
+        return None
 
     # -- cache resets -------------------------------------------------------
 
@@ -590,7 +627,16 @@ class VllmHTTP:
             if not isinstance(cache_salt, str) or not cache_salt:
                 raise BadInput("cache_salt must be a non-empty string")
             body["cache_salt"] = cache_salt
-        return GenerationStream(self, body, check_timeout(read_timeout_s), logprobs)
+        if self._closed:
+            raise EngineUnavailable("generate", "client is closed")
+        trace = self._trace
+
+        def open_stream(timeout: httpx.Timeout) -> Any:
+            return self._client.stream("POST", Routes.GENERATE, json=body, timeout=timeout,
+                                       extensions={"trace": trace})
+
+        return GenerationStream(open_stream, f"POST {Routes.GENERATE} (stream)",
+                                check_timeout(read_timeout_s), logprobs)
 
     def complete(self, prompt: str | Sequence[int], *, max_tokens: int,
                  temperature: float = 0.0, logprobs: bool = True, seed: int | None = None,
@@ -692,99 +738,3 @@ class VllmHTTP:
 
     def __repr__(self) -> str:
         return f"VllmHTTP({self.base_url})"
-
-
-class GenerationStream:
-    """One streamed generation: iterate ``GenerationChunk``s, ``close()`` to abort it.
-
-    Closing the response closes its connection, which makes vLLM abort the
-    request. Failures leave as the tree's errors (``transports.http``), like
-    every other call of ``VllmHTTP``.
-    """
-
-    def __init__(self, http: VllmHTTP, body: dict[str, Any], read_timeout_s: float,
-                 logprobs: bool) -> None:
-        self._http, self._body, self._read_s, self._lp = http, body, read_timeout_s, logprobs
-        self._cm: Any = None
-        self._resp: httpx.Response | None = None
-        self._closed = False
-
-    def _open(self) -> httpx.Response:
-        h = self._http
-        if h._closed:
-            raise EngineUnavailable("generate", "client is closed")
-        what = f"POST {Routes.GENERATE} (stream)"
-        timeout = httpx.Timeout(self._read_s, connect=min(30.0, self._read_s))
-        with map_errors("generate", what, timeout_s=self._read_s):
-            self._cm = h._client.stream("POST", Routes.GENERATE, json=self._body,
-                                        timeout=timeout, extensions={"trace": h._trace})
-            resp: httpx.Response = self._cm.__enter__()
-        if resp.status_code != 200:
-            text = resp.read().decode("utf-8", "replace")
-            self.close()
-            err = status_error("generate", what, resp.status_code, text)
-            raise err or EffectError("generate", f"{what}: HTTP {resp.status_code}")
-        self._resp = resp
-        return resp
-
-    def __iter__(self) -> Iterator[GenerationChunk]:
-        resp = self._resp or self._open()
-        what = f"POST {Routes.GENERATE} (stream)"
-        with map_errors("generate", what, timeout_s=self._read_s):
-            for line in resp.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                chunk = self._parse(data)
-                if chunk is not None:
-                    yield chunk
-
-    def _parse(self, data: str) -> GenerationChunk | None:
-        t = time.monotonic()
-        try:
-            ev = json.loads(data)
-            if "error" in ev and not ev.get("choices"):
-                err = ev["error"]
-                msg = err.get("message") if isinstance(err, dict) else err
-                raise EngineUnavailable("generate", f"the stream reported an error: {msg}")
-            usage = ev.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens")
-            choices = ev.get("choices") or []
-            if not choices:
-                return GenerationChunk((), None if not self._lp else (), None, None, t,
-                                       None if cached is None else int(cached))
-            ch = choices[0]
-            toks = tuple(int(x) for x in ch.get("token_ids") or ())
-            lps: tuple[float, ...] | None = None
-            if self._lp:
-                content = (ch.get("logprobs") or {}).get("content") or []
-                lps = tuple(float(c["logprob"]) for c in content)
-                if len(lps) != len(toks):
-                    raise EffectError("generate", f"{len(lps)} logprobs for {len(toks)} "
-                                      "tokens in a stream event")
-            raw = ch.get("weight_versions")
-            spans = None if raw is None else tuple(
-                VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
-        except (ValueError, KeyError, TypeError, AttributeError, BadInput) as exc:
-            raise EffectError("generate", f"unreadable stream event: {exc}: "
-                              f"{snippet(data)}") from exc
-        return GenerationChunk(toks, lps, ch.get("finish_reason"), spans, t,
-                               None if cached is None else int(cached))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        cm, self._cm = self._cm, None
-        if cm is not None:
-            with contextlib.suppress(Exception):
-                cm.__exit__(None, None, None)
-
-    def __enter__(self) -> GenerationStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

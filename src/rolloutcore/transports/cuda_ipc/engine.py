@@ -294,7 +294,39 @@ class CudaIpcWorkerExtension:
             return {"backend": type(eng).__name__, "protocol": None, "device_uuid": None}
         return {"backend": BACKEND, "protocol": PROTOCOL, "device_uuid": eng.device_uuid,
                 "device": str(eng.device), "torch": str(torch.__version__),
-                "rank": worker_rank()}
+                "rank": worker_rank(),
+                "n_params": sum(1 for _ in eng.model.named_parameters())}
+
+    def rc_cuda_ipc_after_wake(self) -> dict[str, Any]:
+        """After a wake of the weights: drop what the sleep made stale (``SliceLoader``)."""
+        return self._rc_engine().loader.invalidate()
+
+    def rc_cuda_ipc_memory(self) -> dict[str, Any]:
+        """The device memory as this worker sees it, and vLLM's sleep-mode pools by tag.
+
+        ``used_bytes`` is the device's (every process on the GPU: the trainer's
+        too); the ``cumem_*`` counts are vLLM's own pools (weights, KV cache)
+        mapped or asleep, where its CuMemAllocator exists.
+        """
+        eng = self._rc_engine()
+        free, total = torch.cuda.mem_get_info(eng.device)
+        out: dict[str, Any] = {"free_bytes": int(free), "total_bytes": int(total),
+                               "used_bytes": int(total - free),
+                               "torch_reserved_bytes": int(torch.cuda.memory_reserved(
+                                   eng.device))}
+        try:
+            from vllm.device_allocator.cumem import CuMemAllocator
+
+            inst = CuMemAllocator.instance
+        except Exception:  # no sleep-mode allocator in this build
+            inst = None
+        if inst is not None:
+            for data in list(inst.pointer_to_data.values()):
+                asleep = getattr(data, "is_asleep", None)
+                where = "unknown" if asleep is None else ("asleep" if asleep else "mapped")
+                key = f"cumem_{data.tag}_{where}_bytes"
+                out[key] = out.get(key, 0) + int(data.handle[1])
+        return out
 
     def rc_cuda_ipc_checksum(self, impl: str = "auto") -> dict[str, Any]:
         if impl not in CHECKSUM_IMPLS:

@@ -572,6 +572,31 @@ class SliceLoader:
         row[ROW_NONCE].fill_(nonce)
         return True
 
+    def invalidate(self) -> dict[str, Any]:
+        """Drop what a sleep may have made stale; say what was dropped.
+
+        vLLM's sleep (CuMemAllocator) gives the weights' physical memory back and
+        maps new memory at the same addresses on wake: a checksum prefetched at
+        the last update then describes memory that is gone (after a level-2
+        sleep, memory whose contents are anything), so it is always dropped. The
+        plan and the copy and checksum programs hold the parameters' addresses:
+        they are dropped, and rebuilt at the next use, when a parameter moved
+        (another sleep backend, a re-created model).
+        """
+        dropped: list[str] = []
+        if self._pending is not None:
+            dropped.append("prefetched checksum")
+        self._pending = None
+        plan = self._plan
+        moved = plan is not None and self._param_ptrs() != plan.ptrs
+        if moved:
+            self._plan = self._plan_checked = None
+            self._prog = self._csum_prog = self._row_head = None
+            dropped += ["slice plan", "copy program", "checksum program"]
+        out = {"dropped": dropped, "params_moved": moved}
+        self.stats["invalidated"] = out
+        return out
+
     def checksum(self, impl: str = "auto") -> dict[str, Any]:
         """Block checksum of the slices the last update wrote, read from parameter memory."""
         msg = self.last

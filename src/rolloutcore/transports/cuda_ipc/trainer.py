@@ -269,6 +269,8 @@ class CudaIpcTransport:
         self.last_check: dict[str, Any] = {}
         self._digest_cache: tuple[tuple[str, ...], list[int], str, str,
                                   dict[str, int]] | None = None
+        self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
+        self._last_check_url: str | None = None
 
     def precompute_checksum(self, packed: PackedWeights) -> float:
         """Checksum ``packed`` now (at staging, outside the engine's pause window).
@@ -330,6 +332,12 @@ class CudaIpcTransport:
                 raise EngineUnavailable("connect", f"worker GPU {h.get('device_uuid')} is not "
                                         f"the trainer's {uuid}: CUDA IPC needs one host GPU",
                                         mutation_started=False)
+        counts = {h.get("n_params") for h in hello}
+        n = counts.pop() if len(counts) == 1 else None
+        if isinstance(n, int) and n > 0:
+            self._n_params[base_url] = n
+        else:
+            self._n_params.pop(base_url, None)
         return {"label_supported": self.label_supported, "workers": hello}
 
     def send(self, base_url: str, target_label: str, source: Any, *,
@@ -466,6 +474,7 @@ class CudaIpcTransport:
             r = compare(dict(zip(names, theirs, strict=True)), expected, keyed_by="position")
             mism.extend(r.mismatched)
             covered = min(covered, r.compared)
+        self._last_check_url = base_url
         out.update(passed=bool(names) and not mism and covered == len(names) and not uncovered,
                    n_uncovered=uncovered,
                    coverage=(covered / len(names)) if names else 0.0,
@@ -476,6 +485,68 @@ class CudaIpcTransport:
                    digest=digest if names else None)
         self.last_check = out
         return out
+
+    # -- colocated training (adapters.vllm.SleepAwareTransport) --------------
+
+    def after_wake(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """After the weights woke: the workers drop what the sleep made stale (their
+        prefetched checksum always; plans and programs if a parameter moved)."""
+        self._expect = None  # a result slot filled before the sleep describes nothing now
+        return {"workers": self.rpc(base_url, "rc_cuda_ipc_after_wake", timeout_s=timeout_s)}
+
+    def param_checksums(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, int]:
+        """Every engine parameter's block checksum, hashed now by the workers.
+
+        Keyed by the engine's own names (``tp<rank>:<name>`` with several workers).
+        """
+        res = self.rpc(base_url, "rc_cuda_ipc_param_checksums", timeout_s=timeout_s)
+        out: dict[str, int] = {}
+        for i, w in enumerate(res):
+            if not isinstance(w, dict) or not isinstance(w.get("names"), list) or \
+                    not isinstance(w.get("values"), list) or \
+                    len(w["names"]) != len(w["values"]):
+                raise EngineUnavailable("rpc", f"bad parameter checksum reply {w!r:.200}",
+                                        mutation_started=False)
+            pre = "" if len(res) == 1 else f"tp{w.get('rank', i)}:"
+            out.update((pre + str(n), int(v)) for n, v in zip(w["names"], w["values"],
+                                                              strict=True))
+        return out
+
+    def engine_memory(self, base_url: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
+        """The device memory as the workers see it (summed over workers), with its source."""
+        res = self.rpc(base_url, "rc_cuda_ipc_memory", timeout_s=timeout_s)
+        out: dict[str, Any] = {}
+        for w in res:
+            if not isinstance(w, dict):
+                raise EngineUnavailable("rpc", f"bad memory reply {w!r:.200}",
+                                        mutation_started=False)
+            for k, v in w.items():
+                if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                    out[k] = out.get(k, 0) + v
+        out["source"] = ("rc_cuda_ipc workers: cudaMemGetInfo (the whole device) and vLLM's "
+                         "CuMemAllocator pools")
+        return out
+
+    def engine_parameter_check(self) -> Check | None:
+        """The last validation's worker checksum, over the engine's whole parameter list.
+
+        ``coverage`` is the fraction of the engine's parameters that the update
+        wrote whole and whose written slices were compared; it passes only
+        when every parameter was (after a level-2 sleep nothing else holds
+        the policy's values). ``None`` before a validation, or when the
+        workers did not say how many parameters they have.
+        """
+        r, url = self.last_check, self._last_check_url
+        n = self._n_params.get(url) if url is not None else None
+        if not r or not n:
+            return None
+        unc = min(n, int(r.get("n_uncovered", 0)))
+        sent = float(r.get("coverage", 0.0))
+        cov = (n - unc) / n * (1.0 if sent >= 1.0 else sent)
+        return Check("engine_parameters", bool(r.get("passed")) and unc == 0,
+                     detail=f"{n - unc}/{n} engine parameters written whole by the update; "
+                     f"{int(r.get('n_mismatched', 0))} sent tensors mismatched",
+                     coverage=cov, level=VerificationLevel.ENGINE_CHECKSUM)
 
     def _result_slot(self, base_url: str, n_entries: int) -> ResultSlot | None:
         """This update's result slot (a fresh nonce), or None where ``ipc`` cannot be used."""
