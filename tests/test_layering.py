@@ -36,7 +36,7 @@ RANKS: dict[str, int] = {
     "transports": 2, "verification": 2,
     "adapters": 3, "testing": 3,
     "control": 4, "provenance": 4,
-    "service": 5,
+    "service": 5, "fleet": 5,
     "cli": 6, "integrations": 6,
 }
 EXEMPT = frozenset({ROOT, f"{ROOT}.__main__"})
