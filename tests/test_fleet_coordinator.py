@@ -27,8 +27,8 @@ from rolloutcore.fleet import (
     Outcome,
     Policy,
     ReplicaState,
-    RouteRefused,
     Router,
+    RouteRefused,
 )
 from rolloutcore.fleet.records import (
     FleetAbandon,

@@ -109,8 +109,9 @@ class Replica:
     transfer sends, what the validation compares with); ``fanout_url`` is
     the engine's URL for a fan-out transport; ``on_fanout`` is called after
     a fan-out round replaced the engine's transfer group (drop the
-    per-engine one). ``close`` releases what the replica holds (adapter,
-    journal, process).
+    per-engine one); ``on_recovered`` after a recovery replaced its process
+    (rebind the adapter to the new incarnation). ``close`` releases what the
+    replica holds (adapter, journal, process).
     """
 
     name: str
@@ -123,6 +124,7 @@ class Replica:
     on_fanout: Callable[[], None] | None = None
     close: Callable[[], None] | None = None
     journal: Any = None
+    on_recovered: Callable[[], None] | None = None
 
     @property
     def controller(self) -> LifecycleController:
@@ -988,6 +990,13 @@ class FleetCoordinator:
                     return
                 if self.fanout is not None:
                     self.fanout.invalidate()
+                if r.on_recovered is not None:
+                    try:
+                        r.on_recovered()
+                    except Exception as exc:
+                        self._move(m, E.FAILED, generation=None,
+                                   reason=f"rebinding to the new process: {exc!r}"[:500])
+                        return
                 self._move(m, E.RECOVERED, generation=None,
                            reason=f"recovered on {r.controller.committed}")
                 ident = r.controller.identity
