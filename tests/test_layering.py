@@ -36,7 +36,7 @@ RANKS: dict[str, int] = {
     "transports": 2, "verification": 2,
     "adapters": 3, "testing": 3,
     "control": 4, "provenance": 4,
-    "service": 5,
+    "service": 5, "fleet": 5,
     "cli": 6, "integrations": 6,
 }
 EXEMPT = frozenset({ROOT, f"{ROOT}.__main__"})
@@ -48,6 +48,10 @@ ALLOWED_LARGE: dict[str, str] = {
     "rolloutcore/core/lifecycle.py": (
         "the controller that applies core.rules' tables: everything that changes the state "
         "lives in one file (h11's rule); ~130 lines are its theory-of-operation docstring"),
+    "rolloutcore/fleet/coordinator.py": (
+        "one class over one member table and one lock: both update strategies, the fan-out "
+        "round and the supervision (fence, recover, rejoin) read and move the same replica "
+        "states; its value types are in fleet/model.py"),
 }
 
 #: Today's violations, written down so that this test passes now and fails on

@@ -11,7 +11,7 @@ from typing import Any
 
 from rolloutcore.cli import argtypes
 
-__all__ = ["DESCRIPTION", "add_arguments", "options"]
+__all__ = ["DESCRIPTION", "add_arguments", "fleet_options", "options"]
 
 DESCRIPTION = """\
 The gateway in front of a vLLM server, under uvicorn. Three ways to get the engine:
@@ -26,6 +26,14 @@ The gateway in front of a vLLM server, under uvicorn. Three ways to get the engi
 The engine is taken over only verified: awake, not paused, and serving the
 checkpoint's policy (its policy probe), to the verification floor
 (--min-verification); otherwise serve exits with status 3.
+
+A fleet: --engines N (N > 1) launches N vLLM servers locally, --ray places
+them as Ray actors (one per placement-group bundle; a local Ray cluster when
+--ray-address is not given), all behind one gateway that routes each request
+by its version policy (X-RolloutCore-Policy: latest, any, min-version:N,
+max-staleness:k, pinned:<label>) and updates them through
+POST /control/fleet/updates (synchronous with one fan-out broadcast, or
+rolling waves).
 
 Everything that can be refused is refused before anything starts: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
@@ -42,7 +50,29 @@ def options(args: argparse.Namespace) -> Any:
     return ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
 
 
+def fleet_options(args: argparse.Namespace) -> Any:
+    """The parsed command line as ``FleetServeOptions`` (imports the fleet)."""
+    from rolloutcore.errors import BadInput
+    from rolloutcore.fleet.serve import FleetServeOptions
+
+    if args.upstream:
+        raise BadInput("--engines/--ray start the engines; --upstream names one running "
+                       "engine (a fleet of running engines: rolloutcore.fleet.placement."
+                       "build_fleet(urls=...))")
+    return FleetServeOptions(
+        engines=args.engines, ray=args.ray, ray_address=args.ray_address, model=args.model,
+        step=args.step, workdir=args.workdir, host=args.host, port=args.port,
+        token=args.token, token_file=args.token_file, token_out=args.token_out,
+        data_token=args.data_token, default_policy=args.default_policy, quorum=args.quorum,
+        min_serving=args.min_serving, queue=args.queue, queue_wait_s=args.queue_wait_s,
+        health_interval_s=args.health_interval_s or 1.0, journal_dir=args.journal)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.engines > 1 or args.ray:
+        from rolloutcore.fleet.serve import run_fleet_serve
+
+        return run_fleet_serve(fleet_options(args))
     from rolloutcore.service.serve import run_serve
 
     return run_serve(options(args))
@@ -113,4 +143,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
                           "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
+    fl = p.add_argument_group("fleet (several engines behind one gateway)")
+    fl.add_argument("--engines", type=argtypes.positive_int, default=1, metavar="N",
+                    help="launch N vLLM engines on --model (or the generated checkpoint)")
+    fl.add_argument("--ray", action="store_true",
+                    help="place the engines as Ray actors, one per placement-group bundle")
+    fl.add_argument("--ray-address", default=None,
+                    help="a running Ray cluster (default: start a local one)")
+    fl.add_argument("--default-policy", default="latest",
+                    help="routing policy of requests that name none (latest, any, "
+                         "min-version:N, max-staleness:k, pinned:<label>)")
+    fl.add_argument("--quorum", type=argtypes.positive_int, default=None,
+                    help="synchronous updates publish once this many engines passed "
+                         "(default: all)")
+    fl.add_argument("--min-serving", type=argtypes.nonneg_int, default=None,
+                    help="rolling updates keep this many engines serving (default N-1)")
     p.set_defaults(func=_run)

@@ -253,7 +253,7 @@ class ManagedRecoverer:
     verified (e.g. to point a proxy at a changed port).
     """
 
-    def __init__(self, engine: ManagedEngine, checkpoint: str | os.PathLike[str], *,
+    def __init__(self, engine: ManagedEngine | Any, checkpoint: str | os.PathLike[str], *,
                  provenance: Provenance | None = None, identity: WeightIdentity | None = None,
                  reference: ReferenceChecksums | Mapping[str, str] | None = None,
                  probe: PolicyProbe | bool | None = True, start_timeout_s: float | None = None,
@@ -261,7 +261,11 @@ class ManagedRecoverer:
                  on_replaced: Callable[[ManagedEngine], None] | None = None) -> None:
         from rolloutcore.adapters.vllm.process import ManagedEngine
 
-        if not isinstance(engine, ManagedEngine):
+        # A ManagedEngine, or a handle with its interface (a fleet's Ray-placed engine,
+        # whose process lives in an actor: rolloutcore.fleet.placement.RayEngine).
+        if not isinstance(engine, ManagedEngine) and not all(
+                callable(getattr(engine, a, None))
+                for a in ("stop", "restart", "alive", "signal_group")):
             raise BadInput("engine must be a ManagedEngine (for an engine we did not launch, "
                            "use OperatorRecoverer)")
         self.engine = engine

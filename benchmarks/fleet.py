@@ -1,0 +1,298 @@
+"""A fleet of real CPU vLLM engines behind the fleet gateway: updates, capacity, deaths.
+
+Measures, with ``--engines`` engines (default 3) on the tiny model:
+
+* ``single_engine_s``: one engine's verified transition alone (a one-replica
+  fleet, per-engine send), median of ``--reps``;
+* ``sync_fanout_s``: a synchronous fleet update with one fan-out broadcast to
+  every engine; ``sync_sequential_s``: the same with N sequential per-engine
+  sends; ``fanout_over_single`` (goal: within 1.3x);
+* serving capacity during a rolling update (``wave_size`` engines per wave,
+  ``min_serving`` = N - wave_size) under client load (``any`` requests):
+  requests/s per wave over the steady-state rate before the roll, the lowest
+  of them (``rolling_retained_min``; goal >= (N-w)/N), failed ``any``
+  requests (goal 0) and the lowest serving count sampled from status;
+* a replica SIGKILLed while serving under load: time to its fencing
+  (out of the pool) and to its rejoining (recovered, verified on the fleet
+  version, back in the pool).
+
+Writes results/fleet.json and prints a table. Not a test.
+
+    .venv/bin/python benchmarks/fleet.py [--engines 3] [--reps 3] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+TOKEN = "fleet-benchmark-token-0123456789"
+
+
+class Clients:
+    """Client threads posting ``any`` requests; every answer is kept with its times."""
+
+    def __init__(self, url: str, n: int, policy: str = "any", max_tokens: int = 8) -> None:
+        self.url, self.policy, self.max_tokens = url, policy, max_tokens
+        self.answers: list[tuple[float, float, int, str]] = []  # sent, done, status, replica
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
+                         for k in range(n)]
+
+    def _run(self, k: int) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as c:
+            i = 0
+            while not self._stop.is_set():
+                i += 1
+                t0 = time.monotonic()
+                try:
+                    r = c.post("/inference/v1/generate", headers={
+                        "x-rolloutcore-policy": self.policy}, json={
+                        "model": "policy", "token_ids": [7, k, i % 250, 3],
+                        "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0}})
+                except httpx.HTTPError as exc:
+                    self.errors.append(repr(exc))
+                    continue
+                self.answers.append((t0, time.monotonic(), r.status_code,
+                                     r.headers.get("x-rolloutcore-replica", "")))
+                if r.status_code != 200:
+                    time.sleep(0.05)
+
+    def start(self) -> Clients:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(120)
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Successful answers completed in [t0, t1), per second."""
+        n = sum(1 for _, d, s, _ in self.answers if s == 200 and t0 <= d < t1)
+        return n / max(1e-9, t1 - t0)
+
+
+class Sampler:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.serving: list[int] = []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30,
+                          headers={"authorization": f"Bearer {TOKEN}"}) as c:
+            while not self._stop.is_set():
+                r = c.get("/control/status")
+                if r.status_code == 200:
+                    self.serving.append(int(r.json()["serving"]))
+                time.sleep(0.02)
+
+    def start(self) -> Sampler:
+        self._th.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._th.join(30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--wave-size", type=int, default=1)
+    ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--steady-s", type=float, default=15.0)
+    ap.add_argument("--out", default=str(ROOT / "results" / "fleet.json"))
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    if args.engines < 2 or args.reps < 1 or not 1 <= args.wave_size < args.engines:
+        ap.error("need --engines >= 2, --reps >= 1, 1 <= --wave-size < --engines")
+
+    import torch
+    import vllm
+
+    from rolloutcore.fleet import FleetConfig, FleetCoordinator
+    from rolloutcore.fleet.gateway import create_fleet_app
+    from rolloutcore.fleet.placement import (
+        build_fleet,
+        launch_local,
+        prepare_checkpoint,
+        vllm_replica,
+    )
+    from rolloutcore.fleet.records import ReplicaStateChange, WaveBegin, WaveEnd
+    from rolloutcore.service import ServiceConfig
+    from rolloutcore.testing.models import make_checkpoint
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.gateway_rig import uvicorn_thread
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="rc-fleet-bench-"))
+    a = make_checkpoint(work / "A", 1)
+    b = make_checkpoint(work / "B", 2)
+    wa, wb = prepare_checkpoint(a), prepare_checkpoint(b)
+    n = args.engines
+    t0 = time.monotonic()
+    engines = launch_local(n, a, log_dir=work / "logs", progress=True)
+    start_s = time.monotonic() - t0
+    out: dict[str, Any] = {"engines": n, "wave_size": args.wave_size}
+    try:
+        # -- one engine alone: the reference transition --------------------------------
+        rep = vllm_replica("solo", engines[0].base_url, engine=engines[0])
+        solo = FleetCoordinator([rep], config=FleetConfig(health_interval_s=0))
+        solo.bootstrap(wa.identity, weights=wa)
+        single = []
+        for i in range(args.reps):
+            r = solo.update(wb if i % 2 == 0 else wa, transfer="per-engine",
+                            label=f"solo-{i + 1}")
+            single.append(r.seconds)
+        solo.update(wa, transfer="per-engine", label="solo-back") if args.reps % 2 else None
+        solo.close()
+        # -- the fleet ------------------------------------------------------------------
+        coord = build_fleet(engines, checkpoint=a, journal_dir=work / "journals",
+                            config=FleetConfig(health_interval_s=0.5), journal_keep=2000)
+        fan, seq, fan_transfer, seq_transfer = [], [], [], []
+        toggle = [wb, wa]
+        k = 0
+        for _ in range(args.reps):
+            r = coord.update(toggle[k % 2], transfer="fanout")
+            k += 1
+            fan.append(r.seconds)
+            fan_transfer.append(r.transfer_s)
+            assert r.transfer == "fanout", r.transfer
+            r = coord.update(toggle[k % 2], transfer="per-engine")
+            k += 1
+            seq.append(r.seconds)
+            seq_transfer.append(r.transfer_s)
+        app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
+                                                    control_token=TOKEN))
+        with uvicorn_thread(app) as url:
+            # -- capacity during a rolling update -----------------------------------------
+            cl = Clients(url, args.clients).start()
+            time.sleep(3.0)   # warm up
+            ts = time.monotonic()
+            time.sleep(args.steady_s)
+            steady = cl.rate(ts, time.monotonic())
+            sampler = Sampler(url).start()
+            t_roll = time.monotonic()
+            res = coord.update(toggle[k % 2], strategy="rolling", wave_size=args.wave_size,
+                               min_serving=n - args.wave_size)
+            k += 1
+            t_end = time.monotonic()
+            time.sleep(1.0)
+            sampler.stop()
+            cl.stop()
+            rec = coord.journal.records
+            begins = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveBegin)
+                      and r.t_mono >= t_roll}
+            ends = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveEnd)
+                    and r.t_mono >= t_roll}
+            waves = []
+            for w in sorted(begins):
+                rate = cl.rate(begins[w], ends[w])
+                waves.append({"wave": w, "seconds": ends[w] - begins[w], "requests_per_s": rate,
+                              "fraction_of_steady": rate / steady if steady else None})
+            any_failed = sum(1 for s, d, st, _ in cl.answers if st != 200
+                             and t_roll <= s <= t_end) + len(cl.errors)
+            out.update({
+                "steady_requests_per_s": steady, "rolling_waves": waves,
+                "rolling_retained_min": min(w["fraction_of_steady"] for w in waves),
+                "rolling_failed_any": any_failed,
+                "rolling_min_serving_seen": min(sampler.serving) if sampler.serving else None,
+                "rolling_min_serving": n - args.wave_size, "rolling_total_s": res.seconds,
+                "rolling_goal": (n - args.wave_size) / n,
+            })
+            # -- a replica killed while serving -------------------------------------------
+            cl = Clients(url, args.clients).start()
+            time.sleep(3.0)
+            victim = engines[-1]
+            name = f"e{n - 1}"
+            tk = time.monotonic()
+            victim.signal_group(signal.SIGKILL)
+            ok = coord.wait_for(lambda: coord.state_of(name).value != "SERVING", 120, 0.005)
+            t_fenced = time.monotonic()
+            ok2 = coord.wait_for(lambda: coord.state_of(name).value == "SERVING", 1200, 0.1)
+            t_back = time.monotonic()
+            time.sleep(1.0)
+            cl.stop()
+            recs = [r for r in coord.journal.records if isinstance(r.record, ReplicaStateChange)
+                    and r.record.replica == name and r.t_mono >= tk]
+            fenced_rec = next((r.t_mono for r in recs if r.record.after == "FENCED"), t_fenced)
+            back_rec = next((r.t_mono for r in recs if r.record.event == "rejoined"), t_back)
+            served_dead = sum(1 for s, d, st, rp in cl.answers
+                              if st == 200 and rp == name and tk < s < back_rec)
+            out.update({
+                "fence_after_death_s": fenced_rec - tk if ok else None,
+                "rejoin_after_death_s": back_rec - tk if ok2 else None,
+                "served_by_dead_replica": served_dead,
+                "failed_during_death": sum(1 for s, d, st, _ in cl.answers if st != 200
+                                           and tk <= s <= back_rec),
+                "answers_during_death": sum(1 for s, d, st, _ in cl.answers
+                                            if tk <= s <= back_rec),
+                "death_trail": [(r.record.after, r.record.event, round(r.t_mono - tk, 3))
+                                for r in recs],
+            })
+        coord.close()
+    finally:
+        for e in engines:
+            e.stop()
+    med = statistics.median
+    out.update({
+        "sync_fanout_s": med(fan), "sync_sequential_s": med(seq), "single_engine_s": med(single),
+        "fanout_over_single": med(fan) / med(single),
+        "sync_fanout_transfer_s": med(fan_transfer),
+        "sync_sequential_transfer_s": med(seq_transfer),
+        "runs": {"single_engine_s": single, "sync_fanout_s": fan, "sync_sequential_s": seq},
+        "engine_start_s": start_s,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                    "python": platform.python_version(), "torch": torch.__version__,
+                    "vllm": vllm.__version__, "load_avg_at_end": os.getloadavg()},
+        "versions": {"rolloutcore": __import__("rolloutcore").__version__,
+                     "vllm": vllm.__version__, "torch": torch.__version__},
+        "command": "python benchmarks/fleet.py " + " ".join(sys.argv[1:]),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "notes": ("CPU vLLM, tiny model, all engines on one 2-core host shared with other "
+                  "work: the engines compete for the same cores, so taking one out of the "
+                  "pool frees CPU for the others and capacity falls less than (N-w)/N."),
+    })
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    rows = [("engines / wave size", f"{n} / {args.wave_size}"),
+            ("single engine transition", f"{out['single_engine_s']:.3f} s"),
+            ("synchronous, one fan-out broadcast", f"{out['sync_fanout_s']:.3f} s"),
+            ("synchronous, N sequential sends", f"{out['sync_sequential_s']:.3f} s"),
+            ("fan-out / single (goal <= 1.3)", f"{out['fanout_over_single']:.2f}"),
+            ("rolling: lowest wave capacity / steady", f"{out['rolling_retained_min']:.2f} "
+             f"(goal >= {out['rolling_goal']:.2f})"),
+            ("rolling: failed `any` requests", str(out["rolling_failed_any"])),
+            ("rolling: fewest serving seen", f"{out['rolling_min_serving_seen']} "
+             f"(min_serving {out['rolling_min_serving']})"),
+            ("death -> fenced", f"{out['fence_after_death_s']:.3f} s"
+             if out["fence_after_death_s"] is not None else "n/a"),
+            ("death -> rejoined", f"{out['rejoin_after_death_s']:.1f} s"
+             if out["rejoin_after_death_s"] is not None else "n/a")]
+    w = max(len(r[0]) for r in rows)
+    for k_, v in rows:
+        print(f"{k_:<{w}}  {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The fleet's value types: a replica, the weights an update installs, the fleet's
+versions, its configuration, an update's result, and the fan-out transport port.
+
+Apart from the coordinator so that placement, the gateway and the CLI use them
+without loading the coordinator's machinery.
+"""
+
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rolloutcore.control.port import Recoverer
+from rolloutcore.control.runner import LifecycleRunner
+from rolloutcore.core.lifecycle import LifecycleController
+from rolloutcore.core.versions import VerificationLevel, WeightIdentity
+from rolloutcore.errors import (
+    BadInput,
+    RolloutCoreError,
+)
+from rolloutcore.fleet.rules import (
+    Outcome,
+    Strategy,
+)
+
+__all__ = ["TRANSFERS", "FanoutTransport", "FleetConfig", "FleetUpdateFailed", "FleetUpdateResult",
+           "FleetVersion", "FleetWeights", "Replica"]
+
+TRANSFERS = ("fanout", "per-engine")
+
+
+@dataclass
+class Replica:
+    """One engine of the fleet: its runner (controller, adapter) and how to reach it.
+
+    ``stage(payload)`` puts an update's payload on the adapter (what the next
+    transfer sends, what the validation compares with); ``fanout_url`` is
+    the engine's URL for a fan-out transport; ``on_fanout`` is called after
+    a fan-out round replaced the engine's transfer group (drop the
+    per-engine one); ``on_recovered`` after a recovery replaced its process
+    (rebind the adapter to the new incarnation). ``close`` releases what the
+    replica holds (adapter, journal, process).
+    """
+
+    name: str
+    runner: LifecycleRunner
+    stage: Callable[[Any], None]
+    url: str | None = None
+    recoverer: Recoverer | None = None
+    fanout_url: str | None = None
+    engine: Any = None
+    on_fanout: Callable[[], None] | None = None
+    close: Callable[[], None] | None = None
+    journal: Any = None
+    on_recovered: Callable[[], None] | None = None
+
+    @property
+    def controller(self) -> LifecycleController:
+        return self.runner.controller
+
+
+@dataclass(frozen=True)
+class FleetWeights:
+    """What an update installs: its identity, the payload each replica stages, and the
+    source a fan-out transport broadcasts (``None``: per-engine sends only)."""
+
+    identity: WeightIdentity
+    payload: Any
+    source: Any = None
+    min_verification: VerificationLevel = VerificationLevel.DECLARED
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.identity, WeightIdentity):
+            raise BadInput("FleetWeights.identity must be a WeightIdentity")
+        if not isinstance(self.min_verification, VerificationLevel):
+            raise BadInput("FleetWeights.min_verification must be a VerificationLevel")
+
+
+@dataclass(frozen=True)
+class FleetVersion:
+    """A version the fleet published: its generation, label and identity."""
+
+    generation: int
+    label: str
+    identity: WeightIdentity
+    update_id: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "label": self.label,
+                "identity_digest": self.identity.digest,
+                "verification": self.identity.verification.wire, "update_id": self.update_id}
+
+
+@runtime_checkable
+class FanoutTransport(Protocol):
+    """One transfer to several engines (``transports.fanout.GlooFanout``)."""
+
+    def send_all(self, targets: Sequence[tuple[str, str]], source: Any, *,
+                 timeout_s: float) -> Mapping[str, Any]:
+        """url -> result with ``ok``, ``evidence``, ``error``, ``closed``."""
+        ...
+
+    def invalidate(self) -> None:
+        ...
+
+    def abort(self) -> None:
+        ...
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Defaults of updates and supervision; every one can be given per update too."""
+
+    #: synchronous: replicas that must pass for a publish (None: every participant).
+    quorum: int | None = None
+    #: rolling: replicas that must keep serving at every instant (None: N - 1).
+    min_serving: int | None = None
+    #: rolling: replicas per wave (None: as many as min_serving allows).
+    wave_size: int | None = None
+    #: synchronous transfer: one fan-out broadcast (when a fan-out transport was
+    #: given), or per-engine sends. Rolling waves always send per engine.
+    transfer: str = "fanout"
+    #: deadline of a whole fan-out round (the per-engine runner deadlines apply
+    #: to every other step)
+    transfer_s: float = 300.0
+    #: the supervisor's period (0: call supervise_once yourself)
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    health_failures: int = 2
+    retry_after_s: float = 1.0
+    #: recover tainted replicas and bring fenced ones back onto the current version
+    heal: bool = True
+    #: how long a rolling wave waits for enough replicas to serve before the roll stops
+    wave_wait_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("quorum", "min_serving", "wave_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                  or (name != "min_serving" and v < 1)):
+                raise BadInput(f"{name} must be None or a positive integer, got {v!r}")
+        if self.transfer not in TRANSFERS:
+            raise BadInput(f"transfer must be one of {TRANSFERS}, got {self.transfer!r}")
+        for name in ("transfer_s", "health_timeout_s", "retry_after_s", "wave_wait_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < 1e9:
+                raise BadInput(f"{name} must be a positive number, got {v!r}")
+        if isinstance(self.health_interval_s, bool) or not isinstance(
+                self.health_interval_s, (int, float)) or self.health_interval_s < 0:
+            raise BadInput("health_interval_s must be >= 0")
+        if isinstance(self.health_failures, bool) or not isinstance(
+                self.health_failures, int) or self.health_failures < 1:
+            raise BadInput("health_failures must be an int >= 1")
+
+
+@dataclass
+class FleetUpdateResult:
+    update_id: int
+    strategy: Strategy
+    target_label: str
+    published: FleetVersion | None
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    reasons: dict[str, str] = field(default_factory=dict)
+    waves: list[tuple[str, ...]] = field(default_factory=list)
+    transfer: str = ""
+    transfer_s: float = 0.0
+    seconds: float = 0.0
+    decision: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "strategy": self.strategy.value,
+                "target_label": self.target_label,
+                "published": None if self.published is None else self.published.to_dict(),
+                "outcomes": {k: v.value for k, v in self.outcomes.items()},
+                "reasons": dict(self.reasons), "waves": [list(w) for w in self.waves],
+                "transfer": self.transfer, "transfer_s": self.transfer_s,
+                "seconds": self.seconds, "decision": self.decision}
+
+
+class FleetUpdateFailed(RolloutCoreError):
+    """A fleet update published nothing; ``result`` says what each replica did."""
+
+    def __init__(self, result: FleetUpdateResult) -> None:
+        self.result = result
+        super().__init__(f"fleet update {result.update_id} ({result.strategy.value}) "
+                         f"published nothing: {result.decision}")
+
+

@@ -1,0 +1,361 @@
+"""One weight transfer to N engines: a single gloo group, every tensor broadcast once.
+
+Sending the same weights to N replicas one engine at a time costs N
+transfers. ``GlooFanout`` puts the trainer (rank 0) and the workers of every
+engine in *one* ``rolloutcore_gloo`` group, so each tensor goes out in one
+broadcast that every engine receives, and then finishes each engine with its
+*own* target label (``/finish_weight_update``: the target-aware finish, per
+engine, since each engine's controller names its own target).
+
+The engine half needs nothing new: ``GlooInitInfo`` already carries a
+``rank_offset`` (as vLLM's NCCL engine does), so engine ``i`` joins at
+``1 + sum(world sizes of engines before i)`` of a world of ``1 + sum of all``.
+
+A broadcast needs every member. So the round is all-or-repair:
+
+* a member whose ``/start_weight_update`` fails keeps the broadcast from
+  running at all; nothing was sent to anyone (``sent=False``), and the
+  caller sends to the others one engine at a time (``GlooTransport``);
+* a member that dies mid-broadcast breaks the collective for everyone. The
+  survivors' workers leave the broken ``update_weights`` on their op
+  timeout with vLLM's layerwise reload still open and partly written. Each
+  survivor is then *closed*: ``/start_weight_update`` + ``/finish_weight_update``
+  without a label (finalises the broken reload; the engine stays paused, its
+  label unchanged, and it serves nothing until its controller says so), so
+  that a fresh per-engine round reloads every layer from scratch
+  (``closed=True`` in its result). A fresh round into a reload left open
+  would skip the layers the broken round had completed, and partly-written
+  ones would be processed half empty.
+
+Whatever happens, a result never claims more than it saw: an engine counts as
+transferred only when the whole broadcast went out *and* its own
+``update_weights`` and ``finish_weight_update`` answered 200. The engine's
+validation (checksums, probe) still decides whether the weights are right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports.base import (
+    TransportBase,
+    check_label,
+    check_timeout,
+    check_url,
+    local_address_towards,
+    preflight,
+    run_side,
+)
+from rolloutcore.transports.gloo import (
+    _ABANDONED,
+    BACKEND,
+    GlooInitInfo,
+    GlooUpdateInfo,
+    _as_cpu,
+    _dist,
+    _new_group,
+)
+from rolloutcore.transports.source import WeightSource
+
+__all__ = ["FanoutResult", "GlooFanout"]
+
+
+@dataclass(frozen=True)
+class FanoutResult:
+    """What one engine of a fan-out round ended with.
+
+    ``evidence`` when it received the whole round and finished with its
+    label; otherwise ``error`` (its ``mutation_started`` says whether its
+    weights may have changed), with ``sent`` (any tensor went out) and
+    ``closed`` (a broken reload was finalised, so a fresh per-engine round
+    is safe: every layer will be reloaded from scratch).
+    """
+
+    url: str
+    label: str
+    evidence: TransferEvidence | None = None
+    error: TransferError | None = None
+    sent: bool = False
+    closed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.evidence is not None
+
+
+@dataclass
+class _Group:
+    urls: tuple[str, ...]
+    store: Any
+    group: Any
+    world_size: int
+
+
+class GlooFanout(TransportBase):
+    """Trainer end of one ``rolloutcore_gloo`` group over several engines.
+
+    ``connect_all(urls)`` makes the group (no weights change); ``send_all``
+    runs one round to every member and returns one ``FanoutResult`` per
+    engine, never raising for an engine's failure (bad input raises
+    ``BadInput`` before anything is sent). The group is kept for the next
+    round until ``invalidate`` (a per-engine send replaced an engine's
+    group), ``abort`` or ``close``.
+    """
+
+    backend = BACKEND
+
+    def __init__(self, *, op_timeout_s: float = 60.0, close_timeout_s: float = 30.0) -> None:
+        super().__init__()
+        self.op_timeout_s = check_timeout(op_timeout_s, "op_timeout_s")
+        self.close_timeout_s = check_timeout(close_timeout_s, "close_timeout_s")
+        self._g: _Group | None = None
+        self.last_connect_s: float | None = None
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return () if self._g is None else self._g.urls
+
+    # -- connect ----------------------------------------------------------------
+
+    def connect_all(self, urls: Sequence[str], *, timeout_s: float) -> None:
+        """One group: the trainer at rank 0, engine ``i``'s workers at its rank offset."""
+        clean = _check_urls(urls)
+        t = check_timeout(timeout_s)
+        self._enter()
+        try:
+            self._connect_all(clean, time.monotonic() + t)
+        finally:
+            self._busy = False
+
+    def _connect_all(self, urls: tuple[str, ...], deadline: float) -> None:
+        self.invalidate()
+        t0 = time.monotonic()
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        hosts = {urlsplit(u).hostname or "127.0.0.1" for u in urls}
+        addrs = {local_address_towards(h) for h in hosts}
+        if len(addrs) != 1:
+            raise TransferError("transfer", f"no one trainer address reaches every engine "
+                                f"({sorted(addrs)}): use per-engine sends",
+                                mutation_started=False)
+        addr = addrs.pop()
+        f_ws = [run_side(lambda u=u: self.get(u, "/get_world_size", left()),  # type: ignore[misc]
+                         "world-size") for u in urls]
+        self.wait(f_ws, deadline, "get_world_size", mutation_started=False)
+        sizes: list[int] = []
+        for u, f in zip(urls, f_ws, strict=True):
+            ws = f.result()
+            n = ws.get("world_size") if isinstance(ws, Mapping) else None
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise TransferError("transfer", f"{u} reported world size {ws!r}",
+                                    mutation_started=False)
+            sizes.append(n)
+        world = 1 + sum(sizes)
+        store = _dist().TCPStore(addr, 0, world, True,
+                                 timeout=datetime.timedelta(seconds=left()),
+                                 wait_for_workers=False)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
+        infos = [GlooInitInfo(addr, int(store.port), off, world, self.op_timeout_s)
+                 for off in offsets]
+        f_init = [run_side(lambda u=u, i=i: self.post(  # type: ignore[misc]
+            u, "/init_weight_transfer_engine", {"init_info": asdict(i)}, left()), "init")
+            for u, i in zip(urls, infos, strict=True)]
+        f_group = run_side(lambda: _new_group(store, 0, world,
+                                              min(left(), self.op_timeout_s), addr),
+                           "rendezvous")
+        try:
+            self.wait([*f_init, f_group], deadline, "init_weight_transfer_engine",
+                      mutation_started=False)
+        except BaseException:
+            _ABANDONED.append((store, f_group))
+            raise
+        group = f_group.result()
+        group._set_default_timeout(datetime.timedelta(seconds=self.op_timeout_s))
+        self._g = _Group(urls, store, group, world)
+        self.last_connect_s = time.monotonic() - t0
+
+    # -- send -------------------------------------------------------------------
+
+    def send_all(self, targets: Sequence[tuple[str, str]], source: WeightSource, *,
+                 timeout_s: float, expected_manifest_digest: str | None = None,
+                 ) -> dict[str, FanoutResult]:
+        """One round to every ``(url, label)``: start all, broadcast once, finish each.
+
+        Connects (or reconnects) when the group is not exactly these engines.
+        Returns a result per engine; see the module docstring for how a
+        failure of one engine is reported for each of the others.
+        """
+        if not isinstance(targets, Sequence) or not targets:
+            raise BadInput("targets must be a non-empty sequence of (url, label)")
+        pairs: list[tuple[str, str]] = []
+        for item in targets:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise BadInput(f"each target is (url, label), got {item!r}")
+            pairs.append((check_url(item[0]), check_label(item[1])))
+        urls = _check_urls([u for u, _ in pairs])
+        t = check_timeout(timeout_s)
+        if not isinstance(source, WeightSource):
+            raise BadInput(f"source must be a rolloutcore WeightSource, "
+                           f"got {type(source).__name__}")
+        labels = dict(pairs)
+        try:
+            preflight(source, expected_manifest_digest)
+        except TransferError as exc:
+            return {u: FanoutResult(u, labels[u], error=exc) for u in urls}
+        t0 = time.monotonic()
+        deadline = t0 + t
+        self._enter()
+        try:
+            if self._g is None or set(self._g.urls) != set(urls):
+                try:
+                    self._connect_all(urls, deadline)
+                except TransferError as exc:
+                    return {u: FanoutResult(u, labels[u], error=exc) for u in urls}
+            assert self._g is not None
+            return self._round(self._g, labels, source, t0, deadline)
+        finally:
+            self._busy = False
+
+    def _round(self, g: _Group, labels: Mapping[str, str], source: WeightSource, t0: float,
+               deadline: float) -> dict[str, FanoutResult]:
+        info = GlooUpdateInfo.of(source)
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+
+        urls = g.urls
+        started = {u: run_side(lambda u=u: self.post(u, "/start_weight_update", None,  # type: ignore[misc]
+                                                     left()), "start") for u in urls}
+        failed: dict[str, TransferError] = {}
+        for u, f in started.items():
+            try:
+                self.wait([f], deadline, "start_weight_update", mutation_started=True,
+                          refusal_is_safe=True)
+            except TransferError as exc:
+                failed[u] = exc
+        if failed:
+            # A broadcast needs every member: none is run, nothing is sent to anyone.
+            # The members that did start hold an empty session; it is closed so a
+            # per-engine round can start.
+            self._drop()
+            out = {u: FanoutResult(u, labels[u], error=e) for u, e in failed.items()}
+            for u in urls:
+                if u not in failed:
+                    closed = self._close_session(u)
+                    out[u] = FanoutResult(u, labels[u], error=TransferError(
+                        "transfer", f"fan-out not run: {', '.join(sorted(failed))} did not "
+                        "start", mutation_started=not closed), closed=closed)
+            return out
+        f_http = {u: run_side(lambda u=u: self.post(u, "/update_weights",  # type: ignore[misc]
+                                                    {"update_info": asdict(info)}, left()),
+                              "update") for u in urls}
+        f_send = run_side(lambda: self._broadcast(g, source), "broadcast")
+        send_error: TransferError | None = None
+        try:
+            self.wait([f_send], deadline, "broadcast", mutation_started=True)
+        except TransferError as exc:
+            send_error = exc
+            self._drop()
+        results: dict[str, FanoutResult] = {}
+        # Every member's update_weights answer (a broken broadcast: on its op timeout).
+        wait_until = min(deadline, time.monotonic() + self.op_timeout_s + 10.0)
+        for u in urls:
+            try:
+                self.wait([f_http[u]], wait_until, "update_weights", mutation_started=True)
+            except TransferError as exc:
+                results[u] = FanoutResult(u, labels[u], error=exc, sent=True)
+        if send_error is not None:
+            for u in urls:
+                if u not in results:
+                    results[u] = FanoutResult(u, labels[u], error=send_error, sent=True)
+        f_fin = {u: run_side(lambda u=u: self.post(  # type: ignore[misc]
+            u, "/finish_weight_update", {"weight_version": labels[u]}, left()), "finish")
+            for u in urls if u not in results}
+        for u, f in f_fin.items():
+            try:
+                self.wait([f], deadline, "finish_weight_update", mutation_started=True)
+            except TransferError as exc:
+                results[u] = FanoutResult(u, labels[u], error=exc, sent=True)
+            else:
+                results[u] = FanoutResult(u, labels[u], evidence=TransferEvidence(
+                    completed=True, mutation_started=True, backend=BACKEND,
+                    tensors=len(info.names), bytes=source.nbytes, finish_label=labels[u],
+                    elapsed_s=time.monotonic() - t0,
+                    unverified=(f"one broadcast to {len(urls)} engines",)))
+        for u, r in list(results.items()):
+            if r.error is not None and u not in f_fin:
+                # update_weights failed: close the broken reload for a fresh round.
+                results[u] = FanoutResult(u, r.label, error=r.error, sent=True,
+                                          closed=self._close_session(u))
+        return results
+
+    def _broadcast(self, g: _Group, source: WeightSource) -> int:
+        n = 0
+        for _name, t in source.named_tensors():
+            if self._abort.is_set():
+                raise TransferError("transfer", "aborted", mutation_started=True)
+            g.group.broadcast(_as_cpu(t), 0).wait()
+            n += 1
+        return n
+
+    def _close_session(self, url: str) -> bool:
+        """Finalise whatever reload a failed round left open on ``url``; True when done.
+
+        vLLM ends its worker's session when ``update_weights`` raises, but the
+        gloo engine half keeps its layerwise reload open; a start + finish
+        (no label: the engine's label is not changed) closes it.
+        """
+        t = self.close_timeout_s
+        try:
+            f = run_side(lambda: self.post(url, "/start_weight_update", None, t), "close-start")
+            self.wait([f], time.monotonic() + t + 1, "close start", mutation_started=True)
+            f = run_side(lambda: self.post(url, "/finish_weight_update", {}, t), "close-finish")
+            self.wait([f], time.monotonic() + t + 1, "close finish", mutation_started=True)
+        except TransferError:
+            return False
+        return True
+
+    # -- teardown ---------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Forget the group (an engine joined another one since): the next round reconnects."""
+        self._drop()
+
+    def _drop(self) -> None:
+        g, self._g = self._g, None
+        if g is not None:
+            _ABANDONED.append(g)  # a collective may still be pending in it
+
+    def abort(self) -> None:
+        super().abort()
+        g, self._g = self._g, None
+        if g is not None:
+            with contextlib.suppress(Exception):  # best effort; abandoned anyway
+                g.group.abort()
+            _ABANDONED.append(g)
+
+    def close(self) -> None:
+        self._drop()
+
+    def __repr__(self) -> str:
+        return f"GlooFanout(members={list(self.members)!r})"
+
+
+def _check_urls(urls: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(urls, str) or not isinstance(urls, Sequence) or not urls:
+        raise BadInput("urls must be a non-empty sequence of engine URLs")
+    clean = tuple(check_url(u) for u in urls)
+    if len(set(clean)) != len(clean):
+        raise BadInput(f"an engine appears twice: {list(clean)}")
+    return clean
+

@@ -1,0 +1,60 @@
+"""``rolloutcore serve --engines N`` / ``--ray``: bad input refused before any engine starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rolloutcore.cli import main
+from rolloutcore.errors import BadInput
+from rolloutcore.fleet.rules import Strategy
+from rolloutcore.fleet.serve import FleetServeOptions, parse_update_request
+
+
+@pytest.mark.parametrize("argv", [["serve", "--engines", "0"],
+                                  ["serve", "--engines", "two"]])
+def test_bad_engine_counts_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as ei:
+        main(argv)
+    assert ei.value.code == 2
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["serve", "--engines", "2", "--default-policy", "newest"], "unknown routing policy"),
+    (["serve", "--engines", "2", "--quorum", "3"], "quorum must be in 1..2"),
+    (["serve", "--engines", "3", "--min-serving", "3"], "min_serving must be in 0..2"),
+    (["serve", "--engines", "2", "--upstream", "http://127.0.0.1:9"], "--upstream"),
+    (["serve", "--engines", "2", "--model", "/nonexistent"], "not a model directory"),
+    (["serve", "--engines", "2", "--host", "0.0.0.0"], "without a control token"),
+])
+def test_bad_fleet_options_exit_2_before_anything_starts(
+        argv: list[str], needle: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ROLLOUTCORE_TOKEN", raising=False)
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_options_checked_on_construction() -> None:
+    for kw in ({"engines": 0}, {"engines": True}, {"port": 0}, {"default_policy": "pinned:"},
+               {"engines": 2, "quorum": 0}):
+        with pytest.raises(BadInput):
+            FleetServeOptions(**kw)  # type: ignore[arg-type]
+    assert FleetServeOptions(engines=3, min_serving=2).min_serving == 2
+
+
+def test_update_requests_are_checked_field_by_field(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text("{}")
+    got = parse_update_request({"checkpoint": str(ck), "strategy": "rolling", "min_serving": 1})
+    assert got["strategy"] is Strategy.ROLLING and got["min_serving"] == 1
+    for body, needle in (({"checkpoint": "/nope"}, "model directory"),
+                         ({"checkpoint": str(ck), "strategy": "x"}, "strategy"),
+                         ({"checkpoint": str(ck), "quorum": -1}, "quorum"),
+                         ({"checkpoint": str(ck), "label": 3}, "label"),
+                         ({"checkpoint": str(ck), "transfer": "mail"}, "transfer"),
+                         ({"checkpoint": str(ck), "colour": "red"}, "unknown fields")):
+        with pytest.raises(BadInput, match=needle):
+            parse_update_request(body)
