@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
 # The test command: lint, types, the fast lane, then the real-engine lane.
-# Usage: scripts/test.sh [--fast] [extra pytest args]
+# Usage: scripts/test.sh [--fast | --slow] [extra pytest args]
+#   (none)  lint, types, fast lane (2 workers), engine lane (real vLLM, not slow)
+#   --fast  lint, types, fast lane only
+#   --slow  lint, types, the slow lane only (fleets of engines, long TRL runs, soaks)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+# Compiled (and assertion-rewritten) test modules are cached between runs: a
+# shell that forbids bytecode files pays ~10 s of collection per worker.
+unset PYTHONDONTWRITEBYTECODE
+# vLLM's log files are read while the engines run (iteration details, errors).
+export PYTHONUNBUFFERED=1
 .venv/bin/ruff check src tests
 .venv/bin/mypy --strict src
-if [ "${1:-}" = "--fast" ]; then
-  shift
-  exec .venv/bin/python -m pytest -m "not engine and not gpu and not slow" "$@"
-fi
-.venv/bin/python -m pytest -m "not engine and not gpu and not slow" "$@"
-exec .venv/bin/python -m pytest -m "engine and not gpu" "$@"
+FAST=(-m "not engine and not gpu and not slow" -n 2)
+case "${1:-}" in
+  --fast) shift; exec .venv/bin/python -m pytest "${FAST[@]}" "$@" ;;
+  --slow) shift; exec .venv/bin/python -m pytest -m "slow and not gpu" --durations=20 "$@" ;;
+esac
+.venv/bin/python -m pytest "${FAST[@]}" "$@"
+exec .venv/bin/python -m pytest -m "engine and not gpu and not slow" --durations=40 "$@"

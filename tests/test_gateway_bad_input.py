@@ -305,10 +305,10 @@ async def test_unattributable_answers_are_recorded_as_such(tmp_path: Path) -> No
         got: dict[str, Any] = {}
         events = {0: anyio.Event(), 1: anyio.Event()}
 
-        async def stream(name: str, index: int) -> None:
+        async def stream(name: str, index: int, max_tokens: int = 300) -> None:
             async with r.client.stream("POST", GEN, headers=coords(0, index), json={
                     "token_ids": [1, 2], "stream": True,
-                    "sampling_params": {"max_tokens": 300, "n": 1}}) as resp:
+                    "sampling_params": {"max_tokens": max_tokens, "n": 1}}) as resp:
                 text = ""
                 async for t in resp.aiter_text():
                     text += t
@@ -328,7 +328,7 @@ async def test_unattributable_answers_are_recorded_as_such(tmp_path: Path) -> No
                                       json=_transfer_body(ev), headers=lease(b.json()))
             assert rep.json()["status"] == "published"
         async with anyio.create_task_group() as tg:
-            tg.start_soon(stream, "tainted", 1)
+            tg.start_soon(stream, "tainted", 1, 60)
             with anyio.fail_after(10):
                 await events[1].wait()
             await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,

@@ -42,8 +42,10 @@ from rolloutcore.service import ServiceConfig
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
 from rolloutcore.transports.net import free_port
 
+# Three vLLM servers per module on a 2-core host: the slow lane (scripts/test.sh --slow).
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.slow,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
