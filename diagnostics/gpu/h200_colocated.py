@@ -877,8 +877,8 @@ class H200Rig:
 
     # -- set-up ---------------------------------------------------------------
     def start(self) -> None:
+        self.engine.start()  # its command names the port it picked
         self.R["commands"].append(" ".join(self.engine.command()))
-        self.engine.start()
         self.R["cold_start_s"] = self.engine.last_start_s
         self.bare = self.h4.Http(self.engine.base_url)
         self.transport.connect(self.engine.base_url, timeout_s=120)
