@@ -265,7 +265,7 @@ def _engine_actor() -> Any:
 
                 kw = dict(kwargs)
                 if kw.get("host") is None:
-                    kw["host"] = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+                    kw["host"] = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call,unused-ignore]
                 kw.setdefault("port", free_port(kw["host"]))
                 self.engine = ManagedEngine(checkpoint, **kw)
 
