@@ -32,6 +32,7 @@ EXTRA=(
   xgrammar==0.2.7 apache-tvm-ffi==0.1.10 uvicorn==0.54.0 watchfiles==1.3.0
   partial-json-parser==0.2.1.1.post7 model-hosting-container-standards==0.1.16
   jmespath==1.1.0 prometheus-fastapi-instrumentator==8.1.0
+  httptools==0.9.0  # the gateway's HTTP parser (service_path of h200_8b_ipc.py)
 )
 mkdir -p .whl
 for spec in "${EXTRA[@]}"; do
