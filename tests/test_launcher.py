@@ -63,6 +63,20 @@ def test_command_line_and_environment(tmp_path: Path) -> None:
         e.model_dir, port=1, backend=None).command()
 
 
+def test_the_engine_logs_what_rolloutcore_reads_whatever_trl_did_to_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``import trl`` sets VLLM_LOGGING_LEVEL=ERROR process-wide (trl/_compat.py); CI's
+    # shell sets no PYTHONUNBUFFERED: the engine's log (iteration details, errors) must
+    # still be written, unbuffered, at INFO.
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    model = _model(tmp_path)
+    env = ManagedEngine(model, port=18000).environment()
+    assert env["VLLM_LOGGING_LEVEL"] == "INFO" and env["PYTHONUNBUFFERED"] == "1"
+    quiet = ManagedEngine(model, port=18000, env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    assert quiet.environment()["VLLM_LOGGING_LEVEL"] == "WARNING"  # the caller's word wins
+
+
 @pytest.mark.parametrize("kwargs", [
     {"port": 0}, {"port": 70000}, {"backend": ""}, {"startup_timeout_s": 0},
     {"max_model_len": -1}, {"stop_grace_s": -1.0},

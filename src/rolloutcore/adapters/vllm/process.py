@@ -62,6 +62,11 @@ DEFAULT_ENV: Mapping[str, str] = {
     # without this a child's stdout is block-buffered into the file and a
     # reader sees nothing for minutes (CI's environment does not set it)
     "PYTHONUNBUFFERED": "1",
+    # ``import trl`` sets VLLM_LOGGING_LEVEL=ERROR in its own process
+    # (trl/_compat.py), and every engine started from that process would log
+    # nothing but errors: no iteration details (the encoder-cache evidence), no
+    # start-up lines. The engine's log is read as evidence; ``env=`` overrides.
+    "VLLM_LOGGING_LEVEL": "INFO",
 }
 
 def _is_secret(name: str) -> bool:
