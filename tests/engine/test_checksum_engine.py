@@ -97,6 +97,7 @@ def cold_b(rig: Rig, engine_factory: EngineFactory, tiny_models: TinyModels
     return ref
 
 
+@pytest.mark.slow  # a cold start of B to read its reference (2.5 min): the slow lane
 def test_cold_reference_is_taken_like_the_engine_and_cached(
         rig: Rig, cold_b: ReferenceChecksums, tiny_models: TinyModels) -> None:
     assert cold_b.origin == "cold-load" and dict(cold_b.layout) == rig.layout

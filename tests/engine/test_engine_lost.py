@@ -34,6 +34,7 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 GEN = {"model": "policy", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
 
 
+@pytest.mark.slow  # waits for the watch to see a killed engine (2 min): the slow lane
 def test_engine_lost_between_updates(engine_factory: EngineFactory, tiny_models: TinyModels,
                                      tmp_path: Path) -> None:
     eng = engine_factory(tiny_models.A, backend="rolloutcore_gloo")

@@ -208,6 +208,7 @@ def _send_in_thread(tr: GlooTransport, eng: ManagedEngine, src: WeightSource,
     return th, box
 
 
+@pytest.mark.slow  # a hung engine and a killed one (1 min): the slow lane
 def test_abort_unblocks_a_send_to_a_hung_engine_and_a_killed_one_fails_fast(
         engine_factory: EngineFactory, tiny_models: TinyModels) -> None:
     victim = engine_factory(tiny_models.A)

@@ -660,7 +660,9 @@ def test_engine_killed_mid_transfer(rig: Rig, case_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(("effect", "state", "bound"), [
-    ("reset_cache", State.INVALIDATING, (RETRIES + 1) * (DL.reset_s + DL.retry_backoff_s)),
+    # Slow lane: the same retry-then-taint path as the VALIDATING case, one more restart.
+    pytest.param("reset_cache", State.INVALIDATING,
+                 (RETRIES + 1) * (DL.reset_s + DL.retry_backoff_s), marks=pytest.mark.slow),
     ("validate", State.VALIDATING, (RETRIES + 1) * (DL.validate_s + DL.retry_backoff_s)),
 ])
 def test_engine_killed_at_the_start_of_a_retryable_step(
@@ -685,6 +687,7 @@ def test_engine_killed_at_the_start_of_a_retryable_step(
     k.finish()
 
 
+@pytest.mark.slow  # a restart and an operator recovery (~1 min); the slow lane
 def test_engine_killed_at_the_start_of_resuming_operator_recovery(
         rig: Rig, case_dir: Path) -> None:
     """The engine is treated as one we did not launch: an operator replaces it."""
@@ -784,6 +787,10 @@ def test_trainer_process_killed_mid_transfer(rig: Rig, case_dir: Path) -> None:
 # --------------------------------------------------------------------------- engine answers
 
 
+#: Cases that restart the engine and repeat a classification another case covers
+#: (ambiguous after a mutation started): the slow lane.
+SLOW_PROXY = frozenset({"proxy_close_finish_weight_update"})
+
 PROXY_CASES = [
     ("proxy_500_pause", "/pause", Fault.http_status(500), 1, "no_mutation", False),
     ("proxy_timeout_pause", "/pause", Fault.delay(3600), 1, "no_mutation", False),
@@ -800,7 +807,8 @@ PROXY_CASES = [
 
 
 @pytest.mark.parametrize(("name", "route", "fault", "times", "expect", "restart"),
-                         [pytest.param(*c, id=c[0]) for c in PROXY_CASES])
+                         [pytest.param(*c, id=c[0], marks=[pytest.mark.slow] * (c[0] in SLOW_PROXY))
+                          for c in PROXY_CASES])
 def test_engine_answers_through_the_fault_proxy(
         rig: Rig, case_dir: Path, name: str, route: str, fault: Fault, times: int | None,
         expect: str, restart: bool) -> None:

@@ -91,6 +91,13 @@ class Rig:
     work: Path
     rows: list[dict[str, Any]] = field(default_factory=list)
     updates: int = 0
+    #: The checkpoint the engine holds: the start one, then each published update's.
+    #: A gateway started for the next case declares it (its takeover verifies it).
+    published: Path | None = None
+
+    @property
+    def holds(self) -> Path:
+        return self.published or self.models.A
 
     def next_source(self) -> tuple[Path, int]:
         """Alternate B, A, B, ... so that every update changes the weights."""
@@ -182,9 +189,9 @@ def gateway(rig: Rig, name: str, *extra: str, journal: Path | None = None,
     journal = journal or d / "journal.jsonl"
     traj, log = d / "trajectories.jsonl", d / "gateway.log"
     # The engine's label may be rc-N from the previous case's update: the
-    # gateway takes it over as it is (same weights as the label says: the
-    # previous gateway verified them).
-    with gateway_process(rig.engine.base_url, rig.models.A, token, log, [
+    # gateway declares the checkpoint that update published, and its takeover
+    # verifies it (label, policy probe of that checkpoint).
+    with gateway_process(rig.engine.base_url, rig.holds, token, log, [
             "--journal", str(journal), "--record", str(traj),
             "--drain-timeout-s", str(DRAIN_S), "--client-body-s", str(CLIENT_BODY_S),
             "--client-send-s", str(client_send_s), "--health-interval-s", "0", *extra]) as (
@@ -204,6 +211,8 @@ def update_in_thread(rig: Rig, gw: Gw) -> tuple[threading.Thread, dict[str, Any]
                 out["result"] = rc.update(WeightSource.from_checkpoint(ckpt),
                                           Provenance(str(ckpt), "hostile", step),
                                           owner="hostile-trainer")
+            if out["result"].status == "published":
+                rig.published = ckpt
         except BaseException as exc:
             out["error"] = exc
         out["t_end"] = time.monotonic()

@@ -45,27 +45,29 @@ def test_the_cpu_build_has_no_sleep_mode_and_the_adapter_refuses_it(
 
     eng = engine_factory(tiny_models.A, backend=None)
     http = VllmHTTP(eng.base_url, timeout_s=60)
-    adapter = VllmAdapter(http, engine_epoch=eng.epoch)
-    c = LifecycleController()
-    runner = LifecycleRunner(c, adapter)
-    ident = WeightIdentity.declare(ParameterManifest.from_items([("w", (1,), "bfloat16")]),
-                                   Provenance(str(tiny_models.A)))
-    boot = runner.bootstrap(ident)
-    assert boot.accepted
-    with pytest.raises(UpdateFailed) as fail:
-        runner.sleep(2)
-    assert fail.value.classification == "no_mutation" and fail.value.state == "READY"
-    assert "enable-sleep-mode" in fail.value.reason
-    assert c.state is State.READY and c.current_sleep is None
-    assert http.is_sleeping() is False and http.is_paused() is False
-    assert len(http.generate([1, 2, 3], max_tokens=2).token_ids) == 2
+    try:
+        adapter = VllmAdapter(http, engine_epoch=eng.epoch)
+        c = LifecycleController()
+        runner = LifecycleRunner(c, adapter)
+        ident = WeightIdentity.declare(ParameterManifest.from_items([("w", (1,), "bfloat16")]),
+                                       Provenance(str(tiny_models.A)))
+        boot = runner.bootstrap(ident)
+        assert boot.accepted
+        with pytest.raises(UpdateFailed) as fail:
+            runner.sleep(2)
+        assert fail.value.classification == "no_mutation" and fail.value.state == "READY"
+        assert "enable-sleep-mode" in fail.value.reason
+        assert c.state is State.READY and c.current_sleep is None
+        assert http.is_sleeping() is False and http.is_paused() is False
+        assert len(http.generate([1, 2, 3], max_tokens=2).token_ids) == 2
 
-    # Why it must refuse: the CPU engine accepts /sleep, says it sleeps, keeps everything.
-    with httpx.Client(base_url=eng.base_url, timeout=60) as raw:
-        assert raw.post("/sleep", params={"level": "1", "mode": "wait"}).status_code == 200
-        assert raw.get("/is_sleeping").json() == {"is_sleeping": True}
-        assert raw.post("/wake_up").status_code == 200
-    assert "sleep mode is not supported on CPU" in eng.log_tail(2000)
-    assert http.is_sleeping() is False
-    assert len(http.generate([1, 2, 3], max_tokens=2).token_ids) == 2
-    http.close()
+        # Why it must refuse: the CPU engine accepts /sleep, says it sleeps, keeps everything.
+        with httpx.Client(base_url=eng.base_url, timeout=60) as raw:
+            assert raw.post("/sleep", params={"level": "1", "mode": "wait"}).status_code == 200
+            assert raw.get("/is_sleeping").json() == {"is_sleeping": True}
+            assert raw.post("/wake_up").status_code == 200
+        assert "sleep mode is not supported on CPU" in eng.log_tail(2000)
+        assert http.is_sleeping() is False
+        assert len(http.generate([1, 2, 3], max_tokens=2).token_ids) == 2
+    finally:
+        http.close()  # a failed assertion must not leak its connection into the next test

@@ -39,6 +39,7 @@ def _load_soak() -> ModuleType:
     return mod
 
 
+@pytest.mark.slow  # a soak (2+ min of faults and updates): the slow lane
 def test_short_soak_reports_zero_violations(engine_factory: EngineFactory,
                                             tiny_models: TinyModels, tmp_path: Path) -> None:
     soak = _load_soak()

@@ -60,7 +60,9 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_pair(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# float32 is where the tied-embedding defect shows on this host; bfloat16 (2.5 min)
+# runs in the slow lane.
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_tied_model_hot_update_equals_cold_start(
         engine_factory: EngineFactory, tied: tuple[Path, Path], dtype: str) -> None:
     a, b = tied

@@ -175,8 +175,10 @@ class _GatewayEngine:
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
                owner: str) -> PublishedUpdate:
+        # The probe was computed from the trainer's own model (``probe_for``): a
+        # state dict alone cannot give one, and the gateway's floor is the probe.
         res = self.client.update(WeightSource.of(state), provenance, owner=owner,
-                                 min_verification=self.min_verification)
+                                 probe=probe, min_verification=self.min_verification)
         if res.published is None or res.identity is None:
             raise UpdateFailed(res.phase or "commit", res.classification or "ambiguous",
                                res.state, f"the gateway answered {res.status} without a "
