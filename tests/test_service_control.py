@@ -163,10 +163,15 @@ async def test_lease_expiry_taints_publishes_nothing_and_a_late_report_is_gone()
         # The trainer began sending, then vanished: the engine counted a write.
         r.engine.start_update()
         r.engine.load("layers.0.weight", W1.tensors["layers.0.weight"])
-        with anyio.fail_after(5):
-            while r.controller.state is not State.TAINTED:
+        with anyio.fail_after(10):  # the expiry, its classification and the fence land in turn
+            while r.controller.state is not State.TAINTED or not r.engine.paused:
                 await anyio.sleep(0.01)
-        info = (await r.client.get(f"/control/updates/{g['update_id']}", headers=lease(g))).json()
+            while True:
+                info = (await r.client.get(f"/control/updates/{g['update_id']}",
+                                           headers=lease(g))).json()
+                if info["status"] != "open":
+                    break
+                await anyio.sleep(0.01)
         assert info["status"] == "expired"
         assert info["result"]["classification"] == "ambiguous"
         assert "lease" in info["result"]["reason"]
