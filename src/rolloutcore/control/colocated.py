@@ -14,14 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
-from rolloutcore.control.outcomes import SleepOutcome, StepAborted, UpdateOutcome
-from rolloutcore.control.port import LifecycleAdapter, Sleeper
+from rolloutcore.control.outcomes import EffectHost, SleepOutcome, StepAborted, UpdateOutcome
+from rolloutcore.control.port import Sleeper
 from rolloutcore.core.evidence import SLEEP_LEVELS, WakeTags
 from rolloutcore.core.lifecycle import (
     FailureKind,
-    LifecycleController,
     SleepTicket,
     State,
     Step,
@@ -51,19 +50,12 @@ class _Deadlines(Protocol):
     def transfer_s(self) -> float: ...
 
 
-class ColocatedHost(Protocol):
+class ColocatedHost(EffectHost, Protocol):
     """What the colocated paths drive: the runner's controller, adapter, deadlines,
     effects and update phases (the runner is one)."""
 
-    controller: LifecycleController
-    adapter: LifecycleAdapter
-
     @property
     def deadlines(self) -> _Deadlines: ...
-    def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
-                phases: Any, phase: str | None = None,
-                cancel: Callable[[], None] | None = None) -> T: ...
-    def _note(self, what: str, **data: Any) -> None: ...
     def _run_step(self, ticket: UpdateTicket, step: Step, fn: Callable[[], T],
                   feed: Callable[[T], Verdict], deadline_s: float, out: UpdateOutcome,
                   phase: str | None = None) -> Verdict: ...

@@ -7,13 +7,24 @@ colocated sleep and wake) use the same types without importing the runner.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
+from rolloutcore.control.port import LifecycleAdapter
 from rolloutcore.core.evidence import SleepEvidence
-from rolloutcore.core.lifecycle import SleepTicket, State, UpdateTicket, Verdict
+from rolloutcore.core.lifecycle import (
+    LifecycleController,
+    SleepTicket,
+    State,
+    UpdateTicket,
+    Verdict,
+)
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["PhaseTiming", "SleepOutcome", "StepAborted", "UpdateOutcome"]
+__all__ = ["EffectHost", "PhaseTiming", "SleepOutcome", "StepAborted", "UpdateOutcome"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -76,3 +87,16 @@ class StepAborted(Exception):
 
     def __init__(self, verdict: Verdict) -> None:
         self.verdict = verdict
+
+
+class EffectHost(Protocol):
+    """The runner as the paths it delegates to drive it (the takeover, the colocated
+    sleep and wake): its controller, its adapter, its effects under deadlines."""
+
+    controller: LifecycleController
+    adapter: LifecycleAdapter
+
+    def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
+                phases: Any, phase: str | None = None,
+                cancel: Callable[[], None] | None = None) -> T: ...
+    def _note(self, what: str, **data: Any) -> None: ...

@@ -15,7 +15,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from rolloutcore.control.port import ExpectationTaker, LifecycleAdapter, Recoverer
+from rolloutcore.control.outcomes import EffectHost
+from rolloutcore.control.port import ExpectationTaker, Recoverer
 from rolloutcore.core.evidence import BootstrapEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.lifecycle import FailureKind, LifecycleController, State, Step, Verdict
 from rolloutcore.core.versions import (
@@ -41,19 +42,12 @@ class _Deadlines(Protocol):
     def live_validate_s(self) -> float: ...
 
 
-class TakeoverHost(Protocol):
+class TakeoverHost(EffectHost, Protocol):
     """What the takeover drives: the runner's controller, adapter, deadlines and
     effects (the runner is one; the takeover does not import the runner)."""
 
-    controller: LifecycleController
-    adapter: LifecycleAdapter
-
     @property
     def deadlines(self) -> _Deadlines: ...
-    def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
-                phases: Any, phase: str | None = None,
-                cancel: Callable[[], None] | None = None) -> T: ...
-    def _note(self, what: str, **data: Any) -> None: ...
     def _fence_quietly(self) -> None: ...
     def recover(self, recoverer: Recoverer, *, owner: str = "operator") -> Verdict: ...
 
