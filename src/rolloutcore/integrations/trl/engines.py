@@ -148,7 +148,7 @@ class _GatewayEngine:
     """A ``rolloutcore serve`` gateway: its data plane admits, its control API updates."""
 
     def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
-                 timeout_s: float, min_verification: str) -> None:
+                 timeout_s: float, min_verification: str | None) -> None:
         import httpx
 
         from rolloutcore.service.client import RolloutCoreClient

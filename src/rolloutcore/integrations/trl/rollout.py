@@ -167,18 +167,21 @@ class RolloutCoreRollout:
     def through_gateway(cls, url: str, token: str, *, checkpoint: str | Path, run: str,
                         trajectories: str | Path | None = None, transport: Any = None,
                         data_token: str | None = None, timeout_s: float = 300.0,
-                        min_verification: str = "declared", **kw: Any) -> RolloutCoreRollout:
+                        min_verification: str | None = None, **kw: Any) -> RolloutCoreRollout:
         """Generate and update through a ``rolloutcore serve`` gateway at ``url``.
 
         ``token`` is the gateway's control token; ``transport`` moves the
         weights into the engine the gateway names (default: gloo, the CPU
-        backend ``rolloutcore serve`` starts vLLM with).
+        backend ``rolloutcore serve`` starts vLLM with). ``min_verification``
+        ``None`` asks for the gateway's floor (``probe`` by default): the
+        policy probe's expectations are computed here, from the trained model,
+        and the gateway compares the engine with them.
         """
         if transport is None:
             from rolloutcore.transports.gloo import GlooTransport
 
             transport = GlooTransport()
-        kw.setdefault("probe", False)  # the probe runs where the engine is: the gateway
+        kw.setdefault("probe", True)  # expectations from the model; the gateway compares
         eng = _GatewayEngine(url, token, transport=transport, data_token=data_token,
                              timeout_s=timeout_s, min_verification=min_verification)
         try:
