@@ -403,6 +403,13 @@ class UpdateManager:
             who = f"update {busy.update_id} by {busy.owner!r}" if busy else "another begin"
             return 409, {"error": f"{who} is in progress; one writer at a time",
                          "state": self.runner.controller.state.value}
+        broken = self.runner.controller.failed_closed
+        if broken is not None:
+            # Before the body's own checks: no begin, however well formed, can run
+            # until the controller is restored, and the trainer should hear that.
+            return 409, {"error": f"the controller failed closed ({broken}): no update can "
+                                  "begin until it is restored",
+                         "state": self.runner.controller.state.value}
         try:
             identity = body.identity.to_identity()
         except BadInput as exc:

@@ -401,11 +401,17 @@ class _LazyProbe:
 
     def get(self) -> Any:
         if self._probe is None:
+            from rolloutcore.verification.image_probe import is_vision_language, vlm_probe
             from rolloutcore.verification.probe import PolicyProbe
 
             print(f"[rolloutcore] computing the policy probe of {self.model_dir} for the "
                   "takeover", file=sys.stderr)
-            self._probe = PolicyProbe.from_checkpoint(str(self.model_dir))
+            if is_vision_language(self.model_dir):
+                # A vision-language checkpoint: its text and image probes (the vision
+                # tower is part of the policy the takeover declares).
+                self._probe = vlm_probe(self.model_dir)
+            else:
+                self._probe = PolicyProbe.from_checkpoint(str(self.model_dir))
         return self._probe
 
     def run(self, http: Any, target: Any) -> Any:
