@@ -613,6 +613,7 @@ def case_dir(tmp_path: Path) -> Iterator[Path]:
 # --------------------------------------------------------------------------- engine kills
 
 
+@pytest.mark.slow  # a kill and a restart; mid-transfer below is the CI lane's kill case
 def test_engine_killed_while_draining_a_long_rollout(rig: Rig, case_dir: Path) -> None:
     k = Case(rig, "engine_sigkill_draining", case_dir, "SIGKILL engine group while DRAINING "
              "(a multi-turn rollout in flight)")
@@ -789,7 +790,7 @@ def test_trainer_process_killed_mid_transfer(rig: Rig, case_dir: Path) -> None:
 
 #: Cases that restart the engine and repeat a classification another case covers
 #: (ambiguous after a mutation started): the slow lane.
-SLOW_PROXY = frozenset({"proxy_close_finish_weight_update"})
+SLOW_PROXY = frozenset({"proxy_close_finish_weight_update", "proxy_500_update_weights"})
 
 PROXY_CASES = [
     ("proxy_500_pause", "/pause", Fault.http_status(500), 1, "no_mutation", False),

@@ -152,6 +152,7 @@ def test_streaming_carries_the_version_in_its_first_event(client: Any, kind: str
     assert all("rolloutcore" not in (c.model_extra or {}) for c in chunks[1:])
 
 
+@pytest.mark.slow  # a GRPO run (test_trl_loop.py is the CI lane's TRL run): the slow lane
 def test_trl_trains_through_the_gateway(served: Served, tmp_path: Path) -> None:
     """``--gateway`` mode: every update is the gateway's, every sample its data plane's."""
     import torch
