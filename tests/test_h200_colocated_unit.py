@@ -177,6 +177,11 @@ def test_selftest_runs_every_stage_on_the_fake_engine(tmp_path: Path) -> None:
     assert neg["unwritten_param"]["whole_check"]["coverage"] == 0.75
     assert (tmp_path / "colocated.md").read_text().startswith("| measure |")
     assert all(st["ok"] for st in d["stages"].values()), d["errors"]
+    # The probe-less ablation still verifies every parameter, and publishes.
+    nop = d["ablation_probe"]["noprobe"]["verified"]
+    assert len(nop) == 5 and all(r["published"] and r["coverage"] == 1.0 for r in nop)
+    assert a["verified_l2_noprobe_s"] is not None and a["verified_l2_probe1_s"] is None
+    assert "no live probe" in (tmp_path / "colocated.md").read_text()
 
 
 def test_the_artifact_check_flags_a_control_that_does_not_hold() -> None:

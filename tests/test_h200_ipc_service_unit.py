@@ -152,3 +152,71 @@ def test_the_client_reports_the_transports_checksum_of_what_it_sent() -> None:
     assert _sent_checksum(Ipc([5, -1])) == {"scheme": "rc_cuda_ipc/block",
                                             "names": ["a", "b"], "values": [5, None]}
     assert _sent_checksum(Ipc([5])) is None
+
+
+class _PausedEngine:
+    """A paused vLLM with rc_cuda_ipc's checksum RPC; records the order of requests."""
+
+    def __init__(self, values: list[int], names: list[str]) -> None:
+        self.values, self.names = values, names
+        self.paths: list[str] = []
+
+    def __call__(self, req: httpx.Request) -> httpx.Response:
+        self.paths.append(req.url.path)
+        if req.url.path == "/openapi.json":
+            return httpx.Response(200, json={"paths": {p: {} for p in (
+                "/health", "/is_paused", "/reset_prefix_cache", "/collective_rpc")}})
+        if req.url.path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": True})
+        if req.url.path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if req.url.path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [
+                {"values": self.values, "names_digest": names_digest(self.names),
+                 "n_uncovered": 0}]})
+        return httpx.Response(404)
+
+
+def _target() -> Any:
+    from rolloutcore.core.evidence import UpdateTarget
+    from rolloutcore.core.versions import (
+        ParameterManifest,
+        Provenance,
+        WeightIdentity,
+        WeightVersion,
+    )
+
+    m = ParameterManifest.from_items([("w", (2,), "float32")])
+    return UpdateTarget(WeightVersion(1, "rc-1", "e0"),
+                        WeightIdentity.declare(m, Provenance("c")), "test")
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("engine_values", [[1, 2, 3], [1, 9, 3]])
+def test_the_sent_checksum_is_read_from_the_workers_while_the_cache_resets(
+        early: bool, engine_values: list[int]) -> None:
+    from rolloutcore.adapters.vllm import VllmAdapter
+    from rolloutcore.core.evidence import CacheKind
+
+    names = ["a", "b", "c"]
+    eng = _PausedEngine(engine_values, names)
+    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
+                    engine_epoch="e0", early_transport_check=early)
+    a.http.capabilities()
+    a.expect(probes=None, reference_checksums=None)
+    a.expect_sent({"scheme": "rc_cuda_ipc/block", "names": names, "values": [1, 2, 3]})
+    if early:  # the read was started at the report: let it land before the reset
+        assert a._early_sent is not None
+        a._early_sent[1].result(timeout=10)
+    a.reset_cache(CacheKind.PREFIX)
+    ev = a.validate(_target(), live=False)
+    assert ev is not None and ev.paused is True
+    check = next(c for c in ev.checks if c.name == "sent_block_checksum")
+    assert check.passed is (engine_values == [1, 2, 3])
+    # One read of the workers' hash either way: before the reset when started at the
+    # report, after it otherwise.
+    assert eng.paths.count("/collective_rpc") == 1
+    rpc, reset = eng.paths.index("/collective_rpc"), eng.paths.index("/reset_prefix_cache")
+    assert (rpc < reset) is early
+    # A later validation does not reuse this report's reading.
+    assert a._early_sent is None

@@ -74,6 +74,10 @@ def test_update_in_one_call_publishes_and_serves_the_new_policy(
     with RolloutCoreClient(url, TOKEN, transport=tr) as rc:
         res = rc.update(W1, P1, owner="trainer-0", min_verification="probe")
         assert res.status == "published" and res.published is not None
+        # The client's own clock: two round trips and the send, inside the whole call.
+        cs = res.client_s
+        assert set(cs) == {"begin", "transfer", "report", "total"}
+        assert 0 < cs["begin"] + cs["transfer"] + cs["report"] <= cs["total"]
         assert res.published.label == "rc-1" and res.state == "READY"
         assert res.identity is not None and res.identity["verification"] == "probe"
         assert tr.connects == ["http://engine.test:8000"] and tr.sent == ["rc-1"]

@@ -186,7 +186,7 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
                          "protocol_overhead_s": max(0.0, wall - effects),
                          "verification": res.verification, "published": None
                          if res.published is None else res.published.to_dict(),
-                         "phases": phases})
+                         "phases": phases, "client_s": dict(res.client_s)})
             if bare is not None:
                 bare_s.append(float(bare()))
     svc = med([r["service_s"] for r in runs])
@@ -194,6 +194,10 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
     return {"reps": reps, "service_s": svc, "bare_primitives_s": bs,
             "service_over_bare": svc / bs if svc and bs else None,
             "protocol_overhead_s": med([r["protocol_overhead_s"] for r in runs]),
+            "client_medians_s": {k: med([r["client_s"].get(k, 0.0) for r in runs])
+                                 for k in ("begin", "transfer", "report", "total")},
+            "gateway_phase_medians_s": {k: med([r["phases"].get(k, 0.0) for r in runs])
+                                        for k in sorted({k for r in runs for k in r["phases"]})},
             "verification": sorted({str(r["verification"]) for r in runs}),
             "runs": runs, "bare": bare_s}
 

@@ -128,7 +128,8 @@ DEVICE_LIMIT_S = 600.0       # the device tool's limit for one command
 ENGINE_START_S = 90.0        # Qwen3-8B dummy, eager: 60 s seen; 84 s with CUDA graphs
 #: 15 tokens: less than one KV block (16), so the probe never reads a cached prefix.
 PROMPT = [(i * 7919 + 13) % 150000 + 100 for i in range(15)]
-STAGES = ("warmup", "memory", "colocated_l2", "ablation_nomem", "colocated_l1", "negative")
+STAGES = ("warmup", "memory", "colocated_l2", "ablation_nomem", "ablation_probe", "colocated_l1",
+          "negative")
 
 
 # ====================================================================== configuration
@@ -174,6 +175,7 @@ class HarnessConfig:
         return {"install": 15.0, "trainer_weights": 5.0, "engine_start": ENGINE_START_S,
                 "warmup": 15.0, "memory": 5.0, "colocated_l2": self.reps_l2 * rep,
                 "ablation_nomem": self.ablation_reps * 0.8,
+                "ablation_probe": 2.0 + 2 * self.ablation_reps * 0.8,
                 "colocated_l1": self.reps_l1 * (14.2 + 1.5 + 0.4),
                 "negative": 25.0, "finish": 10.0}
 
@@ -272,6 +274,10 @@ def build_plan(cfg: HarnessConfig, *, engine_command: list[str] | None = None,
                    "bare: the same sequence as bare HTTP calls)"]},
         {"name": "ablation_nomem", "measures": [], "steps": [
             f"{cfg.ablation_reps} x the verified transition without the memory reads"]},
+        {"name": "ablation_probe", "measures": [], "steps": [
+            "the probe's time on a serving engine (1 and probe_tokens tokens, 5 each)",
+            f"{cfg.ablation_reps} x the verified transition with a one-token probe",
+            f"{cfg.ablation_reps} x the verified transition without the live probe"]},
         {"name": "colocated_l1", "measures": ["verified_l1_s"], "steps": [
             f"{cfg.reps_l1} x (sleep(1) with checksums of every parameter, wake: verified "
             "against them)"]},
@@ -440,6 +446,19 @@ def results_table(a: Mapping[str, Any]) -> str:
         if ph:
             lines.append("\n" + k + ": " + ", ".join(f"{n} {v:.4f}" for n, v in ph.items()
                                                      if v is not None))
+    abl = [(k, a.get(f"verified_l2_{k}_s"), a.get(f"verified_l2_{k}_over_bare"))
+           for k, what in (("probe1", "one-token probe"), ("noprobe", "no live probe"))]
+    if any(v is not None for _, v, _ in abl):
+        lines.append("\n| verified level 2, probe ablation | median s | / bare |")
+        lines.append("| --- | --- | --- |")
+        lines.append(f"| as configured (the headline) | {_f(a.get('verified_l2_s'), '.4f')} | "
+                     f"{_f(a.get('verified_over_bare'), '.3f')} |")
+        for k, v, r in abl:
+            what = "one-token probe" if k == "probe1" else "no live probe (engine-checksum)"
+            lines.append(f"| {what} | {_f(v, '.4f')} | {_f(r, '.3f')} |")
+    if a.get("probe_on_serving_engine_s"):
+        lines.append("\nprobe on a serving engine (tokens: median s): " + ", ".join(
+            f"{n}: {v:.4f}" for n, v in a["probe_on_serving_engine_s"].items()))
     if a.get("problems"):
         lines.append("\nproblems: " + "; ".join(a["problems"]))
     return "\n".join(lines) + "\n"
@@ -547,6 +566,45 @@ def run_colocated_l2(rig: Rig, reps: int, *, bare: bool = True) -> dict[str, Any
         for k, v in r["phases"].items():
             bp.setdefault(k, []).append(v)
     out["bare_phase_medians_s"] = {k: _med(v) for k, v in bp.items()}
+    return out
+
+
+def run_probe_ablations(rig: Rig, cfg: HarnessConfig) -> dict[str, Any]:
+    """What the live probe costs: its time on a serving engine, then the verified level-2
+    transition with a one-token probe and with none (engine-checksum level only).
+
+    Each variant is ``ablation_reps`` verified transitions, no bare sequence
+    (the bare one is the same calls whatever the probe). A rig without a
+    token probe (the fake engine's) runs only the probe-less variant.
+    """
+    out: dict[str, Any] = {}
+    probe = getattr(rig, "probe", None)
+    http = getattr(rig, "http", None)
+    if not cfg.ablation_reps:
+        return out
+    if probe is not None and http is not None:
+        warm: dict[str, list[float]] = {}
+        for n in sorted({1, cfg.probe_tokens} - {0}):
+            ts = []
+            for _ in range(5):
+                t = time.monotonic()
+                probe.tokens(http, n)
+                ts.append(time.monotonic() - t)
+            warm[str(n)] = ts
+        out["probe_on_serving_engine_s"] = {n: _med(v) for n, v in warm.items()}
+        if cfg.probe_tokens > 1 and getattr(rig, "use_probe", False):
+            keep = probe.n
+            probe.n = 1
+            try:
+                out["probe1"] = run_colocated_l2(rig, cfg.ablation_reps, bare=False)
+            finally:
+                probe.n = keep
+    keep_use = getattr(rig, "use_probe", True)
+    rig.use_probe = False  # type: ignore[attr-defined]
+    try:
+        out["noprobe"] = run_colocated_l2(rig, cfg.ablation_reps, bare=False)
+    finally:
+        rig.use_probe = keep_use  # type: ignore[attr-defined]
     return out
 
 
@@ -697,6 +755,8 @@ def run_stages(rig: Rig, cfg: HarnessConfig, R: dict[str, Any],
                 R["ablation_nomem"] = run_colocated_l2(rig, cfg.ablation_reps, bare=False)
             finally:
                 adapter.report_memory = True
+    with stage("ablation_probe"):
+        R["ablation_probe"] = run_probe_ablations(rig, cfg)
     with stage("colocated_l1"):
         R["colocated_l1"] = run_colocated_l1(rig, cfg.reps_l1)
     with stage("negative"):
@@ -820,16 +880,19 @@ class TokenProbe:
         self.prompt, self.n = list(prompt), n
         self.expected: dict[int, list[int]] = {}
 
-    def tokens(self, http: Any) -> list[int]:
-        g = http.generate(self.prompt, max_tokens=self.n, logprobs=False, ignore_eos=True,
-                          sampling_extra={"detokenize": False})
+    def tokens(self, http: Any, n: int | None = None) -> list[int]:
+        g = http.generate(self.prompt, max_tokens=self.n if n is None else n, logprobs=False,
+                          ignore_eos=True, sampling_extra={"detokenize": False})
         return list(g.token_ids)
 
     def run(self, http: Any, target: Any) -> Any:
         from rolloutcore.core.evidence import Check
 
         seed = target.identity.provenance.step
-        want = self.expected.get(seed)
+        full = self.expected.get(seed)
+        # Greedy decoding: the first n tokens of a longer recorded continuation are
+        # the continuation of n tokens.
+        want = None if full is None or len(full) < self.n else full[:self.n]
         got = self.tokens(http)
         return Check("greedy-probe", want is not None and got == want,
                      detail=f"{self.n} greedy tokens of a {len(self.prompt)}-token prompt vs "
@@ -1077,6 +1140,13 @@ def finish(R: dict[str, Any], out: Path) -> int:
         a[k] = R.get("colocated_l2", {}).get(k)
     abl = R.get("ablation_nomem", {}).get("verified", [])
     a["verified_l2_nomem_s"] = _med([r["total_s"] for r in abl if r.get("published")])
+    ap = R.get("ablation_probe", {})
+    b2 = a.get("bare_l2_s")
+    for k in ("probe1", "noprobe"):
+        v = _med([r["total_s"] for r in ap.get(k, {}).get("verified", []) if r.get("published")])
+        a[f"verified_l2_{k}_s"] = v
+        a[f"verified_l2_{k}_over_bare"] = v / b2 if v and b2 else None
+    a["probe_on_serving_engine_s"] = ap.get("probe_on_serving_engine_s")
     a["problems"] = check_artifact(a)
     R["wall_s"] = time.monotonic() - T0
     doc = {**a, "goals": dict(GOALS), "machine": R.get("machine"),

@@ -39,6 +39,7 @@ lost is recovered by reading the update's status.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import secrets
 import time
@@ -130,6 +131,10 @@ class UpdateResult:
     identity: Mapping[str, Any] | None = None
     phases: Mapping[str, float] = field(default_factory=dict)
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    #: This client's own clock (seconds), set by ``update``: ``begin`` and ``report``
+    #: are the two round trips (the gateway's work inside them included),
+    #: ``transfer`` the transport's send, ``total`` the whole call.
+    client_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def final(self) -> bool:
@@ -470,9 +475,11 @@ class RolloutCoreClient:
         hashes = transfer is None and _hashes_what_it_sends(self.transport)
         if transfer is None:
             self._preconnect()
+        t0 = time.monotonic()
         grant = self.begin(ident, owner=owner, label=label, min_verification=min_verification,
                            lease_s=lease_s, probe=pset, engine_checksums=engine_checksums,
                            transport_checksum=hashes)
+        t1 = time.monotonic()
         try:
             ev = (transfer or self._transfer)(grant, source)
         except BaseException as exc:
@@ -489,8 +496,13 @@ class RolloutCoreClient:
                 failed.outcome = res
                 raise failed from exc
             raise
+        t2 = time.monotonic()
         sent = _sent_checksum(self.transport) if hashes else None
-        return self.report(grant, ev, sent_checksum=sent).raise_for_failure()
+        res = self.report(grant, ev, sent_checksum=sent)
+        t3 = time.monotonic()
+        res = dataclasses.replace(res, client_s={"begin": t1 - t0, "transfer": t2 - t1,
+                                                 "report": t3 - t2, "total": t3 - t0})
+        return res.raise_for_failure()
 
     def _preconnect(self) -> None:
         """The transport's handshake with the engine before the begin: it changes no

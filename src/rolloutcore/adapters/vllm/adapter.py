@@ -210,6 +210,9 @@ class VllmAdapter(SleepMode):
         # transfer returns (see ``transfer``) and collected by the paused validation.
         self.early_transport_check = early_transport_check
         self._early: tuple[UpdateTarget, Future[Check], Future[bool] | None] | None = None
+        # The same for a remote trainer's sent checksum (``expect_sent``).
+        self._early_sent: tuple[Mapping[str, Any], Future[Check], Future[bool] | None] | None \
+            = None
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
@@ -285,6 +288,21 @@ class VllmAdapter(SleepMode):
         if self._staged is None:
             self._staged = _Staged(None, None, None, None, "")
         self._staged.sent = None if sent is None else dict(sent)
+        self._early_sent = None
+        if self._staged.sent is not None and self.early_transport_check:
+            # Reported once the remote transfer finished; the engine stays paused until
+            # the runner resumes it after the validation. The workers' hash of what
+            # the update wrote is read now, overlapping the cache reset (which does
+            # not touch weights), as the in-process path's early check is; the
+            # validation collects it, for this report only.
+            st_sent = self._staged.sent
+            side = self._side()
+            kv_asleep = self._slept is not None and "kv_cache" not in self._woken
+            check = side.submit(check_sent, self.http, st_sent)
+            paused = (side.submit(self.http.is_paused)
+                      if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
+                      else None)
+            self._early_sent = (st_sent, check, paused)
 
     # -- port ---------------------------------------------------------------
 
@@ -568,8 +586,14 @@ class VllmAdapter(SleepMode):
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
         sent = None if st is None else st.sent
+        early_sent, self._early_sent = self._early_sent, None
         if sent is not None:
-            checks.append(check_sent(h, sent))
+            if early_sent is not None and early_sent[0] is sent:
+                checks.append(early_sent[1].result())
+                if paused_read is None:
+                    paused_read = early_sent[2]
+            else:
+                checks.append(check_sent(h, sent))
         if checker is not None:
             if early is not None:
                 chk = early[1].result()
@@ -661,10 +685,11 @@ class VllmAdapter(SleepMode):
             return None
 
     def _side(self) -> ThreadPoolExecutor:
-        """Worker threads for engine reads that overlap another call (two: the early
-        transport check and the paused-state read may be in flight together)."""
+        """Worker threads for engine reads that overlap another call (three: the early
+        transport check, the paused-state read and the operation counters may be in
+        flight together)."""
         if self._side_pool is None:
-            self._side_pool = ThreadPoolExecutor(2, thread_name_prefix="rc-vllm-side")
+            self._side_pool = ThreadPoolExecutor(3, thread_name_prefix="rc-vllm-side")
         return self._side_pool
 
     @_step(Step.RESUME)
