@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.adapters.vllm.checksums import compare_checksums
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
-from rolloutcore.adapters.vllm.sent import check_sent, check_sent_scheme
+from rolloutcore.adapters.vllm.sent import check_sent_scheme, compare_sent
 from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
 from rolloutcore.adapters.vllm.wire import WeightOps
 from rolloutcore.core.evidence import (
@@ -298,7 +298,7 @@ class VllmAdapter(SleepMode):
             st_sent = self._staged.sent
             side = self._side()
             kv_asleep = self._slept is not None and "kv_cache" not in self._woken
-            check = side.submit(check_sent, self.http, st_sent)
+            check = side.submit(compare_sent, self.http, st_sent)
             paused = (side.submit(self.http.is_paused)
                       if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
                       else None)
@@ -593,7 +593,7 @@ class VllmAdapter(SleepMode):
                 if paused_read is None:
                     paused_read = early_sent[2]
             else:
-                checks.append(check_sent(h, sent))
+                checks.append(compare_sent(h, sent))
         if checker is not None:
             if early is not None:
                 chk = early[1].result()

@@ -17,7 +17,7 @@ from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError
 
-__all__ = ["SENT_SCHEMES", "check_sent", "check_sent_scheme"]
+__all__ = ["SENT_SCHEMES", "check_sent", "check_sent_scheme", "compare_sent"]
 
 
 #: Transport checksums a remote trainer may report of what it sent, and the engine
@@ -55,10 +55,15 @@ def check_sent(http: VllmHTTP, sent: Mapping[str, Any], *, timeout_s: float = 60
     (``verification.checksums.compare``). Passes only with every tensor
     compared, none mismatched, and every model parameter covered.
     """
+    check_sent_scheme(sent)
+    return compare_sent(http, sent, timeout_s)
+
+
+def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.0) -> Check:
+    """``check_sent`` of a ``sent`` that ``check_sent_scheme`` has already passed."""
     from rolloutcore.transports.cuda_ipc.wire import names_digest
     from rolloutcore.verification.checksums import compare
 
-    check_sent_scheme(sent)
     names, values = list(sent["names"]), list(sent["values"])
     method = SENT_SCHEMES[sent["scheme"]]
     body = http._post_json("/collective_rpc", "validate",
