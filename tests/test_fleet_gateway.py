@@ -8,6 +8,7 @@ service's own, reached over real HTTP.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from helpers.asgi_stream import lifespan
 from helpers.fake_vllm import FakeVllm
 from helpers.gateway_rig import TOKEN, uvicorn_thread
 from rolloutcore.core.records import Admit
+from rolloutcore.errors import BadInput
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, Replica
 from rolloutcore.fleet.gateway import (
     FLEET_LABEL_HEADER,
@@ -221,3 +223,44 @@ def test_every_replica_needs_a_url() -> None:
     with pytest.raises(Exception, match="no URL"):
         create_fleet_app(c, ServiceConfig(upstream_url="http://127.0.0.1:1",
                                           control_token=TOKEN))
+
+
+async def test_a_bad_update_body_is_a_400_before_any_job_and_one_update_runs_at_a_time(
+        ) -> None:
+    f = fake_fleet(2, config=FleetConfig(health_interval_s=0))
+    release = threading.Event()
+
+    def check(body: Any) -> None:
+        if not isinstance(body.get("seed"), int):
+            raise BadInput("'seed' must be an integer")
+
+    def updater(body: Any) -> Any:
+        release.wait(30)
+        return f.coord.update(weights(int(body["seed"])))
+
+    with _served(f):
+        app = create_fleet_app(f.coord, ServiceConfig(
+            upstream_url="http://127.0.0.1:1", control_token=TOKEN),
+            updater=updater, supervise=False, check_update=check)
+        async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                                    base_url="http://fleet.test",
+                                                    timeout=30) as client:
+            bad = await client.post("/control/fleet/updates", json={"seed": "two"},
+                                    headers=AUTH)
+            assert bad.status_code == 400 and "seed" in bad.json()["error"]
+            assert app.state.fleet.jobs == {}
+            first = await client.post("/control/fleet/updates", json={"seed": 2},
+                                      headers=AUTH)
+            assert first.status_code == 202
+            second = await client.post("/control/fleet/updates", json={"seed": 3},
+                                       headers=AUTH)
+            assert second.status_code == 409 and "still running" in second.json()["error"]
+            release.set()
+            url = first.json()["status_url"]
+            for _ in range(300):
+                got = (await client.get(url, headers=AUTH)).json()
+                if got["state"] != "running":
+                    break
+                time.sleep(0.02)
+            assert got["state"] == "published", got
+            assert list(app.state.fleet.jobs) == [1]

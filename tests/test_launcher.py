@@ -170,6 +170,30 @@ def test_stop_and_restart_give_new_epoch_and_kill_group(tmp_path: Path) -> None:
     e.stop()  # idempotent
 
 
+def test_stops_from_several_threads_at_once_stop_it_once(tmp_path: Path) -> None:
+    """A fleet's close, a recovery thread and a test's teardown may all stop one engine."""
+    import threading
+
+    e = ManagedEngine(_model(tmp_path), python=_standin_server(tmp_path), port=free_port(),
+                      startup_timeout_s=30, stop_grace_s=1)
+    e.start()
+    pid = e.pid
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            e.stop()
+        except BaseException as exc:  # noqa: BLE001 - any error here is the defect
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stop) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and not e.alive() and not _group_alive(pid)
+
+
 @pytest.mark.parametrize("version,routes,match", [
     ("0.25.1", tuple(REQUIRED_ROUTES), "outside the supported range 0.26..0.32"),
     ("0.32.0", ("/health", "/version"), "VLLM_SERVER_DEV_MODE=1"),

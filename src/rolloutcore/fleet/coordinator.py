@@ -55,6 +55,7 @@ from rolloutcore.errors import (
     BadInput,
     EffectError,
     EffectTimeout,
+    InvalidTransition,
     JournalError,
     RolloutCoreError,
     UpdateFailed,
@@ -794,7 +795,7 @@ class FleetCoordinator:
         """
         c = m.replica.controller
         with self._lock:
-            if not self._versions or m.busy:
+            if not self._versions or m.busy or self._stop.is_set():
                 return
             newest = self._versions[-1]
             state = c.state
@@ -860,8 +861,11 @@ class FleetCoordinator:
                 self._move(m, E.TAINTED, generation=None, reason=why)
             else:
                 self._move(m, E.FAILED, generation=None, reason=why)
-        except JournalError:
-            return
+        except (JournalError, InvalidTransition):
+            # Closing: the journals are closed and the replica REMOVED under this
+            # thread; what it was doing ends with the fleet.
+            if not self._stop.is_set():
+                raise
         finally:
             m.busy = False
             self._wake.set()
@@ -901,8 +905,6 @@ class FleetCoordinator:
         self._wake.set()
         if self._supervisor is not None:
             self._supervisor.join(10)
-        for th in list(self._heals.values()):
-            th.join(1.0)
         errors: list[BaseException] = []
         if self.fanout is not None:
             with contextlib.suppress(Exception):
@@ -918,6 +920,10 @@ class FleetCoordinator:
                     m.replica.close()
                 except Exception as exc:  # keep closing the others
                     errors.append(exc)
+        # A recovery still running ends once its engine is closed (its start fails):
+        # waited for, bounded, before the journal closes under it.
+        for th in list(self._heals.values()):
+            th.join(30.0)
         self._pool.shutdown(wait=False)
         self.journal.close()
         if errors:

@@ -49,7 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rolloutcore.errors import BadInput, RolloutCoreError
+from rolloutcore.errors import BadInput, RolloutCoreError, UpdateRefused
 from rolloutcore.fleet.coordinator import FleetCoordinator, FleetUpdateFailed, FleetUpdateResult
 from rolloutcore.fleet.routing import (
     GROUP_FIELD,
@@ -160,11 +160,13 @@ class FleetGateway:
     """What the fleet app holds (``app.state.fleet``)."""
 
     def __init__(self, coordinator: FleetCoordinator, config: ServiceConfig,
-                 default_policy: Policy, updater: Updater | None) -> None:
+                 default_policy: Policy, updater: Updater | None,
+                 check_update: Callable[[Mapping[str, Any]], object] | None = None) -> None:
         self.coordinator = coordinator
         self.config = config
         self.default_policy = default_policy
         self.updater = updater
+        self.check_update = check_update
         self.router = Router()
         self.metrics = FleetMetrics(coordinator)
         self.planes: dict[str, DataPlane] = {}
@@ -206,7 +208,13 @@ class FleetGateway:
         if self.updater is None:
             raise BadInput("this gateway was started without an update source")
         updater = self.updater
+        if self.check_update is not None:
+            self.check_update(body)  # BadInput before any job exists
         with self._job_lock:
+            busy = next((j for j in self.jobs.values() if j.state == "running"), None)
+            if busy is not None:
+                raise UpdateRefused(f"fleet update {busy.job_id} is still running; one at a "
+                                    "time")
             jid = len(self.jobs) + 1
             job = self.jobs[jid] = _UpdateJob(jid, dict(body))
 
@@ -400,13 +408,17 @@ class FleetGateway:
 
 def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
                      default_policy: str | Policy = "latest",
-                     updater: Updater | None = None, supervise: bool = True) -> Starlette:
+                     updater: Updater | None = None, supervise: bool = True,
+                     check_update: Callable[[Mapping[str, Any]], object] | None = None
+                     ) -> Starlette:
     """The fleet's gateway over a bootstrapped coordinator.
 
     ``config`` is the single-engine service's (tokens, limits, upstream
     timeouts, queue); its ``upstream_url`` is replaced by each replica's.
     ``updater`` runs a ``POST /control/fleet/updates`` body (a checkpoint,
     a strategy ...) as a fleet update; without it that route answers 400.
+    ``check_update`` checks such a body before anything starts (its
+    ``BadInput`` is the route's 400); a second update while one runs is 409.
     """
     if not isinstance(coordinator, FleetCoordinator):
         raise BadInput("coordinator must be a FleetCoordinator")
@@ -414,7 +426,7 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         raise BadInput("config must be a ServiceConfig")
     policy = default_policy if isinstance(default_policy, Policy) else Policy.parse(
         default_policy)
-    gw = FleetGateway(coordinator, config, policy, updater)
+    gw = FleetGateway(coordinator, config, policy, updater, check_update)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -439,6 +451,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
             return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
         try:
             job = gw.start_update(body)
+        except UpdateRefused as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         return JSONResponse({"update": job.job_id, "state": job.state,

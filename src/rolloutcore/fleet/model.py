@@ -184,7 +184,9 @@ class FleetUpdateFailed(RolloutCoreError):
 
     def __init__(self, result: FleetUpdateResult) -> None:
         self.result = result
+        why = "; ".join(f"{n}: {r[:300]}" for n, r in sorted(result.reasons.items()))
         super().__init__(f"fleet update {result.update_id} ({result.strategy.value}) "
-                         f"published nothing: {result.decision}")
+                         f"published nothing: {result.decision}"
+                         + (f" ({why})" if why else ""))
 
 

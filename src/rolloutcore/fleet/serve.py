@@ -184,7 +184,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
                                 min_serving=req["min_serving"], wave_size=req["wave_size"],
                                 transfer=req["transfer"])
 
-        app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater)
+        app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
+                               check_update=parse_update_request)
         if o.token_out:
             fd = os.open(o.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:

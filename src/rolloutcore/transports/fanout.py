@@ -13,6 +13,10 @@ The engine half needs nothing new: ``GlooInitInfo`` already carries a
 
 A broadcast needs every member. So the round is all-or-repair:
 
+* a member that cannot join the group (its ``/get_world_size`` fails: it
+  died, or does not answer) keeps the group from being made; nothing was
+  posted to the others, which are reported ``closed`` (free for a
+  per-engine round) and the caller sends to them one engine at a time;
 * a member whose ``/start_weight_update`` fails keeps the broadcast from
   running at all; nothing was sent to anyone (``sent=False``), and the
   caller sends to the others one engine at a time (``GlooTransport``);
@@ -91,6 +95,17 @@ class FanoutResult:
         return self.evidence is not None
 
 
+class _JoinFailed(TransferError):
+    """The group could not be made because of ``failed`` (url -> its error); nothing
+    was posted to any other member."""
+
+    def __init__(self, failed: Mapping[str, TransferError]) -> None:
+        self.failed = dict(failed)
+        first = next(iter(self.failed.values()))
+        super().__init__("transfer", f"{', '.join(sorted(self.failed))} could not join the "
+                         f"fan-out group: {first}", mutation_started=False)
+
+
 @dataclass
 class _Group:
     urls: tuple[str, ...]
@@ -151,7 +166,22 @@ class GlooFanout(TransportBase):
         addr = addrs.pop()
         f_ws = [run_side(lambda u=u: self.get(u, "/get_world_size", left()),  # type: ignore[misc]
                          "world-size") for u in urls]
-        self.wait(f_ws, deadline, "get_world_size", mutation_started=False)
+        try:
+            self.wait(f_ws, deadline, "get_world_size", mutation_started=False)
+        except TransferError as exc:
+            # Which members failed (the others answered, or would have): until here
+            # nothing was posted to anyone. Each failed one's own error names it.
+            for f in f_ws:
+                with contextlib.suppress(Exception):
+                    f.exception(timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+            failed: dict[str, TransferError] = {}
+            for u, f in zip(urls, f_ws, strict=True):
+                err = f.exception() if f.done() else None
+                if err is not None:
+                    failed[u] = self.classify(err, "get_world_size", False)
+            if not failed or len(failed) == len(urls):
+                raise
+            raise _JoinFailed(failed) from exc
         sizes: list[int] = []
         for u, f in zip(urls, f_ws, strict=True):
             ws = f.result()
@@ -219,6 +249,13 @@ class GlooFanout(TransportBase):
             if self._g is None or set(self._g.urls) != set(urls):
                 try:
                     self._connect_all(urls, deadline)
+                except _JoinFailed as exc:
+                    # The members that answered were never asked for anything: a
+                    # per-engine round to each is safe (``closed``).
+                    return {u: FanoutResult(u, labels[u], error=exc.failed[u])
+                            if u in exc.failed else FanoutResult(u, labels[u], error=exc,
+                                                                 closed=True)
+                            for u in urls}
                 except TransferError as exc:
                     return {u: FanoutResult(u, labels[u], error=exc) for u in urls}
             assert self._g is not None

@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -204,6 +205,9 @@ class ManagedEngine:
         self.python = python or sys.executable
         self.progress = progress
         self._proc: subprocess.Popen[bytes] | None = None
+        # Stops may come from several threads (a fleet's close, a recovery, a test's
+        # teardown): one at a time, the later ones find nothing left to stop.
+        self._stop_lock = threading.Lock()
         self._log: IO[bytes] | None = None
         self._log_path: Path | None = None
         self._epoch: str | None = None
@@ -423,17 +427,19 @@ class ManagedEngine:
         sys.stderr.flush()
 
     def _terminate(self, grace_s: float | None = None) -> None:
-        if self._proc is not None:
-            _kill_group(self._proc.pid, self.stop_grace_s if grace_s is None else grace_s)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout=5)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            self._finalizer = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self._proc = None
+        with self._stop_lock:
+            proc = self._proc
+            if proc is not None:
+                _kill_group(proc.pid, self.stop_grace_s if grace_s is None else grace_s)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
+            if self._finalizer is not None:
+                self._finalizer.detach()
+                self._finalizer = None
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            self._proc = None
 
     def stop(self, grace_s: float | None = None) -> None:
         """Kill the whole process group: SIGTERM, then SIGKILL after ``grace_s``.

@@ -1,0 +1,126 @@
+"""``rolloutcore serve --engines 2`` as a user runs it: a subprocess, two real vLLM engines.
+
+The command launches both engines on A (with its progress display), puts
+them behind the fleet gateway and takes updates on
+``POST /control/fleet/updates``. Here: the gateway comes up, both replicas
+serve fleet version 0, a synchronous update to B (one fan-out broadcast) is
+published on both, the data plane then answers from version 1 on either
+replica with B's greedy tokens, a bad update body is refused field by field,
+and SIGTERM stops the gateway and both engines (their ports close).
+Slow lane: two engines cold-start on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fleettools_engine import greedy
+
+from enginetools import TinyModels
+from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER
+from rolloutcore.transports.net import free_port
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "fleet-cli-token-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)
+
+
+def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModels,
+                                                          tmp_path: Path) -> None:
+    ref = ManagedEngine(tiny_models.B, backend=None, log_dir=tmp_path / "ref",
+                        startup_timeout_s=600)
+    ref.start()
+    try:
+        ref_b = greedy(ref.base_url)
+    finally:
+        ref.stop()
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2",
+           "--model", str(tiny_models.A), "--port", str(port), "--token", TOKEN,
+           "--workdir", str(tmp_path / "work")]
+    with open(log, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    url = f"http://127.0.0.1:{port}"
+    engine_urls: list[str] = []
+    try:
+        _wait(url, proc, log, 900)
+        text = log.read_text()
+        assert "starting 2 vLLM engines as local processes" in text
+        st = httpx.get(f"{url}/control/status", headers=AUTH, timeout=30).json()
+        engine_urls = [r["url"] for r in st["replicas"]]
+        assert [r["name"] for r in st["replicas"]] == ["e0", "e1"] and st["serving"] == 2
+        assert st["newest"]["generation"] == 0
+        # A bad body: refused field by field, nothing starts.
+        bad = httpx.post(f"{url}/control/fleet/updates", headers=AUTH, timeout=30,
+                         json={"checkpoint": str(tiny_models.B), "strategy": "sideways"})
+        assert bad.status_code in (400, 422) and "strategy" in bad.text
+        assert httpx.post(f"{url}/control/fleet/updates", timeout=30,
+                          json={"checkpoint": str(tiny_models.B)}).status_code == 401
+        r = httpx.post(f"{url}/control/fleet/updates", headers=AUTH, timeout=30,
+                       json={"checkpoint": str(tiny_models.B), "strategy": "synchronous",
+                             "label": "cli-1", "step": 1})
+        assert r.status_code == 202, r.text
+        status_url = url + r.json()["status_url"]
+        deadline = time.monotonic() + 600
+        while True:
+            job = httpx.get(status_url, headers=AUTH, timeout=30).json()
+            if job["state"] != "running":
+                break
+            assert time.monotonic() < deadline, job
+            time.sleep(0.5)
+        assert job["state"] == "published", job
+        assert job["result"]["transfer"] == "fanout"
+        assert job["result"]["outcomes"] == {"e0": "passed", "e1": "passed"}
+        st = httpx.get(f"{url}/control/status", headers=AUTH, timeout=30).json()
+        assert st["newest"]["label"] == "cli-1" and st["versions_served"] == {"cli-1": 2}
+        replicas = set()
+        for i in range(6):
+            a = httpx.post(f"{url}/inference/v1/generate", timeout=60, json={
+                "model": "policy", "token_ids": [5, i, 9],
+                "sampling_params": {"max_tokens": 4, "temperature": 0}})
+            assert a.status_code == 200, a.text
+            assert a.headers[FLEET_VERSION_HEADER] == "1"
+            replicas.add(a.headers[REPLICA_HEADER])
+        assert replicas <= {"e0", "e1"} and replicas
+        assert [greedy(u) for u in engine_urls] == [ref_b, ref_b]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    for u in engine_urls:  # the gateway stopped its engines on the way out
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{u}/health", timeout=2)
