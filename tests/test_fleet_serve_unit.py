@@ -58,3 +58,19 @@ def test_update_requests_are_checked_field_by_field(tmp_path: Path) -> None:
                          ({"checkpoint": str(ck), "colour": "red"}, "unknown fields")):
         with pytest.raises(BadInput, match=needle):
             parse_update_request(body)
+
+
+def test_engines_on_one_host_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rolloutcore.fleet.placement import cpu_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert cpu_binding(0, 1) == {}
+    assert [cpu_binding(i, 2) for i in range(2)] == [
+        {"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert [cpu_binding(i, 3)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(3)] == ["0", "1", "0"]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {2, 3, 4, 5}, raising=False)
+    assert [cpu_binding(i, 2)["VLLM_CPU_OMP_THREADS_BIND"] for i in range(2)] == ["2,3", "4,5"]
+    assert cpu_binding(0, 2, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    assert cpu_binding(1, 2) == {}

@@ -36,7 +36,12 @@ from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.core.records import Admit
 from rolloutcore.fleet import FleetConfig, FleetCoordinator
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER, create_fleet_app
-from rolloutcore.fleet.placement import build_fleet, prepare_checkpoint, start_all
+from rolloutcore.fleet.placement import (
+    build_fleet,
+    cpu_binding,
+    prepare_checkpoint,
+    start_all,
+)
 from rolloutcore.fleet.records import FleetClosed, FleetPublish
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
@@ -64,9 +69,11 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     logs = tmp_path_factory.mktemp("fleet-logs")
+    # Each engine's worker on its own core (vLLM's CPU default puts them all on one).
     engines = [ManagedEngine(tiny_models.A, port=free_port(), log_dir=logs / f"e{i}",
-                             startup_timeout_s=600) for i in range(2)]
-    ref = ManagedEngine(tiny_models.B, backend=None, log_dir=logs / "ref", startup_timeout_s=600)
+                             startup_timeout_s=600, env=cpu_binding(i, 2)) for i in range(2)]
+    ref = ManagedEngine(tiny_models.B, backend=None, log_dir=logs / "ref", startup_timeout_s=600,
+                        env=cpu_binding(1, 2))
     everything = [*engines, ref]
     coord = None
     try:

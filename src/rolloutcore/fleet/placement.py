@@ -224,6 +224,28 @@ def _show(msg: str, tty: bool, final: bool = False) -> None:
     sys.stderr.flush()
 
 
+def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Engine ``i`` of ``n`` on one host: which cores vLLM's CPU backend binds its worker to.
+
+    vLLM's CPU build binds every engine's worker to the same cores by default
+    (``VLLM_CPU_OMP_THREADS_BIND=auto``: the first cores, one kept back), so
+    engines started side by side compute on one core between them. Engine
+    ``i`` gets its own share of the cores this process may use
+    (``os.sched_getaffinity``), round robin when there are more engines than
+    cores. Nothing is set for one engine, or when the caller's ``env`` or
+    this process's environment already chooses (a GPU build ignores it).
+    """
+    if n <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
+            env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env):
+        return {}
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+        range(os.cpu_count() or 1))
+    share = max(1, len(cpus) // n)
+    start = (i * share) % len(cpus)
+    ids = [cpus[(start + k) % len(cpus)] for k in range(share)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in ids)}
+
+
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
                  log_dir: str | os.PathLike[str] | None = None, progress: bool = False,
                  startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> list[Any]:
@@ -232,9 +254,11 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
+    env = dict(engine_kwargs.pop("env", None) or {})
     engines = [ManagedEngine(Path(checkpoint), port=free_port(),
                              startup_timeout_s=startup_timeout_s,
                              log_dir=None if log_dir is None else Path(log_dir) / f"e{i}",
+                             env={**cpu_binding(i, n, env), **env},
                              **engine_kwargs) for i in range(n)]
     try:
         start_all({f"e{i}": e.start for i, e in enumerate(engines)}, progress=progress,

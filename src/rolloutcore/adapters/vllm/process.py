@@ -433,6 +433,11 @@ class ManagedEngine:
                 _kill_group(proc.pid, self.stop_grace_s if grace_s is None else grace_s)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=5)
+                if proc.poll() is None:
+                    # Killed but not yet gone (stuck in the kernel): reaped when it goes,
+                    # so the process is never left unwaited.
+                    threading.Thread(target=proc.wait, name=f"rc-reap-{proc.pid}",
+                                     daemon=True).start()
             if self._finalizer is not None:
                 self._finalizer.detach()
                 self._finalizer = None
