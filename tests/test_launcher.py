@@ -183,7 +183,7 @@ def test_stops_from_several_threads_at_once_stop_it_once(tmp_path: Path) -> None
     def stop() -> None:
         try:
             e.stop()
-        except BaseException as exc:  # noqa: BLE001 - any error here is the defect
+        except BaseException as exc:  # any error here is the defect
             errors.append(exc)
 
     threads = [threading.Thread(target=stop) for _ in range(6)]
