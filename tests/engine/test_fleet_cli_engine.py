@@ -24,7 +24,7 @@ import httpx
 import pytest
 from fleettools_engine import greedy
 
-from enginetools import TinyModels
+from enginetools import TinyModels, stop_group
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER
 from rolloutcore.transports.net import free_port
@@ -113,13 +113,7 @@ def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModel
         assert replicas <= {"e0", "e1"} and replicas
         assert [greedy(u) for u in engine_urls] == [ref_b, ref_b]
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc, 120)
     assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     for u in engine_urls:  # the gateway stopped its engines on the way out
         with pytest.raises(httpx.HTTPError):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from enginetools import stop_group
 from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.versions import Provenance
@@ -92,13 +92,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             time.sleep(0.5)
         yield Served(url, work, work / "journal.jsonl", proc)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+        stop_group(proc, 60)
 
 
 @pytest.fixture
