@@ -7,6 +7,10 @@ Measures, with ``--engines`` engines (default 3) on the tiny model:
 * ``sync_fanout_s``: a synchronous fleet update with one fan-out broadcast to
   every engine; ``sync_sequential_s``: the same with N sequential per-engine
   sends; ``fanout_over_single`` (goal: within 1.3x);
+* ``independent_parallel_s``: N one-engine transitions at once, each engine
+  its own one-replica fleet and its own group: what this host allows N
+  engines doing their own work at the same time (``fanout_over_independent_parallel``).
+
 * serving capacity during a rolling update (``wave_size`` engines per wave,
   ``min_serving`` = N - wave_size) under client load (``any`` requests):
   requests/s per wave over the steady-state rate before the roll, the lowest
@@ -15,6 +19,16 @@ Measures, with ``--engines`` engines (default 3) on the tiny model:
 * a replica SIGKILLed while serving under load: time to its fencing
   (out of the pool) and to its rejoining (recovered, verified on the fleet
   version, back in the pool).
+
+Every series runs ``--reps`` + 1 rounds back to back; round 0 forms that
+series' transfer group(s) (``first_round_s``; the fan-out connect alone:
+``fanout_connect_s``) and the medians are of the rounds after it, the group
+kept, as a trainer's loop runs them.
+
+Engines are launched with ``fleet.placement.launch_local``: on a host with
+fewer than two cores per engine, each gets its own core(s) and
+``ROLLOUTCORE_VLLM_IDLE_SPIN_S=0`` (``--spin`` keeps vLLM's one-second
+idle spin, to measure what it costs).
 
 Writes results/fleet.json and prints a table. Not a test.
 
@@ -113,6 +127,45 @@ class Sampler:
         self._th.join(30)
 
 
+class Series:
+    """Wall seconds (and transfer seconds, where the round says) of a run of rounds."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self.transfer_s: list[float] = []
+
+
+def _series(what: str, round_: Any, n: int) -> Series:
+    out = Series()
+    for i in range(n):
+        t0 = time.monotonic()
+        r = round_(i)
+        out.seconds.append(time.monotonic() - t0)
+        print(f"[fleet-bench] {what}: round {i + 1}/{n} {out.seconds[-1]:.3f} s"
+              + (" (forms its group)" if i == 0 else ""), flush=True)
+        out.transfer_s.append(float(getattr(r, "transfer_s", 0.0) or 0.0))
+    return out
+
+
+def _all_at_once(calls: list[Any]) -> None:
+    """Run ``calls`` in threads at once; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def run(c: Any) -> None:
+        try:
+            c()
+        except BaseException as exc:  # handed back below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--engines", type=int, default=3)
@@ -122,6 +175,8 @@ def main() -> int:
     ap.add_argument("--steady-s", type=float, default=15.0)
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet.json"))
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--spin", action="store_true",
+                    help="keep vLLM's one-second idle spin in the engines' message queues")
     args = ap.parse_args()
     if args.engines < 2 or args.reps < 1 or not 1 <= args.wave_size < args.engines:
         ap.error("need --engines >= 2, --reps >= 1, 1 <= --wave-size < --engines")
@@ -150,37 +205,56 @@ def main() -> int:
     wa, wb = prepare_checkpoint(a), prepare_checkpoint(b)
     n = args.engines
     t0 = time.monotonic()
-    engines = launch_local(n, a, log_dir=work / "logs", progress=True)
+    from rolloutcore.transports.vllm_plugin import IDLE_SPIN_ENV
+
+    spin_env = {IDLE_SPIN_ENV: "1"} if args.spin else {}
+    engines = launch_local(n, a, log_dir=work / "logs", progress=True, env=spin_env)
     start_s = time.monotonic() - t0
-    out: dict[str, Any] = {"engines": n, "wave_size": args.wave_size}
+    out: dict[str, Any] = {"engines": n, "wave_size": args.wave_size,
+                           "engine_env": [{k: v for k, v in e.env_overrides.items()
+                                           if k in ("VLLM_CPU_OMP_THREADS_BIND", IDLE_SPIN_ENV)}
+                                          for e in engines]}
     try:
         # -- one engine alone: the reference transition --------------------------------
+        # Round 0 of every series forms its group (connect, timed apart); the medians
+        # are of the rounds after it, the group kept, as a trainer's loop runs them.
         rep = vllm_replica("solo", engines[0].base_url, engine=engines[0])
         solo = FleetCoordinator([rep], config=FleetConfig(health_interval_s=0))
         solo.bootstrap(wa.identity, weights=wa)
-        single = []
-        for i in range(args.reps):
-            r = solo.update(wb if i % 2 == 0 else wa, transfer="per-engine",
-                            label=f"solo-{i + 1}")
-            single.append(r.seconds)
-        solo.update(wa, transfer="per-engine", label="solo-back") if args.reps % 2 else None
+        single = _series("single engine", lambda i: solo.update(
+            wb if i % 2 == 0 else wa, transfer="per-engine", label=f"solo-{i}"), args.reps + 1)
+        if (args.reps + 1) % 2:
+            solo.update(wa, transfer="per-engine", label="solo-back")
         solo.close()
+        # -- N independent one-engine transitions at once: what this host allows --------
+        solos = [FleetCoordinator([vllm_replica(f"p{j}", e.base_url, engine=e)],
+                                  config=FleetConfig(health_interval_s=0))
+                 for j, e in enumerate(engines)]
+        for c in solos:
+            c.bootstrap(wa.identity, weights=wa)
+        parallel = _series(f"{n} one-engine transitions at once", lambda i: _all_at_once(
+            [lambda c=c: c.update(wb if i % 2 == 0 else wa, transfer="per-engine",
+                                  label=f"par-{i}") for c in solos]), args.reps + 1)
+        for c in solos:
+            if (args.reps + 1) % 2:
+                c.update(wa, transfer="per-engine", label="par-back")
+            c.close()
         # -- the fleet ------------------------------------------------------------------
         coord = build_fleet(engines, checkpoint=a, journal_dir=work / "journals",
                             config=FleetConfig(health_interval_s=0.5), journal_keep=2000)
-        fan, seq, fan_transfer, seq_transfer = [], [], [], []
         toggle = [wb, wa]
         k = 0
-        for _ in range(args.reps):
-            r = coord.update(toggle[k % 2], transfer="fanout")
+
+        def fleet_round(transfer: str) -> Any:
+            nonlocal k
+            r = coord.update(toggle[k % 2], transfer=transfer)
             k += 1
-            fan.append(r.seconds)
-            fan_transfer.append(r.transfer_s)
-            assert r.transfer == "fanout", r.transfer
-            r = coord.update(toggle[k % 2], transfer="per-engine")
-            k += 1
-            seq.append(r.seconds)
-            seq_transfer.append(r.transfer_s)
+            assert r.transfer == transfer, (r.transfer, transfer)
+            return r
+
+        fan = _series("fleet, fan-out", lambda i: fleet_round("fanout"), args.reps + 1)
+        fan_connect_s = coord.fanout.last_connect_s if coord.fanout is not None else None
+        seq = _series("fleet, per-engine sends", lambda i: fleet_round("per-engine"), args.reps + 1)
         app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
                                                     control_token=TOKEN))
         with uvicorn_thread(app) as url:
@@ -255,11 +329,20 @@ def main() -> int:
             e.stop()
     med = statistics.median
     out.update({
-        "sync_fanout_s": med(fan), "sync_sequential_s": med(seq), "single_engine_s": med(single),
-        "fanout_over_single": med(fan) / med(single),
-        "sync_fanout_transfer_s": med(fan_transfer),
-        "sync_sequential_transfer_s": med(seq_transfer),
-        "runs": {"single_engine_s": single, "sync_fanout_s": fan, "sync_sequential_s": seq},
+        "sync_fanout_s": med(fan.seconds[1:]), "sync_sequential_s": med(seq.seconds[1:]),
+        "single_engine_s": med(single.seconds[1:]),
+        "fanout_over_single": med(fan.seconds[1:]) / med(single.seconds[1:]),
+        "independent_parallel_s": med(parallel.seconds[1:]),
+        "fanout_over_independent_parallel": med(fan.seconds[1:]) / med(parallel.seconds[1:]),
+        "sync_fanout_transfer_s": med(fan.transfer_s[1:]),
+        "sync_sequential_transfer_s": med(seq.transfer_s[1:]),
+        "single_engine_transfer_s": med(single.transfer_s[1:]),
+        "fanout_connect_s": fan_connect_s,
+        "first_round_s": {"single_engine": single.seconds[0], "sync_fanout": fan.seconds[0],
+                          "sync_sequential": seq.seconds[0],
+                          "independent_parallel": parallel.seconds[0]},
+        "runs": {"single_engine_s": single.seconds, "sync_fanout_s": fan.seconds,
+                 "sync_sequential_s": seq.seconds, "independent_parallel_s": parallel.seconds},
         "engine_start_s": start_s,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,
@@ -268,9 +351,10 @@ def main() -> int:
                      "vllm": vllm.__version__, "torch": torch.__version__},
         "command": "python benchmarks/fleet.py " + " ".join(sys.argv[1:]),
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "notes": ("CPU vLLM, tiny model, all engines on one 2-core host shared with other "
-                  "work: the engines compete for the same cores, so taking one out of the "
-                  "pool frees CPU for the others and capacity falls less than (N-w)/N."),
+        "notes": ("CPU vLLM, tiny model, all engines on one host of os.cpu_count() cores: "
+                  "the engines compete for the same cores, so taking one out of the pool "
+                  "frees CPU for the others and capacity falls less than (N-w)/N; and N "
+                  "engines updating at once share those cores (independent_parallel_s)."),
     })
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
@@ -278,7 +362,11 @@ def main() -> int:
             ("single engine transition", f"{out['single_engine_s']:.3f} s"),
             ("synchronous, one fan-out broadcast", f"{out['sync_fanout_s']:.3f} s"),
             ("synchronous, N sequential sends", f"{out['sync_sequential_s']:.3f} s"),
+            ("N one-engine transitions at once", f"{out['independent_parallel_s']:.3f} s"),
+            ("fan-out group connect (once)", f"{out['fanout_connect_s']:.3f} s"
+             if out["fanout_connect_s"] is not None else "n/a"),
             ("fan-out / single (goal <= 1.3)", f"{out['fanout_over_single']:.2f}"),
+            ("fan-out / N at once", f"{out['fanout_over_independent_parallel']:.2f}"),
             ("rolling: lowest wave capacity / steady", f"{out['rolling_retained_min']:.2f} "
              f"(goal >= {out['rolling_goal']:.2f})"),
             ("rolling: failed `any` requests", str(out["rolling_failed_any"])),

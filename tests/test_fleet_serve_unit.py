@@ -74,3 +74,21 @@ def test_engines_on_one_host_get_their_own_cores(monkeypatch: pytest.MonkeyPatch
     assert cpu_binding(0, 2, {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}) == {}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     assert cpu_binding(1, 2) == {}
+
+
+def test_engines_crowding_a_host_are_told_not_to_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rolloutcore.fleet.placement import idle_spin, shared_host_env
+    from rolloutcore.transports.vllm_plugin import IDLE_SPIN_ENV
+
+    monkeypatch.delenv(IDLE_SPIN_ENV, raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert idle_spin(1) == {}                       # one engine: vLLM's default
+    assert idle_spin(2) == {IDLE_SPIN_ENV: "0.1"}     # 2 engines, 2 cores: crowded
+    assert shared_host_env(1, 3) == {"VLLM_CPU_OMP_THREADS_BIND": "1", IDLE_SPIN_ENV: "0.1"}
+    assert idle_spin(2, {IDLE_SPIN_ENV: "0.5"}) == {}   # the caller chose
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert idle_spin(8) == {}                       # two cores per engine: room to spin
+    assert idle_spin(9) == {IDLE_SPIN_ENV: "0.1"}
+    monkeypatch.setenv(IDLE_SPIN_ENV, "1")
+    assert idle_spin(9) == {}

@@ -59,9 +59,12 @@ __all__ = [
     "RayEngine",
     "RayPlacement",
     "build_fleet",
+    "cpu_binding",
+    "idle_spin",
     "launch_local",
     "place_ray",
     "prepare_checkpoint",
+    "shared_host_env",
     "start_all",
     "vllm_replica",
 ]
@@ -246,6 +249,31 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[st
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in ids)}
 
 
+def idle_spin(n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Engines on one host with fewer cores than their processes: no idle spinning.
+
+    Each CPU engine runs three processes (API server, engine core, worker),
+    and vLLM's message queues keep the last two spinning for a second after
+    every message (``transports.vllm_plugin``). When ``n`` engines have fewer
+    than two cores each, that spinning takes the cores their neighbours
+    compute on, so ``ROLLOUTCORE_VLLM_IDLE_SPIN_S`` is set to 0.1 s for them. Nothing
+    is set for one engine, on a host with the cores, or when the caller's
+    ``env`` or this process's environment already chooses.
+    """
+    from rolloutcore.transports.vllm_plugin import CROWDED_SPIN_S, IDLE_SPIN_ENV
+
+    if n <= 1 or IDLE_SPIN_ENV in os.environ or (env is not None and IDLE_SPIN_ENV in env):
+        return {}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return {IDLE_SPIN_ENV: f"{CROWDED_SPIN_S:g}"} if cpus < 2 * n else {}
+
+
+def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What engine ``i`` of ``n`` started on this host gets: ``cpu_binding`` and ``idle_spin``."""
+    return {**cpu_binding(i, n, env), **idle_spin(n, env)}
+
+
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
                  log_dir: str | os.PathLike[str] | None = None, progress: bool = False,
                  startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> list[Any]:
@@ -258,7 +286,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     engines = [ManagedEngine(Path(checkpoint), port=free_port(),
                              startup_timeout_s=startup_timeout_s,
                              log_dir=None if log_dir is None else Path(log_dir) / f"e{i}",
-                             env={**cpu_binding(i, n, env), **env},
+                             env={**shared_host_env(i, n, env), **env},
                              **engine_kwargs) for i in range(n)]
     try:
         start_all({f"e{i}": e.start for i, e in enumerate(engines)}, progress=progress,
