@@ -309,6 +309,47 @@ def test_an_engine_that_dies_while_serving_leaves_the_pool_and_rejoins() -> None
     assert f.coord.generation_of("r2") == 1
 
 
+def test_a_failed_rebinding_is_retried_before_the_replica_rejoins() -> None:
+    """Seen on the CPU under load: the replacement process came up, but reading its
+    identity timed out. The replica must not rejoin bound to the dead process; it is
+    rebound first (and the engine is not restarted a second time)."""
+    f = fake_fleet(3)
+    f.coord.update(weights(1))
+    rep = f.coord.replicas["r2"]
+    assert rep.recoverer is not None
+    recoveries: list[int] = []
+    real_replace = rep.recoverer.replace_engine
+
+    def counted(target: Any) -> Any:
+        recoveries.append(1)
+        return real_replace(target)
+
+    rep.recoverer.replace_engine = counted  # type: ignore[method-assign]
+    binds: list[str] = []
+
+    def rebind() -> None:
+        binds.append("try")
+        if len(binds) == 1:
+            raise TimeoutError("GET /server_info: deadline of 30s expired")
+
+    rep.on_recovered = rebind
+    f.engine("r2").kill()
+    f.coord.suspect("r2")
+    f.coord.supervise_once()
+    assert f.coord.wait_for(lambda: binds and not f.coord._members["r2"].busy, 10)
+    assert f.coord.state_of("r2") is S.FENCED and "r2" not in f.coord.serving()
+    assert f.coord.generation_of("r2") is None
+    f.coord.supervise_once()                      # the next round: rebind, then rejoin
+    assert f.coord.wait_for(lambda: f.coord.state_of("r2") is S.SERVING, 10)
+    assert binds == ["try", "try"] and len(recoveries) == 1
+    assert f.coord.generation_of("r2") == 1
+    events = [(r.event, r.after) for r in f.coord.journal.of(ReplicaStateChange)
+              if r.replica == "r2"]
+    assert events[-6:] == [("recover", "RECOVERING"), ("failed", "FENCED"),
+                           ("recover", "RECOVERING"), ("recovered", "FENCED"),
+                           ("rejoin", "REJOINING"), ("rejoined", "SERVING")]
+
+
 def test_fleet_journal_reads_back_typed(tmp_path: Any) -> None:
     f = fake_fleet(2)
     path = tmp_path / "fleet.jsonl"

@@ -119,6 +119,7 @@ class _Member:
     reason: str = ""
     issued: set[str] = field(default_factory=set)
     suspect: bool = False
+    rebind: bool = False            # recovered, but not yet rebound to the new process
 
 
 def _outcome_of(uf: UpdateFailed) -> Outcome:
@@ -800,9 +801,12 @@ class FleetCoordinator:
             newest = self._versions[-1]
             state = c.state
             ident = c.identity
-            on_newest = (state is State.READY and ident is not None
+            # A replica whose rebinding failed is still bound to the dead process:
+            # it is rebound before anything else (never rejoined as it is).
+            on_newest = (state is State.READY and ident is not None and not m.rebind
                          and ident.same_weights(newest.identity))
-            if state is State.READY and not on_newest and newest.generation not in self._payloads:
+            if state is State.READY and not on_newest and not m.rebind and \
+                    newest.generation not in self._payloads:
                 return
             if state is State.TAINTED and m.replica.recoverer is None:
                 return
@@ -824,23 +828,31 @@ class FleetCoordinator:
     def _heal_thread(self, m: _Member, target: FleetVersion) -> None:
         r = m.replica
         try:
-            if r.controller.state is State.TAINTED:
-                assert r.recoverer is not None
+            if r.controller.state is State.TAINTED or m.rebind:
                 self._move(m, E.RECOVER)
-                try:
-                    r.runner.recover(r.recoverer, owner="fleet")
-                except (UpdateFailed, RolloutCoreError) as exc:
-                    self._move(m, E.FAILED, generation=None, reason=f"recovery: {exc}"[:500])
-                    return
-                if self.fanout is not None:
-                    self.fanout.invalidate()
-                if r.on_recovered is not None:
+                if r.controller.state is State.TAINTED:
+                    assert r.recoverer is not None
+                    try:
+                        r.runner.recover(r.recoverer, owner="fleet")
+                    except (UpdateFailed, RolloutCoreError) as exc:
+                        self._move(m, E.FAILED, generation=None,
+                                   reason=f"recovery: {exc}"[:500])
+                        return
+                    if self.fanout is not None:
+                        self.fanout.invalidate()
+                    m.rebind = r.on_recovered is not None
+                if m.rebind and r.on_recovered is not None:
+                    # The adapter still names the old process (its instance id, its
+                    # group); until it is rebound nothing may be sent or served. A
+                    # failure leaves the replica fenced, and the next round retries
+                    # the rebinding (the engine is not restarted again).
                     try:
                         r.on_recovered()
                     except Exception as exc:
                         self._move(m, E.FAILED, generation=None,
                                    reason=f"rebinding to the new process: {exc!r}"[:500])
                         return
+                m.rebind = False
                 self._move(m, E.RECOVERED, generation=None,
                            reason=f"recovered on {r.controller.committed}")
                 ident = r.controller.identity
