@@ -13,9 +13,11 @@ Measures, with ``--engines`` engines (default 3) on the tiny model:
 
 * serving capacity during a rolling update (``wave_size`` engines per wave,
   ``min_serving`` = N - wave_size) under client load (``any`` requests):
-  requests/s per wave over the steady-state rate before the roll, the lowest
-  of them (``rolling_retained_min``; goal >= (N-w)/N), failed ``any``
-  requests (goal 0) and the lowest serving count sampled from status;
+  requests/s per wave over the steady-state rate before the roll; a wave
+  lasts about one engine's update, so ``--rolls`` updates are run and each
+  wave's fraction is its median over them; the lowest of those
+  (``rolling_retained_min``; goal >= (N-w)/N), failed ``any`` requests
+  (goal 0) and the lowest serving count sampled from status;
 * a replica SIGKILLed while serving under load: time to its fencing
   (out of the pool) and to its rejoining (recovered, verified on the fleet
   version, back in the pool).
@@ -27,12 +29,12 @@ kept, as a trainer's loop runs them.
 
 Engines are launched with ``fleet.placement.launch_local``: on a host with
 fewer than two cores per engine, each gets its own core(s) and
-``ROLLOUTCORE_VLLM_IDLE_SPIN_S=0`` (``--spin`` keeps vLLM's one-second
+``ROLLOUTCORE_VLLM_IDLE_SPIN_S=0.1`` (``--spin`` keeps vLLM's one-second
 idle spin, to measure what it costs).
 
 Writes results/fleet.json and prints a table. Not a test.
 
-    .venv/bin/python benchmarks/fleet.py [--engines 3] [--reps 3] [--out PATH]
+    .venv/bin/python benchmarks/fleet.py [--engines 3] [--reps 5] [--rolls 3] [--out PATH]
 """
 
 from __future__ import annotations
@@ -172,14 +174,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--wave-size", type=int, default=1)
     ap.add_argument("--clients", type=int, default=6)
+    ap.add_argument("--rolls", type=int, default=3,
+                    help="rolling updates under load (each wave's fraction: the median)")
     ap.add_argument("--steady-s", type=float, default=15.0)
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet.json"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--spin", action="store_true",
                     help="keep vLLM's one-second idle spin in the engines' message queues")
     args = ap.parse_args()
-    if args.engines < 2 or args.reps < 1 or not 1 <= args.wave_size < args.engines:
-        ap.error("need --engines >= 2, --reps >= 1, 1 <= --wave-size < --engines")
+    if args.engines < 2 or args.reps < 1 or args.rolls < 1 or \
+            not 1 <= args.wave_size < args.engines:
+        ap.error("need --engines >= 2, --reps >= 1, --rolls >= 1, "
+                 "1 <= --wave-size < --engines")
 
     import torch
     import vllm
@@ -266,31 +272,49 @@ def main() -> int:
             steady = cl.rate(ts, time.monotonic())
             sampler = Sampler(url).start()
             t_roll = time.monotonic()
-            res = coord.update(toggle[k % 2], strategy="rolling", wave_size=args.wave_size,
-                               min_serving=n - args.wave_size)
-            k += 1
+            rolls: list[list[dict[str, Any]]] = []
+            roll_s: list[float] = []
+            for ri in range(args.rolls):
+                t_r = time.monotonic()
+                res = coord.update(toggle[k % 2], strategy="rolling", wave_size=args.wave_size,
+                                   min_serving=n - args.wave_size)
+                k += 1
+                roll_s.append(res.seconds)
+                rec = coord.journal.records
+                begins = {r.record.wave: r.t_mono for r in rec
+                          if isinstance(r.record, WaveBegin) and r.t_mono >= t_r}
+                ends = {r.record.wave: r.t_mono for r in rec
+                        if isinstance(r.record, WaveEnd) and r.t_mono >= t_r}
+                time.sleep(1.0)   # the last wave's answers complete
+                waves = []
+                for w in sorted(begins):
+                    rate = cl.rate(begins[w], ends[w])
+                    waves.append({"wave": w, "seconds": ends[w] - begins[w],
+                                  "requests_per_s": rate,
+                                  "fraction_of_steady": rate / steady if steady else None})
+                rolls.append(waves)
+                print(f"[fleet-bench] rolling update {ri + 1}/{args.rolls}: {res.seconds:.2f} s, "
+                      "waves at " + ", ".join(f"{w['fraction_of_steady']:.2f}" for w in waves)
+                      + " of steady", flush=True)
             t_end = time.monotonic()
-            time.sleep(1.0)
             sampler.stop()
             cl.stop()
-            rec = coord.journal.records
-            begins = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveBegin)
-                      and r.t_mono >= t_roll}
-            ends = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveEnd)
-                    and r.t_mono >= t_roll}
-            waves = []
-            for w in sorted(begins):
-                rate = cl.rate(begins[w], ends[w])
-                waves.append({"wave": w, "seconds": ends[w] - begins[w], "requests_per_s": rate,
-                              "fraction_of_steady": rate / steady if steady else None})
             any_failed = sum(1 for s, d, st, _ in cl.answers if st != 200
                              and t_roll <= s <= t_end) + len(cl.errors)
+            # A wave lasts about one engine's update (a second here): a handful of answers
+            # per replica. Each wave's fraction is the median over the rolls.
+            per_wave = [statistics.median(r[i]["fraction_of_steady"] for r in rolls)
+                        for i in range(min(len(r) for r in rolls))]
             out.update({
-                "steady_requests_per_s": steady, "rolling_waves": waves,
-                "rolling_retained_min": min(w["fraction_of_steady"] for w in waves),
+                "steady_requests_per_s": steady, "rolling_waves": rolls,
+                "rolling_wave_medians": per_wave,
+                "rolling_retained_min": min(per_wave),
+                "rolling_retained_min_any_roll": min(w["fraction_of_steady"]
+                                                     for r in rolls for w in r),
                 "rolling_failed_any": any_failed,
                 "rolling_min_serving_seen": min(sampler.serving) if sampler.serving else None,
-                "rolling_min_serving": n - args.wave_size, "rolling_total_s": res.seconds,
+                "rolling_min_serving": n - args.wave_size,
+                "rolling_total_s": statistics.median(roll_s), "rolls": args.rolls,
                 "rolling_goal": (n - args.wave_size) / n,
             })
             # -- a replica killed while serving -------------------------------------------
