@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from rolloutcore.errors import BadInput
 from rolloutcore.transports.vllm_plugin import IDLE_SPIN_ENV, apply_idle_spin, parse_idle_spin
 
 
@@ -41,7 +42,7 @@ def test_the_value_becomes_the_default_and_again_is_a_no_op() -> None:
 @pytest.mark.parametrize("raw", ["0", "0.001", "-1", "61", "nan", "inf", "soon", "1e9"])
 def test_bad_values_are_refused_and_logged_and_vllm_keeps_its_own(
         raw: str, caplog: pytest.LogCaptureFixture) -> None:
-    with pytest.raises(ValueError, match=IDLE_SPIN_ENV):
+    with pytest.raises(BadInput, match=IDLE_SPIN_ENV):
         parse_idle_spin(raw)
     cls = _spin_class()
     with caplog.at_level(logging.WARNING):

@@ -39,6 +39,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from rolloutcore.errors import BadInput
 from rolloutcore.transports.registry import install_into_vllm
 
 __all__ = ["CROWDED_SPIN_S", "IDLE_SPIN_ENV", "apply_idle_spin", "parse_idle_spin", "register"]
@@ -59,15 +60,15 @@ def register() -> None:
 
 
 def parse_idle_spin(raw: str | None) -> float | None:
-    """The seconds ``raw`` names, ``None`` when unset or empty; ``ValueError`` when bad."""
+    """The seconds ``raw`` names, ``None`` when unset or empty; ``BadInput`` when bad."""
     if raw is None or not raw.strip():
         return None
     try:
         s = float(raw)
     except ValueError:
-        raise ValueError(f"{IDLE_SPIN_ENV} must be a number of seconds, got {raw!r}") from None
+        raise BadInput(f"{IDLE_SPIN_ENV} must be a number of seconds, got {raw!r}") from None
     if not math.isfinite(s) or not _MIN_SPIN_S <= s <= _MAX_SPIN_S:
-        raise ValueError(f"{IDLE_SPIN_ENV} must be in [{_MIN_SPIN_S:g}, {_MAX_SPIN_S:g}] "
+        raise BadInput(f"{IDLE_SPIN_ENV} must be in [{_MIN_SPIN_S:g}, {_MAX_SPIN_S:g}] "
                          f"seconds, got {raw!r}")
     return s
 
@@ -84,7 +85,7 @@ def apply_idle_spin(environ: Mapping[str, str] | None = None,
     env = os.environ if environ is None else environ
     try:
         s = parse_idle_spin(env.get(IDLE_SPIN_ENV))
-    except ValueError as exc:
+    except BadInput as exc:
         log.warning("%s; vLLM's default kept", exc)
         return None
     if s is None:
