@@ -250,7 +250,7 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[st
 
 
 def idle_spin(n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Engines on one host with fewer cores than their processes: no idle spinning.
+    """Engines on one host with fewer cores than their processes: a short idle spin.
 
     Each CPU engine runs three processes (API server, engine core, worker),
     and vLLM's message queues keep the last two spinning for a second after
