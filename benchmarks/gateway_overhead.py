@@ -171,8 +171,8 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
     import uvicorn
     import uvloop
 
+    from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 

@@ -64,9 +64,10 @@ from rolloutcore.adapters.vllm import (  # noqa: E402
     VllmHTTP,
     engine_identity,
 )
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import read_journal  # noqa: E402
 from rolloutcore.core.invariants import check_journal  # noqa: E402
-from rolloutcore.core.lifecycle import Binding, LifecycleController, State  # noqa: E402
+from rolloutcore.core.lifecycle import Binding, State  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, RolloutCoreError, UpdateFailed  # noqa: E402
 from rolloutcore.provenance.audit import audit_purity, read_journal_summary  # noqa: E402
 from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -23,7 +24,6 @@ from rolloutcore.core.evidence import (
 )
 from rolloutcore.core.lifecycle import (
     FailureKind,
-    LifecycleController,
     SleepTicket,
     State,
     Step,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetWeights, Replica
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights

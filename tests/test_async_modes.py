@@ -27,6 +27,7 @@ from coretools import (
     validation_ev,
 )
 from rolloutcore.control.async_modes import Rollout, RolloutClient, RolloutStatus
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.cache_salt import salt_for, salt_label
@@ -35,7 +36,6 @@ from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import (
     ControllerConfig,
     FailureKind,
-    LifecycleController,
     State,
     Step,
 )

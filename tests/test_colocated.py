@@ -29,6 +29,7 @@ from coretools import (
     wake_ev,
     wake_validation_ev,
 )
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.evidence import (
@@ -40,7 +41,7 @@ from rolloutcore.core.evidence import (
     WakeTags,
 )
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController, State, Step
+from rolloutcore.core.lifecycle import State, Step
 from rolloutcore.core.records import (
     Abandon,
     Commit,

@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.core.evidence import PauseMode, TransferEvidence, UpdateTarget
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.records import Complete, Note, Record
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import BadInput, InvalidTransition, UpdateFailed

@@ -28,8 +28,8 @@ import torch
 
 from helpers.gateway_rig import remote_transfer
 from helpers.param_models import engine_model, tiny_packed
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.records import Event, State, Taint, Transition
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import UpdateManager

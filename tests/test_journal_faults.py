@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 
 from coretools import boot_ev, ident
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal, repair_journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import FailureKind, LifecycleController, State, Step
+from rolloutcore.core.lifecycle import FailureKind, State, Step
 from rolloutcore.core.records import SCHEMA_VERSION, Admit, Commit, JournalRecord, Note
 from rolloutcore.errors import AdmissionRefused, JournalError, UpdateFailed, UpdateRefused
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights

@@ -41,13 +41,18 @@ RANKS: dict[str, int] = {
 }
 EXEMPT = frozenset({ROOT, f"{ROOT}.__main__"})
 PURE = ("core", "errors")
+#: What the pure layers never import: they decide, and never lock, wait, sleep or
+#: do I/O (the shell in ``control.shell`` does all of that).
+NOT_IN_PURE = frozenset({"threading", "asyncio", "socket", "subprocess", "time",
+                         "concurrent", "multiprocessing", "selectors"})
 MAX_LINES = 800
 
 #: Files allowed over MAX_LINES, each with the reason it cannot be split.
 ALLOWED_LARGE: dict[str, str] = {
     "rolloutcore/core/lifecycle.py": (
-        "the controller that applies core.rules' tables: everything that changes the state "
-        "lives in one file (h11's rule); ~130 lines are its theory-of-operation docstring"),
+        "the engine's pure machine (no lock, clock or I/O: the shell in control.shell runs "
+        "it): everything that changes the state lives in one file (h11's rule); ~130 lines "
+        "are its theory-of-operation docstring"),
     "rolloutcore/fleet/coordinator.py": (
         "one class over one member table and one lock: both update strategies, the fan-out "
         "round and the supervision (fence, recover, rejoin) read and move the same replica "
@@ -195,6 +200,10 @@ def violations() -> dict[tuple[str, ...], str]:
                     top not in sys.stdlib_module_names):
                 out[("third-party", m, top)] = (
                     f"{m} (line {line}) imports {target}: the core is stdlib only")
+            if _layer(m) in PURE and top in NOT_IN_PURE:
+                out[("impure", m, top)] = (
+                    f"{m} (line {line}) imports {target}: the core decides only (no "
+                    "threads, clocks, sleeps or I/O; the shell in control.shell has them)")
     for path in FILES.values():
         n = len(path.read_text().splitlines())
         rel = path.relative_to(SRC).as_posix()
@@ -252,7 +261,7 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         "rolloutcore/core/a.py": (
             "from typing import TYPE_CHECKING\n"
             "if TYPE_CHECKING:\n    from rolloutcore.service import app\n"
-            "def f():\n    import numpy\n    from . import b\n"),
+            "def f():\n    import numpy\n    from . import b\n    import threading\n"),
         "rolloutcore/core/b.py": "from rolloutcore.core.a import f\n",
         "rolloutcore/service/__init__.py": "",
         "rolloutcore/service/app.py": (
@@ -265,6 +274,7 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
         ("layer", "rolloutcore.core.a", "rolloutcore.service.app"),
         ("third-party", "rolloutcore.core.a", "numpy"),
+        ("impure", "rolloutcore.core.a", "threading"),
         ("layer", "rolloutcore.service.app", "rolloutcore.cli.x"),
         ("size", "rolloutcore/cli/x.py"),
         ("unranked", "rolloutcore.widgets"),

@@ -24,6 +24,7 @@ from coretools import (
     wake_ev,
     whole,
 )
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
     CacheKind,
@@ -48,7 +49,6 @@ from rolloutcore.core.lifecycle import (
     ControllerConfig,
     Event,
     FailureKind,
-    LifecycleController,
     Lookup,
     SleepTicket,
     State,

@@ -24,6 +24,7 @@ from coretools import (
     wake_ev,
     wake_validation_ev,
 )
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import (
     CacheKind,
@@ -37,7 +38,6 @@ from rolloutcore.core.lifecycle import (
     FAIL_STEPS,
     STEP_STATE,
     FailureKind,
-    LifecycleController,
     State,
     Step,
     UpdateTicket,

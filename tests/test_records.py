@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from coretools import MANIFEST, ident
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index, read_journal, restore_controller
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -30,7 +31,6 @@ from rolloutcore.core.evidence import (
     evidence_to_dict,
 )
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.records import (
     RECORD_TYPES,
     SCHEMA_VERSION,

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from coretools import drive_to
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal, restore_controller
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights, FaultKind
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.port import HealthObserver, LifecycleAdapter, Recoverer
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
@@ -23,7 +24,7 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
 )
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import LifecycleController, State, Step
+from rolloutcore.core.lifecycle import State, Step
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed
 from rolloutcore.testing.fake import (

@@ -40,9 +40,10 @@ from helpers.gateway_rig import (
     transfer_body,
     uvicorn_thread,
 )
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.control.runner import LifecycleRunner, TakeoverRefused
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput
 from rolloutcore.service import ServiceConfig, create_app

@@ -262,7 +262,7 @@ def test_sample_validation() -> None:
 def test_binding_from_the_lifecycle_controller_binding() -> None:
     """The controller's binding is the sample's: one type, recorded as it was handed out."""
     from coretools import boot_ev
-    from rolloutcore.core.lifecycle import LifecycleController
+    from rolloutcore.control.controller import LifecycleController
 
     c = LifecycleController(clock=lambda: 12.5)
     c.bootstrap(boot_ev(), IDENTITY)

@@ -23,9 +23,10 @@ import torch
 from safetensors.torch import save_file
 
 from helpers.gateway_rig import FAST
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import (
     EngineIdentity,
     Provenance,

@@ -70,7 +70,7 @@ from rolloutcore.core.evidence import (  # noqa: E402
     UpdateTarget,
     ValidationEvidence,
 )
-from rolloutcore.core.lifecycle import LifecycleController  # noqa: E402
+from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.core.versions import (  # noqa: E402
     ParameterManifest,
     Provenance,

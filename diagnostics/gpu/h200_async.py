@@ -103,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
 
     from rolloutcore.adapters.vllm import PREFIX_HITS, VllmAdapter, VllmHTTP
     from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
     from rolloutcore.core.evidence import CacheKind, PauseMode
-    from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController
+    from rolloutcore.core.lifecycle import ControllerConfig
     from rolloutcore.core.records import UpdateMode
     from rolloutcore.core.versions import (
         ParameterManifest,

@@ -73,6 +73,7 @@ for _p in (str(REPO / "src"), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import Deadlines, LifecycleRunner  # noqa: E402
 from rolloutcore.core.evidence import (  # noqa: E402
     CacheKind,
@@ -80,7 +81,7 @@ from rolloutcore.core.evidence import (  # noqa: E402
     ValidationEvidence,
     WakeEvidence,
 )
-from rolloutcore.core.lifecycle import LifecycleController, State  # noqa: E402
+from rolloutcore.core.lifecycle import State  # noqa: E402
 from rolloutcore.core.records import EvidenceSeen, Record  # noqa: E402
 from rolloutcore.core.versions import VerificationLevel  # noqa: E402
 from rolloutcore.errors import EffectError, UpdateFailed, UpdateRefused  # noqa: E402

@@ -1170,8 +1170,8 @@ class Run:
         return Deadlines(**runner_deadlines(self.cfg))
 
     def controller(self) -> tuple[Any, TransitionClock]:
+        from rolloutcore.control.controller import LifecycleController
         from rolloutcore.core.evidence import CacheKind
-        from rolloutcore.core.lifecycle import LifecycleController
 
         clock = TransitionClock()
         return LifecycleController(required_caches=(CacheKind.PREFIX,), listener=clock), clock

@@ -13,13 +13,13 @@ both the names and that promise.
 import importlib as _importlib
 import typing as _typing
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import (
     Binding,
     Classification,
     Completion,
     ControllerConfig,
     FailureKind,
-    LifecycleController,
     State,
     Step,
     UpdateMode,

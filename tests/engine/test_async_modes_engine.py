@@ -40,11 +40,12 @@ from enginetools import EngineFactory, TinyModels, kill_engine
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP, prefix_cache_delta
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.async_modes import Rollout, RolloutClient, RolloutStatus
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.control.session import identity_of
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController, State
+from rolloutcore.core.lifecycle import ControllerConfig, State
 from rolloutcore.core.records import Carry, Complete, UpdateMode
 from rolloutcore.core.versions import EngineIdentity, Provenance, WeightIdentity
 from rolloutcore.errors import TransferError, UpdateFailed

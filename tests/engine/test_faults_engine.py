@@ -61,6 +61,7 @@ from enginetools import EngineFactory, TinyModels, kill_engine, merge_rows
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.adapters.vllm.verify import take_reference
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal, restore_controller
 from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
@@ -81,7 +82,6 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import (
     ControllerConfig,
     FailureKind,
-    LifecycleController,
     State,
     Step,
 )

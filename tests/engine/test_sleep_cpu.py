@@ -22,8 +22,9 @@ import pytest
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity
 from rolloutcore.errors import EffectError, UpdateFailed
 

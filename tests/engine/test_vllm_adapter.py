@@ -32,9 +32,10 @@ from rolloutcore.adapters.vllm import (
     prefix_cache_delta,
 )
 from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import (
     ParameterManifest,
     Provenance,

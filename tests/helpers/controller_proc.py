@@ -3,9 +3,9 @@ transfer hangs, and prints READY-TO-KILL once the journal shows begin_update."""
 
 import sys
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
 
 

@@ -26,10 +26,10 @@ import uvicorn
 
 from helpers.asgi_stream import StreamingASGITransport, lifespan
 from helpers.fake_vllm import FakeVllm
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.evidence import TransferEvidence
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
 from rolloutcore.service.control import LEASE_HEADER

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli import argtypes
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, Generation
 

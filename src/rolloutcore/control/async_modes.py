@@ -49,8 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.adapters.vllm.wire import GenerationChunk
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.cache_salt import salt_for
-from rolloutcore.core.lifecycle import Binding, LifecycleController, State
+from rolloutcore.core.lifecycle import Binding, State
 from rolloutcore.core.records import (
     Abandon,
     Commit,

@@ -45,7 +45,7 @@ from rolloutcore.core.records import KINDS, RECORD_TYPES, JournalRecord, Record
 from rolloutcore.errors import JournalError
 
 if TYPE_CHECKING:
-    from rolloutcore.core.lifecycle import LifecycleController
+    from rolloutcore.control.controller import LifecycleController
 
 _TYPES = frozenset(RECORD_TYPES.values())
 
@@ -357,7 +357,7 @@ def first_index(records: Sequence[JournalRecord], kind: type[Record] | str,
 def restore_controller(path: str | os.PathLike[str], **kw: Any
                        ) -> tuple[LifecycleController, Journal]:
     """A ``LifecycleController`` replayed from the journal at ``path``, appending to it."""
-    from rolloutcore.core.lifecycle import LifecycleController
+    from rolloutcore.control.controller import LifecycleController
 
     repair_journal(path)
     recs = read_journal(path) if Path(path).exists() else []

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.port import LifecycleAdapter
 from rolloutcore.core.evidence import SleepEvidence
 from rolloutcore.core.lifecycle import (
-    LifecycleController,
     SleepTicket,
     State,
     UpdateTicket,

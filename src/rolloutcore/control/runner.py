@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
@@ -62,7 +63,6 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import (
     Classification,
     FailureKind,
-    LifecycleController,
     State,
     Step,
     UpdateTicket,

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
-from rolloutcore.core.lifecycle import ControllerConfig, LifecycleController
+from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.transports.source import WeightSource

@@ -18,7 +18,13 @@ from typing import Any, Protocol, TypeVar
 from rolloutcore.control.outcomes import EffectHost
 from rolloutcore.control.port import ExpectationTaker, Recoverer
 from rolloutcore.core.evidence import BootstrapEvidence, UpdateTarget, ValidationEvidence
-from rolloutcore.core.lifecycle import FailureKind, LifecycleController, State, Step, Verdict
+from rolloutcore.core.lifecycle import (
+    FailureKind,
+    State,
+    Step,
+    Verdict,
+    verification_of,
+)
 from rolloutcore.core.versions import (
     VerificationLevel,
     WeightIdentity,
@@ -139,7 +145,7 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
             vals = _observe(runner, target, probes, reference_checksums)
             for val in vals:
                 problems += val.problems(target)
-            level, _ = LifecycleController._verification(vals)
+            level, _ = verification_of(vals)
             if not problems and level < min_verification:
                 problems.append(f"takeover verification reached {level.wire}, "
                                 f"{min_verification.wire} required")

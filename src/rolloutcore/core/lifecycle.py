@@ -101,47 +101,43 @@ woken engine serve. Failures after the first wake call taint (there is no
 old version to resume); a sleep refused before it reached the engine
 serves on.
 
-Records leave the lock before anyone reads them
------------------------------------------------
+The machine and its shell
+-------------------------
 
-One lock guards the state (no reliance on the GIL); one condition variable
-wakes whoever waits for the active rollouts to drain. Nothing runs under
-that lock but the decision itself: a decision appends its records to an
-outbox (a deque: its order is the order of decisions, so the order of
-records is the order of events), and the thread that made it, once it has
-left the lock, delivers the outbox to the listeners, in order, under a
-second lock that only serialises delivery. A listener (the journal, the
-metrics, the gateway's wake-up) therefore never runs under the state lock,
-and a slow or failing one cannot leave a decision half made.
+This module is the machine only: ``Lifecycle`` holds no lock, reads no
+clock and delivers nothing. Each call decides from the tables, applies the
+records that change durable state, and appends every record it made to its
+outbox, which whoever runs it empties with ``take``. The shell
+(``rolloutcore.control.controller.LifecycleController``, on
+``control.shell.Shell``) runs it under one lock, sets ``now`` from its
+injected clock before each call, delivers the outbox to the listeners
+after the lock is released (in the order of decisions), waits for the
+journal to confirm durable records, wakes whoever waits for the drain, and
+publishes a snapshot readers take without locking.
 
-Calls on the data plane (``admit``, ``complete``) do not wait for delivery:
-if another thread is delivering, it delivers their records too. Every other
-call returns only after its records were delivered, and after every
-``Sink`` (a listener that writes asynchronously: the journal's writer
-thread) confirmed them durable, so a published version is in the journal
-before anyone is told. A listener or sink that fails puts the controller
-in a fail-closed condition (``fail_closed``): from then on admissions,
-updates, evidence and recovery are refused with a clear error, because the
-controller can no longer record what it would decide. The in-memory state
-is consistent (each decision is applied whole, under the lock), but the
-journal may lack the last records; a restart restores from the journal.
+A controller whose records could not be delivered is failed closed
+(``fail_closed``, decided here): from then on admissions, updates,
+evidence and recovery are refused with a clear error, because it can no
+longer record what it would decide. A failure (``fail``) is still applied
+after that, and always as *ambiguous*: a controller that cannot record
+cannot prove a return to the old version either, and an update left
+half-way in memory would refuse every later begin as "in progress" for
+ever. So a journal that fails mid-update ends the update TAINTED (in
+memory; the journal may lack the taint), and the runner fences the engine.
 
-A failure (``fail``) is still applied after the controller failed closed,
-and always as *ambiguous*: a controller that cannot record cannot prove a
-return to the old version either, and an update left half-way in memory
-would refuse every later begin as "in progress" forever. So a journal that
-fails mid-update ends the update TAINTED (in memory; the journal may lack
-the taint), and the runner fences the engine.
+Every evidence event goes through one skeleton (``_step``) and one table
+(``STEPS``: the event's failure row, the evidence it takes, its checks, its
+effect), as h2's stream machine maps (state, input) to (effect, target);
+a transition the state itself triggers (a keep-mode transfer that leaves
+no cache to reset) is a row of ``STATE_TRIGGERED``, as in h11.
 """
 
 from __future__ import annotations
 
 import collections
-import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -225,6 +221,8 @@ __all__ = [
     "FAIL_STEPS",
     "OUTCOMES",
     "RESETS_DONE",
+    "STATE_TRIGGERED",
+    "STEPS",
     "STEP_STATE",
     "TRANSITIONS",
     "WAKE_TARGETS",
@@ -234,23 +232,22 @@ __all__ = [
     "ControllerConfig",
     "Event",
     "FailureKind",
-    "LifecycleController",
-    "Listener",
+    "Lifecycle",
     "Lookup",
-    "Sink",
     "SleepTicket",
     "State",
     "Step",
+    "StepRule",
     "UpdateMode",
     "UpdateTicket",
     "Verdict",
     "targets",
+    "verification_of",
 ]
 
 S, E = State, Event
 _NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
 _ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
-_IDLE_POLL_S = 0.1
 _UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
                   S.RESUMING)
 #: Rollouts released by ``abort_rollouts`` whose own ``complete`` has not come yet.
@@ -316,25 +313,6 @@ class UpdateTicket:
     min_verification: VerificationLevel
 
 
-#: A listener receives every record, in order, outside the controller's lock.
-Listener = Callable[[Record], None]
-
-
-@runtime_checkable
-class Sink(Protocol):
-    """A listener that writes asynchronously (the journal's writer thread).
-
-    ``sync`` blocks until every record it accepted is durable (or raises);
-    ``on_failure`` registers whom to tell when a write fails later.
-    """
-
-    def __call__(self, record: Record) -> None: ...
-
-    def sync(self) -> None: ...
-
-    def on_failure(self, callback: Callable[[str], None]) -> None: ...
-
-
 @dataclass(frozen=True)
 class SleepTicket:
     """Proof of owning a sleep: the sleep's steps and the wake's request present it."""
@@ -357,41 +335,192 @@ class _Update:
     validations: list[ValidationEvidence] = field(default_factory=list)
     mode: UpdateMode = UpdateMode.STRICT
     carry: Carry | None = None      # asynchronous modes: who was bound at the pause
+    wake: int | None = None         # the sleep level this update wakes from (colocated)
+    restore: bool = False           # a wake on the engine's own weights, no transfer
 
     @property
     def rule(self) -> ModeRule:
         return UPDATE_MODES[self.mode]
-    wake: int | None = None         # the sleep level this update wakes from (colocated)
-    restore: bool = False           # a wake on the engine's own weights, no transfer
 
 
-class LifecycleController:
-    """The sans-I/O lifecycle of one engine. Thread-safe. See the module docstring.
+def verification_of(vals: Iterable[ValidationEvidence]) -> tuple[VerificationLevel, list[str]]:
+    """The level a set of validations reached (every check that passed), and its summary."""
+    level = VerificationLevel.DECLARED
+    summary: list[str] = []
+    for v in vals:
+        if v.label_supported and v.observed_label is not None:
+            level = max(level, VerificationLevel.MANIFEST)
+        for c in v.checks:
+            if c.passed and c.level is not None:
+                level = max(level, c.level)
+        summary += v.summary
+    return level, summary
 
-    ``clock`` is the only time source (``wait_idle``, transition durations,
-    binding times): inject a fake one to test timing without sleeping.
+
+# --------------------------------------------------------------------------- the step table
+#: A step's checks: (machine, its update, the evidence, the extra argument) -> problems.
+Checks = Callable[["Lifecycle", "_Update", Any, Any], list[str]]
+#: A step's effect once its evidence holds: applies its records and returns the key
+#: its event's outcome table needs (``None`` for an entry with one target).
+Effect = Callable[["Lifecycle", "_Update", Any, Any], object]
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """One evidence event of an update: what it takes, how it is checked, what it does.
+
+    ``step`` is the failure-policy row evidence that does not hold falls in.
+    """
+
+    step: Step
+    evidence: type[Evidence]
+    checks: Checks
+    effect: Effect
+    #: The extra argument is evidence too (the resume's live validation): recorded
+    #: after the step's own, with the same problems.
+    extra_is_evidence: bool = False
+
+
+def _checks_drained(m: Lifecycle, upd: _Update, ev: DrainEvidence, _: Any) -> list[str]:
+    rule = upd.rule
+    problems = (ev.problems(upd.ticket.target) if rule.pause is None
+                else ev.problems_for(rule.pause))
+    if m._active and rule.drains:
+        problems.append(f"{len(m._active)} rollouts still bound")
+    return problems
+
+
+def _effect_drained(m: Lifecycle, upd: _Update, ev: DrainEvidence, _: Any) -> None:
+    if not upd.rule.drains:
+        m._carry(upd)
+
+
+def _checks_preflighted(m: Lifecycle, upd: _Update, ev: PreflightEvidence,
+                        _: Any) -> list[str]:
+    problems = ev.problems(upd.ticket.target)
+    if m._active and upd.rule.drains:  # unreachable: admission is closed
+        problems.append(f"{len(m._active)} rollouts bound at begin_update")
+    return problems
+
+
+def _effect_preflighted(m: Lifecycle, upd: _Update, ev: PreflightEvidence, _: Any) -> None:
+    # From here the target's label may reach the engine: never reuse it.
+    m._record(BeginUpdate(upd.ticket.update_id, upd.ticket.target.version))
+
+
+def _checks_target(m: Lifecycle, upd: _Update, ev: Any, _: Any) -> list[str]:
+    problems: list[str] = ev.problems(upd.ticket.target)
+    return problems
+
+
+def _effect_transferred(m: Lifecycle, upd: _Update, ev: TransferEvidence, _: Any) -> None:
+    # Evidence that came back but does not hold failed in the checks: the weights
+    # may be anything then (ambiguous, even if the transport says it never
+    # started; fail(REFUSED) is the way to report a provable no-op).
+    upd.mutation_started = upd.mutation_started or ev.mutation_started
+
+
+def _effect_invalidated(m: Lifecycle, upd: _Update, ev: CacheResetEvidence, _: Any) -> bool:
+    upd.reset_ok.add(ev.cache)
+    return not m._pending_resets()
+
+
+def _checks_validated(m: Lifecycle, upd: _Update, ev: ValidationEvidence,
+                      _: Any) -> list[str]:
+    problems = ev.problems(upd.ticket.target)
+    if ev.paused is False:
+        problems.append("validation ran on a resumed engine; it must run while paused")
+    if upd.wake is not None:
+        problems += _wake_coverage_problems(ev, upd.wake)
+    return problems
+
+
+def _effect_validated(m: Lifecycle, upd: _Update, ev: ValidationEvidence, _: Any) -> None:
+    upd.validations.append(ev)
+
+
+def _checks_resumed(m: Lifecycle, upd: _Update, ev: ResumeEvidence,
+                    live: ValidationEvidence | None) -> list[str]:
+    target = upd.ticket.target
+    problems = ev.problems(target)
+    if live is not None:
+        problems += [f"live validation: {p}" for p in live.problems(target)]
+    if problems or upd.aborting:
+        return problems
+    level, _ = verification_of([*upd.validations, *([live] if live is not None else [])])
+    if level < upd.ticket.min_verification:
+        what = "the wake" if upd.restore else "update"
+        problems.append(f"verification reached {level.wire}, "
+                        f"{what} requires {upd.ticket.min_verification.wire}")
+    return problems
+
+
+def _effect_resumed(m: Lifecycle, upd: _Update, ev: ResumeEvidence,
+                    live: ValidationEvidence | None) -> None:
+    t = upd.ticket
+    if upd.aborting or upd.restore:
+        # Nothing was installed (an abandoned update), or a wake on the engine's own
+        # weights was verified unchanged: the committed version serves again.
+        m._record(Abandon(t.update_id, t.target.version))
+        return
+    if live is not None:
+        upd.validations.append(live)
+    level, summary = verification_of(upd.validations)
+    m._record(Commit(t.target.version, t.target.identity.verified(level, summary)))
+
+
+def _effect_woke(m: Lifecycle, upd: _Update, ev: WakeEvidence, key: object) -> object:
+    return key
+
+
+#: The evidence events of an update, one row each (h2's form: the effect is in the
+#: table with the check; ``TRANSITIONS`` and its outcome tables give the target).
+STEPS: Mapping[Event, StepRule] = {
+    E.DRAINED: StepRule(Step.DRAIN, DrainEvidence, _checks_drained, _effect_drained),
+    E.PREFLIGHTED: StepRule(Step.PREFLIGHT, PreflightEvidence, _checks_preflighted,
+                            _effect_preflighted),
+    E.TRANSFERRED: StepRule(Step.TRANSFER, TransferEvidence, _checks_target,
+                            _effect_transferred),
+    E.INVALIDATED: StepRule(Step.INVALIDATE, CacheResetEvidence, _checks_target,
+                            _effect_invalidated),
+    E.VALIDATED: StepRule(Step.VALIDATE, ValidationEvidence, _checks_validated,
+                          _effect_validated),
+    E.RESUMED: StepRule(Step.RESUME, ResumeEvidence, _checks_resumed, _effect_resumed,
+                        extra_is_evidence=True),
+    E.WOKE: StepRule(Step.WAKE, WakeEvidence, _checks_target, _effect_woke),
+}
+
+#: Transitions the state triggers by itself after an accepted step (h11's
+#: state-triggered transitions): state -> (the event, the outcome key, when).
+#: A keep-mode transfer leaves no cache to reset while paused (the prefix reset
+#: is deferred): nothing to invalidate, so INVALIDATING passes on at once.
+STATE_TRIGGERED: Mapping[State, tuple[Event, object, Callable[[Lifecycle], bool]]] = {
+    S.INVALIDATING: (E.INVALIDATED, True, lambda m: not m._pending_resets()),
+}
+
+
+class Lifecycle:
+    """The sans-I/O lifecycle of one engine; see the module docstring.
+
+    Not thread-safe, by design: the shell (``control.controller``) runs it under
+    its lock. ``now`` is the time of the call being decided (the shell sets it
+    from its injected clock); ``take`` hands over the records the calls made,
+    in order; ``recording`` off skips the records that change no state (the
+    shell turns it on with its first listener).
     """
 
     def __init__(self, *, config: ControllerConfig | None = None,
                  required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
-                 clock: Callable[[], float] = time.monotonic,
-                 listener: Listener | None = None) -> None:
+                 now: float = 0.0) -> None:
         if not required_caches or CacheKind.PREFIX not in required_caches:
             raise BadInput("the prefix cache must be among the required cache resets")
         self._cfg = config or ControllerConfig()
         self._required_caches = frozenset(required_caches)
-        self._clock = clock
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        # Delivery (outside the state lock): copy-on-write lists, so a delivery
-        # iterates a list no one appends to.
-        self._listeners: list[Listener] = []
-        self._sinks: list[Sink] = []
-        self._outbox: collections.deque[Record] = collections.deque()
-        self._deliver_lock = threading.Lock()
-        self._delivering: int | None = None  # the delivering thread, against re-entry
+        self.now = now
+        self.recording = False
+        self._outbox: list[Record] = []
         self._broken: str | None = None
-        # Durable state: changed only by the _apply_* methods.
+        # Durable state: changed only by the appliers (``_APPLIERS``).
         self._state = S.UNINITIALIZED
         self._committed: WeightVersion | None = None
         self._identity: WeightIdentity | None = None
@@ -415,52 +544,51 @@ class LifecycleController:
         self._sweep_due = False
         self._accepted = 0
         # Timing, for history() and the transition records.
-        self._entered_at = clock()
+        self._entered_at = now
         self._history: list[tuple[State, State, Event, float, float]] = []
-        if listener is not None:
-            self.add_listener(listener)
+
+    def take(self) -> list[Record]:
+        """The records made since the last ``take``, in the order they were decided."""
+        out, self._outbox = self._outbox, []
+        return out
 
     # ---------------------------------------------------------------- queries
     @property
     def state(self) -> State:
-        with self._lock:
-            return self._state
+        return self._state
 
     @property
     def committed(self) -> WeightVersion | None:
-        with self._lock:
-            return self._committed
+        return self._committed
 
     @property
     def identity(self) -> WeightIdentity | None:
-        with self._lock:
-            return self._identity
+        return self._identity
 
     @property
     def published(self) -> tuple[WeightVersion, ...]:
-        with self._lock:
-            return tuple(self._published)
+        return tuple(self._published)
 
     @property
     def active(self) -> Mapping[str, Binding]:
-        with self._lock:
-            return dict(self._active)
+        return dict(self._active)
+
+    @property
+    def active_count(self) -> int:
+        return len(self._active)
 
     @property
     def current_ticket(self) -> UpdateTicket | None:
-        with self._lock:
-            return None if self._update is None else self._update.ticket
+        return None if self._update is None else self._update.ticket
 
     @property
     def current_sleep(self) -> SleepTicket | None:
         """The sleep in progress (DOZING to the wake's publish or taint), or None."""
-        with self._lock:
-            return self._sleep
+        return self._sleep
 
     @property
     def pending_resets(self) -> frozenset[CacheKind]:
-        with self._lock:
-            return self._pending_resets()
+        return self._pending_resets()
 
     def _pending_resets(self) -> frozenset[CacheKind]:
         upd = self._update
@@ -468,14 +596,13 @@ class LifecycleController:
             return frozenset(self._required_caches)
         return frozenset(self._required_caches - upd.reset_ok - upd.rule.deferred_resets)
 
-    # ------------------------------------------------------- asynchronous modes
     @property
-    def update_mode(self) -> UpdateMode:
-        return self._cfg.update_mode
+    def config(self) -> ControllerConfig:
+        return self._cfg
 
     @property
-    def max_staleness(self) -> int | None:
-        return self._cfg.max_staleness
+    def required_caches(self) -> frozenset[CacheKind]:
+        return self._required_caches
 
     def serving_version(self, rollout_id: str) -> WeightVersion | None:
         """The version a bound rollout's next tokens come from (None: not bound).
@@ -483,22 +610,19 @@ class LifecycleController:
         Its admission version, or, once an asynchronous update carried it and
         published, the version it continues under.
         """
-        with self._lock:
-            b = self._active.get(rollout_id)
-            if b is None:
-                return None
-            return self._continues.get(rollout_id, b.version)
+        b = self._active.get(rollout_id)
+        if b is None:
+            return None
+        return self._continues.get(rollout_id, b.version)
 
     def over_bound(self, rollout_id: str) -> bool:
         """Whether an update ended this rollout for exceeding ``max_staleness`` (recently)."""
-        with self._lock:
-            return rollout_id in self._over_bound
+        return rollout_id in self._over_bound
 
     @property
     def stale_rollouts(self) -> int:
         """Bound rollouts admitted under a version older than the committed one."""
-        with self._lock:
-            return sum(b.version != self._committed for b in self._active.values())
+        return sum(b.version != self._committed for b in self._active.values())
 
     @property
     def sweep_due(self) -> bool:
@@ -508,81 +632,39 @@ class LifecycleController:
         (``stale_rollouts == 0``) and the controller is READY; until then
         the version salt keeps new requests off the old blocks.
         """
-        with self._lock:
-            return self._sweep_due
-
-    def swept(self, ev: CacheResetEvidence) -> bool:
-        """The deferred prefix reset's evidence; True once it holds (nothing due after).
-
-        Refused (``InvalidTransition``) outside READY: an update resets caches itself.
-        """
-        if not isinstance(ev, CacheResetEvidence) or ev.cache is not CacheKind.PREFIX:
-            raise BadInput("swept needs the prefix cache's CacheResetEvidence")
-        with self._lock:
-            if self._broken is not None:
-                raise JournalError(f"swept refused: the controller failed closed "
-                                   f"({self._broken})")
-            if self._state is not S.READY:
-                raise InvalidTransition("swept", self._state.value,
-                                        "a deferred reset runs only between updates")
-            problems = ev.problems(None)
-            self._evidence(E.INVALIDATED, ev, problems)
-            if not problems:
-                self._sweep_due = False
-            ok = not problems
-        self._deliver(True)
-        return ok
+        return self._sweep_due
 
     @property
     def failed_closed(self) -> str | None:
         """Why the controller refuses every step (a record could not be delivered), or None."""
-        with self._lock:
-            return self._broken
+        return self._broken
 
     def history(self) -> list[dict[str, Any]]:
         """Transitions with the time spent in the state that was left."""
-        with self._lock:
-            return [{"from": a.value, "to": b.value, "event": e.value, "at": t,
-                     "duration_s": d} for a, b, e, t, d in self._history]
+        return [{"from": a.value, "to": b.value, "event": e.value, "at": t,
+                 "duration_s": d} for a, b, e, t, d in self._history]
 
     def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            upd = self._update
-            return {
-                "state": self._state.value,
-                "committed": None if self._committed is None else self._committed.to_dict(),
-                "identity": None if self._identity is None else self._identity.to_dict(),
-                "active_rollouts": len(self._active),
-                "update": None if upd is None else {
-                    "update_id": upd.ticket.update_id,
-                    "target": upd.ticket.target.version.to_dict(),
-                    "owner": upd.ticket.target.owner,
-                    "aborting": upd.aborting,
-                    "mutation_started": upd.mutation_started,
-                },
-                "published": [v.to_dict() for v in self._published],
-                "failed_closed": self._broken,
-                "update_mode": self._cfg.update_mode.value,
-                "sleep": None if self._sleep is None else {
-                    "sleep_id": self._sleep.sleep_id, "owner": self._sleep.owner,
-                    "level": self._sleep.level},
-            }
-
-    # ---------------------------------------------------------------- listeners
-    def add_listener(self, listener: Listener) -> None:
-        """Listeners see every record, in order, outside the state lock (keep them quick).
-
-        A ``Sink`` is also waited on after each decision (``sync``) and tells the
-        controller when it fails (``on_failure``): the controller then fails closed.
-        """
-        if not callable(listener):
-            raise BadInput("a listener must be callable")
-        with self._lock:
-            self._listeners = [*self._listeners, listener]
-            if isinstance(listener, Sink):
-                self._sinks = [*self._sinks, listener]
-        if isinstance(listener, Sink):
-            listener.on_failure(self.fail_closed)
+        upd = self._update
+        return {
+            "state": self._state.value,
+            "committed": None if self._committed is None else self._committed.to_dict(),
+            "identity": None if self._identity is None else self._identity.to_dict(),
+            "active_rollouts": len(self._active),
+            "update": None if upd is None else {
+                "update_id": upd.ticket.update_id,
+                "target": upd.ticket.target.version.to_dict(),
+                "owner": upd.ticket.target.owner,
+                "aborting": upd.aborting,
+                "mutation_started": upd.mutation_started,
+            },
+            "published": [v.to_dict() for v in self._published],
+            "failed_closed": self._broken,
+            "update_mode": self._cfg.update_mode.value,
+            "sleep": None if self._sleep is None else {
+                "sleep_id": self._sleep.sleep_id, "owner": self._sleep.owner,
+                "level": self._sleep.level},
+        }
 
     def fail_closed(self, reason: str) -> None:
         """Refuse every further step: something the records go to failed (the journal).
@@ -591,66 +673,15 @@ class LifecycleController:
         (a release decides nothing); admissions, updates, evidence and recovery
         are refused, naming the reason. A restart restores from the journal.
         """
-        with self._lock:
-            if self._broken is None:
-                self._broken = str(reason) or "a record sink failed"
-
-    def _deliver(self, wait: bool) -> None:
-        """Hand the outbox to the listeners, in order, outside the state lock.
-
-        One thread delivers at a time (``_deliver_lock``); it delivers every
-        record appended before it finds the outbox empty, and re-checks after
-        releasing the lock, so a record whose own thread did not wait
-        (``wait=False``: the data plane) is delivered by whoever holds the
-        lock. With ``wait`` the caller delivers (or waits for the delivery of)
-        its records, then waits for every sink to confirm them durable; a
-        failure then raises ``JournalError`` to that caller.
-        """
-        if not self._outbox and not (wait and self._sinks):
-            return  # nothing to hand over (no listener, or someone delivered it)
-        if self._delivering == threading.get_ident():
-            return  # a listener called back into the controller: the outer loop delivers
-        err: BaseException | None = None
-        while True:
-            if not self._deliver_lock.acquire(blocking=wait):
-                return  # the holder delivers ours: it re-checks after releasing
-            self._delivering = threading.get_ident()
-            try:
-                out = self._outbox
-                listeners = self._listeners
-                while out:
-                    rec = out.popleft()  # only the lock holder pops
-                    for listener in listeners:
-                        try:
-                            listener(rec)
-                        except Exception as exc:
-                            err = err or exc
-                            self.fail_closed(f"a listener failed on a {rec.KIND} record: "
-                                             f"{exc}")
-            finally:
-                self._delivering = None
-                self._deliver_lock.release()
-            if not self._outbox:
-                break
-        if wait:
-            for sink in self._sinks:
-                try:
-                    sink.sync()
-                except Exception as exc:
-                    err = err or exc
-                    self.fail_closed(f"the journal failed: {exc}")
-            if err is not None:
-                raise JournalError(f"records could not be delivered; the controller now "
-                                   f"refuses every step: {err}") from err
+        if self._broken is None:
+            self._broken = str(reason) or "a record sink failed"
 
     # ---------------------------------------------------------------- appliers
-    # The only code that changes durable state; used live and by restore().
+    # The only code that changes durable state; used live and by replay().
     def _apply_transition(self, rec: Transition) -> None:
         self._state = rec.after
         if rec.after is S.READY or rec.after is S.TAINTED:
             self._sleep = None  # awake (or abandoned to recovery): no sleep in progress
-        if rec.after is S.READY:
-            self._idle.notify_all()
 
     def _apply_commit(self, rec: Commit) -> None:
         v = rec.version
@@ -668,9 +699,9 @@ class LifecycleController:
         self._engine_epoch = v.engine_epoch
         self._update = None
 
-    def _apply_admit(self, rec: Admit, at: float) -> Binding:
+    def _apply_admit(self, rec: Admit) -> Binding:
         assert self._identity is not None
-        b = Binding(rec.version, self._identity, rec.rollout_id, at)
+        b = Binding(rec.version, self._identity, rec.rollout_id, self.now)
         self._active[rec.rollout_id] = b
         return b
 
@@ -678,8 +709,6 @@ class LifecycleController:
         self._active.pop(rec.rollout_id, None)
         self._continues.pop(rec.rollout_id, None)
         self._accepted += rec.attributable
-        if not self._active:
-            self._idle.notify_all()
 
     def _apply_request_update(self, rec: RequestUpdate) -> None:
         ticket = UpdateTicket(rec.update_id, UpdateTarget(rec.target, rec.identity, rec.owner),
@@ -716,28 +745,10 @@ class LifecycleController:
         while len(self._over_bound) > _OVER_BOUND_KEPT:
             self._over_bound.popitem(last=False)
 
-    def _record(self, rec: Transition | Commit | RequestUpdate | BeginUpdate | Abandon | Taint
-                | Carry | RequestSleep) -> None:
+    def _record(self, rec: Record) -> None:
         """Apply a record that changes durable state, and queue it for the listeners."""
-        t = type(rec)
-        if t is Carry:
-            self._apply_carry(rec)  # type: ignore[arg-type]
-        elif t is Transition:
-            self._apply_transition(rec)  # type: ignore[arg-type]
-        elif t is Commit:
-            self._apply_commit(rec)  # type: ignore[arg-type]
-        elif t is RequestUpdate:
-            self._apply_request_update(rec)  # type: ignore[arg-type]
-        elif t is RequestSleep:
-            self._apply_request_sleep(rec)  # type: ignore[arg-type]
-        elif t is RequestWake:
-            self._apply_request_wake(rec)  # type: ignore[arg-type]
-        elif t is BeginUpdate:
-            self._apply_begin_update(rec)  # type: ignore[arg-type]
-        else:
-            self._apply_end_update(rec)  # type: ignore[arg-type]
-        if self._listeners:
-            self._outbox.append(rec)
+        _APPLIERS[type(rec)](self, rec)
+        self._outbox.append(rec)
 
     # ---------------------------------------------------------------- internals
     def _check(self, event: Event) -> None:
@@ -767,7 +778,7 @@ class LifecycleController:
         frm = self._state
         if to is frm:
             return
-        now = self._clock()
+        now = self.now
         self._history.append((frm, to, event, now, now - self._entered_at))
         self._record(Transition(frm, to, event, now - self._entered_at))
         self._entered_at = now
@@ -782,21 +793,55 @@ class LifecycleController:
         if (self._state, event) not in TRANSITIONS:
             raise InvalidTransition(event.value, self._state.value)
         if self._update is None or self._update.ticket != ticket:
-            raise UpdateRefused(f"{event.value}: ticket {ticket.update_id} does not own the "
+            raise UpdateRefused(f"{event.value}: ticket "
+                                f"{getattr(ticket, 'update_id', ticket)} does not own the "
                                 f"update in progress")
         return self._update
 
     def _evidence(self, event: Event, ev: Evidence, problems: list[str]) -> None:
-        if self._listeners:  # serialised only by whoever writes it, off this path
+        if self.recording:
             self._outbox.append(EvidenceSeen(event, ev, tuple(problems)))
 
     def _verdict(self, event: Event, before: State, *, accepted: bool,
                  cls: Classification | None = None, problems: list[str] | None = None,
                  published: WeightVersion | None = None, report: bool = True) -> Verdict:
         v = Verdict(event, accepted, before, self._state, cls, tuple(problems or ()), published)
-        if report and self._listeners:
+        if report and self.recording:
             self._outbox.append(v)
         return v
+
+    def _step(self, event: Event, ticket: UpdateTicket, ev: Evidence, extra: Any = None,
+              *, key: object = None) -> Verdict:
+        """Every evidence event of an update: one skeleton over its ``STEPS`` row.
+
+        Owned by the ticket, checked (the evidence's own postcondition and the
+        row's checks), recorded; evidence that does not hold is a failure of the
+        row's step; evidence that holds runs the row's effect, whose key picks the
+        target, then whatever the new state triggers by itself.
+        """
+        rule = STEPS[event]
+        if not isinstance(ev, rule.evidence):
+            raise BadInput(f"{event.value} needs {rule.evidence.__name__}, "
+                           f"got {type(ev).__name__}")
+        upd = self._own(event, ticket)
+        before = self._state
+        if key is not None:
+            self._target(event, key)  # an outcome the table has no entry for: refused now
+        problems = rule.checks(self, upd, ev, extra)
+        self._evidence(event, ev, problems)
+        if rule.extra_is_evidence and extra is not None:
+            self._evidence(event, extra, problems)
+        if problems:
+            return self._failure(event, rule.step, FailureKind.BAD_EVIDENCE, problems)
+        committed = self._committed
+        got = rule.effect(self, upd, ev, extra)
+        self._go(event, key if key is not None else got)
+        trigger = STATE_TRIGGERED.get(self._state)
+        if trigger is not None and trigger[2](self):
+            self._go(trigger[0], trigger[1])
+        return self._verdict(event, before, accepted=True,
+                             published=None if self._committed is committed
+                             else self._committed)
 
     def _failure(self, event: Event, step: Step, kind: FailureKind, problems: list[str],
                  taint_problems: list[str] | None = None, *, report: bool = True) -> Verdict:
@@ -870,32 +915,28 @@ class LifecycleController:
             raise BadInput("validations must be ValidationEvidence")
         if not isinstance(min_verification, VerificationLevel):
             raise BadInput("min_verification must be a VerificationLevel")
-        with self._lock:
-            self._check(E.BOOTSTRAP)
-            before = self._state
-            problems = ev.problems(None)
-            # An engine already labelled rc-N by an earlier controller continues
-            # at generation N, so labels and generations keep agreeing.
-            version = WeightVersion(generation_of(label) or 0, label or label_for(0),
-                                    ev.engine_epoch)
-            target = UpdateTarget(version, identity, "bootstrap")
-            for val in vals:
-                problems += val.problems(target)
-            level, summary = self._verification(vals)
-            if not problems and level < min_verification:
-                problems.append(f"takeover verification reached {level.wire}, "
-                                f"{min_verification.wire} required")
-            self._evidence(E.BOOTSTRAP, ev, problems)
-            for val in vals:
-                self._evidence(E.BOOTSTRAP, val, problems)
-            if problems:
-                v = self._failure(E.BOOTSTRAP, Step.BOOTSTRAP, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                v = self._commit(E.BOOTSTRAP, before, version,
-                                 identity.verified(level, summary) if vals else identity)
-        self._deliver(True)
-        return v
+        self._check(E.BOOTSTRAP)
+        before = self._state
+        problems = ev.problems(None)
+        # An engine already labelled rc-N by an earlier controller continues
+        # at generation N, so labels and generations keep agreeing.
+        version = WeightVersion(generation_of(label) or 0, label or label_for(0),
+                                ev.engine_epoch)
+        target = UpdateTarget(version, identity, "bootstrap")
+        for val in vals:
+            problems += val.problems(target)
+        level, summary = verification_of(vals)
+        if not problems and level < min_verification:
+            problems.append(f"takeover verification reached {level.wire}, "
+                            f"{min_verification.wire} required")
+        self._evidence(E.BOOTSTRAP, ev, problems)
+        for val in vals:
+            self._evidence(E.BOOTSTRAP, val, problems)
+        if problems:
+            return self._failure(E.BOOTSTRAP, Step.BOOTSTRAP, FailureKind.BAD_EVIDENCE,
+                                 problems)
+        return self._commit(E.BOOTSTRAP, before, version,
+                            identity.verified(level, summary) if vals else identity)
 
     def _commit(self, event: Event, before: State, version: WeightVersion,
                 identity: WeightIdentity) -> Verdict:
@@ -904,52 +945,55 @@ class LifecycleController:
         return self._verdict(event, before, accepted=True, published=version)
 
     # ---------------------------------------------------------------- rollouts
-    def admit(self, rollout_id: str) -> Binding:
-        """Bind a rollout to the committed version; raise AdmissionRefused outside READY."""
+    def admit(self, rollout_id: str, expect: WeightVersion | None = None) -> Binding:
+        """Bind a rollout to the committed version; raise AdmissionRefused outside READY.
+
+        ``expect``: the version the caller routed the rollout for (a fleet's
+        router). Another committed version refuses the admission, retryably,
+        and binds nothing: a binding never names a version its caller did not
+        choose.
+        """
         if not isinstance(rollout_id, str) or not rollout_id or len(rollout_id) > 256:
             raise BadInput("rollout_id must be a non-empty string of at most 256 characters")
-        refused: AdmissionRefused | None = None
-        b: Binding | None = None
-        with self._lock:
-            st = self._state
-            if self._broken is not None:
-                refused = AdmissionRefused(st.value, f"the controller failed closed "
-                                                     f"({self._broken})", None)
-            elif (st, E.ADMIT) not in TRANSITIONS:
-                retry: float | None
-                if st is S.TAINTED:
-                    retry, reason = None, "engine is tainted; it serves nothing until recovered"
-                elif st in (S.RECOVERING, S.UNINITIALIZED):
-                    retry, reason = self._cfg.recovering_retry_after_s, "engine not ready"
-                elif st in _SLEEP_STATES:
-                    retry, reason = (self._cfg.recovering_retry_after_s,
-                                     "engine is asleep (colocated training); it serves "
-                                     "again once woken and verified")
-                else:
-                    retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
-                if self._listeners:
-                    self._outbox.append(Refuse(rollout_id, st, reason))
-                refused = AdmissionRefused(st.value, reason, retry)
-            elif (cap := self._capacity()) is not None and cap <= 0:
-                reason = (f"staleness capacity reached: {len(self._active)} running and "
-                          f"{self._accepted} accepted for max_staleness "
-                          f"{self._cfg.max_staleness} at version {len(self._published) - 1}")
-                if self._listeners:
-                    self._outbox.append(Refuse(rollout_id, st, reason))
-                refused = AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
+        st = self._state
+        if self._broken is not None:
+            raise AdmissionRefused(st.value, f"the controller failed closed ({self._broken})",
+                                   None)
+        if (st, E.ADMIT) not in TRANSITIONS:
+            retry: float | None
+            if st is S.TAINTED:
+                retry, reason = None, "engine is tainted; it serves nothing until recovered"
+            elif st in (S.RECOVERING, S.UNINITIALIZED):
+                retry, reason = self._cfg.recovering_retry_after_s, "engine not ready"
+            elif st in _SLEEP_STATES:
+                retry, reason = (self._cfg.recovering_retry_after_s,
+                                 "engine is asleep (colocated training); it serves "
+                                 "again once woken and verified")
             else:
-                if rollout_id in self._active:
-                    raise BadInput(f"rollout {rollout_id!r} is already active")
-                assert self._committed is not None and self._identity is not None
-                rec = Admit(rollout_id, self._committed, self._identity.digest)
-                b = self._apply_admit(rec, self._clock())
-                if self._listeners:
-                    self._outbox.append(rec)
-        if self._outbox:
-            self._deliver(False)
-        if refused is not None:
-            raise refused
-        assert b is not None
+                retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
+            if self.recording:
+                self._outbox.append(Refuse(rollout_id, st, reason))
+            raise AdmissionRefused(st.value, reason, retry)
+        if expect is not None and expect != self._committed:
+            reason = (f"routed for {expect.label}, but the engine now serves "
+                      f"{self._committed.label if self._committed else 'nothing'}")
+            if self.recording:
+                self._outbox.append(Refuse(rollout_id, st, reason))
+            raise AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
+        cap = self._capacity()
+        if cap is not None and cap <= 0:
+            reason = (f"staleness capacity reached: {len(self._active)} running and "
+                      f"{self._accepted} accepted for max_staleness "
+                      f"{self._cfg.max_staleness} at version {len(self._published) - 1}")
+            if self.recording:
+                self._outbox.append(Refuse(rollout_id, st, reason))
+            raise AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
+        if rollout_id in self._active:
+            raise BadInput(f"rollout {rollout_id!r} is already active")
+        assert self._committed is not None and self._identity is not None
+        rec = Admit(rollout_id, self._committed, self._identity.digest)
+        b = self._apply_admit(rec)
+        self._outbox.append(rec)
         return b
 
     def _capacity(self) -> int | None:
@@ -971,29 +1015,24 @@ class LifecycleController:
         serves unpublished (RESUMING, after the resume) is not: the target
         may still fail its live validation.
         """
-        with self._lock:
-            if (self._state, E.COMPLETE) not in TRANSITIONS:
-                raise InvalidTransition(E.COMPLETE.value, self._state.value)
-            b = self._active.get(rollout_id) if isinstance(rollout_id, str) else None
-            if b is None:
-                done = self._aborted.pop(rollout_id, None) if isinstance(rollout_id, str) \
-                    else None
-                if done is not None:
-                    return done
-                raise BadInput(f"rollout {rollout_id!r} is not active")
-            upd = self._update
-            carried_now = (upd is not None and upd.carry is not None and not upd.aborting
-                           and self._state is S.RESUMING and rollout_id in upd.carry.carried)
-            attributable = (self._state not in (S.TAINTED, S.RECOVERING) and not carried_now
-                            and self._committed == self._continues.get(rollout_id, b.version))
-            rec = Complete(rollout_id, b.version, self._state, attributable)
-            self._apply_complete(rec)
-            if self._listeners:
-                self._outbox.append(rec)
-            c = Completion(b, self._clock(), self._state, self._committed, attributable)
-        if self._outbox:
-            self._deliver(False)
-        return c
+        if (self._state, E.COMPLETE) not in TRANSITIONS:
+            raise InvalidTransition(E.COMPLETE.value, self._state.value)
+        b = self._active.get(rollout_id) if isinstance(rollout_id, str) else None
+        if b is None:
+            done = self._aborted.pop(rollout_id, None) if isinstance(rollout_id, str) \
+                else None
+            if done is not None:
+                return done
+            raise BadInput(f"rollout {rollout_id!r} is not active")
+        upd = self._update
+        carried_now = (upd is not None and upd.carry is not None and not upd.aborting
+                       and self._state is S.RESUMING and rollout_id in upd.carry.carried)
+        attributable = (self._state not in (S.TAINTED, S.RECOVERING) and not carried_now
+                        and self._committed == self._continues.get(rollout_id, b.version))
+        rec = Complete(rollout_id, b.version, self._state, attributable)
+        self._apply_complete(rec)
+        self._outbox.append(rec)
+        return Completion(b, self.now, self._state, self._committed, attributable)
 
     def abort_rollouts(self, ticket: UpdateTicket, rollout_ids: Iterable[str],
                        reason: str) -> list[Completion]:
@@ -1013,43 +1052,23 @@ class LifecycleController:
             raise BadInput("rollout_ids must be a collection of ids, not one string")
         ids = list(rollout_ids)
         out: list[Completion] = []
-        with self._lock:
-            self._own_any(E.COMPLETE, ticket)
-            if self._state is not S.DRAINING:
-                raise InvalidTransition("abort_rollouts", self._state.value,
-                                        "stragglers are aborted only while DRAINING")
-            for rid in ids:
-                b = self._active.get(rid) if isinstance(rid, str) else None
-                if b is None:
-                    continue
-                rec = Complete(rid, b.version, self._state, False)
-                self._apply_complete(rec)
-                if self._listeners:
-                    self._outbox.append(rec)
-                c = Completion(b, self._clock(), self._state, self._committed, False,
-                               aborted=reason)
-                self._aborted[rid] = c
-                while len(self._aborted) > _ABORTED_KEPT:
-                    self._aborted.popitem(last=False)
-                out.append(c)
-        self._deliver(True)
+        self._own_any(E.COMPLETE, ticket)
+        if self._state is not S.DRAINING:
+            raise InvalidTransition("abort_rollouts", self._state.value,
+                                    "stragglers are aborted only while DRAINING")
+        for rid in ids:
+            b = self._active.get(rid) if isinstance(rid, str) else None
+            if b is None:
+                continue
+            rec = Complete(rid, b.version, self._state, False)
+            self._apply_complete(rec)
+            self._outbox.append(rec)
+            c = Completion(b, self.now, self._state, self._committed, False, aborted=reason)
+            self._aborted[rid] = c
+            while len(self._aborted) > _ABORTED_KEPT:
+                self._aborted.popitem(last=False)
+            out.append(c)
         return out
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        """Block until no rollout is bound (or the timeout, on the injected clock).
-
-        The last completion wakes the waiter at once; the deadline is re-read
-        from the injected clock at least every ``_IDLE_POLL_S``, so a fake
-        clock moved forward by a test is seen without real waiting.
-        """
-        deadline = self._clock() + max(0.0, timeout_s)
-        with self._idle:
-            while self._active:
-                left = deadline - self._clock()
-                if left <= 0:
-                    return False
-                self._idle.wait(min(left, _IDLE_POLL_S))
-            return True
 
     # ---------------------------------------------------------------- update
     def request_update(self, target_identity: WeightIdentity, owner: str, *,
@@ -1063,33 +1082,30 @@ class LifecycleController:
             raise BadInput("owner must be a non-empty string")
         if not isinstance(min_verification, VerificationLevel):
             raise BadInput("min_verification must be a VerificationLevel")
-        with self._lock:
-            if self._broken is not None:
-                raise UpdateRefused(f"the controller failed closed ({self._broken})")
-            if self._update is not None:
-                raise UpdateRefused(
-                    f"an update by {self._update.ticket.target.owner!r} is in progress "
-                    f"(state {self._state.value}); one writer at a time")
-            if self._state in _SLEEP_STATES:
-                raise UpdateRefused(
-                    f"the engine is asleep ({self._state.value}): an update is its wake "
-                    f"(request_wake); nothing was sent (weights sent to a sleeping engine "
-                    f"land in released memory, vLLM #57853)")
-            if (self._state, E.REQUEST_UPDATE) not in TRANSITIONS:
-                raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
-            assert self._committed is not None
-            gen = self._fresh_generation()
-            nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
-            if nxt.label in self._used_labels:
-                raise BadInput(f"label {nxt.label!r} was already used; labels name one "
-                               f"weight set each")
-            self._record(RequestUpdate(self._next_update_id, owner, nxt, target_identity,
-                                       len(self._active), min_verification))
-            self._go(E.REQUEST_UPDATE)
-            assert self._update is not None
-            ticket = self._update.ticket
-        self._deliver(True)
-        return ticket
+        if self._broken is not None:
+            raise UpdateRefused(f"the controller failed closed ({self._broken})")
+        if self._update is not None:
+            raise UpdateRefused(
+                f"an update by {self._update.ticket.target.owner!r} is in progress "
+                f"(state {self._state.value}); one writer at a time")
+        if self._state in _SLEEP_STATES:
+            raise UpdateRefused(
+                f"the engine is asleep ({self._state.value}): an update is its wake "
+                f"(request_wake); nothing was sent (weights sent to a sleeping engine "
+                f"land in released memory, vLLM #57853)")
+        if (self._state, E.REQUEST_UPDATE) not in TRANSITIONS:
+            raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
+        assert self._committed is not None
+        gen = self._fresh_generation()
+        nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
+        if nxt.label in self._used_labels:
+            raise BadInput(f"label {nxt.label!r} was already used; labels name one "
+                           f"weight set each")
+        self._record(RequestUpdate(self._next_update_id, owner, nxt, target_identity,
+                                   len(self._active), min_verification))
+        self._go(E.REQUEST_UPDATE)
+        assert self._update is not None
+        return self._update.ticket
 
     def drained(self, ticket: UpdateTicket, ev: DrainEvidence) -> Verdict:
         """The engine paused as the update mode's row says (``rules.UPDATE_MODES``).
@@ -1099,24 +1115,7 @@ class LifecycleController:
         ``carry`` record), less those that would exceed ``max_staleness``
         once the target is published, which end here, unattributable.
         """
-        with self._lock:
-            upd = self._own(E.DRAINED, ticket)
-            before = self._state
-            rule = upd.rule
-            problems = (ev.problems(ticket.target) if rule.pause is None
-                        else ev.problems_for(rule.pause))
-            if self._active and rule.drains:
-                problems.append(f"{len(self._active)} rollouts still bound")
-            self._evidence(E.DRAINED, ev, problems)
-            if problems:
-                v = self._failure(E.DRAINED, Step.DRAIN, FailureKind.BAD_EVIDENCE, problems)
-            else:
-                if not rule.drains:
-                    self._carry(upd)
-                self._go(E.DRAINED)
-                v = self._verdict(E.DRAINED, before, accepted=True)
-        self._deliver(True)
-        return v
+        return self._step(E.DRAINED, ticket, ev)
 
     def _carry(self, upd: _Update) -> None:
         """Record who the asynchronous update carries, and end those over the bound."""
@@ -1132,92 +1131,25 @@ class LifecycleController:
         for rid in over:
             rec = Complete(rid, self._active[rid].version, self._state, False)
             self._apply_complete(rec)
-            if self._listeners:
-                self._outbox.append(rec)
+            self._outbox.append(rec)
 
     def preflighted(self, ticket: UpdateTicket, ev: PreflightEvidence) -> Verdict:
         """begin_update: the preflight holds and no rollout is bound, so mutation may start.
 
         (Asynchronous modes: rollouts carried at the pause stay bound.)
         """
-        with self._lock:
-            upd = self._own(E.PREFLIGHTED, ticket)
-            before = self._state
-            problems = ev.problems(ticket.target)
-            if self._active and upd.rule.drains:  # unreachable: admission is closed
-                problems.append(f"{len(self._active)} rollouts bound at begin_update")
-            self._evidence(E.PREFLIGHTED, ev, problems)
-            if problems:
-                v = self._failure(E.PREFLIGHTED, Step.PREFLIGHT, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                # From here the target's label may reach the engine: never reuse it.
-                self._record(BeginUpdate(ticket.update_id, ticket.target.version))
-                self._go(E.PREFLIGHTED)
-                v = self._verdict(E.PREFLIGHTED, before, accepted=True)
-        self._deliver(True)
-        return v
+        return self._step(E.PREFLIGHTED, ticket, ev)
 
     def transferred(self, ticket: UpdateTicket, ev: TransferEvidence) -> Verdict:
-        with self._lock:
-            upd = self._own(E.TRANSFERRED, ticket)
-            before = self._state
-            problems = ev.problems(ticket.target)
-            self._evidence(E.TRANSFERRED, ev, problems)
-            if problems:
-                # Evidence came back but does not hold: the weights may be
-                # anything now. Ambiguous, even if the transport says it never
-                # started (use fail(REFUSED) for a provable no-op).
-                v = self._failure(E.TRANSFERRED, Step.TRANSFER, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                upd.mutation_started = upd.mutation_started or ev.mutation_started
-                self._go(E.TRANSFERRED)
-                if not self._pending_resets():
-                    # Every required reset is deferred by the mode (keep, prefix only):
-                    # nothing to invalidate while paused.
-                    self._go(E.INVALIDATED, True)
-                v = self._verdict(E.TRANSFERRED, before, accepted=True)
-        self._deliver(True)
-        return v
+        return self._step(E.TRANSFERRED, ticket, ev)
 
     def invalidated(self, ticket: UpdateTicket, ev: CacheResetEvidence) -> Verdict:
         """One cache reset; VALIDATING once every required cache has been reset."""
-        with self._lock:
-            upd = self._own(E.INVALIDATED, ticket)
-            before = self._state
-            problems = ev.problems(ticket.target)
-            self._evidence(E.INVALIDATED, ev, problems)
-            if problems:
-                v = self._failure(E.INVALIDATED, Step.INVALIDATE, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                upd.reset_ok.add(ev.cache)
-                self._go(E.INVALIDATED, not self._pending_resets())
-                v = self._verdict(E.INVALIDATED, before, accepted=True)
-        self._deliver(True)
-        return v
+        return self._step(E.INVALIDATED, ticket, ev)
 
     def validated(self, ticket: UpdateTicket, ev: ValidationEvidence) -> Verdict:
         """The validation while paused. It must hold; a failed one taints."""
-        with self._lock:
-            upd = self._own(E.VALIDATED, ticket)
-            before = self._state
-            problems = ev.problems(ticket.target)
-            if ev.paused is False:
-                problems.append("validation ran on a resumed engine; it must run while paused")
-            if upd.wake is not None:
-                problems += _wake_coverage_problems(ev, upd.wake)
-            self._evidence(E.VALIDATED, ev, problems)
-            if problems:
-                v = self._failure(E.VALIDATED, Step.VALIDATE, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                upd.validations.append(ev)
-                self._go(E.VALIDATED)
-                v = self._verdict(E.VALIDATED, before, accepted=True)
-        self._deliver(True)
-        return v
+        return self._step(E.VALIDATED, ticket, ev)
 
     def resumed(self, ticket: UpdateTicket, ev: ResumeEvidence,
                 live: ValidationEvidence | None = None) -> Verdict:
@@ -1226,63 +1158,12 @@ class LifecycleController:
         On the abort path (nothing mutated) this returns to READY on the old
         version and publishes nothing.
         """
-        with self._lock:
-            v = self._resumed(ticket, ev, live)
-        self._deliver(True)
-        return v
-
-    def _resumed(self, ticket: UpdateTicket, ev: ResumeEvidence,
-                 live: ValidationEvidence | None) -> Verdict:
+        if live is not None and not isinstance(live, ValidationEvidence):
+            raise BadInput("the live validation must be ValidationEvidence")
         upd = self._own(E.RESUMED, ticket)
-        before = self._state
         if upd.aborting and live is not None:
             raise BadInput("no live validation on the abort path: nothing was installed")
-        problems = ev.problems(ticket.target)
-        if live is not None:
-            problems += [f"live validation: {p}" for p in live.problems(ticket.target)]
-        self._evidence(E.RESUMED, ev, problems)
-        if live is not None:
-            self._evidence(E.RESUMED, live, problems)
-        if problems:
-            return self._failure(E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE, problems)
-        if upd.aborting:
-            self._record(Abandon(ticket.update_id, ticket.target.version))
-            self._go(E.RESUMED)
-            return self._verdict(E.RESUMED, before, accepted=True)
-        if live is not None:
-            upd.validations.append(live)
-        level, summary = self._verification(upd.validations)
-        if upd.restore:
-            # A wake on the engine's own weights, verified unchanged: the committed
-            # version serves again; nothing new is published.
-            if level < ticket.min_verification:
-                return self._failure(
-                    E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
-                    [f"verification reached {level.wire}, "
-                     f"the wake requires {ticket.min_verification.wire}"])
-            self._record(Abandon(ticket.update_id, ticket.target.version))
-            self._go(E.RESUMED)
-            return self._verdict(E.RESUMED, before, accepted=True)
-        if level < ticket.min_verification:
-            return self._failure(
-                E.RESUMED, Step.RESUME, FailureKind.BAD_EVIDENCE,
-                [f"verification reached {level.wire}, "
-                 f"update requires {ticket.min_verification.wire}"])
-        identity = ticket.target.identity.verified(level, summary)
-        return self._commit(E.RESUMED, before, ticket.target.version, identity)
-
-    @staticmethod
-    def _verification(vals: list[ValidationEvidence]) -> tuple[VerificationLevel, list[str]]:
-        level = VerificationLevel.DECLARED
-        summary: list[str] = []
-        for v in vals:
-            if v.label_supported and v.observed_label is not None:
-                level = max(level, VerificationLevel.MANIFEST)
-            for c in v.checks:
-                if c.passed and c.level is not None:
-                    level = max(level, c.level)
-            summary += v.summary
-        return level, summary
+        return self._step(E.RESUMED, ticket, ev, live)
 
     def fail(self, ticket: UpdateTicket | SleepTicket | None, step: Step, kind: FailureKind,
              reason: str) -> Verdict:
@@ -1293,15 +1174,12 @@ class LifecycleController:
         """
         if not isinstance(step, Step) or not isinstance(kind, FailureKind):
             raise BadInput("fail needs a Step and a FailureKind")
-        with self._lock:
-            v = self._fail(ticket, step, kind, str(reason), report=True)
-        self._deliver(True)
-        return v
+        return self._fail(ticket, step, kind, str(reason), report=True)
 
     def _fail(self, ticket: UpdateTicket | SleepTicket | None, step: Step, kind: FailureKind,
               reason: str, *, report: bool) -> Verdict:
-        """``fail`` under the lock; ``report=False`` (restore) records only the transition
-        and the taint, as a restore always has."""
+        """``fail`` itself; ``report=False`` (restore) records only the transition and
+        the taint, as a restore always has."""
         # No fail-closed refusal: a failure is applied whatever the journal did
         # (as ambiguous when it failed, see ``_failure``).
         if (self._state, E.FAIL) not in TRANSITIONS:
@@ -1321,12 +1199,31 @@ class LifecycleController:
             self._own_any(E.FAIL, ticket)
         if self._state in _SLEEP_STATES:
             self._own_sleeping(E.FAIL, ticket)
-        if report and self._listeners:
+        if report and self.recording:
             self._outbox.append(Failure(row, kind, reason))
         # Serving: the verdict names the observation, the taint record what it means.
         return self._failure(E.FAIL, row, kind, [reason],
                              [f"engine failed while serving: {reason}"]
                              if row is Step.SERVE else None, report=report)
+
+    def swept(self, ev: CacheResetEvidence) -> bool:
+        """The deferred prefix reset's evidence; True once it holds (nothing due after).
+
+        Refused (``InvalidTransition``) outside READY: an update resets caches itself.
+        """
+        if not isinstance(ev, CacheResetEvidence) or ev.cache is not CacheKind.PREFIX:
+            raise BadInput("swept needs the prefix cache's CacheResetEvidence")
+        if self._broken is not None:
+            raise JournalError(f"swept refused: the controller failed closed "
+                               f"({self._broken})")
+        if self._state is not S.READY:
+            raise InvalidTransition("swept", self._state.value,
+                                    "a deferred reset runs only between updates")
+        problems = ev.problems(None)
+        self._evidence(E.INVALIDATED, ev, problems)
+        if not problems:
+            self._sweep_due = False
+        return not problems
 
     # ---------------------------------------------------------------- colocated training
     # The trainer and the engine share a GPU (issue 21): the engine sleeps while
@@ -1343,42 +1240,35 @@ class LifecycleController:
             raise BadInput("owner must be a non-empty string")
         if isinstance(level, bool) or level not in (1, 2):
             raise BadInput(f"sleep level must be 1 or 2, got {level!r}")
-        with self._lock:
-            if self._broken is not None:
-                raise UpdateRefused(f"the controller failed closed ({self._broken})")
-            if self._update is not None or self._sleep is not None:
-                raise UpdateRefused(f"the engine is not idle (state {self._state.value}): "
-                                    f"one update or sleep at a time")
-            if (self._state, E.REQUEST_SLEEP) not in TRANSITIONS:
-                raise UpdateRefused(f"a sleep starts only in READY, not {self._state.value}")
-            self._record(RequestSleep(self._next_sleep_id, owner, level, len(self._active)))
-            self._go(E.REQUEST_SLEEP)
-            assert self._sleep is not None
-            ticket = self._sleep
-        self._deliver(True)
-        return ticket
+        if self._broken is not None:
+            raise UpdateRefused(f"the controller failed closed ({self._broken})")
+        if self._update is not None or self._sleep is not None:
+            raise UpdateRefused(f"the engine is not idle (state {self._state.value}): "
+                                f"one update or sleep at a time")
+        if (self._state, E.REQUEST_SLEEP) not in TRANSITIONS:
+            raise UpdateRefused(f"a sleep starts only in READY, not {self._state.value}")
+        self._record(RequestSleep(self._next_sleep_id, owner, level, len(self._active)))
+        self._go(E.REQUEST_SLEEP)
+        assert self._sleep is not None
+        return self._sleep
 
     def slept(self, ticket: SleepTicket, ev: SleepEvidence) -> Verdict:
         """The engine is asleep at the level asked, nothing bound: SLEEPING, or a taint."""
         if not isinstance(ev, SleepEvidence):
             raise BadInput("slept needs SleepEvidence")
-        with self._lock:
-            self._own_sleeping(E.SLEPT, ticket)
-            before = self._state
-            problems = ev.problems(None)
-            if ev.level != ticket.level:
-                problems.append(f"engine slept at level {ev.level}, the sleep asked for "
-                                f"{ticket.level}")
-            if self._active:  # unreachable by construction: admission is closed
-                problems.append(f"{len(self._active)} rollouts bound while asleep")
-            self._evidence(E.SLEPT, ev, problems)
-            if problems:
-                v = self._failure(E.SLEPT, Step.SLEEP, FailureKind.BAD_EVIDENCE, problems)
-            else:
-                self._go(E.SLEPT)
-                v = self._verdict(E.SLEPT, before, accepted=True)
-        self._deliver(True)
-        return v
+        self._own_sleeping(E.SLEPT, ticket)
+        before = self._state
+        problems = ev.problems(None)
+        if ev.level != ticket.level:
+            problems.append(f"engine slept at level {ev.level}, the sleep asked for "
+                            f"{ticket.level}")
+        if self._active:  # unreachable by construction: admission is closed
+            problems.append(f"{len(self._active)} rollouts bound while asleep")
+        self._evidence(E.SLEPT, ev, problems)
+        if problems:
+            return self._failure(E.SLEPT, Step.SLEEP, FailureKind.BAD_EVIDENCE, problems)
+        self._go(E.SLEPT)
+        return self._verdict(E.SLEPT, before, accepted=True)
 
     def wake_target(self, owner: str, identity: WeightIdentity | None = None, *,
                     label: str | None = None) -> UpdateTarget:
@@ -1386,11 +1276,6 @@ class LifecycleController:
 
         No identity: the committed version itself (a restore). Changes nothing.
         """
-        with self._lock:
-            return self._wake_target(owner, identity, label)
-
-    def _wake_target(self, owner: str, identity: WeightIdentity | None,
-                     label: str | None) -> UpdateTarget:
         if not isinstance(owner, str) or not owner:
             raise BadInput("owner must be a non-empty string")
         if identity is not None and not isinstance(identity, WeightIdentity):
@@ -1430,57 +1315,40 @@ class LifecycleController:
         if identity is None and preflight is not None:
             raise BadInput("a restore has no source to preflight")
         level = max(min_verification, VerificationLevel.ENGINE_CHECKSUM)
-        refused: str | None = None
-        with self._lock:
-            if self._broken is not None:
-                raise UpdateRefused(f"the controller failed closed ({self._broken})")
-            if self._sleep != sleep:
-                raise UpdateRefused(f"sleep {sleep.sleep_id} is not the sleep in progress")
-            if self._update is not None:
-                raise UpdateRefused(f"a wake by {self._update.ticket.target.owner!r} is in "
-                                    f"progress (state {self._state.value}); one at a time")
-            if (self._state, E.REQUEST_WAKE) not in TRANSITIONS:
-                raise UpdateRefused(f"a wake starts only in SLEEPING, not {self._state.value}")
-            target = self._wake_target(owner, identity, label)
-            if preflight is not None:
-                problems = preflight.problems(target)
-                self._evidence(E.REQUEST_WAKE, preflight, problems)
-                if problems:
-                    refused = "; ".join(problems)
-            if refused is None:
-                rec = RequestWake(self._next_update_id, owner, target.version,
-                                  target.identity, 0, level, sleep.level, identity is None)
-                self._record(rec)
-                if identity is not None:
-                    # From here the target's label may reach the engine: never reuse it.
-                    self._record(BeginUpdate(rec.update_id, target.version))
-                self._go(E.REQUEST_WAKE)
-                assert self._update is not None
-                ticket = self._update.ticket
-        self._deliver(True)
-        if refused is not None:
-            raise UpdateRefused(f"wake refused, the engine still sleeps: {refused}")
-        return ticket
+        if self._broken is not None:
+            raise UpdateRefused(f"the controller failed closed ({self._broken})")
+        if self._sleep != sleep:
+            raise UpdateRefused(f"sleep {sleep.sleep_id} is not the sleep in progress")
+        if self._update is not None:
+            raise UpdateRefused(f"a wake by {self._update.ticket.target.owner!r} is in "
+                                f"progress (state {self._state.value}); one at a time")
+        if (self._state, E.REQUEST_WAKE) not in TRANSITIONS:
+            raise UpdateRefused(f"a wake starts only in SLEEPING, not {self._state.value}")
+        target = self.wake_target(owner, identity, label=label)
+        if preflight is not None:
+            problems = preflight.problems(target)
+            self._evidence(E.REQUEST_WAKE, preflight, problems)
+            if problems:
+                raise UpdateRefused(f"wake refused, the engine still sleeps: "
+                                    f"{'; '.join(problems)}")
+        rec = RequestWake(self._next_update_id, owner, target.version,
+                          target.identity, 0, level, sleep.level, identity is None)
+        self._record(rec)
+        if identity is not None:
+            # From here the target's label may reach the engine: never reuse it.
+            self._record(BeginUpdate(rec.update_id, target.version))
+        self._go(E.REQUEST_WAKE)
+        assert self._update is not None
+        return self._update.ticket
 
     def woke(self, ticket: UpdateTicket, ev: WakeEvidence) -> Verdict:
         """One wake call. ``WAKE_TARGETS`` decides where it leads; a wake it has no
         entry for is refused (``InvalidTransition``, nothing changes)."""
         if not isinstance(ev, WakeEvidence):
             raise BadInput("woke needs WakeEvidence")
-        with self._lock:
-            upd = self._own(E.WOKE, ticket)
-            before = self._state
-            key = (before, "restore" if upd.restore else "update", ev.tags.value)
-            self._target(E.WOKE, key)  # refused here, before anything is recorded
-            problems = ev.problems(ticket.target)
-            self._evidence(E.WOKE, ev, problems)
-            if problems:
-                v = self._failure(E.WOKE, Step.WAKE, FailureKind.BAD_EVIDENCE, problems)
-            else:
-                self._go(E.WOKE, key)
-                v = self._verdict(E.WOKE, before, accepted=True)
-        self._deliver(True)
-        return v
+        upd = self._own(E.WOKE, ticket)
+        key = (self._state, "restore" if upd.restore else "update", ev.tags.value)
+        return self._step(E.WOKE, ticket, ev, key=key)
 
     def _own_sleeping(self, event: Event, ticket: object) -> None:
         """The caller owns the sleep (or, once a wake was requested, the wake)."""
@@ -1497,12 +1365,10 @@ class LifecycleController:
     def begin_recovery(self, owner: str) -> None:
         if not isinstance(owner, str) or not owner:
             raise BadInput("owner must be a non-empty string")
-        with self._lock:
-            self._check(E.BEGIN_RECOVERY)
-            if self._listeners:
-                self._outbox.append(BeginRecovery(owner))
-            self._go(E.BEGIN_RECOVERY)
-        self._deliver(True)
+        self._check(E.BEGIN_RECOVERY)
+        if self.recording:
+            self._outbox.append(BeginRecovery(owner))
+        self._go(E.BEGIN_RECOVERY)
 
     def recovered(self, ev: RecoveryEvidence) -> Verdict:
         """A replacement engine (new epoch) verified on a known checkpoint: READY again.
@@ -1512,124 +1378,109 @@ class LifecycleController:
         """
         if not isinstance(ev, RecoveryEvidence):
             raise BadInput("recovered needs RecoveryEvidence")
-        with self._lock:
-            self._check(E.RECOVERED)
-            before = self._state
-            gen = self._fresh_generation()
-            version = WeightVersion(gen, label_for(gen), ev.engine_epoch)
-            target = UpdateTarget(version, ev.identity, "recovery")
-            problems = ev.problems(target)
-            if ev.engine_epoch == self._engine_epoch:
-                problems.append("recovery must replace the engine (same epoch observed)")
-            self._evidence(E.RECOVERED, ev, problems)
-            if problems:
-                if self._listeners:
-                    self._outbox.append(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE,
-                                                "; ".join(problems)))
-                v = self._failure(E.RECOVERED, Step.RECOVER, FailureKind.BAD_EVIDENCE,
-                                  problems)
-            else:
-                level, summary = self._verification([ev.validation])
-                v = self._commit(E.RECOVERED, before, version,
-                                 ev.identity.verified(level, summary))
-        self._deliver(True)
-        return v
+        self._check(E.RECOVERED)
+        before = self._state
+        gen = self._fresh_generation()
+        version = WeightVersion(gen, label_for(gen), ev.engine_epoch)
+        target = UpdateTarget(version, ev.identity, "recovery")
+        problems = ev.problems(target)
+        if ev.engine_epoch == self._engine_epoch:
+            problems.append("recovery must replace the engine (same epoch observed)")
+        self._evidence(E.RECOVERED, ev, problems)
+        if problems:
+            if self.recording:
+                self._outbox.append(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE,
+                                            "; ".join(problems)))
+            return self._failure(E.RECOVERED, Step.RECOVER, FailureKind.BAD_EVIDENCE,
+                                 problems)
+        level, summary = verification_of([ev.validation])
+        return self._commit(E.RECOVERED, before, version,
+                            ev.identity.verified(level, summary))
 
     def recovery_target(self) -> WeightVersion:
         """The version a recovery would publish (its label must be set on the new engine)."""
-        with self._lock:
-            gen = self._fresh_generation()
-            return WeightVersion(gen, label_for(gen), self._engine_epoch or "pending")
+        gen = self._fresh_generation()
+        return WeightVersion(gen, label_for(gen), self._engine_epoch or "pending")
 
     # ---------------------------------------------------------------- crash restore
-    @classmethod
-    def restore(cls, records: Iterable[Record | JournalRecord], *,
-                config: ControllerConfig | None = None,
-                required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
-                clock: Callable[[], float] = time.monotonic,
-                listener: Listener | None = None) -> LifecycleController:
-        """Rebuild a controller by replaying the records of its journal.
+    def replay(self, records: Iterable[Record | JournalRecord]) -> None:
+        """Apply a journal's records, each checked against the tables (see ``restored``).
 
         Each record that changed durable state is applied through the same
-        method that applied it live, after checking it against the tables
-        (a transition must leave the state the replay is in, for a target
-        the table allows); a journal that breaks them raises
-        ``JournalError``. An update (or recovery) that was in flight when the
-        process died is never resumed as if it had succeeded: whatever step
-        it had reached, the restored controller fails it with
-        ``Step.RESTART`` (ambiguous: TAINTED), and only recovery leads back
-        to READY. Rollouts the journal shows still bound belonged to the dead
-        process: each is released at once with a ``complete`` record that
-        says it is not attributable (their requests ended with the process).
+        applier that applied it live; a transition must leave the state the
+        replay is in, for a target the table allows, and an admission must
+        name the committed identity: a journal that breaks them raises
+        ``JournalError``. Nothing is recorded (the records are the journal's).
         """
-        c = cls(config=config, required_caches=required_caches, clock=clock)
-        with c._lock:
-            for r in records:
-                c._replay(r.record if isinstance(r, JournalRecord) else r)
-            c._entered_at = clock()
-        if listener is not None:
-            c.add_listener(listener)
-        with c._lock:
-            upd = c._update
-            if c._state in _UPDATE_STATES and upd is None:
-                raise JournalError(f"journal ends in {c._state.value} without the "
-                                   f"request_update that opened the update")
-            if c._state in _SLEEP_STATES and c._sleep is None:
-                raise JournalError(f"journal ends in {c._state.value} without the "
-                                   f"request_sleep that opened the sleep")
-            if c._listeners:
-                c._outbox.append(Restore(c._state, len(c._active),
-                                         None if upd is None else upd.request))
-            # Rollouts bound by the process that wrote the journal died with it:
-            # released here, unattributable (recorded as such), never kept active.
-            for rid, b in list(c._active.items()):
-                rec = Complete(rid, b.version, c._state, False)
-                c._apply_complete(rec)
-                if c._listeners:
-                    c._outbox.append(rec)
-            if (c._state, Step.RESTART) in FAIL_STEPS:
-                what = ("a recovery" if c._state is S.RECOVERING else
-                        "a sleep" if c._state in _SLEEP_STATES else "an update")
-                c._fail(upd.ticket if upd is not None else c._sleep, Step.RESTART,
-                        FailureKind.DIED, f"controller restarted during {what}", report=False)
-        c._deliver(True)
-        return c
-
-    def _replay(self, rec: Record) -> None:
-        t = type(rec)
-        if t is Transition:
-            assert isinstance(rec, Transition)
-            if rec.before is not self._state or rec.after not in _replay_targets(
-                    rec.before, rec.event):
-                raise JournalError(
-                    f"journal replays {rec.before.value} -> {rec.after.value} on "
-                    f"{rec.event.value} while the controller is {self._state.value}: "
-                    f"not a transition of its tables")
-            self._apply_transition(rec)
-        elif t is Admit:
-            assert isinstance(rec, Admit)
-            if (self._state, E.ADMIT) not in TRANSITIONS or self._identity is None or \
-                    rec.identity_digest != self._identity.digest:
+        for r in records:
+            rec = r.record if isinstance(r, JournalRecord) else r
+            t = type(rec)
+            if isinstance(rec, Transition):
+                if rec.before is not self._state or rec.after not in _replay_targets(
+                        rec.before, rec.event):
+                    raise JournalError(
+                        f"journal replays {rec.before.value} -> {rec.after.value} on "
+                        f"{rec.event.value} while the controller is {self._state.value}: "
+                        f"not a transition of its tables")
+            elif isinstance(rec, Admit) and (
+                    (self._state, E.ADMIT) not in TRANSITIONS or self._identity is None
+                    or rec.identity_digest != self._identity.digest):
                 raise JournalError(f"journal admits {rec.rollout_id!r} in "
                                    f"{self._state.value} under an identity not committed")
-            self._apply_admit(rec, self._clock())
-        elif t is Complete:
-            self._apply_complete(rec)  # type: ignore[arg-type]
-        elif t is Commit:
-            self._apply_commit(rec)  # type: ignore[arg-type]
-        elif t is RequestUpdate:
-            self._apply_request_update(rec)  # type: ignore[arg-type]
-        elif t is BeginUpdate:
-            self._apply_begin_update(rec)  # type: ignore[arg-type]
-        elif t is Abandon or t is Taint:
-            self._apply_end_update(rec)  # type: ignore[arg-type]
-        elif t is Carry:
-            self._apply_carry(rec)  # type: ignore[arg-type]
-        elif t is RequestSleep:
-            self._apply_request_sleep(rec)  # type: ignore[arg-type]
-        elif t is RequestWake:
-            self._apply_request_wake(rec)  # type: ignore[arg-type]
-        # Every other record describes a decision; it changes no durable state.
+            applier = _APPLIERS.get(t)
+            if applier is not None:
+                applier(self, rec)
+            # Every other record describes a decision; it changes no durable state.
+
+    def restored(self) -> None:
+        """End a replay (``replay``): what a controller restored from its journal does first.
+
+        An update (or recovery, or sleep) that was in flight when the process
+        died is never resumed as if it had succeeded: whatever step it had
+        reached, it is failed with ``Step.RESTART`` (ambiguous: TAINTED), and
+        only recovery leads back to READY. Rollouts the journal shows still
+        bound belonged to the dead process: each is released at once with a
+        ``complete`` record that says it is not attributable.
+        """
+        self._entered_at = self.now
+        upd = self._update
+        if self._state in _UPDATE_STATES and upd is None:
+            raise JournalError(f"journal ends in {self._state.value} without the "
+                               f"request_update that opened the update")
+        if self._state in _SLEEP_STATES and self._sleep is None:
+            raise JournalError(f"journal ends in {self._state.value} without the "
+                               f"request_sleep that opened the sleep")
+        if self.recording:
+            self._outbox.append(Restore(self._state, len(self._active),
+                                        None if upd is None else upd.request))
+        # Rollouts bound by the process that wrote the journal died with it:
+        # released here, unattributable (recorded as such), never kept active.
+        for rid, b in list(self._active.items()):
+            rec = Complete(rid, b.version, self._state, False)
+            self._apply_complete(rec)
+            self._outbox.append(rec)
+        if (self._state, Step.RESTART) in FAIL_STEPS:
+            what = ("a recovery" if self._state is S.RECOVERING else
+                    "a sleep" if self._state in _SLEEP_STATES else "an update")
+            self._fail(upd.ticket if upd is not None else self._sleep, Step.RESTART,
+                       FailureKind.DIED, f"controller restarted during {what}", report=False)
+
+
+#: Record type -> the applier that makes its change of durable state; used by live
+#: decisions (``_record``) and by the restore (``replay``) alike.
+_APPLIERS: Mapping[type[Record], Callable[[Lifecycle, Any], object]] = {
+    Transition: Lifecycle._apply_transition,
+    Commit: Lifecycle._apply_commit,
+    Admit: Lifecycle._apply_admit,
+    Complete: Lifecycle._apply_complete,
+    RequestUpdate: Lifecycle._apply_request_update,
+    RequestWake: Lifecycle._apply_request_wake,
+    BeginUpdate: Lifecycle._apply_begin_update,
+    Abandon: Lifecycle._apply_end_update,
+    Taint: Lifecycle._apply_end_update,
+    Carry: Lifecycle._apply_carry,
+    RequestSleep: Lifecycle._apply_request_sleep,
+}
 
 
 def _wake_coverage_problems(ev: ValidationEvidence, level: int) -> list[str]:

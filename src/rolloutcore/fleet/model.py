@@ -12,9 +12,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.port import Recoverer
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity
 from rolloutcore.errors import (
     BadInput,

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.control.session import PreparedUpdate, identity_of
-from rolloutcore.core.lifecycle import LifecycleController
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.errors import BadInput, EngineUnavailable
 from rolloutcore.fleet.coordinator import (

@@ -52,8 +52,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import BadInput, RequestTooLarge
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig

@@ -27,7 +27,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from rolloutcore.core.lifecycle import LifecycleController, State
+from rolloutcore.control.controller import LifecycleController
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.records import Admit, Commit, Record, Refuse, Transition
 from rolloutcore.core.versions import VerificationLevel
 

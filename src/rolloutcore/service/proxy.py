@@ -66,7 +66,8 @@ from typing import Any
 
 import anyio
 
-from rolloutcore.core.lifecycle import Binding, Completion, LifecycleController, State
+from rolloutcore.control.controller import LifecycleController
+from rolloutcore.core.lifecycle import Binding, Completion, State
 from rolloutcore.core.media import MediaError
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (

@@ -228,9 +228,9 @@ def run_serve(args: ServeOptions) -> int:
     import uvicorn
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+    from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal, read_journal
     from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
-    from rolloutcore.core.lifecycle import LifecycleController
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
     from rolloutcore.transports.source import WeightSource

@@ -1,0 +1,237 @@
+"""The shell every state machine runs in: one lock, records delivered outside it.
+
+The machines (``core.lifecycle.Lifecycle``, the fleet's ``core.pool.ReplicaTable``,
+the trainer protocol's ``core.lease.LeaseTable``) decide and never lock; this
+is where they meet threads. A ``Shell`` owns one machine and:
+
+* runs every call of it under one lock (``run``), after setting the
+  machine's ``now`` from the injected clock, so a decision is made whole;
+* empties the machine's outbox inside the lock (the order of records is the
+  order of decisions) and hands it to the listeners **after** the lock is
+  released, under a second lock that only serialises delivery. A listener
+  (the journal, the metrics, a gateway's wake-up) therefore never runs under
+  the state lock, and a slow one cannot hold up a decision;
+* after a call that asked to wait, returns only once every ``Sink`` (a
+  listener that writes asynchronously: the journal's writer thread) has
+  confirmed the records durable, so a published version is on disk before
+  anyone is told;
+* fails the machine closed when a listener or a sink fails (``fail_closed``):
+  the machine then refuses what it can no longer record;
+* wakes whoever waits on a condition of the machine (``wait_for``), on the
+  injected clock;
+* publishes a snapshot after every call (``view``), an immutable value that
+  readers which must not lock (a router choosing a replica per request) take
+  as it is.
+
+Calls that do not wait (the data plane's ``admit``/``complete``) leave their
+records to whoever is delivering: the thread holding the delivery lock
+re-checks the outbox before it lets go, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+
+from rolloutcore.core.records import Record
+from rolloutcore.errors import BadInput, JournalError
+
+__all__ = ["Listener", "Machine", "Shell", "Sink"]
+
+T = TypeVar("T")
+V = TypeVar("V")
+#: How often a waiter re-reads the injected clock (a fake one moved by a test is
+#: seen without real waiting).
+_POLL_S = 0.1
+
+#: A listener receives every record, in order, outside the machine's lock.
+Listener = Callable[[Record], None]
+
+
+@runtime_checkable
+class Sink(Protocol):
+    """A listener that writes asynchronously (the journal's writer thread).
+
+    ``sync`` blocks until every record it accepted is durable (or raises);
+    ``on_failure`` registers whom to tell when a write fails later.
+    """
+
+    def __call__(self, record: Record) -> None: ...
+
+    def sync(self) -> None: ...
+
+    def on_failure(self, callback: Callable[[str], None]) -> None: ...
+
+
+class Machine(Protocol):
+    """What a shell needs of a machine: its time, its outbox, its fail-closed switch."""
+
+    now: float
+    recording: bool
+
+    def take(self) -> list[Record]: ...
+
+    def fail_closed(self, reason: str) -> None: ...
+
+
+M = TypeVar("M", bound=Machine)
+
+
+class Shell(Generic[M, V]):
+    """Runs one machine ``M`` and publishes its snapshot ``V`` (see the module docstring).
+
+    ``snapshot`` builds the published value from the machine (under the lock,
+    after each call); it should be cheap, it runs on every call.
+    """
+
+    def __init__(self, machine: M, snapshot: Callable[[M], V], *,
+                 clock: Callable[[], float] = time.monotonic,
+                 listener: Listener | None = None) -> None:
+        self._m = machine
+        self._snap = snapshot
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        # Copy-on-write lists, so a delivery iterates a list nobody appends to.
+        self._listeners: list[Listener] = []
+        self._sinks: list[Sink] = []
+        self._outbox: collections.deque[Record] = collections.deque()
+        self._deliver_lock = threading.Lock()
+        self._delivering: int | None = None  # the delivering thread, against re-entry
+        machine.now = clock()
+        self._view: V = snapshot(machine)
+        if listener is not None:
+            self.add_listener(listener)
+
+    # ---------------------------------------------------------------- running
+    def run(self, fn: Callable[..., T], *args: Any, wait: bool = True, **kw: Any) -> T:
+        """``fn(*args, **kw)`` (a method of the machine) as one decision, then delivery.
+
+        What ``fn`` raises (a refusal, which changed nothing) is raised as it is,
+        after its records (why it refused) were handed on without waiting for the
+        sinks; otherwise a delivery failure raises ``JournalError``.
+        """
+        err: BaseException | None = None
+        result: Any = None
+        with self._lock:
+            self._m.now = self._clock()
+            try:
+                result = fn(*args, **kw)
+            except BaseException as exc:  # re-raised below, after the delivery
+                err = exc
+            self._settle()
+        if err is not None:
+            if self._outbox:
+                self._deliver(False)
+            raise err
+        if self._outbox or (wait and self._sinks):
+            self._deliver(wait)
+        return result  # type: ignore[no-any-return]
+
+    def read(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """A query of the machine under the lock (consistent with every decision)."""
+        with self._lock:
+            return fn(*args, **kw)
+
+    def _settle(self) -> None:
+        """Under the lock: move the machine's records out, publish, wake the waiters."""
+        recs = self._m.take()
+        if recs and self._listeners:
+            self._outbox.extend(recs)
+        self._view = self._snap(self._m)
+        self._cond.notify_all()
+
+    @property
+    def view(self) -> V:
+        """The snapshot published after the last call (no lock taken)."""
+        return self._view
+
+    @property
+    def machine(self) -> M:
+        """The machine itself, for code that already holds the lock (``read``)."""
+        return self._m
+
+    def wait_for(self, predicate: Callable[[M], bool], timeout_s: float) -> bool:
+        """Block until ``predicate(machine)`` holds (re-checked after every call), or the
+        timeout passes on the injected clock; returns whether it holds."""
+        deadline = self._clock() + max(0.0, timeout_s)
+        with self._cond:
+            while not predicate(self._m):
+                left = deadline - self._clock()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, _POLL_S))
+            return True
+
+    # ---------------------------------------------------------------- listeners
+    def add_listener(self, listener: Listener) -> None:
+        """Listeners see every record, in order, outside the lock (keep them quick).
+
+        A ``Sink`` is also waited on after each decision that waits (``sync``) and
+        tells the shell when it fails (``on_failure``): the machine then fails closed.
+        """
+        if not callable(listener):
+            raise BadInput("a listener must be callable")
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+            self._m.recording = True
+            if isinstance(listener, Sink):
+                self._sinks = [*self._sinks, listener]
+        if isinstance(listener, Sink):
+            listener.on_failure(self.fail_closed)
+
+    def fail_closed(self, reason: str) -> None:
+        """Something the records go to failed: the machine refuses what it cannot record."""
+        with self._lock:
+            self._m.fail_closed(reason)
+            self._view = self._snap(self._m)
+            self._cond.notify_all()
+
+    def _deliver(self, wait: bool) -> None:
+        """Hand the outbox to the listeners, in order, outside the state lock.
+
+        One thread delivers at a time (``_deliver_lock``); it delivers every
+        record appended before it finds the outbox empty, and re-checks after
+        releasing the lock, so a record whose own thread did not wait
+        (``wait=False``) is delivered by whoever holds the lock. With ``wait``
+        the caller delivers (or waits for the delivery of) its records, then
+        waits for every sink to confirm them durable; a failure then raises
+        ``JournalError`` to that caller.
+        """
+        if self._delivering == threading.get_ident():
+            return  # a listener called back into the shell: the outer loop delivers
+        err: BaseException | None = None
+        while True:
+            if not self._deliver_lock.acquire(blocking=wait):
+                return  # the holder delivers ours: it re-checks after releasing
+            self._delivering = threading.get_ident()
+            try:
+                out = self._outbox
+                listeners = self._listeners
+                while out:
+                    rec = out.popleft()  # only the delivery lock's holder pops
+                    for listener in listeners:
+                        try:
+                            listener(rec)
+                        except Exception as exc:
+                            err = err or exc
+                            self.fail_closed(f"a listener failed on a {rec.KIND} record: "
+                                             f"{exc}")
+            finally:
+                self._delivering = None
+                self._deliver_lock.release()
+            if not self._outbox:
+                break
+        if wait:
+            for sink in self._sinks:
+                try:
+                    sink.sync()
+                except Exception as exc:
+                    err = err or exc
+                    self.fail_closed(f"the journal failed: {exc}")
+            if err is not None:
+                raise JournalError(f"records could not be delivered; the machine now "
+                                   f"refuses every step: {err}") from err
