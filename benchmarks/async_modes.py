@@ -61,9 +61,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 from rolloutcore.control.async_modes import Rollout, RolloutClient, RolloutStatus  # noqa: E402
+from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.journal import Journal  # noqa: E402
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome  # noqa: E402
-from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.core.records import UpdateMode  # noqa: E402
 
 __all__ = ["MODES", "Harness", "Workload", "cache_control", "format_table", "run_phase",

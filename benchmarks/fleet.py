@@ -190,6 +190,7 @@ def main() -> int:
     import torch
     import vllm
 
+    from rolloutcore.core.pool import ReplicaStateChange, WaveBegin, WaveEnd
     from rolloutcore.fleet import FleetConfig, FleetCoordinator
     from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import (
@@ -198,7 +199,6 @@ def main() -> int:
         prepare_checkpoint,
         vllm_replica,
     )
-    from rolloutcore.fleet.records import ReplicaStateChange, WaveBegin, WaveEnd
     from rolloutcore.service import ServiceConfig
     from rolloutcore.testing.models import make_checkpoint
 

@@ -64,7 +64,7 @@ from rolloutcore.adapters.vllm import (  # noqa: E402
     VllmHTTP,
     engine_identity,
 )
-from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.journal import read_journal  # noqa: E402
 from rolloutcore.core.invariants import check_journal  # noqa: E402
 from rolloutcore.core.lifecycle import Binding, State  # noqa: E402

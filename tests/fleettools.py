@@ -16,6 +16,7 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetWeights, Replica
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights
+from rolloutcore.testing.fake_engine import fake_probe
 from rolloutcore.testing.fleetfake import FakeFanout
 
 __all__ = ["FAST", "FakeFleet", "fake_fleet", "weights"]
@@ -27,7 +28,7 @@ FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=2, reset_s=1, v
 
 def weights(seed: int) -> FleetWeights:
     w = FakeWeights.from_seed(seed, step=seed)
-    return FleetWeights(w.identity(), w, w, VerificationLevel.PROBE)
+    return FleetWeights(w.identity(), w, w, VerificationLevel.PROBE, probe=fake_probe(w))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Each replica is a FakeEngine under its own, unchanged, controller and runner;
 the coordinator drives them. Checked: the pool table and the two decisions
-(``fleet.rules``); synchronous updates (one fan-out broadcast, quorum,
+(``core.pool``); synchronous updates (one fan-out broadcast, quorum,
 nothing published below it, no admission during the transition, every
 answer made by the version it was bound to); rolling updates (never fewer
 than min_serving serving, two versions during the roll); taint, recovery and
@@ -18,7 +18,23 @@ from typing import Any
 import pytest
 
 from fleettools import FakeFleet, fake_fleet, weights
+from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.core.lifecycle import State
+from rolloutcore.core.pool import (
+    REPLICA_TRANSITIONS,
+    FleetAbandon,
+    FleetClosed,
+    FleetPublish,
+    FleetUpdateBegin,
+    ReplicaEvent,
+    ReplicaOutcome,
+    ReplicaStateChange,
+    Strategy,
+    WaveBegin,
+    decide_synchronous,
+    next_state,
+    plan_waves,
+)
 from rolloutcore.core.records import Admit
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 from rolloutcore.fleet import (
@@ -29,24 +45,6 @@ from rolloutcore.fleet import (
     ReplicaState,
     Router,
     RouteRefused,
-)
-from rolloutcore.fleet.records import (
-    FleetAbandon,
-    FleetClosed,
-    FleetJournal,
-    FleetPublish,
-    FleetUpdateBegin,
-    ReplicaOutcome,
-    ReplicaStateChange,
-    WaveBegin,
-    read_fleet_journal,
-)
-from rolloutcore.fleet.rules import (
-    REPLICA_TRANSITIONS,
-    ReplicaEvent,
-    decide_synchronous,
-    next_state,
-    plan_waves,
 )
 from rolloutcore.testing.fake import FakeWeights
 
@@ -353,15 +351,15 @@ def test_a_failed_rebinding_is_retried_before_the_replica_rejoins() -> None:
 def test_fleet_journal_reads_back_typed(tmp_path: Any) -> None:
     f = fake_fleet(2)
     path = tmp_path / "fleet.jsonl"
-    j = FleetJournal(path)
+    j = Journal(path)
     for jr in f.coord.journal.records:
         j.write(jr.record)
     j.close()
-    back = read_fleet_journal(path)
+    back = read_journal(path)
     assert [r.record for r in back] == [r.record for r in f.coord.journal.records]
     f.coord.update(weights(1))
     assert [type(r.record) for r in f.coord.journal.records][-1] is ReplicaStateChange
-    assert f.coord.journal.of(FleetUpdateBegin)[0].strategy == "synchronous"
+    assert f.coord.journal.of(FleetUpdateBegin)[0].strategy is Strategy.SYNCHRONOUS
 
 
 def test_coordinator_refuses_bad_construction() -> None:

@@ -20,6 +20,7 @@ from fleettools import FakeFleet, fake_fleet, weights
 from helpers.asgi_stream import lifespan
 from helpers.fake_vllm import FakeVllm
 from helpers.gateway_rig import TOKEN, uvicorn_thread
+from rolloutcore.core.pool import FleetUpdateBegin, Strategy
 from rolloutcore.core.records import Admit
 from rolloutcore.errors import BadInput
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, Replica
@@ -146,15 +147,25 @@ async def test_bad_routing_input_is_a_clear_4xx_and_nothing_is_routed(
         assert r.status_code == 400
 
 
+def _close_admission(f: FakeFleet) -> None:
+    """What a synchronous update does between its begin and its decision."""
+    f.coord._shell.run(f.coord._table.begin_update, FleetUpdateBegin(
+        99, Strategy.SYNCHRONOUS, f.coord.newest.generation + 1, "fleet-99",  # type: ignore
+        "0" * 64, ("r0",), 1, None, "fanout"))
+    f.coord._shell.run(f.coord._table.close_admission, 99, "synchronous update 99")
+
+
+def _reopen(f: FakeFleet) -> None:
+    f.coord._shell.run(f.coord._table.end_update, 99)
+
+
 async def test_no_eligible_replica_is_503_with_retry_after_never_another_version() -> None:
     async with fleet_client() as (f, client, fakes):
-        with f.coord._lock:
-            f.coord._closed = "synchronous update 9"   # as during a synchronous update
+        _close_admission(f)
         r = await client.post(GEN, json=gen_body())
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert "closed fleet-wide" in r.json()["error"]["message"]
-        with f.coord._lock:
-            f.coord._closed = None
+        _reopen(f)
         f.coord.update(weights(1), strategy="rolling", min_serving=2)
         r = await client.post(GEN, json=gen_body(), headers={
             "x-rolloutcore-policy": "pinned:fleet-0"})
@@ -167,15 +178,12 @@ async def test_no_eligible_replica_is_503_with_retry_after_never_another_version
 
 async def test_bounded_queue_waits_for_the_fleet_to_reopen() -> None:
     async with fleet_client(queue_max=4, queue_wait_s=5) as (f, client, fakes):
-        with f.coord._lock:
-            f.coord._closed = "synchronous update 9"
+        _close_admission(f)
 
         async def reopen() -> None:
             import anyio
             await anyio.sleep(0.3)
-            with f.coord._lock:
-                f.coord._closed = None
-            f.coord._changed()
+            _reopen(f)
 
         import anyio
         async with anyio.create_task_group() as tg:

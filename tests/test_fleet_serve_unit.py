@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from rolloutcore.cli import main
+from rolloutcore.core.pool import Strategy
 from rolloutcore.errors import BadInput
-from rolloutcore.fleet.rules import Strategy
 from rolloutcore.fleet.serve import FleetServeOptions, parse_update_request
 
 

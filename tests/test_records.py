@@ -31,6 +31,21 @@ from rolloutcore.core.evidence import (
     evidence_to_dict,
 )
 from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.pool import (
+    FleetAbandon,
+    FleetBootstrap,
+    FleetClosed,
+    FleetPublish,
+    FleetUpdateBegin,
+    Outcome,
+    ReplicaEvent,
+    ReplicaOutcome,
+    ReplicaState,
+    ReplicaStateChange,
+    Strategy,
+    WaveBegin,
+    WaveEnd,
+)
 from rolloutcore.core.records import (
     RECORD_TYPES,
     SCHEMA_VERSION,
@@ -125,6 +140,23 @@ SAMPLES: list[Record] = [
     RequestSleep(1, "trainer", 2, 0),
     RequestWake(2, "trainer", V1, IDENT, 0, VerificationLevel.ENGINE_CHECKSUM, 2, False),
     RequestWake(3, "trainer", V0, IDENT, 0, VerificationLevel.ENGINE_CHECKSUM, 1, True),
+    # The fleet pool's records (core.pool): the same schema, typed with its enums.
+    FleetBootstrap(0, "fleet-0", IDENT, ("r0", "r1")),
+    FleetUpdateBegin(1, Strategy.SYNCHRONOUS, 1, "fleet-1", IDENT.digest, ("r0", "r1"), 2,
+                     None, "fanout"),
+    FleetUpdateBegin(2, Strategy.ROLLING, 2, "fleet-2", IDENT.digest, ("r1",), None, 1,
+                     "per-engine"),
+    FleetClosed(1, ("r0", "r1")),
+    WaveBegin(2, 1, ("r1",), 1),
+    WaveEnd(2, 1, ("r1",), (), 0.5),
+    ReplicaOutcome(1, 1, "r0", Outcome.PASSED, "fleet-1", State.READY, "fanout", 0.25),
+    ReplicaOutcome(1, 1, "r1", Outcome.AMBIGUOUS, None, State.TAINTED, "fanout", 1.0, "died"),
+    FleetPublish(1, 1, "fleet-1", IDENT, ("r0",)),
+    FleetAbandon(2, "only 0 of 1 passed"),
+    ReplicaStateChange("r0", ReplicaState.UPDATING, ReplicaState.SERVING, ReplicaEvent.PASSED,
+                       1, V1, ""),
+    ReplicaStateChange("r1", ReplicaState.SERVING, ReplicaState.FENCED, ReplicaEvent.TAINTED,
+                       None, None, "engine tainted"),
 ]
 
 
@@ -224,3 +256,28 @@ def test_first_index_matches_on_types_and_on_names() -> None:
     assert first_index(recs, Admit, rollout_id="b") == first_index(recs, "admit",
                                                                    rollout_id="b") > 0
     assert first_index(recs, Complete) == -1
+
+
+@pytest.mark.parametrize("bad", [
+    {"update_id": 1, "reason": "x", "extra": 1},          # an unknown key
+    {"update_id": 1},                                     # a missing one
+    {"update_id": "1", "reason": "x"},                    # another type
+    {"update_id": True, "reason": "x"},                   # a bool is not an int
+])
+def test_typed_records_read_exactly_their_fields(bad: dict[str, object]) -> None:
+    from rolloutcore.core.records import decode
+    from rolloutcore.errors import JournalError
+
+    with pytest.raises(JournalError):
+        decode("fleet_abandon", bad)
+
+
+def test_typed_records_refuse_a_value_outside_their_enum() -> None:
+    from rolloutcore.core.records import decode
+    from rolloutcore.errors import JournalError
+
+    good = ReplicaStateChange("r0", ReplicaState.SERVING, ReplicaState.FENCED,
+                              ReplicaEvent.TAINTED, None, None, "x").to_data()
+    assert good["after"] == "FENCED" and good["event"] == "tainted"
+    with pytest.raises(JournalError, match="not a ReplicaState"):
+        decode("replica_state", {**good, "after": "SLEEPY"})

@@ -18,7 +18,8 @@ from helpers.gateway_rig import AUTH, DATA_TOKEN, TOKEN, begin_body, lease, rig
 from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service import ServiceConfig, create_app
-from rolloutcore.service.proxy import READ_ONLY_ROUTES, VERSION_HEADER
+from rolloutcore.service.passthrough import READ_ONLY_ROUTES
+from rolloutcore.service.proxy import VERSION_HEADER
 from rolloutcore.testing.fake import FakeWeights
 
 pytestmark = pytest.mark.anyio

@@ -57,6 +57,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from rolloutcore.adapters.vllm.process import ManagedEngine  # noqa: E402
+from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.runner import Deadlines, LifecycleRunner  # noqa: E402
 from rolloutcore.core.evidence import (  # noqa: E402
     BootstrapEvidence,
@@ -70,7 +71,6 @@ from rolloutcore.core.evidence import (  # noqa: E402
     UpdateTarget,
     ValidationEvidence,
 )
-from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.core.versions import (  # noqa: E402
     ParameterManifest,
     Provenance,

@@ -73,7 +73,7 @@ for _p in (str(REPO / "src"), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.runner import Deadlines, LifecycleRunner  # noqa: E402
 from rolloutcore.core.evidence import (  # noqa: E402
     CacheKind,

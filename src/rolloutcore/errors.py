@@ -10,6 +10,7 @@ to know which library failed. For HTTP to vLLM that boundary is one place,
     RolloutCoreError
     ├── BadInput (also a ValueError)          bad argument; nothing changed
     │   ├── RequestTooLarge                   a request body over the configured limit
+    │   ├── RouteRefused                      no engine may answer the request (its HTTP status)
     │   └── ReplayRefused                     replay refused: engine not at the recorded version
     ├── InvalidTransition                     event not legal in this state
     ├── AdmissionRefused                      no rollout admitted; says when to retry
@@ -53,6 +54,7 @@ __all__ = [
     "RequestRejected",
     "RequestTooLarge",
     "RolloutCoreError",
+    "RouteRefused",
     "TransferError",
     "UpdateFailed",
     "UpdateRefused",
@@ -69,6 +71,22 @@ class BadInput(RolloutCoreError, ValueError):
 
 class RequestTooLarge(BadInput):
     """A request body exceeds the configured limit; it was not read further."""
+
+
+class RouteRefused(BadInput):
+    """No engine is routed to: ``status`` is the HTTP answer (4xx, or 503 + Retry-After).
+
+    A request that can never be served as asked (a version never published) is
+    a 4xx; one that only cannot be served now is a 503 with ``retry_after_s``.
+    Nothing was admitted or forwarded.
+    """
+
+    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None,
+                 kind: str = "BadRequest") -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+        self.kind = kind
 
 
 class ReplayRefused(BadInput):

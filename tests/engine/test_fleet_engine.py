@@ -33,6 +33,7 @@ from enginetools import TinyModels
 from helpers.gateway_rig import TOKEN, uvicorn_thread
 from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.core.pool import FleetClosed, FleetPublish
 from rolloutcore.core.records import Admit
 from rolloutcore.fleet import FleetConfig, FleetCoordinator
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER, create_fleet_app
@@ -42,7 +43,6 @@ from rolloutcore.fleet.placement import (
     shared_host_env,
     start_all,
 )
-from rolloutcore.fleet.records import FleetClosed, FleetPublish
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
 from rolloutcore.transports.net import free_port

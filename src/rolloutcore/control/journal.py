@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from rolloutcore.core.records import KINDS, RECORD_TYPES, JournalRecord, Record
 from rolloutcore.errors import JournalError
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from rolloutcore.control.controller import LifecycleController
 
 _TYPES = frozenset(RECORD_TYPES.values())
+R = TypeVar("R", bound=Record)
 
 __all__ = [
     "KINDS",
@@ -255,6 +256,10 @@ class Journal:
         """The records written through this object (the most recent ``keep`` of them)."""
         with self._cond:
             return list(self._records)
+
+    def of(self, kind: type[R]) -> list[R]:
+        """The records of one type among ``records``, in order."""
+        return [r.record for r in self.records if isinstance(r.record, kind)]
 
     def close(self) -> None:
         """Write what is queued, stop the writer, close the file (a failure stays readable

@@ -21,7 +21,8 @@ is where they meet threads. A ``Shell`` owns one machine and:
   injected clock;
 * publishes a snapshot after every call (``view``), an immutable value that
   readers which must not lock (a router choosing a replica per request) take
-  as it is.
+  as it is, and tells its watchers (``watch``) that a new one is out, after
+  the lock is released (a watcher wakes requests queued on the change).
 
 Calls that do not wait (the data plane's ``admit``/``complete``) leave their
 records to whoever is delivering: the thread holding the delivery lock
@@ -101,6 +102,7 @@ class Shell(Generic[M, V]):
         self._outbox: collections.deque[Record] = collections.deque()
         self._deliver_lock = threading.Lock()
         self._delivering: int | None = None  # the delivering thread, against re-entry
+        self._watchers: list[Callable[[], None]] = []
         machine.now = clock()
         self._view: V = snapshot(machine)
         if listener is not None:
@@ -127,9 +129,25 @@ class Shell(Generic[M, V]):
             if self._outbox:
                 self._deliver(False)
             raise err
-        if self._outbox or (wait and self._sinks):
-            self._deliver(wait)
+        try:
+            if self._outbox or (wait and self._sinks):
+                self._deliver(wait)
+        finally:
+            self._tell_watchers()
         return result  # type: ignore[no-any-return]
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every decision, outside the lock (keep it quick; what
+        it raises is ignored: a watcher cannot break the machine)."""
+        with self._lock:
+            self._watchers = [*self._watchers, callback]
+
+    def _tell_watchers(self) -> None:
+        for cb in self._watchers:
+            try:
+                cb()
+            except Exception:
+                continue
 
     def read(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
         """A query of the machine under the lock (consistent with every decision)."""

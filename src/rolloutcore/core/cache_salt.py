@@ -62,5 +62,5 @@ def salt_for(version: WeightVersion, client_salt: str | None = None) -> str:
 
 def salt_label(salt: str) -> str | None:
     """The (possibly truncated) label a RolloutCore salt names; ``None`` if it is not one."""
-    m = _SALT_RE.match(salt) if isinstance(salt, str) else None
+    m = _SALT_RE.fullmatch(salt) if isinstance(salt, str) else None
     return m.group(1) if m else None

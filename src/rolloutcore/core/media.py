@@ -84,7 +84,7 @@ class ImageRef:
     height: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.digest, str) or not _HEX64.match(self.digest):
+        if not isinstance(self.digest, str) or not _HEX64.fullmatch(self.digest):
             raise BadInput(f"image digest must be 64 lowercase hex digits, got {self.digest!r}")
         if self.mime not in IMAGE_MIME_TYPES:
             raise BadInput(f"image mime must be one of {sorted(IMAGE_MIME_TYPES)}, "
@@ -230,7 +230,7 @@ def decode_image_url(url: object, limits: MediaLimits | None = None) -> tuple[Im
     if len(compact) // 4 * 3 > lim.max_bytes + 3:
         raise MediaError(413, f"the image is larger than the limit of {lim.max_bytes} bytes")
     raw_b = compact.encode("ascii", "replace")
-    if not _B64.match(raw_b) or len(raw_b) % 4:
+    if not _B64.fullmatch(raw_b) or len(raw_b) % 4:
         raise MediaError(400, "malformed data URL: the payload is not valid base64")
     try:
         data = base64.b64decode(raw_b, validate=True)

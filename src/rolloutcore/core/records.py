@@ -28,15 +28,27 @@ Standard library only.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
+from rolloutcore.core.pool import POOL_RECORDS
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
-from rolloutcore.errors import BadInput, EffectError, EffectTimeout, JournalError
+from rolloutcore.core.vocab import (  # re-exported: the one schema module
+    Classification,
+    Event,
+    FailureKind,
+    Record,
+    State,
+    Step,
+    UpdateMode,
+    strs,
+    version_from,
+    version_or_none,
+)
+from rolloutcore.errors import JournalError
 
 __all__ = [
     "KINDS",
@@ -76,138 +88,14 @@ __all__ = [
 #: The journal schema's version; see docs/journal-schema.md for what changed.
 #: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
 #: ``request_sleep``/``request_wake`` records (colocated sleep and wake, issue 21).
-SCHEMA_VERSION = 3
+#: 4 added the fleet's records (``core.pool``: ``fleet_*``, ``replica_*``, ``wave*``),
+#: which a fleet gateway writes to the same journal format as one engine's.
+SCHEMA_VERSION = 4
 #: Versions this reader decodes (1: lines without ``"v"``).
-READABLE_VERSIONS = frozenset({1, 2, 3})
+READABLE_VERSIONS = frozenset({1, 2, 3, 4})
 
 
-# --------------------------------------------------------------------------- vocabulary
-
-class State(enum.StrEnum):
-    UNINITIALIZED = "UNINITIALIZED"
-    READY = "READY"
-    DRAINING = "DRAINING"
-    QUIESCED = "QUIESCED"
-    UPDATING = "UPDATING"
-    INVALIDATING = "INVALIDATING"
-    VALIDATING = "VALIDATING"
-    RESUMING = "RESUMING"
-    TAINTED = "TAINTED"
-    RECOVERING = "RECOVERING"
-    # Colocated training (issue 21): the engine gives its GPU memory to the trainer.
-    DOZING = "DOZING"        # admission closed for a sleep: rollouts finish, the engine sleeps
-    SLEEPING = "SLEEPING"    # asleep: weights offloaded (level 1) or discarded (level 2)
-    WAKING = "WAKING"        # weights resident again, KV cache asleep, weights unverified
-    WARMING = "WARMING"      # the update wrote the woken weights; KV cache still asleep
-
-
-class Event(enum.StrEnum):
-    BOOTSTRAP = "bootstrap"
-    ADMIT = "admit"
-    COMPLETE = "complete"
-    REQUEST_UPDATE = "request_update"
-    DRAINED = "drained"
-    PREFLIGHTED = "preflighted"      # begin_update: the mutation may start
-    TRANSFERRED = "transferred"
-    INVALIDATED = "invalidated"
-    VALIDATED = "validated"
-    RESUMED = "resumed"
-    FAIL = "fail"
-    BEGIN_RECOVERY = "begin_recovery"
-    RECOVERED = "recovered"
-    REQUEST_SLEEP = "request_sleep"  # admission closes; the engine is to sleep
-    SLEPT = "slept"
-    REQUEST_WAKE = "request_wake"    # the owner wakes it: with an update, or on its own weights
-    WOKE = "woke"                    # one wake call (weights, KV cache, or both)
-
-
-class Step(enum.StrEnum):
-    """The effect a failure happened in."""
-
-    BOOTSTRAP = "bootstrap"
-    DRAIN = "drain"
-    PREFLIGHT = "preflight"
-    TRANSFER = "transfer"
-    INVALIDATE = "invalidate"
-    VALIDATE = "validate"
-    RESUME = "resume"
-    RECOVER = "recover"
-    SERVE = "serve"        # no effect: the engine observed failing while READY
-    RESTART = "restart"    # no effect: the controller itself restarted mid-way (crash restore)
-    SLEEP = "sleep"        # put the engine to sleep (after the local rollouts finished)
-    WAKE = "wake"          # wake the weights or the KV cache
-
-
-class FailureKind(enum.StrEnum):
-    REFUSED = "refused"            # the effect proves it did nothing (e.g. rejected up front)
-    ERROR = "error"                # raised / server error / connection cut
-    TIMEOUT = "timeout"            # overran its deadline
-    BAD_EVIDENCE = "bad_evidence"  # returned, but the postcondition does not hold
-    DIED = "died"                  # the engine or trainer process is gone
-
-    @classmethod
-    def of(cls, exc: BaseException) -> FailureKind:
-        """The kind an effect's exception is: a timeout, a refusal that proves
-        nothing was mutated, or an error (anything else, mutation unknown)."""
-        if isinstance(exc, EffectTimeout):
-            return cls.TIMEOUT
-        if isinstance(exc, EffectError) and not exc.mutation_started:
-            return cls.REFUSED
-        return cls.ERROR
-
-
-class Classification(enum.StrEnum):
-    NO_MUTATION = "no_mutation"
-    INCOMPLETE = "incomplete"
-    AMBIGUOUS = "ambiguous"
-
-
-class UpdateMode(enum.StrEnum):
-    """What an update does with the rollouts in flight; each is a row of ``rules.UPDATE_MODES``.
-
-    ``strict`` drains them first (every rollout completes under the version
-    it was admitted with); ``keep`` freezes them in the engine
-    (``pause(mode=keep)``) and lets them continue under the new version;
-    ``recompute`` aborts them at the pause and has their owner resubmit
-    prompt + partial output under the new version (the KV is recomputed).
-    """
-
-    STRICT = "strict"
-    KEEP = "keep"
-    RECOMPUTE = "recompute"
-
-
-# --------------------------------------------------------------------------- records
-
-R = TypeVar("R", bound="Record")
-
-
-@dataclass(frozen=True)
-class Record:
-    """One output. ``KIND`` is its name in the journal; ``to_data`` its JSON ``data``."""
-
-    KIND: ClassVar[str] = ""
-
-    def to_data(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    @classmethod
-    def from_data(cls: type[R], d: Mapping[str, Any]) -> R:
-        raise NotImplementedError
-
-
-def _v(d: Any) -> WeightVersion:
-    return WeightVersion.from_dict(d)
-
-
-def _vd(v: WeightVersion | None) -> dict[str, Any] | None:
-    return None if v is None else v.to_dict()
-
-
-def _strs(xs: Any) -> tuple[str, ...]:
-    if isinstance(xs, (str, bytes)):
-        raise BadInput("expected a list of strings")
-    return tuple(str(x) for x in xs)
+_v, _vd, _strs = version_from, version_or_none, strs
 
 
 @dataclass(frozen=True)
@@ -598,11 +486,13 @@ class Note(Record):
         return cls(str(rest.pop("what")), rest)
 
 
-#: Kind -> record class: the whole schema.
-RECORD_TYPES: Mapping[str, type[Record]] = {t.KIND: t for t in (
+#: Kind -> record class: the whole schema (the engine's records, the fleet pool's).
+_ENGINE_RECORDS: tuple[type[Record], ...] = (
     Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
     Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry,
-    RequestSleep, RequestWake)}
+    RequestSleep, RequestWake)
+RECORD_TYPES: Mapping[str, type[Record]] = {
+    t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS)}
 
 KINDS = frozenset(RECORD_TYPES)
 

@@ -65,7 +65,7 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 def check_label(label: object) -> str:
     """The label rule; every module that takes a label calls this one."""
-    if not isinstance(label, str) or not _LABEL_RE.match(label):
+    if not isinstance(label, str) or not _LABEL_RE.fullmatch(label):
         raise BadInput(f"label must match {_LABEL_RE.pattern}, got {label!r}")
     return label
 
@@ -77,7 +77,7 @@ def label_for(generation: int) -> str:
 
 def generation_of(label: str | None) -> int | None:
     """N for a label ``rc-N`` (an engine an earlier controller labelled), else None."""
-    m = _RC_LABEL.match(label or "")
+    m = _RC_LABEL.fullmatch(label or "")
     return int(m.group(1)) if m else None
 
 
@@ -228,9 +228,9 @@ class WeightIdentity:
     evidence: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.manifest_digest, str) or not _HEX64.match(self.manifest_digest):
+        if not isinstance(self.manifest_digest, str) or not _HEX64.fullmatch(self.manifest_digest):
             raise BadInput("manifest_digest must be a sha256 hex digest")
-        if self.content_digest is not None and not _HEX64.match(self.content_digest):
+        if self.content_digest is not None and not _HEX64.fullmatch(self.content_digest):
             raise BadInput("content_digest must be a sha256 hex digest or None")
         if not isinstance(self.provenance, Provenance):
             raise BadInput("provenance must be a Provenance")

@@ -1,13 +1,15 @@
 """A fleet of engines: one controller per engine, a coordinator above, a router in front.
 
-``rules`` (the replica pool table and the update decisions) and ``routing``
-(policies, eligibility, balance) are pure; ``records`` is the coordinator's
-journal; ``coordinator`` runs synchronous and rolling updates and supervises
-the pool; ``gateway`` is the HTTP front (version-aware routing, status,
-metrics); ``placement`` starts engines (URLs, local processes, Ray actors)
-and builds their replicas.
+The pool's machine (the replica table, its records, the update decisions)
+is ``rolloutcore.core.pool``, run in the shell every machine runs in;
+``routing`` (policies, eligibility, balance) is pure; ``coordinator`` runs
+synchronous and rolling updates and supervises the pool; ``gateway`` is the
+single gateway's data plane with a router in front (version-aware routing,
+status, metrics); ``placement`` starts engines (URLs, local processes, Ray
+actors) and builds their replicas.
 """
 
+from rolloutcore.core.pool import Outcome, ReplicaState, Strategy
 from rolloutcore.fleet.coordinator import (
     FanoutTransport,
     FleetConfig,
@@ -19,7 +21,6 @@ from rolloutcore.fleet.coordinator import (
     Replica,
 )
 from rolloutcore.fleet.routing import Policy, PolicyKind, Router, RouteRefused
-from rolloutcore.fleet.rules import Outcome, ReplicaState, Strategy
 
 __all__ = [
     "FanoutTransport",

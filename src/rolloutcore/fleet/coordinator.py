@@ -2,11 +2,18 @@
 
 Each replica is what ``EngineSession`` is for one engine: an adapter, a
 controller, a runner and a journal of its own. The coordinator sits above
-them and adds what only a fleet has:
+them and drives the fleet's own machine, the replica pool
+(``core.pool.ReplicaTable``), in the same shell every machine runs in
+(``control.shell``): its decisions are made under the shell's lock, its
+records go to the one journal format (``control.journal.Journal``) after the
+lock is released, and the router reads the pool's published snapshot
+without taking any lock (``view``). It adds what only a fleet has:
 
-* the fleet's **published versions** (``FleetVersion``: a fleet generation,
-  its label and its ``WeightIdentity``) and which version each replica
-  holds; the router (``fleet.routing``) reads that through ``view()``;
+* **one takeover per replica**: each engine joins fleet version 0 only
+  through the same verified takeover as ``serve --upstream``
+  (``runner.take_over``: awake, not paused, its label, the probe of the
+  declared checkpoint, to the fleet's verification floor); one that cannot
+  be verified stays out of the pool;
 * **updates across replicas**, driven through each runner's two-phase form
   (``open_update`` -> the transfer -> ``report_transfer`` -> ``close_update``),
   so every engine still goes through its own whole verified transition:
@@ -18,23 +25,25 @@ them and adds what only a fleet has:
     (default: all) passed; the others are fenced (tainted: recovered;
     untouched: kept on the old version). Below the quorum nothing is
     published, and replicas that passed are withheld until they are back on
-    a published version. Admission reopens only after that decision, so no
-    request is answered by a version other than the one it was admitted
-    under: a replica's drain waits for its own bound rollouts, and nothing is
-    admitted between ``fleet_closed`` and the decision;
+    a published version;
   - ``rolling``: waves of per-engine updates, each wave taken out of the pool
     only while at least ``min_serving`` replicas stay in it; the new version
     is published when the first wave passes, so two versions serve during
-    the roll and every answer says which;
-* **supervision** (``supervise_once``, or the supervisor thread): a replica
-  whose engine taints, dies or restarts leaves the pool at once; it is
-  recovered on its own (its ``Recoverer``: a replacement process on a known
-  checkpoint, verified), and rejoins only after it was verified on the
-  fleet's current version (recovered on it, or updated onto it with the
-  retained weights).
+    the roll and every answer says which (the router admits on a replica
+    only at the engine version it routed for);
 
-The coordinator's journal (``fleet.records``) records updates, waves,
-per-replica outcomes and every pool state change; each engine keeps its own.
+  whatever goes wrong inside an update (an exception, a journal that
+  failed), no replica is left in it: every one that is still UPDATING when
+  the update ends is decided from its engine (its open transition
+  classified from the engine's own write counters, then kept, withheld or
+  fenced);
+* **supervision** (``supervise_once``, or the supervisor thread): every
+  replica's health is checked at once (concurrently); one whose engine
+  taints, dies, restarts, refuses connections or whose controller failed
+  closed leaves the pool; it is recovered on its own (its ``Recoverer``: a
+  replacement process on a known checkpoint, verified), and rejoins only
+  after it was verified on the fleet's current version (recovered on it, or
+  updated onto it with the retained weights).
 """
 
 from __future__ import annotations
@@ -47,10 +56,30 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import UpdateOutcome
+from rolloutcore.control.shell import Shell
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind, State, Step
-from rolloutcore.core.versions import WeightIdentity, generation_of
+from rolloutcore.core.pool import (
+    IN_POOL,
+    FleetAbandon,
+    FleetUpdateBegin,
+    FleetVersion,
+    Outcome,
+    PoolView,
+    ReplicaEvent,
+    ReplicaOutcome,
+    ReplicaState,
+    ReplicaTable,
+    Strategy,
+    WaveBegin,
+    WaveEnd,
+    decide_synchronous,
+    plan_waves,
+)
+from rolloutcore.core.records import Record, Taint, Transition
+from rolloutcore.core.versions import VerificationLevel, WeightIdentity, generation_of
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -67,33 +96,10 @@ from rolloutcore.fleet.model import (
     FleetConfig,
     FleetUpdateFailed,
     FleetUpdateResult,
-    FleetVersion,
     FleetWeights,
     Replica,
 )
-from rolloutcore.fleet.records import (
-    FleetAbandon,
-    FleetBootstrap,
-    FleetClosed,
-    FleetJournal,
-    FleetPublish,
-    FleetUpdateBegin,
-    ReplicaOutcome,
-    ReplicaStateChange,
-    WaveBegin,
-    WaveEnd,
-)
 from rolloutcore.fleet.routing import FleetView, ReplicaView
-from rolloutcore.fleet.rules import (
-    IN_POOL,
-    Outcome,
-    ReplicaEvent,
-    ReplicaState,
-    Strategy,
-    decide_synchronous,
-    next_state,
-    plan_waves,
-)
 
 __all__ = [
     "FanoutTransport",
@@ -108,18 +114,21 @@ __all__ = [
 ]
 
 E, S = ReplicaEvent, ReplicaState
+_KEEP: Any = object()
+#: Events that put a replica in the pool on the engine version its controller serves.
+_ENTERS = frozenset({E.BOOTSTRAPPED, E.PASSED, E.REJOINED})
 
 
 @dataclass
 class _Member:
+    """Working memory of one replica (not durable: the pool's table holds that)."""
+
     replica: Replica
-    state: ReplicaState = ReplicaState.JOINING
-    generation: int | None = None   # the fleet version its engine holds (verified)
     busy: bool = False              # a recovery or rejoin runs on it
-    reason: str = ""
     issued: set[str] = field(default_factory=set)
-    suspect: bool = False
+    suspect: bool = False           # the data plane saw its engine refuse a connection
     rebind: bool = False            # recovered, but not yet rebound to the new process
+    out: UpdateOutcome | None = None  # its part of the fleet update running now
 
 
 def _outcome_of(uf: UpdateFailed) -> Outcome:
@@ -131,13 +140,15 @@ class FleetCoordinator:
     """Runs fleet updates over ``replicas`` and keeps the pool; see the module docstring.
 
     ``fanout``: a ``FanoutTransport`` over the replicas' ``fanout_url``s
-    (synchronous updates then broadcast once). ``journal_path``: the
-    coordinator's own journal (memory only without one).
+    (synchronous updates then broadcast once). ``journal_path``: the pool's
+    journal (the one journal format; memory only without one), ``journal_keep``
+    how many of its records memory holds (``None``: all).
     """
 
     def __init__(self, replicas: Sequence[Replica], *, config: FleetConfig | None = None,
-                 fanout: FanoutTransport | None = None,
-                 journal_path: str | None = None) -> None:
+                 fanout: FanoutTransport | None = None, journal_path: str | None = None,
+                 journal_keep: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if isinstance(replicas, (str, bytes)) or not replicas:
             raise BadInput("a fleet needs at least one replica")
         names = [r.name for r in replicas if isinstance(r, Replica)]
@@ -149,23 +160,24 @@ class FleetCoordinator:
             raise BadInput("fanout must implement send_all/invalidate/abort")
         self.config = config or FleetConfig()
         self.fanout = fanout
-        self.journal = FleetJournal(journal_path)
+        self.journal = Journal(journal_path, keep=journal_keep)
+        self._table = ReplicaTable(names)
+        self._shell: Shell[ReplicaTable, PoolView] = Shell(
+            self._table, ReplicaTable.view, clock=clock, listener=self.journal.listener)
         self._members: dict[str, _Member] = {r.name: _Member(r) for r in replicas}
         self._order = list(names)
-        self._lock = threading.RLock()
-        self._update_lock = threading.Lock()
-        self._versions: list[FleetVersion] = []
+        self._mem = threading.Lock()    # working memory (busy flags); nothing waits under it
+        self._update_lock = threading.Lock()  # one update at a time
         self._payloads: dict[int, FleetWeights] = {}
-        self._closed: str | None = None
         self._update_id = 0
-        self._running: dict[str, Any] | None = None
-        self._listeners: list[Callable[[], None]] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._heals: dict[str, threading.Thread] = {}
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(names)),
                                         thread_name_prefix="rc-fleet")
+        for r in replicas:
+            r.controller.add_listener(self._engine_record)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -173,70 +185,84 @@ class FleetCoordinator:
         return {n: m.replica for n, m in self._members.items()}
 
     @property
+    def pool(self) -> PoolView:
+        """The pool as its last decision left it (read without any lock)."""
+        return self._shell.view
+
+    @property
     def versions(self) -> tuple[FleetVersion, ...]:
-        with self._lock:
-            return tuple(self._versions)
+        return self._shell.view.versions
 
     @property
     def newest(self) -> FleetVersion | None:
-        with self._lock:
-            return self._versions[-1] if self._versions else None
+        return self._shell.view.newest
+
+    @property
+    def failed_closed(self) -> str | None:
+        return self._shell.view.failed_closed
 
     def state_of(self, name: str) -> ReplicaState:
-        with self._lock:
-            return self._member(name).state
+        return self._shell.view.entry(name).state
 
     def generation_of(self, name: str) -> int | None:
-        with self._lock:
-            return self._member(name).generation
+        return self._shell.view.entry(name).generation
 
     def serving(self) -> list[str]:
-        """The replicas in the pool now (what the router may choose from)."""
-        with self._lock:
-            return [n for n in self._order if self._in_pool(self._members[n])]
-
-    def _in_pool(self, m: _Member) -> bool:
-        return m.state in IN_POOL and m.generation is not None and \
-            m.replica.controller.state is State.READY
+        """The replicas the router may choose from now."""
+        return [r.name for r in self.view().replicas if r.in_pool]
 
     def view(self) -> FleetView:
-        """What the router needs, in one consistent read."""
-        with self._lock:
-            reps = tuple(ReplicaView(n, self._in_pool(m), m.generation,
-                                     len(m.replica.controller.active))
-                         for n, m in ((n, self._members[n]) for n in self._order)
-                         if m.state is not S.REMOVED)
-            newest = self._versions[-1].generation if self._versions else None
-            labels = {v.label: v.generation for v in self._versions}
-            return FleetView(reps, newest, labels, self._closed, self.config.retry_after_s)
+        """What the router needs, from published snapshots only (no lock is taken).
+
+        A replica is routable when the pool has it SERVING a fleet version and
+        its controller is READY, not failed closed, on exactly the engine
+        version it entered the pool with.
+        """
+        pool = self._shell.view
+        reps: list[ReplicaView] = []
+        for e in pool.replicas:
+            if e.state is S.REMOVED:
+                continue
+            c = self._members[e.name].replica.controller.view
+            ok = (e.in_pool and c.state is State.READY and c.failed_closed is None
+                  and c.committed is not None and c.committed == e.engine_version)
+            reps.append(ReplicaView(e.name, ok, e.generation, c.load, e.engine_version))
+        closed = pool.closed
+        if pool.failed_closed is not None:
+            closed = f"the fleet failed closed ({pool.failed_closed})"
+        return FleetView(tuple(reps), None if pool.newest is None else pool.newest.generation,
+                         {v.label: v.generation for v in pool.versions}, closed,
+                         self.config.retry_after_s)
 
     def status(self) -> dict[str, Any]:
-        with self._lock:
-            reps = []
-            served: dict[str, int] = {}
-            for n in self._order:
-                m = self._members[n]
-                c = m.replica.controller
-                committed = c.committed
-                ver = self._version(m.generation)
-                if self._in_pool(m) and ver is not None:
-                    served[ver.label] = served.get(ver.label, 0) + 1
-                reps.append({
-                    "name": n, "url": m.replica.url, "state": m.state.value,
-                    "in_pool": self._in_pool(m), "fleet_generation": m.generation,
-                    "fleet_label": None if ver is None else ver.label,
-                    "engine_state": c.state.value,
-                    "engine_version": None if committed is None else committed.to_dict(),
-                    "load": len(c.active), "reason": m.reason, "busy": m.busy})
-            return {
-                "replicas": reps,
-                "serving": sum(1 for r in reps if r["in_pool"]),
-                "newest": None if not self._versions else self._versions[-1].to_dict(),
-                "published": [v.to_dict() for v in self._versions],
-                "versions_served": served,
-                "admission_closed": self._closed,
-                "update": None if self._running is None else dict(self._running),
-            }
+        pool = self._shell.view
+        routable = {r.name: r.in_pool for r in self.view().replicas}
+        reps = []
+        served: dict[str, int] = {}
+        for e in pool.replicas:
+            m = self._members[e.name]
+            c = m.replica.controller.view
+            ver = pool.version(e.generation)
+            if routable.get(e.name) and ver is not None:
+                served[ver.label] = served.get(ver.label, 0) + 1
+            reps.append({
+                "name": e.name, "url": m.replica.url, "state": e.state.value,
+                "in_pool": bool(routable.get(e.name)), "fleet_generation": e.generation,
+                "fleet_label": None if ver is None else ver.label,
+                "engine_state": c.state.value,
+                "engine_version": None if c.committed is None else c.committed.to_dict(),
+                "engine_failed_closed": c.failed_closed,
+                "load": c.load, "reason": e.reason, "busy": m.busy})
+        return {
+            "replicas": reps,
+            "serving": sum(1 for r in reps if r["in_pool"]),
+            "newest": None if pool.newest is None else pool.newest.to_dict(),
+            "published": [v.to_dict() for v in pool.versions],
+            "versions_served": served,
+            "admission_closed": pool.closed,
+            "failed_closed": pool.failed_closed,
+            "update": None if pool.update is None else dict(pool.update),
+        }
 
     def _member(self, name: str) -> _Member:
         m = self._members.get(name)
@@ -244,87 +270,93 @@ class FleetCoordinator:
             raise BadInput(f"no replica named {name!r} in this fleet")
         return m
 
-    def _version(self, gen: int | None) -> FleetVersion | None:
-        if gen is None:
-            return None
-        for v in self._versions:
-            if v.generation == gen:
-                return v
-        return None
-
     def on_change(self, callback: Callable[[], None]) -> None:
-        """Called (from any thread) whenever the pool or the versions change."""
-        self._listeners.append(callback)
+        """Called (from any thread, never under a lock) when the pool or an engine changes:
+        after every decision of the pool, and every transition of a replica's engine."""
+        self._shell.watch(callback)
 
-    # ------------------------------------------------------------------ state changes
-    def _move(self, m: _Member, event: ReplicaEvent, *, generation: int | str | None = "keep",
+        def listener(rec: Record) -> None:
+            if type(rec) is Transition:
+                with contextlib.suppress(Exception):  # a watcher cannot break an engine
+                    callback()
+
+        for m in self._members.values():
+            m.replica.controller.add_listener(listener)
+
+    def _engine_record(self, rec: Record) -> None:
+        """A replica's own record: a taint (or its controller failing) wakes the supervisor."""
+        if type(rec) is Taint or (type(rec) is Transition and rec.after is State.TAINTED):
+            self._wake.set()
+
+    # ------------------------------------------------------------------ the pool's decisions
+    def _move(self, m: _Member, event: ReplicaEvent, *, generation: Any = _KEEP,
               reason: str = "") -> None:
-        with self._lock:
-            before = m.state
-            after = next_state(before, event)
-            m.state = after
-            if generation != "keep":
-                assert generation is None or isinstance(generation, int)
-                m.generation = generation
-            m.reason = reason
-            committed = m.replica.controller.committed
-            rec = ReplicaStateChange(m.replica.name, before.value, after.value, event.value,
-                                     m.generation, None if committed is None
-                                     else committed.label, reason[:500])
-        self._write(rec)
-        self._changed()
+        """One replica's pool event, recorded; the engine version it serves, when it enters.
 
-    def _changed(self) -> None:
-        for cb in list(self._listeners):
-            with contextlib.suppress(Exception):
-                cb()
+        A journal that fails here does not stop the move (it is applied, the
+        pool fails closed and refuses what comes next): a replica must always
+        be able to leave an update.
+        """
+        kw: dict[str, Any] = {"reason": reason}
+        if generation is not _KEEP:
+            kw["generation"] = generation
+            if generation is None:
+                kw["engine_version"] = None
+        if event in _ENTERS:
+            kw["engine_version"] = m.replica.controller.committed
+        # Applied in memory even when the journal failed; the pool is failed closed then.
+        with contextlib.suppress(JournalError):
+            self._shell.run(self._table.move, m.replica.name, event, **kw)
+        self._wake.set()
 
-    def _write(self, rec: Any) -> None:
-        try:
-            self.journal.write(rec)
-        except JournalError:
-            # The coordinator cannot record what it would decide: no more updates.
-            with self._lock:
-                self._closed = self._closed or "the fleet journal failed"
-            raise
+    def _record(self, fn: Callable[..., None], *args: Any) -> None:
+        """A record of the running update (its outcome may not become durable: the pool
+        then fails closed and the update decides nothing more)."""
+        with contextlib.suppress(JournalError):
+            self._shell.run(fn, *args)
 
     # ------------------------------------------------------------------ bootstrap
     def bootstrap(self, identity: WeightIdentity, *, weights: FleetWeights | None = None,
                   label: str = "fleet-0", bootstrapped: bool = False) -> FleetVersion:
-        """Take every replica over on ``identity`` (fleet version 0, ``label``).
+        """Take every replica over on ``identity`` (fleet version 0, ``label``), verified.
 
-        Each runner is bootstrapped (unless ``bootstrapped``: done already);
-        a replica that fails stays fenced. ``weights`` is retained for rejoins.
+        Each runner takes its engine over as ``serve --upstream`` does
+        (``take_over``: awake, not paused, its label and ``weights.probe``, to
+        ``weights.min_verification``), unless ``bootstrapped`` (done already:
+        only checked). A replica that cannot be verified joins FENCED, with
+        the reason. ``weights`` is retained for rejoins.
         """
         _check_fleet_label(label)
         if not isinstance(identity, WeightIdentity):
             raise BadInput("identity must be a WeightIdentity")
-        with self._lock:
-            if self._versions:
-                raise BadInput("the fleet is already bootstrapped")
-        members = list(self._members.values())
+        if weights is not None and not isinstance(weights, FleetWeights):
+            raise BadInput("weights must be FleetWeights")
+        level = weights.min_verification if weights is not None else VerificationLevel.DECLARED
+        probe = weights.probe if weights is not None else None
+        version = FleetVersion(0, label, identity, None)
+        self._shell.run(self._table.bootstrap, version)
+        if weights is not None:
+            self._payloads[0] = weights
+        members = [self._members[n] for n in self._order]
 
         def one(m: _Member) -> str | None:
+            r = m.replica
             try:
                 if not bootstrapped:
-                    m.replica.runner.bootstrap(identity)
-                c = m.replica.controller
-                if c.state is not State.READY or c.identity is None or \
-                        not c.identity.same_weights(identity):
+                    r.runner.take_over(identity, probes=probe, min_verification=level)
+                c = r.controller
+                ident = c.identity
+                if c.state is not State.READY or ident is None or \
+                        not ident.same_weights(identity):
                     return f"engine {c.state.value}, not READY on the fleet's identity"
+                if ident.verification < level:
+                    return (f"the takeover reached {ident.verification.wire}, the fleet "
+                            f"requires {level.wire}")
             except RolloutCoreError as exc:
-                return str(exc)
+                return f"takeover refused: {exc}"
             return None
 
-        problems = list(self._pool.map(one, members))
-        version = FleetVersion(0, label, identity, None)
-        with self._lock:
-            self._versions.append(version)
-            if weights is not None:
-                self._payloads[0] = weights
-        self._write(FleetBootstrap(0, label, identity.digest,
-                                   tuple(m.replica.name for m in members)))
-        for m, p in zip(members, problems, strict=True):
+        for m, p in zip(members, list(self._pool.map(one, members)), strict=True):
             if p is None:
                 self._move(m, E.BOOTSTRAPPED, generation=0)
             else:
@@ -363,34 +395,34 @@ class FleetCoordinator:
         if not self._update_lock.acquire(blocking=False):
             raise UpdateRefused("a fleet update is already running; one at a time")
         try:
-            with self._lock:
-                if not self._versions:
-                    raise UpdateRefused("bootstrap the fleet first")
-                if self._closed is not None and self._running is None:
-                    raise UpdateRefused(f"the fleet refuses updates: {self._closed}")
-                gen = self._versions[-1].generation + 1
-                fleet_label = label if label is not None else f"fleet-{gen}"
-                _check_fleet_label(fleet_label)
-                if any(v.label == fleet_label for v in self._versions):
-                    raise BadInput(f"fleet label {fleet_label!r} was already published")
-                self._update_id += 1
-                uid = self._update_id
+            pool = self._shell.view
+            if pool.failed_closed is not None:
+                raise UpdateRefused(f"the fleet refuses updates: it failed closed "
+                                    f"({pool.failed_closed})")
+            if pool.newest is None:
+                raise UpdateRefused("bootstrap the fleet first")
+            gen = pool.newest.generation + 1
+            fleet_label = label if label is not None else f"fleet-{gen}"
+            _check_fleet_label(fleet_label)
+            if any(v.label == fleet_label for v in pool.versions):
+                raise BadInput(f"fleet label {fleet_label!r} was already published")
+            self._update_id += 1
+            uid = self._update_id
             if strat is Strategy.SYNCHRONOUS:
                 return self._synchronous(uid, gen, fleet_label, weights, owner, cfg)
             return self._rolling(uid, gen, fleet_label, weights, owner, cfg)
         finally:
-            with self._lock:
-                self._running = None
             self._update_lock.release()
-            self._changed()
             self._wake.set()
 
     def _ready_members(self) -> list[_Member]:
         """Replicas an update may take: in the pool, or fenced with a READY engine."""
-        with self._lock:
+        pool = self._shell.view
+        with self._mem:
             return [m for m in (self._members[n] for n in self._order)
                     if not m.busy and m.replica.controller.state is State.READY
-                    and (m.state in IN_POOL or m.state is S.FENCED)]
+                    and pool.entry(m.replica.name).state in (S.SERVING, S.FENCED)
+                    and m.replica.controller.failed_closed is None]
 
     def _label_for(self, m: _Member, base: str) -> str:
         """The engine's own target label: the fleet's, suffixed when this engine used it."""
@@ -401,6 +433,41 @@ class FleetCoordinator:
             label = f"{base}.{k}"
         m.issued.add(label)
         return label
+
+    def _begin(self, rec: FleetUpdateBegin) -> None:
+        self._shell.run(self._table.begin_update, rec)
+
+    def _end(self, uid: int, members: Sequence[_Member], res: FleetUpdateResult,
+             published: FleetVersion | None) -> None:
+        """However the update went, no replica stays in it: each still UPDATING is decided
+        from its engine, then the update ends (admission reopens)."""
+        for m in members:
+            out, m.out = m.out, None
+            r = m.replica
+            c = r.controller
+            if out is not None and c.current_ticket == out.ticket:
+                # Its transition is still open (the update broke off between the begin
+                # and the report): classified from the engine's own write counters.
+                with contextlib.suppress(UpdateFailed, RolloutCoreError):
+                    r.runner.expire_lease(out, f"fleet update {uid} ended before this "
+                                               "engine's transfer was reported")
+            if self._shell.view.entry(r.name).state is not S.UPDATING:
+                continue
+            e = self._shell.view.entry(r.name)
+            why = res.reasons.get(r.name) or "the fleet update broke off"
+            if c.state is State.READY and c.committed == e.engine_version and \
+                    e.generation is not None:
+                self._move(m, E.KEPT, reason=why)
+            elif c.state is State.READY and published is not None and \
+                    c.identity is not None and c.identity.same_weights(published.identity):
+                self._move(m, E.PASSED, generation=published.generation)
+            elif c.state is State.READY:
+                self._move(m, E.WITHHELD, generation=None,
+                           reason=f"holds weights the fleet did not publish ({why})")
+            else:
+                self._move(m, E.TAINTED, generation=None, reason=why)
+        with contextlib.suppress(InvalidTransition):
+            self._record(self._table.end_update, uid)
 
     def _synchronous(self, uid: int, gen: int, label: str, weights: FleetWeights, owner: str,
                      cfg: FleetConfig) -> FleetUpdateResult:
@@ -418,24 +485,22 @@ class FleetCoordinator:
         names = tuple(m.replica.name for m in members)
         res = FleetUpdateResult(uid, Strategy.SYNCHRONOUS, label, None, waves=[names],
                                 transfer=transfer)
-        with self._lock:
-            self._closed = f"synchronous update {uid} to {label}"
-            self._running = {"update_id": uid, "strategy": "synchronous", "label": label,
-                             "replicas": list(names)}
-        self._changed()
+        self._begin(FleetUpdateBegin(uid, Strategy.SYNCHRONOUS, gen, label,
+                                     weights.identity.digest, names, quorum, None, transfer))
+        published: FleetVersion | None = None
         try:
-            self._write(FleetUpdateBegin(uid, "synchronous", gen, label, weights.identity.digest,
-                                         names, quorum, None, transfer))
+            self._record(self._table.close_admission, uid,
+                         f"synchronous update {uid} to {label}")
             for m in members:
                 self._move(m, E.SELECTED)
-            outs, failed = self._open_all(members, weights, label, owner, res)
-            self._write(FleetClosed(uid, names))
+            outs, failed = self._open_all(members, weights, label, owner)
+            self._record(self._table.closed, uid, names)
             opened = [m for m in members if m.replica.name in outs]
             tt = time.monotonic()
             if use_fanout and len(opened) > 1:
                 self._fanout_transfer(opened, outs, weights, res, failed)
             else:
-                self._per_engine_transfer(opened, outs, res, failed, parallel=False)
+                self._per_engine_transfer(opened, outs, failed, parallel=False)
             res.transfer_s = time.monotonic() - tt
             self._close_all([m for m in opened if m.replica.name not in failed], outs, res,
                             failed)
@@ -447,54 +512,61 @@ class FleetCoordinator:
             for m in members:
                 n = m.replica.name
                 c = m.replica.controller
-                self._write(ReplicaOutcome(uid, 1, n, res.outcomes[n].value,
-                                           c.committed.label if c.committed else None,
-                                           c.state.value, transfer, time.monotonic() - t0,
-                                           res.reasons.get(n, "")[:500]))
-            if dec.publish:
-                version = self._publish(uid, gen, label, weights, members, dec.serving)
-                res.published = version
+                self._record(self._table.note, ReplicaOutcome(
+                    uid, 1, n, res.outcomes[n], c.committed.label if c.committed else None,
+                    c.state, transfer, time.monotonic() - t0, res.reasons.get(n, "")[:500]))
+            if dec.publish and self._shell.view.failed_closed is None:
+                published = self._publish(uid, gen, label, weights, members, dec.serving)
+                res.published = published
             else:
-                self._write(FleetAbandon(uid, dec.reason))
+                if dec.publish:
+                    res.decision = f"the fleet failed closed ({self.failed_closed})"
+                self._record(self._table.note, FleetAbandon(uid, res.decision))
             for m in members:
                 n = m.replica.name
-                if n in dec.serving:
+                if published is not None and n in dec.serving:
                     self._move(m, E.PASSED, generation=gen)
                 elif n in dec.kept:
-                    self._move(m, E.KEPT, reason=res.reasons.get(n, ""))
-                elif n in dec.withheld:
+                    self._end_one_kept(m, res.reasons.get(n, ""))
+                elif n in dec.withheld or n in dec.serving:
                     self._move(m, E.WITHHELD, generation=None,
                                reason=f"verified on {label}, which the fleet did not publish")
                 else:
                     self._move(m, E.TAINTED, generation=None, reason=res.reasons.get(n, ""))
+        except RolloutCoreError as exc:
+            res.decision = res.decision or f"the update broke off: {exc}"
+            res.reasons.setdefault("fleet", str(exc))
         finally:
-            with self._lock:
-                self._closed = None
-            self._changed()
+            self._end(uid, members, res, published)
         res.seconds = time.monotonic() - t0
         if res.published is None:
             raise FleetUpdateFailed(res)
         return res
+
+    def _end_one_kept(self, m: _Member, why: str) -> None:
+        """Untouched by the update: back in the pool on its old version, or fenced as it
+        was before (a fenced replica the update took but never changed)."""
+        if self._shell.view.entry(m.replica.name).generation is not None:
+            self._move(m, E.KEPT, reason=why)
+        else:
+            self._move(m, E.WITHHELD, generation=None, reason=f"still off the pool: {why}")
 
     def _publish(self, uid: int, gen: int, label: str, weights: FleetWeights,
                  members: Sequence[_Member], passed: Sequence[str]) -> FleetVersion:
         first = next(m for m in members if m.replica.name in passed)
         ident = first.replica.controller.identity or weights.identity
         version = FleetVersion(gen, label, ident, uid)
-        with self._lock:
-            self._versions.append(version)
-            self._payloads[gen] = weights
-            # Keep the weights of the newest version (rejoins) and the one before it
-            # (replicas withheld by a later abandoned update go back there).
-            for g in [g for g in self._payloads if g < gen - 1]:
-                del self._payloads[g]
-        self._write(FleetPublish(uid, gen, label, weights.identity.digest, tuple(passed)))
+        self._shell.run(self._table.publish, version, tuple(passed))
+        self._payloads[gen] = weights
+        # Keep the weights of the newest version (rejoins) and the one before it
+        # (replicas withheld by a later abandoned update go back there).
+        for g in [g for g in self._payloads if g < gen - 1]:
+            del self._payloads[g]
         return version
 
     # -- the per-replica phases, run in parallel ------------------------------------------
     def _open_all(self, members: Sequence[_Member], weights: FleetWeights, label: str,
-                  owner: str, res: FleetUpdateResult,
-                  ) -> tuple[dict[str, UpdateOutcome], dict[str, UpdateFailed]]:
+                  owner: str) -> tuple[dict[str, UpdateOutcome], dict[str, UpdateFailed]]:
         outs: dict[str, UpdateOutcome] = {}
         failed: dict[str, UpdateFailed] = {}
 
@@ -502,9 +574,10 @@ class FleetCoordinator:
             r = m.replica
             try:
                 r.stage(weights.payload)
-                return r.runner.open_update(weights.identity, owner=owner,
-                                            label=self._label_for(m, label),
-                                            min_verification=weights.min_verification)
+                m.out = r.runner.open_update(weights.identity, owner=owner,
+                                             label=self._label_for(m, label),
+                                             min_verification=weights.min_verification)
+                return m.out
             except UpdateFailed as uf:
                 return uf
             except (UpdateRefused, BadInput) as exc:
@@ -533,35 +606,21 @@ class FleetCoordinator:
         """A per-engine send through the replica's own adapter, under its deadline."""
         r = m.replica
         adapter = r.runner.adapter
-        box: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                box["ev"] = adapter.transfer(out.ticket.target)
-            except BaseException as exc:  # handed back below
-                box["err"] = exc
-
-        th = threading.Thread(target=work, name=f"rc-fleet-send-{r.name}", daemon=True)
-        th.start()
-        deadline = r.runner.deadlines.transfer_s
-        th.join(deadline)
-        if th.is_alive():
-            with contextlib.suppress(Exception):
-                adapter.cancel(Step.TRANSFER)
-            th.join(r.runner.deadlines.cancel_grace_s)
-            return EffectTimeout("transfer", deadline)
-        if self.fanout is not None:
-            self.fanout.invalidate()  # this engine now holds a per-engine group
-        if "err" in box:
-            err = box["err"]
-            return err if isinstance(err, Exception) else EffectError("transfer", repr(err))
-        ev = box["ev"]
+        try:
+            ev = r.runner._effect(Step.TRANSFER.value,
+                                  lambda: adapter.transfer(out.ticket.target),
+                                  r.runner.deadlines.transfer_s, None)
+        except EffectError as exc:
+            return exc
+        finally:
+            if self.fanout is not None:
+                self.fanout.invalidate()  # this engine now holds a per-engine group
         return ev if isinstance(ev, TransferEvidence) else EffectError(
             "transfer", f"adapter returned {type(ev).__name__}")
 
-    def _per_engine_transfer(self, members: Sequence[_Member], outs: Mapping[str, UpdateOutcome],
-                             res: FleetUpdateResult, failed: dict[str, UpdateFailed], *,
-                             parallel: bool) -> None:
+    def _per_engine_transfer(self, members: Sequence[_Member],
+                             outs: Mapping[str, UpdateOutcome],
+                             failed: dict[str, UpdateFailed], *, parallel: bool) -> None:
         def one(m: _Member) -> None:
             out = outs[m.replica.name]
             self._report(m, out, self._send_one(m, out), failed)
@@ -615,7 +674,7 @@ class FleetCoordinator:
         if resend:
             res.transfer = "fanout+resend"
             fan.invalidate()
-            self._per_engine_transfer(resend, outs, res, failed, parallel=True)
+            self._per_engine_transfer(resend, outs, failed, parallel=True)
 
     def _close_all(self, members: Sequence[_Member], outs: Mapping[str, UpdateOutcome],
                    res: FleetUpdateResult, failed: dict[str, UpdateFailed]) -> None:
@@ -656,78 +715,86 @@ class FleetCoordinator:
         members = self._ready_members()
         if not members:
             raise UpdateRefused("no replica is ready for an update")
-        with self._lock:
-            serving_now = len([m for m in self._members.values() if self._in_pool(m)])
-        n_all = len([m for m in self._members.values() if m.state is not S.REMOVED])
+        pool = self._shell.view
+        serving_now = len(self.serving())
+        n_all = len([e for e in pool.replicas if e.state is not S.REMOVED])
         min_serving = cfg.min_serving if cfg.min_serving is not None else max(0, n_all - 1)
         # Fenced replicas go first: they serve no one, so moving them costs no capacity.
-        members.sort(key=lambda m: (m.state in IN_POOL, self._order.index(m.replica.name)))
-        fenced_first = [m for m in members if m.state is S.FENCED]
-        pooled = [m for m in members if m.state in IN_POOL]
+        members.sort(key=lambda m: (pool.entry(m.replica.name).state in IN_POOL,
+                                    self._order.index(m.replica.name)))
+        fenced_first = [m for m in members if pool.entry(m.replica.name).state is S.FENCED]
+        pooled = [m for m in members if pool.entry(m.replica.name).state in IN_POOL]
         waves = [tuple(m.replica.name for m in fenced_first)] if fenced_first else []
         waves += plan_waves([m.replica.name for m in pooled], serving=serving_now,
                             min_serving=min_serving, wave_size=cfg.wave_size)
         res = FleetUpdateResult(uid, Strategy.ROLLING, label, None, waves=waves,
                                 transfer="per-engine")
-        with self._lock:
-            self._running = {"update_id": uid, "strategy": "rolling", "label": label,
-                             "waves": [list(w) for w in waves], "wave": 0,
-                             "min_serving": min_serving}
-        self._write(FleetUpdateBegin(uid, "rolling", gen, label, weights.identity.digest,
-                                     tuple(m.replica.name for m in members), None, min_serving,
-                                     "per-engine"))
+        self._begin(FleetUpdateBegin(uid, Strategy.ROLLING, gen, label,
+                                     weights.identity.digest,
+                                     tuple(m.replica.name for m in members), None,
+                                     min_serving, "per-engine"))
         published: FleetVersion | None = None
-        for wi, wave in enumerate(waves, 1):
-            wm = [self._members[n] for n in wave]
-            wm = [m for m in wm if not m.busy and m.replica.controller.state is State.READY
-                  and m.state in (S.SERVING, S.FENCED)]
-            if not wm:
-                continue
-            if not self._wait_room(wm, min_serving, cfg):
-                res.decision = (f"wave {wi} would leave fewer than {min_serving} replicas "
-                                f"serving for {self.config.wave_wait_s:g}s: the roll stops")
-                for m in [self._members[n] for w in waves[wi - 1:] for n in w]:
-                    res.outcomes.setdefault(m.replica.name, Outcome.SKIPPED)
-                break
-            with self._lock:
-                assert self._running is not None
-                self._running["wave"] = wi
+        taken: list[_Member] = []
+        try:
+            for wi, wave in enumerate(waves, 1):
+                wm = [self._members[n] for n in wave]
+                wm = [m for m in wm if not m.busy and m.replica.controller.state is State.READY
+                      and self._shell.view.entry(m.replica.name).state in (S.SERVING, S.FENCED)]
+                if not wm:
+                    continue
+                if not self._wait_room(wm, min_serving):
+                    res.decision = (f"wave {wi} would leave fewer than {min_serving} "
+                                    f"replicas serving for {self.config.wave_wait_s:g}s: the "
+                                    "roll stops")
+                    for m in [self._members[n] for w in waves[wi - 1:] for n in w]:
+                        res.outcomes.setdefault(m.replica.name, Outcome.SKIPPED)
+                    break
+                taken += wm
                 for m in wm:
                     self._move(m, E.SELECTED)
-                serving = len([m for m in self._members.values() if self._in_pool(m)])
-            self._write(WaveBegin(uid, wi, tuple(m.replica.name for m in wm), serving))
-            tw = time.monotonic()
-            got = list(self._pool.map(lambda m: self._run_one(m, weights, label, owner), wm))
-            passed = [m for m, (o, _) in zip(wm, got, strict=True) if o is Outcome.PASSED]
-            if passed and published is None:
-                published = self._publish(uid, gen, label, weights, wm,
-                                          [m.replica.name for m in passed])
-                res.published = published
-            for m, (o, why) in zip(wm, got, strict=True):
-                n = m.replica.name
-                res.outcomes[n] = o
-                if why:
-                    res.reasons[n] = why
-                c = m.replica.controller
-                self._write(ReplicaOutcome(uid, wi, n, o.value,
-                                           c.committed.label if c.committed else None,
-                                           c.state.value, "per-engine", time.monotonic() - tw,
-                                           why[:500]))
-                if o is Outcome.PASSED and published is not None:
-                    self._move(m, E.PASSED, generation=gen)
-                elif o is Outcome.PASSED:  # unreachable: a pass publishes
-                    self._move(m, E.WITHHELD, generation=None)
-                elif o is Outcome.NO_MUTATION:
-                    self._move(m, E.KEPT, reason=why)
-                else:
-                    self._move(m, E.TAINTED, generation=None, reason=why)
-            self._write(WaveEnd(uid, wi, tuple(m.replica.name for m in passed),
-                                tuple(m.replica.name for m in wm if m not in passed),
-                                time.monotonic() - tw))
-            if published is None:
-                res.decision = f"the first wave ({', '.join(wave)}) passed nowhere: stopped"
-                self._write(FleetAbandon(uid, res.decision))
-                break
+                self._record(self._table.wave, WaveBegin(uid, wi, tuple(
+                    m.replica.name for m in wm), len(self.serving())))
+                tw = time.monotonic()
+                got = list(self._pool.map(lambda m: self._run_one(m, weights, label, owner),
+                                          wm))
+                passed = [m for m, (o, _) in zip(wm, got, strict=True) if o is Outcome.PASSED]
+                if passed and published is None and self.failed_closed is None:
+                    published = self._publish(uid, gen, label, weights, wm,
+                                              [m.replica.name for m in passed])
+                    res.published = published
+                for m, (o, why) in zip(wm, got, strict=True):
+                    n = m.replica.name
+                    res.outcomes[n] = o
+                    if why:
+                        res.reasons[n] = why
+                    c = m.replica.controller
+                    self._record(self._table.note, ReplicaOutcome(
+                        uid, wi, n, o, c.committed.label if c.committed else None, c.state,
+                        "per-engine", time.monotonic() - tw, why[:500]))
+                    if o is Outcome.PASSED and published is not None:
+                        self._move(m, E.PASSED, generation=gen)
+                    elif o is Outcome.PASSED:
+                        self._move(m, E.WITHHELD, generation=None,
+                                   reason=f"verified on {label}, which the fleet could not "
+                                   "publish")
+                    elif o is Outcome.NO_MUTATION:
+                        self._end_one_kept(m, why)
+                    else:
+                        self._move(m, E.TAINTED, generation=None, reason=why)
+                self._record(self._table.note, WaveEnd(
+                    uid, wi, tuple(m.replica.name for m in passed),
+                    tuple(m.replica.name for m in wm if m not in passed),
+                    time.monotonic() - tw))
+                if published is None:
+                    res.decision = (f"the first wave ({', '.join(wave)}) passed nowhere: "
+                                    "stopped")
+                    self._record(self._table.note, FleetAbandon(uid, res.decision))
+                    break
+        except RolloutCoreError as exc:
+            res.decision = res.decision or f"the update broke off: {exc}"
+            res.reasons.setdefault("fleet", str(exc))
+        finally:
+            self._end(uid, taken, res, published)
         if published is not None and not res.decision:
             res.decision = (f"{sum(o is Outcome.PASSED for o in res.outcomes.values())} of "
                             f"{len(res.outcomes)} replicas on {label}")
@@ -738,15 +805,13 @@ class FleetCoordinator:
             raise FleetUpdateFailed(res)
         return res
 
-    def _wait_room(self, wave: Sequence[_Member], min_serving: int, cfg: FleetConfig) -> bool:
+    def _wait_room(self, wave: Sequence[_Member], min_serving: int) -> bool:
         """True once taking ``wave`` out of the pool leaves ``min_serving`` serving."""
         deadline = time.monotonic() + self.config.wave_wait_s
+        names = {m.replica.name for m in wave}
         while True:
-            with self._lock:
-                left = [m for m in self._members.values()
-                        if self._in_pool(m) and m not in wave]
-                if len(left) >= min_serving:
-                    return True
+            if len([n for n in self.serving() if n not in names]) >= min_serving:
+                return True
             if time.monotonic() >= deadline or self._stop.is_set():
                 return False
             self._wake.wait(0.2)
@@ -754,35 +819,50 @@ class FleetCoordinator:
 
     # ------------------------------------------------------------------ supervision
     def suspect(self, name: str) -> None:
-        """The data plane could not reach ``name``: check it now rather than at the next tick."""
-        with self._lock:
-            self._member(name).suspect = True
+        """The data plane saw ``name``'s engine refuse a connection: check it now, and one
+        failed check fences it (no second chance: a refused connection is the engine's
+        own signal that it is gone). A client's answer, whatever its size, is not one."""
+        m = self._member(name)
+        with self._mem:
+            m.suspect = True
         self._wake.set()
 
     def supervise_once(self) -> None:
-        """One round: fence what taints, recover what is tainted, rejoin what is fenced."""
+        """One round: fence what failed, recover what is tainted, rejoin what is fenced.
+
+        Every serving replica is checked at once (concurrently), each within
+        ``health_timeout_s``: one slow engine does not delay the others' checks.
+        """
         cfg = self.config
-        with self._lock:
-            members = [self._members[n] for n in self._order]
-        for m in members:
+        pool = self._shell.view
+        members = [self._members[n] for n in self._order]
+        serving = [m for m in members
+                   if pool.entry(m.replica.name).state in IN_POOL and not m.busy]
+
+        def check(m: _Member) -> str | None:
             c = m.replica.controller
-            if m.state in IN_POOL and not m.busy:
-                if c.state is State.READY:
-                    try:
-                        v = m.replica.runner.check_serving(
-                            timeout_s=cfg.health_timeout_s,
-                            failures_to_taint=1 if m.suspect else cfg.health_failures)
-                    except RolloutCoreError:
-                        v = None
-                    m.suspect = False
-                    if v is not None:
-                        self._move(m, E.TAINTED, generation=None,
-                                   reason="; ".join(v.problems)[:500])
-                elif c.state is State.TAINTED:
-                    self._move(m, E.TAINTED, generation=None, reason="engine tainted")
+            if c.failed_closed is not None:
+                return f"its controller failed closed ({c.failed_closed})"
+            if c.state is State.TAINTED:
+                return "engine tainted"
+            if c.state is not State.READY:
+                return None  # inside an update of its own: its effects classify failures
+            with self._mem:
+                suspect, m.suspect = m.suspect, False
+            try:
+                v = m.replica.runner.check_serving(
+                    timeout_s=cfg.health_timeout_s,
+                    failures_to_taint=1 if suspect else cfg.health_failures)
+            except RolloutCoreError:
+                return None
+            return None if v is None else "; ".join(v.problems)[:500]
+
+        for m, why in zip(serving, list(self._pool.map(check, serving)), strict=True):
+            if why is not None and self._shell.view.entry(m.replica.name).state in IN_POOL:
+                self._move(m, E.TAINTED, generation=None, reason=why)
         if cfg.heal:
             for m in members:
-                if m.state is S.FENCED and not m.busy:
+                if self._shell.view.entry(m.replica.name).state is S.FENCED and not m.busy:
                     self._heal(m)
 
     def _heal(self, m: _Member) -> None:
@@ -795,10 +875,12 @@ class FleetCoordinator:
         TAINTED one is recovered first, if it has a recoverer.
         """
         c = m.replica.controller
-        with self._lock:
-            if not self._versions or m.busy or self._stop.is_set():
+        newest = self.newest
+        if newest is None or self._stop.is_set() or c.failed_closed is not None:
+            return
+        with self._mem:
+            if m.busy:
                 return
-            newest = self._versions[-1]
             state = c.state
             ident = c.identity
             # A replica whose rebinding failed is still bound to the dead process:
@@ -860,9 +942,9 @@ class FleetCoordinator:
                     self._move(m, E.REJOINED, generation=target.generation,
                                reason="verified on the current version by its recovery")
                     return
-            with self._lock:
-                newest = self._versions[-1]
-                weights = self._payloads.get(newest.generation)
+            newest = self.newest
+            assert newest is not None
+            weights = self._payloads.get(newest.generation)
             if weights is None:
                 return
             self._move(m, E.REJOIN, reason=f"to {newest.label}")
@@ -883,7 +965,7 @@ class FleetCoordinator:
             self._wake.set()
 
     def start_supervisor(self) -> None:
-        """Run ``supervise_once`` every ``health_interval_s`` (and at once on ``suspect``)."""
+        """Run ``supervise_once`` every ``health_interval_s`` (and at once when woken)."""
         if self.config.health_interval_s <= 0 or self._supervisor is not None:
             return
 
@@ -925,7 +1007,7 @@ class FleetCoordinator:
                     close()
         for m in self._members.values():
             with contextlib.suppress(Exception):
-                if m.state is not S.REMOVED:
+                if self._shell.view.entry(m.replica.name).state is not S.REMOVED:
                     self._move(m, E.REMOVE)
             if m.replica.close is not None:
                 try:

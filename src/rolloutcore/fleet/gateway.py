@@ -1,22 +1,31 @@
-"""The gateway in front of a fleet: version-aware routing onto per-replica data planes.
+"""The gateway in front of a fleet: the single gateway's data plane, with a router in front.
 
-Every replica keeps the single-engine data plane (``service.proxy.DataPlane``:
-admission through *its* controller, the binding, the version headers and
-body field, the release); this app only decides *which* replica a request
-goes to, before anything is admitted:
+There is one data plane (``service.proxy.DataPlane``) for the whole fleet:
+one parse, one auth, the same deadlines, limits, salting and recording as a
+gateway over one engine. What a fleet adds is where an admitted request
+goes, ``FleetAdmission`` (a ``service.admission.Admission``)::
 
-    read + check the body -> the request's policy and group (``fleet.routing``)
-        -> choose among the replicas in the pool (or 4xx / 503 + Retry-After,
-           or wait in the bounded queue) -> that replica's data plane
+    read + check the body (the data plane's own checks)
+        -> the request's policy and group (``fleet.routing``), removed from the body
+        -> choose among the replicas in the pool AND bind on that replica's
+           controller, at the engine version the choice was made for, in one step
+           (or 4xx; or 503 + Retry-After; or wait in the bounded queue)
+        -> forward to that replica's vLLM, relay, release
 
-A request refused here reaches no replica: nothing is admitted, nothing is
-forwarded. The routing fields (``rolloutcore_policy``, ``rolloutcore_group``)
-are removed from the body before it is forwarded. Every answer carries, besides the
-replica's own version headers (which equal vLLM's ``weight_versions``
-spans), the fleet's: ``X-RolloutCore-Fleet-Version`` (generation),
-``X-RolloutCore-Fleet-Label``, ``X-RolloutCore-Replica`` and the policy
-applied. A replica its data plane could not reach (502) is reported to the
-coordinator at once (``suspect``), which checks and fences it.
+Choosing reads published snapshots only (the pool's, each controller's):
+no request takes the fleet's lock or a controller's lock to route. The
+binding is the controller's, asked for exactly the engine version the router
+saw the replica serve its fleet version as; if the engine moved meanwhile
+(a rolling update took it), nothing is bound and the request is routed again,
+so an answer's fleet headers always name the version that generated it.
+
+Every answer carries, besides the replica's own version headers (which equal
+vLLM's ``weight_versions`` spans), the fleet's: ``X-RolloutCore-Fleet-Version``
+(generation), ``X-RolloutCore-Fleet-Label``, ``X-RolloutCore-Replica`` and the
+policy applied; the ``rolloutcore`` body field and a recorded sample say the
+same. A connection a replica's engine refused is reported to the coordinator
+(``suspect``): its engine's own signal. A client's answer, however large, is
+not one.
 
 Routes::
 
@@ -32,24 +41,30 @@ Routes::
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import json
-import math
+import enum
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
-import anyio
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from rolloutcore.errors import BadInput, RolloutCoreError, UpdateRefused
+from rolloutcore.core.pool import ReplicaState
+from rolloutcore.core.versions import Binding
+from rolloutcore.errors import (
+    AdmissionRefused,
+    BadInput,
+    InvalidTransition,
+    RolloutCoreError,
+    RouteRefused,
+    UpdateRefused,
+)
 from rolloutcore.fleet.coordinator import FleetCoordinator, FleetUpdateFailed, FleetUpdateResult
 from rolloutcore.fleet.routing import (
     GROUP_FIELD,
@@ -57,31 +72,28 @@ from rolloutcore.fleet.routing import (
     POLICY_FIELD,
     POLICY_HEADER,
     Policy,
+    ReplicaView,
     Router,
-    RouteRefused,
     group_key,
     request_policy,
 )
-from rolloutcore.fleet.rules import ReplicaState
+from rolloutcore.service.admission import Target
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.control_body import control_json
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
-from rolloutcore.service.proxy import (
-    DATA_ROUTES,
-    READ_ONLY_ROUTES,
-    DataPlane,
-    ReadOnlyRoutes,
-    error_body,
-    send_json,
-)
+from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
+from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 
 __all__ = [
     "FLEET_LABEL_HEADER",
     "FLEET_VERSION_HEADER",
     "POLICY_APPLIED_HEADER",
     "REPLICA_HEADER",
+    "FleetAdmission",
     "FleetGateway",
     "FleetMetrics",
+    "JobState",
     "create_fleet_app",
 ]
 
@@ -89,23 +101,102 @@ FLEET_VERSION_HEADER = "x-rolloutcore-fleet-version"
 FLEET_LABEL_HEADER = "x-rolloutcore-fleet-label"
 REPLICA_HEADER = "x-rolloutcore-replica"
 POLICY_APPLIED_HEADER = "x-rolloutcore-policy"
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 Updater = Callable[[Mapping[str, Any]], FleetUpdateResult]
 
-_WANTED = frozenset({b"authorization", b"content-type", b"content-length",
-                     POLICY_HEADER.encode(), GROUP_HEADER.encode()})
+
+class FleetAdmission:
+    """A fleet's ``Admission``: the router in front of the one data plane (module doc)."""
+
+    headers = frozenset({POLICY_HEADER.encode(), GROUP_HEADER.encode()})
+
+    def __init__(self, coordinator: FleetCoordinator, default_policy: Policy) -> None:
+        self.coordinator = coordinator
+        self.default_policy = default_policy
+        self.router = Router()
+        self._replicas = coordinator.replicas
+        for name, rep in self._replicas.items():
+            if rep.url is None:
+                raise BadInput(f"replica {name} has no URL to route to")
+        # One info dict per (replica, fleet version): the data plane builds each
+        # answer's decorations once per such dict.
+        self._infos: dict[tuple[str, int], dict[str, Any]] = {}
+
+    def upstreams(self) -> Mapping[str, str]:
+        return {n: str(r.url) for n, r in self._replicas.items()}
+
+    def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
+                ) -> tuple[tuple[Policy, str | None], bool]:
+        ph, gh = headers.get(POLICY_HEADER.encode()), headers.get(GROUP_HEADER.encode())
+        policy = request_policy(None if ph is None else ph.decode("latin-1"), payload,
+                                self.default_policy)
+        group = group_key(None if gh is None else gh.decode("latin-1"), payload)
+        changed = POLICY_FIELD in payload or GROUP_FIELD in payload
+        payload.pop(POLICY_FIELD, None)
+        payload.pop(GROUP_FIELD, None)
+        return (policy, group), changed
+
+    def try_admit(self, rollout_id: str, routing: tuple[Policy, str | None]
+                  ) -> tuple[Binding, Target]:
+        """Choose a replica and bind on its controller at the version chosen for.
+
+        A replica whose engine moved since the snapshot (or that refuses for any
+        other reason) is left out and the choice made again, once per replica;
+        then the request is a retryable 503. ``RouteRefused`` (4xx) when the
+        policy can never be served.
+        """
+        policy, group = routing
+        tried: set[str] = set()
+        last: AdmissionRefused | None = None
+        for _ in range(len(self._replicas)):
+            choice = self.router.choose(self.coordinator.view(), policy, group,
+                                        exclude=tried)
+            ctl = self._replicas[choice.name].controller
+            try:
+                b = ctl.admit(rollout_id, expect=choice.engine_version)
+            except AdmissionRefused as exc:
+                tried.add(choice.name)
+                last = exc
+                continue
+            return b, self._target(choice, policy)
+        raise RouteRefused(503, f"no replica could admit it under {policy} now"
+                           + (f" (last: {last.reason})" if last is not None else ""),
+                           retry_after_s=self.coordinator.config.retry_after_s,
+                           kind="ServiceUnavailable")
+
+    def _target(self, choice: ReplicaView, policy: Policy) -> Target:
+        gen = choice.generation
+        assert gen is not None
+        info = self._infos.get((choice.name, gen))
+        if info is None:
+            ver = self.coordinator.pool.version(gen)
+            info = self._infos[(choice.name, gen)] = {
+                "fleet_version": gen, "fleet_label": "" if ver is None else ver.label,
+                "replica": choice.name}
+        headers = ((FLEET_VERSION_HEADER.encode(), str(gen).encode()),
+                   (FLEET_LABEL_HEADER.encode(), str(info["fleet_label"]).encode()),
+                   (REPLICA_HEADER.encode(), choice.name.encode()),
+                   (POLICY_APPLIED_HEADER.encode(), str(policy).encode()))
+        return Target(choice.name, self._replicas[choice.name].controller, info, headers)
+
+    def worth_retry(self) -> bool:
+        return True  # woken by a change of the pool or of an engine: ask again
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        self.coordinator.on_change(wake)
+
+    def observe(self, target: Target, ok: bool, refused: bool) -> None:
+        self.router.observe(target.name, ok)
+        if refused:
+            self.router.forget(target.name)
+            self.coordinator.suspect(target.name)
 
 
 class FleetMetrics:
-    """The fleet's own series, read from the coordinator at scrape time (no drift)."""
+    """The fleet's own series, read from the pool's snapshot at scrape time (no drift)."""
 
-    def __init__(self, coordinator: FleetCoordinator) -> None:
+    def __init__(self, coordinator: FleetCoordinator, registry: CollectorRegistry) -> None:
         self._c = coordinator
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry = registry
         self.replica_state = Gauge("rolloutcore_fleet_replica_state",
                                    "1 for the pool state each replica is in",
                                    ["replica", "state"], registry=r)
@@ -114,23 +205,20 @@ class FleetMetrics:
             "fleet version each replica holds (-1: none)", ["replica"], registry=r)
         self.replica_load = Gauge("rolloutcore_fleet_replica_active_rollouts",
                                   "rollouts admitted on each replica", ["replica"], registry=r)
+        self.engine_state = Gauge("rolloutcore_fleet_engine_state",
+                                  "1 for the lifecycle state each replica's engine is in",
+                                  ["replica", "state"], registry=r)
         self.serving = Gauge("rolloutcore_fleet_replicas_serving",
                              "replicas in the pool", registry=r)
         self.newest = Gauge("rolloutcore_fleet_newest_generation",
                             "newest published fleet version (-1: none)", registry=r)
         self.served = Gauge("rolloutcore_fleet_version_replicas",
                             "replicas serving each published version", ["label"], registry=r)
-        self.routed = Counter("rolloutcore_fleet_routed_total",
-                              "requests routed, by replica and policy", ["replica", "policy"],
-                              registry=r)
-        self.refused = Counter("rolloutcore_fleet_refused_total",
-                               "requests refused before any replica, by status", ["status"],
-                               registry=r)
         self.updates = Counter("rolloutcore_fleet_updates_total",
                                "fleet updates by strategy and outcome",
                                ["strategy", "outcome"], registry=r)
 
-    def render(self) -> bytes:
+    def refresh(self) -> None:
         st = self._c.status()
         for rep in st["replicas"]:
             for s in ReplicaState:
@@ -139,21 +227,42 @@ class FleetMetrics:
             g = rep["fleet_generation"]
             self.replica_generation.labels(rep["name"]).set(-1 if g is None else g)
             self.replica_load.labels(rep["name"]).set(rep["load"])
+            self.engine_state.labels(rep["name"], rep["engine_state"]).set(1)
         self.serving.set(st["serving"])
         self.newest.set(-1 if st["newest"] is None else st["newest"]["generation"])
         for v in st["published"]:
             self.served.labels(v["label"]).set(st["versions_served"].get(v["label"], 0))
-        return bytes(generate_latest(self.registry))
+
+
+class JobState(enum.StrEnum):
+    RUNNING = "running"
+    PUBLISHED = "published"
+    FAILED = "failed"       # ran, published nothing (``result`` says what each replica did)
+    REFUSED = "refused"     # refused before anything changed
+    ERROR = "error"         # raised something unexpected (reported, never lost)
+
+
+#: A control-route update job: running, then exactly one ending.
+JOB_TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
+    JobState.RUNNING: frozenset({JobState.PUBLISHED, JobState.FAILED, JobState.REFUSED,
+                                 JobState.ERROR}),
+}
 
 
 @dataclasses.dataclass
 class _UpdateJob:
     job_id: int
     request: dict[str, Any]
-    state: str = "running"
+    state: JobState = JobState.RUNNING
     result: dict[str, Any] | None = None
     error: str | None = None
     started: float = dataclasses.field(default_factory=time.time)
+
+    def end(self, state: JobState, *, result: dict[str, Any] | None = None,
+            error: str | None = None) -> None:
+        if state not in JOB_TRANSITIONS.get(self.state, frozenset()):
+            raise InvalidTransition(state.value, self.state.value, "not in JOB_TRANSITIONS")
+        self.result, self.error, self.state = result, error, state
 
 
 class FleetGateway:
@@ -161,47 +270,48 @@ class FleetGateway:
 
     def __init__(self, coordinator: FleetCoordinator, config: ServiceConfig,
                  default_policy: Policy, updater: Updater | None,
-                 check_update: Callable[[Mapping[str, Any]], object] | None = None) -> None:
+                 check_update: Callable[[Mapping[str, Any]], object] | None = None, *,
+                 on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
         self.coordinator = coordinator
         self.config = config
         self.default_policy = default_policy
         self.updater = updater
         self.check_update = check_update
-        self.router = Router()
-        self.metrics = FleetMetrics(coordinator)
-        self.planes: dict[str, DataPlane] = {}
+        self.admission = FleetAdmission(coordinator, default_policy)
+        self.service_metrics = ServiceMetrics(None)
+        self.metrics = FleetMetrics(coordinator, self.service_metrics.registry)
+        self.data = DataPlane(self.admission, config, self.service_metrics,
+                              on_finished=on_finished)
         self.read_only: dict[str, ReadOnlyRoutes] = {}
-        self.waiting = 0
+        for name, rep in coordinator.replicas.items():
+            rep.controller.add_listener(self.service_metrics.listener)
+            # The drain policy's stragglers are this data plane's requests.
+            rep.runner.stragglers = self.data.abort_stragglers
+            self.read_only[name] = ReadOnlyRoutes(
+                dataclasses.replace(config, upstream_url=str(rep.url)), self.service_metrics)
         self.jobs: dict[int, _UpdateJob] = {}
         self._job_lock = threading.Lock()
-        self._changed: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        for name, rep in coordinator.replicas.items():
-            if rep.url is None:
-                raise BadInput(f"replica {name} has no URL to route to")
-            cfg = dataclasses.replace(config, upstream_url=rep.url)
-            m = ServiceMetrics(rep.controller)
-            rep.controller.add_listener(m.listener)
-            self.planes[name] = DataPlane(rep.controller, cfg, m)
-            self.read_only[name] = ReadOnlyRoutes(cfg, m)
-        coordinator.on_change(self._wake_threadsafe)
+        self.recorder_stats: Callable[[], dict[str, Any]] | None = None
+        stats = getattr(on_finished, "stats", None)
+        if callable(stats):
+            self.recorder_stats = stats
+            self.service_metrics.watch_recorder(stats)
 
-    def _wake_threadsafe(self) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(self._wake)
-
-    def _wake(self) -> None:
-        ev, self._changed = self._changed, asyncio.Event()
-        if ev is not None:
-            ev.set()
+    @property
+    def router(self) -> Router:
+        return self.admission.router
 
     def status(self) -> dict[str, Any]:
         st = self.coordinator.status()
-        st["routing"] = {"default_policy": str(self.default_policy), "queued": self.waiting,
-                         "queue_max": self.config.queue_max}
+        st["routing"] = {"default_policy": str(self.default_policy),
+                         "queued": self.data.waiting, "queue_max": self.config.queue_max,
+                         "requests_in_progress": self.data.in_progress}
+        st["recorder"] = None if self.recorder_stats is None else self.recorder_stats()
         return st
+
+    def render_metrics(self) -> bytes:
+        self.metrics.refresh()
+        return self.service_metrics.render()
 
     # ------------------------------------------------------------------ control
     def start_update(self, body: Mapping[str, Any]) -> _UpdateJob:
@@ -211,7 +321,7 @@ class FleetGateway:
         if self.check_update is not None:
             self.check_update(body)  # BadInput before any job exists
         with self._job_lock:
-            busy = next((j for j in self.jobs.values() if j.state == "running"), None)
+            busy = next((j for j in self.jobs.values() if j.state is JobState.RUNNING), None)
             if busy is not None:
                 raise UpdateRefused(f"fleet update {busy.job_id} is still running; one at a "
                                     "time")
@@ -222,203 +332,50 @@ class FleetGateway:
             try:
                 res = updater(body)
             except FleetUpdateFailed as exc:
-                job.state, job.result, job.error = "failed", exc.result.to_dict(), str(exc)
+                job.end(JobState.FAILED, result=exc.result.to_dict(), error=str(exc))
                 self.metrics.updates.labels(exc.result.strategy.value, "nothing_published").inc()
             except RolloutCoreError as exc:
-                job.state, job.error = "refused", str(exc)
+                job.end(JobState.REFUSED, error=str(exc))
             except Exception as exc:  # reported to whoever polls, never lost
-                job.state, job.error = "error", f"{type(exc).__name__}: {exc}"
+                job.end(JobState.ERROR, error=f"{type(exc).__name__}: {exc}")
             else:
-                job.state, job.result = "published", res.to_dict()
+                job.end(JobState.PUBLISHED, result=res.to_dict())
                 self.metrics.updates.labels(res.strategy.value, "published").inc()
 
         threading.Thread(target=run, name=f"rc-fleet-update-{jid}", daemon=True).start()
         return job
 
-    # ------------------------------------------------------------------ data plane
-    async def route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._route(scope, receive, send)
-
-    async def _refuse(self, send: Send, exc: RouteRefused) -> int:
-        headers: list[tuple[bytes, bytes]] = []
-        if exc.status == 503:
-            headers.append((b"x-should-retry", b"true"))
-            if exc.retry_after_s is not None:
-                headers.append((b"retry-after",
-                                str(max(1, math.ceil(exc.retry_after_s))).encode()))
-        self.metrics.refused.labels(str(exc.status)).inc()
-        await send_json(send, exc.status, error_body(exc.status, str(exc), exc.kind), headers)
-        return exc.status
-
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> int:
-        cfg = self.config
-        if scope["method"] != "POST":
-            await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
-                            [(b"allow", b"POST")])
-            return 405
-        hdrs: dict[bytes, bytes] = {}
-        for k, v in scope["headers"]:
-            if k in _WANTED and k not in hdrs:
-                hdrs[k] = bytes(v)
-        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
-        if not auth.ok:
-            assert auth.status is not None
-            await send_json(send, auth.status, error_body(auth.status, auth.reason,
-                                                          "Unauthorized"),
-                            [(b"www-authenticate", b"Bearer")])
-            return auth.status
-        if hdrs.get(b"content-type", b"").split(b";")[0].strip().lower() != b"application/json":
-            await send_json(send, 415, error_body(415, "Content-Type must be application/json",
-                                                  "UnsupportedMediaType"))
-            return 415
-        raw = await self._body(receive, send, hdrs.get(b"content-length"))
-        if isinstance(raw, int):
-            return raw
-        try:
-            payload = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            await send_json(send, 400, error_body(400, f"malformed JSON: {exc}", "BadRequest"))
-            return 400
-        if not isinstance(payload, dict):
-            await send_json(send, 400, error_body(400, "the request body must be a JSON object",
-                                                  "BadRequest"))
-            return 400
-        try:
-            ph, gh = hdrs.get(POLICY_HEADER.encode()), hdrs.get(GROUP_HEADER.encode())
-            policy = request_policy(None if ph is None else ph.decode("latin-1"), payload,
-                                    self.default_policy)
-            group = group_key(None if gh is None else gh.decode("latin-1"), payload)
-        except RouteRefused as exc:
-            return await self._refuse(send, exc)
-        if POLICY_FIELD in payload or GROUP_FIELD in payload:
-            payload.pop(POLICY_FIELD, None)
-            payload.pop(GROUP_FIELD, None)
-            raw = json.dumps(payload, separators=(",", ":")).encode()
-        try:
-            choice = await self._choose(policy, group)
-        except RouteRefused as exc:
-            return await self._refuse(send, exc)
-        name = choice.name
-        ver = next((v for v in self.coordinator.versions if v.generation == choice.generation),
-                   None)
-        extra = [(FLEET_VERSION_HEADER.encode(), str(choice.generation).encode()),
-                 (FLEET_LABEL_HEADER.encode(), (ver.label if ver else "").encode()),
-                 (REPLICA_HEADER.encode(), name.encode()),
-                 (POLICY_APPLIED_HEADER.encode(), str(policy).encode())]
-        self.metrics.routed.labels(name, policy.kind.value).inc()
-        headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-        headers.append((b"content-length", str(len(raw)).encode()))
-        inner = dict(scope)
-        inner["headers"] = headers
-        given = False
-
-        async def replay() -> Message:
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
-        seen = {"status": 0}
-
-        async def decorate(msg: Message) -> None:
-            if msg["type"] == "http.response.start":
-                seen["status"] = int(msg["status"])
-                msg = dict(msg)
-                msg["headers"] = [*msg.get("headers", []), *extra]
-            await send(msg)
-
-        await self.planes[name](inner, replay, decorate)
-        if seen["status"] == 502:
-            self.coordinator.suspect(name)
-            self.router.forget(name)
-        return seen["status"]
-
-    async def _choose(self, policy: Policy, group: str | None) -> Any:
-        cfg = self.config
-        try:
-            return self.router.choose(self.coordinator.view(), policy, group)
-        except RouteRefused as exc:
-            if exc.status != 503 or cfg.queue_max == 0 or self.waiting >= cfg.queue_max:
-                raise
-        self.waiting += 1
-        deadline = time.monotonic() + cfg.queue_wait_s
-        try:
-            while True:
-                changed = self._changed
-                assert changed is not None
-                left = deadline - time.monotonic()
-                with anyio.move_on_after(max(0.0, min(left, 0.5))):
-                    await changed.wait()
-                try:
-                    return self.router.choose(self.coordinator.view(), policy, group)
-                except RouteRefused as exc:
-                    if exc.status != 503 or time.monotonic() >= deadline:
-                        raise
-        finally:
-            self.waiting -= 1
-
-    async def _body(self, receive: Receive, send: Send, cl: bytes | None) -> bytes | int:
-        limit = self.config.max_body_bytes
-        if cl is not None:
-            try:
-                declared = int(cl)
-            except ValueError:
-                await send_json(send, 400, error_body(400, "Content-Length is not an integer",
-                                                      "BadRequest"))
-                return 400
-            if declared > limit:
-                await send_json(send, 413, error_body(413, f"request body exceeds {limit} "
-                                                      "bytes", "PayloadTooLarge"))
-                return 413
-        chunks: list[bytes] = []
-        n = 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return 499
-            b = msg.get("body", b"")
-            n += len(b)
-            if n > limit:
-                await send_json(send, 413, error_body(413, f"request body exceeds {limit} bytes",
-                                                      "PayloadTooLarge"))
-                return 413
-            chunks.append(b)
-            if not msg.get("more_body", False):
-                return b"".join(chunks)
-
-    async def read_only_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def read_only_route(self, scope: Any, receive: Any, send: Any) -> None:
         serving = self.coordinator.serving() or list(self.read_only)
         await self.read_only[serving[0]](scope, receive, send)
 
     async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
-        for p in self.planes.values():
-            await p.start()
+        await self.data.start()
         for r in self.read_only.values():
             await r.start()
 
     async def aclose(self) -> None:
         for r in self.read_only.values():
             await r.aclose()
-        for p in self.planes.values():
-            await p.aclose()
+        await self.data.aclose()
 
 
 def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
                      default_policy: str | Policy = "latest",
                      updater: Updater | None = None, supervise: bool = True,
-                     check_update: Callable[[Mapping[str, Any]], object] | None = None
+                     check_update: Callable[[Mapping[str, Any]], object] | None = None,
+                     on_finished: Callable[[FinishedRequest], None] | None = None
                      ) -> Starlette:
     """The fleet's gateway over a bootstrapped coordinator.
 
-    ``config`` is the single-engine service's (tokens, limits, upstream
-    timeouts, queue); its ``upstream_url`` is replaced by each replica's.
-    ``updater`` runs a ``POST /control/fleet/updates`` body (a checkpoint,
-    a strategy ...) as a fleet update; without it that route answers 400.
-    ``check_update`` checks such a body before anything starts (its
-    ``BadInput`` is the route's 400); a second update while one runs is 409.
+    ``config`` is the single-engine service's (tokens, limits, deadlines,
+    upstream timeouts, queue); each replica's URL replaces its
+    ``upstream_url``. ``updater`` runs a ``POST /control/fleet/updates`` body
+    (a checkpoint, a strategy ...) as a fleet update; without it that route
+    answers 400. ``check_update`` checks such a body before anything starts
+    (its ``BadInput`` is the route's 400); a second update while one runs is
+    409. ``on_finished`` records finished requests (``GatewayRecorder``), each
+    with its replica and fleet version.
     """
     if not isinstance(coordinator, FleetCoordinator):
         raise BadInput("coordinator must be a FleetCoordinator")
@@ -426,7 +383,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         raise BadInput("config must be a ServiceConfig")
     policy = default_policy if isinstance(default_policy, Policy) else Policy.parse(
         default_policy)
-    gw = FleetGateway(coordinator, config, policy, updater, check_update)
+    gw = FleetGateway(coordinator, config, policy, updater, check_update,
+                      on_finished=on_finished)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -443,19 +401,16 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
     async def begin(request: Request) -> Response:
         if (r := denied(request)) is not None:
             return r
+        got = await control_json(request, config)
+        if isinstance(got, Response):
+            return got
         try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
-        if not isinstance(body, dict):
-            return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
-        try:
-            job = gw.start_update(body)
+            job = gw.start_update(got)
         except UpdateRefused as exc:
             return JSONResponse({"error": str(exc)}, status_code=409)
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        return JSONResponse({"update": job.job_id, "state": job.state,
+        return JSONResponse({"update": job.job_id, "state": job.state.value,
                              "status_url": f"/control/fleet/updates/{job.job_id}"},
                             status_code=202)
 
@@ -466,11 +421,11 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         job = gw.jobs.get(int(raw)) if raw.isdigit() and len(raw) < 10 else None
         if job is None:
             return JSONResponse({"error": "no such update"}, status_code=404)
-        return JSONResponse({"update": job.job_id, "state": job.state, "result": job.result,
-                             "error": job.error, "request": job.request})
+        return JSONResponse({"update": job.job_id, "state": job.state.value,
+                             "result": job.result, "error": job.error, "request": job.request})
 
     async def metrics(request: Request) -> Response:
-        return Response(gw.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(gw.render_metrics(), media_type=CONTENT_TYPE)
 
     async def health(request: Request) -> Response:
         n = len(coordinator.serving())
@@ -501,7 +456,7 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
 
     async def fast_path(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
-            await gw.route(scope, receive, send)
+            await gw.data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:
             await gw.read_only_route(scope, receive, send)
         else:

@@ -15,14 +15,11 @@ from typing import Any, Protocol, runtime_checkable
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.port import Recoverer
 from rolloutcore.control.runner import LifecycleRunner
+from rolloutcore.core.pool import FleetVersion, Outcome, Strategy
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity
 from rolloutcore.errors import (
     BadInput,
     RolloutCoreError,
-)
-from rolloutcore.fleet.rules import (
-    Outcome,
-    Strategy,
 )
 
 __all__ = ["TRANSFERS", "FanoutTransport", "FleetConfig", "FleetUpdateFailed", "FleetUpdateResult",
@@ -64,33 +61,24 @@ class Replica:
 @dataclass(frozen=True)
 class FleetWeights:
     """What an update installs: its identity, the payload each replica stages, and the
-    source a fan-out transport broadcasts (``None``: per-engine sends only)."""
+    source a fan-out transport broadcasts (``None``: per-engine sends only).
+
+    ``probe`` is the policy probe of these weights, computed once for every
+    engine: a replica taken over on them (the fleet's first version) runs it as
+    ``serve --upstream`` does, to ``min_verification``.
+    """
 
     identity: WeightIdentity
     payload: Any
     source: Any = None
     min_verification: VerificationLevel = VerificationLevel.DECLARED
+    probe: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, WeightIdentity):
             raise BadInput("FleetWeights.identity must be a WeightIdentity")
         if not isinstance(self.min_verification, VerificationLevel):
             raise BadInput("FleetWeights.min_verification must be a VerificationLevel")
-
-
-@dataclass(frozen=True)
-class FleetVersion:
-    """A version the fleet published: its generation, label and identity."""
-
-    generation: int
-    label: str
-    identity: WeightIdentity
-    update_id: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"generation": self.generation, "label": self.label,
-                "identity_digest": self.identity.digest,
-                "verification": self.identity.verification.wire, "update_id": self.update_id}
 
 
 @runtime_checkable

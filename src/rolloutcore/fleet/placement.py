@@ -88,7 +88,8 @@ def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | No
         pr = PolicyProbe.from_checkpoint(str(p))
     prepared = PreparedUpdate(src, prov, ident, pr, None)
     return FleetWeights(ident, prepared, src,
-                        VerificationLevel.PROBE if pr is not None else VerificationLevel.DECLARED)
+                        VerificationLevel.PROBE if pr is not None else VerificationLevel.DECLARED,
+                        probe=pr)
 
 
 # --------------------------------------------------------------------------- replicas
@@ -538,7 +539,8 @@ def build_fleet(engines: Sequence[Any] | None = None, urls: Sequence[str] | None
 
         fan = GlooFanout(op_timeout_s=op_timeout_s)
     coord = FleetCoordinator(reps, config=config, fanout=fan,
-                             journal_path=None if jd is None else str(jd / "fleet.jsonl"))
+                             journal_path=None if jd is None else str(jd / "fleet.jsonl"),
+                             journal_keep=journal_keep)
     try:
         coord.bootstrap(weights.identity, weights=weights)
     except BaseException:

@@ -10,10 +10,11 @@ A request names a *policy* (header ``X-RolloutCore-Policy`` or body field
 ``pinned:<label>``    exactly the fleet version published under ``label``
                       (never published: 404; no replica holds it any more: 410).
 
-Among the eligible replicas (in the pool, ``fleet.rules.IN_POOL``) the
-least loaded by active rollouts wins, ties in turn. The samples of one group
-stay on one replica while it is eligible (prefix-cache reuse): a group is an
-explicit id (``X-RolloutCore-Group`` / ``rolloutcore_group``) or, for a
+Among the eligible replicas (in the pool, ``core.pool.IN_POOL``, their engine
+READY on the version they entered it with) the ones that answered well
+recently come first, then the least loaded by active rollouts, ties in turn.
+The samples of one group stay on one replica while it is eligible (prefix-cache
+reuse): a group is an explicit id (``X-RolloutCore-Group`` / ``rolloutcore_group``) or, for a
 request with ``n > 1``, its prompt. When no replica can serve the policy the
 answer is a 503 with Retry-After, never another version; during a
 synchronous update every policy gets that 503 (admission is closed
@@ -30,12 +31,12 @@ import enum
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rolloutcore.core.versions import check_label
-from rolloutcore.errors import BadInput
+from rolloutcore.core.versions import WeightVersion, check_label
+from rolloutcore.errors import BadInput, RouteRefused
 
 __all__ = [
     "GROUP_FIELD",
@@ -57,19 +58,9 @@ POLICY_HEADER = "x-rolloutcore-policy"
 GROUP_HEADER = "x-rolloutcore-group"
 POLICY_FIELD = "rolloutcore_policy"
 GROUP_FIELD = "rolloutcore_group"
-_GROUP_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
-_INT_RE = re.compile(r"^(0|[1-9][0-9]{0,17})$")
-
-
-class RouteRefused(BadInput):
-    """No replica is routed to: ``status`` is the HTTP answer (4xx, or 503 + Retry-After)."""
-
-    def __init__(self, status: int, message: str, *, retry_after_s: float | None = None,
-                 kind: str = "BadRequest") -> None:
-        super().__init__(message)
-        self.status = status
-        self.retry_after_s = retry_after_s
-        self.kind = kind
+#: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
+_GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
+_INT_RE = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 class PolicyKind(enum.StrEnum):
@@ -109,7 +100,7 @@ class Policy:
                 return cls(kind, check_label(arg))
             except BadInput as exc:
                 raise RouteRefused(400, f"pinned: {exc}") from None
-        if not _INT_RE.match(arg):
+        if not _INT_RE.fullmatch(arg):
             raise RouteRefused(400, f"{kind.value} needs an integer >= 0, got {arg[:40]!r}")
         return cls(kind, int(arg))
 
@@ -122,9 +113,12 @@ class ReplicaView:
     """One replica as the router sees it."""
 
     name: str
-    in_pool: bool                 # SERVING (and its engine READY)
+    in_pool: bool                 # SERVING, its engine READY on ``engine_version``
     generation: int | None        # the fleet version it holds (in the pool or not)
     load: int                     # active rollouts
+    #: The engine version it serves ``generation`` as: admission on its controller
+    #: is asked for exactly this version (``LifecycleController.admit(expect=)``).
+    engine_version: WeightVersion | None = None
 
 
 @dataclass(frozen=True)
@@ -186,30 +180,61 @@ def eligible(view: FleetView, policy: Policy) -> list[ReplicaView]:
 
 
 class Router:
-    """Least active rollouts among the eligible; a group sticks to its replica.
+    """Recent success first, then least active rollouts; a group sticks to its replica.
 
-    ``max_groups`` bounds the remembered groups (least recently used go
-    first). Not thread-safe: the gateway calls it from its event loop.
+    ``observe(name, ok)`` feeds each answer's outcome into a decaying failure
+    score per replica (``score = decay * score + (1 - decay) * failed``): a
+    replica whose engine fails fast (a dead one answers its 502s in
+    milliseconds, so it always looks least loaded) loses the traffic to one
+    that answers, without waiting for the supervisor to fence it. Replicas
+    whose scores are within ``tolerance`` of the best count as equally good,
+    and among them the least loaded wins, ties in turn. ``max_groups``
+    bounds the remembered groups (least recently used go first). Not
+    thread-safe: the gateway calls it from its event loop.
     """
 
-    def __init__(self, *, max_groups: int = 4096) -> None:
+    def __init__(self, *, max_groups: int = 4096, decay: float = 0.8,
+                 tolerance: float = 0.25) -> None:
         if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
             raise BadInput("max_groups must be an int >= 1")
+        if not 0 < decay < 1 or not 0 < tolerance < 1:
+            raise BadInput("decay and tolerance must be in (0, 1)")
         self.max_groups = max_groups
+        self.decay = decay
+        self.tolerance = tolerance
         self._groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._turn = 0
+        self._fail: dict[str, float] = {}
+
+    def observe(self, name: str, ok: bool) -> None:
+        """An answer from ``name``: its engine answered (``ok``), or failed to."""
+        s = self.decay * self._fail.get(name, 0.0) + (1.0 - self.decay) * (0.0 if ok else 1.0)
+        if s < 1e-3:
+            self._fail.pop(name, None)
+        else:
+            self._fail[name] = s
+
+    def failure_score(self, name: str) -> float:
+        return self._fail.get(name, 0.0)
 
     def choose(self, view: FleetView, policy: Policy, group: str | None = None,
-               pending: Mapping[str, int] | None = None) -> ReplicaView:
-        """The replica for one request (``pending``: chosen but not yet admitted, per name)."""
-        cands = eligible(view, policy)
+               pending: Mapping[str, int] | None = None,
+               exclude: Collection[str] = ()) -> ReplicaView:
+        """The replica for one request (``pending``: chosen but not yet admitted, per
+        name; ``exclude``: replicas that refused this request already)."""
+        cands = [r for r in eligible(view, policy) if r.name not in exclude]
+        if not cands:
+            raise RouteRefused(503, f"no serving replica could take it under {policy} now",
+                               retry_after_s=view.retry_after_s, kind="ServiceUnavailable")
         if group is not None:
             name = self._groups.get(group)
             if name is not None:
                 for r in cands:
-                    if r.name == name:
+                    if r.name == name and self.failure_score(name) < 0.5:
                         self._groups.move_to_end(group)
                         return r
+        best_score = min(self.failure_score(r.name) for r in cands)
+        cands = [r for r in cands if self.failure_score(r.name) <= best_score + self.tolerance]
         extra = pending or {}
         low = min(r.load + extra.get(r.name, 0) for r in cands)
         best = [r for r in cands if r.load + extra.get(r.name, 0) == low]
@@ -249,7 +274,7 @@ def group_key(header: str | None, body: Mapping[str, Any]) -> str | None:
     for where, v in ((GROUP_HEADER, header), (GROUP_FIELD, field_v)):
         if v is None:
             continue
-        if not isinstance(v, str) or not _GROUP_RE.match(v):
+        if not isinstance(v, str) or not _GROUP_RE.fullmatch(v):
             raise RouteRefused(400, f"{where} must match {_GROUP_RE.pattern}")
         explicit.append(v)
     if len(explicit) == 2 and explicit[0] != explicit[1]:

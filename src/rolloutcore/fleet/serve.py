@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.core.pool import Strategy
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput
 from rolloutcore.fleet.coordinator import TRANSFERS, FleetConfig, FleetCoordinator
 from rolloutcore.fleet.routing import Policy
-from rolloutcore.fleet.rules import Strategy
 from rolloutcore.service.auth import generate_token, read_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 

@@ -59,7 +59,7 @@ def _nat(where: str, x: object) -> int:
 def _label(where: str, x: object) -> str:
     check_str(where, x)
     assert isinstance(x, str)
-    if not _LABEL_RE.match(x):
+    if not _LABEL_RE.fullmatch(x):
         raise fail(where, f"must be a version label, got {x!r}")
     return x
 

@@ -138,7 +138,7 @@ def _float(where: str, x: object) -> float:
 def _str(where: str, x: object, pattern: re.Pattern[str] | None = None) -> str:
     check_str(where, x)
     assert isinstance(x, str)
-    if pattern is not None and not pattern.match(x):
+    if pattern is not None and not pattern.fullmatch(x):
         raise _fail(where, f"must match {pattern.pattern}, got {x!r}")
     return x
 

@@ -55,7 +55,7 @@ from starlette.routing import Route
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
-from rolloutcore.errors import BadInput, RequestTooLarge
+from rolloutcore.errors import BadInput
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import (
@@ -66,14 +66,10 @@ from rolloutcore.service.control import (
     openapi_document,
     parse_body,
 )
+from rolloutcore.service.control_body import control_body
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
-from rolloutcore.service.proxy import (
-    DATA_ROUTES,
-    READ_ONLY_ROUTES,
-    DataPlane,
-    FinishedRequest,
-    ReadOnlyRoutes,
-)
+from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
+from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 
 __all__ = ["Gateway", "create_app"]
 
@@ -124,29 +120,6 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
     return JSONResponse(obj, status_code=status, headers=headers)
 
 
-async def _body(request: Request, limit: int, timeout_s: float = 30.0) -> bytes:
-    """The whole body, bounded in size and in time (``TimeoutError`` past ``timeout_s``)."""
-    with anyio.fail_after(timeout_s):
-        return await _read_body(request, limit)
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    cl = request.headers.get("content-length")
-    if cl is not None:
-        try:
-            declared = int(cl)
-        except ValueError:
-            raise RequestTooLarge(f"Content-Length {cl!r} is not an integer") from None
-        if declared > limit:
-            raise RequestTooLarge(f"request body exceeds {limit} bytes")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise RequestTooLarge(f"request body exceeds {limit} bytes")
-    return bytes(buf)
-
-
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                on_finished: Callable[[FinishedRequest], None] | None = None) -> Starlette:
     """The gateway app over a runner whose controller is (normally) already bootstrapped."""
@@ -177,16 +150,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                      {"www-authenticate": "Bearer"})
 
     async def json_body(request: Request) -> bytes | Response:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            return _json(415, {"error": "Content-Type must be application/json"})
-        try:
-            return await _body(request, config.max_body_bytes, config.client_body_s)
-        except RequestTooLarge:
-            return _json(413, {"error": f"request body exceeds {config.max_body_bytes} bytes"})
-        except TimeoutError:
-            return _json(408, {"error": f"the request body did not arrive within "
-                                        f"{config.client_body_s:g}s"})
+        return await control_body(request, config)
 
     def parsed(model: Any, raw: bytes) -> tuple[int, Any]:
         """``parse_body``, with JSON nested too deep for the parser answered 400, not 500."""

@@ -54,6 +54,8 @@ class Flight:
     #: body (reading the request) | checking | bound (admitted, relaying) | done
     phase: str = "body"
     rid: str | None = None
+    #: The engine (the data plane's upstream name) it was admitted to.
+    target: str = ""
     route: str = ""
     payload: dict[str, Any] = field(default_factory=dict)
     #: The proxy's FinishedRequest once bound (``released`` says the binding ended).
@@ -74,7 +76,7 @@ class Flights:
     """The table of flights, its sweeper, and the drain policy's abort."""
 
     def __init__(self, config: ServiceConfig, metrics: ServiceMetrics,
-                 upstream: Callable[[], UpstreamPool | None]) -> None:
+                 upstream: Callable[[str], UpstreamPool | None]) -> None:
         self.config = config
         self.metrics = metrics
         self._upstream = upstream
@@ -103,6 +105,21 @@ class Flights:
         f = Flight(task, time.monotonic())
         self._all.add(f)
         return f
+
+    def claim(self, f: Flight, rid: str) -> bool:
+        """Reserve ``rid`` for ``f`` before its admission: one rollout id is bound once,
+        whichever engine would take it. False when another request holds it."""
+        held = self._bound.get(rid)
+        if held is not None and held is not f:
+            return False
+        f.rid = rid
+        self._bound[rid] = f
+        return True
+
+    def unclaim(self, f: Flight) -> None:
+        if f.rid is not None and self._bound.get(f.rid) is f:
+            del self._bound[f.rid]
+        f.rid = None
 
     def bind(self, f: Flight, rid: str) -> None:
         f.phase, f.rid = "bound", rid
@@ -172,15 +189,22 @@ class Flights:
                 continue
             if self.cut(f, "aborted", reason):
                 hit.append(f)
-        ids = [i for f in hit for i in vllm_request_ids(f.route, f.rid or "", f.payload)]
+        by_engine: dict[str, list[str]] = {}
+        for f in hit:
+            by_engine.setdefault(f.target, []).extend(
+                vllm_request_ids(f.route, f.rid or "", f.payload))
         engine: Any = None
-        if ids:
-            engine = await self._abort_in_engine(ids)
+        for name, ids in by_engine.items():
+            if ids:
+                got = await self._abort_in_engine(name, ids)
+                engine = got if len(by_engine) == 1 else {**(engine or {}), name: got}
         self.metrics.aborted_rollouts.inc(len(hit))
-        return {"cut": [f.rid for f in hit], "request_ids": ids, "engine": engine}
+        return {"cut": [f.rid for f in hit],
+                "request_ids": [i for ids in by_engine.values() for i in ids],
+                "engine": engine}
 
-    async def _abort_in_engine(self, ids: list[str]) -> dict[str, Any]:
-        up = self._upstream()
+    async def _abort_in_engine(self, name: str, ids: list[str]) -> dict[str, Any]:
+        up = self._upstream(name)
         if up is None:
             return {"error": "upstream client closed"}
         body = dumps({"request_ids": ids})

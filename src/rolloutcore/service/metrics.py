@@ -45,7 +45,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 class ServiceMetrics:
     """The gateway's metrics; ``listener`` is added to the controller."""
 
-    def __init__(self, controller: LifecycleController) -> None:
+    def __init__(self, controller: LifecycleController | None) -> None:
         self._controller = controller
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -98,6 +98,10 @@ class ServiceMetrics:
         self.body_timeouts = Counter(
             "rolloutcore_body_timeouts_total",
             "requests whose body did not arrive within client_body_s (answered 408)",
+            registry=r)
+        self.route_refused = Counter(
+            "rolloutcore_route_refused_total",
+            "requests no engine was chosen for (a fleet's router), by status", ["status"],
             registry=r)
         self.overloaded = Counter(
             "rolloutcore_overloaded_total",
@@ -164,6 +168,8 @@ class ServiceMetrics:
     # ---------------------------------------------------------------- scraping
     def render(self) -> bytes:
         c = self._controller
+        if c is None:  # behind a fleet's router: the fleet renders its engines' states
+            return bytes(generate_latest(self.registry))
         current = c.state
         for s in State:
             self.state.labels(s.value).set(1 if s is current else 0)

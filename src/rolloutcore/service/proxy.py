@@ -55,29 +55,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Any
 
 import anyio
 
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.core.lifecycle import Binding, Completion, State
+from rolloutcore.core.lifecycle import Binding, Completion
 from rolloutcore.core.media import MediaError
-from rolloutcore.core.records import Record, Transition
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
     EffectError,
     EffectTimeout,
+    EngineUnreachable,
     InvalidTransition,
     RequestTooLarge,
+    RouteRefused,
 )
+from rolloutcore.service.admission import Admission, OneEngine, Target
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
@@ -87,15 +89,23 @@ from rolloutcore.service.salting import check_client_salt, salted_body
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 from rolloutcore.service.wire import (
     BODY_FIELD,
+    DATA_HEADERS,
     GENERATION_HEADER,
     IDENTITY_HEADER,
     ROLLOUT_HEADER,
     VERSION_HEADER,
+    ClientGone,
+    Message,
+    Receive,
+    Scope,
+    Send,
     SseRelay,
     VersionView,
     error_body,
+    headers_of_interest,
     inject_json,
     json_depth,
+    read_body,
     send_json,
     splice_field,
     validate_request,
@@ -107,7 +117,6 @@ _SseRelay = SseRelay  # its old name here
 __all__ = [
     "BODY_FIELD",
     "DATA_ROUTES",
-    "READ_ONLY_ROUTES",
     "GENERATION_HEADER",
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
@@ -115,7 +124,7 @@ __all__ = [
     "ENDINGS",
     "DataPlane",
     "FinishedRequest",
-    "ReadOnlyRoutes",
+    "Target",
     "error_body",
     "json_depth",
     "read_body",
@@ -124,22 +133,8 @@ __all__ = [
     "vllm_request_ids",
 ]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
-#: vLLM's read-only routes that OpenAI-style clients ask before (or besides)
-#: generating (the OpenAI SDK, TRL and vLLM's own benchmark list ``/v1/models``
-#: first), with their one method. They read no weights, so they are passed
-#: through without admission or binding, during updates too. The dev and control
-#: routes (``/pause``, ``/update_weights``, ``/collective_rpc``, ``/server_info``,
-#: ...) are never among them: only the gateway changes the engine.
-READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
-    "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
-    "/tokenize": "POST", "/detokenize": "POST"})
-
 #: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 #: Upstream response headers that describe the upstream connection, not the answer.
@@ -154,56 +149,11 @@ _LAST_WORD_S = 1.0
 ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
 
 
-class _ClientGone(Exception):
-    pass
-
-
-async def read_body(receive: Receive, limit: int, content_length: bytes | None) -> bytes:
-    """The whole request body, refused as soon as it is known to exceed ``limit``.
-
-    Unbounded in time by itself: the data plane's sweeper cuts a body that
-    takes longer than ``client_body_s``.
-    """
-    if content_length is not None:
-        try:
-            declared = int(content_length)
-        except ValueError:
-            raise BadInput("Content-Length is not an integer") from None
-        if declared > limit:
-            raise RequestTooLarge(f"request body exceeds {limit} bytes")
-    msg = await receive()
-    if msg["type"] == "http.disconnect":
-        raise _ClientGone
-    body = msg.get("body", b"")
-    if len(body) > limit:
-        raise RequestTooLarge(f"request body exceeds {limit} bytes")
-    if not msg.get("more_body", False):  # the usual case: the whole body at once
-        return bytes(body)
-    chunks = [body]
-    n = len(body)
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            raise _ClientGone
-        body = msg.get("body", b"")
-        n += len(body)
-        if n > limit:
-            raise RequestTooLarge(f"request body exceeds {limit} bytes")
-        chunks.append(body)
-        if not msg.get("more_body", False):
-            return b"".join(chunks)
-
-
-_WANTED = frozenset({b"authorization", b"content-type", b"content-length", _ROLLOUT_HEADER_B})
-
-
-def _headers_of_interest(scope: Scope) -> dict[bytes, bytes]:
-    """The request headers the data plane reads, first occurrence of each, in one pass."""
-    out: dict[bytes, bytes] = {}
-    for k, v in scope["headers"]:
-        if k in _WANTED and k not in out:
-            out[k] = bytes(v)
-    return out
+def _retryable(exc: AdmissionRefused | RouteRefused) -> bool:
+    """A refusal that says when to ask again (a queued request waits for it)."""
+    if isinstance(exc, RouteRefused):
+        return exc.status == 503
+    return exc.retry_after_s is not None
 
 
 @dataclass(slots=True)
@@ -215,6 +165,8 @@ class FinishedRequest:
     request: dict[str, Any]
     status: int
     ending: str                         # complete | client_disconnect | upstream_error
+    #: Where it went (the one engine, or a fleet's replica with its fleet version).
+    target: Target | None = None
     response: dict[str, Any] | None = None            # a JSON answer
     events: list[dict[str, Any]] = field(default_factory=list)  # an SSE answer's events
     seconds: float = 0.0
@@ -246,18 +198,27 @@ def _rid(b: Binding) -> str:
 
 
 class DataPlane:
-    """ASGI app of the three data routes. ``start``/``aclose`` manage the upstream client."""
+    """ASGI app of the three data routes. ``start``/``aclose`` manage the upstream clients.
 
-    def __init__(self, controller: LifecycleController, config: ServiceConfig,
+    ``admission`` says where requests go (``service.admission``): a controller
+    stands for its one engine at ``config.upstream_url``; a fleet passes its
+    router (``fleet.gateway.FleetAdmission``). Everything else is the same.
+    """
+
+    def __init__(self, admission: Admission | LifecycleController, config: ServiceConfig,
                  metrics: ServiceMetrics, *,
                  on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
-        self.controller = controller
+        if isinstance(admission, LifecycleController):
+            admission = OneEngine(admission, lambda: self.config.upstream_url)
+        self.admission = admission
+        #: The one engine's controller (``None`` behind a fleet's router).
+        self.controller: LifecycleController | None = getattr(admission, "controller", None)
         self.config = config
         self.metrics = metrics
         self._on_finished = on_finished
-        self.upstream: UpstreamPool | None = None
+        self.upstreams: dict[str, UpstreamPool] = {}
         self._paths = {r: r.encode() for r in DATA_ROUTES}
-        self._vview: VersionView | None = None
+        self._views: dict[tuple[int, int, str], VersionView] = {}
         # Metric children, looked up once (``labels()`` hashes and locks).
         self._requests: dict[tuple[str, int], Any] = {}
         self._seconds = {r: metrics.request_seconds.labels(r) for r in DATA_ROUTES}
@@ -265,8 +226,9 @@ class DataPlane:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._waiting = 0
-        self.flights = Flights(config, metrics, lambda: self.upstream)
-        controller.add_listener(self._record)
+        self._wanted = DATA_HEADERS | frozenset(getattr(admission, "headers", ()))
+        self.flights = Flights(config, metrics, self.upstreams.get)
+        admission.on_change(self._wake_threadsafe)
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -279,17 +241,24 @@ class DataPlane:
         # dropped before vLLM's own keep-alive (5 s) would, so a request is
         # never written into a connection the server is closing (a POST is
         # not retried). No cookies, no redirects, no decompression.
-        self.upstream = UpstreamPool(
-            cfg.upstream_url, max_connections=cfg.upstream_max_connections,
-            connect_s=cfg.upstream_connect_s, pool_s=cfg.upstream_read_s,
-            read_s=cfg.upstream_read_s, keepalive_s=cfg.upstream_keepalive_s)
+        for name, url in self.admission.upstreams().items():
+            self.upstreams[name] = UpstreamPool(
+                url, max_connections=cfg.upstream_max_connections,
+                connect_s=cfg.upstream_connect_s, pool_s=cfg.upstream_read_s,
+                read_s=cfg.upstream_read_s, keepalive_s=cfg.upstream_keepalive_s)
         self.flights.start()
 
     async def aclose(self) -> None:
         await self.flights.aclose()
-        if self.upstream is not None:
-            await self.upstream.aclose()
-            self.upstream = None
+        pools = list(self.upstreams.values())
+        self.upstreams.clear()
+        for pool in pools:
+            await pool.aclose()
+
+    @property
+    def upstream(self) -> UpstreamPool | None:
+        """The one engine's pool (a gateway over one engine), else None."""
+        return self.upstreams.get("")
 
     @property
     def waiting(self) -> int:
@@ -300,11 +269,12 @@ class DataPlane:
         """Data-plane requests in progress (reading, queued, relaying)."""
         return len(self.flights)
 
-    def _record(self, rec: Record) -> None:
-        """Controller listener (any thread): wake queued requests on every transition."""
+    def _wake_threadsafe(self) -> None:
+        """The admission's listener (any thread): wake queued requests at a change."""
         loop = self._loop
-        if type(rec) is Transition and loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._wake)
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._wake)
 
     def _wake(self) -> None:
         ev, self._changed = self._changed, asyncio.Event()
@@ -317,13 +287,19 @@ class DataPlane:
         return self.flights.abort_stragglers(bindings, reason)
 
     # ------------------------------------------------------------ admission
-    async def _admit(self, rollout_id: str) -> Binding:
-        """Admit now, or (queue configured) wait for the update to end, bounded."""
+    async def _admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
+        """Choose and admit now, or (queue configured) wait for a change, bounded.
+
+        A refusal that says when to retry (an update in progress, no engine
+        on the version asked for now) waits in the queue; one that is final
+        (a tainted engine, a version never published) is answered at once.
+        """
         cfg = self.config
+        adm = self.admission
         try:
-            return self.controller.admit(rollout_id)
-        except AdmissionRefused as exc:
-            if exc.retry_after_s is None or cfg.queue_max == 0 or self._waiting >= cfg.queue_max:
+            return adm.try_admit(rollout_id, routing)
+        except (AdmissionRefused, RouteRefused) as exc:
+            if not _retryable(exc) or cfg.queue_max == 0 or self._waiting >= cfg.queue_max:
                 raise
         self._waiting += 1
         deadline = time.monotonic() + cfg.queue_wait_s
@@ -332,47 +308,51 @@ class DataPlane:
                 changed = self._changed
                 assert changed is not None
                 left = deadline - time.monotonic()
-                # Ask again only when it can change the answer (READY, or a final
-                # TAINTED) or at the deadline, so a queued request leaves one
-                # refusal in the journal, not one per transition of the update.
-                if self.controller.state in (State.READY, State.TAINTED) or left <= 0:
+                if adm.worth_retry() or left <= 0:
                     try:
-                        b = self.controller.admit(rollout_id)
-                    except AdmissionRefused as exc:
-                        if exc.retry_after_s is None or left <= 0:
+                        got = adm.try_admit(rollout_id, routing)
+                    except (AdmissionRefused, RouteRefused) as exc:
+                        if not _retryable(exc) or left <= 0:
                             self.metrics.queued.labels(
                                 "timeout" if left <= 0 else "refused").inc()
                             raise
                     else:
                         self.metrics.queued.labels("admitted").inc()
-                        return b
+                        return got
                 with anyio.move_on_after(max(0.0, left)):
                     await changed.wait()
         finally:
             self._waiting -= 1
 
-    def _view(self, b: Binding) -> VersionView:
-        """What every answer of ``b``'s version carries, built once per version.
+    def _view(self, b: Binding, t: Target | None) -> VersionView:
+        """What every answer of ``b``'s version (through ``t``) carries, built once.
 
         The identity digest is a hash over the identity's JSON; recomputing it
         (and the headers) for every request was a measurable share of the
         gateway's own path.
         """
-        v = self._vview
-        if v is None or v.version is not b.version or v.identity is not b.identity:
-            v = self._vview = VersionView(b)
+        tk = "" if t is None else t.name
+        key = (id(b.version), id(b.identity), tk)
+        v = self._views.get(key)
+        if v is None or v.version is not b.version or v.identity is not b.identity or (
+                t is not None and v.extra is not t.info):
+            if len(self._views) > 256:
+                self._views.clear()
+            v = self._views[key] = VersionView(b, {} if t is None else t.info)
         return v
 
-    def info(self, b: Binding) -> dict[str, Any]:
+    def info(self, b: Binding, t: Target | None = None) -> dict[str, Any]:
         """The ``rolloutcore`` body field of ``b``'s answer."""
-        return {**self._view(b).info, "rollout_id": b.rollout_id}
+        return {**self._view(b, t).info, "rollout_id": b.rollout_id}
 
-    def info_json(self, b: Binding) -> bytes:
+    def info_json(self, b: Binding, t: Target | None = None) -> bytes:
         """``info(b)`` serialized (the same bytes ``json.dumps`` makes of it)."""
-        return self._view(b).info_head + _rid(b).encode() + b'"}'
+        return self._view(b, t).info_head + _rid(b).encode() + b'"}'
 
-    def version_headers(self, b: Binding) -> list[tuple[bytes, bytes]]:
-        return [*self._view(b).headers, (_ROLLOUT_HEADER_B, _rid(b).encode())]
+    def version_headers(self, b: Binding, t: Target | None = None
+                        ) -> list[tuple[bytes, bytes]]:
+        extra = () if t is None else t.headers
+        return [*self._view(b, t).headers, (_ROLLOUT_HEADER_B, _rid(b).encode()), *extra]
 
     def _count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -429,7 +409,7 @@ class DataPlane:
             await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
                             [(b"allow", b"POST")])
             return 405
-        hdrs = _headers_of_interest(scope)
+        hdrs = headers_of_interest(scope, self._wanted)
         auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
             assert auth.status is not None
@@ -449,7 +429,7 @@ class DataPlane:
                 413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"),
                 [(b"connection", b"close")])
             return 413
-        except _ClientGone:
+        except ClientGone:
             return 499
         except BadInput as exc:
             await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
@@ -482,8 +462,23 @@ class DataPlane:
                 400, f"{ROLLOUT_HEADER} must match {_ROLLOUT_ID.pattern}", "BadRequest"))
             return 400
         try:
-            binding = await self._admit(rid)
+            routing, changed = self.admission.routing(payload, hdrs)
+        except RouteRefused as exc:
+            return await self._route_refused(send, exc)
+        if changed:  # the routing fields are the gateway's: never forwarded
+            raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        if not self.flights.claim(f, rid):
+            # One rollout id is bound once, whichever engine would take it.
+            await send_json(send, 409, error_body(
+                409, f"rollout {rid!r} is already active", "Conflict"))
+            return 409
+        try:
+            binding, target = await self._admit(rid, routing)
+        except RouteRefused as exc:
+            self.flights.unclaim(f)
+            return await self._route_refused(send, exc)
         except AdmissionRefused as exc:
+            self.flights.unclaim(f)
             # ``x-should-retry`` is what OpenAI's SDKs obey before their own status
             # rules: retry an update's refusal, never a tainted engine's.
             retry = [(b"x-should-retry", b"false" if exc.retry_after_s is None else b"true")]
@@ -494,20 +489,21 @@ class DataPlane:
                                                   retry_after_s=exc.retry_after_s), retry)
             return 503
         except BadInput as exc:  # the rollout id is already active
+            self.flights.unclaim(f)
             await send_json(send, 409, error_body(409, str(exc), "Conflict"))
             return 409
         t0 = time.monotonic()
-        fin = FinishedRequest(route, binding, payload, 502, "upstream_error",
+        fin = FinishedRequest(route, binding, payload, 502, "upstream_error", target,
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
         if cfg.salt_prefix_cache:  # no block computed by another version is reused
             raw, fin.cache_salt = salted_body(raw, payload, binding)
         if self._on_finished is not None:
             fin.headers = {k.decode("latin-1"): v.decode("latin-1")
                            for k, v in scope["headers"] if k.startswith(b"x-rolloutcore-")}
-        f.route, f.payload, f.fin = route, payload, fin
+        f.route, f.payload, f.fin, f.target = route, payload, fin, target.name
         self.flights.bind(f, rid)
         try:
-            await self._forward(receive, send, route, raw, binding, fin, f)
+            await self._forward(receive, send, route, raw, binding, target, fin, f)
         finally:
             self._release(fin)
             fin.seconds = time.monotonic() - t0
@@ -516,6 +512,18 @@ class DataPlane:
         if self._on_finished is not None:
             self._on_finished(fin)
         return fin.status
+
+    async def _route_refused(self, send: Send, exc: RouteRefused) -> int:
+        """No engine for this request: its 4xx, or a 503 with Retry-After."""
+        headers: list[tuple[bytes, bytes]] = []
+        if exc.status == 503:
+            headers.append((b"x-should-retry", b"true"))
+            if exc.retry_after_s is not None:
+                headers.append((b"retry-after",
+                                str(max(1, math.ceil(exc.retry_after_s))).encode()))
+        self.metrics.route_refused.labels(str(exc.status)).inc()
+        await send_json(send, exc.status, error_body(exc.status, str(exc), exc.kind), headers)
+        return exc.status
 
     def _release(self, fin: FinishedRequest) -> None:
         """Release the binding once: when the last byte from vLLM is in hand, or at the end.
@@ -531,8 +539,10 @@ class DataPlane:
         fin.released = True
         fin.completed_mono, fin.completed_wall = time.monotonic(), time.time()
         done: Completion | None = None
+        ctl = fin.target.controller if fin.target is not None else self.controller
         with contextlib.suppress(BadInput, InvalidTransition):
-            done = self.controller.complete(_rid(fin.binding))
+            if ctl is not None:
+                done = ctl.complete(_rid(fin.binding))
         if done is None:
             fin.attributable, fin.unattributable = False, "the controller no longer held it"
         elif not done.attributable:
@@ -542,7 +552,8 @@ class DataPlane:
                 else f"released in {done.state.value} after {done.committed} was committed")
 
     async def _forward(self, receive: Receive, send: Send, route: str, raw: bytes,
-                       binding: Binding, fin: FinishedRequest, f: Flight) -> None:
+                       binding: Binding, target: Target, fin: FinishedRequest,
+                       f: Flight) -> None:
         """Relay one admitted request while watching for the client going away.
 
         Plain asyncio rather than an anyio task group: the group's cancel
@@ -563,16 +574,16 @@ class DataPlane:
 
         watcher = asyncio.get_running_loop().create_task(watch())
         try:
-            await self._relay(send, route, raw, binding, fin, f)
+            await self._relay(send, route, raw, binding, target, fin, f)
         except asyncio.CancelledError:
             if not self.flights.consume_cut(f):
                 raise
-            await self._after_cut(send, binding, fin, f)
+            await self._after_cut(send, binding, target, fin, f)
         finally:
             watcher.cancel()
 
-    async def _after_cut(self, send: Send, binding: Binding, fin: FinishedRequest,
-                         f: Flight) -> None:
+    async def _after_cut(self, send: Send, binding: Binding, target: Target,
+                         fin: FinishedRequest, f: Flight) -> None:
         """The ending of a request the gateway cut (the upstream side is closed already)."""
         why = f.cut
         if f.finishing:
@@ -596,53 +607,61 @@ class DataPlane:
                     await send({"type": "http.response.body", "more_body": False,
                                 "body": f.sse.flush() + f.sse.error_tail(msg, 503, "Aborted")})
         elif not f.started_response:
-            await self._last_word(send, 503, msg, "Aborted", **self.info(binding))
+            await self._last_word(send, 503, msg, "Aborted", **self.info(binding, target))
 
     def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
         f.finishing = True
         self._release(fin)
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
-                     fin: FinishedRequest, f: Flight) -> None:
-        upstream = self.upstream
+                     target: Target, fin: FinishedRequest, f: Flight) -> None:
+        upstream = self.upstreams.get(target.name)
         if upstream is None:
             raise RuntimeError("data plane not started")
-        vh = self.version_headers(binding)
+        vh = self.version_headers(binding, target)
+        info = self.info(binding, target)
         try:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
         except EffectTimeout as exc:
             fin.status = 504
             self._finishing(f, fin)
+            self.admission.observe(target, False, False)
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
-                                                  "UpstreamTimeout", **self.info(binding)), vh)
+                                                  "UpstreamTimeout", **info), vh)
             return
         except EffectError as exc:  # EngineUnavailable, EngineUnreachable
             fin.status = 502
             self._finishing(f, fin)
+            # A connection the engine refused is its own signal (it is gone).
+            self.admission.observe(target, False, isinstance(exc, EngineUnreachable))
             await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
-                                                  "UpstreamError", **self.info(binding)),
-                            vh)
+                                                  "UpstreamError", **info), vh)
             return
         try:
             headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
             fin.status = resp.status
             if resp.content_type == "text/event-stream":
-                await self._relay_stream(send, resp, headers + vh, self.info(binding), fin, f)
+                await self._relay_stream(send, resp, headers + vh, info, fin, f)
+                self.admission.observe(target, fin.ending != "upstream_error", False)
             else:
                 try:
                     body = await resp.read(self.config.max_response_bytes)
                 except EffectError as exc:
                     fin.status = 502
                     self._finishing(f, fin)
+                    # An answer too large for the gateway is the request's doing, not
+                    # the engine's: it says nothing about the engine's health.
+                    self.admission.observe(target, resp.too_large, False)
                     await send_json(send, 502, error_body(
                         502, f"vLLM answer broke off: {exc!r}", "UpstreamError",
-                        **self.info(binding)), vh)
+                        **info), vh)
                     return
+                self.admission.observe(target, True, False)
                 if self._on_finished is None:
-                    out = splice_field(body, self.info_json(binding))
+                    out = splice_field(body, self.info_json(binding, target))
                     body, obj = (body if out is None else out), None
                 else:
-                    body, obj = inject_json(body, self.info(binding))
+                    body, obj = inject_json(body, info)
                 fin.response = obj
                 fin.ending = "complete"
                 headers = headers + vh + [(b"content-length", str(len(body)).encode())]
@@ -689,101 +708,3 @@ class DataPlane:
         fin.record_overflow = sse.overflow
         self._finishing(f, fin)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-
-class ReadOnlyRoutes:
-    """ASGI app of ``READ_ONLY_ROUTES``: answered by vLLM, relayed as they are.
-
-    Its own small connection pool (httpx), so the data plane's pool, sized and
-    tuned for generation, is not shared with lookups. The data token applies
-    as on the data routes.
-    """
-
-    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
-        self.config = config
-        self.metrics = metrics
-        self._client: Any = None
-
-    async def start(self) -> None:
-        import httpx
-
-        cfg = self.config
-        self._client = httpx.AsyncClient(
-            base_url=cfg.upstream_url, follow_redirects=False,
-            timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
-                                keepalive_expiry=cfg.upstream_keepalive_s))
-
-    async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = scope["path"]
-        status = await self._handle(scope, receive, send, route)
-        self.metrics.requests.labels(route, str(status)).inc()
-
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
-        import httpx
-
-        cfg = self.config
-        method = READ_ONLY_ROUTES[route]
-        if scope["method"] != method:
-            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
-                            [(b"allow", method.encode())])
-            return 405
-        hdrs = _headers_of_interest(scope)
-        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
-        if not auth.ok:
-            assert auth.status is not None
-            await send_json(send, auth.status, error_body(auth.status, auth.reason,
-                                                          "Unauthorized"),
-                            [(b"www-authenticate", b"Bearer")])
-            return auth.status
-        body = b""
-        if method == "POST":
-            try:
-                async with asyncio.timeout(cfg.client_body_s):  # rare path: a timer is fine
-                    body = await read_body(receive, cfg.max_body_bytes,
-                                           hdrs.get(b"content-length"))
-            except TimeoutError:
-                await send_json(send, 408, error_body(
-                    408, f"the request body did not arrive within {cfg.client_body_s:g}s",
-                    "RequestTimeout"), [(b"connection", b"close")])
-                return 408
-            except RequestTooLarge:
-                await send_json(send, 413, error_body(
-                    413, f"request body exceeds {cfg.max_body_bytes} bytes",
-                    "PayloadTooLarge"))
-                return 413
-            except _ClientGone:
-                return 499
-            except BadInput as exc:
-                await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
-                return 400
-        client = self._client
-        if client is None:
-            raise RuntimeError("read-only routes not started")
-        headers = {}
-        if b"content-type" in hdrs:
-            headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
-        qs = scope.get("query_string", b"")
-        try:
-            resp = await client.request(method, route + ("?" + qs.decode("latin-1")
-                                                         if qs else ""),
-                                        content=body or None, headers=headers)
-        except httpx.TimeoutException as exc:
-            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
-                                                  f"{exc!r}", "UpstreamTimeout"))
-            return 504
-        except httpx.HTTPError as exc:
-            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
-                                                  "UpstreamError"))
-            return 502
-        out = [(b"content-type", resp.headers.get("content-type", "application/json")
-                .encode("latin-1")), (b"content-length", str(len(resp.content)).encode())]
-        await send({"type": "http.response.start", "status": resp.status_code,
-                    "headers": out})
-        await send({"type": "http.response.body", "body": resp.content, "more_body": False})
-        return int(resp.status_code)

@@ -152,7 +152,7 @@ class UpstreamResponse:
 
     __slots__ = ("_buf", "_buffered", "_conn", "_error", "_keep_alive", "_paused", "_pool",
                  "_streaming", "_timer", "_waiter", "active", "content_type", "done", "framed",
-                 "raw_headers", "status")
+                 "raw_headers", "status", "too_large")
 
     def __init__(self, pool: UpstreamPool, conn: _Conn) -> None:
         self._pool = pool
@@ -163,6 +163,8 @@ class UpstreamResponse:
         self.done = False
         self.framed = False
         self.active = time.monotonic()
+        #: ``read`` refused the answer as larger than its bound (the request's doing).
+        self.too_large = False
         self._keep_alive = False
         self._error: BaseException | None = None
         self._buf: collections.deque[bytes] = collections.deque()
@@ -253,11 +255,13 @@ class UpstreamResponse:
         than ``max_bytes`` arrived (the gateway does not hold an unbounded answer)."""
         while not self.done:
             if max_bytes is not None and self._buffered > max_bytes:
+                self.too_large = True
                 raise EngineUnavailable(STEP, f"vLLM's answer exceeds {max_bytes} bytes")
             await self._wait()
         if self._error is not None:
             raise self._error
         if max_bytes is not None and self._buffered > max_bytes:
+            self.too_large = True
             raise EngineUnavailable(STEP, f"vLLM's answer exceeds {max_bytes} bytes")
         return self._take() if self._buf else b""
 

@@ -14,26 +14,37 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 from rolloutcore.core.versions import Binding
-from rolloutcore.errors import BadInput
+from rolloutcore.errors import BadInput, RequestTooLarge, RolloutCoreError
 
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 __all__ = [
     "BODY_FIELD",
+    "DATA_HEADERS",
     "GENERATION_HEADER",
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
     "VERSION_HEADER",
+    "ClientGone",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
     "SseRelay",
     "VersionView",
     "dumps",
     "error_body",
+    "headers_of_interest",
     "inject_json",
     "json_depth",
+    "read_body",
     "send_json",
     "splice_field",
     "validate_request",
@@ -273,17 +284,23 @@ async def send_json(send: Send, status: int, obj: Any,
 
 
 class VersionView:
-    """A version's answer decorations: body field (less the rollout id) and headers."""
+    """A version's answer decorations: body field (less the rollout id) and headers.
 
-    __slots__ = ("headers", "identity", "info", "info_head", "version")
+    ``extra`` joins the body field (a fleet's version and replica): the same
+    object for every answer through one target, so the view is built once.
+    """
 
-    def __init__(self, b: Binding) -> None:
+    __slots__ = ("extra", "headers", "identity", "info", "info_head", "version")
+
+    def __init__(self, b: Binding, extra: Mapping[str, Any] | None = None) -> None:
         self.version = b.version
         self.identity = b.identity
+        self.extra = extra
         digest = b.identity.digest
         self.info: dict[str, Any] = {
             "version": b.version.label, "generation": b.version.generation,
-            "engine_epoch": b.version.engine_epoch, "identity_digest": digest}
+            "engine_epoch": b.version.engine_epoch, "identity_digest": digest,
+            **(extra or {})}
         # The serialized body field up to the rollout id, which is all that
         # differs between this version's answers (ids match _ROLLOUT_ID: no
         # character needs escaping in JSON).
@@ -291,3 +308,58 @@ class VersionView:
         self.headers = ((VERSION_HEADER.encode(), b.version.label.encode()),
                         (GENERATION_HEADER.encode(), str(b.version.generation).encode()),
                         (IDENTITY_HEADER.encode(), digest.encode()))
+
+
+class ClientGone(RolloutCoreError):
+    """The client went away before its request body arrived (nothing to answer)."""
+
+
+async def read_body(receive: Receive, limit: int, content_length: bytes | None) -> bytes:
+    """The whole request body, refused as soon as it is known to exceed ``limit``.
+
+    Unbounded in time by itself: the data plane's sweeper cuts a body that
+    takes longer than ``client_body_s``.
+    """
+    if content_length is not None:
+        try:
+            declared = int(content_length)
+        except ValueError:
+            raise BadInput("Content-Length is not an integer") from None
+        if declared > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    msg = await receive()
+    if msg["type"] == "http.disconnect":
+        raise ClientGone
+    body = msg.get("body", b"")
+    if len(body) > limit:
+        raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    if not msg.get("more_body", False):  # the usual case: the whole body at once
+        return bytes(body)
+    chunks = [body]
+    n = len(body)
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise ClientGone
+        body = msg.get("body", b"")
+        n += len(body)
+        if n > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
+        chunks.append(body)
+        if not msg.get("more_body", False):
+            return b"".join(chunks)
+
+
+#: The request headers the data plane reads itself.
+DATA_HEADERS = frozenset({b"authorization", b"content-type", b"content-length",
+                          ROLLOUT_HEADER.encode()})
+
+
+def headers_of_interest(scope: Scope, wanted: frozenset[bytes] = DATA_HEADERS
+                        ) -> dict[bytes, bytes]:
+    """The request headers wanted, first occurrence of each, in one pass."""
+    out: dict[bytes, bytes] = {}
+    for k, v in scope["headers"]:
+        if k in wanted and k not in out:
+            out[k] = bytes(v)
+    return out

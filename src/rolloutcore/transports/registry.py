@@ -62,7 +62,7 @@ class Loader:
 
     def __post_init__(self) -> None:
         for what, v in (("module", self.module), ("class name", self.attr)):
-            if not isinstance(v, str) or not _DOTTED.match(v):
+            if not isinstance(v, str) or not _DOTTED.fullmatch(v):
                 raise BadInput(f"{what} must be a dotted Python name, got {v!r}")
 
     @property
@@ -92,7 +92,7 @@ class BackendRegistry:
 
     def register(self, name: str, module: str, attr: str) -> Loader:
         """Register ``module.attr`` under ``name``; a name already taken raises."""
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise BadInput(f"{self.kind} name must be 1-64 of [A-Za-z0-9_.-], got {name!r}")
         loader = Loader(module, attr)
         have = self._loaders.get(name)

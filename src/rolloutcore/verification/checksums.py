@@ -339,7 +339,7 @@ def _check_digests(where: str, m: object) -> dict[str, str]:
     for k, v in m.items():
         if not isinstance(k, str) or not k:
             raise BadInput(f"{where}: keys must be non-empty strings, got {k!r}")
-        if not isinstance(v, str) or not HEX64.match(v.lower()):
+        if not isinstance(v, str) or not HEX64.fullmatch(v.lower()):
             raise BadInput(f"{where}[{k!r}] is not a sha256 hex digest: {v!r}")
         out[k] = v.lower()
     return out
@@ -491,7 +491,7 @@ class ReferenceChecksums:
     taken_wall: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.content_digest, str) or not HEX64.match(self.content_digest):
+        if not isinstance(self.content_digest, str) or not HEX64.fullmatch(self.content_digest):
             raise BadInput("content_digest must be a sha256 hex digest")
         object.__setattr__(self, "layout", MappingProxyType(check_layout(self.layout)))
         object.__setattr__(self, "checksums",

@@ -103,7 +103,7 @@ class ChecksumCache:
             raise BadInput(f"checksum cache {str(self.root)!r} is not a directory")
 
     def path_for(self, content_digest: str, layout: Mapping[str, Any]) -> Path:
-        if not isinstance(content_digest, str) or not HEX64.match(content_digest):
+        if not isinstance(content_digest, str) or not HEX64.fullmatch(content_digest):
             raise BadInput("content_digest must be a sha256 hex digest")
         return self.root / content_digest / f"{layout_digest(layout)}.json"
 

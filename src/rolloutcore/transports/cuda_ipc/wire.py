@@ -179,7 +179,7 @@ class BufferHandle:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device_uuid, str) or not _UUID_RE.match(self.device_uuid):
+        if not isinstance(self.device_uuid, str) or not _UUID_RE.fullmatch(self.device_uuid):
             raise BadInput(f"device_uuid is not a GPU UUID: {self.device_uuid!r}")
         if not isinstance(self.handle, bytes) or not 0 < len(self.handle) <= _MAX_HANDLE:
             raise BadInput(f"handle must be 1..{_MAX_HANDLE} bytes")
@@ -276,7 +276,7 @@ class EntrySpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not 0 < len(self.name) <= _MAX_NAME or (
-                not _NAME_RE.match(self.name)):
+                not _NAME_RE.fullmatch(self.name)):
             raise BadInput(f"bad tensor name {self.name!r}")
         if self.dtype not in DTYPES:
             raise BadInput(f"{self.name}: dtype {self.dtype!r} not in {sorted(DTYPES)}")

@@ -1,0 +1,125 @@
+"""How the data plane binds a request: to its one engine, or through a router to one of N.
+
+The data plane (``service.proxy.DataPlane``) does the same for every request,
+whatever stands behind it: one parse, one auth, the same deadlines, limits,
+salting and recording. What differs between a gateway over one engine and a
+fleet gateway over N is only *where* an admitted request goes, and that is
+an ``Admission``:
+
+* ``routing(payload, header)`` reads what the request asks of its placement
+  (a fleet's policy and group) and removes it from the body before it is
+  forwarded; a request that can never be served as asked is refused here
+  (``RouteRefused``, a 4xx), before anything is admitted;
+* ``try_admit(rollout_id, routing)`` chooses the engine **and** binds the
+  rollout on that engine's controller in one step: the binding names the
+  very version the choice was made for (``admit(expect=)``), or nothing is
+  bound and the answer is a retryable refusal (503 + Retry-After), never an
+  answer labelled with another version;
+* ``worth_retry`` says whether a refused request waiting in the queue
+  should ask again now (after a change it was woken for);
+* ``observe(target, ok, refused)`` hears how each answer went: a fleet's
+  router prefers engines by recent success, and a connection the engine
+  refused is reported to its supervisor (the engine's own signal; a
+  client's answer is never one).
+
+``OneEngine`` is the admission of a gateway over one engine. A fleet's is
+``fleet.gateway.FleetAdmission``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from rolloutcore.control.controller import LifecycleController
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.records import Record, Transition
+from rolloutcore.core.versions import Binding
+
+__all__ = ["Admission", "OneEngine", "Target"]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where one admitted request goes, and what its answer says of where it went.
+
+    ``name`` keys the data plane's upstream pool (``""``: the one engine);
+    ``info`` joins the answer's ``rolloutcore`` body field (and the record),
+    ``headers`` its version headers.
+    """
+
+    name: str
+    controller: LifecycleController
+    info: Mapping[str, Any] = field(default_factory=dict)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class Admission(Protocol):
+    """Where the data plane's requests go (see the module docstring)."""
+
+    #: Request headers ``routing`` reads (lower-case), besides the data plane's own.
+    headers: frozenset[bytes]
+
+    def upstreams(self) -> Mapping[str, str]:
+        """Target name -> the engine URL the data plane keeps a pool towards."""
+        ...
+
+    def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
+                ) -> tuple[Any, bool]:
+        """What the request asks of its placement, and whether ``payload`` changed (its
+        routing fields removed); ``RouteRefused`` (a 4xx) when it can never be served."""
+        ...
+
+    def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
+        """Choose and bind in one step (``AdmissionRefused``/``RouteRefused`` otherwise)."""
+        ...
+
+    def worth_retry(self) -> bool:
+        ...
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        """Call ``wake`` (any thread) whenever a refused request might be admitted now."""
+        ...
+
+    def observe(self, target: Target, ok: bool, refused: bool) -> None:
+        ...
+
+
+class OneEngine:
+    """The admission of a gateway over one engine: its controller, nothing to choose."""
+
+    headers: frozenset[bytes] = frozenset()
+
+    def __init__(self, controller: LifecycleController,
+                 upstream_url: str | Callable[[], str]) -> None:
+        self.controller = controller
+        self._url = upstream_url
+        self.target = Target("", controller)
+
+    def upstreams(self) -> Mapping[str, str]:
+        """The one engine (a callable URL is read when the data plane starts)."""
+        return {"": self._url() if callable(self._url) else self._url}
+
+    def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
+                ) -> tuple[None, bool]:
+        return None, False
+
+    def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
+        return self.controller.admit(rollout_id), self.target
+
+    def worth_retry(self) -> bool:
+        # Ask again only when it can change the answer (READY, or a final TAINTED),
+        # so a queued request leaves one refusal in the journal, not one per
+        # transition of the update.
+        return self.controller.state in (State.READY, State.TAINTED)
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        def listener(rec: Record) -> None:
+            if type(rec) is Transition:
+                wake()
+
+        self.controller.add_listener(listener)
+
+    def observe(self, target: Target, ok: bool, refused: bool) -> None:
+        return None  # one engine: its own watch notices it (service.app's health watch)

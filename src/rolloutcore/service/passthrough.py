@@ -1,0 +1,138 @@
+"""vLLM's read-only routes, passed through without admission: ``GET /v1/models`` and friends.
+
+OpenAI-style clients ask them before (or besides) generating. They read no
+weights, so they are answered by vLLM as they are, during updates too, with
+the data token checked as on the data routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from rolloutcore.errors import BadInput, RequestTooLarge
+from rolloutcore.service.auth import check_bearer
+from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.service.wire import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    headers_of_interest,
+    read_body,
+    send_json,
+)
+
+__all__ = ["READ_ONLY_ROUTES", "ReadOnlyRoutes"]
+
+#: vLLM's read-only routes that OpenAI-style clients ask before (or besides)
+#: generating (the OpenAI SDK, TRL and vLLM's own benchmark list ``/v1/models``
+#: first), with their one method. They read no weights, so they are passed
+#: through without admission or binding, during updates too. The dev and control
+#: routes (``/pause``, ``/update_weights``, ``/collective_rpc``, ``/server_info``,
+#: ...) are never among them: only the gateway changes the engine.
+READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
+    "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
+    "/tokenize": "POST", "/detokenize": "POST"})
+
+
+class ReadOnlyRoutes:
+    """ASGI app of ``READ_ONLY_ROUTES``: answered by vLLM, relayed as they are.
+
+    Its own small connection pool (httpx), so the data plane's pool, sized and
+    tuned for generation, is not shared with lookups. The data token applies
+    as on the data routes.
+    """
+
+    def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self._client: Any = None
+
+    async def start(self) -> None:
+        import httpx
+
+        cfg = self.config
+        self._client = httpx.AsyncClient(
+            base_url=cfg.upstream_url, follow_redirects=False,
+            timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
+            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
+                                keepalive_expiry=cfg.upstream_keepalive_s))
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = scope["path"]
+        status = await self._handle(scope, receive, send, route)
+        self.metrics.requests.labels(route, str(status)).inc()
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
+        import httpx
+
+        cfg = self.config
+        method = READ_ONLY_ROUTES[route]
+        if scope["method"] != method:
+            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
+                            [(b"allow", method.encode())])
+            return 405
+        hdrs = headers_of_interest(scope)
+        auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
+        if not auth.ok:
+            assert auth.status is not None
+            await send_json(send, auth.status, error_body(auth.status, auth.reason,
+                                                          "Unauthorized"),
+                            [(b"www-authenticate", b"Bearer")])
+            return auth.status
+        body = b""
+        if method == "POST":
+            try:
+                async with asyncio.timeout(cfg.client_body_s):  # rare path: a timer is fine
+                    body = await read_body(receive, cfg.max_body_bytes,
+                                           hdrs.get(b"content-length"))
+            except TimeoutError:
+                await send_json(send, 408, error_body(
+                    408, f"the request body did not arrive within {cfg.client_body_s:g}s",
+                    "RequestTimeout"), [(b"connection", b"close")])
+                return 408
+            except RequestTooLarge:
+                await send_json(send, 413, error_body(
+                    413, f"request body exceeds {cfg.max_body_bytes} bytes",
+                    "PayloadTooLarge"))
+                return 413
+            except ClientGone:
+                return 499
+            except BadInput as exc:
+                await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
+                return 400
+        client = self._client
+        if client is None:
+            raise RuntimeError("read-only routes not started")
+        headers = {}
+        if b"content-type" in hdrs:
+            headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
+        qs = scope.get("query_string", b"")
+        try:
+            resp = await client.request(method, route + ("?" + qs.decode("latin-1")
+                                                         if qs else ""),
+                                        content=body or None, headers=headers)
+        except httpx.TimeoutException as exc:
+            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
+                                                  f"{exc!r}", "UpstreamTimeout"))
+            return 504
+        except httpx.HTTPError as exc:
+            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
+                                                  "UpstreamError"))
+            return 502
+        out = [(b"content-type", resp.headers.get("content-type", "application/json")
+                .encode("latin-1")), (b"content-length", str(len(resp.content)).encode())]
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": out})
+        await send({"type": "http.response.body", "body": resp.content, "more_body": False})
+        return int(resp.status_code)
