@@ -8,18 +8,29 @@ seed 0 with those weights retained (so fenced replicas can rejoin).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import httpx
+
+from helpers.asgi_stream import lifespan
+from helpers.fake_vllm import FakeVllm
+from helpers.gateway_rig import TOKEN, uvicorn_thread
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetWeights, Replica
+from rolloutcore.fleet.gateway import create_fleet_app
+from rolloutcore.service import ServiceConfig
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights
 from rolloutcore.testing.fake_engine import fake_probe
 from rolloutcore.testing.fleetfake import FakeFanout
 
-__all__ = ["FAST", "FakeFleet", "fake_fleet", "weights"]
+__all__ = ["FAST", "AdapterVllm", "FakeFleet", "fake_fleet", "fleet_client", "served",
+           "weights"]
 
 FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=2, reset_s=1, validate_s=2,
                  resume_s=1, live_validate_s=5, bootstrap_s=2, fence_s=1, cancel_grace_s=1,
@@ -43,7 +54,10 @@ class FakeFleet:
 
 
 def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
-               config: FleetConfig | None = None, recover: bool = True) -> FakeFleet:
+               config: FleetConfig | None = None, recover: bool = True,
+               before_bootstrap: Any = None, journal_dir: Any = None) -> FakeFleet:
+    """``before_bootstrap(adapters)``: change the engines before the fleet takes them over;
+    ``journal_dir``: file journals there (``fleet.jsonl`` and one per replica)."""
     w0 = FakeWeights.from_seed(0)
     reps: list[Replica] = []
     adapters: dict[str, FakeAdapter] = {}
@@ -52,7 +66,7 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
         name = f"r{i}"
         ad = FakeAdapter(FakeEngine(w0, token_delay_s=token_delay_s))
         ad.stage(w0)
-        j = Journal()
+        j = Journal(None if journal_dir is None else f"{journal_dir}/{name}.journal.jsonl")
         c = LifecycleController(listener=j.listener)
         runner = LifecycleRunner(c, ad, FAST, record=j.write)
         reps.append(Replica(name, runner, ad.stage, url=f"http://fake-{i}.test",
@@ -62,6 +76,57 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
         journals[name] = j
     fan = FakeFanout({r.fanout_url: adapters[r.name] for r in reps if r.fanout_url})
     coord = FleetCoordinator(reps, config=config or FleetConfig(health_interval_s=0),
-                             fanout=fan)
+                             fanout=fan, journal_path=None if journal_dir is None
+                             else f"{journal_dir}/fleet.jsonl")
+    if before_bootstrap is not None:
+        before_bootstrap(adapters)
     coord.bootstrap(w0.identity(), weights=weights(0))
     return FakeFleet(coord, adapters, journals, fan)
+
+
+class AdapterVllm(FakeVllm):
+    """The fake vLLM of whatever engine the adapter holds now (a recovery replaces it)."""
+
+    def __init__(self, adapter: FakeAdapter) -> None:
+        self.adapter = adapter
+        super().__init__(adapter.engine)
+
+    @property  # type: ignore[override]
+    def engine(self) -> Any:
+        return self.adapter.engine
+
+    @engine.setter
+    def engine(self, _: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def served(f: FakeFleet) -> Iterator[dict[str, AdapterVllm]]:
+    fakes = {n: AdapterVllm(ad) for n, ad in f.adapters.items()}
+    with contextlib.ExitStack() as stack:
+        for n, fk in fakes.items():
+            f.coord.replicas[n].url = stack.enter_context(uvicorn_thread(fk.app,
+                                                                         lifespan="off"))
+        yield fakes
+
+
+@contextlib.asynccontextmanager
+async def fleet_client(n: int = 3, *, fleet: FakeFleet | None = None,
+                       on_finished: Any = None, **cfg: Any
+                       ) -> AsyncIterator[tuple[FakeFleet, Any, dict[str, AdapterVllm]]]:
+    """A fake fleet behind the real fleet gateway (in process, ASGI), each replica's
+    upstream a ``FakeVllm`` on its own loopback port."""
+    f = fleet or fake_fleet(n, config=FleetConfig(health_interval_s=0))
+
+    def updater(body: Any) -> Any:
+        return f.coord.update(weights(int(body["seed"])), strategy=body.get("strategy",
+                                                                             "synchronous"))
+
+    with served(f) as fakes:
+        app = create_fleet_app(f.coord, ServiceConfig(
+            upstream_url="http://127.0.0.1:1", control_token=TOKEN, **cfg),
+            updater=updater, supervise=False, on_finished=on_finished)
+        async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app),
+                                                    base_url="http://fleet.test",
+                                                    timeout=30) as client:
+            yield f, client, fakes

@@ -36,7 +36,6 @@ ALLOWED: dict[tuple[str, str], str] = {
                                                       "for TRL's vllm_generation)",
     ("__init__.py", "AttributeError"): "module __getattr__ protocol (lazy public names)",
     ("service/serve.py", "SystemExit"): "the signal handler ends the interpreter",
-    ("fleet/serve.py", "SystemExit"): "the signal handler ends the interpreter",
     ("service/control.py", "ValueError"): "pydantic validators signal with ValueError",
     ("transports/gloo.py", "AttributeError"): "module __getattr__ protocol",
     ("transports/base.py", "NotImplementedError"): "abstract hook",

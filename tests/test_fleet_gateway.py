@@ -7,19 +7,16 @@ service's own, reached over real HTTP.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from fleettools import FakeFleet, fake_fleet, weights
+from fleettools import FakeFleet, fake_fleet, fleet_client, served, weights
 from helpers.asgi_stream import lifespan
-from helpers.fake_vllm import FakeVllm
-from helpers.gateway_rig import TOKEN, uvicorn_thread
+from helpers.gateway_rig import TOKEN
 from rolloutcore.core.pool import FleetUpdateBegin, Strategy
 from rolloutcore.core.records import Admit
 from rolloutcore.errors import BadInput
@@ -32,7 +29,6 @@ from rolloutcore.fleet.gateway import (
 )
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.proxy import VERSION_HEADER
-from rolloutcore.testing.fake import FakeAdapter
 
 pytestmark = pytest.mark.anyio
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -42,51 +38,6 @@ GEN = "/inference/v1/generate"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class _AdapterVllm(FakeVllm):
-    """The fake vLLM of whatever engine the adapter holds now (a recovery replaces it)."""
-
-    def __init__(self, adapter: FakeAdapter) -> None:
-        self.adapter = adapter
-        super().__init__(adapter.engine)
-
-    @property  # type: ignore[override]
-    def engine(self) -> Any:
-        return self.adapter.engine
-
-    @engine.setter
-    def engine(self, _: Any) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _served(f: FakeFleet) -> Iterator[dict[str, _AdapterVllm]]:
-    fakes = {n: _AdapterVllm(ad) for n, ad in f.adapters.items()}
-    with contextlib.ExitStack() as stack:
-        for n, fk in fakes.items():
-            f.coord.replicas[n].url = stack.enter_context(uvicorn_thread(fk.app,
-                                                                         lifespan="off"))
-        yield fakes
-
-
-@contextlib.asynccontextmanager
-async def fleet_client(n: int = 3, **cfg: Any) -> AsyncIterator[tuple[FakeFleet, Any,
-                                                                      dict[str, _AdapterVllm]]]:
-    f = fake_fleet(n, config=FleetConfig(health_interval_s=0))
-
-    def updater(body: Any) -> Any:
-        return f.coord.update(weights(int(body["seed"])), strategy=body.get("strategy",
-                                                                             "synchronous"))
-
-    with _served(f) as fakes:
-        app = create_fleet_app(f.coord, ServiceConfig(
-            upstream_url="http://127.0.0.1:1", control_token=TOKEN, **cfg),
-            updater=updater, supervise=False)
-        async with lifespan(app), httpx.AsyncClient(transport=httpx.ASGITransport(app),
-                                                    base_url="http://fleet.test",
-                                                    timeout=30) as client:
-            yield f, client, fakes
 
 
 def gen_body(**extra: Any) -> dict[str, Any]:
@@ -246,7 +197,7 @@ async def test_a_bad_update_body_is_a_400_before_any_job_and_one_update_runs_at_
         release.wait(30)
         return f.coord.update(weights(int(body["seed"])))
 
-    with _served(f):
+    with served(f):
         app = create_fleet_app(f.coord, ServiceConfig(
             upstream_url="http://127.0.0.1:1", control_token=TOKEN),
             updater=updater, supervise=False, check_update=check)

@@ -92,3 +92,85 @@ def test_engines_crowding_a_host_are_told_not_to_spin(monkeypatch: pytest.Monkey
     assert idle_spin(9) == {IDLE_SPIN_ENV: "0.1"}
     monkeypatch.setenv(IDLE_SPIN_ENV, "1")
     assert idle_spin(9) == {}
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--checkpoint", "/tmp", "--checkpoint with a fleet"),
+    ("--engine-url", "http://127.0.0.1:9", "--engine-url with a fleet"),
+    ("--lease-s", "30", "--lease-s with a fleet"),
+    ("--transport-backend", "rc_cuda_ipc", "--transport-backend with a fleet"),
+])
+def test_options_a_fleet_does_not_take_are_refused_with_the_reason(
+        flag: str, value: str, needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--engines", "2", flag, value]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and ":" in err.split(needle, 1)[1]
+
+
+def test_every_other_serve_option_reaches_the_fleet(tmp_path: Path) -> None:
+    """No option is accepted and dropped: each ``serve`` option is refused for a fleet
+    (``FLEET_REFUSED``) or arrives in ``FleetServeOptions``."""
+    import argparse
+
+    from rolloutcore.cli import serve as cli_serve
+
+    p = argparse.ArgumentParser()
+    cli_serve.add_arguments(p)
+    probe = tmp_path / "probe.json"
+    probe.write_text("{}")
+    args = p.parse_args([
+        "--engines", "2", "--record", str(tmp_path / "t.jsonl"), "--min-verification",
+        "manifest", "--drain-policy", "refuse", "--drain-timeout-s", "7",
+        "--max-body-bytes", "4096", "--client-body-s", "3", "--client-send-s", "4",
+        "--takeover-probe", str(probe), "--journal", str(tmp_path / "j"),
+        "--health-interval-s", "0", "--queue", "5", "--queue-wait-s", "6",
+        "--data-token", "d" * 20, "--token", "t" * 20, "--token-out", str(tmp_path / "tok")])
+    o = cli_serve.fleet_options(args)
+    assert (o.record, o.min_verification, o.drain_policy, o.drain_timeout_s,
+            o.max_body_bytes, o.client_body_s, o.client_send_s, o.takeover_probe,
+            o.journal_dir, o.health_interval_s, o.queue, o.queue_wait_s) == (
+        str(tmp_path / "t.jsonl"), "manifest", "refuse", 7.0, 4096, 3.0, 4.0, str(probe),
+        str(tmp_path / "j"), 0.0, 5, 6.0)
+    taken = {a.dest for a in p._actions} - {"help", "func"}
+    import dataclasses
+
+    from rolloutcore.fleet.serve import FleetServeOptions
+
+    fields = {f.name for f in dataclasses.fields(FleetServeOptions)}
+    renamed = {"journal": "journal_dir"}
+    missing = sorted(d for d in taken if renamed.get(d, d) not in fields
+                     and d not in cli_serve.FLEET_REFUSED)
+    assert missing == []
+
+
+def test_a_token_file_through_a_link_is_refused_before_anything_starts(
+        tmp_path: Path) -> None:
+    from rolloutcore.fleet.serve import _check
+
+    target = tmp_path / "elsewhere"
+    link = tmp_path / "token"
+    link.symlink_to(target)
+    with pytest.raises(BadInput, match="symbolic link"):
+        _check(FleetServeOptions(token_out=str(link), token="t" * 20))
+    assert not target.exists()
+
+
+def test_a_non_loopback_fleet_needs_both_tokens_and_is_allowed_with_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rolloutcore.fleet.serve import _check
+
+    monkeypatch.delenv("ROLLOUTCORE_DATA_TOKEN", raising=False)
+    monkeypatch.delenv("ROLLOUTCORE_TOKEN", raising=False)
+    with pytest.raises(BadInput, match="data token|data plane"):
+        _check(FleetServeOptions(host="0.0.0.0", token="t" * 20))
+    got = _check(FleetServeOptions(host="0.0.0.0", token="t" * 20, data_token="d" * 20))
+    assert got[1] is True and got[2] == "d" * 20
+
+
+def test_an_existing_fleet_journal_is_refused_rather_than_appended_blind(
+        tmp_path: Path) -> None:
+    from rolloutcore.fleet.serve import _check
+
+    (tmp_path / "fleet.jsonl").write_text("")
+    with pytest.raises(BadInput, match="does not restore"):
+        _check(FleetServeOptions(journal_dir=str(tmp_path), token="t" * 20))

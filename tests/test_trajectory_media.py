@@ -34,9 +34,10 @@ def with_media(s: TrajectorySample, *refs: ImageRef) -> TrajectorySample:
 def test_versions_known() -> None:
     # 3: + attribution, written only for an unattributable sample
     # (tests/test_trajectory_attribution.py), and completion.versions
-    # (issue 20: asynchronous updates); it reads every earlier version.
-    assert SCHEMA_VERSION == 3 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3}
-    for v in (1, 2, 3):
+    # (issue 20: asynchronous updates); 4: + fleet, written only for a sample a
+    # fleet gateway recorded (issue 28); it reads every earlier version.
+    assert SCHEMA_VERSION == 4 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3, 4}
+    for v in (1, 2, 3, 4):
         check_schema_version({"schema_version": v})
     with pytest.raises(BadInput, match="newer than"):
         check_schema_version({"schema_version": 4})

@@ -221,7 +221,7 @@ def test_bad_routing_input_is_a_4xx_and_nothing_is_routed(fleet: Fleet,
     assert r.json()["error"]["message"]
     assert len(_admits(fleet.coord)) == n
     metrics = httpx.get(f"{fleet.url}/metrics").text
-    assert f'rolloutcore_fleet_refused_total{{status="{status}"}}' in metrics
+    assert f'rolloutcore_route_refused_total{{status="{status}"}}' in metrics
 
 
 def test_status_and_metrics_name_each_replica(fleet: Fleet) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from rolloutcore.cli import argtypes
 
-__all__ = ["DESCRIPTION", "add_arguments", "fleet_options", "options"]
+__all__ = ["DESCRIPTION", "FLEET_REFUSED", "add_arguments", "fleet_options", "options"]
 
 DESCRIPTION = """\
 The gateway in front of a vLLM server, under uvicorn. Three ways to get the engine:
@@ -50,22 +50,46 @@ def options(args: argparse.Namespace) -> Any:
     return ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
 
 
+#: ``serve`` options a fleet does not take, with why: given with ``--engines N``
+#: (N > 1) or ``--ray``, each is refused at start (exit 2), nothing started.
+#: Every other option means for the fleet what it means for one engine.
+FLEET_REFUSED: dict[str, tuple[object, str]] = {
+    "upstream": (None, "--engines/--ray start the engines; --upstream names one running "
+                       "engine (a fleet of running engines: rolloutcore.fleet.placement."
+                       "build_fleet(urls=...))"),
+    "checkpoint": (None, "--checkpoint names what one --upstream engine was started from; "
+                         "a fleet starts its engines on --model"),
+    "engine_url": (None, "a fleet gateway serves no trainer protocol (/control/updates) for "
+                         "which trainers would need the engine's URL: its updates come "
+                         "through POST /control/fleet/updates"),
+    "lease_s": (120.0, "the lease belongs to the trainer protocol (/control/updates), which "
+                       "a fleet gateway does not serve"),
+    "transport_backend": ("rolloutcore_gloo",
+                          "a fleet sends weights with its own gloo fan-out and per-engine "
+                          "gloo groups (rolloutcore_gloo); another backend is not supported "
+                          "by the fleet yet"),
+}
+
+
 def fleet_options(args: argparse.Namespace) -> Any:
     """The parsed command line as ``FleetServeOptions`` (imports the fleet)."""
     from rolloutcore.errors import BadInput
     from rolloutcore.fleet.serve import FleetServeOptions
 
-    if args.upstream:
-        raise BadInput("--engines/--ray start the engines; --upstream names one running "
-                       "engine (a fleet of running engines: rolloutcore.fleet.placement."
-                       "build_fleet(urls=...))")
+    for name, (default, why) in FLEET_REFUSED.items():
+        if getattr(args, name) != default:
+            raise BadInput(f"--{name.replace('_', '-')} with a fleet: {why}")
     return FleetServeOptions(
         engines=args.engines, ray=args.ray, ray_address=args.ray_address, model=args.model,
         step=args.step, workdir=args.workdir, host=args.host, port=args.port,
         token=args.token, token_file=args.token_file, token_out=args.token_out,
         data_token=args.data_token, default_policy=args.default_policy, quorum=args.quorum,
         min_serving=args.min_serving, queue=args.queue, queue_wait_s=args.queue_wait_s,
-        health_interval_s=args.health_interval_s or 1.0, journal_dir=args.journal)
+        health_interval_s=args.health_interval_s, journal_dir=args.journal,
+        record=args.record, min_verification=args.min_verification,
+        takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
+        drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
+        client_body_s=args.client_body_s, client_send_s=args.client_send_s)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -130,7 +154,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "dead, restarted or silent engine is tainted and refused")
     lim.add_argument("--journal", default=None,
                      help="append the lifecycle journal here; an existing one (a previous "
-                          "gateway's) is restored first")
+                          "gateway's) is restored first (a fleet: a directory, the pool's "
+                          "journal and one per engine)")
     ver = p.add_argument_group("verification")
     ver.add_argument("--min-verification", default=None,
                      choices=["declared", "manifest", "engine-checksum", "probe"],

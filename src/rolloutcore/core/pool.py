@@ -433,14 +433,19 @@ class ReplicaTable:
 
     # ---------------------------------------------------------------- decisions
     def move(self, name: str, event: ReplicaEvent, *, generation: Any = _KEEP,
-             engine_version: Any = _KEEP, reason: str = "") -> ReplicaState:
+             engine_version: Any = _KEEP, reason: str = "",
+             only_from: ReplicaState | None = None) -> ReplicaState:
         """One replica's event (``REPLICA_TRANSITIONS``); returns its new state.
 
         ``generation``/``engine_version``: what it holds afterwards (default:
         unchanged). An event that puts it in the pool needs both; one that
-        takes it out clears them unless given.
+        takes it out clears them unless given. ``only_from``: apply it only if
+        the replica is still in that state (a supervisor's finding about a
+        replica an update took meanwhile is moot), else change nothing.
         """
         e = self.entry(name)
+        if only_from is not None and e.state is not only_from:
+            return e.state
         after = next_state(e.state, event)
         gen = e.generation if generation is _KEEP else generation
         ver = e.engine_version if engine_version is _KEEP else engine_version

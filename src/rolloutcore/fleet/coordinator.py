@@ -290,14 +290,14 @@ class FleetCoordinator:
 
     # ------------------------------------------------------------------ the pool's decisions
     def _move(self, m: _Member, event: ReplicaEvent, *, generation: Any = _KEEP,
-              reason: str = "") -> None:
+              reason: str = "", only_from: ReplicaState | None = None) -> None:
         """One replica's pool event, recorded; the engine version it serves, when it enters.
 
         A journal that fails here does not stop the move (it is applied, the
         pool fails closed and refuses what comes next): a replica must always
         be able to leave an update.
         """
-        kw: dict[str, Any] = {"reason": reason}
+        kw: dict[str, Any] = {"reason": reason, "only_from": only_from}
         if generation is not _KEEP:
             kw["generation"] = generation
             if generation is None:
@@ -839,31 +839,36 @@ class FleetCoordinator:
         serving = [m for m in members
                    if pool.entry(m.replica.name).state in IN_POOL and not m.busy]
 
-        def check(m: _Member) -> str | None:
-            c = m.replica.controller
-            if c.failed_closed is not None:
-                return f"its controller failed closed ({c.failed_closed})"
-            if c.state is State.TAINTED:
-                return "engine tainted"
-            if c.state is not State.READY:
-                return None  # inside an update of its own: its effects classify failures
-            with self._mem:
-                suspect, m.suspect = m.suspect, False
-            try:
-                v = m.replica.runner.check_serving(
-                    timeout_s=cfg.health_timeout_s,
-                    failures_to_taint=1 if suspect else cfg.health_failures)
-            except RolloutCoreError:
-                return None
-            return None if v is None else "; ".join(v.problems)[:500]
+        def check(m: _Member) -> None:
+            why = self._check_one(m)
+            # Fenced from its own check's thread: a slow check elsewhere delays nothing.
+            if why is not None:
+                self._move(m, E.TAINTED, generation=None, reason=why, only_from=S.SERVING)
 
-        for m, why in zip(serving, list(self._pool.map(check, serving)), strict=True):
-            if why is not None and self._shell.view.entry(m.replica.name).state in IN_POOL:
-                self._move(m, E.TAINTED, generation=None, reason=why)
+        list(self._pool.map(check, serving))
         if cfg.heal:
             for m in members:
                 if self._shell.view.entry(m.replica.name).state is S.FENCED and not m.busy:
                     self._heal(m)
+
+    def _check_one(self, m: _Member) -> str | None:
+        """Why ``m`` must leave the pool now, or None (its health check, bounded)."""
+        c = m.replica.controller
+        if c.failed_closed is not None:
+            return f"its controller failed closed ({c.failed_closed})"
+        if c.state is State.TAINTED:
+            return "engine tainted"
+        if c.state is not State.READY:
+            return None  # inside an update of its own: its effects classify failures
+        with self._mem:
+            suspect, m.suspect = m.suspect, False
+        try:
+            v = m.replica.runner.check_serving(
+                timeout_s=self.config.health_timeout_s,
+                failures_to_taint=1 if suspect else self.config.health_failures)
+        except RolloutCoreError:
+            return None
+        return None if v is None else "; ".join(v.problems)[:500]
 
     def _heal(self, m: _Member) -> None:
         """Start the recovery or rejoin of a fenced replica (in its own thread).

@@ -42,7 +42,7 @@ from typing import Any
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
-from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.control.session import PreparedUpdate, identity_of
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.errors import BadInput, EngineUnavailable
@@ -99,7 +99,8 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
                  journal_keep: int | None = None, deadlines: Deadlines | None = None,
                  checkpoint: str | os.PathLike[str] | None = None,
                  identity: WeightIdentity | None = None, recover: bool = True,
-                 op_timeout_s: float = 60.0) -> Replica:
+                 op_timeout_s: float = 60.0,
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
@@ -114,7 +115,8 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
     controller = LifecycleController(listener=journal.listener)
-    runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write)
+    runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write,
+                             drain_policy=drain_policy)
     recoverer = None
     if engine is not None and checkpoint is not None and recover:
         from rolloutcore.control.recovery import ManagedRecoverer
@@ -512,15 +514,19 @@ def build_fleet(engines: Sequence[Any] | None = None, urls: Sequence[str] | None
                 fanout: bool = True, config: FleetConfig | None = None,
                 journal_dir: str | os.PathLike[str] | None = None,
                 deadlines: Deadlines | None = None, journal_keep: int | None = None,
-                op_timeout_s: float = 60.0) -> FleetCoordinator:
+                op_timeout_s: float = 60.0, weights: FleetWeights | None = None,
+                drain_policy: DrainPolicy = DrainPolicy.ABORT) -> FleetCoordinator:
     """A bootstrapped coordinator over launched ``engines`` or running ``urls``.
 
     ``checkpoint`` is what every engine was started from: fleet version 0,
-    retained for rejoins; launched engines recover onto it.
+    retained for rejoins; launched engines recover onto it. Each engine is
+    taken over verified, to ``weights.min_verification`` (``weights``: the
+    checkpoint's ``prepare_checkpoint``, computed here when not given).
     """
     if (engines is None) == (urls is None):
         raise BadInput("give engines (launched) or urls (running), not both")
-    weights = prepare_checkpoint(checkpoint, provenance)
+    if weights is None:
+        weights = prepare_checkpoint(checkpoint, provenance)
     jd = Path(journal_dir) if journal_dir is not None else None
     if jd is not None:
         jd.mkdir(parents=True, exist_ok=True)
@@ -531,7 +537,8 @@ def build_fleet(engines: Sequence[Any] | None = None, urls: Sequence[str] | None
     reps = [vllm_replica(name, url, engine=eng, checkpoint=checkpoint if eng is not None
                          else None, identity=weights.identity, deadlines=deadlines,
                          journal_path=None if jd is None else jd / f"{name}.journal.jsonl",
-                         journal_keep=journal_keep, op_timeout_s=op_timeout_s)
+                         journal_keep=journal_keep, op_timeout_s=op_timeout_s,
+                         drain_policy=drain_policy)
             for name, url, eng in items]
     fan = None
     if fanout and len(reps) > 1:

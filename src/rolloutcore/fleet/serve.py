@@ -1,37 +1,43 @@
 """``rolloutcore serve --engines N`` / ``--ray``: a fleet of vLLM engines behind one gateway.
 
 The engines are started here (local processes, or Ray actors through a
-placement group), each taken over by its own controller, bootstrapped into
-fleet version 0 on the checkpoint they were started from, and put behind the
-fleet gateway (``fleet.gateway``). Updates come through the control route
+placement group), each taken over by its own controller through the same
+verified takeover as ``serve --upstream`` (to the verification floor), put
+into fleet version 0 on the checkpoint they were started from, and behind
+the fleet gateway (``fleet.gateway``: the single gateway's data plane with a
+router in front). Updates come through the control route
 ``POST /control/fleet/updates`` with a checkpoint directory the gateway can
 read (``{"checkpoint": ..., "strategy": "synchronous"|"rolling", ...}``);
 the coordinator then moves every engine (one fan-out broadcast for a
 synchronous update, per-engine waves for a rolling one).
 
-As for one engine, everything that can be refused is refused before
-anything starts: a bad option, a non-loopback bind without a given token,
-a missing checkpoint.
+Every ``serve`` option either means the same for a fleet (tokens, binds,
+limits, client deadlines, the drain deadline and policy, the verification
+floor, a saved takeover probe, ``--record``, ``--journal``) or is refused at
+start with the reason (``cli.serve.FLEET_REFUSED``). As for one engine,
+everything that can be refused is refused before anything starts: a bad
+option, a non-loopback bind without the tokens, a missing checkpoint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rolloutcore.core.pool import Strategy
-from rolloutcore.core.versions import Provenance
+from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput
 from rolloutcore.fleet.coordinator import TRANSFERS, FleetConfig, FleetCoordinator
 from rolloutcore.fleet.routing import Policy
-from rolloutcore.service.auth import generate_token, read_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
+from rolloutcore.service.serve import control_token, exit_on_signal, vocab_size
 
 __all__ = ["FleetServeOptions", "parse_update_request", "run_fleet_serve"]
 
@@ -55,8 +61,16 @@ class FleetServeOptions:
     min_serving: int | None = None
     queue: int = 0
     queue_wait_s: float = 30.0
-    health_interval_s: float = 1.0
+    health_interval_s: float = 1.0        # the supervisor's period (0: none)
     journal_dir: str | None = None
+    record: str | None = None
+    min_verification: str | None = None   # the floor (default: the highest reachable)
+    takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
+    drain_policy: str = "abort"
+    drain_timeout_s: float = 120.0
+    max_body_bytes: int = 1 << 20
+    client_body_s: float = 30.0
+    client_send_s: float = 30.0
 
     def __post_init__(self) -> None:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
@@ -70,6 +84,13 @@ class FleetServeOptions:
                            f"got {self.min_serving}")
         if not 0 < self.port < 65536:
             raise BadInput(f"port must be in 1..65535, got {self.port}")
+        if self.drain_policy not in ("abort", "refuse"):
+            raise BadInput(f"drain_policy must be 'abort' or 'refuse', got {self.drain_policy!r}")
+        if self.min_verification is not None:
+            VerificationLevel.parse(self.min_verification)
+        if isinstance(self.health_interval_s, bool) or not isinstance(
+                self.health_interval_s, (int, float)) or self.health_interval_s < 0:
+            raise BadInput("health_interval_s must be >= 0 (0: no supervisor)")
 
 
 _UPDATE_KEYS = frozenset({"checkpoint", "strategy", "label", "quorum", "min_serving",
@@ -106,36 +127,40 @@ def parse_update_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _token(o: FleetServeOptions) -> tuple[str, bool]:
-    if o.token and o.token_file:
-        raise BadInput("give --token or --token-file, not both")
-    if o.token:
-        return o.token, True
-    if o.token_file:
-        return read_token_file(o.token_file), True
-    env = os.environ.get("ROLLOUTCORE_TOKEN")
-    if env:
-        return env.strip(), True
-    return generate_token(), False
-
-
-def _exit(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def _check(o: FleetServeOptions) -> tuple[str, bool, str | None, VerificationLevel | None]:
+    """Everything refused before anything starts: (token, given, data token, floor)."""
+    token, given = control_token(o.token, o.token_file)
+    data_token = o.data_token or os.environ.get("ROLLOUTCORE_DATA_TOKEN") or None
+    check_bind(o.host, given, data_token is not None)
+    if o.model is not None and not (Path(o.model) / "config.json").is_file():
+        raise BadInput(f"{o.model} is not a model directory (no config.json)")
+    if o.takeover_probe is not None and not Path(o.takeover_probe).is_file():
+        raise BadInput(f"--takeover-probe {o.takeover_probe}: no such file")
+    if o.journal_dir is not None and (Path(o.journal_dir) / "fleet.jsonl").exists():
+        raise BadInput(f"--journal {o.journal_dir} already holds a fleet's journal: a fleet "
+                       "gateway does not restore from one yet (its engines are started "
+                       "fresh); give a new directory")
+    if o.token_out is not None and os.path.islink(o.token_out):
+        raise BadInput(f"--token-out {o.token_out} is a symbolic link: the control token is "
+                       "never written through one")
+    if o.record is not None and Path(o.record).is_dir():
+        raise BadInput(f"--record {o.record} is a directory: give a trajectory file")
+    floor = None if o.min_verification is None else VerificationLevel.parse(o.min_verification)
+    return token, given, data_token, floor
 
 
 def run_fleet_serve(o: FleetServeOptions) -> int:
     """Start the engines, the coordinator and the gateway; block until interrupted."""
     if not isinstance(o, FleetServeOptions):
         raise BadInput("run_fleet_serve takes FleetServeOptions")
-    token, given = _token(o)
-    check_bind(o.host, given)
+    token, given, data_token, floor = _check(o)
     cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
-                        data_token=o.data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
-                        health_interval_s=0)
-    if o.model is not None and not (Path(o.model) / "config.json").is_file():
-        raise BadInput(f"{o.model} is not a model directory (no config.json)")
+                        data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
+                        max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
+                        client_send_s=o.client_send_s, health_interval_s=0)
     import uvicorn
 
+    from rolloutcore.control.runner import Deadlines, DrainPolicy
     from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import (
         build_fleet,
@@ -143,6 +168,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         place_ray,
         prepare_checkpoint,
     )
+    from rolloutcore.service.serve import write_token_file
+    from rolloutcore.service.server import http_protocol
 
     workdir = Path(o.workdir or tempfile.mkdtemp(prefix="rolloutcore-fleet-"))
     if o.model is not None:
@@ -152,12 +179,23 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
 
         model_dir = make_checkpoint(workdir / "policy-0", seed=0)
         print(f"[rolloutcore] generated a tiny checkpoint at {model_dir}", file=sys.stderr)
+    weights0 = prepare_checkpoint(model_dir, Provenance(str(model_dir.resolve()), "", o.step),
+                                  probe=o.takeover_probe is None)
+    if o.takeover_probe is not None:
+        weights0 = _with_saved_probe(weights0, o.takeover_probe, model_dir)
+    reachable = weights0.min_verification
+    if floor is not None and floor > reachable:
+        raise BadInput(f"--min-verification {floor.wire} cannot be reached with this "
+                       f"checkpoint's probe (at most {reachable.wire})")
+    level = floor if floor is not None else reachable
+    weights0 = dataclasses.replace(weights0, min_verification=level)
     where = "Ray actors" if o.ray else "local processes"
     print(f"[rolloutcore] starting {o.engines} vLLM engines as {where} on {model_dir}",
           file=sys.stderr)
     engines: list[Any] = []
     placement: Any = None
     coord: FleetCoordinator | None = None
+    recorder: Any = None
     try:
         if o.ray:
             placement = place_ray(o.engines, model_dir, address=o.ray_address, progress=True,
@@ -166,40 +204,50 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
                                    progress=True)
-        coord = build_fleet(engines, checkpoint=model_dir,
-                            provenance=Provenance(str(model_dir.resolve()), "", o.step),
+        coord = build_fleet(engines, checkpoint=model_dir, weights=weights0,
                             config=FleetConfig(quorum=o.quorum, min_serving=o.min_serving,
                                                health_interval_s=o.health_interval_s),
+                            deadlines=Deadlines(drain_s=o.drain_timeout_s),
+                            drain_policy=DrainPolicy(o.drain_policy),
                             journal_dir=o.journal_dir or workdir / "journals", journal_keep=256)
         fleet = coord
+        print(f"[rolloutcore] fleet version 0 on {len(coord.serving())} of {o.engines} "
+              f"engines, each taken over verified to {level.wire}", file=sys.stderr)
 
         def updater(body: Mapping[str, Any]) -> Any:
             req = parse_update_request(body)
             ck = req["checkpoint"]
-            weights = prepare_checkpoint(ck, Provenance(str(Path(ck).resolve()),
-                                                        req["trainer_run"] or "",
-                                                        req["step"] or 0))
-            return fleet.update(weights, strategy=req["strategy"], label=req["label"],
+            w = prepare_checkpoint(ck, Provenance(str(Path(ck).resolve()),
+                                                  req["trainer_run"] or "", req["step"] or 0))
+            if w.min_verification < level:
+                raise BadInput(f"this update reaches {w.min_verification.wire}, below the "
+                               f"floor {level.wire}")
+            return fleet.update(dataclasses.replace(w, min_verification=level),
+                                strategy=req["strategy"], label=req["label"],
                                 owner=req["owner"] or "trainer", quorum=req["quorum"],
                                 min_serving=req["min_serving"], wave_size=req["wave_size"],
                                 transfer=req["transfer"])
 
+        if o.record is not None:
+            recorder = _recorder(o.record, coord, engines)
         app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
-                               check_update=parse_update_request)
+                               check_update=parse_update_request, on_finished=recorder,
+                               supervise=o.health_interval_s > 0)
         if o.token_out:
-            fd = os.open(o.token_out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token + "\n")
+            write_token_file(o.token_out, token)
         print(f"[rolloutcore] fleet gateway http://{o.host}:{o.port} -> "
               + ", ".join(e.base_url for e in engines), file=sys.stderr)
         if not given:
             print(f"[rolloutcore] control token (generated): {token}", file=sys.stderr)
         sys.stderr.flush()
-        signal.signal(signal.SIGTERM, _exit)
+        signal.signal(signal.SIGTERM, exit_on_signal)
         uvicorn.run(app, host=o.host, port=o.port, log_level="warning", access_log=False,
-                    proxy_headers=False, timeout_graceful_shutdown=10)
+                    proxy_headers=False, timeout_graceful_shutdown=10,
+                    http=http_protocol(cfg.client_header_s, cfg.client_send_s))
         return 0
     finally:
+        if recorder is not None:
+            recorder.close()
         if coord is not None:
             coord.close()
         if placement is not None:
@@ -207,3 +255,44 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         else:
             for e in engines:
                 e.stop()
+
+
+def _with_saved_probe(weights: Any, path: str, model_dir: Path) -> Any:
+    """``--takeover-probe``: the checkpoint's probe as saved, instead of computing it."""
+    import json
+
+    from rolloutcore.verification.probe import PolicyProbe
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"--takeover-probe {path}: {exc}") from exc
+    probe = PolicyProbe.from_wire(raw, vocab_size=vocab_size(model_dir))
+    payload = dataclasses.replace(weights.payload, probe=probe)
+    return dataclasses.replace(weights, payload=payload, probe=probe,
+                               min_verification=VerificationLevel.PROBE)
+
+
+def _recorder(path: str, coord: FleetCoordinator, engines: Sequence[Any]) -> Any:
+    """``--record``: one trajectory file; each sample names its replica's engine."""
+    from rolloutcore.core.versions import EngineIdentity
+    from rolloutcore.errors import EffectError
+    from rolloutcore.service.recording import GatewayRecorder
+
+    ids: dict[str, EngineIdentity] = {}
+    for name, rep in coord.replicas.items():
+        http = getattr(rep.runner.adapter, "http", None)
+        version = "unknown"
+        if http is not None:
+            try:
+                version = str(http.version())
+            except EffectError:  # an engine that cannot say is recorded as unknown
+                version = "unknown"
+        eng = next((e for e in engines if e.base_url == rep.url), None)
+        econf: dict[str, Any] = {}
+        if eng is not None and hasattr(eng, "dtype"):
+            econf = {"dtype": eng.dtype, "max_model_len": eng.max_model_len,
+                     "enable_prefix_caching": eng.prefix_caching}
+        ids[name] = EngineIdentity(version, str(getattr(eng, "model_name", "policy")), econf,
+                                   str(rep.url))
+    return GatewayRecorder(path, next(iter(ids.values())), engines=ids)

@@ -60,7 +60,22 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from rolloutcore.core.records import Admit, Carry, Commit, JournalRecord, UpdateMode
+from rolloutcore.core.pool import (
+    FleetBootstrap,
+    FleetPublish,
+    ReplicaEvent,
+    ReplicaState,
+    ReplicaStateChange,
+)
+from rolloutcore.core.records import (
+    Admit,
+    Carry,
+    Commit,
+    Complete,
+    JournalRecord,
+    State,
+    UpdateMode,
+)
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.provenance.recorder import read_groups
@@ -101,15 +116,32 @@ class JournalSummary:
     admissions: Mapping[str, WeightVersion] = field(default_factory=dict)
     #: Rollouts asynchronous updates ended over the staleness bound (``carry`` records).
     over_bound: frozenset[str] = frozenset()
+    #: A fleet's journals (``core.pool`` records): fleet version -> label, the
+    #: (replica, fleet version, engine version) each replica entered the pool as,
+    #: the replicas that ever left it failing, and the rollouts a drain policy
+    #: aborted (released unattributable in DRAINING).
+    fleet_versions: Mapping[int, str] = field(default_factory=dict)
+    fleet_served: frozenset[tuple[str, int, WeightVersion]] = frozenset()
+    fleet_failed: frozenset[str] = frozenset()
+    aborted: frozenset[str] = frozenset()
+
+    @property
+    def is_fleet(self) -> bool:
+        return bool(self.fleet_versions)
 
     def committed_labels(self) -> frozenset[str]:
         return frozenset(v.label for v in self.commits)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "lines": self.lines, "skipped": self.skipped,
-                "commits": [v.to_dict() for v in sorted(self.commits, key=_vkey)],
-                "admissions": len(self.admissions),
-                "over_bound": sorted(self.over_bound)}
+        out: dict[str, Any] = {
+            "path": self.path, "lines": self.lines, "skipped": self.skipped,
+            "commits": [v.to_dict() for v in sorted(self.commits, key=_vkey)],
+            "admissions": len(self.admissions), "over_bound": sorted(self.over_bound)}
+        if self.is_fleet:
+            out["fleet"] = {"versions": {str(g): lab for g, lab in
+                                         sorted(self.fleet_versions.items())},
+                            "replicas_failed": sorted(self.fleet_failed)}
+        return out
 
 
 def _vkey(v: WeightVersion) -> tuple[int, str, str]:
@@ -117,38 +149,66 @@ def _vkey(v: WeightVersion) -> tuple[int, str, str]:
 
 
 def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
-    """Read the ``Commit`` and ``Admit`` records (typed, as the journal decodes them).
+    """Read the records the audit needs (typed, as the journal decodes them).
 
-    A line that does not decode (a torn last line, a version this reader does
-    not know) is skipped and counted, so it does not stop an audit.
+    ``path`` is one journal, or a fleet's journal directory (``serve --engines N
+    --journal DIR``: the pool's journal and one per replica; every ``*.jsonl``
+    in it is read). A line that does not decode (a torn last line, a version
+    this reader does not know) is skipped and counted, so it does not stop an
+    audit.
     """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        files = sorted(os.path.join(p, n) for n in os.listdir(p) if n.endswith(".jsonl"))
+        if not files:
+            raise BadInput(f"journal directory {p!r} holds no *.jsonl journal")
+    elif os.path.exists(p):
+        files = [p]
+    else:
+        raise BadInput(f"journal {p!r} does not exist")
     commits: set[WeightVersion] = set()
     admissions: dict[str, WeightVersion] = {}
     over: set[str] = set()
+    fleet_versions: dict[int, str] = {}
+    served: set[tuple[str, int, WeightVersion]] = set()
+    failed: set[str] = set()
+    aborted: set[str] = set()
     lines = skipped = 0
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for raw in fh:
-                if not raw.strip():
-                    continue
-                lines += 1
-                try:
-                    rec = JournalRecord.from_obj(json.loads(raw), "journal").record
-                except (ValueError, JournalError):  # JSONDecodeError is a ValueError
-                    skipped += 1
-                    continue
-                if isinstance(rec, Commit):
-                    commits.add(rec.version)
-                elif isinstance(rec, Admit):
-                    admissions[rec.rollout_id] = rec.version
-                elif isinstance(rec, Carry):
-                    over.update(rec.over_bound)
-    except FileNotFoundError as exc:
-        raise BadInput(f"journal {os.fspath(path)!r} does not exist") from exc
-    except OSError as exc:
-        raise JournalError(f"cannot read journal {os.fspath(path)!r}: {exc}") from exc
-    return JournalSummary(os.fspath(path), lines, skipped, frozenset(commits),
-                          MappingProxyType(admissions), frozenset(over))
+    for f in files:
+        try:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for raw in fh:
+                    if not raw.strip():
+                        continue
+                    lines += 1
+                    try:
+                        rec = JournalRecord.from_obj(json.loads(raw), "journal").record
+                    except (ValueError, JournalError):  # JSONDecodeError is a ValueError
+                        skipped += 1
+                        continue
+                    if isinstance(rec, Commit):
+                        commits.add(rec.version)
+                    elif isinstance(rec, Admit):
+                        admissions[rec.rollout_id] = rec.version
+                    elif isinstance(rec, Carry):
+                        over.update(rec.over_bound)
+                    elif isinstance(rec, Complete):
+                        if not rec.attributable and rec.state is State.DRAINING:
+                            aborted.add(rec.rollout_id)
+                    elif isinstance(rec, (FleetBootstrap, FleetPublish)):
+                        fleet_versions[rec.generation] = rec.label
+                    elif isinstance(rec, ReplicaStateChange):
+                        if rec.after is ReplicaState.SERVING and rec.generation is not None \
+                                and rec.engine_version is not None:
+                            served.add((rec.replica, rec.generation, rec.engine_version))
+                        if rec.event in (ReplicaEvent.TAINTED, ReplicaEvent.FAILED):
+                            failed.add(rec.replica)
+        except OSError as exc:
+            raise JournalError(f"cannot read journal {f!r}: {exc}") from exc
+    return JournalSummary(p, lines, skipped, frozenset(commits),
+                          MappingProxyType(admissions), frozenset(over),
+                          MappingProxyType(fleet_versions), frozenset(served),
+                          frozenset(failed), frozenset(aborted))
 
 
 # --------------------------------------------------------------------------- purity
@@ -167,6 +227,9 @@ class PurityIssue(enum.StrEnum):
     UNSALTED = "unsalted-async"                # carried without a version salt
     KV_CROSS_VERSION = "kv-cross-version"      # outside keep: KV of another version used
     FIRST_SEGMENT = "first-segment-not-bound"  # the first request is not the binding's
+    # Samples a fleet gateway recorded (trajectory schema 4, ``fleet``):
+    FLEET_MISMATCH = "fleet-mismatch"          # replica/fleet version/engine version disagree
+    UNEXPLAINED = "unexplained-unattributable"  # no replica failed, no drain abort
 
 
 @dataclass(frozen=True)
@@ -229,6 +292,33 @@ def _purity_findings(s: TrajectorySample, journal: JournalSummary | None
         if rid is not None and rid in journal.admissions and journal.admissions[rid] != bound:
             add(PurityIssue.ADMISSION_MISMATCH,
                 f"journal admitted {rid!r} under {journal.admissions[rid]}, record says {bound}")
+        if s.fleet is not None and journal.is_fleet:
+            out += _fleet_findings(s, journal)
+    return out
+
+
+def _fleet_findings(s: TrajectorySample, journal: JournalSummary) -> list[PurityFinding]:
+    """A fleet's sample: its replica served its fleet version as its bound engine version."""
+    fl = s.fleet
+    assert fl is not None
+    out: list[PurityFinding] = []
+    label = journal.fleet_versions.get(fl.fleet_version)
+    if label != fl.fleet_label:
+        out.append(PurityFinding(s.group_id, s.sample_index, PurityIssue.FLEET_MISMATCH,
+                                 f"fleet version {fl.fleet_version} was published as "
+                                 f"{label or 'nothing'}, the sample says {fl.fleet_label}"))
+    if (fl.replica, fl.fleet_version, s.binding.version) not in journal.fleet_served:
+        out.append(PurityFinding(
+            s.group_id, s.sample_index, PurityIssue.FLEET_MISMATCH,
+            f"{fl.replica} never served fleet version {fl.fleet_version} as "
+            f"{s.binding.version}"))
+    rid = s.binding.rollout_id
+    if not s.attribution.attributable and fl.replica not in journal.fleet_failed and (
+            rid is None or rid not in journal.aborted):
+        out.append(PurityFinding(
+            s.group_id, s.sample_index, PurityIssue.UNEXPLAINED,
+            f"unattributable ({s.attribution.reason}) on {fl.replica}, which never failed, "
+            "and no drain abort released it"))
     return out
 
 
@@ -243,6 +333,8 @@ class PurityReport:
     unattributable: int = 0
     #: Samples whose tokens span versions, all within the bound (not findings).
     mixed_within_bound: int = 0
+    #: A fleet's samples by replica: samples, samples with findings, unattributable.
+    replicas: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     @property
     def without_spans(self) -> int:
@@ -266,6 +358,7 @@ class PurityReport:
                 "without_spans": self.without_spans, "impure_samples": self.impure_samples,
                 "unattributable": self.unattributable,
                 "mixed_within_bound": self.mixed_within_bound,
+                "replicas": {k: dict(v) for k, v in sorted(self.replicas.items())},
                 "ok": self.ok, "counts": self.counts(),
                 "journal": None if self.journal is None else self.journal.to_dict(),
                 "findings": [f.to_dict() for f in self.findings]}
@@ -290,6 +383,9 @@ class PurityReport:
         if self.mixed_within_bound:
             lines.append(f"  {self.mixed_within_bound} samples span versions within the "
                          "staleness bound (asynchronous updates)")
+        for name, c in sorted(self.replicas.items()):
+            lines.append(f"  replica {name}: {c['samples']} samples, {c['impure']} with "
+                         f"findings, {c['unattributable']} unattributable")
         if self.findings:
             rows = [("group", "sample", "issue", "detail")]
             rows += [(f.group_id, str(f.sample_index), f.issue.value, f.detail)
@@ -314,6 +410,7 @@ class _PurityTally:
         self.journal = journal
         self.n = self.with_spans = self.unattributable = self.mixed = 0
         self.findings: list[PurityFinding] = []
+        self.replicas: dict[str, Counter[str]] = {}
 
     def add(self, s: TrajectorySample) -> None:
         self.n += 1
@@ -322,11 +419,19 @@ class _PurityTally:
         found = _purity_findings(s, self.journal)
         self.mixed += _mixed_ok(s, found)
         self.findings += found
+        if s.fleet is not None:
+            c = self.replicas.setdefault(s.fleet.replica, Counter())
+            c["samples"] += 1
+            c["impure"] += bool(found)
+            c["unattributable"] += not s.attribution.attributable
 
     def report(self) -> PurityReport:
         return PurityReport(self.n, self.with_spans, tuple(self.findings), self.journal,
                             unattributable=self.unattributable,
-                            mixed_within_bound=self.mixed)
+                            mixed_within_bound=self.mixed,
+                            replicas={k: {"samples": v["samples"], "impure": v["impure"],
+                                          "unattributable": v["unattributable"]}
+                                      for k, v in self.replicas.items()})
 
 
 def audit_purity(samples: Iterable[TrajectorySample],

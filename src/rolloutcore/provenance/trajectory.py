@@ -73,6 +73,7 @@ __all__ = [
     "SEED_NONE",
     "Binding",
     "EngineIdentity",
+    "FleetPlacement",
     "SampledCompletion",
     "Prompt",
     "SamplingSpec",
@@ -90,9 +91,11 @@ __all__ = [
 
 #: The newest version written and read. 1: text prompts; 2: + ``prompt.media``;
 #: 3: + ``attribution`` (written only for a sample credited to no version) and
-#: ``completion.versions`` (asynchronous updates), each only where it applies.
-SCHEMA_VERSION = 3
-KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3})
+#: ``completion.versions`` (asynchronous updates), each only where it applies;
+#: 4: + ``fleet`` (the replica and the fleet version that answered, written only
+#: for a sample a fleet gateway recorded).
+SCHEMA_VERSION = 4
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4})
 #: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
 #: a record: the record's own encoders and readers recurse over it.
 MAX_EXTRA_DEPTH = 32
@@ -565,6 +568,36 @@ class Attribution:
 
 
 @dataclass(frozen=True)
+class FleetPlacement:
+    """Which replica of a fleet answered, serving which fleet version (schema 4).
+
+    The binding says which *engine* version generated the tokens; this says
+    under which published *fleet* version that engine version served, and
+    which replica it was (``rolloutcore audit`` checks the three agree with the
+    fleet's journal).
+    """
+
+    replica: str
+    fleet_version: int
+    fleet_label: str
+
+    def __post_init__(self) -> None:
+        _str("fleet.replica", self.replica, _ID_RE)
+        _int("fleet.fleet_version", self.fleet_version)
+        _str("fleet.fleet_label", self.fleet_label, _ID_RE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"replica": self.replica, "fleet_version": self.fleet_version,
+                "fleet_label": self.fleet_label}
+
+    @classmethod
+    def from_dict(cls, d: object) -> FleetPlacement:
+        m = _obj("fleet", d)
+        _exact_keys("fleet", m, ("replica", "fleet_version", "fleet_label"))
+        return cls(m["replica"], m["fleet_version"], m["fleet_label"])
+
+
+@dataclass(frozen=True)
 class TrajectorySample:
     """One sampled completion: sample ``sample_index`` of ``group_size`` in ``group_id``."""
 
@@ -581,6 +614,8 @@ class TrajectorySample:
     engine: EngineIdentity
     timestamps: Timestamps
     attribution: Attribution = field(default_factory=Attribution)
+    #: The replica and fleet version that answered (a fleet gateway's record).
+    fleet: FleetPlacement | None = None
 
     def __post_init__(self) -> None:
         _str("run", self.run, _ID_RE)
@@ -599,12 +634,17 @@ class TrajectorySample:
             if not isinstance(getattr(self, name), typ):
                 raise BadInput(f"{name} must be a {typ.__name__}, "
                                f"got {type(getattr(self, name)).__name__}")
+        if self.fleet is not None and not isinstance(self.fleet, FleetPlacement):
+            raise BadInput(f"fleet must be a FleetPlacement or None, "
+                           f"got {type(self.fleet).__name__}")
 
     @property
     def schema_version(self) -> int:
         """The lowest version that holds this record: 1 for a text prompt (written
         exactly as before version 2), 2 with images, 3 when not attributable or
-        with per-token versions (``completion.versions``)."""
+        with per-token versions (``completion.versions``), 4 with a fleet placement."""
+        if self.fleet is not None:
+            return 4
         if not self.attribution.attributable or self.completion.versions is not None:
             return 3
         return 2 if self.prompt.media else 1
@@ -619,6 +659,8 @@ class TrajectorySample:
                "timestamps": self.timestamps.to_dict()}
         if not self.attribution.attributable:
             out["attribution"] = self.attribution.to_dict()
+        if self.fleet is not None:
+            out["fleet"] = self.fleet.to_dict()
         return out
 
     @classmethod
@@ -628,20 +670,24 @@ class TrajectorySample:
         if m.get("record") != "sample":
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
         v = m["schema_version"]
-        _exact_keys("sample", m, _SAMPLE_KEYS, ("attribution",) if v == 3 else ())
+        _exact_keys("sample", m, _SAMPLE_KEYS, ("attribution",) if v == 3 else
+                    ("attribution", "fleet") if v == 4 else ())
         has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
         has_versions = isinstance(m["completion"], Mapping) and "versions" in m["completion"]
         has_attribution = "attribution" in m
         attribution = (Attribution.from_dict(m["attribution"]) if has_attribution
                        else Attribution())
-        want = 3 if (has_versions or has_attribution) else 2 if has_media else 1
+        fleet = FleetPlacement.from_dict(m["fleet"]) if "fleet" in m else None
+        want = (4 if fleet is not None else 3 if (has_versions or has_attribution)
+                else 2 if has_media else 1)
         if v != want:
             raise BadInput("trajectory sample: prompt.media is written with schema_version 2, "
                            "attribution and completion.versions with 3 (with or without "
                            f"media), each only then (got schema_version {v}, "
                            f"{'with' if has_media else 'without'} media, "
                            f"{'with' if has_attribution else 'without'} attribution, "
-                           f"{'with' if has_versions else 'without'} versions)")
+                           f"{'with' if has_versions else 'without'} versions; a fleet "
+                           "placement with 4)")
         if has_attribution and attribution.attributable:
             raise BadInput("trajectory sample: attribution is written only for a sample "
                            "that is not attributable")
@@ -651,7 +697,7 @@ class TrajectorySample:
                    SampledCompletion.from_dict(m["completion"]),
                    Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
-                   Timestamps.from_dict(m["timestamps"]), attribution)
+                   Timestamps.from_dict(m["timestamps"]), attribution, fleet)
 
     def encode(self) -> bytes:
         """The canonical JSON line of this record."""

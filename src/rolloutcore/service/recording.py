@@ -51,6 +51,7 @@ from rolloutcore.provenance.trajectory import (
     SEED_NONE,
     Attribution,
     EngineIdentity,
+    FleetPlacement,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -160,11 +161,21 @@ def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup
                         fin.completed_mono)
     gid = group_id_for(run, step, index)
     binding = fin.binding  # the controller's binding is the trajectory's
+    fleet = _placement(fin)
     samples = [TrajectorySample(run, step, gid, index, len(choices), int(c.get("index", i)),
                                 prompt, sampling, _completion(c, cut), binding, engine, stamps,
-                                attribution)
+                                attribution, fleet)
                for i, c in enumerate(choices)]
     return TrajectoryGroup(tuple(samples))
+
+
+def _placement(fin: FinishedRequest) -> FleetPlacement | None:
+    """The replica and fleet version a fleet gateway's router chose (``Target.info``)."""
+    info = fin.target.info if fin.target is not None else {}
+    if "fleet_version" not in info:
+        return None
+    return FleetPlacement(str(info["replica"]), int(info["fleet_version"]),
+                          str(info["fleet_label"]))
 
 
 class GatewayRecorder:
@@ -180,10 +191,16 @@ class GatewayRecorder:
     """
 
     def __init__(self, path: str | Path, engine: EngineIdentity, *,
+                 engines: Mapping[str, EngineIdentity] | None = None,
                  max_pending: int = 4096) -> None:
         if not isinstance(engine, EngineIdentity):
             raise BadInput("engine must be an EngineIdentity")
+        if engines is not None and not all(isinstance(e, EngineIdentity)
+                                           for e in engines.values()):
+            raise BadInput("engines must map target names to EngineIdentity")
         self.engine = engine
+        #: A fleet's engines, by replica (the data plane's target name); else the one.
+        self.engines = dict(engines or {})
         self.path = Path(path)
         self._rec = TrajectoryRecorder(path)
         self._q: queue.Queue[FinishedRequest | None] = queue.Queue(max_pending)
@@ -231,7 +248,9 @@ class GatewayRecorder:
         # encoder) must not meet nesting deeper than a record keeps.
         if json_depth(fin.request, MAX_EXTRA_DEPTH + 2) > MAX_EXTRA_DEPTH + 2:
             raise BadInput(f"the request nests deeper than {MAX_EXTRA_DEPTH + 2}")
-        group = build_group(fin, self.engine)
+        engine = self.engine if fin.target is None else self.engines.get(fin.target.name,
+                                                                           self.engine)
+        group = build_group(fin, engine)
         if self._rec.append_group(group) is AppendOutcome.ALREADY_COMMITTED:
             return "duplicate"
         return "committed" if fin.attributable else "unattributable"

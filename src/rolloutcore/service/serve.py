@@ -45,8 +45,8 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 if TYPE_CHECKING:
     from rolloutcore.adapters.vllm import VllmHTTP
 
-__all__ = ["TAKEOVER_REFUSED", "ServeOptions", "reachable_verification", "run_serve",
-           "write_token_file"]
+__all__ = ["TAKEOVER_REFUSED", "ServeOptions", "control_token", "exit_on_signal",
+           "reachable_verification", "run_serve", "vocab_size", "write_token_file"]
 
 #: Exit status of ``serve`` when the engine it would take over cannot be verified.
 TAKEOVER_REFUSED = 3
@@ -108,14 +108,15 @@ class ServeOptions:
                            f"got {self.drain_timeout_s!r}")
 
 
-def _token(args: ServeOptions) -> tuple[str, bool]:
-    """(token, given): given by flag, file or environment; else generated."""
-    if args.token and args.token_file:
+def control_token(token: str | None, token_file: str | None) -> tuple[str, bool]:
+    """(token, given): given by flag, file or environment; else generated (a gateway over
+    one engine and a fleet's alike)."""
+    if token and token_file:
         raise BadInput("give --token or --token-file, not both")
-    if args.token:
-        return str(args.token), True
-    if args.token_file:
-        return read_token_file(args.token_file), True
+    if token:
+        return str(token), True
+    if token_file:
+        return read_token_file(token_file), True
     env = os.environ.get("ROLLOUTCORE_TOKEN")
     if env:
         return env.strip(), True
@@ -167,7 +168,7 @@ def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
     return VerificationLevel.DECLARED
 
 
-def _vocab_size(model_dir: Path) -> int | None:
+def vocab_size(model_dir: Path) -> int | None:
     """The served model's vocabulary (its config.json), for the probe's edge checks."""
     import json
 
@@ -182,7 +183,9 @@ def _vocab_size(model_dir: Path) -> int | None:
     return None
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
+def exit_on_signal(signum: int, frame: object) -> None:
+    """SIGTERM as ``SystemExit``: uvicorn re-raises the signal after its shutdown, and the
+    default disposition would kill the process before its engines are stopped."""
     raise SystemExit(128 + signum)
 
 
@@ -203,7 +206,7 @@ def run_serve(args: ServeOptions) -> int:
     """The ``serve`` command; blocks until interrupted. Returns an exit status."""
     if not isinstance(args, ServeOptions):
         raise BadInput(f"run_serve takes ServeOptions, got {type(args).__name__}")
-    token, given = _token(args)
+    token, given = control_token(args.token, args.token_file)
     data_token = args.data_token or os.environ.get("ROLLOUTCORE_DATA_TOKEN") or None
     check_bind(args.host, given, data_token is not None)
     if args.upstream and not args.checkpoint:
@@ -319,7 +322,7 @@ def run_serve(args: ServeOptions) -> int:
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
                                "transport": {"backend": args.transport_backend},
                                "min_verification": floor, "reachable_verification": reachable,
-                               "vocab_size": _vocab_size(model_dir),
+                               "vocab_size": vocab_size(model_dir),
                                "max_model_len": max_len if isinstance(max_len, int) else None})
         if args.record:
             from rolloutcore.core.versions import EngineIdentity
@@ -345,7 +348,7 @@ def run_serve(args: ServeOptions) -> int:
         # uvicorn re-raises the signal that stopped it once it has shut down;
         # with the default SIGTERM disposition that kills the process before
         # the engine below is stopped. Turned into SystemExit, cleanup runs.
-        signal.signal(signal.SIGTERM, _exit_on_signal)
+        signal.signal(signal.SIGTERM, exit_on_signal)
         # The data path's per-request CPU is the gateway's added latency
         # (docs/service.md, "What the gateway costs"): no access log (uvicorn
         # formats its arguments even when INFO is filtered out) and no
@@ -385,7 +388,7 @@ def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
             raw = json.loads(Path(args.takeover_probe).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
             raise BadInput(f"--takeover-probe {args.takeover_probe}: {exc}") from exc
-        return PolicyProbe.from_wire(raw, vocab_size=_vocab_size(model_dir))
+        return PolicyProbe.from_wire(raw, vocab_size=vocab_size(model_dir))
     if reachable < VerificationLevel.PROBE:
         return None
     return _LazyProbe(model_dir)
