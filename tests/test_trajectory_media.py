@@ -40,7 +40,7 @@ def test_versions_known() -> None:
     for v in (1, 2, 3, 4):
         check_schema_version({"schema_version": v})
     with pytest.raises(BadInput, match="newer than"):
-        check_schema_version({"schema_version": 4})
+        check_schema_version({"schema_version": 5})
 
 
 def test_a_text_prompt_is_written_as_version_1_exactly_as_before() -> None:
