@@ -7,6 +7,10 @@ router in front). The replicas are FakeEngines under their own controllers,
 each behind a ``FakeVllm`` on a loopback port; the gateway is the real fleet
 app, driven in process (``httpx.ASGITransport``, or ``helpers.asgi_drive``
 for a hostile client).
+
+With ``ROLLOUTCORE_FAULT_MATRIX=path`` each case's row is merged into that
+fault matrix (``results/fault-matrix.json``; the same rows the real-engine
+modules write), with ``engines: fake`` and the command that produced it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,44 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+ROWS: list[dict[str, Any]] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fault_matrix() -> Any:
+    """Merge the rows the cases wrote into ``ROLLOUTCORE_FAULT_MATRIX`` (when set)."""
+    import os
+    import platform
+    import shlex
+    import sys
+    import time
+    from pathlib import Path
+
+    t0 = time.time()
+    yield
+    out = os.environ.get("ROLLOUTCORE_FAULT_MATRIX")
+    if out and ROWS:
+        from enginetools import merge_rows
+
+        run = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                           "python": platform.python_version()},
+               "engines": "FakeEngine replicas, each behind a FakeVllm on loopback HTTP; the "
+                          "real fleet gateway and coordinator",
+               "command": "ROLLOUTCORE_FAULT_MATRIX=" + out + " "
+               + shlex.join([sys.executable, "-m", "pytest", *sys.argv[1:]]),
+               "started_unix": t0, "module": "tests/test_fleet_promises.py"}
+        merge_rows(Path(out), [{**r, "run": run} for r in ROWS])
+
+
+def row(case: str, fault: str, classification: str, state: str, **kw: Any) -> None:
+    """One fault-matrix row of a fleet case (``records_lost``, ``published_unvalidated``
+    and ``mislabeled_answers`` default to 0: each case asserts them)."""
+    ROWS.append({"case": case, "fault": fault, "classification": classification,
+                 "state_after_fault": state, "within_deadline": True,
+                 "published_unvalidated": 0, "records_lost": 0, "mislabeled_answers": 0,
+                 "fleet": True, **kw})
+
+
 def gen(n: int = 4, **extra: Any) -> dict[str, Any]:
     return {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": n}, **extra}
 
@@ -88,6 +130,10 @@ def test_an_engine_the_takeover_cannot_verify_never_joins_the_pool() -> None:
     for n in ("r0", "r2"):
         ident = f.coord.replicas[n].controller.identity
         assert ident is not None and ident.verification.wire == "probe"
+    row("fleet_unverified_bootstrap", "a replica's engine is paused and holds other weights "
+        "(label rc-3) when the fleet takes it over", "takeover refused (no_mutation)",
+        "FENCED (UNINITIALIZED engine)", serving=f.coord.serving(),
+        reason=f.coord.pool.entry("r1").reason[:200])
 
 
 def test_an_engine_on_other_weights_is_refused_by_the_probe() -> None:
@@ -157,8 +203,13 @@ async def test_no_answer_is_labelled_with_another_version_under_rolling_updates(
         assert done == [1, 2, 3, 4, 5, 6]
         ok = [r for r in answers if r.status_code == 200]
         assert len(ok) > 30
-        assert [r.headers for r in ok if not labelled(r)] == []
+        mislabeled = [r.headers for r in ok if not labelled(r)]
+        assert mislabeled == []
         assert {r.status_code for r in answers} <= {200, 503}
+        row("fleet_route_admit_race", "back-to-back rolling updates (6) under 6 clients of "
+            "every policy, with a queue of 64", "answers routed and bound in one step",
+            "SERVING", answers=len(answers), answered_200=len(ok),
+            mislabeled_answers=len(mislabeled))
 
 
 # --------------------------------------------------------------------------- 3. deadlines
@@ -182,6 +233,9 @@ async def test_a_body_that_never_ends_is_408_and_the_bound_holds() -> None:
         assert [d.status for d in stuck] == [408, 408]
         assert (await c.post(GEN, json=gen())).status_code == 200
         assert all(not rep.controller.active for rep in f.coord.replicas.values())
+        row("fleet_slow_body", "two request bodies that never finish arriving, at "
+            "max_concurrent_requests=2", "408 at client_body_s (0.3 s); the third 503 "
+            "Retry-After", "SERVING", deadline_s=0.3, statuses=[d.status for d in stuck])
 
 
 async def test_a_client_that_stops_reading_is_cut_and_released() -> None:
@@ -211,6 +265,10 @@ async def test_a_failed_closed_replica_leaves_the_pool_at_once() -> None:
         f.coord.supervise_once()
         assert f.coord.state_of("r0") is S.FENCED
         assert "failed closed" in f.coord.pool.entry("r0").reason
+        row("fleet_failed_closed_replica", "one replica's controller fails closed (its "
+            "journal's disk is full); 10 concurrent requests",
+            "out of the routing at once, FENCED at the next round", "FENCED",
+            answered_by_it=0, answered_200=10)
 
 
 # --------------------------------------------------------------------------- 5. suspicion
@@ -233,6 +291,9 @@ async def test_an_answer_too_large_never_makes_a_replica_suspect() -> None:
         ad.observe_health = one_slow_check  # type: ignore[method-assign]
         f.coord.supervise_once()
         assert slow["n"] == 1 and f.coord.state_of(name) is S.SERVING
+        row("fleet_client_induced_suspicion", "a non-streamed answer over max_response_bytes "
+            "(502), then one slow /health", "the client's answer is no engine signal: "
+            "health_failures (2) still needed", "SERVING")
 
 
 # --------------------------------------------------------------------------- 7. dead engine
@@ -258,6 +319,9 @@ async def test_a_dead_engine_loses_its_traffic_and_is_fenced_in_one_round() -> N
         assert f.coord._members["r2"].suspect            # its refusal was reported
         f.coord.supervise_once()
         assert f.coord.state_of("r2") is not S.SERVING
+        row("fleet_dead_engine_keeps_traffic", "one replica's engine refuses connections "
+            "(dead); 20 requests", "routing by recent success, fenced in one round",
+            "FENCED", answered_by_dead=0, failed_requests=len(bad))
         assert isinstance(client, httpx.AsyncClient)
 
 
@@ -318,6 +382,10 @@ def test_a_journal_that_fails_inside_an_update_strands_no_replica() -> None:
     for rep in f.coord.replicas.values():                   # no engine left half-way
         assert rep.controller.state in (State.READY, State.TAINTED)
         assert rep.controller.current_ticket is None
+    row("fleet_journal_fails_mid_update", "the pool's journal write fails between selecting "
+        "the replicas and recording their outcomes", "update ended, every replica decided "
+        "from its engine; the fleet fails closed", "FENCED/SERVING, none UPDATING",
+        replicas={n: v.value for n, v in states.items()}, failed_closed=st["failed_closed"])
 
 
 def test_an_exception_inside_an_update_strands_no_replica() -> None:
@@ -351,6 +419,8 @@ async def test_deep_json_is_a_400_on_the_data_and_the_update_routes() -> None:
             assert r.status_code == 400, (path, r.status_code, r.text[:200])
         assert not [x for j in f.journals.values() for x in j.records
                     if isinstance(x.record, Admit)]
+        row("fleet_deep_json", "a 50,000-deep JSON body on the data route and on POST "
+            "/control/fleet/updates", "400 on both, nothing admitted or started", "SERVING")
 
 
 @pytest.mark.parametrize("header", ["x-rolloutcore-group", "x-rolloutcore-rollout-id"])
@@ -460,3 +530,22 @@ async def test_a_fleet_records_every_answered_sample_and_the_audit_checks_each(
         samples[0].fleet, fleet_version=samples[0].fleet.fleet_version + 1))  # type: ignore
     found = audit_purity([bad], report.purity.journal)
     assert {x.issue for x in found.findings} == {PurityIssue.FLEET_MISMATCH}
+
+
+def test_the_token_file_is_never_written_through_a_link(tmp_path: Any) -> None:
+    """``--token-out`` pointed at a symbolic link: refused before any engine starts."""
+    import os
+
+    from rolloutcore.fleet.serve import FleetServeOptions, _check
+    from rolloutcore.service.serve import write_token_file
+
+    target = tmp_path / "elsewhere"
+    link = tmp_path / "token"
+    link.symlink_to(target)
+    with pytest.raises(Exception, match="symbolic link"):
+        _check(FleetServeOptions(token_out=str(link), token="t" * 20))
+    ok = tmp_path / "ok-token"
+    write_token_file(ok, "t" * 20)
+    assert oct(os.stat(ok).st_mode & 0o777) == "0o600" and not target.exists()
+    row("fleet_token_file", "--token-out names a symbolic link", "refused before anything "
+        "starts; the file is written 0600, never through a link", "not started")

@@ -55,6 +55,9 @@ class Load:
     policies: list[str]
     max_tokens: int = 6
     pause_s: float = 0.0
+    #: A run name: each request then asks the gateway to record it (``--record``), as
+    #: step <client index>, prompt index <request number>: one group per request.
+    record: str | None = None
     answers: list[Answer] = field(default_factory=list)
     errors: list[BaseException] = field(default_factory=list)
 
@@ -69,9 +72,13 @@ class Load:
             while not self._stop.is_set():
                 i += 1
                 t0 = time.monotonic()
+                headers = {"x-rolloutcore-policy": policy}
+                if self.record is not None:
+                    headers.update({"x-rolloutcore-run": self.record,
+                                    "x-rolloutcore-step": str(k),
+                                    "x-rolloutcore-prompt-index": str(i)})
                 try:
-                    r = c.post("/inference/v1/generate", headers={
-                        "x-rolloutcore-policy": policy}, json={
+                    r = c.post("/inference/v1/generate", headers=headers, json={
                         "model": "policy", "token_ids": [3, 1, 4, 1, 5, k, i % 200],
                         "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0}})
                 except httpx.HTTPError as exc:

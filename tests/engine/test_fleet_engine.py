@@ -35,8 +35,14 @@ from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.core.pool import FleetClosed, FleetPublish
 from rolloutcore.core.records import Admit
+from rolloutcore.core.versions import EngineIdentity
 from rolloutcore.fleet import FleetConfig, FleetCoordinator
-from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER, create_fleet_app
+from rolloutcore.fleet.gateway import (
+    FLEET_LABEL_HEADER,
+    FLEET_VERSION_HEADER,
+    REPLICA_HEADER,
+    create_fleet_app,
+)
 from rolloutcore.fleet.placement import (
     build_fleet,
     prepare_checkpoint,
@@ -45,6 +51,7 @@ from rolloutcore.fleet.placement import (
 )
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
+from rolloutcore.service.recording import GatewayRecorder
 from rolloutcore.transports.net import free_port
 
 # Three vLLM servers per module on a 2-core host: the slow lane (scripts/test.sh --slow).
@@ -64,6 +71,9 @@ class Fleet:
     url: str
     ref_b: list[tuple[list[int], list[float]]]
     models: TinyModels
+    recorder: GatewayRecorder
+    trajectories: Path
+    journals: Path
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +91,29 @@ def fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> 
                   progress=True, timeout_s=660)
         ref_b = greedy(ref.base_url)
         ref.stop()
+        journals = tmp_path_factory.mktemp("fleet-journals")
         coord = build_fleet(engines, checkpoint=tiny_models.A, op_timeout_s=30,
-                            config=FleetConfig(health_interval_s=0.5))
+                            config=FleetConfig(health_interval_s=0.5), journal_dir=journals)
+        traj = tmp_path_factory.mktemp("fleet-record") / "trajectories.jsonl"
+        ids = {n: EngineIdentity("0.32.0", "policy", {}, str(r.url))
+               for n, r in coord.replicas.items()}
+        recorder = GatewayRecorder(traj, ids["e0"], engines=ids)
         app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
-                                                    control_token=TOKEN))
+                                                    control_token=TOKEN),
+                               on_finished=recorder)
         with uvicorn_thread(app) as url:
-            yield Fleet(coord, engines, url, ref_b, tiny_models)
+            yield Fleet(coord, engines, url, ref_b, tiny_models, recorder, traj, journals)
+        recorder.close()
     finally:
         if coord is not None:
             with contextlib.suppress(Exception):
                 coord.close()
         for e in everything:
             e.stop()
+
+
+#: Every answer of the recorded load tests, by rollout id (the record test compares).
+ANSWERED: dict[str, Any] = {}
 
 
 def _admits(coord: FleetCoordinator) -> list[tuple[str, float]]:
@@ -103,11 +124,25 @@ def _admits(coord: FleetCoordinator) -> list[tuple[str, float]]:
 
 
 def _check_answer(a: Any) -> str:
-    """The version an answer says it was made by, checked three ways; returns it."""
+    """The version an answer says it was made by, checked four ways; returns it.
+
+    vLLM's own per-token spans, the engine version header and body field, and the
+    fleet's: the fleet version and replica the answer names are those the pool
+    had the replica serve that engine version as (its label is the fleet label,
+    suffixed when the engine had used it, or vLLM's ``default`` for version 0).
+    """
     label = a.headers[VERSION_HEADER.lower()]
     spans = a.body["choices"][0]["weight_versions"]
     assert spans and {s["version"] for s in spans} == {label}, (spans, label)
-    assert a.body[BODY_FIELD]["version"] == label
+    info = a.body[BODY_FIELD]
+    assert info["version"] == label
+    assert str(info["fleet_version"]) == a.headers[FLEET_VERSION_HEADER]
+    assert info["replica"] == a.headers[REPLICA_HEADER]
+    fleet_label = a.headers[FLEET_LABEL_HEADER]
+    assert info["fleet_label"] == fleet_label
+    assert label.split(".")[0] == fleet_label or (fleet_label == "fleet-0"
+                                                  and label == "default"), (label, fleet_label)
+    ANSWERED[info["rollout_id"]] = a
     return str(label)
 
 
@@ -115,7 +150,7 @@ def test_synchronous_update_under_load_publishes_b_everywhere(fleet: Fleet) -> N
     before = greedy(fleet.engines[0].base_url)
     assert before != fleet.ref_b                      # A and B really differ
     wb = prepare_checkpoint(fleet.models.B)
-    with Load(fleet.url, ["any", "any", "latest"]) as load:
+    with Load(fleet.url, ["any", "any", "latest"], record="sync") as load:
         time.sleep(1.5)
         res = fleet.coord.update(wb, strategy="synchronous")
         time.sleep(1.5)
@@ -156,7 +191,8 @@ def test_rolling_update_keeps_min_serving_and_routes_by_policy(fleet: Fleet) -> 
     assert fleet.coord.newest is not None and fleet.coord.newest.label == "fleet-1"
     wa = prepare_checkpoint(fleet.models.A)
     with Sampler(fleet.url, TOKEN) as s, Load(fleet.url, [
-            "any", "any", "latest", "max-staleness:0", "pinned:fleet-1"], pause_s=0.02) as load:
+            "any", "any", "latest", "max-staleness:0", "pinned:fleet-1"], pause_s=0.02,
+            record="roll") as load:
         time.sleep(1.0)
         t_roll = time.monotonic()
         res = fleet.coord.update(wa, strategy="rolling", min_serving=1, label="fleet-2")
@@ -192,6 +228,9 @@ def test_rolling_update_keeps_min_serving_and_routes_by_policy(fleet: Fleet) -> 
                 if a.done < pub2:
                     assert gen == 1, (pol, a.done - pub2)
     pinned = load.of("pinned:fleet-1")
+    for a in pinned:
+        if a.status == 200:
+            _check_answer(a)
     assert {a.status for a in pinned} <= {200, 503, 410}
     assert all(a.headers[FLEET_VERSION_HEADER] == "1" for a in pinned if a.status == 200)
     assert [a for a in pinned if a.status == 200]
@@ -202,6 +241,34 @@ def test_rolling_update_keeps_min_serving_and_routes_by_policy(fleet: Fleet) -> 
     for e in fleet.engines:
         assert greedy(e.base_url) != fleet.ref_b
     assert {a.headers[REPLICA_HEADER] for a in anys} == {"e0", "e1"}
+
+
+def test_every_answered_sample_is_recorded_and_the_audit_passes(fleet: Fleet) -> None:
+    """``--record`` through the fleet: the two updates' answers, one sample each, each
+    with its replica, engine version and fleet version, and the audit of the file against
+    the fleet's journals (the pool's and each engine's) finds nothing."""
+    from rolloutcore.provenance.audit import audit_file
+    from rolloutcore.provenance.recorder import read_groups
+
+    assert fleet.recorder.flush(60)
+    samples = {s.binding.rollout_id: s for g in read_groups(fleet.trajectories)
+               for s in g.samples}
+    assert len(ANSWERED) > 50
+    assert set(samples) == set(ANSWERED), (len(samples), len(ANSWERED))
+    for rid, s in samples.items():
+        a = ANSWERED[rid]
+        assert s.fleet is not None and s.attribution.attributable
+        assert (s.fleet.replica, str(s.fleet.fleet_version), s.fleet.fleet_label) == (
+            a.headers[REPLICA_HEADER], a.headers[FLEET_VERSION_HEADER],
+            a.headers[FLEET_LABEL_HEADER])
+        assert s.binding.version.label == a.headers[VERSION_HEADER.lower()]
+        assert s.completion.span_versions == (s.binding.version.label,)
+    report = audit_file(fleet.trajectories, fleet.journals)
+    assert report.purity.ok, report.purity.format_table()
+    assert report.purity.unattributable == 0
+    assert set(report.purity.replicas) == {"e0", "e1"}
+    st = fleet.recorder.stats()["counts"]
+    assert st.get("committed") == len(samples) and not st.get("failed")
 
 
 @pytest.mark.parametrize("headers,status", [

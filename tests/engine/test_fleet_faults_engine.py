@@ -30,6 +30,7 @@ from enginetools import TinyModels
 from helpers.gateway_rig import TOKEN, uvicorn_thread
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.core.pool import ReplicaStateChange
+from rolloutcore.core.records import Admit
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetUpdateFailed, ReplicaState
 from rolloutcore.fleet.gateway import REPLICA_HEADER, create_fleet_app
 from rolloutcore.fleet.placement import build_fleet, launch_local, prepare_checkpoint
@@ -101,6 +102,7 @@ def _fenced_at(f: Fleet, name: str, after: float) -> float:
 
 def test_with_a_quorum_the_survivor_publishes_and_the_dead_replica_rejoins(f: Fleet) -> None:
     wb = prepare_checkpoint(f.models.B)
+    dead_epoch = f.coord.replicas["e1"].controller.committed.engine_epoch  # type: ignore
     at = _kill_at_fanout(f, "e1")
     # Paced: a recovery restarts vLLM on this 2-core host while the load goes on.
     with Load(f.url, ["any", "any"], pause_s=0.1) as load:
@@ -121,15 +123,26 @@ def test_with_a_quorum_the_survivor_publishes_and_the_dead_replica_rejoins(f: Fl
         time.sleep(0.5)
     assert ok, f.coord.status()
     assert not load.errors
-    # Nothing routed to the dead replica after the kill was answered as if served, until
-    # its rejoining (the journal's time: this test only sees it on its next poll).
+    # Nothing was answered from the dead process after the kill, and nothing from its
+    # replacement before it rejoined verified on the fleet's version: every 200 from e1
+    # sent after the kill names the new process and the fleet version it rejoined on.
     back = next(r.t_mono for r in f.coord.journal.records
                 if isinstance(r.record, ReplicaStateChange) and r.record.replica == "e1"
                 and r.record.event == "rejoined" and r.t_mono >= kill_t)
     assert back <= rejoined
+    new_epoch = f.coord.replicas["e1"].controller.committed.engine_epoch  # type: ignore
+    assert new_epoch != dead_epoch
     served_dead = [a for a in load.answers if a.status == 200
-                   and a.headers[REPLICA_HEADER] == "e1" and kill_t < a.sent < back]
+                   and a.headers[REPLICA_HEADER] == "e1" and a.sent > kill_t
+                   and (a.body["rolloutcore"]["engine_epoch"] != new_epoch
+                        or a.body["rolloutcore"]["fleet_version"] != 1)]
     assert not served_dead
+    # Admitted on e1 only once it was back in the pool (the admissions are its journal's).
+    early = [r for r in f.coord.replicas["e1"].journal.records
+             if isinstance(r.record, Admit) and kill_t < r.t_mono
+             and r.record.version.engine_epoch == new_epoch
+             and not r.record.version.label.startswith("fleet-1")]
+    assert not early
     assert {a.status for a in load.answers} <= {200, 503}
     assert f.coord.generation_of("e1") == 1
     c = f.coord.replicas["e1"].controller
