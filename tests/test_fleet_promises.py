@@ -456,7 +456,7 @@ async def test_one_rollout_id_is_bound_once_fleet_wide() -> None:
 def test_a_fleet_version_is_published_only_on_its_predecessor() -> None:
     f = fake_fleet(1)
     v = FleetVersion(5, "fleet-5", weights(5).identity, 7)
-    with pytest.raises(Exception, match="not the one running|does not follow"):
+    with pytest.raises(Exception, match=r"not the one running|does not follow"):
         f.coord._shell.run(f.coord._table.publish, v, ("r0",))
 
 

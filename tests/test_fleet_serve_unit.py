@@ -149,7 +149,7 @@ def test_a_non_loopback_fleet_needs_both_tokens_and_is_allowed_with_them(
 
     monkeypatch.delenv("ROLLOUTCORE_DATA_TOKEN", raising=False)
     monkeypatch.delenv("ROLLOUTCORE_TOKEN", raising=False)
-    with pytest.raises(BadInput, match="data token|data plane"):
+    with pytest.raises(BadInput, match=r"data token|data plane"):
         _check(FleetServeOptions(host="0.0.0.0", token="t" * 20))
     got = _check(FleetServeOptions(host="0.0.0.0", token="t" * 20, data_token="d" * 20))
     assert got[1] is True and got[2] == "d" * 20
