@@ -31,6 +31,7 @@ from rolloutcore.core.evidence import (
     evidence_to_dict,
 )
 from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lease import LeaseChange, LeaseEvent, LeaseState
 from rolloutcore.core.pool import (
     FleetAbandon,
     FleetBootstrap,
@@ -157,6 +158,10 @@ SAMPLES: list[Record] = [
                        1, V1, ""),
     ReplicaStateChange("r1", ReplicaState.SERVING, ReplicaState.FENCED, ReplicaEvent.TAINTED,
                        None, None, "engine tainted"),
+    # The trainer protocol's leases (core.lease).
+    LeaseChange(7, None, LeaseState.OPEN, None, "trainer"),
+    LeaseChange(7, LeaseState.OPEN, LeaseState.EXPIRING, LeaseEvent.EXPIRE, "trainer",
+                "lease of 1s expired"),
 ]
 
 

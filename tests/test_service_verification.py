@@ -43,6 +43,7 @@ from helpers.gateway_rig import (
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.control.runner import LifecycleRunner, TakeoverRefused
+from rolloutcore.core.lease import LeaseState
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput
@@ -288,7 +289,8 @@ def test_a_begin_whose_answer_is_lost_does_not_taint_the_engine() -> None:
             time.sleep(0.02)
         assert gw.controller.state is State.READY and not ad.engine.paused
         (upd,) = gw.updates._updates.values()
-        assert upd.status == "expired" and upd.result["classification"] == "no_mutation"
+        assert upd.state is LeaseState.EXPIRED
+        assert upd.result is not None and upd.result["classification"] == "no_mutation"
         assert "could not be delivered" in upd.result["reason"]
         assert [v.label for v in gw.controller.published] == ["default"]
 

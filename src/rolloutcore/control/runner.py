@@ -217,6 +217,11 @@ class LifecycleRunner:
     def _note(self, what: str, **data: Any) -> None:
         self._emit(Note(what, data))
 
+    def emit(self, rec: Record) -> None:
+        """Hand a record to the runner's journal (``record=``): a listener for the machines
+        that run beside this engine's (the trainer protocol's leases)."""
+        self._emit(rec)
+
     def _emit(self, rec: Record) -> None:
         """Hand the runner's own record (``record=``, normally the journal's ``write``).
 

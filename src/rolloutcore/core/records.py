@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
+from rolloutcore.core.lease import LEASE_RECORDS
 from rolloutcore.core.pool import POOL_RECORDS
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import (  # re-exported: the one schema module
@@ -89,7 +90,8 @@ __all__ = [
 #: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
 #: ``request_sleep``/``request_wake`` records (colocated sleep and wake, issue 21).
 #: 4 added the fleet's records (``core.pool``: ``fleet_*``, ``replica_*``, ``wave*``),
-#: which a fleet gateway writes to the same journal format as one engine's.
+#: which a fleet gateway writes to the same journal format as one engine's, and the
+#: trainer protocol's ``lease`` record (``core.lease``).
 SCHEMA_VERSION = 4
 #: Versions this reader decodes (1: lines without ``"v"``).
 READABLE_VERSIONS = frozenset({1, 2, 3, 4})
@@ -486,13 +488,13 @@ class Note(Record):
         return cls(str(rest.pop("what")), rest)
 
 
-#: Kind -> record class: the whole schema (the engine's records, the fleet pool's).
+#: Kind -> record class: the whole schema (the engine's, the fleet pool's, the leases').
 _ENGINE_RECORDS: tuple[type[Record], ...] = (
     Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
     Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry,
     RequestSleep, RequestWake)
 RECORD_TYPES: Mapping[str, type[Record]] = {
-    t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS)}
+    t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS, *LEASE_RECORDS)}
 
 KINDS = frozenset(RECORD_TYPES)
 

@@ -45,9 +45,13 @@ drain, the update ends with no mutation (back to service on the old
 version); otherwise it is a TIMEOUT of the transfer, ambiguous, TAINTED and
 fenced, nothing published. A report that arrives later is answered 410 with
 that classification. Report and expiry are serialized per update, so exactly
-one of them decides. A begin whose answer could not be delivered (the
-trainer disconnected while it drained) is classified the same way at once,
-and a begin retried with the same ``begin_key`` gets the same grant back.
+one of them decides: each lease is a row of the lease machine
+(``core.lease``: OPEN, then REPORTING or EXPIRING, then one final state with
+its result), run in the shell every machine runs in, its changes recorded
+in the engine's journal; a reader polling an update waits for ``final``.
+A begin whose answer could not be delivered (the trainer disconnected
+while it drained) is classified the same way at once, and a begin retried
+with the same ``begin_key`` gets the same grant back.
 
 Request bodies are validated by strict pydantic models (no type coercion,
 no unknown fields, bounded strings and numbers); the same models produce
@@ -64,7 +68,7 @@ import json
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -75,7 +79,9 @@ from pydantic.json_schema import models_json_schema
 
 from rolloutcore.control.port import ExpectationTaker
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
+from rolloutcore.control.shell import Shell
 from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
+from rolloutcore.core.lease import Lease, LeaseEvent, LeaseState, LeaseTable
 from rolloutcore.core.lifecycle import FailureKind
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
@@ -278,22 +284,45 @@ class _Update:
     secret: str = field(repr=False, default="")
     begin_key: str | None = None
     verification: VerificationLevel = VerificationLevel.DECLARED
-    status: str = "open"            # open | reporting | published | failed | expiring | expired
-    result: dict[str, Any] | None = None
+    #: The lease machine's shell: this update's lease is its row ``update_id``.
+    leases: Shell[LeaseTable, Mapping[int, Lease]] | None = field(default=None, repr=False)
     timer: asyncio.Task[None] | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
+    @property
+    def lease(self) -> Lease:
+        assert self.leases is not None
+        return self.leases.view[self.update_id]
+
+    @property
+    def state(self) -> LeaseState:
+        return self.lease.state
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        r = self.lease.result
+        return None if r is None else dict(r)
+
+    def move(self, event: LeaseEvent, *, reason: str = "",
+             result: Mapping[str, Any] | None = None) -> None:
+        """This lease's event, decided by ``core.lease.LEASE_TRANSITIONS`` (on the loop:
+        its record is written by the journal's thread, not waited for here)."""
+        assert self.leases is not None
+        self.leases.run(self.leases.machine.move, self.update_id, event, reason=reason,
+                        result=result, wait=False)
+
     def describe(self) -> dict[str, Any]:
         """What anyone with the control token may see (never the lease secret)."""
         left = max(0.0, self.deadline_mono - time.monotonic())
+        lease = self.lease
         return {"update_id": self.update_id, "journal_update_id": self.out.ticket.update_id,
-                "owner": self.owner, "status": self.status,
+                "owner": self.owner, "status": lease.state.value, "final": lease.final,
                 "target": self.target.to_dict(), "identity_digest": self.identity_digest,
                 "min_verification": self.verification.wire,
                 "lease": {"seconds": self.lease_s, "deadline_unix": self.deadline_wall,
-                          "expires_in_s": left if self.status == "open" else 0.0},
-                "result": self.result}
+                          "expires_in_s": left if lease.state is LeaseState.OPEN else 0.0},
+                "result": None if lease.result is None else dict(lease.result)}
 
     def owns(self, presented: str | None) -> bool:
         return presented is not None and hmac.compare_digest(
@@ -323,6 +352,9 @@ class UpdateManager:
         self.metrics = metrics
         self._updates: OrderedDict[int, _Update] = OrderedDict()
         self._opening = False
+        #: The lease machine, its changes recorded in the engine's journal.
+        self.leases: Shell[LeaseTable, Mapping[int, Lease]] = Shell(
+            LeaseTable(), LeaseTable.view, listener=runner.emit)
         metrics.set_floor(config.floor)
 
     def verification(self) -> dict[str, Any]:
@@ -335,8 +367,9 @@ class UpdateManager:
 
     @property
     def open_update(self) -> _Update | None:
+        """The update whose lease is not final (at most one: a single writer)."""
         for u in reversed(self._updates.values()):
-            if u.status in ("open", "reporting", "expiring"):
+            if not u.lease.final:
                 return u
         return None
 
@@ -396,7 +429,8 @@ class UpdateManager:
         cfg = self.config
         busy = self.open_update
         if busy is not None and body.begin_key is not None and busy.begin_key == \
-                body.begin_key and busy.owner == body.owner and busy.status == "open":
+                body.begin_key and busy.owner == body.owner and \
+                busy.state is LeaseState.OPEN:
             # The same begin again: its answer was lost. The same grant, once more.
             return 200, self._grant(busy)
         if self._opening or busy is not None:
@@ -450,15 +484,17 @@ class UpdateManager:
         uid = _new_update_id()
         while uid in self._updates:
             uid = _new_update_id()
+        self.leases.run(self.leases.machine.grant, uid, body.owner, wait=False)
         upd = _Update(uid, body.owner, t.target.version, identity.digest, out, lease_s,
                       now_m + lease_s, now_w + lease_s, secrets.token_urlsafe(32),
-                      body.begin_key, level)
+                      body.begin_key, level, self.leases)
         self._updates[uid] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
-            if oldest.status in ("open", "reporting", "expiring"):
+            if not oldest.lease.final:
                 break
             self._updates.popitem(last=False)
+            self.leases.run(self.leases.machine.forget, oldest.update_id, wait=False)
         upd.timer = asyncio.get_running_loop().create_task(self._lease_timer(upd))
         if disconnected is not None and await disconnected():
             # Nobody holds this grant: classified now (from the engine's own counters),
@@ -498,16 +534,16 @@ class UpdateManager:
                 if not isinstance(self.runner.adapter, ExpectationTaker):
                     return 422, {"error": "this gateway cannot compare a sent checksum"}
         async with upd.lock:
-            if upd.status == "open" and time.monotonic() > upd.deadline_mono:
+            if upd.state is LeaseState.OPEN and time.monotonic() > upd.deadline_mono:
                 await self._expire_locked(upd, "lease expired before the report arrived")
-            if upd.status == "expired":
+            if upd.state in (LeaseState.EXPIRING, LeaseState.EXPIRED):
                 await upd.done.wait()
                 return 410, {"error": "the lease expired; the update was classified without "
                              "this report", **upd.describe()}
-            if upd.status != "open":
+            if upd.state is not LeaseState.OPEN:
                 return 409, {"error": f"update {update_id} was already reported",
                              **upd.describe()}
-            upd.status = "reporting"
+            upd.move(LeaseEvent.REPORT)
             if upd.timer is not None:
                 upd.timer.cancel()
         out = upd.out
@@ -538,8 +574,8 @@ class UpdateManager:
 
         result = await anyio.to_thread.run_sync(work)
         result.update(state=out.state.value, phases=out.breakdown())
-        upd.result = result
-        upd.status = result["status"]
+        upd.move(LeaseEvent.PUBLISHED if result["status"] == "published" else LeaseEvent.FAILED,
+                 result=result)
         upd.done.set()
         self._observe("published" if result["status"] == "published"
                       else result["classification"], out)
@@ -554,11 +590,11 @@ class UpdateManager:
                 "(trainer vanished or overran)")
 
     async def _expire_locked(self, upd: _Update, reason: str) -> None:
-        if upd.status != "open":
+        if upd.state is not LeaseState.OPEN:
             return
-        # "expired" only once classified: a status reader never sees an expired
+        # EXPIRED only once classified: a status reader never sees an expired
         # update without its result (the fence after a taint takes a moment).
-        upd.status = "expiring"
+        upd.move(LeaseEvent.EXPIRE, reason=reason)
         out = upd.out
 
         def work() -> dict[str, Any]:
@@ -573,8 +609,7 @@ class UpdateManager:
         with anyio.CancelScope(shield=True):
             result = await anyio.to_thread.run_sync(work)
         result.update(status="expired", state=out.state.value, phases=out.breakdown())
-        upd.result = result
-        upd.status = "expired"
+        upd.move(LeaseEvent.CLASSIFIED, result=result)
         upd.done.set()
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
