@@ -1,4 +1,8 @@
-"""Render the lifecycle's tables as Markdown, so the docs cannot drift from the code.
+"""Render the machines' tables as Markdown, so the docs cannot drift from the code.
+
+Three machines, one shell (``control.shell``): the engine's lifecycle
+(``core.lifecycle``), a fleet's replica pool (``core.pool``) and the trainer
+protocol's leases (``core.lease``).
 
 ``python -m rolloutcore.core.tables > docs/state-machine.md`` regenerates the
 document; a test checks the committed copy is current.
@@ -6,7 +10,10 @@ document; a test checks the committed copy is current.
 
 from __future__ import annotations
 
+from typing import Any
+
 from rolloutcore.core.evidence import CacheKind
+from rolloutcore.core.lease import FINAL, LEASE_TRANSITIONS, LeaseEvent, LeaseState
 from rolloutcore.core.lifecycle import (
     ABORT_STEPS,
     ESCALATION,
@@ -23,13 +30,21 @@ from rolloutcore.core.lifecycle import (
     State,
     Step,
 )
+from rolloutcore.core.pool import IN_POOL, REPLICA_TRANSITIONS, ReplicaEvent, ReplicaState
 from rolloutcore.core.rules import UPDATE_MODES
 
 __all__ = ["render"]
 
-_INTRO = """# The lifecycle: states, transitions, failure policy
+_INTRO = """# The state machines: the engine's lifecycle, a fleet's pool, the leases
 
-Generated from `rolloutcore.core.lifecycle` by `python -m rolloutcore.core.tables`; do not edit.
+Generated from `rolloutcore.core.lifecycle`, `core.pool` and `core.lease` by
+`python -m rolloutcore.core.tables`; do not edit. Each machine is pure (no lock,
+clock or I/O) and runs in the one shell, `rolloutcore.control.shell`: its
+decisions are made under the shell's lock, its records delivered to the journal
+after the lock is released, and its snapshot published for readers that do not
+lock.
+
+## The engine's lifecycle (`core.lifecycle`)
 
 A rollout is admitted only in READY. `request_update` closes admission; the
 update's owner feeds the controller evidence step by step; the target is
@@ -114,7 +129,35 @@ def render() -> str:
                      f"{'yes' if mrow.drains else 'no'} | "
                      f"{'yes' if mrow.kv_crosses_versions else 'no'} | {deferred or '-'} | "
                      f"{'yes' if mrow.needs_salt else 'no'} |")
+    lines += _other_machines()
     return "\n".join(lines) + "\n"
+
+
+def _grid(states: list[Any], events: list[Any], table: Any) -> list[str]:
+    out = ["| state | " + " | ".join(e.value for e in events) + " |",
+           "|---|" + "---|" * len(events)]
+    for s in states:
+        row = [table[(s, e)].value if (s, e) in table else "" for e in events]
+        out.append(f"| {s.value} | " + " | ".join(row) + " |")
+    return out
+
+
+def _other_machines() -> list[str]:
+    lines = ["", "## A fleet's replica pool (`core.pool`)", "",
+             "Generated from `rolloutcore.core.pool.REPLICA_TRANSITIONS`. The router sends "
+             "requests only to replicas in " + ", ".join(s.value for s in sorted(IN_POOL))
+             + ", on a published fleet version, whose engine is READY on exactly the engine "
+             "version it entered the pool with. A pair not listed is an `InvalidTransition` "
+             "and changes nothing. Each cell: the state the event leads to.", ""]
+    lines += _grid(list(ReplicaState), list(ReplicaEvent), REPLICA_TRANSITIONS)
+    lines += ["", "## The trainer protocol's leases (`core.lease`)", "",
+              "Generated from `rolloutcore.core.lease.LEASE_TRANSITIONS`. A begin grants a "
+              "lease (open); the trainer's report or the lease's expiry decides it, and it "
+              "ends in one final state (" + ", ".join(s.value for s in LeaseState
+                                                     if s in FINAL)
+              + ") with its result. One lease at a time is not final.", ""]
+    lines += _grid(list(LeaseState), list(LeaseEvent), LEASE_TRANSITIONS)
+    return lines
 
 
 if __name__ == "__main__":  # pragma: no cover
