@@ -29,8 +29,9 @@ kept, as a trainer's loop runs them.
 
 Engines are launched with ``fleet.placement.launch_local``: on a host with
 fewer than two cores per engine, each gets its own core(s) and
-``ROLLOUTCORE_VLLM_IDLE_SPIN_S=0.1`` (``--spin`` keeps vLLM's one-second
-idle spin, to measure what it costs).
+vLLM's own one-second idle spin (``--spin S``: ``ROLLOUTCORE_VLLM_IDLE_SPIN_S=S``
+instead, to measure what a shorter one buys; ``benchmarks/idle_spin.py``
+measures what it costs under load).
 
 Writes results/fleet.json and prints a table. Not a test.
 
@@ -179,8 +180,9 @@ def main() -> int:
     ap.add_argument("--steady-s", type=float, default=15.0)
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet.json"))
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--spin", action="store_true",
-                    help="keep vLLM's one-second idle spin in the engines' message queues")
+    ap.add_argument("--spin", type=float, default=None, metavar="S",
+                    help="the engines' idle spin (ROLLOUTCORE_VLLM_IDLE_SPIN_S); default: "
+                         "vLLM's own 1 s")
     args = ap.parse_args()
     if args.engines < 2 or args.reps < 1 or args.rolls < 1 or \
             not 1 <= args.wave_size < args.engines:
@@ -213,7 +215,7 @@ def main() -> int:
     t0 = time.monotonic()
     from rolloutcore.transports.vllm_plugin import IDLE_SPIN_ENV
 
-    spin_env = {IDLE_SPIN_ENV: "1"} if args.spin else {}
+    spin_env = {IDLE_SPIN_ENV: f"{args.spin:g}"} if args.spin is not None else {}
     engines = launch_local(n, a, log_dir=work / "logs", progress=True, env=spin_env)
     start_s = time.monotonic() - t0
     out: dict[str, Any] = {"engines": n, "wave_size": args.wave_size,

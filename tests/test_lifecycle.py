@@ -37,6 +37,17 @@ from rolloutcore.core.evidence import (
 )
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import (
+    Classification,
+    ControllerConfig,
+    Event,
+    FailureKind,
+    SleepTicket,
+    State,
+    Step,
+    UpdateTicket,
+)
+from rolloutcore.core.records import Refuse, Restore, Taint, Transition
+from rolloutcore.core.rules import (
     ABORT_STEPS,
     ESCALATION,
     FAIL_STEPS,
@@ -45,18 +56,9 @@ from rolloutcore.core.lifecycle import (
     OUTCOMES,
     STEP_STATE,
     TRANSITIONS,
-    Classification,
-    ControllerConfig,
-    Event,
-    FailureKind,
     Lookup,
-    SleepTicket,
-    State,
-    Step,
-    UpdateTicket,
     targets,
 )
-from rolloutcore.core.records import Refuse, Restore, Taint, Transition
 from rolloutcore.core.versions import VerificationLevel, WeightVersion
 from rolloutcore.errors import (
     AdmissionRefused,

@@ -18,20 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolloutcore.control.shell import Listener, Shell, Sink
-from rolloutcore.core.evidence import (
-    BootstrapEvidence,
-    CacheKind,
-    CacheResetEvidence,
-    DrainEvidence,
-    PreflightEvidence,
-    RecoveryEvidence,
-    ResumeEvidence,
-    SleepEvidence,
-    TransferEvidence,
-    UpdateTarget,
-    ValidationEvidence,
-    WakeEvidence,
-)
+from rolloutcore.core import evidence as ev
 from rolloutcore.core.lifecycle import (
     Completion,
     ControllerConfig,
@@ -79,7 +66,7 @@ class LifecycleController:
     """
 
     def __init__(self, *, config: ControllerConfig | None = None,
-                 required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
+                 required_caches: tuple[ev.CacheKind, ...] = tuple(ev.CacheKind),
                  clock: Callable[[], float] = time.monotonic,
                  listener: Listener | None = None,
                  _machine: Lifecycle | None = None) -> None:
@@ -136,7 +123,7 @@ class LifecycleController:
         return self._shell.read(lambda: self._m.current_sleep)
 
     @property
-    def pending_resets(self) -> frozenset[CacheKind]:
+    def pending_resets(self) -> frozenset[ev.CacheKind]:
         return self._shell.read(lambda: self._m.pending_resets)
 
     @property
@@ -177,7 +164,7 @@ class LifecycleController:
         return self._shell.read(self._m.snapshot)
 
     def wake_target(self, owner: str, identity: WeightIdentity | None = None, *,
-                    label: str | None = None) -> UpdateTarget:
+                    label: str | None = None) -> ev.UpdateTarget:
         """What ``request_wake`` would install (changes nothing)."""
         return self._shell.read(self._m.wake_target, owner, identity, label=label)
 
@@ -202,9 +189,9 @@ class LifecycleController:
         return self._shell.wait_for(lambda m: m.active_count == 0, timeout_s)
 
     # ---------------------------------------------------------------- decisions
-    def bootstrap(self, ev: BootstrapEvidence, identity: WeightIdentity,
+    def bootstrap(self, ev: ev.BootstrapEvidence, identity: WeightIdentity,
                   label: str | None = None, *,
-                  validations: Iterable[ValidationEvidence] = (),
+                  validations: Iterable[ev.ValidationEvidence] = (),
                   min_verification: VerificationLevel = VerificationLevel.DECLARED,
                   ) -> Verdict:
         return self._shell.run(self._m.bootstrap, ev, identity, label,
@@ -229,59 +216,59 @@ class LifecycleController:
         return self._shell.run(self._m.request_update, target_identity, owner, label=label,
                                min_verification=min_verification)
 
-    def drained(self, ticket: UpdateTicket, ev: DrainEvidence) -> Verdict:
+    def drained(self, ticket: UpdateTicket, ev: ev.DrainEvidence) -> Verdict:
         return self._shell.run(self._m.drained, ticket, ev)
 
-    def preflighted(self, ticket: UpdateTicket, ev: PreflightEvidence) -> Verdict:
+    def preflighted(self, ticket: UpdateTicket, ev: ev.PreflightEvidence) -> Verdict:
         return self._shell.run(self._m.preflighted, ticket, ev)
 
-    def transferred(self, ticket: UpdateTicket, ev: TransferEvidence) -> Verdict:
+    def transferred(self, ticket: UpdateTicket, ev: ev.TransferEvidence) -> Verdict:
         return self._shell.run(self._m.transferred, ticket, ev)
 
-    def invalidated(self, ticket: UpdateTicket, ev: CacheResetEvidence) -> Verdict:
+    def invalidated(self, ticket: UpdateTicket, ev: ev.CacheResetEvidence) -> Verdict:
         return self._shell.run(self._m.invalidated, ticket, ev)
 
-    def validated(self, ticket: UpdateTicket, ev: ValidationEvidence) -> Verdict:
+    def validated(self, ticket: UpdateTicket, ev: ev.ValidationEvidence) -> Verdict:
         return self._shell.run(self._m.validated, ticket, ev)
 
-    def resumed(self, ticket: UpdateTicket, ev: ResumeEvidence,
-                live: ValidationEvidence | None = None) -> Verdict:
+    def resumed(self, ticket: UpdateTicket, ev: ev.ResumeEvidence,
+                live: ev.ValidationEvidence | None = None) -> Verdict:
         return self._shell.run(self._m.resumed, ticket, ev, live)
 
     def fail(self, ticket: UpdateTicket | SleepTicket | None, step: Step, kind: FailureKind,
              reason: str) -> Verdict:
         return self._shell.run(self._m.fail, ticket, step, kind, reason)
 
-    def swept(self, ev: CacheResetEvidence) -> bool:
+    def swept(self, ev: ev.CacheResetEvidence) -> bool:
         return self._shell.run(self._m.swept, ev)
 
     def request_sleep(self, owner: str, level: int = 2) -> SleepTicket:
         return self._shell.run(self._m.request_sleep, owner, level)
 
-    def slept(self, ticket: SleepTicket, ev: SleepEvidence) -> Verdict:
+    def slept(self, ticket: SleepTicket, ev: ev.SleepEvidence) -> Verdict:
         return self._shell.run(self._m.slept, ticket, ev)
 
     def request_wake(self, sleep: SleepTicket, owner: str,
                      identity: WeightIdentity | None = None, *, label: str | None = None,
                      min_verification: VerificationLevel = VerificationLevel.ENGINE_CHECKSUM,
-                     preflight: PreflightEvidence | None = None) -> UpdateTicket:
+                     preflight: ev.PreflightEvidence | None = None) -> UpdateTicket:
         return self._shell.run(self._m.request_wake, sleep, owner, identity, label=label,
                                min_verification=min_verification, preflight=preflight)
 
-    def woke(self, ticket: UpdateTicket, ev: WakeEvidence) -> Verdict:
+    def woke(self, ticket: UpdateTicket, ev: ev.WakeEvidence) -> Verdict:
         return self._shell.run(self._m.woke, ticket, ev)
 
     def begin_recovery(self, owner: str) -> None:
         self._shell.run(self._m.begin_recovery, owner)
 
-    def recovered(self, ev: RecoveryEvidence) -> Verdict:
+    def recovered(self, ev: ev.RecoveryEvidence) -> Verdict:
         return self._shell.run(self._m.recovered, ev)
 
     # ---------------------------------------------------------------- crash restore
     @classmethod
     def restore(cls, records: Iterable[Record | JournalRecord], *,
                 config: ControllerConfig | None = None,
-                required_caches: tuple[CacheKind, ...] = tuple(CacheKind),
+                required_caches: tuple[ev.CacheKind, ...] = tuple(ev.CacheKind),
                 clock: Callable[[], float] = time.monotonic,
                 listener: Listener | None = None) -> LifecycleController:
         """Rebuild a controller by replaying the records of its journal.

@@ -28,6 +28,7 @@ from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdent
 from rolloutcore.errors import BadInput
 
 __all__ = [
+    "field_types",
     "BootstrapEvidence",
     "CacheKind",
     "CacheResetEvidence",
@@ -525,7 +526,7 @@ _EVIDENCE_TYPES: Mapping[str, type[Evidence]] = {t.__name__: t for t in (
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
-def _hints(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
     """Field types, resolved once per class (the annotations are strings)."""
     h = _HINTS.get(cls)
     if h is None:
@@ -558,7 +559,7 @@ def _from_json(tp: Any, v: Any) -> Any:
     if isinstance(tp, type) and issubclass(tp, Evidence):
         return evidence_from_dict(v)
     if tp in (Provenance, Check):
-        hints = _hints(tp)
+        hints = field_types(tp)
         return tp(**{k: _from_json(hints[k], x) for k, x in v.items()})
     if tp is float:
         return float(v)
@@ -572,7 +573,7 @@ def evidence_from_dict(d: Mapping[str, Any]) -> Evidence:
     cls = _EVIDENCE_TYPES.get(str(d.get("type")))
     if cls is None:
         raise BadInput(f"unknown evidence type {d.get('type')!r}")
-    hints = _hints(cls)
+    hints = field_types(cls)
     try:
         kw = {f.name: _from_json(hints[f.name], d[f.name]) for f in fields(cls) if f.name in d}
         return cls(**kw)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from rolloutcore.core.vocab import Record, TypedRecord
+from rolloutcore.core.vocab import Machine, Record, TypedRecord
 from rolloutcore.errors import BadInput, InvalidTransition, UpdateRefused
 
 __all__ = [
@@ -102,7 +102,7 @@ class Lease:
         return self.state in FINAL
 
 
-class LeaseTable:
+class LeaseTable(Machine):
     """The leases of one gateway, sans I/O (see the module docstring).
 
     Final leases are kept until ``forget`` (whoever answers for them bounds
@@ -110,19 +110,8 @@ class LeaseTable:
     """
 
     def __init__(self, *, now: float = 0.0) -> None:
-        self.now = now
-        self.recording = False
-        self._outbox: list[Record] = []
-        self._broken: str | None = None
+        super().__init__(now)
         self._leases: dict[int, Lease] = {}
-
-    def take(self) -> list[Record]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def fail_closed(self, reason: str) -> None:
-        if self._broken is None:
-            self._broken = str(reason) or "a record sink failed"
 
     def view(self) -> Mapping[int, Lease]:
         return dict(self._leases)

@@ -188,12 +188,9 @@ from rolloutcore.core.rules import (
     FAILURE_POLICY,
     FAILURE_TARGETS,
     OUTCOMES,
-    RESETS_DONE,
-    STEP_STATE,
     TRANSITIONS,
     UPDATE_MODES,
-    WAKE_TARGETS,
-    Lookup,
+    UPDATE_STATES,
     ModeRule,
     targets,
 )
@@ -205,6 +202,7 @@ from rolloutcore.core.versions import (
     generation_of,
     label_for,
 )
+from rolloutcore.core.vocab import Machine
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -214,18 +212,8 @@ from rolloutcore.errors import (
 )
 
 __all__ = [
-    "ABORT_STEPS",
-    "ESCALATION",
-    "FAILURE_POLICY",
-    "FAILURE_TARGETS",
-    "FAIL_STEPS",
-    "OUTCOMES",
-    "RESETS_DONE",
     "STATE_TRIGGERED",
     "STEPS",
-    "STEP_STATE",
-    "TRANSITIONS",
-    "WAKE_TARGETS",
     "Binding",
     "Classification",
     "Completion",
@@ -233,7 +221,6 @@ __all__ = [
     "Event",
     "FailureKind",
     "Lifecycle",
-    "Lookup",
     "SleepTicket",
     "State",
     "Step",
@@ -241,15 +228,11 @@ __all__ = [
     "UpdateMode",
     "UpdateTicket",
     "Verdict",
-    "targets",
     "verification_of",
 ]
 
 S, E = State, Event
-_NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
-_ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
-_UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
-                  S.RESUMING)
+C = Classification
 #: Rollouts released by ``abort_rollouts`` whose own ``complete`` has not come yet.
 _ABORTED_KEPT = 4096
 _OVER_BOUND_KEPT = 4096  # rollout ids ended over the staleness bound, remembered for owners
@@ -499,7 +482,7 @@ STATE_TRIGGERED: Mapping[State, tuple[Event, object, Callable[[Lifecycle], bool]
 }
 
 
-class Lifecycle:
+class Lifecycle(Machine):
     """The sans-I/O lifecycle of one engine; see the module docstring.
 
     Not thread-safe, by design: the shell (``control.controller``) runs it under
@@ -516,10 +499,7 @@ class Lifecycle:
             raise BadInput("the prefix cache must be among the required cache resets")
         self._cfg = config or ControllerConfig()
         self._required_caches = frozenset(required_caches)
-        self.now = now
-        self.recording = False
-        self._outbox: list[Record] = []
-        self._broken: str | None = None
+        super().__init__(now)
         # Durable state: changed only by the appliers (``_APPLIERS``).
         self._state = S.UNINITIALIZED
         self._committed: WeightVersion | None = None
@@ -546,11 +526,6 @@ class Lifecycle:
         # Timing, for history() and the transition records.
         self._entered_at = now
         self._history: list[tuple[State, State, Event, float, float]] = []
-
-    def take(self) -> list[Record]:
-        """The records made since the last ``take``, in the order they were decided."""
-        out, self._outbox = self._outbox, []
-        return out
 
     # ---------------------------------------------------------------- queries
     @property
@@ -665,16 +640,6 @@ class Lifecycle:
                 "sleep_id": self._sleep.sleep_id, "owner": self._sleep.owner,
                 "level": self._sleep.level},
         }
-
-    def fail_closed(self, reason: str) -> None:
-        """Refuse every further step: something the records go to failed (the journal).
-
-        Sticky: the first reason is kept. Queries and ``complete`` still work
-        (a release decides nothing); admissions, updates, evidence and recovery
-        are refused, naming the reason. A restart restores from the journal.
-        """
-        if self._broken is None:
-            self._broken = str(reason) or "a record sink failed"
 
     # ---------------------------------------------------------------- appliers
     # The only code that changes durable state; used live and by replay().
@@ -852,17 +817,18 @@ class Lifecycle:
         mutated = upd is not None and (
             upd.mutation_started or (step is Step.TRANSFER and kind is not FailureKind.REFUSED))
         count = 0
-        if cls is _INC:
+        if cls is C.INCOMPLETE:
             count = (upd.incomplete.get(step, 0) if upd is not None else 0) + 1
             if count > self._cfg.max_incomplete:
                 cls = ESCALATION[step]
                 problems = [*problems, f"{step.value}: gave up after {count - 1} retries"]
-        if cls is _NM and upd is not None and (mutated or upd.aborting):
-            cls = _AMB  # a no_mutation claim never overrides what the controller knows
-        if self._broken is not None and cls is not _AMB and (before, _AMB) in FAILURE_TARGETS:
+        if cls is C.NO_MUTATION and upd is not None and (mutated or upd.aborting):
+            cls = C.AMBIGUOUS  # a no_mutation claim never overrides what the controller knows
+        if self._broken is not None and cls is not C.AMBIGUOUS and (
+                before, C.AMBIGUOUS) in FAILURE_TARGETS:
             # Failed closed: the return to the old version could not be recorded
             # (nor proved by evidence, which is refused now), so the outcome is unknown.
-            cls = _AMB
+            cls = C.AMBIGUOUS
             problems = [*problems, f"the controller failed closed ({self._broken}); a "
                         "failure it cannot record is ambiguous"]
         to = self._target(E.FAIL, (before, cls))
@@ -1193,7 +1159,7 @@ class Lifecycle:
                                     else f"step {step.value} does not run in this state")
         if self._state is S.READY and ticket is not None:
             raise BadInput("a serving failure has no update ticket")
-        if self._state in _UPDATE_STATES:
+        if self._state in UPDATE_STATES:
             if not isinstance(ticket, UpdateTicket):
                 raise BadInput("fail during an update needs the ticket")
             self._own_any(E.FAIL, ticket)
@@ -1444,7 +1410,7 @@ class Lifecycle:
         """
         self._entered_at = self.now
         upd = self._update
-        if self._state in _UPDATE_STATES and upd is None:
+        if self._state in UPDATE_STATES and upd is None:
             raise JournalError(f"journal ends in {self._state.value} without the "
                                f"request_update that opened the update")
         if self._state in _SLEEP_STATES and self._sleep is None:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from rolloutcore.core.versions import WeightIdentity, WeightVersion
-from rolloutcore.core.vocab import Record, State, TypedRecord
+from rolloutcore.core.vocab import Machine, Record, State, TypedRecord
 from rolloutcore.errors import BadInput, InvalidTransition, JournalError, UpdateRefused
 
 __all__ = [
@@ -383,7 +383,7 @@ class PoolView:
 _KEEP: Any = object()
 
 
-class ReplicaTable:
+class ReplicaTable(Machine):
     """The replica pool of one fleet, sans I/O (see the module docstring).
 
     Runs in a ``control.shell.Shell``: ``now`` and ``recording`` are set by
@@ -397,24 +397,13 @@ class ReplicaTable:
         if not names or len(set(names)) != len(names) or not all(
                 isinstance(n, str) and n for n in names):
             raise BadInput(f"replica names must be distinct non-empty strings: {names}")
-        self.now = now
-        self.recording = False
-        self._outbox: list[Record] = []
-        self._broken: str | None = None
+        super().__init__(now)
         self._entries: dict[str, ReplicaEntry] = {n: ReplicaEntry(n, S.JOINING, None, None)
                                                   for n in names}
         self._order = names
         self._versions: list[FleetVersion] = []
         self._closed: str | None = None
         self._update: dict[str, Any] | None = None
-
-    def take(self) -> list[Record]:
-        out, self._outbox = self._outbox, []
-        return out
-
-    def fail_closed(self, reason: str) -> None:
-        if self._broken is None:
-            self._broken = str(reason) or "a record sink failed"
 
     def view(self) -> PoolView:
         return PoolView(tuple(self._entries[n] for n in self._order), tuple(self._versions),

@@ -38,6 +38,7 @@ __all__ = [
     "STEP_STATE",
     "TRANSITIONS",
     "UPDATE_MODES",
+    "UPDATE_STATES",
     "WAKE_TARGETS",
     "targets",
 ]
@@ -46,8 +47,8 @@ S, E = State, Event
 _NM, _INC, _AMB = Classification.NO_MUTATION, Classification.INCOMPLETE, Classification.AMBIGUOUS
 _K = FailureKind
 _ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
-_IDLE_POLL_S = 0.1
-_UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
+#: The states an update owns (from the request to the publish or the abandon).
+UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
                   S.RESUMING)
 
 
@@ -114,7 +115,7 @@ FAIL_STEPS: Mapping[tuple[State, Step], Step] = {
     (S.RESUMING, Step.RESUME): Step.RESUME,
     (S.RESUMING, Step.VALIDATE): Step.RESUME,
     (S.RECOVERING, Step.RECOVER): Step.RECOVER,
-    **{(s, Step.RESTART): Step.RESTART for s in (*_UPDATE_STATES, S.RECOVERING)},
+    **{(s, Step.RESTART): Step.RESTART for s in (*UPDATE_STATES, S.RECOVERING)},
     # Colocated training. A controller restarted while the engine sleeps cannot
     # vouch for what the engine holds (nor for the trainer that owns the sleep).
     (S.DOZING, Step.SLEEP): Step.SLEEP,

@@ -14,7 +14,9 @@ from typing import Any
 
 from rolloutcore.core.evidence import CacheKind
 from rolloutcore.core.lease import FINAL, LEASE_TRANSITIONS, LeaseEvent, LeaseState
-from rolloutcore.core.lifecycle import (
+from rolloutcore.core.pool import IN_POOL, REPLICA_TRANSITIONS, ReplicaEvent, ReplicaState
+from rolloutcore.core.records import Classification, Event, FailureKind, State, Step
+from rolloutcore.core.rules import (
     ABORT_STEPS,
     ESCALATION,
     FAIL_STEPS,
@@ -22,16 +24,10 @@ from rolloutcore.core.lifecycle import (
     FAILURE_TARGETS,
     RESETS_DONE,
     TRANSITIONS,
+    UPDATE_MODES,
     WAKE_TARGETS,
-    Classification,
-    Event,
-    FailureKind,
     Lookup,
-    State,
-    Step,
 )
-from rolloutcore.core.pool import IN_POOL, REPLICA_TRANSITIONS, ReplicaEvent, ReplicaState
-from rolloutcore.core.rules import UPDATE_MODES
 
 __all__ = ["render"]
 

@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
+from rolloutcore.core.evidence import field_types
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout
 
-__all__ = ["Classification", "Event", "FailureKind", "Record", "State", "Step", "TypedRecord",
-           "UpdateMode", "strs", "version_from", "version_or_none"]
+__all__ = ["Classification", "Event", "FailureKind", "Machine", "Record", "State", "Step",
+           "TypedRecord", "UpdateMode", "strs", "version_from", "version_or_none"]
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -153,6 +154,30 @@ def strs(xs: Any) -> tuple[str, ...]:
     return tuple(str(x) for x in xs)
 
 
+class Machine:
+    """What every machine is to its shell (``control.shell``): the time of the call it
+    decides (``now``, set by the shell), its outbox (``take``), whether anyone listens
+    (``recording``: records that change no state are skipped otherwise), and the
+    fail-closed switch (``fail_closed``: sticky, the first reason kept; what it
+    refuses then is each machine's own decision)."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.recording = False
+        self._outbox: list[Record] = []
+        self._broken: str | None = None
+
+    def take(self) -> list[Record]:
+        """The records made since the last ``take``, in the order they were decided."""
+        out, self._outbox = self._outbox, []
+        return out
+
+    def fail_closed(self, reason: str) -> None:
+        """Refuse what can no longer be recorded (each machine says what that is)."""
+        if self._broken is None:
+            self._broken = str(reason) or "a record sink failed"
+
+
 class TypedRecord(Record):
     """A record whose JSON form follows its fields' types (no hand-written codec).
 
@@ -169,7 +194,7 @@ class TypedRecord(Record):
 
     @classmethod
     def from_data(cls: type[R], d: Mapping[str, Any]) -> R:
-        hints = _hints(cls)
+        hints = field_types(cls)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields.keys())
         if unknown:
@@ -183,17 +208,6 @@ class TypedRecord(Record):
                 continue
             kw[name] = _decode(f"{cls.KIND}.{name}", hints[name], d[name])
         return cls(**kw)
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    h = _HINTS.get(cls)
-    if h is None:
-        # The record's own module resolves its annotations (it imports what they name).
-        h = _HINTS[cls] = typing.get_type_hints(cls)
-    return h
 
 
 def _encode(v: Any) -> Any:

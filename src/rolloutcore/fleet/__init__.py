@@ -9,14 +9,13 @@ status, metrics); ``placement`` starts engines (URLs, local processes, Ray
 actors) and builds their replicas.
 """
 
-from rolloutcore.core.pool import Outcome, ReplicaState, Strategy
-from rolloutcore.fleet.coordinator import (
+from rolloutcore.core.pool import FleetVersion, Outcome, ReplicaState, Strategy
+from rolloutcore.fleet.coordinator import FleetCoordinator
+from rolloutcore.fleet.model import (
     FanoutTransport,
     FleetConfig,
-    FleetCoordinator,
     FleetUpdateFailed,
     FleetUpdateResult,
-    FleetVersion,
     FleetWeights,
     Replica,
 )

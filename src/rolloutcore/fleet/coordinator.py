@@ -54,7 +54,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import UpdateOutcome
@@ -101,17 +101,7 @@ from rolloutcore.fleet.model import (
 )
 from rolloutcore.fleet.routing import FleetView, ReplicaView
 
-__all__ = [
-    "FanoutTransport",
-    "FleetConfig",
-    "FleetCoordinator",
-    "FleetUpdateFailed",
-    "FleetUpdateResult",
-    "FleetVersion",
-    "FleetWeights",
-    "Replica",
-    "TRANSFERS",
-]
+__all__ = ["FleetCoordinator"]
 
 E, S = ReplicaEvent, ReplicaState
 _KEEP: Any = object()
@@ -129,6 +119,9 @@ class _Member:
     suspect: bool = False           # the data plane saw its engine refuse a connection
     rebind: bool = False            # recovered, but not yet rebound to the new process
     out: UpdateOutcome | None = None  # its part of the fleet update running now
+
+
+T = TypeVar("T")
 
 
 def _outcome_of(uf: UpdateFailed) -> Outcome:
@@ -264,6 +257,22 @@ class FleetCoordinator:
             "update": None if pool.update is None else dict(pool.update),
         }
 
+    def _each(self, fn: Callable[[_Member], T], members: Sequence[_Member]) -> list[T]:
+        """``fn`` on every member at once, every one run to its end before anything is
+        raised: a replica whose part failed unexpectedly never leaves another one's
+        still running behind the update's end (its transition would stay open)."""
+        futures = [self._pool.submit(fn, m) for m in members]
+        out: list[T] = []
+        err: BaseException | None = None
+        for f in futures:
+            try:
+                out.append(f.result())
+            except BaseException as exc:  # raised below, once all have ended
+                err = err or exc
+        if err is not None:
+            raise err
+        return out
+
     def _member(self, name: str) -> _Member:
         m = self._members.get(name)
         if m is None:
@@ -356,7 +365,7 @@ class FleetCoordinator:
                 return f"takeover refused: {exc}"
             return None
 
-        for m, p in zip(members, list(self._pool.map(one, members)), strict=True):
+        for m, p in zip(members, self._each(one, members), strict=True):
             if p is None:
                 self._move(m, E.BOOTSTRAPPED, generation=0)
             else:
@@ -584,7 +593,7 @@ class FleetCoordinator:
                 return UpdateFailed("request", "no_mutation", r.controller.state.value,
                                     str(exc))
 
-        for m, got in zip(members, self._pool.map(one, members), strict=True):
+        for m, got in zip(members, self._each(one, members), strict=True):
             if isinstance(got, UpdateFailed):
                 failed[m.replica.name] = got
             else:
@@ -626,7 +635,7 @@ class FleetCoordinator:
             self._report(m, out, self._send_one(m, out), failed)
 
         if parallel:
-            list(self._pool.map(one, members))
+            self._each(one, members)
         else:
             for m in members:
                 one(m)
@@ -685,7 +694,7 @@ class FleetCoordinator:
                 return uf
             return None
 
-        for m, uf in zip(members, self._pool.map(one, members), strict=True):
+        for m, uf in zip(members, self._each(one, members), strict=True):
             if uf is not None:
                 failed[m.replica.name] = uf
             else:
@@ -755,8 +764,7 @@ class FleetCoordinator:
                 self._record(self._table.wave, WaveBegin(uid, wi, tuple(
                     m.replica.name for m in wm), len(self.serving())))
                 tw = time.monotonic()
-                got = list(self._pool.map(lambda m: self._run_one(m, weights, label, owner),
-                                          wm))
+                got = self._each(lambda m: self._run_one(m, weights, label, owner), wm)
                 passed = [m for m, (o, _) in zip(wm, got, strict=True) if o is Outcome.PASSED]
                 if passed and published is None and self.failed_closed is None:
                     published = self._publish(uid, gen, label, weights, wm,
@@ -845,7 +853,7 @@ class FleetCoordinator:
             if why is not None:
                 self._move(m, E.TAINTED, generation=None, reason=why, only_from=S.SERVING)
 
-        list(self._pool.map(check, serving))
+        self._each(check, serving)
         if cfg.heal:
             for m in members:
                 if self._shell.view.entry(m.replica.name).state is S.FENCED and not m.busy:

@@ -65,7 +65,8 @@ from rolloutcore.errors import (
     RouteRefused,
     UpdateRefused,
 )
-from rolloutcore.fleet.coordinator import FleetCoordinator, FleetUpdateFailed, FleetUpdateResult
+from rolloutcore.fleet.coordinator import FleetCoordinator
+from rolloutcore.fleet.model import FleetUpdateFailed, FleetUpdateResult
 from rolloutcore.fleet.routing import (
     GROUP_FIELD,
     GROUP_HEADER,

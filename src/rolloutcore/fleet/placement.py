@@ -46,12 +46,8 @@ from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.control.session import PreparedUpdate, identity_of
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.errors import BadInput, EngineUnavailable
-from rolloutcore.fleet.coordinator import (
-    FleetConfig,
-    FleetCoordinator,
-    FleetWeights,
-    Replica,
-)
+from rolloutcore.fleet.coordinator import FleetCoordinator
+from rolloutcore.fleet.model import FleetConfig, FleetWeights, Replica
 from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
 
@@ -60,7 +56,6 @@ __all__ = [
     "RayPlacement",
     "build_fleet",
     "cpu_binding",
-    "idle_spin",
     "launch_local",
     "place_ray",
     "prepare_checkpoint",
@@ -252,29 +247,15 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[st
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in ids)}
 
 
-def idle_spin(n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Engines on one host with fewer cores than their processes: a short idle spin.
-
-    Each CPU engine runs three processes (API server, engine core, worker),
-    and vLLM's message queues keep the last two spinning for a second after
-    every message (``transports.vllm_plugin``). When ``n`` engines have fewer
-    than two cores each, that spinning takes the cores their neighbours
-    compute on, so ``ROLLOUTCORE_VLLM_IDLE_SPIN_S`` is set to 0.1 s for them. Nothing
-    is set for one engine, on a host with the cores, or when the caller's
-    ``env`` or this process's environment already chooses.
-    """
-    from rolloutcore.transports.vllm_plugin import CROWDED_SPIN_S, IDLE_SPIN_ENV
-
-    if n <= 1 or IDLE_SPIN_ENV in os.environ or (env is not None and IDLE_SPIN_ENV in env):
-        return {}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
-    return {IDLE_SPIN_ENV: f"{CROWDED_SPIN_S:g}"} if cpus < 2 * n else {}
-
-
 def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What engine ``i`` of ``n`` started on this host gets: ``cpu_binding`` and ``idle_spin``."""
-    return {**cpu_binding(i, n, env), **idle_spin(n, env)}
+    """What engine ``i`` of ``n`` started on this host gets: its cores (``cpu_binding``).
+
+    vLLM's idle spin is left as vLLM sets it: a shorter one
+    (``ROLLOUTCORE_VLLM_IDLE_SPIN_S``, ``transports.vllm_plugin``) made a crowded
+    host faster but put some answers over 5 s (``results/idle-spin.json``); an
+    operator who wants that trade passes it in ``env``.
+    """
+    return cpu_binding(i, n, env)
 
 
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,

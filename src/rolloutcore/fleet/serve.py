@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -34,7 +33,8 @@ from typing import Any
 from rolloutcore.core.pool import Strategy
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput
-from rolloutcore.fleet.coordinator import TRANSFERS, FleetConfig, FleetCoordinator
+from rolloutcore.fleet.coordinator import FleetCoordinator
+from rolloutcore.fleet.model import TRANSFERS, FleetConfig
 from rolloutcore.fleet.routing import Policy
 from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.service.serve import control_token, exit_on_signal, vocab_size
@@ -158,8 +158,6 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
                         data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
                         max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
                         client_send_s=o.client_send_s, health_interval_s=0)
-    import uvicorn
-
     from rolloutcore.control.runner import Deadlines, DrainPolicy
     from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import (
@@ -168,8 +166,7 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         place_ray,
         prepare_checkpoint,
     )
-    from rolloutcore.service.serve import write_token_file
-    from rolloutcore.service.server import http_protocol
+    from rolloutcore.service.server import run_until_signalled
 
     workdir = Path(o.workdir or tempfile.mkdtemp(prefix="rolloutcore-fleet-"))
     if o.model is not None:
@@ -233,17 +230,10 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
                                check_update=parse_update_request, on_finished=recorder,
                                supervise=o.health_interval_s > 0)
-        if o.token_out:
-            write_token_file(o.token_out, token)
-        print(f"[rolloutcore] fleet gateway http://{o.host}:{o.port} -> "
-              + ", ".join(e.base_url for e in engines), file=sys.stderr)
-        if not given:
-            print(f"[rolloutcore] control token (generated): {token}", file=sys.stderr)
-        sys.stderr.flush()
-        signal.signal(signal.SIGTERM, exit_on_signal)
-        uvicorn.run(app, host=o.host, port=o.port, log_level="warning", access_log=False,
-                    proxy_headers=False, timeout_graceful_shutdown=10,
-                    http=http_protocol(cfg.client_header_s, cfg.client_send_s))
+        run_until_signalled(app, o.host, o.port, cfg, exit_on_signal, token=token,
+                            token_given=given, token_out=o.token_out,
+                            banner=f"fleet gateway http://{o.host}:{o.port} -> "
+                                   + ", ".join(e.base_url for e in engines))
         return 0
     finally:
         if recorder is not None:

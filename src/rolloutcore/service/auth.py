@@ -8,7 +8,9 @@ they always need a token. The token is never logged by the service itself;
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
+import stat
 from pathlib import Path
 
 from rolloutcore.errors import BadInput
@@ -72,3 +74,28 @@ def check_bearer(authorization: bytes | str | None, expected: str | None) -> Aut
                                expected.encode("utf-8")):
         return AuthResult(403, "invalid token")
     return _OK
+
+
+def write_token_file(path: str | os.PathLike[str], token: str) -> None:
+    """Write ``token`` to ``path``, readable by its owner only, never through a link.
+
+    ``O_NOFOLLOW`` refuses a symbolic link at ``path`` (a link planted there
+    would send the control token wherever it points); an existing file is
+    truncated and set to 0600 before anything is written to it.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        raise BadInput(f"cannot write the token to {path} (a symbolic link is refused): "
+                       f"{exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadInput(f"{path} is not a regular file")
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fd = -1
+            fh.write(token + "\n")
+    finally:
+        if fd >= 0:
+            os.close(fd)

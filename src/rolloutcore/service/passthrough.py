@@ -24,6 +24,7 @@ from rolloutcore.service.wire import (
     error_body,
     headers_of_interest,
     read_body,
+    send_auth_refusal,
     send_json,
 )
 
@@ -85,11 +86,7 @@ class ReadOnlyRoutes:
         hdrs = headers_of_interest(scope)
         auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
-            assert auth.status is not None
-            await send_json(send, auth.status, error_body(auth.status, auth.reason,
-                                                          "Unauthorized"),
-                            [(b"www-authenticate", b"Bearer")])
-            return auth.status
+            return await send_auth_refusal(send, auth)
         body = b""
         if method == "POST":
             try:

@@ -106,6 +106,7 @@ from rolloutcore.service.wire import (
     inject_json,
     json_depth,
     read_body,
+    send_auth_refusal,
     send_json,
     splice_field,
     validate_request,
@@ -412,11 +413,7 @@ class DataPlane:
         hdrs = headers_of_interest(scope, self._wanted)
         auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
-            assert auth.status is not None
-            await send_json(send, auth.status, error_body(auth.status, auth.reason,
-                                                          "Unauthorized"),
-                            [(b"www-authenticate", b"Bearer")])
-            return auth.status
+            return await send_auth_refusal(send, auth)
         ctype = hdrs.get(b"content-type", b"")
         if ctype.split(b";")[0].strip().lower() != b"application/json":
             await send_json(send, 415, error_body(415, "Content-Type must be application/json",

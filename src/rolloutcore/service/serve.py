@@ -26,10 +26,7 @@ publishes nothing.
 
 from __future__ import annotations
 
-import gc
 import os
-import signal
-import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -39,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError
-from rolloutcore.service.auth import generate_token, read_token_file
+from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 
 if TYPE_CHECKING:
@@ -123,31 +120,6 @@ def control_token(token: str | None, token_file: str | None) -> tuple[str, bool]
     return generate_token(), False
 
 
-def write_token_file(path: str | os.PathLike[str], token: str) -> None:
-    """Write ``token`` to ``path``, readable by its owner only, never through a link.
-
-    ``O_NOFOLLOW`` refuses a symbolic link at ``path`` (a link planted there
-    would send the control token wherever it points); an existing file is
-    truncated and set to 0600 before anything is written to it.
-    """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        raise BadInput(f"cannot write the token to {path} (a symbolic link is refused): "
-                       f"{exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadInput(f"{path} is not a regular file")
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fd = -1
-            fh.write(token + "\n")
-    finally:
-        if fd >= 0:
-            os.close(fd)
-
-
 def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
     """The highest verification an engine with these routes can reach.
 
@@ -228,7 +200,6 @@ def run_serve(args: ServeOptions) -> int:
                           lease_s=min(args.lease_s, 1800.0),
                           health_interval_s=args.health_interval_s,
                           client_body_s=args.client_body_s, client_send_s=args.client_send_s)
-    import uvicorn
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
@@ -338,31 +309,12 @@ def run_serve(args: ServeOptions) -> int:
                 http.version() if "/version" in caps else "unknown",
                 served or http.model(), econf, url))
         app = create_app(runner, cfg, on_finished=recorder)
-        if args.token_out:
-            write_token_file(args.token_out, token)
-        print(f"[rolloutcore] gateway http://{args.host}:{args.port} -> vLLM {url} "
-              f"(committed {controller.committed})", file=sys.stderr)
-        if not given:
-            print(f"[rolloutcore] control token (generated): {token}", file=sys.stderr)
-        sys.stderr.flush()
-        # uvicorn re-raises the signal that stopped it once it has shut down;
-        # with the default SIGTERM disposition that kills the process before
-        # the engine below is stopped. Turned into SystemExit, cleanup runs.
-        signal.signal(signal.SIGTERM, exit_on_signal)
-        # The data path's per-request CPU is the gateway's added latency
-        # (docs/service.md, "What the gateway costs"): no access log (uvicorn
-        # formats its arguments even when INFO is filtered out) and no
-        # X-Forwarded-* rewriting (nothing here reads the client address).
-        # Everything allocated so far (modules, app, identity) is moved out of
-        # the collector's reach, so a full collection scans only what requests
-        # leave behind.
-        gc.collect()
-        gc.freeze()
-        from rolloutcore.service.server import http_protocol
+        from rolloutcore.service.server import run_until_signalled
 
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                    access_log=False, proxy_headers=False, timeout_graceful_shutdown=10,
-                    http=http_protocol(cfg.client_header_s, cfg.client_send_s))
+        run_until_signalled(app, args.host, args.port, cfg, exit_on_signal, token=token,
+                            token_given=given, token_out=args.token_out,
+                            banner=f"gateway http://{args.host}:{args.port} -> vLLM {url} "
+                                   f"(committed {controller.committed})")
         return 0
     finally:
         if recorder is not None:

@@ -45,6 +45,7 @@ __all__ = [
     "inject_json",
     "json_depth",
     "read_body",
+    "send_auth_refusal",
     "send_json",
     "splice_field",
     "validate_request",
@@ -353,6 +354,14 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
 #: The request headers the data plane reads itself.
 DATA_HEADERS = frozenset({b"authorization", b"content-type", b"content-length",
                           ROLLOUT_HEADER.encode()})
+
+
+async def send_auth_refusal(send: Send, auth: Any) -> int:
+    """A bearer token's refusal (``auth.check_bearer``): 401/403 with WWW-Authenticate."""
+    status = int(auth.status)
+    await send_json(send, status, error_body(status, auth.reason, "Unauthorized"),
+                    [(b"www-authenticate", b"Bearer")])
+    return status
 
 
 def headers_of_interest(scope: Scope, wanted: frozenset[bytes] = DATA_HEADERS

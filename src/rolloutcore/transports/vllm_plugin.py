@@ -21,10 +21,14 @@ vLLM's second and 0.66 s without (one alone 0.47-0.50 s), see docs/fleet.md.
 The floor is not 0: the spin is also what catches the second message of a
 burst, whose wake-up the writer's socket may drop (high-water mark 1), and
 with no spin at all one request took 10 s (two of the reader's 5 s
-rechecks). ``fleet.placement.launch_local`` sets ``CROWDED_SPIN_S`` (0.1 s)
-for engines that share a host with too few cores; it is never set otherwise.
-A vLLM whose ``SpinCondition`` has no ``busy_loop_s`` default leaves the
-setting unapplied, with a warning.
+rechecks). Under load the shorter spin costs the same way, less often: two
+CPU engines on 2 cores behind the fleet gateway, six unpaced clients
+(``benchmarks/idle_spin.py``, ``results/idle-spin.json``), 0.1 s served 1.54x
+the requests with a p99 of 0.64 s against 1.71 s and updated 1.5-2.2x faster,
+but 3 answers took over 5 s (none with vLLM's 1 s). Nothing sets it any more:
+it is the operator's choice, made knowing that trade. A vLLM whose
+``SpinCondition`` has no ``busy_loop_s`` default leaves the setting
+unapplied, with a warning.
 
 ``rolloutcore.transports.cuda_ipc.engine.register`` is this same function,
 kept at that path for installs whose entry points still name it.
@@ -42,13 +46,11 @@ from typing import Any
 from rolloutcore.errors import BadInput
 from rolloutcore.transports.registry import install_into_vllm
 
-__all__ = ["CROWDED_SPIN_S", "IDLE_SPIN_ENV", "apply_idle_spin", "parse_idle_spin", "register"]
+__all__ = ["IDLE_SPIN_ENV", "apply_idle_spin", "parse_idle_spin", "register"]
 
 IDLE_SPIN_ENV = "ROLLOUTCORE_VLLM_IDLE_SPIN_S"
 _MIN_SPIN_S = 0.01
 _MAX_SPIN_S = 60.0
-#: What ``fleet.placement.idle_spin`` sets for engines that crowd a host.
-CROWDED_SPIN_S = 0.1
 
 log = logging.getLogger(__name__)
 
