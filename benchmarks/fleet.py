@@ -59,13 +59,38 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "fleet-benchmark-token-0123456789"
 
 
+def mislabeled(headers: Any, body: Any) -> bool:
+    """An answer whose fleet version, engine version and vLLM's own spans disagree."""
+    try:
+        label = headers["x-rolloutcore-version"]
+        spans = {s["version"] for s in body["choices"][0]["weight_versions"]}
+        fleet_label = headers["x-rolloutcore-fleet-label"]
+        info = body["rolloutcore"]
+    except (KeyError, TypeError, IndexError):
+        return True
+    return not (spans == {label} and info["version"] == label
+                and str(info["fleet_version"]) == headers["x-rolloutcore-fleet-version"]
+                and info["replica"] == headers["x-rolloutcore-replica"]
+                and (label.split(".")[0] == fleet_label
+                     or (fleet_label == "fleet-0" and label == "default")))
+
+
 class Clients:
-    """Client threads posting ``any`` requests; every answer is kept with its times."""
+    """Client threads posting ``any`` requests; every answer is kept with its times.
+
+    Each request asks the gateway to record it (``--record``: run ``bench``, one
+    group per request), and each answer is checked: its fleet version, replica
+    and engine version must agree with vLLM's own spans (``mislabeled``).
+    """
+
+    counter = 0   # group numbers, unique across every Clients of one run
 
     def __init__(self, url: str, n: int, policy: str = "any", max_tokens: int = 8) -> None:
         self.url, self.policy, self.max_tokens = url, policy, max_tokens
         self.answers: list[tuple[float, float, int, str]] = []  # sent, done, status, replica
         self.errors: list[str] = []
+        self.mislabeled = 0
+        self.lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(k,), daemon=True)
                          for k in range(n)]
@@ -76,9 +101,14 @@ class Clients:
             while not self._stop.is_set():
                 i += 1
                 t0 = time.monotonic()
+                with self.lock:
+                    Clients.counter += 1
+                    gid = Clients.counter
                 try:
                     r = c.post("/inference/v1/generate", headers={
-                        "x-rolloutcore-policy": self.policy}, json={
+                        "x-rolloutcore-policy": self.policy, "x-rolloutcore-run": "bench",
+                        "x-rolloutcore-step": "0", "x-rolloutcore-prompt-index": str(gid)},
+                        json={
                         "model": "policy", "token_ids": [7, k, i % 250, 3],
                         "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0}})
                 except httpx.HTTPError as exc:
@@ -86,6 +116,8 @@ class Clients:
                     continue
                 self.answers.append((t0, time.monotonic(), r.status_code,
                                      r.headers.get("x-rolloutcore-replica", "")))
+                if r.status_code == 200 and mislabeled(r.headers, r.json()):
+                    self.mislabeled += 1
                 if r.status_code != 200:
                     time.sleep(0.05)
 
@@ -263,8 +295,17 @@ def main() -> int:
         fan = _series("fleet, fan-out", lambda i: fleet_round("fanout"), args.reps + 1)
         fan_connect_s = coord.fanout.last_connect_s if coord.fanout is not None else None
         seq = _series("fleet, per-engine sends", lambda i: fleet_round("per-engine"), args.reps + 1)
+        from rolloutcore.core.versions import EngineIdentity
+        from rolloutcore.provenance.recorder import read_groups
+        from rolloutcore.service.recording import GatewayRecorder
+
+        traj = work / "trajectories.jsonl"
+        ids = {nm: EngineIdentity(vllm.__version__, "policy", {}, str(rp.url))
+               for nm, rp in coord.replicas.items()}
+        recorder = GatewayRecorder(traj, ids["e0"], engines=ids)
         app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
-                                                    control_token=TOKEN))
+                                                    control_token=TOKEN), on_finished=recorder)
+        answered = mislabels = 0
         with uvicorn_thread(app) as url:
             # -- capacity during a rolling update -----------------------------------------
             cl = Clients(url, args.clients).start()
@@ -301,6 +342,8 @@ def main() -> int:
             t_end = time.monotonic()
             sampler.stop()
             cl.stop()
+            answered += sum(1 for a in cl.answers if a[2] == 200)
+            mislabels += cl.mislabeled
             any_failed = sum(1 for s, d, st, _ in cl.answers if st != 200
                              and t_roll <= s <= t_end) + len(cl.errors)
             # A wave lasts about one engine's update (a second here): a handful of answers
@@ -332,6 +375,8 @@ def main() -> int:
             t_back = time.monotonic()
             time.sleep(1.0)
             cl.stop()
+            answered += sum(1 for a in cl.answers if a[2] == 200)
+            mislabels += cl.mislabeled
             recs = [r for r in coord.journal.records if isinstance(r.record, ReplicaStateChange)
                     and r.record.replica == name and r.t_mono >= tk]
             fenced_rec = next((r.t_mono for r in recs if r.record.after == "FENCED"), t_fenced)
@@ -349,7 +394,18 @@ def main() -> int:
                 "death_trail": [(r.record.after, r.record.event, round(r.t_mono - tk, 3))
                                 for r in recs],
             })
+        recorder.flush(120)
+        recorder.close()
+        recorded = sum(len(g.samples) for g in read_groups(traj))
+        from rolloutcore.provenance.audit import audit_file
+
         coord.close()
+        audit = audit_file(traj, work / "journals")
+        out.update({"mislabeled_answers": mislabels, "samples_answered": answered,
+                    "samples_recorded": recorded,
+                    "audit_ok": audit.purity.ok, "audit_findings": len(audit.purity.findings),
+                    "audit_unattributable": audit.purity.unattributable,
+                    "recorder_counts": recorder.stats()["counts"]})
     finally:
         for e in engines:
             e.stop()
@@ -401,7 +457,12 @@ def main() -> int:
             ("death -> fenced", f"{out['fence_after_death_s']:.3f} s"
              if out["fence_after_death_s"] is not None else "n/a"),
             ("death -> rejoined", f"{out['rejoin_after_death_s']:.1f} s"
-             if out["rejoin_after_death_s"] is not None else "n/a")]
+             if out["rejoin_after_death_s"] is not None else "n/a"),
+            ("answers mislabeled (fleet/engine/spans)", str(out["mislabeled_answers"])),
+            ("samples recorded / answered", f"{out['samples_recorded']} / "
+             f"{out['samples_answered']}"),
+            ("audit of the record (fleet journals)", "clean" if out["audit_ok"] else
+             f"{out['audit_findings']} findings")]
     w = max(len(r[0]) for r in rows)
     for k_, v in rows:
         print(f"{k_:<{w}}  {v}")

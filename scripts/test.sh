@@ -4,9 +4,17 @@
 #   (none)  lint, types, fast lane (2 workers), engine lane (real vLLM, not slow)
 #   --fast  lint, types, fast lane only
 #   --slow  lint, types, the slow lane only (fleets of engines, long TRL runs, soaks)
+#   --ray   the Ray lane: installs the ray extra, then a fleet placed as Ray actors
+#           (two real vLLM engines in one placement group) runs a synchronous update
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
+if [ "${1:-}" = "--ray" ]; then
+  shift
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[cpu,trl,dev,ray]"
+  .venv/bin/python -c "import ray; print('ray', ray.__version__)"
+  exec .venv/bin/python -m pytest -m "" tests/engine/test_fleet_ray.py --durations=5 -rs "$@"
+fi
 # Compiled (and assertion-rewritten) test modules are cached between runs: a
 # shell that forbids bytecode files pays ~10 s of collection per worker.
 unset PYTHONDONTWRITEBYTECODE
