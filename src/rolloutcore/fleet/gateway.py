@@ -55,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.pool import ReplicaState
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import (
@@ -228,7 +229,9 @@ class FleetMetrics:
             g = rep["fleet_generation"]
             self.replica_generation.labels(rep["name"]).set(-1 if g is None else g)
             self.replica_load.labels(rep["name"]).set(rep["load"])
-            self.engine_state.labels(rep["name"], rep["engine_state"]).set(1)
+            for es in State:
+                self.engine_state.labels(rep["name"], es.value).set(
+                    1 if rep["engine_state"] == es.value else 0)
         self.serving.set(st["serving"])
         self.newest.set(-1 if st["newest"] is None else st["newest"]["generation"])
         for v in st["published"]:

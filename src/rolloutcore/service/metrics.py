@@ -122,6 +122,12 @@ class ServiceMetrics:
             "engines tainted between updates (died, restarted, stopped answering)",
             registry=r)
         # Pre-create the label sets people alert on, so they read 0 rather than absent.
+        if controller is None:
+            # Behind a fleet's router there is no one engine: its engines' states are
+            # the fleet's own series (``rolloutcore_fleet_*``), never a misleading 0 here.
+            for g in (self.state, self.committed_generation, self.active_rollouts,
+                      self.committed_verification):
+                r.unregister(g)
         for s in State:
             self.state.labels(s.value).set(0)
         # Children of the per-request series, looked up once (``labels()``
