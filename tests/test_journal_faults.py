@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -310,3 +311,80 @@ def test_a_failing_listener_fails_closed_and_the_step_says_so() -> None:
     assert c.committed is not None and c.committed.label == "rc-1"
     # ...and nothing after it is: the records say less than memory, so it stops here.
     _refuses_everything(c)
+
+
+def _held_by_me(lock: Any) -> bool:
+    """Whether the calling thread holds ``lock`` (another thread cannot take it now)."""
+    got: list[bool] = []
+
+    def probe() -> None:
+        ok = lock.acquire(timeout=0.0)
+        got.append(ok)
+        if ok:
+            lock.release()
+
+    th = threading.Thread(target=probe)
+    th.start()
+    th.join(5)
+    return not (got and got[0])
+
+
+def test_a_fleet_on_a_full_disk_writes_no_record_under_a_lock_and_strands_nothing(
+        small_fs: Path | None, tmp_path: Path) -> None:
+    """The pool's journal and every replica's on a 64 KiB filesystem that fills up while
+    requests and updates run: every record is written with no shell's lock held (the
+    pool's or any controller's), the fleet fails closed, and no replica is left in an
+    update."""
+    from fleettools import fake_fleet, weights
+    from rolloutcore.core.pool import ReplicaState
+
+    if small_fs is None:
+        pytest.skip("a tmpfs cannot be mounted here")
+    f = fake_fleet(2, journal_dir=small_fs)
+    try:
+        locks = [f.coord._shell._lock] + [r.controller._shell._lock
+                                          for r in f.coord.replicas.values()]
+        under_lock: list[str] = []
+        journals = [f.coord.journal, *f.journals.values()]
+        for j in journals:
+            orig = j.write
+
+            def checked(rec: Any, orig: Any = orig) -> Any:
+                if any(_held_by_me(lk) for lk in locks):
+                    under_lock.append(rec.KIND)
+                return orig(rec)
+
+            j.write = checked  # type: ignore[method-assign]
+        _fill(small_fs, leave_pages=2)
+        seed = 1
+        for _ in range(400):
+            for name, rep in f.coord.replicas.items():
+                c = rep.controller
+                with contextlib.suppress(AdmissionRefused):
+                    c.admit(f"{name}-{seed}")
+                    c.complete(f"{name}-{seed}")
+            with contextlib.suppress(Exception):
+                f.coord.update(weights(seed % 3 + 1), strategy="rolling" if seed % 2 else
+                               "synchronous")
+            seed += 1
+            failed = [j.failed for j in journals if j.failed]
+            if failed and (f.coord.failed_closed or all(
+                    r.controller.failed_closed for r in f.coord.replicas.values())):
+                break
+        else:
+            pytest.fail(f"the disk never filled: {[j.failed for j in journals]}, "
+                        f"{f.coord.status()}")
+        assert under_lock == []
+        assert "No space left" in " ".join(str(j.failed) for j in journals if j.failed)
+        assert ReplicaState.UPDATING not in {f.coord.state_of(n) for n in f.adapters}
+        for rep in f.coord.replicas.values():
+            assert rep.controller.current_ticket is None
+        st = f.coord.status()
+        assert st["failed_closed"] or all(r["engine_failed_closed"] for r in st["replicas"])
+        assert f.coord.view().closed is not None or f.coord.serving() == []
+    finally:
+        with contextlib.suppress(Exception):
+            f.coord.close()
+        for j in f.journals.values():
+            with contextlib.suppress(Exception):
+                j.close()

@@ -342,10 +342,8 @@ class FleetCoordinator:
             raise BadInput("weights must be FleetWeights")
         level = weights.min_verification if weights is not None else VerificationLevel.DECLARED
         probe = weights.probe if weights is not None else None
-        version = FleetVersion(0, label, identity, None)
-        self._shell.run(self._table.bootstrap, version)
-        if weights is not None:
-            self._payloads[0] = weights
+        if self._shell.view.newest is not None:
+            raise BadInput("the fleet is already bootstrapped")
         members = [self._members[n] for n in self._order]
 
         def one(m: _Member) -> str | None:
@@ -365,7 +363,15 @@ class FleetCoordinator:
                 return f"takeover refused: {exc}"
             return None
 
-        for m, p in zip(members, self._each(one, members), strict=True):
+        problems = self._each(one, members)
+        # Version 0 is the weights as the takeovers verified them (the first that did).
+        verified = next((m.replica.controller.identity for m, p in zip(
+            members, problems, strict=True) if p is None), None)
+        version = FleetVersion(0, label, verified or identity, None)
+        self._shell.run(self._table.bootstrap, version)
+        if weights is not None:
+            self._payloads[0] = weights
+        for m, p in zip(members, problems, strict=True):
             if p is None:
                 self._move(m, E.BOOTSTRAPPED, generation=0)
             else:
