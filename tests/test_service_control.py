@@ -431,3 +431,49 @@ def test_openapi_document_is_generated_from_the_validating_models() -> None:
     assert set(begin_schema["required"]) == {"identity", "owner"}
     assert doc["paths"]["/control/updates"]["post"]["requestBody"]["content"][
         "application/json"]["schema"] == {"$ref": "#/components/schemas/BeginBody"}
+
+
+async def test_a_sent_checksum_the_gateway_cannot_use_is_a_422_and_the_lease_stays_open(
+        ) -> None:
+    """#29: a valid lease, a sent checksum whose names repeat (or whose values are not one
+    per name, or that this engine cannot compare) answered 500 and wedged the gateway for
+    good (the update stayed ``reporting``, admission closed, vLLM paused)."""
+    async with rig() as r:
+        g = await begin(r)
+        url = f"/control/updates/{g['update_id']}/transfer"
+        ev = transfer_body(remote_transfer(r.adapter, W1, "rc-1"))["transfer"]
+        for sent in ({"scheme": "rc_cuda_ipc/block", "names": ["a", "a"], "values": [1, 2]},
+                     {"scheme": "rc_cuda_ipc/block", "names": ["a", "b"], "values": [1]},
+                     {"scheme": "rc_cuda_ipc/block", "names": ["a"], "values": [1]}):
+            resp = await r.client.post(url, json={"transfer": {**ev, "sent_checksum": sent}},
+                                       headers=lease(g))
+            assert resp.status_code == 422, (sent, resp.text)
+            info = (await r.client.get(f"/control/updates/{g['update_id']}",
+                                       headers=lease(g))).json()
+            assert info["status"] == "open" and not info["final"]
+        ok = await r.client.post(url, json=transfer_body(remote_transfer(r.adapter, W1, "rc-1")),
+                                 headers=lease(g))
+        assert ok.status_code == 200 and ok.json()["status"] == "published"
+        assert r.controller.state is State.READY
+
+
+async def test_whatever_a_report_raises_its_update_ends_decided() -> None:
+    """An exception nobody classified while a report is handled: the update still ends
+    (classified from the engine's own counters), and the next update goes through."""
+    async with rig() as r:
+        g = await begin(r)
+        url = f"/control/updates/{g['update_id']}/transfer"
+        body = transfer_body(remote_transfer(r.adapter, W1, "rc-1"))
+
+        def broken(sent: Any) -> None:
+            raise RuntimeError("a bug in an adapter's check")
+
+        r.adapter.expect_sent = broken  # type: ignore[method-assign]
+        resp = await r.client.post(url, json=body, headers=lease(g))
+        assert resp.status_code == 200, resp.text
+        info = resp.json()
+        assert info["final"] and info["status"] == "failed"
+        assert "a bug in an adapter's check" in info["result"]["reason"]
+        # The weights were written: ambiguous, TAINTED and fenced; nothing left open.
+        assert r.controller.state is State.TAINTED and r.engine.paused
+        assert r.gateway.updates.open_update is None

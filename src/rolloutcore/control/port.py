@@ -167,6 +167,11 @@ class ExpectationTaker(Protocol):
     def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
         ...
 
+    def check_sent(self, sent: Mapping[str, Any]) -> None:
+        """``BadInput`` unless this adapter can compare ``sent`` (changes nothing): a
+        report it cannot use is refused before the update leaves its lease."""
+        ...
+
 
 @runtime_checkable
 class WriteObserver(Protocol):

@@ -213,6 +213,16 @@ class SentChecksumBody(_Strict):
     values: Annotated[list[Annotated[int, Field(ge=0, le=_INT63)] | None],
                       Field(min_length=1, max_length=1 << 16)]
 
+    @_model_validator(mode="after")
+    def _one_value_per_name(self) -> SentChecksumBody:
+        # Refused here, at the edge (422, the lease still open): a body the gateway
+        # cannot use never leaves the update half-reported.
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("sent_checksum.names repeat a name")
+        if len(self.values) != len(self.names):
+            raise ValueError("sent_checksum needs one value per name")
+        return self
+
 
 class TransferBody(_Strict):
     """The trainer's ``TransferEvidence``, field for field (plus what it sent, hashed)."""
@@ -533,6 +543,10 @@ class UpdateManager:
                 sent = body.transfer.sent_checksum.model_dump()
                 if not isinstance(self.runner.adapter, ExpectationTaker):
                     return 422, {"error": "this gateway cannot compare a sent checksum"}
+                try:
+                    self.runner.adapter.check_sent(sent)
+                except BadInput as exc:
+                    return 422, {"error": f"this gateway cannot use the sent checksum: {exc}"}
         async with upd.lock:
             if upd.state is LeaseState.OPEN and time.monotonic() > upd.deadline_mono:
                 await self._expire_locked(upd, "lease expired before the report arrived")
@@ -563,6 +577,16 @@ class UpdateManager:
                                                         body.failure.reason)
             except UpdateFailed as exc:
                 return _failure(exc)
+            except Exception as exc:
+                # Nothing the runner classified (an adapter's check outside its phases):
+                # the update still ends decided, from the engine's own counters, as an
+                # expired lease would (no_mutation and back in service, or TAINTED).
+                try:
+                    self.runner.expire_lease(out, f"the report could not be handled: "
+                                                  f"{type(exc).__name__}: {exc}")
+                except UpdateFailed as uf:
+                    return _failure(uf)
+                raise  # pragma: no cover - expire_lease always ends in UpdateFailed
             c = self.runner.controller
             assert out.published is not None
             ident = c.identity
@@ -614,13 +638,19 @@ class UpdateManager:
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
 
-    async def aclose(self) -> None:
-        """On shutdown an open lease is expired now: nothing may stay half-updated."""
+    async def aclose(self, wait_s: float = 120.0) -> None:
+        """On shutdown no update stays half-done: an open lease is expired now (classified
+        from the engine), and one being reported or expired is waited for, bounded by
+        ``wait_s`` (the runner's own deadlines end it well before)."""
         for upd in list(self._updates.values()):
             if upd.timer is not None:
                 upd.timer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await upd.timer
+            if upd.state in (LeaseState.REPORTING, LeaseState.EXPIRING):
+                with anyio.move_on_after(wait_s):
+                    await upd.done.wait()
+                continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
 

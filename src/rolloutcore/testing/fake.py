@@ -143,9 +143,12 @@ class FakeAdapter:
         self._probes = probes
         self._reference = None if reference_checksums is None else dict(reference_checksums)
 
+    def check_sent(self, sent: Mapping[str, Any]) -> None:
+        raise BadInput("the fake engine's transport reports no checksum of what it sent")
+
     def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
         if sent is not None:
-            raise BadInput("the fake engine's transport reports no checksum of what it sent")
+            self.check_sent(sent)
 
     def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
         if self._ops_at_drain is None or self.engine.dead:

@@ -281,6 +281,10 @@ class VllmAdapter(SleepMode):
             reference_checksums = dict(reference_checksums)
         self._staged = _Staged(None, None, reference_checksums, probes, "")
 
+    def check_sent(self, sent: Mapping[str, Any]) -> None:
+        """``BadInput`` unless ``sent`` is a scheme this adapter compares, well formed."""
+        check_sent_scheme(sent)
+
     def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
         """The remote transport's checksum of what it sent (compared in ``validate``)."""
         if sent is not None:
