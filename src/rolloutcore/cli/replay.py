@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 
 from rolloutcore.cli import argtypes
-from rolloutcore.provenance.replay import DEFAULT_TOLERANCE, MismatchPolicy, run_replay
+from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 
 __all__ = ["add_arguments"]
 
 
 def _run(args: argparse.Namespace) -> int:
+    from rolloutcore.provenance.replay import run_replay  # needs httpx: only when it runs
+
     return run_replay(args.trajectories, args.engine, tolerance=args.tolerance,
                       policy=args.on_mismatch, checksum_cache=args.checksum_cache,
                       timeout_s=args.timeout, as_json=args.json, max_rows=args.max_rows)

