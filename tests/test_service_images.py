@@ -137,3 +137,21 @@ async def test_bad_images_get_a_clear_4xx_and_nothing_is_admitted(
         # The gateway still serves: a good image right after is admitted.
         ok = await r.client.post(CHAT, json=chat_body(data_url(png(5))))
         assert ok.status_code == 200 and len(r.kinds("admit")) == 1
+
+
+@pytest.mark.parametrize("part", [
+    {"image_url": {"url": "data:image/png;base64,AAAA"}},        # vLLM reads it as image_url
+    {"audio_url": {"url": "http://example.test/a.wav"}},          # ... as audio_url
+    {"type": None, "image_url": {"url": "http://example.test/x.png"}},
+    {"type": 7, "text": "hi"},
+])
+def test_a_chat_part_without_its_type_is_refused(part: dict[str, object]) -> None:
+    """#29: an untyped part skipped every media check (the data-URL rule, the audio and
+    video refusal, the image digest), though vLLM reads it by its keys."""
+    from rolloutcore.core.media import MediaError, MediaLimits
+    from rolloutcore.service.images import CHAT, inspect_media
+
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]}
+    with pytest.raises(MediaError) as ei:
+        inspect_media(CHAT, body, MediaLimits())
+    assert ei.value.status == 400 and "needs its 'type'" in str(ei.value)

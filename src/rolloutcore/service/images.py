@@ -53,6 +53,11 @@ def _part(where: str, part: object, limits: MediaLimits, refs: list[ImageRef],
     if not isinstance(part, Mapping):
         return  # vLLM's to validate
     ptype = part.get("type")
+    if not isinstance(ptype, str) or not ptype:
+        # vLLM reads an untyped part by its keys (as image_url, audio_url, ...): every
+        # media rule would be skipped for it. A part says what it is, or is refused.
+        raise MediaError(400, f"{where}: a content part needs its 'type' (a string), "
+                              f"got {ptype!r}")
     if ptype == "image_url":
         url: object = part.get("image_url") if nested else part.get("url")
         if nested and isinstance(url, Mapping):
