@@ -469,3 +469,54 @@ async def test_the_watch_leaves_a_healthy_engine_and_updates_alone() -> None:
         assert done.json()["status"] == "published"
         await anyio.sleep(0.1)
         assert r.controller.state is State.READY and r.kinds("taint") == []
+
+
+async def test_an_answer_released_unattributable_says_so() -> None:
+    """#29: an engine tainted while a request ran: the answer said 200 with the old
+    version and no marker. Now a header and the body field say it is credited to no
+    version (a non-streamed answer), and a last event before [DONE] (a stream)."""
+    from rolloutcore.core.lifecycle import FailureKind, Step
+    from rolloutcore.service.proxy import ATTRIBUTABLE_HEADER, UNATTRIBUTABLE_HEADER
+
+    async with rig(token_delay_s=0.01, event_delay_s=0.01) as r:
+        ok = await r.client.post(GEN, json=gen_body(4))
+        assert ok.status_code == 200 and ATTRIBUTABLE_HEADER not in ok.headers
+        assert "attributable" not in ok.json()[BODY_FIELD]
+
+        async def taint_soon() -> None:
+            await anyio.sleep(0.15)
+            await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,
+                                    "engine lost (test)")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(taint_soon)
+            late = await r.client.post(GEN, json=gen_body(60))
+        assert late.status_code == 200
+        assert late.headers[ATTRIBUTABLE_HEADER] == "false"
+        assert "TAINTED" in late.headers[UNATTRIBUTABLE_HEADER]
+        info = late.json()[BODY_FIELD]
+        assert info["attributable"] is False and "TAINTED" in info["unattributable"]
+        assert info["version"] == "default"   # the binding, honestly: credited to nothing
+
+
+async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so() -> None:
+    from helpers.gateway_rig import sse_events
+    from rolloutcore.core.lifecycle import FailureKind, Step
+
+    async with rig(streaming=True, token_delay_s=0.002, event_delay_s=0.02) as r:
+        async with r.client.stream("POST", GEN, json=gen_body(40, stream=True)) as resp:
+            assert resp.status_code == 200
+            seen = b""
+            tainted = False
+            async for chunk in resp.aiter_bytes():
+                seen += chunk
+                if not tainted and seen.count(b"\n\n") >= 3:
+                    tainted = True
+                    await asyncio.to_thread(r.controller.fail, None, Step.SERVE,
+                                            FailureKind.DIED, "engine lost (test)")
+        events = sse_events(seen.decode())
+        assert events[-1] == "[DONE]"
+        last = events[-2]
+        assert last[BODY_FIELD]["attributable"] is False
+        assert "TAINTED" in last[BODY_FIELD]["unattributable"]
+        assert events[0][BODY_FIELD]["version"] == "default"

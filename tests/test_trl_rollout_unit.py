@@ -425,3 +425,36 @@ def test_close_closes_the_file_and_the_engine_and_refuses_more(rig: Rig) -> None
     assert rig.engine.closed
     with pytest.raises(BadInput, match="closed"):
         rig.rollout(rig.prompts(), rig.trainer)
+
+
+def test_the_gateway_engine_credits_no_sample_the_gateway_released_unattributable() -> None:
+    """#29: the gateway released a request unattributable (its engine tainted while it
+    ran) and said nothing; TRL's gateway engine recorded the sample as attributable. The
+    gateway now marks the answer and the engine credits it to no version."""
+    import threading
+
+    from helpers.gateway_rig import TOKEN, make_parts, serve_fake, uvicorn_thread
+    from rolloutcore.core.lifecycle import FailureKind, Step
+    from rolloutcore.integrations.trl.engines import _GatewayEngine
+    from rolloutcore.provenance.trajectory import SamplingSpec
+    from rolloutcore.service import ServiceConfig
+    from rolloutcore.service.app import create_app
+
+    eng, ad, c, r, j, fake = make_parts(token_delay_s=0.01)
+    app = create_app(r, ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN))
+    with uvicorn_thread(app) as url:
+        ge = _GatewayEngine(url, TOKEN, transport=None, data_token=None, timeout_s=30,
+                            min_verification=None)
+        try:
+            ge.committed()
+            ok = ge.generate("r-ok", [1, 2, 3], SamplingSpec(0.0, max_tokens=4))
+            assert ok.attributable
+            taint = threading.Timer(0.15, lambda: c.fail(None, Step.SERVE, FailureKind.DIED,
+                                                         "engine lost (test)"))
+            taint.start()
+            late = ge.generate("r-late", [1, 2, 3], SamplingSpec(0.0, max_tokens=60))
+            taint.join()
+            assert late.attributable is False
+            assert late.binding.version.label == "default"
+        finally:
+            ge.close()

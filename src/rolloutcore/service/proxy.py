@@ -60,7 +60,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,11 +116,13 @@ from rolloutcore.service.wire import (
 _SseRelay = SseRelay  # its old name here
 
 __all__ = [
+    "ATTRIBUTABLE_HEADER",
     "BODY_FIELD",
     "DATA_ROUTES",
     "GENERATION_HEADER",
     "IDENTITY_HEADER",
     "ROLLOUT_HEADER",
+    "UNATTRIBUTABLE_HEADER",
     "VERSION_HEADER",
     "ENDINGS",
     "DataPlane",
@@ -148,6 +150,26 @@ _MEDIA_KIND = {400: "BadRequest", 413: "PayloadTooLarge", 415: "UnsupportedMedia
 _LAST_WORD_S = 1.0
 #: Endings of a request (the metric's label values).
 ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
+
+
+#: The headers of an answer its release made unattributable.
+ATTRIBUTABLE_HEADER = "x-rolloutcore-attributable"
+UNATTRIBUTABLE_HEADER = "x-rolloutcore-unattributable"
+
+
+def _unattributed(fin: FinishedRequest) -> dict[str, Any]:
+    """The body-field entries of an answer released unattributable (else none)."""
+    if fin.attributable:
+        return {}
+    return {"attributable": False,
+            "unattributable": fin.unattributable or "the controller credits it to no version"}
+
+
+def _marks_headers(marks: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
+    if not marks:
+        return []
+    why = str(marks["unattributable"]).encode("ascii", "replace")[:300]
+    return [(ATTRIBUTABLE_HEADER.encode(), b"false"), (UNATTRIBUTABLE_HEADER.encode(), why)]
 
 
 def _retryable(exc: AdmissionRefused | RouteRefused) -> bool:
@@ -654,15 +676,18 @@ class DataPlane:
                         **info), vh)
                     return
                 self.admission.observe(target, True, False)
-                if self._on_finished is None:
+                fin.ending = "complete"
+                # Released first: the answer says what the release was (unattributable).
+                self._finishing(f, fin)
+                marks = _unattributed(fin)
+                if self._on_finished is None and not marks:
                     out = splice_field(body, self.info_json(binding, target))
                     body, obj = (body if out is None else out), None
                 else:
-                    body, obj = inject_json(body, info)
+                    body, obj = inject_json(body, {**info, **marks})
                 fin.response = obj
-                fin.ending = "complete"
-                headers = headers + vh + [(b"content-length", str(len(body)).encode())]
-                self._finishing(f, fin)
+                headers = headers + vh + _marks_headers(marks) + [
+                    (b"content-length", str(len(body)).encode())]
                 f.started_response = True
                 await send({"type": "http.response.start", "status": resp.status,
                             "headers": headers})
@@ -696,7 +721,6 @@ class DataPlane:
         if error is None and not sse.complete:
             error = "vLLM stream ended without its [DONE] terminator"
         if error is not None:
-            tail += sse.error_tail(error)
             fin.ending = "upstream_error"
             fin.status = 502
         else:
@@ -704,4 +728,11 @@ class DataPlane:
         fin.events = sse.events
         fin.record_overflow = sse.overflow
         self._finishing(f, fin)
+        marks = _unattributed(fin)
+        if marks and error is None:
+            # The release made it unattributable: a last event says so, before [DONE].
+            tail += SseRelay.event({BODY_FIELD: {**info, **marks}})
+        tail += sse.take_held()
+        if error is not None:
+            tail += sse.error_tail(error)
         await send({"type": "http.response.body", "body": tail, "more_body": False})

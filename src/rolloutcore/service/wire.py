@@ -58,6 +58,8 @@ GENERATION_HEADER = "x-rolloutcore-generation"
 IDENTITY_HEADER = "x-rolloutcore-identity"
 ROLLOUT_HEADER = "x-rolloutcore-rollout-id"
 _DONE = b"data: [DONE]"
+#: The terminator, held back until the gateway has said its last word before it.
+_TERM = _DONE + b"\n\n"
 _MAX_FIRST_EVENT = 1 << 20
 #: A JSON escape of a UTF-16 surrogate (paired ones are fine; lone ones are not).
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -130,6 +132,7 @@ class SseRelay:
     def __init__(self, info: dict[str, Any], collect: bool,
                  collect_limit: int = 16 << 20) -> None:
         self._info = info
+        self._held = b""
         self._buf = bytearray()
         self._first_done = False
         self._tail = b""
@@ -171,9 +174,24 @@ class SseRelay:
         # version in an event of its own in front of it.
         return b"data: " + dumps({BODY_FIELD: self._info}) + b"\n\n" + ev
 
+    def _hold(self, out: bytes) -> bytes:
+        """Hold back what may be the start of ``data: [DONE]`` (at most its 14 bytes), so a
+        last event of the gateway's own can still go in front of it (``take_held``)."""
+        data = self._held + out if self._held else out
+        k = min(len(_TERM), len(data))
+        while k and not _TERM.startswith(data[len(data) - k:]):
+            k -= 1
+        self._held = data[len(data) - k:] if k else b""
+        return data[:len(data) - k] if k else data
+
+    def take_held(self) -> bytes:
+        """The bytes held back at the end (the terminator, normally)."""
+        out, self._held = self._held, b""
+        return out
+
     def feed(self, chunk: bytes) -> bytes:
         if self._first_done:
-            return self._keep(chunk)
+            return self._hold(self._keep(chunk))
         self._buf += chunk
         i = self._buf.find(b"\n\n")
         if i < 0:
@@ -181,19 +199,25 @@ class SseRelay:
                 self._first_done = True
                 out = bytes(self._buf)
                 self._buf.clear()
-                return self._keep(out)
+                return self._hold(self._keep(out))
             return b""
         first = bytes(self._buf[:i])
         rest = bytes(self._buf[i + 2:])
         self._buf.clear()
         self._first_done = True
-        return self._keep(self._inject(first) + b"\n\n" + rest)
+        return self._hold(self._keep(self._inject(first) + b"\n\n" + rest))
 
     def flush(self) -> bytes:
-        """Whatever is still held back (a stream that ended inside its first event)."""
+        """A stream that ended inside its first event: what it sent (the held-back
+        terminator is not part of it: ``take_held``)."""
         out = bytes(self._buf)
         self._buf.clear()
         return self._keep(out) if out else b""
+
+    @staticmethod
+    def event(obj: Mapping[str, Any]) -> bytes:
+        """One SSE event of the gateway's own."""
+        return b"data: " + dumps(dict(obj)) + b"\n\n"
 
     @property
     def complete(self) -> bool:

@@ -240,10 +240,13 @@ class _GatewayEngine:
             with self._lock:
                 ident = self._identity
         assert ident is not None
-        known = ident.digest == digest
+        # Credited to its binding only if the gateway's release said so (an answer it
+        # released unattributable carries ``attributable: false``) and the identity is
+        # the one this side knows.
+        credited = ident.digest == digest and info.get("attributable", True) is not False
         rid = str(info.get("rollout_id") or rollout_id)
         return EngineSample(Binding(version, ident, rid), toks, lps, finish, spans,
-                            Timestamps(aw, am, cw, max(cm, am)), known)
+                            Timestamps(aw, am, cw, max(cm, am)), credited)
 
     def engine_identity(self) -> EngineIdentity:
         r = self.http.get("/version")
