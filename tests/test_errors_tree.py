@@ -214,7 +214,7 @@ def test_private_control_flow_exceptions_never_leave_their_module() -> None:
 def test_the_walk_sees_what_it_checks() -> None:
     """The walk finds the tree's classes and a known raise, so an empty result means something."""
     assert _in_tree(("src", "rolloutcore.errors", "RequestRejected"))
-    assert _in_tree(_resolve("rolloutcore.service.proxy", "RequestTooLarge") or ("", "", ""))
+    assert _in_tree(_resolve("rolloutcore.service.wire", "RequestTooLarge") or ("", "", ""))
     assert not _in_tree(("builtin", "builtins", "ValueError"))
     assert _is_exception(("ext", "argparse", "ArgumentTypeError"))
     # Re-exports are followed: the name means the class in errors.py.

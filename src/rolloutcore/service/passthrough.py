@@ -12,18 +12,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from rolloutcore.errors import BadInput, RequestTooLarge
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.wire import (
-    ClientGone,
     Receive,
     Scope,
     Send,
+    body_or_answer,
     error_body,
     headers_of_interest,
-    read_body,
     send_auth_refusal,
     send_json,
 )
@@ -91,23 +89,16 @@ class ReadOnlyRoutes:
         if method == "POST":
             try:
                 async with asyncio.timeout(cfg.client_body_s):  # rare path: a timer is fine
-                    body = await read_body(receive, cfg.max_body_bytes,
-                                           hdrs.get(b"content-length"))
+                    got = await body_or_answer(receive, send, cfg.max_body_bytes,
+                                               hdrs.get(b"content-length"))
             except TimeoutError:
                 await send_json(send, 408, error_body(
                     408, f"the request body did not arrive within {cfg.client_body_s:g}s",
                     "RequestTimeout"), [(b"connection", b"close")])
                 return 408
-            except RequestTooLarge:
-                await send_json(send, 413, error_body(
-                    413, f"request body exceeds {cfg.max_body_bytes} bytes",
-                    "PayloadTooLarge"))
-                return 413
-            except ClientGone:
-                return 499
-            except BadInput as exc:
-                await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
-                return 400
+            if isinstance(got, int):
+                return got
+            body = got
         client = self._client
         if client is None:
             raise RuntimeError("read-only routes not started")

@@ -76,7 +76,6 @@ from rolloutcore.errors import (
     EffectTimeout,
     EngineUnreachable,
     InvalidTransition,
-    RequestTooLarge,
     RouteRefused,
 )
 from rolloutcore.service.admission import Admission, OneEngine, Target
@@ -94,18 +93,17 @@ from rolloutcore.service.wire import (
     IDENTITY_HEADER,
     ROLLOUT_HEADER,
     VERSION_HEADER,
-    ClientGone,
     Message,
     Receive,
     Scope,
     Send,
     SseRelay,
     VersionView,
+    body_or_answer,
     error_body,
     headers_of_interest,
     inject_json,
     json_depth,
-    read_body,
     send_auth_refusal,
     send_json,
     splice_field,
@@ -130,7 +128,6 @@ __all__ = [
     "Target",
     "error_body",
     "json_depth",
-    "read_body",
     "send_json",
     "splice_field",
     "vllm_request_ids",
@@ -442,17 +439,8 @@ class DataPlane:
                                                   "UnsupportedMediaType"))
             return 415
         try:
-            raw = await read_body(receive, cfg.max_body_bytes, hdrs.get(b"content-length"))
-        except RequestTooLarge:  # not read further: the connection cannot be reused
-            await send_json(send, 413, error_body(
-                413, f"request body exceeds {cfg.max_body_bytes} bytes", "PayloadTooLarge"),
-                [(b"connection", b"close")])
-            return 413
-        except ClientGone:
-            return 499
-        except BadInput as exc:
-            await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
-            return 400
+            raw = await body_or_answer(receive, send, cfg.max_body_bytes,
+                                       hdrs.get(b"content-length"))
         except asyncio.CancelledError:
             if not self.flights.consume_cut(f):
                 raise
@@ -460,6 +448,8 @@ class DataPlane:
             await self._last_word(send, 408, f"the request body did not arrive within "
                                   f"{cfg.client_body_s:g}s", "RequestTimeout", close=True)
             return 408
+        if isinstance(raw, int):
+            return raw
         f.phase = "checking"
         problem, payload = validate_request(raw, cfg.max_json_depth)
         problem = problem or check_client_salt(payload)

@@ -44,6 +44,7 @@ __all__ = [
     "headers_of_interest",
     "inject_json",
     "json_depth",
+    "body_or_answer",
     "read_body",
     "send_auth_refusal",
     "send_json",
@@ -378,6 +379,24 @@ async def read_body(receive: Receive, limit: int, content_length: bytes | None) 
 #: The request headers the data plane reads itself.
 DATA_HEADERS = frozenset({b"authorization", b"content-type", b"content-length",
                           ROLLOUT_HEADER.encode()})
+
+
+async def body_or_answer(receive: Receive, send: Send, limit: int,
+                         content_length: bytes | None) -> bytes | int:
+    """The request body, or the status of the answer already sent instead: 413 (the
+    connection closes: the body was not read to its end), 400 (a bad Content-Length),
+    499 (the client went away)."""
+    try:
+        return await read_body(receive, limit, content_length)
+    except RequestTooLarge:
+        await send_json(send, 413, error_body(413, f"request body exceeds {limit} bytes",
+                                              "PayloadTooLarge"), [(b"connection", b"close")])
+        return 413
+    except ClientGone:
+        return 499
+    except BadInput as exc:
+        await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
+        return 400
 
 
 async def send_auth_refusal(send: Send, auth: Any) -> int:
