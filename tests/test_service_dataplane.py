@@ -520,3 +520,23 @@ async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so(
         assert last[BODY_FIELD]["attributable"] is False
         assert "TAINTED" in last[BODY_FIELD]["unattributable"]
         assert events[0][BODY_FIELD]["version"] == "default"
+
+
+def test_a_keep_or_recompute_controller_is_refused_not_run_as_strict() -> None:
+    """#29: create_app accepted a keep-mode controller and ran it as strict (a begin
+    granted while a stream was bound, nothing drained, the stream kept its old label)."""
+    from helpers.gateway_rig import TOKEN, make_parts
+    from rolloutcore.control.controller import LifecycleController
+    from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.errors import BadInput
+    from rolloutcore.service import ServiceConfig
+    from rolloutcore.service.app import create_app
+
+    eng, ad, c, r, j, fake = make_parts()
+    cfg = ServiceConfig(upstream_url="http://127.0.0.1:9", control_token=TOKEN)
+    assert create_app(r, cfg) is not None                      # strict: served
+    for mode in (UpdateMode.KEEP, UpdateMode.RECOMPUTE):
+        ctl = LifecycleController(config=ControllerConfig(update_mode=mode))
+        with pytest.raises(BadInput, match="strict"):
+            create_app(LifecycleRunner(ctl, ad), cfg)

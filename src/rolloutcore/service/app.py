@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import State
+from rolloutcore.core.lifecycle import State, UpdateMode
 from rolloutcore.errors import BadInput
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
@@ -128,6 +128,13 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     if not isinstance(config, ServiceConfig):
         raise BadInput("config must be a ServiceConfig")
     controller = runner.controller
+    if controller.update_mode is not UpdateMode.STRICT:
+        # The gateway's data plane and trainer protocol drain every bound rollout before
+        # an update: a keep or recompute controller behind it would be run as if strict
+        # (streams keeping their old label across the update). Refused, not ignored.
+        raise BadInput(f"the gateway runs strict updates; a controller in "
+                       f"{controller.update_mode.value!r} mode is refused (the asynchronous "
+                       f"modes run in process: control.async_modes)")
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
     data = DataPlane(controller, config, metrics, on_finished=on_finished)
