@@ -12,7 +12,7 @@ import pytest
 
 from coretools import drive_to
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.control.journal import Journal, read_journal, restore_controller
+from rolloutcore.control.journal import Journal, JournalRecord, read_journal, restore_controller
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
@@ -133,6 +133,9 @@ def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: 
     path.write_bytes(good + b'{"seq": 99, "kind": "adm')  # the crash cut this write
     with pytest.raises(JournalError, match="torn last line"):
         read_journal(path)
+    # a reader of a file still being written leaves the half-written line for later
+    assert [x.seq for x in read_journal(path, live=True)] == [x.seq for x in
+                                                              read_journal_bytes(good)]
     r, j2 = restore_controller(path)
     j2.close()
     assert r.state is State.READY and r.active == {}
@@ -142,6 +145,17 @@ def test_torn_last_line_is_cut_on_restore_but_damage_elsewhere_raises(tmp_path: 
     path.write_bytes(b"\n".join(lines))
     with pytest.raises(JournalError, match="bad JSON"):
         restore_controller(path)
+    with pytest.raises(JournalError, match="bad JSON"):  # damage inside is damage, live or not
+        read_journal(path, live=True)
+
+
+def read_journal_bytes(data: bytes) -> list[JournalRecord]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "j.jsonl"
+        p.write_bytes(data)
+        return read_journal(p)
 
 
 def test_labels_never_repeat_across_bootstrap_updates_and_recovery() -> None:

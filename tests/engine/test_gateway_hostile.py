@@ -241,7 +241,7 @@ def check_files(gw: Gw, *, wait_records: int = 0, torn: bool = False) -> dict[st
         if len(samples) >= wait_records or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    recs = read_journal(gw.journal)
+    recs = read_journal(gw.journal, live=True)
     violations = [f"{v.invariant}@{v.seq}: {v.detail}" for v in check_journal(recs)]
     rep = audit_purity(samples, read_journal_summary(gw.journal))
     by_rid = {s.binding.rollout_id: s for s in samples}
@@ -381,7 +381,7 @@ def test_slow_reader_is_aborted_at_the_drain_deadline_and_the_update_publishes(
         assert not tail.rstrip().endswith(b"data: [DONE]") or b'"Aborted"' in tail
         for i in range(3):
             assert gw.generate(1, i).status_code == 200
-        recs = read_journal(gw.journal)
+        recs = read_journal(gw.journal, live=True)
         (done,) = [r for r in recs if r.kind == "complete"
                    and r.data["rollout_id"] == "slow-reader-1"]
         assert done.data["attributable"] is False and done.data["state"] == "DRAINING"
@@ -441,7 +441,7 @@ def test_a_token_in_straggler_is_recorded_unattributable(rig: Rig) -> None:
         assert chk["unattributable_recorded"] >= 1
         rec = gw.status()["recorder"]
         assert rec["counts"].get("unattributable", 0) == 1 and rec["alive"]
-        recs = read_journal(gw.journal)
+        recs = read_journal(gw.journal, live=True)
         (ab,) = note(recs, "stragglers_aborted")
         assert ab.data["result"]["request_ids"] == ["generate-tokens-slow-gen-1"]
         said = ab.data["result"]["engine"]["/abort_requests"]

@@ -255,7 +255,7 @@ def test_images_through_the_gateway_are_bound_recorded_and_checked(
     (ref,) = sample.prompt.media
     assert ref.digest == hashlib.sha256(png).hexdigest() and ref.mime == "image/png"
     assert sample.binding.version.label == label and sample.schema_version == 2
-    admits = [r for r in read_journal(journal) if r.kind == "admit"]
+    admits = [r for r in read_journal(journal, live=True) if r.kind == "admit"]
     assert len(admits) == 2  # chat and generate; the bad image was never admitted
 
 

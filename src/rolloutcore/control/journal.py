@@ -281,25 +281,33 @@ class Journal:
                 self._tell(f"cannot close journal: {exc}")
 
 
-def _parse_lines(lines: Iterable[str], name: str) -> Iterator[JournalRecord]:
+def _parse_lines(lines: Iterable[str], name: str, *, live: bool = False
+                 ) -> Iterator[JournalRecord]:
     buf = list(lines)
     for i, line in enumerate(buf, 1):
         if not line.strip():
             continue
+        last = i == len(buf) and not line.endswith("\n")
+        if last and live:
+            return  # still being written: the rest of the line is on its way
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            last = i == len(buf) and not line.endswith("\n")
             raise JournalError(f"{name}:{i}: {'torn last line' if last else 'bad JSON'}"
                                ) from exc
         yield JournalRecord.from_obj(obj, f"{name}:{i}")
 
 
-def read_journal(path: str | os.PathLike[str]) -> list[JournalRecord]:
-    """Read a journal back into typed records; checks that ``seq`` is gap-free."""
+def read_journal(path: str | os.PathLike[str], *, live: bool = False) -> list[JournalRecord]:
+    """Read a journal back into typed records; checks that ``seq`` is gap-free.
+
+    ``live``: the file is being written by a running process (a batch can be
+    half on disk), so a last line without its newline is left out rather than
+    refused as torn. Without it, such a line is damage (``repair_journal``).
+    """
     try:
         with open(path, encoding="utf-8") as fh:
-            recs = list(_parse_lines(fh, str(path)))
+            recs = list(_parse_lines(fh, str(path), live=live))
     except OSError as exc:
         raise JournalError(f"cannot read journal {path}: {exc}") from exc
     for a, b in itertools.pairwise(recs):
