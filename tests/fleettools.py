@@ -18,8 +18,7 @@ import httpx
 from helpers.asgi_stream import lifespan
 from helpers.fake_vllm import FakeVllm
 from helpers.gateway_rig import TOKEN, uvicorn_thread
-from rolloutcore.control.controller import LifecycleController
-from rolloutcore.control.journal import Journal
+from rolloutcore.control.journal import Journal, open_controller
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetWeights, Replica
@@ -55,10 +54,14 @@ class FakeFleet:
 
 def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
                config: FleetConfig | None = None, recover: bool = True,
-               before_bootstrap: Any = None, journal_dir: Any = None) -> FakeFleet:
+               before_bootstrap: Any = None, journal_dir: Any = None, start_seed: int = 0,
+               adopt_fails: frozenset[str] = frozenset()) -> FakeFleet:
     """``before_bootstrap(adapters)``: change the engines before the fleet takes them over;
-    ``journal_dir``: file journals there (``fleet.jsonl`` and one per replica)."""
-    w0 = FakeWeights.from_seed(0)
+    ``journal_dir``: file journals there (``fleet.jsonl`` and one per replica); journals
+    that hold records are a previous fleet's, restored (the fleet's restart);
+    ``start_seed``: the weights the engines start on; ``adopt_fails``: replicas whose
+    new engine dies when a restart adopts it."""
+    w0 = FakeWeights.from_seed(start_seed, step=start_seed)
     reps: list[Replica] = []
     adapters: dict[str, FakeAdapter] = {}
     journals: dict[str, Journal] = {}
@@ -66,12 +69,16 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
         name = f"r{i}"
         ad = FakeAdapter(FakeEngine(w0, token_delay_s=token_delay_s))
         ad.stage(w0)
-        j = Journal(None if journal_dir is None else f"{journal_dir}/{name}.journal.jsonl")
-        c = LifecycleController(listener=j.listener)
+        c, j = open_controller(None if journal_dir is None
+                               else f"{journal_dir}/{name}.journal.jsonl")
         runner = LifecycleRunner(c, ad, FAST, record=j.write)
+
+        def adopt(previous_epoch: str, ad: FakeAdapter = ad, name: str = name) -> Any:
+            return FakeRecoverer(ad, w0, fail=name in adopt_fails)
+
         reps.append(Replica(name, runner, ad.stage, url=f"http://fake-{i}.test",
                             recoverer=FakeRecoverer(ad, w0) if recover else None,
-                            fanout_url=f"http://fake-{i}.test", journal=j))
+                            fanout_url=f"http://fake-{i}.test", journal=j, adopt=adopt))
         adapters[name] = ad
         journals[name] = j
     fan = FakeFanout({r.fanout_url: adapters[r.name] for r in reps if r.fanout_url})
@@ -80,7 +87,7 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
                              else f"{journal_dir}/fleet.jsonl")
     if before_bootstrap is not None:
         before_bootstrap(adapters)
-    coord.bootstrap(w0.identity(), weights=weights(0))
+    coord.bootstrap(w0.identity(), weights=weights(start_seed))
     return FakeFleet(coord, adapters, journals, fan)
 
 

@@ -26,6 +26,7 @@ from rolloutcore.core.pool import (
     FleetClosed,
     FleetPublish,
     FleetUpdateBegin,
+    FleetUpdateEnd,
     ReplicaEvent,
     ReplicaOutcome,
     ReplicaStateChange,
@@ -358,7 +359,9 @@ def test_fleet_journal_reads_back_typed(tmp_path: Any) -> None:
     back = read_journal(path)
     assert [r.record for r in back] == [r.record for r in f.coord.journal.records]
     f.coord.update(weights(1))
-    assert [type(r.record) for r in f.coord.journal.records][-1] is ReplicaStateChange
+    kinds = [type(r.record) for r in f.coord.journal.records]
+    assert kinds[-2:] == [ReplicaStateChange, FleetUpdateEnd]  # every replica decided, then over
+    assert f.coord.journal.of(FleetUpdateEnd)[-1].published == 1
     assert f.coord.journal.of(FleetUpdateBegin)[0].strategy is Strategy.SYNCHRONOUS
 
 

@@ -148,10 +148,16 @@ def test_a_non_loopback_fleet_needs_both_tokens_and_is_allowed_with_them(
     assert got[1] is True and got[2] == "d" * 20
 
 
-def test_an_existing_fleet_journal_is_refused_rather_than_appended_blind(
+def test_a_fleet_journal_of_another_fleet_is_refused_before_anything_starts(
         tmp_path: Path) -> None:
+    """An existing journal is restored (``tests/test_fleet_restore.py``); one that cannot
+    be (not a fleet's, other replicas) is refused at start, not appended to blind."""
     from rolloutcore.fleet.serve import _check
 
-    (tmp_path / "fleet.jsonl").write_text("")
-    with pytest.raises(BadInput, match="does not restore"):
+    (tmp_path / "fleet.jsonl").write_text("")  # empty: a new fleet
+    _check(FleetServeOptions(journal_dir=str(tmp_path), token="t" * 20))
+    (tmp_path / "fleet.jsonl").write_text(
+        '{"seq": 1, "t_mono": 0.0, "t_wall": 0.0, "kind": "note", "schema": 4, '
+        '"data": {"what": "x", "detail": {}}}\n')
+    with pytest.raises(BadInput, match="cannot restore"):
         _check(FleetServeOptions(journal_dir=str(tmp_path), token="t" * 20))

@@ -301,3 +301,43 @@ def test_status_and_metrics_name_each_replica(fleet: Fleet) -> None:
     assert 'rolloutcore_fleet_replica_active_rollouts{replica="e0"}' in m
     assert httpx.get(f"{fleet.url}/v1/models").status_code == 200   # passed through
     assert Path(fleet.models.A).is_dir()
+
+
+def test_a_restarted_fleet_adopts_its_new_engines_and_continues_its_versions(
+        fleet: Fleet) -> None:
+    """Last in the module: the gateway goes, its engines with it; a new gateway on the same
+    journal directory and two new engine processes (on A) continue the fleet."""
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.invariants import check_journal
+    from rolloutcore.core.pool import FleetRestore
+
+    before = fleet.coord.status()
+    newest = fleet.coord.newest
+    assert newest is not None
+    labels = {n: [r.data["version"]["label"] for r in
+                  read_journal(fleet.journals / f"{n}.journal.jsonl") if r.kind == "commit"]
+              for n in ("e0", "e1")}
+    epochs = [e.epoch for e in fleet.engines]
+    fleet.coord.close()
+    start_all({f"e{i}": e.restart for i, e in enumerate(fleet.engines)}, progress=True,
+              timeout_s=660)
+    assert [e.epoch for e in fleet.engines] != epochs
+    coord = build_fleet(fleet.engines, checkpoint=fleet.models.A, op_timeout_s=30,
+                        config=FleetConfig(health_interval_s=0), journal_dir=fleet.journals)
+    try:
+        (rest,) = coord.journal.of(FleetRestore)
+        # the rolling update went back to A: the new engines hold the newest version's weights
+        assert not rest.new and rest.generation == newest.generation, rest
+        assert [v.label for v in coord.versions] == [v["label"] for v in before["published"]]
+        assert sorted(coord.serving()) == ["e0", "e1"]
+        for i, n in enumerate(("e0", "e1")):
+            c = coord.replicas[n].controller
+            recs = read_journal(fleet.journals / f"{n}.journal.jsonl")
+            after = [r.data["version"]["label"] for r in recs if r.kind == "commit"]
+            assert after[:len(labels[n])] == labels[n] and len(set(after)) == len(after)
+            assert c.committed is not None and c.committed.label == after[-1]
+            assert c.identity is not None and c.identity.verification.wire == "probe"
+            assert VllmHTTP(fleet.engines[i].base_url).label() == c.committed.label
+            assert check_journal(recs) == []
+    finally:
+        coord.close()

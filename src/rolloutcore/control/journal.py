@@ -55,6 +55,7 @@ __all__ = [
     "Journal",
     "JournalRecord",
     "first_index",
+    "open_controller",
     "read_journal",
     "repair_journal",
     "restore_controller",
@@ -365,6 +366,28 @@ def first_index(records: Sequence[JournalRecord], kind: type[Record] | str,
         elif isinstance(rec, kind) and all(getattr(rec, k) == v for k, v in match.items()):
             return i
     return -1
+
+
+def open_controller(path: str | os.PathLike[str] | None, *, keep: int | None = None,
+                    **kw: Any) -> tuple[LifecycleController, Journal]:
+    """The journal at ``path`` and the controller that writes it: replayed from the
+    records it holds (a previous process's, ``LifecycleController.restore``), or new.
+
+    What ``serve --journal`` does for one engine and a fleet does for each of
+    its replicas. Without ``path``: a new controller over a memory journal.
+    """
+    from rolloutcore.control.controller import LifecycleController
+
+    journal = Journal(path, keep=keep)  # cuts a torn last line first
+    try:
+        earlier = read_journal(path) if path is not None and os.path.getsize(path) else []
+        if earlier:
+            return LifecycleController.restore(earlier, listener=journal.listener,
+                                               **kw), journal
+        return LifecycleController(listener=journal.listener, **kw), journal
+    except BaseException:
+        journal.close()
+        raise
 
 
 def restore_controller(path: str | os.PathLike[str], **kw: Any

@@ -157,7 +157,12 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
             c.fail(None, Step.SERVE, FailureKind.BAD_EVIDENCE,
                    "takeover: " + "; ".join(problems))
         finally:
-            runner._fence_quietly()
+            # The journal's own incarnation, whose weights are now unknown, is fenced.
+            # Another process never served anything the journal published: it is the
+            # candidate replacement, verified below as a recovery (paused, it could
+            # not be).
+            if same_engine:
+                runner._fence_quietly()
         if same_engine:
             raise TakeoverRefused("takeover", "ambiguous", c.state.value,
                                   "; ".join(problems))

@@ -38,7 +38,7 @@ Standard library only.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -54,7 +54,9 @@ __all__ = [
     "FleetBootstrap",
     "FleetClosed",
     "FleetPublish",
+    "FleetRestore",
     "FleetUpdateBegin",
+    "FleetUpdateEnd",
     "FleetVersion",
     "Outcome",
     "PoolView",
@@ -313,6 +315,41 @@ class FleetAbandon(TypedRecord):
 
 
 @dataclass(frozen=True)
+class FleetUpdateEnd(TypedRecord):
+    """The update is over: every replica it took was decided, admission reopens.
+    ``published``: the generation it published (None: nothing)."""
+
+    KIND: ClassVar[str] = "fleet_update_end"
+    update_id: int
+    published: int | None
+
+
+@dataclass(frozen=True)
+class FleetRestore(TypedRecord):
+    """A fleet gateway started again on this pool's journal (``ReplicaTable.replay``).
+
+    ``records``/``newest``: what the journal held and the newest version it had
+    published; ``interrupted``: the update it had in flight (it died with the
+    process; each replica's own journal says what its engine was doing). The
+    restarted replicas serve ``generation``: the newest version when they were
+    verified to hold its weights, else a new version (``new``) for the weights
+    they were verified to hold (the start checkpoint, usually): a label is
+    never given twice, so nothing recorded before the restart is confused
+    with what is served after it.
+    """
+
+    KIND: ClassVar[str] = "fleet_restore"
+    records: int
+    newest: int
+    interrupted: int | None
+    generation: int
+    label: str
+    identity: WeightIdentity
+    new: bool
+    replicas: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class ReplicaStateChange(TypedRecord):
     """A replica's pool state changed (``REPLICA_TRANSITIONS``).
 
@@ -333,7 +370,7 @@ class ReplicaStateChange(TypedRecord):
 #: The pool's records, for the one schema's registry (``core.records``).
 POOL_RECORDS: tuple[type[Record], ...] = (
     FleetBootstrap, FleetUpdateBegin, FleetClosed, WaveBegin, WaveEnd, ReplicaOutcome,
-    FleetPublish, FleetAbandon, ReplicaStateChange)
+    FleetPublish, FleetAbandon, FleetUpdateEnd, FleetRestore, ReplicaStateChange)
 
 
 # --------------------------------------------------------------------------- the machine
@@ -404,6 +441,58 @@ class ReplicaTable(Machine):
         self._versions: list[FleetVersion] = []
         self._closed: str | None = None
         self._update: dict[str, Any] | None = None
+        #: Set by ``replay``: how many records it read, the last update id, and the
+        #: update the journal left open (None: none).
+        self.replayed = 0
+        self.last_update_id = 0
+        self.interrupted: int | None = None
+
+    @classmethod
+    def replay(cls, records: Iterable[Any], names: Sequence[str], *,
+               now: float = 0.0) -> ReplicaTable:
+        """The pool as a previous process's journal left it: its published versions,
+        its last update id, the update it had in flight.
+
+        The replicas are not restored: a restart has new engine processes, and
+        each rejoins through its own verified takeover (``restore`` then says
+        which version they serve). A journal of other replicas is refused.
+        """
+        t = cls(names, now=now)
+        journal_names: tuple[str, ...] | None = None
+        for item in records:
+            rec = getattr(item, "record", item)
+            t.replayed += 1
+            if isinstance(rec, FleetBootstrap):
+                if t._versions:
+                    raise BadInput("the fleet journal holds two bootstraps")
+                t._versions = [FleetVersion(rec.generation, rec.label, rec.identity)]
+                journal_names = rec.replicas
+            elif isinstance(rec, FleetPublish):
+                t._follow(FleetVersion(rec.generation, rec.label, rec.identity, rec.update_id))
+            elif isinstance(rec, FleetRestore):
+                if rec.new:
+                    t._follow(FleetVersion(rec.generation, rec.label, rec.identity))
+                journal_names, t.interrupted = rec.replicas, None
+            elif isinstance(rec, FleetUpdateBegin):
+                t.last_update_id = max(t.last_update_id, rec.update_id)
+                t.interrupted = rec.update_id
+            elif isinstance(rec, FleetUpdateEnd) and t.interrupted == rec.update_id:
+                t.interrupted = None
+        if t.replayed and not t._versions:
+            raise BadInput("the fleet journal has no bootstrap: it is not a fleet's journal")
+        if journal_names is not None and sorted(journal_names) != sorted(t._order):
+            raise BadInput(f"the fleet journal is of replicas {sorted(journal_names)}; this "
+                           f"fleet has {sorted(t._order)}: start it with as many engines, "
+                           "or give a new journal directory")
+        return t
+
+    def _follow(self, version: FleetVersion) -> None:
+        if not self._versions or version.generation != self._versions[-1].generation + 1:
+            raise BadInput(f"the fleet journal publishes version {version.generation} out "
+                           "of order")
+        if any(v.label == version.label for v in self._versions):
+            raise BadInput(f"the fleet journal publishes label {version.label!r} twice")
+        self._versions.append(version)
 
     def view(self) -> PoolView:
         return PoolView(tuple(self._entries[n] for n in self._order), tuple(self._versions),
@@ -461,6 +550,28 @@ class ReplicaTable(Machine):
         self._versions.append(version)
         self._outbox.append(FleetBootstrap(version.generation, version.label,
                                            version.identity, tuple(self._order)))
+
+    def restore(self, version: FleetVersion) -> None:
+        """After ``replay``: the restarted replicas serve ``version``, the newest one
+        (the same weights) or a new one that follows it (``FleetRestore``)."""
+        if not self.replayed or not self._versions:
+            raise BadInput("restore follows the replay of a fleet journal")
+        if self._broken is not None:
+            raise JournalError(f"the fleet failed closed ({self._broken})")
+        if self._update is not None:
+            raise UpdateRefused("an update is running")
+        newest = self._versions[-1]
+        new = version != newest
+        if new:
+            if version.generation != newest.generation + 1 or any(
+                    v.label == version.label for v in self._versions):
+                raise BadInput(f"a restart serves the newest version ({newest.label}) or "
+                               f"a new one after it with a new label, not {version}")
+            self._versions.append(version)
+        self._outbox.append(FleetRestore(self.replayed, newest.generation, self.interrupted,
+                                         version.generation, version.label, version.identity,
+                                         new, tuple(self._order)))
+        self.interrupted = None
 
     def begin_update(self, rec: FleetUpdateBegin) -> None:
         """An update starts (one at a time; refused, changing nothing, otherwise)."""
@@ -524,3 +635,6 @@ class ReplicaTable(Machine):
         self._running(update_id)
         self._update = None
         self._closed = None
+        newest = self._versions[-1]
+        self._outbox.append(FleetUpdateEnd(
+            update_id, newest.generation if newest.update_id == update_id else None))

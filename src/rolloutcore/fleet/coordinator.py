@@ -49,6 +49,7 @@ without taking any lock (``view``). It adds what only a fleet has:
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -56,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from rolloutcore.control.journal import Journal
+from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.control.runner import UpdateOutcome
 from rolloutcore.control.shell import Shell
 from rolloutcore.core.evidence import TransferEvidence
@@ -154,7 +155,16 @@ class FleetCoordinator:
         self.config = config or FleetConfig()
         self.fanout = fanout
         self.journal = Journal(journal_path, keep=journal_keep)
-        self._table = ReplicaTable(names)
+        # A journal that holds records is a previous gateway's: its versions are
+        # replayed (labels never repeat), and ``bootstrap`` restores onto them.
+        earlier = (read_journal(journal_path) if journal_path is not None
+                   and os.path.exists(journal_path) and os.path.getsize(journal_path)
+                   else [])
+        try:
+            self._table = ReplicaTable.replay(earlier, names, now=clock())
+        except BadInput:
+            self.journal.close()
+            raise
         self._shell: Shell[ReplicaTable, PoolView] = Shell(
             self._table, ReplicaTable.view, clock=clock, listener=self.journal.listener)
         self._members: dict[str, _Member] = {r.name: _Member(r) for r in replicas}
@@ -162,11 +172,12 @@ class FleetCoordinator:
         self._mem = threading.Lock()    # working memory (busy flags); nothing waits under it
         self._update_lock = threading.Lock()  # one update at a time
         self._payloads: dict[int, FleetWeights] = {}
-        self._update_id = 0
+        self._update_id = self._table.last_update_id
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._heals: dict[str, threading.Thread] = {}
+        self._restored = False
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(names)),
                                         thread_name_prefix="rc-fleet")
         for r in replicas:
@@ -334,6 +345,16 @@ class FleetCoordinator:
         ``weights.min_verification``), unless ``bootstrapped`` (done already:
         only checked). A replica that cannot be verified joins FENCED, with
         the reason. ``weights`` is retained for rejoins.
+
+        On a restored pool (the journal held a previous gateway's records) it
+        is the restart, as ``serve --journal`` restarts one gateway: each
+        replica's controller, restored from its own journal, takes its new
+        engine over through ``replica.adopt`` (the journal's engine is gone:
+        the new one is accepted as its replacement, fresh from the
+        checkpoint, verified like a recovery, on a new engine version), and
+        the replicas serve the newest fleet version if they were verified to
+        hold its weights, else a new fleet version for what they hold
+        (``label``, or the next ``fleet-<generation>``): ``FleetRestore``.
         """
         _check_fleet_label(label)
         if not isinstance(identity, WeightIdentity):
@@ -342,7 +363,8 @@ class FleetCoordinator:
             raise BadInput("weights must be FleetWeights")
         level = weights.min_verification if weights is not None else VerificationLevel.DECLARED
         probe = weights.probe if weights is not None else None
-        if self._shell.view.newest is not None:
+        restoring = self._table.replayed > 0
+        if self._shell.view.newest is not None and (not restoring or self._restored):
             raise BadInput("the fleet is already bootstrapped")
         members = [self._members[n] for n in self._order]
 
@@ -350,7 +372,8 @@ class FleetCoordinator:
             r = m.replica
             try:
                 if not bootstrapped:
-                    r.runner.take_over(identity, probes=probe, min_verification=level)
+                    r.runner.take_over(identity, probes=probe, min_verification=level,
+                                       recoverer=r.adopt)
                 c = r.controller
                 ident = c.identity
                 if c.state is not State.READY or ident is None or \
@@ -364,16 +387,28 @@ class FleetCoordinator:
             return None
 
         problems = self._each(one, members)
-        # Version 0 is the weights as the takeovers verified them (the first that did).
+        # The version is the weights as the takeovers verified them (the first that did).
         verified = next((m.replica.controller.identity for m, p in zip(
-            members, problems, strict=True) if p is None), None)
-        version = FleetVersion(0, label, verified or identity, None)
-        self._shell.run(self._table.bootstrap, version)
+            members, problems, strict=True) if p is None), None) or identity
+        if restoring:
+            newest = self._shell.view.newest
+            assert newest is not None
+            version = newest
+            if not verified.same_weights(newest.identity):
+                gen = newest.generation + 1
+                used = {v.label for v in self._shell.view.versions}
+                version = FleetVersion(gen, label if label not in used else f"fleet-{gen}",
+                                       verified, None)
+            self._shell.run(self._table.restore, version)
+            self._restored = True
+        else:
+            version = FleetVersion(0, label, verified, None)
+            self._shell.run(self._table.bootstrap, version)
         if weights is not None:
-            self._payloads[0] = weights
+            self._payloads[version.generation] = weights
         for m, p in zip(members, problems, strict=True):
             if p is None:
-                self._move(m, E.BOOTSTRAPPED, generation=0)
+                self._move(m, E.BOOTSTRAPPED, generation=version.generation)
             else:
                 self._move(m, E.FAILED, generation=None, reason=p)
         return version

@@ -38,7 +38,10 @@ class Replica:
     a fan-out round replaced the engine's transfer group (drop the
     per-engine one); ``on_recovered`` after a recovery replaced its process
     (rebind the adapter to the new incarnation). ``close`` releases what the
-    replica holds (adapter, journal, process).
+    replica holds (adapter, journal, process). ``adopt(previous_epoch)``: for
+    a fleet restarted on its journals, the recoverer that accepts the engine
+    process this start launched as the replacement of the journal's one
+    (verified like any recovery; see ``take_over``).
     """
 
     name: str
@@ -52,6 +55,7 @@ class Replica:
     close: Callable[[], None] | None = None
     journal: Any = None
     on_recovered: Callable[[], None] | None = None
+    adopt: Callable[[str], Recoverer] | None = None
 
     @property
     def controller(self) -> LifecycleController:

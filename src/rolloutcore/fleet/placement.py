@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.control.controller import LifecycleController
-from rolloutcore.control.journal import Journal
+from rolloutcore.control.journal import open_controller
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.control.session import PreparedUpdate, identity_of
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
@@ -106,17 +105,25 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     from rolloutcore.transports.gloo import GlooTransport
 
     tr = transport or GlooTransport(op_timeout_s=op_timeout_s)
-    journal = Journal(journal_path, keep=journal_keep)
+    # A journal a previous gateway wrote is restored (its versions, its open update).
+    controller, journal = open_controller(journal_path, keep=journal_keep)
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
-    controller = LifecycleController(listener=journal.listener)
     runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write,
                              drain_policy=drain_policy)
     recoverer = None
-    if engine is not None and checkpoint is not None and recover:
-        from rolloutcore.control.recovery import ManagedRecoverer
+    adopt = None
+    if checkpoint is not None:
+        from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
 
-        recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=True)
+        if engine is not None and recover:
+            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=True)
+
+        def adopt(previous_epoch: str) -> OperatorRecoverer:
+            """The engine this start launched, as the journal's engine's replacement."""
+            return OperatorRecoverer(url, checkpoint, signal=lambda: True, wait_s=5.0,
+                                     previous_epoch=previous_epoch, identity=identity,
+                                     probe=True)
 
     def stage(payload: Any) -> None:
         if not isinstance(payload, PreparedUpdate):
@@ -152,7 +159,7 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
 
     return Replica(name, runner, stage, url=url, recoverer=recoverer, fanout_url=url,
                    engine=engine, on_fanout=on_fanout, close=close, journal=journal,
-                   on_recovered=on_recovered)
+                   on_recovered=on_recovered, adopt=adopt)
 
 
 # --------------------------------------------------------------------------- starting

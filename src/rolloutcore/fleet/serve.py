@@ -16,7 +16,15 @@ limits, client deadlines, the drain deadline and policy, the verification
 floor, a saved takeover probe, ``--record``, ``--journal``) or is refused at
 start with the reason (``cli.serve.FLEET_REFUSED``). As for one engine,
 everything that can be refused is refused before anything starts: a bad
-option, a non-loopback bind without the tokens, a missing checkpoint.
+option, a non-loopback bind without the tokens, a missing checkpoint, a
+journal directory of another fleet.
+
+A ``--journal`` directory a previous fleet gateway wrote is restored, as
+``serve --journal`` restores one gateway: the published fleet versions and
+every replica's engine versions continue (no label is given twice), an
+update that was in flight is recorded as interrupted, and each new engine is
+taken over as the replacement of its replica's previous one, verified like a
+recovery (``FleetCoordinator.bootstrap``).
 """
 
 from __future__ import annotations
@@ -127,6 +135,33 @@ def parse_update_request(body: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def check_journal_dir(journal_dir: str | os.PathLike[str], engines: int) -> int:
+    """A previous fleet gateway's journals, read before anything starts: the pool's must
+    be of as many replicas, and every journal must read (``BadInput`` otherwise).
+    Returns how many pool records a restart will restore (0: a new directory)."""
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.pool import ReplicaTable
+    from rolloutcore.errors import JournalError
+
+    d = Path(journal_dir)
+    if d.exists() and not d.is_dir():
+        raise BadInput(f"--journal {d}: a fleet's journal is a directory (the pool's "
+                       "journal and one per replica)")
+    pool = d / "fleet.jsonl"
+    if not pool.exists() or not pool.stat().st_size:
+        return 0
+    names = [f"e{i}" for i in range(engines)]
+    try:
+        table = ReplicaTable.replay(read_journal(pool, live=True), names)
+        for n in names:
+            j = d / f"{n}.journal.jsonl"
+            if j.exists():
+                read_journal(j, live=True)  # a torn last line is cut when it opens
+    except (JournalError, BadInput) as exc:
+        raise BadInput(f"--journal {d}: cannot restore from it: {exc}") from exc
+    return table.replayed
+
+
 def _check(o: FleetServeOptions) -> tuple[str, bool, str | None, VerificationLevel | None]:
     """Everything refused before anything starts: (token, given, data token, floor)."""
     token, given = control_token(o.token, o.token_file)
@@ -136,10 +171,8 @@ def _check(o: FleetServeOptions) -> tuple[str, bool, str | None, VerificationLev
         raise BadInput(f"{o.model} is not a model directory (no config.json)")
     if o.takeover_probe is not None and not Path(o.takeover_probe).is_file():
         raise BadInput(f"--takeover-probe {o.takeover_probe}: no such file")
-    if o.journal_dir is not None and (Path(o.journal_dir) / "fleet.jsonl").exists():
-        raise BadInput(f"--journal {o.journal_dir} already holds a fleet's journal: a fleet "
-                       "gateway does not restore from one yet (its engines are started "
-                       "fresh); give a new directory")
+    if o.journal_dir is not None:
+        check_journal_dir(o.journal_dir, o.engines)
     if o.token_out is not None and os.path.islink(o.token_out):
         raise BadInput(f"--token-out {o.token_out} is a symbolic link: the control token is "
                        "never written through one")
@@ -208,8 +241,10 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
                             drain_policy=DrainPolicy(o.drain_policy),
                             journal_dir=o.journal_dir or workdir / "journals", journal_keep=256)
         fleet = coord
-        print(f"[rolloutcore] fleet version 0 on {len(coord.serving())} of {o.engines} "
-              f"engines, each taken over verified to {level.wire}", file=sys.stderr)
+        newest = coord.newest
+        print(f"[rolloutcore] fleet version {newest.label if newest else '?'} on "
+              f"{len(coord.serving())} of {o.engines} engines, each taken over verified to "
+              f"{level.wire}", file=sys.stderr)
 
         def updater(body: Mapping[str, Any]) -> Any:
             req = parse_update_request(body)

@@ -63,6 +63,7 @@ from typing import Any
 from rolloutcore.core.pool import (
     FleetBootstrap,
     FleetPublish,
+    FleetRestore,
     ReplicaEvent,
     ReplicaState,
     ReplicaStateChange,
@@ -195,7 +196,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     elif isinstance(rec, Complete):
                         if not rec.attributable and rec.state is State.DRAINING:
                             aborted.add(rec.rollout_id)
-                    elif isinstance(rec, (FleetBootstrap, FleetPublish)):
+                    elif isinstance(rec, (FleetBootstrap, FleetPublish, FleetRestore)):
                         fleet_versions[rec.generation] = rec.label
                     elif isinstance(rec, ReplicaStateChange):
                         if rec.after is ReplicaState.SERVING and rec.generation is not None \
