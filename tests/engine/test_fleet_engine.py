@@ -337,7 +337,8 @@ def test_a_restarted_fleet_adopts_its_new_engines_and_continues_its_versions(
             assert after[:len(labels[n])] == labels[n] and len(set(after)) == len(after)
             assert c.committed is not None and c.committed.label == after[-1]
             assert c.identity is not None and c.identity.verification.wire == "probe"
-            assert VllmHTTP(fleet.engines[i].base_url).label() == c.committed.label
+            with VllmHTTP(fleet.engines[i].base_url) as h:
+                assert h.label() == c.committed.label
             assert check_journal(recs) == []
     finally:
         coord.close()
