@@ -210,6 +210,8 @@ def main() -> int:
     ap.add_argument("--rolls", type=int, default=3,
                     help="rolling updates under load (each wave's fraction: the median)")
     ap.add_argument("--steady-s", type=float, default=15.0)
+    ap.add_argument("--rejoin-wait-s", type=float, default=1200.0,
+                    help="how long to wait for the killed replica to rejoin under load")
     ap.add_argument("--out", default=str(ROOT / "results" / "fleet.json"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--spin", type=float, default=None, metavar="S",
@@ -371,7 +373,8 @@ def main() -> int:
             victim.signal_group(signal.SIGKILL)
             ok = coord.wait_for(lambda: coord.state_of(name).value != "SERVING", 120, 0.005)
             t_fenced = time.monotonic()
-            ok2 = coord.wait_for(lambda: coord.state_of(name).value == "SERVING", 1200, 0.1)
+            ok2 = coord.wait_for(lambda: coord.state_of(name).value == "SERVING",
+                                 args.rejoin_wait_s, 0.1)
             t_back = time.monotonic()
             time.sleep(1.0)
             cl.stop()

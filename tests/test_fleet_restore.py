@@ -188,8 +188,28 @@ def test_serve_checks_the_journal_directory_before_starting_anything(tmp_path: P
     assert check_journal_dir(d, 2) > 0
     with pytest.raises(BadInput, match="cannot restore"):
         check_journal_dir(d, 3)
+    (d / "e1.journal.jsonl").rename(d / "gone")
+    with pytest.raises(BadInput, match="missing"):
+        check_journal_dir(d, 2)
+    (d / "gone").rename(d / "e1.journal.jsonl")
     lines = (d / "e1.journal.jsonl").read_text().splitlines(keepends=True)
     lines[1] = "garbage\n"
     (d / "e1.journal.jsonl").write_text("".join(lines))
     with pytest.raises(BadInput, match="bad JSON"):
         check_journal_dir(d, 2)
+
+
+def test_a_replica_whose_own_journal_is_gone_stays_out(tmp_path: Path) -> None:
+    f = fake_fleet(2, config=CFG, journal_dir=tmp_path)
+    f.coord.update(weights(1))
+    f.coord.close()
+    (tmp_path / "r1.journal.jsonl").unlink()
+    g = _restored(tmp_path, 2)
+    try:
+        assert g.coord.serving() == ["r0"]
+        assert g.coord.state_of("r1") is S.FENCED
+        assert g.coord.replicas["r1"].controller.state is State.UNINITIALIZED
+        g.coord.supervise_once()  # nothing heals it into the pool on its own
+        assert g.coord.serving() == ["r0"]
+    finally:
+        g.coord.close()

@@ -370,6 +370,11 @@ class FleetCoordinator:
 
         def one(m: _Member) -> str | None:
             r = m.replica
+            if restoring and r.controller.state is State.UNINITIALIZED:
+                # Its engine versions would start again at rc-0: labels the journal's
+                # trajectories already name, for other weights.
+                return ("the pool's journal is restored but this replica has no journal of "
+                        "its own: its engine versions cannot continue")
             try:
                 if not bootstrapped:
                     r.runner.take_over(identity, probes=probe, min_verification=level,

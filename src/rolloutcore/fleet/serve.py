@@ -155,8 +155,10 @@ def check_journal_dir(journal_dir: str | os.PathLike[str], engines: int) -> int:
         table = ReplicaTable.replay(read_journal(pool, live=True), names)
         for n in names:
             j = d / f"{n}.journal.jsonl"
-            if j.exists():
-                read_journal(j, live=True)  # a torn last line is cut when it opens
+            if not j.exists() or not j.stat().st_size:
+                raise BadInput(f"{j} is missing: replica {n}'s engine versions could not "
+                               "continue (its labels would repeat)")
+            read_journal(j, live=True)  # a torn last line is cut when it opens
     except (JournalError, BadInput) as exc:
         raise BadInput(f"--journal {d}: cannot restore from it: {exc}") from exc
     return table.replayed
