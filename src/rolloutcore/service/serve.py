@@ -203,8 +203,9 @@ def run_serve(args: ServeOptions) -> int:
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
-    from rolloutcore.control.journal import Journal, read_journal
+    from rolloutcore.control.journal import Journal, open_controller
     from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
+    from rolloutcore.core.lifecycle import State
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
     from rolloutcore.transports.source import WeightSource
@@ -214,11 +215,21 @@ def run_serve(args: ServeOptions) -> int:
     # Without --journal nothing would read the records: no journal then. With one,
     # the file has every record and memory only the last few (two records per
     # data-plane request would otherwise grow without bound).
-    journal = Journal(args.journal, keep=256) if args.journal else None
-    if journal is not None and journal.repaired_bytes:
-        print(f"[rolloutcore] journal {args.journal}: cut a torn last line "
-              f"({journal.repaired_bytes} bytes; a crash in the middle of a write)",
-              file=sys.stderr)
+    # The previous gateway's journal is read before any engine starts (a damaged one is
+    # refused first): what it published, what it had in flight.
+    controller: LifecycleController
+    journal: Journal | None = None
+    if args.journal:
+        controller, journal = open_controller(args.journal, keep=256)
+        if journal.repaired_bytes:
+            print(f"[rolloutcore] journal {args.journal}: cut a torn last line "
+                  f"({journal.repaired_bytes} bytes; a crash in the middle of a write)",
+                  file=sys.stderr)
+        if controller.state is not State.UNINITIALIZED or controller.published:
+            print(f"[rolloutcore] restored the journal: {controller.state.value}, "
+                  f"committed {controller.committed}", file=sys.stderr)
+    else:
+        controller = LifecycleController()
     adapter: Any = None
     recorder: Any = None
     try:
@@ -251,18 +262,6 @@ def run_serve(args: ServeOptions) -> int:
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
-        earlier = read_journal(journal.path) if journal is not None and \
-            journal.path is not None and journal.path.stat().st_size else []
-        if earlier:
-            # The previous gateway's journal: what it published, what it had in flight.
-            assert journal is not None
-            controller = LifecycleController.restore(earlier, listener=journal.listener)
-            print(f"[rolloutcore] restored {len(earlier)} journal records: "
-                  f"{controller.state.value}, committed {controller.committed}",
-                  file=sys.stderr)
-        else:
-            controller = LifecycleController(
-                listener=None if journal is None else journal.listener)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))
