@@ -237,3 +237,57 @@ def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:
         assert c.active == {} and fake.streams_closed_early == 1
         text = hc.get(f"{url}/metrics").text
         assert 'rolloutcore_stream_endings_total{ending="client_disconnect"} 1.0' in text
+
+
+def test_a_launched_engines_route_key_goes_to_the_granted_trainer_only() -> None:
+    """Issue 29: the gateway that launched the engine holds its route key
+    (``transports.engine_key``); status says the routes are guarded without showing
+    it, a begin's grant carries it, and the client registers it for the engine URL
+    it was granted (here another name than the gateway's upstream), so that its
+    transport's weight writes carry it; a trainer without it does not preconnect."""
+    from rolloutcore.transports import engine_key
+
+    eng, ad, c, r, j, fake = make_parts()
+    up = serve_fake(fake)
+    key = engine_key.new_key()
+    engine_key.register(up, key)  # what ManagedEngine(guard_routes=True) does at launch
+    granted_url = "http://engine-key.test:8000"
+    try:
+        app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN,
+                                          engine_url=granted_url))
+        with uvicorn_thread(app) as url:
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            st = httpx.get(f"{url}/control/status", headers=auth, timeout=10).json()
+            assert st["engine"]["route_guard"] is True and key not in str(st)
+            ad.stage(W1)
+            tr = FakeTransport(ad)
+            with RolloutCoreClient(url, TOKEN, transport=tr) as rc:
+                assert engine_key.headers_for(granted_url) == {}
+                res = rc.update(W1, P1, owner="trainer-0")
+                assert res.status == "published"
+                assert engine_key.headers_for(granted_url) == {engine_key.HEADER: key}
+                assert tr.connects == [granted_url]  # inside the lease, with the key
+                done = httpx.get(f"{url}/control/updates/{res.update_id}", headers=auth,
+                                 timeout=10).json()
+                assert key not in str(done)  # shown once, in the grant
+    finally:
+        engine_key.forget(up)
+        engine_key.forget(granted_url)
+
+
+@pytest.mark.parametrize("bad", ["short", 7, "k" * 40 + "\nX: y"])
+def test_a_grant_with_a_malformed_route_key_is_refused(bad: Any) -> None:
+    from rolloutcore.core.versions import WeightVersion
+    from rolloutcore.errors import RolloutCoreError
+
+    def grant(key: Any) -> dict[str, Any]:
+        return {"update_id": 1, "target": WeightVersion(1, "rc-1", "e0").to_dict(),
+                "identity_digest": "x", "lease": {"seconds": 5, "deadline_unix": 0,
+                                                   "expires_in_s": 5},
+                "engine": {"base_url": "http://e:1", "route_key": key}}
+
+    assert UpdateGrant.from_json(grant(None)).route_key is None
+    good = "k" * 43
+    assert UpdateGrant.from_json(grant(good)).route_key == good
+    with pytest.raises(RolloutCoreError, match="malformed"):
+        UpdateGrant.from_json(grant(bad))

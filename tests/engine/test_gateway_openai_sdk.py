@@ -12,6 +12,7 @@ data plane.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -204,6 +205,54 @@ def test_trl_trains_through_the_gateway(served: Served, tmp_path: Path) -> None:
     assert {s.engine.vllm_version for g in groups for s in g.samples} != {"unknown"}
     rep = audit_file(traj, served.journal)
     assert rep.purity.ok and rep.purity.with_spans == 16, rep.format_table()
+
+
+_OUT_OF_BAND = r"""
+import json, sys, httpx
+url = sys.argv[1]
+calls = [("POST", "/pause", None), ("POST", "/update_weight_version", {"version": "rc-evil"}),
+         ("POST", "/reset_prefix_cache", None), ("POST", "/start_weight_update", None),
+         ("POST", "/init_weight_transfer_engine", {"init_info": {}}),
+         ("POST", "/collective_rpc", {"method": "reset"}), ("POST", "/sleep", None),
+         ("GET", "/weight_info", None), ("GET", "/server_info", None)]
+out = {p: httpx.request(m, url + p, json=b, timeout=60).status_code for m, p, b in calls}
+out["is_paused"] = httpx.get(url + "/is_paused", timeout=60).json()["is_paused"]
+out["generate"] = httpx.post(url + "/v1/completions", timeout=120, json={
+    "model": "policy", "prompt": "Hi", "max_tokens": 2, "temperature": 0}).status_code
+print(json.dumps(out))
+"""
+
+
+def test_a_local_process_cannot_write_to_the_engine_the_gateway_launched(
+        served: Served) -> None:
+    """Issue 29: the dev and weight routes of a launched engine need its route key.
+
+    Another local process that knows the engine's URL (from the gateway's status)
+    but not its key is refused (403) on every dev route, before vLLM acts: the
+    engine stays unpaused on its label, and generating stays open.
+    """
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    st = httpx.get(f"{served.url}/control/status", headers=auth, timeout=30).json()
+    assert st["engine"]["route_guard"] is True
+    assert "route_key" not in str(st)  # the key only in a begin's grant
+    committed = st["committed"]["label"]
+    r = subprocess.run([sys.executable, "-c", _OUT_OF_BAND, st["engine"]["base_url"]],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    refused = {k: v for k, v in got.items() if k.startswith("/")}
+    assert set(refused.values()) == {403}, got
+    assert got["is_paused"] is False and got["generate"] == 200, got
+    # Nothing changed behind the gateway: its committed label still answers.
+    after = httpx.get(f"{served.url}/control/status", headers=auth, timeout=30).json()
+    assert after["state"] == "READY" and not after["failed_closed"], after
+    assert after["committed"]["label"] == committed
+    with served.sdk() as c:
+        raw = c.completions.with_raw_response.create(model=_model(c), prompt="Hello",
+                                                     max_tokens=4, temperature=0)
+    assert raw.headers[VERSION] == committed
+    log = (served.work / "serve.log").read_text()
+    assert "was not launched by RolloutCore" not in log
 
 
 def test_the_sdk_retries_503_with_retry_after_during_an_update(served: Served,

@@ -109,8 +109,10 @@ class EngineSession:
         from rolloutcore.transports.gloo import GlooTransport
 
         tr = transport or GlooTransport()
+        # Its dev and weight routes answer only this process (transports.engine_key).
+        kw = {"guard_routes": True, **dict(engine_kwargs or {})}
         eng = ManagedEngine(model_dir, backend=tr.backend, progress=progress,
-                            startup_timeout_s=start_timeout_s, **dict(engine_kwargs or {}))
+                            startup_timeout_s=start_timeout_s, **kw)
         eng.start()
         try:
             http = VllmHTTP(eng.base_url)

@@ -47,6 +47,7 @@ from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdent
 from rolloutcore.errors import BadInput, EngineUnavailable
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetConfig, FleetWeights, Replica
+from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
 
@@ -274,6 +275,8 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
     env = dict(engine_kwargs.pop("env", None) or {})
+    # Their dev and weight routes answer only this process (transports.engine_key).
+    engine_kwargs.setdefault("guard_routes", True)
     engines = [ManagedEngine(Path(checkpoint), port=free_port(),
                              startup_timeout_s=startup_timeout_s,
                              log_dir=None if log_dir is None else Path(log_dir) / f"e{i}",
@@ -319,6 +322,7 @@ def _engine_actor() -> Any:
             def info(self) -> dict[str, Any]:
                 e = self.engine
                 return {"base_url": e.base_url, "epoch": e.epoch, "model_name": e.model_name,
+                        "route_key": e.route_key,
                         "model_dir": str(e.model_dir), "pid": e.pid if e.alive() else None,
                         "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -349,7 +353,17 @@ class RayEngine:
                  ) -> None:
         self.actor = actor
         self.call_timeout_s = call_timeout_s
+        self._info: dict[str, Any] = {}
+        self._set_info(info)
+
+    def _set_info(self, info: Mapping[str, Any]) -> None:
+        """The actor's engine as it answers now; its route key for this process's clients."""
+        old = self._info
+        if old.get("route_key"):
+            engine_key.forget(str(old["base_url"]), str(old["route_key"]))
         self._info = dict(info)
+        if self._info.get("route_key"):
+            engine_key.register(str(self._info["base_url"]), str(self._info["route_key"]))
 
     def _get(self, ref: Any, timeout_s: float | None = None) -> Any:
         import ray
@@ -388,7 +402,7 @@ class RayEngine:
 
     def restart(self, model_dir: str | os.PathLike[str] | None = None,
                 timeout_s: float | None = None) -> RayEngine:
-        self._info = dict(self._get(self.actor.restart.remote(
+        self._set_info(self._get(self.actor.restart.remote(
             None if model_dir is None else str(model_dir), timeout_s)))
         return self
 
@@ -468,7 +482,9 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
         raise EngineUnavailable("launch", f"Ray could not reserve {n} bundles of {bundle}: "
                                 f"{exc}", mutation_started=False) from exc
     actor_cls = _engine_actor()
-    kwargs = {"startup_timeout_s": startup_timeout_s, **engine_kwargs}
+    # Their dev and weight routes answer only the holders of their keys: this
+    # process, which learns them from the actors (transports.engine_key).
+    kwargs = {"startup_timeout_s": startup_timeout_s, "guard_routes": True, **engine_kwargs}
     if gpus_per_engine == 0:
         kwargs.setdefault("host", "127.0.0.1" if address is None else None)
     actors = [actor_cls.options(

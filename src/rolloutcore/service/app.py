@@ -70,6 +70,7 @@ from rolloutcore.service.control_body import control_body
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.transports import engine_key
 
 __all__ = ["Gateway", "create_app"]
 
@@ -110,7 +111,9 @@ class Gateway:
             "published": snap["published"],
             "transitions": c.history()[-self.config.history:],
             "engine": {"upstream_url": self.config.upstream_url, "model": self.config.model,
-                       "base_url": self.config.advertised_engine_url},
+                       "base_url": self.config.advertised_engine_url,
+                       # the key itself only in a begin's grant (service.control)
+                       "route_guard": bool(engine_key.headers_for(self.config.upstream_url))},
             "recorder": None if self.recorder_stats is None else self.recorder_stats(),
             "verification": self.updates.verification(),
         }

@@ -68,6 +68,7 @@ from rolloutcore.errors import (
     UpdateFailed,
     UpdateRefused,
 )
+from rolloutcore.transports import engine_key
 
 __all__ = ["RolloutCoreClient", "TransferFn", "UpdateGrant", "UpdateResult", "identity_of",
            "probe_for"]
@@ -95,6 +96,9 @@ class UpdateGrant:
     #: The lease's end on *this* process's monotonic clock: the granted duration
     #: counted from when the begin was sent (so never later than the gateway's).
     deadline_mono: float = 0.0
+    #: The engine's route key when the gateway launched it (``transports.engine_key``):
+    #: its weight routes refuse a transfer without it.
+    route_key: str | None = field(default=None, repr=False)
 
     @property
     def expires_in_s(self) -> float:
@@ -112,9 +116,19 @@ class UpdateGrant:
                        str(d["identity_digest"]), float(lease["seconds"]),
                        float(lease["deadline_unix"]), str(d["engine"]["base_url"]),
                        d["engine"].get("model"), dict(d.get("transport") or {}), dict(d),
-                       str(lease.get("secret") or ""), start + left)
+                       str(lease.get("secret") or ""), start + left,
+                       _route_key(d["engine"].get("route_key")))
         except (KeyError, TypeError, ValueError, BadInput) as exc:
             raise RolloutCoreError(f"the gateway's begin answer is malformed: {d!r}") from exc
+
+
+def _route_key(v: object) -> str | None:
+    if v is None:
+        return None
+    try:
+        return engine_key.check_key(v)
+    except ValueError as exc:
+        raise BadInput(f"route_key: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -363,7 +377,12 @@ class RolloutCoreClient:
                 continue
             break
         if code in (200, 201):
-            return UpdateGrant.from_json(data, sent)
+            grant = UpdateGrant.from_json(data, sent)
+            if grant.route_key is not None:
+                # The engine's weight routes answer this process's transports from now
+                # on (a transfer= of the caller's too): transports.engine_key.
+                engine_key.register(grant.engine_url, grant.route_key)
+            return grant
         msg = data.get("error") if isinstance(data, dict) else data
         if code == 409:
             raise UpdateRefused(f"begin refused: {msg}")
@@ -511,10 +530,15 @@ class RolloutCoreClient:
         if t is None or self._connected_to is not None:
             return
         try:
-            url = self.status().get("engine", {}).get("base_url")
+            engine = self.status().get("engine", {})
         except RolloutCoreError:
             return  # the begin will say what is wrong
+        url = engine.get("base_url") if isinstance(engine, dict) else None
         if isinstance(url, str) and url:
+            if engine.get("route_guard") and not engine_key.headers_for(url):
+                # An engine the gateway launched refuses a client without its route
+                # key, which comes with the first grant: connected inside that lease.
+                return
             t.connect(url, timeout_s=self._connect_timeout_s)
             self._connected_to = url
 

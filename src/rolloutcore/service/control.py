@@ -87,6 +87,7 @@ from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdent
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
+from rolloutcore.transports import engine_key
 from rolloutcore.verification.probe import WIRE_LIMITS, PolicyProbe
 
 __all__ = [
@@ -515,12 +516,18 @@ class UpdateManager:
         return 201, self._grant(upd)
 
     def _grant(self, upd: _Update) -> dict[str, Any]:
-        """The begin's answer: the only place the lease secret is ever shown."""
+        """The begin's answer: the only place the lease secret (and the engine's route key,
+        when this gateway launched the engine) is ever shown."""
         cfg = self.config
         d = upd.describe()
         d["lease"] = {**d["lease"], "secret": upd.secret, "header": LEASE_HEADER}
-        return {**d, "state": upd.out.state.value,
-                "engine": {"base_url": cfg.advertised_engine_url, "model": cfg.model},
+        engine: dict[str, Any] = {"base_url": cfg.advertised_engine_url, "model": cfg.model}
+        key = engine_key.headers_for(cfg.upstream_url).get(engine_key.HEADER)
+        if key is not None:
+            # An engine this gateway launched closes its weight routes to every
+            # client without its key; the trainer granted an update is given it.
+            engine["route_key"] = key
+        return {**d, "state": upd.out.state.value, "engine": engine,
                 "transport": dict(cfg.transport),
                 "report": f"/control/updates/{upd.update_id}/transfer"}
 

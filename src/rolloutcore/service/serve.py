@@ -236,6 +236,12 @@ def run_serve(args: ServeOptions) -> int:
         if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
                 None, None
+            print(f"[rolloutcore] the engine at {url} was not launched by RolloutCore: its dev "
+                  "and weight routes answer every process that reaches it. An out-of-band "
+                  "write is detected (health ticks every "
+                  f"{probe.health_interval_s:g} s, instance id, label), not refused; launch "
+                  "the engine with `rolloutcore serve` (no --upstream) to close them",
+                  file=sys.stderr)
         else:
             from rolloutcore.adapters.vllm.process import ManagedEngine
 
@@ -247,8 +253,10 @@ def run_serve(args: ServeOptions) -> int:
                 model_dir = make_checkpoint(workdir / "policy-0", seed=0)
                 print(f"[rolloutcore] generated a tiny checkpoint at {model_dir}",
                       file=sys.stderr)
+            # Its dev and weight routes answer only this gateway (and the trainer it
+            # grants an update): transports.engine_key.
             engine = ManagedEngine(model_dir, backend=args.transport_backend,
-                                   log_dir=workdir / "logs", progress=True)
+                                   log_dir=workdir / "logs", progress=True, guard_routes=True)
             engine.start()
             url, epoch, served = engine.base_url, engine.epoch, engine.model_name
         source = WeightSource.from_checkpoint(model_dir)

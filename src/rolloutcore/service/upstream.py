@@ -52,6 +52,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.transports import engine_key
 from rolloutcore.transports.http import transport_error
 
 __all__ = ["STEP", "UpstreamPool", "UpstreamResponse"]
@@ -319,6 +320,7 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = (ssl.create_default_context()
                                             if p.scheme == "https" else None)
         self._prefix = p.path.rstrip("/").encode()
+        self._url = base_url
         self._host_header = p.netloc.rsplit("@", 1)[-1].encode("idna")
         self.max_connections = max_connections
         self.connect_s = connect_s
@@ -422,7 +424,7 @@ class UpstreamPool:
         return await self._send(await self._acquire(), path, body, request_id)
 
     async def _send(self, conn: _Conn, path: bytes, body: bytes,
-                    request_id: bytes) -> UpstreamResponse:
+                    request_id: bytes, extra: bytes = b"") -> UpstreamResponse:
         resp = UpstreamResponse(self, conn)
         conn.resp = resp
         transport = conn.transport
@@ -430,8 +432,8 @@ class UpstreamPool:
         transport.write(b"".join((
             b"POST ", self._prefix, path, b" HTTP/1.1\r\nHost: ", self._host_header,
             b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity\r\n"
-            b"X-Request-Id: ", request_id, b"\r\nContent-Length: ", str(len(body)).encode(),
-            b"\r\n\r\n", body)))
+            b"X-Request-Id: ", request_id, b"\r\n", extra, b"Content-Length: ",
+            str(len(body)).encode(), b"\r\n\r\n", body)))
         try:
             while not resp.status and not resp.done:
                 await resp._wait()
@@ -455,13 +457,20 @@ class UpstreamPool:
             raise EngineUnavailable(STEP, "upstream client closed")
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await self._send(await self._connect(), path, body, b"rolloutcore")
+                resp = await self._send(await self._connect(), path, body, b"rolloutcore",
+                                        self._key_header())
                 try:
                     return resp.status, await resp.read(max_bytes)
                 finally:
                     resp.close()
         except TimeoutError:
             raise EffectTimeout(STEP, timeout_s, detail=f"POST {path.decode()}") from None
+
+    def _key_header(self) -> bytes:
+        # The gateway's own calls (the abort route) are closed on an engine RolloutCore
+        # launched: they carry its route key. The data routes are open (engine_key).
+        hs = engine_key.headers_for(self._url)
+        return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in hs.items())
 
     async def aclose(self) -> None:
         self._closed = True

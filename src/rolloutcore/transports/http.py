@@ -155,12 +155,17 @@ def request(method: str, url: str, *, step: str, timeout_s: float, json_body: An
     """
     import httpx
 
+    from rolloutcore.transports.engine_key import headers_for
+
     what = f"{method} {urlsplit(url).path}"
+    headers = headers_for(url)  # a launched engine's route key (transports.engine_key)
     with map_errors(step, what, timeout_s=timeout_s):
         if client is None:
-            resp = httpx.request(method, url, json=json_body, timeout=timeout_s)
+            resp = httpx.request(method, url, json=json_body, timeout=timeout_s,
+                                 headers=headers)
         else:
-            resp = client.request(method, url, json=json_body, timeout=timeout_s)
+            resp = client.request(method, url, json=json_body, timeout=timeout_s,
+                                  headers=headers)
     return raise_for_status(resp, step, what)
 
 

@@ -54,6 +54,7 @@ from rolloutcore.adapters.vllm.wire import (
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
+from rolloutcore.transports import engine_key
 from rolloutcore.transports.http import map_errors, snippet, status_error
 
 __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
@@ -193,7 +194,8 @@ class VllmHTTP:
 
         with map_errors(step, what, timeout_s=t, cancelled=cancelled):
             resp = self._client.request(method, path, params=params, json=json_body,
-                                        timeout=t, extensions={"trace": self._trace})
+                                        timeout=t, headers=engine_key.headers_for(self.base_url),
+                                        extensions={"trace": self._trace})
         if check_status:
             caps = self._capabilities
             err = status_error(step, what, resp.status_code, resp.text,
@@ -633,6 +635,7 @@ class VllmHTTP:
 
         def open_stream(timeout: httpx.Timeout) -> Any:
             return self._client.stream("POST", Routes.GENERATE, json=body, timeout=timeout,
+                                       headers=engine_key.headers_for(self.base_url),
                                        extensions={"trace": trace})
 
         return GenerationStream(open_stream, f"POST {Routes.GENERATE} (stream)",

@@ -44,6 +44,7 @@ from typing import IO, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
 
 __all__ = [
@@ -173,6 +174,7 @@ class ManagedEngine:
         stop_grace_s: float = 15.0,
         python: str | None = None,
         progress: bool = False,
+        guard_routes: bool = False,
     ) -> None:
         self._model_dir = self._check_model_dir(model_dir)
         if backend is not None and (not isinstance(backend, str) or not backend):
@@ -204,6 +206,13 @@ class ManagedEngine:
         self.stop_grace_s = float(stop_grace_s)
         self.python = python or sys.executable
         self.progress = progress
+        if not isinstance(guard_routes, bool):
+            raise BadInput(f"guard_routes must be a bool, got {guard_routes!r}")
+        #: Close the dev and weight routes to every client without this launch's
+        #: key (``transports.engine_key``); a new key at every process start.
+        self.guard_routes = guard_routes
+        self._route_key: str | None = None
+        self._route_url: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         # Stops may come from several threads (a fleet's close, a recovery, a test's
         # teardown): one at a time, the later ones find nothing left to stop.
@@ -267,6 +276,15 @@ class ManagedEngine:
             raise BadInput("engine has not been started")
         return self._log_path
 
+    @property
+    def route_key(self) -> str | None:
+        """The running process's route key (``guard_routes``), else None.
+
+        Registered for this process's clients (``engine_key.register``); hand
+        it only to a process that must write weights (a remote trainer).
+        """
+        return self._route_key
+
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
@@ -284,6 +302,8 @@ class ManagedEngine:
             cmd.append("--enable-scale-out")  # needed for /inference/v1/generate
         if self.backend is not None:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.backend})]
+        if self.guard_routes:
+            cmd += ["--middleware", engine_key.MIDDLEWARE]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -296,6 +316,8 @@ class ManagedEngine:
         env = {k: v for k, v in os.environ.items() if not _is_secret(k)}
         env.update(DEFAULT_ENV)
         env.update(self.env_overrides)
+        if self.guard_routes and self._route_key is not None:
+            env[engine_key.ENV] = self._route_key
         return env
 
     def log_tail(self, lines: int = 40) -> str:
@@ -349,6 +371,11 @@ class ManagedEngine:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._log_path = self.log_dir / f"vllm-{self._starts:02d}-{self._epoch}.log"
         self._log = open(self._log_path, "wb")  # noqa: SIM115 - closed in _terminate
+        if self.guard_routes:
+            # A new key for every process: a client of an earlier one holds nothing.
+            self._forget_key()
+            self._route_key, self._route_url = engine_key.new_key(), self.base_url
+            engine_key.register(self._route_url, self._route_key)
         cmd = self.command()
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
         self._log.flush()
@@ -426,6 +453,11 @@ class ManagedEngine:
             sys.stderr.write(f"[rolloutcore] {msg}\n")
         sys.stderr.flush()
 
+    def _forget_key(self) -> None:
+        if self._route_key is not None and self._route_url is not None:
+            engine_key.forget(self._route_url, self._route_key)
+        self._route_key = self._route_url = None
+
     def _terminate(self, grace_s: float | None = None) -> None:
         with self._stop_lock:
             proc = self._proc
@@ -445,6 +477,7 @@ class ManagedEngine:
                 self._log.close()
                 self._log = None
             self._proc = None
+            self._forget_key()  # the process that checked it is gone
 
     def stop(self, grace_s: float | None = None) -> None:
         """Kill the whole process group: SIGTERM, then SIGKILL after ``grace_s``.

@@ -679,12 +679,15 @@ class CudaIpcTransport:
               mutation: bool, body: Any = None) -> Any:
         import httpx
 
+        from rolloutcore.transports.engine_key import headers_for
+
         client = self._http()
+        headers = headers_for(base_url)  # a launched engine's route key
         try:
             if method == "GET":
-                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s)
+                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers)
             else:
-                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s,
+                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers,
                                 **({"json": body} if body is not None else {}))
         except (httpx.HTTPError, RuntimeError) as exc:
             # RuntimeError: the client was closed under us by abort().

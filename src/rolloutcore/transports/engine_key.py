@@ -1,0 +1,198 @@
+"""A per-launch key on a launched engine's dev and weight routes (issue 29).
+
+vLLM's dev routes (``VLLM_SERVER_DEV_MODE=1``: ``/pause``,
+``/update_weights``, ``/reset_prefix_cache``, ``/update_weight_version``,
+``/collective_rpc``...) answer every process that reaches the port; vLLM's own
+``--api-key`` guards ``/v1`` only. A local process that writes weights or a
+label out of band is then seen only at the gateway's next health tick, and
+answers completed meanwhile keep the committed label. When RolloutCore
+launches the engine (``ManagedEngine(guard_routes=True)``: ``rolloutcore
+serve``, ``EngineSession.launch``, a fleet's engines), it closes those routes
+instead, with vLLM's own interface for it: ``--middleware`` names
+``RouteGuard``, an ASGI middleware vLLM adds to its app, and the launch puts
+a fresh random key in the engine's environment (``ENV``). The guard answers
+403 to any request whose path is not open (``OPEN_ROUTES``: health, version,
+models, metrics, tokenize and the three generation routes; an unknown route
+is closed) unless it carries the key in ``HEADER``. An engine started with
+the guard and no key (or a short one) refuses to start.
+
+The key's other half is this process's ``register`` table, by origin
+(``scheme://host:port``). Every client of a vLLM server sends
+``headers_for(url)`` with each request: ``VllmHTTP``, the transports' calls
+(``transports.http.request``), the gateway's data-path client
+(``service.upstream``), its read-only passthrough and the CUDA-IPC trainer.
+A process that did not launch the engine learns the key from whoever did:
+a remote trainer from the gateway's grant of an update (an answer to the
+control token), a fleet's coordinator from its Ray actors.
+
+What it does not stop: a process of the same user can read the engine's
+environment (``/proc/<pid>/environ``) or attach a debugger; the key keeps out
+processes that were not given it (another user's, a script pointed at the
+port), not the engine's owner. The data routes stay open on purpose: a
+generation changes no weights, and the gateway labels only what it relays.
+An engine RolloutCore did not launch has no guard; ``rolloutcore serve
+--upstream`` says so at start, and out-of-band writes there are detected
+(health ticks, the instance id, the label), not refused.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import threading
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "ENV",
+    "HEADER",
+    "MIDDLEWARE",
+    "OPEN_ROUTES",
+    "RouteGuard",
+    "check_key",
+    "forget",
+    "headers_for",
+    "is_open",
+    "new_key",
+    "origin",
+    "register",
+]
+
+#: The engine's environment variable that holds its key (a secret: never inherited
+#: by an engine from RolloutCore's own environment, ``process._is_secret``).
+ENV = "ROLLOUTCORE_ENGINE_ROUTE_SECRET"
+#: The request header that carries it.
+HEADER = "x-rolloutcore-engine-key"
+#: What ``--middleware`` names.
+MIDDLEWARE = "rolloutcore.transports.engine_key.RouteGuard"
+#: A key shorter than this is refused (``new_key`` makes 43 characters).
+MIN_KEY_CHARS = 32
+
+_READ = frozenset({"GET", "HEAD"})
+#: (methods, path) open without the key: reading and generating change no weights.
+OPEN_ROUTES: Mapping[str, frozenset[str]] = {
+    "/health": _READ, "/ping": _READ | {"POST"}, "/version": _READ, "/load": _READ,
+    "/metrics": _READ, "/v1/models": _READ, "/openapi.json": _READ,
+    "/is_paused": _READ, "/is_sleeping": _READ, "/tokenizer_info": _READ,
+    "/tokenize": frozenset({"POST"}), "/detokenize": frozenset({"POST"}),
+    "/v1/completions": frozenset({"POST"}), "/v1/chat/completions": frozenset({"POST"}),
+    "/inference/v1/generate": frozenset({"POST"}),
+}
+
+
+def is_open(method: str, path: str) -> bool:
+    """Whether ``method path`` is answered without the key."""
+    return method.upper() in OPEN_ROUTES.get(path, frozenset())
+
+
+def new_key() -> str:
+    """A fresh random key (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_key(key: object) -> str:
+    """``key`` if it can be a route key (printable ASCII, no spaces, long enough).
+
+    Else ``ValueError``: a key is sent as a header, so no line break may pass.
+    """
+    if not isinstance(key, str) or len(key) < MIN_KEY_CHARS or not key.isascii() \
+            or not key.isprintable() or " " in key:
+        raise ValueError(f"an engine route key is a printable ASCII string of at least "
+                         f"{MIN_KEY_CHARS} characters without spaces")
+    return key
+
+
+# ----------------------------------------------------------------- client side
+
+def origin(url: str) -> str:
+    """``scheme://host:port`` of an http(s) URL (the port made explicit), else ``ValueError``."""
+    p = urlsplit(url)
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = p.port or (443 if p.scheme == "https" else 80)
+    host = p.hostname if ":" not in p.hostname else f"[{p.hostname}]"
+    return f"{p.scheme}://{host.lower()}:{port}"
+
+
+_KEYS: dict[str, str] = {}
+_LOCK = threading.Lock()
+
+
+def register(url: str, key: str) -> None:
+    """This process's clients send ``key`` to the engine at ``url`` from now on."""
+    o = origin(url)
+    k = check_key(key)
+    with _LOCK:
+        _KEYS[o] = k
+
+
+def forget(url: str, key: str | None = None) -> None:
+    """Stop sending a key to ``url`` (only if it is still ``key``, when given)."""
+    try:
+        o = origin(url)
+    except ValueError:
+        return
+    with _LOCK:
+        if key is None or _KEYS.get(o) == key:
+            _KEYS.pop(o, None)
+
+
+def headers_for(url: str) -> dict[str, str]:
+    """The headers a request to ``url`` carries: the key's, or none."""
+    try:
+        o = origin(url)
+    except ValueError:
+        return {}
+    k = _KEYS.get(o)
+    return {} if k is None else {HEADER: k}
+
+
+# ----------------------------------------------------------------- engine side
+
+_Scope = MutableMapping[str, Any]
+_Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+_Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+_HEADER_B = HEADER.encode()
+
+
+class RouteGuard:
+    """ASGI middleware for vLLM's API server (``--middleware``): the key or 403.
+
+    Reads its key from ``ENV`` once, when vLLM builds its app; without a
+    valid one it raises and the engine does not start (fail closed).
+    """
+
+    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
+        try:
+            key = check_key(os.environ.get(ENV))
+        except ValueError as exc:
+            raise RuntimeError(f"RouteGuard: {ENV} must hold the engine's route key: "
+                               f"{exc}") from None
+        self.app = app
+        self._key = key.encode()
+
+    def _allowed(self, scope: _Scope) -> bool:
+        given = next((v for k, v in scope.get("headers") or () if k.lower() == _HEADER_B), None)
+        return given is not None and hmac.compare_digest(given, self._key)
+
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        kind = scope.get("type")
+        if kind == "http":
+            if is_open(str(scope.get("method", "")), str(scope.get("path", ""))) \
+                    or self._allowed(scope):
+                await self.app(scope, receive, send)
+                return
+            body = (b'{"error": {"message": "this route of a RolloutCore-launched engine needs '
+                    b'its route key", "type": "Forbidden", "code": 403}}')
+            await send({"type": "http.response.start", "status": 403,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if kind == "websocket" and not self._allowed(scope):
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await self.app(scope, receive, send)  # lifespan, and websockets with the key
