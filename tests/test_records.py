@@ -65,6 +65,7 @@ from rolloutcore.core.records import (
     EvidenceSeen,
     Failure,
     FailureKind,
+    Interrupted,
     Note,
     Record,
     Refuse,
@@ -163,6 +164,10 @@ SAMPLES: list[Record] = [
                        1, V1, ""),
     ReplicaStateChange("r1", ReplicaState.SERVING, ReplicaState.FENCED, ReplicaEvent.TAINTED,
                        None, None, "engine tainted"),
+    # The engine's owner interrupted (the TRL integration, version 5).
+    Interrupted("KeyboardInterrupt", "update", 3, State.TAINTED, V0, 4, State.UPDATING,
+                Classification.AMBIGUOUS, 0, "interrupted while the weights were sent"),
+    Interrupted("SystemExit", "training", None, State.READY, None),
     # The trainer protocol's leases (core.lease).
     LeaseChange(7, None, LeaseState.OPEN, None, "trainer"),
     LeaseChange(7, LeaseState.OPEN, LeaseState.EXPIRING, LeaseEvent.EXPIRE, "trainer",

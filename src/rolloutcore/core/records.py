@@ -44,6 +44,7 @@ from rolloutcore.core.vocab import (  # re-exported: the one schema module
     Record,
     State,
     Step,
+    TypedRecord,
     UpdateMode,
     strs,
     version_from,
@@ -69,6 +70,7 @@ __all__ = [
     "EvidenceSeen",
     "Failure",
     "FailureKind",
+    "Interrupted",
     "JournalRecord",
     "Note",
     "Record",
@@ -92,9 +94,11 @@ __all__ = [
 #: 4 added the fleet's records (``core.pool``: ``fleet_*``, ``replica_*``, ``wave*``),
 #: which a fleet gateway writes to the same journal format as one engine's, and the
 #: trainer protocol's ``lease`` record (``core.lease``).
-SCHEMA_VERSION = 4
+#: 5 added the ``interrupted`` record (the engine's owner interrupted: what it was
+#: doing, and how the update it had open was ended).
+SCHEMA_VERSION = 5
 #: Versions this reader decodes (1: lines without ``"v"``).
-READABLE_VERSIONS = frozenset({1, 2, 3, 4})
+READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5})
 
 
 _v, _vd, _strs = version_from, version_or_none, strs
@@ -488,11 +492,40 @@ class Note(Record):
         return cls(str(rest.pop("what")), rest)
 
 
+@dataclass(frozen=True)
+class Interrupted(TypedRecord):
+    """The engine's owner was interrupted (Ctrl-C, ``SystemExit``): its last record before
+    the journal closes (since version 5).
+
+    ``cause`` is the exception's name, ``phase`` what was interrupted (the TRL
+    integration writes ``bootstrap``, ``trainer_setup``, ``generation``, ``update``,
+    ``reward``, ``training``, ``finishing``), ``step`` the trainer's step. ``update_id``
+    is the update that was open (its ``request_update``) and ``update_state`` the state
+    it was in; ``outcome`` is how it was ended before this record (``no_mutation``: the
+    old version serves again, with its ``abandon``; ``ambiguous``: TAINTED and fenced,
+    with its ``taint``); all three are null when no update was open. ``state`` and
+    ``committed`` are what the controller holds as the journal closes, ``rollouts`` the
+    rollouts still bound then (a restore releases them unattributable).
+    """
+
+    KIND: ClassVar[str] = "interrupted"
+    cause: str
+    phase: str
+    step: int | None
+    state: State
+    committed: WeightVersion | None
+    update_id: int | None = None
+    update_state: State | None = None
+    outcome: Classification | None = None
+    rollouts: int = 0
+    detail: str = ""
+
+
 #: Kind -> record class: the whole schema (the engine's, the fleet pool's, the leases').
 _ENGINE_RECORDS: tuple[type[Record], ...] = (
     Admit, Complete, Refuse, RequestUpdate, Transition, EvidenceSeen, Verdict, BeginUpdate,
     Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry,
-    RequestSleep, RequestWake)
+    RequestSleep, RequestWake, Interrupted)
 RECORD_TYPES: Mapping[str, type[Record]] = {
     t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS, *LEASE_RECORDS)}
 
