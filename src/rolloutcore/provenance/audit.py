@@ -69,12 +69,16 @@ from rolloutcore.core.pool import (
     ReplicaStateChange,
 )
 from rolloutcore.core.records import (
+    Abandon,
     Admit,
     Carry,
     Commit,
     Complete,
+    Interrupted,
     JournalRecord,
+    RequestUpdate,
     State,
+    Taint,
     UpdateMode,
 )
 from rolloutcore.core.versions import WeightVersion
@@ -99,6 +103,7 @@ __all__ = [
     "audit_group",
     "audit_purity",
     "binomial_tail",
+    "describe_interruption",
     "read_journal_summary",
     "run_audit",
 ]
@@ -125,6 +130,11 @@ class JournalSummary:
     fleet_served: frozenset[tuple[str, int, WeightVersion]] = frozenset()
     fleet_failed: frozenset[str] = frozenset()
     aborted: frozenset[str] = frozenset()
+    #: The owner's ``interrupted`` records (Ctrl-C: what it stopped, the update it ended).
+    interruptions: tuple[Interrupted, ...] = ()
+    #: Updates a journal file leaves without an end (no ``commit``, ``abandon`` or
+    #: ``taint`` after their ``request_update``): (file, the request).
+    unended: tuple[tuple[str, RequestUpdate], ...] = ()
 
     @property
     def is_fleet(self) -> bool:
@@ -137,7 +147,10 @@ class JournalSummary:
         out: dict[str, Any] = {
             "path": self.path, "lines": self.lines, "skipped": self.skipped,
             "commits": [v.to_dict() for v in sorted(self.commits, key=_vkey)],
-            "admissions": len(self.admissions), "over_bound": sorted(self.over_bound)}
+            "admissions": len(self.admissions), "over_bound": sorted(self.over_bound),
+            "interruptions": [r.to_data() for r in self.interruptions],
+            "unended_updates": [{"journal": f, "update_id": r.update_id,
+                                 "target": r.target.to_dict()} for f, r in self.unended]}
         if self.is_fleet:
             out["fleet"] = {"versions": {str(g): lab for g, lab in
                                          sorted(self.fleet_versions.items())},
@@ -147,6 +160,25 @@ class JournalSummary:
 
 def _vkey(v: WeightVersion) -> tuple[int, str, str]:
     return (v.generation, v.label, v.engine_epoch)
+
+
+def describe_interruption(rec: Interrupted) -> str:
+    """One line for people: what was interrupted, and what the update open then became."""
+    at = "" if rec.step is None else f" at global_step {rec.step}"
+    out = f"{rec.cause} during {rec.phase}{at}"
+    if rec.update_id is not None:
+        how = {"no_mutation": "ended with nothing mutated (the old version serves)",
+               "ambiguous": "ended ambiguous (TAINTED, fenced)"}.get(
+            "" if rec.outcome is None else rec.outcome.value, "left as it was")
+        where = "" if rec.update_state is None else f" in {rec.update_state.value}"
+        out += f"; update {rec.update_id}{where} {how}"
+    else:
+        out += "; no update was open"
+    committed = "nothing" if rec.committed is None else rec.committed.label
+    out += f"; the controller {rec.state.value}, {committed} committed"
+    if rec.rollouts:
+        out += f", {rec.rollouts} rollouts still bound"
+    return out + (f" ({rec.detail})" if rec.detail else "")
 
 
 def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
@@ -174,8 +206,11 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
     served: set[tuple[str, int, WeightVersion]] = set()
     failed: set[str] = set()
     aborted: set[str] = set()
+    interruptions: list[Interrupted] = []
+    unended: list[tuple[str, RequestUpdate]] = []
     lines = skipped = 0
     for f in files:
+        opened: RequestUpdate | None = None   # this file's update without an end yet
         try:
             with open(f, encoding="utf-8", errors="replace") as fh:
                 for raw in fh:
@@ -187,8 +222,16 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     except (ValueError, JournalError):  # JSONDecodeError is a ValueError
                         skipped += 1
                         continue
+                    if isinstance(rec, RequestUpdate):   # a request_wake too
+                        opened = rec
+                    elif isinstance(rec, (Abandon, Taint)) or (
+                            isinstance(rec, Commit) and opened is not None
+                            and rec.version == opened.target):
+                        opened = None
                     if isinstance(rec, Commit):
                         commits.add(rec.version)
+                    elif isinstance(rec, Interrupted):
+                        interruptions.append(rec)
                     elif isinstance(rec, Admit):
                         admissions[rec.rollout_id] = rec.version
                     elif isinstance(rec, Carry):
@@ -206,10 +249,13 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                             failed.add(rec.replica)
         except OSError as exc:
             raise JournalError(f"cannot read journal {f!r}: {exc}") from exc
+        if opened is not None:
+            unended.append((f, opened))
     return JournalSummary(p, lines, skipped, frozenset(commits),
                           MappingProxyType(admissions), frozenset(over),
                           MappingProxyType(fleet_versions), frozenset(served),
-                          frozenset(failed), frozenset(aborted))
+                          frozenset(failed), frozenset(aborted), tuple(interruptions),
+                          tuple(unended))
 
 
 # --------------------------------------------------------------------------- purity
@@ -376,6 +422,11 @@ class PurityReport:
             labels = ", ".join(str(v) for v in sorted(j.commits, key=_vkey)) or "(none)"
             lines.append(f"  journal: {j.path}: {len(j.commits)} committed versions ({labels}); "
                          f"{j.skipped} of {j.lines} lines unreadable")
+            for rec in j.interruptions:
+                lines.append(f"  interrupted: {describe_interruption(rec)}")
+            for f, ru in j.unended:
+                lines.append(f"  update {ru.update_id} (to {ru.target.label}) has no end in "
+                             f"{f}: its process died during it, or it is still running")
             if j.over_bound:
                 lines.append(f"  {len(j.over_bound)} rollouts ended by updates over the "
                              "staleness bound (reported in the journal, not samples): "
