@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import FAST
+from helpers.trl_fakes import (
+    RUN,
+    N,
+    Tiny,
+    fake_weights,
+    make_trainer,
+    write_checkpoint,
+)
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import LifecycleRunner
@@ -49,57 +55,8 @@ from rolloutcore.provenance.trajectory import (
     Timestamps,
     VersionSpan,
 )
-from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, FaultKind
+from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FaultKind
 from rolloutcore.transports.source import WeightSource
-
-N = 4  # num_generations
-RUN = "unit-run"
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 3)
-        self.config = SimpleNamespace(vocab_size=256)
-
-
-def write_checkpoint(d: Path, model: torch.nn.Module) -> Path:
-    d.mkdir()
-    save_file({n: p.detach().to(torch.bfloat16).contiguous()
-               for n, p in model.named_parameters()}, str(d / "model.safetensors"))
-    (d / "config.json").write_text("{}")
-    return d
-
-
-class ByteTokenizer:
-    """TRL calls ``processing_class(text=[...])["input_ids"]`` for plain prompts."""
-
-    def __call__(self, *, text: Sequence[str]) -> dict[str, list[list[int]]]:
-        return {"input_ids": [list(t.encode()) for t in text]}
-
-    def apply_chat_template(self, *, conversation: Sequence[Any], add_generation_prompt: bool,
-                            tokenize: bool, return_dict: bool, chat_template: Any = None,
-                            **kw: Any) -> dict[str, list[list[int]]]:
-        assert add_generation_prompt and tokenize and return_dict
-        return {"input_ids": [list(("|".join(m["content"] for m in c) + ">").encode())
-                              for c in conversation]}
-
-
-def make_trainer(model: torch.nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        state=SimpleNamespace(global_step=0), model=model, num_generations=N,
-        num_generations_eval=2, processing_class=ByteTokenizer(), max_completion_length=6,
-        temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
-        args=SimpleNamespace(generation_kwargs=None),
-        accelerator=SimpleNamespace(num_processes=1, unwrap_model=lambda m: m),
-        vllm_importance_sampling_correction=True, use_vllm=False, tools=None,
-        _metrics={"train": defaultdict(list), "eval": defaultdict(list)})
-
-
-def fake_weights(state: Mapping[str, torch.Tensor], provenance: Provenance) -> FakeWeights:
-    """The tensors' bytes as the fake engine's weights (same names)."""
-    return FakeWeights({n: t.contiguous().view(torch.uint8).numpy().tobytes()
-                        for n, t in state.items()}, provenance)
 
 
 class FakeRolloutEngine:
@@ -427,6 +384,15 @@ def test_close_closes_the_file_and_the_engine_and_refuses_more(rig: Rig) -> None
         rig.rollout(rig.prompts(), rig.trainer)
 
 
+#: The fault-matrix part of #29's unattributable_answer this module proves (helpers.fault_matrix).
+MATRIX = PromiseRows(
+    "tests/test_trl_rollout_unit.py",
+    engines="FakeEngine under the real controller and runner; the real gateway app served by "
+            "uvicorn on loopback HTTP, its upstream a FakeVllm on loopback HTTP; TRL's gateway "
+            "engine (integrations.trl.engines._GatewayEngine) its client")
+_fault_matrix = MATRIX.fixture()
+
+
 def test_the_gateway_engine_credits_no_sample_the_gateway_released_unattributable() -> None:
     """#29: the gateway released a request unattributable (its engine tainted while it
     ran) and said nothing; TRL's gateway engine recorded the sample as attributable. The
@@ -458,3 +424,176 @@ def test_the_gateway_engine_credits_no_sample_the_gateway_released_unattributabl
             assert late.binding.version.label == "default"
         finally:
             ge.close()
+    MATRIX.row("unattributable_answer", "the same, answered to TRL's gateway engine",
+               "the sample credited to no version (attributable False, its binding the old "
+               "version's)", "TAINTED", part="trl", mislabeled_answers=0)
+
+
+# --------------------------------------------------------------------------- Ctrl-C (#29)
+
+class SessionRig:
+    """The rollout function over ``_SessionEngine`` (what ``launch`` builds) on a fake session."""
+
+    def __init__(self, tmp: Path, *, interrupt_wait_s: float = 10.0) -> None:
+        from helpers.trl_fakes import FakeSession
+        from rolloutcore.integrations.trl.engines import _SessionEngine
+
+        torch.manual_seed(0)
+        self.model = Tiny()
+        self.ckpt = write_checkpoint(tmp / "ckpt", self.model)
+        self.journal_path = tmp / "journal.jsonl"
+        self.session = FakeSession(self.ckpt, RUN, journal=self.journal_path)
+        self.traj = tmp / "traj.jsonl"
+        self.rollout = RolloutCoreRollout(_SessionEngine(self.session, owns=True),
+                                          checkpoint=self.ckpt, run=RUN, trajectories=self.traj,
+                                          probe=False, interrupt_wait_s=interrupt_wait_s)
+        self.trainer = make_trainer(self.model)
+
+    def records(self) -> list[Any]:
+        from rolloutcore.control.journal import read_journal
+
+        return [r.record for r in read_journal(self.journal_path)]
+
+
+def _waiting_for_samples(stack: list[str]) -> bool:
+    from helpers.trl_fakes import calls
+
+    return calls(stack, "._generate_all", "concurrent.futures._base.wait")
+
+
+@pytest.mark.parametrize("held", [0, 1])
+def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
+        tmp_path: Path, held: int) -> None:
+    """#29: Ctrl-C while the samples were generated stopped with "generation failed: 1 of
+    32 samples failed; first: KeyboardInterrupt" (exit 2), every sample completed. The
+    interrupt now propagates as itself; the step's requests are awaited (at most
+    ``interrupt_wait_s``), nothing of the step is recorded, and the rollout says what
+    was stopped."""
+    import threading
+
+    from helpers.trl_fakes import prompts, sigint_when
+
+    rig = SessionRig(tmp_path, interrupt_wait_s=0.2)
+    sent, hold = threading.Event(), threading.Event()
+    try:
+        rig.rollout(prompts(), rig.trainer)                 # step 0, recorded
+        groups_before = len(list(read_groups(rig.traj)))
+
+        def before(rid: str) -> None:
+            sent.wait(30)       # every request waits for the Ctrl-C: the rollout is waiting
+            if held and rid.endswith("p3/3"):
+                hold.wait(30)   # one request outlives the bounded wait
+
+        rig.session.http.before = before
+        term = sigint_when(_waiting_for_samples)
+        threading.Thread(target=lambda: (term.join(), sent.set()), daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            rig.rollout(prompts(), rig.trainer)
+        it = rig.rollout.interrupted
+        assert it is not None and (it.phase, it.step, it.cause) == (
+            "generation", 0, "KeyboardInterrupt")
+        assert (it.samples, it.completed, it.unfinished) == (2 * N, 2 * N - held, held)
+        assert "none was recorded" in it.describe()
+        assert rig.rollout.stopped is None
+        assert len(list(read_groups(rig.traj))) == groups_before
+        assert rig.rollout.samples_recorded == 2 * N
+        hold.set()
+        # Not sticky: the same rollout function generates again (a notebook's next train()).
+        rig.session.http.before = None
+        out = rig.rollout(prompts(), rig.trainer)
+        assert len(out["completion_ids"]) == 2 * N and rig.rollout.interrupted is None
+    finally:
+        hold.set()
+        rig.rollout.close()
+    assert [r for r in rig.records() if r.KIND == "interrupted"] == []  # the run went on
+
+
+@pytest.mark.parametrize(("effect", "state", "outcome", "after"), [
+    ("drain", State.DRAINING, "no_mutation", State.READY),
+    ("transfer", State.UPDATING, "ambiguous", State.TAINTED),
+])
+def test_ctrl_c_during_an_update_ends_it_decided_and_the_journal_names_it(
+        tmp_path: Path, effect: str, state: State, outcome: str, after: State) -> None:
+    """#29: an update interrupted half-way stayed open (admission closed, the engine paused,
+    perhaps half of the weights in) with no closing record, and the audit said nothing.
+    It is now ended as a timeout of its step: resumed on the old version when nothing was
+    mutated, else TAINTED and fenced; the journal closes with an ``interrupted`` record
+    that names it, and the audit reports it."""
+    from helpers.trl_fakes import calls, prompts, sigint_when, train_step
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.invariants import check_journal
+    from rolloutcore.core.records import Abandon, Failure, RequestUpdate, Taint
+
+    rig = SessionRig(tmp_path)
+    c = rig.session.controller
+    try:
+        rig.rollout(prompts(), rig.trainer)
+        v0 = c.committed
+        rig.session.adapter.inject(effect, FaultKind.HANG)
+        train_step(rig.model, rig.trainer)
+        sigint_when(lambda st: c.state is state
+                    and calls(st, "LifecycleRunner._effect", "threading.Thread.join"))
+        with pytest.raises(KeyboardInterrupt):
+            rig.rollout(prompts(), rig.trainer)
+        assert c.current_ticket is None and c.state is after and c.committed == v0
+        assert rig.session.engine.paused is (after is State.TAINTED)  # fenced, or serving
+        it = rig.rollout.interrupted
+        assert it is not None and it.phase == "update" and it.step == 1
+        assert it.update is not None and it.update.state is state
+        assert it.update.classification is not None
+        assert it.update.classification.value == outcome
+        if after is State.TAINTED:
+            with pytest.raises(TrainingStopped, match="interrupted"):
+                rig.rollout(prompts(), rig.trainer)
+    finally:
+        rig.rollout.close()
+    from rolloutcore.core.records import Interrupted
+
+    recs = rig.records()
+    (req,) = [r for r in recs if type(r) is RequestUpdate]
+    assert it.update.update_id == req.update_id
+    fail = [r for r in recs if isinstance(r, Failure)][-1]
+    assert (fail.step.value, fail.kind.value) == (effect, "timeout")
+    assert "interrupted (KeyboardInterrupt)" in fail.reason
+    ends = [r for r in recs if isinstance(r, (Abandon, Taint))]
+    assert [type(r) for r in ends] == [Abandon if outcome == "no_mutation" else Taint]
+    last = recs[-1]
+    assert isinstance(last, Interrupted)
+    assert (last.phase, last.step, last.update_id, last.update_state, last.state) == (
+        "update", 1, req.update_id, state, after)
+    assert last.outcome is not None and last.outcome.value == outcome
+    assert last.committed == v0 and last.rollouts == 0
+    # The journal is whole: its invariants hold and it restores to the decided state.
+    assert check_journal(read_journal(rig.journal_path)) == []
+    assert LifecycleController.restore(read_journal(rig.journal_path)).state is after
+    rep = audit_file(rig.traj, rig.journal_path)
+    assert rep.ok and rep.purity.journal is not None
+    assert rep.purity.journal.interruptions == (last,)
+    assert rep.purity.journal.unended == ()
+    assert f"interrupted: KeyboardInterrupt during update at global_step 1; update " \
+        f"{req.update_id} in {state.value}" in rep.format_table()
+
+
+def test_the_audit_names_an_update_a_journal_leaves_without_an_end(tmp_path: Path) -> None:
+    """A process killed mid-update (no chance to end it) leaves a journal whose last update
+    has no end: the audit says so, rather than nothing."""
+    from helpers.trl_fakes import prompts, train_step
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.records import BeginUpdate
+    from rolloutcore.provenance.audit import read_journal_summary
+
+    rig = SessionRig(tmp_path)
+    rig.rollout(prompts(), rig.trainer)
+    train_step(rig.model, rig.trainer)
+    rig.rollout(prompts(), rig.trainer)   # update 1, published
+    rig.rollout.close()
+    whole = read_journal(rig.journal_path)
+    assert read_journal_summary(rig.journal_path).unended == ()
+    # The same journal as a process SIGKILLed during the transfer leaves it.
+    cut = next(i for i, r in enumerate(whole) if isinstance(r.record, BeginUpdate))
+    died = tmp_path / "died.jsonl"
+    died.write_text("".join(r.to_json() + "\n" for r in whole[:cut + 1]))
+    s = read_journal_summary(died)
+    assert [(f, r.update_id) for f, r in s.unended] == [(str(died), 1)]
+    text = audit_file(rig.traj, died).format_table()
+    assert "update 1 (to " in text and "has no end in" in text

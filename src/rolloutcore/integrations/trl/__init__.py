@@ -56,6 +56,12 @@ Two engines:
   protocol, generation through its data plane (admission and binding are
   the gateway's; the answer's ``rolloutcore`` field says the version).
 
+**Interrupted** (Ctrl-C): the interrupt propagates out of ``trainer.train()``
+as itself, never as a sample failure; an update it caught half-way is ended
+decided first (resumed on the old version when nothing was mutated, else
+tainted and fenced), and ``rollout.interrupted`` says what was stopped
+(``close`` writes it to the journal as its ``interrupted`` record).
+
 One training process only: the seeds, group ids and the trajectory file are
 per run, and a second process would need its own (refused, not guessed).
 """
@@ -63,7 +69,9 @@ per run, and a second process would need its own (refused, not guessed).
 from rolloutcore.integrations.trl.common import (
     DEFAULT_PROBE_TOLERANCE,
     TESTED_VERSIONS,
+    EndedUpdate,
     GenerationReport,
+    Interruption,
     StepReport,
     TrainingStopped,
     UpdateReport,
@@ -76,8 +84,10 @@ from rolloutcore.integrations.trl.weights import engine_state_dict, probe_for
 __all__ = [
     "DEFAULT_PROBE_TOLERANCE",
     "TESTED_VERSIONS",
+    "EndedUpdate",
     "EngineSample",
     "GenerationReport",
+    "Interruption",
     "PublishedUpdate",
     "RolloutCoreRollout",
     "RolloutEngine",

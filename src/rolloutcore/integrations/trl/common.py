@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import signal
+import sys
+import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutcore.core.records import Classification, State
 from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
@@ -20,10 +25,13 @@ from rolloutcore.errors import (
 __all__ = [
     "DEFAULT_PROBE_TOLERANCE",
     "TESTED_VERSIONS",
+    "EndedUpdate",
     "GenerationReport",
+    "Interruption",
     "StepReport",
     "TrainingStopped",
     "UpdateReport",
+    "deferred_interrupts",
     "import_trl",
 ]
 
@@ -155,3 +163,118 @@ class StepReport:
                 "call_s": self.call_s}
 
 
+
+
+# --------------------------------------------------------------------------- interruptions
+
+
+@dataclass(frozen=True)
+class EndedUpdate:
+    """The update that was open when its owner was interrupted, and how it was ended.
+
+    ``state`` is where it was and ``step`` the step failed there; ``classification``
+    how the failure policy ended it (a TIMEOUT of that step: ``no_mutation``, the
+    old version serves again, or ``ambiguous``, TAINTED and fenced);
+    ``state_after`` the controller's state then.
+    """
+
+    update_id: int
+    target: WeightVersion
+    state: State
+    step: str
+    classification: Classification | None
+    state_after: State
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"update_id": self.update_id, "target": self.target.to_dict(),
+                "state": self.state.value, "step": self.step,
+                "classification": None if self.classification is None
+                else self.classification.value, "state_after": self.state_after.value}
+
+
+_ENDED = {"no_mutation": "ended with nothing mutated (the old version serves)",
+          "ambiguous": "ended ambiguous (the engine TAINTED and fenced)"}
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """What a ``KeyboardInterrupt`` (Ctrl-C) or ``SystemExit`` stopped (``rollout.interrupted``).
+
+    ``phase`` is ``generation`` (the step's ``samples``: ``completed`` before it
+    stopped, ``unfinished`` still running after the bounded wait, the rest
+    cancelled; none of them recorded or returned to TRL), ``update`` (``update``:
+    the update that was open and how it was ended; ``None`` when the engine had not
+    been asked yet), or what the caller named (``note_interruption``: ``training``,
+    ``reward``...). ``step`` is the trainer's global step.
+    """
+
+    phase: str
+    step: int | None
+    cause: str
+    update: EndedUpdate | None = None
+    samples: int = 0
+    completed: int = 0
+    unfinished: int = 0
+    detail: str = ""
+
+    @property
+    def samples_text(self) -> str:
+        """The generation's samples, in words (empty outside generation)."""
+        if self.phase != "generation":
+            return ""
+        return (f"{self.completed} of {self.samples} samples had completed, "
+                f"{self.unfinished} were still running; none was recorded or given to TRL")
+
+    def describe(self) -> str:
+        at = "" if self.step is None else f" at global_step {self.step}"
+        out = f"{self.cause} during {self.phase}{at}"
+        if self.samples_text:
+            out += f": {self.samples_text}"
+        u = self.update
+        if u is not None:
+            how = _ENDED.get(u.classification.value if u.classification else "",
+                             "left undecided")
+            out += f"; update {u.update_id} to {u.target.label} (in {u.state.value}) {how}"
+        elif self.phase == "update":
+            out += "; the engine had not been asked yet (nothing was open)"
+        return out + (f"; {self.detail}" if self.detail else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "step": self.step, "cause": self.cause,
+                "update": None if self.update is None else self.update.to_dict(),
+                "samples": self.samples, "completed": self.completed,
+                "unfinished": self.unfinished, "detail": self.detail,
+                "description": self.describe()}
+
+
+@contextlib.contextmanager
+def deferred_interrupts(message: str | None = None, *,
+                        force_after: int = 3) -> Iterator[list[int]]:
+    """Ctrl-C noted, not raised, inside: for bounded work that must not stop half-way.
+
+    Only in the main thread and over Python's own SIGINT handler (elsewhere it
+    changes nothing). Yields the list of presses seen. ``message`` is printed
+    (stderr) at the first press; the ``force_after``-th press raises
+    ``KeyboardInterrupt`` after all, for a user who will not wait.
+    """
+    presses: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield presses
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        presses.append(signum)
+        if len(presses) >= force_after:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        if message and len(presses) == 1:
+            print(f"[rolloutcore] {message} (Ctrl-C {force_after - 1} more times to quit "
+                  "at once)", file=sys.stderr, flush=True)
+
+    previous: Callable[..., Any] | int | None = signal.signal(signal.SIGINT, handler)
+    try:
+        yield presses
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None
+                      else signal.default_int_handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -9,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rolloutcore.core.cache_salt import salt_for
+from rolloutcore.core.records import Classification, FailureKind, Interrupted, Step
 from rolloutcore.core.versions import (
     Binding,
     EngineIdentity,
@@ -19,10 +21,14 @@ from rolloutcore.core.versions import (
 from rolloutcore.errors import (
     BadInput,
     EffectError,
+    JournalError,
     UpdateFailed,
 )
 from rolloutcore.integrations.trl.common import (
     _RETRY_503_S,
+    EndedUpdate,
+    Interruption,
+    deferred_interrupts,
 )
 from rolloutcore.provenance.trajectory import (
     SamplingSpec,
@@ -31,7 +37,7 @@ from rolloutcore.provenance.trajectory import (
 )
 from rolloutcore.transports.source import WeightSource
 
-__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine"]
+__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine", "end_open_update"]
 
 # --------------------------------------------------------------------------- engines
 
@@ -96,6 +102,63 @@ def _vllm_extra(spec: SamplingSpec) -> dict[str, Any]:
     return out
 
 
+#: The names of the runner's effect threads (``LifecycleRunner._effect``).
+_EFFECT_THREADS = frozenset(f"rolloutcore-{s}" for s in (*(x.value for x in Step),
+                                                          "validate_live"))
+
+
+def end_open_update(controller: Any, runner: Any, reason: str) -> EndedUpdate | None:
+    """End the update left open when its owner was interrupted; ``None`` if none is open.
+
+    An interrupt (``KeyboardInterrupt``, ``SystemExit``) is not an exception the
+    runner classifies: it leaves the runner wherever it was, the update open
+    (admission closed, the engine perhaps paused with half of the weights in).
+    It is ended here as the runner ends an effect whose deadline expired: the
+    effect still running in its worker thread is cancelled (``adapter.cancel``)
+    and given the runner's grace to unwind, the step the update was in is failed
+    as a TIMEOUT (its outcome is unknown), and the failure path does what the
+    policy says (``LifecycleRunner._after_failure``): a drain or a preflight
+    mutated nothing, the engine is resumed on the old version; from the transfer
+    on it is ambiguous, TAINTED and fenced. Never leaves it serving unverified
+    weights. Ctrl-C is deferred meanwhile (bounded by the runner's deadlines).
+    """
+    from rolloutcore.control.outcomes import UpdateOutcome
+    from rolloutcore.control.runner import _STEP_OF_STATE
+
+    with deferred_interrupts("ending the update in progress"):
+        ticket = controller.current_ticket
+        state = controller.state
+        step = _STEP_OF_STATE.get(state)
+        if ticket is None or step is None:
+            return None
+        with contextlib.suppress(Exception):
+            runner.adapter.cancel(step)
+        deadline = time.monotonic() + runner.deadlines.cancel_grace_s
+        for th in threading.enumerate():
+            if th.name in _EFFECT_THREADS and th is not threading.current_thread():
+                th.join(max(0.0, deadline - time.monotonic()))
+        try:
+            verdict = controller.fail(ticket, step, FailureKind.TIMEOUT, reason)
+        except JournalError:  # applied (as ambiguous), not recorded: the journal failed
+            runner._fence_quietly()
+            return EndedUpdate(ticket.update_id, ticket.target.version, state, step.value,
+                               Classification.AMBIGUOUS, controller.state)
+        with contextlib.suppress(UpdateFailed):
+            runner._after_failure(ticket, verdict, UpdateOutcome(ticket, None, state, 0.0))
+        return EndedUpdate(ticket.update_id, ticket.target.version, state, step.value,
+                           verdict.classification, controller.state)
+
+
+def interrupted_record(controller: Any, what: Interruption) -> Interrupted:
+    """The journal's ``interrupted`` record of ``what`` on this controller, as it is now."""
+    u = what.update
+    return Interrupted(what.cause, what.phase, what.step, controller.state,
+                       controller.committed, None if u is None else u.update_id,
+                       None if u is None else u.state,
+                       None if u is None else u.classification, controller.load,
+                       "; ".join(x for x in (what.samples_text, what.detail) if x))
+
+
 class _SessionEngine:
     """An in-process ``EngineSession``: its controller admits, its runner updates."""
 
@@ -138,6 +201,23 @@ class _SessionEngine:
         from rolloutcore.adapters.vllm import engine_identity
 
         return engine_identity(self.session.http)
+
+    def end_update(self, reason: str) -> EndedUpdate | None:
+        """End an update left open by an interrupt (``end_open_update``)."""
+        return end_open_update(self.session.controller, self.session.runner, reason)
+
+    def record_interruption(self, what: Interruption) -> Interruption:
+        """Write the journal's ``interrupted`` record; an update still open is ended first.
+
+        Returns ``what``, with the update this ended if it named none.
+        """
+        ended = self.end_update(f"interrupted ({what.cause}) during {what.phase}: the "
+                                "journal closes with the update open")
+        if ended is not None and what.update is None:
+            what = Interruption(what.phase, what.step, what.cause, ended, what.samples,
+                                what.completed, what.unfinished, what.detail)
+        self.session.runner.emit(interrupted_record(self.session.controller, what))
+        return what
 
     def close(self) -> None:
         if self.owns:

@@ -6,11 +6,12 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.core.records import State
 from rolloutcore.core.versions import (
     EngineIdentity,
     Provenance,
@@ -25,6 +26,7 @@ from rolloutcore.errors import (
 from rolloutcore.integrations.trl.common import (
     DEFAULT_PROBE_TOLERANCE,
     GenerationReport,
+    Interruption,
     StepReport,
     TrainingStopped,
     UpdateReport,
@@ -34,6 +36,7 @@ from rolloutcore.integrations.trl.engines import (
     RolloutEngine,
     _GatewayEngine,
     _SessionEngine,
+    interrupted_record,
 )
 from rolloutcore.integrations.trl.weights import (
     engine_state_dict,
@@ -87,13 +90,24 @@ class RolloutCoreRollout:
     ``RolloutEngine``, or the constructors ``launch`` and ``through_gateway``.
     ``trajectories`` is the trajectory file (opened now: one writer).
     ``max_concurrency`` bounds the requests in flight (vLLM batches them).
+
+    **Interrupted** (Ctrl-C: ``KeyboardInterrupt``, or ``SystemExit``): the
+    interrupt propagates, never as a sample failure or a ``TrainingStopped``.
+    During generation the step's requests not yet started are cancelled and
+    the running ones awaited for at most ``interrupt_wait_s`` (nothing of the
+    step is recorded or returned); during an update, the update left open is
+    ended decided at once (``engines.end_open_update``: resumed on the old
+    version when nothing was mutated, else TAINTED and fenced). What was
+    stopped is ``interrupted`` (an ``Interruption``), and ``close`` writes it to
+    the journal as the ``interrupted`` record (in process).
     """
 
     def __init__(self, engine: Any, *, checkpoint: str | Path, run: str,
                  trajectories: str | Path | None = None, origin: str | None = None,
                  probe: bool = True, probe_tolerance: float = DEFAULT_PROBE_TOLERANCE,
                  importance_sampling: bool = True,
-                 max_concurrency: int = 32, owner: str = "trl") -> None:
+                 max_concurrency: int = 32, owner: str = "trl",
+                 interrupt_wait_s: float = 10.0) -> None:
         from rolloutcore.control.session import EngineSession
 
         if isinstance(engine, EngineSession):
@@ -122,6 +136,10 @@ class RolloutCoreRollout:
             raise BadInput(f"probe_tolerance must be a positive number, got {probe_tolerance!r}")
         self.probe_tolerance = float(probe_tolerance)
         self.importance_sampling = bool(importance_sampling)
+        if isinstance(interrupt_wait_s, bool) or not isinstance(interrupt_wait_s, (int, float)) \
+                or not 0 <= interrupt_wait_s < math.inf:
+            raise BadInput(f"interrupt_wait_s must be a number >= 0, got {interrupt_wait_s!r}")
+        self.interrupt_wait_s = float(interrupt_wait_s)
         self.owner = owner
         self.manifest = WeightSource.from_checkpoint(ckpt).manifest()
         version, identity = engine.committed()
@@ -133,6 +151,9 @@ class RolloutCoreRollout:
         self.samples_generated = 0
         self.samples_recorded = 0
         self.stopped: TrainingStopped | None = None
+        #: What the last interrupt stopped (reset by every call), written to the
+        #: journal by ``close``.
+        self.interrupted: Interruption | None = None
         self._pending_update: UpdateReport | None = None
         self._next_index: dict[int, int] = {}
         self._engine_identity: EngineIdentity | None = None
@@ -159,8 +180,13 @@ class RolloutCoreRollout:
             session.bootstrap(checkpoint, Provenance(origin, run, 0))
             return cls(_SessionEngine(session, owns=True), checkpoint=checkpoint, run=run,
                        trajectories=trajectories, **kw)
-        except BaseException:
-            session.close()
+        except BaseException as exc:
+            try:
+                if not isinstance(exc, Exception):  # the journal says what stopped it
+                    session.runner.emit(interrupted_record(
+                        session.controller, Interruption("bootstrap", 0, type(exc).__name__)))
+            finally:
+                session.close()
             raise
 
     @classmethod
@@ -199,6 +225,7 @@ class RolloutCoreRollout:
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         """TRL's ``rollout_func(prompts, trainer)``."""
         self._check_usable()
+        self.interrupted = None
         t0 = time.monotonic()
         self._adopt(trainer)
         step = int(trainer.state.global_step)
@@ -230,10 +257,19 @@ class RolloutCoreRollout:
         for the same step by TRL's hook (once), else ``None``.
         """
         self._check_usable()
+        self.interrupted = None
         step = int(trainer.state.global_step)
         if step == self.synced_step:
             upd, self._pending_update = self._pending_update, None
             return upd
+        try:
+            return self._push(trainer, step)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                self._update_interrupted(step, exc)
+            raise
+
+    def _push(self, trainer: Any, step: int) -> UpdateReport:
         if getattr(getattr(trainer, "accelerator", None), "num_processes", 1) != 1:
             raise BadInput("RolloutCoreRollout runs in one training process")
         model = trainer.model
@@ -276,6 +312,37 @@ class RolloutCoreRollout:
     def _stop(self, err: TrainingStopped) -> None:
         if self.stopped is None:
             self.stopped = err
+
+    def _update_interrupted(self, step: int, exc: BaseException) -> None:
+        """The update for ``step`` was interrupted: end what it left open, say so."""
+        cause = type(exc).__name__
+        end = getattr(self.engine, "end_update", None)
+        ended, detail = None, ""
+        try:
+            if callable(end):
+                ended = end(f"interrupted ({cause}) during the update to step {step}")
+        except Exception as e2:  # the interrupt propagates whatever happens here
+            detail = f"ending the update failed: {type(e2).__name__}: {e2}"
+        self.interrupted = Interruption("update", step, cause, ended, detail=detail)
+        if ended is not None and ended.state_after is State.TAINTED:
+            # The engine serves nothing now: a later call says why instead of failing
+            # on a refused admission.
+            self._stop(TrainingStopped(
+                step, "update_failed", f"interrupted ({cause}) during the update",
+                phase=ended.step,
+                classification=None if ended.classification is None
+                else ended.classification.value, state=ended.state_after.value,
+                published=self.version))
+
+    def note_interruption(self, phase: str, exc: BaseException | str,
+                          step: int | None = None, detail: str = "") -> Interruption:
+        """Record an interrupt the caller caught outside the rollout function's own calls
+        (TRL's loss, the reward, a setup step); one the rollout function saw itself
+        (``interrupted``) is kept. ``close`` writes it to the journal."""
+        if self.interrupted is None:
+            cause = exc if isinstance(exc, str) else type(exc).__name__
+            self.interrupted = Interruption(phase, step, cause, detail=detail)
+        return self.interrupted
 
     def _adopt(self, trainer: Any) -> None:
         """Once per trainer: checks, and TRL's importance-sampling correction switched on."""
@@ -341,12 +408,42 @@ class RolloutCoreRollout:
 
     def _generate(self, step: int, prompts: list[tuple[int, ...]], n: int,
                   base: SamplingSpec) -> tuple[dict[str, Any], GenerationReport]:
+        pending: list[_Pending] = []
+        try:
+            return self._generate_all(step, prompts, n, base, pending)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit
+                self._generation_interrupted(step, pending, exc)
+            raise
+
+    def _generation_interrupted(self, step: int, pending: list[_Pending],
+                                exc: BaseException) -> None:
+        """Cancel what has not started, await the rest for at most ``interrupt_wait_s``.
+
+        Nothing of the step is recorded or returned; the samples that completed
+        released their bindings (their ``complete`` records), as did the cancelled
+        ones, which were never admitted.
+        """
+        futures = [f for p in pending for f in p.futures]
+        for f in futures:
+            f.cancel()
+        running = [f for f in futures if not f.cancelled()]
+        cause = type(exc).__name__
+        self.interrupted = Interruption("generation", step, cause, samples=len(futures),
+                                        unfinished=len(running))
+        done, not_done = wait(running, timeout=self.interrupt_wait_s)
+        completed = sum(1 for f in done if not f.cancelled() and f.exception() is None)
+        self.interrupted = Interruption("generation", step, cause, samples=len(futures),
+                                        completed=completed, unfinished=len(not_done))
+
+    def _generate_all(self, step: int, prompts: list[tuple[int, ...]], n: int,
+                      base: SamplingSpec, pending: list[_Pending],
+                      ) -> tuple[dict[str, Any], GenerationReport]:
         pool = self._pool
         assert pool is not None
         first = self._next_index.get(step, 0)
         version = self.version
         t0 = time.monotonic()
-        pending: list[_Pending] = []
         for k, p in enumerate(prompts):
             idx = first + k
             gid = group_id_for(self.run, step, idx)
@@ -358,15 +455,19 @@ class RolloutCoreRollout:
                 pend.futures.append(pool.submit(self.engine.generate, f"{gid}/{i}", p, spec))
             pending.append(pend)
         self._next_index[step] = first + len(prompts)
+        # Every future is awaited before anything is raised. An interrupt while
+        # waiting is not a sample's failure: it propagates (``_generate``).
+        wait([f for pend in pending for f in pend.futures])
         results: list[list[EngineSample]] = []
         errors: list[BaseException] = []
         for pend in pending:
             row = []
             for f in pend.futures:
-                try:
+                failed = CancelledError() if f.cancelled() else f.exception()
+                if failed is None:
                     row.append(f.result())
-                except BaseException as exc:  # every future is awaited before raising
-                    errors.append(exc)
+                else:
+                    errors.append(failed)
             results.append(row)
         generate_s = time.monotonic() - t0
         self.samples_generated += sum(len(r) for r in results)
@@ -401,7 +502,7 @@ class RolloutCoreRollout:
         if self.recorder is not None:
             for g in groups:
                 self.recorder.append_group(g)
-            self.samples_recorded += sum(len(g) for g in groups)
+                self.samples_recorded += len(g)
         record_s = time.monotonic() - t1
         out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
                                "rc_version": [], "rc_generation": [], "rc_rollout_id": []}
@@ -441,15 +542,29 @@ class RolloutCoreRollout:
                 mode["rolloutcore/drain_s"].append(upd.drain_s)
 
     def close(self) -> None:
-        """Stop the generation threads, close the trajectory file (and an owned engine)."""
+        """Stop the generation threads, close the trajectory file (and an owned engine).
+
+        After an interrupt (``interrupted``) the journal gets its ``interrupted``
+        record first, any update still open ended before it (in process; a
+        gateway's journal is the gateway's own).
+        """
         pool, self._pool = self._pool, None
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=False, cancel_futures=True)
         try:
-            if self.recorder is not None:
-                self.recorder.close()
+            record = getattr(self.engine, "record_interruption", None)
+            if self.interrupted is not None and callable(record):
+                self.interrupted = record(self.interrupted)
         finally:
-            self.engine.close()
+            try:
+                if self.recorder is not None:
+                    self.recorder.close()
+            finally:
+                try:
+                    self.engine.close()
+                finally:
+                    if pool is not None:
+                        pool.shutdown(wait=True)
 
     def __enter__(self) -> RolloutCoreRollout:
         return self
