@@ -171,7 +171,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
 
     def update_id(request: Request) -> int | None:
         raw = request.path_params["update_id"]
-        if not raw.isdigit() or len(raw) > 19:
+        # ASCII digits only: str.isdigit() also holds for '²' or '①', which int() refuses.
+        if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
             return None
         v = int(raw)
         return v if 0 < v <= _INT63 else None
