@@ -299,3 +299,26 @@ def test_an_update_id_that_is_not_ascii_digits_is_a_404(fresh: Proto, path: str,
     assert resp.status_code == 404
     p.publish(g)
     p.alive()
+
+
+def test_a_refused_report_after_the_weights_were_sent_taints(fresh: Proto) -> None:
+    """``{"failure": {"kind": "refused"}}`` after the transfer wrote the engine ended the
+    update no_mutation, back in service under the old label while the engine served the
+    new weights (every answer mislabelled). The engine's own weight-operation counters
+    contradict the report: ambiguous, TAINTED and fenced. Nothing sent: no_mutation."""
+    p = fresh
+    g = p.begin(p.weights())
+    p.transfer(g)
+    resp = p.report(g, {"failure": {"kind": "refused", "reason": "the transport gave up"}})
+    assert resp.status_code == 200, resp.text
+    res = p.decided(resp, g)["result"]
+    assert res["classification"] == "ambiguous" and res["state"] == "TAINTED", res
+    assert "reported as refused, but the engine counted" in res["reason"], res
+    assert p.adapter.engine.paused  # fenced
+    p.settle()  # recovered, and serving the committed weights again
+    g = p.begin(p.weights())
+    resp = p.report(g, {"failure": {"kind": "refused", "reason": "nothing was sent"}})
+    res = p.decided(resp, g)["result"]
+    assert res["classification"] == "no_mutation" and res["state"] == "READY", res
+    p.serves(p.committed)
+    p.alive()

@@ -77,7 +77,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 from pydantic import model_validator as _model_validator
 from pydantic.json_schema import models_json_schema
 
-from rolloutcore.control.port import ExpectationTaker
+from rolloutcore.control.port import ExpectationTaker, WriteObserver
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
 from rolloutcore.control.shell import Shell
 from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
@@ -580,8 +580,16 @@ class UpdateManager:
                     self.runner.close_update(out)
                 else:
                     assert body.failure is not None
-                    self.runner.report_transfer_failure(out, FailureKind(body.failure.kind),
-                                                        body.failure.reason)
+                    kind, reason = FailureKind(body.failure.kind), body.failure.reason
+                    if kind is FailureKind.REFUSED and isinstance(adapter, WriteObserver):
+                        # 'refused' says nothing was sent; where the engine's own counters
+                        # say otherwise the weights may be anything: not no_mutation.
+                        writes = adapter.writes_since_drain(timeout_s=5.0)
+                        if writes:
+                            kind = FailureKind.BAD_EVIDENCE
+                            reason = (f"{reason}; reported as refused, but the engine counted "
+                                      f"{', '.join(writes)} since the drain")
+                    self.runner.report_transfer_failure(out, kind, reason)
             except UpdateFailed as exc:
                 return _failure(exc)
             except Exception as exc:
