@@ -322,3 +322,19 @@ def test_a_refused_report_after_the_weights_were_sent_taints(fresh: Proto) -> No
     assert res["classification"] == "no_mutation" and res["state"] == "READY", res
     p.serves(p.committed)
     p.alive()
+
+
+def test_a_begin_whose_source_is_not_its_target_is_a_422_before_anything_drains(
+        fresh: Proto) -> None:
+    """A ``source_manifest_digest`` other than the identity's drained and paused the
+    engine, then answered 503 (the identity preflight refused it, as it always would)."""
+    p = fresh
+    w = p.weights()
+    before = p.state()
+    resp = p.call("POST", "/control/updates",
+                  json_body=begin_body(w, source_manifest_digest="b" * 64))
+    p.refused(resp, before, "source")
+    assert resp.status_code == 422 and "source_manifest_digest" in resp.json()["error"]
+    # The identity's own manifest, said explicitly, begins like any other.
+    p.publish(p.begin(w, source_manifest_digest=w.identity().manifest_digest))
+    p.alive()

@@ -459,6 +459,12 @@ class UpdateManager:
             identity = body.identity.to_identity()
         except BadInput as exc:
             return 422, {"error": str(exc)}
+        if body.source_manifest_digest not in (None, identity.manifest_digest):
+            # The identity preflight compares exactly these two: it would refuse the update
+            # only after draining and pausing the engine (a 503). Refused here instead.
+            return 422, {"error": "source_manifest_digest differs from "
+                                  "identity.manifest_digest: the identity preflight would "
+                                  "refuse this update (nothing was drained)"}
         checked = self._check_begin(body)
         if not isinstance(checked, _Checked):
             return checked
