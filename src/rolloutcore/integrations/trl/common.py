@@ -236,7 +236,7 @@ class Interruption:
                              "left undecided")
             out += f"; update {u.update_id} to {u.target.label} (in {u.state.value}) {how}"
         elif self.phase == "update":
-            out += "; the engine had not been asked yet (nothing was open)"
+            out += "; the engine had not been asked yet, nothing was open"
         return out + (f"; {self.detail}" if self.detail else "")
 
     def to_dict(self) -> dict[str, Any]:
