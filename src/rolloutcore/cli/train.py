@@ -150,6 +150,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
             say=say, rows=rows, at=at)
     except KeyboardInterrupt as exc:
         interrupt = exc
+        info["interrupted_after_s"] = time.monotonic() - t_all
     except BaseException:
         if rollout is not None:
             rollout.close()
@@ -177,7 +178,10 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
                 at["phase"] if interrupt is not None else "finishing",
                 "step": it.step if it is not None else at["step"],
                 "steps_finished": len(rows),
-                "after_s": time.monotonic() - t_all,
+                "after_s": info.get("interrupted_after_s", time.monotonic() - t_all),
+                # from the interrupt to the report: the update ended, the engine stopped
+                "finishing_s": time.monotonic() - t_all - info.get(
+                    "interrupted_after_s", time.monotonic() - t_all),
                 "rollout": None if it is None else it.to_dict(),
                 "description": it.describe() if it is not None
                 else f"KeyboardInterrupt during {at['phase']}"}
