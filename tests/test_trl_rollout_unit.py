@@ -584,3 +584,22 @@ def test_the_audit_names_an_update_a_journal_leaves_without_an_end(tmp_path: Pat
     assert [(f, r.update_id) for f, r in s.unended] == [(str(died), 1)]
     text = audit_file(rig.traj, died).format_table()
     assert "update 1 (to " in text and "has no end in" in text
+
+
+def test_work_that_must_not_stop_half_way_notes_ctrl_c_and_gives_way_at_the_third(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Ending an update and ``rolloutcore train``'s finishing defer Ctrl-C (bounded work);
+    a user who will not wait presses it three times."""
+    import signal
+
+    from rolloutcore.integrations.trl.common import deferred_interrupts
+
+    with deferred_interrupts("busy ending the update") as presses:
+        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signal.SIGINT)
+        assert len(presses) == 2
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "busy ending the update (Ctrl-C 2 more times to quit at once)" in \
+        capsys.readouterr().err

@@ -267,7 +267,7 @@ def deferred_interrupts(message: str | None = None, *,
         presses.append(signum)
         if len(presses) >= force_after:
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
+            signal.default_int_handler(signum, frame)   # KeyboardInterrupt after all
         if message and len(presses) == 1:
             print(f"[rolloutcore] {message} (Ctrl-C {force_after - 1} more times to quit "
                   "at once)", file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ import contextlib
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,7 +463,9 @@ class RolloutCoreRollout:
         for pend in pending:
             row = []
             for f in pend.futures:
-                failed = CancelledError() if f.cancelled() else f.exception()
+                failed = (EffectError("generate", "cancelled: the rollout function was "
+                                      "closed meanwhile", mutation_started=False)
+                          if f.cancelled() else f.exception())
                 if failed is None:
                     row.append(f.result())
                 else:
