@@ -10,7 +10,8 @@ for a hostile client).
 
 With ``ROLLOUTCORE_FAULT_MATRIX=path`` each case's row is merged into that
 fault matrix (``results/fault-matrix.json``; the same rows the real-engine
-modules write), with ``engines: fake`` and the command that produced it.
+modules write; ``helpers.fault_matrix``), with ``engine: fake`` and the command
+that produced it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 
 from fleettools import FakeFleet, fake_fleet, fleet_client, weights
 from helpers.asgi_drive import Drive
+from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import TOKEN
 from rolloutcore.control.journal import Journal
 from rolloutcore.core.evidence import PauseMode
@@ -54,42 +56,16 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-ROWS: list[dict[str, Any]] = []
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fault_matrix() -> Any:
-    """Merge the rows the cases wrote into ``ROLLOUTCORE_FAULT_MATRIX`` (when set)."""
-    import os
-    import platform
-    import shlex
-    import sys
-    import time
-    from pathlib import Path
-
-    t0 = time.time()
-    yield
-    out = os.environ.get("ROLLOUTCORE_FAULT_MATRIX")
-    if out and ROWS:
-        from enginetools import merge_rows
-
-        run = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                           "python": platform.python_version()},
-               "engines": "FakeEngine replicas, each behind a FakeVllm on loopback HTTP; the "
-                          "real fleet gateway and coordinator",
-               "command": "ROLLOUTCORE_FAULT_MATRIX=" + out + " "
-               + shlex.join([sys.executable, "-m", "pytest", *sys.argv[1:]]),
-               "started_unix": t0, "module": "tests/test_fleet_promises.py"}
-        merge_rows(Path(out), [{**r, "run": run} for r in ROWS])
-
-
-def row(case: str, fault: str, classification: str, state: str, **kw: Any) -> None:
-    """One fault-matrix row of a fleet case (``records_lost``, ``published_unvalidated``
-    and ``mislabeled_answers`` default to 0: each case asserts them)."""
-    ROWS.append({"case": case, "fault": fault, "classification": classification,
-                 "state_after_fault": state, "within_deadline": True,
-                 "published_unvalidated": 0, "records_lost": 0, "mislabeled_answers": 0,
-                 "fleet": True, **kw})
+MATRIX = PromiseRows(
+    "tests/test_fleet_promises.py",
+    engines="FakeEngine replicas, each behind a FakeVllm on loopback HTTP; the real fleet "
+            "gateway and coordinator",
+    # Each case asserts these (none published unvalidated, none lost, none mislabeled).
+    within_deadline=True, published_unvalidated=0, records_lost=0, mislabeled_answers=0,
+    fleet=True)
+_fault_matrix = MATRIX.fixture()
+#: One fault-matrix row of a fleet case.
+row = MATRIX.row
 
 
 def gen(n: int = 4, **extra: Any) -> dict[str, Any]:

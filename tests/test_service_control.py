@@ -10,8 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import (
     AUTH,
+    RIG_ENGINES,
     TOKEN,
     begin_body,
     lease,
@@ -22,20 +24,28 @@ from helpers.gateway_rig import (
 )
 from rolloutcore.control.journal import first_index
 from rolloutcore.control.runner import DrainPolicy
+from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service.control import openapi_document
+from rolloutcore.service.proxy import VERSION_HEADER
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
 
 pytestmark = pytest.mark.anyio
 
 GEN = "/inference/v1/generate"
 W1 = FakeWeights.from_seed(1, step=1)
+W2 = FakeWeights.from_seed(2, step=2)
 JSON_AUTH = {**AUTH, "content-type": "application/json"}
 
 
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+#: Fault-matrix rows (with ROLLOUTCORE_FAULT_MATRIX set: helpers.fault_matrix).
+MATRIX = PromiseRows("tests/test_service_control.py", engines=RIG_ENGINES)
+_fault_matrix = MATRIX.fixture()
 
 
 def snapshot(r: Any) -> tuple[Any, ...]:
@@ -442,12 +452,14 @@ async def test_a_sent_checksum_the_gateway_cannot_use_is_a_422_and_the_lease_sta
         g = await begin(r)
         url = f"/control/updates/{g['update_id']}/transfer"
         ev = transfer_body(remote_transfer(r.adapter, W1, "rc-1"))["transfer"]
+        statuses: list[int] = []
         for sent in ({"scheme": "rc_cuda_ipc/block", "names": ["a", "a"], "values": [1, 2]},
                      {"scheme": "rc_cuda_ipc/block", "names": ["a", "b"], "values": [1]},
                      {"scheme": "rc_cuda_ipc/block", "names": ["a"], "values": [1]}):
             resp = await r.client.post(url, json={"transfer": {**ev, "sent_checksum": sent}},
                                        headers=lease(g))
             assert resp.status_code == 422, (sent, resp.text)
+            statuses.append(resp.status_code)
             info = (await r.client.get(f"/control/updates/{g['update_id']}",
                                        headers=lease(g))).json()
             assert info["status"] == "open" and not info["final"]
@@ -455,6 +467,28 @@ async def test_a_sent_checksum_the_gateway_cannot_use_is_a_422_and_the_lease_sta
                                  headers=lease(g))
         assert ok.status_code == 200 and ok.json()["status"] == "published"
         assert r.controller.state is State.READY
+        # Nothing stuck: the next rollout serves rc-1, the next update begins and publishes.
+        served = await r.client.post(GEN, json={"token_ids": [9, 8, 7],
+                                                "sampling_params": {"max_tokens": 4}})
+        assert served.status_code == 200 and not r.engine.paused
+        assert {s["version"] for s in served.json()["choices"][0]["weight_versions"]} == {
+            served.headers[VERSION_HEADER]} == {"rc-1"}
+        g2 = await begin(r, W2)
+        again = await r.client.post(
+            f"/control/updates/{g2['update_id']}/transfer",
+            json=transfer_body(remote_transfer(r.adapter, W2, g2["target"]["label"])),
+            headers=lease(g2))
+        assert again.status_code == 200 and again.json()["status"] == "published"
+        assert r.controller.committed.label == "rc-2"  # type: ignore[union-attr]
+        assert check_journal(r.journal.records) == []
+        MATRIX.row("report_wedge", "a trainer's transfer report on a valid lease whose sent "
+                   "checksum repeats its names, has values not one per name, or is one this "
+                   "engine cannot compare (3 reports)",
+                   f"{len(statuses)} x {statuses[0]} before the update left its lease (still "
+                   "open); the valid report then published rc-1, the next update rc-2",
+                   "READY", part="unusable_checksum", statuses=statuses,
+                   published=[d["version"]["label"] for d in r.kinds("commit")],
+                   published_unvalidated=0, mislabeled_answers=0)
 
 
 async def test_whatever_a_report_raises_its_update_ends_decided() -> None:
@@ -477,3 +511,11 @@ async def test_whatever_a_report_raises_its_update_ends_decided() -> None:
         # The weights were written: ambiguous, TAINTED and fenced; nothing left open.
         assert r.controller.state is State.TAINTED and r.engine.paused
         assert r.gateway.updates.open_update is None
+        assert r.controller.committed.label == "default"  # type: ignore[union-attr]
+        assert check_journal(r.journal.records) == []
+        assert info["result"]["classification"] == "ambiguous"
+        MATRIX.row("report_wedge", "an error nobody classified while a report is checked (a "
+                   "bug in the adapter's check of the sent checksum)",
+                   "200, the update decided: failed, ambiguous; none left open",
+                   "TAINTED (fenced, nothing published)", part="report_raises",
+                   published_unvalidated=0)

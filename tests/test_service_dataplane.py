@@ -17,9 +17,11 @@ import anyio
 import httpx
 import pytest
 
+from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import (
     AUTH,
     DATA_TOKEN,
+    RIG_ENGINES,
     begin_body,
     lease,
     remote_transfer,
@@ -29,6 +31,7 @@ from helpers.gateway_rig import (
 )
 from rolloutcore.control.journal import first_index
 from rolloutcore.core.cache_salt import salt_for
+from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
@@ -42,6 +45,10 @@ def anyio_backend() -> str:
 
 
 GEN = "/inference/v1/generate"
+
+#: Fault-matrix rows (with ROLLOUTCORE_FAULT_MATRIX set: helpers.fault_matrix).
+MATRIX = PromiseRows("tests/test_service_dataplane.py", engines=RIG_ENGINES)
+_fault_matrix = MATRIX.fixture()
 
 
 def gen_body(n: int = 6, stream: bool = False, prompt: list[int] | None = None) -> dict[str, Any]:
@@ -499,6 +506,14 @@ async def test_an_answer_released_unattributable_says_so() -> None:
         info = late.json()[BODY_FIELD]
         assert info["attributable"] is False and "TAINTED" in info["unattributable"]
         assert info["version"] == "default"   # the binding, honestly: credited to nothing
+        done = [d for d in r.kinds("complete") if d["rollout_id"] == info["rollout_id"]]
+        assert len(done) == 1 and done[0]["attributable"] is False
+        assert r.controller.state is State.TAINTED and check_journal(r.journal.records) == []
+        MATRIX.row("unattributable_answer", "the engine tainted (died) while a non-streamed "
+                   "generate ran", "200 marked (x-rolloutcore-attributable: false + the reason, "
+                   "the body's attributable: false), the journal's completion unattributable",
+                   "TAINTED", part="non_streamed", mislabeled_answers=0,
+                   published_unvalidated=0)
 
 
 async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so() -> None:
@@ -522,6 +537,9 @@ async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so(
         assert last[BODY_FIELD]["attributable"] is False
         assert "TAINTED" in last[BODY_FIELD]["unattributable"]
         assert events[0][BODY_FIELD]["version"] == "default"
+        MATRIX.row("unattributable_answer", "the same while a stream ran (after its third "
+                   "event)", "the stream's last event before [DONE] says attributable: false "
+                   "+ the reason", "TAINTED", part="stream", mislabeled_answers=0)
 
 
 def test_a_keep_or_recompute_controller_is_refused_not_run_as_strict() -> None:

@@ -19,10 +19,14 @@ from typing import Any
 import anyio
 import pytest
 
-from helpers.gateway_rig import rig
+from helpers.fault_matrix import PromiseRows
+from helpers.gateway_rig import RIG_ENGINES, rig
+from rolloutcore.core.invariants import check_journal
+from rolloutcore.core.lifecycle import State
 from rolloutcore.core.media import MediaLimits
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.trajectory import EngineIdentity
+from rolloutcore.service.proxy import VERSION_HEADER
 from rolloutcore.service.recording import (
     PROMPT_INDEX_HEADER,
     RUN_HEADER,
@@ -40,6 +44,11 @@ CHAT = "/v1/chat/completions"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+#: Fault-matrix rows (with ROLLOUTCORE_FAULT_MATRIX set: helpers.fault_matrix).
+MATRIX = PromiseRows("tests/test_service_images.py", engines=RIG_ENGINES)
+_fault_matrix = MATRIX.fixture()
 
 
 def png(seed: int, size: tuple[int, int] = (20, 10)) -> bytes:
@@ -139,12 +148,15 @@ async def test_bad_images_get_a_clear_4xx_and_nothing_is_admitted(
         assert ok.status_code == 200 and len(r.kinds("admit")) == 1
 
 
-@pytest.mark.parametrize("part", [
+UNTYPED: list[dict[str, object]] = [
     {"image_url": {"url": "data:image/png;base64,AAAA"}},        # vLLM reads it as image_url
     {"audio_url": {"url": "http://example.test/a.wav"}},          # ... as audio_url
     {"type": None, "image_url": {"url": "http://example.test/x.png"}},
     {"type": 7, "text": "hi"},
-])
+]
+
+
+@pytest.mark.parametrize("part", UNTYPED)
 def test_a_chat_part_without_its_type_is_refused(part: dict[str, object]) -> None:
     """#29: an untyped part skipped every media check (the data-URL rule, the audio and
     video refusal, the image digest), though vLLM reads it by its keys."""
@@ -155,3 +167,28 @@ def test_a_chat_part_without_its_type_is_refused(part: dict[str, object]) -> Non
     with pytest.raises(MediaError) as ei:
         inspect_media(CHAT, body, MediaLimits())
     assert ei.value.status == 400 and "needs its 'type'" in str(ei.value)
+
+
+async def test_the_gateway_refuses_an_untyped_chat_part_before_admission() -> None:
+    """The same parts through the gateway's chat route: each 400 before admission (no admit
+    record, nothing forwarded to vLLM); a typed image right after is admitted."""
+    async with rig() as r:
+        statuses = []
+        for part in UNTYPED:
+            body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is it?"}, part]}]}
+            resp = await r.client.post(CHAT, json=body)
+            assert resp.status_code == 400, (part, resp.text)
+            err = resp.json()["error"]
+            assert err["type"] == "BadRequest" and "needs its 'type'" in err["message"]
+            statuses.append(resp.status_code)
+        assert r.kinds("admit") == [] and r.fake.received == [] and not r.controller.active
+        ok = await r.client.post(CHAT, json=chat_body(data_url(png(5))))
+        assert ok.status_code == 200 and len(r.kinds("admit")) == 1
+        assert ok.json()["rolloutcore"]["version"] == ok.headers[VERSION_HEADER] == "default"
+        assert r.controller.state is State.READY and check_journal(r.journal.records) == []
+    MATRIX.row("untyped_chat_part", "chat content parts without a string 'type' (an "
+               "image_url or audio_url part by its keys alone, type null, type 7)",
+               f"{len(statuses)} x {statuses[0]} before admission: no admit record, nothing "
+               "forwarded to the engine; a typed image after them admitted", "READY",
+               statuses=statuses, published_unvalidated=0, mislabeled_answers=0)

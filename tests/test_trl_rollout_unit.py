@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import FAST
 from helpers.trl_fakes import (
     RUN,
@@ -383,6 +384,15 @@ def test_close_closes_the_file_and_the_engine_and_refuses_more(rig: Rig) -> None
         rig.rollout(rig.prompts(), rig.trainer)
 
 
+#: The fault-matrix part of #29's unattributable_answer this module proves (helpers.fault_matrix).
+MATRIX = PromiseRows(
+    "tests/test_trl_rollout_unit.py",
+    engines="FakeEngine under the real controller and runner; the real gateway app served by "
+            "uvicorn on loopback HTTP, its upstream a FakeVllm on loopback HTTP; TRL's gateway "
+            "engine (integrations.trl.engines._GatewayEngine) its client")
+_fault_matrix = MATRIX.fixture()
+
+
 def test_the_gateway_engine_credits_no_sample_the_gateway_released_unattributable() -> None:
     """#29: the gateway released a request unattributable (its engine tainted while it
     ran) and said nothing; TRL's gateway engine recorded the sample as attributable. The
@@ -414,6 +424,9 @@ def test_the_gateway_engine_credits_no_sample_the_gateway_released_unattributabl
             assert late.binding.version.label == "default"
         finally:
             ge.close()
+    MATRIX.row("unattributable_answer", "the same, answered to TRL's gateway engine",
+               "the sample credited to no version (attributable False, its binding the old "
+               "version's)", "TAINTED", part="trl", mislabeled_answers=0)
 
 
 # --------------------------------------------------------------------------- Ctrl-C (#29)

@@ -58,6 +58,8 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, kill_engine, merge_rows
+from helpers import fault_matrix
+from helpers.fault_matrix import lifecycle_table
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.adapters.vllm.verify import take_reference
@@ -289,34 +291,6 @@ class Rig:
                                 on_replaced=lambda e: self.proxy.set_upstream(e.base_url), **kw)
 
 
-def _chain(classes: list[str]) -> str:
-    """["incomplete"] * 3 + ["ambiguous"] -> "incomplete x3 -> ambiguous"."""
-    out: list[str] = []
-    for c in classes:
-        if out and out[-1].split(" x")[0] == c:
-            n = int(out[-1].split(" x")[1]) + 1 if " x" in out[-1] else 2
-            out[-1] = f"{c} x{n}"
-        else:
-            out.append(c)
-    return " -> ".join(out)
-
-
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = ("case", "fault", "classification", "state after", "s to classify", "bound s",
-            "unvalidated publishes", "records lost", "misattributed", "recovered",
-            "recovery s")
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        rec = "yes" if r.get("recovered") else "NO"
-        out.append("| " + " | ".join(str(x) for x in (
-            r["case"], r.get("fault", ""), _chain(r.get("classifications") or []),
-            r.get("state_after_fault"), f"{r.get('seconds_to_classify', float('nan')):.2f}",
-            f"{r.get('deadline_s', 0):g}", r.get("published_unvalidated"),
-            r.get("records_lost"), r.get("misattributed"), f"{rec} ({r.get('recovery')})",
-            "-" if r.get("recovery_s") is None else f"{r['recovery_s']:.1f}")) + " |")
-    return "\n".join(out)
-
-
 @pytest.fixture(scope="module")
 def rig(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[Rig]:
     t_run = time.time()
@@ -340,7 +314,7 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[Rig]
         proxy.stop()
         engine_factory.stop(eng)
     rows = r.rows
-    print("\nfault matrix\n" + _table(rows))
+    print("\nfault matrix\n" + lifecycle_table(rows))
     out = os.environ.get("ROLLOUTCORE_FAULT_MATRIX")
     if out and rows:
         run = {"machine": {**soak.machine(), "loadavg_at_start": load},
@@ -986,7 +960,7 @@ if __name__ == "__main__":
         _trainer_main(*argv)
     elif role == "controller":
         _controller_main(*argv)
-    elif role == "table":  # the markdown table of a written matrix (docs/fault-matrix.md)
-        print(_table(json.loads(Path(argv[0]).read_text())))
+    elif role == "table":  # the markdown tables of a written matrix (docs/fault-matrix.md)
+        print(fault_matrix.tables_command(argv))
     else:
         raise SystemExit(f"unknown role {role!r}")

@@ -27,8 +27,10 @@ import httpx
 import pytest
 
 from enginetools import stop_group
+from helpers.fault_matrix import PromiseRows
 from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.control.journal import read_journal
+from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import read_groups
@@ -46,6 +48,14 @@ openai = pytest.importorskip("openai")
 httpx2 = pytest.importorskip("httpx2")
 
 TOKEN = "openai-sdk-test-token-0123456789abcdef"
+#: Fault-matrix rows (with ROLLOUTCORE_FAULT_MATRIX set: helpers.fault_matrix).
+MATRIX = PromiseRows(
+    "tests/engine/test_gateway_openai_sdk.py",
+    engines="one real vLLM (CPU build) launched by `rolloutcore serve` (its embedded default: a "
+            "generated tiny checkpoint; dev and weight routes behind the per-launch route key, "
+            "transports.engine_key), the gateway in its own process",
+    engine="vLLM, launched")
+_fault_matrix = MATRIX.fixture()
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "x-rolloutcore-version"
 
@@ -253,6 +263,18 @@ def test_a_local_process_cannot_write_to_the_engine_the_gateway_launched(
     assert raw.headers[VERSION] == committed
     log = (served.work / "serve.log").read_text()
     assert "was not launched by RolloutCore" not in log
+    recs = read_journal(served.journal)
+    assert [r for r in recs if r.kind == "taint"] == [] and check_journal(recs) == []
+    version = httpx.get(st["engine"]["base_url"] + "/version", timeout=30).json()["version"]
+    MATRIX.row("out_of_band_write_launched_engine",
+               "another local process, with the engine's URL (from the gateway's status) but "
+               f"not its route key, calls {len(refused)} dev and weight routes of the engine "
+               "`rolloutcore serve` launched (pause, a label, cache reset, weight transfer, "
+               "collective_rpc, sleep, weight and server info)",
+               f"{len(refused)} x 403 before vLLM acts: not paused, label unchanged, no taint; "
+               "generating stays open, the next answer carries the committed label", "READY",
+               engine=f"vLLM {version}, launched (route guard)", refused=refused,
+               published_unvalidated=0, mislabeled_answers=0)
 
 
 def test_the_sdk_retries_503_with_retry_after_during_an_update(served: Served,

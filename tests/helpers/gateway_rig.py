@@ -39,6 +39,11 @@ TOKEN = "control-token-0123456789abcdef"
 DATA_TOKEN = "data-token-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
+#: What ``rig()`` runs on, in words (the ``engines`` of the fault-matrix rows its tests write).
+RIG_ENGINES = ("FakeEngine + FakeAdapter under the real controller and runner; the real gateway "
+               "app (control API, data plane) in process, its upstream a FakeVllm over the same "
+               "engine on loopback HTTP (uvicorn)")
+
 FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=2, reset_s=1, validate_s=2,
                  resume_s=1, live_validate_s=5, bootstrap_s=2, fence_s=1, cancel_grace_s=1,
                  retry_backoff_s=0.01)
