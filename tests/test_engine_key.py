@@ -113,7 +113,7 @@ def test_an_engine_without_a_valid_key_does_not_start(monkeypatch: pytest.Monkey
         monkeypatch.delenv(engine_key.ENV, raising=False)
     else:
         monkeypatch.setenv(engine_key.ENV, value)
-    with pytest.raises(RuntimeError, match=engine_key.ENV):
+    with pytest.raises(BadInput, match=engine_key.ENV):
         RouteGuard(_inner)
 
 

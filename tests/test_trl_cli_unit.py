@@ -217,3 +217,54 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
     assert "INTERRUPTED (Ctrl-C) during update of step 4" in out
     assert "interrupted: KeyboardInterrupt during update at global_step 3" in out
     assert "rolloutcore train: interrupted during update" in err
+
+
+def test_a_run_that_finishes_exits_0_and_its_journal_has_no_interruption(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The uninterrupted path through the same finishing: exit 0, no ``interrupted``."""
+    from helpers.trl_fakes import (
+        FakeSession,
+        Tiny,
+        make_trainer,
+        prompts,
+        train_step,
+        write_checkpoint,
+    )
+    from rolloutcore.cli import train
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.integrations.trl import RolloutCoreRollout
+    from rolloutcore.integrations.trl.engines import _SessionEngine
+
+    work = tmp_path / "w"
+    work.mkdir()
+    model = Tiny()
+    write_checkpoint(work / "policy-0", model)
+    _no_imports(monkeypatch)
+
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+        return RolloutCoreRollout(_SessionEngine(FakeSession(ckpt, run, journal=journal),
+                                                 owns=True), checkpoint=ckpt, run=run,
+                                  trajectories=traj, probe=False)
+
+    def fake_train(rollout: Any, ckpt: Path, *a: Any, rows: list[dict[str, Any]],
+                   at: dict[str, Any], steps: int, **kw: Any) -> float:
+        trainer = make_trainer(model)
+        for k in range(steps):
+            rollout(prompts(), trainer)
+            rows.append({"step": k, "reward": 0.01 * (k + 1) ** 2, "version": rollout.version.label,
+                         "update_s": 0.5, "drain_s": 0.01, "generate_s": 0.2,
+                         "reward_s": 0.001, "train_s": 0.3, "record_s": 0.01, "step_s": 1.0})
+            train_step(model, trainer)
+        return 1.0
+
+    monkeypatch.setattr(train, "_launch", launch)
+    monkeypatch.setattr(train, "_train", fake_train)
+    rc = main(["train", "--workdir", str(work), "--steps", "10"])
+    out, err = capsys.readouterr()
+    assert rc == 0, (out[-3000:], err)
+    rep = json.loads((work / "report.json").read_text())
+    assert rep["interrupted"] is None and rep["steps"] == 10 and rep["audit"]["ok"]
+    assert (work / "reward.png").exists() and (work / "audit.json").exists()
+    assert "INTERRUPTED" not in out
+    assert "interrupted" not in [r.kind for r in read_journal(work / "journal.jsonl")]

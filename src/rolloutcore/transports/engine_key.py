@@ -45,6 +45,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.errors import BadInput
+
 __all__ = [
     "ENV",
     "HEADER",
@@ -95,11 +97,11 @@ def new_key() -> str:
 def check_key(key: object) -> str:
     """``key`` if it can be a route key (printable ASCII, no spaces, long enough).
 
-    Else ``ValueError``: a key is sent as a header, so no line break may pass.
+    Else ``BadInput`` (a ``ValueError``): a key is sent as a header, so no line break may pass.
     """
     if not isinstance(key, str) or len(key) < MIN_KEY_CHARS or not key.isascii() \
             or not key.isprintable() or " " in key:
-        raise ValueError(f"an engine route key is a printable ASCII string of at least "
+        raise BadInput(f"an engine route key is a printable ASCII string of at least "
                          f"{MIN_KEY_CHARS} characters without spaces")
     return key
 
@@ -107,10 +109,10 @@ def check_key(key: object) -> str:
 # ----------------------------------------------------------------- client side
 
 def origin(url: str) -> str:
-    """``scheme://host:port`` of an http(s) URL (the port made explicit), else ``ValueError``."""
+    """``scheme://host:port`` of an http(s) URL (the port made explicit), else ``BadInput``."""
     p = urlsplit(url)
     if p.scheme not in ("http", "https") or not p.hostname:
-        raise ValueError(f"not an http(s) URL: {url!r}")
+        raise BadInput(f"not an http(s) URL: {url!r}")
     port = p.port or (443 if p.scheme == "https" else 80)
     host = p.hostname if ":" not in p.hostname else f"[{p.hostname}]"
     return f"{p.scheme}://{host.lower()}:{port}"
@@ -132,7 +134,7 @@ def forget(url: str, key: str | None = None) -> None:
     """Stop sending a key to ``url`` (only if it is still ``key``, when given)."""
     try:
         o = origin(url)
-    except ValueError:
+    except BadInput:
         return
     with _LOCK:
         if key is None or _KEYS.get(o) == key:
@@ -143,7 +145,7 @@ def headers_for(url: str) -> dict[str, str]:
     """The headers a request to ``url`` carries: the key's, or none."""
     try:
         o = origin(url)
-    except ValueError:
+    except BadInput:
         return {}
     k = _KEYS.get(o)
     return {} if k is None else {HEADER: k}
@@ -167,8 +169,8 @@ class RouteGuard:
     def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
         try:
             key = check_key(os.environ.get(ENV))
-        except ValueError as exc:
-            raise RuntimeError(f"RouteGuard: {ENV} must hold the engine's route key: "
+        except BadInput as exc:
+            raise BadInput(f"RouteGuard: {ENV} must hold the engine's route key: "
                                f"{exc}") from None
         self.app = app
         self._key = key.encode()
