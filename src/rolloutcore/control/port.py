@@ -158,10 +158,15 @@ class ExpectationTaker(Protocol):
     ``expect_sent`` once the trainer reported its transport's checksum of
     what it sent. The adapter compares them in its own validation, while
     admission is still closed, exactly as with expectations staged in process.
+    A takeover calls ``expect(..., calibrating=True)``: the probe is of the
+    checkpoint the engine was started on, and the engine's own deviation from
+    it may calibrate later updates' probe tolerance
+    (``verification.probe.Calibration``).
     """
 
     def expect(self, *, probes: Any | None,
-               reference_checksums: Mapping[str, str] | None) -> None:
+               reference_checksums: Mapping[str, str] | None,
+               calibrating: bool = False) -> None:
         ...
 
     def expect_sent(self, sent: Mapping[str, Any] | None) -> None:

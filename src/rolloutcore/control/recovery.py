@@ -205,7 +205,10 @@ class _Checkpoint:
         checks: list[Check] = []
         probe = self.probe()
         if probe is not None:
-            checks.append(probe.run(http, UpdateTarget(target, self.identity, "recovery")))
+            # The engine cold-started on the checkpoint the probe was computed from:
+            # the takeover's tolerance (the adapter keeps its calibration).
+            checks.append(probe.run(http, UpdateTarget(target, self.identity, "recovery"),
+                                    calibrating=True))
         else:
             unverified.append("no policy probe: the engine's policy was not compared with "
                               "the checkpoint's")

@@ -121,12 +121,25 @@ class EngineSession:
             eng.stop()
             raise
 
-    def bootstrap(self, model_dir: str | Path,
-                  provenance: Provenance | None = None) -> WeightVersion:
-        """Take over the engine; it must be serving ``model_dir`` (its identity is recorded)."""
+    def bootstrap(self, model_dir: str | Path, provenance: Provenance | None = None, *,
+                  probe: bool = True) -> WeightVersion:
+        """Take over the engine; it must be serving ``model_dir`` (its identity is recorded).
+
+        ``probe=True`` (the default) verifies it as ``rolloutcore serve`` does: the
+        policy probe of ``model_dir`` on the engine (version 0 is published at
+        probe level, or ``TakeoverRefused``), and the engine's deviation from it
+        calibrates every later update's probe tolerance to this model
+        (``verification.probe.Calibration``; the adapter's ``calibrations``).
+        ``probe=False`` declares it (no probe is computed: a large model).
+        """
         src = WeightSource.from_checkpoint(model_dir)
         prov = provenance or Provenance(str(Path(model_dir).resolve()), "", 0)
-        self.runner.bootstrap(identity_of(src, prov))
+        identity = identity_of(src, prov)
+        if probe:
+            self.runner.take_over(identity, probes=self._probe_for(model_dir, DEFAULT_TOLERANCE),
+                                  min_verification=VerificationLevel.PROBE)
+        else:
+            self.runner.bootstrap(identity)
         committed = self.controller.committed
         assert committed is not None
         return committed

@@ -196,7 +196,9 @@ def _observe(runner: TakeoverHost, target: UpdateTarget, probes: Any | None,
     """The engine observed as an update's validations would (paused checks, probes)."""
     a = runner.adapter
     if isinstance(a, ExpectationTaker):
-        a.expect(probes=probes, reference_checksums=reference_checksums)
+        # The probe is of the checkpoint the engine is declared to hold: the
+        # deviation it passes with is the engine's own noise (its calibration).
+        a.expect(probes=probes, reference_checksums=reference_checksums, calibrating=True)
     elif probes is not None or reference_checksums is not None:
         raise BadInput("this adapter cannot take expectations (ExpectationTaker)")
     out: list[ValidationEvidence] = []
@@ -207,6 +209,10 @@ def _observe(runner: TakeoverHost, target: UpdateTarget, probes: Any | None,
                                  target, live=live), deadline, None)
         if val is not None:
             out.append(val)
+    cal = getattr(a, "calibrations", None)
+    if isinstance(cal, dict) and cal:
+        runner._note("probe_calibration", calibrations={
+            k: c.to_dict() for k, c in cal.items() if hasattr(c, "to_dict")})
     return out
 
 

@@ -146,6 +146,8 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         new = VllmAdapter(VllmHTTP(url), tr,
                           engine_epoch=str(engine.epoch) if engine is not None else None)
         new.bootstrap()   # reads the new incarnation and joins a transfer group with it
+        if isinstance(old, VllmAdapter):  # same model, same kernels: same noise
+            new.calibrations.update(old.calibrations)
         runner.adapter = new
         with contextlib.suppress(Exception):
             if isinstance(old, VllmAdapter):

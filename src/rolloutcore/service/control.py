@@ -374,7 +374,13 @@ class UpdateManager:
         return {"floor": self.config.floor.wire,
                 "reachable": self.config.reachable_verification.wire,
                 "committed": None if ident is None else ident.verification.wire,
-                "evidence": [] if ident is None else list(ident.evidence)}
+                "evidence": [] if ident is None else list(ident.evidence),
+                # The probe tolerance the takeover calibrated on this engine (by probe
+                # kind; verification.probe.Calibration), or {} before one did.
+                "probe_calibration": {
+                    k: c.to_dict() for k, c in dict(
+                        getattr(self.runner.adapter, "calibrations", None) or {}).items()
+                    if hasattr(c, "to_dict")}}
 
     @property
     def open_update(self) -> _Update | None:

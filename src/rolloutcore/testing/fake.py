@@ -134,10 +134,12 @@ class FakeAdapter:
         self._staged = weights
         self._remote = False
 
-    def expect(self, *, probes: Any | None, reference_checksums: Mapping[str, str] | None
-               ) -> None:
+    def expect(self, *, probes: Any | None, reference_checksums: Mapping[str, str] | None,
+               calibrating: bool = False) -> None:
         """A remote trainer's expectations: ``probes`` (``fake_probe``) and, as its
-        reference checksum, ``{"fake-digest": weights.digest}``."""
+        reference checksum, ``{"fake-digest": weights.digest}``. The fake engine
+        computes exactly: there is no noise to calibrate (``calibrating`` changes
+        nothing)."""
         self._remote = True
         self._staged = None
         self._probes = probes

@@ -43,6 +43,7 @@ from typing import Any
 from rolloutcore.errors import BadInput
 
 __all__ = [
+    "ARCHITECTURES",
     "BOS_ID",
     "CHAT_TEMPLATE",
     "EOS_ID",
@@ -153,10 +154,20 @@ def _check_out(out_dir: str | Path) -> Path:
     return out
 
 
+#: The architectures ``make_checkpoint`` writes: transformers' config and model class.
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    # Qwen3: q/k RMS norms per head, no attention bias; its small sizes tie the
+    # output projection to the input embedding (Qwen3-0.6B, 1.7B, 4B).
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
 def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None = None,
                     negate_layer: int | None = None,
-                    tie_word_embeddings: bool | None = None) -> Path:
-    """Write a tiny Llama checkpoint to ``out_dir`` (new or empty) and return it.
+                    tie_word_embeddings: bool | None = None,
+                    architecture: str = "llama") -> Path:
+    """Write a tiny Llama (or Qwen3) checkpoint to ``out_dir`` (new or empty) and return it.
 
     Without ``like`` the weights are random from ``seed``. With ``like`` and
     ``negate_layer`` the weights are those of ``like`` with one decoder layer
@@ -166,7 +177,12 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
     ``tie_word_embeddings`` (default False) ties the output projection to the
     input embedding; with ``like`` it is taken from ``like`` (passing a
     different value is refused: the result would not be hot-swappable).
+    ``architecture`` (``ARCHITECTURES``) picks the model class for new weights;
+    with ``like`` the architecture is ``like``'s.
     """
+    if architecture not in ARCHITECTURES:
+        raise BadInput(f"architecture must be one of {sorted(ARCHITECTURES)}, "
+                       f"got {architecture!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise BadInput(f"seed must be an int >= 0, got {seed!r}")
     if tie_word_embeddings is not None and not isinstance(tie_word_embeddings, bool):
@@ -197,12 +213,13 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
     out.mkdir(parents=True, exist_ok=True)
     if src is None:
         tied = bool(tie_word_embeddings)
-        config = tf.LlamaConfig(**model_config(tie_word_embeddings=tied))
-        config.architectures = ["LlamaForCausalLM"]
+        config_cls, model_cls = ARCHITECTURES[architecture]
+        config = getattr(tf, config_cls)(**model_config(tie_word_embeddings=tied))
+        config.architectures = [model_cls]
         # fork_rng: the seed must not leak into (or depend on) the caller's RNG state.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = tf.LlamaForCausalLM(config).to(torch.bfloat16)
+            model = getattr(tf, model_cls)(config).to(torch.bfloat16)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
         if tied:
             # One matrix, saved once under the embedding's name (as save_pretrained does).
@@ -213,6 +230,8 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(out))
         meta: dict[str, Any] = {"seed": seed}
+        if architecture != "llama":
+            meta["architecture"] = architecture
         if tied:
             meta["tie_word_embeddings"] = True
     else:
@@ -237,8 +256,11 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def make_pair(root: str | Path, *, tie_word_embeddings: bool = False) -> tuple[Path, Path]:
+def make_pair(root: str | Path, *, tie_word_embeddings: bool = False,
+              architecture: str = "llama") -> tuple[Path, Path]:
     """Checkpoints ``root/A`` (seed 1) and ``root/B`` (seed 2): a policy and its next."""
     base = Path(root)
-    return (make_checkpoint(base / "A", 1, tie_word_embeddings=tie_word_embeddings),
-            make_checkpoint(base / "B", 2, tie_word_embeddings=tie_word_embeddings))
+    return (make_checkpoint(base / "A", 1, tie_word_embeddings=tie_word_embeddings,
+                            architecture=architecture),
+            make_checkpoint(base / "B", 2, tie_word_embeddings=tie_word_embeddings,
+                            architecture=architecture))

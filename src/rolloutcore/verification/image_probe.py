@@ -35,16 +35,18 @@ import copy
 import io
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
+    Calibrated,
+    Calibration,
     PolicyProbe,
     ProbeResult,
     default_prompts,
@@ -120,16 +122,22 @@ def _data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-class ImageProbe:
+class ImageProbe(Calibrated):
     """Image probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
+    kind: ClassVar[str] = "image"
+
     def __init__(self, cases: Sequence[ImageProbeCase], *, tolerance: float = IMAGE_TOLERANCE,
-                 name: str = "image-probe", timeout_s: float = 60.0) -> None:
+                 name: str = "image-probe", timeout_s: float = 60.0,
+                 calibrate: bool = True) -> None:
         self.cases = tuple(cases)
         if not self.cases:
             raise BadInput("an image probe needs at least one case")
         if not math.isfinite(tolerance) or tolerance <= 0:
             raise BadInput("tolerance must be a positive number")
+        if not isinstance(calibrate, bool):
+            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
+        self.calibrate = calibrate
         self.tolerance = tolerance
         self.name = name
         self.timeout_s = timeout_s
@@ -213,17 +221,19 @@ class ImageProbe:
         self.last = res
         return res
 
-    def run(self, http: ImageScorer, target: UpdateTarget) -> Check:
+    def run(self, http: ImageScorer, target: UpdateTarget, *,
+            calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
+            deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         res = self.measure(http)
-        passed = res.max_abs_diff <= self.tolerance
+        j = self.judge(res, calibrations, calibrating, deviations)
         extra = (f"; {self.mismatched_expansions} image prompts expanded differently by the "
                  "engine" if self.mismatched_expansions else "")
-        return Check(self.name, passed,
+        return Check(self.name, j.passed,
                      f"{len(self.cases)} image probes, {res.positions} teacher-forced "
                      f"positions; max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, "
-                     f"pos {res.worst_position}), mean {res.mean_abs_diff:.3g}, tolerance "
-                     f"{self.tolerance:g}{extra}",
-                     max_abs_diff=res.max_abs_diff, tolerance=self.tolerance,
+                     f"pos {res.worst_position}), mean {res.mean_abs_diff:.3g}, "
+                     f"{j.note}{extra}",
+                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
                      level=VerificationLevel.PROBE)
 
 
@@ -237,8 +247,13 @@ class ProbeSuite:
         self.name = name
         self.last: list[Check] = []
 
-    def run(self, http: Any, target: UpdateTarget) -> Check:
-        checks = [p.run(http, target) for p in self.probes]
+    def run(self, http: Any, target: UpdateTarget, *,
+            calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
+            deviations: dict[str, tuple[float, float]] | None = None) -> Check:
+        """Every member's check; calibrated members get the calibration arguments."""
+        checks = [p.run(http, target, calibrations=calibrations, calibrating=calibrating,
+                        deviations=deviations) if isinstance(p, Calibrated)
+                  else p.run(http, target) for p in self.probes]
         self.last = checks
         worst = max((c.max_abs_diff for c in checks if c.max_abs_diff is not None),
                     default=None)

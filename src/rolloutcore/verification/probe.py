@@ -25,16 +25,23 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError
 
 __all__ = [
+    "CALIBRATION_MARGIN",
+    "MEAN_FLOOR_FRACTION",
+    "MEAN_MARGIN",
     "DEFAULT_TOLERANCE",
+    "TAKEOVER_TOLERANCE",
+    "Calibrated",
+    "Calibration",
+    "Judgement",
     "MAX_TOLERANCE",
     "WIRE_LIMITS",
     "PolicyProbe",
@@ -61,6 +68,168 @@ MAX_TOLERANCE = 0.05
 #: engine one scoring call while admission is closed, so they are bounded.
 WIRE_LIMITS: dict[str, int] = {"cases": 32, "prompt": 4096, "continuation": 512,
                                "positions": 32768, "name": 128}
+
+
+#: How far a correct update's probe may deviate beyond what the engine showed on
+#: the checkpoint it was started on (the takeover's probe of it), measured by
+#: ``benchmarks/probe_tolerance.py`` (docs/probe-tolerance.md). The worst
+#: position (max |dlogp|) of a correct update reached 2.05x the takeover's on a
+#: tied Qwen3 (a maximum over 48 positions is a noisy statistic), so the max may
+#: reach ``CALIBRATION_MARGIN`` times the takeover's; the mean over the
+#: positions stayed within 1.31x, while the weakest mis-sent tensor (a tiny
+#: Llama's q_proj) moved it 2.45x: the mean may reach ``MEAN_MARGIN`` times.
+CALIBRATION_MARGIN = 3.0
+MEAN_MARGIN = 2.0
+#: The mean's tolerance is never below this fraction of the probe's own (max)
+#: tolerance: an engine that happened to be exact at takeover does not refuse
+#: every later update for a rounding.
+MEAN_FLOOR_FRACTION = 0.2
+
+#: The tolerance of a calibrating probe (a takeover, a recovery: the engine
+#: cold-started on the checkpoint the probe was computed from): the largest
+#: deviation that still leaves the margin under ``MAX_TOLERANCE``. A wrong
+#: checkpoint deviates by tenths of a nat and more (docs/probe-tolerance.md).
+TAKEOVER_TOLERANCE = MAX_TOLERANCE / CALIBRATION_MARGIN
+
+
+def _check_number(what: str, v: object, *, positive: bool) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < 0 or (positive and v == 0):
+        raise BadInput(f"calibration {what} must be a finite number "
+                       f"{'> 0' if positive else '>= 0'}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A probe tolerance calibrated on the engine itself, at takeover.
+
+    The fixed default was measured on one model; another model's kernels
+    (its dtype, vocabulary, logit scale) are noisier, and a correct update
+    is then refused (a tied Qwen3 deviates by up to 0.009-0.010 where the
+    default allows 0.005). The takeover verifies the engine on the checkpoint
+    it was started on with that checkpoint's own probe: the deviation it
+    measures (``baseline``, the worst position, and ``baseline_mean``) is
+    this engine's noise on this model with weights known to be right. An
+    update's probe passes as it always did within its own tolerance; above
+    it, when its worst position is within ``margin`` times ``baseline``
+    (never more than ``cap``) **and** its mean within ``mean_margin`` times
+    ``baseline_mean`` (never less than ``MEAN_FLOOR_FRACTION`` of the probe's
+    tolerance): a loosened max alone would let the weakest mis-sent tensors
+    through. A calibration never refuses what the probe's own tolerance
+    accepts.
+    """
+
+    baseline: float
+    baseline_mean: float
+    margin: float = CALIBRATION_MARGIN
+    mean_margin: float = MEAN_MARGIN
+    cap: float = MAX_TOLERANCE
+
+    def __post_init__(self) -> None:
+        _check_number("baseline", self.baseline, positive=False)
+        _check_number("baseline_mean", self.baseline_mean, positive=False)
+        for name in ("margin", "mean_margin", "cap"):
+            _check_number(name, getattr(self, name), positive=True)
+        if self.baseline_mean > self.baseline:
+            raise BadInput(f"calibration baseline_mean {self.baseline_mean!r} is above its "
+                           f"baseline (the max) {self.baseline!r}")
+
+    def tolerance(self, floor: float) -> float:
+        """The max's tolerance of an update's probe whose own tolerance is ``floor``."""
+        return min(self.cap, max(floor, self.margin * self.baseline))
+
+    def mean_tolerance(self, floor: float) -> float:
+        """The mean's tolerance of an update's probe whose own tolerance is ``floor``."""
+        return min(self.cap, max(MEAN_FLOOR_FRACTION * floor,
+                                 self.mean_margin * self.baseline_mean))
+
+    def describe(self, floor: float) -> str:
+        return (f"calibrated at takeover on the engine's start checkpoint: max |dlogp| "
+                f"{self.baseline:.4g} x {self.margin:g} (floor {floor:g}, cap {self.cap:g}), "
+                f"mean {self.baseline_mean:.3g} x {self.mean_margin:g}: mean tolerance "
+                f"{self.mean_tolerance(floor):.3g}")
+
+    def to_dict(self) -> dict[str, float]:
+        return {"baseline": self.baseline, "baseline_mean": self.baseline_mean,
+                "margin": self.margin, "mean_margin": self.mean_margin, "cap": self.cap}
+
+
+@dataclass(frozen=True)
+class Judgement:
+    """A probe's result held against its tolerance (``Calibrated.judge``)."""
+
+    passed: bool
+    tolerance: float
+    note: str
+
+
+class Calibrated:
+    """What a probe set needs to be calibrated (``PolicyProbe``, ``ImageProbe``).
+
+    ``run(http, target)`` uses the probe's own tolerance; the adapter passes
+    what it knows of the engine instead (``calibrations``, keyed by ``kind``)
+    or, for a takeover's or a recovery's probe of the checkpoint the engine
+    was started on, ``calibrating=True`` (the tolerance is then at least
+    ``TAKEOVER_TOLERANCE``, and the deviation measured is written to
+    ``deviations[kind]``: it becomes the engine's ``Calibration``). Nothing
+    of it is kept on the probe (one probe may validate several engines at
+    once). ``calibrate=False`` keeps the probe's own tolerance whatever the
+    engine showed (a trainer that wants the fixed value).
+    """
+
+    #: Which calibration applies (the text probe's or the image probe's).
+    kind: ClassVar[str] = "text"
+    name: str
+    tolerance: float
+    calibrate: bool = True
+
+    def _calibration(self, calibrations: Mapping[str, Calibration] | None
+                     ) -> Calibration | None:
+        if not self.calibrate or calibrations is None:
+            return None
+        return calibrations.get(self.kind)
+
+    def effective_tolerance(self, calibrations: Mapping[str, Calibration] | None = None,
+                            calibrating: bool = False) -> float:
+        """The max |dlogp| this probe passes with."""
+        if not self.calibrate:
+            return self.tolerance
+        if calibrating:
+            return max(self.tolerance, TAKEOVER_TOLERANCE)
+        cal = self._calibration(calibrations)
+        return self.tolerance if cal is None else cal.tolerance(self.tolerance)
+
+    def judge(self, res: ProbeResult, calibrations: Mapping[str, Calibration] | None = None,
+              calibrating: bool = False, deviations: dict[str, tuple[float, float]] | None = None
+              ) -> Judgement:
+        """``res`` against the tolerance, with the words that say how it was set."""
+        tol = self.effective_tolerance(calibrations, calibrating)
+        passed = res.max_abs_diff <= tol
+        cal = None if calibrating else self._calibration(calibrations)
+        if calibrating and self.calibrate:
+            note = (f"tolerance {tol:.4g} (calibrating: the engine on the checkpoint it was "
+                    f"started on; its deviation calibrates later updates)")
+            if deviations is not None:
+                worst = deviations.get(self.kind, (0.0, 0.0))
+                deviations[self.kind] = (max(worst[0], res.max_abs_diff),
+                                         max(worst[1], res.mean_abs_diff))
+        elif cal is not None:
+            # Within the probe's own tolerance it passes as it always did; the room
+            # the calibration adds above it is for noise, so the mean must be noise too.
+            mean_tol = cal.mean_tolerance(self.tolerance)
+            mean_ok = res.max_abs_diff <= self.tolerance or res.mean_abs_diff <= mean_tol
+            passed = passed and mean_ok
+            note = (f"tolerance {tol:.4g} ({cal.describe(self.tolerance)})"
+                    + ("" if mean_ok else f"; above {self.tolerance:g} the mean must be noise "
+                       f"too: {res.mean_abs_diff:.3g} > {mean_tol:.3g}"))
+        else:
+            note = f"tolerance {tol:g}" + ("" if self.calibrate else " (fixed: calibrate=False)")
+        return Judgement(passed, tol, note)
+
+    def run(self, http: Any, target: UpdateTarget, *,
+            calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
+            deviations: dict[str, tuple[float, float]] | None = None) -> Check:
+        raise NotImplementedError  # each probe kind measures its own way
 
 
 class Scorer(Protocol):
@@ -115,20 +284,23 @@ def default_prompts(vocab_size: int, *, n: int = 3, length: int = 160,
     return out
 
 
-class PolicyProbe:
+class PolicyProbe(Calibrated):
     """A set of probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
     def __init__(self, cases: Iterable[ProbeCase], *,
                  tolerance: float = DEFAULT_TOLERANCE, name: str = "policy-probe",
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, calibrate: bool = True) -> None:
         self.cases = tuple(cases)
         if not self.cases:
             raise BadInput("a probe set needs at least one case")
         if not math.isfinite(tolerance) or tolerance <= 0:
             raise BadInput("tolerance must be a positive number")
+        if not isinstance(calibrate, bool):
+            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
         self.tolerance = tolerance
         self.name = name
         self.timeout_s = timeout_s
+        self.calibrate = calibrate
         self.last: ProbeResult | None = None
 
     # ------------------------------------------------------------------ reference
@@ -183,9 +355,13 @@ class PolicyProbe:
         their log-probabilities) and the tolerance travel; the gateway runs
         the comparison itself (``from_wire`` then ``run``).
         """
-        return {"name": self.name, "tolerance": self.tolerance,
-                "cases": [{"prompt": list(c.prompt), "continuation": list(c.continuation),
-                           "logprobs": list(c.logprobs)} for c in self.cases]}
+        out: dict[str, Any] = {
+            "name": self.name, "tolerance": self.tolerance,
+            "cases": [{"prompt": list(c.prompt), "continuation": list(c.continuation),
+                       "logprobs": list(c.logprobs)} for c in self.cases]}
+        if not self.calibrate:
+            out["calibrate"] = False  # the engine's calibration may not loosen it
+        return out
 
     @classmethod
     def from_wire(cls, d: object, *, vocab_size: int | None = None,
@@ -203,10 +379,13 @@ class PolicyProbe:
         lim = WIRE_LIMITS
         if not isinstance(d, dict):
             raise BadInput("probe: expected an object")
-        extra = set(d) - {"name", "tolerance", "cases"}
+        extra = set(d) - {"name", "tolerance", "cases", "calibrate"}
         if extra or "cases" not in d or "tolerance" not in d:
             raise BadInput(f"probe: needs exactly 'cases' and 'tolerance' (and an optional "
-                           f"'name'), got {sorted(d)}")
+                           f"'name' and 'calibrate'), got {sorted(d)}")
+        calibrate = d.get("calibrate", True)
+        if not isinstance(calibrate, bool):
+            raise BadInput(f"probe.calibrate must be true or false, got {calibrate!r}")
         name = d.get("name", "policy-probe")
         if not isinstance(name, str) or not 0 < len(name) <= lim["name"]:
             raise BadInput(f"probe.name: a string of 1..{lim['name']} characters")
@@ -246,7 +425,8 @@ class PolicyProbe:
             if positions > lim["positions"]:
                 raise BadInput(f"probe: more than {lim['positions']} tokens in all")
             cases.append(ProbeCase(tuple(prompt), tuple(cont), tuple(float(x) for x in lps)))
-        return cls(cases, tolerance=float(tol), name=name, timeout_s=timeout_s)
+        return cls(cases, tolerance=float(tol), name=name, timeout_s=timeout_s,
+                   calibrate=calibrate)
 
     # ------------------------------------------------------------------ engine side
     def measure(self, engine: Scorer) -> ProbeResult:
@@ -269,15 +449,16 @@ class PolicyProbe:
         self.last = res
         return res
 
-    def run(self, http: Scorer, target: UpdateTarget) -> Check:
+    def run(self, http: Scorer, target: UpdateTarget, *,
+            calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
+            deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         res = self.measure(http)
-        passed = res.max_abs_diff <= self.tolerance
-        return Check(self.name, passed,
+        j = self.judge(res, calibrations, calibrating, deviations)
+        return Check(self.name, j.passed,
                      f"{len(self.cases)} probes, {res.positions} teacher-forced positions; "
                      f"max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, pos "
-                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, "
-                     f"tolerance {self.tolerance:g}",
-                     max_abs_diff=res.max_abs_diff, tolerance=self.tolerance,
+                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}",
+                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
                      level=VerificationLevel.PROBE)
 
 

@@ -67,6 +67,8 @@ from rolloutcore.errors import (
 )
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.image_probe import ProbeSuite
+from rolloutcore.verification.probe import Calibrated, Calibration
 
 __all__ = [
     "STEP_MAY_MUTATE",
@@ -152,6 +154,9 @@ class _Staged:
     manifest_digest: str
     #: A remote trainer's transport checksum of what it sent (``expect_sent``).
     sent: Mapping[str, Any] | None = None
+    #: The probe is of the checkpoint the engine was started on (a takeover):
+    #: its deviation becomes the engine's calibration.
+    calibrating: bool = False
 
 
 #: vLLM versions from which the engine counts its weight-transfer operations in
@@ -222,6 +227,11 @@ class VllmAdapter(SleepMode):
         self._ops_verified: WeightOps | None = None
         self._ops_at_drain: WeightOps | None = None
         self._counts_ops = False  # the engine is known to count weight operations
+        #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
+        #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
+        #: used by every later update's probe. The model and the engine's kernels set the
+        #: noise, not the process: a recovered engine keeps it (``calibrations`` copied).
+        self.calibrations: dict[str, Calibration] = {}
         self._init_sleep_mode()
 
     @classmethod
@@ -263,14 +273,19 @@ class VllmAdapter(SleepMode):
         return None if self._staged is None else self._staged.source
 
     def expect(self, *, probes: ProbeSet | None,
-               reference_checksums: Mapping[str, str] | None) -> None:
+               reference_checksums: Mapping[str, str] | None,
+               calibrating: bool = False) -> None:
         """A remote trainer's expectations for the next validation (``ExpectationTaker``).
 
         The trainer sends the weights itself, so nothing is staged to send;
         what it computed from the very tensors it sends (the probe, reference
         checksums) is compared here, by this adapter, while paused and then
-        with admission still closed, as for a staged source.
+        with admission still closed, as for a staged source. ``calibrating``:
+        the probe is of the checkpoint the engine was started on (a takeover);
+        its deviation, if the probe passes, calibrates later updates' probes.
         """
+        if not isinstance(calibrating, bool):
+            raise BadInput("calibrating must be a bool")
         if probes is not None and not isinstance(probes, ProbeSet):
             raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
         if reference_checksums is not None:
@@ -279,7 +294,8 @@ class VllmAdapter(SleepMode):
                             for k, v in reference_checksums.items()):
                 raise BadInput("reference_checksums must be a non-empty mapping of str to str")
             reference_checksums = dict(reference_checksums)
-        self._staged = _Staged(None, None, reference_checksums, probes, "")
+        self._staged = _Staged(None, None, reference_checksums, probes, "",
+                               calibrating=calibrating)
 
     def check_sent(self, sent: Mapping[str, Any]) -> None:
         """``BadInput`` unless ``sent`` is a scheme this adapter compares, well formed."""
@@ -546,10 +562,19 @@ class VllmAdapter(SleepMode):
             if probes is None:
                 return None
             wi = h.weight_info()
-            check = probes.run(h, target)
+            calibrating = st is not None and st.calibrating
+            deviations: dict[str, tuple[float, float]] = {}
+            if isinstance(probes, (Calibrated, ProbeSuite)):
+                check = probes.run(h, target, calibrations=dict(self.calibrations),
+                                   calibrating=calibrating, deviations=deviations)
+            else:
+                check = probes.run(h, target)
             if not isinstance(check, Check):
                 raise EffectError("validate_live", f"probe set returned {type(check).__name__}, "
                                   "not a Check")
+            if calibrating and check.passed:
+                self.calibrations.update({k: Calibration(mx, mean)
+                                          for k, (mx, mean) in deviations.items()})
             live_paused = h.is_paused() if h.has(Routes.IS_PAUSED) else None
             # What the engine has counted by the end of its last validation is what
             # the published version was verified as (the health watch's baseline).
