@@ -23,9 +23,13 @@ Qwen3, the tiny Idefics3 vision-language model; all made offline by
 The tolerance used is what the takeover calibrated from that engine
 (``EngineSession.bootstrap``; the adapter's ``calibrations``), and the
 correct updates go through the real path with the default probe, so
-``false_refusals`` counts correct updates the controller refused;
-``missed_mis_sent`` counts differing mis-sent tensors at or below the
-tolerance. Both must be 0.
+``false_refusals`` counts correct updates the controller refused. Each
+mis-sent tensor is judged as the adapter judges it (``Calibrated.judge``)
+and, as the paused validation's other evidence, by the engine's checksums
+(vLLM's ``/weight_checker``) against the target's: ``missed_by_probe``
+counts the differing tensors the probe alone lets through (``probe_blind``
+names them), ``missed_mis_sent`` those that neither catches. Both
+``false_refusals`` and ``missed_mis_sent`` must be 0.
 
     .venv/bin/python benchmarks/probe_tolerance.py [--checkpoints 4] \\
         [--architectures llama,qwen3-tied,vlm]
@@ -113,6 +117,7 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
     from rolloutcore.core.versions import Provenance
     from rolloutcore.errors import UpdateFailed
     from rolloutcore.transports.source import WeightSource
+    from rolloutcore.verification.checksums import compare_checksums
     from rolloutcore.verification.probe import default_prompts
 
     t0 = time.monotonic()
@@ -168,28 +173,39 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
         tgt = dict(WeightSource.from_checkpoint(target).named_tensors())
         oth = dict(WeightSource.from_checkpoint(other).named_tensors())
         h, tr = session.http, session.transport
-        for k, name in enumerate(sorted(tgt)):
-            mixed = {key: (oth[key] if key == name else v) for key, v in tgt.items()}
+
+        def install(label: str, state: dict[str, Any]) -> None:
             h.pause(PauseMode.WAIT)
-            tr.send(h.base_url, f"wrong-{k}", WeightSource.from_state_dict(mixed),
-                    timeout_s=120)
+            tr.send(h.base_url, label, WeightSource.from_state_dict(state), timeout_s=120)
             assert h.reset_prefix_cache().engine_success
             if arch == "vlm":
                 h.reset_mm_cache()
                 h.reset_encoder_cache()
             h.resume()
+
+        # The paused validation's other evidence (vLLM 0.32's /weight_checker): the
+        # engine's checksums against the target's, read while it holds the target.
+        install("target", tgt)
+        reference = dict(h.weight_checksums().digests)
+        for k, name in enumerate(sorted(tgt)):
+            install(f"wrong-{k}", {key: (oth[key] if key == name else v)
+                                   for key, v in tgt.items()})
+            cmp = compare_checksums(h.weight_checksums(), reference)
             wrong.append({"mis_sent": name,
                           "identical_in_both": bool(torch.equal(tgt[name], oth[name])),
-                          "deviation": _deviations(probe, h, calib)})
+                          "deviation": _deviations(probe, h, calib),
+                          "checksum_caught": not cmp.to_check().passed,
+                          "checksum_unverifiable": len(cmp.unverifiable)})
         _say(f"{arch}: {len(wrong)} mis-sent tensors measured")
     finally:
         session.close()
 
     differing = [w for w in wrong if not w["identical_in_both"]]
     refused = [c["checkpoint"] for c in correct if not c["published"]]
-    # A mis-sent tensor is caught when some probe set refuses it (as the adapter would).
-    missed = [w["mis_sent"] for w in differing
-              if all(d["passes"] for d in w["deviation"].values())]
+    # A mis-sent tensor is caught by the probe when some probe set refuses it (as the
+    # adapter would), and by the update when the probe or the checksums refuse it.
+    probe_blind = [w for w in differing if all(d["passes"] for d in w["deviation"].values())]
+    missed = [w["mis_sent"] for w in probe_blind if not w["checksum_caught"]]
 
     def closeness(w: dict[str, Any]) -> float:
         """How near the weakest probe set came to passing it (<= 1: it passed)."""
@@ -226,6 +242,9 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
         "refused_correct": refused,
         "missed_mis_sent": len(missed),
         "missed": missed,
+        "missed_by_probe": len(probe_blind),
+        "probe_blind": [w["mis_sent"] for w in probe_blind],
+        "caught_by_checksum": sum(1 for w in differing if w["checksum_caught"]),
         "hot_equals_cold_start": bit_exact,
         "correct": correct,
         "wrong": wrong,
@@ -265,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     head = (f"{'architecture':<12} {'probe':<13} {'takeover':>15} {'tolerance':>15} "
             f"{'correct worst':>15} {'weakest mis-sent':>17} {'false ref':>9} {'missed':>6} "
-            f"{'hot=cold':>8}")
+            f"{'probe-blind':>11} {'hot=cold':>8}")
     print(head)
     print("(each column: max / mean |dlogp|, nats)")
     print("-" * len(head))
@@ -281,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{pair(e['takeover_deviation'][k], e['takeover_mean_deviation'][k])} "
                   f"{pair(tol, e['mean_tolerance_used'][k])} {worst} {weakest} "
                   f"{e['false_refusals']:9d} {e['missed_mis_sent']:6d} "
-                  f"{e['hot_equals_cold_start']!s:>8}")
+                  f"{e['missed_by_probe']:11d} {e['hot_equals_cold_start']!s:>8}")
     print(f"wrote {args.out}")
     return 0 if result["false_refusals"] == 0 and result["missed_mis_sent"] == 0 else 1
 
