@@ -121,7 +121,7 @@ def test_the_calibrated_tolerances_are_margins_over_the_baselines_between_floor_
                            "margin": CALIBRATION_MARGIN, "mean_margin": MEAN_MARGIN,
                            "cap": MAX_TOLERANCE}
     assert "0.0044" in c.describe(DEFAULT_TOLERANCE)
-    assert TAKEOVER_TOLERANCE * CALIBRATION_MARGIN == pytest.approx(MAX_TOLERANCE)
+    assert pytest.approx(MAX_TOLERANCE) == TAKEOVER_TOLERANCE * CALIBRATION_MARGIN
 
 
 @pytest.mark.parametrize("bad", [
@@ -280,3 +280,20 @@ def test_expect_refuses_a_calibrating_that_is_not_a_bool() -> None:
     ad = adapter(Scripted())
     with pytest.raises(BadInput, match="calibrating"):
         ad.expect(probes=None, reference_checksums=None, calibrating="yes")  # type: ignore[arg-type]
+
+
+def test_the_gateways_lazy_takeover_probe_calibrates_like_the_probe_it_wraps(
+        tmp_path: Any) -> None:
+    """``rolloutcore serve`` computes its takeover probe on first use (a wrapper): the
+    calibration goes through it (it did not, once: the gateway had none)."""
+    from rolloutcore.service.serve import _LazyProbe
+
+    lazy = _LazyProbe(tmp_path)
+    lazy._probe = PolicyProbe(CASES)  # what get() computes from the checkpoint
+    eng = Scripted()
+    ad = adapter(eng)
+    eng.set(0.0044, 0.002)
+    assert live(ad, lazy, calibrating=True).passed
+    assert ad.calibrations["text"].baseline == pytest.approx(0.0044)
+    lazy._probe = Plain()  # a wrapped probe set without calibration: called plainly
+    assert live(ad, lazy).passed

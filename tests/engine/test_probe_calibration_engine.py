@@ -170,7 +170,7 @@ def gateway(upstream: str, checkpoint: Path, work: Path) -> Iterator[str]:
 @pytest.mark.slow  # a third engine start and a gateway's: the in-process case is the CI one
 def test_through_the_gateway_a_correct_update_publishes_and_a_mis_sent_one_is_refused(
         qwen: Qwen, engine_factory: EngineFactory, tmp_path: Path) -> None:
-    eng = engine_factory(qwen.A, backend="rolloutcore_gloo", extra_args=["--enforce-eager"])
+    eng = engine_factory(qwen.A, backend="rolloutcore_gloo")  # as the cold reference: compiled
     auth = {"authorization": f"Bearer {TOKEN}"}
     try:
         with gateway(eng.base_url, qwen.A, tmp_path) as url:

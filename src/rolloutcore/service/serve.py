@@ -376,8 +376,14 @@ class _LazyProbe:
                 self._probe = PolicyProbe.from_checkpoint(str(self.model_dir))
         return self._probe
 
-    def run(self, http: Any, target: Any) -> Any:
-        return self.get().run(http, target)
+    takes_calibration = True  # the takeover calibrates on it (verification.probe)
+
+    def run(self, http: Any, target: Any, **calibration: Any) -> Any:
+        from rolloutcore.verification.probe import takes_calibration
+
+        p = self.get()
+        return p.run(http, target, **calibration) if takes_calibration(p) else \
+            p.run(http, target)
 
 
 def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:

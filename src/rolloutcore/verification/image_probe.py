@@ -50,6 +50,7 @@ from rolloutcore.verification.probe import (
     PolicyProbe,
     ProbeResult,
     default_prompts,
+    takes_calibration,
 )
 
 __all__ = [
@@ -240,6 +241,8 @@ class ImageProbe(Calibrated):
 class ProbeSuite:
     """Several probe sets as one: passes when every one passes."""
 
+    takes_calibration: ClassVar[bool] = True  # passed on to the members that take it
+
     def __init__(self, probes: Sequence[Any], *, name: str = "policy-probe") -> None:
         if not probes or not all(callable(getattr(p, "run", None)) for p in probes):
             raise BadInput("a probe suite needs probe sets with a run method")
@@ -252,7 +255,7 @@ class ProbeSuite:
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         """Every member's check; calibrated members get the calibration arguments."""
         checks = [p.run(http, target, calibrations=calibrations, calibrating=calibrating,
-                        deviations=deviations) if isinstance(p, Calibrated)
+                        deviations=deviations) if takes_calibration(p)
                   else p.run(http, target) for p in self.probes]
         self.last = checks
         worst = max((c.max_abs_diff for c in checks if c.max_abs_diff is not None),

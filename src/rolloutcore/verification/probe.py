@@ -49,6 +49,7 @@ __all__ = [
     "ProbeResult",
     "Scorer",
     "default_prompts",
+    "takes_calibration",
 ]
 
 #: Nats. Calibrated on the CPU engine with the tiny test models: correct updates
@@ -177,6 +178,9 @@ class Calibrated:
     engine showed (a trainer that wants the fixed value).
     """
 
+    #: Its ``run`` takes the calibration arguments (a wrapper or a suite that passes
+    #: them on says so too; ``takes_calibration``).
+    takes_calibration: ClassVar[bool] = True
     #: Which calibration applies (the text probe's or the image probe's).
     kind: ClassVar[str] = "text"
     name: str
@@ -230,6 +234,11 @@ class Calibrated:
             calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         raise NotImplementedError  # each probe kind measures its own way
+
+
+def takes_calibration(probes: object) -> bool:
+    """Whether ``probes.run`` takes ``calibrations``, ``calibrating`` and ``deviations``."""
+    return getattr(type(probes), "takes_calibration", False) is True
 
 
 class Scorer(Protocol):

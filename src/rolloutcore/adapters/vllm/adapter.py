@@ -67,8 +67,7 @@ from rolloutcore.errors import (
 )
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.image_probe import ProbeSuite
-from rolloutcore.verification.probe import Calibrated, Calibration
+from rolloutcore.verification.probe import Calibration, takes_calibration
 
 __all__ = [
     "STEP_MAY_MUTATE",
@@ -564,8 +563,9 @@ class VllmAdapter(SleepMode):
             wi = h.weight_info()
             calibrating = st is not None and st.calibrating
             deviations: dict[str, tuple[float, float]] = {}
-            if isinstance(probes, (Calibrated, ProbeSuite)):
-                check = probes.run(h, target, calibrations=dict(self.calibrations),
+            if takes_calibration(probes):
+                calibrated: Any = probes  # run(http, target, *, calibrations, ...)
+                check = calibrated.run(h, target, calibrations=dict(self.calibrations),
                                    calibrating=calibrating, deviations=deviations)
             else:
                 check = probes.run(h, target)
