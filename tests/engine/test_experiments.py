@@ -76,6 +76,12 @@ def test_live_rollout_drains_before_mutation(session: EngineSession,
         try:
             res["gen"] = h.generate(PROMPT[:100], max_tokens=400, ignore_eos=True)
         finally:
+            # The rollout ends (its binding released) only once the update has been
+            # requested: on a loaded host the 400 tokens can be done before the main
+            # thread gets to ask. What is tested is that the update then waits for it.
+            deadline = time.monotonic() + 120
+            while c.state is State.READY and time.monotonic() < deadline:
+                time.sleep(0.002)
             c.complete("R-long")
 
     th = threading.Thread(target=long)
