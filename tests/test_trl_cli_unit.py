@@ -98,6 +98,18 @@ def test_the_plot_s_step_axis_has_whole_steps_only() -> None:
 
 # --------------------------------------------------------------------------- Ctrl-C (#29)
 
+def _workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Any]:
+    """A work directory holding the start checkpoint of a tiny model, and that model."""
+    from helpers.trl_fakes import Tiny, write_checkpoint
+
+    work = tmp_path / "w"
+    work.mkdir()
+    model = Tiny()
+    write_checkpoint(work / "policy-0", model)
+    _no_imports(monkeypatch)
+    return work, model
+
+
 def _no_imports(monkeypatch: pytest.MonkeyPatch) -> None:
     """TRL, torch and transformers stand-ins: these tests never reach TRL's trainer."""
     from types import SimpleNamespace
@@ -147,13 +159,11 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
     session, the fourth's update is interrupted while its weights are sent."""
     from helpers.trl_fakes import (
         FakeSession,
-        Tiny,
         calls,
         make_trainer,
         prompts,
         sigint_when,
         train_step,
-        write_checkpoint,
     )
     from rolloutcore.cli import train
     from rolloutcore.control.journal import read_journal
@@ -162,11 +172,7 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
     from rolloutcore.integrations.trl.engines import _SessionEngine
     from rolloutcore.testing.fake import FaultKind
 
-    work = tmp_path / "w"
-    work.mkdir()
-    model = Tiny()
-    write_checkpoint(work / "policy-0", model)
-    _no_imports(monkeypatch)
+    work, model = _workdir(tmp_path, monkeypatch)
     made: dict[str, Any] = {}
 
     def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
@@ -225,22 +231,16 @@ def test_a_run_that_finishes_exits_0_and_its_journal_has_no_interruption(
     """The uninterrupted path through the same finishing: exit 0, no ``interrupted``."""
     from helpers.trl_fakes import (
         FakeSession,
-        Tiny,
         make_trainer,
         prompts,
         train_step,
-        write_checkpoint,
     )
     from rolloutcore.cli import train
     from rolloutcore.control.journal import read_journal
     from rolloutcore.integrations.trl import RolloutCoreRollout
     from rolloutcore.integrations.trl.engines import _SessionEngine
 
-    work = tmp_path / "w"
-    work.mkdir()
-    model = Tiny()
-    write_checkpoint(work / "policy-0", model)
-    _no_imports(monkeypatch)
+    work, model = _workdir(tmp_path, monkeypatch)
 
     def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
         return RolloutCoreRollout(_SessionEngine(FakeSession(ckpt, run, journal=journal),
