@@ -558,5 +558,5 @@ def test_a_keep_or_recompute_controller_is_refused_not_run_as_strict() -> None:
     assert create_app(r, cfg) is not None                      # strict: served
     for mode in (UpdateMode.KEEP, UpdateMode.RECOMPUTE):
         ctl = LifecycleController(config=ControllerConfig(update_mode=mode))
-        with pytest.raises(BadInput, match="strict"):
+        with pytest.raises(BadInput, match=r"configured for .strict."):
             create_app(LifecycleRunner(ctl, ad), cfg)

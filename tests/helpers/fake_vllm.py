@@ -47,9 +47,14 @@ def _err(status: int, msg: str) -> JSONResponse:
 
 
 class FakeVllm:
-    def __init__(self, engine: FakeEngine, *, event_delay_s: float = 0.0) -> None:
+    def __init__(self, engine: FakeEngine, *, event_delay_s: float = 0.0,
+                 live: bool = False) -> None:
         self.engine = engine
         self.event_delay_s = event_delay_s
+        #: Stream each token as the engine makes it (its pause modes reach the stream:
+        #: ``keep`` freezes it, ``abort`` ends it with ``finish_reason: abort``), as
+        #: vLLM does, instead of generating first and playing the events out.
+        self.live = live
         self.break_after_events: int | None = None
         self.omit_done = False
         self.status_error: int | None = None
@@ -75,6 +80,32 @@ class FakeVllm:
                    cache_salt: str | None = None) -> Generation:
         return await anyio.to_thread.run_sync(self.engine.generate, prompt, max_tokens, None,
                                               cache_salt)
+
+    def _live(self, ids: list[int], n: int, salt: Any,
+              event: Any) -> StreamingResponse:
+        """A stream of the engine's tokens as they come: ``event(tokens, finish, spans)``."""
+        stream = self.engine.generate_stream(ids, max_tokens=n,
+                                             cache_salt=salt if isinstance(salt, str) else None)
+        it = iter(stream)
+        end = object()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    ch = await anyio.to_thread.run_sync(next, it, end)
+                    if ch is end:
+                        break
+                    spans = None if ch.weight_versions is None else [
+                        {"version": v.version, "start": v.start, "end": v.end}
+                        for v in ch.weight_versions]
+                    yield f"data: {json.dumps(event(list(ch.token_ids), ch.finish_reason, spans))}\n\n".encode()
+                yield b"data: [DONE]\n\n"
+            except (asyncio.CancelledError, GeneratorExit):
+                self.streams_closed_early += 1
+                raise
+            finally:
+                await anyio.to_thread.run_sync(stream.close)
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     def _sse(self, events: list[dict[str, Any]]) -> StreamingResponse:
         async def body() -> AsyncIterator[bytes]:
@@ -170,11 +201,21 @@ class FakeVllm:
             return _err(400, "token_ids must be ids below the vocabulary size")
         rid = str(body.get("request_id") or uuid.uuid4().hex)
         salt = body.get("cache_salt")
+        want_lp = isinstance(sp, dict) and sp.get("logprobs") is not None
+
+        def lp(toks: list[int]) -> dict[str, Any]:  # the fake's logprob is -1.0 per token
+            return {"logprobs": {"content": [{"token_id": t, "logprob": -1.0}
+                                             for t in toks]}} if want_lp else {}
+        if self.live and body.get("stream"):
+            return self._live(ids, n, salt, lambda toks, fin, spans: {
+                "request_id": rid, "choices": [{"index": 0, "token_ids": toks,
+                                                "finish_reason": fin,
+                                                "weight_versions": spans, **lp(toks)}]})
         g = await self._run(ids, n, salt if isinstance(salt, str) else None)
         if not body.get("stream"):
             return JSONResponse({"request_id": rid, "choices": [{
                 "index": 0, "token_ids": g.tokens, "finish_reason": g.finish_reason,
-                "weight_versions": g.version_spans}]})
+                "weight_versions": g.version_spans, **lp(g.tokens)}]})
         events = []
         for i, tok in enumerate(g.tokens):
             last = i == len(g.tokens) - 1
@@ -203,13 +244,21 @@ class FakeVllm:
             return _err(400, "prompt must be a non-empty string or token ids")
         if n is None:
             return _err(400, "max_tokens must be a positive integer")
-        g = await self._run(ids, n)
         cid = f"cmpl-{uuid.uuid4().hex}"
+        tids = body.get("return_token_ids") is True
+        salt = body.get("cache_salt")
+        if self.live and body.get("stream"):
+            return self._live(ids, n, salt, lambda toks, fin, spans: {
+                "id": cid, "object": "text_completion", "choices": [{
+                    "index": 0, "text": self._text(toks), "finish_reason": fin,
+                    **({"token_ids": toks} if tids else {})}]})
+        g = await self._run(ids, n, salt if isinstance(salt, str) else None)
         if not body.get("stream"):
             return JSONResponse({"id": cid, "object": "text_completion",
                                  "model": body.get("model"), "choices": [{
                                      "index": 0, "text": self._text(g.tokens),
-                                     "finish_reason": g.finish_reason}]})
+                                     "finish_reason": g.finish_reason,
+                                     **({"token_ids": g.tokens} if tids else {})}]})
         events = [{"id": cid, "object": "text_completion", "choices": [{
             "index": 0, "text": self._text([t]),
             "finish_reason": g.finish_reason if i == len(g.tokens) - 1 else None}]}
@@ -236,12 +285,21 @@ class FakeVllm:
         n = self._max_tokens(body.get("max_tokens"))
         if n is None:
             return _err(400, "max_tokens must be a positive integer")
-        g = await self._run([b % VOCAB for b in text.encode()], n)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
+        tids = body.get("return_token_ids") is True
+        salt = body.get("cache_salt")
+        ids = [b % VOCAB for b in text.encode()]
+        if self.live and body.get("stream"):
+            return self._live(ids, n, salt, lambda toks, fin, spans: {
+                "id": cid, "object": "chat.completion.chunk", "choices": [{
+                    "index": 0, "delta": {"content": self._text(toks)}, "finish_reason": fin,
+                    **({"token_ids": toks} if tids else {})}]})
+        g = await self._run(ids, n, salt if isinstance(salt, str) else None)
         if not body.get("stream"):
             return JSONResponse({"id": cid, "object": "chat.completion", "choices": [{
                 "index": 0, "message": {"role": "assistant", "content": self._text(g.tokens)},
-                "finish_reason": g.finish_reason}]})
+                "finish_reason": g.finish_reason,
+                **({"token_ids": g.tokens} if tids else {})}]})
         events = [{"id": cid, "object": "chat.completion.chunk", "choices": [{
             "index": 0, "delta": {"content": self._text([t])},
             "finish_reason": g.finish_reason if i == len(g.tokens) - 1 else None}]}

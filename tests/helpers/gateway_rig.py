@@ -30,6 +30,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
 from rolloutcore.service.control import LEASE_HEADER
@@ -68,18 +69,18 @@ class Rig:
 
 
 def make_parts(token_delay_s: float = 0.0005, event_delay_s: float = 0.0,
-               deadlines: Deadlines = FAST) -> tuple[FakeEngine, FakeAdapter,
-                                                     LifecycleController, LifecycleRunner,
-                                                     Journal, FakeVllm]:
+               deadlines: Deadlines = FAST, controller_config: ControllerConfig | None = None,
+               live: bool = False) -> tuple[FakeEngine, FakeAdapter, LifecycleController,
+                                            LifecycleRunner, Journal, FakeVllm]:
     w0 = FakeWeights.from_seed(0)
     eng = FakeEngine(w0, token_delay_s=token_delay_s)
     ad = FakeAdapter(eng)
     ad.stage(w0)
     j = Journal()
-    c = LifecycleController(listener=j.listener)
+    c = LifecycleController(listener=j.listener, config=controller_config or ControllerConfig())
     r = LifecycleRunner(c, ad, deadlines, record=j.write)
     r.bootstrap(w0.identity())
-    return eng, ad, c, r, j, FakeVllm(eng, event_delay_s=event_delay_s)
+    return eng, ad, c, r, j, FakeVllm(eng, event_delay_s=event_delay_s, live=live)
 
 
 class _Switch:
@@ -116,8 +117,14 @@ def serve_fake(fake: FakeVllm) -> str:
 @contextlib.asynccontextmanager
 async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
               event_delay_s: float = 0.0, on_finished: Any = None,
+              controller_config: ControllerConfig | None = None, live: bool = False,
               **cfg: Any) -> AsyncIterator[Rig]:
-    eng, ad, c, r, j, fake = make_parts(token_delay_s, event_delay_s)
+    """The rig; ``controller_config`` with an asynchronous ``update_mode`` configures the
+    gateway for it too (``ServiceConfig.update_mode``)."""
+    eng, ad, c, r, j, fake = make_parts(token_delay_s, event_delay_s,
+                                        controller_config=controller_config, live=live)
+    if controller_config is not None:
+        cfg.setdefault("update_mode", controller_config.update_mode.value)
     up = serve_fake(fake)
     config = ServiceConfig(upstream_url=up, control_token=TOKEN, **cfg)
     app = create_app(r, config, on_finished=on_finished)

@@ -76,6 +76,8 @@ from rolloutcore.provenance.trajectory import (
 
 __all__ = [
     "Rollout",
+    "attribute",
+    "segment_run",
     "RolloutClient",
     "RolloutStatus",
     "StreamSource",
@@ -173,6 +175,62 @@ class VersionClock:
                     return False
                 self._cond.wait(min(left, 0.05))
             return True
+
+
+def segment_run(clock: VersionClock, ver: WeightVersion, salt: str | None, prefill: int,
+                chunks: Iterable[GenerationChunk]) -> SegmentRun:
+    """One engine request as read (``chunks``, each with its read instant) as a segment.
+
+    Each token's version is derived from when it was read (``clock``); the
+    engine's own spans, where it gave them over exactly this output, ride
+    along for ``stitch`` to check the derivation against. The in-process
+    ``RolloutClient`` and the gateway's carried requests (``service.carried``)
+    both build their segments here.
+    """
+    toks: list[int] = []
+    lps: list[float] | None = []
+    per_token: list[tuple[int, str]] = []
+    finish: str | None = None
+    spans = None
+    for ch in chunks:
+        toks += ch.token_ids
+        if ch.logprobs is None:
+            lps = None
+        elif lps is not None:
+            lps += ch.logprobs
+        v = clock.version_at(ch.read_at, ver)
+        per_token += [(v.generation, v.label)] * len(ch.token_ids)
+        if ch.finish_reason is not None:
+            finish = ch.finish_reason
+        if ch.weight_versions is not None:
+            spans = tuple((s.version, s.start, s.end) for s in ch.weight_versions)
+    if spans is not None and (sum(b - a for _, a, b in spans) != len(toks)):
+        spans = None  # spans over a different output: not evidence for this one
+    if lps is not None and len(lps) != len(toks):
+        lps = None
+    return SegmentRun(ver.label, salt, prefill, tuple(toks),
+                      None if lps is None else tuple(lps), tuple(per_token), spans, finish)
+
+
+def attribute(controller: LifecycleController, mode: UpdateMode, runs: Sequence[SegmentRun],
+              committed: WeightVersion) -> tuple[Stitched, int] | str:
+    """A completed rollout's segments stitched, and its staleness; or why it cannot be.
+
+    ``committed`` is the version the controller credited at the release
+    (``Completion.committed``). The staleness is the number of versions
+    published after the rollout's oldest token, up to ``committed``.
+    """
+    gens = {v.label: v.generation for v in controller.published}
+    try:
+        st = stitch(mode, runs, gens, max_staleness=controller.max_staleness,
+                    completed_generation=committed.generation)
+    except BadInput as exc:
+        return f"cannot attribute its tokens: {exc}"
+    oldest = min((s.generation for s in st.versions.spans if len(s)),
+                 default=committed.generation)
+    staleness = sum(1 for v in controller.published if oldest < v.generation
+                    <= committed.generation and v.engine_epoch == committed.engine_epoch)
+    return st, staleness
 
 
 class RolloutStatus(enum.StrEnum):
@@ -430,29 +488,7 @@ class RolloutClient:
 
     def _segment(self, ver: WeightVersion, salt: str | None, prefill: int,
                  chunks: Iterable[GenerationChunk]) -> SegmentRun:
-        toks: list[int] = []
-        lps: list[float] | None = []
-        per_token: list[tuple[int, str]] = []
-        finish: str | None = None
-        spans = None
-        for ch in chunks:
-            toks += ch.token_ids
-            if ch.logprobs is None:
-                lps = None
-            elif lps is not None:
-                lps += ch.logprobs
-            v = self.clock.version_at(ch.read_at, ver)
-            per_token += [(v.generation, v.label)] * len(ch.token_ids)
-            if ch.finish_reason is not None:
-                finish = ch.finish_reason
-            if ch.weight_versions is not None:
-                spans = tuple((s.version, s.start, s.end) for s in ch.weight_versions)
-        if spans is not None and (sum(b - a for _, a, b in spans) != len(toks)):
-            spans = None  # spans over a different output: not evidence for this one
-        if lps is not None and len(lps) != len(toks):
-            lps = None
-        return SegmentRun(ver.label, salt, prefill, tuple(toks),
-                          None if lps is None else tuple(lps), tuple(per_token), spans, finish)
+        return segment_run(self.clock, ver, salt, prefill, chunks)
 
     def _release(self, out: Rollout) -> None:
         c = self.controller
@@ -475,19 +511,11 @@ class RolloutClient:
             return
         committed = comp.committed
         assert committed is not None
-        gens = {v.label: v.generation for v in c.published}
-        try:
-            out.stitched = stitch(self.mode, out.runs, gens, max_staleness=c.max_staleness,
-                                  completed_generation=committed.generation)
-        except BadInput as exc:
-            out.status, out.attributable = RolloutStatus.FAILED, False
-            out.error = f"cannot attribute its tokens: {exc}"
+        got = attribute(c, self.mode, out.runs, committed)
+        if isinstance(got, str):
+            out.status, out.attributable, out.error = RolloutStatus.FAILED, False, got
             return
-        oldest = min((s.generation for s in out.stitched.versions.spans if len(s)),
-                     default=committed.generation)
-        out.staleness = sum(1 for v in c.published if oldest < v.generation
-                            <= committed.generation and v.engine_epoch ==
-                            committed.engine_epoch)
+        out.stitched, out.staleness = got
 
     def _done(self, out: Rollout) -> Rollout:
         if self._on_complete is not None:

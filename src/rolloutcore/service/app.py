@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
-from rolloutcore.core.lifecycle import State, UpdateMode
+from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import BadInput
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
@@ -131,13 +131,12 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     if not isinstance(config, ServiceConfig):
         raise BadInput("config must be a ServiceConfig")
     controller = runner.controller
-    if controller.update_mode is not UpdateMode.STRICT:
-        # The gateway's data plane and trainer protocol drain every bound rollout before
-        # an update: a keep or recompute controller behind it would be run as if strict
-        # (streams keeping their old label across the update). Refused, not ignored.
-        raise BadInput(f"the gateway runs strict updates; a controller in "
-                       f"{controller.update_mode.value!r} mode is refused (the asynchronous "
-                       f"modes run in process: control.async_modes)")
+    if controller.update_mode.value != config.update_mode:
+        # A deployment says which mode it runs: a keep or recompute controller behind a
+        # strict deployment (or the reverse) is refused, never run as the other.
+        raise BadInput(f"the gateway is configured for {config.update_mode!r} updates; a "
+                       f"controller in {controller.update_mode.value!r} mode is refused "
+                       f"(ServiceConfig.update_mode, serve --update-mode)")
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
     data = DataPlane(controller, config, metrics, on_finished=on_finished)
@@ -245,6 +244,10 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             await asyncio.sleep(config.health_interval_s)
             if controller.state is not State.READY:
                 continue
+            if controller.sweep_due and not controller.stale_rollouts:
+                # The prefix reset a keep-mode update deferred, now that nothing older runs.
+                with contextlib.suppress(Exception):
+                    await anyio.to_thread.run_sync(runner.sweep)
             try:
                 v = await anyio.to_thread.run_sync(functools.partial(
                     runner.check_serving, timeout_s=config.health_timeout_s,

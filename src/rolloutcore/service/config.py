@@ -154,6 +154,10 @@ class ServiceConfig:
     #: Salt every admitted request's prefix cache by its version (``cache_salt``;
     #: ``service.salting``): no request reuses KV of another version, reset or not.
     salt_prefix_cache: bool = True
+    #: The update mode this deployment runs (``strict``, ``keep``, ``recompute``): the
+    #: controller behind the gateway must be in it (``create_app`` refuses another), so
+    #: a strict-only deployment never runs an asynchronous controller by mistake.
+    update_mode: str = "strict"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -188,6 +192,12 @@ class ServiceConfig:
             raise BadInput("lease_s must not exceed max_lease_s")
         if not isinstance(self.salt_prefix_cache, bool):
             raise BadInput("salt_prefix_cache must be a bool")
+        if self.update_mode not in ("strict", "keep", "recompute"):
+            raise BadInput(f"update_mode must be strict, keep or recompute, got "
+                           f"{self.update_mode!r}")
+        if self.update_mode != "strict" and not self.salt_prefix_cache:
+            raise BadInput(f"update_mode {self.update_mode!r} needs salt_prefix_cache (a "
+                           "request under N+1 could reuse KV of N)")
         if not isinstance(self.media, MediaLimits):
             raise BadInput("media must be a MediaLimits")
         if not isinstance(self.transport, Mapping):

@@ -37,7 +37,7 @@ from rolloutcore.errors import EffectError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.upstream import UpstreamPool
-from rolloutcore.service.wire import SseRelay, dumps, vllm_request_ids
+from rolloutcore.service.wire import dumps, vllm_request_ids
 
 __all__ = ["ABORT_CALL_S", "Flight", "Flights"]
 
@@ -69,7 +69,8 @@ class Flight:
     finishing: bool = False
     #: The answer's headers went out (a stream: its end must be an event).
     started_response: bool = False
-    sse: SseRelay | None = None
+    #: The stream's relay (``SseRelay``, or a carried request's ``service.carried``).
+    sse: Any = None
 
 
 class Flights:
@@ -182,12 +183,19 @@ class Flights:
         client left); ``/abort_requests`` with vLLM's own ids says it once
         more, in case the connection is not noticed at once.
         """
+        return await self.abort_ids([b.rollout_id or "" for b in bindings], reason)
+
+    async def abort_ids(self, rollout_ids: Iterable[str], reason: str,
+                        kind: str = "aborted") -> dict[str, Any]:
+        """``abort`` by rollout id (the staleness bound's, whose bindings the controller
+        released already: ``kind`` ``over_bound`` ends their streams with an
+        ``OverStalenessBound`` error event)."""
         hit: list[Flight] = []
-        for b in bindings:
-            f = self._bound.get(b.rollout_id or "")
+        for rid in rollout_ids:
+            f = self._bound.get(rid)
             if f is None or f.fin is None or f.fin.released:
                 continue
-            if self.cut(f, "aborted", reason):
+            if self.cut(f, kind if kind == "over_bound" else "aborted", reason):
                 hit.append(f)
         by_engine: dict[str, list[str]] = {}
         for f in hit:

@@ -67,8 +67,9 @@ from typing import Any
 import anyio
 
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.core.lifecycle import Binding, Completion
+from rolloutcore.core.lifecycle import Binding, Completion, UpdateMode
 from rolloutcore.core.media import MediaError
+from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -80,6 +81,7 @@ from rolloutcore.errors import (
 )
 from rolloutcore.service.admission import Admission, OneEngine, Target
 from rolloutcore.service.auth import check_bearer
+from rolloutcore.service.carried import CarriedRelay, check_one_sample
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
 from rolloutcore.service.liveness import Flight, Flights
@@ -208,6 +210,13 @@ class FinishedRequest:
     media: tuple[Any, ...] = ()
     #: The version salt the request was forwarded with (``service.salting``), if any.
     cache_salt: str | None = None
+    #: The version the controller credited at the release (``Completion.committed``).
+    committed: WeightVersion | None = None
+    #: Asynchronous modes: the answer's per-token versions (``TokenVersions``), its
+    #: staleness, and the engine's spans over the whole output (``service.carried``).
+    token_versions: Any = None
+    staleness: int | None = None
+    engine_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
 def _rid(b: Binding) -> str:
@@ -249,6 +258,23 @@ class DataPlane:
         self._wanted = DATA_HEADERS | frozenset(getattr(admission, "headers", ()))
         self.flights = Flights(config, metrics, self.upstreams.get)
         admission.on_change(self._wake_threadsafe)
+        #: Under a keep or recompute controller: the relay of carried requests.
+        self.carried: CarriedRelay | None = None
+        if self.controller is not None and self.controller.update_mode is not UpdateMode.STRICT:
+            self.carried = CarriedRelay(self, self.controller)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the data plane runs on (once started)."""
+        return self._loop
+
+    @property
+    def collecting(self) -> bool:
+        """Whether answers are collected for a recorder (``on_finished``)."""
+        return self._on_finished is not None
+
+    def route_path(self, route: str) -> bytes:
+        return self._paths[route]
 
     # ------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -456,6 +482,9 @@ class DataPlane:
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
+        if self.carried is not None and (problem := check_one_sample(route, payload)):
+            await send_json(send, 400, error_body(400, problem, "BadRequest"))
+            return 400
         try:  # images: checked and described before anything is admitted
             media = inspect_media(route, payload, cfg.media)
         except MediaError as exc:
@@ -553,8 +582,15 @@ class DataPlane:
             if ctl is not None:
                 done = ctl.complete(_rid(fin.binding))
         if done is None:
-            fin.attributable, fin.unattributable = False, "the controller no longer held it"
-        elif not done.attributable:
+            fin.attributable = False
+            fin.unattributable = (
+                f"ended by an update: its oldest tokens would have been more than "
+                f"max_staleness={ctl.max_staleness} published versions old"
+                if ctl is not None and ctl.over_bound(_rid(fin.binding))
+                else "the controller no longer held it")
+            return
+        fin.committed = done.committed
+        if not done.attributable:
             fin.attributable = False
             fin.unattributable = done.aborted or (
                 f"released in {done.state.value}" if done.committed == fin.binding.version
@@ -610,17 +646,21 @@ class DataPlane:
             fin.events, fin.record_overflow = f.sse.events, f.sse.overflow
         self._release(fin)
         msg = f.reason or "aborted by the gateway"
+        kind = "OverStalenessBound" if why == "over_bound" else "Aborted"
         if f.started_response and f.sse is not None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(_LAST_WORD_S):
                     await send({"type": "http.response.body", "more_body": False,
-                                "body": f.sse.flush() + f.sse.error_tail(msg, 503, "Aborted")})
+                                "body": f.sse.flush() + f.sse.error_tail(msg, 503, kind)})
         elif not f.started_response:
-            await self._last_word(send, 503, msg, "Aborted", **self.info(binding, target))
+            await self._last_word(send, 503, msg, kind, **self.info(binding, target),
+                                  attributable=False, unattributable=msg)
 
     def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
         f.finishing = True
         self._release(fin)
+
+    finishing = _finishing
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
                      target: Target, fin: FinishedRequest, f: Flight) -> None:
@@ -629,6 +669,10 @@ class DataPlane:
             raise RuntimeError("data plane not started")
         vh = self.version_headers(binding, target)
         info = self.info(binding, target)
+        if self.carried is not None:
+            await self.carried.relay(send, route, fin.request, binding, target, fin, f, vh,
+                                     info)
+            return
         try:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
         except EffectTimeout as exc:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -20,7 +20,36 @@ from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports.http import map_errors, snippet, status_error
 
-__all__ = ["GenerationStream"]
+__all__ = ["GenerationStream", "chunk_of"]
+
+
+def chunk_of(ev: Mapping[str, Any], logprobs: bool, read_at: float) -> GenerationChunk:
+    """One parsed event of a streamed ``/inference/v1/generate`` (choice 0) as a chunk.
+
+    Raises ``ValueError``/``KeyError``/``TypeError``/``AttributeError`` (or
+    ``BadInput`` for a bad span) on an event of another shape; the callers
+    say where it came from.
+    """
+    usage = ev.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    choices = ev.get("choices") or []
+    if not choices:
+        return GenerationChunk((), None if not logprobs else (), None, None, read_at,
+                               None if cached is None else int(cached))
+    ch = choices[0]
+    toks = tuple(int(x) for x in ch.get("token_ids") or ())
+    lps: tuple[float, ...] | None = None
+    if logprobs:
+        content = (ch.get("logprobs") or {}).get("content") or []
+        lps = tuple(float(c["logprob"]) for c in content)
+        if len(lps) != len(toks):
+            raise ValueError(f"{len(lps)} logprobs for {len(toks)} tokens in a stream event")
+    raw = ch.get("weight_versions")
+    spans = None if raw is None else tuple(
+        VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
+    return GenerationChunk(toks, lps, ch.get("finish_reason"), spans, read_at,
+                           None if cached is None else int(cached))
 
 
 class GenerationStream:
@@ -75,30 +104,10 @@ class GenerationStream:
                 err = ev["error"]
                 msg = err.get("message") if isinstance(err, dict) else err
                 raise EngineUnavailable("generate", f"the stream reported an error: {msg}")
-            usage = ev.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
-            cached = details.get("cached_tokens")
-            choices = ev.get("choices") or []
-            if not choices:
-                return GenerationChunk((), None if not self._lp else (), None, None, t,
-                                       None if cached is None else int(cached))
-            ch = choices[0]
-            toks = tuple(int(x) for x in ch.get("token_ids") or ())
-            lps: tuple[float, ...] | None = None
-            if self._lp:
-                content = (ch.get("logprobs") or {}).get("content") or []
-                lps = tuple(float(c["logprob"]) for c in content)
-                if len(lps) != len(toks):
-                    raise EffectError("generate", f"{len(lps)} logprobs for {len(toks)} "
-                                      "tokens in a stream event")
-            raw = ch.get("weight_versions")
-            spans = None if raw is None else tuple(
-                VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
+            return chunk_of(ev, self._lp, t)
         except (ValueError, KeyError, TypeError, AttributeError, BadInput) as exc:
             raise EffectError("generate", f"unreadable stream event: {exc}: "
                               f"{snippet(data)}") from exc
-        return GenerationChunk(toks, lps, ch.get("finish_reason"), spans, t,
-                               None if cached is None else int(cached))
 
     def close(self) -> None:
         if self._closed:
