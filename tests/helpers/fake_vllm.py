@@ -98,7 +98,8 @@ class FakeVllm:
                     spans = None if ch.weight_versions is None else [
                         {"version": v.version, "start": v.start, "end": v.end}
                         for v in ch.weight_versions]
-                    yield f"data: {json.dumps(event(list(ch.token_ids), ch.finish_reason, spans))}\n\n".encode()
+                    ev = event(list(ch.token_ids), ch.finish_reason, spans)
+                    yield f"data: {json.dumps(ev)}\n\n".encode()
                 yield b"data: [DONE]\n\n"
             except (asyncio.CancelledError, GeneratorExit):
                 self.streams_closed_early += 1

@@ -75,7 +75,10 @@ from rolloutcore.service.wire import (
 if TYPE_CHECKING:
     from rolloutcore.service.admission import Target
     from rolloutcore.service.liveness import Flight
-    from rolloutcore.service.proxy import DataPlane, FinishedRequest
+
+#: ``service.proxy``'s ``DataPlane`` and ``FinishedRequest`` (which import this module).
+DataPlane = Any
+FinishedRequest = Any
 
 __all__ = ["CarriedRelay", "TOKEN_VERSIONS_FIELD", "check_one_sample"]
 
@@ -266,7 +269,7 @@ class CarriedRelay:
         plane, cfg, ctl = self.plane, self.plane.config, target.controller
         upstream = plane.upstreams.get(target.name)
         if upstream is None:
-            raise RuntimeError("data plane not started")
+            raise EffectError("relay", "data plane not started")
         rid = binding.rollout_id or ""
         stream = payload.get("stream") is True
         gen = route == GENERATE
@@ -433,7 +436,7 @@ class CarriedRelay:
                 try:
                     ev = json.loads(data)
                     if not isinstance(ev, dict):
-                        raise TypeError("an event that is not an object")
+                        raise BadInput("an event that is not an object")
                     if "error" in ev and not ev.get("choices"):
                         msg = ev["error"].get("message") if isinstance(
                             ev["error"], dict) else ev["error"]

@@ -26,9 +26,9 @@ __all__ = ["GenerationStream", "chunk_of"]
 def chunk_of(ev: Mapping[str, Any], logprobs: bool, read_at: float) -> GenerationChunk:
     """One parsed event of a streamed ``/inference/v1/generate`` (choice 0) as a chunk.
 
-    Raises ``ValueError``/``KeyError``/``TypeError``/``AttributeError`` (or
-    ``BadInput`` for a bad span) on an event of another shape; the callers
-    say where it came from.
+    Raises ``BadInput`` (or ``ValueError``/``KeyError``/``TypeError``/
+    ``AttributeError`` from reading it) on an event of another shape; the
+    callers say where it came from.
     """
     usage = ev.get("usage") or {}
     details = usage.get("prompt_tokens_details") or {}
@@ -44,7 +44,7 @@ def chunk_of(ev: Mapping[str, Any], logprobs: bool, read_at: float) -> Generatio
         content = (ch.get("logprobs") or {}).get("content") or []
         lps = tuple(float(c["logprob"]) for c in content)
         if len(lps) != len(toks):
-            raise ValueError(f"{len(lps)} logprobs for {len(toks)} tokens in a stream event")
+            raise BadInput(f"{len(lps)} logprobs for {len(toks)} tokens in a stream event")
     raw = ch.get("weight_versions")
     spans = None if raw is None else tuple(
         VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
