@@ -387,7 +387,32 @@ def plan_rounds(modes: Sequence[str], rounds: int) -> list[str]:
 
 # --------------------------------------------------------------------------- CPU harness
 
-def _cpu(args: argparse.Namespace) -> int:
+@dataclass
+class CpuEngine:
+    """One paced CPU vLLM on checkpoint A (B beside it), with the in-process harness.
+
+    ``async_modes_service.py`` runs its gateway phases on the same engine and
+    the same transport, so the two paths are measured side by side.
+    """
+
+    engine: Any
+    checkpoints: dict[str, Path]
+    ids: dict[str, Any]
+    state: dict[str, str]
+    http: Any
+    transport: Any
+    adapter: Any
+    streams: Any
+    harness: Harness
+
+    def close(self) -> None:
+        self.adapter.close()
+        self.streams.close()
+        self.engine.stop()
+
+
+def cpu_engine(args: argparse.Namespace) -> CpuEngine:
+    """Start the engine (``--workdir``, ``--step-sleep-s``) and build the harness."""
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.runner import Deadlines
@@ -397,7 +422,6 @@ def _cpu(args: argparse.Namespace) -> int:
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
 
-    t_run = time.monotonic()
     work = Path(args.workdir or f"/tmp/rc-async-bench-{os.getpid()}")
     ck = {n: work / n for n in ("A", "B")}
     if not (ck["A"] / "config.json").exists():
@@ -458,6 +482,23 @@ def _cpu(args: argparse.Namespace) -> int:
     # every connection of the adapter's client (VllmHTTP.cancel_inflight).
     streams = VllmHTTP(eng.base_url, timeout_s=120)
     h = Harness(controller, update, streams, hits, lambda m: print(m, flush=True), abort_all)
+    return CpuEngine(eng, ck, ids, state, http, transport, adapter, streams, h)
+
+
+def machine_and_versions() -> dict[str, Any]:
+    import vllm
+
+    return {"machine": {"host": platform.node(), "cpus": os.cpu_count(),
+                        "load_avg_at_end": os.getloadavg(),
+                        "python": platform.python_version()},
+            "versions": {"vllm": vllm.__version__, "engine": "vLLM CPU, tiny Llama (2 layers, "
+                         "hidden 128, vocab 259), gloo transport (rolloutcore_gloo)"}}
+
+
+def _cpu(args: argparse.Namespace) -> int:
+    t_run = time.monotonic()
+    ce = cpu_engine(args)
+    h = ce.harness
     workload = Workload(args.concurrency, args.median_tokens, args.sigma, args.cap_tokens,
                         args.prompt_tokens)
     raw: list[dict[str, Any]] = []
@@ -474,19 +515,12 @@ def _cpu(args: argparse.Namespace) -> int:
         print(f"[{time.monotonic() - t_run:6.1f}s] cache control", flush=True)
         cache = cache_control(h, prompt_tokens=300, kept_tokens=200)
     finally:
-        adapter.close()
-        streams.close()
-        eng.stop()
+        ce.close()
     s = summarize(raw, period_s=args.period_s, concurrency=args.concurrency)
     s["cross_version_prefix_hits_salted"] = cache["salted"]["hits"]
     s["cross_version_prefix_hits_unsalted"] = cache["unsalted"]["hits"]
     s["cache_control"] = cache
-    import vllm
-
-    s["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
-                    "load_avg_at_end": os.getloadavg(), "python": platform.python_version()}
-    s["versions"] = {"vllm": vllm.__version__, "engine": "vLLM CPU, tiny Llama (2 layers, "
-                     "hidden 128, vocab 259), gloo transport (rolloutcore_gloo)"}
+    s.update(machine_and_versions())
     s["workload"] = {**asdict(workload), "phase_s": args.phase_s, "warmup_s": args.warmup_s,
                      "rounds": args.rounds, "max_staleness": args.max_staleness,
                      "step_sleep_s": args.step_sleep_s}
@@ -501,9 +535,8 @@ def _cpu(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="results/async-modes.json")
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The engine and workload options (shared with ``async_modes_service.py``)."""
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--median-tokens", type=int, default=24)
@@ -518,6 +551,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--step-sleep-s", type=float, default=0.002,
                     help="pace the CPU engine (tests/engine/slowstep.py) so that its API "
                          "server keeps up on a 2-core machine; 0: unpaced")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="results/async-modes.json")
+    add_workload_args(ap)
     args = ap.parse_args(argv)
     return _cpu(args)
 

@@ -257,6 +257,48 @@ async def test_recorded_trajectory_carries_the_token_versions() -> None:
     assert [s.label for s in seen[0].token_versions.spans] == ["default", "rc-1"]
 
 
+@pytest.mark.parametrize("mode", [UpdateMode.KEEP, UpdateMode.RECOMPUTE])
+async def test_the_gateways_records_of_carried_answers_audit_clean(
+        mode: UpdateMode, tmp_path: Any) -> None:
+    """What the recorder wrote of an answer an update carried: its per-token versions and
+    segments (salts, prefills) pass the audit, and a tampered copy does not."""
+    from rolloutcore.core.versions import EngineIdentity
+    from rolloutcore.provenance.audit import audit_file
+    from rolloutcore.provenance.recorder import read_groups
+    from rolloutcore.service.recording import GatewayRecorder
+
+    path = tmp_path / "traj.jsonl"
+    rec = GatewayRecorder(path, EngineIdentity("fake-0", "fake", {}, "http://vllm.test"))
+    hdrs = {"x-rolloutcore-run": "r", "x-rolloutcore-step": "0",
+            "x-rolloutcore-prompt-index": "0"}
+    async with _rig(mode, on_finished=rec) as r:
+        async def go() -> tuple[httpx.Headers, list[Any]]:
+            resp = await r.client.post(GEN, json={**_gen(40), "stream": True}, headers=hdrs)
+            return resp.headers, sse_events(resp.text)
+
+        await _while_bound(r, go)
+        assert rec.flush()
+    rec.close()
+    (g,) = list(read_groups(path))
+    tv = g.samples[0].completion.versions
+    assert tv is not None and [s.label for s in tv.spans] == ["default", "rc-1"]
+    rep = audit_file(path)
+    assert rep.purity.ok and rep.purity.mixed_within_bound == 1, rep.purity.format_table()
+    # The same record unsalted, or (recompute) its resubmission salted by the old version:
+    # findings of the audit.
+    from rolloutcore.provenance.audit import PurityIssue, audit_purity
+    from rolloutcore.provenance.trajectory import TrajectorySample
+
+    def tampered(seg: int, salt: Any) -> set[PurityIssue]:
+        d = g.samples[0].to_dict()
+        d["completion"]["versions"]["segments"][seg]["cache_salt"] = salt
+        return {f.issue for f in audit_purity([TrajectorySample.from_dict(d)]).findings}
+
+    assert tampered(0, None) == {PurityIssue.UNSALTED}
+    if mode is UpdateMode.RECOMPUTE:
+        assert tampered(1, tv.segments[0].cache_salt) == {PurityIssue.SALT_MISMATCH}
+
+
 def test_a_deployment_refuses_a_controller_of_another_mode() -> None:
     from helpers.gateway_rig import TOKEN, make_parts
     from rolloutcore.control.controller import LifecycleController

@@ -62,6 +62,11 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
     "engine_url": (None, "a fleet gateway serves no trainer protocol (/control/updates) for "
                          "which trainers would need the engine's URL: its updates come "
                          "through POST /control/fleet/updates"),
+    "update_mode": ("strict", "a fleet's rolling and synchronous updates are strict; the "
+                              "asynchronous modes run on one engine's gateway (#31 takes "
+                              "them across a fleet)"),
+    "max_staleness": (None, "the staleness bound belongs to the asynchronous modes, which a "
+                            "fleet gateway does not run yet"),
     "lease_s": (120.0, "the lease belongs to the trainer protocol (/control/updates), which "
                        "a fleet gateway does not serve"),
     "transport_backend": ("rolloutcore_gloo",
@@ -149,6 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--drain-policy", choices=("abort", "refuse"), default="abort",
                      help="at the drain deadline: abort the stragglers (unattributable) and "
                           "update (default), or refuse the update")
+    lim.add_argument("--update-mode", choices=("strict", "keep", "recompute"),
+                     default="strict",
+                     help="what an update does with requests in flight: strict drains them "
+                          "first; keep freezes them in the engine and continues them under "
+                          "the new version; recompute aborts them and resubmits prompt + "
+                          "output so far under it (the token route). Every answer says per "
+                          "token which version produced it (docs/async-modes.md)")
+    lim.add_argument("--max-staleness", type=argtypes.nonneg_int, default=None, metavar="K",
+                     help="with keep or recompute: end (unattributable) a request whose "
+                          "oldest tokens would be more than K published versions old")
     lim.add_argument("--health-interval-s", type=float, default=2.0,
                      help="watch the engine between updates this often (0: no watch); a "
                           "dead, restarted or silent engine is tainted and refused")

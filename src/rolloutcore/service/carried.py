@@ -474,6 +474,7 @@ class CarriedRelay:
         if fin.token_versions is not None:
             extra[TOKEN_VERSIONS_FIELD] = fin.token_versions.to_dict()
             extra["staleness"] = fin.staleness
+            extra["derived_agrees"] = fin.derived_agrees
         if not fin.attributable:
             extra["attributable"] = False
             extra["unattributable"] = fin.unattributable
@@ -535,6 +536,10 @@ class CarriedRelay:
         st, fin.staleness = got
         fin.token_versions = st.versions
         fin.engine_spans = st.engine_spans
+        # The read instants' derivation against the engine's own spans (None: no spans).
+        fin.derived_agrees = None if st.versions.source != "engine" else [
+            (x.generation, x.start, x.end) for x in st.derived] == [
+            (x.generation, x.start, x.end) for x in st.versions.spans]
         return None
 
 

@@ -158,6 +158,9 @@ class ServiceConfig:
     #: controller behind the gateway must be in it (``create_app`` refuses another), so
     #: a strict-only deployment never runs an asynchronous controller by mistake.
     update_mode: str = "strict"
+    #: Only for a negative control (a benchmark's cache control): let an asynchronous
+    #: mode run without the version salt, so that cross-version prefix reuse shows.
+    unsafe_unsalted: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "upstream_url", _url("upstream_url", self.upstream_url))
@@ -195,7 +198,8 @@ class ServiceConfig:
         if self.update_mode not in ("strict", "keep", "recompute"):
             raise BadInput(f"update_mode must be strict, keep or recompute, got "
                            f"{self.update_mode!r}")
-        if self.update_mode != "strict" and not self.salt_prefix_cache:
+        if self.update_mode != "strict" and not self.salt_prefix_cache and \
+                self.unsafe_unsalted is not True:
             raise BadInput(f"update_mode {self.update_mode!r} needs salt_prefix_cache (a "
                            "request under N+1 could reuse KV of N)")
         if not isinstance(self.media, MediaLimits):

@@ -217,6 +217,8 @@ class FinishedRequest:
     token_versions: Any = None
     staleness: int | None = None
     engine_spans: tuple[tuple[str, int, int], ...] | None = None
+    #: Whether the versions derived from the read instants equal the engine's spans.
+    derived_agrees: bool | None = None
 
 
 def _rid(b: Binding) -> str:

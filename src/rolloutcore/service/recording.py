@@ -115,7 +115,8 @@ def _choices(fin: FinishedRequest) -> list[dict[str, Any]]:
     return out
 
 
-def _completion(c: dict[str, Any], cut: bool = False) -> SampledCompletion:
+def _completion(c: dict[str, Any], cut: bool = False, versions: Any = None
+                ) -> SampledCompletion:
     ids = tuple(c.get("token_ids") or ())
     lp = c.get("logprobs")
     logprobs = None
@@ -125,7 +126,7 @@ def _completion(c: dict[str, Any], cut: bool = False) -> SampledCompletion:
     wv = None if spans is None else tuple(
         VersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans)
     finish = c.get("finish_reason") or ("abort" if cut else "unknown")
-    return SampledCompletion(ids, str(finish), logprobs, c.get("stop_reason"), wv)
+    return SampledCompletion(ids, str(finish), logprobs, c.get("stop_reason"), wv, versions)
 
 
 def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup:
@@ -163,7 +164,9 @@ def build_group(fin: FinishedRequest, engine: EngineIdentity) -> TrajectoryGroup
     binding = fin.binding  # the controller's binding is the trajectory's
     fleet = _placement(fin)
     samples = [TrajectorySample(run, step, gid, index, len(choices), int(c.get("index", i)),
-                                prompt, sampling, _completion(c, cut), binding, engine, stamps,
+                                prompt, sampling,
+                                _completion(c, cut, fin.token_versions if len(choices) == 1
+                                            else None), binding, engine, stamps,
                                 attribution, fleet)
                for i, c in enumerate(choices)]
     return TrajectoryGroup(tuple(samples))

@@ -84,8 +84,20 @@ class ServeOptions:
     record: str | None = None
     min_verification: str | None = None   # the floor (default: the highest reachable)
     takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
+    update_mode: str = "strict"           # strict | keep | recompute (service.carried)
+    max_staleness: int | None = None      # asynchronous modes: the bound, in versions
 
     def __post_init__(self) -> None:
+        if self.update_mode not in ("strict", "keep", "recompute"):
+            raise BadInput(f"update_mode must be strict, keep or recompute, got "
+                           f"{self.update_mode!r}")
+        if self.max_staleness is not None and (
+                isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
+                or self.max_staleness < 0):
+            raise BadInput(f"max_staleness must be an integer >= 0, got {self.max_staleness!r}")
+        if self.max_staleness is not None and self.update_mode == "strict":
+            raise BadInput("max_staleness bounds the asynchronous modes: give --update-mode "
+                           "keep or recompute (a strict update leaves nothing stale)")
         if self.upstream and self.model:
             raise BadInput("give upstream (a running vLLM) or model (launch one), not both")
         for name in ("step", "port", "max_body_bytes", "queue"):
@@ -199,13 +211,14 @@ def run_serve(args: ServeOptions) -> int:
                           queue_max=args.queue, queue_wait_s=args.queue_wait_s,
                           lease_s=min(args.lease_s, 1800.0),
                           health_interval_s=args.health_interval_s,
-                          client_body_s=args.client_body_s, client_send_s=args.client_send_s)
+                          client_body_s=args.client_body_s, client_send_s=args.client_send_s,
+                          update_mode=args.update_mode)
 
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal, open_controller
     from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
-    from rolloutcore.core.lifecycle import State
+    from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.service.app import create_app
     from rolloutcore.transports.source import WeightSource
@@ -219,8 +232,10 @@ def run_serve(args: ServeOptions) -> int:
     # refused first): what it published, what it had in flight.
     controller: LifecycleController
     journal: Journal | None = None
+    ccfg = ControllerConfig(update_mode=UpdateMode(args.update_mode),
+                            max_staleness=args.max_staleness)
     if args.journal:
-        controller, journal = open_controller(args.journal, keep=256)
+        controller, journal = open_controller(args.journal, keep=256, config=ccfg)
         if journal.repaired_bytes:
             print(f"[rolloutcore] journal {args.journal}: cut a torn last line "
                   f"({journal.repaired_bytes} bytes; a crash in the middle of a write)",
@@ -229,7 +244,7 @@ def run_serve(args: ServeOptions) -> int:
             print(f"[rolloutcore] restored the journal: {controller.state.value}, "
                   f"committed {controller.committed}", file=sys.stderr)
     else:
-        controller = LifecycleController()
+        controller = LifecycleController(config=ccfg)
     adapter: Any = None
     recorder: Any = None
     try:
