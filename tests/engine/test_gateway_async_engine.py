@@ -1,6 +1,6 @@
 """Asynchronous update modes through the gateway, against a real vLLM (CPU): issue 29.
 
-One paced engine (``slowstep``: 8 ms per step, so 460-token rollouts outlast
+One paced engine (``slowstep``: 15 ms per step, so 460-token rollouts outlast
 an update) on checkpoint A; per mode a gateway process
 (``rolloutcore serve --upstream ... --update-mode MODE --journal --record``)
 takes it over at probe level; streaming rollouts through the gateway's
@@ -45,7 +45,7 @@ from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import read_groups
-from rolloutcore.service.client import RolloutCoreClient
+from rolloutcore.service.client import RolloutCoreClient, probe_for
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 
@@ -67,7 +67,7 @@ def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[M
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     eng = engine_factory(tiny_models.A, extra_args=(
         "--logits-processors", "slowstep:SlowStep", "--enforce-eager"),
-        env={"PYTHONPATH": path, slowstep.ENV: "0.008"})
+        env={"PYTHONPATH": path, slowstep.ENV: "0.015"})
     try:
         yield eng
     finally:
@@ -118,6 +118,12 @@ def _run(engine: ManagedEngine, models: TinyModels, work: Path, mode: str,
                         progress[i] += 1
             answers[i]["events"] = _events("\n\n".join(text))
 
+        # The trainer's own preparation (its probe of the target, its transport's handshake
+        # with the engine) comes first, so that the update lands while the rollouts run.
+        rc = RolloutCoreClient(url, TOKEN, transport=GlooTransport(), begin_timeout_s=300,
+                               report_timeout_s=300)
+        probe = probe_for(WeightSource.from_checkpoint(target))
+        rc._preconnect()
         threads = [threading.Thread(target=client, args=(i,), daemon=True)
                    for i in range(len(PROMPTS))]
         for th in threads:
@@ -126,10 +132,10 @@ def _run(engine: ManagedEngine, models: TinyModels, work: Path, mode: str,
         while min(progress) < 20:
             assert time.monotonic() < deadline, f"rollouts did not start: {progress}"
             time.sleep(0.02)
-        with RolloutCoreClient(url, TOKEN, transport=GlooTransport(),
-                               begin_timeout_s=300, report_timeout_s=300) as rc:
+        with rc:
             res = rc.update(WeightSource.from_checkpoint(target),
-                            Provenance(str(target), "engine-test", 1), owner="engine-test")
+                            Provenance(str(target), "engine-test", 1), owner="engine-test",
+                            probe=probe)
         Serving.name = tname
         for th in threads:
             th.join(300)
