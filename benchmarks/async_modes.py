@@ -297,13 +297,13 @@ def cache_control(h: Harness, *, prompt_tokens: int, kept_tokens: int,
 
 
 def summarize(raw: Sequence[dict[str, Any]], *, period_s: float,
-              concurrency: int) -> dict[str, Any]:
+              concurrency: int, modes: Sequence[str] = MODES) -> dict[str, Any]:
     """Per mode: the keys results/async-modes.json promises, from every round's phases."""
     by: dict[str, list[dict[str, Any]]] = {}
     for p in raw:
         by.setdefault(p["mode"], []).append(p)
     out: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in modes:
         ps = by.get(mode, [])
         if not ps:
             continue

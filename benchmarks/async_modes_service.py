@@ -2,7 +2,7 @@
 """The update modes through the gateway, beside the same modes in process (issue 29).
 
 One paced CPU vLLM (``async_modes.cpu_engine``), one gloo transport. Each
-round runs every mode (none, strict, keep, recompute) twice, interleaved and
+round runs every mode (none, strict, keep, recompute, engine_recompute) twice, interleaved and
 rotated so the machine's load drifts hit them alike:
 
 * ``inprocess``: ``async_modes.run_phase``, ``RolloutClient`` threads and
@@ -58,6 +58,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import async_modes as am  # noqa: E402
 
 TOKEN = "async-service-bench-token-0123456789"
+#: The in-process benchmark's modes and vLLM's own keep-with-recompute.
+MODES = (*am.MODES, "engine_recompute")
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 GEN = "/inference/v1/generate"
 
@@ -366,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            args.prompt_tokens)
     raw: dict[str, list[dict[str, Any]]] = {"inprocess": [], "service": []}
     # Each mode on both paths back to back, which path first alternating.
-    plan = [(m, path) for j, m in enumerate(am.plan_rounds(am.MODES, args.rounds))
+    plan = [(m, path) for j, m in enumerate(am.plan_rounds(MODES, args.rounds))
             for path in (("inprocess", "service") if j % 2 == 0 else ("service", "inprocess"))]
     try:
         # A first phase on a new engine runs its compilations and warm-ups: not measured.
@@ -397,10 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache = cache_control(ce, work)
     finally:
         ce.close()
-    summ = {path: am.summarize(ps, period_s=args.period_s, concurrency=args.concurrency)
+    summ = {path: am.summarize(ps, period_s=args.period_s, concurrency=args.concurrency,
+                               modes=MODES)
             for path, ps in raw.items()}
     s: dict[str, Any] = {}
-    for mode in am.MODES:
+    for mode in MODES:
         s[mode] = {path: summ[path].get(mode) for path in raw}
         svc, inp = s[mode]["service"], s[mode]["inprocess"]
         if svc and inp and inp["tokens_per_s"]:
@@ -423,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     s["phases"] = raw
     rows = [("mode", "path", "tok/s", "retained", "stall med s", "recomputed",
              "unattributable", "spans !=")]
-    for mode in am.MODES:
+    for mode in MODES:
         for path in ("inprocess", "service"):
             m = s[mode][path]
             if not m:

@@ -150,13 +150,19 @@ def write_and_audit(rollouts: list[Rollout], tmp: Path, j: Journal) -> object:
 
 def test_each_mode_is_a_row_and_strict_is_todays_drain() -> None:
     assert set(UPDATE_MODES) == set(UpdateMode)
-    strict, keep, rec = (UPDATE_MODES[m] for m in UpdateMode)
+    strict, keep, rec, eng = (UPDATE_MODES[m] for m in UpdateMode)
     assert strict.drains and strict.pause is None and not strict.deferred_resets
     assert keep.pause is PauseMode.KEEP and keep.in_flight is InFlight.KEPT
     assert keep.kv_crosses_versions and keep.needs_salt
     assert keep.deferred_resets == frozenset({CacheKind.PREFIX})
     assert rec.pause is PauseMode.ABORT and rec.in_flight is InFlight.RESUBMITTED
     assert not rec.kv_crosses_versions and not rec.deferred_resets
+    # vLLM's keep-with-recompute: frozen, cleared at the pause, recomputed on resume.
+    assert eng.pause is PauseMode.KEEP and eng.clear_cache and eng.needs_salt
+    assert eng.in_flight is InFlight.RECOMPUTED
+    assert not eng.kv_crosses_versions and not eng.deferred_resets
+    assert not any(UPDATE_MODES[m].clear_cache for m in UpdateMode
+                   if m is not UpdateMode.ENGINE_RECOMPUTE)
 
 
 @pytest.mark.parametrize("kw", [{"update_mode": "keep"}, {"max_staleness": -1},
@@ -224,9 +230,10 @@ def test_keep_carries_rollouts_across_two_updates(tmp_path: Path) -> None:
 
 
 def test_kept_tokens_attend_old_kv_and_recomputed_ones_do_not() -> None:
-    """What keep mixes, what recompute pays: the same rollout under both modes."""
+    """What keep mixes, what recompute pays: the same rollout under every mode (the
+    engine's own recompute continues the request over KV the new weights computed)."""
     got: dict[UpdateMode, Rollout] = {}
-    for mode in (UpdateMode.KEEP, UpdateMode.RECOMPUTE):
+    for mode in (UpdateMode.KEEP, UpdateMode.RECOMPUTE, UpdateMode.ENGINE_RECOMPUTE):
         rig = Rig(mode)
         rig.start(prompts(1, base=3), max_tokens=300)
         rig.progress(1, 20)
@@ -242,6 +249,10 @@ def test_kept_tokens_attend_old_kv_and_recomputed_ones_do_not() -> None:
             assert list(st.token_ids[cut:]) == fresh  # KV recomputed by the new weights
             assert r.recomputed_tokens == len(prefill)
             assert [s.prefill_tokens for s in st.versions.segments] == [40, len(prefill)]
+        elif mode is UpdateMode.ENGINE_RECOMPUTE:
+            assert list(st.token_ids[cut:]) == fresh  # recomputed inside the engine
+            assert len(st.versions.segments) == 1 and r.recomputed_tokens == 0
+            assert [sp.kv for sp in st.versions.spans] == [("default",), ("rc-1",)]
         else:
             assert list(st.token_ids[cut:]) != fresh  # attends to the old KV, as recorded
             assert r.recomputed_tokens == 0

@@ -189,6 +189,53 @@ async def test_recompute_json_answer_is_merged_with_its_whole_output_spans() -> 
         assert [(s["version"], s["start"], s["end"]) for s in ch["weight_versions"]] == spans
 
 
+@pytest.mark.parametrize("route,body", [
+    (GEN, _gen(40)),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 40}),
+])
+async def test_engine_recompute_continues_every_route_over_recomputed_kv(
+        route: str, body: dict[str, Any]) -> None:
+    """vLLM's own keep-with-recompute: the stream continues (one engine request, any
+    route), and its tokens after the update attend only to KV the new weights computed:
+    they equal what the new weights generate for prompt + output so far."""
+    async with _rig(UpdateMode.ENGINE_RECOMPUTE) as r:
+        (headers, evs), (res,) = await _while_bound(r, _stream(r, route, body))
+        assert res["status"] == "published"
+        info = evs[-2][BODY_FIELD]
+        tv = TokenVersions.from_dict(info["token_versions"])
+        assert tv.mode is UpdateMode.ENGINE_RECOMPUTE and len(tv.segments) == 1
+        assert [s.label for s in tv.spans] == ["default", "rc-1"]
+        assert [s.kv for s in tv.spans] == [("default",), ("rc-1",)]  # recomputed KV
+        assert info.get("attributable", True) is True and len(r.fake.received) == 1
+        if route == GEN:
+            toks = [t for e in evs[:-1] if isinstance(e, dict)
+                    for c in e.get("choices") or () for t in c.get("token_ids") or ()]
+            cut = tv.spans[0].end
+            prompt = body["token_ids"]
+            # The new weights' continuation of prompt + output so far (a fresh prefill).
+            again = r.engine.generate([*prompt, *toks[:cut]], len(toks) - cut)
+            assert again.tokens == toks[cut:]
+        assert check_journal(r.journal.records) == []
+
+
+async def test_engine_recompute_refuses_a_pause_that_did_not_clear() -> None:
+    """The mode's postcondition: an engine paused without clearing its caches would
+    resume the frozen requests over KV of the old weights: the update is refused."""
+    async with _rig(UpdateMode.ENGINE_RECOMPUTE) as r:
+        orig = r.adapter.drain
+
+        def no_clear(mode: Any, *, clear_cache: bool = False) -> Any:
+            return orig(mode)
+        r.adapter.drain = no_clear  # type: ignore[method-assign]
+        w = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w)
+        b = await r.client.post("/control/updates", json=begin_body(w), headers=AUTH)
+        assert b.status_code >= 400 and "clear_cache" in b.text
+        assert r.controller.state is State.READY and r.controller.committed is not None
+        assert r.controller.committed.label == "default"
+
+
 async def test_over_the_staleness_bound_a_kept_stream_ends_unattributable() -> None:
     async with _rig(UpdateMode.KEEP, k=0) as r:
         (headers, evs), (res,) = await _while_bound(r, _stream(r, GEN, _gen(200)))
@@ -237,6 +284,7 @@ async def test_a_chat_the_recompute_pause_aborted_says_so() -> None:
 
 @pytest.mark.parametrize("route,body", [
     (GEN, {"token_ids": [1, 2], "sampling_params": {"max_tokens": 4, "n": 2}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}),
     ("/v1/completions", {"prompt": "x", "n": 3}),
     ("/v1/completions", {"prompt": ["a", "b"]}),
 ])

@@ -18,6 +18,9 @@ Checked from what the clients received and what the gateway wrote:
   the spans cover the whole output, the second segment was salted by the
   new version, and its first token is what the new weights generate for
   prompt + output so far (asked again, afterwards, of the same engine);
+* ``engine_recompute`` (vLLM's ``pause(keep, clear_cache=true)``): one request
+  per rollout, and its tokens after the update are the new weights' continuation
+  of prompt + output so far;
 * ``keep`` with ``--max-staleness 0``: the rollouts end at the pause with an
   ``OverStalenessBound`` event, recorded unattributable;
 * the trajectories the gateway recorded audit clean against its journal
@@ -221,6 +224,38 @@ def test_recompute_through_the_gateway_resubmits_under_the_new_version(
             "sampling_params": {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}},
             timeout=60).json()
         assert again["choices"][0]["token_ids"] == [toks[cut]]
+    _audit(journal, traj, len(PROMPTS))
+
+
+def test_engine_recompute_through_the_gateway_recomputes_inside_vllm(
+        engine: ManagedEngine, tiny_models: TinyModels, tmp_path: Path) -> None:
+    """vLLM's own keep-with-recompute (``pause(keep, clear_cache=true)``): one engine
+    request per rollout, and after the update its tokens are what the new weights
+    generate from prompt + output so far (asked again, afterwards, of the same engine)."""
+    answers, res, journal, traj = _run(engine, tiny_models, tmp_path, "engine_recompute")
+    assert res.status == "published" and res.published is not None
+    new = res.published.label
+    for i, a in enumerate(answers):
+        evs = a["events"]
+        assert a["status"] == 200 and evs[-1] == "[DONE]"
+        toks = _tokens(evs)
+        assert len(toks) == LONG
+        info = _last_word(evs)
+        tv = info["token_versions"]
+        spans = [(s["label"], s["start"], s["end"]) for s in tv["spans"]]
+        assert [s[0] for s in spans] == [a["version"], new]
+        assert spans == _engine_spans(evs) and info["derived_agrees"] is True
+        assert [s["kv"] for s in tv["spans"]] == [[a["version"]], [new]]
+        assert len(tv["segments"]) == 1
+        cut = spans[0][2]
+        again = httpx.post(f"{engine.base_url}/inference/v1/generate", json={
+            "token_ids": PROMPTS[i] + toks[:cut],
+            "sampling_params": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}},
+            timeout=60).json()
+        assert again["choices"][0]["token_ids"] == toks[cut:cut + 8]
+    drains = [r.data["evidence"] for r in read_journal(journal) if r.kind == "evidence"
+              and r.data["evidence"].get("type") == "DrainEvidence"]
+    assert drains and drains[-1]["cleared"] is True, drains[-1:]
     _audit(journal, traj, len(PROMPTS))
 
 

@@ -154,13 +154,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim.add_argument("--drain-policy", choices=("abort", "refuse"), default="abort",
                      help="at the drain deadline: abort the stragglers (unattributable) and "
                           "update (default), or refuse the update")
-    lim.add_argument("--update-mode", choices=("strict", "keep", "recompute"),
+    lim.add_argument("--update-mode",
+                     choices=("strict", "keep", "recompute", "engine_recompute"),
                      default="strict",
                      help="what an update does with requests in flight: strict drains them "
                           "first; keep freezes them in the engine and continues them under "
-                          "the new version; recompute aborts them and resubmits prompt + "
-                          "output so far under it (the token route). Every answer says per "
-                          "token which version produced it (docs/async-modes.md)")
+                          "the new version (their later tokens attend to the old KV); "
+                          "recompute aborts them and resubmits prompt + output so far under "
+                          "it (the token route); engine_recompute freezes them and has vLLM "
+                          "recompute their KV under it on resume (every route). Every answer "
+                          "says per token which version produced it (docs/async-modes.md)")
     lim.add_argument("--max-staleness", type=argtypes.nonneg_int, default=None, metavar="K",
                      help="with keep or recompute: end (unattributable) a request whose "
                           "oldest tokens would be more than K published versions old")

@@ -77,7 +77,7 @@ class LifecycleAdapter(Protocol):
         """``Step.BOOTSTRAP``: reach the engine and describe it (epoch, label, capabilities)."""
         ...
 
-    def drain(self, mode: PauseMode) -> DrainEvidence:
+    def drain(self, mode: PauseMode, *, clear_cache: bool = False) -> DrainEvidence:
         """``Step.DRAIN``: pause the engine; with WAIT, return once its in-flight work is done."""
         ...
 

@@ -505,7 +505,9 @@ class LifecycleRunner:
                     # has not landed yet (admission is closed): the pause aborts
                     # it too, and returns once nothing is in flight.
                     pause = PauseMode.ABORT
-            self._run_step(ticket, Step.DRAIN, lambda: a.drain(pause),
+            self._run_step(ticket, Step.DRAIN,
+                           (lambda: a.drain(pause, clear_cache=True)) if rule.clear_cache
+                           else (lambda: a.drain(pause)),
                            lambda ev: c.drained(ticket, ev), d.pause_s, out, "pause")
             if preflight is not None:
                 v = c.preflighted(ticket, preflight)

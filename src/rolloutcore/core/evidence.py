@@ -167,6 +167,8 @@ class DrainEvidence(Evidence):
     paused: bool
     mode: PauseMode
     engine_in_flight: int | None = None
+    #: The engine was asked to clear its caches at the pause (and said it paused).
+    cleared: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -185,7 +187,7 @@ class DrainEvidence(Evidence):
             out.append(f"engine still has {self.engine_in_flight} requests in flight")
         return out
 
-    def problems_for(self, expected: PauseMode) -> list[str]:
+    def problems_for(self, expected: PauseMode, clear_cache: bool = False) -> list[str]:
         """The postcondition of an asynchronous update's pause (issue 20).
 
         The engine must be paused in the mode the update's row names
@@ -196,6 +198,9 @@ class DrainEvidence(Evidence):
         if self.mode is not expected:
             out.append(f"the update mode pauses with {expected.value!r}, the engine was "
                        f"paused with {self.mode.value!r}")
+        if clear_cache and not self.cleared:
+            out.append("the update mode pauses with clear_cache (the engine recomputes the "
+                       "frozen requests), the engine's caches were not cleared")
         return out
 
 

@@ -367,7 +367,7 @@ class StepRule:
 def _checks_drained(m: Lifecycle, upd: _Update, ev: DrainEvidence, _: Any) -> list[str]:
     rule = upd.rule
     problems = (ev.problems(upd.ticket.target) if rule.pause is None
-                else ev.problems_for(rule.pause))
+                else ev.problems_for(rule.pause, rule.clear_cache))
     if m._active and rule.drains:
         problems.append(f"{len(m._active)} rollouts still bound")
     return problems

@@ -226,6 +226,8 @@ class InFlight(enum.StrEnum):
     KEPT = "kept"                # frozen in the engine, continue under the new version
     RESUBMITTED = "resubmitted"  # aborted at the pause; their owner resubmits prompt +
     #                              partial output under the new version (KV recomputed)
+    RECOMPUTED = "recomputed"    # frozen, their KV freed at the pause; the engine
+    #                              recomputes them under the new version on resume
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,10 @@ class ModeRule:
     and reset once nothing admitted under an older version runs;
     ``needs_salt``: the data plane must salt every request's prefix cache
     by its admission version, or a new request could reuse KV of the old
-    one.
+    one; ``clear_cache``: the pause asks the engine to clear its caches
+    (vLLM's ``clear_cache=true``, which with ``keep`` preempts the frozen
+    requests so that their KV is recomputed on resume); every other pause
+    pins ``clear_cache=false``, the resets being steps of their own.
     """
 
     pause: PauseMode | None
@@ -250,6 +255,7 @@ class ModeRule:
     kv_crosses_versions: bool
     deferred_resets: frozenset[CacheKind]
     needs_salt: bool
+    clear_cache: bool = False
 
     @property
     def drains(self) -> bool:
@@ -265,6 +271,8 @@ UPDATE_MODES: Mapping[UpdateMode, ModeRule] = {
                               frozenset({CacheKind.PREFIX}), True),
     UpdateMode.RECOMPUTE: ModeRule(PauseMode.ABORT, InFlight.RESUBMITTED, False,
                                    frozenset(), False),
+    UpdateMode.ENGINE_RECOMPUTE: ModeRule(PauseMode.KEEP, InFlight.RECOMPUTED, False,
+                                          frozenset(), True, clear_cache=True),
 }
 
 

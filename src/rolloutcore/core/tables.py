@@ -120,6 +120,8 @@ def render() -> str:
               "|---|---|---|---|---|---|---|"]
     for mode, mrow in UPDATE_MODES.items():
         pause = mrow.pause.value if mrow.pause else "the runner's drain mode (wait)"
+        if mrow.clear_cache:
+            pause += ", clear_cache"
         deferred = ", ".join(k.value for k in CacheKind if k in mrow.deferred_resets)
         lines.append(f"| {mode.value} | {pause} | {mrow.in_flight.value} | "
                      f"{'yes' if mrow.drains else 'no'} | "

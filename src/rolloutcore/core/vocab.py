@@ -113,12 +113,17 @@ class UpdateMode(enum.StrEnum):
     it was admitted with); ``keep`` freezes them in the engine
     (``pause(mode=keep)``) and lets them continue under the new version;
     ``recompute`` aborts them at the pause and has their owner resubmit
-    prompt + partial output under the new version (the KV is recomputed).
+    prompt + partial output under the new version (the KV is recomputed);
+    ``engine_recompute`` freezes them like ``keep`` but has the engine clear
+    its caches at the pause (``pause(mode=keep, clear_cache=true)``: vLLM
+    preempts the frozen requests), so on resume each is recomputed by the
+    new weights inside the engine and continues in the same request.
     """
 
     STRICT = "strict"
     KEEP = "keep"
     RECOMPUTE = "recompute"
+    ENGINE_RECOMPUTE = "engine_recompute"
 
 
 # --------------------------------------------------------------------------- records

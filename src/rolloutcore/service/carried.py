@@ -86,6 +86,7 @@ GENERATE = "/inference/v1/generate"
 #: The body-field key of an answer's per-token versions.
 TOKEN_VERSIONS_FIELD = "token_versions"
 _DONE = b"data: [DONE]\n\n"
+_NO_DONE = "vLLM stream ended without its [DONE] terminator"
 _UPDATING = frozenset({State.DRAINING, State.QUIESCED, State.UPDATING, State.INVALIDATING,
                        State.VALIDATING, State.RESUMING})
 #: How long a finished request waits for an update that is resuming to publish or fail
@@ -176,12 +177,13 @@ class _ClientStream:
         self.overflow = False
         self.events: list[dict[str, Any]] = []
 
-    def _encode(self, obj: dict[str, Any]) -> bytes:
+    def _encode(self, obj: dict[str, Any], raw: bytes | None = None) -> bytes:
+        """One event; ``raw`` is its serialized form as vLLM sent it (passed on as is)."""
         if self._first:
-            self._first = False
+            self._first, raw = False, None
             obj = {**obj, BODY_FIELD: self._info}
         if self._collect:
-            out = dumps(obj)
+            out = dumps(obj) if raw is None else raw
             self._room -= len(out)
             if self._room < 0:
                 self._collect, self.overflow = False, True
@@ -189,11 +191,16 @@ class _ClientStream:
             else:
                 self.events.append(obj)
             return b"data: " + out + b"\n\n"
-        return b"data: " + dumps(obj) + b"\n\n"
+        return b"data: " + (dumps(obj) if raw is None else raw) + b"\n\n"
 
     async def event(self, obj: dict[str, Any]) -> None:
         await self._send({"type": "http.response.body", "body": self._encode(obj),
                           "more_body": True})
+
+    async def events_raw(self, evs: list[tuple[dict[str, Any], bytes]]) -> None:
+        """Several events in one send, each passed on as vLLM serialized it."""
+        body = b"".join(self._encode(obj, raw) for obj, raw in evs)
+        await self._send({"type": "http.response.body", "body": body, "more_body": True})
 
     async def end(self, objs: list[dict[str, Any]]) -> None:
         body = b"".join(self._encode(o) for o in objs) + _DONE
@@ -334,6 +341,9 @@ class CarriedRelay:
                         await send({"type": "http.response.start", "status": 200,
                                     "headers": hdrs})
                     err = await self._read_stream(resp, out, seg, gen, want_lp, held)
+                    if err is _NO_DONE and resubmit and (
+                            self.clock.updates != updates_before or ctl.state in _UPDATING):
+                        err = None  # vLLM 0.26 ends a stream the pause aborted, no event
                     if err is not None:
                         ended, fin.status = err, 502
                         break
@@ -424,6 +434,7 @@ class CarriedRelay:
         done = False
         async for chunk in resp.iter_any():
             buf += chunk
+            ready: list[tuple[dict[str, Any], bytes]] = []
             while (i := buf.find(b"\n\n")) >= 0:
                 raw, buf = buf[:i], buf[i + 2:]
                 if not raw.startswith(b"data:"):
@@ -440,17 +451,23 @@ class CarriedRelay:
                     if "error" in ev and not ev.get("choices"):
                         msg = ev["error"].get("message") if isinstance(
                             ev["error"], dict) else ev["error"]
+                        if ready:
+                            await out.events_raw(ready)
                         return f"vLLM reported an error mid-stream: {msg}"
                     ch = chunk_of(ev, want_lp, read_at) if gen else _text_chunk(ev, read_at)
                 except (ValueError, KeyError, TypeError, AttributeError, BadInput) as exc:
+                    if ready:
+                        await out.events_raw(ready)
                     return f"unreadable vLLM stream event: {exc}"
                 seg.chunks.append(ch)
                 if held or ch.finish_reason is not None:
                     held.append(ev)
                 else:
-                    await out.event(ev)
+                    ready.append((ev, data))
+            if ready:
+                await out.events_raw(ready)
         if not done:
-            return "vLLM stream ended without its [DONE] terminator"
+            return _NO_DONE
         return None
 
     async def _finish(self, send: Send, route: str, segs: list[_Segment],

@@ -25,6 +25,9 @@ from rolloutcore.errors import BadInput
 
 __all__ = ["ServiceConfig", "check_bind", "is_loopback"]
 
+#: The update modes a deployment may name (``core.vocab.UpdateMode``'s values).
+_MODES = ("strict", "keep", "recompute", "engine_recompute")
+
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and the loopback ranges (127.0.0.0/8, ::1)."""
@@ -154,7 +157,8 @@ class ServiceConfig:
     #: Salt every admitted request's prefix cache by its version (``cache_salt``;
     #: ``service.salting``): no request reuses KV of another version, reset or not.
     salt_prefix_cache: bool = True
-    #: The update mode this deployment runs (``strict``, ``keep``, ``recompute``): the
+    #: The update mode this deployment runs (``strict``, ``keep``, ``recompute``,
+    #: ``engine_recompute``): the
     #: controller behind the gateway must be in it (``create_app`` refuses another), so
     #: a strict-only deployment never runs an asynchronous controller by mistake.
     update_mode: str = "strict"
@@ -195,8 +199,8 @@ class ServiceConfig:
             raise BadInput("lease_s must not exceed max_lease_s")
         if not isinstance(self.salt_prefix_cache, bool):
             raise BadInput("salt_prefix_cache must be a bool")
-        if self.update_mode not in ("strict", "keep", "recompute"):
-            raise BadInput(f"update_mode must be strict, keep or recompute, got "
+        if self.update_mode not in _MODES:
+            raise BadInput(f"update_mode must be one of {', '.join(_MODES)}, got "
                            f"{self.update_mode!r}")
         if self.update_mode != "strict" and not self.salt_prefix_cache and \
                 self.unsafe_unsalted is not True:

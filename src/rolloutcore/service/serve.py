@@ -84,13 +84,13 @@ class ServeOptions:
     record: str | None = None
     min_verification: str | None = None   # the floor (default: the highest reachable)
     takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
-    update_mode: str = "strict"           # strict | keep | recompute (service.carried)
+    update_mode: str = "strict"           # strict|keep|recompute|engine_recompute (carried)
     max_staleness: int | None = None      # asynchronous modes: the bound, in versions
 
     def __post_init__(self) -> None:
-        if self.update_mode not in ("strict", "keep", "recompute"):
-            raise BadInput(f"update_mode must be strict, keep or recompute, got "
-                           f"{self.update_mode!r}")
+        if self.update_mode not in ("strict", "keep", "recompute", "engine_recompute"):
+            raise BadInput(f"update_mode must be strict, keep, recompute or engine_recompute, "
+                           f"got {self.update_mode!r}")
         if self.max_staleness is not None and (
                 isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int)
                 or self.max_staleness < 0):

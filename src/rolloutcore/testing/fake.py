@@ -216,14 +216,16 @@ class FakeAdapter:
             raise EffectError(step, f"the engine is asleep ({pool} released): {what} refused "
                               f"before reaching it", mutation_started=False)
 
-    def drain(self, mode: PauseMode) -> DrainEvidence:
+    def drain(self, mode: PauseMode, *, clear_cache: bool = False) -> DrainEvidence:
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
         fk = self._fault("drain")
         self._ops_at_drain = self.engine.weight_ops
-        self.engine.pause(mode)
-        return DrainEvidence(paused=fk is not FaultKind.LIE and self.engine.paused, mode=mode,
+        self.engine.pause(mode, clear_cache=clear_cache)
+        paused = fk is not FaultKind.LIE and self.engine.paused
+        return DrainEvidence(paused=paused, mode=mode,
                              engine_in_flight=self.engine.in_flight,
+                             cleared=paused and clear_cache,
                              elapsed_s=time.monotonic() - t0)
 
     def preflight(self, target: UpdateTarget) -> PreflightEvidence:

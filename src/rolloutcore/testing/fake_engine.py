@@ -227,6 +227,8 @@ class FakeEngine:
         self._paused: PauseMode | None = None
         self._in_flight: dict[str, Generation] = {}
         self._abort_ids: set[str] = set()
+        #: Frozen requests a ``pause(keep, clear_cache)`` preempted: recomputed on resume.
+        self._preempted: set[str] = set()
         self._cache: dict[tuple[str | int | None, ...], bytes] = {}
         self._updating = False
         self.dead = False
@@ -342,6 +344,9 @@ class FakeEngine:
                     while self._paused is PauseMode.KEEP and not self.dead:
                         self._cond.wait(0.05)
                     self._alive()
+                    if rid in self._preempted:  # its KV was freed: prefill it again, now
+                        self._preempted.discard(rid)
+                        kv, _ = self._prefill([*g.prompt, *g.tokens], cache_salt)
                     if rid in self._abort_ids:
                         g.finish_reason = "abort"
                         break
@@ -357,6 +362,7 @@ class FakeEngine:
             with self._cond:
                 self._in_flight.pop(rid, None)
                 self._abort_ids.discard(rid)
+                self._preempted.discard(rid)
                 self._cond.notify_all()
 
     def score(self, token_ids: Sequence[int], *,
@@ -396,10 +402,17 @@ class FakeEngine:
         return kv, start
 
     # -------------------------------------------------------------- lifecycle
-    def pause(self, mode: PauseMode, timeout_s: float = 30.0) -> None:
+    def pause(self, mode: PauseMode, timeout_s: float = 30.0, *,
+              clear_cache: bool = False) -> None:
+        """vLLM's pause; ``clear_cache`` with ``keep`` preempts the frozen requests (their
+        KV freed, the prefix cache cleared): each is recomputed on resume, by the weights
+        the engine holds then."""
         with self._cond:
             self._alive()
             self._paused = mode
+            if clear_cache:
+                self._cache.clear()
+                self._preempted.update(self._in_flight)
             if mode is PauseMode.ABORT:
                 self._abort_ids.update(self._in_flight)
             if mode in (PauseMode.ABORT, PauseMode.WAIT):
@@ -422,7 +435,7 @@ class FakeEngine:
         """False while requests run, like vLLM's reset without reset_running_requests."""
         with self._cond:
             self._alive()
-            if self._in_flight:
+            if set(self._in_flight) - self._preempted:  # preempted ones hold no blocks
                 return False
             self._cache.clear()
             return True

@@ -416,11 +416,14 @@ class VllmAdapter(SleepMode):
         self._connected = True
 
     @_step(Step.DRAIN)
-    def drain(self, mode: PauseMode) -> DrainEvidence:
+    def drain(self, mode: PauseMode, *, clear_cache: bool = False) -> DrainEvidence:
         """``/pause?mode=...&clear_cache=false`` then ``/is_paused``.
 
-        The cache is never cleared here: invalidation is its own step, after the
-        transfer, with its own evidence.
+        The cache is not cleared here: invalidation is its own step, after the
+        transfer, with its own evidence. Only the ``engine_recompute`` mode asks
+        for ``clear_cache=true`` with ``keep``: vLLM then preempts the frozen
+        requests (their KV freed), which is what makes it recompute them under
+        the new weights on resume; the reset step after the transfer still runs.
         """
         if not isinstance(mode, PauseMode):
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
@@ -432,7 +435,8 @@ class VllmAdapter(SleepMode):
         # exists yet, so nothing writes in between; a later read that differs
         # means somebody wrote (``writes_since_drain``).
         ops = self._side().submit(self._weight_ops) if self._counts_ops else None
-        said = self.http.pause(mode, clear_cache=False, timeout_s=self._drain_timeout_s)
+        said = self.http.pause(mode, clear_cache=clear_cache is True,
+                               timeout_s=self._drain_timeout_s)
         # The answer is sent once the engine core has paused; only an answer
         # that does not say so costs a second round trip to ask.
         paused = said or self.http.is_paused()
@@ -441,7 +445,8 @@ class VllmAdapter(SleepMode):
                 self._ops_at_drain = ops.result()
             except RolloutCoreError:
                 self._ops_at_drain = None  # then writes_since_drain cannot tell
-        return DrainEvidence(paused, mode, elapsed_s=time.monotonic() - t0,
+        return DrainEvidence(paused, mode, cleared=bool(said) and clear_cache is True,
+                             elapsed_s=time.monotonic() - t0,
                              unverified=("engine in-flight count not observed "
                                          "(the pause call's return is the drain signal)",))
 
