@@ -46,8 +46,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,21 +75,27 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
     from rolloutcore.control.session import identity_of
+    from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
-    from rolloutcore.core.versions import Provenance, VerificationLevel
+    from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.server import http_protocol
     from rolloutcore.transports.source import WeightSource
 
     mode = UpdateMode(spec["mode"])
-    ck = Path(spec["checkpoint"])
-    ident = identity_of(WeightSource.from_checkpoint(ck), Provenance(str(ck)))
+    if spec.get("identity") is not None:
+        ident = WeightIdentity.from_dict(spec["identity"])
+    else:
+        ck = Path(spec["checkpoint"])
+        ident = identity_of(WeightSource.from_checkpoint(ck), Provenance(str(ck)))
     http = VllmHTTP(spec["engine"], timeout_s=120)
     adapter = VllmAdapter(http, None, engine_epoch=spec["epoch"])
     journal = Journal(spec["journal"])
+    caches = tuple(CacheKind(x) for x in spec.get("required_caches") or [k.value for k in
+                                                                          CacheKind])
     c = LifecycleController(config=ControllerConfig(update_mode=mode,
                                                     max_staleness=spec["k"]),
-                            listener=journal.listener)
+                            required_caches=caches, listener=journal.listener)
     dl = Deadlines(drain_s=300, pause_s=120, transfer_s=120, reset_s=30, validate_s=60,
                    resume_s=30)
     runner = LifecycleRunner(c, adapter, dl, record=journal.write)
@@ -97,7 +103,9 @@ def gateway_child(spec: dict[str, Any]) -> None:
     salted = bool(spec.get("salted", True))
     cfg = ServiceConfig(upstream_url=spec["engine"], control_token=TOKEN,
                         update_mode=mode.value, queue_max=1024, queue_wait_s=600,
-                        min_verification=VerificationLevel.DECLARED,
+                        min_verification=VerificationLevel.parse(
+                            spec.get("min_verification", "declared")),
+                        transport=spec.get("transport") or {},
                         salt_prefix_cache=salted, unsafe_unsalted=not salted,
                         health_interval_s=1.0)
     app = create_app(runner, cfg)
@@ -106,10 +114,19 @@ def gateway_child(spec: dict[str, Any]) -> None:
 
 
 class Gateway:
-    """A gateway child over the engine, in one mode, for one phase."""
+    """A gateway child over the engine, in one mode, for one phase.
 
-    def __init__(self, ce: am.CpuEngine, mode: str, k: int | None, work: Path,
-                 salted: bool = True) -> None:
+    ``start``: the engine's current weights, a checkpoint directory or a
+    ``WeightIdentity`` (the H200 harness's synthetic one); ``min_verification``
+    and ``transport``: the deployment's floor and what a begin's grant says of
+    the trainer's transport.
+    """
+
+    def __init__(self, engine_url: str, epoch: str | None, start: Any, mode: str,
+                 k: int | None, work: Path, *, salted: bool = True,
+                 min_verification: str = "declared",
+                 transport: dict[str, Any] | None = None,
+                 required_caches: Sequence[str] | None = None) -> None:
         import socket
 
         with socket.socket() as s:
@@ -117,21 +134,25 @@ class Gateway:
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         self.journal = work / f"gw-{mode}-{port}.jsonl"
+        ident = start.to_dict() if hasattr(start, "to_dict") else None
         spec = {"mode": "strict" if mode == "none" else mode, "k": k,
-                "checkpoint": str(ce.checkpoints[ce.state["serving"]]),
-                "engine": ce.engine.base_url, "epoch": ce.engine.epoch, "port": port,
-                "journal": str(self.journal), "salted": salted}
+                "checkpoint": None if ident is not None else str(start),
+                "identity": ident, "engine": engine_url, "epoch": epoch, "port": port,
+                "journal": str(self.journal), "salted": salted,
+                "min_verification": min_verification, "transport": transport or {},
+                "required_caches": None if required_caches is None else list(required_caches)}
         self.log = open(work / f"gw-{mode}-{port}.log", "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--gateway-child", json.dumps(spec)],
             stdout=self.log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH")) if p)})
         import httpx
 
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited: {(work / self.log.name).read_text()}")
+                raise RuntimeError(f"gateway exited: {Path(self.log.name).read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     break
@@ -151,6 +172,46 @@ class Gateway:
         self.log.close()
 
 
+@dataclass
+class ServiceHarness:
+    """What the service phases need from an engine set-up (CPU here, the H200 harness).
+
+    ``start_gateway(mode, k, salted)`` a ``Gateway`` over the engine on its
+    current weights; ``update(rc)`` one update through the trainer protocol
+    (the trainer's next policy; ``UpdateResult``); ``client(url)`` the
+    trainer's ``RolloutCoreClient``; ``metrics`` prefix-cache hits so far.
+    """
+
+    start_gateway: Callable[..., Gateway]
+    update: Callable[[Any], Any]
+    client: Callable[[str], Any]
+    sampling_extra: dict[str, Any] | None = None
+    metrics: Callable[[], float] | None = None
+    #: The served model's name, sent with every request (``None``: vLLM's default).
+    model: str | None = None
+
+
+def cpu_service(ce: am.CpuEngine, work: Path) -> ServiceHarness:
+    """The service harness over ``async_modes.cpu_engine``'s engine and transport."""
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.service.client import RolloutCoreClient
+    from rolloutcore.transports.source import WeightSource
+
+    def start(mode: str, k: int | None, salted: bool = True) -> Gateway:
+        return Gateway(ce.engine.base_url, ce.engine.epoch,
+                       ce.checkpoints[ce.state["serving"]], mode, k, work, salted=salted)
+
+    def update(rc: Any) -> Any:
+        nxt = "B" if ce.state["serving"] == "A" else "A"
+        res = rc.update(WeightSource.from_checkpoint(ce.checkpoints[nxt]),
+                        Provenance(str(ce.checkpoints[nxt])), probe=False)
+        ce.state["serving"] = nxt
+        return res
+
+    return ServiceHarness(start, update, lambda url: RolloutCoreClient(
+        url, TOKEN, transport=ce.transport), None, ce.harness.metrics)
+
+
 # --------------------------------------------------------------------------- service phase
 
 def _events(lines: list[str]) -> list[Any]:
@@ -163,10 +224,16 @@ def _events(lines: list[str]) -> list[Any]:
 
 
 async def _one(client: Any, url: str, prompt: list[int], n: int,
-               started: threading.Event | None = None) -> dict[str, Any]:
+               started: threading.Event | None = None,
+               sampling_extra: dict[str, Any] | None = None,
+               model: str | None = None) -> dict[str, Any]:
     """One streamed rollout through the gateway: its tokens as read, its last word."""
-    body = {"token_ids": prompt, "stream": True,
-            "sampling_params": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    body: dict[str, Any] = {
+        "token_ids": prompt, "stream": True,
+        "sampling_params": {"max_tokens": n, "temperature": 0.0, "ignore_eos": True,
+                            **(sampling_extra or {})}}
+    if model is not None:
+        body["model"] = model
     reads: list[tuple[float, int]] = []
     evs: list[Any] = []
     t0 = time.monotonic()
@@ -205,23 +272,19 @@ async def _one(client: Any, url: str, prompt: list[int], n: int,
                                          if tv else 0)}
 
 
-def service_phase(ce: am.CpuEngine, mode: str, *, workload: am.Workload, duration_s: float,
-                  warmup_s: float, period_s: float, max_staleness: int | None, seed: int,
-                  work: Path) -> dict[str, Any]:
+def service_phase(sh: ServiceHarness, mode: str, *, workload: am.Workload, duration_s: float,
+                  warmup_s: float, period_s: float, max_staleness: int | None,
+                  seed: int) -> dict[str, Any]:
     """One mode through a gateway: the same keys as ``async_modes._raw``, plus the spans'."""
     import httpx
 
-    from rolloutcore.core.versions import Provenance
-    from rolloutcore.service.client import RolloutCoreClient
-    from rolloutcore.transports.source import WeightSource
-
-    gw = Gateway(ce, mode, max_staleness, work)
+    gw = sh.start_gateway(mode, max_staleness)
     done: list[dict[str, Any]] = []
     updates: list[dict[str, Any]] = []
     stop = threading.Event()
     t0 = time.monotonic()
     window = (t0 + warmup_s, t0 + warmup_s + duration_s)
-    rc = RolloutCoreClient(gw.url, TOKEN, transport=ce.transport)
+    rc = sh.client(gw.url)
 
     def updater() -> None:
         k = 1
@@ -229,13 +292,10 @@ def service_phase(ce: am.CpuEngine, mode: str, *, workload: am.Workload, duratio
             at = window[0] + k * period_s
             if at >= window[1] or stop.wait(max(0.0, at - time.monotonic())):
                 return
-            nxt = "B" if ce.state["serving"] == "A" else "A"
             rec: dict[str, Any] = {"at": round(time.monotonic() - window[0], 3),
                                    "t_start": time.monotonic()}
             try:
-                res = rc.update(WeightSource.from_checkpoint(ce.checkpoints[nxt]),
-                                Provenance(str(ce.checkpoints[nxt])), probe=False)
-                ce.state["serving"] = nxt
+                res = sh.update(rc)
                 tot = (res.client_s or {}).get("total", time.monotonic() - rec["t_start"])
                 rec.update(ok=True, total_s=tot, transition_s=tot, t_end=time.monotonic(),
                            version=None if res.published is None else res.published.label,
@@ -251,7 +311,8 @@ def service_phase(ce: am.CpuEngine, mode: str, *, workload: am.Workload, duratio
             async def loop(i: int) -> None:
                 rng = random.Random(seed * 1000 + i)
                 while time.monotonic() < window[1]:
-                    r = await _one(client, gw.url, workload.prompt(rng), workload.length(rng))
+                    r = await _one(client, gw.url, workload.prompt(rng), workload.length(rng),
+                                   sampling_extra=sh.sampling_extra, model=sh.model)
                     done.append(r)
             await asyncio.gather(*(loop(i) for i in range(workload.concurrency)))
 
@@ -296,20 +357,17 @@ def service_phase(ce: am.CpuEngine, mode: str, *, workload: am.Workload, duratio
     }
 
 
-def cache_control(ce: am.CpuEngine, work: Path, *, prompt_tokens: int = 300,
+def cache_control(sh: ServiceHarness, *, prompt_tokens: int = 300,
                   kept_tokens: int = 200) -> dict[str, Any]:
     """Prefix hits of a request after a keep update through the gateway, unsalted/salted."""
     import httpx
 
-    from rolloutcore.core.versions import Provenance
-    from rolloutcore.service.client import RolloutCoreClient
-    from rolloutcore.transports.source import WeightSource
-
+    assert sh.metrics is not None
     rng = random.Random(1)
     out: dict[str, Any] = {}
     for salted in (False, True):
-        gw = Gateway(ce, "keep", None, work, salted=salted)
-        rc = RolloutCoreClient(gw.url, TOKEN, transport=ce.transport)
+        gw = sh.start_gateway("keep", None, salted)
+        rc = sh.client(gw.url)
         p = [rng.randrange(1, 200) for _ in range(prompt_tokens)]
         box: dict[str, Any] = {}
         started = threading.Event()
@@ -318,7 +376,8 @@ def cache_control(ce: am.CpuEngine, work: Path, *, prompt_tokens: int = 300,
                  started: threading.Event = started) -> None:
             async def go() -> None:
                 async with httpx.AsyncClient() as c:
-                    box["k"] = await _one(c, url, p, kept_tokens, started)
+                    box["k"] = await _one(c, url, p, kept_tokens, started,
+                                          sh.sampling_extra, sh.model)
             asyncio.run(go())
 
         th = threading.Thread(target=kept, daemon=True)
@@ -326,16 +385,14 @@ def cache_control(ce: am.CpuEngine, work: Path, *, prompt_tokens: int = 300,
         if not started.wait(120):
             raise RuntimeError("the kept request never started")
         kept_across = th.is_alive()
-        nxt = "B" if ce.state["serving"] == "A" else "A"
-        rc.update(WeightSource.from_checkpoint(ce.checkpoints[nxt]),
-                  Provenance(str(ce.checkpoints[nxt])), probe=False)
-        ce.state["serving"] = nxt
-        assert ce.harness.metrics is not None
-        before = ce.harness.metrics()
-        r = httpx.post(f"{gw.url}{GEN}", json={
-            "token_ids": [*p, 3, 5, 7], "sampling_params": {"max_tokens": 8,
-                                                           "ignore_eos": True}}, timeout=120)
-        hits = ce.harness.metrics() - before
+        sh.update(rc)
+        before = sh.metrics()
+        body: dict[str, Any] = {"token_ids": [*p, 3, 5, 7], "sampling_params": {
+            "max_tokens": 8, "ignore_eos": True, **(sh.sampling_extra or {})}}
+        if sh.model is not None:
+            body["model"] = sh.model
+        r = httpx.post(f"{gw.url}{GEN}", json=body, timeout=120)
+        hits = sh.metrics() - before
         th.join(600)
         k = box.get("k", {})
         out["salted" if salted else "unsalted"] = {
@@ -367,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workload = am.Workload(args.concurrency, args.median_tokens, args.sigma, args.cap_tokens,
                            args.prompt_tokens)
     raw: dict[str, list[dict[str, Any]]] = {"inprocess": [], "service": []}
+    sh = cpu_service(ce, work)
     # Each mode on both paths back to back, which path first alternating.
     plan = [(m, path) for j, m in enumerate(am.plan_rounds(MODES, args.rounds))
             for path in (("inprocess", "service") if j % 2 == 0 else ("service", "inprocess"))]
@@ -380,14 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if path == "inprocess":
                 am.run_phase(ce.harness, "none", **kw0)
             else:
-                service_phase(ce, "none", work=work, **kw0)
+                service_phase(sh, "none", **kw0)
         for i, (mode, path) in enumerate(plan):
             print(f"[{time.monotonic() - t_run:6.1f}s] phase {i + 1}/{len(plan)}: {mode} "
                   f"{path}", flush=True)
             kw = {"workload": workload, "duration_s": args.phase_s, "warmup_s": args.warmup_s,
                   "period_s": args.period_s, "max_staleness": args.max_staleness, "seed": i}
             p = (am.run_phase(ce.harness, mode, **kw) if path == "inprocess"
-                 else service_phase(ce, mode, work=work, **kw))
+                 else service_phase(sh, mode, **kw))
             if ce.harness.abort_all is not None:
                 ce.harness.abort_all()
             print(f"   {p['tokens'] / p['window_s']:.0f} tok/s, {p['rollouts']} rollouts, "
@@ -396,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raw[path].append(p)
         print(f"[{time.monotonic() - t_run:6.1f}s] cache control through the gateway",
               flush=True)
-        cache = cache_control(ce, work)
+        cache = cache_control(sh)
     finally:
         ce.close()
     summ = {path: am.summarize(ps, period_s=args.period_s, concurrency=args.concurrency,

@@ -164,6 +164,7 @@ def test_the_h200_plan_fits_one_device_call() -> None:
     p = json.loads(r.stdout)
     assert p["fits"] and p["estimated_s"] < 9 * 60 and p["budget_s"] <= 9 * 60
     assert p["phases"] == list(bench.MODES) and p["concurrency"] == 64
+    assert p["service_phases"] == ["none", "keep", "recompute"]
     assert p["period_s"] == 5.0 and p["updates_per_phase"] >= 10
     assert p["lengths"] == {"median": 128, "sigma": 1.0, "cap": 2048, "prompt": 128}
     too_long = _plan("--phase-s", "200")

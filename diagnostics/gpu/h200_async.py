@@ -15,6 +15,12 @@ checksum of what was installed, resume, publish). Then, as on the CPU
 ``summarize`` run here unchanged), 64 closed-loop clients with lognormal
 lengths (median 128, cap 2048, ``ignore_eos``) and an update every 5 s, for
 ``none``, ``strict``, ``keep`` and ``recompute``, then the cache control.
+Then the service path (#29): the same workload through a gateway process
+(``benchmarks/async_modes_service.py``'s ``Gateway`` and ``service_phase``)
+over the same engine, each update through the trainer protocol with the same
+CUDA IPC transport, for ``none``, ``keep`` and ``recompute``: the keys
+``service_none``, ``service_keep``, ``service_recompute`` (``retained``
+over ``service_none``).
 
 vLLM 0.26 has no ``weight_version`` and no per-token ``weight_versions``:
 per-token versions are derived from the stream and the update's resume
@@ -50,11 +56,16 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import async_modes as bench  # noqa: E402  (benchmarks/async_modes.py)
+import async_modes_service as svc  # noqa: E402  (benchmarks/async_modes_service.py)
 
 BUDGET_S = 540.0          # one device call: 10 minutes at most; this stays under 9
 ENGINE_START_S = 85.0     # measured: 84 s with torch.compile and CUDA graphs (VLLM-FACTS)
 SETUP_S = 25.0            # trainer buffer fill, connect, the first (mapping) update
 END_S = 15.0              # abort + resume per phase, stop
+GATEWAY_START_S = 8.0     # a gateway process per service phase (imports, bootstrap)
+#: The service-path phases (#29): the same workload through a gateway process and the
+#: trainer protocol. vLLM 0.26's keep ignores clear_cache, so no engine_recompute here.
+SERVICE_MODES = ("none", "keep", "recompute")
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,8 +73,12 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     order = bench.plan_rounds(bench.MODES, args.rounds)
     phase_s = args.warmup_s + args.phase_s + 2.0
     cache_s = 40.0 if args.cache_control else 0.0
-    total = ENGINE_START_S + SETUP_S + len(order) * phase_s + cache_s + END_S
-    return {"phases": order, "phase_s": args.phase_s, "warmup_s": args.warmup_s,
+    service = list(SERVICE_MODES) if args.service else []
+    total = (ENGINE_START_S + SETUP_S + len(order) * phase_s + cache_s + END_S
+             + len(service) * (args.warmup_s + args.service_phase_s + 2.0 + GATEWAY_START_S))
+    return {"phases": order, "service_phases": service,
+            "service_phase_s": args.service_phase_s, "phase_s": args.phase_s,
+            "warmup_s": args.warmup_s,
             "updates_per_phase": int(args.phase_s // args.period_s),
             "period_s": args.period_s, "concurrency": args.concurrency,
             "lengths": {"median": args.median_tokens, "sigma": args.sigma,
@@ -115,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         VerificationLevel,
         WeightIdentity,
     )
+    from rolloutcore.service.client import RolloutCoreClient
     from rolloutcore.transports.cuda_ipc import (
         BACKEND,
         WORKER_EXTENSION,
@@ -214,6 +230,18 @@ def run(args: argparse.Namespace) -> int:
         def hits() -> float:
             return http.metrics().get(PREFIX_HITS) or 0.0
 
+        def service_update(rc: Any) -> Any:
+            """One update through the trainer protocol: the trainer's next policy, sent
+            by the same CUDA IPC transport, verified at engine-checksum as in process."""
+            nxt = 2 if state["seed"] == 1 else 1
+            flip()
+            transport.precompute_checksum(packed)
+            res = rc.update(source, identity(nxt).provenance, identity=identity(nxt),
+                            probe=False, min_verification="engine-checksum",
+                            owner="h200-async-service")
+            state["seed"] = nxt
+            return res
+
         def abort_all() -> None:
             http.pause(PauseMode.ABORT)
             http.resume()
@@ -252,6 +280,19 @@ def run(args: argparse.Namespace) -> int:
                 R["cache_control"] = cache
             except Exception as exc:
                 R["errors"]["cache_control"] = f"{type(exc).__name__}: {exc}"
+        if args.service:
+            service_phases(R, args, log, svc.ServiceHarness(
+                start_gateway=lambda mode, k, salted=True: svc.Gateway(
+                    engine.base_url, engine.epoch, identity(state["seed"]), mode, k,
+                    out_dir, salted=salted, min_verification="engine-checksum",
+                    transport={"backend": BACKEND}, required_caches=("prefix",)),
+                update=lambda rc: service_update(rc),
+                client=lambda url: RolloutCoreClient(url, svc.TOKEN, transport=transport,
+                                                     connected_to=engine.base_url,
+                                                     begin_timeout_s=300,
+                                                     report_timeout_s=300),
+                sampling_extra={"detokenize": False}, metrics=hits,
+                model=http.model()), work)
         R["goals"] = {
             "keep_retains_0.88": (R.get("keep") or {}).get("retained", 0) >= 0.88,
             "recompute_retains_0.85": (R.get("recompute") or {}).get("retained", 0) >= 0.85,
@@ -277,6 +318,36 @@ def run(args: argparse.Namespace) -> int:
     return 0 if not R["errors"] else 1
 
 
+def service_phases(R: dict[str, Any], args: argparse.Namespace, log: Any,
+                   sh: Any, work: Any) -> None:
+    """The service path's phases: ``service_none`` (its own baseline), ``service_keep``
+    and ``service_recompute``, each with ``retained`` over ``service_none``."""
+    raw: list[dict[str, Any]] = []
+    for i, mode in enumerate(SERVICE_MODES):
+        log(f"service phase {i + 1}: {mode}")
+        try:
+            p = svc.service_phase(sh, mode, workload=work, duration_s=args.service_phase_s,
+                                  warmup_s=args.warmup_s, period_s=args.period_s,
+                                  max_staleness=args.max_staleness, seed=100 + i)
+        except Exception as exc:
+            R["errors"][f"service:{mode}"] = f"{type(exc).__name__}: {exc}"
+            log(f"!! service phase {mode} failed: {exc}")
+            continue
+        raw.append(p)
+        log(f"   {p['tokens'] / p['window_s']:.0f} tok/s, {len(p['updates'])} updates, "
+            f"recomputed {p['recomputed_tokens']}, failed {p['failed']}, "
+            f"unattributable {p['unattributable']}")
+    s = bench.summarize(raw, period_s=args.period_s, concurrency=args.concurrency,
+                        modes=SERVICE_MODES)
+    for mode in SERVICE_MODES:
+        if mode in s:
+            R[f"service_{mode}"] = s[mode]
+    R["service_phases"] = raw
+    base = (R.get("none") or {}).get("tokens_per_s")
+    if base and "none" in s:
+        R["service_none_over_inprocess_none"] = s["none"]["tokens_per_s"] / base
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
@@ -288,17 +359,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cap-tokens", type=int, default=2048)
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--period-s", type=float, default=5.0)
-    ap.add_argument("--phase-s", type=float, default=60.0)
+    ap.add_argument("--phase-s", type=float, default=50.0)
+    ap.add_argument("--service-phase-s", type=float, default=30.0,
+                    help="each service-path phase (none, keep, recompute)")
     ap.add_argument("--warmup-s", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--max-staleness", type=int, default=None)
     ap.add_argument("--gpu-util", type=float, default=0.45)
     ap.add_argument("--no-cache-control", dest="cache_control", action="store_false")
+    ap.add_argument("--no-service", dest="service", action="store_false",
+                    help="skip the service-path phases (a gateway process, #29)")
     args = ap.parse_args(argv)
     for name in ("concurrency", "median_tokens", "cap_tokens", "prompt_tokens", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    for name in ("period_s", "phase_s"):
+    for name in ("period_s", "phase_s", "service_phase_s"):
         if not getattr(args, name) > 0:
             ap.error(f"--{name.replace('_', '-')} must be > 0")
     if args.median_tokens > args.cap_tokens or args.prompt_tokens + args.cap_tokens > 4096:
