@@ -1066,3 +1066,22 @@ def test_the_adapter_is_the_port_and_observes_health() -> None:
 
     a = VllmAdapter(client(Engine()))
     assert isinstance(a, LifecycleAdapter) and isinstance(a, HealthObserver)
+
+
+def test_engine_recompute_pause_is_refused_where_keep_ignores_clear_cache() -> None:
+    """vLLM 0.26's keep ignores clear_cache: an engine_recompute drain there is refused
+    before the pause (nothing sent, no mutation); on 0.32 it asks for clear_cache=true and
+    its evidence says the caches were cleared."""
+    old = Engine(routes=V026)
+    with pytest.raises(EffectError, match="ignores clear_cache") as ei:
+        VllmAdapter(client(old)).drain(PauseMode.KEEP, clear_cache=True)
+    assert ei.value.mutation_started is False and old.sent(Routes.PAUSE) == 0
+    new = Engine()
+    ev = VllmAdapter(client(new)).drain(PauseMode.KEEP, clear_cache=True)
+    assert ev.cleared and ev.mode is PauseMode.KEEP
+    (req,) = [r for r in new.requests if r.url.path == Routes.PAUSE]
+    assert req.url.params["clear_cache"] == "true" and req.url.params["mode"] == "keep"
+    plain = Engine()
+    assert not VllmAdapter(client(plain)).drain(PauseMode.KEEP).cleared
+    (req,) = [r for r in plain.requests if r.url.path == Routes.PAUSE]
+    assert req.url.params["clear_cache"] == "false"
