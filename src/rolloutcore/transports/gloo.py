@@ -58,16 +58,17 @@ import dataclasses
 import datetime
 import ipaddress
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import ParameterManifest
 from rolloutcore.errors import BadInput, TransferError
-from rolloutcore.transports import derived
+from rolloutcore.transports import derived, rank_checksums
 from rolloutcore.transports.base import (
     TransportBase,
     check_label,
@@ -247,6 +248,9 @@ class GlooUpdateInfo:
     dtype_names: list[str]
     shapes: list[list[int]]
     manifest_digest: str | None = field(default=None)
+    #: Echoed in every rank's write report at finish (``rank_checksums``): a report
+    #: of another round does not pass for this one.
+    nonce: str | None = field(default=None)
 
     def __post_init__(self) -> None:
         """Refuse anything malformed before a single tensor is received."""
@@ -270,6 +274,9 @@ class GlooUpdateInfo:
             if not isinstance(shape, list) or len(shape) > _MAX_RANK or not all(
                     isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
                 raise ValueError(f"bad shape for {name}: {shape!r}")
+        if self.nonce is not None and (not isinstance(self.nonce, str)
+                                       or not 0 < len(self.nonce) <= 128):
+            raise ValueError("nonce must be a string of 1..128 characters")
         if self.manifest_digest is not None:
             got = self.manifest().digest
             if got != self.manifest_digest:
@@ -479,6 +486,136 @@ _ENGINE_CLS: type[Any] | None = None
 GlooWeightTransferEngine: type[Any]  # built on first access, see __getattr__
 
 
+def _build_capture_class() -> type[Any]:
+    """``_WriteCapture``: each written parameter's checksum as loaded, and its placement.
+
+    Installed for one update session: every layer's quant method is wrapped so
+    that, when vLLM's layerwise reload has replayed all of a layer's loads and
+    is about to process the layer (the CPU GEMM repacks its weight there and
+    the parameter keeps no bytes), the layer's parameters are hashed
+    (``rank_checksums.checksum_of``). Layers without a quant method (norms,
+    convolutions) are hashed live at finish: nothing transforms them. The
+    report names each parameter's layer kind and tensor-parallel geometry as
+    vLLM's layer holds it; the trainer rebuilds the slice from the full
+    tensors with its own rules (``rank_checksums.expected``).
+    """
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    kinds: dict[type[Any], str] = {
+        linear.QKVParallelLinear: "qkv", linear.MergedColumnParallelLinear: "merged",
+        linear.ColumnParallelLinear: "column", linear.RowParallelLinear: "row",
+        linear.ReplicatedLinear: "whole", vpe.VocabParallelEmbedding: "vocab",
+        vpe.ParallelLMHead: "vocab",
+    }
+    parallel = (linear.LinearBase, vpe.VocabParallelEmbedding)
+    attr = "process_weights_after_loading"
+
+    def dtype_name(t: Any) -> str:
+        return str(t.dtype).rsplit(".", 1)[-1]
+
+    class _WriteCapture:
+        def __init__(self, model: Any) -> None:
+            self.model = model
+            self.modules = dict(model.named_modules())
+            self.names = {id(m): n for n, m in self.modules.items()}
+            self.seen: dict[str, tuple[int | None, tuple[int, ...], str, Any, Any]] = {}
+            self.elapsed_s = 0.0
+            self._wrapped: list[tuple[Any, Any]] = []
+            done: set[int] = set()
+            for m in self.modules.values():
+                qm = getattr(m, "quant_method", None)
+                if isinstance(qm, QuantizeMethodBase) and id(qm) not in done:
+                    done.add(id(qm))
+                    self._wrap(qm)
+
+        def _wrap(self, qm: Any) -> None:
+            own = vars(qm).get(attr)
+            inner = getattr(qm, attr)
+
+            def process(layer: Any, *args: Any, **kwargs: Any) -> Any:
+                self.take(layer)
+                return inner(layer, *args, **kwargs)
+
+            setattr(qm, attr, process)
+            self._wrapped.append((qm, own))
+
+        def close(self) -> None:
+            for qm, own in self._wrapped:
+                if own is None:
+                    vars(qm).pop(attr, None)
+                else:
+                    setattr(qm, attr, own)
+            self._wrapped = []
+
+        def take(self, layer: Any) -> None:
+            mname = self.names.get(id(layer))
+            if mname is None:
+                return
+            t0 = time.monotonic()
+            for pname, prm in layer._parameters.items():
+                if prm is not None:
+                    self.seen[f"{mname}.{pname}" if mname else pname] = self.entry(prm)
+            self.elapsed_s += time.monotonic() - t0
+
+        @staticmethod
+        def entry(prm: Any) -> tuple[int | None, tuple[int, ...], str, Any, Any]:
+            data = prm.data
+            value = (None if data.is_meta or data.numel() == 0
+                     else rank_checksums.checksum_of(data))
+            return (value, tuple(int(d) for d in data.shape), dtype_name(data),
+                    getattr(prm, "output_dim", None), getattr(prm, "input_dim", None))
+
+        def report(self, placed: Mapping[str, list[tuple[str, tuple[int, ...]]]],
+                   written: set[str], worker_rank: int, nonce: str
+                   ) -> rank_checksums.RankReport:
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            t0 = time.monotonic()
+            live = dict(self.model.named_parameters())
+            params = []
+            for n in sorted(written):
+                got = self.seen.get(n)
+                if got is None:
+                    prm = live.get(n)
+                    if prm is None:
+                        continue
+                    got = self.entry(prm)
+                value, shape, dt, odim, idim = got
+                mname = n.rpartition(".")[0]
+                mod: Any = self.modules.get(mname)
+                kind = kinds.get(type(mod), "other" if isinstance(mod, parallel) else "whole")
+                qkv = vocab = tp = None
+                sizes: tuple[int, ...] = ()
+                if kind == "qkv":
+                    qkv = (int(mod.num_heads), int(mod.num_kv_heads), int(mod.head_size),
+                           int(mod.v_head_size), int(mod.num_kv_head_replicas))
+                elif kind == "merged":
+                    sizes = tuple(int(x) for x in mod.output_sizes)
+                elif kind == "vocab":
+                    si = mod.shard_indices
+                    if si.added_vocab_end_index > si.added_vocab_start_index:
+                        kind = "other"  # rows added beyond the checkpoint's vocabulary
+                    vocab = (int(si.org_vocab_start_index), int(si.org_vocab_end_index))
+                if isinstance(mod, parallel):
+                    tp = (int(getattr(mod, "tp_rank", 0)), int(getattr(mod, "tp_size", 1)))
+                params.append(rank_checksums.ParamWrite(
+                    n, shape, dt, kind, value,
+                    tuple((src, tuple(parts)) for src, parts in placed.get(n, [])),
+                    odim if isinstance(odim, int) else None,
+                    idim if isinstance(idim, int) else None, sizes, qkv, vocab, tp))
+            return rank_checksums.RankReport(
+                worker_rank, int(get_tensor_model_parallel_rank()),
+                int(get_tensor_model_parallel_world_size()), tuple(params), len(live),
+                self.elapsed_s + time.monotonic() - t0, nonce)
+
+    return _WriteCapture
+
+
 def _build_engine_class() -> type[Any]:
     import importlib
 
@@ -494,6 +631,8 @@ def _build_engine_class() -> type[Any]:
         # without creating an entry: get_layerwise_info would add one).
         info = layerwise.LAYERWISE_INFO.get(module)
         return None if info is None else info.restore_metadata[0]
+
+    capture_cls = _build_capture_class()
 
     class GlooWeightTransferEngine(WeightTransferEngine):  # type: ignore[type-arg]
         """vLLM worker side of ``rolloutcore_gloo``: receive over gloo, ``load_weights``.
@@ -518,6 +657,11 @@ def _build_engine_class() -> type[Any]:
             # until a finish closes it, across a failed session too) and what it wrote.
             self._opened = False
             self._written: set[str] = set()
+            # What each parameter received this session (checkpoint name, shard ids),
+            # the round's nonce, and the checksums taken as the layers loaded.
+            self._placed: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+            self._nonce = ""
+            self._capture: Any = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             """Join the trainer's group; blocks until the trainer (rank 0) joins too."""
@@ -546,11 +690,28 @@ def _build_engine_class() -> type[Any]:
             if not self._opened:
                 return  # nothing was received: nothing was opened, nothing to rebuild
             written, self._written, self._opened = self._written, set(), False
-            reload.finalize_layerwise_reload(self.model, self.model_config)
+            placed, self._placed = self._placed, {}
+            capture, self._capture = self._capture, None
+            try:
+                reload.finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                if capture is not None:
+                    capture.close()
             plan = self._rederive
             if plan is None:  # opened without a start (cannot happen through vLLM's worker)
                 plan = derived.plan_rederive(self.model)
             derived.rederive(self.model, plan, written)
+            if capture is not None and self._group is not None:
+                # What this rank wrote, to the trainer over the round's own group.
+                report = capture.report(placed, written, self._worker_rank(), self._nonce)
+                raw = rank_checksums.encode(report)
+                self._group.send([torch.tensor([len(raw)], dtype=torch.int64)], 0,
+                                 rank_checksums.REPORT_TAG).wait()
+                self._group.send([torch.frombuffer(bytearray(raw), dtype=torch.uint8)], 0,
+                                 rank_checksums.REPORT_TAG).wait()
+
+        def _worker_rank(self) -> int:
+            return int(self.parallel_config.rank)
 
         def update_weights(self, update_info: dict[str, Any]) -> None:
             # The base class ends with torch.accelerator.synchronize(), which raises
@@ -566,10 +727,21 @@ def _build_engine_class() -> type[Any]:
             if self._index is None:
                 raise RuntimeError("start_weight_update() first")
             written = check_against_model(update_info, self._index)
+            placed: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+            for name in update_info.names:
+                for slot in self._index.resolve(name):
+                    placed.setdefault(slot.param, []).append((name, slot.parts))
             if not self._opened:
+                # Checksums of each layer as loaded, before its quant method repacks it
+                # (only when the trainer asked for a report: a nonce in the round).
+                if update_info.nonce is not None:
+                    self._capture = capture_cls(self.model)
                 reload.initialize_layerwise_reload(self.model)
                 self._opened = True
             self._written |= written
+            for k, v in placed.items():
+                self._placed.setdefault(k, []).extend(v)
+            self._nonce = update_info.nonce or ""
             ctx: Any = contextlib.nullcontext()
             with contextlib.suppress(ImportError):
                 from vllm.model_executor.model_loader.mtp_validation import (
@@ -610,6 +782,18 @@ def __getattr__(name: str) -> Any:
 _ABANDONED: list[Any] = []
 
 
+#: The largest write report an engine rank may announce (names and checksums of
+#: every parameter it wrote: ~300 bytes each).
+_MAX_REPORT_BYTES = 64 << 20
+
+
+@dataclass
+class _Round:
+    nonce: str
+    source: WeightSource
+    reports: list[tuple[int, rank_checksums.RankReport]]
+
+
 @dataclass
 class _Conn:
     base_url: str
@@ -636,6 +820,8 @@ class GlooTransport(TransportBase):
         super().__init__()
         self.op_timeout_s = check_timeout(op_timeout_s, "op_timeout_s")
         self._conn: _Conn | None = None
+        self._rounds: dict[str, _Round] = {}  # engine URL -> its last finished round
+        self.last_check: dict[str, Any] = {}
 
     def engine_config(self) -> dict[str, Any]:
         return {"backend": BACKEND}
@@ -712,7 +898,9 @@ class GlooTransport(TransportBase):
     def _send(self, conn: _Conn, label: str, source: WeightSource, t0: float,
               deadline: float) -> TransferEvidence:
         url = conn.base_url
-        info = GlooUpdateInfo.of(source)
+        nonce = secrets.token_hex(8)
+        info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
+        self._rounds.pop(url, None)
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -730,12 +918,63 @@ class GlooTransport(TransportBase):
             self._drop(notify_engine=False)
             raise
         sent = f_send.result()
+        # At finish every engine rank sends what it wrote (rank_checksums): received
+        # here while the finish runs, checked by validation_check while paused.
         f = run_side(lambda: self.post(url, "/finish_weight_update",
                                        {"weight_version": label}, left()), "finish")
-        self.wait([f], deadline, "finish_weight_update", mutation_started=True)
+        f_rep = run_side(lambda: self._receive_reports(conn), "reports")
+        try:
+            self.wait([f, f_rep], deadline, "finish_weight_update", mutation_started=True)
+        except BaseException:
+            self._drop(notify_engine=False)
+            raise
+        self._rounds[url] = _Round(nonce, source, f_rep.result())
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
                                 tensors=sent, bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
+
+    @staticmethod
+    def _receive_reports(conn: _Conn) -> list[tuple[int, rank_checksums.RankReport]]:
+        import torch
+
+        out = []
+        for rank in range(1, conn.world_size):
+            n = torch.zeros(1, dtype=torch.int64)
+            conn.group.recv([n], rank, rank_checksums.REPORT_TAG).wait()
+            size = int(n.item())
+            if not 0 < size <= _MAX_REPORT_BYTES:
+                raise TransferError("transfer", f"engine rank {rank} announced a write report "
+                                    f"of {size} bytes", mutation_started=True)
+            buf = torch.empty(size, dtype=torch.uint8)
+            conn.group.recv([buf], rank, rank_checksums.REPORT_TAG).wait()
+            try:
+                out.append((rank, rank_checksums.decode(buf.numpy().tobytes())))
+            except ValueError as exc:
+                raise TransferError("transfer", f"engine rank {rank}'s write report: {exc}",
+                                    mutation_started=True) from exc
+        return out
+
+    def validation_check(self, base_url: str) -> Check:
+        """Every engine rank's checksums of what it wrote, against the trainer's
+        reconstruction of the same slices from the tensors it sent (``rank_checksums``).
+
+        A ``Check`` at ``ENGINE_CHECKSUM`` level, coverage the smallest rank's.
+        Before anything was sent to ``base_url`` (a takeover's observation) it
+        is a passing check of no level: it establishes nothing.
+        """
+        rnd = self._rounds.get(base_url)
+        if rnd is None:
+            return Check("worker_shard_checksum", True, level=None, coverage=0.0,
+                         detail="nothing sent to this engine by this transport yet: "
+                                "no write to check")
+        t0 = time.monotonic()
+        result = rank_checksums.compare_ranks(rnd.reports, dict(rnd.source.named_tensors()),
+                                              nonce=rnd.nonce)
+        result["trainer_s"] = time.monotonic() - t0
+        self.last_check = result
+        chk = rank_checksums.to_check(result)
+        return dataclasses.replace(chk, detail=f"{chk.detail}; trainer_s="
+                                   f"{result['trainer_s']:.3f}")
 
     def _broadcast(self, conn: _Conn, source: WeightSource) -> int:
         n = 0
