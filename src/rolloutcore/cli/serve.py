@@ -69,6 +69,9 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                             "fleet gateway does not run yet"),
     "lease_s": (120.0, "the lease belongs to the trainer protocol (/control/updates), which "
                        "a fleet gateway does not serve"),
+    "tensor_parallel_size": (1, "a fleet launches one-rank engines; tensor-parallel "
+                                "engines run behind one engine's gateway (a fleet of them "
+                                "is not built yet)"),
     "transport_backend": ("rolloutcore_gloo",
                           "a fleet sends weights with its own gloo fan-out and per-engine "
                           "gloo groups (rolloutcore_gloo); another backend is not supported "
@@ -119,6 +122,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="with --upstream: the checkpoint the engine was started from")
     eng.add_argument("--step", type=argtypes.nonneg_int, default=0,
                      help="training step of the initial weights (provenance)")
+    eng.add_argument("--tensor-parallel-size", type=argtypes.positive_int, default=1,
+                     metavar="N", help="with --model: launch vLLM with N tensor-parallel "
+                     "ranks (the CPU build binds each rank to its own cores); every update "
+                     "checks what each rank wrote")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")

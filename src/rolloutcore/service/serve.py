@@ -86,8 +86,15 @@ class ServeOptions:
     takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
     update_mode: str = "strict"           # strict|keep|recompute|engine_recompute (carried)
     max_staleness: int | None = None      # asynchronous modes: the bound, in versions
+    tensor_parallel_size: int = 1         # with model: ranks of the launched engine
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise BadInput(f"tensor_parallel_size must be an int in 1..64, got {tp!r}")
+        if tp > 1 and self.upstream:
+            raise BadInput("tensor_parallel_size is how a launched engine starts; a running "
+                           "engine (upstream) keeps the ranks it was started with")
         if self.update_mode not in ("strict", "keep", "recompute", "engine_recompute"):
             raise BadInput(f"update_mode must be strict, keep, recompute or engine_recompute, "
                            f"got {self.update_mode!r}")
@@ -271,7 +278,8 @@ def run_serve(args: ServeOptions) -> int:
             # Its dev and weight routes answer only this gateway (and the trainer it
             # grants an update): transports.engine_key.
             engine = ManagedEngine(model_dir, backend=args.transport_backend,
-                                   log_dir=workdir / "logs", progress=True, guard_routes=True)
+                                   log_dir=workdir / "logs", progress=True, guard_routes=True,
+                                   tensor_parallel_size=args.tensor_parallel_size)
             engine.start()
             url, epoch, served = engine.base_url, engine.epoch, engine.model_name
         source = WeightSource.from_checkpoint(model_dir)

@@ -52,6 +52,7 @@ __all__ = [
     "ManagedEngine",
     "free_port",
     "require_vllm",
+    "tp_thread_binding",
     "vllm_available",
 ]
 
@@ -131,6 +132,42 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def tp_thread_binding(tp: int, env: Mapping[str, str] | None = None,
+                      cpus: Iterable[int] | None = None) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``tp`` ranks of one engine on vLLM's CPU build.
+
+    vLLM's default (``auto``) binds by NUMA node and refuses a second rank on a
+    one-node host ("Not enough allowed NUMA nodes to bind threads of 2 local
+    CPUWorkers"). Each rank gets its own share of the cores this process may
+    use (``os.sched_getaffinity``), ranks separated by ``|`` as vLLM reads it
+    (``0|1``; ``0-3|4-7``). Nothing for one rank, on a machine with CUDA (the
+    GPU build ignores it), or when ``env`` or this process's environment
+    chooses already. Fewer cores than ranks is refused: ranks sharing a core
+    spin against each other.
+    """
+    if tp <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
+            env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env):
+        return {}
+    if cpus is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return {}
+        cpus = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                else range(os.cpu_count() or 1))
+    ids = sorted(cpus)
+    if len(ids) < tp:
+        raise BadInput(f"tensor_parallel_size {tp} needs at least {tp} CPU cores (one per "
+                       f"rank) on vLLM's CPU build; this process may use {len(ids)} "
+                       f"({','.join(map(str, ids))}). Set VLLM_CPU_OMP_THREADS_BIND yourself "
+                       "to share cores")
+    share = len(ids) // tp
+    groups = [ids[r * share:(r + 1) * share] for r in range(tp)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+        f"{g[0]}-{g[-1]}" if len(g) > 1 and g[-1] - g[0] == len(g) - 1
+        else ",".join(map(str, g)) for g in groups)}
+
+
 def _kill_group(pgid: int, grace_s: float) -> None:
     """SIGTERM the group, SIGKILL what is left after ``grace_s``, wait until it is gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -175,8 +212,15 @@ class ManagedEngine:
         python: str | None = None,
         progress: bool = False,
         guard_routes: bool = False,
+        tensor_parallel_size: int = 1,
     ) -> None:
         self._model_dir = self._check_model_dir(model_dir)
+        tp = tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise BadInput(f"tensor_parallel_size must be an int in 1..64, got {tp!r}")
+        self.tensor_parallel_size = tp
+        #: One core group per rank on the CPU build (``tp_thread_binding``).
+        self._tp_binding = tp_thread_binding(tp, env)
         if backend is not None and (not isinstance(backend, str) or not backend):
             raise BadInput(f"backend must be a non-empty string or None, got {backend!r}")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
@@ -304,6 +348,8 @@ class ManagedEngine:
             cmd += ["--weight-transfer-config", json.dumps({"backend": self.backend})]
         if self.guard_routes:
             cmd += ["--middleware", engine_key.MIDDLEWARE]
+        if self.tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -315,6 +361,7 @@ class ManagedEngine:
         """
         env = {k: v for k, v in os.environ.items() if not _is_secret(k)}
         env.update(DEFAULT_ENV)
+        env.update(self._tp_binding)
         env.update(self.env_overrides)
         if self.guard_routes and self._route_key is not None:
             env[engine_key.ENV] = self._route_key
