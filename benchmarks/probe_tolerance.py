@@ -26,7 +26,9 @@ correct updates go through the real path with the default probe, so
 ``false_refusals`` counts correct updates the controller refused. Each
 mis-sent tensor is judged as the adapter judges it (``Calibrated.judge``)
 and, as the paused validation's other evidence, by the engine's checksums
-(vLLM's ``/weight_checker``) against the target's: ``missed_by_probe``
+(vLLM's ``/weight_checker``) against the target's and by the ranks' own
+checksums of what they wrote, taken before the CPU backend repacks a layer
+(``transports.rank_checksums``, against the target's tensors): ``missed_by_probe``
 counts the differing tensors the probe alone lets through (``probe_blind``
 names them), ``missed_mis_sent`` those that neither catches. Both
 ``false_refusals`` and ``missed_mis_sent`` must be 0.
@@ -191,10 +193,15 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
             install(f"wrong-{k}", {key: (oth[key] if key == name else v)
                                    for key, v in tgt.items()})
             cmp = compare_checksums(h.weight_checksums(), reference)
+            # The ranks' own checksums of what they wrote (before the CPU repack),
+            # against the target's tensors as each rank must hold them.
+            ranks = tr.validation_check(h.base_url, reference=tgt)
             wrong.append({"mis_sent": name,
                           "identical_in_both": bool(torch.equal(tgt[name], oth[name])),
                           "deviation": _deviations(probe, h, calib),
-                          "checksum_caught": not cmp.to_check().passed,
+                          "checksum_caught": not cmp.to_check().passed or not ranks.passed,
+                          "weight_checker_caught": not cmp.to_check().passed,
+                          "rank_checksum_caught": not ranks.passed,
                           "checksum_unverifiable": len(cmp.unverifiable)})
         _say(f"{arch}: {len(wrong)} mis-sent tensors measured")
     finally:
@@ -245,6 +252,8 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
         "missed_by_probe": len(probe_blind),
         "probe_blind": [w["mis_sent"] for w in probe_blind],
         "caught_by_checksum": sum(1 for w in differing if w["checksum_caught"]),
+        "caught_by_weight_checker": sum(1 for w in differing if w["weight_checker_caught"]),
+        "caught_by_rank_checksum": sum(1 for w in differing if w["rank_checksum_caught"]),
         "hot_equals_cold_start": bit_exact,
         "correct": correct,
         "wrong": wrong,

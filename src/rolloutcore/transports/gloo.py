@@ -954,9 +954,12 @@ class GlooTransport(TransportBase):
                                     mutation_started=True) from exc
         return out
 
-    def validation_check(self, base_url: str) -> Check:
+    def validation_check(self, base_url: str, *,
+                         reference: Mapping[str, torch.Tensor] | None = None) -> Check:
         """Every engine rank's checksums of what it wrote, against the trainer's
-        reconstruction of the same slices from the tensors it sent (``rank_checksums``).
+        reconstruction of the same slices (``rank_checksums``) from ``reference``:
+        the full tensors the engine must hold (default: those the last round sent;
+        a checkpoint read from disk checks the send path too).
 
         A ``Check`` at ``ENGINE_CHECKSUM`` level, coverage the smallest rank's.
         Before anything was sent to ``base_url`` (a takeover's observation) it
@@ -968,8 +971,8 @@ class GlooTransport(TransportBase):
                          detail="nothing sent to this engine by this transport yet: "
                                 "no write to check")
         t0 = time.monotonic()
-        result = rank_checksums.compare_ranks(rnd.reports, dict(rnd.source.named_tensors()),
-                                              nonce=rnd.nonce)
+        tensors = dict(rnd.source.named_tensors()) if reference is None else reference
+        result = rank_checksums.compare_ranks(rnd.reports, tensors, nonce=rnd.nonce)
         result["trainer_s"] = time.monotonic() - t0
         self.last_check = result
         chk = rank_checksums.to_check(result)

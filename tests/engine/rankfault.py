@@ -1,0 +1,102 @@
+"""A vLLM worker extension that breaks one rank's share of a gloo update (tests only).
+
+The negative controls of a tensor-parallel update need a rank that writes
+the wrong thing while every endpoint succeeds. Loaded through
+``--worker-extension-cls rankfault.RankFault`` (this directory on
+``PYTHONPATH``); importing the module in each worker wraps the real
+``GlooWeightTransferEngine``. What it does is read, at every round, from
+the file named by ``ROLLOUTCORE_TEST_RANK_FAULT`` (empty or absent: nothing):
+
+    skip <tp rank> <tensor>    that rank does not load <tensor>
+    other <tp rank> <tensor>   that rank loads <tensor> with the other rank's
+                               slice where its own belongs
+    die <tp rank> <tensor>     that rank SIGKILLs itself when <tensor> arrives
+    slow <tp rank> <seconds>   that rank waits before joining the trainer's group
+
+The engine and the transfer are otherwise the real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import rolloutcore.transports.gloo as gloo
+
+ENV = "ROLLOUTCORE_TEST_RANK_FAULT"
+
+
+def _fault() -> tuple[str, int, str] | None:
+    path = os.environ.get(ENV)
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        words = f.read().split()
+    if len(words) != 3:
+        return None
+    return words[0], int(words[1]), words[2]
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def _other_slice(name: str, w: Any) -> Any:
+    import torch
+
+    dim = 1 if name.endswith(("down_proj.weight", "o_proj.weight")) else 0
+    half = w.shape[dim] // 2
+    first = w.narrow(dim, 0, half)
+    return torch.cat([first, first], dim=dim)  # rank 1 finds rank 0's slice in its place
+
+
+def _install() -> None:
+    cls = gloo.GlooWeightTransferEngine
+    receive, init = cls.receive_weights, cls.init_transfer_engine
+
+    def receive_weights(self: Any, info: Any) -> None:
+        f = _fault()
+        if f is None or f[0] == "slow" or f[1] != _tp_rank():
+            return receive(self, info)
+        kind, _, target = f
+        model = self.model
+        real = model.load_weights
+
+        def load_weights(weights: Any) -> Any:
+            out = []
+            for name, w in weights:
+                if name == target:
+                    if kind == "skip":
+                        continue
+                    if kind == "die":
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if kind == "other":
+                        w = _other_slice(name, w)
+                out.append((name, w))
+            return real(out)
+
+        model.load_weights = load_weights
+        try:
+            return receive(self, info)
+        finally:
+            del model.load_weights
+
+    def init_transfer_engine(self: Any, init_info: Any) -> None:
+        f = _fault()
+        if f is not None and f[0] == "slow" and f[1] == _tp_rank():
+            time.sleep(float(f[2]))
+        return init(self, init_info)
+
+    cls.receive_weights = receive_weights
+    cls.init_transfer_engine = init_transfer_engine
+
+
+class RankFault:
+    """The extension adds no method: importing its module installs the fault hooks."""
+
+
+_install()
