@@ -47,6 +47,9 @@ from rolloutcore.verification.checksums import ReferenceChecksums, verify
 
 pytestmark = [
     pytest.mark.engine,
+    # The slow lane since #30: every CI update's gloo transfer checks each rank's
+    # writes as loaded (rank_checksums); the cold-loaded reference is this module's.
+    pytest.mark.slow,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 

@@ -355,6 +355,9 @@ def note(recs: list[Any], what: str) -> list[Any]:
 # --------------------------------------------------------------------------- the cases
 
 
+# The slow lane since #30 (2 min of drain deadline); tests/test_gateway_liveness.py
+# drops a peer that stopped reading, in the fast lane.
+@pytest.mark.slow
 def test_slow_reader_is_aborted_at_the_drain_deadline_and_the_update_publishes(
         rig: Rig) -> None:
     with gateway(rig, "slow_reader") as gw, contextlib.ExitStack() as stack:
@@ -463,6 +466,7 @@ def test_a_token_in_straggler_is_recorded_unattributable(rig: Rig) -> None:
         finish_row(rig, row, chk)
 
 
+@pytest.mark.slow  # the slow lane since #30 (1.5 min), as the streamed case above
 def test_slow_reader_of_an_unstreamed_answer_is_dropped_and_holds_nothing(rig: Rig) -> None:
     with gateway(rig, "slow_reader_unstreamed", client_send_s=CLIENT_SEND_S) as gw, \
             contextlib.ExitStack() as stack:

@@ -93,6 +93,9 @@ def qwen(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
     return Qwen(root, reference)
 
 
+# The slow lane since #30 (4 min): benchmarks/probe_tolerance.py measures the
+# calibration on three architectures, tests/test_probe_calibration.py is the CI lane's.
+@pytest.mark.slow
 def test_in_process_a_correct_update_publishes_calibrated_and_a_mis_sent_one_is_refused(
         qwen: Qwen, tmp_path: Path) -> None:
     journal = tmp_path / "journal.jsonl"

@@ -61,6 +61,9 @@ from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,
+    # The slow lane since #30 (2.5 min of engine start of CI's 45 minutes);
+    # tests/test_replay_unit.py is the CI lane's replay.
+    pytest.mark.slow,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 

@@ -390,6 +390,7 @@ def test_an_out_of_band_weight_write_is_noticed_and_taints(rig: Rig) -> None:
             published=rig.published(), recovered=None, recovery="next case")
 
 
+@pytest.mark.slow  # the slow lane since #30 (a recovery: 2 min)
 def test_a_gateway_restarted_over_a_paused_engine_refuses_then_recovers(rig: Rig) -> None:
     old = rig.current
     assert old is not None

@@ -30,6 +30,9 @@ from rolloutcore.errors import EffectError, UpdateFailed
 
 pytestmark = [
     pytest.mark.engine,
+    # The slow lane since #30 (2 min to learn the CPU build has no sleep mode);
+    # tests/test_vllm_sleep_unit.py is the CI lane's.
+    pytest.mark.slow,
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 

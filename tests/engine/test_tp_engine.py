@@ -62,7 +62,6 @@ def _greedy(http: VllmHTTP) -> list[tuple[list[int], list[float]]]:
 class Rig:
     engine: ManagedEngine
     fault: Path
-    cold_b: list[tuple[list[int], list[float]]]
     models: TinyModels
 
     def session(self, ckpt: Path, **kw: Any) -> EngineSession:
@@ -88,13 +87,6 @@ class Rig:
 @pytest.fixture(scope="module")
 def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    # The reference first: a cold TP=2 engine on B (no transfer backend).
-    cold = engine_factory(tiny_models.B, backend=None, tensor_parallel_size=2)
-    try:
-        with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
-            cold_b = _greedy(h)
-    finally:
-        engine_factory.stop(cold)
     fault = tmp_path_factory.mktemp("rankfault") / "fault"
     fault.write_text("")
     here = str(Path(__file__).parent)
@@ -103,12 +95,25 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
                          extra_args=("--worker-extension-cls", "rankfault.RankFault"),
                          env={"PYTHONPATH": path, rankfault.ENV: str(fault)})
     try:
-        yield Rig(eng, fault, cold_b, tiny_models)
+        yield Rig(eng, fault, tiny_models)
     finally:
         engine_factory.stop(eng)
 
 
-def test_a_tp2_update_is_checked_on_every_rank_and_equals_a_cold_start(rig: Rig) -> None:
+@pytest.fixture(scope="module")
+def cold_b(rig: Rig, engine_factory: EngineFactory) -> list[tuple[list[int], list[float]]]:
+    """Greedy ids and logprobs of a cold TP=2 engine on B (no transfer backend)."""
+    cold = engine_factory(rig.models.B, backend=None, tensor_parallel_size=2)
+    try:
+        with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
+            return _greedy(h)
+    finally:
+        engine_factory.stop(cold)
+
+
+def _update_checked_on_every_rank(rig: Rig) -> list[tuple[list[int], list[float]]]:
+    """A -> B through the trainer API; both ranks checked; 0 stale prefix hits; B's
+    greedy answers (the engine is left on B, resumed)."""
     s = rig.session(rig.models.A)
     try:
         h = s.http
@@ -127,9 +132,20 @@ def test_a_tp2_update_is_checked_on_every_rank_and_equals_a_cold_start(rig: Rig)
         hot = _greedy(h)
         stale = prefix_cache_delta(m0, h.metrics()).hits
         assert stale == 0, f"{stale} prefix tokens hit across the update (block {block})"
-        assert hot == rig.cold_b  # greedy ids and logprobs, bit for bit
+        return hot
     finally:
         s.close()
+
+
+def test_a_tp2_update_is_checked_on_every_rank(rig: Rig) -> None:
+    _update_checked_on_every_rank(rig)
+
+
+@pytest.mark.slow  # a second TP=2 engine start (2-4 min on 2 cores): the slow lane
+def test_a_tp2_update_equals_a_cold_tp2_start(
+        rig: Rig, cold_b: list[tuple[list[int], list[float]]]) -> None:
+    rig.install(rig.models.A)
+    assert _update_checked_on_every_rank(rig) == cold_b  # greedy ids and logprobs, bit for bit
 
 
 def test_the_other_ranks_slice_is_caught_on_that_rank_only(rig: Rig) -> None:
@@ -149,6 +165,7 @@ def test_the_other_ranks_slice_is_caught_on_that_rank_only(rig: Rig) -> None:
     assert TARGET in chk.detail
 
 
+@pytest.mark.slow  # negative controls beyond the CI lane's wrong-slice case (1.5 min)
 def test_a_skipped_shard_is_refused_and_nothing_is_published(rig: Rig) -> None:
     rig.install(rig.models.A)
     s = rig.session(rig.models.A)
@@ -168,6 +185,7 @@ def test_a_skipped_shard_is_refused_and_nothing_is_published(rig: Rig) -> None:
         s.close()
 
 
+@pytest.mark.slow  # negative controls beyond the CI lane's wrong-slice case (1.5 min)
 def test_a_rank_slow_to_join_meets_the_deadline_not_a_hang(rig: Rig) -> None:
     rig.install(rig.models.A)
     s = rig.session(rig.models.A, deadlines=Deadlines(transfer_s=20.0))
@@ -186,6 +204,7 @@ def test_a_rank_slow_to_join_meets_the_deadline_not_a_hang(rig: Rig) -> None:
         s.close()
 
 
+@pytest.mark.slow  # negative controls beyond the CI lane's wrong-slice case (1.5 min)
 def test_a_rank_killed_mid_transfer_is_classified_and_nothing_published(rig: Rig) -> None:
     # (The slow-join case's ranks give up their join within the 60 s op timeout; the
     # repair's pause waits for that.)
