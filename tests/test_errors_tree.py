@@ -45,6 +45,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("transports/cuda_ipc/engine.py", "NotImplementedError"): "abstract hook",
     ("transports/gloo.py", "ValueError"): _ENGINE_HALF,
     ("transports/gloo.py", "RuntimeError"): _ENGINE_HALF,
+    ("transports/model_index.py", "ValueError"): _ENGINE_HALF,
     ("transports/cuda_ipc/engine.py", "ValueError"): _ENGINE_HALF,
     ("transports/cuda_ipc/engine.py", "RuntimeError"): _ENGINE_HALF,
     ("transports/cuda_ipc/kernels.py", "ValueError"): _ENGINE_HALF + " (worker-side kernels)",
