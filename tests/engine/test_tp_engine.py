@@ -165,17 +165,25 @@ def test_the_other_ranks_slice_is_caught_on_that_rank_only(rig: Rig) -> None:
     assert TARGET in chk.detail
 
 
+def _refused(rig: Rig, s: EngineSession, fault: str) -> float:
+    """An update A -> B with ``fault`` in rank 1 fails and publishes nothing; its seconds."""
+    before = [v.label for v in s.controller.published]
+    rig.fault.write_text(fault)
+    t0 = time.monotonic()
+    with pytest.raises(UpdateFailed):
+        s.update(rig.models.B, Provenance(str(rig.models.B), "tp-test", 1))
+    took = time.monotonic() - t0
+    assert [v.label for v in s.controller.published] == before
+    return took
+
+
 @pytest.mark.slow  # negative controls beyond the CI lane's wrong-slice case (1.5 min)
 def test_a_skipped_shard_is_refused_and_nothing_is_published(rig: Rig) -> None:
     rig.install(rig.models.A)
     s = rig.session(rig.models.A)
     try:
-        before = [v.label for v in s.controller.published]
-        rig.fault.write_text(f"skip 1 {TARGET}")
-        with pytest.raises(UpdateFailed):
-            s.update(rig.models.B, Provenance(str(rig.models.B), "tp-test", 1))
+        _refused(rig, s, f"skip 1 {TARGET}")
         assert s.controller.state is State.TAINTED
-        assert [v.label for v in s.controller.published] == before
         ranks = {rk["tp_rank"]: rk for rk in s.transport.last_check["ranks"]}
         assert ranks[0]["passed"] and not ranks[1]["passed"]
         assert any(TARGET in u for u in ranks[1]["uncovered"]) or \
@@ -191,14 +199,8 @@ def test_a_rank_slow_to_join_meets_the_deadline_not_a_hang(rig: Rig) -> None:
     s = rig.session(rig.models.A, deadlines=Deadlines(transfer_s=20.0))
     s.transport.close()  # the next update connects again: rank 1 will be late
     try:
-        before = [v.label for v in s.controller.published]
-        rig.fault.write_text("slow 1 45")
-        t0 = time.monotonic()
-        with pytest.raises(UpdateFailed):
-            s.update(rig.models.B, Provenance(str(rig.models.B), "tp-test", 1))
-        took = time.monotonic() - t0
+        took = _refused(rig, s, "slow 1 45")
         assert took < 20.0 + 30.0, f"{took:.0f} s for a 20 s transfer deadline"
-        assert [v.label for v in s.controller.published] == before
     finally:
         rig.fault.write_text("")
         s.close()
@@ -211,15 +213,9 @@ def test_a_rank_killed_mid_transfer_is_classified_and_nothing_published(rig: Rig
     rig.install(rig.models.A)
     s = rig.session(rig.models.A)
     try:
-        before = [v.label for v in s.controller.published]
-        rig.fault.write_text(f"die 1 {TARGET}")
-        t0 = time.monotonic()
-        with pytest.raises(UpdateFailed):
-            s.update(rig.models.B, Provenance(str(rig.models.B), "tp-test", 1))
-        took = time.monotonic() - t0
+        took = _refused(rig, s, f"die 1 {TARGET}")
         assert took < 60.0 + 30.0, f"{took:.0f} s with a 60 s op timeout"
         assert s.controller.state is State.TAINTED
-        assert [v.label for v in s.controller.published] == before
     finally:
         rig.fault.write_text("")
         s.close()

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check
@@ -142,13 +142,12 @@ class RankReport:
     model_params: int          # distinct parameters of this rank's model
     elapsed_s: float = 0.0
     nonce: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"worker_rank": self.worker_rank, "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size, "params": [p.to_dict() for p in self.params],
                 "model_params": self.model_params, "elapsed_s": self.elapsed_s,
-                "nonce": self.nonce, "extra": self.extra}
+                "nonce": self.nonce}
 
     @classmethod
     def from_dict(cls, d: Any) -> RankReport:
@@ -169,10 +168,9 @@ class RankReport:
         if len({p.name for p in ps}) != len(ps):
             raise ValueError("a parameter is reported twice")
         el = d.get("elapsed_s", 0.0)
-        extra = d.get("extra") or {}
         return cls(ints["worker_rank"], ints["tp_rank"], ints["tp_size"], ps,
                    ints["model_params"], float(el) if isinstance(el, (int, float)) else 0.0,
-                   str(d.get("nonce") or ""), dict(extra) if isinstance(extra, Mapping) else {})
+                   str(d.get("nonce") or ""))
 
 
 def encode(report: RankReport) -> bytes:
