@@ -474,7 +474,7 @@ _MAX_REPORT_BYTES = 64 << 20
 @dataclass
 class _Round:
     nonce: str
-    source: WeightSource
+    sent: dict[str, torch.Tensor]
     reports: list[tuple[int, rank_checksums.RankReport]]
 
 
@@ -612,9 +612,9 @@ class GlooTransport(TransportBase):
         except BaseException:
             self._drop(notify_engine=False)
             raise
-        self._rounds[url] = _Round(nonce, source, f_rep.result())
+        self._rounds[url] = _Round(nonce, sent, f_rep.result())
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
-                                tensors=sent, bytes=source.nbytes, finish_label=label,
+                                tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
 
     @staticmethod
@@ -655,7 +655,7 @@ class GlooTransport(TransportBase):
                          detail="nothing sent to this engine by this transport yet: "
                                 "no write to check")
         t0 = time.monotonic()
-        tensors = dict(rnd.source.named_tensors()) if reference is None else reference
+        tensors = rnd.sent if reference is None else reference
         result = rank_checksums.compare_ranks(rnd.reports, tensors, nonce=rnd.nonce)
         result["trainer_s"] = time.monotonic() - t0
         self.last_check = result
@@ -663,15 +663,17 @@ class GlooTransport(TransportBase):
         return dataclasses.replace(chk, detail=f"{chk.detail}; trainer_s="
                                    f"{result['trainer_s']:.3f}")
 
-    def _broadcast(self, conn: _Conn, source: WeightSource) -> int:
-        n = 0
-        for _name, t in source.named_tensors():
+    def _broadcast(self, conn: _Conn, source: WeightSource) -> dict[str, torch.Tensor]:
+        """Send every tensor; returns them as sent (the rank check's reference, so that
+        the source is not read a second time)."""
+        sent: dict[str, torch.Tensor] = {}
+        for name, t in source.named_tensors():
             if self._abort.is_set():
                 raise TransferError("transfer", "aborted", mutation_started=True)
             cpu = _as_cpu(t)
             conn.group.broadcast(cpu, 0).wait()
-            n += 1
-        return n
+            sent[name] = cpu
+        return sent
 
     # -- teardown ---------------------------------------------------------------
 
