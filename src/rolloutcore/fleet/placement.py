@@ -95,36 +95,46 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
                  checkpoint: str | os.PathLike[str] | None = None,
                  identity: WeightIdentity | None = None, recover: bool = True,
                  op_timeout_s: float = 60.0,
-                 drain_policy: DrainPolicy = DrainPolicy.ABORT) -> Replica:
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT, probe: bool = True,
+                 controller_kw: Mapping[str, Any] | None = None,
+                 recoverer: Any = None) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
     with ``checkpoint`` (and ``recover``) it gets a ``ManagedRecoverer`` that
     restarts it on that checkpoint, declared as ``identity`` (the fleet's
     start version, so a recovered replica is on it without an update).
+    ``probe``: a recovery runs the checkpoint's policy probe (``False`` where
+    no probe can be computed, e.g. a model too large for a forward pass on
+    the CPU: the recovered replica then rejoins only through an update its
+    transport verifies). ``recoverer``: one built by the caller (e.g. once for
+    a large checkpoint, whose content digest reads every byte) instead of
+    the ``ManagedRecoverer`` made here. ``controller_kw``: the replica controller's keyword arguments
+    (``config``: its ``ControllerConfig``, i.e. update mode and staleness bound;
+    ``required_caches``), as ``LifecycleController`` takes them.
     """
     from rolloutcore.transports.gloo import GlooTransport
 
     tr = transport or GlooTransport(op_timeout_s=op_timeout_s)
     # A journal a previous gateway wrote is restored (its versions, its open update).
-    controller, journal = open_controller(journal_path, keep=journal_keep)
+    controller, journal = open_controller(journal_path, keep=journal_keep,
+                                          **dict(controller_kw or {}))
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
     runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write,
                              drain_policy=drain_policy)
-    recoverer = None
     adopt = None
     if checkpoint is not None:
         from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
 
-        if engine is not None and recover:
-            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=True)
+        if recoverer is None and engine is not None and recover:
+            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=probe)
 
         def adopt(previous_epoch: str) -> OperatorRecoverer:
             """The engine this start launched, as the journal's engine's replacement."""
             return OperatorRecoverer(url, checkpoint, signal=lambda: True, wait_s=5.0,
                                      previous_epoch=previous_epoch, identity=identity,
-                                     probe=True)
+                                     probe=probe)
 
     def stage(payload: Any) -> None:
         if not isinstance(payload, PreparedUpdate):
@@ -160,8 +170,10 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         finally:
             journal.close()
 
+    # Only a gloo group is replaced by a fan-out round (a CUDA IPC mapping is not).
     return Replica(name, runner, stage, url=url, recoverer=recoverer, fanout_url=url,
-                   engine=engine, on_fanout=on_fanout, close=close, journal=journal,
+                   engine=engine, on_fanout=on_fanout if isinstance(tr, GlooTransport) else None,
+                   close=close, journal=journal,
                    on_recovered=on_recovered, adopt=adopt)
 
 

@@ -272,17 +272,34 @@ class CudaIpcTransport:
         self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
         self._last_check_url: str | None = None
 
-    def precompute_checksum(self, packed: PackedWeights) -> float:
+    def precompute_checksum(self, packed: PackedWeights, *,
+                            values: Sequence[int] | None = None) -> float:
         """Checksum ``packed`` now (at staging, outside the engine's pause window).
 
         The next ``send`` of this buffer uses it instead of hashing again; the
         buffer must not change in between, and if it does the engine's
         checksum will not match and the paused validation fails (fail-closed).
-        Returns the seconds it took.
+        ``values``: the checksum already computed (one per entry, by this
+        transport's ``checksum_impl``), as a fan-out hashes once for every
+        engine. Returns the seconds it took.
         """
+        if not isinstance(packed, PackedWeights):
+            raise BadInput("precompute_checksum() takes a PackedWeights")
         t = time.monotonic()
-        self._pre = (packed, packed.checksum(self.checksum_impl), packed.names())
+        if values is None:
+            vals = packed.checksum(self.checksum_impl)
+        else:
+            vals = list(values)
+            if len(vals) != len(packed.entries) or not all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in vals):
+                raise BadInput("values must be one integer checksum per entry")
+        self._pre = (packed, vals, packed.names())
         return time.monotonic() - t
+
+    def stage(self, source: Any) -> PackedWeights:
+        """The buffer a ``send`` of ``source`` would share: an adopted one as is (no
+        copy), else this transport's staging buffer, filled now."""
+        return self._packed(source, SendTimings())
 
     def adopt(self, packed: PackedWeights) -> None:
         """Register a trainer buffer: a source whose tensors are its views is sent as is."""

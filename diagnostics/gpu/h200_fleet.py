@@ -1,0 +1,936 @@
+#!/usr/bin/env python3
+"""H200: a fleet of two vLLM engines on one GPU, one CUDA IPC fan-out (issue 31).
+
+One device call (under 9 minutes): the trainer holds its Qwen3-8B-shaped
+bf16 weights (16 GB) in ONE ``PackedWeights`` buffer on the GPU and writes
+them once as a checkpoint; two engines on the one H200, each with
+``--gpu-memory-utilization`` about 0.3, start from it as ``h200_async.py``
+starts one (``--skip-tokenizer-init``, ``rc_cuda_ipc`` and its worker
+extension, CUDA graphs), and both engines' workers map the trainer's one
+buffer; the fleet coordinator (``fleet.placement.vllm_replica`` per engine,
+each with its own ``CudaIpcTransport`` adopting that buffer) and the fleet
+gateway in front (``fleet.gateway.create_fleet_app``, uvicorn). Then:
+
+1. ``sync``: transitions with no load, each series ``--reps`` + 1 rounds
+   (round 0 maps the handle; medians over the rest): one engine alone (a
+   one-replica fleet); the two engines as two one-replica fleets updated at
+   once (``independent_parallel``); the fleet, synchronous, one fan-out
+   (``transports.cuda_ipc.fanout.CudaIpcFanout``: one staging, one trainer
+   checksum, both engines' sessions at once, each engine's workers' checksum
+   compared); the fleet, synchronous, two sequential per-engine sends.
+   Every update changes all 16 GB (the buffer negated in place) and is
+   verified at ``engine-checksum`` (the workers' block checksum of what each
+   engine wrote against the trainer's of what it sent).
+2. ``rolling``: 64 closed-loop streaming clients through the fleet gateway,
+   lognormal lengths (median 128, cap 2048, ``ignore_eos``); a steady window,
+   then ``--rolls`` rolling updates (one engine per wave, ``min_serving`` 1):
+   tokens per second inside each wave over the steady rate, failed requests.
+3. ``async``: the same clients for ``--phase-s`` per mode (``none``, then
+   ``keep`` and ``recompute``: every replica's controller in that mode), one
+   synchronous fan-out update every ``--period-s``; ``retained`` = useful
+   tokens per second over ``none``'s.
+4. ``death``: one engine SIGKILLed under load: time to its fencing, answers
+   it gave after its death (must be 0), its restart by its recoverer and its
+   verified rejoin on the fleet's current version (the retained weights,
+   checked at engine-checksum), with the time each took; a cold start for
+   the ratio.
+
+Writes ``$OUT/fleet.json`` (keys ``fanout_over_single``,
+``fanout_over_independent_parallel``, ``rolling_retained_min``,
+``rolling_failed_any``, ``fence_after_death_s``, ``rejoin_after_death_s``,
+``served_by_dead_replica``, ``keep_retained``, ``recompute_retained``, with
+``machine``, ``versions``, ``command``, every round under ``detail``),
+``$OUT/fleet.png`` (the versions each replica served, and tokens per second,
+through the run), and ``run.log`` lines on stdout; each stage records its own
+error and the run goes on.
+
+``--plan`` prints the plan and its time against the call's budget (no GPU,
+no vLLM: the fast lane's test runs it). ``--cpu-selftest`` runs every stage
+on this machine instead: two CPU vLLM engines on the tiny checkpoints, a
+``GlooTransport`` per replica and ``GlooFanout``, short phases, so that the
+harness's own code has run before it spends device time::
+
+    python3 diagnostics/gpu/h200_fleet.py --plan
+    PYTHONPATH=src python3 diagnostics/gpu/h200_fleet.py --cpu-selftest --out /tmp/fleet-cpu
+    python3 diagnostics/gpu/h200_fleet.py --out $OUT          # on the H200 (README.md here)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BUDGET_S = 540.0          # one device call: 10 minutes at most; this stays under 9
+ENGINE_START_S = 95.0     # one engine with CUDA graphs: 84 s (VLLM-FACTS); two at once
+SETUP_S = 60.0            # buffer fill, checkpoint write (16 GB), connect, first updates
+UPDATE_S = 0.6            # one verified transition, generous (53.8 ms measured alone)
+GATEWAY_S = 6.0           # a coordinator's takeover of both engines and the gateway
+END_S = 20.0              # stop both engines, the plot, the JSON
+TOKEN = "h200-fleet-token-0123456789abcdef"
+MODES = ("none", "keep", "recompute")
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What runs, and how long it needs, computed the same way the run paces itself."""
+    rounds = args.reps + 1
+    sync_s = 4 * rounds * UPDATE_S * 2 + GATEWAY_S * 3
+    rolling_s = GATEWAY_S + args.warmup_s + args.steady_s + args.rolls * (2 * UPDATE_S + 2.0)
+    async_s = len(MODES) * (GATEWAY_S + args.warmup_s + args.phase_s + 3.0)
+    # the recoverer reads the checkpoint once (its content digest), then restarts it
+    death_s = (args.warmup_s + 20.0 + ENGINE_START_S + 10.0) if args.death else 0.0
+    total = ENGINE_START_S + SETUP_S + sync_s + rolling_s + async_s + death_s + END_S
+    return {"engines": 2, "gpu_util": args.gpu_util, "reps": args.reps, "rolls": args.rolls,
+            "series": ["single", "independent_parallel", "fanout", "sequential"],
+            "async_modes": list(MODES), "phase_s": args.phase_s, "period_s": args.period_s,
+            "updates_per_phase": int(args.phase_s // args.period_s),
+            "steady_s": args.steady_s, "warmup_s": args.warmup_s,
+            "concurrency": args.concurrency, "death": args.death,
+            "lengths": {"median": args.median_tokens, "sigma": args.sigma,
+                        "cap": args.cap_tokens, "prompt": args.prompt_tokens},
+            "stages_s": {"engines": ENGINE_START_S, "setup": SETUP_S, "sync": round(sync_s, 1),
+                         "rolling": round(rolling_s, 1), "async": round(async_s, 1),
+                         "death": round(death_s, 1), "end": END_S},
+            "estimated_s": round(total, 1), "budget_s": BUDGET_S, "fits": total <= BUDGET_S}
+
+
+# --------------------------------------------------------------------------- the two rigs
+
+@dataclass
+class Rig:
+    """What the stages need from a machine: engines, transports, the next weights."""
+
+    engines: list[Any]
+    make_transport: Callable[[], Any]
+    make_fanout: Callable[[dict[str, Any]], Any]
+    next_weights: Callable[[], Any]        # the trainer's next policy (FleetWeights)
+    current: Callable[[], Any]             # the FleetWeights the engines hold now
+    before_update: Callable[[Any], float]  # coordinator -> trainer checksum seconds
+    recoverer: Callable[[Any], Any]        # engine -> its Recoverer (the death stage)
+    controller_kw: dict[str, Any]
+    vocab: int
+    sampling_extra: dict[str, Any]
+    model: str | None
+    cold_start_s: float
+    close: Callable[[], None]
+    kind: str
+    notes: list[str] = field(default_factory=list)
+    #: the takeover's level when a coordinator is made over running engines (None:
+    #: the weights' own)
+    bootstrap_level: Any = None
+
+
+def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
+    import torch
+    from qwen3_shapes import QWEN3_8B, qwen3_specs
+
+    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.control.recovery import ManagedRecoverer
+    from rolloutcore.control.session import PreparedUpdate
+    from rolloutcore.core.evidence import CacheKind
+    from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+    from rolloutcore.fleet.model import FleetWeights
+    from rolloutcore.fleet.placement import start_all
+    from rolloutcore.transports.cuda_ipc import (
+        BACKEND,
+        WORKER_EXTENSION,
+        CudaIpcTransport,
+        PackedWeights,
+    )
+    from rolloutcore.transports.cuda_ipc.fanout import CudaIpcFanout
+    from rolloutcore.transports.source import WeightSource
+
+    packed = PackedWeights([(n, s, torch.bfloat16) for n, s in qwen3_specs(QWEN3_8B)],
+                           device="cuda:0")
+    g = torch.Generator(device=packed.device).manual_seed(1)
+    with torch.no_grad():
+        for name, t in packed.items():
+            (t.normal_(1.0, 0.05, generator=g) if "norm" in name
+             else t.normal_(0.0, 0.02, generator=g))
+    torch.cuda.synchronize()
+    # The trainer's first policy as a checkpoint on disk: what the engines start from and
+    # what a killed engine is restarted from (a real recovery loads real files).
+    model_dir = Path("/tmp/rc-qwen3-8b-ckpt")
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    t = time.monotonic()
+    from safetensors.torch import save_file
+
+    save_file({n: x.to("cpu") for n, x in packed.items()}, str(model_dir / "model.safetensors"))
+    write_s = time.monotonic() - t
+    log(f"checkpoint of the trainer's buffer written in {write_s:.1f}s")
+    extra = ["--skip-tokenizer-init", "--gpu-memory-utilization", str(args.gpu_util),
+             "--worker-extension-cls", WORKER_EXTENSION]
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
+    engines = [ManagedEngine(model_dir, backend=BACKEND, scale_out=False, max_model_len=4096,
+                             extra_args=extra, env=env, log_dir=Path(f"/tmp/rc-engine-logs/e{i}"),
+                             startup_timeout_s=420, stop_grace_s=10) for i in range(2)]
+    t = time.monotonic()
+    try:
+        start_all({f"e{i}": e.start for i, e in enumerate(engines)}, timeout_s=450)
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    cold = max(e.last_start_s or 0.0 for e in engines)
+    log(f"two engines healthy in {time.monotonic() - t:.1f}s (each {cold:.1f}s)")
+    source = WeightSource.from_state_dict(dict(packed.items()),
+                                          description="trainer PackedWeights views")
+    man = source.manifest()
+    ckpt_prov = Provenance(str(model_dir), "h200-fleet", 1)
+    first = WeightIdentity.declare(man, ckpt_prov)
+    negated = WeightIdentity.declare(man, Provenance(str(model_dir) + " negated",
+                                                     "h200-fleet", 2))
+    state = {"seed": 1}
+    transports: list[Any] = []
+
+    def weights(seed: int) -> Any:
+        ident = first if seed % 2 else negated
+        return FleetWeights(ident, PreparedUpdate(source, ident.provenance, ident, None, None),
+                            source, VerificationLevel.ENGINE_CHECKSUM)
+
+    def next_weights() -> Any:
+        with torch.no_grad():  # every weight negated: all 16 GB change, ~10 ms of GPU
+            packed.buffer.view(torch.bfloat16).neg_()
+        torch.cuda.synchronize()
+        state["seed"] += 1
+        return weights(state["seed"])
+
+    def make_transport() -> Any:
+        tr = CudaIpcTransport(mode="fast")
+        tr.adopt(packed)
+        transports.append(tr)
+        return tr
+
+    def before_update(coord: Any) -> float:
+        fan = coord.fanout
+        if isinstance(fan, CudaIpcFanout):
+            return fan.precompute(packed)
+        t0 = time.monotonic()
+        vals = packed.checksum()
+        for r in coord.replicas.values():
+            r.runner.adapter.transport.precompute_checksum(packed, values=vals)
+        return time.monotonic() - t0
+
+    def recoverer(engine: Any) -> Any:
+        # Its content digest reads the 16 GB once; no probe (an 8B forward on the CPU).
+        return ManagedRecoverer(engine, model_dir, identity=first, probe=False,
+                                start_timeout_s=420)
+
+    def close() -> None:
+        for tr in transports:
+            with contextlib.suppress(Exception):
+                tr.close()
+        for e in engines:
+            e.stop()
+
+    return Rig(engines, make_transport, lambda m: CudaIpcFanout(m), next_weights,
+               lambda: weights(state["seed"]), before_update, recoverer,
+               {"required_caches": (CacheKind.PREFIX,)}, 150000, {"detokenize": False},
+               engines[0].model_name, cold, close, "h200",
+               [f"the engines start from a checkpoint of the trainer's first buffer "
+                f"(written in {write_s:.1f}s); a coordinator made over running engines takes "
+                "them over at 'declared' (no probe of an 8B model on the CPU); every update "
+                "is checked at engine-checksum on each engine"],
+               VerificationLevel.DECLARED)
+
+
+def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
+    from rolloutcore.control.recovery import ManagedRecoverer
+    from rolloutcore.fleet.placement import launch_local, prepare_checkpoint
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.transports.fanout import GlooFanout
+    from rolloutcore.transports.gloo import GlooTransport
+
+    work = Path(args.out) / "cpu"
+    a = make_checkpoint(work / "A", 1)
+    b = make_checkpoint(work / "B", 2)
+    wa, wb = prepare_checkpoint(a), prepare_checkpoint(b)
+    t = time.monotonic()
+    engines = launch_local(2, a, log_dir=work / "logs", progress=False)
+    cold = max(e.last_start_s or 0.0 for e in engines)
+    log(f"two CPU engines healthy in {time.monotonic() - t:.1f}s")
+    state = {"k": 0}
+
+    def next_weights() -> Any:
+        state["k"] += 1
+        return wb if state["k"] % 2 else wa
+
+    def recoverer(engine: Any) -> Any:
+        return ManagedRecoverer(engine, a, identity=wa.identity, probe=True)
+
+    return Rig(engines, lambda: GlooTransport(op_timeout_s=60),
+               lambda m: GlooFanout(op_timeout_s=60), next_weights,
+               lambda: wb if state["k"] % 2 else wa, lambda coord: 0.0, recoverer,
+               {}, 250, {}, None, cold,
+               lambda: [e.stop() for e in engines] and None, "cpu",
+               ["CPU self-test of the harness: tiny model, gloo transports; not a GPU number"])
+
+
+# --------------------------------------------------------------------------- fleets
+
+def make_fleet(rig: Rig, names: list[str], engines: list[Any], *, mode: str = "strict",
+               max_staleness: int | None = None, journal_dir: Path | None = None,
+               heal: bool = True, recover: bool = False, holds: Any = None) -> Any:
+    """A bootstrapped coordinator over ``engines`` on the weights they hold now
+    (``holds``: those FleetWeights; default the trainer's current ones)."""
+    from rolloutcore.control.runner import Deadlines
+    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.fleet import FleetConfig, FleetCoordinator
+    from rolloutcore.fleet.placement import vllm_replica
+
+    w = holds if holds is not None else rig.current()
+    if rig.bootstrap_level is not None:
+        w = dataclasses.replace(w, min_verification=rig.bootstrap_level)
+    cfg = ControllerConfig(update_mode=UpdateMode(mode), max_staleness=max_staleness)
+    dl = Deadlines(drain_s=300, pause_s=120, transfer_s=120, reset_s=30, validate_s=60,
+                   resume_s=30)
+    reps = [vllm_replica(n, e.base_url, engine=e, transport=rig.make_transport(),
+                         identity=w.identity, deadlines=dl,
+                         journal_path=None if journal_dir is None
+                         else journal_dir / f"{n}.journal.jsonl", journal_keep=4000,
+                         controller_kw={**rig.controller_kw, "config": cfg},
+                         recoverer=rig.recoverer(e) if recover else None)
+            for n, e in zip(names, engines, strict=True)]
+    fan = None
+    if len(reps) > 1:
+        fan = rig.make_fanout({r.url: r.runner.adapter.transport for r in reps})
+    coord = FleetCoordinator(reps, config=FleetConfig(health_interval_s=0.5, heal=heal),
+                             fanout=fan, journal_path=None if journal_dir is None
+                             else str(journal_dir / "fleet.jsonl"), journal_keep=4000)
+    try:
+        coord.bootstrap(w.identity, weights=w)
+    except BaseException:
+        coord.close()
+        raise
+    return coord
+
+
+def update(rig: Rig, coord: Any, **kw: Any) -> Any:
+    w = rig.next_weights()
+    checksum_s = rig.before_update(coord)
+    res = coord.update(w, **kw)
+    res.trainer_checksum_s = checksum_s  # type: ignore[attr-defined]
+    return res
+
+
+def series(name: str, fn: Callable[[int], Any], n: int, log: Callable[[str], None]
+           ) -> dict[str, Any]:
+    secs: list[float] = []
+    transfer: list[float] = []
+    for i in range(n):
+        t0 = time.monotonic()
+        r = fn(i)
+        secs.append(time.monotonic() - t0)
+        transfer.append(float(getattr(r, "transfer_s", 0.0) or 0.0)
+                        if not isinstance(r, list) else
+                        max(float(getattr(x, "transfer_s", 0.0) or 0.0) for x in r))
+        log(f"   {name}: round {i + 1}/{n} {secs[-1] * 1e3:.1f} ms")
+    rest = secs[1:] or secs
+    return {"seconds": secs, "transfer_s": transfer, "median_s": statistics.median(rest),
+            "transfer_median_s": statistics.median(transfer[1:] or transfer)}
+
+
+def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
+    out: list[Any] = [None] * len(calls)
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:  # re-raised below
+            errs.append(exc)
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    if errs:
+        raise errs[0]
+    return out
+
+
+# --------------------------------------------------------------------------- clients
+
+class Load:
+    """Closed-loop streaming clients through a gateway URL, in a thread of their own."""
+
+    def __init__(self, url: str, rig: Rig, args: argparse.Namespace, seed: int) -> None:
+        import async_modes as am
+
+        self.url, self.rig = url, rig
+        self.work = am.Workload(args.concurrency, args.median_tokens, args.sigma,
+                                args.cap_tokens, args.prompt_tokens, vocab=rig.vocab)
+        self.seed = seed
+        self.done: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _one(self, client: Any, prompt: list[int], n: int) -> dict[str, Any]:
+        body: dict[str, Any] = {"token_ids": prompt, "stream": True, "sampling_params": {
+            "max_tokens": n, "temperature": 0.0, "ignore_eos": True, **self.rig.sampling_extra}}
+        if self.rig.model is not None:
+            body["model"] = self.rig.model
+        reads: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        info: dict[str, Any] = {}
+        err = False
+        try:
+            async with client.stream("POST", f"{self.url}/inference/v1/generate", json=body,
+                                     timeout=600) as resp:
+                replica = resp.headers.get("x-rolloutcore-replica", "")
+                version = resp.headers.get("x-rolloutcore-version", "")
+                if resp.status_code != 200:
+                    await resp.aread()
+                    return {"status": resp.status_code, "reads": [], "t0": t0,
+                            "end": time.monotonic(), "tokens": 0, "replica": replica,
+                            "version": version, "error": True}
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    d = line[5:].strip()
+                    if d == "[DONE]":
+                        continue
+                    ev = json.loads(d)
+                    if isinstance(ev, dict):
+                        if "error" in ev:
+                            err = True
+                        if "rolloutcore" in ev:
+                            info = ev["rolloutcore"]
+                        k = sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
+                        if k:
+                            reads.append((time.monotonic(), k))
+        except Exception:  # a cut stream (a killed engine): a failed request
+            err = True
+            replica = locals().get("replica", "")
+            version = locals().get("version", "")
+        tokens = sum(k for _, k in reads)
+        return {"status": 200, "reads": reads, "t0": t0, "end": time.monotonic(),
+                "tokens": tokens, "replica": replica, "version": version,
+                "error": err or tokens < n, "info": {k: info.get(k) for k in (
+                    "version", "replica", "fleet_version", "attributable", "staleness")
+                    if k in info}, "unattributable": info.get("attributable") is False}
+
+    async def _main(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=512)) as client:
+            async def loop(i: int) -> None:
+                rng = random.Random(self.seed * 1000 + i)
+                while not self._stop.is_set():
+                    r = await self._one(client, self.work.prompt(rng), self.work.length(rng))
+                    self.done.append(r)
+                    if r["status"] != 200:
+                        await asyncio.sleep(0.05)
+            await asyncio.gather(*(loop(i) for i in range(self.work.concurrency)))
+
+    def start(self) -> Load:
+        self._th.start()
+        return self
+
+    def stop(self, wait_s: float = 900.0) -> None:
+        self._stop.set()
+        self._th.join(wait_s)
+
+    def tokens_per_s(self, a: float, b: float, *, useful: bool = False) -> float:
+        n = sum(k for r in self.done if not (useful and (r["error"] or r["unattributable"]))
+                for t, k in r["reads"] if a <= t < b)
+        return n / max(1e-9, b - a)
+
+    def failed(self, a: float, b: float) -> int:
+        return sum(1 for r in self.done if r["error"] and a <= r["t0"] <= b)
+
+
+# --------------------------------------------------------------------------- stages
+
+def stage_sync(rig: Rig, R: dict[str, Any], args: argparse.Namespace,
+               log: Callable[[str], None]) -> None:
+    n = args.reps + 1
+    e0, e1 = rig.engines
+    start = rig.current()
+    solo = make_fleet(rig, ["solo"], [e0])
+    try:
+        single = series("one engine", lambda i: update(rig, solo, transfer="per-engine"), n, log)
+    finally:
+        solo.close()
+    # e1 still holds what both held at the start: bring it to the trainer's current weights.
+    catch_up = make_fleet(rig, ["catch-up"], [e1], holds=start)
+    try:
+        rig.before_update(catch_up)
+        catch_up.update(rig.current(), transfer="per-engine")
+    finally:
+        catch_up.close()
+    solos = [make_fleet(rig, [f"p{j}"], [e]) for j, e in enumerate(rig.engines)]
+    try:
+        # Both fleets on the same weights: the buffer moves once per round for both.
+        def both(i: int) -> list[Any]:
+            w = rig.next_weights()
+            for c in solos:
+                rig.before_update(c)
+            return at_once([lambda c=c: c.update(w, transfer="per-engine") for c in solos])
+        par = series("two one-engine updates at once", both, n, log)
+    finally:
+        for c in solos:
+            c.close()
+    coord = make_fleet(rig, ["e0", "e1"], rig.engines)
+    try:
+        fan = series("fleet, one fan-out", lambda i: update(rig, coord, transfer="fanout"),
+                     n, log)
+        seq = series("fleet, two sequential sends",
+                     lambda i: update(rig, coord, transfer="per-engine"), n, log)
+        fan_res = update(rig, coord, transfer="fanout")
+        R["fanout_result"] = fan_res.to_dict()
+    finally:
+        coord.close()
+    R["detail"]["sync"] = {"single": single, "independent_parallel": par, "fanout": fan,
+                           "sequential": seq}
+    R.update({
+        "single_engine_s": single["median_s"], "sync_fanout_s": fan["median_s"],
+        "sync_sequential_s": seq["median_s"], "independent_parallel_s": par["median_s"],
+        "fanout_over_single": fan["median_s"] / single["median_s"],
+        "fanout_over_independent_parallel": fan["median_s"] / par["median_s"],
+        "sequential_over_single": seq["median_s"] / single["median_s"]})
+
+
+def _waves(coord: Any, since: float) -> list[tuple[int, float, float]]:
+    from rolloutcore.core.pool import WaveBegin, WaveEnd
+
+    rec = coord.journal.records
+    b = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveBegin)
+         and r.t_mono >= since}
+    e = {r.record.wave: r.t_mono for r in rec if isinstance(r.record, WaveEnd)
+         and r.t_mono >= since}
+    return [(w, b[w], e[w]) for w in sorted(b) if w in e]
+
+
+def _gateway(coord: Any) -> Any:
+    from helpers.gateway_rig import uvicorn_thread
+    from rolloutcore.fleet.gateway import create_fleet_app
+    from rolloutcore.service import ServiceConfig
+
+    app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
+                                                control_token=TOKEN, queue_max=1024,
+                                                queue_wait_s=600))
+    return uvicorn_thread(app)
+
+
+def stage_rolling(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline: Any,
+                  log: Callable[[str], None]) -> None:
+    coord = make_fleet(rig, ["e0", "e1"], rig.engines)
+    try:
+        with _gateway(coord) as url:
+            load = Load(url, rig, args, seed=1).start()
+            timeline.watch(coord, load)
+            time.sleep(args.warmup_s)
+            ts = time.monotonic()
+            time.sleep(args.steady_s)
+            steady = load.tokens_per_s(ts, time.monotonic())
+            t_roll = time.monotonic()
+            rolls = []
+            for ri in range(args.rolls):
+                t_r = time.monotonic()
+                res = update(rig, coord, strategy="rolling", wave_size=1, min_serving=1)
+                time.sleep(1.0)
+                waves = [{"wave": w, "seconds": b - a,
+                          "tokens_per_s": load.tokens_per_s(a, b),
+                          "retained": load.tokens_per_s(a, b) / steady if steady else None}
+                         for w, a, b in _waves(coord, t_r)]
+                rolls.append({"seconds": res.seconds, "waves": waves,
+                              "published": res.published.label if res.published else None})
+                log(f"   rolling {ri + 1}/{args.rolls}: {res.seconds * 1e3:.0f} ms, waves at "
+                    + ", ".join(f"{w['retained']:.2f}" for w in waves) + " of steady")
+            t_end = time.monotonic()
+            load.stop()
+    finally:
+        timeline.unwatch()
+        coord.close()
+    vals = [w["retained"] for r in rolls for w in r["waves"] if w["retained"] is not None]
+    R["detail"]["rolling"] = {"steady_tokens_per_s": steady, "rolls": rolls}
+    R.update({"rolling_retained_min": min(vals) if vals else None,
+              "rolling_retained_median": statistics.median(vals) if vals else None,
+              "rolling_failed_any": load.failed(t_roll, t_end),
+              "steady_tokens_per_s": steady})
+
+
+def stage_async(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline: Any,
+                log: Callable[[str], None]) -> None:
+    out: dict[str, Any] = {}
+    for i, mode in enumerate(MODES):
+        coord = make_fleet(rig, ["e0", "e1"], rig.engines,
+                           mode="strict" if mode == "none" else mode,
+                           max_staleness=args.max_staleness)
+        try:
+            with _gateway(coord) as url:
+                load = Load(url, rig, args, seed=10 + i).start()
+                timeline.watch(coord, load)
+                time.sleep(args.warmup_s)
+                a = time.monotonic()
+                b = a + args.phase_s
+                ups: list[dict[str, Any]] = []
+                k = 1
+                while mode != "none":
+                    at = a + k * args.period_s
+                    if at >= b:
+                        break
+                    time.sleep(max(0.0, at - time.monotonic()))
+                    t = time.monotonic()
+                    try:
+                        res = update(rig, coord, transfer="fanout")
+                        ups.append({"at": round(t - a, 3), "seconds": res.seconds,
+                                    "label": res.published.label if res.published else None})
+                    except Exception as exc:  # recorded; the phase goes on
+                        ups.append({"at": round(t - a, 3), "error": f"{type(exc).__name__}: "
+                                    f"{str(exc)[:300]}"})
+                    k += 1
+                time.sleep(max(0.0, b - time.monotonic()))
+                load.stop()
+        finally:
+            timeline.unwatch()
+            coord.close()
+        out[mode] = {"tokens_per_s": load.tokens_per_s(a, b, useful=True),
+                     "all_tokens_per_s": load.tokens_per_s(a, b),
+                     "failed": load.failed(a, b), "updates": ups,
+                     "unattributable": sum(1 for r in load.done if r["unattributable"]),
+                     "answers": len(load.done)}
+        log(f"   {mode}: {out[mode]['tokens_per_s']:.0f} useful tok/s, {len(ups)} updates, "
+            f"failed {out[mode]['failed']}")
+    base = out["none"]["tokens_per_s"]
+    for mode in MODES[1:]:
+        out[mode]["retained"] = out[mode]["tokens_per_s"] / base if base else None
+    R["detail"]["async"] = out
+    R.update({"keep_retained": out["keep"]["retained"],
+              "recompute_retained": out["recompute"]["retained"]})
+
+
+def stage_death(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline: Any,
+                log: Callable[[str], None]) -> None:
+    from rolloutcore.core.pool import ReplicaStateChange
+
+    coord = make_fleet(rig, ["e0", "e1"], rig.engines, recover=True)
+    coord.start_supervisor()
+    try:
+        update(rig, coord, transfer="fanout")   # the fleet's current version: the buffer's
+        with _gateway(coord) as url:
+            load = Load(url, rig, args, seed=20).start()
+            timeline.watch(coord, load)
+            time.sleep(args.warmup_s)
+            victim, name = rig.engines[1], "e1"
+            tk = time.monotonic()
+            victim.signal_group(signal.SIGKILL)
+            fenced = coord.wait_for(lambda: coord.state_of(name).value != "SERVING", 120,
+                                    0.005)
+            back = coord.wait_for(lambda: coord.state_of(name).value == "SERVING",
+                                  args.rejoin_wait_s, 0.1)
+            time.sleep(2.0)
+            load.stop()
+    finally:
+        timeline.unwatch()
+        coord.close()
+    recs = [r for r in coord.journal.records if isinstance(r.record, ReplicaStateChange)
+            and r.record.replica == name and r.t_mono >= tk]
+    t_f = next((r.t_mono for r in recs if r.record.after == "FENCED"), None)
+    t_b = next((r.t_mono for r in recs if r.record.event == "rejoined"), None)
+    served = sum(1 for r in load.done if r["replica"] == name and not r["error"]
+                 and tk < r["t0"] < (t_b or float("inf")))
+    R["detail"]["death"] = {
+        "trail": [(r.record.after, r.record.event, round(r.t_mono - tk, 3)) for r in recs],
+        "failed_during": load.failed(tk, t_b or time.monotonic()),
+        "fenced_seen": fenced, "rejoined_seen": back}
+    R.update({"fence_after_death_s": (t_f - tk) if t_f is not None else None,
+              "rejoin_after_death_s": (t_b - tk) if t_b is not None else None,
+              "served_by_dead_replica": served,
+              "rejoin_over_cold_start": ((t_b - tk) / rig.cold_start_s
+                                         if t_b is not None and rig.cold_start_s else None)})
+
+
+# --------------------------------------------------------------------------- the picture
+
+class Timeline:
+    """Versions each replica serves and tokens per second, sampled through the run."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+        self.samples: list[tuple[float, dict[str, str | None]]] = []
+        self.loads: list[Any] = []
+        self.stages: list[tuple[str, float]] = []
+        self._coord: Any = None
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True)
+        self._th.start()
+
+    def stage(self, name: str) -> None:
+        self.stages.append((name, time.monotonic() - self.t0))
+
+    def watch(self, coord: Any, load: Any) -> None:
+        self._coord = coord
+        self.loads.append(load)
+
+    def unwatch(self) -> None:
+        self._coord = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            c = self._coord
+            if c is None:
+                continue
+            with contextlib.suppress(Exception):
+                v = c.view()
+                snap = {e.name: (str(e.generation) if e.in_pool and e.generation is not None
+                                 else None) for e in v.replicas}
+                self.samples.append((time.monotonic() - self.t0, snap))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._th.join(5)
+
+    def plot(self, path: Path) -> str | None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception as exc:
+            return f"no plot: {exc}"
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+        names = sorted({n for _, s in self.samples for n in s})
+        for k, n in enumerate(names):
+            xs = [t for t, s in self.samples]
+            ys = [int(s.get(n)) if s.get(n) is not None else float("nan")  # type: ignore[arg-type]
+                  for _, s in self.samples]
+            ax1.plot(xs, ys, drawstyle="steps-post", label=n, lw=2 - 0.7 * k)
+        ax1.set_ylabel("fleet generation served\n(gap: out of the pool)")
+        ax1.legend(loc="upper left")
+        bins: dict[int, int] = {}
+        for load in self.loads:
+            for r in load.done:
+                for t, k in r["reads"]:
+                    b = int((t - self.t0) / 0.5)
+                    bins[b] = bins.get(b, 0) + k
+        if bins:
+            xs = sorted(bins)
+            ax2.plot([x * 0.5 for x in xs], [bins[x] / 0.5 for x in xs], lw=1)
+        ax2.set_ylabel("tokens / s (all clients)")
+        ax2.set_xlabel("seconds since the run started")
+        for name, t in self.stages:
+            for ax in (ax1, ax2):
+                ax.axvline(t, color="grey", lw=0.5, ls="--")
+            ax1.text(t, ax1.get_ylim()[1], f" {name}", fontsize=7, va="top")
+        fig.suptitle("fleet of two engines: versions per replica and throughput")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return None
+
+
+# --------------------------------------------------------------------------- the run
+
+def _versions() -> dict[str, Any]:
+    import hashlib
+
+    v: dict[str, Any] = {"python": platform.python_version()}
+    for mod in ("torch", "vllm"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception as exc:  # recorded, not fatal here
+            v[mod] = f"import failed: {exc}"
+    h = hashlib.sha256()
+    for f in sorted([*(REPO / "src" / "rolloutcore").rglob("*.py"), Path(__file__)]):
+        h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
+    v["tree_sha256"] = h.hexdigest()
+    return v
+
+
+def run(args: argparse.Namespace) -> int:
+    t_run = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t_run:7.1f}s] {msg}", flush=True)
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    R: dict[str, Any] = {"plan": plan(args), "versions": _versions(), "errors": {},
+                         "detail": {}, "command": " ".join([sys.executable, *sys.argv]),
+                         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    log(json.dumps(R["plan"]))
+    timeline = Timeline()
+    rig: Rig | None = None
+    try:
+        rig = (cpu_rig if args.cpu_selftest else gpu_rig)(args, log)
+        R["kind"], R["notes"], R["cold_start_s"] = rig.kind, rig.notes, rig.cold_start_s
+        R["engine_command"] = " ".join(rig.engines[0].command())
+        stages: list[tuple[str, Callable[[], None]]] = [
+            ("sync", lambda: stage_sync(rig, R, args, log)),  # type: ignore[arg-type]
+            ("rolling", lambda: stage_rolling(rig, R, args, timeline, log)),  # type: ignore[arg-type]
+            ("async", lambda: stage_async(rig, R, args, timeline, log))]  # type: ignore[arg-type]
+        if args.death:
+            stages.append(("death", lambda: stage_death(rig, R, args, timeline, log)))  # type: ignore[arg-type]
+        for name, fn in stages:
+            if args.only and name not in args.only:
+                continue
+            log(f"stage {name}")
+            timeline.stage(name)
+            try:
+                fn()
+            except Exception as exc:
+                import traceback
+
+                R["errors"][name] = f"{type(exc).__name__}: {exc}"
+                log(f"!! stage {name} failed: {exc}\n{traceback.format_exc()[-3000:]}")
+            with contextlib.suppress(Exception):
+                (out_dir / "fleet.partial.json").write_text(
+                    json.dumps(R, indent=1, sort_keys=True, default=str))
+    except Exception as exc:
+        R["errors"]["run"] = f"{type(exc).__name__}: {exc}"
+        log(f"!! {exc}")
+    finally:
+        timeline.close()
+        if rig is not None:
+            if R["errors"]:
+                with contextlib.suppress(Exception):
+                    R["engine_log_tails"] = [e.log_tail(80) for e in rig.engines]
+            with contextlib.suppress(Exception):
+                rig.close()
+        note = timeline.plot(out_dir / "fleet.png")
+        if note:
+            R["errors"]["plot"] = note
+        with contextlib.suppress(Exception):
+            import torch
+
+            if torch.cuda.is_available():
+                R["device"] = torch.cuda.get_device_name(0)
+        R["machine"] = {"host": platform.node(), "cpus": os.cpu_count(),
+                        "platform": platform.platform()}
+        R["wall_s"] = round(time.monotonic() - t_run, 1)
+        R["goals"] = goals(R)
+        (out_dir / "fleet.json").write_text(json.dumps(R, indent=1, sort_keys=True,
+                                                       default=str) + "\n")
+        print(table(R), flush=True)
+        log(f"wrote {out_dir / 'fleet.json'}")
+    return 0 if not R["errors"] else 1
+
+
+def goals(R: dict[str, Any]) -> dict[str, Any]:
+    def le(k: str, v: float) -> bool | None:
+        return None if R.get(k) is None else R[k] <= v
+
+    def ge(k: str, v: float) -> bool | None:
+        return None if R.get(k) is None else R[k] >= v
+
+    return {"fanout_over_single<=1.3": le("fanout_over_single", 1.3),
+            "rolling_retained_min>=0.45": ge("rolling_retained_min", 0.45),
+            "rolling_failed_any==0": None if R.get("rolling_failed_any") is None
+            else R["rolling_failed_any"] == 0,
+            "served_by_dead_replica==0": None if R.get("served_by_dead_replica") is None
+            else R["served_by_dead_replica"] == 0,
+            "rejoin<=2x_cold_start": le("rejoin_over_cold_start", 2.0),
+            "keep_retained>=0.95": ge("keep_retained", 0.95),
+            "recompute_retained>=0.90": ge("recompute_retained", 0.90)}
+
+
+def table(R: dict[str, Any]) -> str:
+    def f(k: str, fmt: str = "{:.3f}") -> str:
+        v = R.get(k)
+        return "n/a" if v is None else fmt.format(v)
+
+    rows = [("one engine alone (s)", f("single_engine_s", "{:.4f}")),
+            ("two one-engine updates at once (s)", f("independent_parallel_s", "{:.4f}")),
+            ("fleet, one fan-out (s)", f("sync_fanout_s", "{:.4f}")),
+            ("fleet, two sequential (s)", f("sync_sequential_s", "{:.4f}")),
+            ("fanout_over_single (goal <= 1.3)", f("fanout_over_single")),
+            ("fanout_over_independent_parallel", f("fanout_over_independent_parallel")),
+            ("rolling_retained_min (goal >= 0.45)", f("rolling_retained_min")),
+            ("rolling_failed_any (goal 0)", f("rolling_failed_any", "{}")),
+            ("keep_retained (goal >= 0.95)", f("keep_retained")),
+            ("recompute_retained (goal >= 0.90)", f("recompute_retained")),
+            ("fence_after_death_s", f("fence_after_death_s")),
+            ("rejoin_after_death_s (cold start)", f("rejoin_after_death_s", "{:.1f}")
+             + f" ({f('cold_start_s', '{:.1f}')})"),
+            ("served_by_dead_replica (goal 0)", f("served_by_dead_replica", "{}"))]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"{k:<{w}}  {v}" for k, v in rows]
+    lines += [f"ERROR in {k}: {v[:300]}" for k, v in R.get("errors", {}).items()]
+    lines.append("FLEET OK" if not R.get("errors") else "FLEET HAS PROBLEMS")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
+    ap.add_argument("--plan", action="store_true",
+                    help="print the plan and its time against the budget; run nothing")
+    ap.add_argument("--cpu-selftest", action="store_true",
+                    help="every stage on two CPU engines (tiny model, gloo), short phases")
+    ap.add_argument("--only", nargs="*", choices=("sync", "rolling", "async", "death"))
+    ap.add_argument("--gpu-util", type=float, default=0.3)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--rolls", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--median-tokens", type=int, default=128)
+    ap.add_argument("--sigma", type=float, default=1.0)
+    ap.add_argument("--cap-tokens", type=int, default=2048)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--warmup-s", type=float, default=5.0)
+    ap.add_argument("--steady-s", type=float, default=10.0)
+    ap.add_argument("--phase-s", type=float, default=25.0)
+    ap.add_argument("--period-s", type=float, default=5.0)
+    ap.add_argument("--max-staleness", type=int, default=None)
+    ap.add_argument("--rejoin-wait-s", type=float, default=200.0)
+    ap.add_argument("--no-death", dest="death", action="store_false")
+    args = ap.parse_args(argv)
+    if args.cpu_selftest:  # what two CPU engines on two cores can serve
+        for k, v in {"concurrency": 4, "median_tokens": 8, "cap_tokens": 32,
+                     "prompt_tokens": 8, "reps": 2, "rolls": 1, "phase_s": 12.0,
+                     "period_s": 4.0, "steady_s": 4.0, "warmup_s": 2.0,
+                     "rejoin_wait_s": 400.0}.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+    for name in ("reps", "rolls", "concurrency", "median_tokens", "cap_tokens",
+                 "prompt_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    for name in ("phase_s", "period_s", "steady_s", "rejoin_wait_s"):
+        if not getattr(args, name) > 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    if not 0 < args.gpu_util <= 0.45:
+        ap.error("--gpu-util must be in (0, 0.45]: two engines and the trainer share the GPU")
+    if args.median_tokens > args.cap_tokens or args.prompt_tokens + args.cap_tokens > 4096:
+        ap.error("median <= cap, and prompt + cap <= max_model_len (4096)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    p = plan(args)
+    if args.plan:
+        print(json.dumps(p, indent=1))
+        return 0 if p["fits"] else 2
+    if not p["fits"] and not args.cpu_selftest:
+        print(f"the plan needs ~{p['estimated_s']}s, over the {BUDGET_S:g}s of one call: "
+              "shorten --phase-s or --reps", file=sys.stderr)
+        return 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

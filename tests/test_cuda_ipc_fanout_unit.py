@@ -1,0 +1,194 @@
+"""``CudaIpcFanout`` (one trainer buffer into N engines) and the H200 fleet harness's plan.
+
+The fan-out's per-engine transports need a CUDA device and a vLLM with the
+``rc_cuda_ipc`` worker extension (the H200 run, ``diagnostics/gpu/h200_fleet.py``);
+here each engine's transport is a stand-in that records what the fan-out asked
+of it, so what the fan-out itself decides is checked: one staging and one
+checksum for every engine, every session at once, results that claim no more
+than each session answered, the deadline, and bad input refused before any
+engine is called.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.fleet.model import FanoutTransport
+from rolloutcore.transports.cuda_ipc.fanout import CudaIpcFanout
+
+HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200_fleet.py"
+
+
+class Packed:
+    """What a staged buffer offers the fan-out: its checksum (counted)."""
+
+    def __init__(self) -> None:
+        self.hashed = 0
+
+    def checksum(self, impl: str = "auto") -> list[int]:
+        self.hashed += 1
+        return [11, 22, 33]
+
+
+class Engine:
+    """One engine's transport: records calls; ``fail``/``hang`` say how its session ends."""
+
+    checksum_impl = "auto"
+
+    def __init__(self, packed: Packed, *, fail: TransferError | None = None,
+                 hang: bool = False, barrier: threading.Barrier | None = None) -> None:
+        self.packed, self.fail, self.hang, self.barrier = packed, fail, hang, barrier
+        self.staged: list[Any] = []
+        self.pre: list[Any] = []
+        self.sent: list[tuple[str, str, Any]] = []
+        self.aborted = threading.Event()
+
+    def stage(self, source: Any) -> Packed:
+        self.staged.append(source)
+        return self.packed
+
+    def precompute_checksum(self, packed: Any, *, values: Any = None) -> float:
+        self.pre.append((packed, values))
+        return 0.0
+
+    def send(self, url: str, label: str, packed: Any, *, timeout_s: float) -> TransferEvidence:
+        if self.barrier is not None:
+            self.barrier.wait(5)  # every engine's session runs at the same time
+        self.sent.append((url, label, packed))
+        if self.hang:
+            self.aborted.wait(30)
+            raise TransferError("transfer", "connection closed by abort", mutation_started=True)
+        if self.fail is not None:
+            raise self.fail
+        return TransferEvidence(completed=True, mutation_started=True, backend="rc_cuda_ipc",
+                                tensors=3, bytes=96, finish_label=None, elapsed_s=0.01)
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+U0, U1 = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+
+
+def test_one_staging_one_checksum_and_every_session_at_once() -> None:
+    p = Packed()
+    bar = threading.Barrier(2)
+    e0, e1 = Engine(p, barrier=bar), Engine(p, barrier=bar)
+    fan = CudaIpcFanout({U0: e0, U1: e1})
+    assert isinstance(fan, FanoutTransport)
+    res = fan.send_all([(U0, "v1.e0"), (U1, "v1.e1")], "the source", timeout_s=10)
+    assert set(res) == {U0, U1} and all(r.ok and r.sent and not r.closed for r in res.values())
+    assert res[U0].label == "v1.e0" and res[U1].label == "v1.e1"
+    # Staged once (by the first engine's transport), hashed once, handed to both.
+    assert e0.staged == ["the source"] and e1.staged == [] and p.hashed == 1
+    assert e0.pre == e1.pre == [(p, [11, 22, 33])]
+    assert e0.sent == [(U0, "v1.e0", p)] and e1.sent == [(U1, "v1.e1", p)]
+    # A checksum computed before the round (while the engines serve) is used as is.
+    fan.precompute(p)
+    assert p.hashed == 2
+    fan.send_all([(U0, "v2.e0"), (U1, "v2.e1")], "the source", timeout_s=10)
+    assert p.hashed == 2
+
+
+def test_a_failed_session_is_that_engines_own_result() -> None:
+    p = Packed()
+    refused = TransferError("transfer", "start refused (409)", mutation_started=False)
+    fan = CudaIpcFanout({U0: Engine(p), U1: Engine(p, fail=refused)})
+    res = fan.send_all([(U0, "a"), (U1, "b")], None, timeout_s=10)
+    assert res[U0].ok and not res[U1].ok
+    assert res[U1].error is refused and res[U1].sent is False
+    # An unexpected exception may have changed the weights: classified as a mutation.
+    fan2 = CudaIpcFanout({U0: Engine(p, fail=RuntimeError("CUDA error")),  # type: ignore[arg-type]
+                          U1: Engine(p)})
+    r2 = fan2.send_all([(U0, "a"), (U1, "b")], None, timeout_s=10)
+    assert r2[U0].error is not None and r2[U0].error.mutation_started and r2[U1].ok
+
+
+def test_a_session_past_the_rounds_deadline_is_aborted_and_failed() -> None:
+    p = Packed()
+    stuck = Engine(p, hang=True)
+    fan = CudaIpcFanout({U0: Engine(p), U1: stuck})
+    t0 = time.monotonic()
+    res = fan.send_all([(U0, "a"), (U1, "b")], None, timeout_s=0.5)
+    assert time.monotonic() - t0 < 10
+    assert stuck.aborted.is_set()
+    assert res[U0].ok and not res[U1].ok and res[U1].error is not None
+    assert res[U1].error.mutation_started
+
+
+@pytest.mark.parametrize("targets", [
+    [], [("http://127.0.0.1:9", "a")], [(U0, "a"), (U0, "b")], [(U0, "")], [(U0,)],
+    [("not a url", "a")], "nope",
+])
+def test_bad_targets_are_refused_before_any_engine_is_called(targets: Any) -> None:
+    p = Packed()
+    e0, e1 = Engine(p), Engine(p)
+    fan = CudaIpcFanout({U0: e0, U1: e1})
+    with pytest.raises(BadInput):
+        fan.send_all(targets, None, timeout_s=5)
+    assert e0.staged == e0.sent == e1.sent == [] and p.hashed == 0
+    with pytest.raises(BadInput):
+        fan.send_all([(U0, "a")], None, timeout_s=0)
+
+
+def test_construction_refuses_what_cannot_work() -> None:
+    p = Packed()
+    e = Engine(p)
+    for bad in ({}, {U0: e, U1: e}, {"ftp://x": Engine(p)}, {U0: object()}, [U0]):
+        with pytest.raises(BadInput):
+            CudaIpcFanout(bad)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- the harness
+
+def _harness() -> Any:
+    name = "h200_fleet"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, HARNESS)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_fleet_harness_plan_fits_one_device_call(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    h = _harness()
+    assert h.main(["--plan"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["engines"] == 2 and plan["concurrency"] == 64
+    assert plan["series"] == ["single", "independent_parallel", "fanout", "sequential"]
+    assert plan["async_modes"] == ["none", "keep", "recompute"]
+    assert plan["lengths"] == {"median": 128, "sigma": 1.0, "cap": 2048, "prompt": 128}
+    assert plan["updates_per_phase"] == 5 and plan["estimated_s"] <= plan["budget_s"]
+    # Too long for one call: refused before anything starts.
+    assert h.main(["--plan", "--phase-s", "300"]) == 2
+    for bad in (["--gpu-util", "0.6"], ["--reps", "0"], ["--median-tokens", "4096"]):
+        with pytest.raises(SystemExit):
+            h.parse(bad)
+
+
+def test_the_harness_goals_and_table_read_the_issues_keys() -> None:
+    h = _harness()
+    r = {"fanout_over_single": 1.2, "rolling_retained_min": 0.4, "rolling_failed_any": 0,
+         "served_by_dead_replica": 0, "rejoin_over_cold_start": 2.5, "keep_retained": 0.96,
+         "recompute_retained": None, "errors": {}}
+    g = h.goals(r)
+    assert g["fanout_over_single<=1.3"] is True and g["rolling_retained_min>=0.45"] is False
+    assert g["rolling_failed_any==0"] is True and g["rejoin<=2x_cold_start"] is False
+    assert g["keep_retained>=0.95"] is True and g["recompute_retained>=0.90"] is None
+    text = h.table({**r, "errors": {"death": "boom"}})
+    assert "ERROR in death: boom" in text and text.endswith("FLEET HAS PROBLEMS")
+    assert h.table(r).endswith("FLEET OK")
