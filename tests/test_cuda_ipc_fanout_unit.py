@@ -192,3 +192,20 @@ def test_the_harness_goals_and_table_read_the_issues_keys() -> None:
     text = h.table({**r, "errors": {"death": "boom"}})
     assert "ERROR in death: boom" in text and text.endswith("FLEET HAS PROBLEMS")
     assert h.table(r).endswith("FLEET OK")
+
+
+def test_the_timeline_picture_is_drawn_from_samples(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    h = _harness()
+    tl = h.Timeline()
+    tl.close()
+    tl.stages = [("rolling", 0.0), ("death", 5.0)]
+    tl.samples = [(0.1 * i, {"e0": str(i // 20), "e1": None if 60 < i < 80 else str(i // 25)})
+                  for i in range(100)]
+
+    class Done:
+        done = [{"reads": [(tl.t0 + 0.1 * i, 3) for i in range(100)]}]
+
+    tl.loads = [Done()]
+    assert tl.plot(tmp_path / "fleet.png") is None
+    assert (tmp_path / "fleet.png").stat().st_size > 10_000

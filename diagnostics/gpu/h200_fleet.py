@@ -712,15 +712,29 @@ class Timeline:
             import matplotlib.pyplot as plt
         except Exception as exc:
             return f"no plot: {exc}"
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True,
+                                       gridspec_kw={"height_ratios": [1, 2]})
         names = sorted({n for _, s in self.samples for n in s})
+        # One band per replica, one colour per version (a stage's coordinator numbers
+        # its versions from 0, so a version is (stage, generation)); a gap: out of the pool.
+        keys: dict[tuple[int, str], int] = {}
+        cmap = plt.get_cmap("tab10")
         for k, n in enumerate(names):
-            xs = [t for t, s in self.samples]
-            ys = [int(s.get(n)) if s.get(n) is not None else float("nan")  # type: ignore[arg-type]
-                  for _, s in self.samples]
-            ax1.plot(xs, ys, drawstyle="steps-post", label=n, lw=2 - 0.7 * k)
-        ax1.set_ylabel("fleet generation served\n(gap: out of the pool)")
-        ax1.legend(loc="upper left")
+            seg_start, cur = None, None
+            for t, snap in [*self.samples, (float("inf"), {})]:
+                stage = sum(1 for _, ts in self.stages if ts <= t)
+                v = None if snap.get(n) is None else (stage, str(snap[n]))
+                if v != cur:
+                    if cur is not None and seg_start is not None:
+                        c = keys.setdefault(cur, len(keys))  # type: ignore[arg-type]
+                        end = t if t != float("inf") else self.samples[-1][0]
+                        ax1.hlines(k, seg_start, end, color=cmap(c % 10), lw=10)
+                        if end - seg_start > 3:
+                            ax1.text(seg_start, k + 0.3, f"v{cur[1]}", fontsize=7)
+                    seg_start, cur = t, v
+        ax1.set_yticks(range(len(names)), names)
+        ax1.set_ylim(-0.7, len(names) - 0.2)
+        ax1.set_ylabel("version served\n(gap: out of the pool)")
         bins: dict[int, int] = {}
         for load in self.loads:
             for r in load.done:
@@ -735,7 +749,7 @@ class Timeline:
         for name, t in self.stages:
             for ax in (ax1, ax2):
                 ax.axvline(t, color="grey", lw=0.5, ls="--")
-            ax1.text(t, ax1.get_ylim()[1], f" {name}", fontsize=7, va="top")
+            ax2.text(t, ax2.get_ylim()[1], f" {name}", fontsize=7, va="top")
         fig.suptitle("fleet of two engines: versions per replica and throughput")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
