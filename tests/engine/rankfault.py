@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import rolloutcore.transports.gloo as gloo
+from rolloutcore.transports.gloo_report import RankReportExtension
 
 ENV = "ROLLOUTCORE_TEST_RANK_FAULT"
 
@@ -95,8 +96,9 @@ def _install() -> None:
     cls.init_transfer_engine = init_transfer_engine
 
 
-class RankFault:
-    """The extension adds no method: importing its module installs the fault hooks."""
+class RankFault(RankReportExtension):
+    """Importing its module installs the fault hooks; its methods are the workers' own
+    reports of a round (``gloo_report``), as on an engine without the faults."""
 
 
 _install()

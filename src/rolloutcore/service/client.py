@@ -99,6 +99,15 @@ class UpdateGrant:
     #: The engine's route key when the gateway launched it (``transports.engine_key``):
     #: its weight routes refuse a transfer without it.
     route_key: str | None = field(default=None, repr=False)
+    #: The nonce of this update's transfer round: a gloo round sent with it has every
+    #: rank's report checked by the gateway (``GlooTransport.declared_checksums``).
+    round_nonce: str | None = field(default=None, repr=False)
+
+    @property
+    def ranks_checked(self) -> bool:
+        """The gateway compares each engine rank's own report with the trainer's
+        declaration (``transport.rank_reports``), under ``round_nonce``."""
+        return bool(self.transport.get("rank_reports")) and self.round_nonce is not None
 
     @property
     def expires_in_s(self) -> float:
@@ -117,7 +126,8 @@ class UpdateGrant:
                        float(lease["deadline_unix"]), str(d["engine"]["base_url"]),
                        d["engine"].get("model"), dict(d.get("transport") or {}), dict(d),
                        str(lease.get("secret") or ""), start + left,
-                       _route_key(d["engine"].get("route_key")))
+                       _route_key(d["engine"].get("route_key")),
+                       _round_nonce(d.get("round_nonce")))
         except (KeyError, TypeError, ValueError, BadInput) as exc:
             raise RolloutCoreError(f"the gateway's begin answer is malformed: {d!r}") from exc
 
@@ -231,6 +241,20 @@ def probe_for(weights: Any, *, tolerance: float | None = None) -> Any:
     raise BadInput(f"cannot compute a policy probe from {type(weights).__name__}: pass "
                    "probe=PolicyProbe.from_model(model, prompts) (or probe=False where the "
                    "gateway's floor allows)")
+
+
+def _round_nonce(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= 128:
+        raise BadInput(f"round_nonce {v!r} is not a string of 1..128 characters")
+    return v
+
+
+def _declares_ranks(transport: Any) -> bool:
+    """A gloo transport that can declare what each engine rank must hold."""
+    return (getattr(transport, "backend", None) == "rolloutcore_gloo"
+            and callable(getattr(transport, "declared_checksums", None)))
 
 
 def _hashes_what_it_sends(transport: Any) -> bool:
@@ -492,12 +516,13 @@ class RolloutCoreClient:
         pset = (probe_for(source, tolerance=probe_tolerance) if probe is True
                 else None if probe is False or probe is None else probe)
         hashes = transfer is None and _hashes_what_it_sends(self.transport)
+        ranks = transfer is None and _declares_ranks(self.transport)
         if transfer is None:
             self._preconnect()
         t0 = time.monotonic()
         grant = self.begin(ident, owner=owner, label=label, min_verification=min_verification,
                            lease_s=lease_s, probe=pset, engine_checksums=engine_checksums,
-                           transport_checksum=hashes)
+                           transport_checksum=hashes or ranks)
         t1 = time.monotonic()
         try:
             ev = (transfer or self._transfer)(grant, source)
@@ -517,7 +542,24 @@ class RolloutCoreClient:
             raise
         t2 = time.monotonic()
         sent = _sent_checksum(self.transport) if hashes else None
-        res = self.report(grant, ev, sent_checksum=sent)
+        if ranks and grant.ranks_checked:
+            assert self.transport is not None
+            sent = self.transport.declared_checksums(grant.engine_url)
+        try:
+            res = self.report(grant, ev, sent_checksum=sent)
+        except BadInput as exc:
+            # The gateway refused this report (a 4xx; its lease is still open): the
+            # update is decided now, as a failed transfer, not left paused to its lease.
+            try:
+                res = self.report_failure(grant, FailureKind.ERROR,
+                                          f"the gateway refused the transfer report: {exc}")
+            except RolloutCoreError as rep_exc:
+                exc.add_note(f"reporting the failure to the gateway failed too: {rep_exc}")
+                raise
+            failed = UpdateFailed(res.phase or "transfer", res.classification or "ambiguous",
+                                  res.state, f"the gateway refused the transfer report: {exc}")
+            failed.outcome = res
+            raise failed from exc
         t3 = time.monotonic()
         res = dataclasses.replace(res, client_s={"begin": t1 - t0, "transfer": t2 - t1,
                                                  "report": t3 - t2, "total": t3 - t0})
@@ -557,8 +599,11 @@ class RolloutCoreClient:
             t.connect(grant.engine_url, timeout_s=min(self._connect_timeout_s, left))
             self._connected_to = grant.engine_url
         left = grant.expires_in_s
+        extra: dict[str, Any] = {}
+        if grant.ranks_checked and _declares_ranks(t):
+            extra["nonce"] = grant.round_nonce  # every rank's report is of this round
         ev = t.send(grant.engine_url, grant.target.label, source,
-                    timeout_s=max(0.001, min(self._transfer_timeout_s, left)))
+                    timeout_s=max(0.001, min(self._transfer_timeout_s, left)), **extra)
         if not isinstance(ev, TransferEvidence):
             raise TransferError("transfer", f"transport returned {type(ev).__name__}")
         return ev

@@ -86,6 +86,14 @@ from rolloutcore.core.lifecycle import FailureKind
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.control_sent import (
+    RANK_SCHEME,
+    RankDeclarationBody,
+    RankSentBody,
+    SentChecksumBody,
+    check_rank_declaration,
+    worker_shards,
+)
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.transports import engine_key
 from rolloutcore.verification.probe import WIRE_LIMITS, PolicyProbe
@@ -99,6 +107,8 @@ __all__ = [
     "ProbeBody",
     "ProbeCaseBody",
     "ProvenanceBody",
+    "RankDeclarationBody",
+    "RankSentBody",
     "ReportBody",
     "SentChecksumBody",
     "TransferBody",
@@ -205,26 +215,6 @@ class BeginBody(_Strict):
         = None
 
 
-class SentChecksumBody(_Strict):
-    """The transport's checksum of what it sent (``adapters.vllm.verify.SENT_SCHEMES``)."""
-
-    scheme: Literal["rc_cuda_ipc/block"]
-    names: Annotated[list[Annotated[str, StringConstraints(min_length=1, max_length=512)]],
-                     Field(min_length=1, max_length=1 << 16)]
-    values: Annotated[list[Annotated[int, Field(ge=0, le=_INT63)] | None],
-                      Field(min_length=1, max_length=1 << 16)]
-
-    @_model_validator(mode="after")
-    def _one_value_per_name(self) -> SentChecksumBody:
-        # Refused here, at the edge (422, the lease still open): a body the gateway
-        # cannot use never leaves the update half-reported.
-        if len(set(self.names)) != len(self.names):
-            raise ValueError("sent_checksum.names repeat a name")
-        if len(self.values) != len(self.names):
-            raise ValueError("sent_checksum needs one value per name")
-        return self
-
-
 class TransferBody(_Strict):
     """The trainer's ``TransferEvidence``, field for field (plus what it sent, hashed)."""
 
@@ -238,7 +228,8 @@ class TransferBody(_Strict):
     elapsed_s: Annotated[float, Field(ge=0, le=1e7, allow_inf_nan=False)] = 0.0
     unverified: Annotated[list[Annotated[str, StringConstraints(max_length=500)]],
                           Field(max_length=32)] = []
-    sent_checksum: SentChecksumBody | None = None
+    sent_checksum: Annotated[SentChecksumBody | RankSentBody,
+                             Field(discriminator="scheme")] | None = None
 
     def to_evidence(self) -> TransferEvidence:
         return TransferEvidence(completed=self.completed, mutation_started=self.mutation_started,
@@ -295,6 +286,9 @@ class _Update:
     secret: str = field(repr=False, default="")
     begin_key: str | None = None
     verification: VerificationLevel = VerificationLevel.DECLARED
+    #: The nonce of this update's transfer round (in the grant): a rank's report of the
+    #: round must carry it, so a report of an earlier round is not taken for this one.
+    round_nonce: str = field(repr=False, default="")
     #: The lease machine's shell: this update's lease is its row ``update_id``.
     leases: Shell[LeaseTable, Mapping[int, Lease]] | None = field(default=None, repr=False)
     timer: asyncio.Task[None] | None = None
@@ -510,7 +504,7 @@ class UpdateManager:
         self.leases.run(self.leases.machine.grant, uid, body.owner, wait=False)
         upd = _Update(uid, body.owner, t.target.version, identity.digest, out, lease_s,
                       now_m + lease_s, now_w + lease_s, secrets.token_urlsafe(32),
-                      body.begin_key, level, self.leases)
+                      body.begin_key, level, secrets.token_hex(16), self.leases)
         self._updates[uid] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
@@ -540,7 +534,7 @@ class UpdateManager:
             # client without its key; the trainer granted an update is given it.
             engine["route_key"] = key
         return {**d, "state": upd.out.state.value, "engine": engine,
-                "transport": dict(cfg.transport),
+                "transport": dict(cfg.transport), "round_nonce": upd.round_nonce,
                 "report": f"/control/updates/{upd.update_id}/transfer"}
 
     # ------------------------------------------------------------ report
@@ -566,6 +560,11 @@ class UpdateManager:
                     self.runner.adapter.check_sent(sent)
                 except BadInput as exc:
                     return 422, {"error": f"this gateway cannot use the sent checksum: {exc}"}
+            refused = check_rank_declaration(self.config, upd.round_nonce, sent,
+                                             completed=body.transfer.completed,
+                                             backend=body.transfer.backend)
+            if refused is not None:
+                return 422, {"error": refused}
         async with upd.lock:
             if upd.state is LeaseState.OPEN and time.monotonic() > upd.deadline_mono:
                 await self._expire_locked(upd, "lease expired before the report arrived")
@@ -624,6 +623,10 @@ class UpdateManager:
                         "evidence": list(ident.evidence)}}
 
         result = await anyio.to_thread.run_sync(work)
+        shards = worker_shards(adapter) if sent is not None and \
+            sent.get("scheme") == RANK_SCHEME else None
+        if shards is not None:
+            result["worker_shards"] = shards
         result.update(state=out.state.value, phases=out.breakdown())
         upd.move(LeaseEvent.PUBLISHED if result["status"] == "published" else LeaseEvent.FAILED,
                  result=result)

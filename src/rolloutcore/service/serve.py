@@ -320,8 +320,19 @@ def run_serve(args: ServeOptions) -> int:
             max_len = mc.get("max_model_len") if isinstance(mc, dict) else None
         except EffectError:
             pass
+        from rolloutcore.adapters.vllm.sent import rank_reports_supported
+
+        transport: dict[str, Any] = {"backend": args.transport_backend}
+        if args.transport_backend == "rolloutcore_gloo" and rank_reports_supported(
+                adapter.http):
+            # The engine's workers answer their own reports of a round (a tensor-parallel
+            # engine, gloo_report): the gateway compares them with the trainer's per-rank
+            # declaration, and a gloo transfer's report must carry one.
+            transport["rank_reports"] = True
+            print("[rolloutcore] the engine's workers report what each rank wrote: "
+                  "every rank's shards are checked by this gateway", file=sys.stderr)
         cfg = ServiceConfig(**{**probe.__dict__, "upstream_url": url, "model": served,
-                               "transport": {"backend": args.transport_backend},
+                               "transport": transport,
                                "min_verification": floor, "reachable_verification": reachable,
                                "vocab_size": vocab_size(model_dir),
                                "max_model_len": max_len if isinstance(max_len, int) else None})

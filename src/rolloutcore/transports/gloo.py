@@ -346,6 +346,9 @@ def _build_engine_class() -> type[Any]:
             self._placed: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
             self._nonce = ""
             self._capture: Any = None
+            #: The last finished round's report of this rank, kept for whoever asks the
+            #: engine itself (``gloo_report``: the gateway, through ``/collective_rpc``).
+            self.last_report: rank_checksums.RankReport | None = None
 
         def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
             """Join the trainer's group; blocks until the trainer (rank 0) joins too."""
@@ -385,9 +388,13 @@ def _build_engine_class() -> type[Any]:
             if plan is None:  # opened without a start (cannot happen through vLLM's worker)
                 plan = derived.plan_rederive(self.model)
             derived.rederive(self.model, plan, written)
+            if capture is not None:
+                self.last_report = capture.report(placed, written, self._worker_rank(),
+                                                  self._nonce)
             if capture is not None and self._group is not None:
                 # What this rank wrote, to the trainer over the round's own group.
-                report = capture.report(placed, written, self._worker_rank(), self._nonce)
+                report = self.last_report
+                assert report is not None
                 raw = rank_checksums.encode(report)
                 self._group.send([torch.tensor([len(raw)], dtype=torch.int64)], 0,
                                  rank_checksums.REPORT_TAG).wait()
@@ -420,6 +427,7 @@ def _build_engine_class() -> type[Any]:
                 # (only when the trainer asked for a report: a nonce in the round).
                 if update_info.nonce is not None:
                     self._capture = capture_cls(self.model)
+                self.last_report = None  # a round that does not finish reports nothing
                 reload.initialize_layerwise_reload(self.model)
                 self._opened = True
             self._written |= written
@@ -553,17 +561,21 @@ class GlooTransport(TransportBase):
     # -- send -------------------------------------------------------------------
 
     def send(self, base_url: str, target_label: str, source: WeightSource, *,
-             timeout_s: float, expected_manifest_digest: str | None = None
-             ) -> TransferEvidence:
+             timeout_s: float, expected_manifest_digest: str | None = None,
+             nonce: str | None = None) -> TransferEvidence:
         """One full round: start, update (tensors over gloo), finish with the label.
 
         Connects first when not connected to ``base_url`` (no mutation). On a
         failure after ``/start_weight_update`` the group is dropped: the next
-        send reconnects.
+        send reconnects. ``nonce``: the round's nonce, echoed in every rank's
+        report (a gateway's, from its grant: ``declared_checksums``); default a
+        fresh random one.
         """
         url = check_url(base_url)
         label = check_label(target_label)
         t = check_timeout(timeout_s)
+        if nonce is not None and (not isinstance(nonce, str) or not 0 < len(nonce) <= 128):
+            raise BadInput("nonce must be a string of 1..128 characters")
         if not isinstance(source, WeightSource):
             raise BadInput(f"source must be a rolloutcore WeightSource, "
                            f"got {type(source).__name__}")
@@ -575,14 +587,14 @@ class GlooTransport(TransportBase):
             if self._conn is None or self._conn.base_url != url:
                 self._connect(url, deadline)
             assert self._conn is not None
-            return self._send(self._conn, label, source, t0, deadline)
+            return self._send(self._conn, label, source, t0, deadline,
+                              nonce or secrets.token_hex(8))
         finally:
             self._busy = False
 
     def _send(self, conn: _Conn, label: str, source: WeightSource, t0: float,
-              deadline: float) -> TransferEvidence:
+              deadline: float, nonce: str) -> TransferEvidence:
         url = conn.base_url
-        nonce = secrets.token_hex(8)
         info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
         self._rounds.pop(url, None)
 
@@ -662,6 +674,18 @@ class GlooTransport(TransportBase):
         chk = rank_checksums.to_check(result)
         return dataclasses.replace(chk, detail=f"{chk.detail}; trainer_s="
                                    f"{result['trainer_s']:.3f}")
+
+    def declared_checksums(self, base_url: str) -> dict[str, Any] | None:
+        """What this trainer declares the last round to ``base_url`` wrote on each engine
+        rank, for a gateway to compare with the ranks' own reports (scheme
+        ``rank_checksums.SCHEME``): per worker, the checksum of every parameter it
+        wrote, rebuilt from the tensors as broadcast (``rank_checksums.declare``).
+        ``None`` before a finished round."""
+        rnd = self._rounds.get(base_url)
+        if rnd is None or not rnd.reports:
+            return None
+        return {"scheme": rank_checksums.SCHEME, "nonce": rnd.nonce,
+                "ranks": rank_checksums.declare(rnd.reports, rnd.sent)}
 
     def _broadcast(self, conn: _Conn, source: WeightSource) -> dict[str, torch.Tensor]:
         """Send every tensor; returns them as sent (the rank check's reference, so that

@@ -29,7 +29,7 @@ fails the check.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,16 +42,22 @@ if TYPE_CHECKING:
 __all__ = [
     "KINDS",
     "REPORT_TAG",
+    "SCHEME",
     "ParamWrite",
     "RankReport",
     "checksum_of",
+    "compare_declared",
     "compare_ranks",
+    "declare",
     "decode",
     "encode",
     "expected",
     "to_check",
 ]
 
+#: The sent-checksum scheme of a trainer's per-rank declaration, compared by a gateway
+#: with the ranks' own reports (``adapters.vllm.sent.SENT_SCHEMES``).
+SCHEME = "rolloutcore_gloo/rank"
 #: The p2p tag the engine ranks send their report with (length, then bytes).
 REPORT_TAG = 7311
 #: Layer kinds, as the engine half classifies vLLM's layers.
@@ -351,6 +357,62 @@ def _split_whole(p: ParamWrite, full: torch.Tensor, ids: Sequence[int], tp_size:
 # ------------------------------------------------------------------ comparison
 
 
+def _rank_row(group_rank: int, rep: RankReport, want: Callable[[ParamWrite], int | str],
+              problems: list[str]) -> dict[str, Any]:
+    """One rank's comparison: ``want(p)`` is the checksum ``p`` must have, or why it has
+    none; ``problems`` (the report is not this rank's, not this round's) fail it."""
+    compared = 0
+    mismatched: list[str] = []
+    uncovered: list[str] = []
+    for p in rep.params:
+        if p.value is None:
+            uncovered.append(f"{p.name}: the rank could not hash it")
+            continue
+        w = want(p)
+        if isinstance(w, str):
+            uncovered.append(f"{p.name}: {w}")
+            continue
+        compared += 1
+        if w != p.value:
+            mismatched.append(p.name)
+    denom = max(rep.model_params, len(rep.params), 1)
+    return {"group_rank": group_rank, "worker_rank": rep.worker_rank,
+            "tp_rank": rep.tp_rank, "tp_size": rep.tp_size,
+            "written": len(rep.params), "compared": compared,
+            "model_params": rep.model_params,
+            "coverage": compared / denom,
+            "mismatched": mismatched[:20], "n_mismatched": len(mismatched),
+            "uncovered": uncovered[:20], "n_uncovered": len(uncovered),
+            "problems": problems, "engine_s": rep.elapsed_s,
+            "passed": not problems and not mismatched and not uncovered
+            and compared == len(rep.params) and compared > 0}
+
+
+def _identity_problems(group_rank: int, rep: RankReport, rank_offset: int,
+                       nonce: str | None) -> list[str]:
+    problems: list[str] = []
+    if rep.worker_rank != group_rank - rank_offset:
+        problems.append(f"group rank {group_rank} sent the report of worker "
+                        f"{rep.worker_rank}")
+    if rep.tp_size > 0 and rep.tp_rank != rep.worker_rank % rep.tp_size:
+        problems.append(f"worker {rep.worker_rank} reports tensor-parallel rank "
+                        f"{rep.tp_rank} of {rep.tp_size}")
+    if nonce is not None and rep.nonce != nonce:
+        problems.append(f"report of round {rep.nonce!r}, not of this one ({nonce!r})")
+    return problems
+
+
+def _result(ranks: list[dict[str, Any]], extra_problems: Sequence[str] = ()
+            ) -> dict[str, Any]:
+    tp = {r["tp_rank"] for r in ranks}
+    tp_size = max((r["tp_size"] for r in ranks), default=0)
+    missing = sorted(set(range(tp_size)) - tp)
+    return {"ranks": ranks, "coverage_per_rank": [r["coverage"] for r in ranks],
+            "missing_tp_ranks": missing, "problems": list(extra_problems),
+            "passed": bool(ranks) and not missing and not extra_problems
+            and all(r["passed"] for r in ranks)}
+
+
 def compare_ranks(reports: Sequence[tuple[int, RankReport]],
                   tensors: Mapping[str, torch.Tensor], *, rank_offset: int = 1,
                   nonce: str | None = None) -> dict[str, Any]:
@@ -364,46 +426,88 @@ def compare_ranks(reports: Sequence[tuple[int, RankReport]],
     """
     ranks: list[dict[str, Any]] = []
     for group_rank, rep in reports:
-        problems: list[str] = []
-        if rep.worker_rank != group_rank - rank_offset:
-            problems.append(f"group rank {group_rank} sent the report of worker "
-                            f"{rep.worker_rank}")
-        if rep.tp_size > 0 and rep.tp_rank != rep.worker_rank % rep.tp_size:
-            problems.append(f"worker {rep.worker_rank} reports tensor-parallel rank "
-                            f"{rep.tp_rank} of {rep.tp_size}")
-        if nonce is not None and rep.nonce != nonce:
-            problems.append(f"report of round {rep.nonce!r}, not of this one ({nonce!r})")
-        compared = 0
-        mismatched: list[str] = []
-        uncovered: list[str] = []
+        def want(p: ParamWrite, rep: RankReport = rep) -> int | str:
+            t = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
+            return t if isinstance(t, str) else checksum_of(t)
+
+        ranks.append(_rank_row(group_rank, rep, want,
+                               _identity_problems(group_rank, rep, rank_offset, nonce)))
+    return _result(ranks)
+
+
+# ------------------------------------------------------------------ through a gateway
+#
+# A gateway cannot rebuild the slices (it has no tensors) and must not take the ranks'
+# reports from the trainer (the trainer could write them). So the two halves come from
+# the two parties: the trainer declares, per engine worker, the checksum each parameter
+# the worker wrote must have, rebuilt from the tensors it broadcast (``declare``); the
+# gateway asks the engine's workers for their own reports (``/collective_rpc`` of
+# ``gloo_report.METHOD``) and compares them with the declaration
+# (``compare_declared``), under the round nonce the gateway issued for the update.
+
+
+def declare(reports: Sequence[tuple[int, RankReport]], tensors: Mapping[str, torch.Tensor],
+            *, rank_offset: int = 1) -> list[dict[str, Any]]:
+    """The trainer's declaration, per engine worker: ``{"worker_rank", "names",
+    "values"}``, each value the checksum of ``expected()`` from ``tensors`` (``None``
+    where the slice cannot be rebuilt: the gateway counts it as not compared)."""
+    out: list[dict[str, Any]] = []
+    for group_rank, rep in sorted(reports, key=lambda r: r[0]):
+        names: list[str] = []
+        values: list[int | None] = []
         for p in rep.params:
-            if p.value is None:
-                uncovered.append(f"{p.name}: the rank could not hash it")
-                continue
-            want = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
-            if isinstance(want, str):
-                uncovered.append(f"{p.name}: {want}")
-                continue
-            compared += 1
-            if checksum_of(want) != p.value:
-                mismatched.append(p.name)
-        denom = max(rep.model_params, len(rep.params), 1)
-        ranks.append({"group_rank": group_rank, "worker_rank": rep.worker_rank,
-                      "tp_rank": rep.tp_rank, "tp_size": rep.tp_size,
-                      "written": len(rep.params), "compared": compared,
-                      "model_params": rep.model_params,
-                      "coverage": compared / denom,
-                      "mismatched": mismatched[:20], "n_mismatched": len(mismatched),
-                      "uncovered": uncovered[:20], "n_uncovered": len(uncovered),
-                      "problems": problems, "engine_s": rep.elapsed_s,
-                      "passed": not problems and not mismatched and not uncovered
-                      and compared == len(rep.params) and compared > 0})
-    tp = {r["tp_rank"] for r in ranks}
-    tp_size = max((r["tp_size"] for r in ranks), default=0)
-    missing = sorted(set(range(tp_size)) - tp)
-    return {"ranks": ranks, "coverage_per_rank": [r["coverage"] for r in ranks],
-            "missing_tp_ranks": missing,
-            "passed": bool(ranks) and not missing and all(r["passed"] for r in ranks)}
+            t = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
+            names.append(p.name)
+            values.append(None if isinstance(t, str) else checksum_of(t))
+        out.append({"worker_rank": group_rank - rank_offset, "names": names,
+                    "values": values})
+    return out
+
+
+def compare_declared(reports: Sequence[tuple[int, RankReport | str]],
+                     declared: Mapping[int, Mapping[str, int | None]], *,
+                     nonce: str) -> dict[str, Any]:
+    """The workers' own reports against the trainer's declaration, per rank.
+
+    ``reports``: (worker index, the report that worker answered, or why it has none:
+    a rank without a report fails). ``declared``: worker rank -> parameter -> the
+    checksum the trainer says it must hold. A rank passes when its report is its
+    own and of round ``nonce``, every parameter it wrote is declared with a value
+    and equal, and the trainer declares nothing that rank did not write.
+    """
+    ranks: list[dict[str, Any]] = []
+    extra: list[str] = []
+    for worker, rep in reports:
+        if isinstance(rep, str):
+            ranks.append({"group_rank": worker, "worker_rank": worker, "tp_rank": -1,
+                          "tp_size": 0, "written": 0, "compared": 0, "model_params": 0,
+                          "coverage": 0.0, "mismatched": [], "n_mismatched": 0,
+                          "uncovered": [], "n_uncovered": 0,
+                          "problems": [f"worker {worker}: {rep}"], "engine_s": 0.0,
+                          "passed": False})
+            continue
+        mine = declared.get(rep.worker_rank, {})
+        problems = _identity_problems(worker, rep, 0, nonce)
+        if rep.worker_rank not in declared:
+            problems.append(f"the trainer declared nothing for worker {rep.worker_rank}")
+        written = {p.name for p in rep.params}
+        beyond = sorted(set(mine) - written)
+        if beyond:
+            problems.append(f"the trainer declares {len(beyond)} parameter(s) worker "
+                            f"{rep.worker_rank} did not write ({', '.join(beyond[:3])})")
+
+        def want(p: ParamWrite, mine: Mapping[str, int | None] = mine) -> int | str:
+            if p.name not in mine:
+                return "not in the trainer's declaration"
+            v = mine[p.name]
+            return "the trainer could not rebuild it" if v is None else v
+
+        ranks.append(_rank_row(worker, rep, want, problems))
+    workers = {w for w, _ in reports}
+    ghosts = sorted(set(declared) - workers)
+    if ghosts:
+        extra.append(f"the trainer declares workers {ghosts} this engine does not have")
+    return _result(ranks, extra)
 
 
 def to_check(result: Mapping[str, Any]) -> Check:
@@ -422,7 +526,10 @@ def to_check(result: Mapping[str, Any]) -> Check:
         bits.append(s)
     if result.get("missing_tp_ranks"):
         bits.append(f"no report from tensor-parallel ranks {result['missing_tp_ranks']}")
+    bits.extend(result.get("problems") or [])
     cov = [float(c) for c in result.get("coverage_per_rank") or []]
+    if cov:
+        bits.append("coverage_per_rank=[" + ", ".join(f"{c:.3f}" for c in cov) + "]")
     return Check("worker_shard_checksum", bool(result.get("passed")),
                  detail="; ".join(bits) or "no rank reported",
                  coverage=min(cov) if cov else 0.0, level=VerificationLevel.ENGINE_CHECKSUM)

@@ -217,6 +217,9 @@ class VllmAdapter(SleepMode):
         # The same for a remote trainer's sent checksum (``expect_sent``).
         self._early_sent: tuple[Mapping[str, Any], Future[Check], Future[bool] | None] | None \
             = None
+        #: The per-rank comparison of the last report's rank declaration
+        #: (``rolloutcore_gloo/rank``, ``sent.compare_rank_reports``), for the status.
+        self.last_rank_result: dict[str, Any] | None = None
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
@@ -296,6 +299,9 @@ class VllmAdapter(SleepMode):
         self._staged = _Staged(None, None, reference_checksums, probes, "",
                                calibrating=calibrating)
 
+    def _record_ranks(self, result: dict[str, Any]) -> None:
+        self.last_rank_result = result
+
     def check_sent(self, sent: Mapping[str, Any]) -> None:
         """``BadInput`` unless ``sent`` is a scheme this adapter compares, well formed."""
         check_sent_scheme(sent)
@@ -308,6 +314,7 @@ class VllmAdapter(SleepMode):
             self._staged = _Staged(None, None, None, None, "")
         self._staged.sent = None if sent is None else dict(sent)
         self._early_sent = None
+        self.last_rank_result = None
         if self._staged.sent is not None and self.early_transport_check:
             # Reported once the remote transfer finished; the engine stays paused until
             # the runner resumes it after the validation. The workers' hash of what
@@ -317,7 +324,7 @@ class VllmAdapter(SleepMode):
             st_sent = self._staged.sent
             side = self._side()
             kv_asleep = self._slept is not None and "kv_cache" not in self._woken
-            check = side.submit(compare_sent, self.http, st_sent)
+            check = side.submit(compare_sent, self.http, st_sent, record=self._record_ranks)
             paused = (side.submit(self.http.is_paused)
                       if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
                       else None)
@@ -634,7 +641,7 @@ class VllmAdapter(SleepMode):
                 if paused_read is None:
                     paused_read = early_sent[2]
             else:
-                checks.append(compare_sent(h, sent))
+                checks.append(compare_sent(h, sent, record=self._record_ranks))
         if checker is not None:
             if early is not None:
                 chk = early[1].result()

@@ -350,6 +350,13 @@ class ManagedEngine:
             cmd += ["--middleware", engine_key.MIDDLEWARE]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+            if self.backend == "rolloutcore_gloo" and \
+                    "--worker-extension-cls" not in self.extra_args:
+                # Each worker answers its own report of a round (gloo_report): what a
+                # gateway compares with the trainer's per-rank declaration.
+                from rolloutcore.transports.gloo_report import WORKER_EXTENSION
+
+                cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -1,0 +1,247 @@
+"""A tensor-parallel (TP=2) CPU vLLM updated through the gateway, every rank checked there.
+
+The engine (``rankfault.RankFault``: the workers' own reports, ``gloo_report``,
+plus the fault hooks) serves behind ``python -m rolloutcore serve --upstream``;
+the trainer is ``RolloutCoreClient`` with a ``GlooTransport``. The gateway
+issues the round nonce in its grant, asks each worker for its own report of
+the round (``/collective_rpc``) and compares it with the trainer's per-rank
+declaration, while paused (``adapters.vllm.sent``, ``rolloutcore_gloo/rank``).
+
+CI lane: A -> B published at the probe level with ``worker_shard_checksum``
+evidence and coverage [1.0, 1.0] per rank in the update's status; rank 1
+loading rank 0's slice of one tensor is refused there (TAINTED, fenced,
+nothing published). Slow lane: B's greedy ids and logprobs against a cold
+TP=2 engine on B, and a round sent under another nonce than the grant's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import rankfault
+from test_tp_engine import TARGET, _greedy
+
+from enginetools import EngineFactory, TinyModels
+from rolloutcore.adapters.vllm.http import VllmHTTP
+from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
+from rolloutcore.core.versions import Provenance
+from rolloutcore.errors import UpdateFailed
+from rolloutcore.service.client import RolloutCoreClient, UpdateResult
+from rolloutcore.transports.gloo import GlooTransport
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="TP=2 needs 2 cores"),
+]
+
+TOKEN = "tp-gateway-engine-token-0123456789abcdef"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+ROOT = Path(__file__).resolve().parents[2]
+START_BOUND_S = 240.0  # a gateway start (its takeover probe) beside a TP=2 engine, 2 cores
+
+
+@dataclass
+class Rig:
+    engine: ManagedEngine
+    fault: Path
+    models: TinyModels
+    work: Path
+    gateway: subprocess.Popen[bytes] | None = None
+    url: str = ""
+
+    def start_gateway(self, ckpt: Path) -> None:
+        self.stop_gateway()
+        port = free_port()
+        tok = self.work / "token"
+        tok.write_text(TOKEN)
+        os.chmod(tok, 0o600)
+        with open(self.work / f"gateway-{port}.log", "wb") as log:
+            self.gateway = subprocess.Popen(
+                [sys.executable, "-m", "rolloutcore", "serve", "--upstream",
+                 self.engine.base_url, "--checkpoint", str(ckpt), "--port", str(port),
+                 "--token-file", str(tok), "--lease-s", "120"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        self.url = f"http://127.0.0.1:{port}"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < START_BOUND_S:
+            assert self.gateway.poll() is None, self.log()[-3000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"the gateway did not serve: {self.log()[-3000:]}")
+
+    def log(self) -> str:
+        logs = sorted(self.work.glob("gateway-*.log"), key=lambda p: p.stat().st_mtime)
+        return logs[-1].read_text(errors="replace") if logs else ""
+
+    def stop_gateway(self) -> None:
+        p, self.gateway = self.gateway, None
+        if p is not None and p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(30)
+
+    def status(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.url}/control/status", headers=AUTH, timeout=30).json())
+
+    def client(self) -> RolloutCoreClient:
+        return RolloutCoreClient(self.url, TOKEN, transport=GlooTransport(op_timeout_s=60),
+                                 begin_timeout_s=300, report_timeout_s=300)
+
+    def update(self, ckpt: Path, step: int) -> UpdateResult:
+        with self.client() as c:
+            return c.update(ckpt, Provenance(str(ckpt), "tp-gateway", step))
+
+
+@pytest.fixture(scope="module")
+def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    work = tmp_path_factory.mktemp("tp-gateway")
+    fault = work / "fault"
+    fault.write_text("")
+    here = str(Path(__file__).parent)
+    path = os.pathsep.join(p for p in (here, str(ROOT / "src"), os.environ.get("PYTHONPATH"))
+                           if p)
+    eng = engine_factory(tiny_models.A, tensor_parallel_size=2,
+                         extra_args=("--worker-extension-cls", "rankfault.RankFault"),
+                         env={"PYTHONPATH": path, rankfault.ENV: str(fault)})
+    r = Rig(eng, fault, tiny_models, work)
+    try:
+        r.start_gateway(tiny_models.A)
+        yield r
+    finally:
+        r.stop_gateway()
+        engine_factory.stop(eng)
+
+
+@pytest.fixture(scope="module")
+def published_b(rig: Rig) -> tuple[UpdateResult, list[tuple[list[int], list[float]]]]:
+    """A -> B through the gateway (once for the module); B's greedy answers after it."""
+    assert rig.status()["state"] == "READY", rig.log()[-3000:]
+    res = rig.update(rig.models.B, 1)
+    with VllmHTTP(rig.engine.base_url, timeout_s=120.0) as h:
+        return res, _greedy(h)
+
+
+def test_a_tp2_update_through_the_gateway_is_checked_on_every_rank(
+        rig: Rig, published_b: tuple[UpdateResult, list[Any]]) -> None:
+    res, _ = published_b
+    assert res.status == "published" and res.published is not None
+    assert res.verification == "probe"
+    result = res.raw["result"]
+    evidence = result["verification"]["evidence"]
+    assert "worker_shard_checksum=pass coverage=1.000" in evidence, evidence
+    shards = result["worker_shards"]
+    assert shards["passed"] and shards["coverage_per_rank"] == [1.0, 1.0], shards
+    assert sorted(r["tp_rank"] for r in shards["ranks"]) == [0, 1]
+    assert all(r["compared"] == r["model_params"] > 0 for r in shards["ranks"])
+    st = rig.status()
+    assert st["state"] == "READY"
+    assert st["committed"]["label"] == res.published.label
+
+
+@pytest.mark.slow  # a second TP=2 engine start (65 s+ on 2 cores): the slow lane
+def test_the_gateways_tp2_update_equals_a_cold_tp2_start(
+        rig: Rig, published_b: tuple[UpdateResult, list[Any]],
+        engine_factory: EngineFactory) -> None:
+    _, hot = published_b
+    cold = engine_factory(rig.models.B, backend=None, tensor_parallel_size=2)
+    try:
+        with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
+            assert _greedy(h) == hot  # greedy ids and logprobs, bit for bit
+    finally:
+        engine_factory.stop(cold)
+
+
+@pytest.mark.slow  # needs a serving gateway on B after the CI case (the slow lane)
+def test_a_round_under_another_nonce_is_not_taken_for_the_grants(
+        rig: Rig, published_b: tuple[UpdateResult, list[Any]]) -> None:
+    """The trainer declares with the grant's nonce but sent the round under its own: the
+    workers' reports are of another round, and the gateway refuses the update."""
+    assert rig.status()["state"] == "READY"
+    tr = GlooTransport(op_timeout_s=60)
+    real_send = tr.send
+
+    def send(*a: Any, **kw: Any) -> Any:
+        kw.pop("nonce", None)  # the round under a fresh random nonce, not the grant's
+        return real_send(*a, **kw)
+
+    def declared(url: str) -> Any:
+        d = GlooTransport.declared_checksums(tr, url)
+        assert d is not None
+        d["nonce"] = grant_nonce[0]  # declared as of the grant's round: it was not
+        return d
+
+    grant_nonce: list[str] = []
+    real_begin = RolloutCoreClient.begin
+
+    def begin(self: RolloutCoreClient, *a: Any, **kw: Any) -> Any:
+        g = real_begin(self, *a, **kw)
+        grant_nonce.append(g.round_nonce or "")
+        return g
+
+    tr.send = send  # type: ignore[method-assign]
+    tr.declared_checksums = declared  # type: ignore[method-assign]
+    with RolloutCoreClient(rig.url, TOKEN, transport=tr, begin_timeout_s=300,
+                           report_timeout_s=300) as c:
+        c.begin = begin.__get__(c)  # type: ignore[method-assign]
+        with pytest.raises(UpdateFailed) as ei:
+            c.update(rig.models.A, Provenance(str(rig.models.A), "tp-gateway", 2))
+    shards = ei.value.outcome.raw["result"]["worker_shards"]  # type: ignore[attr-defined]
+    assert not shards["passed"]
+    assert all(any("not of this one" in p for p in r["problems"]) for r in shards["ranks"])
+    assert rig.status()["state"] == "TAINTED"
+    _recover(rig)
+
+
+def _recover(rig: Rig) -> None:
+    """An operator's repair: the engine restarted on A, a new gateway over it."""
+    rig.fault.write_text("")
+    rig.stop_gateway()
+    rig.engine.restart(rig.models.A)
+    rig.start_gateway(rig.models.A)
+
+
+def test_the_other_ranks_slice_through_the_gateway_is_refused_nothing_published(
+        rig: Rig, published_b: tuple[UpdateResult, list[Any]]) -> None:
+    st = rig.status()
+    if st["state"] != "READY":
+        _recover(rig)
+    st = rig.status()
+    on_b = published_b[0].published is not None and \
+        st["committed"]["label"] == published_b[0].published.label
+    target = rig.models.A if on_b else rig.models.B
+    rig.fault.write_text(f"other 1 {TARGET}")
+    try:
+        with pytest.raises(UpdateFailed) as ei:
+            rig.update(target, 3)
+    finally:
+        rig.fault.write_text("")
+    out = ei.value.outcome  # type: ignore[attr-defined]
+    result = out.raw["result"]
+    assert result["status"] == "failed", result
+    assert "worker_shard_checksum" in (result.get("reason") or ""), result
+    shards = result["worker_shards"]
+    ranks = {r["tp_rank"]: r for r in shards["ranks"]}
+    assert ranks[0]["passed"] and ranks[0]["n_mismatched"] == 0, shards
+    assert not ranks[1]["passed"] and ranks[1]["mismatched"] == [TARGET], shards
+    after = rig.status()
+    assert after["state"] == "TAINTED", after
+    assert after["committed"] == st["committed"] and after["published"] == st["published"]
+    gen = httpx.post(f"{rig.url}/inference/v1/generate", timeout=60, json={
+        "model": "policy", "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}})
+    assert gen.status_code == 503  # fenced: admission refused
