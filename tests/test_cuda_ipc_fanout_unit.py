@@ -16,6 +16,7 @@ import json
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ def test_the_fleet_harness_plan_fits_one_device_call(capsys: pytest.CaptureFixtu
     assert plan["series"] == ["single", "independent_parallel", "fanout", "sequential"]
     assert plan["async_modes"] == ["none", "keep", "recompute"]
     assert plan["lengths"] == {"median": 128, "sigma": 1.0, "cap": 2048, "prompt": 128}
-    assert plan["updates_per_phase"] == 5 and plan["estimated_s"] <= plan["budget_s"]
+    assert plan["updates_per_phase"] == 4 and plan["estimated_s"] <= plan["budget_s"]
     # Too long for one call: refused before anything starts.
     assert h.main(["--plan", "--phase-s", "300"]) == 2
     for bad in (["--gpu-util", "0.6"], ["--reps", "0"], ["--median-tokens", "4096"]):
@@ -203,9 +204,18 @@ def test_the_timeline_picture_is_drawn_from_samples(tmp_path: Path) -> None:
     tl.samples = [(0.1 * i, {"e0": str(i // 20), "e1": None if 60 < i < 80 else str(i // 25)})
                   for i in range(100)]
 
-    class Done:
-        done = [{"reads": [(tl.t0 + 0.1 * i, 3) for i in range(100)]}]
-
-    tl.loads = [Done()]
+    tl.loads = [types.SimpleNamespace(done=[{"reads": [(tl.t0 + 0.1 * i, 3)
+                                                        for i in range(100)]}])]
     assert tl.plot(tmp_path / "fleet.png") is None
     assert (tmp_path / "fleet.png").stat().st_size > 10_000
+
+
+def test_before_anything_was_sent_the_transports_check_claims_nothing() -> None:
+    """A takeover observes an engine this transport never wrote to: a passing check of
+    no level (what the engine holds is the declaration's, not this transport's word)."""
+    from rolloutcore.transports.cuda_ipc import CudaIpcTransport
+
+    tr = CudaIpcTransport(device="cpu")
+    chk = tr.validation_check("http://127.0.0.1:9")
+    assert chk.passed and chk.level is None and chk.coverage == 0.0
+    assert "nothing sent" in chk.detail

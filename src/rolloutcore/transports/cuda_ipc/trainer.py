@@ -270,6 +270,9 @@ class CudaIpcTransport:
         self._digest_cache: tuple[tuple[str, ...], list[int], str, str,
                                   dict[str, int]] | None = None
         self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
+        #: engines this transport has written to since their last connect(): only
+        #: those have a write for validation_check to compare
+        self._sent_to: set[str] = set()
         self._last_check_url: str | None = None
 
     def precompute_checksum(self, packed: PackedWeights, *,
@@ -332,6 +335,7 @@ class CudaIpcTransport:
         # body with weight_version is read only where those exist (not in 0.26).
         self.label_supported = "/weight_info" in paths and "/update_weight_version" in paths
         self._delivered = {d for d in self._delivered if d[0] != base_url}
+        self._sent_to.discard(base_url)
         self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
                    step="connect", mutation=False,
                    body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
@@ -388,6 +392,7 @@ class CudaIpcTransport:
                        mutation=True, body={"update_info": body})
             tm.update_s = time.monotonic() - t
             self._delivered.add(delivered)
+            self._sent_to.add(base_url)
             pre, self._pre = self._pre, None
             if pre is not None and pre[0] is packed:
                 self.last_sent_checksum, self.last_sent_names = pre[1], pre[2]
@@ -626,8 +631,14 @@ class CudaIpcTransport:
         A ``Check`` at ``ENGINE_CHECKSUM`` level: the workers' block checksum
         of the slices the last update wrote equals the trainer's checksum of
         the buffer it sent, for every tensor (coverage 1.0) and with every
-        model parameter covered by the update.
+        model parameter covered by the update. Before this transport wrote to
+        ``base_url`` (a takeover's observation of what the engine already holds)
+        it is a passing check of no level: it establishes nothing.
         """
+        if base_url not in self._sent_to:
+            return Check("worker_block_checksum", True, level=None, coverage=0.0,
+                         detail="nothing sent to this engine by this transport since it "
+                                "connected: no write to check")
         r = self.engine_checksum(base_url, timeout_s=timeout_s)
         detail = (f"{r['evidence']} (via {r['via']}); workers={r['workers']} "
                   f"coverage={r['coverage']:.3f} "
