@@ -109,9 +109,10 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     the CPU: the recovered replica then rejoins only through an update its
     transport verifies). ``recoverer``: one built by the caller (e.g. once for
     a large checkpoint, whose content digest reads every byte) instead of
-    the ``ManagedRecoverer`` made here. ``controller_kw``: the replica controller's keyword arguments
-    (``config``: its ``ControllerConfig``, i.e. update mode and staleness bound;
-    ``required_caches``), as ``LifecycleController`` takes them.
+    the ``ManagedRecoverer`` made here. ``controller_kw``: the replica
+    controller's keyword arguments (``config``: its ``ControllerConfig``, i.e.
+    update mode and staleness bound; ``required_caches``), as
+    ``LifecycleController`` takes them.
     """
     from rolloutcore.transports.gloo import GlooTransport
 
