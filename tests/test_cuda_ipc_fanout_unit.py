@@ -11,9 +11,7 @@ engine is called.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 import time
 import types
@@ -22,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from helpers.scripts import load_script
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.fleet.model import FanoutTransport
@@ -154,14 +153,7 @@ def test_construction_refuses_what_cannot_work() -> None:
 
 def _harness() -> Any:
     name = "h200_fleet"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HARNESS)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name, HARNESS)
 
 
 def test_the_fleet_harness_plan_fits_one_device_call(capsys: pytest.CaptureFixture[str]

@@ -11,27 +11,20 @@ including that each negative control can fail.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from helpers.scripts import load_script
 
 HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200_colocated.py"
 
 
 def _load() -> Any:
     name = "h200_colocated"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HARNESS)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name, HARNESS)
 
 
 h = _load()

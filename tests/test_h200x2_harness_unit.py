@@ -14,10 +14,8 @@ round, the checksum worker extension and validator) lives in
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import queue
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +26,7 @@ import torch
 
 from helpers.gateway_rig import remote_transfer
 from helpers.param_models import engine_model, tiny_packed
+from helpers.scripts import load_script
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.records import Event, State, Taint, Transition
@@ -43,14 +42,7 @@ HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200x2_
 
 def _load() -> Any:
     name = "h200x2_8b_nccl"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HARNESS)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(name, HARNESS)
 
 
 h = _load()
