@@ -65,6 +65,7 @@ import json
 import os
 import platform
 import random
+import re
 import signal
 import statistics
 import sys
@@ -284,7 +285,7 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
         return wb if state["k"] % 2 else wa
 
     def recoverer(engine: Any) -> Any:
-        return ManagedRecoverer(engine, a, identity=wa.identity, probe=True)
+        return ManagedRecoverer(engine, a, identity=wa.identity, probe=False)
 
     return Rig(engines, lambda: GlooTransport(op_timeout_s=60),
                lambda m: GlooFanout(op_timeout_s=60), next_weights,
@@ -407,16 +408,19 @@ class Load:
         t0 = time.monotonic()
         info: dict[str, Any] = {}
         err = False
+        why = ""   # the first thing that went wrong, for the failure summary
         try:
             async with client.stream("POST", f"{self.url}/inference/v1/generate", json=body,
                                      timeout=600) as resp:
                 replica = resp.headers.get("x-rolloutcore-replica", "")
                 version = resp.headers.get("x-rolloutcore-version", "")
                 if resp.status_code != 200:
-                    await resp.aread()
+                    body_text = (await resp.aread()).decode("utf-8", "replace")
                     return {"status": resp.status_code, "reads": [], "t0": t0,
                             "end": time.monotonic(), "tokens": 0, "replica": replica,
-                            "version": version, "error": True}
+                            "version": version, "error": True,
+                            "why": f"HTTP {resp.status_code}: {body_text[:300]}",
+                            "unattributable": False}
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):
                         continue
@@ -427,17 +431,21 @@ class Load:
                     if isinstance(ev, dict):
                         if "error" in ev:
                             err = True
+                            why = why or f"error event: {json.dumps(ev['error'])[:300]}"
                         if "rolloutcore" in ev:
                             info = ev["rolloutcore"]
                         k = sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
                         if k:
                             reads.append((time.monotonic(), k))
-        except Exception:  # a cut stream (a killed engine): a failed request
+        except Exception as exc:  # a cut stream (a killed engine): a failed request
             err = True
+            why = why or f"{type(exc).__name__}: {exc}"[:300]
             replica = locals().get("replica", "")
             version = locals().get("version", "")
         tokens = sum(k for _, k in reads)
-        return {"status": 200, "reads": reads, "t0": t0, "end": time.monotonic(),
+        if not err and tokens < n:
+            why = f"short answer: {tokens} of {n} tokens"
+        return {"status": 200, "why": why, "reads": reads, "t0": t0, "end": time.monotonic(),
                 "tokens": tokens, "replica": replica, "version": version,
                 "error": err or tokens < n, "info": {k: info.get(k) for k in (
                     "version", "replica", "fleet_version", "attributable", "staleness")
@@ -471,6 +479,19 @@ class Load:
 
     def failed(self, a: float, b: float) -> int:
         return sum(1 for r in self.done if r["error"] and a <= r["t0"] <= b)
+
+    def failures(self, a: float, b: float, top: int = 5) -> list[tuple[str, int]]:
+        """The most common reasons of the failed requests begun in [a, b]."""
+        import collections
+
+        c = collections.Counter(_shape(r.get("why") or "?") for r in self.done
+                                if r["error"] and a <= r["t0"] <= b)
+        return c.most_common(top)
+
+
+def _shape(why: str) -> str:
+    """A failure reason without its numbers and ids (so alike ones count together)."""
+    return re.sub(r"[0-9a-f]{8,}|\d+", "#", why)[:200]
 
 
 # --------------------------------------------------------------------------- stages
@@ -556,31 +577,37 @@ def stage_rolling(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timelin
             time.sleep(args.warmup_s)
             ts = time.monotonic()
             time.sleep(args.steady_s)
-            steady = load.tokens_per_s(ts, time.monotonic())
-            t_roll = time.monotonic()
-            rolls = []
+            te = t_roll = time.monotonic()
+            rolls, spans = [], []
             for ri in range(args.rolls):
                 t_r = time.monotonic()
                 res = update(rig, coord, strategy="rolling", wave_size=1, min_serving=1)
                 time.sleep(1.0)
-                waves = [{"wave": w, "seconds": b - a,
-                          "tokens_per_s": load.tokens_per_s(a, b),
-                          "retained": load.tokens_per_s(a, b) / steady if steady else None}
-                         for w, a, b in _waves(coord, t_r)]
-                rolls.append({"seconds": res.seconds, "waves": waves,
+                spans.append(_waves(coord, t_r))
+                rolls.append({"seconds": res.seconds, "waves": [],
                               "published": res.published.label if res.published else None})
-                log(f"   rolling {ri + 1}/{args.rolls}: {res.seconds * 1e3:.0f} ms, waves at "
-                    + ", ".join(f"{w['retained']:.2f}" for w in waves) + " of steady")
+                log(f"   rolling {ri + 1}/{args.rolls}: {res.seconds * 1e3:.0f} ms")
             t_end = time.monotonic()
             load.stop()
     finally:
         timeline.unwatch()
         coord.close()
+    # Read only now: a request's reads reach `load.done` when it ends, so a rate read
+    # while long requests still ran would miss their tokens (the first H200 run read
+    # the steady rate that way: 1638 tok/s, then waves "at 1.45-1.93 of steady").
+    steady = load.tokens_per_s(ts, te)
+    for roll, waves in zip(rolls, spans, strict=True):
+        roll["waves"] = [{"wave": w, "seconds": b - a, "tokens_per_s": load.tokens_per_s(a, b),
+                          "retained": load.tokens_per_s(a, b) / steady if steady else None}
+                         for w, a, b in waves]
+        log("   waves at " + ", ".join(f"{w['retained']:.2f}" for w in roll["waves"]
+                                      if w["retained"] is not None) + " of steady")
     vals = [w["retained"] for r in rolls for w in r["waves"] if w["retained"] is not None]
     R["detail"]["rolling"] = {"steady_tokens_per_s": steady, "rolls": rolls}
     R.update({"rolling_retained_min": min(vals) if vals else None,
               "rolling_retained_median": statistics.median(vals) if vals else None,
               "rolling_failed_any": load.failed(t_roll, t_end),
+              "rolling_failures": load.failures(t_roll, t_end),
               "steady_tokens_per_s": steady})
 
 
@@ -621,11 +648,13 @@ def stage_async(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline:
             coord.close()
         out[mode] = {"tokens_per_s": load.tokens_per_s(a, b, useful=True),
                      "all_tokens_per_s": load.tokens_per_s(a, b),
-                     "failed": load.failed(a, b), "updates": ups,
+                     "failed": load.failed(a, b), "failures": load.failures(a, b),
+                     "updates": ups,
                      "unattributable": sum(1 for r in load.done if r["unattributable"]),
                      "answers": len(load.done)}
         log(f"   {mode}: {out[mode]['tokens_per_s']:.0f} useful tok/s, {len(ups)} updates, "
-            f"failed {out[mode]['failed']}")
+            f"failed {out[mode]['failed']}" + "".join(
+                f"\n      {k} x {why}" for why, k in out[mode]["failures"]))
     base = out["none"]["tokens_per_s"]
     for mode in MODES[1:]:
         out[mode]["retained"] = out[mode]["tokens_per_s"] / base if base else None
@@ -665,14 +694,26 @@ def stage_death(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline:
     served = sum(1 for r in load.done if r["replica"] == name and not r["error"]
                  and tk < r["t0"] < (t_b or float("inf")))
     R["detail"]["death"] = {
-        "trail": [(r.record.after, r.record.event, round(r.t_mono - tk, 3)) for r in recs],
+        "trail": [(r.record.after, r.record.event, round(r.t_mono - tk, 3), r.record.reason)
+                  for r in recs],
         "failed_during": load.failed(tk, t_b or time.monotonic()),
-        "fenced_seen": fenced, "rejoined_seen": back}
+        "fenced_seen": fenced, "rejoined_seen": back,
+        # what the restarted process said, when it did not come back
+        "victim_log_tail": None if back else _log_tail(victim)}
+    for after, event, at, why in R["detail"]["death"]["trail"]:
+        log(f"   {name} {after} ({event}) at +{at:.1f}s" + (f": {why[:400]}" if why else ""))
     R.update({"fence_after_death_s": (t_f - tk) if t_f is not None else None,
               "rejoin_after_death_s": (t_b - tk) if t_b is not None else None,
               "served_by_dead_replica": served,
               "rejoin_over_cold_start": ((t_b - tk) / rig.cold_start_s
                                          if t_b is not None and rig.cold_start_s else None)})
+
+
+def _log_tail(engine: Any, lines: int = 60) -> str | None:
+    try:
+        return str(engine.log_tail(lines))
+    except Exception as exc:  # a handle without logs
+        return f"no log: {type(exc).__name__}: {exc}"
 
 
 # --------------------------------------------------------------------------- the picture
