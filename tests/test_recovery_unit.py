@@ -176,3 +176,77 @@ def test_an_engine_that_was_not_replaced_is_refused(
         r.recover(rec)
     assert c.state is State.TAINTED and check_journal(j.records) == []
     assert c.recovery_target() == WeightVersion(2, "rc-2", "e0")
+
+
+class Unlabelled:
+    """A replacement engine as vLLM 0.26 answers: a new instance, no version label
+    routes and no ``/weight_checker`` (its checksums come from a worker extension)."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self.app = Starlette(routes=[
+            Route("/health", self.health), Route("/openapi.json", self.openapi),
+            Route("/server_info", self.info)])
+
+    async def health(self, req: Request) -> Response:
+        return Response(status_code=200)
+
+    async def openapi(self, req: Request) -> Response:
+        return JSONResponse({"paths": {p: {} for p in ("/health", "/server_info")}})
+
+    async def info(self, req: Request) -> Response:
+        return JSONResponse({"vllm_config": {"instance_id": self.instance_id}})
+
+
+REFERENCE = {"model.embed_tokens.weight": "11", "model.norm.weight": "22"}
+
+
+@pytest.mark.parametrize("reader, want", [
+    (None, "no evidence at all"),
+    (lambda url: dict(REFERENCE), None),
+    (lambda url: {**REFERENCE, "model.norm.weight": "23"}, "engine_checksum failed"),
+    (lambda url: {"model.embed_tokens.weight": "11"}, "engine_checksum failed"),
+    (lambda url: {}, "could not read"),
+    (lambda url: (_ for _ in ()).throw(ConnectionError("cut")), "could not read"),
+])
+def test_a_replacement_without_version_labels_needs_its_checksums(
+        ckpt: Path, reader: object, want: str | None) -> None:
+    """The H200 finding (2026-12-03): on vLLM 0.26 a recovery without a probe or
+    checksums has no evidence at all, and is refused (three times, then the fleet
+    removed the replica). The workers' own checksums against a cold engine's are
+    evidence; a wrong, partial or failed reading is not."""
+    srv = Unlabelled("new-incarnation")
+    flag = threading.Event()
+    flag.set()
+    c, r, j = tainted()
+    committed = c.committed
+    with uvicorn_thread(srv.app) as url:
+        seen: list[str] = []
+
+        def read(u: str) -> object:
+            seen.append(u)
+            return reader(u)  # type: ignore[operator]
+
+        rec = OperatorRecoverer(url, ckpt, signal=flag.is_set, wait_s=2,
+                                previous_epoch="vllm-old", probe=False,
+                                reference=None if reader is None else REFERENCE,
+                                read_checksums=None if reader is None else read)  # type: ignore[arg-type]
+        if want is None:
+            r.recover(rec)
+            assert c.state is State.READY and seen == [url]
+            assert c.committed is not None and c.committed != committed
+        else:
+            with pytest.raises(UpdateFailed, match=want):
+                r.recover(rec)
+            assert c.state is State.TAINTED and c.committed == committed
+    assert check_journal(j.records) == []
+
+
+def test_read_checksums_needs_a_reference_taken_the_same_way(ckpt: Path) -> None:
+    with pytest.raises(BadInput, match="read_checksums"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=lambda: True, wait_s=1,
+                          probe=False, read_checksums=lambda url: {})
+    with pytest.raises(BadInput, match="read_checksums"):
+        OperatorRecoverer("http://127.0.0.1:1", ckpt, signal=lambda: True, wait_s=1,
+                          probe=False, reference=REFERENCE,
+                          read_checksums="not callable")  # type: ignore[arg-type]

@@ -202,6 +202,18 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     cold = max(e.last_start_s or 0.0 for e in engines)
     log(f"two engines healthy in {time.monotonic() - t:.1f}s, one after the other "
         f"(the slower {cold:.1f}s)")
+    # vLLM 0.26 has no version labels and no /weight_checker: a replacement process is
+    # verified by its workers' hash of every parameter against a cold engine's on the
+    # same checkpoint (read here, before any update; without it the first H200 run's
+    # recoveries had "no evidence at all" and were refused).
+    ref_tr = CudaIpcTransport(mode="fast")
+    try:
+        reference = ref_tr.recovery_checksums(engines[1].base_url)
+        agree = ref_tr.recovery_checksums(engines[0].base_url) == reference
+    finally:
+        ref_tr.close()
+    log(f"cold engines' parameter checksums: {len(reference)} parameters, the two engines "
+        + ("agree" if agree else "DIFFER"))
     source = WeightSource.from_state_dict(dict(packed.items()),
                                           description="trainer PackedWeights views")
     man = source.manifest()
@@ -243,7 +255,11 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     def recoverer(engine: Any) -> Any:
         # Its content digest reads the 16 GB once; no probe (an 8B forward on the CPU).
         return ManagedRecoverer(engine, model_dir, identity=first, probe=False,
-                                start_timeout_s=420)
+                                start_timeout_s=420, reference=reference,
+                                read_checksums=reader.recovery_checksums)
+
+    reader = CudaIpcTransport(mode="fast")
+    transports.append(reader)
 
     def close() -> None:
         for tr in transports:
@@ -285,7 +301,7 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
         return wb if state["k"] % 2 else wa
 
     def recoverer(engine: Any) -> Any:
-        return ManagedRecoverer(engine, a, identity=wa.identity, probe=False)
+        return ManagedRecoverer(engine, a, identity=wa.identity, probe=True)
 
     return Rig(engines, lambda: GlooTransport(op_timeout_s=60),
                lambda m: GlooFanout(op_timeout_s=60), next_weights,

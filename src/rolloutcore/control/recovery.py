@@ -98,6 +98,10 @@ def set_weight_version(base_url: str, label: str, *, timeout_s: float) -> None:
         http.set_weight_version(label)
 
 
+#: Reads a replacement engine's parameter checksums (base URL -> name -> checksum).
+ChecksumReader = Callable[[str], Mapping[str, str]]
+
+
 @dataclass
 class RecoveryTimings:
     """Where a recovery's time went (seconds), and which incarnations it replaced."""
@@ -122,7 +126,8 @@ class _Checkpoint:
 
     def __init__(self, checkpoint: str | os.PathLike[str], provenance: Provenance | None,
                  identity: WeightIdentity | None, reference: ReferenceChecksums
-                 | Mapping[str, str] | None, probe: PolicyProbe | bool | None) -> None:
+                 | Mapping[str, str] | None, probe: PolicyProbe | bool | None,
+                 read_checksums: ChecksumReader | None = None) -> None:
         from rolloutcore.verification.checksums import ReferenceChecksums
         from rolloutcore.verification.probe import PolicyProbe
 
@@ -160,6 +165,12 @@ class _Checkpoint:
                 raise BadInput("reference must be ReferenceChecksums or a non-empty mapping "
                                "of str to str")
         self.reference = reference
+        if read_checksums is not None and (not callable(read_checksums) or reference is None
+                                           or isinstance(reference, ReferenceChecksums)):
+            raise BadInput("read_checksums must be callable, and needs a reference mapping "
+                           "of parameter name to checksum taken the same way (e.g. from a "
+                           "cold engine on this checkpoint)")
+        self.read_checksums = read_checksums
         if probe is not None and not isinstance(probe, (bool, PolicyProbe)):
             raise BadInput("probe must be a PolicyProbe, True (compute it from the "
                            "checkpoint) or False/None")
@@ -182,6 +193,29 @@ class _Checkpoint:
                               f"was taken ({got[:12]} != {str(self.identity.content_digest)[:12]})"
                               "; it is no longer a checkpoint of known identity")
 
+    def _read_and_compare(self, base_url: str, ref: Mapping[str, str],
+                          unverified: list[str]) -> Check:
+        """The engine's checksums read the caller's way (a worker extension's hash of
+        every parameter, where vLLM has no ``/weight_checker``), against ``ref``."""
+        from rolloutcore.verification.checksums import WeightChecksums
+
+        reader = self.read_checksums
+        assert reader is not None
+        try:
+            got = reader(base_url)
+            if not isinstance(got, Mapping) or not got or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in got.items()):
+                raise BadInput(f"read_checksums returned {type(got).__name__}, not a "
+                               "non-empty mapping of str to str")
+        except Exception as exc:  # fail closed: no reading is a failed check, not a pass
+            return Check("engine_checksum", False,
+                         f"could not read the engine's checksums: {exc!r}"[:500])
+        cmp = compare_checksums(WeightChecksums(dict(got), {k: k for k in got}), ref)
+        if cmp.unverifiable:
+            unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
+                              "hash as zero bytes (repacked): not verifiable")
+        return cmp.to_check()
+
     def verify(self, http: VllmHTTP, target: WeightVersion, epoch: str,
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
         """Label it, then observe it like an update's validation."""
@@ -196,9 +230,13 @@ class _Checkpoint:
             return RecoveryEvidence(engine_epoch=epoch, identity=self.identity, validation=val,
                                     healthy=False, unverified=tuple(notes))
         tl = time.monotonic()
-        http.set_weight_version(target.label)
+        unverified = list(notes)
+        if http.has(Routes.UPDATE_WEIGHT_VERSION):
+            http.set_weight_version(target.label)
+            unverified.append(LABEL_NOTE)
+        # else a vLLM without version labels (0.26): the label is not claimed, so
+        # only the checks below can make this evidence (none: "no evidence at all").
         timings.label_s = time.monotonic() - tl
-        unverified = [*notes, LABEL_NOTE]
         wi = http.weight_info()
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
@@ -216,6 +254,8 @@ class _Checkpoint:
         if ref is None:
             unverified.append("no reference checksums for the checkpoint: engine checksums "
                               "not compared")
+        elif self.read_checksums is not None and not isinstance(ref, ReferenceChecksums):
+            checks.append(self._read_and_compare(http.base_url, ref, unverified))
         elif not http.has(Routes.WEIGHT_CHECKER):
             unverified.append("no /weight_checker: engine checksums not compared")
         elif isinstance(ref, ReferenceChecksums):
@@ -253,7 +293,12 @@ class ManagedRecoverer:
     ``probe``: a ``PolicyProbe`` of the checkpoint, ``True`` to compute it
     from the checkpoint on first use, ``False`` for none. ``on_replaced`` is
     called with the engine once the new process is healthy, before it is
-    verified (e.g. to point a proxy at a changed port).
+    verified (e.g. to point a proxy at a changed port). ``read_checksums``:
+    where vLLM has no ``/weight_checker`` (0.26), how the replacement's
+    parameter checksums are read instead (``base_url -> {name: checksum}``,
+    e.g. ``rolloutcore.transports.cuda_ipc.recovery_checksums``), compared
+    with ``reference`` (a mapping taken the same way from a cold engine on
+    the checkpoint); a reading that fails is a failed check.
     """
 
     def __init__(self, engine: ManagedEngine | Any, checkpoint: str | os.PathLike[str], *,
@@ -261,7 +306,8 @@ class ManagedRecoverer:
                  reference: ReferenceChecksums | Mapping[str, str] | None = None,
                  probe: PolicyProbe | bool | None = True, start_timeout_s: float | None = None,
                  stop_grace_s: float = 5.0, http_timeout_s: float = 60.0,
-                 on_replaced: Callable[[ManagedEngine], None] | None = None) -> None:
+                 on_replaced: Callable[[ManagedEngine], None] | None = None,
+                 read_checksums: ChecksumReader | None = None) -> None:
         from rolloutcore.adapters.vllm.process import ManagedEngine
 
         # A ManagedEngine, or a handle with its interface (a fleet's Ray-placed engine,
@@ -272,7 +318,8 @@ class ManagedRecoverer:
             raise BadInput("engine must be a ManagedEngine (for an engine we did not launch, "
                            "use OperatorRecoverer)")
         self.engine = engine
-        self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe)
+        self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe,
+                                 read_checksums)
         self.start_timeout_s = (None if start_timeout_s is None
                                 else _check_seconds("start_timeout_s", start_timeout_s))
         self.stop_grace_s = _check_seconds("stop_grace_s", stop_grace_s)
@@ -368,7 +415,8 @@ class OperatorRecoverer:
                  provenance: Provenance | None = None, identity: WeightIdentity | None = None,
                  reference: ReferenceChecksums | Mapping[str, str] | None = None,
                  probe: PolicyProbe | bool | None = True, health_s: float = 60.0,
-                 http_timeout_s: float = 60.0) -> None:
+                 http_timeout_s: float = 60.0,
+                 read_checksums: ChecksumReader | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
         if not (callable(signal) or isinstance(signal, (str, os.PathLike))) or (
@@ -384,7 +432,8 @@ class OperatorRecoverer:
                                            or not previous_epoch):
             raise BadInput("previous_epoch must be a non-empty string or None")
         self.previous_epoch = previous_epoch
-        self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe)
+        self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe,
+                                 read_checksums)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._http: VllmHTTP | None = None

@@ -392,7 +392,11 @@ class CudaIpcWorkerExtension:
         return res
 
     def rc_cuda_ipc_param_checksums(self) -> dict[str, Any]:
-        model = self._rc_engine().model
+        # The update target, or (before any update, on a vLLM whose transfer engine
+        # has none yet) the worker's own model.
+        model = getattr(self._rc_engine(), "model", None)
+        if model is None:
+            model = self.get_model()  # type: ignore[attr-defined]
         named = list(model.named_parameters())
         t = time.monotonic()
         vals = block_checksum([p.data for _, p in named])

@@ -516,6 +516,15 @@ class CudaIpcTransport:
         self._expect = None  # a result slot filled before the sleep describes nothing now
         return {"workers": self.rpc(base_url, "rc_cuda_ipc_after_wake", timeout_s=timeout_s)}
 
+    def recovery_checksums(self, base_url: str) -> dict[str, str]:
+        """``param_checksums`` as text: a recoverer's ``read_checksums`` on vLLM 0.26.
+
+        That vLLM has no ``/weight_checker``; the workers hash every parameter
+        themselves, and a reference taken the same way from a cold engine on
+        the checkpoint is what a replacement process must match.
+        """
+        return {k: str(v) for k, v in self.param_checksums(base_url).items()}
+
     def param_checksums(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, int]:
         """Every engine parameter's block checksum, hashed now by the workers.
 
