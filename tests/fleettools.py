@@ -55,12 +55,14 @@ class FakeFleet:
 def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
                config: FleetConfig | None = None, recover: bool = True,
                before_bootstrap: Any = None, journal_dir: Any = None, start_seed: int = 0,
-               adopt_fails: frozenset[str] = frozenset()) -> FakeFleet:
+               adopt_fails: frozenset[str] = frozenset(),
+               controller_kw: dict[str, Any] | None = None) -> FakeFleet:
     """``before_bootstrap(adapters)``: change the engines before the fleet takes them over;
     ``journal_dir``: file journals there (``fleet.jsonl`` and one per replica); journals
     that hold records are a previous fleet's, restored (the fleet's restart);
     ``start_seed``: the weights the engines start on; ``adopt_fails``: replicas whose
-    new engine dies when a restart adopts it."""
+    new engine dies when a restart adopts it; ``controller_kw``: each replica's
+    controller's arguments (e.g. its ``config``: an update mode)."""
     w0 = FakeWeights.from_seed(start_seed, step=start_seed)
     reps: list[Replica] = []
     adapters: dict[str, FakeAdapter] = {}
@@ -70,7 +72,8 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
         ad = FakeAdapter(FakeEngine(w0, token_delay_s=token_delay_s))
         ad.stage(w0)
         c, j = open_controller(None if journal_dir is None
-                               else f"{journal_dir}/{name}.journal.jsonl")
+                               else f"{journal_dir}/{name}.journal.jsonl",
+                               **(controller_kw or {}))
         runner = LifecycleRunner(c, ad, FAST, record=j.write)
 
         def adopt(previous_epoch: str, ad: FakeAdapter = ad, name: str = name) -> Any:

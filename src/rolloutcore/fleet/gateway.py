@@ -55,6 +55,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.pool import ReplicaState
 from rolloutcore.core.versions import Binding
@@ -125,6 +126,11 @@ class FleetAdmission:
 
     def upstreams(self) -> Mapping[str, str]:
         return {n: str(r.url) for n, r in self._replicas.items()}
+
+    def controllers(self) -> Mapping[str, LifecycleController]:
+        """Each replica's controller (the data plane carries each one's requests under
+        keep or recompute as it does one engine's)."""
+        return {n: r.controller for n, r in self._replicas.items()}
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
                 ) -> tuple[tuple[Policy, str | None], bool]:

@@ -260,10 +260,32 @@ class DataPlane:
         self._wanted = DATA_HEADERS | frozenset(getattr(admission, "headers", ()))
         self.flights = Flights(config, metrics, self.upstreams.get)
         admission.on_change(self._wake_threadsafe)
-        #: Under a keep or recompute controller: the relay of carried requests.
-        self.carried: CarriedRelay | None = None
-        if self.controller is not None and self.controller.update_mode is not UpdateMode.STRICT:
-            self.carried = CarriedRelay(self, self.controller)
+        #: Under keep or recompute controllers: one relay of carried requests per
+        #: controller (one engine's, or each replica's behind a fleet's router: a fleet
+        #: carries its requests exactly as one engine does). ``carried``: the one
+        #: engine's relay (``None`` behind a fleet or in strict mode).
+        self._relays: dict[int, CarriedRelay] = {}
+        listed = getattr(admission, "controllers", None)
+        ctls = ([self.controller] if self.controller is not None
+                else list(listed().values()) if callable(listed) else [])
+        for ctl in ctls:
+            self.relay_for(ctl)
+        self.carried: CarriedRelay | None = (
+            None if self.controller is None else self._relays.get(id(self.controller)))
+
+    def relay_for(self, controller: LifecycleController) -> CarriedRelay | None:
+        """The carried relay of ``controller``'s requests (``None`` in strict mode)."""
+        if controller.update_mode is UpdateMode.STRICT:
+            return None
+        relay = self._relays.get(id(controller))  # the relay holds its controller
+        if relay is None:
+            relay = self._relays[id(controller)] = CarriedRelay(self, controller)
+        return relay
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether requests may be carried across updates (keep or recompute)."""
+        return bool(self._relays)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -484,7 +506,7 @@ class DataPlane:
         if problem:
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
-        if self.carried is not None and (problem := check_one_sample(route, payload)):
+        if self.asynchronous and (problem := check_one_sample(route, payload)):
             await send_json(send, 400, error_body(400, problem, "BadRequest"))
             return 400
         try:  # images: checked and described before anything is admitted
@@ -671,9 +693,9 @@ class DataPlane:
             raise RuntimeError("data plane not started")
         vh = self.version_headers(binding, target)
         info = self.info(binding, target)
-        if self.carried is not None:
-            await self.carried.relay(send, route, fin.request, binding, target, fin, f, vh,
-                                     info)
+        carried = self.relay_for(target.controller)
+        if carried is not None:
+            await carried.relay(send, route, fin.request, binding, target, fin, f, vh, info)
             return
         try:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
