@@ -211,3 +211,57 @@ def test_before_anything_was_sent_the_transports_check_claims_nothing() -> None:
     chk = tr.validation_check("http://127.0.0.1:9")
     assert chk.passed and chk.level is None and chk.coverage == 0.0
     assert "nothing sent" in chk.detail
+
+
+def _sse_app() -> Any:
+    """An engine stand-in for the clients: ``max_tokens`` token events, then [DONE]."""
+    import json as _json
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def generate(request: Request) -> StreamingResponse:
+        body = await request.json()
+        n = body["sampling_params"]["max_tokens"]
+
+        async def events() -> Any:
+            for i in range(n):
+                yield f"data: {_json.dumps({'choices': [{'token_ids': [i]}]})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"x-rolloutcore-replica": "e0"})
+
+    return Starlette(routes=[Route("/inference/v1/generate", generate, methods=["POST"])])
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_the_harness_clients_run_in_a_process_of_their_own(in_process: bool) -> None:
+    """The load's clients (by default in a spawned process, apart from the gateway's
+    interpreter lock) hand back every finished request and the CPU each side used."""
+    from helpers.gateway_rig import uvicorn_thread
+
+    h = _harness()
+    args = h.parse(["--concurrency", "3", "--median-tokens", "4", "--cap-tokens", "8",
+                    "--prompt-tokens", "4"] + (["--clients-in-process"] if in_process else []))
+    rig = types.SimpleNamespace(model=None, sampling_extra={}, vocab=50)
+    with uvicorn_thread(_sse_app()) as url:
+        load = h.Load(url, rig, args, seed=1)
+        t0 = time.monotonic()
+        load.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (in_process and len(load.done) >= 6):
+            if not in_process and time.monotonic() - t0 > 3:
+                break
+            time.sleep(0.05)
+        load.stop(wait_s=60)
+    assert load.done, "no request finished"
+    assert all(r["status"] == 200 and not r["error"] and r["replica"] == "e0"
+               for r in load.done), load.done[:3]
+    assert all(r["tokens"] == sum(k for _, k in r["reads"]) for r in load.done)
+    assert load.tokens_per_s(t0, time.monotonic() + 1) > 0
+    assert load.cpu["clients_in_process"] is in_process
+    assert (load.cpu["clients_process_cores"] is None) is in_process
+    if not in_process:
+        assert load.cpu["clients_process_cores"] > 0

@@ -402,91 +402,64 @@ def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
 # --------------------------------------------------------------------------- clients
 
 class Load:
-    """Closed-loop streaming clients through a gateway URL, in a thread of their own."""
+    """Closed-loop streaming clients through a gateway URL.
+
+    By default the clients run in a process of their own (``spawn``), as a
+    deployment's clients run on other machines: in this process they would
+    share one interpreter lock with the gateway, the coordinator and the
+    trainer, so the gateway's own cost per event could not be told apart from
+    the clients' (``--clients-in-process`` keeps the old way, for comparison).
+    Either way ``done`` holds every finished request once ``stop`` returns;
+    ``cpu`` records the CPU seconds of this process and of the clients over
+    the load's life (a process near one core is bound by its interpreter lock).
+    """
 
     def __init__(self, url: str, rig: Rig, args: argparse.Namespace, seed: int) -> None:
-        import async_modes as am
-
-        self.url, self.rig = url, rig
-        self.work = am.Workload(args.concurrency, args.median_tokens, args.sigma,
-                                args.cap_tokens, args.prompt_tokens, vocab=rig.vocab)
-        self.seed = seed
+        self.spec = {"url": url, "seed": seed, "model": rig.model,
+                     "sampling_extra": dict(rig.sampling_extra), "vocab": rig.vocab,
+                     "work": (args.concurrency, args.median_tokens, args.sigma,
+                              args.cap_tokens, args.prompt_tokens)}
+        self.in_process = bool(getattr(args, "clients_in_process", False))
         self.done: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._th = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.cpu: dict[str, float] = {}
+        self._t0 = self._c0 = 0.0
+        if self.in_process:
+            self._stop: Any = threading.Event()
+            self._th: Any = threading.Thread(
+                target=lambda: asyncio.run(_clients(self.spec, self._stop, self.done)),
+                daemon=True)
+        else:
+            import multiprocessing as mp
 
-    async def _one(self, client: Any, prompt: list[int], n: int) -> dict[str, Any]:
-        body: dict[str, Any] = {"token_ids": prompt, "stream": True, "sampling_params": {
-            "max_tokens": n, "temperature": 0.0, "ignore_eos": True, **self.rig.sampling_extra}}
-        if self.rig.model is not None:
-            body["model"] = self.rig.model
-        reads: list[tuple[float, int]] = []
-        t0 = time.monotonic()
-        info: dict[str, Any] = {}
-        err = False
-        why = ""   # the first thing that went wrong, for the failure summary
-        try:
-            async with client.stream("POST", f"{self.url}/inference/v1/generate", json=body,
-                                     timeout=600) as resp:
-                replica = resp.headers.get("x-rolloutcore-replica", "")
-                version = resp.headers.get("x-rolloutcore-version", "")
-                if resp.status_code != 200:
-                    body_text = (await resp.aread()).decode("utf-8", "replace")
-                    return {"status": resp.status_code, "reads": [], "t0": t0,
-                            "end": time.monotonic(), "tokens": 0, "replica": replica,
-                            "version": version, "error": True,
-                            "why": f"HTTP {resp.status_code}: {body_text[:300]}",
-                            "unattributable": False}
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    d = line[5:].strip()
-                    if d == "[DONE]":
-                        continue
-                    ev = json.loads(d)
-                    if isinstance(ev, dict):
-                        if "error" in ev:
-                            err = True
-                            why = why or f"error event: {json.dumps(ev['error'])[:300]}"
-                        if "rolloutcore" in ev:
-                            info = ev["rolloutcore"]
-                        k = sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
-                        if k:
-                            reads.append((time.monotonic(), k))
-        except Exception as exc:  # a cut stream (a killed engine): a failed request
-            err = True
-            why = why or f"{type(exc).__name__}: {exc}"[:300]
-            replica = locals().get("replica", "")
-            version = locals().get("version", "")
-        tokens = sum(k for _, k in reads)
-        if not err and tokens < n:
-            why = f"short answer: {tokens} of {n} tokens"
-        return {"status": 200, "why": why, "reads": reads, "t0": t0, "end": time.monotonic(),
-                "tokens": tokens, "replica": replica, "version": version,
-                "error": err or tokens < n, "info": {k: info.get(k) for k in (
-                    "version", "replica", "fleet_version", "attributable", "staleness")
-                    if k in info}, "unattributable": info.get("attributable") is False}
-
-    async def _main(self) -> None:
-        import httpx
-
-        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=512)) as client:
-            async def loop(i: int) -> None:
-                rng = random.Random(self.seed * 1000 + i)
-                while not self._stop.is_set():
-                    r = await self._one(client, self.work.prompt(rng), self.work.length(rng))
-                    self.done.append(r)
-                    if r["status"] != 200:
-                        await asyncio.sleep(0.05)
-            await asyncio.gather(*(loop(i) for i in range(self.work.concurrency)))
+            ctx = mp.get_context("spawn")
+            self._stop = ctx.Event()
+            self._q: Any = ctx.Queue()
+            self._th = ctx.Process(target=_clients_process, args=(self.spec, self._stop,
+                                                                   self._q), daemon=True)
 
     def start(self) -> Load:
+        self._t0, self._c0 = time.monotonic(), time.process_time()
         self._th.start()
         return self
 
     def stop(self, wait_s: float = 900.0) -> None:
         self._stop.set()
+        child_cpu = None
+        if not self.in_process:
+            import queue
+
+            try:
+                done, child_cpu = self._q.get(timeout=wait_s)
+                self.done.extend(done)
+            except queue.Empty:
+                pass
         self._th.join(wait_s)
+        wall = max(1e-9, time.monotonic() - self._t0)
+        self.cpu = {"wall_s": round(wall, 2),
+                    "this_process_cores": round((time.process_time() - self._c0) / wall, 3),
+                    "clients_process_cores": (round(child_cpu / wall, 3)
+                                              if child_cpu is not None else None),
+                    "clients_in_process": self.in_process}
 
     def tokens_per_s(self, a: float, b: float, *, useful: bool = False) -> float:
         n = sum(k for r in self.done if not (useful and (r["error"] or r["unattributable"]))
@@ -503,6 +476,83 @@ class Load:
         c = collections.Counter(_shape(r.get("why") or "?") for r in self.done
                                 if r["error"] and a <= r["t0"] <= b)
         return c.most_common(top)
+
+
+def _clients_process(spec: dict[str, Any], stop: Any, q: Any) -> None:
+    """The clients' process: run them until ``stop``, then send back what they saw."""
+    done: list[dict[str, Any]] = []
+    c0 = time.process_time()
+    asyncio.run(_clients(spec, stop, done))
+    q.put((done, time.process_time() - c0))
+
+
+async def _clients(spec: dict[str, Any], stop: Any, done: list[dict[str, Any]]) -> None:
+    import async_modes as am
+    import httpx
+
+    work = am.Workload(*spec["work"], vocab=spec["vocab"])
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=512)) as client:
+        async def loop(i: int) -> None:
+            rng = random.Random(spec["seed"] * 1000 + i)
+            while not stop.is_set():
+                r = await _one(client, spec, work.prompt(rng), work.length(rng))
+                done.append(r)
+                if r["status"] != 200:
+                    await asyncio.sleep(0.05)
+        await asyncio.gather(*(loop(i) for i in range(work.concurrency)))
+
+
+async def _one(client: Any, spec: dict[str, Any], prompt: list[int], n: int
+               ) -> dict[str, Any]:
+    body: dict[str, Any] = {"token_ids": prompt, "stream": True, "sampling_params": {
+        "max_tokens": n, "temperature": 0.0, "ignore_eos": True, **spec["sampling_extra"]}}
+    if spec["model"] is not None:
+        body["model"] = spec["model"]
+    reads: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+    info: dict[str, Any] = {}
+    err = False
+    why = ""   # the first thing that went wrong, for the failure summary
+    replica = version = ""
+    try:
+        async with client.stream("POST", f"{spec['url']}/inference/v1/generate", json=body,
+                                 timeout=600) as resp:
+            replica = resp.headers.get("x-rolloutcore-replica", "")
+            version = resp.headers.get("x-rolloutcore-version", "")
+            if resp.status_code != 200:
+                body_text = (await resp.aread()).decode("utf-8", "replace")
+                return {"status": resp.status_code, "reads": [], "t0": t0,
+                        "end": time.monotonic(), "tokens": 0, "replica": replica,
+                        "version": version, "error": True,
+                        "why": f"HTTP {resp.status_code}: {body_text[:300]}",
+                        "unattributable": False}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                d = line[5:].strip()
+                if d == "[DONE]":
+                    continue
+                ev = json.loads(d)
+                if isinstance(ev, dict):
+                    if "error" in ev:
+                        err = True
+                        why = why or f"error event: {json.dumps(ev['error'])[:300]}"
+                    if "rolloutcore" in ev:
+                        info = ev["rolloutcore"]
+                    k = sum(len(c.get("token_ids") or ()) for c in ev.get("choices") or ())
+                    if k:
+                        reads.append((time.monotonic(), k))
+    except Exception as exc:  # a cut stream (a killed engine): a failed request
+        err = True
+        why = why or f"{type(exc).__name__}: {exc}"[:300]
+    tokens = sum(k for _, k in reads)
+    if not err and tokens < n:
+        why = f"short answer: {tokens} of {n} tokens"
+    return {"status": 200, "why": why, "reads": reads, "t0": t0, "end": time.monotonic(),
+            "tokens": tokens, "replica": replica, "version": version,
+            "error": err or tokens < n, "info": {k: info.get(k) for k in (
+                "version", "replica", "fleet_version", "attributable", "staleness")
+                if k in info}, "unattributable": info.get("attributable") is False}
 
 
 def _shape(why: str) -> str:
@@ -619,7 +669,7 @@ def stage_rolling(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timelin
         log("   waves at " + ", ".join(f"{w['retained']:.2f}" for w in roll["waves"]
                                       if w["retained"] is not None) + " of steady")
     vals = [w["retained"] for r in rolls for w in r["waves"] if w["retained"] is not None]
-    R["detail"]["rolling"] = {"steady_tokens_per_s": steady, "rolls": rolls}
+    R["detail"]["rolling"] = {"steady_tokens_per_s": steady, "rolls": rolls, "cpu": load.cpu}
     R.update({"rolling_retained_min": min(vals) if vals else None,
               "rolling_retained_median": statistics.median(vals) if vals else None,
               "rolling_failed_any": load.failed(t_roll, t_end),
@@ -667,9 +717,9 @@ def stage_async(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline:
                      "failed": load.failed(a, b), "failures": load.failures(a, b),
                      "updates": ups,
                      "unattributable": sum(1 for r in load.done if r["unattributable"]),
-                     "answers": len(load.done)}
+                     "answers": len(load.done), "cpu": load.cpu}
         log(f"   {mode}: {out[mode]['tokens_per_s']:.0f} useful tok/s, {len(ups)} updates, "
-            f"failed {out[mode]['failed']}" + "".join(
+            f"failed {out[mode]['failed']}, cores {load.cpu}" + "".join(
                 f"\n      {k} x {why}" for why, k in out[mode]["failures"]))
     base = out["none"]["tokens_per_s"]
     for mode in MODES[1:]:
@@ -990,6 +1040,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the run's own end (the device call is killed at 600 s): the death "
                          "stage is skipped, and the rejoin wait cut, to end before it")
     ap.add_argument("--no-death", dest="death", action="store_false")
+    ap.add_argument("--clients-in-process", action="store_true",
+                    help="run the clients in this process (beside the gateway, sharing its "
+                         "interpreter lock) instead of a process of their own")
     ap.add_argument("--cuda-graphs", dest="eager", action="store_false",
                     help="start the engines with CUDA graphs (84 s each instead of ~55 s)")
     args = ap.parse_args(argv)
