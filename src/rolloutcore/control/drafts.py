@@ -37,6 +37,7 @@ from rolloutcore.control.runner import Deadlines, UpdateOutcome
 from rolloutcore.control.session import EngineSession, PreparedUpdate, identity_of
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.core.vocab import State
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.transports.drafted import DRAFT_REFUSAL, DraftedGlooTransport, DraftedSource
 from rolloutcore.transports.source import WeightSource
@@ -200,7 +201,8 @@ class DraftedSession:
 
         ``UpdateRefused`` (nothing changed) without ``draft_weights``;
         ``UpdateFailed`` as ``EngineSession.update``. ``measure_before``: an
-        acceptance window on the current policy first (read-only generation).
+        acceptance window on the current policy first (read-only generation; only
+        while the engine serves, READY).
         """
         prepared = self.prepare(weights, provenance, draft_weights=draft_weights,
                                 probe=probe, probe_tolerance=probe_tolerance)
@@ -230,7 +232,11 @@ class DraftedSession:
         if not isinstance(prepared, PreparedUpdate) or \
                 not isinstance(prepared.source, DraftedSource):
             raise UpdateRefused(DRAFT_REFUSAL)
-        before = self.acceptance.measure(self.session.http) if measure_before else None
+        # A window on the serving policy (read-only); not on an engine that does not
+        # serve (a tainted one stays paused: the requests would wait).
+        serving = self.session.controller.state is State.READY
+        before = (self.acceptance.measure(self.session.http) if measure_before and serving
+                  else None)
         self.acceptance.last = None
         res = self.session.apply(prepared, label=label, owner=owner)
         after = self.acceptance.last
