@@ -285,3 +285,17 @@ def test_acceptance_probe_refuses_bad_input(kw: dict[str, Any]) -> None:
 def test_default_acceptance_prompts_refuse_bad_input(args: tuple[Any, ...]) -> None:
     with pytest.raises(BadInput):
         default_acceptance_prompts(*args)
+
+
+def test_gloo_keeps_a_draft_round_apart_from_the_target_round() -> None:
+    from rolloutcore.transports.gloo import _round_key
+
+    assert _round_key("http://e:1", False) == "http://e:1"
+    assert _round_key("http://e:1", True) != _round_key("http://e:1", False)
+    tr = GlooTransport()
+    for draft in (False, True):  # nothing sent yet: a pass that establishes nothing
+        chk = tr.validation_check(DEAD, draft=draft)
+        assert chk.passed and chk.level is None and chk.coverage == 0.0
+    drafted = DraftedGlooTransport()
+    chk = drafted.validation_check(DEAD)  # no pair sent: the target's check alone
+    assert chk.level is None and "draft" not in chk.detail
