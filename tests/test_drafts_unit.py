@@ -299,3 +299,16 @@ def test_gloo_keeps_a_draft_round_apart_from_the_target_round() -> None:
     drafted = DraftedGlooTransport()
     chk = drafted.validation_check(DEAD)  # no pair sent: the target's check alone
     assert chk.level is None and "draft" not in chk.detail
+
+
+def test_drafted_source_reads_a_changing_draft_again() -> None:
+    draft = _state(2, n=2)
+    p = DraftedSource(WeightSource.from_state_dict(_state(1)),
+                      WeightSource.from_state_dict(draft))
+    first = p.parts()
+    assert first["content_digest"] == p.content_digest()
+    draft["w0"].add_(1.0)  # the trainer's draft moved in place
+    second = p.content_digest()
+    assert second != first["content_digest"]
+    assert p.parts()["content_digest"] == second
+    assert p.parts()["target_content_digest"] == first["target_content_digest"]

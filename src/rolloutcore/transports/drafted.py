@@ -95,6 +95,7 @@ class DraftedSource(WeightSource):
         super().__init__(entries, load, f"{target.description} with draft {draft.description}")
         self.target = target
         self.draft = draft
+        self._parts: dict[str, str] | None = None
 
     def target_digest(self) -> str:
         return self.target.content_digest()
@@ -103,15 +104,21 @@ class DraftedSource(WeightSource):
         return self.draft.content_digest()
 
     def content_digest(self) -> str:
-        return policy_digest(self.target.content_digest(), self.draft.content_digest(),
-                             self.draft.manifest().digest)
+        """Read again on every call (a module or state dict may change between calls),
+        as ``WeightSource.content_digest``; ``parts()`` reports the last one."""
+        t, d, m = self.target.content_digest(), self.draft.content_digest(), \
+            self.draft.manifest().digest
+        self._parts = {"target_content_digest": t, "draft_content_digest": d,
+                       "draft_manifest_digest": m, "content_digest": policy_digest(t, d, m)}
+        return self._parts["content_digest"]
 
     def parts(self) -> dict[str, str]:
-        """Both digests and the draft's manifest: what a version's identity stands for."""
-        return {"target_content_digest": self.target_digest(),
-                "draft_content_digest": self.draft_digest(),
-                "draft_manifest_digest": self.draft.manifest().digest,
-                "content_digest": self.content_digest()}
+        """Both digests and the draft's manifest, as the last ``content_digest()`` read
+        them (read now if none did): what a version's identity stands for."""
+        if self._parts is None:
+            self.content_digest()
+        assert self._parts is not None
+        return dict(self._parts)
 
     def __repr__(self) -> str:
         return f"DraftedSource(target={self.target!r}, draft={self.draft!r})"
