@@ -33,6 +33,7 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome,
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateRefused
+from rolloutcore.transports.drafted import refusal as transport_refusal
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.image_probe import ProbeSuite, is_vision_language, vlm_probe
 from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
@@ -194,6 +195,7 @@ class EngineSession:
     def apply(self, prepared: PreparedUpdate, *, label: str | None = None,
               owner: str = "trainer") -> UpdateResult:
         """Run the verified transition for a prepared update."""
+        self._refuse_up_front(prepared.source)
         self.adapter.stage(prepared.source, provenance=prepared.provenance,
                            reference_checksums=prepared.reference_checksums,
                            probes=prepared.probe)
@@ -263,6 +265,7 @@ class EngineSession:
                                 probe_tolerance=probe_tolerance,
                                 reference_checksums=reference_checksums,
                                 content_digest=content_digest)
+        self._refuse_up_front(prepared.source)
         self.adapter.stage(prepared.source, provenance=prepared.provenance,
                            reference_checksums=prepared.reference_checksums,
                            probes=prepared.probe)
@@ -272,6 +275,13 @@ class EngineSession:
                                       min_verification=level)
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
+
+    def _refuse_up_front(self, source: WeightSource) -> None:
+        # Before anything is drained or sent: e.g. an engine with a draft model and
+        # an update without draft weights (transports.drafted).
+        why = transport_refusal(self.transport, source)
+        if why is not None:
+            raise UpdateRefused(why)
 
     def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         if isinstance(weights, (str, Path)):

@@ -562,15 +562,20 @@ class GlooTransport(TransportBase):
 
     def send(self, base_url: str, target_label: str, source: WeightSource, *,
              timeout_s: float, expected_manifest_digest: str | None = None,
-             nonce: str | None = None) -> TransferEvidence:
+             nonce: str | None = None, draft: bool = False) -> TransferEvidence:
         """One full round: start, update (tensors over gloo), finish with the label.
 
         Connects first when not connected to ``base_url`` (no mutation). On a
         failure after ``/start_weight_update`` the group is dropped: the next
         send reconnects. ``nonce``: the round's nonce, echoed in every rank's
         report (a gateway's, from its grant: ``declared_checksums``); default a
-        fresh random one.
+        fresh random one. ``draft=True``: the round goes to the engine's
+        speculative-decoding draft model (``/start_draft_weight_update``); its
+        finish sets no weight version (the target's round carries the label) and
+        its report is kept apart (``validation_check(..., draft=True)``).
         """
+        if not isinstance(draft, bool):
+            raise BadInput("draft must be a bool")
         url = check_url(base_url)
         label = check_label(target_label)
         t = check_timeout(timeout_s)
@@ -588,21 +593,23 @@ class GlooTransport(TransportBase):
                 self._connect(url, deadline)
             assert self._conn is not None
             return self._send(self._conn, label, source, t0, deadline,
-                              nonce or secrets.token_hex(8))
+                              nonce or secrets.token_hex(8), draft)
         finally:
             self._busy = False
 
     def _send(self, conn: _Conn, label: str, source: WeightSource, t0: float,
-              deadline: float, nonce: str) -> TransferEvidence:
+              deadline: float, nonce: str, draft: bool = False) -> TransferEvidence:
         url = conn.base_url
+        key = _round_key(url, draft)
         info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
-        self._rounds.pop(url, None)
+        self._rounds.pop(key, None)
+        start = "/start_draft_weight_update" if draft else "/start_weight_update"
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
 
-        f = run_side(lambda: self.post(url, "/start_weight_update", None, left()), "start")
-        self.wait([f], deadline, "start_weight_update", mutation_started=True,
+        f = run_side(lambda: self.post(url, start, None, left()), "start")
+        self.wait([f], deadline, start.lstrip("/"), mutation_started=True,
                   refusal_is_safe=True)
         # From here on the engine's model is open for reload: any failure is a mutation.
         f_http = run_side(lambda: self.post(url, "/update_weights",
@@ -617,14 +624,15 @@ class GlooTransport(TransportBase):
         # At finish every engine rank sends what it wrote (rank_checksums): received
         # here while the finish runs, checked by validation_check while paused.
         f = run_side(lambda: self.post(url, "/finish_weight_update",
-                                       {"weight_version": label}, left()), "finish")
+                                       {"weight_version": None if draft else label},
+                                       left()), "finish")
         f_rep = run_side(lambda: self._receive_reports(conn), "reports")
         try:
             self.wait([f, f_rep], deadline, "finish_weight_update", mutation_started=True)
         except BaseException:
             self._drop(notify_engine=False)
             raise
-        self._rounds[url] = _Round(nonce, sent, f_rep.result())
+        self._rounds[key] = _Round(nonce, sent, f_rep.result())
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
                                 tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
@@ -651,7 +659,8 @@ class GlooTransport(TransportBase):
         return out
 
     def validation_check(self, base_url: str, *,
-                         reference: Mapping[str, torch.Tensor] | None = None) -> Check:
+                         reference: Mapping[str, torch.Tensor] | None = None,
+                         draft: bool = False) -> Check:
         """Every engine rank's checksums of what it wrote, against the trainer's
         reconstruction of the same slices (``rank_checksums``) from ``reference``:
         the full tensors the engine must hold (default: those the last round sent;
@@ -659,9 +668,10 @@ class GlooTransport(TransportBase):
 
         A ``Check`` at ``ENGINE_CHECKSUM`` level, coverage the smallest rank's.
         Before anything was sent to ``base_url`` (a takeover's observation) it
-        is a passing check of no level: it establishes nothing.
+        is a passing check of no level: it establishes nothing. ``draft=True``:
+        the last draft round's (``send(..., draft=True)``).
         """
-        rnd = self._rounds.get(base_url)
+        rnd = self._rounds.get(_round_key(base_url, draft))
         if rnd is None:
             return Check("worker_shard_checksum", True, level=None, coverage=0.0,
                          detail="nothing sent to this engine by this transport yet: "
@@ -726,6 +736,11 @@ class GlooTransport(TransportBase):
 
     def __repr__(self) -> str:
         return f"GlooTransport(connected_to={self.connected_to!r})"
+
+
+def _round_key(url: str, draft: bool) -> str:
+    """Where a round's reports are kept: the target's by URL, a draft's apart."""
+    return f"{url}#draft" if draft else url
 
 
 def _as_cpu(t: torch.Tensor) -> torch.Tensor:
