@@ -157,8 +157,9 @@ def tp_thread_binding(tp: int, env: Mapping[str, str] | None = None,
                 else range(os.cpu_count() or 1))
     ids = sorted(cpus)
     if len(ids) < tp:
-        raise BadInput(f"tensor_parallel_size {tp} needs at least {tp} CPU cores (one per "
-                       f"rank) on vLLM's CPU build; this process may use {len(ids)} "
+        raise BadInput(f"{tp} engine ranks (tensor x pipeline parallel) needs at least "
+                       f"{tp} CPU cores (one per rank) on vLLM's CPU build; this process "
+                       f"may use {len(ids)} "
                        f"({','.join(map(str, ids))}). Set VLLM_CPU_OMP_THREADS_BIND yourself "
                        "to share cores")
     share = len(ids) // tp
@@ -213,14 +214,18 @@ class ManagedEngine:
         progress: bool = False,
         guard_routes: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self._model_dir = self._check_model_dir(model_dir)
-        tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
-            raise BadInput(f"tensor_parallel_size must be an int in 1..64, got {tp!r}")
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        for pname, pv in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if isinstance(pv, bool) or not isinstance(pv, int) or not 1 <= pv <= 64:
+                raise BadInput(f"{pname} must be an int in 1..64, got {pv!r}")
         self.tensor_parallel_size = tp
-        #: One core group per rank on the CPU build (``tp_thread_binding``).
-        self._tp_binding = tp_thread_binding(tp, env)
+        self.pipeline_parallel_size = pp
+        #: One core group per rank (tensor x pipeline) on the CPU build
+        #: (``tp_thread_binding``).
+        self._tp_binding = tp_thread_binding(tp * pp, env)
         if backend is not None and (not isinstance(backend, str) or not backend):
             raise BadInput(f"backend must be a non-empty string or None, got {backend!r}")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
@@ -350,13 +355,16 @@ class ManagedEngine:
             cmd += ["--middleware", engine_key.MIDDLEWARE]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-            if self.backend == "rolloutcore_gloo" and \
-                    "--worker-extension-cls" not in self.extra_args:
-                # Each worker answers its own report of a round (gloo_report): what a
-                # gateway compares with the trainer's per-rank declaration.
-                from rolloutcore.transports.gloo_report import WORKER_EXTENSION
+        if self.pipeline_parallel_size > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and \
+                self.backend == "rolloutcore_gloo" and \
+                "--worker-extension-cls" not in self.extra_args:
+            # Each worker answers its own report of a round (gloo_report): what a
+            # gateway compares with the trainer's per-rank declaration.
+            from rolloutcore.transports.gloo_report import WORKER_EXTENSION
 
-                cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+            cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
