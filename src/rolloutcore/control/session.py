@@ -278,6 +278,14 @@ class EngineSession:
         return UpdateResult(out.published, self.controller.identity, out)
 
     def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
+        # Beside a CPU engine this process launched, the reference forward pass keeps
+        # off the cores its ranks are pinned to (same numbers; 3-4x faster on 2 cores).
+        from rolloutcore.adapters.vllm.process import torch_threads
+
+        with torch_threads(None if self.engine is None else self.engine.threads_beside()):
+            return self._reference_probe(weights, tolerance)
+
+    def _reference_probe(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         if isinstance(weights, (str, Path)):
             if is_vision_language(weights):  # text and image probes (issue 22)
                 return vlm_probe(weights, tolerance=tolerance)

@@ -169,6 +169,53 @@ def tp_thread_binding(tp: int, env: Mapping[str, str] | None = None,
         else ",".join(map(str, g)) for g in groups)}
 
 
+def bound_cpus(spec: str | None) -> set[int] | None:
+    """The CPU ids a ``VLLM_CPU_OMP_THREADS_BIND`` value pins ranks to (``0|1``,
+    ``0-3|4-7``, ``0,2|4,6``); None for ``auto``, ``nobind``, nothing or anything else
+    (vLLM then binds by NUMA node: take it as every core)."""
+    if not spec or not isinstance(spec, str):
+        return None
+    out: set[int] = set()
+    try:
+        for rank in spec.split("|"):
+            for part in rank.split(","):
+                lo, _, hi = part.strip().partition("-")
+                a, b = int(lo), int(hi or lo)
+                if a < 0 or b < a:
+                    return None
+                out.update(range(a, b + 1))
+    except ValueError:
+        return None
+    return out or None
+
+
+def threads_beside(spec: str | None, cpus: Iterable[int]) -> int:
+    """Intra-op threads for CPU work this process does beside a CPU engine whose ranks
+    ``spec`` pins (``bound_cpus``; unknown: all of ``cpus``): the cores of ``cpus`` the
+    ranks leave, at least 1. Threads on a rank's core stall each other at every
+    barrier (a probe's reference forward pass took 0.7-1.1 s with 2 threads beside a
+    TP=2 engine on 2 cores, 0.2-0.3 s with 1, the same numbers out)."""
+    mine = set(cpus)
+    bound = bound_cpus(spec)
+    return max(1, len(mine - (mine if bound is None else bound)))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Any:
+    """``torch.set_num_threads(n)`` for the block (None: unchanged), then restored."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(n, before)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _kill_group(pgid: int, grace_s: float) -> None:
     """SIGTERM the group, SIGKILL what is left after ``grace_s``, wait until it is gone."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -381,6 +428,19 @@ class ManagedEngine:
         if self.guard_routes and self._route_key is not None:
             env[engine_key.ENV] = self._route_key
         return env
+
+    def threads_beside(self) -> int | None:
+        """Intra-op threads for this process's own CPU work (a probe's reference) beside
+        this engine on vLLM's CPU build: the cores its ranks leave, at least 1
+        (``threads_beside``); None on a machine with CUDA (the GPU build's workers do
+        not hold this host's cores)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        cpus = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                else range(os.cpu_count() or 1))
+        return threads_beside(self.environment().get("VLLM_CPU_OMP_THREADS_BIND"), cpus)
 
     def log_tail(self, lines: int = 40) -> str:
         if self._log_path is None or not self._log_path.exists():
