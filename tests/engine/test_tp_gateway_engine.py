@@ -180,17 +180,21 @@ def test_a_tp2_update_through_the_gateway_is_checked_on_every_rank(
     assert st["committed"]["label"] == res.published.label
 
 
-@pytest.mark.slow  # a second TP=2 engine start (65 s+ on 2 cores): the slow lane
+@pytest.mark.slow  # two more TP=2 engine starts (65 s+ each on 2 cores): the slow lane
 def test_the_gateways_tp2_update_equals_a_cold_tp2_start(
         rig: Rig, published_b: tuple[UpdateResult, list[Any]],
         engine_factory: EngineFactory) -> None:
     _, hot = published_b
+    # One TP=2 engine at a time on this machine: the gateway (and its engine) stops for
+    # the cold one, and starts again on B after it.
+    rig.stop_gateway()
     cold = engine_factory(rig.models.B, backend=None, tensor_parallel_size=2)
     try:
         with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
             assert _greedy(h) == hot  # greedy ids and logprobs, bit for bit
     finally:
         engine_factory.stop(cold)
+        rig.start_gateway(rig.models.B)
 
 
 @pytest.mark.slow  # needs a serving gateway on B after the CI case (the slow lane)
