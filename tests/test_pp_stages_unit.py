@@ -240,3 +240,25 @@ def test_the_models_renaming_applies_before_the_stage_split() -> None:
     index = ModelIndex(m, elsewhere=ELSEWHERE)
     assert index.split(["hf.head.weight", "hf.layers.2.weight", "drop.head.weight"]) == (
         ["hf.layers.2.weight", "drop.head.weight"], ["hf.head.weight"])
+
+
+def test_the_updates_status_carries_each_stage() -> None:
+    """``worker_shards`` (the gateway's update status) keeps each rank's stage and the
+    stage check, trimmed."""
+    from types import SimpleNamespace
+
+    from rolloutcore.service.control_sent import worker_shards
+
+    g = torch.Generator().manual_seed(2)
+    t = {n: torch.randn(3, 2, generator=g) for n in NAMES}
+    reps = [_rep(w, w, wrote, skipped, params=tuple(_written(n, t[n]) for n in wrote))
+            for w, wrote, skipped in ((0, ("embed.weight",), ("layers.0.w", *STAGE1)),
+                                      (1, STAGE1, STAGE0))]
+    decl = {r.worker_rank: {p.name: p.value for p in r.params} for r in reps}
+    res = compare_declared(list(enumerate(reps)), decl, nonce="n")
+    out = worker_shards(SimpleNamespace(last_rank_result=res))
+    assert out is not None and not out["passed"]
+    assert [(r["pp_rank"], r["pp_size"]) for r in out["ranks"]] == [(0, 2), (1, 2)]
+    assert out["stages"]["unwritten"] == ["layers.0.w"] and not out["stages"]["passed"]
+    assert len(out["stages"]["per_stage"]) == 2 and out["missing_pp_ranks"] == []
+    assert worker_shards(SimpleNamespace()) is None

@@ -135,3 +135,16 @@ def test_a_worker_extension_is_for_a_launched_engine_only(
             ServeOptions(**bad)  # type: ignore[arg-type]
     assert cli_main(["serve", "--engines", "2", "--worker-extension-cls", "a.B"]) == 2
     assert "--worker-extension-cls with a fleet" in capsys.readouterr().err
+
+
+def test_pipeline_stages_are_for_a_launched_engine_only(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _args("--pipeline-parallel-size", "2").pipeline_parallel_size == 2
+    assert _args().pipeline_parallel_size == 1
+    for bad in ({"pipeline_parallel_size": 0}, {"pipeline_parallel_size": True},
+                {"pipeline_parallel_size": 65},
+                {"pipeline_parallel_size": 2, "upstream": "http://a:1"}):
+        with pytest.raises(BadInput, match="pipeline_parallel_size"):
+            ServeOptions(**bad)  # type: ignore[arg-type]
+    assert cli_main(["serve", "--engines", "2", "--pipeline-parallel-size", "2"]) == 2
+    assert "--pipeline-parallel-size with a fleet" in capsys.readouterr().err

@@ -77,9 +77,12 @@ class Rig:
     url: str = ""
     engine_url: str = ""
     engine_groups: tuple[int, ...] = ()
+    #: How the gateway launches its engine.
+    parallel: tuple[str, ...] = ("--tensor-parallel-size", "2")
 
     def start_gateway(self, ckpt: Path) -> None:
-        """``serve --model ckpt --tensor-parallel-size 2``: the gateway launches the engine."""
+        """``serve --model ckpt --tensor-parallel-size 2`` (``parallel``): the gateway
+        launches the engine."""
         self.stop_gateway()
         port = free_port()
         tok = self.work / "token"
@@ -88,7 +91,7 @@ class Rig:
         with open(self.work / f"gateway-{port}.log", "wb") as log:
             self.gateway = subprocess.Popen(
                 [sys.executable, "-m", "rolloutcore", "serve", "--model", str(ckpt),
-                 "--tensor-parallel-size", "2", "--worker-extension-cls",
+                 *self.parallel, "--worker-extension-cls",
                  "rankfault.RankFault", "--port", str(port), "--token-file", str(tok),
                  "--lease-s", "120", "--workdir", str(self.work / f"serve-{port}")],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -72,6 +72,8 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
     "tensor_parallel_size": (1, "a fleet launches one-rank engines; tensor-parallel "
                                 "engines run behind one engine's gateway (a fleet of them "
                                 "is not built yet)"),
+    "pipeline_parallel_size": (1, "a fleet launches one-rank engines; pipeline-parallel "
+                                  "engines run behind one engine's gateway"),
     "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
                                    "worker extension"),
     "transport_backend": ("rolloutcore_gloo",
@@ -128,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="N", help="with --model: launch vLLM with N tensor-parallel "
                      "ranks (the CPU build binds each rank to its own cores); every update "
                      "checks what each rank wrote")
+    eng.add_argument("--pipeline-parallel-size", type=argtypes.positive_int, default=1,
+                     metavar="N", help="with --model: launch vLLM with N pipeline stages "
+                     "(bound like tensor-parallel ranks); every update checks that each "
+                     "tensor was written by exactly one stage")
     eng.add_argument("--worker-extension-cls", default=None, metavar="CLASS",
                      help="with --model: vLLM's --worker-extension-cls for the launched "
                      "engine (importable in its workers; a tensor-parallel gloo engine's "
