@@ -173,6 +173,13 @@ def main() -> int:
         "tp2_restart_s": restart_s,
         "hot_over_restart": v_med / restart_s if restart_s else None,
         "tp2_phases_median_s": _median_phases(v_out[1:]),
+        # Before the transition: the target's identity and the probe's reference forward
+        # pass on this host's CPU (EngineSession.prepare), outside the runner's phases.
+        "tp2_prepare_median_s": med(t - o.breakdown().get("total", 0.0)
+                                    for t, o in zip(v_times[1:], v_out[1:], strict=True)),
+        "tp1_prepare_median_s": med(t - o.breakdown().get("total", 0.0)
+                                    for t, o in zip(t1_times[1:], t1_out[1:], strict=True)),
+        "load_avg_1m_at_end": os.getloadavg()[0],
         "tp2_first_update_phases_s": v_out[0].breakdown(),
         "tp1_phases_median_s": _median_phases(t1_out[1:]),
         "rank_checks": checks,

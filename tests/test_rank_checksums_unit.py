@@ -10,6 +10,7 @@ range, a forged rank) must fail.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -207,3 +208,31 @@ def test_a_tp_engine_command_and_bad_degrees(tmp_path: Any) -> None:
     for bad in (0, -1, True, 2.0, "2", 65):
         with pytest.raises(BadInput):
             ManagedEngine(ck, tensor_parallel_size=bad)
+
+
+def test_the_trainers_threads_keep_off_the_cores_the_ranks_are_pinned_to(
+        tmp_path: Any) -> None:
+    from rolloutcore.adapters.vllm.process import bound_cpus, threads_beside, torch_threads
+
+    assert bound_cpus("0|1") == {0, 1}
+    assert bound_cpus("0-3|4-7") == set(range(8))
+    assert bound_cpus("0,2|4,6") == {0, 2, 4, 6}
+    for unknown in (None, "", "auto", "nobind", "1-0", "-1", "a|b"):
+        assert bound_cpus(unknown) is None, unknown
+    assert threads_beside("0|1", [0, 1]) == 1           # every core taken: one thread
+    assert threads_beside("0-3|4-7", range(16)) == 8    # the eight cores left
+    assert threads_beside("auto", range(16)) == 1       # vLLM binds the node: all of them
+    assert threads_beside("0", [0, 1, 2]) == 2
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):
+        raise RuntimeError("restored on the way out too")
+    assert torch.get_num_threads() == before
+    (tmp_path / "config.json").write_text("{}")
+    cpus = sorted(os.sched_getaffinity(0))
+    eng = ManagedEngine(tmp_path, port=1, env={"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0])})
+    if not torch.cuda.is_available():
+        assert eng.threads_beside() == max(1, len(cpus) - 1)

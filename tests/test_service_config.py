@@ -120,3 +120,31 @@ def test_serve_options_refuse_bad_values_without_the_cli() -> None:
     with pytest.raises(BadInput, match="ServeOptions"):
         run_serve(_args().__dict__)  # type: ignore[arg-type]
     assert _args("--port", "9000", "--queue", "3") == ServeOptions(port=9000, queue=3)
+
+
+def test_a_worker_extension_is_for_a_launched_engine_only(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--worker-extension-cls`` goes to the engine ``serve --model`` launches; a running
+    engine (``--upstream``) keeps its own, and a name that is not one is refused."""
+    assert _args("--worker-extension-cls", "pkg.mod.Ext").worker_extension_cls == "pkg.mod.Ext"
+    assert _args().worker_extension_cls is None
+    for bad in ({"worker_extension_cls": ""}, {"worker_extension_cls": "a b"},
+                {"worker_extension_cls": 3},
+                {"worker_extension_cls": "a.B", "upstream": "http://a:1"}):
+        with pytest.raises(BadInput, match="worker_extension_cls"):
+            ServeOptions(**bad)  # type: ignore[arg-type]
+    assert cli_main(["serve", "--engines", "2", "--worker-extension-cls", "a.B"]) == 2
+    assert "--worker-extension-cls with a fleet" in capsys.readouterr().err
+
+
+def test_pipeline_stages_are_for_a_launched_engine_only(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert _args("--pipeline-parallel-size", "2").pipeline_parallel_size == 2
+    assert _args().pipeline_parallel_size == 1
+    for bad in ({"pipeline_parallel_size": 0}, {"pipeline_parallel_size": True},
+                {"pipeline_parallel_size": 65},
+                {"pipeline_parallel_size": 2, "upstream": "http://a:1"}):
+        with pytest.raises(BadInput, match="pipeline_parallel_size"):
+            ServeOptions(**bad)  # type: ignore[arg-type]
+    assert cli_main(["serve", "--engines", "2", "--pipeline-parallel-size", "2"]) == 2
+    assert "--pipeline-parallel-size with a fleet" in capsys.readouterr().err

@@ -12,6 +12,9 @@ the file named by ``ROLLOUTCORE_TEST_RANK_FAULT`` (empty or absent: nothing):
                                slice where its own belongs
     die <tp rank> <tensor>     that rank SIGKILLs itself when <tensor> arrives
     slow <tp rank> <seconds>   that rank waits before joining the trainer's group
+    disown <pp rank> <tensor>  that pipeline stage takes <tensor> for another stage's
+                               (skips it and reports it skipped, as for a layer it
+                               does not hold)
 
 The engine and the transfer are otherwise the real ones.
 """
@@ -46,6 +49,12 @@ def _tp_rank() -> int:
     return int(get_tensor_model_parallel_rank())
 
 
+def _pp_rank() -> int:
+    from vllm.distributed import get_pp_group
+
+    return int(get_pp_group().rank_in_group)
+
+
 def _other_slice(name: str, w: Any) -> Any:
     import torch
 
@@ -61,6 +70,16 @@ def _install() -> None:
 
     def receive_weights(self: Any, info: Any) -> None:
         f = _fault()
+        if f is not None and f[0] == "disown":
+            if f[1] != _pp_rank() or self._index is None:
+                return receive(self, info)
+            index, target = self._index, f[2]
+            real_elsewhere = index.owned_elsewhere
+            index.owned_elsewhere = lambda name: name == target or real_elsewhere(name)
+            try:
+                return receive(self, info)
+            finally:
+                del index.owned_elsewhere
         if f is None or f[0] == "slow" or f[1] != _tp_rank():
             return receive(self, info)
         kind, _, target = f

@@ -72,6 +72,10 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
     "tensor_parallel_size": (1, "a fleet launches one-rank engines; tensor-parallel "
                                 "engines run behind one engine's gateway (a fleet of them "
                                 "is not built yet)"),
+    "pipeline_parallel_size": (1, "a fleet launches one-rank engines; pipeline-parallel "
+                                  "engines run behind one engine's gateway"),
+    "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
+                                   "worker extension"),
     "transport_backend": ("rolloutcore_gloo",
                           "a fleet sends weights with its own gloo fan-out and per-engine "
                           "gloo groups (rolloutcore_gloo); another backend is not supported "
@@ -126,6 +130,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="N", help="with --model: launch vLLM with N tensor-parallel "
                      "ranks (the CPU build binds each rank to its own cores); every update "
                      "checks what each rank wrote")
+    eng.add_argument("--pipeline-parallel-size", type=argtypes.positive_int, default=1,
+                     metavar="N", help="with --model: launch vLLM with N pipeline stages "
+                     "(bound like tensor-parallel ranks); every update checks that each "
+                     "tensor was written by exactly one stage")
+    eng.add_argument("--worker-extension-cls", default=None, metavar="CLASS",
+                     help="with --model: vLLM's --worker-extension-cls for the launched "
+                     "engine (importable in its workers; a tensor-parallel gloo engine's "
+                     "must subclass rolloutcore.transports.gloo_report.RankReportExtension "
+                     "for the gateway to check every rank)")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")

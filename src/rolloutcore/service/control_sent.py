@@ -110,7 +110,8 @@ def check_rank_declaration(config: ServiceConfig, round_nonce: str,
     return None
 
 
-_KEEP = ("worker_rank", "tp_rank", "tp_size", "compared", "model_params", "coverage",
+_KEEP = ("worker_rank", "tp_rank", "tp_size", "pp_rank", "pp_size", "compared", "model_params",
+         "coverage",
          "n_mismatched", "mismatched", "n_uncovered", "problems", "passed")
 
 
@@ -120,9 +121,15 @@ def worker_shards(adapter: Any) -> dict[str, Any] | None:
     r = getattr(adapter, "last_rank_result", None)
     if not isinstance(r, Mapping):
         return None
-    return {"passed": bool(r.get("passed")),
-            "coverage_per_rank": [float(c) for c in r.get("coverage_per_rank") or []],
-            "missing_tp_ranks": list(r.get("missing_tp_ranks") or []),
-            "problems": list(r.get("problems") or [])[:5],
-            "ranks": [{k: (v[:5] if isinstance(v, list) else v) for k, v in rk.items()
-                       if k in _KEEP} for rk in r.get("ranks") or []]}
+    out = {"passed": bool(r.get("passed")),
+           "coverage_per_rank": [float(c) for c in r.get("coverage_per_rank") or []],
+           "missing_tp_ranks": list(r.get("missing_tp_ranks") or []),
+           "missing_pp_ranks": list(r.get("missing_pp_ranks") or []),
+           "problems": list(r.get("problems") or [])[:5],
+           "ranks": [{k: (v[:5] if isinstance(v, list) else v) for k, v in rk.items()
+                      if k in _KEEP} for rk in r.get("ranks") or []]}
+    st = r.get("stages")
+    if isinstance(st, Mapping):  # every tensor written by exactly one pipeline stage
+        out["stages"] = {k: (v[:5] if isinstance(v, list) and k != "per_stage" else v)
+                         for k, v in st.items()}
+    return out

@@ -87,14 +87,24 @@ class ServeOptions:
     update_mode: str = "strict"           # strict|keep|recompute|engine_recompute (carried)
     max_staleness: int | None = None      # asynchronous modes: the bound, in versions
     tensor_parallel_size: int = 1         # with model: ranks of the launched engine
+    pipeline_parallel_size: int = 1       # with model: stages of the launched engine
+    worker_extension_cls: str | None = None  # with model: vLLM's --worker-extension-cls
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
-            raise BadInput(f"tensor_parallel_size must be an int in 1..64, got {tp!r}")
-        if tp > 1 and self.upstream:
-            raise BadInput("tensor_parallel_size is how a launched engine starts; a running "
-                           "engine (upstream) keeps the ranks it was started with")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+                raise BadInput(f"{name} must be an int in 1..64, got {n!r}")
+            if n > 1 and self.upstream:
+                raise BadInput(f"{name} is how a launched engine starts; a running "
+                               "engine (upstream) keeps the ranks it was started with")
+        wx = self.worker_extension_cls
+        if wx is not None and (not isinstance(wx, str) or not wx.strip() or any(
+                c.isspace() for c in wx)):
+            raise BadInput(f"worker_extension_cls must be a dotted class name, got {wx!r}")
+        if wx is not None and self.upstream:
+            raise BadInput("worker_extension_cls is how a launched engine starts; a running "
+                           "engine (upstream) keeps the extension it was started with")
         if self.update_mode not in ("strict", "keep", "recompute", "engine_recompute"):
             raise BadInput(f"update_mode must be strict, keep, recompute or engine_recompute, "
                            f"got {self.update_mode!r}")
@@ -279,7 +289,10 @@ def run_serve(args: ServeOptions) -> int:
             # grants an update): transports.engine_key.
             engine = ManagedEngine(model_dir, backend=args.transport_backend,
                                    log_dir=workdir / "logs", progress=True, guard_routes=True,
-                                   tensor_parallel_size=args.tensor_parallel_size)
+                                   tensor_parallel_size=args.tensor_parallel_size,
+                                   pipeline_parallel_size=args.pipeline_parallel_size,
+                                   extra_args=() if args.worker_extension_cls is None else (
+                                       "--worker-extension-cls", args.worker_extension_cls))
             engine.start()
             url, epoch, served = engine.base_url, engine.epoch, engine.model_name
         source = WeightSource.from_checkpoint(model_dir)

@@ -300,6 +300,29 @@ _ENGINE_CLS: type[Any] | None = None
 GlooWeightTransferEngine: type[Any]  # built on first access, see __getattr__
 
 
+@dataclass
+class _Subset:
+    """The part of a round's metadata one pipeline stage holds (``RoundMetadata``)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    @classmethod
+    def of(cls, info: GlooUpdateInfo, keep: set[str]) -> _Subset:
+        rows = [(n, d, s) for n, d, s in zip(info.names, info.dtype_names, info.shapes,
+                                              strict=True) if n in keep]
+        return cls([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
+
+
+def _pp_elsewhere(model: Any) -> list[str]:
+    """Module prefixes of the layers another pipeline stage holds (vLLM's own
+    ``get_pp_missing_layer_names``; none without pipeline parallelism)."""
+    from vllm.model_executor.models.utils import get_pp_missing_layer_names
+
+    return list(get_pp_missing_layer_names(model))
+
+
 def _build_engine_class() -> type[Any]:
     import importlib
 
@@ -344,6 +367,11 @@ def _build_engine_class() -> type[Any]:
             # What each parameter received this session (checkpoint name, shard ids),
             # the round's nonce, and the checksums taken as the layers loaded.
             self._placed: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+            # The round's tensors this stage loaded and those another pipeline stage
+            # holds (skipped here): reported, so the trainer sees every tensor written
+            # exactly once across the stages.
+            self._wrote: dict[str, None] = {}
+            self._skipped: dict[str, None] = {}
             self._nonce = ""
             self._capture: Any = None
             #: The last finished round's report of this rank, kept for whoever asks the
@@ -371,13 +399,16 @@ def _build_engine_class() -> type[Any]:
             # (Planned before the reload moves any tensor to meta.)
             if not self._opened:
                 self._rederive = derived.plan_rederive(self.model)
-                self._index = ModelIndex(self.model, _reload_layout)
+                self._index = ModelIndex(self.model, _reload_layout,
+                                         elsewhere=_pp_elsewhere(self.model))
 
         def finish_weight_update(self) -> None:
             if not self._opened:
                 return  # nothing was received: nothing was opened, nothing to rebuild
             written, self._written, self._opened = self._written, set(), False
             placed, self._placed = self._placed, {}
+            wrote, self._wrote = tuple(self._wrote), {}
+            skipped, self._skipped = tuple(self._skipped), {}
             capture, self._capture = self._capture, None
             try:
                 reload.finalize_layerwise_reload(self.model, self.model_config)
@@ -390,7 +421,7 @@ def _build_engine_class() -> type[Any]:
             derived.rederive(self.model, plan, written)
             if capture is not None:
                 self.last_report = capture.report(placed, written, self._worker_rank(),
-                                                  self._nonce)
+                                                  self._nonce, wrote, skipped)
             if capture is not None and self._group is not None:
                 # What this rank wrote, to the trainer over the round's own group.
                 report = self.last_report
@@ -417,9 +448,12 @@ def _build_engine_class() -> type[Any]:
                                    "Call init_transfer_engine() first.")
             if self._index is None:
                 raise RuntimeError("start_weight_update() first")
-            written = check_against_model(update_info, self._index)
+            # A pipeline stage takes the names its own layers hold; the others are
+            # another stage's (received, as the broadcast needs every rank, not loaded).
+            mine, other = self._index.split(update_info.names)
+            written = check_against_model(_Subset.of(update_info, set(mine)), self._index)
             placed: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-            for name in update_info.names:
+            for name in mine:
                 for slot in self._index.resolve(name):
                     placed.setdefault(slot.param, []).append((name, slot.parts))
             if not self._opened:
@@ -431,6 +465,8 @@ def _build_engine_class() -> type[Any]:
                 reload.initialize_layerwise_reload(self.model)
                 self._opened = True
             self._written |= written
+            self._wrote.update(dict.fromkeys(mine))
+            self._skipped.update(dict.fromkeys(other))
             for k, v in placed.items():
                 self._placed.setdefault(k, []).extend(v)
             self._nonce = update_info.nonce or ""
@@ -441,11 +477,14 @@ def _build_engine_class() -> type[Any]:
                 )
                 ctx = disable_mtp_completeness_check()
             model: Any = self.model
+            skip = set(other)
             with ctx:
                 for name, dt, shape in zip(update_info.names, update_info.dtype_names,
                                            update_info.shapes, strict=True):
                     buf = torch.empty(shape, dtype=getattr(torch, dt))
                     self._group.broadcast(buf, 0).wait()
+                    if name in skip:
+                        continue
                     weight = buf if self.device.type == "cpu" else buf.to(self.device)
                     model.load_weights([(name, weight)])
 
@@ -678,7 +717,10 @@ class GlooTransport(TransportBase):
                                 "no write to check")
         t0 = time.monotonic()
         tensors = rnd.sent if reference is None else reference
-        result = rank_checksums.compare_ranks(rnd.reports, tensors, nonce=rnd.nonce)
+        # Every tensor the round sent written exactly once across the pipeline stages
+        # (at one stage: by every rank).
+        result = rank_checksums.compare_ranks(rnd.reports, tensors, nonce=rnd.nonce,
+                                              names=list(rnd.sent))
         result["trainer_s"] = time.monotonic() - t0
         self.last_check = result
         chk = rank_checksums.to_check(result)

@@ -10,7 +10,7 @@ cannot take before a byte is received. Used by the engine half of
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,7 +88,11 @@ class ModelIndex:
     """
 
     def __init__(self, model: Any,
-                 layout: Callable[[Any], Mapping[str, Any] | None] | None = None) -> None:
+                 layout: Callable[[Any], Mapping[str, Any] | None] | None = None,
+                 elsewhere: Sequence[str] = ()) -> None:
+        #: Module prefixes (``"model.layers.1."``) another pipeline stage holds: vLLM's
+        #: ``get_pp_missing_layer_names`` of this stage's model.
+        self.elsewhere = tuple(str(e) for e in elsewhere)
         packed: Mapping[str, Any] = getattr(model, "packed_modules_mapping", None) or {}
         self.packed = {k: tuple(v) for k, v in packed.items()}
         self.direct: dict[str, _Slot] = {}
@@ -152,6 +156,26 @@ class ModelIndex:
                                  f"{len(f.sizes)} shards")
             out.append(f.shard(tuple(ok)))
         return out
+
+    def owned_elsewhere(self, name: str) -> bool:
+        """``name`` belongs to a layer another pipeline stage holds (vLLM's
+        ``is_pp_missing_parameter`` on the model's own name for it): this stage skips it.
+        A name the model's loader drops is not another stage's (``resolve`` refuses it)."""
+        if not self.elsewhere:
+            return False
+        try:
+            target, _ = self._mapped(name)
+        except ValueError:
+            return False
+        return any(target.startswith(e) for e in self.elsewhere)
+
+    def split(self, names: Sequence[str]) -> tuple[list[str], list[str]]:
+        """(this stage's names, the names another stage holds), in round order."""
+        mine: list[str] = []
+        other: list[str] = []
+        for n in names:
+            (other if self.owned_elsewhere(n) else mine).append(n)
+        return mine, other
 
     def resolve(self, name: str) -> list[_Slot]:
         target, shard = self._mapped(name)

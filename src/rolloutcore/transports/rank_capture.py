@@ -97,9 +97,11 @@ def build_capture_class() -> type[Any]:
                     getattr(prm, "output_dim", None), getattr(prm, "input_dim", None))
 
         def report(self, placed: Mapping[str, list[tuple[str, tuple[int, ...]]]],
-                   written: set[str], worker_rank: int, nonce: str
+                   written: set[str], worker_rank: int, nonce: str,
+                   wrote: tuple[str, ...] = (), skipped: tuple[str, ...] = ()
                    ) -> rank_checksums.RankReport:
             from vllm.distributed import (
+                get_pp_group,
                 get_tensor_model_parallel_rank,
                 get_tensor_model_parallel_world_size,
             )
@@ -137,9 +139,11 @@ def build_capture_class() -> type[Any]:
                     tuple((src, tuple(parts)) for src, parts in placed.get(n, [])),
                     odim if isinstance(odim, int) else None,
                     idim if isinstance(idim, int) else None, sizes, qkv, vocab, tp))
+            pp = get_pp_group()
             return rank_checksums.RankReport(
                 worker_rank, int(get_tensor_model_parallel_rank()),
                 int(get_tensor_model_parallel_world_size()), tuple(params), len(live),
-                self.elapsed_s + time.monotonic() - t0, nonce)
+                self.elapsed_s + time.monotonic() - t0, nonce,
+                int(pp.rank_in_group), int(pp.world_size), wrote, skipped)
 
     return _WriteCapture

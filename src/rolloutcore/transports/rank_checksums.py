@@ -48,6 +48,7 @@ __all__ = [
     "checksum_of",
     "compare_declared",
     "compare_ranks",
+    "stage_coverage",
     "declare",
     "decode",
     "encode",
@@ -139,7 +140,14 @@ class ParamWrite:
 
 @dataclass(frozen=True)
 class RankReport:
-    """What one engine worker wrote in a round, as it sends it at finish."""
+    """What one engine worker wrote in a round, as it sends it at finish.
+
+    ``wrote``/``skipped``: the round's checkpoint tensors this worker loaded, and
+    those it left to another pipeline stage (vLLM's ``is_pp_missing_parameter``:
+    the layer is not on this stage). Across the stages of one tensor-parallel
+    rank, every tensor of the round must be written exactly once
+    (``stage_coverage``).
+    """
 
     worker_rank: int
     tp_rank: int
@@ -148,35 +156,55 @@ class RankReport:
     model_params: int          # distinct parameters of this rank's model
     elapsed_s: float = 0.0
     nonce: str = ""
+    pp_rank: int = 0
+    pp_size: int = 1
+    wrote: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {"worker_rank": self.worker_rank, "tp_rank": self.tp_rank,
                 "tp_size": self.tp_size, "params": [p.to_dict() for p in self.params],
                 "model_params": self.model_params, "elapsed_s": self.elapsed_s,
-                "nonce": self.nonce}
+                "nonce": self.nonce, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
+                "wrote": list(self.wrote), "skipped": list(self.skipped)}
 
     @classmethod
     def from_dict(cls, d: Any) -> RankReport:
         if not isinstance(d, Mapping):
             raise ValueError("a rank report must be an object")
         ints: dict[str, int] = {}
-        for k in ("worker_rank", "tp_rank", "tp_size", "model_params"):
-            v = d.get(k)
+        for k, default in (("worker_rank", None), ("tp_rank", None), ("tp_size", None),
+                           ("model_params", None), ("pp_rank", 0), ("pp_size", 1)):
+            v = d.get(k, default)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{k} must be an int >= 0, got {v!r}")
             ints[k] = v
         if not 0 <= ints["tp_rank"] < max(1, ints["tp_size"]):
             raise ValueError(f"tp_rank {ints['tp_rank']} outside tp_size {ints['tp_size']}")
+        if not 0 <= ints["pp_rank"] < max(1, ints["pp_size"]):
+            raise ValueError(f"pp_rank {ints['pp_rank']} outside pp_size {ints['pp_size']}")
         params = d.get("params")
         if not isinstance(params, list):
             raise ValueError("params must be a list")
         ps = tuple(ParamWrite.from_dict(p) for p in params)
         if len({p.name for p in ps}) != len(ps):
             raise ValueError("a parameter is reported twice")
+        names: dict[str, tuple[str, ...]] = {}
+        for k in ("wrote", "skipped"):
+            v = d.get(k, [])
+            if not isinstance(v, list) or not all(isinstance(n, str) and n for n in v):
+                raise ValueError(f"{k} must be a list of tensor names")
+            if len(set(v)) != len(v):
+                raise ValueError(f"a tensor is listed twice in {k}")
+            names[k] = tuple(v)
+        both = set(names["wrote"]) & set(names["skipped"])
+        if both:
+            raise ValueError(f"{sorted(both)[0]} is both written and skipped")
         el = d.get("elapsed_s", 0.0)
         return cls(ints["worker_rank"], ints["tp_rank"], ints["tp_size"], ps,
                    ints["model_params"], float(el) if isinstance(el, (int, float)) else 0.0,
-                   str(d.get("nonce") or ""))
+                   str(d.get("nonce") or ""), ints["pp_rank"], ints["pp_size"],
+                   names["wrote"], names["skipped"])
 
 
 def encode(report: RankReport) -> bytes:
@@ -378,6 +406,7 @@ def _rank_row(group_rank: int, rep: RankReport, want: Callable[[ParamWrite], int
     denom = max(rep.model_params, len(rep.params), 1)
     return {"group_rank": group_rank, "worker_rank": rep.worker_rank,
             "tp_rank": rep.tp_rank, "tp_size": rep.tp_size,
+            "pp_rank": rep.pp_rank, "pp_size": rep.pp_size,
             "written": len(rep.params), "compared": compared,
             "model_params": rep.model_params,
             "coverage": compared / denom,
@@ -397,25 +426,104 @@ def _identity_problems(group_rank: int, rep: RankReport, rank_offset: int,
     if rep.tp_size > 0 and rep.tp_rank != rep.worker_rank % rep.tp_size:
         problems.append(f"worker {rep.worker_rank} reports tensor-parallel rank "
                         f"{rep.tp_rank} of {rep.tp_size}")
+    if rep.pp_size > 1 and rep.pp_rank != rep.worker_rank // max(1, rep.tp_size):
+        problems.append(f"worker {rep.worker_rank} reports pipeline stage {rep.pp_rank} "
+                        f"of {rep.pp_size}")
     if nonce is not None and rep.nonce != nonce:
         problems.append(f"report of round {rep.nonce!r}, not of this one ({nonce!r})")
     return problems
 
 
-def _result(ranks: list[dict[str, Any]], extra_problems: Sequence[str] = ()
-            ) -> dict[str, Any]:
+def _result(ranks: list[dict[str, Any]], extra_problems: Sequence[str] = (),
+            stages: Mapping[str, Any] | None = None) -> dict[str, Any]:
     tp = {r["tp_rank"] for r in ranks}
     tp_size = max((r["tp_size"] for r in ranks), default=0)
     missing = sorted(set(range(tp_size)) - tp)
-    return {"ranks": ranks, "coverage_per_rank": [r["coverage"] for r in ranks],
-            "missing_tp_ranks": missing, "problems": list(extra_problems),
-            "passed": bool(ranks) and not missing and not extra_problems
-            and all(r["passed"] for r in ranks)}
+    pp = {r.get("pp_rank", 0) for r in ranks}
+    pp_size = max((r.get("pp_size", 1) for r in ranks), default=0)
+    missing_pp = sorted(set(range(pp_size)) - pp)
+    out = {"ranks": ranks, "coverage_per_rank": [r["coverage"] for r in ranks],
+           "missing_tp_ranks": missing, "missing_pp_ranks": missing_pp,
+           "problems": list(extra_problems),
+           "passed": bool(ranks) and not missing and not missing_pp and not extra_problems
+           and all(r["passed"] for r in ranks)}
+    if stages is not None:
+        out["stages"] = dict(stages)
+        out["passed"] = out["passed"] and bool(stages["passed"])
+    return out
+
+
+def stage_coverage(reports: Sequence[RankReport], names: Sequence[str] | None = None
+                   ) -> dict[str, Any]:
+    """Every checkpoint tensor of the round written by exactly one pipeline stage.
+
+    ``names``: the round's tensors (the trainer's; ``None``: those the reports
+    name, as a gateway knows them). For each tensor-parallel rank, the stages'
+    ``wrote`` lists must partition ``names``: a tensor no stage wrote (every
+    stage skipped it, or none listed it) or two stages wrote fails, as does a
+    report that accounts for a tensor the round did not send, or leaves one of
+    the round's tensors neither written nor skipped. At one stage (no pipeline)
+    every rank writes every tensor. ``per_stage``: per (stage, tensor-parallel
+    rank), tensors written, skipped, and ``coverage`` = written / the tensors
+    no other stage wrote (1.0 when the stage wrote all it owns).
+    """
+    if names is None:
+        every: list[str] = []
+        for r in reports:
+            every += [*r.wrote, *r.skipped]
+        names = list(dict.fromkeys(every))
+    want = list(dict.fromkeys(names))
+    wanted = set(want)
+    problems: list[str] = []
+    per: list[dict[str, Any]] = []
+    by_tp: dict[int, list[RankReport]] = {}
+    for r in reports:
+        by_tp.setdefault(r.tp_rank, []).append(r)
+        beyond = sorted((set(r.wrote) | set(r.skipped)) - wanted)
+        unaccounted = sorted(wanted - set(r.wrote) - set(r.skipped))
+        if beyond:
+            problems.append(f"worker {r.worker_rank} accounts for {len(beyond)} tensor(s) "
+                            f"the round did not send ({', '.join(beyond[:3])})")
+        if unaccounted:
+            problems.append(f"worker {r.worker_rank} neither wrote nor skipped "
+                            f"{len(unaccounted)} tensor(s) ({', '.join(unaccounted[:3])})")
+    unwritten: list[str] = []
+    twice: list[str] = []
+    for tp_rank, reps in sorted(by_tp.items()):
+        writers: dict[str, list[int]] = {n: [] for n in want}
+        for r in reps:
+            for n in r.wrote:
+                if n in writers:
+                    writers[n].append(r.pp_rank)
+        none = [n for n, w in writers.items() if not w]
+        many = [f"{n} (stages {sorted(w)})" for n, w in writers.items() if len(w) > 1]
+        if none:
+            problems.append(f"no stage of tensor-parallel rank {tp_rank} wrote "
+                            f"{len(none)} tensor(s) ({', '.join(none[:3])})")
+        if many:
+            problems.append(f"{len(many)} tensor(s) written by more than one stage of "
+                            f"tensor-parallel rank {tp_rank}: {', '.join(many[:3])}")
+        unwritten += none
+        twice += [n for n, w in writers.items() if len(w) > 1]
+        for r in sorted(reps, key=lambda r: r.pp_rank):
+            others = {n for o in reps if o is not r for n in o.wrote}
+            owned = [n for n in want if n not in others]
+            mine = [n for n in owned if n in set(r.wrote)]
+            per.append({"worker_rank": r.worker_rank, "pp_rank": r.pp_rank,
+                        "tp_rank": tp_rank, "wrote": len(r.wrote),
+                        "skipped": len(r.skipped),
+                        "coverage": len(mine) / len(owned) if owned else 0.0})
+    return {"tensors": len(want), "per_stage": per,
+            "unwritten": sorted(set(unwritten))[:20], "n_unwritten": len(set(unwritten)),
+            "written_twice": sorted(set(twice))[:20], "n_written_twice": len(set(twice)),
+            "problems": problems,
+            "passed": bool(reports) and bool(want) and not problems}
 
 
 def compare_ranks(reports: Sequence[tuple[int, RankReport]],
                   tensors: Mapping[str, torch.Tensor], *, rank_offset: int = 1,
-                  nonce: str | None = None) -> dict[str, Any]:
+                  nonce: str | None = None, names: Sequence[str] | None = None
+                  ) -> dict[str, Any]:
     """Every rank's checksums against the trainer's, per rank.
 
     ``reports``: (group rank that sent it, report). A rank passes when its
@@ -423,6 +531,9 @@ def compare_ranks(reports: Sequence[tuple[int, RankReport]],
     of this round), every parameter it wrote could be
     reconstructed and equals the trainer's checksum. ``coverage_per_rank``:
     compared parameters over the rank's distinct model parameters.
+    ``names``: the round's tensors; given, the stages' reports must together
+    write each exactly once per tensor-parallel rank (``stage_coverage``, in
+    ``stages``).
     """
     ranks: list[dict[str, Any]] = []
     for group_rank, rep in reports:
@@ -432,7 +543,8 @@ def compare_ranks(reports: Sequence[tuple[int, RankReport]],
 
         ranks.append(_rank_row(group_rank, rep, want,
                                _identity_problems(group_rank, rep, rank_offset, nonce)))
-    return _result(ranks)
+    stages = None if names is None else stage_coverage([r for _, r in reports], names)
+    return _result(ranks, stages=stages)
 
 
 # ------------------------------------------------------------------ through a gateway
@@ -507,7 +619,13 @@ def compare_declared(reports: Sequence[tuple[int, RankReport | str]],
     ghosts = sorted(set(declared) - workers)
     if ghosts:
         extra.append(f"the trainer declares workers {ghosts} this engine does not have")
-    return _result(ranks, extra)
+    own = [r for _, r in reports if not isinstance(r, str)]
+    # Workers that account for the round's tensors (every rolloutcore_gloo worker of
+    # this version; always at more than one pipeline stage): each tensor they name
+    # written by exactly one stage.
+    stages = stage_coverage(own) if any(
+        r.wrote or r.skipped or r.pp_size > 1 for r in own) else None
+    return _result(ranks, extra, stages)
 
 
 def to_check(result: Mapping[str, Any]) -> Check:
@@ -526,10 +644,23 @@ def to_check(result: Mapping[str, Any]) -> Check:
         bits.append(s)
     if result.get("missing_tp_ranks"):
         bits.append(f"no report from tensor-parallel ranks {result['missing_tp_ranks']}")
+    if result.get("missing_pp_ranks"):
+        bits.append(f"no report from pipeline stages {result['missing_pp_ranks']}")
+    stages = result.get("stages")
+    if isinstance(stages, Mapping):
+        bits.extend(stages.get("problems") or [])
+        per = stages.get("per_stage") or []
+        if any(s.get("pp_rank", 0) for s in per):
+            bits.append("coverage_per_stage=[" + ", ".join(
+                f"{s['pp_rank']}/{s['tp_rank']}:{float(s['coverage']):.3f}" for s in per)
+                + "]")
     bits.extend(result.get("problems") or [])
     cov = [float(c) for c in result.get("coverage_per_rank") or []]
     if cov:
         bits.append("coverage_per_rank=[" + ", ".join(f"{c:.3f}" for c in cov) + "]")
+    # A tensor no stage wrote lowers the coverage too (every stage's share of it).
+    low = cov + ([float(s["coverage"]) for s in stages.get("per_stage") or []]
+                 if isinstance(stages, Mapping) else [])
     return Check("worker_shard_checksum", bool(result.get("passed")),
                  detail="; ".join(bits) or "no rank reported",
-                 coverage=min(cov) if cov else 0.0, level=VerificationLevel.ENGINE_CHECKSUM)
+                 coverage=min(low) if cov else 0.0, level=VerificationLevel.ENGINE_CHECKSUM)

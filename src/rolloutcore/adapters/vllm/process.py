@@ -157,8 +157,9 @@ def tp_thread_binding(tp: int, env: Mapping[str, str] | None = None,
                 else range(os.cpu_count() or 1))
     ids = sorted(cpus)
     if len(ids) < tp:
-        raise BadInput(f"tensor_parallel_size {tp} needs at least {tp} CPU cores (one per "
-                       f"rank) on vLLM's CPU build; this process may use {len(ids)} "
+        raise BadInput(f"{tp} engine ranks (tensor x pipeline parallel) needs at least "
+                       f"{tp} CPU cores (one per rank) on vLLM's CPU build; this process "
+                       f"may use {len(ids)} "
                        f"({','.join(map(str, ids))}). Set VLLM_CPU_OMP_THREADS_BIND yourself "
                        "to share cores")
     share = len(ids) // tp
@@ -166,6 +167,53 @@ def tp_thread_binding(tp: int, env: Mapping[str, str] | None = None,
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
         f"{g[0]}-{g[-1]}" if len(g) > 1 and g[-1] - g[0] == len(g) - 1
         else ",".join(map(str, g)) for g in groups)}
+
+
+def bound_cpus(spec: str | None) -> set[int] | None:
+    """The CPU ids a ``VLLM_CPU_OMP_THREADS_BIND`` value pins ranks to (``0|1``,
+    ``0-3|4-7``, ``0,2|4,6``); None for ``auto``, ``nobind``, nothing or anything else
+    (vLLM then binds by NUMA node: take it as every core)."""
+    if not spec or not isinstance(spec, str):
+        return None
+    out: set[int] = set()
+    try:
+        for rank in spec.split("|"):
+            for part in rank.split(","):
+                lo, _, hi = part.strip().partition("-")
+                a, b = int(lo), int(hi or lo)
+                if a < 0 or b < a:
+                    return None
+                out.update(range(a, b + 1))
+    except ValueError:
+        return None
+    return out or None
+
+
+def threads_beside(spec: str | None, cpus: Iterable[int]) -> int:
+    """Intra-op threads for CPU work this process does beside a CPU engine whose ranks
+    ``spec`` pins (``bound_cpus``; unknown: all of ``cpus``): the cores of ``cpus`` the
+    ranks leave, at least 1. Threads on a rank's core stall each other at every
+    barrier (a probe's reference forward pass took 0.7-1.1 s with 2 threads beside a
+    TP=2 engine on 2 cores, 0.2-0.3 s with 1, the same numbers out)."""
+    mine = set(cpus)
+    bound = bound_cpus(spec)
+    return max(1, len(mine - (mine if bound is None else bound)))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Any:
+    """``torch.set_num_threads(n)`` for the block (None: unchanged), then restored."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(n, before)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _kill_group(pgid: int, grace_s: float) -> None:
@@ -213,14 +261,18 @@ class ManagedEngine:
         progress: bool = False,
         guard_routes: bool = False,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self._model_dir = self._check_model_dir(model_dir)
-        tp = tensor_parallel_size
-        if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= 64:
-            raise BadInput(f"tensor_parallel_size must be an int in 1..64, got {tp!r}")
+        tp, pp = tensor_parallel_size, pipeline_parallel_size
+        for pname, pv in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if isinstance(pv, bool) or not isinstance(pv, int) or not 1 <= pv <= 64:
+                raise BadInput(f"{pname} must be an int in 1..64, got {pv!r}")
         self.tensor_parallel_size = tp
-        #: One core group per rank on the CPU build (``tp_thread_binding``).
-        self._tp_binding = tp_thread_binding(tp, env)
+        self.pipeline_parallel_size = pp
+        #: One core group per rank (tensor x pipeline) on the CPU build
+        #: (``tp_thread_binding``).
+        self._tp_binding = tp_thread_binding(tp * pp, env)
         if backend is not None and (not isinstance(backend, str) or not backend):
             raise BadInput(f"backend must be a non-empty string or None, got {backend!r}")
         if port is not None and (isinstance(port, bool) or not isinstance(port, int)
@@ -350,13 +402,16 @@ class ManagedEngine:
             cmd += ["--middleware", engine_key.MIDDLEWARE]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-            if self.backend == "rolloutcore_gloo" and \
-                    "--worker-extension-cls" not in self.extra_args:
-                # Each worker answers its own report of a round (gloo_report): what a
-                # gateway compares with the trainer's per-rank declaration.
-                from rolloutcore.transports.gloo_report import WORKER_EXTENSION
+        if self.pipeline_parallel_size > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
+        if self.tensor_parallel_size * self.pipeline_parallel_size > 1 and \
+                self.backend == "rolloutcore_gloo" and \
+                "--worker-extension-cls" not in self.extra_args:
+            # Each worker answers its own report of a round (gloo_report): what a
+            # gateway compares with the trainer's per-rank declaration.
+            from rolloutcore.transports.gloo_report import WORKER_EXTENSION
 
-                cmd += ["--worker-extension-cls", WORKER_EXTENSION]
+            cmd += ["--worker-extension-cls", WORKER_EXTENSION]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -373,6 +428,19 @@ class ManagedEngine:
         if self.guard_routes and self._route_key is not None:
             env[engine_key.ENV] = self._route_key
         return env
+
+    def threads_beside(self) -> int | None:
+        """Intra-op threads for this process's own CPU work (a probe's reference) beside
+        this engine on vLLM's CPU build: the cores its ranks leave, at least 1
+        (``threads_beside``); None on a machine with CUDA (the GPU build's workers do
+        not hold this host's cores)."""
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        cpus = (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                else range(os.cpu_count() or 1))
+        return threads_beside(self.environment().get("VLLM_CPU_OMP_THREADS_BIND"), cpus)
 
     def log_tail(self, lines: int = 40) -> str:
         if self._log_path is None or not self._log_path.exists():
