@@ -473,19 +473,25 @@ def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
 
     from helpers.trl_fakes import prompts, sigint_when
 
-    rig = SessionRig(tmp_path, interrupt_wait_s=0.2)
+    # The bounded wait is a few seconds: the released requests must end within it on a
+    # loaded host too (0.2 s failed with two cores kept busy); the held one never does.
+    rig = SessionRig(tmp_path, interrupt_wait_s=3.0)
     sent, hold = threading.Event(), threading.Event()
+    arrived: list[str] = []
     try:
         rig.rollout(prompts(), rig.trainer)                 # step 0, recorded
         groups_before = len(list(read_groups(rig.traj)))
 
         def before(rid: str) -> None:
+            arrived.append(rid)
             sent.wait(30)       # every request waits for the Ctrl-C: the rollout is waiting
             if held and rid.endswith("p3/3"):
                 hold.wait(30)   # one request outlives the bounded wait
 
         rig.session.http.before = before
-        term = sigint_when(_waiting_for_samples)
+        # Ctrl-C once every request reached the engine (before that, a loaded host may not
+        # have started them all, and a request not started is cancelled, not awaited).
+        term = sigint_when(lambda st: len(arrived) == 2 * N and _waiting_for_samples(st))
         threading.Thread(target=lambda: (term.join(), sent.set()), daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rig.rollout(prompts(), rig.trainer)
