@@ -30,6 +30,7 @@ from rolloutcore.core.evidence import (
     evidence_from_dict,
     evidence_to_dict,
 )
+from rolloutcore.core.adapters import AdapterChange, AdapterEvent, AdapterState
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lease import LeaseChange, LeaseEvent, LeaseState
 from rolloutcore.core.pool import (
@@ -172,6 +173,12 @@ SAMPLES: list[Record] = [
     LeaseChange(7, None, LeaseState.OPEN, None, "trainer"),
     LeaseChange(7, LeaseState.OPEN, LeaseState.EXPIRING, LeaseEvent.EXPIRE, "trainer",
                 "lease of 1s expired"),
+    # LoRA-adapter versions (core.adapters).
+    AdapterChange("rcl-1-" + "a" * 16, 1, "a" * 64, "rc-0", "/tmp/rcl-1", None,
+                  AdapterState.LOADING, None),
+    AdapterChange("rcl-1-" + "a" * 16, 1, "a" * 64, "rc-0", "/tmp/rcl-1",
+                  AdapterState.VERIFYING, AdapterState.PUBLISHED, AdapterEvent.VERIFIED,
+                  "every check passed", ("listed: yes", "adapter-probe: 0.001")),
 ]
 
 

@@ -83,6 +83,8 @@ class Routes:
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
     GENERATE = "/inference/v1/generate"
     COMPLETIONS = "/v1/completions"
+    LOAD_LORA = "/v1/load_lora_adapter"
+    UNLOAD_LORA = "/v1/unload_lora_adapter"
 
 
 CACHE_ROUTES: Mapping[CacheKind, str] = {
@@ -268,6 +270,43 @@ class VllmHTTP:
                 raise EffectError(step, "no served model listed")
             self._model = data[0]["id"]
         return self._model
+
+    def models(self, *, timeout_s: float | None = None) -> dict[str, str | None]:
+        """Every name ``/v1/models`` lists, with its ``parent`` (a LoRA adapter's base
+        model; ``None`` for the base itself). Not cached: adapters come and go."""
+        step = "models"
+        data = self._field(self._get_json(Routes.MODELS, step, timeout_s), "data", list, step)
+        out: dict[str, str | None] = {}
+        for m in data:
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+                raise EffectError(step, f"unexpected model entry: {snippet(str(m))}")
+            parent = m.get("parent")
+            out[m["id"]] = parent if isinstance(parent, str) else None
+        return out
+
+    # -- LoRA adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING) -------------------
+
+    def load_lora_adapter(self, name: str, path: str, *,
+                          timeout_s: float | None = None) -> None:
+        """``/v1/load_lora_adapter``: load the adapter at ``path`` under ``name``.
+
+        Never with ``load_inplace``: a version is a new name (vLLM 0.32 keys its
+        prefix cache by the adapter's name and path, so an in-place reload could
+        serve the old version's KV). vLLM refuses a name it already holds with a
+        400 (``RequestRejected``); the answer is plain text, so success is only
+        the status: the caller checks the listing.
+        """
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise BadInput("a LoRA adapter needs a non-empty name and path")
+        self._request("POST", Routes.LOAD_LORA, step="load_adapter", timeout_s=timeout_s,
+                      json_body={"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
+        """``/v1/unload_lora_adapter``; an unknown name is a 404 (``RequestRejected``)."""
+        if not isinstance(name, str) or not name:
+            raise BadInput("lora name must be a non-empty string")
+        self._request("POST", Routes.UNLOAD_LORA, step="unload_adapter", timeout_s=timeout_s,
+                      json_body={"lora_name": name})
 
     # -- pause / resume -----------------------------------------------------
 
@@ -543,6 +582,14 @@ class VllmHTTP:
             raise BadInput("token_ids must be a non-empty sequence of ints >= 0")
         return ids
 
+    def _model_or(self, model: str | None, timeout_s: float | None) -> str:
+        """``model`` (a LoRA adapter's name) or the served base model."""
+        if model is None:
+            return self.model(timeout_s=timeout_s)
+        if not isinstance(model, str) or not model:
+            raise BadInput("model must be a non-empty string")
+        return model
+
     def _post_json(self, path: str, step: str, body: Any, timeout_s: float | None) -> Any:
         return self._json(self._request("POST", path, step=step, timeout_s=timeout_s,
                                         json_body=body), step)
@@ -551,7 +598,7 @@ class VllmHTTP:
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
                  images: Sequence[str] = (), timeout_s: float | None = None,
-                 cache_salt: str | None = None) -> Generation:
+                 cache_salt: str | None = None, model: str | None = None) -> Generation:
         """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
 
         ``cache_salt`` (top level of the body) is the version salt of the
@@ -565,7 +612,7 @@ class VllmHTTP:
         step = "generate"
         media, parts = self._images(images)
         body: dict[str, Any] = {
-            "model": self.model(timeout_s=timeout_s),
+            "model": self._model_or(model, timeout_s),
             "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
@@ -671,7 +718,8 @@ class VllmHTTP:
             raise EffectError(step, f"unexpected completions answer: {exc}") from exc
 
     def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
-              timeout_s: float | None = None) -> list[float | None]:
+              timeout_s: float | None = None, model: str | None = None
+              ) -> list[float | None]:
         """Teacher-forced log-probability of every token of ``token_ids`` (the first is None).
 
         One ``/inference/v1/generate`` call with ``prompt_logprobs=0``: the
@@ -687,7 +735,7 @@ class VllmHTTP:
         ids = self._token_ids(token_ids)
         _, parts = self._images(images)
         body: dict[str, Any] = {
-            "model": self.model(timeout_s=timeout_s),
+            "model": self._model_or(model, timeout_s),
             "token_ids": ids,
             "sampling_params": self._sampling(1, 0.0, False, None, True,
                                               {"prompt_logprobs": 0}),
