@@ -11,6 +11,7 @@ import pytest
 from coretools import MANIFEST, ident
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index, read_journal, restore_controller
+from rolloutcore.core.adapters import AdapterChange, AdapterEvent, AdapterState
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -30,7 +31,6 @@ from rolloutcore.core.evidence import (
     evidence_from_dict,
     evidence_to_dict,
 )
-from rolloutcore.core.adapters import AdapterChange, AdapterEvent, AdapterState
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lease import LeaseChange, LeaseEvent, LeaseState
 from rolloutcore.core.pool import (

@@ -291,14 +291,24 @@ class AdapterManager:
 
     def complete(self, rollout_id: str) -> AdapterVersion:
         """The request ended: release both bindings, and retire what may go now."""
-        v = self.shell.run(self.table.complete, rollout_id, wait=False)
+        v = self.release(rollout_id)
         self.controller.complete(rollout_id)
+        return v
+
+    def release(self, rollout_id: str) -> AdapterVersion:
+        """Release the adapter binding only (the data plane releases the base's itself)."""
+        v: AdapterVersion = self.shell.run(self.table.complete, rollout_id, wait=False)
         if self.shell.read(self.table.evictable) and self._io.acquire(blocking=False):
             try:
                 list(self._sweep_locked())
             finally:
                 self._io.release()
         return v
+
+    def is_adapter(self, name: str) -> bool:
+        """Whether ``name`` is (or was) an adapter version on this engine."""
+        seen: bool = self.shell.read(self.table.seen, name)
+        return seen
 
     def sweep(self) -> list[str]:
         """Unload every superseded adapter that may go (``AdapterTable.evictable``)."""

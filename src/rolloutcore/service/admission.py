@@ -23,7 +23,10 @@ an ``Admission``:
   client's answer is never one).
 
 ``OneEngine`` is the admission of a gateway over one engine. A fleet's is
-``fleet.gateway.FleetAdmission``.
+``fleet.gateway.FleetAdmission``. ``AdapterEngine`` is one engine serving
+LoRA-adapter versions (``control.adapters``): a request for the public model
+name is bound to (base version, current adapter version) and sent to the
+adapter's own name; its answer and record name the adapter.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.core.versions import Binding
+from rolloutcore.errors import RouteRefused
 
-__all__ = ["Admission", "OneEngine", "Target"]
+__all__ = ["AdapterEngine", "Admission", "OneEngine", "Target"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +50,17 @@ class Target:
 
     ``name`` keys the data plane's upstream pool (``""``: the one engine);
     ``info`` joins the answer's ``rolloutcore`` body field (and the record),
-    ``headers`` its version headers.
+    ``headers`` its version headers. ``model``: the model name the request is
+    sent with instead of its own (a LoRA adapter version's); ``on_release``
+    hears the rollout id when the data plane releases its binding.
     """
 
     name: str
     controller: LifecycleController
     info: Mapping[str, Any] = field(default_factory=dict)
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    model: str | None = None
+    on_release: Callable[[str], None] | None = None
 
 
 class Admission(Protocol):
@@ -102,7 +110,7 @@ class OneEngine:
         return {"": self._url() if callable(self._url) else self._url}
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
-                ) -> tuple[None, bool]:
+                ) -> tuple[Any, bool]:
         return None, False
 
     def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
@@ -123,3 +131,54 @@ class OneEngine:
 
     def observe(self, target: Target, ok: bool, refused: bool) -> None:
         return None  # one engine: its own watch notices it (service.app's health watch)
+
+
+class AdapterEngine(OneEngine):
+    """One engine serving LoRA-adapter versions (``control.adapters.AdapterManager``).
+
+    A request for ``public_model`` (the name the engine serves its base as,
+    ``policy`` by default) is bound to (base version, current adapter
+    version) and sent as the adapter's name; while no adapter is published it
+    is the base's request, as ``OneEngine``'s. A request naming an adapter
+    version itself is refused (400): the gateway chooses the version, so that
+    every answer is bound and recorded, and no request can reach an adapter
+    that is being retired.
+    """
+
+    def __init__(self, adapters: Any, upstream_url: str | Callable[[], str], *,
+                 public_model: str = "policy") -> None:
+        super().__init__(adapters.controller, upstream_url)
+        self.adapters = adapters
+        self.public_model = public_model
+        self._targets: dict[str, Target] = {}
+
+    def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
+                ) -> tuple[Any, bool]:
+        model = payload.get("model")
+        if isinstance(model, str) and model != self.public_model and \
+                self.adapters.is_adapter(model):
+            raise RouteRefused(400, f"{model!r} is an adapter version: ask for model "
+                                    f"{self.public_model!r}, the gateway binds the current one")
+        return model == self.public_model, False
+
+    def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
+        if not routing or self.adapters.current is None:
+            return super().try_admit(rollout_id, routing)
+        rb = self.adapters.admit(rollout_id)
+        a = rb.adapter.adapter
+        t = self._targets.get(a.name)
+        if t is None:
+            if len(self._targets) > 64:
+                self._targets.clear()
+            t = self._targets[a.name] = Target(
+                "", self.controller,
+                {"adapter": a.name, "adapter_generation": a.generation,
+                 "adapter_digest": a.content_digest, "adapter_base": a.base},
+                ((b"x-rolloutcore-adapter", a.name.encode()),
+                 (b"x-rolloutcore-adapter-digest", a.content_digest.encode())),
+                a.name, self.adapters.release)
+        return rb.base, t
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        super().on_change(wake)
+        self.adapters.shell.watch(wake)

@@ -32,8 +32,12 @@ __all__ = ["AdapterSource", "Through", "adapter_probe", "is_peft_model"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
-#: Config fields that say where an adapter came from, not what it computes.
-_WHERE_FROM = frozenset({"base_model_name_or_path", "revision", "auto_mapping"})
+#: Config fields that say where an adapter came from or how it was trained, not what it
+#: computes (PEFT writes ``inference_mode`` true in a saved directory, false in a model).
+_WHERE_FROM = frozenset({"base_model_name_or_path", "revision", "auto_mapping",
+                         "inference_mode"})
+#: Config fields that are sets (PEFT keeps them as Python sets: any order).
+_SETS = frozenset({"target_modules", "modules_to_save", "exclude_modules"})
 
 
 def is_peft_model(obj: object) -> bool:
@@ -84,7 +88,8 @@ class AdapterSource:
             odd = sorted(a ^ b)[:3]
             raise BadInput(f"every lora_A needs its lora_B and back: unpaired {odd}")
         digest = hashlib.sha256()
-        cfg = {k: v for k, v in config.items() if k not in _WHERE_FROM}
+        cfg = {k: sorted(map(str, v)) if k in _SETS and isinstance(v, list) else v
+               for k, v in config.items() if k not in _WHERE_FROM}
         digest.update(json.dumps(cfg, sort_keys=True, separators=(",", ":"),
                                  default=str).encode())
         size = 0
