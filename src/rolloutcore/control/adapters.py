@@ -20,8 +20,9 @@ An update (``prepare`` then ``apply``, or ``update``):
    load; the listing (``/v1/models`` must name it, with the base as its parent);
    the probe *through the adapter* against the reference; the probe of the
    *base* against the base's own reference (an adapter must not change what
-   base requests compute); publish. Any failure unloads it (REFUSED), or, when
-   the unload fails, leaves it FENCED (never routed), and raises
+   base requests compute; ``BASE_PROBE_MODES`` for when it runs); publish.
+   Any failure unloads it (REFUSED), or, when the unload fails, leaves it
+   FENCED (never routed), and raises
    ``UpdateFailed``; the adapter published before keeps serving.
 
 No drain and no pause: the requests running on the old adapter or on the base
@@ -63,7 +64,7 @@ from rolloutcore.errors import (
     UpdateFailed,
     UpdateRefused,
 )
-from rolloutcore.verification.adapters import AdapterSource, Through, adapter_probe
+from rolloutcore.verification.adapters import AdapterSource, adapter_probe, measure_generated
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
     Calibration,
@@ -71,7 +72,18 @@ from rolloutcore.verification.probe import (
     default_prompts,
 )
 
-__all__ = ["AdapterManager", "AdapterResult", "PreparedAdapter", "RolloutBinding"]
+__all__ = ["BASE_PROBE_MODES", "AdapterManager", "AdapterResult", "PreparedAdapter",
+           "RolloutBinding"]
+
+#: When the base is probed beside a newly loaded adapter. ``required``: always, so a
+#: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
+#: LoRA kernels index the no-adapter slot -1 as the last slot: a base request batched
+#: with adapter requests gets that slot's adapter). ``when_idle``: only while no
+#: request bound to an adapter runs; otherwise skipped and said so in the evidence
+#: (``AdapterResult.base_verified`` false), for engines that serve only adapter
+#: requests once one is published (the gateway's ``AdapterEngine`` refuses base
+#: requests then).
+BASE_PROBE_MODES = frozenset({"required", "when_idle"})
 
 
 @dataclass(frozen=True)
@@ -93,11 +105,18 @@ class AdapterResult:
     checks: tuple[Check, ...]
     phases: Mapping[str, float]
     retired: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def base_verified(self) -> bool:
+        """Whether the base was probed beside the new adapter (``when_idle`` may skip it)."""
+        return any(c.name == "base-probe" for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version.to_dict(),
                 "checks": [c.to_dict() for c in self.checks],
-                "phases": dict(self.phases), "retired": list(self.retired)}
+                "phases": dict(self.phases), "retired": list(self.retired),
+                "notes": list(self.notes), "base_verified": self.base_verified}
 
 
 @dataclass(frozen=True)
@@ -136,7 +155,10 @@ class AdapterManager:
                  listener: Listener | None = None, max_rank: int | None = None,
                  calibrations: Callable[[], Mapping[str, Calibration]] | None = None,
                  probe_tolerance: float = DEFAULT_TOLERANCE,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, base_probe: str = "required") -> None:
+        if base_probe not in BASE_PROBE_MODES:
+            raise BadInput(f"base_probe must be one of {sorted(BASE_PROBE_MODES)}, got "
+                           f"{base_probe!r}")
         if base_model is None:
             raise BadInput("an adapter manager needs the base model (a checkpoint directory or "
                            "a HF causal LM) for its references")
@@ -149,6 +171,7 @@ class AdapterManager:
         self.max_rank = max_rank
         self.probe_tolerance = probe_tolerance
         self.timeout_s = timeout_s
+        self.base_probe = base_probe
         self._calibrations = calibrations or dict
         self._own_store = store is None
         self.store = Path(store) if store is not None else Path(
@@ -225,6 +248,10 @@ class AdapterManager:
                 raise UpdateRefused(f"adapter {v.name} was prepared on base {v.base}; the "
                                     f"engine now serves {base.label}: prepare it again")
             base_probe = self._base_probe(base.label)
+            # A name the engine holds that this table did not load (another controller's)
+            # is never reused: vLLM would refuse it, or with load_inplace serve its KV.
+            held = ph.run("list", lambda: self.http.models(timeout_s=self.timeout_s))
+            self.shell.run(self.table.note_loaded, {n: p for n, p in held.items() if p})
             self.shell.run(self.table.propose, v)   # refusals change nothing
             # -- load
             try:
@@ -244,15 +271,23 @@ class AdapterManager:
                              f"{v.name} (it lists {sorted(listed)})", ())
             self._move(v.name, AdapterEvent.LOADED, "listed by the engine")
             # -- probes: through the adapter, then the base beside it
+            notes: list[str] = []
             checks = [Check("listed", True, f"/v1/models lists {v.name} (parent "
                             f"{listed[v.name]})"),
                       Check("content", True, f"sha256 {v.content_digest} of {v.size_bytes} "
                             f"tensor bytes and the config, rank {prepared.source.rank}")]
             try:
                 checks.append(ph.run("probe_adapter", lambda: self._probe(
-                    prepared.probe, Through(self.http, v.name), "probe through the adapter")))
-                checks.append(ph.run("probe_base", lambda: self._probe(
-                    base_probe, self.http, "probe of the base beside it")))
+                    prepared.probe, v.name, "probe through the adapter")))
+                busy = self._adapter_requests()
+                if busy and self.base_probe == "when_idle":
+                    notes.append(f"base-probe not run: {busy} adapter requests in flight "
+                                 f"(when_idle; vLLM 0.32's CPU LoRA kernels apply the last "
+                                 f"slot's adapter to base requests batched with them)")
+                else:
+                    checks.append(ph.run("probe_base", lambda: self._probe(
+                        base_probe, None, "probe of the base beside it"
+                        + (f" ({busy} adapter requests in flight)" if busy else ""))))
             except EffectError as exc:
                 self._refuse(v, "validate", f"a probe failed to run: {exc}", checks, exc)
             failed = [c for c in checks if not c.passed]
@@ -264,13 +299,13 @@ class AdapterManager:
                 self._refuse(v, "validate", f"the base moved to {now.label} during the "
                              f"verification of {v.name} (verified on {v.base})", checks)
             # -- publish
-            ev = (*(f"{c.name}: {c.detail}" for c in checks),
+            ev = (*(f"{c.name}: {c.detail}" for c in checks), *notes,
                   f"provenance: {prepared.provenance.to_dict()}")
             ph.run("publish", lambda: self._move(v.name, AdapterEvent.VERIFIED,
                                                  "every check passed", ev))
             retired += ph.run("retire", lambda: list(self._sweep_locked()))
         phases = {"prepare": prepared.prepare_s, **ph.t, "apply": time.perf_counter() - t0}
-        return AdapterResult(v, tuple(checks), phases, tuple(retired))
+        return AdapterResult(v, tuple(checks), phases, tuple(retired), tuple(notes))
 
     # ------------------------------------------------------------------ requests
     def admit(self, rollout_id: str) -> RolloutBinding:
@@ -320,6 +355,9 @@ class AdapterManager:
             shutil.rmtree(self.store, ignore_errors=True)
 
     # ------------------------------------------------------------------ internals
+    def _adapter_requests(self) -> int:
+        return sum(self.shell.view.bound.values())
+
     def _base_version(self) -> Any:
         c = self.controller
         if c.state is not State.READY or c.committed is None:
@@ -349,8 +387,10 @@ class AdapterManager:
             self.base_model = base_model
             self._base_probes = {}
 
-    def _probe(self, probe: PolicyProbe, scorer: Any, what: str) -> Check:
-        res = probe.measure(scorer)
+    def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
+        # Through the sampling path: these probes run beside live requests
+        # (verification.adapters.measure_generated says why not prompt_logprobs).
+        res = measure_generated(probe, self.http, model, timeout_s=self.timeout_s)
         j = probe.judge(res, dict(self._calibrations()))
         return Check(probe.name, j.passed,
                      f"{what}: {len(probe.cases)} probes, {res.positions} teacher-forced "

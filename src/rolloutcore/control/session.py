@@ -217,12 +217,15 @@ class EngineSession:
     # ------------------------------------------------------------------ LoRA adapters
     def enable_adapters(self, *, base_model: Any = None, store: str | Path | None = None,
                         config: AdapterConfig | None = None, max_rank: int | None = None,
-                        probe_tolerance: float = DEFAULT_TOLERANCE) -> AdapterManager:
+                        probe_tolerance: float = DEFAULT_TOLERANCE,
+                        base_probe: str = "required") -> AdapterManager:
         """Manage LoRA-adapter versions on this engine (after ``bootstrap``).
 
         ``base_model``: the base the adapters apply to, for the references (a
         checkpoint directory or a HF causal LM; default: the managed engine's
         model directory). ``max_rank``: default the engine's ``--max-lora-rank``.
+        ``base_probe``: when the base is probed beside a new adapter
+        (``control.adapters.BASE_PROBE_MODES``).
         The adapters' records go to this session's journal.
         """
         if self.adapters is not None:
@@ -240,7 +243,7 @@ class EngineSession:
             self.http, self.controller, base_model=base_model, store=store, config=config,
             listener=self.journal.listener, max_rank=max_rank,
             calibrations=lambda: dict(self.adapter.calibrations),
-            probe_tolerance=probe_tolerance)
+            probe_tolerance=probe_tolerance, base_probe=base_probe)
         return self.adapters
 
     def update_adapter(self, adapter: Any, provenance: Provenance, *,

@@ -142,18 +142,30 @@ class AdapterEngine(OneEngine):
     is the base's request, as ``OneEngine``'s. A request naming an adapter
     version itself is refused (400): the gateway chooses the version, so that
     every answer is bound and recorded, and no request can reach an adapter
-    that is being retired.
+    that is being retired. Once an adapter is published, a request for another
+    model (the base) is refused unless ``base_beside_adapters``: vLLM 0.32's
+    CPU LoRA kernels compute a base request batched with adapter requests with
+    the last slot's adapter (``control.adapters.BASE_PROBE_MODES``).
     """
 
     def __init__(self, adapters: Any, upstream_url: str | Callable[[], str], *,
-                 public_model: str = "policy") -> None:
+                 public_model: str = "policy", refuse_prompt_logprobs: bool = True,
+                 base_beside_adapters: bool = False) -> None:
         super().__init__(adapters.controller, upstream_url)
         self.adapters = adapters
         self.public_model = public_model
+        self.refuse_prompt_logprobs = refuse_prompt_logprobs
+        self.base_beside_adapters = base_beside_adapters
         self._targets: dict[str, Target] = {}
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
                 ) -> tuple[Any, bool]:
+        if self.refuse_prompt_logprobs and _asks_prompt_logprobs(payload):
+            # vLLM 0.32's CPU build: a prompt_logprobs request batched with another one
+            # while LoRA is enabled kills the engine (VllmHTTP.top_logprobs says how).
+            raise RouteRefused(400, "prompt log-probabilities (prompt_logprobs, or echo with "
+                                    "logprobs) are refused on this LoRA engine: on vLLM "
+                                    "0.32's CPU build they crash it beside other requests")
         model = payload.get("model")
         if isinstance(model, str) and model != self.public_model and \
                 self.adapters.is_adapter(model):
@@ -162,7 +174,15 @@ class AdapterEngine(OneEngine):
         return model == self.public_model, False
 
     def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
-        if not routing or self.adapters.current is None:
+        if self.adapters.current is None:
+            return super().try_admit(rollout_id, routing)
+        if not routing:
+            if not self.base_beside_adapters:
+                # vLLM 0.32's CPU LoRA kernels give a base request batched with adapter
+                # requests the last slot's adapter (control.adapters.BASE_PROBE_MODES).
+                raise RouteRefused(400, f"an adapter is published: ask for model "
+                                        f"{self.public_model!r}; base requests beside adapter "
+                                        f"requests are refused on this engine")
             return super().try_admit(rollout_id, routing)
         rb = self.adapters.admit(rollout_id)
         a = rb.adapter.adapter
@@ -182,3 +202,10 @@ class AdapterEngine(OneEngine):
     def on_change(self, wake: Callable[[], None]) -> None:
         super().on_change(wake)
         self.adapters.shell.watch(wake)
+
+
+def _asks_prompt_logprobs(payload: Mapping[str, Any]) -> bool:
+    sp = payload.get("sampling_params")
+    return (payload.get("prompt_logprobs") is not None
+            or (isinstance(sp, Mapping) and sp.get("prompt_logprobs") is not None)
+            or (bool(payload.get("echo")) and payload.get("logprobs") is not None))

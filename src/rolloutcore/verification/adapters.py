@@ -13,22 +13,30 @@ reads them, so what is verified is what was digested.
 The reference the engine must reproduce through the adapter is base +
 adapter computed on the trainer's side in float32 (PEFT on the base model,
 ``adapter_probe``), teacher-forced as ``verification.probe.PolicyProbe``
-does; ``Through`` scores through one adapter name.
+does, but scored through the sampling path (``measure_generated``): the
+probes run beside live traffic, where ``prompt_logprobs`` would kill a LoRA
+engine on vLLM 0.32's CPU build.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.errors import BadInput
-from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+from rolloutcore.errors import BadInput, EffectError
+from rolloutcore.verification.probe import (
+    DEFAULT_TOLERANCE,
+    PolicyProbe,
+    ProbeResult,
+    default_prompts,
+)
 
-__all__ = ["AdapterSource", "Through", "adapter_probe", "is_peft_model"]
+__all__ = ["TOP_K", "AdapterSource", "adapter_probe", "is_peft_model", "measure_generated"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -165,18 +173,48 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
-class Through:
-    """A ``Scorer`` (``verification.probe``) that scores through one model name."""
+#: Alternatives the engine reports per generated position (vLLM's default ``max_logprobs``).
+TOP_K = 20
 
-    def __init__(self, http: Any, model: str) -> None:
-        self.http = http
-        self.model = model
 
-    def score(self, token_ids: Sequence[int], *,
-              timeout_s: float | None = None) -> list[float | None]:
-        out: list[float | None] = self.http.score(token_ids, timeout_s=timeout_s,
-                                                  model=self.model)
-        return out
+def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
+                      timeout_s: float | None = None) -> ProbeResult:
+    """``probe`` measured through the sampling path: teacher-forced by generation.
+
+    Each case's prompt is continued greedily with the top ``TOP_K``
+    log-probabilities at every position; the engine's log-probability of the
+    reference token is read there. Where the engine's token differs from the
+    reference's (a near-tie, or a wrong policy), the next request continues
+    from the reference's token, so every position is scored on the reference's
+    context, as ``PolicyProbe.measure`` scores it with ``prompt_logprobs``
+    (which cannot run beside other requests on vLLM 0.32's CPU build with LoRA
+    enabled: ``VllmHTTP.top_logprobs``). A reference token the engine does not
+    rank among its top ``TOP_K`` counts as an infinite deviation: it is the
+    reference's own argmax.
+    """
+    diffs: list[tuple[float, int, int]] = []
+    for ci, case in enumerate(probe.cases):
+        j = 0
+        n = len(case.continuation)
+        while j < n:
+            ctx = [*case.prompt, *case.continuation[:j]]
+            got = http.top_logprobs(ctx, max_tokens=n - j, top=TOP_K, model=model,
+                                    timeout_s=timeout_s)
+            if not got:
+                raise EffectError("validate_live", "the engine generated no token")
+            for tok, tops in got:
+                want = case.continuation[j]
+                have = tops.get(want)
+                diffs.append((math.inf if have is None else abs(have - case.logprobs[j]),
+                              ci, j))
+                j += 1
+                if tok != want or j >= n:
+                    break
+    worst = max(diffs)
+    res = ProbeResult(worst[0], sum(d for d, _, _ in diffs) / len(diffs), worst[1], worst[2],
+                      len(diffs))
+    probe.last = res
+    return res
 
 
 def adapter_probe(base: Any, adapter_dir: Path, *, prompts: Sequence[Sequence[int]] | None = None,

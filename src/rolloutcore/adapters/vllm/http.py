@@ -651,6 +651,42 @@ class VllmHTTP:
         return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
                           ch.get("finish_reason"), spans, media)
 
+    def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
+                     model: str | None = None, timeout_s: float | None = None
+                     ) -> list[tuple[int, dict[int, float]]]:
+        """Greedy continuation of ``token_ids``: each generated token and the engine's
+        ``top`` log-probabilities at its position (token id -> logprob, the generated
+        token included).
+
+        The sampling path, not ``prompt_logprobs``: on vLLM 0.32's CPU build a
+        ``prompt_logprobs`` request batched with another request while LoRA is
+        enabled kills the engine (the LoRA logits processor's indices are per
+        request, the prompt's hidden states per token: ``einsum(): subscript b
+        has size 2 ... 175``), so a probe that must run beside live traffic on a
+        LoRA engine scores this way (``verification.adapters``).
+        """
+        step = "generate"
+        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
+            raise BadInput(f"top must be an int in 1..20, got {top!r}")
+        body: dict[str, Any] = {
+            "model": self._model_or(model, timeout_s),
+            "token_ids": self._token_ids(token_ids),
+            "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,
+                                              {"logprobs": top}),
+        }
+        resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
+        try:
+            out: list[tuple[int, dict[int, float]]] = []
+            for c in resp["choices"][0]["logprobs"]["content"]:
+                tops = {int(t["token_id"]): float(t["logprob"])
+                        for t in c.get("top_logprobs") or ()}
+                tops.setdefault(int(c["token_id"]), float(c["logprob"]))
+                out.append((int(c["token_id"]), tops))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EffectError(step, f"unexpected generate answer: {exc}: "
+                              f"{snippet(json.dumps(resp))}") from exc
+        return out
+
     def generate_stream(self, token_ids: Sequence[int], *, max_tokens: int,
                         temperature: float = 0.0, logprobs: bool = True,
                         seed: int | None = None, ignore_eos: bool = False,
