@@ -70,6 +70,7 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     eng = engine_factory(tiny_models.A, extra_args=LORA_ARGS, env=LORA_ENV)
     proxy = FaultProxy(eng.base_url).start()
+    direct = VllmHTTP(eng.base_url, timeout_s=120.0)
     tmp = tmp_path_factory.mktemp("lora")
     s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=120.0), GlooTransport(), engine=eng,
                       journal_path=tmp / "journal.jsonl")
@@ -78,10 +79,11 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
         s.enable_adapters(store=tmp / "store",
                           config=AdapterConfig(max_loaded=4, max_staleness=1))
         yield {"session": s, "proxy": proxy, "engine": eng, "tmp": tmp,
-               "base": tiny_models.A, "direct": VllmHTTP(eng.base_url, timeout_s=120.0)}
+               "base": tiny_models.A, "direct": direct}
     finally:
         s.close()   # stops the engine
         proxy.stop()
+        direct.close()
         engine_factory.stop(eng)
 
 
@@ -139,7 +141,7 @@ def test_no_drain_nothing_mixed_and_old_adapters_retired(rig: dict[str, Any]) ->
 
     def traffic() -> None:   # one bound rollout, generating until told to stop
         while not stop.is_set():
-            gens.append(s.http.generate(PROMPT[:40], max_tokens=200, ignore_eos=True,
+            gens.append(s.http.generate(PROMPT[:40], max_tokens=64, ignore_eos=True,
                                         model=b.model, timeout_s=300))
 
     # The trainer-side work (digest, reference) is done before the traffic starts.
@@ -162,13 +164,13 @@ def test_no_drain_nothing_mixed_and_old_adapters_retired(rig: dict[str, Any]) ->
         nb = m.admit("new-request")
         assert nb.model == new.name
         m.complete("new-request")
-        while len(gens) < n_before_publish + 2:   # traffic went on across the publish
+        while len(gens) < n_before_publish + 1:   # traffic went on across the publish
             time.sleep(0.05)
     finally:
         stop.set()
         th.join(300)
         m.base_probe = "required"
-    assert th.is_alive() is False and len(gens) >= 3
+    assert th.is_alive() is False and len(gens) >= 2
     # Every token of every request on the old adapter was computed by it: scored
     # through it they match the engine's own log-probabilities, through the new one not.
     for g in (gens[0], gens[-1]):

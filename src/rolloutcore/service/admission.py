@@ -31,6 +31,7 @@ adapter's own name; its answer and record name the adapter.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +62,14 @@ class Target:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     model: str | None = None
     on_release: Callable[[str], None] | None = None
+
+    def body(self, raw: bytes, payload: dict[str, Any]) -> bytes:
+        """The request as forwarded: ``raw``, or sent as ``model`` (``payload`` says so too,
+        so the record names the adapter version)."""
+        if self.model is None:
+            return raw
+        payload["model"] = self.model
+        return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class Admission(Protocol):

@@ -557,9 +557,7 @@ class DataPlane:
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error", target,
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
-        if target.model is not None:  # an adapter version: the request is sent as its name
-            payload["model"] = target.model
-            raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        raw = target.body(raw, payload)  # an adapter version's: sent as its name
         if cfg.salt_prefix_cache:  # no block computed by another version is reused
             raw, fin.cache_salt = salted_body(raw, payload, binding)
         if self._on_finished is not None:
@@ -606,8 +604,7 @@ class DataPlane:
         done: Completion | None = None
         ctl = fin.target.controller if fin.target is not None else self.controller
         if fin.target is not None and fin.target.on_release is not None:
-            with contextlib.suppress(BadInput):
-                fin.target.on_release(_rid(fin.binding))
+            fin.target.on_release(_rid(fin.binding))  # an adapter version's binding
         with contextlib.suppress(BadInput, InvalidTransition):
             if ctl is not None:
                 done = ctl.complete(_rid(fin.binding))

@@ -272,41 +272,29 @@ class VllmHTTP:
         return self._model
 
     def models(self, *, timeout_s: float | None = None) -> dict[str, str | None]:
-        """Every name ``/v1/models`` lists, with its ``parent`` (a LoRA adapter's base
-        model; ``None`` for the base itself). Not cached: adapters come and go."""
-        step = "models"
-        data = self._field(self._get_json(Routes.MODELS, step, timeout_s), "data", list, step)
-        out: dict[str, str | None] = {}
-        for m in data:
-            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
-                raise EffectError(step, f"unexpected model entry: {snippet(str(m))}")
-            parent = m.get("parent")
-            out[m["id"]] = parent if isinstance(parent, str) else None
-        return out
-
-    # -- LoRA adapters (VLLM_ALLOW_RUNTIME_LORA_UPDATING) -------------------
+        """Every name ``/v1/models`` lists -> its ``parent`` (a LoRA adapter's; None: base)."""
+        data = self._field(self._get_json(Routes.MODELS, "models", timeout_s), "data", list,
+                           "models")
+        if not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise EffectError("models", f"unexpected model list: {snippet(str(data))}")
+        return {m["id"]: m["parent"] if isinstance(m.get("parent"), str) else None
+                for m in data}
 
     def load_lora_adapter(self, name: str, path: str, *,
                           timeout_s: float | None = None) -> None:
-        """``/v1/load_lora_adapter``: load the adapter at ``path`` under ``name``.
-
-        Never with ``load_inplace``: a version is a new name (vLLM 0.32 keys its
-        prefix cache by the adapter's name and path, so an in-place reload could
-        serve the old version's KV). vLLM refuses a name it already holds with a
-        400 (``RequestRejected``); the answer is plain text, so success is only
-        the status: the caller checks the listing.
-        """
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise BadInput("a LoRA adapter needs a non-empty name and path")
-        self._request("POST", Routes.LOAD_LORA, step="load_adapter", timeout_s=timeout_s,
-                      json_body={"lora_name": name, "lora_path": path})
+        """``/v1/load_lora_adapter``, never ``load_inplace`` (vLLM 0.32 keys its prefix
+        cache by (name, path): an in-place reload could serve the old KV). A name it
+        holds is a 400 (``RequestRejected``); a 200 proves nothing: check the listing."""
+        self._lora(Routes.LOAD_LORA, "load_adapter", timeout_s, lora_name=name, lora_path=path)
 
     def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
         """``/v1/unload_lora_adapter``; an unknown name is a 404 (``RequestRejected``)."""
-        if not isinstance(name, str) or not name:
-            raise BadInput("lora name must be a non-empty string")
-        self._request("POST", Routes.UNLOAD_LORA, step="unload_adapter", timeout_s=timeout_s,
-                      json_body={"lora_name": name})
+        self._lora(Routes.UNLOAD_LORA, "unload_adapter", timeout_s, lora_name=name)
+
+    def _lora(self, route: str, step: str, timeout_s: float | None, **body: str) -> None:
+        if not all(isinstance(v, str) and v for v in body.values()):
+            raise BadInput(f"{step}: {sorted(body)} must be non-empty strings")
+        self._request("POST", route, step=step, timeout_s=timeout_s, json_body=body)
 
     # -- pause / resume -----------------------------------------------------
 
@@ -583,8 +571,7 @@ class VllmHTTP:
         return ids
 
     def _model_or(self, model: str | None, timeout_s: float | None) -> str:
-        """``model`` (a LoRA adapter's name) or the served base model."""
-        if model is None:
+        if model is None:  # the base; else a LoRA adapter's name
             return self.model(timeout_s=timeout_s)
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
@@ -654,38 +641,22 @@ class VllmHTTP:
     def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
                      model: str | None = None, timeout_s: float | None = None
                      ) -> list[tuple[int, dict[int, float]]]:
-        """Greedy continuation of ``token_ids``: each generated token and the engine's
-        ``top`` log-probabilities at its position (token id -> logprob, the generated
-        token included).
-
-        The sampling path, not ``prompt_logprobs``: on vLLM 0.32's CPU build a
-        ``prompt_logprobs`` request batched with another request while LoRA is
-        enabled kills the engine (the LoRA logits processor's indices are per
-        request, the prompt's hidden states per token: ``einsum(): subscript b
-        has size 2 ... 175``), so a probe that must run beside live traffic on a
-        LoRA engine scores this way (``verification.adapters``).
-        """
-        step = "generate"
+        """Greedy continuation: each token and the engine's ``top`` logprobs at its position
+        (the sampling path: ``prompt_logprobs`` kills a LoRA engine of vLLM 0.32's CPU
+        build beside other requests, ``verification.adapters``)."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
             raise BadInput(f"top must be an int in 1..20, got {top!r}")
-        body: dict[str, Any] = {
-            "model": self._model_or(model, timeout_s),
-            "token_ids": self._token_ids(token_ids),
+        resp = self._post_json(Routes.GENERATE, "generate", {
+            "model": self._model_or(model, timeout_s), "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,
-                                              {"logprobs": top}),
-        }
-        resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
+                                              {"logprobs": top})}, timeout_s)
         try:
-            out: list[tuple[int, dict[int, float]]] = []
-            for c in resp["choices"][0]["logprobs"]["content"]:
-                tops = {int(t["token_id"]): float(t["logprob"])
-                        for t in c.get("top_logprobs") or ()}
-                tops.setdefault(int(c["token_id"]), float(c["logprob"]))
-                out.append((int(c["token_id"]), tops))
+            return [(int(c["token_id"]), {int(c["token_id"]): float(c["logprob"]), **{
+                int(t["token_id"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}})
+                for c in resp["choices"][0]["logprobs"]["content"]]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise EffectError(step, f"unexpected generate answer: {exc}: "
+            raise EffectError("generate", f"unexpected generate answer: {exc}: "
                               f"{snippet(json.dumps(resp))}") from exc
-        return out
 
     def generate_stream(self, token_ids: Sequence[int], *, max_tokens: int,
                         temperature: float = 0.0, logprobs: bool = True,
