@@ -313,3 +313,42 @@ def test_a_zero_adapter_has_another_digest(tmp_path: Path) -> None:
     trained = AdapterSource.of(_peft(tmp_path / "t"))
     init = AdapterSource.of(_peft(tmp_path / "i", zero_b=True))
     assert trained.content_digest != init.content_digest
+
+
+# --------------------------------------------------------------------------- the probe's path
+
+class _Table:
+    """An engine stand-in for ``measure_generated``'s bookkeeping: a fixed next-token
+    table (context length -> (greedy token, {token: logprob})), counting requests."""
+
+    def __init__(self, rows: dict[int, tuple[int, dict[int, float]]]) -> None:
+        self.rows = rows
+        self.calls: list[int] = []
+
+    def top_logprobs(self, ids: list[int], *, max_tokens: int, top: int, model: Any,
+                     timeout_s: Any) -> list[tuple[int, dict[int, float]]]:
+        self.calls.append(len(ids))
+        return [self.rows[len(ids) + k] for k in range(max_tokens)]
+
+
+def test_measure_generated_reanchors_after_a_divergence_and_counts_absent_as_inf() -> None:
+    import math
+
+    from rolloutcore.verification.adapters import measure_generated
+    from rolloutcore.verification.probe import PolicyProbe, ProbeCase
+
+    probe = PolicyProbe([ProbeCase((1, 2), (5, 6, 7), (-0.1, -0.2, -0.3))], tolerance=0.01)
+    same = _Table({2: (5, {5: -0.1}), 3: (6, {6: -0.2}), 4: (7, {7: -0.3})})
+    res = measure_generated(probe, same, None)
+    assert res.max_abs_diff == 0.0 and res.positions == 3 and same.calls == [2]
+    # A near-tie at position 1: the engine picks 9, the reference's 6 is close behind;
+    # the next request continues from the reference's token (context of length 4).
+    tie = _Table({2: (5, {5: -0.1}), 3: (9, {9: -0.19, 6: -0.21}), 4: (7, {7: -0.3})})
+    res = measure_generated(probe, tie, None)
+    assert tie.calls == [2, 4] and res.positions == 3
+    assert math.isclose(res.max_abs_diff, 0.01, abs_tol=1e-9) and res.worst_position == 1
+    # The reference's token is not among the engine's top: an infinite deviation.
+    wrong = _Table({2: (8, {8: -0.01}), 3: (8, {8: -0.01}), 4: (8, {8: -0.01})})
+    res = measure_generated(probe, wrong, None)
+    assert res.max_abs_diff == math.inf and wrong.calls == [2, 3, 4]
+    assert not probe.judge(res).passed
