@@ -231,7 +231,7 @@ def adapter_probe(base: Any, adapter_dir: Path, *, prompts: Sequence[Sequence[in
     from transformers import AutoModelForCausalLM
 
     if isinstance(base, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     else:
         model = copy.deepcopy(base).float()
     peft = PeftModel.from_pretrained(model, str(adapter_dir))
