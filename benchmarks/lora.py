@@ -271,7 +271,7 @@ def main() -> int:
             # -- serving cost of LoRA (nothing else running)
             serve_base = tokens_per_s(direct, None)
             serve_adapter = tokens_per_s(direct, m.current.name)
-            serve_base = max(serve_base, tokens_per_s(direct, None))   # base again, after
+            serve_base_after = tokens_per_s(direct, None)   # base again, after the adapter
             # -- negative controls
             controls = negative_controls(s, proxy, direct, a, tmp, step)
             # -- a full update of the base on this LoRA engine (last: it may taint it)
@@ -330,7 +330,7 @@ def main() -> int:
         "adapter_updates": updates,
         "full_update_s": med(fulls), "full_update_all_s": fulls,
         "serving_tokens_per_s": {"base": serve_base, "adapter": serve_adapter,
-                                 "clients": 8, "tokens": 64},
+                                 "base_after": serve_base_after, "clients": 8, "tokens": 64},
         "negative_controls": controls,
         "negative_controls_caught": sum(1 for c in controls if c["caught"]),
         "trl_reward_first5": None, "trl_reward_last5": None,
