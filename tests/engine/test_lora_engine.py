@@ -120,6 +120,7 @@ def test_adapter_update_is_verified_published_and_journaled(rig: dict[str, Any])
     assert not any(r["kind"] == RequestUpdate.KIND for r in recs)
 
 
+@pytest.mark.slow  # about 95 s on the shared 2-core machine: the traffic runs across updates
 def test_no_drain_nothing_mixed_and_old_adapters_retired(rig: dict[str, Any]) -> None:
     """Requests keep running on adapter N while N+1 is loaded, verified and published
     beside them; new requests get N+1; N is unloaded once outside max_staleness and
