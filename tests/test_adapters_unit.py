@@ -352,3 +352,37 @@ def test_measure_generated_reanchors_after_a_divergence_and_counts_absent_as_inf
     res = measure_generated(probe, wrong, None)
     assert res.max_abs_diff == math.inf and wrong.calls == [2, 3, 4]
     assert not probe.judge(res).passed
+
+
+def test_a_journal_with_adapter_records_checks_and_restores(tmp_path: Path) -> None:
+    """The adapter machine writes into the engine's journal: the invariant checker and
+    the crash restore read past its records, and the engine's state comes back."""
+    from coretools import boot_ev, ident
+    from rolloutcore.control.controller import LifecycleController
+    from rolloutcore.control.journal import Journal, read_journal, restore_controller
+    from rolloutcore.control.shell import Shell
+    from rolloutcore.core.adapters import AdapterView
+    from rolloutcore.core.invariants import check_journal
+
+    path = tmp_path / "j.jsonl"
+    j = Journal(path)
+    c = LifecycleController(listener=j.listener)
+    c.bootstrap(boot_ev(), ident())
+    shell: Shell[AdapterTable, AdapterView] = Shell(AdapterTable(), AdapterTable.view,
+                                                    listener=j.listener)
+    a = _v(1, "a")
+    shell.run(shell.machine.propose, a)
+    shell.run(shell.machine.move, a.name, E.LOADED)
+    shell.run(shell.machine.move, a.name, E.VERIFIED, evidence=("adapter-probe: ok",))
+    c.admit("r1")
+    c.complete("r1")
+    j.close()
+    recs = read_journal(path)
+    kinds = [r.kind for r in recs]
+    assert kinds.count("adapter") == 3 and "admit" in kinds
+    assert check_journal(recs) == []
+    c2, j2 = restore_controller(path)
+    try:
+        assert c2.committed == c.committed and c2.state == c.state
+    finally:
+        j2.close()
