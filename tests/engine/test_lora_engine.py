@@ -338,3 +338,27 @@ def test_gateway_routes_policy_to_the_current_adapter(rig: dict[str, Any]) -> No
         assert r3.status_code == 400 and "ask for model 'policy'" in r3.text
         r4 = c.post("/v1/completions", json={**body, "prompt_logprobs": 0})
         assert r4.status_code == 400 and "prompt log-probabilities" in r4.text
+
+
+def test_full_update_of_the_base_under_adapters(rig: dict[str, Any],
+                                                tiny_models: TinyModels) -> None:
+    """A full update of the base on the LoRA engine publishes (the transfer sees through
+    vLLM's LoRA wrappers); adapters verified on the old base are then refused admission
+    until an adapter is verified on the new one."""
+    from rolloutcore.errors import AdmissionRefused
+
+    s: EngineSession = rig["session"]
+    m = s.adapters
+    assert m is not None and m.current is not None
+    old_base = s.controller.committed
+    res = s.update(tiny_models.B, Provenance("B", "tests", 500))
+    assert res.version.generation == old_base.generation + 1
+    with pytest.raises(AdmissionRefused, match="verified on base"):
+        m.admit("on-stale-adapter")
+    assert m.view.bound == {} and not s.controller.active
+    m.set_base(tiny_models.B)
+    new = _update(s, make_adapter(tiny_models.B, 20)).version
+    assert new.base == res.version.label
+    b = m.admit("on-new-base")
+    assert b.base.version == res.version and b.model == new.name
+    m.complete("on-new-base")
