@@ -386,3 +386,20 @@ def test_a_journal_with_adapter_records_checks_and_restores(tmp_path: Path) -> N
         assert c2.committed == c.committed and c2.state == c.state
     finally:
         j2.close()
+
+
+def test_the_gateway_adapter_body_is_checked() -> None:
+    from rolloutcore.service.adapter_control import parse_adapter_body
+
+    prov = {"checkpoint": "c", "trainer_run": "r", "step": 3}
+    path, p = parse_adapter_body({"adapter_dir": "/a", "provenance": prov})
+    assert str(path) == "/a" and p.step == 3 and p.trainer_run == "r"
+    for bad, match in (([], "exactly"), ({"adapter_dir": "/a"}, "exactly"),
+                       ({"adapter_dir": "", "provenance": prov}, "adapter_dir"),
+                       ({"adapter_dir": "/a", "provenance": {"step": 1}}, "checkpoint"),
+                       ({"adapter_dir": "/a", "provenance": {**prov, "x": 1}}, "checkpoint"),
+                       ({"adapter_dir": "/a", "provenance": {**prov, "step": True}}, "step"),
+                       ({"adapter_dir": "/a", "provenance": {**prov, "step": -1}}, "step"),
+                       ({"adapter_dir": 5, "provenance": prov}, "adapter_dir")):
+        with pytest.raises(BadInput, match=match):
+            parse_adapter_body(bad)

@@ -338,6 +338,25 @@ def test_gateway_routes_policy_to_the_current_adapter(rig: dict[str, Any]) -> No
         assert r3.status_code == 400 and "ask for model 'policy'" in r3.text
         r4 = c.post("/v1/completions", json={**body, "prompt_logprobs": 0})
         assert r4.status_code == 400 and "prompt log-probabilities" in r4.text
+        # The trainer protocol: the trainer saves the adapter, the gateway publishes it.
+        auth = {"authorization": "Bearer " + "t" * 32}
+        saved = rig["tmp"] / "via-gateway"
+        make_adapter(rig["base"], 17).save_pretrained(saved)
+        prov = {"checkpoint": "lora", "trainer_run": "tests", "step": 700}
+        assert c.post("/control/adapters", json={"adapter_dir": str(saved),
+                                                 "provenance": prov}).status_code == 401
+        bad = c.post("/control/adapters", headers=auth,
+                     json={"adapter_dir": str(rig["tmp"] / "nowhere"), "provenance": prov})
+        assert bad.status_code == 400 and "does not exist" in bad.text
+        assert m.current == nxt
+        pub = c.post("/control/adapters", headers=auth,
+                     json={"adapter_dir": str(saved), "provenance": prov})
+        assert pub.status_code == 200, pub.text
+        name = pub.json()["version"]["name"]
+        assert m.current is not None and m.current.name == name
+        assert c.get("/control/adapters", headers=auth).json()["current"]["name"] == name
+        r5 = c.post("/v1/completions", json=body)
+        assert r5.json()["rolloutcore"]["adapter"] == name
 
 
 def test_full_update_of_the_base_under_adapters(rig: dict[str, Any],

@@ -56,6 +56,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import BadInput
+from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import AdapterEngine
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
@@ -296,6 +297,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         Route("/health", health, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if adapters is not None:  # the trainer protocol's adapter routes (service.adapter_control)
+        routes += adapter_routes(adapters, denied, json_body)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
     app.state.gateway = gw
