@@ -11,6 +11,7 @@ import pytest
 from coretools import MANIFEST, ident
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index, read_journal, restore_controller
+from rolloutcore.core.adapters import AdapterChange, AdapterEvent, AdapterState
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -172,6 +173,12 @@ SAMPLES: list[Record] = [
     LeaseChange(7, None, LeaseState.OPEN, None, "trainer"),
     LeaseChange(7, LeaseState.OPEN, LeaseState.EXPIRING, LeaseEvent.EXPIRE, "trainer",
                 "lease of 1s expired"),
+    # LoRA-adapter versions (core.adapters).
+    AdapterChange("rcl-1-" + "a" * 16, 1, "a" * 64, "rc-0", "/tmp/rcl-1", None,
+                  AdapterState.LOADING, None),
+    AdapterChange("rcl-1-" + "a" * 16, 1, "a" * 64, "rc-0", "/tmp/rcl-1",
+                  AdapterState.VERIFYING, AdapterState.PUBLISHED, AdapterEvent.VERIFIED,
+                  "every check passed", ("listed: yes", "adapter-probe: 0.001")),
 ]
 
 

@@ -16,6 +16,12 @@ gives the engine's GPU memory to the trainer and says how much it freed;
 policy into them, wakes the KV cache and runs the same verified transition
 (every parameter checked); ``wake()`` wakes on the weights it had (level 1
 only: level 2 forgot them).
+
+LoRA adapters (an engine started with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``update_adapter(peft_model or
+adapter_dir, provenance)`` publishes the next adapter version, verified
+(``control.adapters``), with no drain; ``admit_adapter`` binds a request to
+(base version, adapter version).
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+from rolloutcore.control.adapters import AdapterManager, AdapterResult
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
+from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateRefused
@@ -97,6 +105,8 @@ class EngineSession:
                                               listener=self.journal.listener)
         self.runner = LifecycleRunner(self.controller, self.adapter, deadlines,
                                       record=self.journal.write)
+        #: The LoRA-adapter versions (``enable_adapters``), None until enabled.
+        self.adapters: AdapterManager | None = None
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -210,6 +220,51 @@ class EngineSession:
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def enable_adapters(self, *, base_model: Any = None, store: str | Path | None = None,
+                        config: AdapterConfig | None = None, max_rank: int | None = None,
+                        probe_tolerance: float = DEFAULT_TOLERANCE,
+                        base_probe: str = "required") -> AdapterManager:
+        """Manage LoRA-adapter versions on this engine (after ``bootstrap``).
+
+        ``base_model``: the base the adapters apply to, for the references (a
+        checkpoint directory or a HF causal LM; default: the managed engine's
+        model directory). ``max_rank``: default the engine's ``--max-lora-rank``.
+        ``base_probe``: when the base is probed beside a new adapter
+        (``control.adapters.BASE_PROBE_MODES``).
+        The adapters' records go to this session's journal.
+        """
+        if self.adapters is not None:
+            raise UpdateRefused("adapters are already enabled on this session")
+        if self.controller.committed is None:
+            raise UpdateRefused("bootstrap the session before enabling adapters")
+        if base_model is None:
+            if self.engine is None:
+                raise BadInput("base_model is needed when the session does not manage the "
+                               "engine")
+            base_model = Path(self.engine.model_dir)
+        if max_rank is None and self.engine is not None:
+            max_rank = _flag_int(getattr(self.engine, "extra_args", ()), "--max-lora-rank")
+        self.adapters = AdapterManager(
+            self.http, self.controller, base_model=base_model, store=store, config=config,
+            listener=self.journal.listener, max_rank=max_rank,
+            calibrations=lambda: dict(self.adapter.calibrations),
+            probe_tolerance=probe_tolerance, base_probe=base_probe)
+        return self.adapters
+
+    def update_adapter(self, adapter: Any, provenance: Provenance, *,
+                       reference: Any = None) -> AdapterResult:
+        """Publish ``adapter`` (a PEFT model or an adapter directory) as the next adapter
+        version, verified before publish, without a drain; or raise ``UpdateFailed``
+        (the previous adapter keeps serving) or ``UpdateRefused``/``BadInput``
+        (nothing changed). ``reference``: the trainer's own PEFT model of the
+        adapter, when the reference should come from it rather than from the files.
+        """
+        if self.adapters is None:
+            self.enable_adapters()
+        assert self.adapters is not None
+        return self.adapters.update(adapter, provenance, reference=reference)
+
     # ------------------------------------------------------------------ colocated
     @property
     def asleep(self) -> int | None:
@@ -310,6 +365,8 @@ class EngineSession:
 
     def close(self) -> None:
         try:
+            if self.adapters is not None:
+                self.adapters.close()
             self.transport.close()
         finally:
             self.http.close()
@@ -322,6 +379,17 @@ class EngineSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _flag_int(args: Any, flag: str) -> int | None:
+    """The int value of ``flag`` in a command line (``--flag N`` or ``--flag=N``)."""
+    items = [str(a) for a in args]
+    for i, a in enumerate(items):
+        if a == flag and i + 1 < len(items) and items[i + 1].isdigit():
+            return int(items[i + 1])
+        if a.startswith(flag + "=") and a[len(flag) + 1:].isdigit():
+            return int(a[len(flag) + 1:])
+    return None
 
 
 def _probe_from_state_dict(state: Mapping[str, Any], config_dir: Path,

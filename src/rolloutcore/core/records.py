@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rolloutcore.core.adapters import ADAPTER_RECORDS
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
 from rolloutcore.core.lease import LEASE_RECORDS
 from rolloutcore.core.pool import POOL_RECORDS
@@ -96,9 +97,10 @@ __all__ = [
 #: trainer protocol's ``lease`` record (``core.lease``).
 #: 5 added the ``interrupted`` record (the engine's owner interrupted: what it was
 #: doing, and how the update it had open was ended).
-SCHEMA_VERSION = 5
+#: 6 added the ``adapter`` record (``core.adapters``: a LoRA-adapter version's states).
+SCHEMA_VERSION = 6
 #: Versions this reader decodes (1: lines without ``"v"``).
-READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5})
+READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 
 
 _v, _vd, _strs = version_from, version_or_none, strs
@@ -527,7 +529,7 @@ _ENGINE_RECORDS: tuple[type[Record], ...] = (
     Commit, Abandon, Failure, Taint, BeginRecovery, Restore, Effect, Note, Carry,
     RequestSleep, RequestWake, Interrupted)
 RECORD_TYPES: Mapping[str, type[Record]] = {
-    t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS, *LEASE_RECORDS)}
+    t.KIND: t for t in (*_ENGINE_RECORDS, *POOL_RECORDS, *LEASE_RECORDS, *ADAPTER_RECORDS)}
 
 KINDS = frozenset(RECORD_TYPES)
 

@@ -1,8 +1,9 @@
 """Render the machines' tables as Markdown, so the docs cannot drift from the code.
 
-Three machines, one shell (``control.shell``): the engine's lifecycle
-(``core.lifecycle``), a fleet's replica pool (``core.pool``) and the trainer
-protocol's leases (``core.lease``).
+Four machines, one shell (``control.shell``): the engine's lifecycle
+(``core.lifecycle``), a fleet's replica pool (``core.pool``), the trainer
+protocol's leases (``core.lease``) and an engine's LoRA-adapter versions
+(``core.adapters``).
 
 ``python -m rolloutcore.core.tables > docs/state-machine.md`` regenerates the
 document; a test checks the committed copy is current.
@@ -12,6 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolloutcore.core.adapters import (
+    ADAPTER_TRANSITIONS,
+    LOADED_STATES,
+    AdapterEvent,
+    AdapterState,
+)
 from rolloutcore.core.evidence import CacheKind
 from rolloutcore.core.lease import FINAL, LEASE_TRANSITIONS, LeaseEvent, LeaseState
 from rolloutcore.core.pool import IN_POOL, REPLICA_TRANSITIONS, ReplicaEvent, ReplicaState
@@ -31,9 +38,10 @@ from rolloutcore.core.rules import (
 
 __all__ = ["render"]
 
-_INTRO = """# The state machines: the engine's lifecycle, a fleet's pool, the leases
+_INTRO = """# The state machines: the engine's lifecycle, a fleet's pool, the leases, the adapters
 
-Generated from `rolloutcore.core.lifecycle`, `core.pool` and `core.lease` by
+Generated from `rolloutcore.core.lifecycle`, `core.pool`, `core.lease` and
+`core.adapters` by
 `python -m rolloutcore.core.tables`; do not edit. Each machine is pure (no lock,
 clock or I/O) and runs in the one shell, `rolloutcore.control.shell`: its
 decisions are made under the shell's lock, its records delivered to the journal
@@ -155,6 +163,16 @@ def _other_machines() -> list[str]:
                                                      if s in FINAL)
               + ") with its result. One lease at a time is not final.", ""]
     lines += _grid(list(LeaseState), list(LeaseEvent), LEASE_TRANSITIONS)
+    lines += ["", "## LoRA-adapter versions (`core.adapters`)", "",
+              "Generated from `rolloutcore.core.adapters.ADAPTER_TRANSITIONS`. One machine "
+              "per engine, beside the lifecycle: an adapter version is loaded into a new "
+              "slot under a new name, so no request on another version or on the base is "
+              "touched and no drain is needed (`docs/lora.md`). `verified` publishes it and "
+              "supersedes the one published before in the same decision. One version at a "
+              "time is loading, verifying or refusing; the states that hold a slot of the "
+              "budget: " + ", ".join(s.value for s in AdapterState if s in LOADED_STATES)
+              + ". A pair not listed is an `InvalidTransition` and changes nothing.", ""]
+    lines += _grid(list(AdapterState), list(AdapterEvent), ADAPTER_TRANSITIONS)
     return lines
 
 

@@ -23,11 +23,15 @@ an ``Admission``:
   client's answer is never one).
 
 ``OneEngine`` is the admission of a gateway over one engine. A fleet's is
-``fleet.gateway.FleetAdmission``.
+``fleet.gateway.FleetAdmission``. ``AdapterEngine`` is one engine serving
+LoRA-adapter versions (``control.adapters``): a request for the public model
+name is bound to (base version, current adapter version) and sent to the
+adapter's own name; its answer and record name the adapter.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,8 +40,9 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.core.versions import Binding
+from rolloutcore.errors import RouteRefused
 
-__all__ = ["Admission", "OneEngine", "Target"]
+__all__ = ["AdapterEngine", "Admission", "OneEngine", "Target"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,13 +51,25 @@ class Target:
 
     ``name`` keys the data plane's upstream pool (``""``: the one engine);
     ``info`` joins the answer's ``rolloutcore`` body field (and the record),
-    ``headers`` its version headers.
+    ``headers`` its version headers. ``model``: the model name the request is
+    sent with instead of its own (a LoRA adapter version's); ``on_release``
+    hears the rollout id when the data plane releases its binding.
     """
 
     name: str
     controller: LifecycleController
     info: Mapping[str, Any] = field(default_factory=dict)
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    model: str | None = None
+    on_release: Callable[[str], None] | None = None
+
+    def body(self, raw: bytes, payload: dict[str, Any]) -> bytes:
+        """The request as forwarded: ``raw``, or sent as ``model`` (``payload`` says so too,
+        so the record names the adapter version)."""
+        if self.model is None:
+            return raw
+        payload["model"] = self.model
+        return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 class Admission(Protocol):
@@ -102,7 +119,7 @@ class OneEngine:
         return {"": self._url() if callable(self._url) else self._url}
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
-                ) -> tuple[None, bool]:
+                ) -> tuple[Any, bool]:
         return None, False
 
     def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
@@ -123,3 +140,81 @@ class OneEngine:
 
     def observe(self, target: Target, ok: bool, refused: bool) -> None:
         return None  # one engine: its own watch notices it (service.app's health watch)
+
+
+class AdapterEngine(OneEngine):
+    """One engine serving LoRA-adapter versions (``control.adapters.AdapterManager``).
+
+    A request for ``public_model`` (the name the engine serves its base as,
+    ``policy`` by default) is bound to (base version, current adapter
+    version) and sent as the adapter's name; while no adapter is published it
+    is the base's request, as ``OneEngine``'s. A request naming an adapter
+    version itself is refused (400): the gateway chooses the version, so that
+    every answer is bound and recorded, and no request can reach an adapter
+    that is being retired. Once an adapter is published, a request for another
+    model (the base) is refused unless ``base_beside_adapters``: vLLM 0.32's
+    CPU LoRA kernels compute a base request batched with adapter requests with
+    the last slot's adapter (``control.adapters.BASE_PROBE_MODES``).
+    """
+
+    def __init__(self, adapters: Any, upstream_url: str | Callable[[], str], *,
+                 public_model: str = "policy", refuse_prompt_logprobs: bool = True,
+                 base_beside_adapters: bool = False) -> None:
+        super().__init__(adapters.controller, upstream_url)
+        self.adapters = adapters
+        self.public_model = public_model
+        self.refuse_prompt_logprobs = refuse_prompt_logprobs
+        self.base_beside_adapters = base_beside_adapters
+        self._targets: dict[str, Target] = {}
+
+    def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
+                ) -> tuple[Any, bool]:
+        if self.refuse_prompt_logprobs and _asks_prompt_logprobs(payload):
+            # vLLM 0.32's CPU build: a prompt_logprobs request batched with another one
+            # while LoRA is enabled kills the engine (VllmHTTP.top_logprobs says how).
+            raise RouteRefused(400, "prompt log-probabilities (prompt_logprobs, or echo with "
+                                    "logprobs) are refused on this LoRA engine: on vLLM "
+                                    "0.32's CPU build they crash it beside other requests")
+        model = payload.get("model")
+        if isinstance(model, str) and model != self.public_model and \
+                self.adapters.is_adapter(model):
+            raise RouteRefused(400, f"{model!r} is an adapter version: ask for model "
+                                    f"{self.public_model!r}, the gateway binds the current one")
+        return model == self.public_model, False
+
+    def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
+        if self.adapters.current is None:
+            return super().try_admit(rollout_id, routing)
+        if not routing:
+            if not self.base_beside_adapters:
+                # vLLM 0.32's CPU LoRA kernels give a base request batched with adapter
+                # requests the last slot's adapter (control.adapters.BASE_PROBE_MODES).
+                raise RouteRefused(400, f"an adapter is published: ask for model "
+                                        f"{self.public_model!r}; base requests beside adapter "
+                                        f"requests are refused on this engine")
+            return super().try_admit(rollout_id, routing)
+        rb = self.adapters.admit(rollout_id)
+        a = rb.adapter.adapter
+        t = self._targets.get(a.name)
+        if t is None:
+            if len(self._targets) > 64:
+                self._targets.clear()
+            t = self._targets[a.name] = Target(
+                "", self.controller,
+                {"adapter": a.name, "adapter_generation": a.generation,
+                 "adapter_digest": a.content_digest, "adapter_base": a.base},
+                ((b"x-rolloutcore-adapter", a.name.encode()),
+                 (b"x-rolloutcore-adapter-digest", a.content_digest.encode())),
+                a.name, self.adapters.release)
+        return rb.base, t
+
+    def on_change(self, wake: Callable[[], None]) -> None:
+        super().on_change(wake)
+        self.adapters.shell.watch(wake)
+
+
+def _asks_prompt_logprobs(payload: Mapping[str, Any]) -> bool:
+    sp = payload.get("sampling_params")
+    return (payload.get("prompt_logprobs") is not None
+            or (isinstance(sp, Mapping) and sp.get("prompt_logprobs") is not None)
+            or (bool(payload.get("echo")) and payload.get("logprobs") is not None))

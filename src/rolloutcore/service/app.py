@@ -56,6 +56,8 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import BadInput
+from rolloutcore.service.adapter_control import adapter_routes
+from rolloutcore.service.admission import AdapterEngine
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control import (
@@ -124,8 +126,14 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
 
 
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
-               on_finished: Callable[[FinishedRequest], None] | None = None) -> Starlette:
-    """The gateway app over a runner whose controller is (normally) already bootstrapped."""
+               on_finished: Callable[[FinishedRequest], None] | None = None,
+               adapters: Any = None, public_model: str = "policy") -> Starlette:
+    """The gateway app over a runner whose controller is (normally) already bootstrapped.
+
+    ``adapters``: the engine's ``control.adapters.AdapterManager``; requests for
+    ``public_model`` are then served by its current adapter version
+    (``service.admission.AdapterEngine``).
+    """
     if not isinstance(runner, LifecycleRunner):
         raise BadInput("runner must be a LifecycleRunner")
     if not isinstance(config, ServiceConfig):
@@ -139,7 +147,12 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                        f"(ServiceConfig.update_mode, serve --update-mode)")
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
-    data = DataPlane(controller, config, metrics, on_finished=on_finished)
+    admission: Any = controller
+    if adapters is not None:
+        if adapters.controller is not controller:
+            raise BadInput("adapters must be the manager of this runner's engine")
+        admission = AdapterEngine(adapters, config.upstream_url, public_model=public_model)
+    data = DataPlane(admission, config, metrics, on_finished=on_finished)
     read_only = ReadOnlyRoutes(config, metrics)
     # The drain policy's stragglers are this data plane's requests (#16).
     runner.stragglers = data.abort_stragglers
@@ -284,6 +297,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         Route("/health", health, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
     ]
+    if adapters is not None:  # the trainer protocol's adapter routes (service.adapter_control)
+        routes += adapter_routes(adapters, denied, json_body)
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
     app.state.gateway = gw

@@ -557,6 +557,7 @@ class DataPlane:
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error", target,
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
+        raw = target.body(raw, payload)  # an adapter version's: sent as its name
         if cfg.salt_prefix_cache:  # no block computed by another version is reused
             raw, fin.cache_salt = salted_body(raw, payload, binding)
         if self._on_finished is not None:
@@ -602,6 +603,8 @@ class DataPlane:
         fin.completed_mono, fin.completed_wall = time.monotonic(), time.time()
         done: Completion | None = None
         ctl = fin.target.controller if fin.target is not None else self.controller
+        if fin.target is not None and fin.target.on_release is not None:
+            fin.target.on_release(_rid(fin.binding))  # an adapter version's binding
         with contextlib.suppress(BadInput, InvalidTransition):
             if ctl is not None:
                 done = ctl.complete(_rid(fin.binding))

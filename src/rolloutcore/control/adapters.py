@@ -1,0 +1,453 @@
+"""LoRA-adapter updates of one engine: load, verify, publish, retire (``core.adapters``).
+
+``AdapterManager`` runs the adapter machine (``core.adapters.AdapterTable``) in
+the one shell (``control.shell``), its records going to the engine's journal,
+and does the I/O the machine decides: vLLM's runtime LoRA routes
+(``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, ``/v1/load_lora_adapter``,
+``/v1/unload_lora_adapter``, ``/v1/models``) and the probes.
+
+An update (``prepare`` then ``apply``, or ``update``):
+
+1. ``prepare`` (no engine call): the adapter is checked and digested
+   (``verification.adapters.AdapterSource``), named after its generation and
+   digest (``core.adapters.adapter_name``) and written to its own directory
+   under the store; the reference of base + adapter is computed (PEFT, float32)
+   unless the trainer passes its own model as ``reference``.
+2. ``apply``: superseded adapters that may go are unloaded first (``sweep``);
+   the proposal is refused before anything changes when the base is not READY
+   on the version the adapter was prepared for, another adapter update is in
+   progress, the name was ever seen, or it would not fit the budget. Then the
+   load; the listing (``/v1/models`` must name it, with the base as its parent);
+   the probe *through the adapter* against the reference; the probe of the
+   *base* against the base's own reference (an adapter must not change what
+   base requests compute; ``BASE_PROBE_MODES`` for when it runs); publish.
+   Any failure unloads it (REFUSED), or, when the unload fails, leaves it
+   FENCED (never routed), and raises
+   ``UpdateFailed``; the adapter published before keeps serving.
+
+No drain and no pause: the requests running on the old adapter or on the base
+read slots the load does not write. Requests are bound with ``admit`` to (base
+version, adapter version): the lifecycle's binding for the base (so a full
+update still drains them) and the table's for the adapter.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.control.shell import Listener, Shell
+from rolloutcore.core.adapters import (
+    AdapterBinding,
+    AdapterConfig,
+    AdapterEvent,
+    AdapterState,
+    AdapterTable,
+    AdapterVersion,
+    AdapterView,
+    adapter_name,
+)
+from rolloutcore.core.evidence import Check
+from rolloutcore.core.versions import Binding, Provenance
+from rolloutcore.core.vocab import State
+from rolloutcore.errors import (
+    AdmissionRefused,
+    BadInput,
+    EffectError,
+    RequestRejected,
+    UpdateFailed,
+    UpdateRefused,
+)
+from rolloutcore.verification.adapters import AdapterSource, adapter_probe, measure_generated
+from rolloutcore.verification.probe import (
+    DEFAULT_TOLERANCE,
+    Calibration,
+    PolicyProbe,
+    default_prompts,
+)
+
+__all__ = ["BASE_PROBE_MODES", "AdapterManager", "AdapterResult", "PreparedAdapter",
+           "RolloutBinding"]
+
+#: When the base is probed beside a newly loaded adapter. ``required``: always, so a
+#: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
+#: LoRA kernels index the no-adapter slot -1 as the last slot: a base request batched
+#: with adapter requests gets that slot's adapter). ``when_idle``: only while no
+#: request bound to an adapter runs; otherwise skipped and said so in the evidence
+#: (``AdapterResult.base_verified`` false), for engines that serve only adapter
+#: requests once one is published (the gateway's ``AdapterEngine`` refuses base
+#: requests then).
+BASE_PROBE_MODES = frozenset({"required", "when_idle"})
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter version ready to load: checked, digested, written, its reference computed."""
+
+    version: AdapterVersion
+    source: AdapterSource
+    provenance: Provenance
+    probe: PolicyProbe
+    prepare_s: float
+
+
+@dataclass(frozen=True)
+class AdapterResult:
+    """A published adapter version, the checks that published it and the time of each phase."""
+
+    version: AdapterVersion
+    checks: tuple[Check, ...]
+    phases: Mapping[str, float]
+    retired: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def base_verified(self) -> bool:
+        """Whether the base was probed beside the new adapter (``when_idle`` may skip it)."""
+        return any(c.name == "base-probe" for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version.to_dict(),
+                "checks": [c.to_dict() for c in self.checks],
+                "phases": dict(self.phases), "retired": list(self.retired),
+                "notes": list(self.notes), "base_verified": self.base_verified}
+
+
+@dataclass(frozen=True)
+class RolloutBinding:
+    """A request bound to (base version, adapter version); ``model`` is the name to send."""
+
+    base: Binding
+    adapter: AdapterBinding
+
+    @property
+    def model(self) -> str:
+        return self.adapter.adapter.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base": self.base.version.to_dict(), "base_identity": self.base.identity.digest,
+                **self.adapter.to_dict()}
+
+
+@dataclass
+class _Phases:
+    t: dict[str, float] = field(default_factory=dict)
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
+
+
+class AdapterManager:
+    """The adapter versions of one engine (see the module docstring). Thread-safe."""
+
+    def __init__(self, http: Any, controller: Any, *, base_model: Any,
+                 store: str | Path | None = None, config: AdapterConfig | None = None,
+                 listener: Listener | None = None, max_rank: int | None = None,
+                 calibrations: Callable[[], Mapping[str, Calibration]] | None = None,
+                 probe_tolerance: float = DEFAULT_TOLERANCE,
+                 timeout_s: float = 60.0, base_probe: str = "required") -> None:
+        if base_probe not in BASE_PROBE_MODES:
+            raise BadInput(f"base_probe must be one of {sorted(BASE_PROBE_MODES)}, got "
+                           f"{base_probe!r}")
+        if base_model is None:
+            raise BadInput("an adapter manager needs the base model (a checkpoint directory or "
+                           "a HF causal LM) for its references")
+        if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int)
+                                     or max_rank < 1):
+            raise BadInput(f"max_rank must be an int >= 1, got {max_rank!r}")
+        self.http = http
+        self.controller = controller
+        self.base_model = base_model
+        self.max_rank = max_rank
+        self.probe_tolerance = probe_tolerance
+        self.timeout_s = timeout_s
+        self.base_probe = base_probe
+        self._calibrations = calibrations or dict
+        self._own_store = store is None
+        self.store = Path(store) if store is not None else Path(
+            tempfile.mkdtemp(prefix="rolloutcore-adapters-"))
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.table = AdapterTable(config)
+        self.shell: Shell[AdapterTable, AdapterView] = Shell(self.table, AdapterTable.view,
+                                                             listener=listener)
+        self._io = threading.Lock()   # one load/unload sequence at a time
+        self._base_probes: dict[str, PolicyProbe] = {}
+        # Whatever the engine already lists (an earlier controller's adapters) is never
+        # reused as a name and never routed to.
+        listed = http.models(timeout_s=timeout_s)
+        self.shell.run(self.table.note_loaded, {n: p for n, p in listed.items() if p})
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def view(self) -> AdapterView:
+        return self.shell.view
+
+    @property
+    def current(self) -> AdapterVersion | None:
+        return self.shell.view.current
+
+    # ------------------------------------------------------------------ update
+    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None
+               ) -> AdapterResult:
+        """``prepare`` then ``apply``: the adapter published, verified, or ``UpdateFailed``."""
+        return self.apply(self.prepare(adapter, provenance, reference=reference))
+
+    def prepare(self, adapter: Any, provenance: Provenance, *, reference: Any = None
+                ) -> PreparedAdapter:
+        """Check, digest, name and write the adapter, and compute its reference.
+
+        ``reference``: the trainer's own model of base + adapter (a PEFT model);
+        default: the base model with the adapter as written, through PEFT.
+        Refused with ``BadInput`` (nothing written) when the adapter is bad.
+        """
+        t0 = time.perf_counter()
+        if not isinstance(provenance, Provenance):
+            raise BadInput("provenance must be a Provenance")
+        base = self._base_version()
+        src = AdapterSource.of(adapter, max_rank=self.max_rank)
+        gen = self.shell.read(lambda: self.table.next_generation)
+        name = adapter_name(gen, src.content_digest)
+        path = self.store / name
+        src.write(path)
+        try:
+            version = AdapterVersion(gen, name, str(path.resolve()), src.content_digest,
+                                     base.label, src.size_bytes)
+            if reference is not None:
+                vocab = int(reference.config.vocab_size)
+                probe = PolicyProbe.from_model(reference, default_prompts(vocab),
+                                               tolerance=self.probe_tolerance)
+                probe.name = "adapter-probe"
+            else:
+                probe = adapter_probe(self.base_model, path, tolerance=self.probe_tolerance)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        return PreparedAdapter(version, src, provenance, probe, time.perf_counter() - t0)
+
+    def apply(self, prepared: PreparedAdapter) -> AdapterResult:
+        """Load, verify and publish a prepared adapter (see the module docstring)."""
+        if not isinstance(prepared, PreparedAdapter):
+            raise BadInput("apply needs a PreparedAdapter (from prepare)")
+        v = prepared.version
+        ph = _Phases()
+        t0 = time.perf_counter()
+        with self._io:
+            retired = list(self._sweep_locked())
+            base = self._base_version()
+            if base.label != v.base:
+                raise UpdateRefused(f"adapter {v.name} was prepared on base {v.base}; the "
+                                    f"engine now serves {base.label}: prepare it again")
+            base_probe = self._base_probe(base.label)
+            # A name the engine holds that this table did not load (another controller's)
+            # is never reused: vLLM would refuse it, or with load_inplace serve its KV.
+            held = ph.run("list", lambda: self.http.models(timeout_s=self.timeout_s))
+            self.shell.run(self.table.note_loaded, {n: p for n, p in held.items() if p})
+            self.shell.run(self.table.propose, v)   # refusals change nothing
+            # -- load
+            try:
+                ph.run("load", lambda: self.http.load_lora_adapter(
+                    v.name, v.path, timeout_s=self.timeout_s))
+            except RequestRejected as exc:   # a 4xx: the engine loaded nothing
+                self._move(v.name, AdapterEvent.REJECTED, f"the engine refused the load: {exc}")
+                raise UpdateFailed("load_adapter", "no_mutation", "READY",
+                                   f"the engine refused adapter {v.name}: {exc}") from exc
+            except EffectError as exc:       # maybe loaded: unload it
+                self._refuse(v, "load_adapter", f"load failed: {exc}", (), exc)
+            # -- the engine lists it, on this base
+            listed: dict[str, str | None] = ph.run("list", lambda: self.http.models(
+                timeout_s=self.timeout_s))
+            if v.name not in listed:
+                self._refuse(v, "list", f"the load answered 200 but the engine does not list "
+                             f"{v.name} (it lists {sorted(listed)})", ())
+            self._move(v.name, AdapterEvent.LOADED, "listed by the engine")
+            # -- probes: through the adapter, then the base beside it
+            notes: list[str] = []
+            checks = [Check("listed", True, f"/v1/models lists {v.name} (parent "
+                            f"{listed[v.name]})"),
+                      Check("content", True, f"sha256 {v.content_digest} of {v.size_bytes} "
+                            f"tensor bytes and the config, rank {prepared.source.rank}")]
+            try:
+                checks.append(ph.run("probe_adapter", lambda: self._probe(
+                    prepared.probe, v.name, "probe through the adapter")))
+                busy = self._adapter_requests()
+                if busy and self.base_probe == "when_idle":
+                    notes.append(f"base-probe not run: {busy} adapter requests in flight "
+                                 f"(when_idle; vLLM 0.32's CPU LoRA kernels apply the last "
+                                 f"slot's adapter to base requests batched with them)")
+                else:
+                    checks.append(ph.run("probe_base", lambda: self._probe(
+                        base_probe, None, "probe of the base beside it"
+                        + (f" ({busy} adapter requests in flight)" if busy else ""))))
+            except EffectError as exc:
+                self._refuse(v, "validate", f"a probe failed to run: {exc}", checks, exc)
+            failed = [c for c in checks if not c.passed]
+            if failed:
+                self._refuse(v, "validate", "; ".join(f"{c.name}: {c.detail}" for c in failed),
+                             checks)
+            now = self._base_version()
+            if now.label != v.base:
+                self._refuse(v, "validate", f"the base moved to {now.label} during the "
+                             f"verification of {v.name} (verified on {v.base})", checks)
+            # -- publish
+            ev = (*(f"{c.name}: {c.detail}" for c in checks), *notes,
+                  f"provenance: {prepared.provenance.to_dict()}")
+            ph.run("publish", lambda: self._move(v.name, AdapterEvent.VERIFIED,
+                                                 "every check passed", ev))
+            retired += ph.run("retire", lambda: list(self._sweep_locked()))
+        phases = {"prepare": prepared.prepare_s, **ph.t, "apply": time.perf_counter() - t0}
+        return AdapterResult(v, tuple(checks), phases, tuple(retired), tuple(notes))
+
+    # ------------------------------------------------------------------ requests
+    def admit(self, rollout_id: str) -> RolloutBinding:
+        """Bind a request to the committed base version and the current adapter."""
+        base = self.controller.admit(rollout_id)
+        try:
+            ab = self.shell.run(self.table.admit, rollout_id, wait=False)
+        except BaseException:
+            self.controller.complete(rollout_id)
+            raise
+        if ab.adapter.base != base.version.label:
+            self.shell.run(self.table.complete, rollout_id, wait=False)
+            self.controller.complete(rollout_id)
+            raise AdmissionRefused(
+                "adapters", f"adapter {ab.adapter.name} was verified on base {ab.adapter.base}, "
+                f"the engine serves {base.version.label}: update the adapter", None)
+        return RolloutBinding(base, ab)
+
+    def complete(self, rollout_id: str) -> AdapterVersion:
+        """The request ended: release both bindings, and retire what may go now."""
+        v = self.release(rollout_id)
+        self.controller.complete(rollout_id)
+        return v
+
+    def release(self, rollout_id: str) -> AdapterVersion:
+        """Release the adapter binding only (the data plane releases the base's itself)."""
+        v: AdapterVersion = self.shell.run(self.table.complete, rollout_id, wait=False)
+        if self.shell.read(self.table.evictable) and self._io.acquire(blocking=False):
+            try:
+                list(self._sweep_locked())
+            finally:
+                self._io.release()
+        return v
+
+    def is_adapter(self, name: str) -> bool:
+        """Whether ``name`` is (or was) an adapter version on this engine."""
+        seen: bool = self.shell.read(self.table.seen, name)
+        return seen
+
+    def sweep(self) -> list[str]:
+        """Unload every superseded adapter that may go (``AdapterTable.evictable``)."""
+        with self._io:
+            return list(self._sweep_locked())
+
+    def close(self) -> None:
+        if self._own_store:
+            shutil.rmtree(self.store, ignore_errors=True)
+
+    # ------------------------------------------------------------------ internals
+    def _adapter_requests(self) -> int:
+        return sum(self.shell.view.bound.values())
+
+    def _base_version(self) -> Any:
+        c = self.controller
+        if c.state is not State.READY or c.committed is None:
+            raise UpdateRefused(f"the base is {c.state.value}, not READY on a committed "
+                                f"version: no adapter update now; nothing was changed")
+        return c.committed
+
+    def _base_probe(self, label: str) -> PolicyProbe:
+        p = self._base_probes.get(label)
+        if p is None:
+            if isinstance(self.base_model, (str, Path)):
+                p = PolicyProbe.from_checkpoint(str(self.base_model),
+                                                tolerance=self.probe_tolerance)
+            else:
+                vocab = int(self.base_model.config.vocab_size)
+                p = PolicyProbe.from_model(self.base_model, default_prompts(vocab),
+                                           tolerance=self.probe_tolerance)
+            p.name = "base-probe"
+            self._base_probes = {label: p}
+        return p
+
+    def set_base(self, base_model: Any) -> None:
+        """The base model after a full update (its references; the old ones are dropped)."""
+        if base_model is None:
+            raise BadInput("base_model must be a checkpoint directory or a HF causal LM")
+        with self._io:
+            self.base_model = base_model
+            self._base_probes = {}
+
+    def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
+        # Through the sampling path: these probes run beside live requests
+        # (verification.adapters.measure_generated says why not prompt_logprobs).
+        res = measure_generated(probe, self.http, model, timeout_s=self.timeout_s)
+        j = probe.judge(res, dict(self._calibrations()))
+        return Check(probe.name, j.passed,
+                     f"{what}: {len(probe.cases)} probes, {res.positions} teacher-forced "
+                     f"positions; max |dlogp| {res.max_abs_diff:.4g}, mean "
+                     f"{res.mean_abs_diff:.3g}, {j.note}",
+                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance)
+
+    def _move(self, name: str, event: AdapterEvent, reason: str = "",
+              evidence: tuple[str, ...] = ()) -> AdapterState:
+        st: AdapterState = self.shell.run(self.table.move, name, event, reason=reason,
+                                          evidence=evidence)
+        return st
+
+    def _refuse(self, v: AdapterVersion, phase: str, reason: str, checks: Any,
+                cause: BaseException | None = None) -> None:
+        """Fail the version: unload it (REFUSED) or fence it (FENCED); raise UpdateFailed."""
+        ev = tuple(f"{c.name}: {'pass' if c.passed else 'FAIL'}: {c.detail}" for c in checks)
+        self._move(v.name, AdapterEvent.FAILED, reason, ev)
+        gone, why = self._unload(v.name)
+        self._move(v.name, AdapterEvent.UNLOADED if gone else AdapterEvent.FAILED, why)
+        if gone:
+            shutil.rmtree(v.path, ignore_errors=True)
+        cls = "no_mutation" if gone else "ambiguous"
+        err = UpdateFailed(phase, cls, "READY",
+                           f"adapter {v.name} not published: {reason}"
+                           + ("" if gone else f"; and it could not be unloaded ({why}): "
+                              f"fenced, never routed to"))
+        if cause is not None:
+            raise err from cause
+        raise err
+
+    def _unload(self, name: str) -> tuple[bool, str]:
+        """Unload ``name``; gone when the engine no longer lists it."""
+        try:
+            self.http.unload_lora_adapter(name, timeout_s=self.timeout_s)
+            how = "unloaded"
+        except RequestRejected as exc:   # a 404: it was not loaded
+            how = f"the engine did not hold it: {exc}"
+        except EffectError as exc:
+            return False, f"unload failed: {exc}"
+        try:
+            listed = self.http.models(timeout_s=self.timeout_s)
+        except EffectError as exc:
+            return False, f"the listing after the unload failed: {exc}"
+        if name in listed:
+            return False, "the engine still lists it after the unload"
+        return True, how
+
+    def _sweep_locked(self) -> Any:
+        for v in self.shell.read(self.table.evictable):
+            try:
+                self._move(v.name, AdapterEvent.UNLOAD, "superseded, nothing bound, outside "
+                           "max_staleness")
+            except UpdateRefused:
+                continue   # a request was bound to it meanwhile
+            gone, why = self._unload(v.name)
+            self._move(v.name, AdapterEvent.UNLOADED if gone else AdapterEvent.FAILED, why)
+            if gone:
+                shutil.rmtree(v.path, ignore_errors=True)
+                yield v.name

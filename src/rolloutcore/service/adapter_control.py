@@ -1,0 +1,86 @@
+"""The trainer protocol's adapter routes: publish a LoRA-adapter version through the gateway.
+
+``POST /control/adapters`` (control token) with ``{"adapter_dir": str,
+"provenance": {"checkpoint": str, "trainer_run": str, "step": int}}``: the
+gateway reads the adapter directory (the trainer saved it where the gateway
+can read it: the same machine or a shared filesystem), checks and digests it,
+computes its reference from the base checkpoint it serves and runs the
+verified adapter update (``control.adapters.AdapterManager.update``). The
+answer: 200 with the published version, its checks and phases; 400 for a bad
+body or a bad adapter (nothing changed); 409 when the update was refused
+(nothing changed) or failed (the previous adapter serves: ``classification``
+says whether the failed version was unloaded). ``GET /control/adapters``: the
+current adapter and every version's state and bound requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from rolloutcore.core.versions import Provenance
+from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
+
+__all__ = ["adapter_routes", "parse_adapter_body"]
+
+
+def parse_adapter_body(body: object) -> tuple[Path, Provenance]:
+    """The body of ``POST /control/adapters``; ``BadInput`` naming the field otherwise."""
+    if not isinstance(body, dict) or set(body) != {"adapter_dir", "provenance"}:
+        raise BadInput("body: needs exactly 'adapter_dir' and 'provenance'")
+    d = body["adapter_dir"]
+    if not isinstance(d, str) or not d or len(d) > 4096:
+        raise BadInput("adapter_dir: a path of 1..4096 characters")
+    p = body["provenance"]
+    if not isinstance(p, dict) or not set(p) <= {"checkpoint", "trainer_run", "step"} \
+            or "checkpoint" not in p:
+        raise BadInput("provenance: an object with 'checkpoint' (and optional "
+                       "'trainer_run', 'step')")
+    step = p.get("step", 0)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise BadInput("provenance.step: an int >= 0")
+    return Path(d), Provenance(p["checkpoint"], p.get("trainer_run", ""), step)
+
+
+def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
+                   json_body: Callable[[Request], Awaitable[bytes | Response]]) -> list[Route]:
+    """The two routes, over ``adapters`` (an ``AdapterManager``)."""
+    import json
+
+    async def publish(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        raw = await json_body(request)
+        if isinstance(raw, Response):
+            return raw
+        try:
+            adapter_dir, prov = parse_adapter_body(json.loads(raw))
+        except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:
+            res = await anyio.to_thread.run_sync(adapters.update, adapter_dir, prov)
+        except BadInput as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        except UpdateRefused as exc:
+            return JSONResponse({"error": str(exc), "refused": True}, status_code=409)
+        except UpdateFailed as exc:
+            return JSONResponse({"error": str(exc), "phase": exc.phase,
+                                 "classification": exc.classification}, status_code=409)
+        return JSONResponse(res.to_dict())
+
+    async def view(request: Request) -> Response:
+        if (r := denied(request)) is not None:
+            return r
+        v = adapters.view
+        return JSONResponse({"current": None if v.current is None else v.current.to_dict(),
+                             "states": {k: s.value for k, s in v.states.items()},
+                             "bound": dict(v.bound)})
+
+    return [Route("/control/adapters", publish, methods=["POST"]),
+            Route("/control/adapters", view, methods=["GET"])]
