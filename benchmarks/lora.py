@@ -39,7 +39,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(300)]
 
 
@@ -73,22 +72,6 @@ def versions() -> dict[str, Any]:
     return out
 
 
-def make_adapter(base_dir: Path, seed: int, std: float = 0.05) -> Any:
-    import peft
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    m = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-    if std:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
-    return m
-
-
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -118,6 +101,7 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
     from rolloutcore.core.versions import Provenance
     from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
     from rolloutcore.testing.faultproxy import Fault
+    from rolloutcore.testing.models import make_adapter
 
     m = s.adapters
     out: list[dict[str, Any]] = []
@@ -211,7 +195,7 @@ def main() -> int:
     from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
     from rolloutcore.testing.faultproxy import FaultProxy
-    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.testing.models import make_adapter, make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
 
     result: dict[str, Any] = {

@@ -403,3 +403,25 @@ def test_the_gateway_adapter_body_is_checked() -> None:
                        ({"adapter_dir": 5, "provenance": prov}, "adapter_dir")):
         with pytest.raises(BadInput, match=match):
             parse_adapter_body(bad)
+
+
+def test_the_test_kits_adapter_is_seeded_and_refuses_bad_input(tmp_path: Path) -> None:
+    """``testing.models.make_adapter`` (the benchmark's and the engine tests' adapters):
+    every projection adapted, B random by seed (the same seed, the same adapter), 0: PEFT's
+    own B = 0."""
+    pytest.importorskip("peft")
+    import torch
+
+    from rolloutcore.testing.models import LORA_TARGETS, make_adapter, make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "base", 1)
+    a, b, z = make_adapter(ck, 3), make_adapter(ck, 3), make_adapter(ck, 3, std=0.0)
+    bs = {n: p for n, p in a.named_parameters() if "lora_B" in n}
+    assert {n.split(".lora_B")[0].rsplit(".", 1)[-1] for n in bs} == set(LORA_TARGETS)
+    assert all(p.abs().sum() > 0 for p in bs.values())
+    assert all(torch.equal(p, dict(b.named_parameters())[n]) for n, p in bs.items())
+    assert all(p.abs().sum() == 0 for n, p in z.named_parameters() if "lora_B" in n)
+    for bad in ({"seed": True}, {"seed": "1"}, {"std": -1.0}, {"rank": 0}):
+        kw: dict[str, Any] = {"seed": 3, **bad}
+        with pytest.raises(BadInput):
+            make_adapter(ck, kw.pop("seed"), **kw)

@@ -37,6 +37,7 @@ from rolloutcore.core.records import RequestUpdate
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RequestRejected, UpdateFailed, UpdateRefused
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
+from rolloutcore.testing.models import make_adapter
 from rolloutcore.transports.gloo import GlooTransport
 
 pytestmark = pytest.mark.engine
@@ -47,22 +48,6 @@ peft = pytest.importorskip("peft")
 LORA_ARGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(300)]   # > 2 KV blocks of 128
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base_dir: Path, seed: int, std: float = 0.05) -> Any:
-    """A PEFT rank-8 LoRA on every projection; B random (``std``; 0: PEFT's own init)."""
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    m = peft.get_peft_model(base, peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS))
-    if std:
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
-    return m
 
 
 @pytest.fixture(scope="module")

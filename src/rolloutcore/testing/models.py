@@ -49,6 +49,8 @@ __all__ = [
     "EOS_ID",
     "PAD_ID",
     "VOCAB_SIZE",
+    "LORA_TARGETS",
+    "make_adapter",
     "make_checkpoint",
     "make_pair",
     "model_config",
@@ -264,3 +266,31 @@ def make_pair(root: str | Path, *, tie_word_embeddings: bool = False,
                             architecture=architecture),
             make_checkpoint(base / "B", 2, tie_word_embeddings=tie_word_embeddings,
                             architecture=architecture))
+
+
+#: Every projection of the tiny Llama (what a LoRA on "all linear layers" adapts).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_adapter(base_dir: str | Path, seed: int, *, std: float = 0.05, rank: int = 8) -> Any:
+    """A PEFT LoRA (``rank``, alpha 2x rank) on every projection of the checkpoint at
+    ``base_dir``, its B matrices random with ``std`` (0: PEFT's own initialisation, B = 0,
+    i.e. an adapter that changes nothing). Needs ``peft`` and ``transformers``."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise BadInput(f"seed must be an int, got {seed!r}")
+    if not std >= 0 or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise BadInput(f"std must be >= 0 and rank an int >= 1, got {std!r}, {rank!r}")
+    import peft
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                  target_modules=list(LORA_TARGETS)))
+    if std:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+    return m
