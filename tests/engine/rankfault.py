@@ -32,6 +32,14 @@ from rolloutcore.transports.gloo_report import RankReportExtension
 ENV = "ROLLOUTCORE_TEST_RANK_FAULT"
 
 
+def fault_env(fault: Any, *paths: str) -> dict[str, str]:
+    """An engine's environment for this extension: this directory (then ``paths``, then
+    the caller's own) on ``PYTHONPATH``, and the fault file at ``fault``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, *paths, os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, ENV: str(fault)}
+
+
 def _fault() -> tuple[str, int, str] | None:
     path = os.environ.get(ENV)
     if not path or not os.path.exists(path):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,11 +40,8 @@ def rig(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> It
     work = tmp_path_factory.mktemp("pp-gateway")
     fault = work / "fault"
     fault.write_text("")
-    here = str(Path(__file__).parent)
-    path = os.pathsep.join(p for p in (here, str(ROOT / "src"), os.environ.get("PYTHONPATH"))
-                           if p)
-    r = Rig(fault, tiny_models, work, {**os.environ, "PYTHONPATH": path,
-                                       rankfault.ENV: str(fault)},
+    r = Rig(fault, tiny_models, work,
+            {**os.environ, **rankfault.fault_env(fault, str(ROOT / "src"))},
             parallel=("--pipeline-parallel-size", "2"))
     try:
         r.start_gateway(tiny_models.A)

@@ -89,11 +89,9 @@ def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     fault = tmp_path_factory.mktemp("rankfault") / "fault"
     fault.write_text("")
-    here = str(Path(__file__).parent)
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     eng = engine_factory(tiny_models.A, tensor_parallel_size=2, guard_routes=True,
                          extra_args=("--worker-extension-cls", "rankfault.RankFault"),
-                         env={"PYTHONPATH": path, rankfault.ENV: str(fault)})
+                         env=rankfault.fault_env(fault))
     try:
         yield Rig(eng, fault, tiny_models)
     finally:

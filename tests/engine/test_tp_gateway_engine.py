@@ -144,12 +144,9 @@ def rig(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> It
     work = tmp_path_factory.mktemp("tp-gateway")
     fault = work / "fault"
     fault.write_text("")
-    here = str(Path(__file__).parent)
-    path = os.pathsep.join(p for p in (here, str(ROOT / "src"), os.environ.get("PYTHONPATH"))
-                           if p)
     # The gateway's environment is its engine's (less RolloutCore's secrets).
-    r = Rig(fault, tiny_models, work, {**os.environ, "PYTHONPATH": path,
-                                       rankfault.ENV: str(fault)})
+    r = Rig(fault, tiny_models, work,
+            {**os.environ, **rankfault.fault_env(fault, str(ROOT / "src"))})
     try:
         r.start_gateway(tiny_models.A)
         yield r
