@@ -79,11 +79,21 @@ class FleetServeOptions:
     max_body_bytes: int = 1 << 20
     client_body_s: float = 30.0
     client_send_s: float = 30.0
+    tensor_parallel_size: int = 1         # ranks of each launched engine
+    pipeline_parallel_size: int = 1       # stages of each launched engine
 
     def __post_init__(self) -> None:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                raise BadInput(f"{name} must be an int in 1..64, got {v!r}")
+        if self.ray and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise BadInput("--ray places one-rank engines (one Ray bundle each); a fleet of "
+                           "tensor- or pipeline-parallel engines runs as local processes "
+                           "(--engines N), not placed by Ray yet")
         Policy.parse(self.default_policy)   # a RouteRefused (BadInput) when unknown
         if self.quorum is not None and not 1 <= self.quorum <= self.engines:
             raise BadInput(f"quorum must be in 1..{self.engines}, got {self.quorum}")
@@ -235,7 +245,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             engines = list(placement.engines)
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
-                                   progress=True)
+                                   progress=True, tensor_parallel_size=o.tensor_parallel_size,
+                                   pipeline_parallel_size=o.pipeline_parallel_size)
         coord = build_fleet(engines, checkpoint=model_dir, weights=weights0,
                             config=FleetConfig(quorum=o.quorum, min_serving=o.min_serving,
                                                health_interval_s=o.health_interval_s),

@@ -60,7 +60,7 @@ import ipaddress
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -518,6 +518,29 @@ _ABANDONED: list[Any] = []
 _MAX_REPORT_BYTES = 64 << 20
 
 
+def _receive_reports(group: Any, ranks: range) -> list[tuple[int, rank_checksums.RankReport]]:
+    """The write report of every engine rank in ``ranks`` (group ranks), in order:
+    each sends its size, then its encoded ``RankReport`` (``rank_checksums``)."""
+    import torch
+
+    out = []
+    for rank in ranks:
+        n = torch.zeros(1, dtype=torch.int64)
+        group.recv([n], rank, rank_checksums.REPORT_TAG).wait()
+        size = int(n.item())
+        if not 0 < size <= _MAX_REPORT_BYTES:
+            raise TransferError("transfer", f"engine rank {rank} announced a write report "
+                                f"of {size} bytes", mutation_started=True)
+        buf = torch.empty(size, dtype=torch.uint8)
+        group.recv([buf], rank, rank_checksums.REPORT_TAG).wait()
+        try:
+            out.append((rank, rank_checksums.decode(buf.numpy().tobytes())))
+        except ValueError as exc:
+            raise TransferError("transfer", f"engine rank {rank}'s write report: {exc}",
+                                mutation_started=True) from exc
+    return out
+
+
 @dataclass
 class _Round:
     nonce: str
@@ -665,7 +688,8 @@ class GlooTransport(TransportBase):
         f = run_side(lambda: self.post(url, "/finish_weight_update",
                                        {"weight_version": None if draft else label},
                                        left()), "finish")
-        f_rep = run_side(lambda: self._receive_reports(conn), "reports")
+        f_rep = run_side(lambda: _receive_reports(conn.group, range(1, conn.world_size)),
+                         "reports")
         try:
             self.wait([f, f_rep], deadline, "finish_weight_update", mutation_started=True)
         except BaseException:
@@ -676,26 +700,29 @@ class GlooTransport(TransportBase):
                                 tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
 
-    @staticmethod
-    def _receive_reports(conn: _Conn) -> list[tuple[int, rank_checksums.RankReport]]:
-        import torch
+    def adopt_round(self, base_url: str, nonce: str, sent: Mapping[str, torch.Tensor],
+                    reports: Sequence[tuple[int, rank_checksums.RankReport]]) -> None:
+        """Take a round another sender ran to ``base_url`` (a fleet's ``GlooFanout``)
+        as this transport's last round to it, so that ``validation_check`` and
+        ``declared_checksums`` check what that engine's ranks wrote in it.
+        ``reports``: (rank within the engine, counted from 1 as in a round of
+        this transport's own, report)."""
+        url = check_url(base_url)
+        if not isinstance(nonce, str) or not 0 < len(nonce) <= 128:
+            raise BadInput("nonce must be a string of 1..128 characters")
+        if not isinstance(sent, Mapping) or not sent:
+            raise BadInput("sent must be a non-empty mapping of tensor names to tensors")
+        reps = list(reports)
+        if sorted(r for r, _ in reps) != list(range(1, len(reps) + 1)):
+            raise BadInput(f"report ranks must be 1..{len(reps)}, got "
+                           f"{[r for r, _ in reps]}")
+        self._rounds[_round_key(url, False)] = _Round(nonce, dict(sent), reps)
 
-        out = []
-        for rank in range(1, conn.world_size):
-            n = torch.zeros(1, dtype=torch.int64)
-            conn.group.recv([n], rank, rank_checksums.REPORT_TAG).wait()
-            size = int(n.item())
-            if not 0 < size <= _MAX_REPORT_BYTES:
-                raise TransferError("transfer", f"engine rank {rank} announced a write report "
-                                    f"of {size} bytes", mutation_started=True)
-            buf = torch.empty(size, dtype=torch.uint8)
-            conn.group.recv([buf], rank, rank_checksums.REPORT_TAG).wait()
-            try:
-                out.append((rank, rank_checksums.decode(buf.numpy().tobytes())))
-            except ValueError as exc:
-                raise TransferError("transfer", f"engine rank {rank}'s write report: {exc}",
-                                    mutation_started=True) from exc
-        return out
+    def forget_round(self, base_url: str) -> None:
+        """Drop what this transport kept of its last rounds to ``base_url`` (another
+        sender is about to write there: an older round must not vouch for it)."""
+        for draft in (False, True):
+            self._rounds.pop(_round_key(base_url, draft), None)
 
     def validation_check(self, base_url: str, *,
                          reference: Mapping[str, torch.Tensor] | None = None,
