@@ -199,6 +199,13 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     if not isinstance(o, FleetServeOptions):
         raise BadInput("run_fleet_serve takes FleetServeOptions")
     token, given, data_token, floor = _check(o)
+    if not o.ray:
+        from rolloutcore.fleet.placement import cpu_binding
+
+        # Cores for every rank of every engine, or a refusal before anything is made.
+        ranks = o.tensor_parallel_size * o.pipeline_parallel_size
+        for i in range(o.engines):
+            cpu_binding(i, o.engines, ranks=ranks)
     cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
                         data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
                         max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,

@@ -76,9 +76,8 @@ from rolloutcore.transports.gloo import (
     _as_cpu,
     _dist,
     _new_group,
-    _receive_reports,
-    _Round,
 )
+from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.source import WeightSource
 
 __all__ = ["FanoutResult", "GlooFanout"]
@@ -147,7 +146,7 @@ class GlooFanout(TransportBase):
         self.close_timeout_s = check_timeout(close_timeout_s, "close_timeout_s")
         self._g: _Group | None = None
         self.last_connect_s: float | None = None
-        self._rounds: dict[str, _Round] = {}  # engine URL -> its last finished round
+        self._rounds: dict[str, Round] = {}  # engine URL -> its last finished round
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -342,7 +341,7 @@ class GlooFanout(TransportBase):
         # Every rank of each finishing engine reports what it wrote, over the group,
         # while its finish runs: received per engine (one silent engine does not hold
         # up the others' reports).
-        f_rep = {u: run_side(lambda u=u: _receive_reports(  # type: ignore[misc]
+        f_rep = {u: run_side(lambda u=u: receive_reports(  # type: ignore[misc]
             g.group, range(g.ranks[u][0], g.ranks[u][0] + g.ranks[u][1])), "reports")
             for u in f_fin}
         broken = False
@@ -355,7 +354,7 @@ class GlooFanout(TransportBase):
                 broken = True  # a report may still be pending in the group
             else:
                 off = g.ranks[u][0]
-                self._rounds[u] = _Round(nonce, sent, [(r - off + 1, rep)
+                self._rounds[u] = Round(nonce, sent, [(r - off + 1, rep)
                                                        for r, rep in f_rep[u].result()])
                 results[u] = FanoutResult(u, labels[u], evidence=TransferEvidence(
                     completed=True, mutation_started=True, backend=BACKEND,

@@ -78,6 +78,7 @@ from rolloutcore.transports.base import (
     preflight,
     run_side,
 )
+from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.model_index import ModelIndex, check_against_model
 from rolloutcore.transports.rank_capture import build_capture_class
 from rolloutcore.transports.source import WeightSource
@@ -513,41 +514,6 @@ def __getattr__(name: str) -> Any:
 _ABANDONED: list[Any] = []
 
 
-#: The largest write report an engine rank may announce (names and checksums of
-#: every parameter it wrote: ~300 bytes each).
-_MAX_REPORT_BYTES = 64 << 20
-
-
-def _receive_reports(group: Any, ranks: range) -> list[tuple[int, rank_checksums.RankReport]]:
-    """The write report of every engine rank in ``ranks`` (group ranks), in order:
-    each sends its size, then its encoded ``RankReport`` (``rank_checksums``)."""
-    import torch
-
-    out = []
-    for rank in ranks:
-        n = torch.zeros(1, dtype=torch.int64)
-        group.recv([n], rank, rank_checksums.REPORT_TAG).wait()
-        size = int(n.item())
-        if not 0 < size <= _MAX_REPORT_BYTES:
-            raise TransferError("transfer", f"engine rank {rank} announced a write report "
-                                f"of {size} bytes", mutation_started=True)
-        buf = torch.empty(size, dtype=torch.uint8)
-        group.recv([buf], rank, rank_checksums.REPORT_TAG).wait()
-        try:
-            out.append((rank, rank_checksums.decode(buf.numpy().tobytes())))
-        except ValueError as exc:
-            raise TransferError("transfer", f"engine rank {rank}'s write report: {exc}",
-                                mutation_started=True) from exc
-    return out
-
-
-@dataclass
-class _Round:
-    nonce: str
-    sent: dict[str, torch.Tensor]
-    reports: list[tuple[int, rank_checksums.RankReport]]
-
-
 @dataclass
 class _Conn:
     base_url: str
@@ -574,7 +540,7 @@ class GlooTransport(TransportBase):
         super().__init__()
         self.op_timeout_s = check_timeout(op_timeout_s, "op_timeout_s")
         self._conn: _Conn | None = None
-        self._rounds: dict[str, _Round] = {}  # engine URL -> its last finished round
+        self._rounds: dict[str, Round] = {}  # engine URL -> its last finished round
         self.last_check: dict[str, Any] = {}
 
     def engine_config(self) -> dict[str, Any]:
@@ -688,14 +654,14 @@ class GlooTransport(TransportBase):
         f = run_side(lambda: self.post(url, "/finish_weight_update",
                                        {"weight_version": None if draft else label},
                                        left()), "finish")
-        f_rep = run_side(lambda: _receive_reports(conn.group, range(1, conn.world_size)),
+        f_rep = run_side(lambda: receive_reports(conn.group, range(1, conn.world_size)),
                          "reports")
         try:
             self.wait([f, f_rep], deadline, "finish_weight_update", mutation_started=True)
         except BaseException:
             self._drop(notify_engine=False)
             raise
-        self._rounds[key] = _Round(nonce, sent, f_rep.result())
+        self._rounds[key] = Round(nonce, sent, f_rep.result())
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
                                 tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
@@ -716,7 +682,7 @@ class GlooTransport(TransportBase):
         if sorted(r for r, _ in reps) != list(range(1, len(reps) + 1)):
             raise BadInput(f"report ranks must be 1..{len(reps)}, got "
                            f"{[r for r, _ in reps]}")
-        self._rounds[_round_key(url, False)] = _Round(nonce, dict(sent), reps)
+        self._rounds[_round_key(url, False)] = Round(nonce, dict(sent), reps)
 
     def forget_round(self, base_url: str) -> None:
         """Drop what this transport kept of its last rounds to ``base_url`` (another
