@@ -165,3 +165,17 @@ def test_the_audit_checks_each_sample_s_adapter_against_the_journal(tmp_path: Pa
     assert [f.issue for f in r.findings] == [PurityIssue.UNPUBLISHED_ADAPTER]
     assert "1 LoRA-adapter versions published" in audit_purity([_adapted()], summary
                                                                 ).format_table()
+
+
+def test_replay_of_an_adapter_sample_needs_that_adapter_listed_on_the_base() -> None:
+    from rolloutcore.provenance.replay import adapter_issue
+
+    s = _adapted()
+    name = s.adapter.name if s.adapter else ""
+    assert adapter_issue(make_sample(), {}) is None          # no adapter: nothing to check
+    assert adapter_issue(s, {"policy": None, name: "policy"}) is None
+    assert "does not list" in str(adapter_issue(s, {"policy": None}))
+    assert "base model here" in str(adapter_issue(s, {name: None}))
+    other = _adapted(name="rcl-3-" + "cd" * 8)               # a name without its digest
+    assert "does not carry its content digest" in str(
+        adapter_issue(other, {other.adapter.name if other.adapter else "": "policy"}))
