@@ -167,6 +167,33 @@ def interrupted_record(controller: Any, what: Interruption) -> Interrupted:
                        "; ".join(x for x in (what.samples_text, what.detail) if x))
 
 
+def adapter_reference(model: Any, engine_dtype: str | None) -> Any:
+    """The trainer's PEFT model with its adapter weights as the engine holds them.
+
+    A float32 copy whose ``lora_`` tensors went through ``engine_dtype`` (bf16 for
+    the tiny checkpoint) and back: the probe's reference then differs from the
+    engine only by the engine's arithmetic, as the full update's reference
+    (``weights._probe_reference``) is made of the tensors sent. ``None``: the
+    model itself.
+    """
+    if engine_dtype is None:
+        return model
+    import copy
+
+    import torch
+
+    dt = getattr(torch, engine_dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise BadInput(f"engine dtype {engine_dtype!r} is not a torch dtype")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.requires_grad_(False)
+            if "lora_" in name:
+                p.data = p.data.to(dt).to(p.dtype)
+    return ref.eval()
+
+
 class _SessionEngine:
     """An in-process ``EngineSession``: its controller admits, its runner updates.
 
@@ -201,12 +228,16 @@ class _SessionEngine:
         res = self.session.update(state, provenance, probe=probe, owner=owner)
         return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
 
-    def update_adapter(self, model: Any, provenance: Provenance) -> PublishedUpdate:
+    def update_adapter(self, model: Any, provenance: Provenance,
+                       engine_dtype: str | None = None) -> PublishedUpdate:
         """Publish ``model``'s adapter (a PEFT model, not merged) as the next adapter
-        version, verified against ``model`` itself; the base version is unchanged."""
+        version, verified against ``model`` itself, its adapter weights rounded to
+        ``engine_dtype`` (what the engine holds: vLLM loads an adapter in the model's
+        dtype); the base version is unchanged."""
         if not self.adapters:
             raise BadInput("this engine was not set up for adapters (adapters=True)")
-        res = self.session.update_adapter(model, provenance, reference=model)
+        res = self.session.update_adapter(model, provenance,
+                                          reference=adapter_reference(model, engine_dtype))
         version, identity = self.committed()
         probe = next((ch.max_abs_diff for ch in res.checks if ch.name == "adapter-probe"),
                      None)
@@ -229,7 +260,7 @@ class _SessionEngine:
                               ignore_eos=bool(spec.extra.get("ignore_eos", False)),
                               request_id=rollout_id, sampling_extra=_vllm_extra(spec),
                               cache_salt=salt_for(binding.version),
-                              model=None if adapter is None else adapter.name)
+                              **({} if adapter is None else {"model": adapter.name}))
         finally:
             try:
                 if adapter is not None:

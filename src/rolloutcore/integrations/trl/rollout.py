@@ -375,7 +375,8 @@ class RolloutCoreRollout:
                            "GRPOTrainer a peft_config (or a PeftModel)")
         prov = Provenance(self.origin, self.run, step)
         try:
-            pub = self.engine.update_adapter(model, prov)  # type: ignore[attr-defined]
+            pub = self.engine.update_adapter(  # type: ignore[attr-defined]
+                model, prov, self.manifest.params[0].dtype)
         except (UpdateFailed, UpdateRefused, EffectError) as exc:
             err = TrainingStopped(
                 step, "update_failed", f"adapter: {type(exc).__name__}: {exc}",
