@@ -24,6 +24,7 @@ from rolloutcore.provenance.trajectory import TrajectorySample
 
 pytestmark = [
     pytest.mark.engine,
+    pytest.mark.slow,   # an engine start and 3 steps: 100 s on the shared 2 cores
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
