@@ -179,3 +179,17 @@ def test_replay_of_an_adapter_sample_needs_that_adapter_listed_on_the_base() -> 
     other = _adapted(name="rcl-3-" + "cd" * 8)               # a name without its digest
     assert "does not carry its content digest" in str(
         adapter_issue(other, {other.adapter.name if other.adapter else "": "policy"}))
+
+
+def test_launch_refuses_adapter_options_without_a_rank_before_starting_anything(
+        tmp_path: Path) -> None:
+    from rolloutcore.core.adapters import AdapterConfig
+    from rolloutcore.integrations.trl import RolloutCoreRollout
+
+    for kw in ({"adapter_config": AdapterConfig()}, {"adapters": True},
+               {"lora_rank": 0}, {"lora_rank": 8, "adapter_config": {"max_loaded": 4}}):
+        with pytest.raises(BadInput):
+            RolloutCoreRollout.launch(tmp_path / "nowhere", run="r", **kw)  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="through a gateway is not built"):
+        RolloutCoreRollout.through_gateway("http://127.0.0.1:9", "t", checkpoint=tmp_path,
+                                           run="r", adapters=True)

@@ -228,7 +228,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
             rollout, ckpt, trl, torch, transformers, dataset_cls, steps=steps, seed=seed,
             learning_rate=learning_rate, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_tokens=max_tokens, workdir=workdir,
-            say=say, rows=rows, at=at, **({} if lora is None else {"lora": lora}))
+            say=say, rows=rows, at=at, lora=lora)
     except KeyboardInterrupt as exc:
         interrupt = exc
         info["interrupted_after_s"] = time.monotonic() - t_all

@@ -224,6 +224,8 @@ class RolloutCoreRollout:
             ekw["env"] = {**dict(ekw.get("env") or {}), **LORA_ENV}
         if adapter_config is not None and not isinstance(adapter_config, AdapterConfig):
             raise BadInput("adapter_config must be an AdapterConfig")
+        if (adapter_config is not None or kw.pop("adapters", None)) and lora_rank is None:
+            raise BadInput("a LoRA run needs lora_rank (the engine's --max-lora-rank)")
         session = EngineSession.launch(checkpoint, transport=transport, journal_path=journal,
                                        engine_kwargs=ekw, progress=progress,
                                        start_timeout_s=start_timeout_s)
