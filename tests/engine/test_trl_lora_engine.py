@@ -2,24 +2,31 @@
 GRPOTrainer with ``peft_config``, the trainer's adapter published as verified
 adapter versions, every sample bound to (base version, adapter version).
 
-Negative control: the audit of a copy of the trajectory file whose samples name
-an adapter content the journal never published finds every one of them.
+Negative controls: the audit of the samples of one step, their adapter's
+content changed, finds every one of them; the replay of a sample on an engine
+that does not list its adapter is refused (never replayed on the base).
+The last step's samples are replayed through their adapter, kept in the run's
+adapter store, on a fresh engine.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from enginetools import EngineFactory
+from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.adapters import AdapterChange, AdapterState
 from rolloutcore.core.records import Commit, RequestUpdate
 from rolloutcore.provenance.audit import audit_file, audit_purity, read_journal_summary
 from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.provenance.replay import LaneStatus, ReplayRefused, ReplayValidator
 from rolloutcore.provenance.trajectory import TrajectorySample
 
 pytestmark = [
@@ -104,3 +111,30 @@ def test_the_audit_finds_samples_naming_adapter_content_never_published(
     assert {f.issue.value for f in rep.findings} == {"adapter-mismatch"}
     assert len(bad) == 8 == sum(1 for s in samples if s.step == 1)
     assert audit_file(work / "trajectories.jsonl", work / "journal.jsonl").ok
+
+
+def test_the_last_step_replays_through_its_adapter_and_is_refused_without_it(
+        run: dict[str, Any], engine_factory: EngineFactory) -> None:
+    from rolloutcore.integrations.trl.rollout import LORA_ENV, lora_engine_args
+
+    rep, work = run["report"], run["work"]
+    last = rep["updates"][-1]["adapter"]
+    kept = {Path(p).name for p in rep["lora"]["adapters_kept"]}
+    assert last["name"] in kept and len(kept) == 2   # current + max_staleness 1
+    samples = [s for g in read_groups(work / "trajectories.jsonl") for s in g.samples
+               if s.step == STEPS - 1]
+    eng = engine_factory(work / "policy-0", extra_args=lora_engine_args(4), env=LORA_ENV)
+    http = VllmHTTP(eng.base_url, timeout_s=120.0)
+    try:
+        validator = ReplayValidator(http)
+        with pytest.raises(ReplayRefused, match="does not list"):
+            validator.replay(samples)
+        http.load_lora_adapter(last["name"], str(work / "adapters" / last["name"]))
+        report = validator.replay(samples)
+        lanes = [x.logprob for x in report.samples]
+        assert len(lanes) == 8 and all(x.status is LaneStatus.PASS for x in lanes), \
+            report.format_table()
+        assert max(x.max_abs_diff or 0.0 for x in lanes) < 0.05
+    finally:
+        http.close()
+        engine_factory.stop(eng)

@@ -43,6 +43,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -187,6 +188,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
     for p in (traj,) if gateway else (traj, journal):
         if p.exists():
             p.unlink()
+    if lora is not None:
+        shutil.rmtree(_store(traj), ignore_errors=True)   # the adapters of an earlier run
     t_all = time.monotonic()
     # Where the run is, for an interrupt: the phase and the trainer's step.
     at: dict[str, Any] = {"phase": "checkpoint", "step": None}
@@ -304,8 +307,14 @@ def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
             lora_rank: int | None = None) -> Any:
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    return RolloutCoreRollout.launch(ckpt, run=run, trajectories=traj, journal=journal,
-                                     progress=progress, lora_rank=lora_rank)
+    return RolloutCoreRollout.launch(
+        ckpt, run=run, trajectories=traj, journal=journal, progress=progress,
+        lora_rank=lora_rank, adapter_store=None if lora_rank is None else _store(traj))
+
+
+def _store(traj: Path) -> Path:
+    """A LoRA run's adapter store: the versions not retired stay there (replay)."""
+    return traj.parent / "adapters"
 
 
 def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path) -> Any:
@@ -489,6 +498,10 @@ def _lora_report(rollout: Any, lora: LoraSettings | None) -> dict[str, Any] | No
             "base_weights": "unchanged: a LoRA run trains and publishes only the adapter; "
                             "every adapter version was verified on this base version",
             "adapter_versions": [u.adapter.name for u in updates if u.adapter is not None],
+            # the newest versions (the others were retired, their directories removed)
+            "adapters_kept": sorted(str(p) for p in (
+                {Path(u.adapter.path) for u in updates if u.adapter is not None})
+                if p.is_dir()),
             "samples_through_adapter": sum(s.generation.samples for s in steps
                                            if s.generation.adapter is not None)}
 

@@ -84,6 +84,7 @@ from rolloutcore.core.records import (
 )
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.provenance.adapter_use import adapter_problems
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.stitch import check_versions
@@ -156,9 +157,8 @@ class JournalSummary:
             "unended_updates": [{"journal": f, "update_id": r.update_id,
                                  "target": r.target.to_dict()} for f, r in self.unended]}
         if self.adapters:
-            out["adapters_published"] = {
-                n: {"generation": g, "content_digest": d, "base": b}
-                for n, (g, d, b) in sorted(self.adapters.items(), key=lambda x: x[1][0])}
+            out["adapters_published"] = {n: {"generation": g, "content_digest": d, "base": b}
+                                         for n, (g, d, b) in self.adapters.items()}
         if self.is_fleet:
             out["fleet"] = {"versions": {str(g): lab for g, lab in
                                          sorted(self.fleet_versions.items())},
@@ -241,10 +241,8 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                         commits.add(rec.version)
                     elif isinstance(rec, Interrupted):
                         interruptions.append(rec)
-                    elif isinstance(rec, AdapterChange):
-                        if rec.after is AdapterState.PUBLISHED:
-                            adapters[rec.name] = (rec.generation, rec.content_digest,
-                                                  rec.base)
+                    elif isinstance(rec, AdapterChange) and rec.after is AdapterState.PUBLISHED:
+                        adapters[rec.name] = (rec.generation, rec.content_digest, rec.base)
                     elif isinstance(rec, Admit):
                         admissions[rec.rollout_id] = rec.version
                     elif isinstance(rec, Carry):
@@ -357,28 +355,10 @@ def _purity_findings(s: TrajectorySample, journal: JournalSummary | None
                 f"journal admitted {rid!r} under {journal.admissions[rid]}, record says {bound}")
         if s.fleet is not None and journal.is_fleet:
             out += _fleet_findings(s, journal)
-        if s.adapter is not None:
-            out += _adapter_findings(s, journal)
+        if s.adapter is not None:   # trajectory schema 5: the adapter was published as recorded
+            for problem, detail in adapter_problems(s.adapter, journal.adapters):
+                add(PurityIssue(problem), detail)
     return out
-
-
-def _adapter_findings(s: TrajectorySample, journal: JournalSummary) -> list[PurityFinding]:
-    """A sample generated through a LoRA adapter: that adapter version was published
-    (verified), with this content, generation and base (the base is the binding's:
-    ``TrajectorySample`` refuses another)."""
-    a = s.adapter
-    assert a is not None
-    pub = journal.adapters.get(a.name)
-    if pub is None:
-        return [PurityFinding(s.group_id, s.sample_index, PurityIssue.UNPUBLISHED_ADAPTER,
-                              f"adapter {a.name} was never published in the journal")]
-    if pub != (a.generation, a.content_digest, a.base):
-        return [PurityFinding(
-            s.group_id, s.sample_index, PurityIssue.ADAPTER_MISMATCH,
-            f"adapter {a.name} was published as generation {pub[0]}, sha256 "
-            f"{pub[1][:16]}, on {pub[2]}; the sample says generation {a.generation}, "
-            f"sha256 {a.content_digest[:16]}, on {a.base}")]
-    return []
 
 
 def _fleet_findings(s: TrajectorySample, journal: JournalSummary) -> list[PurityFinding]:

@@ -60,6 +60,7 @@ from rolloutcore.core.strict import freeze_json as _freeze_json
 from rolloutcore.core.strict import thaw_json as _thaw_json
 from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
+from rolloutcore.provenance.adapter_use import AdapterUse
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 from rolloutcore.provenance.token_versions import TokenVersions
 
@@ -597,44 +598,6 @@ class FleetPlacement:
         m = _obj("fleet", d)
         _exact_keys("fleet", m, ("replica", "fleet_version", "fleet_label"))
         return cls(m["replica"], m["fleet_version"], m["fleet_label"])
-
-
-_ADAPTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-@dataclass(frozen=True)
-class AdapterUse:
-    """The LoRA-adapter version a sample was generated through (schema 5).
-
-    The binding names the base version (the engine's weights, which an adapter
-    does not change); this names the adapter on top: its ``name`` (what the
-    request sent as its model), ``generation``, ``content_digest`` (sha256 of
-    its tensors and config, ``verification.adapters``) and ``base``, the label of
-    the base version it was verified on (it must be the binding's).
-    ``rolloutcore audit`` checks the four against the journal's ``adapter``
-    records: the adapter was published, with this content, on this base.
-    """
-
-    name: str
-    generation: int
-    content_digest: str
-    base: str
-
-    def __post_init__(self) -> None:
-        _str("adapter.name", self.name, _ADAPTER_NAME_RE)
-        _int("adapter.generation", self.generation, lo=1)
-        _str("adapter.content_digest", self.content_digest, _HEX64)
-        _str("adapter.base", self.base, _ID_RE)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "generation": self.generation,
-                "content_digest": self.content_digest, "base": self.base}
-
-    @classmethod
-    def from_dict(cls, d: object) -> AdapterUse:
-        m = _obj("adapter", d)
-        _exact_keys("adapter", m, ("name", "generation", "content_digest", "base"))
-        return cls(m["name"], m["generation"], m["content_digest"], m["base"])
 
 
 @dataclass(frozen=True)

@@ -208,13 +208,17 @@ class RolloutCoreRollout:
                engine_kwargs: Mapping[str, Any] | None = None, progress: bool = False,
                start_timeout_s: float = 600.0, lora_rank: int | None = None,
                adapter_config: AdapterConfig | None = None,
+               adapter_store: str | Path | None = None,
                **kw: Any) -> RolloutCoreRollout:
         """Start vLLM on ``checkpoint`` under RolloutCore and bootstrap it (step 0).
 
         ``lora_rank``: a LoRA run (``adapters=True``): vLLM is started with
         ``lora_engine_args(lora_rank)`` and runtime adapter loading, and the
         session's adapters enabled (``adapter_config``: default 4 loaded, one
-        superseded version kept), with the rollout's probe tolerance.
+        superseded version kept), with the rollout's probe tolerance;
+        ``adapter_store``: where each adapter version's directory is written
+        (default a temporary one, removed at close; a given one is kept, holding
+        the versions not retired, for replay).
         """
         from rolloutcore.control.session import EngineSession
 
@@ -224,7 +228,8 @@ class RolloutCoreRollout:
             ekw["env"] = {**dict(ekw.get("env") or {}), **LORA_ENV}
         if adapter_config is not None and not isinstance(adapter_config, AdapterConfig):
             raise BadInput("adapter_config must be an AdapterConfig")
-        if (adapter_config is not None or kw.pop("adapters", None)) and lora_rank is None:
+        if (adapter_config is not None or adapter_store is not None
+                or kw.pop("adapters", None)) and lora_rank is None:
             raise BadInput("a LoRA run needs lora_rank (the engine's --max-lora-rank)")
         session = EngineSession.launch(checkpoint, transport=transport, journal_path=journal,
                                        engine_kwargs=ekw, progress=progress,
@@ -235,6 +240,7 @@ class RolloutCoreRollout:
             if lora_rank is not None:
                 session.enable_adapters(
                     config=adapter_config or AdapterConfig(max_loaded=4, max_staleness=1),
+                    store=adapter_store,
                     probe_tolerance=float(kw.get("probe_tolerance", DEFAULT_PROBE_TOLERANCE)))
             return cls(_SessionEngine(session, owns=True, adapters=lora_rank is not None),
                        checkpoint=checkpoint, run=run, trajectories=trajectories,
