@@ -33,6 +33,7 @@ update still drains them) and the table's for the adapter.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -73,7 +74,7 @@ from rolloutcore.verification.probe import (
 )
 
 __all__ = ["BASE_PROBE_MODES", "AdapterManager", "AdapterResult", "PreparedAdapter",
-           "RolloutBinding"]
+           "RolloutBinding", "VerifiedAdapter"]
 
 #: When the base is probed beside a newly loaded adapter. ``required``: always, so a
 #: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
@@ -133,6 +134,23 @@ class RolloutBinding:
     def to_dict(self) -> dict[str, Any]:
         return {"base": self.base.version.to_dict(), "base_identity": self.base.identity.digest,
                 **self.adapter.to_dict()}
+
+
+@dataclass(frozen=True)
+class VerifiedAdapter:
+    """An adapter version loaded and verified on one engine, not yet published
+    (``AdapterManager.verify``; then ``publish`` or ``abandon``)."""
+
+    prepared: PreparedAdapter
+    checks: tuple[Check, ...]
+    notes: tuple[str, ...]
+    phases: Mapping[str, float]
+    retired: tuple[str, ...]
+    verify_s: float
+
+    @property
+    def version(self) -> AdapterVersion:
+        return self.prepared.version
 
 
 @dataclass
@@ -236,11 +254,34 @@ class AdapterManager:
 
     def apply(self, prepared: PreparedAdapter) -> AdapterResult:
         """Load, verify and publish a prepared adapter (see the module docstring)."""
+        t0 = time.perf_counter()
+        return self.publish(self.verify(prepared), started=t0)
+
+    def verify(self, prepared: PreparedAdapter, *, deadline: float | None = None
+               ) -> VerifiedAdapter:
+        """The first phase of ``apply``: load and verify, and leave the version VERIFYING
+        (listed, probed, never routed to) for ``publish`` or ``abandon``.
+
+        A fleet verifies one adapter on every replica this way before it publishes
+        it anywhere (``fleet.adapters``). ``deadline`` (``time.monotonic()``): a
+        step that would start after it fails the version instead (unloaded), so
+        the whole phase is bounded by it plus one engine call's ``timeout_s``.
+        While a version is VERIFYING no other adapter update starts (the table
+        refuses it), and requests keep getting the published one.
+        """
         if not isinstance(prepared, PreparedAdapter):
-            raise BadInput("apply needs a PreparedAdapter (from prepare)")
+            raise BadInput("verify needs a PreparedAdapter (from prepare)")
+        if deadline is not None and (isinstance(deadline, bool)
+                                     or not isinstance(deadline, (int, float))):
+            raise BadInput(f"deadline must be a time.monotonic() value, got {deadline!r}")
         v = prepared.version
         ph = _Phases()
         t0 = time.perf_counter()
+
+        def in_time(step: str, checks: Any = ()) -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                self._refuse(v, step, f"the deadline passed before {step}", checks)
+
         with self._io:
             retired = list(self._sweep_locked())
             base = self._base_version()
@@ -252,6 +293,9 @@ class AdapterManager:
             # is never reused: vLLM would refuse it, or with load_inplace serve its KV.
             held = ph.run("list", lambda: self.http.models(timeout_s=self.timeout_s))
             self.shell.run(self.table.note_loaded, {n: p for n, p in held.items() if p})
+            if deadline is not None and time.monotonic() > deadline:
+                raise UpdateRefused(f"adapter {v.name}: the deadline passed before the load; "
+                                    f"nothing was loaded")
             self.shell.run(self.table.propose, v)   # refusals change nothing
             # -- load
             try:
@@ -263,6 +307,7 @@ class AdapterManager:
                                    f"the engine refused adapter {v.name}: {exc}") from exc
             except EffectError as exc:       # maybe loaded: unload it
                 self._refuse(v, "load_adapter", f"load failed: {exc}", (), exc)
+            in_time("list")
             # -- the engine lists it, on this base
             listed: dict[str, str | None] = ph.run("list", lambda: self.http.models(
                 timeout_s=self.timeout_s))
@@ -276,9 +321,11 @@ class AdapterManager:
                             f"{listed[v.name]})"),
                       Check("content", True, f"sha256 {v.content_digest} of {v.size_bytes} "
                             f"tensor bytes and the config, rank {prepared.source.rank}")]
+            in_time("probe_adapter", checks)
             try:
                 checks.append(ph.run("probe_adapter", lambda: self._probe(
                     prepared.probe, v.name, "probe through the adapter")))
+                in_time("probe_base", checks)
                 busy = self._adapter_requests()
                 if busy and self.base_probe == "when_idle":
                     notes.append(f"base-probe not run: {busy} adapter requests in flight "
@@ -294,34 +341,80 @@ class AdapterManager:
             if failed:
                 self._refuse(v, "validate", "; ".join(f"{c.name}: {c.detail}" for c in failed),
                              checks)
-            now = self._base_version()
-            if now.label != v.base:
-                self._refuse(v, "validate", f"the base moved to {now.label} during the "
-                             f"verification of {v.name} (verified on {v.base})", checks)
-            # -- publish
-            ev = (*(f"{c.name}: {c.detail}" for c in checks), *notes,
+        return VerifiedAdapter(prepared, tuple(checks), tuple(notes), dict(ph.t),
+                               tuple(retired), time.perf_counter() - t0)
+
+    def publish(self, verified: VerifiedAdapter, *, started: float | None = None
+                ) -> AdapterResult:
+        """The second phase: publish a version ``verify`` left VERIFYING (it supersedes the
+        current one in the same decision), then retire what may go. If the base moved
+        since, the version is failed (unloaded) and ``UpdateFailed`` raised."""
+        if not isinstance(verified, VerifiedAdapter):
+            raise BadInput("publish needs a VerifiedAdapter (from verify)")
+        prepared, checks = verified.prepared, verified.checks
+        v = prepared.version
+        if self.shell.read(self.table.state, v.name) is not AdapterState.VERIFYING:
+            raise UpdateRefused(f"adapter {v.name} is "
+                                f"{self.shell.read(self.table.state, v.name)}, not verifying: "
+                                f"nothing to publish")
+        ph = _Phases(dict(verified.phases))
+        t0 = time.perf_counter() - verified.verify_s if started is None else started
+        with self._io:
+            now = self._base_version_or_none()
+            if now is None or now.label != v.base:
+                self._refuse(v, "validate", f"the base moved to "
+                             f"{None if now is None else now.label} during the verification "
+                             f"of {v.name} (verified on {v.base})", checks)
+            ev = (*(f"{c.name}: {c.detail}" for c in checks), *verified.notes,
                   f"provenance: {prepared.provenance.to_dict()}")
             ph.run("publish", lambda: self._move(v.name, AdapterEvent.VERIFIED,
                                                  "every check passed", ev))
-            retired += ph.run("retire", lambda: list(self._sweep_locked()))
+            retired = [*verified.retired, *ph.run("retire",
+                                                  lambda: list(self._sweep_locked()))]
         phases = {"prepare": prepared.prepare_s, **ph.t, "apply": time.perf_counter() - t0}
-        return AdapterResult(v, tuple(checks), phases, tuple(retired), tuple(notes))
+        return AdapterResult(v, tuple(checks), phases, tuple(retired), verified.notes)
+
+    def abandon(self, verified: VerifiedAdapter, reason: str) -> str:
+        """Fail a version ``verify`` left VERIFYING: unload it (REFUSED) or, if the unload
+        fails, fence it (FENCED: never routed). Returns the state it ended in."""
+        if not isinstance(verified, VerifiedAdapter):
+            raise BadInput("abandon needs a VerifiedAdapter (from verify)")
+        if not isinstance(reason, str) or not reason:
+            raise BadInput("abandon needs a reason")
+        v = verified.prepared.version
+        if self.shell.read(self.table.state, v.name) is not AdapterState.VERIFYING:
+            raise UpdateRefused(f"adapter {v.name} is not verifying: nothing to abandon")
+        with self._io, contextlib.suppress(UpdateFailed):
+            self._refuse(v, "publish", reason, verified.checks)
+        st = self.shell.read(self.table.state, v.name)
+        return str(st.value) if st is not None else "unknown"
 
     # ------------------------------------------------------------------ requests
     def admit(self, rollout_id: str) -> RolloutBinding:
         """Bind a request to the committed base version and the current adapter."""
         base = self.controller.admit(rollout_id)
         try:
-            ab = self.shell.run(self.table.admit, rollout_id, wait=False)
+            return self.bind(rollout_id, base)
         except BaseException:
             self.controller.complete(rollout_id)
             raise
+
+    def bind(self, rollout_id: str, base: Binding, *, expect: str | None = None
+             ) -> RolloutBinding:
+        """The adapter half of ``admit``, for a request already bound to ``base`` (the
+        caller's binding, released by the caller on a refusal). ``expect``: the
+        adapter name the caller routed for (a fleet's current); another current one
+        is refused (``AdmissionRefused``), nothing bound."""
+        ab = self.shell.run(self.table.admit, rollout_id, wait=False)
+        why = None
         if ab.adapter.base != base.version.label:
+            why = (f"adapter {ab.adapter.name} was verified on base {ab.adapter.base}, "
+                   f"the engine serves {base.version.label}: update the adapter")
+        elif expect is not None and ab.adapter.name != expect:
+            why = f"the engine's current adapter is {ab.adapter.name}, not {expect}"
+        if why is not None:
             self.shell.run(self.table.complete, rollout_id, wait=False)
-            self.controller.complete(rollout_id)
-            raise AdmissionRefused(
-                "adapters", f"adapter {ab.adapter.name} was verified on base {ab.adapter.base}, "
-                f"the engine serves {base.version.label}: update the adapter", None)
+            raise AdmissionRefused("adapters", why, None)
         return RolloutBinding(base, ab)
 
     def complete(self, rollout_id: str) -> AdapterVersion:
@@ -357,6 +450,10 @@ class AdapterManager:
     # ------------------------------------------------------------------ internals
     def _adapter_requests(self) -> int:
         return sum(self.shell.view.bound.values())
+
+    def _base_version_or_none(self) -> Any:
+        c = self.controller
+        return c.committed if c.state is State.READY else None
 
     def _base_version(self) -> Any:
         c = self.controller

@@ -338,8 +338,8 @@ class AdapterTable(Machine):
 
     def propose(self, version: AdapterVersion) -> None:
         """Open the update of ``version`` (LOADING); refused, changing nothing, when another
-        is in progress, its name was ever seen, its generation is not the next one, or
-        it would not fit."""
+        is in progress, its name was ever seen, its generation is below the next one,
+        or it would not fit."""
         self._refuse_if_broken()
         if not isinstance(version, AdapterVersion):
             raise BadInput("propose needs an AdapterVersion")
@@ -351,8 +351,10 @@ class AdapterTable(Machine):
             raise UpdateRefused(f"adapter name {version.name!r} was used before (vLLM keys its "
                                 f"prefix cache by name and path: a reused name could serve "
                                 f"another version's KV); nothing was changed")
-        if version.generation != self.next_generation:
-            raise BadInput(f"adapter generation must be {self.next_generation}, "
+        if version.generation < self.next_generation:
+            # Above it is fine: a fleet names a version after the highest generation of
+            # all its replicas' tables, so one name is new on every one of them.
+            raise BadInput(f"adapter generation must be {self.next_generation} or more, "
                            f"got {version.generation}")
         why = self.fits(version.size_bytes)
         if why is not None:
