@@ -201,3 +201,100 @@ def test_one_update_at_a_time_and_no_serving_replica(rig: dict[str, Any],
     finally:
         fa._update.release()
     assert fa.current is None
+
+
+# --------------------------------------------------------------------------- the gateway
+
+def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
+        rig: dict[str, Any], adapters: dict[int, Path], tmp_path: Path) -> None:
+    """POST/GET /control/adapters on the fleet gateway; ``model: policy`` sent as the
+    current adapter's name to an eligible replica, the answer naming the adapter."""
+    import anyio
+    import httpx
+
+    from fleettools import served
+    from helpers.asgi_stream import lifespan
+    from helpers.gateway_rig import TOKEN
+    from rolloutcore.fleet.gateway import create_fleet_app
+    from rolloutcore.service import ServiceConfig
+
+    f, fa = rig["fleet"], rig["fa"]
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    gen = {"model": "policy", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}
+
+    async def main() -> None:
+        with served(f) as fakes:
+            app = create_fleet_app(f.coord, ServiceConfig(
+                upstream_url="http://127.0.0.1:1", control_token=TOKEN), supervise=False,
+                adapters=fa)
+            async with lifespan(app), httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app), base_url="http://fleet.test",
+                    timeout=120) as c:
+                # Before any adapter: policy is the base's.
+                r = await c.post("/inference/v1/generate", json=gen)
+                assert r.status_code == 200 and "x-rolloutcore-adapter" not in r.headers
+                for body, code in (({"adapter_dir": str(adapters[1])}, 400),
+                                   ({"adapter_dir": str(tmp_path), "provenance": {
+                                       "checkpoint": "x"}}, 400)):
+                    r = await c.post("/control/adapters", json=body, headers=auth)
+                    assert r.status_code == code, r.text
+                assert (await c.post("/control/adapters", json={})).status_code == 401
+                assert fa.current is None
+                r = await c.post("/control/adapters", headers=auth, json={
+                    "adapter_dir": str(adapters[1]),
+                    "provenance": {"checkpoint": "a1", "step": 1}})
+                assert r.status_code == 200, r.text
+                name = r.json()["version"]["name"]
+                assert set(r.json()["replicas"]) == {"r0", "r1"}
+                got = (await c.get("/control/adapters", headers=auth)).json()
+                assert got["current"]["name"] == name
+                seen = set()
+                for _ in range(4):
+                    r = await c.post("/inference/v1/generate", json=gen)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-rolloutcore-adapter"] == name
+                    assert r.json()["rolloutcore"]["adapter"] == name
+                    rep = r.headers["x-rolloutcore-replica"]
+                    assert fakes[rep].received[-1]["model"] == name
+                    seen.add(rep)
+                assert seen == {"r0", "r1"}
+                assert all(not m.view.bound for m in fa.managers.values())  # released
+                # Refused: naming the version, prompt logprobs, base requests beside it.
+                for body in ({**gen, "model": name},
+                             {**gen, "sampling_params": {"max_tokens": 2,
+                                                         "prompt_logprobs": 1}},
+                             {**gen, "model": "other"}):
+                    r = await c.post("/inference/v1/generate", json=body)
+                    assert r.status_code == 400, r.text
+                # A replica tainted for adapters takes no policy request.
+                fa._tainted["r0"] = "test"
+                for _ in range(3):
+                    r = await c.post("/inference/v1/generate", json=gen)
+                    assert r.headers["x-rolloutcore-replica"] == "r1"
+                fa._tainted["r1"] = "test"
+                r = await c.post("/inference/v1/generate", json=gen)
+                assert r.status_code == 503, r.text
+
+    anyio.run(main)
+
+
+def test_after_a_full_update_of_the_base_the_adapter_needs_a_new_version(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """An adapter verified on the old base serves no request on the new one (admission
+    refuses it: the trainer's policy was old base + adapter); a new adapter update, or
+    ``rebase`` (the same files verified on the new base, a new name), brings it back."""
+    from fleettools import weights
+
+    f, fa = rig["fleet"], rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+    f.coord.update(weights(1))
+    assert not fa.eligible("r0") and not fa.eligible("r1")
+    with pytest.raises(AdmissionRefused, match="verified on base"):
+        fa.managers["r0"].admit("x")
+    res = fa.rebase(_prov(2))
+    again = res.version
+    assert again.content_digest == first.content_digest and again.name != first.name
+    assert fa.eligible("r0") and fa.eligible("r1")
+    labels = {n: f.coord.replicas[n].controller.committed.label for n in fa.managers}
+    assert {n: m.current.base for n, m in fa.managers.items()  # type: ignore[union-attr]
+            } == labels

@@ -101,7 +101,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
         record=args.record, min_verification=args.min_verification,
         takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
-        client_body_s=args.client_body_s, client_send_s=args.client_send_s)
+        client_body_s=args.client_body_s, client_send_s=args.client_send_s,
+        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -79,8 +79,17 @@ class FleetServeOptions:
     max_body_bytes: int = 1 << 20
     client_body_s: float = 30.0
     client_send_s: float = 30.0
+    lora: bool = False                    # LoRA engines; the fleet's adapter versions
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
+        from rolloutcore.service.serve import check_lora_options
+
+        check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
+        if self.lora and self.ray:
+            raise BadInput("lora with ray: the Ray placement does not launch LoRA engines "
+                           "yet; use local engines (--engines N)")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
@@ -229,13 +238,20 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     coord: FleetCoordinator | None = None
     recorder: Any = None
     try:
+        lora_kw: dict[str, Any] = {}
+        lora_budget: Any = None
+        if o.lora:
+            from rolloutcore.service.serve import lora_engine_args
+
+            largs, lenv, lora_budget = lora_engine_args(o.max_loras, o.max_lora_rank)
+            lora_kw = {"extra_args": largs, "env": lenv}
         if o.ray:
             placement = place_ray(o.engines, model_dir, address=o.ray_address, progress=True,
                                   log_dir=workdir / "logs")
             engines = list(placement.engines)
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
-                                   progress=True)
+                                   progress=True, **lora_kw)
         coord = build_fleet(engines, checkpoint=model_dir, weights=weights0,
                             config=FleetConfig(quorum=o.quorum, min_serving=o.min_serving,
                                                health_interval_s=o.health_interval_s),
@@ -264,9 +280,13 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
 
         if o.record is not None:
             recorder = _recorder(o.record, coord, engines)
+        fleet_adapters = None
+        if o.lora:
+            fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
+                                             o.max_lora_rank)
         app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
                                check_update=parse_update_request, on_finished=recorder,
-                               supervise=o.health_interval_s > 0)
+                               supervise=o.health_interval_s > 0, adapters=fleet_adapters)
         run_until_signalled(app, o.host, o.port, cfg, exit_on_signal, token=token,
                             token_given=given, token_out=o.token_out,
                             banner=f"fleet gateway http://{o.host}:{o.port} -> "
@@ -282,6 +302,32 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         else:
             for e in engines:
                 e.stop()
+
+
+def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
+                    max_lora_rank: int | None) -> Any:
+    """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and
+    the fleet's adapter versions over them (``fleet.adapters``)."""
+    from rolloutcore.control.adapters import AdapterManager
+    from rolloutcore.fleet.adapters import FleetAdapters
+
+    rank = 16 if max_lora_rank is None else max_lora_rank
+
+    def make(rep: Any) -> AdapterManager:
+        ad = rep.runner.adapter
+        epoch = rep.controller.committed.engine_epoch if rep.controller.committed else "x"
+        return AdapterManager(ad.http, rep.controller, base_model=model_dir,
+                              store=workdir / "adapters" / rep.name / str(epoch)[:32],
+                              config=budget, listener=None if rep.journal is None
+                              else rep.journal.listener, max_rank=rank,
+                              calibrations=lambda: dict(rep.runner.adapter.calibrations))
+
+    fa = FleetAdapters(coord, make, base_model=model_dir, max_rank=rank)
+    print(f"[rolloutcore] LoRA adapters enabled on {len(fa.managers)} engines (max rank "
+          f"{rank}): POST /control/adapters publishes one on every serving engine or none; "
+          f"requests for model 'policy' are served by the fleet's current one",
+          file=sys.stderr)
+    return fa
 
 
 def _with_saved_probe(weights: Any, path: str, model_dir: Path) -> Any:
