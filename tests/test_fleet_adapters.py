@@ -298,3 +298,81 @@ def test_after_a_full_update_of_the_base_the_adapter_needs_a_new_version(
     labels = {n: f.coord.replicas[n].controller.committed.label for n in fa.managers}
     assert {n: m.current.base for n, m in fa.managers.items()  # type: ignore[union-attr]
             } == labels
+
+
+def test_a_restarted_gateway_restores_names_and_republishes_the_journals_adapter(
+        base: Path, adapters: dict[int, Path], tmp_path: Path) -> None:
+    """The journal's adapter records: names never reused, generations continue; the
+    new engine holds nothing, so nothing is claimed until the journal's adapter is
+    loaded and verified again under a new name (``serve --lora --journal``)."""
+    from rolloutcore.control.journal import Journal, read_journal
+    from rolloutcore.core.adapters import AdapterChange
+    from rolloutcore.service.serve import _restore_adapters
+
+    f = fake_fleet(1)
+    rep = f.coord.replicas["r0"]
+    try:
+        jpath = tmp_path / "j.jsonl"
+        j = Journal(jpath)
+        m1 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+                            store=tmp_path / "store", listener=j.listener, max_rank=8)
+        m1.update(adapters[1], _prov(1))
+        second = m1.update(adapters[2], _prov(7)).version
+        j.close()
+        eng2 = LoraEngine(base)                    # the restarted engine holds nothing
+        j2 = Journal(jpath)
+        m2 = AdapterManager(eng2, rep.controller, base_model=base,
+                            store=tmp_path / "store", listener=j2.listener, max_rank=8)
+        _restore_adapters(m2, str(jpath))
+        now = m2.current
+        assert now is not None and now.name != second.name
+        assert now.content_digest == second.content_digest
+        assert now.generation == second.generation + 1
+        assert set(eng2.adapters) == {now.name}
+        assert m2.is_adapter(second.name)           # an old name stays refused
+        j2.close()
+        recs = [r.record for r in read_journal(jpath) if isinstance(r.record, AdapterChange)]
+        pub = [r for r in recs if r.name == now.name and str(r.after) == "published"]
+        assert pub and any("'step': 7" in e for e in pub[0].evidence)
+        # The files gone: nothing claimed, policy is the base's until a new adapter.
+        import shutil
+
+        shutil.rmtree(now.path)
+        m3 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+                            store=tmp_path / "store3", max_rank=8)
+        _restore_adapters(m3, str(jpath))
+        assert m3.current is None and m3.is_adapter(now.name)
+    finally:
+        f.coord.close()
+
+
+def test_a_restarted_fleet_restores_names_and_the_adapter_all_replicas_published(
+        rig: dict[str, Any], adapters: dict[int, Path], base: Path, tmp_path: Path) -> None:
+    from rolloutcore.core.adapters import AdapterChange
+
+    f, fa = rig["fleet"], rig["fa"]
+    fa.update(adapters[1], _prov(1))
+    last = fa.update(adapters[2], _prov(2)).version
+    changes = {n: [r.record for r in rep.journal.records
+                   if isinstance(r.record, AdapterChange)]
+               for n, rep in f.coord.replicas.items()}
+    f2 = fake_fleet(2)
+    try:
+        engines = {n: LoraEngine(base) for n in f2.coord.replicas}
+        fa2 = FleetAdapters(f2.coord, lambda rep: AdapterManager(
+            engines[rep.name], rep.controller, base_model=base,
+            store=tmp_path / "s2" / rep.name, max_rank=8), base_model=base)
+        was = fa2.restore(changes)
+        assert was is not None and was.name == last.name
+        assert fa2.current is None and not any(fa2.eligible(n) for n in fa2.managers)
+        again = fa2.update(Path(was.path), _prov(3)).version
+        assert again.content_digest == last.content_digest
+        assert again.generation > last.generation
+        assert all(m.is_adapter(last.name) for m in fa2.managers.values())
+        # Replicas that disagree (one never published it): nothing to republish.
+        assert FleetAdapters(f2.coord, lambda rep: AdapterManager(
+            engines[rep.name], rep.controller, base_model=base,
+            store=tmp_path / "s3" / rep.name, max_rank=8), base_model=base).restore(
+            {"r0": changes["r0"], "r1": []}) is None
+    finally:
+        f2.coord.close()

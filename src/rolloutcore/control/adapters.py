@@ -443,6 +443,29 @@ class AdapterManager:
         with self._io:
             return list(self._sweep_locked())
 
+    def restore(self, changes: Any) -> AdapterVersion | None:
+        """A previous controller's adapter records (``AdapterChange``, from its journal):
+        their names are never reused and generations continue above them; the version
+        it had published last is returned, not routed to (``republish`` loads and
+        verifies it again, under a new name)."""
+        was: AdapterVersion | None = self.shell.run(self.table.restore, list(changes))
+        return was
+
+    def republish(self, was: AdapterVersion, provenance: Provenance) -> AdapterResult:
+        """The files of an earlier version (``restore``) published again, verified on the
+        base served now, as a new version. Refused (``UpdateRefused``, nothing changed)
+        when they are gone or no longer hold what the version's digest says."""
+        if not isinstance(was, AdapterVersion):
+            raise BadInput("republish needs an AdapterVersion")
+        p = Path(was.path)
+        if not (p / "adapter_config.json").is_file():
+            raise UpdateRefused(f"the files of {was.name} are gone ({p}): publish it again")
+        src = AdapterSource.of(p, max_rank=self.max_rank)
+        if src.content_digest != was.content_digest:
+            raise UpdateRefused(f"{p} no longer holds {was.name} (digest "
+                                f"{src.content_digest[:16]}, not {was.content_digest[:16]})")
+        return self.update(p, provenance)
+
     def close(self) -> None:
         if self._own_store:
             shutil.rmtree(self.store, ignore_errors=True)

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -335,6 +335,28 @@ class AdapterTable(Machine):
         an earlier incarnation's): never reused, never routed to. Records nothing."""
         for n in names:
             self._seen.add(str(n))
+
+    def restore(self, changes: Iterable[AdapterChange]) -> AdapterVersion | None:
+        """A previous controller's adapter records (its journal): every name it used is
+        never reused, generations continue above its highest, and the version it had
+        published last is returned. Nothing is claimed loaded or routed to (the
+        engine may be another process: the caller loads and verifies that version
+        again, under a new name). Records nothing; only before any proposal."""
+        if self._versions:
+            raise UpdateRefused("restore only into a table that proposed nothing yet")
+        current: AdapterVersion | None = None
+        for ch in changes:
+            if not isinstance(ch, AdapterChange):
+                raise BadInput(f"not an adapter record: {ch!r}")
+            v = AdapterVersion(ch.generation, ch.name, ch.path, ch.content_digest, ch.base)
+            self._seen.add(ch.name)
+            self._generation = max(self._generation, ch.generation)
+            if ch.after is S.PUBLISHED:
+                current = v
+            elif current is not None and ch.name == current.name and ch.after in (
+                    S.RETIRED, S.FENCED, S.UNLOADING):
+                current = None
+        return current
 
     def propose(self, version: AdapterVersion) -> None:
         """Open the update of ``version`` (LOADING); refused, changing nothing, when another

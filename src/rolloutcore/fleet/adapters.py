@@ -235,6 +235,28 @@ class FleetAdapters:
             raise UpdateRefused(f"the files of {cur.name} are gone: publish the adapter again")
         return self.update(src, provenance)
 
+    def restore(self, changes: Mapping[str, Any]) -> AdapterVersion | None:
+        """The replicas' journals' adapter records (name -> its ``AdapterChange``s): every
+        name stays refused on every replica, generations continue above them, and the
+        adapter they had all published last is returned (``None`` if they disagree or
+        had none): not claimed, since the engines may be new processes; the caller
+        publishes its files again (``update``), verified, under a new name."""
+        was: dict[str, AdapterVersion | None] = {}
+        for n, ch in changes.items():
+            was[n] = self.manager(n).restore(ch)
+            gens = [c.generation for c in ch]
+            if gens:
+                self._next = max(self._next, max(gens) + 1)
+        names = {w.name for w in was.values() if w is not None}
+        if len(names) != 1 or any(w is None for w in was.values()):
+            return None
+        for w in was.values():
+            if w is not None and (Path(w.path) / "adapter_config.json").is_file():
+                src = AdapterSource.of(Path(w.path))
+                if src.content_digest == w.content_digest:
+                    return w
+        return None
+
     def _kept_source(self, cur: FleetAdapterVersion) -> Path | None:
         for n in cur.replicas:
             m = self.managers.get(n)

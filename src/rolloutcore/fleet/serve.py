@@ -40,7 +40,7 @@ from typing import Any
 
 from rolloutcore.core.pool import Strategy
 from rolloutcore.core.versions import Provenance, VerificationLevel
-from rolloutcore.errors import BadInput
+from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import TRANSFERS, FleetConfig
 from rolloutcore.fleet.routing import Policy
@@ -283,7 +283,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         fleet_adapters = None
         if o.lora:
             fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
-                                             o.max_lora_rank)
+                                             o.max_lora_rank,
+                                             Path(o.journal_dir or workdir / "journals"))
         app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
                                check_update=parse_update_request, on_finished=recorder,
                                supervise=o.health_interval_s > 0, adapters=fleet_adapters)
@@ -305,9 +306,11 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
 
 
 def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
-                    max_lora_rank: int | None) -> Any:
+                    max_lora_rank: int | None, journal_dir: Path) -> Any:
     """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and
-    the fleet's adapter versions over them (``fleet.adapters``)."""
+    the fleet's adapter versions over them (``fleet.adapters``). A previous fleet's
+    journals: their adapter names stay refused, and the adapter every replica had
+    published is published again (verified, a new name) before the gateway serves."""
     from rolloutcore.control.adapters import AdapterManager
     from rolloutcore.fleet.adapters import FleetAdapters
 
@@ -323,6 +326,24 @@ def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, bud
                               calibrations=lambda: dict(rep.runner.adapter.calibrations))
 
     fa = FleetAdapters(coord, make, base_model=model_dir, max_rank=rank)
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.adapters import AdapterChange
+
+    changes = {}
+    for n in fa.managers:
+        jp = journal_dir / f"{n}.journal.jsonl"
+        changes[n] = [r.record for r in read_journal(jp, live=True)
+                      if isinstance(r.record, AdapterChange)] if jp.is_file() else []
+    was = fa.restore(changes)
+    if was is not None:
+        try:
+            res = fa.update(Path(was.path), Provenance(was.path, "restored", 0))
+            print(f"[rolloutcore] the journals' adapter {was.name} published again on every "
+                  f"engine as {res.version.name}", file=sys.stderr)
+        except RolloutCoreError as exc:
+            print(f"[rolloutcore] the journals' adapter {was.name} was not published again: "
+                  f"{exc}; 'policy' is the base's until an adapter is published",
+                  file=sys.stderr)
     print(f"[rolloutcore] LoRA adapters enabled on {len(fa.managers)} engines (max rank "
           f"{rank}): POST /control/adapters publishes one on every serving engine or none; "
           f"requests for model 'policy' are served by the fleet's current one",

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
-from rolloutcore.errors import BadInput, EffectError
+from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 
@@ -422,6 +422,8 @@ def run_serve(args: ServeOptions) -> int:
         if args.lora:
             adapters = _adapter_manager(args, adapter, controller, model_dir, workdir,
                                         lora_budget, journal)
+            if journal is not None and args.journal:
+                _restore_adapters(adapters, args.journal)
         app = create_app(runner, cfg, on_finished=recorder, adapters=adapters)
         from rolloutcore.service.server import run_until_signalled
 
@@ -458,6 +460,51 @@ def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_di
           f"at most): POST /control/adapters publishes one; requests for model 'policy' "
           f"are served by the current one", file=sys.stderr)
     return m
+
+
+def _restore_adapters(m: Any, journal_path: str) -> None:
+    """A previous gateway's adapter records: its names are never reused, and the adapter
+    it had published is published again (its files, verified on this engine's base,
+    under a new name): the engine launched now holds none of its adapters, so nothing
+    is claimed before it is loaded and verified. If that fails, ``policy`` is the
+    base's until the trainer publishes an adapter, and the log says why."""
+    import ast
+
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.adapters import AdapterChange
+    from rolloutcore.core.versions import Provenance
+
+    changes = [r.record for r in read_journal(journal_path, live=True)
+               if isinstance(r.record, AdapterChange)]
+    was = m.restore(changes)
+    if not changes:
+        return
+    print(f"[rolloutcore] restored {len({c.name for c in changes})} adapter names from the "
+          f"journal (never reused); published then: {None if was is None else was.name}",
+          file=sys.stderr)
+    if was is None:
+        return
+    prov = Provenance(was.path, "restored", 0)
+    for c in reversed(changes):
+        if c.name == was.name and str(c.after) == "published":
+            for e in c.evidence:
+                if e.startswith("provenance: "):
+                    try:
+                        d = ast.literal_eval(e[len("provenance: "):])
+                        prov = Provenance(str(d["checkpoint"]), str(d.get("trainer_run", "")),
+                                          int(d.get("step", 0)))
+                    except (ValueError, SyntaxError, KeyError, TypeError):
+                        pass
+            break
+    try:
+        res = m.republish(was, prov)
+    except RolloutCoreError as exc:
+        print(f"[rolloutcore] the journal's adapter {was.name} was not published again: "
+              f"{exc}; requests for 'policy' are the base's until an adapter is published",
+              file=sys.stderr)
+        return
+    print(f"[rolloutcore] the journal's adapter {was.name} published again, verified, as "
+          f"{res.version.name}", file=sys.stderr)
 
 
 def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
