@@ -279,7 +279,7 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
 
 
 def test_after_a_full_update_of_the_base_the_adapter_needs_a_new_version(
-        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+        rig: dict[str, Any], adapters: dict[int, Path], base: Path) -> None:
     """An adapter verified on the old base serves no request on the new one (admission
     refuses it: the trainer's policy was old base + adapter); a new adapter update, or
     ``rebase`` (the same files verified on the new base, a new name), brings it back."""
@@ -291,7 +291,9 @@ def test_after_a_full_update_of_the_base_the_adapter_needs_a_new_version(
     assert not fa.eligible("r0") and not fa.eligible("r1")
     with pytest.raises(AdmissionRefused, match="verified on base"):
         fa.managers["r0"].admit("x")
-    res = fa.rebase(_prov(2))
+    with pytest.raises(UpdateRefused, match="set_base"):
+        fa.update(adapters[2], _prov(9))
+    res = fa.rebase(_prov(2), base_model=base)
     again = res.version
     assert again.content_digest == first.content_digest and again.name != first.name
     assert fa.eligible("r0") and fa.eligible("r1")

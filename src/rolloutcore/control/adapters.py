@@ -200,6 +200,9 @@ class AdapterManager:
                                                              listener=listener)
         self._io = threading.Lock()   # one load/unload sequence at a time
         self._base_probes: dict[str, PolicyProbe] = {}
+        # The base weights ``base_model`` is (the references' base): after a full update
+        # of the base, ``set_base`` must name the new one before an adapter is prepared.
+        self._base_identity = getattr(controller, "identity", None)
         # Whatever the engine already lists (an earlier controller's adapters) is never
         # reused as a name and never routed to.
         listed = http.models(timeout_s=timeout_s)
@@ -232,6 +235,7 @@ class AdapterManager:
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
         base = self._base_version()
+        self.check_base()
         src = AdapterSource.of(adapter, max_rank=self.max_rank)
         gen = self.shell.read(lambda: self.table.next_generation)
         name = adapter_name(gen, src.content_digest)
@@ -499,6 +503,18 @@ class AdapterManager:
             self._base_probes = {label: p}
         return p
 
+    def check_base(self) -> None:
+        """``UpdateRefused`` when the engine serves other base weights than the ones this
+        manager's references are of (a full update of the base since: ``set_base``)."""
+        ident = getattr(self.controller, "identity", None)
+        if self._base_identity is not None and ident is not None and \
+                not ident.same_weights(self._base_identity):
+            raise UpdateRefused(f"the engine serves base {ident.provenance.checkpoint}, but "
+                                f"the adapter references are of "
+                                f"{self._base_identity.provenance.checkpoint}: give the new "
+                                f"base (set_base, or base_dir with POST /control/adapters) "
+                                f"first; nothing was changed")
+
     def set_base(self, base_model: Any) -> None:
         """The base model after a full update (its references; the old ones are dropped)."""
         if base_model is None:
@@ -506,6 +522,7 @@ class AdapterManager:
         with self._io:
             self.base_model = base_model
             self._base_probes = {}
+            self._base_identity = getattr(self.controller, "identity", None)
 
     def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
         # Through the sampling path: these probes run beside live requests

@@ -39,7 +39,7 @@ from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused, UpdateR
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
 from rolloutcore.fleet.gateway import FleetAdmission
 from rolloutcore.fleet.routing import Policy
-from rolloutcore.service.adapter_control import parse_adapter_body
+from rolloutcore.service.adapter_control import adapter_base_dir, parse_adapter_body
 from rolloutcore.service.admission import Target, _asks_prompt_logprobs
 
 __all__ = ["AdapterFleetAdmission", "fleet_adapter_routes"]
@@ -148,10 +148,17 @@ def fleet_adapter_routes(adapters: FleetAdapters, denied: Callable[[Request], Re
         try:
             body = json.loads(got) if isinstance(got, (bytes, str)) else got
             adapter_dir, prov = parse_adapter_body(body)
+            base_dir = adapter_base_dir(body)
         except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
             return JSONResponse({"error": str(exc)}, status_code=400)
+
+        def run() -> Any:
+            if base_dir is not None:
+                adapters.set_base(base_dir)
+            return adapters.update(adapter_dir, prov)
+
         try:
-            res = await anyio.to_thread.run_sync(adapters.update, adapter_dir, prov)
+            res = await anyio.to_thread.run_sync(run)
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         except UpdateRefused as exc:

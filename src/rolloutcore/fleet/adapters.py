@@ -227,9 +227,7 @@ class FleetAdapters:
         if cur is None:
             raise UpdateRefused("no adapter is published: nothing to rebase")
         if base_model is not None:
-            self.base_model = base_model
-            for m in self.managers.values():
-                m.set_base(base_model)
+            self.set_base(base_model)
         src = self._kept_source(cur)
         if src is None:
             raise UpdateRefused(f"the files of {cur.name} are gone: publish the adapter again")
@@ -257,6 +255,15 @@ class FleetAdapters:
                     return w
         return None
 
+    def set_base(self, base_model: Any) -> None:
+        """The base every replica serves after a full update (the references' base)."""
+        if base_model is None:
+            raise BadInput("base_model must be a checkpoint directory or a HF causal LM")
+        with self._update:
+            self.base_model = base_model
+            for m in self.managers.values():
+                m.set_base(base_model)
+
     def _kept_source(self, cur: FleetAdapterVersion) -> Path | None:
         for n in cur.replicas:
             m = self.managers.get(n)
@@ -270,6 +277,8 @@ class FleetAdapters:
              ) -> FleetAdapterResult:
         t0 = time.perf_counter()
         members = self._members()
+        for n in members:
+            self.managers[n].check_base()
         # -- prepare once: checked, digested, named, its reference computed
         src = AdapterSource.of(adapter, max_rank=self._max_rank())
         gen = max(self._next, *(m.shell.read(lambda m=m: m.table.next_generation)

@@ -264,6 +264,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
               f"{len(coord.serving())} of {o.engines} engines, each taken over verified to "
               f"{level.wire}", file=sys.stderr)
 
+        fleet_adapters: Any = None
+
         def updater(body: Mapping[str, Any]) -> Any:
             req = parse_update_request(body)
             ck = req["checkpoint"]
@@ -272,15 +274,20 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             if w.min_verification < level:
                 raise BadInput(f"this update reaches {w.min_verification.wire}, below the "
                                f"floor {level.wire}")
-            return fleet.update(dataclasses.replace(w, min_verification=level),
-                                strategy=req["strategy"], label=req["label"],
-                                owner=req["owner"] or "trainer", quorum=req["quorum"],
-                                min_serving=req["min_serving"], wave_size=req["wave_size"],
-                                transfer=req["transfer"])
+            res = fleet.update(dataclasses.replace(w, min_verification=level),
+                               strategy=req["strategy"], label=req["label"],
+                               owner=req["owner"] or "trainer", quorum=req["quorum"],
+                               min_serving=req["min_serving"], wave_size=req["wave_size"],
+                               transfer=req["transfer"])
+            if fleet_adapters is not None:
+                # The adapters' references follow the base; the current adapter was
+                # verified on the old one and serves no request until an adapter is
+                # published on the new one (docs/lora.md).
+                fleet_adapters.set_base(Path(ck))
+            return res
 
         if o.record is not None:
             recorder = _recorder(o.record, coord, engines)
-        fleet_adapters = None
         if o.lora:
             fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
                                              o.max_lora_rank,

@@ -345,6 +345,7 @@ class RolloutCoreClient:
 
     # ------------------------------------------------------------ adapter versions
     def update_adapter(self, adapter_dir: str | Path, provenance: Provenance, *,
+                       base_dir: str | Path | None = None,
                        timeout_s: float = 600.0) -> dict[str, Any]:
         """Publish the LoRA adapter saved in ``adapter_dir`` (``save_pretrained``, where
         the gateway can read it) as the next adapter version: the gateway (one engine or
@@ -355,7 +356,9 @@ class RolloutCoreClient:
         ``adapter_config.json`` or ``provenance`` is not a ``Provenance``;
         ``BadInput`` for the gateway's 400 (a bad adapter), ``UpdateRefused`` for
         its refusal (nothing changed), ``UpdateFailed`` when it was not published
-        (the previous adapter keeps serving).
+        (the previous adapter keeps serving). ``base_dir``: after a full update of
+        the base, the new base's checkpoint (the gateway's references of base +
+        adapter are computed from it; without it such an update is refused).
         """
         if isinstance(adapter_dir, bool) or not isinstance(adapter_dir, (str, Path)) or \
                 not str(adapter_dir):
@@ -369,10 +372,15 @@ class RolloutCoreClient:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
                 timeout_s > 0 and math.isfinite(timeout_s)):
             raise BadInput(f"timeout_s must be a positive number, got {timeout_s!r}")
-        body = {"adapter_dir": str(d.resolve()),
-                "provenance": {"checkpoint": provenance.checkpoint,
-                               "trainer_run": provenance.trainer_run,
-                               "step": provenance.step}}
+        body: dict[str, Any] = {"adapter_dir": str(d.resolve()),
+                                "provenance": {"checkpoint": provenance.checkpoint,
+                                               "trainer_run": provenance.trainer_run,
+                                               "step": provenance.step}}
+        if base_dir is not None:
+            if isinstance(base_dir, bool) or not isinstance(base_dir, (str, Path)) or \
+                    not (Path(base_dir) / "config.json").is_file():
+                raise BadInput(f"base_dir must be a checkpoint directory, got {base_dir!r}")
+            body["base_dir"] = str(Path(base_dir).resolve())
         code, data = self._call("POST", "/control/adapters", body=body, timeout_s=timeout_s)
         if code == 200 and isinstance(data, dict):
             return dict(data)
