@@ -215,7 +215,7 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
     from fleettools import served
     from helpers.asgi_stream import lifespan
     from helpers.gateway_rig import TOKEN
-    from rolloutcore.fleet.gateway import create_fleet_app
+    from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
     from rolloutcore.service import ServiceConfig
 
     f, fa = rig["fleet"], rig["fa"]
@@ -224,9 +224,8 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
 
     async def main() -> None:
         with served(f) as fakes:
-            app = create_fleet_app(f.coord, ServiceConfig(
-                upstream_url="http://127.0.0.1:1", control_token=TOKEN), supervise=False,
-                adapters=fa)
+            app = create_lora_fleet_app(f.coord, ServiceConfig(
+                upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
             async with lifespan(app), httpx.AsyncClient(
                     transport=httpx.ASGITransport(app), base_url="http://fleet.test",
                     timeout=120) as c:

@@ -159,8 +159,8 @@ def lora_fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[dict[str, Any]]:
     from rolloutcore.control.adapters import AdapterManager
     from rolloutcore.fleet import FleetConfig
+    from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
     from rolloutcore.fleet.adapters import FleetAdapters
-    from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import build_fleet, launch_local
     from rolloutcore.service import ServiceConfig
     from rolloutcore.service.serve import lora_engine_args
@@ -191,9 +191,9 @@ def lora_fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
                                   calibrations=lambda: dict(rep.runner.adapter.calibrations))
 
         fa = FleetAdapters(coord, make, base_model=tiny_models.A, deadline_s=300)
-        app = create_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
-                                                    control_token=TOKEN),
-                               supervise=False, adapters=fa)
+        app = create_lora_fleet_app(coord, ServiceConfig(upstream_url="http://127.0.0.1:1",
+                                                         control_token=TOKEN), fa,
+                                    supervise=False)
         with uvicorn_thread(app) as url:
             yield {"coord": coord, "fa": fa, "url": url, "proxies": proxies, "tmp": tmp,
                    "models": tiny_models, "engines": engines}

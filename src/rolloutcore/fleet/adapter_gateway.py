@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import anyio
+from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -37,12 +38,12 @@ from starlette.routing import Route
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused, UpdateRefused
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
-from rolloutcore.fleet.gateway import FleetAdmission
+from rolloutcore.fleet.gateway import FleetAdmission, create_fleet_app
 from rolloutcore.fleet.routing import Policy
 from rolloutcore.service.adapter_control import adapter_base_dir, parse_adapter_body
 from rolloutcore.service.admission import Target, _asks_prompt_logprobs
 
-__all__ = ["AdapterFleetAdmission", "fleet_adapter_routes"]
+__all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_routes"]
 
 
 class AdapterFleetAdmission(FleetAdmission):
@@ -174,3 +175,19 @@ def fleet_adapter_routes(adapters: FleetAdapters, denied: Callable[[Request], Re
 
     return [Route("/control/adapters", publish, methods=["POST"]),
             Route("/control/adapters", view, methods=["GET"])]
+
+
+def create_lora_fleet_app(coordinator: Any, config: Any, adapters: FleetAdapters, *,
+                          default_policy: str | Policy = "latest",
+                          base_beside_adapters: bool = False, **kw: Any) -> Starlette:
+    """``fleet.gateway.create_fleet_app`` serving the fleet's adapter versions: its
+    admission is ``AdapterFleetAdmission`` and ``/control/adapters`` is added."""
+    if not isinstance(adapters, FleetAdapters):
+        raise BadInput("adapters must be a FleetAdapters")
+    policy = default_policy if isinstance(default_policy, Policy) else Policy.parse(
+        default_policy)
+    adm = AdapterFleetAdmission(coordinator, policy, adapters,
+                                base_beside_adapters=base_beside_adapters)
+    return create_fleet_app(coordinator, config, default_policy=policy, admission=adm,
+                            extra_routes=lambda denied, json_body: fleet_adapter_routes(
+                                adapters, denied, json_body), **kw)

@@ -292,9 +292,15 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
                                              o.max_lora_rank,
                                              Path(o.journal_dir or workdir / "journals"))
-        app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
-                               check_update=parse_update_request, on_finished=recorder,
-                               supervise=o.health_interval_s > 0, adapters=fleet_adapters)
+        app_kw: dict[str, Any] = dict(
+            default_policy=o.default_policy, updater=updater, check_update=parse_update_request,
+            on_finished=recorder, supervise=o.health_interval_s > 0)
+        if fleet_adapters is not None:
+            from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
+
+            app = create_lora_fleet_app(coord, cfg, fleet_adapters, **app_kw)
+        else:
+            app = create_fleet_app(coord, cfg, **app_kw)
         run_until_signalled(app, o.host, o.port, cfg, exit_on_signal, token=token,
                             token_given=given, token_out=o.token_out,
                             banner=f"fleet gateway http://{o.host}:{o.port} -> "
