@@ -255,3 +255,41 @@ def test_a_fleet_publishes_an_adapter_on_both_or_nowhere(lora_fleet: dict[str, A
     a = httpx.post(f"{url}/inference/v1/generate", timeout=120, json={
         "model": "policy", "token_ids": [5, 1, 9], "sampling_params": {"max_tokens": 4}})
     assert a.status_code == 200 and a.headers["x-rolloutcore-adapter"] == name
+
+
+@pytest.mark.slow   # two LoRA engines cold-start on a 2-core host
+def test_serve_engines_2_lora_publishes_on_both_through_the_client(
+        tiny_models: TinyModels, tmp_path: Path) -> None:
+    adapter = _saved_adapter(tiny_models.A, 31, tmp_path / "adapter-31")
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2", "--lora",
+           "--max-lora-rank", "8", "--model", str(tiny_models.A), "--port", str(port),
+           "--token", TOKEN, "--workdir", str(tmp_path / "work")]
+    with open(log, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc, log, 900)
+        assert "LoRA adapters enabled on 2 engines" in log.read_text()
+        with RolloutCoreClient(url, TOKEN) as c:
+            res = c.update_adapter(adapter, Provenance("adapter-31", "tests", 1))
+            name = res["version"]["name"]
+            assert set(res["replicas"]) == {"e0", "e1"}
+            st = c.adapters()
+            assert st["current"]["name"] == name
+            assert all(r["eligible"] for r in st["replicas"].values())
+        seen = set()
+        for i in range(6):
+            a = httpx.post(f"{url}/inference/v1/generate", timeout=120, json={
+                "model": "policy", "token_ids": [5, i, 9],
+                "sampling_params": {"max_tokens": 4, "temperature": 0}})
+            assert a.status_code == 200, a.text
+            assert a.headers["x-rolloutcore-adapter"] == name
+            seen.add(a.headers["x-rolloutcore-replica"])
+        assert seen == {"e0", "e1"}
+    finally:
+        stop_group(proc, 120)
+    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
