@@ -150,6 +150,26 @@ def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
     mine = [x["data"]["after"] for x in recs if x["kind"] == "adapter"
             and x["data"]["name"] == name]
     assert mine[:3] == ["loading", "verifying", "published"]
+    # A restart on the same journal: a new engine, which holds no adapter. The journal's
+    # adapter is published again, verified, under a new name, before anything is served.
+    log2 = tmp_path / "serve2.log"
+    with open(log2, "wb") as lf:
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        _wait(url, proc, log2, 600)
+        assert f"the journal's adapter {name} published again" in log2.read_text()
+        with RolloutCoreClient(url, TOKEN) as c:
+            now = c.adapters()["current"]
+        assert now["name"] != name and now["content_digest"] == res["version"][
+            "content_digest"] and now["generation"] > res["version"]["generation"]
+        r = _generate(url)
+        assert r.status_code == 200 and r.headers["x-rolloutcore-adapter"] == now["name"]
+        assert _answer_lp(r)[0] == toks   # the same policy: the same greedy tokens
+    finally:
+        stop_group(proc, 120)
+    assert proc.returncode == 128 + signal.SIGTERM, log2.read_text()[-3000:]
 
 
 # --------------------------------------------------------------------------- a fleet
