@@ -391,3 +391,27 @@ def test_a_restarted_fleet_restores_names_and_the_adapter_all_replicas_published
             {"r0": changes["r0"], "r1": []}) is None
     finally:
         f2.coord.close()
+
+
+def test_a_replica_without_room_refuses_before_anything_is_loaded_anywhere(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """The budget (3 loaded) is checked on every replica before any load: on r1 two
+    superseded adapters are held by running requests, so a fourth would not fit there."""
+    fa: FleetAdapters = rig["fa"]
+    r1 = fa.managers["r1"]
+    fa.update(adapters[1], _prov(1))
+    fa.update(adapters[2], _prov(2))
+    r1.admit("on-2")
+    fa.update(adapters[3], _prov(3))
+    r1.admit("on-3")
+    fa.update(adapters[1], _prov(4))        # same files, a new version: a new name
+    before = _state(fa)
+    loads = {n: list(e.calls) for n, e in rig["engines"].items()}
+    with pytest.raises(UpdateRefused, match="does not fit on r1") as exc:
+        fa.update(adapters[2], _prov(5))
+    assert "r0:" not in str(exc.value)       # r0 had room
+    assert _state(fa) == before
+    assert {n: list(e.calls) for n, e in rig["engines"].items()} == loads
+    r1.complete("on-2")
+    r1.complete("on-3")
+    assert fa.update(adapters[2], _prov(6)).version.replicas == ("r0", "r1")

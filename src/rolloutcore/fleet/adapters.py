@@ -281,6 +281,18 @@ class FleetAdapters:
             self.managers[n].check_base()
         # -- prepare once: checked, digested, named, its reference computed
         src = AdapterSource.of(adapter, max_rank=self._max_rank())
+        # The budget of every replica, before anything is written or loaded anywhere
+        # (superseded adapters that may go are unloaded first, as each update does).
+        full = {}
+        for n in members:
+            m = self.managers[n]
+            m.sweep()
+            why = m.shell.read(lambda m=m: m.table.fits(src.size_bytes))
+            if why is not None:
+                full[n] = why
+        if full:
+            raise UpdateRefused("the adapter does not fit on " + "; ".join(
+                f"{n}: {w}" for n, w in sorted(full.items())) + "; nothing was loaded")
         gen = max(self._next, *(m.shell.read(lambda m=m: m.table.next_generation)
                                 for m in self.managers.values()))
         name = adapter_name(gen, src.content_digest)
