@@ -98,7 +98,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
         record=args.record, min_verification=args.min_verification,
         takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
-        client_body_s=args.client_body_s, client_send_s=args.client_send_s)
+        client_body_s=args.client_body_s, client_send_s=args.client_send_s,
+        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -137,6 +138,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "engine (importable in its workers; a tensor-parallel gloo engine's "
                      "must subclass rolloutcore.transports.gloo_report.RankReportExtension "
                      "for the gateway to check every rank)")
+    eng.add_argument("--lora", action="store_true",
+                     help="launch vLLM with LoRA enabled (--enable-lora, runtime adapter "
+                     "loading) and serve LoRA-adapter versions: POST /control/adapters "
+                     "publishes one, verified; requests for model 'policy' are served by the "
+                     "current one (docs/lora.md)")
+    eng.add_argument("--max-loras", type=argtypes.positive_int, default=None, metavar="N",
+                     help="with --lora: vLLM's --max-loras, adapters in one batch (default 2)")
+    eng.add_argument("--max-lora-rank", type=argtypes.positive_int, default=None,
+                     metavar="R", help="with --lora: vLLM's --max-lora-rank (one of 1, 8, "
+                     "16, 32, 64, 128, 256, 320, 512; default 16); a higher-rank adapter is "
+                     "refused before it is loaded")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")

@@ -33,6 +33,7 @@ update still drains them) and the table's for the adapter.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -73,7 +74,7 @@ from rolloutcore.verification.probe import (
 )
 
 __all__ = ["BASE_PROBE_MODES", "AdapterManager", "AdapterResult", "PreparedAdapter",
-           "RolloutBinding"]
+           "RolloutBinding", "VerifiedAdapter"]
 
 #: When the base is probed beside a newly loaded adapter. ``required``: always, so a
 #: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
@@ -135,6 +136,23 @@ class RolloutBinding:
                 **self.adapter.to_dict()}
 
 
+@dataclass(frozen=True)
+class VerifiedAdapter:
+    """An adapter version loaded and verified on one engine, not yet published
+    (``AdapterManager.verify``; then ``publish`` or ``abandon``)."""
+
+    prepared: PreparedAdapter
+    checks: tuple[Check, ...]
+    notes: tuple[str, ...]
+    phases: Mapping[str, float]
+    retired: tuple[str, ...]
+    verify_s: float
+
+    @property
+    def version(self) -> AdapterVersion:
+        return self.prepared.version
+
+
 @dataclass
 class _Phases:
     t: dict[str, float] = field(default_factory=dict)
@@ -182,6 +200,9 @@ class AdapterManager:
                                                              listener=listener)
         self._io = threading.Lock()   # one load/unload sequence at a time
         self._base_probes: dict[str, PolicyProbe] = {}
+        # The base weights ``base_model`` is (the references' base): after a full update
+        # of the base, ``set_base`` must name the new one before an adapter is prepared.
+        self._base_identity = getattr(controller, "identity", None)
         # Whatever the engine already lists (an earlier controller's adapters) is never
         # reused as a name and never routed to.
         listed = http.models(timeout_s=timeout_s)
@@ -214,6 +235,7 @@ class AdapterManager:
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
         base = self._base_version()
+        self.check_base()
         src = AdapterSource.of(adapter, max_rank=self.max_rank)
         gen = self.shell.read(lambda: self.table.next_generation)
         name = adapter_name(gen, src.content_digest)
@@ -236,11 +258,34 @@ class AdapterManager:
 
     def apply(self, prepared: PreparedAdapter) -> AdapterResult:
         """Load, verify and publish a prepared adapter (see the module docstring)."""
+        t0 = time.perf_counter()
+        return self.publish(self.verify(prepared), started=t0)
+
+    def verify(self, prepared: PreparedAdapter, *, deadline: float | None = None
+               ) -> VerifiedAdapter:
+        """The first phase of ``apply``: load and verify, and leave the version VERIFYING
+        (listed, probed, never routed to) for ``publish`` or ``abandon``.
+
+        A fleet verifies one adapter on every replica this way before it publishes
+        it anywhere (``fleet.adapters``). ``deadline`` (``time.monotonic()``): a
+        step that would start after it fails the version instead (unloaded), so
+        the whole phase is bounded by it plus one engine call's ``timeout_s``.
+        While a version is VERIFYING no other adapter update starts (the table
+        refuses it), and requests keep getting the published one.
+        """
         if not isinstance(prepared, PreparedAdapter):
-            raise BadInput("apply needs a PreparedAdapter (from prepare)")
+            raise BadInput("verify needs a PreparedAdapter (from prepare)")
+        if deadline is not None and (isinstance(deadline, bool)
+                                     or not isinstance(deadline, (int, float))):
+            raise BadInput(f"deadline must be a time.monotonic() value, got {deadline!r}")
         v = prepared.version
         ph = _Phases()
         t0 = time.perf_counter()
+
+        def in_time(step: str, checks: Any = ()) -> None:
+            if deadline is not None and time.monotonic() > deadline:
+                self._refuse(v, step, f"the deadline passed before {step}", checks)
+
         with self._io:
             retired = list(self._sweep_locked())
             base = self._base_version()
@@ -252,6 +297,9 @@ class AdapterManager:
             # is never reused: vLLM would refuse it, or with load_inplace serve its KV.
             held = ph.run("list", lambda: self.http.models(timeout_s=self.timeout_s))
             self.shell.run(self.table.note_loaded, {n: p for n, p in held.items() if p})
+            if deadline is not None and time.monotonic() > deadline:
+                raise UpdateRefused(f"adapter {v.name}: the deadline passed before the load; "
+                                    f"nothing was loaded")
             self.shell.run(self.table.propose, v)   # refusals change nothing
             # -- load
             try:
@@ -263,6 +311,7 @@ class AdapterManager:
                                    f"the engine refused adapter {v.name}: {exc}") from exc
             except EffectError as exc:       # maybe loaded: unload it
                 self._refuse(v, "load_adapter", f"load failed: {exc}", (), exc)
+            in_time("list")
             # -- the engine lists it, on this base
             listed: dict[str, str | None] = ph.run("list", lambda: self.http.models(
                 timeout_s=self.timeout_s))
@@ -276,9 +325,11 @@ class AdapterManager:
                             f"{listed[v.name]})"),
                       Check("content", True, f"sha256 {v.content_digest} of {v.size_bytes} "
                             f"tensor bytes and the config, rank {prepared.source.rank}")]
+            in_time("probe_adapter", checks)
             try:
                 checks.append(ph.run("probe_adapter", lambda: self._probe(
                     prepared.probe, v.name, "probe through the adapter")))
+                in_time("probe_base", checks)
                 busy = self._adapter_requests()
                 if busy and self.base_probe == "when_idle":
                     notes.append(f"base-probe not run: {busy} adapter requests in flight "
@@ -294,34 +345,80 @@ class AdapterManager:
             if failed:
                 self._refuse(v, "validate", "; ".join(f"{c.name}: {c.detail}" for c in failed),
                              checks)
-            now = self._base_version()
-            if now.label != v.base:
-                self._refuse(v, "validate", f"the base moved to {now.label} during the "
-                             f"verification of {v.name} (verified on {v.base})", checks)
-            # -- publish
-            ev = (*(f"{c.name}: {c.detail}" for c in checks), *notes,
+        return VerifiedAdapter(prepared, tuple(checks), tuple(notes), dict(ph.t),
+                               tuple(retired), time.perf_counter() - t0)
+
+    def publish(self, verified: VerifiedAdapter, *, started: float | None = None
+                ) -> AdapterResult:
+        """The second phase: publish a version ``verify`` left VERIFYING (it supersedes the
+        current one in the same decision), then retire what may go. If the base moved
+        since, the version is failed (unloaded) and ``UpdateFailed`` raised."""
+        if not isinstance(verified, VerifiedAdapter):
+            raise BadInput("publish needs a VerifiedAdapter (from verify)")
+        prepared, checks = verified.prepared, verified.checks
+        v = prepared.version
+        if self.shell.read(self.table.state, v.name) is not AdapterState.VERIFYING:
+            raise UpdateRefused(f"adapter {v.name} is "
+                                f"{self.shell.read(self.table.state, v.name)}, not verifying: "
+                                f"nothing to publish")
+        ph = _Phases(dict(verified.phases))
+        t0 = time.perf_counter() - verified.verify_s if started is None else started
+        with self._io:
+            now = self._base_version_or_none()
+            if now is None or now.label != v.base:
+                self._refuse(v, "validate", f"the base moved to "
+                             f"{None if now is None else now.label} during the verification "
+                             f"of {v.name} (verified on {v.base})", checks)
+            ev = (*(f"{c.name}: {c.detail}" for c in checks), *verified.notes,
                   f"provenance: {prepared.provenance.to_dict()}")
             ph.run("publish", lambda: self._move(v.name, AdapterEvent.VERIFIED,
                                                  "every check passed", ev))
-            retired += ph.run("retire", lambda: list(self._sweep_locked()))
+            retired = [*verified.retired, *ph.run("retire",
+                                                  lambda: list(self._sweep_locked()))]
         phases = {"prepare": prepared.prepare_s, **ph.t, "apply": time.perf_counter() - t0}
-        return AdapterResult(v, tuple(checks), phases, tuple(retired), tuple(notes))
+        return AdapterResult(v, tuple(checks), phases, tuple(retired), verified.notes)
+
+    def abandon(self, verified: VerifiedAdapter, reason: str) -> str:
+        """Fail a version ``verify`` left VERIFYING: unload it (REFUSED) or, if the unload
+        fails, fence it (FENCED: never routed). Returns the state it ended in."""
+        if not isinstance(verified, VerifiedAdapter):
+            raise BadInput("abandon needs a VerifiedAdapter (from verify)")
+        if not isinstance(reason, str) or not reason:
+            raise BadInput("abandon needs a reason")
+        v = verified.prepared.version
+        if self.shell.read(self.table.state, v.name) is not AdapterState.VERIFYING:
+            raise UpdateRefused(f"adapter {v.name} is not verifying: nothing to abandon")
+        with self._io, contextlib.suppress(UpdateFailed):
+            self._refuse(v, "publish", reason, verified.checks)
+        st = self.shell.read(self.table.state, v.name)
+        return str(st.value) if st is not None else "unknown"
 
     # ------------------------------------------------------------------ requests
     def admit(self, rollout_id: str) -> RolloutBinding:
         """Bind a request to the committed base version and the current adapter."""
         base = self.controller.admit(rollout_id)
         try:
-            ab = self.shell.run(self.table.admit, rollout_id, wait=False)
+            return self.bind(rollout_id, base)
         except BaseException:
             self.controller.complete(rollout_id)
             raise
+
+    def bind(self, rollout_id: str, base: Binding, *, expect: str | None = None
+             ) -> RolloutBinding:
+        """The adapter half of ``admit``, for a request already bound to ``base`` (the
+        caller's binding, released by the caller on a refusal). ``expect``: the
+        adapter name the caller routed for (a fleet's current); another current one
+        is refused (``AdmissionRefused``), nothing bound."""
+        ab = self.shell.run(self.table.admit, rollout_id, wait=False)
+        why = None
         if ab.adapter.base != base.version.label:
+            why = (f"adapter {ab.adapter.name} was verified on base {ab.adapter.base}, "
+                   f"the engine serves {base.version.label}: update the adapter")
+        elif expect is not None and ab.adapter.name != expect:
+            why = f"the engine's current adapter is {ab.adapter.name}, not {expect}"
+        if why is not None:
             self.shell.run(self.table.complete, rollout_id, wait=False)
-            self.controller.complete(rollout_id)
-            raise AdmissionRefused(
-                "adapters", f"adapter {ab.adapter.name} was verified on base {ab.adapter.base}, "
-                f"the engine serves {base.version.label}: update the adapter", None)
+            raise AdmissionRefused("adapters", why, None)
         return RolloutBinding(base, ab)
 
     def complete(self, rollout_id: str) -> AdapterVersion:
@@ -350,6 +447,29 @@ class AdapterManager:
         with self._io:
             return list(self._sweep_locked())
 
+    def restore(self, changes: Any) -> AdapterVersion | None:
+        """A previous controller's adapter records (``AdapterChange``, from its journal):
+        their names are never reused and generations continue above them; the version
+        it had published last is returned, not routed to (``republish`` loads and
+        verifies it again, under a new name)."""
+        was: AdapterVersion | None = self.shell.run(self.table.restore, list(changes))
+        return was
+
+    def republish(self, was: AdapterVersion, provenance: Provenance) -> AdapterResult:
+        """The files of an earlier version (``restore``) published again, verified on the
+        base served now, as a new version. Refused (``UpdateRefused``, nothing changed)
+        when they are gone or no longer hold what the version's digest says."""
+        if not isinstance(was, AdapterVersion):
+            raise BadInput("republish needs an AdapterVersion")
+        p = Path(was.path)
+        if not (p / "adapter_config.json").is_file():
+            raise UpdateRefused(f"the files of {was.name} are gone ({p}): publish it again")
+        src = AdapterSource.of(p, max_rank=self.max_rank)
+        if src.content_digest != was.content_digest:
+            raise UpdateRefused(f"{p} no longer holds {was.name} (digest "
+                                f"{src.content_digest[:16]}, not {was.content_digest[:16]})")
+        return self.update(p, provenance)
+
     def close(self) -> None:
         if self._own_store:
             shutil.rmtree(self.store, ignore_errors=True)
@@ -357,6 +477,10 @@ class AdapterManager:
     # ------------------------------------------------------------------ internals
     def _adapter_requests(self) -> int:
         return sum(self.shell.view.bound.values())
+
+    def _base_version_or_none(self) -> Any:
+        c = self.controller
+        return c.committed if c.state is State.READY else None
 
     def _base_version(self) -> Any:
         c = self.controller
@@ -379,6 +503,18 @@ class AdapterManager:
             self._base_probes = {label: p}
         return p
 
+    def check_base(self) -> None:
+        """``UpdateRefused`` when the engine serves other base weights than the ones this
+        manager's references are of (a full update of the base since: ``set_base``)."""
+        ident = getattr(self.controller, "identity", None)
+        if self._base_identity is not None and ident is not None and \
+                not ident.same_weights(self._base_identity):
+            raise UpdateRefused(f"the engine serves base {ident.provenance.checkpoint}, but "
+                                f"the adapter references are of "
+                                f"{self._base_identity.provenance.checkpoint}: give the new "
+                                f"base (set_base, or base_dir with POST /control/adapters) "
+                                f"first; nothing was changed")
+
     def set_base(self, base_model: Any) -> None:
         """The base model after a full update (its references; the old ones are dropped)."""
         if base_model is None:
@@ -386,6 +522,7 @@ class AdapterManager:
         with self._io:
             self.base_model = base_model
             self._base_probes = {}
+            self._base_identity = getattr(self.controller, "identity", None)
 
     def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
         # Through the sampling path: these probes run beside live requests

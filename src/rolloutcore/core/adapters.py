@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -336,10 +336,32 @@ class AdapterTable(Machine):
         for n in names:
             self._seen.add(str(n))
 
+    def restore(self, changes: Iterable[AdapterChange]) -> AdapterVersion | None:
+        """A previous controller's adapter records (its journal): every name it used is
+        never reused, generations continue above its highest, and the version it had
+        published last is returned. Nothing is claimed loaded or routed to (the
+        engine may be another process: the caller loads and verifies that version
+        again, under a new name). Records nothing; only before any proposal."""
+        if self._versions:
+            raise UpdateRefused("restore only into a table that proposed nothing yet")
+        current: AdapterVersion | None = None
+        for ch in changes:
+            if not isinstance(ch, AdapterChange):
+                raise BadInput(f"not an adapter record: {ch!r}")
+            v = AdapterVersion(ch.generation, ch.name, ch.path, ch.content_digest, ch.base)
+            self._seen.add(ch.name)
+            self._generation = max(self._generation, ch.generation)
+            if ch.after is S.PUBLISHED:
+                current = v
+            elif current is not None and ch.name == current.name and ch.after in (
+                    S.RETIRED, S.FENCED, S.UNLOADING):
+                current = None
+        return current
+
     def propose(self, version: AdapterVersion) -> None:
         """Open the update of ``version`` (LOADING); refused, changing nothing, when another
-        is in progress, its name was ever seen, its generation is not the next one, or
-        it would not fit."""
+        is in progress, its name was ever seen, its generation is below the next one,
+        or it would not fit."""
         self._refuse_if_broken()
         if not isinstance(version, AdapterVersion):
             raise BadInput("propose needs an AdapterVersion")
@@ -351,8 +373,10 @@ class AdapterTable(Machine):
             raise UpdateRefused(f"adapter name {version.name!r} was used before (vLLM keys its "
                                 f"prefix cache by name and path: a reused name could serve "
                                 f"another version's KV); nothing was changed")
-        if version.generation != self.next_generation:
-            raise BadInput(f"adapter generation must be {self.next_generation}, "
+        if version.generation < self.next_generation:
+            # Above it is fine: a fleet names a version after the highest generation of
+            # all its replicas' tables, so one name is new on every one of them.
+            raise BadInput(f"adapter generation must be {self.next_generation} or more, "
                            f"got {version.generation}")
         why = self.fits(version.size_bytes)
         if why is not None:

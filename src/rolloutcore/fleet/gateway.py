@@ -34,6 +34,7 @@ Routes::
                                               passed to a serving replica
     GET  /control/status                      replicas, versions, loads   control token
     POST /control/fleet/updates               start an update (checkpoint) control token
+    POST/GET /control/adapters                LoRA-adapter versions (adapter_gateway)
     GET  /control/fleet/updates/{id}          its progress and result     control token
     GET  /metrics                             Prometheus text            open
     GET  /health                              200 while a replica serves open
@@ -281,13 +282,15 @@ class FleetGateway:
     def __init__(self, coordinator: FleetCoordinator, config: ServiceConfig,
                  default_policy: Policy, updater: Updater | None,
                  check_update: Callable[[Mapping[str, Any]], object] | None = None, *,
-                 on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
+                 on_finished: Callable[[FinishedRequest], None] | None = None,
+                 admission: FleetAdmission | None = None) -> None:
         self.coordinator = coordinator
         self.config = config
         self.default_policy = default_policy
         self.updater = updater
         self.check_update = check_update
-        self.admission = FleetAdmission(coordinator, default_policy)
+        # Another admission: LoRA-adapter versions (fleet.adapter_gateway).
+        self.admission = admission or FleetAdmission(coordinator, default_policy)
         self.service_metrics = ServiceMetrics(None)
         self.metrics = FleetMetrics(coordinator, self.service_metrics.registry)
         self.data = DataPlane(self.admission, config, self.service_metrics,
@@ -374,8 +377,9 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
                      default_policy: str | Policy = "latest",
                      updater: Updater | None = None, supervise: bool = True,
                      check_update: Callable[[Mapping[str, Any]], object] | None = None,
-                     on_finished: Callable[[FinishedRequest], None] | None = None
-                     ) -> Starlette:
+                     on_finished: Callable[[FinishedRequest], None] | None = None,
+                     admission: FleetAdmission | None = None,
+                     extra_routes: Callable[..., list[Route]] | None = None) -> Starlette:
     """The fleet's gateway over a bootstrapped coordinator.
 
     ``config`` is the single-engine service's (tokens, limits, deadlines,
@@ -385,7 +389,9 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
     answers 400. ``check_update`` checks such a body before anything starts
     (its ``BadInput`` is the route's 400); a second update while one runs is
     409. ``on_finished`` records finished requests (``GatewayRecorder``), each
-    with its replica and fleet version.
+    with its replica and fleet version. ``admission`` (a ``FleetAdmission``) and
+    ``extra_routes(denied, json_body)`` (more control routes): how
+    ``fleet.adapter_gateway.create_lora_fleet_app`` adds LoRA-adapter versions.
     """
     if not isinstance(coordinator, FleetCoordinator):
         raise BadInput("coordinator must be a FleetCoordinator")
@@ -393,8 +399,11 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         raise BadInput("config must be a ServiceConfig")
     policy = default_policy if isinstance(default_policy, Policy) else Policy.parse(
         default_policy)
+    if admission is not None and (not isinstance(admission, FleetAdmission)
+                                  or admission.coordinator is not coordinator):
+        raise BadInput("admission must be a FleetAdmission of this coordinator")
     gw = FleetGateway(coordinator, config, policy, updater, check_update,
-                      on_finished=on_finished)
+                      on_finished=on_finished, admission=admission)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -459,6 +468,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
+    if extra_routes is not None:
+        routes += extra_routes(denied, lambda request: control_json(request, config))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.fleet = gw
     inner = app.build_middleware_stack()

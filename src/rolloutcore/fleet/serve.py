@@ -40,7 +40,7 @@ from typing import Any
 
 from rolloutcore.core.pool import Strategy
 from rolloutcore.core.versions import Provenance, VerificationLevel
-from rolloutcore.errors import BadInput
+from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import TRANSFERS, FleetConfig
 from rolloutcore.fleet.routing import Policy
@@ -79,10 +79,19 @@ class FleetServeOptions:
     max_body_bytes: int = 1 << 20
     client_body_s: float = 30.0
     client_send_s: float = 30.0
+    lora: bool = False                    # LoRA engines; the fleet's adapter versions
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
     tensor_parallel_size: int = 1         # ranks of each launched engine
     pipeline_parallel_size: int = 1       # stages of each launched engine
 
     def __post_init__(self) -> None:
+        from rolloutcore.service.serve import check_lora_options
+
+        check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
+        if self.lora and self.ray:
+            raise BadInput("lora with ray: the Ray placement does not launch LoRA engines "
+                           "yet; use local engines (--engines N)")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
@@ -246,6 +255,13 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     coord: FleetCoordinator | None = None
     recorder: Any = None
     try:
+        lora_kw: dict[str, Any] = {}
+        lora_budget: Any = None
+        if o.lora:
+            from rolloutcore.service.serve import lora_engine_args
+
+            largs, lenv, lora_budget = lora_engine_args(o.max_loras, o.max_lora_rank)
+            lora_kw = {"extra_args": largs, "env": lenv}
         if o.ray:
             placement = place_ray(o.engines, model_dir, address=o.ray_address, progress=True,
                                   log_dir=workdir / "logs")
@@ -253,7 +269,7 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
                                    progress=True, tensor_parallel_size=o.tensor_parallel_size,
-                                   pipeline_parallel_size=o.pipeline_parallel_size)
+                                   pipeline_parallel_size=o.pipeline_parallel_size, **lora_kw)
         coord = build_fleet(engines, checkpoint=model_dir, weights=weights0,
                             config=FleetConfig(quorum=o.quorum, min_serving=o.min_serving,
                                                health_interval_s=o.health_interval_s),
@@ -266,6 +282,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
               f"{len(coord.serving())} of {o.engines} engines, each taken over verified to "
               f"{level.wire}", file=sys.stderr)
 
+        fleet_adapters: Any = None
+
         def updater(body: Mapping[str, Any]) -> Any:
             req = parse_update_request(body)
             ck = req["checkpoint"]
@@ -274,17 +292,33 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             if w.min_verification < level:
                 raise BadInput(f"this update reaches {w.min_verification.wire}, below the "
                                f"floor {level.wire}")
-            return fleet.update(dataclasses.replace(w, min_verification=level),
-                                strategy=req["strategy"], label=req["label"],
-                                owner=req["owner"] or "trainer", quorum=req["quorum"],
-                                min_serving=req["min_serving"], wave_size=req["wave_size"],
-                                transfer=req["transfer"])
+            res = fleet.update(dataclasses.replace(w, min_verification=level),
+                               strategy=req["strategy"], label=req["label"],
+                               owner=req["owner"] or "trainer", quorum=req["quorum"],
+                               min_serving=req["min_serving"], wave_size=req["wave_size"],
+                               transfer=req["transfer"])
+            if fleet_adapters is not None:
+                # The adapters' references follow the base; the current adapter was
+                # verified on the old one and serves no request until an adapter is
+                # published on the new one (docs/lora.md).
+                fleet_adapters.set_base(Path(ck))
+            return res
 
         if o.record is not None:
             recorder = _recorder(o.record, coord, engines)
-        app = create_fleet_app(coord, cfg, default_policy=o.default_policy, updater=updater,
-                               check_update=parse_update_request, on_finished=recorder,
-                               supervise=o.health_interval_s > 0)
+        if o.lora:
+            fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
+                                             o.max_lora_rank,
+                                             Path(o.journal_dir or workdir / "journals"))
+        app_kw: dict[str, Any] = dict(
+            default_policy=o.default_policy, updater=updater, check_update=parse_update_request,
+            on_finished=recorder, supervise=o.health_interval_s > 0)
+        if fleet_adapters is not None:
+            from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
+
+            app = create_lora_fleet_app(coord, cfg, fleet_adapters, **app_kw)
+        else:
+            app = create_fleet_app(coord, cfg, **app_kw)
         run_until_signalled(app, o.host, o.port, cfg, exit_on_signal, token=token,
                             token_given=given, token_out=o.token_out,
                             banner=f"fleet gateway http://{o.host}:{o.port} -> "
@@ -300,6 +334,52 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         else:
             for e in engines:
                 e.stop()
+
+
+def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
+                    max_lora_rank: int | None, journal_dir: Path) -> Any:
+    """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and
+    the fleet's adapter versions over them (``fleet.adapters``). A previous fleet's
+    journals: their adapter names stay refused, and the adapter every replica had
+    published is published again (verified, a new name) before the gateway serves."""
+    from rolloutcore.control.adapters import AdapterManager
+    from rolloutcore.fleet.adapters import FleetAdapters
+
+    rank = 16 if max_lora_rank is None else max_lora_rank
+
+    def make(rep: Any) -> AdapterManager:
+        ad = rep.runner.adapter
+        epoch = rep.controller.committed.engine_epoch if rep.controller.committed else "x"
+        return AdapterManager(ad.http, rep.controller, base_model=model_dir,
+                              store=workdir / "adapters" / rep.name / str(epoch)[:32],
+                              config=budget, listener=None if rep.journal is None
+                              else rep.journal.listener, max_rank=rank,
+                              calibrations=lambda: dict(rep.runner.adapter.calibrations))
+
+    fa = FleetAdapters(coord, make, base_model=model_dir, max_rank=rank)
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.adapters import AdapterChange
+
+    changes = {}
+    for n in fa.managers:
+        jp = journal_dir / f"{n}.journal.jsonl"
+        changes[n] = [r.record for r in read_journal(jp, live=True)
+                      if isinstance(r.record, AdapterChange)] if jp.is_file() else []
+    was = fa.restore(changes)
+    if was is not None:
+        try:
+            res = fa.update(Path(was.path), Provenance(was.path, "restored", 0))
+            print(f"[rolloutcore] the journals' adapter {was.name} published again on every "
+                  f"engine as {res.version.name}", file=sys.stderr)
+        except RolloutCoreError as exc:
+            print(f"[rolloutcore] the journals' adapter {was.name} was not published again: "
+                  f"{exc}; 'policy' is the base's until an adapter is published",
+                  file=sys.stderr)
+    print(f"[rolloutcore] LoRA adapters enabled on {len(fa.managers)} engines (max rank "
+          f"{rank}): POST /control/adapters publishes one on every serving engine or none; "
+          f"requests for model 'policy' are served by the fleet's current one",
+          file=sys.stderr)
+    return fa
 
 
 def _with_saved_probe(weights: Any, path: str, model_dir: Path) -> Any:

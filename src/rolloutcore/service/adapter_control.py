@@ -5,11 +5,14 @@
 gateway reads the adapter directory (the trainer saved it where the gateway
 can read it: the same machine or a shared filesystem), checks and digests it,
 computes its reference from the base checkpoint it serves and runs the
-verified adapter update (``control.adapters.AdapterManager.update``). The
-answer: 200 with the published version, its checks and phases; 400 for a bad
-body or a bad adapter (nothing changed); 409 when the update was refused
-(nothing changed) or failed (the previous adapter serves: ``classification``
-says whether the failed version was unloaded). ``GET /control/adapters``: the
+verified adapter update (``control.adapters.AdapterManager.update``).
+``base_dir`` (optional): the base checkpoint the engine serves now, after a
+full update of the base (the references' base; without it an adapter update
+after a full update is refused, 409). The answer: 200 with the published
+version, its checks and phases; 400 for a bad body or a bad adapter
+(nothing changed); 409 when the update was refused (nothing changed) or
+failed (the previous adapter serves: ``classification`` says whether the
+failed version was unloaded). ``GET /control/adapters``: the
 current adapter and every version's state and bound requests.
 """
 
@@ -27,13 +30,15 @@ from starlette.routing import Route
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 
-__all__ = ["adapter_routes", "parse_adapter_body"]
+__all__ = ["adapter_base_dir", "adapter_routes", "parse_adapter_body"]
 
 
 def parse_adapter_body(body: object) -> tuple[Path, Provenance]:
     """The body of ``POST /control/adapters``; ``BadInput`` naming the field otherwise."""
-    if not isinstance(body, dict) or set(body) != {"adapter_dir", "provenance"}:
-        raise BadInput("body: needs exactly 'adapter_dir' and 'provenance'")
+    if not isinstance(body, dict) or set(body) - {"base_dir"} != {"adapter_dir", "provenance"}:
+        raise BadInput("body: needs exactly 'adapter_dir' and 'provenance' (and optional "
+                       "'base_dir')")
+    adapter_base_dir(body)
     d = body["adapter_dir"]
     if not isinstance(d, str) or not d or len(d) > 4096:
         raise BadInput("adapter_dir: a path of 1..4096 characters")
@@ -48,6 +53,19 @@ def parse_adapter_body(body: object) -> tuple[Path, Provenance]:
     return Path(d), Provenance(p["checkpoint"], p.get("trainer_run", ""), step)
 
 
+def adapter_base_dir(body: dict[str, Any]) -> Path | None:
+    """The body's optional ``base_dir``: the base checkpoint the engine serves now (after a
+    full update of the base), for the references; ``BadInput`` when it is not one."""
+    b = body.get("base_dir")
+    if b is None:
+        return None
+    if not isinstance(b, str) or not b or len(b) > 4096 or \
+            not (Path(b) / "config.json").is_file():
+        raise BadInput("base_dir: a checkpoint directory (with config.json) of 1..4096 "
+                       "characters")
+    return Path(b)
+
+
 def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
                    json_body: Callable[[Request], Awaitable[bytes | Response]]) -> list[Route]:
     """The two routes, over ``adapters`` (an ``AdapterManager``)."""
@@ -60,11 +78,19 @@ def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
         if isinstance(raw, Response):
             return raw
         try:
-            adapter_dir, prov = parse_adapter_body(json.loads(raw))
+            body = json.loads(raw)
+            adapter_dir, prov = parse_adapter_body(body)
+            base_dir = adapter_base_dir(body)
         except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
             return JSONResponse({"error": str(exc)}, status_code=400)
+
+        def run() -> Any:
+            if base_dir is not None:
+                adapters.set_base(base_dir)
+            return adapters.update(adapter_dir, prov)
+
         try:
-            res = await anyio.to_thread.run_sync(adapters.update, adapter_dir, prov)
+            res = await anyio.to_thread.run_sync(run)
         except BadInput as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         except UpdateRefused as exc:

@@ -343,6 +343,69 @@ class RolloutCoreClient:
             raise RolloutCoreError(f"status: HTTP {code}: {data}")
         return dict(data)
 
+    # ------------------------------------------------------------ adapter versions
+    def update_adapter(self, adapter_dir: str | Path, provenance: Provenance, *,
+                       base_dir: str | Path | None = None,
+                       timeout_s: float = 600.0) -> dict[str, Any]:
+        """Publish the LoRA adapter saved in ``adapter_dir`` (``save_pretrained``, where
+        the gateway can read it) as the next adapter version: the gateway (one engine or
+        a fleet) checks, digests, loads and verifies it before anything is routed to it.
+
+        Returns the published version, its checks and phases (a fleet's: each
+        replica's). Refused here, nothing sent, when the directory holds no
+        ``adapter_config.json`` or ``provenance`` is not a ``Provenance``;
+        ``BadInput`` for the gateway's 400 (a bad adapter), ``UpdateRefused`` for
+        its refusal (nothing changed), ``UpdateFailed`` when it was not published
+        (the previous adapter keeps serving). ``base_dir``: after a full update of
+        the base, the new base's checkpoint (the gateway's references of base +
+        adapter are computed from it; without it such an update is refused).
+        """
+        if isinstance(adapter_dir, bool) or not isinstance(adapter_dir, (str, Path)) or \
+                not str(adapter_dir):
+            raise BadInput(f"adapter_dir must be a directory path, got {adapter_dir!r}")
+        d = Path(adapter_dir)
+        if not (d / "adapter_config.json").is_file():
+            raise BadInput(f"adapter_dir {d}: no adapter_config.json (save the PEFT model "
+                           f"with save_pretrained first)")
+        if not isinstance(provenance, Provenance):
+            raise BadInput("provenance must be a Provenance")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
+                timeout_s > 0 and math.isfinite(timeout_s)):
+            raise BadInput(f"timeout_s must be a positive number, got {timeout_s!r}")
+        body: dict[str, Any] = {"adapter_dir": str(d.resolve()),
+                                "provenance": {"checkpoint": provenance.checkpoint,
+                                               "trainer_run": provenance.trainer_run,
+                                               "step": provenance.step}}
+        if base_dir is not None:
+            if isinstance(base_dir, bool) or not isinstance(base_dir, (str, Path)) or \
+                    not (Path(base_dir) / "config.json").is_file():
+                raise BadInput(f"base_dir must be a checkpoint directory, got {base_dir!r}")
+            body["base_dir"] = str(Path(base_dir).resolve())
+        code, data = self._call("POST", "/control/adapters", body=body, timeout_s=timeout_s)
+        if code == 200 and isinstance(data, dict):
+            return dict(data)
+        err = data.get("error") if isinstance(data, dict) else data
+        if code == 400:
+            raise BadInput(f"the gateway refused the adapter: {err}")
+        if code == 404:
+            raise BadInput("this gateway serves no adapters (start it with serve --lora)")
+        if code == 409 and isinstance(data, dict) and data.get("refused"):
+            raise UpdateRefused(f"adapter update refused: {err}")
+        if code == 409 and isinstance(data, dict):
+            raise UpdateFailed(str(data.get("phase") or "adapter"),
+                               str(data.get("classification") or "ambiguous"), "READY",
+                               f"adapter not published: {err}")
+        raise RolloutCoreError(f"update_adapter: HTTP {code}: {err}")
+
+    def adapters(self) -> dict[str, Any]:
+        """``GET /control/adapters``: the current adapter version and every version's state."""
+        code, data = self._call("GET", "/control/adapters")
+        if code == 404:
+            raise BadInput("this gateway serves no adapters (start it with serve --lora)")
+        if code != 200 or not isinstance(data, dict):
+            raise RolloutCoreError(f"adapters: HTTP {code}: {data}")
+        return dict(data)
+
     # ------------------------------------------------------------ protocol steps
     def begin(self, identity: WeightIdentity, *, owner: str, label: str | None = None,
               min_verification: VerificationLevel | str | None = None,

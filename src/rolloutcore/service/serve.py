@@ -35,15 +35,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
-from rolloutcore.errors import BadInput, EffectError
+from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 
 if TYPE_CHECKING:
     from rolloutcore.adapters.vllm import VllmHTTP
 
-__all__ = ["TAKEOVER_REFUSED", "ServeOptions", "control_token", "exit_on_signal",
-           "reachable_verification", "run_serve", "vocab_size", "write_token_file"]
+__all__ = ["LORA_RANKS", "TAKEOVER_REFUSED", "ServeOptions", "check_lora_options",
+           "control_token", "exit_on_signal", "lora_engine_args", "reachable_verification",
+           "run_serve", "vocab_size", "write_token_file"]
 
 #: Exit status of ``serve`` when the engine it would take over cannot be verified.
 TAKEOVER_REFUSED = 3
@@ -89,8 +90,16 @@ class ServeOptions:
     tensor_parallel_size: int = 1         # with model: ranks of the launched engine
     pipeline_parallel_size: int = 1       # with model: stages of the launched engine
     worker_extension_cls: str | None = None  # with model: vLLM's --worker-extension-cls
+    lora: bool = False                    # launch with LoRA; serve adapter versions
+    max_loras: int | None = None          # with lora: vLLM's --max-loras (default 2)
+    max_lora_rank: int | None = None      # with lora: vLLM's --max-lora-rank (default 16)
 
     def __post_init__(self) -> None:
+        check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
+        if self.lora and self.upstream:
+            raise BadInput("lora launches the engine with LoRA enabled (--enable-lora and "
+                           "runtime adapter loading); a running engine (upstream) keeps the "
+                           "flags it was started with: give model instead")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             n = getattr(self, name)
             if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
@@ -132,6 +141,46 @@ class ServeOptions:
                 or not 0 < self.drain_timeout_s < float("inf")):
             raise BadInput(f"drain_timeout_s must be a positive number of seconds, "
                            f"got {self.drain_timeout_s!r}")
+
+
+#: The ranks vLLM 0.32 accepts for ``--max-lora-rank``.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def check_lora_options(lora: object, max_loras: object, max_lora_rank: object) -> None:
+    """``serve --lora`` and its limits, checked before anything starts (``BadInput``)."""
+    if not isinstance(lora, bool):
+        raise BadInput(f"lora must be a bool, got {lora!r}")
+    if not lora and (max_loras is not None or max_lora_rank is not None):
+        raise BadInput("max_loras and max_lora_rank size the LoRA slots of an engine "
+                       "launched with lora (serve --lora); without it they are refused")
+    if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(
+            max_loras, int) or not 1 <= max_loras <= 64):
+        raise BadInput(f"max_loras must be an int in 1..64, got {max_loras!r}")
+    if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or not isinstance(
+            max_lora_rank, int) or max_lora_rank not in LORA_RANKS):
+        raise BadInput(f"max_lora_rank must be one of {list(LORA_RANKS)} (vLLM's), got "
+                       f"{max_lora_rank!r}")
+
+
+def lora_engine_args(max_loras: int | None, max_lora_rank: int | None
+                     ) -> tuple[tuple[str, ...], dict[str, str], Any]:
+    """vLLM's arguments and environment for a LoRA engine, and the adapter budget.
+
+    ``--max-loras`` bounds the adapters of one batch; the adapters loaded at once
+    (``AdapterConfig.max_loaded``: the published one, one superseded one kept for
+    requests still on it, and the next one being verified) are vLLM's
+    ``--max-cpu-loras``, at least ``--max-loras``.
+    """
+    from rolloutcore.core.adapters import AdapterConfig
+
+    check_lora_options(True, max_loras, max_lora_rank)
+    n = 2 if max_loras is None else max_loras
+    rank = 16 if max_lora_rank is None else max_lora_rank
+    budget = AdapterConfig(max_loaded=max(n, 3), max_staleness=1)
+    args = ("--enable-lora", "--max-loras", str(n), "--max-lora-rank", str(rank),
+            "--max-cpu-loras", str(budget.max_loaded))
+    return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, budget
 
 
 def control_token(token: str | None, token_file: str | None) -> tuple[str, bool]:
@@ -264,6 +313,8 @@ def run_serve(args: ServeOptions) -> int:
         controller = LifecycleController(config=ccfg)
     adapter: Any = None
     recorder: Any = None
+    adapters: Any = None
+    lora_budget: Any = None
     try:
         if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
@@ -287,12 +338,18 @@ def run_serve(args: ServeOptions) -> int:
                       file=sys.stderr)
             # Its dev and weight routes answer only this gateway (and the trainer it
             # grants an update): transports.engine_key.
+            extra: tuple[str, ...] = () if args.worker_extension_cls is None else (
+                "--worker-extension-cls", args.worker_extension_cls)
+            lora_env: dict[str, str] = {}
+            if args.lora:
+                lora_args, lora_env, lora_budget = lora_engine_args(args.max_loras,
+                                                                    args.max_lora_rank)
+                extra += lora_args
             engine = ManagedEngine(model_dir, backend=args.transport_backend,
                                    log_dir=workdir / "logs", progress=True, guard_routes=True,
                                    tensor_parallel_size=args.tensor_parallel_size,
                                    pipeline_parallel_size=args.pipeline_parallel_size,
-                                   extra_args=() if args.worker_extension_cls is None else (
-                                       "--worker-extension-cls", args.worker_extension_cls))
+                                   extra_args=extra, env=lora_env or None)
             engine.start()
             url, epoch, served = engine.base_url, engine.epoch, engine.model_name
         source = WeightSource.from_checkpoint(model_dir)
@@ -362,7 +419,12 @@ def run_serve(args: ServeOptions) -> int:
             recorder = GatewayRecorder(args.record, EngineIdentity(
                 http.version() if "/version" in caps else "unknown",
                 served or http.model(), econf, url))
-        app = create_app(runner, cfg, on_finished=recorder)
+        if args.lora:
+            adapters = _adapter_manager(args, adapter, controller, model_dir, workdir,
+                                        lora_budget, journal)
+            if journal is not None and args.journal:
+                _restore_adapters(adapters, args.journal)
+        app = create_app(runner, cfg, on_finished=recorder, adapters=adapters)
         from rolloutcore.service.server import run_until_signalled
 
         run_until_signalled(app, args.host, args.port, cfg, exit_on_signal, token=token,
@@ -373,12 +435,76 @@ def run_serve(args: ServeOptions) -> int:
     finally:
         if recorder is not None:
             recorder.close()
+        if adapters is not None:
+            adapters.close()
         if adapter is not None:
             adapter.close()
         if engine is not None:
             engine.stop()
         if journal is not None:
             journal.close()
+
+
+def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_dir: Path,
+                     workdir: Path, budget: Any, journal: Any) -> Any:
+    """``--lora``: the engine's adapter versions (``control.adapters``), journaled with the
+    lifecycle's records; the adapters it publishes are written under the workdir."""
+    from rolloutcore.control.adapters import AdapterManager
+
+    rank = 16 if args.max_lora_rank is None else args.max_lora_rank
+    m = AdapterManager(adapter.http, controller, base_model=model_dir,
+                       store=workdir / "adapters", config=budget,
+                       listener=None if journal is None else journal.listener, max_rank=rank,
+                       calibrations=lambda: dict(adapter.calibrations))
+    print(f"[rolloutcore] LoRA adapters enabled (max rank {rank}, {budget.max_loaded} loaded "
+          f"at most): POST /control/adapters publishes one; requests for model 'policy' "
+          f"are served by the current one", file=sys.stderr)
+    return m
+
+
+def _restore_adapters(m: Any, journal_path: str) -> None:
+    """A previous gateway's adapter records: its names are never reused, and the adapter
+    it had published is published again (its files, verified on this engine's base,
+    under a new name): the engine launched now holds none of its adapters, so nothing
+    is claimed before it is loaded and verified. If that fails, ``policy`` is the
+    base's until the trainer publishes an adapter, and the log says why."""
+    import ast
+
+    from rolloutcore.control.journal import read_journal
+    from rolloutcore.core.adapters import AdapterChange
+    from rolloutcore.core.versions import Provenance
+
+    changes = [r.record for r in read_journal(journal_path, live=True)
+               if isinstance(r.record, AdapterChange)]
+    was = m.restore(changes)
+    if not changes:
+        return
+    print(f"[rolloutcore] restored {len({c.name for c in changes})} adapter names from the "
+          f"journal (never reused); published then: {None if was is None else was.name}",
+          file=sys.stderr)
+    if was is None:
+        return
+    prov = Provenance(was.path, "restored", 0)
+    for c in reversed(changes):
+        if c.name == was.name and str(c.after) == "published":
+            for e in c.evidence:
+                if e.startswith("provenance: "):
+                    try:
+                        d = ast.literal_eval(e[len("provenance: "):])
+                        prov = Provenance(str(d["checkpoint"]), str(d.get("trainer_run", "")),
+                                          int(d.get("step", 0)))
+                    except (ValueError, SyntaxError, KeyError, TypeError):
+                        pass
+            break
+    try:
+        res = m.republish(was, prov)
+    except RolloutCoreError as exc:
+        print(f"[rolloutcore] the journal's adapter {was.name} was not published again: "
+              f"{exc}; requests for 'policy' are the base's until an adapter is published",
+              file=sys.stderr)
+        return
+    print(f"[rolloutcore] the journal's adapter {was.name} published again, verified, as "
+          f"{res.version.name}", file=sys.stderr)
 
 
 def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:

@@ -1,0 +1,440 @@
+"""LoRA-adapter versions across a fleet: verified on every replica, then published on all.
+
+Each replica keeps its own ``control.adapters.AdapterManager`` (its own
+adapter table, in its own shell, its records in its own journal): nothing
+here decides what one engine's adapters may do. What the fleet adds is the
+two-phase publication and the one name the gateway routes to:
+
+1. **prepare once**: the adapter is checked and digested once
+   (``AdapterSource``), named ``rcl-<generation>-<digest[:16]>`` with a
+   generation above every replica's (so the name is new on all of them, never
+   reused), and the trainer's reference of base + adapter is computed once;
+   each replica gets its own copy of the files under its own store;
+2. **verify everywhere**: every serving replica loads and verifies it at once
+   (``AdapterManager.verify``: listed, probed through the adapter, the base
+   probed beside it), each within the update's deadline; each leaves it
+   VERIFYING, never routed to;
+3. **publish only when all acknowledged**: if every one verified (and every
+   base is still the one it was verified on) it is published on each, and
+   then becomes the fleet's current adapter; otherwise it is published
+   nowhere: each replica that loaded it unloads it (REFUSED), and one whose
+   unload fails is FENCED for it and *tainted for adapters* (the fleet
+   routes no ``policy`` request to it until a later adapter update passes on
+   it). The previous adapter keeps serving everywhere.
+
+The fleet's current adapter is ``current``. A replica serves ``policy``
+requests (``eligible``) only when its own table's current adapter is that
+one, verified on the base its engine serves now, and it is not tainted for
+adapters. So:
+
+* a replica outside the pool during an update (fenced, recovering) does not
+  get the adapter and serves no ``policy`` request until the next adapter
+  update passes on it;
+* a replica whose engine was replaced (a recovery: a new process, which
+  holds no adapter) serves no ``policy`` request either (its version, its
+  base label, changed); the next adapter update gives it a fresh manager for
+  the new process (the names the old one used stay refused) and loads it;
+* after a full update of the base no replica is eligible until an adapter is
+  verified on the new base (``rebase``: the current adapter's files verified
+  again on the new base, as a new version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.control.adapters import (
+    AdapterManager,
+    AdapterResult,
+    PreparedAdapter,
+    VerifiedAdapter,
+)
+from rolloutcore.core.adapters import AdapterVersion, adapter_name
+from rolloutcore.core.versions import Provenance
+from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
+from rolloutcore.verification.adapters import AdapterSource, adapter_probe
+from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+
+__all__ = ["FleetAdapterFailed", "FleetAdapterResult", "FleetAdapterVersion", "FleetAdapters"]
+
+
+@dataclass(frozen=True)
+class FleetAdapterVersion:
+    """The fleet's published adapter: one name on every replica that acknowledged it."""
+
+    generation: int
+    name: str
+    content_digest: str
+    size_bytes: int
+    replicas: tuple[str, ...]
+    provenance: Provenance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"generation": self.generation, "name": self.name,
+                "content_digest": self.content_digest, "size_bytes": self.size_bytes,
+                "replicas": list(self.replicas), "provenance": self.provenance.to_dict()}
+
+
+@dataclass(frozen=True)
+class FleetAdapterResult:
+    version: FleetAdapterVersion
+    replicas: Mapping[str, AdapterResult]
+    phases: Mapping[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version.to_dict(),
+                "replicas": {n: r.to_dict() for n, r in self.replicas.items()},
+                "phases": dict(self.phases)}
+
+
+class FleetAdapterFailed(UpdateFailed):
+    """The adapter was published nowhere; ``outcomes``: what each replica did with it."""
+
+    def __init__(self, name: str, outcomes: Mapping[str, str], classification: str) -> None:
+        self.name = name
+        self.outcomes = dict(outcomes)
+        super().__init__("fleet_adapter", classification, "READY",
+                         f"adapter {name} published nowhere: " + "; ".join(
+                             f"{n}: {o}" for n, o in sorted(self.outcomes.items())))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": str(self), "adapter": self.name, "replicas": self.outcomes,
+                "phase": self.phase, "classification": self.classification}
+
+
+ManagerFactory = Callable[[Any], AdapterManager]
+
+
+class FleetAdapters:
+    """The adapter versions of a fleet (module docstring). Thread-safe.
+
+    ``make_manager(replica)``: the ``AdapterManager`` of a replica's engine (called
+    at start, and again for a replica whose engine was replaced). ``base_model``:
+    the base the adapters apply to (for the reference computed once).
+    ``deadline_s``: how long the verification on every replica may take.
+    """
+
+    def __init__(self, coordinator: Any, make_manager: ManagerFactory, *, base_model: Any,
+                 deadline_s: float = 300.0, probe_tolerance: float = DEFAULT_TOLERANCE,
+                 max_rank: int | None = None) -> None:
+        from rolloutcore.fleet.coordinator import FleetCoordinator
+
+        if not isinstance(coordinator, FleetCoordinator):
+            raise BadInput("coordinator must be a FleetCoordinator")
+        if not callable(make_manager):
+            raise BadInput("make_manager must be a callable (replica -> AdapterManager)")
+        if base_model is None:
+            raise BadInput("base_model: the base checkpoint directory (or a HF causal LM)")
+        if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or \
+                not 0 < deadline_s < float("inf"):
+            raise BadInput(f"deadline_s must be a positive number, got {deadline_s!r}")
+        if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(
+                max_rank, int) or max_rank < 1):
+            raise BadInput(f"max_rank must be an int >= 1, got {max_rank!r}")
+        self.coordinator = coordinator
+        self.base_model = base_model
+        self.deadline_s = float(deadline_s)
+        self.probe_tolerance = probe_tolerance
+        self.max_rank = max_rank
+        self._make = make_manager
+        self._update = threading.Lock()     # one fleet adapter update at a time
+        self._mem = threading.Lock()        # the fields below; nothing waits under it
+        self.managers: dict[str, AdapterManager] = {}
+        self._epochs: dict[str, str | None] = {}
+        for name, rep in coordinator.replicas.items():
+            m = make_manager(rep)
+            if not isinstance(m, AdapterManager) or m.controller is not rep.controller:
+                raise BadInput(f"make_manager({name}) must return the AdapterManager of that "
+                               f"replica's controller")
+            self.managers[name] = m
+            self._epochs[name] = _epoch(rep)
+        self._current: FleetAdapterVersion | None = None
+        self._tainted: dict[str, str] = {}
+        self._next = 1
+        self._watchers: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def current(self) -> FleetAdapterVersion | None:
+        return self._current
+
+    def manager(self, name: str) -> AdapterManager:
+        m = self.managers.get(name)
+        if m is None:
+            raise BadInput(f"no replica named {name!r} in this fleet")
+        return m
+
+    def eligible(self, name: str) -> bool:
+        """Whether replica ``name`` may serve ``policy`` requests on the current adapter."""
+        cur = self._current
+        m = self.managers.get(name)
+        if cur is None or m is None or name in self._tainted:
+            return False
+        v = m.view.current
+        committed = self.coordinator.replicas[name].controller.view.committed
+        return (v is not None and v.name == cur.name and committed is not None
+                and v.base == committed.label)
+
+    def is_adapter(self, model: str) -> bool:
+        return any(m.is_adapter(model) for m in self.managers.values())
+
+    def status(self) -> dict[str, Any]:
+        cur = self._current
+        reps = {}
+        for n, m in self.managers.items():
+            v = m.view
+            reps[n] = {"current": None if v.current is None else v.current.to_dict(),
+                       "states": {k: s.value for k, s in v.states.items()},
+                       "bound": dict(v.bound), "eligible": self.eligible(n),
+                       "tainted": self._tainted.get(n)}
+        return {"current": None if cur is None else cur.to_dict(), "replicas": reps}
+
+    def watch(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` (never under a lock) after the fleet's current adapter changed."""
+        self._watchers.append(fn)
+        for m in self.managers.values():
+            m.shell.watch(fn)
+
+    # ------------------------------------------------------------------ update
+    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None
+               ) -> FleetAdapterResult:
+        """Publish ``adapter`` (a PEFT model or an adapter directory) on every serving
+        replica, or nowhere (``FleetAdapterFailed``; ``UpdateRefused``/``BadInput``:
+        nothing changed). See the module docstring."""
+        if not isinstance(provenance, Provenance):
+            raise BadInput("provenance must be a Provenance")
+        if not self._update.acquire(blocking=False):
+            raise UpdateRefused("a fleet adapter update is running; one at a time")
+        try:
+            return self._run(adapter, provenance, reference)
+        finally:
+            self._update.release()
+
+    def rebase(self, provenance: Provenance, *, base_model: Any = None) -> FleetAdapterResult:
+        """After a full update of the base: the current adapter's files verified again on
+        the base every replica serves now, published as a new version (a new name:
+        its KV and its probe are the new base's). ``base_model``: the new base's
+        checkpoint (the references), default the one given before."""
+        cur = self._current
+        if cur is None:
+            raise UpdateRefused("no adapter is published: nothing to rebase")
+        if base_model is not None:
+            self.set_base(base_model)
+        src = self._kept_source(cur)
+        if src is None:
+            raise UpdateRefused(f"the files of {cur.name} are gone: publish the adapter again")
+        return self.update(src, provenance)
+
+    def restore(self, changes: Mapping[str, Any]) -> AdapterVersion | None:
+        """The replicas' journals' adapter records (name -> its ``AdapterChange``s): every
+        name stays refused on every replica, generations continue above them, and the
+        adapter they had all published last is returned (``None`` if they disagree or
+        had none): not claimed, since the engines may be new processes; the caller
+        publishes its files again (``update``), verified, under a new name."""
+        was: dict[str, AdapterVersion | None] = {}
+        for n, ch in changes.items():
+            was[n] = self.manager(n).restore(ch)
+            gens = [c.generation for c in ch]
+            if gens:
+                self._next = max(self._next, max(gens) + 1)
+        names = {w.name for w in was.values() if w is not None}
+        if len(names) != 1 or any(w is None for w in was.values()):
+            return None
+        for w in was.values():
+            if w is not None and (Path(w.path) / "adapter_config.json").is_file():
+                src = AdapterSource.of(Path(w.path))
+                if src.content_digest == w.content_digest:
+                    return w
+        return None
+
+    def set_base(self, base_model: Any) -> None:
+        """The base every replica serves after a full update (the references' base)."""
+        if base_model is None:
+            raise BadInput("base_model must be a checkpoint directory or a HF causal LM")
+        with self._update:
+            self.base_model = base_model
+            for m in self.managers.values():
+                m.set_base(base_model)
+
+    def _kept_source(self, cur: FleetAdapterVersion) -> Path | None:
+        for n in cur.replicas:
+            m = self.managers.get(n)
+            if m is not None:
+                p = m.store / cur.name
+                if (p / "adapter_config.json").is_file():
+                    return p
+        return None
+
+    def _run(self, adapter: Any, provenance: Provenance, reference: Any
+             ) -> FleetAdapterResult:
+        t0 = time.perf_counter()
+        members = self._members()
+        for n in members:
+            self.managers[n].check_base()
+        # -- prepare once: checked, digested, named, its reference computed
+        src = AdapterSource.of(adapter, max_rank=self._max_rank())
+        # The budget of every replica, before anything is written or loaded anywhere
+        # (superseded adapters that may go are unloaded first, as each update does).
+        full = {}
+        for n in members:
+            m = self.managers[n]
+            m.sweep()
+            why = m.shell.read(lambda m=m: m.table.fits(src.size_bytes))
+            if why is not None:
+                full[n] = why
+        if full:
+            raise UpdateRefused("the adapter does not fit on " + "; ".join(
+                f"{n}: {w}" for n, w in sorted(full.items())) + "; nothing was loaded")
+        gen = max(self._next, *(m.shell.read(lambda m=m: m.table.next_generation)
+                                for m in self.managers.values()))
+        name = adapter_name(gen, src.content_digest)
+        paths: dict[str, Path] = {}
+        try:
+            for n in members:
+                p = self.managers[n].store / name
+                src.write(p)
+                paths[n] = p
+            probe = self._reference(reference, paths[members[0]])
+        except BaseException:
+            for p in paths.values():
+                shutil.rmtree(p, ignore_errors=True)
+            raise
+        self._next = gen + 1
+        prep_s = time.perf_counter() - t0
+        prepared = {}
+        for n in members:
+            base = self.coordinator.replicas[n].controller.committed
+            if base is None:
+                raise UpdateRefused(f"replica {n} has no committed base")
+            prepared[n] = PreparedAdapter(AdapterVersion(
+                gen, name, str(paths[n].resolve()), src.content_digest, base.label,
+                src.size_bytes), src, provenance, probe, prep_s)
+        # -- verify on every replica at once, each within the deadline
+        t1 = time.perf_counter()
+        deadline = time.monotonic() + self.deadline_s
+        got: dict[str, VerifiedAdapter | BaseException] = {}
+        with ThreadPoolExecutor(max_workers=len(members),
+                                thread_name_prefix="rc-fleet-adapter") as pool:
+            futs = {n: pool.submit(self.managers[n].verify, prepared[n], deadline=deadline)
+                    for n in members}
+            for n, f in futs.items():
+                try:
+                    got[n] = f.result()
+                except BaseException as exc:   # each one's outcome, all of them awaited
+                    got[n] = exc
+        verify_s = time.perf_counter() - t1
+        failed = {n: r for n, r in got.items() if not isinstance(r, VerifiedAdapter)}
+        if not failed:
+            # Every base still the one it was verified on, or nothing is published.
+            for n in members:
+                c = self.coordinator.replicas[n].controller.view.committed
+                if c is None or c.label != prepared[n].version.base:
+                    failed[n] = UpdateFailed("publish", "no_mutation", "READY",
+                                             f"its base moved to {c} during the verification")
+        if failed:
+            self._abandon(name, got, failed, paths)
+        # -- publish on each, then it is the fleet's
+        results: dict[str, AdapterResult] = {}
+        t2 = time.perf_counter()
+        for n in members:
+            v = got[n]
+            assert isinstance(v, VerifiedAdapter)
+            results[n] = self.managers[n].publish(v)
+            with self._mem:
+                self._tainted.pop(n, None)
+        fv = FleetAdapterVersion(gen, name, src.content_digest, src.size_bytes,
+                                 tuple(members), provenance)
+        with self._mem:
+            self._current = fv
+        for w in list(self._watchers):
+            w()
+        return FleetAdapterResult(fv, results, {
+            "prepare": prep_s, "verify": verify_s, "publish": time.perf_counter() - t2,
+            "total": time.perf_counter() - t0})
+
+    def _abandon(self, name: str, got: Mapping[str, VerifiedAdapter | BaseException],
+                 failed: Mapping[str, BaseException], paths: Mapping[str, Path]) -> None:
+        """Nothing published: unload it where it was verified; taint where that fails."""
+        outcomes: dict[str, str] = {}
+        why = "; ".join(f"{n}: {e}" for n, e in failed.items())[:800]
+        fenced = False
+        for n, r in got.items():
+            if isinstance(r, VerifiedAdapter):
+                st = self.managers[n].abandon(r, f"another replica failed it ({why})")
+                outcomes[n] = f"verified, not published: {st}"
+            else:
+                st_now = self.managers[n].shell.read(lambda n=n: self.managers[n].table.state(
+                    name))
+                outcomes[n] = f"failed ({type(r).__name__}: {r})"[:600]
+                if st_now is None:
+                    outcomes[n] += " (nothing loaded)"
+                st = "" if st_now is None else st_now.value
+            if st == "fenced":
+                fenced = True
+                with self._mem:
+                    self._tainted[n] = (f"adapter {name} could not be unloaded (fenced): "
+                                        f"no policy request until an adapter update passes")
+            elif st in ("refused", ""):
+                shutil.rmtree(paths[n], ignore_errors=True)
+        refusals = [e for e in failed.values() if isinstance(e, (UpdateRefused, BadInput))]
+        if len(refusals) == len(got) and all(
+                isinstance(r, BaseException) for r in got.values()):
+            raise UpdateRefused(f"adapter {name} refused by every replica, nothing changed: "
+                                + "; ".join(f"{n}: {o}" for n, o in sorted(outcomes.items())))
+        raise FleetAdapterFailed(name, outcomes, "ambiguous" if fenced else "no_mutation")
+
+    def _members(self) -> list[str]:
+        """The serving replicas the update goes to (a replaced engine's manager renewed)."""
+        serving = set(self.coordinator.serving())
+        members = [n for n in self.managers if n in serving]
+        if not members:
+            raise UpdateRefused("no replica is serving: no adapter update now")
+        for n in members:
+            rep = self.coordinator.replicas[n]
+            ep = _epoch(rep)
+            if ep != self._epochs.get(n):
+                # A new process: it holds no adapter; a fresh table for it, which keeps
+                # refusing every name the old one used.
+                old = self.managers[n]
+                new = self._make(rep)
+                new.shell.run(new.table.note_loaded, {k: "seen" for k in old.view.states})
+                for w in self._watchers:
+                    new.shell.watch(w)
+                with self._mem:
+                    self.managers[n] = new
+                    self._epochs[n] = ep
+                    self._tainted.pop(n, None)
+        return members
+
+    def _max_rank(self) -> int | None:
+        ranks = [m.max_rank for m in self.managers.values() if m.max_rank is not None]
+        if self.max_rank is not None:
+            ranks.append(self.max_rank)
+        return min(ranks) if ranks else None
+
+    def _reference(self, reference: Any, path: Path) -> PolicyProbe:
+        if reference is not None:
+            vocab = int(reference.config.vocab_size)
+            probe = PolicyProbe.from_model(reference, default_prompts(vocab),
+                                           tolerance=self.probe_tolerance)
+            probe.name = "adapter-probe"
+            return probe
+        return adapter_probe(self.base_model, path, tolerance=self.probe_tolerance)
+
+    def close(self) -> None:
+        for m in self.managers.values():
+            with contextlib.suppress(RolloutCoreError):
+                m.close()
+
+
+def _epoch(rep: Any) -> str | None:
+    c = rep.controller.view.committed
+    return None if c is None else c.engine_epoch

@@ -1,0 +1,417 @@
+"""Fleet LoRA-adapter versions (``fleet.adapters``): verified on every replica, then published.
+
+Each replica is a fake fleet's replica (its own controller and journal) whose
+LoRA routes are answered by ``helpers.fake_lora.LoraEngine``: the real tiny
+model in float32, each adapter applied through PEFT from the directory it was
+loaded from. The probes compare those computations with the reference, so a
+fault shows up the way it would on vLLM: an adapter that computes the base, a
+load that loads nothing, an unload that hangs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleettools import fake_fleet
+from helpers.fake_lora import LoraEngine
+from rolloutcore.control.adapters import AdapterManager
+from rolloutcore.core.adapters import AdapterConfig, AdapterState
+from rolloutcore.core.versions import Provenance
+from rolloutcore.errors import AdmissionRefused, BadInput, UpdateRefused
+from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
+
+pytest.importorskip("peft")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Two replicas verify at once, each computing in this process: one torch thread
+    each, or on a 2-core host they oversubscribe it (minutes instead of seconds)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from rolloutcore.testing.models import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("base") / "ck", 0)
+
+
+@pytest.fixture(scope="module")
+def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Saved adapter directories by seed (written once for the module)."""
+    from rolloutcore.testing.models import make_adapter
+
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for seed in (1, 2, 3):
+        make_adapter(base, seed, rank=4).save_pretrained(root / f"a{seed}")
+        out[seed] = root / f"a{seed}"
+    return out
+
+
+@pytest.fixture
+def rig(base: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    f = fake_fleet(2)
+    engines = {n: LoraEngine(base) for n in f.coord.replicas}
+
+    def make(rep: Any) -> AdapterManager:
+        return AdapterManager(engines[rep.name], rep.controller, base_model=base,
+                              store=tmp_path / rep.name / rep.controller.committed.label,
+                              config=AdapterConfig(max_loaded=3, max_staleness=1),
+                              listener=rep.journal.listener, max_rank=8)
+
+    fa = FleetAdapters(f.coord, make, base_model=base, deadline_s=120)
+    try:
+        yield {"fleet": f, "fa": fa, "engines": engines}
+    finally:
+        f.coord.close()
+
+
+def _prov(step: int) -> Provenance:
+    return Provenance("adapter", "tests", step)
+
+
+def _state(fa: FleetAdapters) -> Any:
+    return (fa.current, {n: (m.view.current, dict(m.view.states))
+                         for n, m in fa.managers.items()})
+
+
+def test_published_on_every_replica_once_all_verified(rig: dict[str, Any],
+                                                      adapters: dict[int, Path]) -> None:
+    fa: FleetAdapters = rig["fa"]
+    res = fa.update(adapters[1], _prov(1))
+    v = res.version
+    assert fa.current == v and set(v.replicas) == {"r0", "r1"}
+    for n, m in fa.managers.items():
+        assert m.current is not None and m.current.name == v.name
+        assert {c.name for c in res.replicas[n].checks} == {"listed", "content",
+                                                            "adapter-probe", "base-probe"}
+        assert v.name in rig["engines"][n].adapters
+        assert fa.eligible(n)
+    # Each replica read its own copy of the files; the fleet's name is new everywhere.
+    paths = {rig["engines"][n].paths[v.name] for n in fa.managers}
+    assert len(paths) == 2
+    second = fa.update(adapters[2], _prov(2)).version
+    assert second.generation > v.generation and second.name != v.name
+    for m in fa.managers.values():
+        assert m.view.states[v.name] is AdapterState.STANDBY
+
+
+def test_one_replica_failing_verification_publishes_nothing_anywhere(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """Negative control: on r1 the adapter load silently computes the base."""
+    fa: FleetAdapters = rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+    before = _state(fa)
+    rig["engines"]["r1"].base_under_name = 1
+    with pytest.raises(FleetAdapterFailed, match="adapter-probe") as exc:
+        fa.update(adapters[2], _prov(2))
+    err = exc.value
+    assert err.classification == "no_mutation"
+    assert "verified, not published: refused" in err.outcomes["r0"]
+    # Nothing published anywhere, the verified copy on r0 unloaded, the old one serves.
+    assert fa.current == first
+    for n, m in fa.managers.items():
+        assert m.current == before[1][n][0]
+        assert m.view.states[err.name] is AdapterState.REFUSED
+        assert set(rig["engines"][n].adapters) == {first.name}
+        assert fa.eligible(n)
+    # The next update gets a new name and passes on both.
+    nxt = fa.update(adapters[2], _prov(3)).version
+    assert nxt.name != err.name and fa.current == nxt
+
+
+def test_a_load_that_loads_nothing_and_a_failed_unload(rig: dict[str, Any],
+                                                       adapters: dict[int, Path]) -> None:
+    fa: FleetAdapters = rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+    # r0's load answers and loads nothing (not listed); r1's unload of the verified copy
+    # hangs: it stays fenced there, and r1 takes no policy request until a later update.
+    rig["engines"]["r0"].swallow_loads = 1
+    rig["engines"]["r1"].fail_unloads = 1
+    with pytest.raises(FleetAdapterFailed, match="does not list") as exc:
+        fa.update(adapters[2], _prov(2))
+    assert exc.value.classification == "ambiguous"
+    assert fa.managers["r1"].view.states[exc.value.name] is AdapterState.FENCED
+    assert fa.current == first and fa.eligible("r0") and not fa.eligible("r1")
+    assert fa.status()["replicas"]["r1"]["tainted"]
+    # The slot budget (3) holds: the fenced one counts. A later update passes on both
+    # and clears the taint.
+    nxt = fa.update(adapters[3], _prov(3)).version
+    assert fa.current == nxt and fa.eligible("r1") and fa.eligible("r0")
+
+
+def test_bad_input_and_refusals_change_nothing(rig: dict[str, Any], tmp_path: Path,
+                                               adapters: dict[int, Path]) -> None:
+    fa: FleetAdapters = rig["fa"]
+    fa.update(adapters[1], _prov(1))
+    before = _state(fa)
+    (tmp_path / "empty").mkdir()
+    for bad, exc_t in ((tmp_path / "empty", BadInput), (tmp_path / "nope", BadInput),
+                       (42, BadInput)):
+        with pytest.raises(exc_t):
+            fa.update(bad, _prov(2))
+    with pytest.raises(BadInput, match="provenance"):
+        fa.update(adapters[2], "step 2")  # type: ignore[arg-type]
+    # Every replica refuses the load (a 4xx): nothing loaded anywhere, nothing published.
+    for e in rig["engines"].values():
+        e.refuse_loads = 1
+    with pytest.raises(FleetAdapterFailed, match="refused"):
+        fa.update(adapters[2], _prov(2))
+    assert fa.current == before[0]
+    assert {n: m.view.current for n, m in fa.managers.items()} == {
+        n: c for n, (c, _) in before[1].items()}
+    for n, e in rig["engines"].items():
+        assert set(e.adapters) == {before[1][n][0].name}
+    with pytest.raises(BadInput):
+        FleetAdapters(rig["fleet"].coord, lambda r: None, base_model="x")  # type: ignore
+    with pytest.raises(BadInput, match="deadline_s"):
+        FleetAdapters(rig["fleet"].coord, lambda r: None, base_model="x", deadline_s=0)
+
+
+def test_a_recovered_replica_serves_no_policy_until_the_next_adapter_update(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """Its new engine holds no adapter: it is not eligible (its base version changed),
+    and the next update gives it a fresh table that still refuses the old names."""
+    f, fa = rig["fleet"], rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+    old_mgr = fa.managers["r1"]
+    epoch = f.coord.replicas["r1"].controller.committed.engine_epoch
+    f.engine("r1").kill()
+    rig["engines"]["r1"].adapters.clear()   # the new process holds no adapter
+    f.coord.suspect("r1")
+    f.coord.supervise_once()
+    assert "r1" not in f.coord.serving()
+    assert f.coord.wait_for(lambda: "r1" in f.coord.serving(), 20)
+    assert f.coord.replicas["r1"].controller.committed.engine_epoch != epoch
+    assert not fa.eligible("r1") and fa.eligible("r0")
+    with pytest.raises(AdmissionRefused, match="verified on base"):
+        fa.managers["r1"].admit("x")
+    nxt = fa.update(adapters[2], _prov(2)).version
+    assert fa.managers["r1"] is not old_mgr and fa.eligible("r1")
+    assert fa.managers["r1"].is_adapter(first.name)   # never reused there either
+    assert set(rig["engines"]["r1"].adapters) == {nxt.name}
+
+
+def test_one_update_at_a_time_and_no_serving_replica(rig: dict[str, Any],
+                                                     adapters: dict[int, Path]) -> None:
+    fa: FleetAdapters = rig["fa"]
+    assert fa._update.acquire()
+    try:
+        with pytest.raises(UpdateRefused, match="one at a time"):
+            fa.update(adapters[1], _prov(1))
+    finally:
+        fa._update.release()
+    assert fa.current is None
+
+
+# --------------------------------------------------------------------------- the gateway
+
+def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
+        rig: dict[str, Any], adapters: dict[int, Path], tmp_path: Path) -> None:
+    """POST/GET /control/adapters on the fleet gateway; ``model: policy`` sent as the
+    current adapter's name to an eligible replica, the answer naming the adapter."""
+    import anyio
+    import httpx
+
+    from fleettools import served
+    from helpers.asgi_stream import lifespan
+    from helpers.gateway_rig import TOKEN
+    from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
+    from rolloutcore.service import ServiceConfig
+
+    f, fa = rig["fleet"], rig["fa"]
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    gen = {"model": "policy", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 3}}
+
+    async def main() -> None:
+        with served(f) as fakes:
+            app = create_lora_fleet_app(f.coord, ServiceConfig(
+                upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
+            async with lifespan(app), httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app), base_url="http://fleet.test",
+                    timeout=120) as c:
+                # Before any adapter: policy is the base's.
+                r = await c.post("/inference/v1/generate", json=gen)
+                assert r.status_code == 200 and "x-rolloutcore-adapter" not in r.headers
+                for body, code in (({"adapter_dir": str(adapters[1])}, 400),
+                                   ({"adapter_dir": str(tmp_path), "provenance": {
+                                       "checkpoint": "x"}}, 400)):
+                    r = await c.post("/control/adapters", json=body, headers=auth)
+                    assert r.status_code == code, r.text
+                assert (await c.post("/control/adapters", json={})).status_code == 401
+                assert fa.current is None
+                r = await c.post("/control/adapters", headers=auth, json={
+                    "adapter_dir": str(adapters[1]),
+                    "provenance": {"checkpoint": "a1", "step": 1}})
+                assert r.status_code == 200, r.text
+                name = r.json()["version"]["name"]
+                assert set(r.json()["replicas"]) == {"r0", "r1"}
+                got = (await c.get("/control/adapters", headers=auth)).json()
+                assert got["current"]["name"] == name
+                seen = set()
+                for _ in range(4):
+                    r = await c.post("/inference/v1/generate", json=gen)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-rolloutcore-adapter"] == name
+                    assert r.json()["rolloutcore"]["adapter"] == name
+                    rep = r.headers["x-rolloutcore-replica"]
+                    assert fakes[rep].received[-1]["model"] == name
+                    seen.add(rep)
+                assert seen == {"r0", "r1"}
+                assert all(not m.view.bound for m in fa.managers.values())  # released
+                # Refused: naming the version, prompt logprobs, base requests beside it.
+                for body in ({**gen, "model": name},
+                             {**gen, "sampling_params": {"max_tokens": 2,
+                                                         "prompt_logprobs": 1}},
+                             {**gen, "model": "other"}):
+                    r = await c.post("/inference/v1/generate", json=body)
+                    assert r.status_code == 400, r.text
+                # A replica tainted for adapters takes no policy request.
+                fa._tainted["r0"] = "test"
+                for _ in range(3):
+                    r = await c.post("/inference/v1/generate", json=gen)
+                    assert r.headers["x-rolloutcore-replica"] == "r1"
+                fa._tainted["r1"] = "test"
+                r = await c.post("/inference/v1/generate", json=gen)
+                assert r.status_code == 503, r.text
+
+    anyio.run(main)
+
+
+def test_after_a_full_update_of_the_base_the_adapter_needs_a_new_version(
+        rig: dict[str, Any], adapters: dict[int, Path], base: Path) -> None:
+    """An adapter verified on the old base serves no request on the new one (admission
+    refuses it: the trainer's policy was old base + adapter); a new adapter update, or
+    ``rebase`` (the same files verified on the new base, a new name), brings it back."""
+    from fleettools import weights
+
+    f, fa = rig["fleet"], rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+    f.coord.update(weights(1))
+    assert not fa.eligible("r0") and not fa.eligible("r1")
+    with pytest.raises(AdmissionRefused, match="verified on base"):
+        fa.managers["r0"].admit("x")
+    with pytest.raises(UpdateRefused, match="set_base"):
+        fa.update(adapters[2], _prov(9))
+    res = fa.rebase(_prov(2), base_model=base)
+    again = res.version
+    assert again.content_digest == first.content_digest and again.name != first.name
+    assert fa.eligible("r0") and fa.eligible("r1")
+    labels = {n: f.coord.replicas[n].controller.committed.label for n in fa.managers}
+    assert {n: m.current.base for n, m in fa.managers.items()  # type: ignore[union-attr]
+            } == labels
+
+
+def test_a_restarted_gateway_restores_names_and_republishes_the_journals_adapter(
+        base: Path, adapters: dict[int, Path], tmp_path: Path) -> None:
+    """The journal's adapter records: names never reused, generations continue; the
+    new engine holds nothing, so nothing is claimed until the journal's adapter is
+    loaded and verified again under a new name (``serve --lora --journal``)."""
+    from rolloutcore.control.journal import Journal, read_journal
+    from rolloutcore.core.adapters import AdapterChange
+    from rolloutcore.service.serve import _restore_adapters
+
+    f = fake_fleet(1)
+    rep = f.coord.replicas["r0"]
+    try:
+        jpath = tmp_path / "j.jsonl"
+        j = Journal(jpath)
+        m1 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+                            store=tmp_path / "store", listener=j.listener, max_rank=8)
+        m1.update(adapters[1], _prov(1))
+        second = m1.update(adapters[2], _prov(7)).version
+        j.close()
+        eng2 = LoraEngine(base)                    # the restarted engine holds nothing
+        j2 = Journal(jpath)
+        m2 = AdapterManager(eng2, rep.controller, base_model=base,
+                            store=tmp_path / "store", listener=j2.listener, max_rank=8)
+        _restore_adapters(m2, str(jpath))
+        now = m2.current
+        assert now is not None and now.name != second.name
+        assert now.content_digest == second.content_digest
+        assert now.generation == second.generation + 1
+        assert set(eng2.adapters) == {now.name}
+        assert m2.is_adapter(second.name)           # an old name stays refused
+        j2.close()
+        recs = [r.record for r in read_journal(jpath) if isinstance(r.record, AdapterChange)]
+        pub = [r for r in recs if r.name == now.name and str(r.after) == "published"]
+        assert pub and any("'step': 7" in e for e in pub[0].evidence)
+        # The files gone: nothing claimed, policy is the base's until a new adapter.
+        import shutil
+
+        shutil.rmtree(now.path)
+        m3 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+                            store=tmp_path / "store3", max_rank=8)
+        _restore_adapters(m3, str(jpath))
+        assert m3.current is None and m3.is_adapter(now.name)
+    finally:
+        f.coord.close()
+
+
+def test_a_restarted_fleet_restores_names_and_the_adapter_all_replicas_published(
+        rig: dict[str, Any], adapters: dict[int, Path], base: Path, tmp_path: Path) -> None:
+    from rolloutcore.core.adapters import AdapterChange
+
+    f, fa = rig["fleet"], rig["fa"]
+    fa.update(adapters[1], _prov(1))
+    last = fa.update(adapters[2], _prov(2)).version
+    changes = {n: [r.record for r in rep.journal.records
+                   if isinstance(r.record, AdapterChange)]
+               for n, rep in f.coord.replicas.items()}
+    f2 = fake_fleet(2)
+    try:
+        engines = {n: LoraEngine(base) for n in f2.coord.replicas}
+        fa2 = FleetAdapters(f2.coord, lambda rep: AdapterManager(
+            engines[rep.name], rep.controller, base_model=base,
+            store=tmp_path / "s2" / rep.name, max_rank=8), base_model=base)
+        was = fa2.restore(changes)
+        assert was is not None and was.name == last.name
+        assert fa2.current is None and not any(fa2.eligible(n) for n in fa2.managers)
+        again = fa2.update(Path(was.path), _prov(3)).version
+        assert again.content_digest == last.content_digest
+        assert again.generation > last.generation
+        assert all(m.is_adapter(last.name) for m in fa2.managers.values())
+        # Replicas that disagree (one never published it): nothing to republish.
+        assert FleetAdapters(f2.coord, lambda rep: AdapterManager(
+            engines[rep.name], rep.controller, base_model=base,
+            store=tmp_path / "s3" / rep.name, max_rank=8), base_model=base).restore(
+            {"r0": changes["r0"], "r1": []}) is None
+    finally:
+        f2.coord.close()
+
+
+def test_a_replica_without_room_refuses_before_anything_is_loaded_anywhere(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """The budget (3 loaded) is checked on every replica before any load: on r1 two
+    superseded adapters are held by running requests, so a fourth would not fit there."""
+    fa: FleetAdapters = rig["fa"]
+    r1 = fa.managers["r1"]
+    fa.update(adapters[1], _prov(1))
+    fa.update(adapters[2], _prov(2))
+    r1.admit("on-2")
+    fa.update(adapters[3], _prov(3))
+    r1.admit("on-3")
+    fa.update(adapters[1], _prov(4))        # same files, a new version: a new name
+    before = _state(fa)
+    loads = {n: list(e.calls) for n, e in rig["engines"].items()}
+    with pytest.raises(UpdateRefused, match="does not fit on r1") as exc:
+        fa.update(adapters[2], _prov(5))
+    assert "r0:" not in str(exc.value)       # r0 had room
+    assert _state(fa) == before
+    assert {n: list(e.calls) for n, e in rig["engines"].items()} == loads
+    r1.complete("on-2")
+    r1.complete("on-3")
+    assert fa.update(adapters[2], _prov(6)).version.replicas == ("r0", "r1")
