@@ -31,7 +31,11 @@ class LoraEngine:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.base = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32)
+        from rolloutcore.verification.hf_load import HF_LOCK
+
+        with HF_LOCK:  # beside the managers' own loads, in their threads
+            self.base = AutoModelForCausalLM.from_pretrained(str(checkpoint),
+                                                             dtype=torch.float32)
         self.base.eval()
         self.adapters: dict[str, Any] = {}     # name -> model computing it
         self.paths: dict[str, str] = {}
@@ -72,7 +76,10 @@ class LoraEngine:
             else:
                 from peft import PeftModel
 
-                m = PeftModel.from_pretrained(copy.deepcopy(self.base), path)
+                from rolloutcore.verification.hf_load import HF_LOCK
+
+                with HF_LOCK:
+                    m = PeftModel.from_pretrained(copy.deepcopy(self.base), path)
                 m.eval()
                 self.adapters[name] = m
             self.paths[name] = path

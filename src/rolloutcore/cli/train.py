@@ -370,7 +370,10 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     # The trainer's copy in float32 (the engine serves the bf16 checkpoint; every
     # update is cast back to bf16, and the first one starts from the same bytes).
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    from rolloutcore.verification.hf_load import HF_LOCK
+
+    with HF_LOCK:
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     rewards: dict[int, list[float]] = {}
     reward_s: dict[int, float] = {}
 

@@ -396,8 +396,11 @@ def _probe_from_state_dict(state: Mapping[str, Any], config_dir: Path,
                            tolerance: float) -> PolicyProbe:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from rolloutcore.verification.hf_load import HF_LOCK
+
     cfg = AutoConfig.from_pretrained(config_dir)
-    model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+    with HF_LOCK:
+        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
     missing, unexpected = model.load_state_dict(dict(state), strict=False)
     if unexpected or [m for m in missing if "rotary" not in m]:
         raise BadInput(f"state dict does not fit the engine's model: missing {missing[:3]}, "

@@ -219,7 +219,9 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
         config = getattr(tf, config_cls)(**model_config(tie_word_embeddings=tied))
         config.architectures = [model_cls]
         # fork_rng: the seed must not leak into (or depend on) the caller's RNG state.
-        with torch.random.fork_rng(devices=[]):
+        from rolloutcore.verification.hf_load import HF_LOCK
+
+        with HF_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = getattr(tf, model_cls)(config).to(torch.bfloat16)
         state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
@@ -284,9 +286,12 @@ def make_adapter(base_dir: str | Path, seed: int, *, std: float = 0.05, rank: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
-    m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
-                                                  target_modules=list(LORA_TARGETS)))
+    from rolloutcore.verification.hf_load import HF_LOCK
+
+    with HF_LOCK:
+        base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+        m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
+                                                      target_modules=list(LORA_TARGETS)))
     if std:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():

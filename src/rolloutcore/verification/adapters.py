@@ -230,11 +230,14 @@ def adapter_probe(base: Any, adapter_dir: Path, *, prompts: Sequence[Sequence[in
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    if isinstance(base, (str, Path)):
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    else:
-        model = copy.deepcopy(base).float()
-    peft = PeftModel.from_pretrained(model, str(adapter_dir))
+    from rolloutcore.verification.hf_load import HF_LOCK
+
+    with HF_LOCK:
+        if isinstance(base, (str, Path)):
+            model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        else:
+            model = copy.deepcopy(base).float()
+        peft = PeftModel.from_pretrained(model, str(adapter_dir))
     vocab = int(model.config.vocab_size)
     probe = PolicyProbe.from_model(peft, prompts or default_prompts(vocab),
                                    new_tokens=new_tokens, tolerance=tolerance)

@@ -288,9 +288,12 @@ def vlm_probe(model_dir: str | Path, *, tolerance: float = DEFAULT_TOLERANCE,
     d = Path(model_dir)
     if not is_vision_language(d):
         raise BadInput(f"{d} is not a vision-language checkpoint (no vision_config)")
+    from rolloutcore.verification.hf_load import HF_LOCK
+
     try:
-        model = AutoModelForImageTextToText.from_pretrained(str(d))
-        processor = AutoProcessor.from_pretrained(str(d))  # type: ignore[no-untyped-call]
+        with HF_LOCK:
+            model = AutoModelForImageTextToText.from_pretrained(str(d))
+            processor = AutoProcessor.from_pretrained(str(d))  # type: ignore[no-untyped-call]
     except (OSError, ValueError) as exc:
         raise BadInput(f"cannot load {d} as an image-text-to-text model: {exc}") from exc
     base = int(getattr(processor.tokenizer, "vocab_size", 0) or 0)

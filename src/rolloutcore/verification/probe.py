@@ -351,7 +351,10 @@ class PolicyProbe(Calibrated):
         """Reference cases computed from a checkpoint directory (a trainer with no live model)."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        from rolloutcore.verification.hf_load import HF_LOCK
+
+        with HF_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
         vocab = int(model.config.vocab_size)
         return cls.from_model(model, prompts or default_prompts(vocab), new_tokens=new_tokens,
                               tolerance=tolerance)
