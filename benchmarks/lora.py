@@ -13,11 +13,16 @@ rank 8 on every projection, ``--enable-lora --max-loras 2 --max-lora-rank 8``):
 * a restart: stop the engine and start it again to ``/health``;
 * the negative controls, each of which must be caught;
 * the serving cost of LoRA: tokens/s of 8 concurrent greedy requests on the
-  base (no adapter request running) and through the adapter.
+  base (no adapter request running) and through the adapter;
+* the TRL LoRA run: ``rolloutcore train --lora`` (a subprocess, its own engine):
+  the reward of the first and last 5 steps, the adapter versions published,
+  the samples recorded (each naming its adapter), the audit.
 
-Writes results/lora.json and prints a table. Not a test.
+Writes results/lora.json and prints a table. Not a test. ``--trl-only`` runs the
+TRL LoRA run alone and merges it into the existing results (the other keys kept).
 
-    .venv/bin/python benchmarks/lora.py [--reps 5] [--out PATH]
+    .venv/bin/python benchmarks/lora.py [--reps 5] [--trl-steps 20] [--out PATH]
+    .venv/bin/python benchmarks/lora.py --trl-only
 """
 
 from __future__ import annotations
@@ -181,13 +186,97 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
     return out
 
 
+def trl_lora(steps: int) -> dict[str, Any]:
+    """``rolloutcore train --lora`` as a user runs it (a subprocess); its numbers."""
+    with tempfile.TemporaryDirectory(prefix="rc-lora-trl-") as td:
+        work = Path(td)
+        argv = [sys.executable, "-m", "rolloutcore.cli", "train", "--lora", "--steps",
+                str(steps), "--workdir", str(work / "run"), "--json", str(work / "report.json"),
+                "--quiet"]
+        t0 = time.perf_counter()
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)
+        wall = time.perf_counter() - t0
+        if not (work / "report.json").exists():
+            raise SystemExit(f"train --lora wrote no report (exit {proc.returncode}):\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        rep = json.loads((work / "report.json").read_text())
+    ups = rep["updates"]
+    lora = rep["lora"] or {}
+    return {
+        "command": "rolloutcore train --lora --steps " + str(steps),
+        "exit_code": proc.returncode, "wall_s": wall, "steps": rep["steps"],
+        "learning_rate": rep["learning_rate"],
+        "lora": {k: lora.get(k) for k in ("rank", "alpha", "targets", "dropout")},
+        "reward_curve": rep["reward_curve"], "reward_first5": rep["reward_first5"],
+        "reward_last5": rep["reward_last5"], "reward_gain": rep["reward_gain"],
+        "updates_published": rep["updates_published"],
+        "adapter_update_s_mean": statistics.fmean(u["total_s"] for u in ups) if ups else None,
+        "adapter_update_apply_s_median": med([u["phases_s"].get("apply", 0.0) for u in ups]),
+        "adapter_prepare_s_median": med([u["phases_s"].get("prepare", 0.0) for u in ups]),
+        "probe_max_abs_diff_max": max((u["probe_max_abs_diff"] or 0.0) for u in ups)
+        if ups else None,
+        "samples_generated": rep["samples_generated"],
+        "samples_recorded": rep["samples_recorded"],
+        "samples_through_adapter": lora.get("samples_through_adapter"),
+        "base_version": lora.get("base_version"), "base_weights": lora.get("base_weights"),
+        "audit_ok": (rep.get("audit") or {}).get("ok"),
+        "audit_samples": (rep.get("audit") or {}).get("samples"),
+        "time_split_s": rep["time_split_s"], "engine_start_s": rep["engine_start_s"],
+        "trl_version": rep["trl_version"], "vllm_version": rep["vllm_version"],
+    }
+
+
+def merge_trl(result: dict[str, Any], trl: dict[str, Any]) -> None:
+    result["trl_lora"] = trl
+    result.update({"trl_reward_first5": trl["reward_first5"],
+                   "trl_reward_last5": trl["reward_last5"],
+                   "trl_updates_published": trl["updates_published"],
+                   "trl_samples_recorded": trl["samples_recorded"]})
+
+
+def print_trl(trl: dict[str, Any]) -> None:
+    print(f"\nTRL LoRA run ({trl['command']}, lr {trl['learning_rate']:g}, rank "
+          f"{trl['lora']['rank']}): exit {trl['exit_code']}")
+    rows = [("reward, mean of the first 5 steps", f"{trl['reward_first5']:.4f}"),
+            ("reward, mean of the last 5 steps", f"{trl['reward_last5']:.4f}"),
+            ("adapter versions published (verified)", str(trl["updates_published"])),
+            ("adapter update as the trainer waited (mean s)",
+             f"{trl['adapter_update_s_mean']:.3f}"),
+            ("samples recorded / through an adapter",
+             f"{trl['samples_recorded']} / {trl['samples_through_adapter']}"),
+            ("audit", "OK" if trl["audit_ok"] else "FINDINGS")]
+    for k, v in rows:
+        print(f"{k:58s} {v:>9s}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--trl-steps", type=int, default=20,
+                    help="steps of the TRL LoRA run (10+: first and last 5)")
+    ap.add_argument("--trl-only", action="store_true",
+                    help="run only `train --lora` and merge it into --out")
     ap.add_argument("--out", default=str(ROOT / "results" / "lora.json"))
     args = ap.parse_args()
     if args.reps < 2:
         ap.error("--reps must be >= 2")
+    if not 10 <= args.trl_steps <= 500:
+        ap.error("--trl-steps must be in 10..500")
+    if args.trl_only:
+        out = Path(args.out)
+        try:
+            result = json.loads(out.read_text())
+        except (OSError, ValueError) as exc:
+            ap.error(f"--trl-only merges into {out}, which cannot be read: {exc}")
+        trl = trl_lora(args.trl_steps)
+        merge_trl(result, trl)
+        result["trl_lora"].update({"machine": machine(), "versions": versions(),
+                                   "benchmark_command": " ".join(
+                                       [Path(sys.executable).name, *sys.argv])})
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print_trl(trl)
+        print(f"merged into {out} (the other keys kept)")
+        return 0
 
     from rolloutcore.adapters.vllm import VllmHTTP
     from rolloutcore.adapters.vllm.process import ManagedEngine
@@ -297,8 +386,8 @@ def main() -> int:
                                  "base_after": serve_base_after, "clients": 8, "tokens": 64},
         "negative_controls": controls,
         "negative_controls_caught": sum(1 for c in controls if c["caught"]),
-        "trl_reward_first5": None, "trl_reward_last5": None,
     })
+    merge_trl(result, trl_lora(args.trl_steps))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     rows = [("bare /v1/load_lora_adapter", bare),
@@ -314,6 +403,7 @@ def main() -> int:
     print(f"adapter update / bare load: {result['adapter_update_vs_bare_load']:.1f}x; "
           f"tokens/s base {serve_base:.0f}, adapter {serve_adapter:.0f}; negative controls "
           f"caught {result['negative_controls_caught']}/{len(controls)}")
+    print_trl(result["trl_lora"])
     print(f"wrote {args.out}")
     return 0
 

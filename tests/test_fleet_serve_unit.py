@@ -76,6 +76,59 @@ def test_engines_on_one_host_get_their_own_cores(monkeypatch: pytest.MonkeyPatch
     assert cpu_binding(1, 2) == {}
 
 
+def test_each_rank_of_each_engine_gets_cores_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fleet of tensor-parallel engines: ``n * ranks`` disjoint core groups, one per rank,
+    ``|`` between an engine's ranks (vLLM's form); too few cores refused, naming the count."""
+    from rolloutcore.fleet.placement import cpu_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    eight = list(range(8))
+    assert [cpu_binding(i, 2, ranks=2, cpus=eight)["VLLM_CPU_OMP_THREADS_BIND"]
+            for i in range(2)] == ["0-1|2-3", "4-5|6-7"]
+    assert [cpu_binding(i, 4, ranks=2, cpus=eight)["VLLM_CPU_OMP_THREADS_BIND"]
+            for i in range(4)] == ["0|1", "2|3", "4|5", "6|7"]
+    assert cpu_binding(0, 1, ranks=2, cpus=[0, 2, 4, 6]) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,2|4,6"}
+    # Every core used at most once across the fleet.
+    got = [cpu_binding(i, 3, ranks=2, cpus=eight)["VLLM_CPU_OMP_THREADS_BIND"]
+           for i in range(3)]
+    cores = [c for g in got for r in g.split("|") for c in r.split(",")]
+    assert len(cores) == len(set(cores)) == 6
+    with pytest.raises(BadInput, match=r"2 engine\(s\) of 2 ranks .* need 4 CPU cores.* 2 \(0,1\)"):
+        cpu_binding(0, 2, ranks=2, cpus=[0, 1])
+    # The operator's own binding (sharing cores knowingly) is left alone.
+    assert cpu_binding(0, 2, {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, ranks=2, cpus=[0, 1]) == {}
+    with pytest.raises(BadInput, match="ranks"):
+        cpu_binding(0, 2, ranks=0, cpus=eight)
+
+
+def test_launch_local_refuses_too_few_cores_before_starting_anything(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rolloutcore.adapters.vllm import process
+    from rolloutcore.fleet.placement import launch_local
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    started: list[object] = []
+    monkeypatch.setattr(process.ManagedEngine, "start", lambda self: started.append(self))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(BadInput, match="need 4 CPU cores"):
+        launch_local(2, tmp_path, tensor_parallel_size=2)
+    with pytest.raises(BadInput, match="pipeline_parallel_size"):
+        launch_local(2, tmp_path, pipeline_parallel_size=0)
+    assert started == []
+
+
+def test_a_fleet_of_sharded_engines_is_local_not_ray() -> None:
+    o = FleetServeOptions(engines=2, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert (o.tensor_parallel_size, o.pipeline_parallel_size) == (2, 2)
+    with pytest.raises(BadInput, match="--ray places one-rank engines"):
+        FleetServeOptions(engines=2, ray=True, tensor_parallel_size=2)
+    with pytest.raises(BadInput, match="tensor_parallel_size"):
+        FleetServeOptions(engines=2, tensor_parallel_size=0)
+
+
 def test_engines_crowding_a_host_keep_vllms_idle_spin(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shorter spin put answers over 5 s under load (results/idle-spin.json): nothing
     sets it; an engine on a crowded host gets its own cores only."""

@@ -236,3 +236,41 @@ def test_the_trainers_threads_keep_off_the_cores_the_ranks_are_pinned_to(
     eng = ManagedEngine(tmp_path, port=1, env={"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0])})
     if not torch.cuda.is_available():
         assert eng.threads_beside() == max(1, len(cpus) - 1)
+
+
+def test_a_fanout_round_adopted_by_a_replica_checks_that_replicas_ranks() -> None:
+    """A fleet's fan-out hands each replica what *its* ranks reported
+    (``GlooTransport.adopt_round``): the replica's own validation then checks them
+    like after a per-engine round; a wrong slice fails; bad input keeps nothing."""
+    from rolloutcore.transports.gloo import GlooTransport
+
+    t = {"down": _full()["down"]}  # the round sent one row-parallel tensor
+    url = "http://127.0.0.1:9"
+
+    def report(rank: int, value: torch.Tensor, nonce: str = "n1") -> RankReport:
+        return RankReport(rank, rank, 2, (_write("row", rank, 2, value),), 1, nonce=nonce,
+                          wrote=("down",))
+
+    good = [(r + 1, report(r, _vllm_like_load("row", t, r, 2))) for r in range(2)]
+    tr = GlooTransport(op_timeout_s=5)
+    nothing = tr.validation_check(url)
+    assert nothing.passed and nothing.level is None
+    for bad in ((url, "", t, good), (url, "n1", {}, good),
+                (url, "n1", t, [(2, good[0][1]), (3, good[1][1])]),
+                ("ftp://x", "n1", t, good)):
+        with pytest.raises(BadInput):
+            tr.adopt_round(*bad)  # type: ignore[arg-type]
+        assert tr.validation_check(url).level is None  # nothing kept
+    tr.adopt_round(url, "n1", t, good)
+    chk = tr.validation_check(url)
+    assert chk.passed and chk.coverage == 1.0, chk.detail
+    assert [r["coverage"] for r in tr.last_check["ranks"]] == [1.0, 1.0]
+    # Rank 1 wrote rank 0's slice: that replica fails.
+    other = [good[0], (2, report(1, _vllm_like_load("row", t, 0, 2)))]
+    tr.adopt_round(url, "n1", t, other)
+    assert not tr.validation_check(url).passed
+    # A report of another round (its nonce) does not vouch for this one.
+    tr.adopt_round(url, "n2", t, good)
+    assert not tr.validation_check(url).passed
+    tr.forget_round(url)
+    assert tr.validation_check(url).level is None

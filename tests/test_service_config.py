@@ -138,7 +138,7 @@ def test_a_worker_extension_is_for_a_launched_engine_only(
 
 
 def test_pipeline_stages_are_for_a_launched_engine_only(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     assert _args("--pipeline-parallel-size", "2").pipeline_parallel_size == 2
     assert _args().pipeline_parallel_size == 1
     for bad in ({"pipeline_parallel_size": 0}, {"pipeline_parallel_size": True},
@@ -146,5 +146,13 @@ def test_pipeline_stages_are_for_a_launched_engine_only(
                 {"pipeline_parallel_size": 2, "upstream": "http://a:1"}):
         with pytest.raises(BadInput, match="pipeline_parallel_size"):
             ServeOptions(**bad)  # type: ignore[arg-type]
+    # A fleet of PP engines: each rank of each engine on cores of its own, or refused
+    # before anything is made (here: a 2-core host, four ranks).
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert cli_main(["serve", "--engines", "2", "--pipeline-parallel-size", "2"]) == 2
-    assert "--pipeline-parallel-size with a fleet" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "need 4 CPU cores" in err and "generated" not in err
+    assert cli_main(["serve", "--ray", "--pipeline-parallel-size", "2"]) == 2
+    assert "--ray places one-rank engines" in capsys.readouterr().err

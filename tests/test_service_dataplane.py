@@ -458,6 +458,11 @@ async def test_an_engine_lost_between_updates_is_tainted_by_the_watch_and_refuse
         st = (await r.client.get("/control/status", headers=AUTH)).json()
         assert st["state"] == "TAINTED"
         assert "rolloutcore_engine_lost_total 1.0" in (await r.client.get("/metrics")).text
+        # The shell publishes the state under its lock and delivers the record just
+        # after, outside it (control.shell): the record may trail what a reader sees.
+        with anyio.fail_after(10):
+            while not r.kinds("taint"):
+                await anyio.sleep(0.02)
         taint = r.kinds("taint")[-1]
         assert "engine failed while serving" in taint["problems"][0]
         assert "restarted" in taint["problems"][0]

@@ -150,10 +150,10 @@ def test_anything_on_one_side_only_fails(case: str) -> None:
 def test_the_trainer_declares_from_what_it_broadcast() -> None:
     t = _tensors()
     tr = GlooTransport()
-    from rolloutcore.transports.gloo import _Round
+    from rolloutcore.transports.gloo_rounds import Round
 
     assert tr.declared_checksums("http://e.test") is None
-    tr._rounds["http://e.test"] = _Round(NONCE, t, [(w + 1, r)
+    tr._rounds["http://e.test"] = Round(NONCE, t, [(w + 1, r)
                                                     for w, r in enumerate(_reports(t))])
     d = tr.declared_checksums("http://e.test")
     assert d == _declared(t)

@@ -35,12 +35,13 @@ def test_versions_known() -> None:
     # 3: + attribution, written only for an unattributable sample
     # (tests/test_trajectory_attribution.py), and completion.versions
     # (issue 20: asynchronous updates); 4: + fleet, written only for a sample a
-    # fleet gateway recorded (issue 28); it reads every earlier version.
-    assert SCHEMA_VERSION == 4 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3, 4}
-    for v in (1, 2, 3, 4):
+    # fleet gateway recorded (issue 28); 5: + adapter, written only for a sample
+    # generated through a LoRA adapter (issue 32); it reads every earlier version.
+    assert SCHEMA_VERSION == 5 and set(KNOWN_SCHEMA_VERSIONS) == {1, 2, 3, 4, 5}
+    for v in (1, 2, 3, 4, 5):
         check_schema_version({"schema_version": v})
     with pytest.raises(BadInput, match="newer than"):
-        check_schema_version({"schema_version": 5})
+        check_schema_version({"schema_version": 6})
 
 
 def test_a_text_prompt_is_written_as_version_1_exactly_as_before() -> None:

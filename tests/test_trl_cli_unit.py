@@ -24,10 +24,15 @@ def test_the_reward_is_the_fraction_of_target_bytes() -> None:
     ["train", "--steps", "5"], ["train", "--steps", "x"], ["train", "--lr", "0"],
     ["train", "--lr", "-1"], ["train", "--seed", "-3"], ["train", "--min-gain", "nan"],
 ])
-def test_bad_arguments_are_refused_by_the_parser(argv: list[str]) -> None:
+def test_bad_arguments_are_refused_by_the_parser(argv: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # The train options loaded (a parser without them refuses every option, whatever it is).
+    assert build_parser("train").parse_args(["train", "--steps", "12"]).steps == 12
     with pytest.raises(SystemExit) as ei:
-        build_parser().parse_args(argv)
+        build_parser("train").parse_args(argv)
     assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments" not in err and "argument --" in err
 
 
 def test_a_gateway_without_a_token_is_refused_before_anything_is_made(

@@ -7,7 +7,8 @@ serve fleet version 0, a synchronous update to B (one fan-out broadcast) is
 published on both, the data plane then answers from version 1 on either
 replica with B's greedy tokens, a bad update body is refused field by field,
 and SIGTERM stops the gateway and both engines (their ports close).
-Slow lane: two engines cold-start on a 2-core host.
+Slow lane: two engines cold-start on a 2-core host; once with one-rank engines, once
+with two TP=2 engines (`--tensor-parallel-size 2`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,17 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) 
         time.sleep(0.5)
 
 
+#: Two TP=2 engines are four ranks: on this 2-core host they share the cores by the
+#: operator's binding (without it ``serve`` refuses, naming the cores it needs).
+SHARED = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "ROLLOUTCORE_VLLM_IDLE_SPIN_S": "0.05"}
+
+
+@pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
 def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModels,
-                                                          tmp_path: Path) -> None:
+                                                          tmp_path: Path, tp: int) -> None:
+    env = SHARED if tp > 1 else {}
     ref = ManagedEngine(tiny_models.B, backend=None, log_dir=tmp_path / "ref",
-                        startup_timeout_s=600)
+                        startup_timeout_s=600, tensor_parallel_size=tp, env=env)
     ref.start()
     try:
         ref_b = greedy(ref.base_url)
@@ -64,11 +72,11 @@ def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModel
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2",
            "--model", str(tiny_models.A), "--port", str(port), "--token", TOKEN,
-           "--workdir", str(tmp_path / "work")]
+           "--workdir", str(tmp_path / "work"), "--tensor-parallel-size", str(tp)]
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env})
     url = f"http://127.0.0.1:{port}"
     engine_urls: list[str] = []
     try:

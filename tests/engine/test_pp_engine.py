@@ -21,11 +21,9 @@ import os
 from collections.abc import Iterator
 
 import pytest
-import rankfault
-from test_tp_engine import TARGET, Rig, _greedy, _prompts
+from test_tp_engine import TARGET, Rig, _greedy, _prompts, cold_greedy, fault_rig
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.http import VllmHTTP
 from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
@@ -45,26 +43,15 @@ Greedy = list[tuple[list[int], list[float]]]
 def cold_b(engine_factory: EngineFactory, tiny_models: TinyModels) -> Greedy:
     """Greedy ids and logprobs of a cold PP=2 engine on B, stopped before the rig
     starts (one PP engine at a time on this machine)."""
-    cold = engine_factory(tiny_models.B, backend=None, pipeline_parallel_size=2)
-    try:
-        with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
-            return _greedy(h)
-    finally:
-        engine_factory.stop(cold)
+    return cold_greedy(engine_factory, tiny_models.B, pipeline_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
 def rig(cold_b: Greedy, engine_factory: EngineFactory, tiny_models: TinyModels,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    fault = tmp_path_factory.mktemp("ppfault") / "fault"
-    fault.write_text("")
-    eng = engine_factory(tiny_models.A, pipeline_parallel_size=2, guard_routes=True,
-                         extra_args=("--worker-extension-cls", "rankfault.RankFault"),
-                         env=rankfault.fault_env(fault))
-    try:
-        yield Rig(eng, fault, tiny_models)
-    finally:
-        engine_factory.stop(eng)
+    with fault_rig(engine_factory, tiny_models, tmp_path_factory.mktemp("ppfault"),
+                   pipeline_parallel_size=2) as r:
+        yield r
 
 
 def test_a_pp2_update_writes_every_tensor_once_and_equals_a_cold_pp2_start(

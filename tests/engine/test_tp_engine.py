@@ -84,29 +84,45 @@ class Rig:
             h.resume()
 
 
-@pytest.fixture(scope="module")
-def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    fault = tmp_path_factory.mktemp("rankfault") / "fault"
-    fault.write_text("")
-    eng = engine_factory(tiny_models.A, tensor_parallel_size=2, guard_routes=True,
-                         extra_args=("--worker-extension-cls", "rankfault.RankFault"),
-                         env=rankfault.fault_env(fault))
-    try:
-        yield Rig(eng, fault, tiny_models)
-    finally:
-        engine_factory.stop(eng)
-
-
-@pytest.fixture(scope="module")
-def cold_b(rig: Rig, engine_factory: EngineFactory) -> list[tuple[list[int], list[float]]]:
-    """Greedy ids and logprobs of a cold TP=2 engine on B (no transfer backend)."""
-    cold = engine_factory(rig.models.B, backend=None, tensor_parallel_size=2)
+def cold_greedy(engine_factory: EngineFactory, model: Path,
+                **kw: Any) -> list[tuple[list[int], list[float]]]:
+    """Greedy ids and logprobs of a cold engine on ``model`` (no transfer backend;
+    ``kw``: its layout and environment), stopped before returning."""
+    cold = engine_factory(model, backend=None, **kw)
     try:
         with VllmHTTP(cold.base_url, timeout_s=120.0) as h:
             return _greedy(h)
     finally:
         engine_factory.stop(cold)
+
+
+@contextlib.contextmanager
+def fault_rig(engine_factory: EngineFactory, models: TinyModels, fault_dir: Path,
+              env: dict[str, str] | None = None, **kw: Any) -> Iterator[Rig]:
+    """An engine on A with the ``rankfault`` extension (its fault file empty), as a Rig."""
+    fault = fault_dir / "fault"
+    fault.write_text("")
+    eng = engine_factory(models.A, guard_routes=True,
+                         extra_args=("--worker-extension-cls", "rankfault.RankFault"),
+                         env={**(env or {}), **rankfault.fault_env(fault)}, **kw)
+    try:
+        yield Rig(eng, fault, models)
+    finally:
+        engine_factory.stop(eng)
+
+
+@pytest.fixture(scope="module")
+def rig(engine_factory: EngineFactory, tiny_models: TinyModels,
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
+    with fault_rig(engine_factory, tiny_models, tmp_path_factory.mktemp("rankfault"),
+                   tensor_parallel_size=2) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def cold_b(rig: Rig, engine_factory: EngineFactory) -> list[tuple[list[int], list[float]]]:
+    """Greedy ids and logprobs of a cold TP=2 engine on B (no transfer backend)."""
+    return cold_greedy(engine_factory, rig.models.B, tensor_parallel_size=2)
 
 
 def _update_checked_on_every_rank(rig: Rig) -> list[tuple[list[int], list[float]]]:

@@ -69,11 +69,6 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                             "fleet gateway does not run yet"),
     "lease_s": (120.0, "the lease belongs to the trainer protocol (/control/updates), which "
                        "a fleet gateway does not serve"),
-    "tensor_parallel_size": (1, "a fleet launches one-rank engines; tensor-parallel "
-                                "engines run behind one engine's gateway (a fleet of them "
-                                "is not built yet)"),
-    "pipeline_parallel_size": (1, "a fleet launches one-rank engines; pipeline-parallel "
-                                  "engines run behind one engine's gateway"),
     "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
                                    "worker extension"),
     "transport_backend": ("rolloutcore_gloo",
@@ -96,6 +91,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
         step=args.step, workdir=args.workdir, host=args.host, port=args.port,
         token=args.token, token_file=args.token_file, token_out=args.token_out,
         data_token=args.data_token, default_policy=args.default_policy, quorum=args.quorum,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         min_serving=args.min_serving, queue=args.queue, queue_wait_s=args.queue_wait_s,
         health_interval_s=args.health_interval_s, journal_dir=args.journal,
         record=args.record, min_verification=args.min_verification,
@@ -129,8 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="training step of the initial weights (provenance)")
     eng.add_argument("--tensor-parallel-size", type=argtypes.positive_int, default=1,
                      metavar="N", help="with --model: launch vLLM with N tensor-parallel "
-                     "ranks (the CPU build binds each rank to its own cores); every update "
-                     "checks what each rank wrote")
+                     "ranks (with --engines: each engine; the CPU build binds each rank of "
+                     "each engine to cores of its own and refuses a host with too few); "
+                     "every update checks what each rank wrote")
     eng.add_argument("--pipeline-parallel-size", type=argtypes.positive_int, default=1,
                      metavar="N", help="with --model: launch vLLM with N pipeline stages "
                      "(bound like tensor-parallel ranks); every update checks that each "

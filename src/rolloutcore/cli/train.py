@@ -19,6 +19,16 @@ on the CPU, in a few minutes, with nothing downloaded:
   step (matplotlib), the trajectory file and the journal, and the audit run
   on them.
 
+``--lora`` trains a LoRA adapter instead (TRL's ``peft_config``): the engine is
+started with vLLM's LoRA flags, the base weights never change, and the trainer's
+adapter (not merged) is published as the next adapter version before the first
+generation and after every optimizer step (``EngineSession.update_adapter``:
+loaded under a new name, listed, probed through it against the trainer's own
+PEFT model, the base probed beside it, published; no drain). Every request is
+bound to (base version, adapter version) and every sample records both; the
+audit checks each sample's adapter against the journal's ``adapter`` records.
+Same progress line, table, plot, trajectory file, journal and audit.
+
 It exits 0 when the reward rose (the mean of the last 5 steps at least
 ``--min-gain`` times the first 5) and the audit is clean, else 1; 130 when
 interrupted (Ctrl-C, at any moment): the engine stopped, an update in progress
@@ -33,15 +43,18 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TARGET_BYTE", "add_arguments", "format_summary", "run_train", "target_reward"]
+__all__ = ["LORA_LR", "TARGET_BYTE", "LoraSettings", "add_arguments", "format_summary",
+           "run_train", "target_reward"]
 
 #: The toy task: emit this byte. A random tiny model emits it about 1/259 of the time.
 TARGET_BYTE = ord("a")
@@ -49,6 +62,57 @@ TARGET_BYTE = ord("a")
 MODEL_SEED = 0
 _ROOT = Path(__file__).resolve().parents[3]
 _RESTART_RESULTS = _ROOT / "results" / "cpu-hot-vs-restart.json"
+#: The full-model job's learning rate, and a LoRA run's (measured on the toy task:
+#: docs/lora.md, "TRL LoRA").
+FULL_LR = 2e-3
+LORA_LR = 2e-2
+#: The tiny Llama's projections (``testing.models.LORA_TARGETS``): the default targets.
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MAX_LORA_RANK = 512   # vLLM 0.32's largest --max-lora-rank
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA run's adapter: rank, alpha, the target projections (PEFT's ``LoraConfig``).
+
+    Dropout is 0: the probe compares the engine with the trainer's own model, which
+    must compute exactly what the adapter does.
+    """
+
+    rank: int = 8
+    alpha: int = 16
+    targets: tuple[str, ...] = _PROJECTIONS
+
+    def __post_init__(self) -> None:
+        from rolloutcore.errors import BadInput
+
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or \
+                not 1 <= self.rank <= _MAX_LORA_RANK:
+            raise BadInput(f"LoRA rank must be an int in 1..{_MAX_LORA_RANK}, got {self.rank!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int) or \
+                not 1 <= self.alpha <= 1_000_000:
+            raise BadInput(f"LoRA alpha must be an int in 1..1000000, got {self.alpha!r}")
+        if isinstance(self.targets, str) or not self.targets or \
+                not all(isinstance(t, str) for t in self.targets):
+            raise BadInput("LoRA targets must be a non-empty tuple of module names")
+        unknown = sorted(set(self.targets) - set(_PROJECTIONS))
+        if unknown:
+            raise BadInput(f"LoRA targets {unknown} are not projections of the tiny Llama "
+                           f"(choose from {', '.join(_PROJECTIONS)})")
+        if len(set(self.targets)) != len(self.targets):
+            raise BadInput(f"LoRA targets repeat a module: {list(self.targets)}")
+
+    def peft_config(self) -> Any:
+        """PEFT's ``LoraConfig`` for TRL's ``GRPOTrainer(peft_config=...)``."""
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=0.0,
+                          target_modules=list(self.targets), bias="none",
+                          task_type="CAUSAL_LM")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+                "dropout": 0.0}
 
 
 def target_reward(completion_ids: list[list[int]]) -> list[float]:
@@ -74,12 +138,17 @@ def _mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
-def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: float = 2e-3,
+def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
+              learning_rate: float | None = None,
               prompts_per_step: int = 4, num_generations: int = 8, max_tokens: int = 16,
               gateway: str | None = None, token: str | None = None,
               gateway_journal: Path | None = None, progress: Callable[[str], None] | None = print,
-              engine_progress: bool = False) -> dict[str, Any]:
+              engine_progress: bool = False, lora: LoraSettings | None = None
+              ) -> dict[str, Any]:
     """Run the training; returns the report (also written to ``workdir/report.json``).
+
+    ``lora``: train a LoRA adapter (published as adapter versions) instead of the
+    full model. ``learning_rate`` ``None``: ``FULL_LR``, or ``LORA_LR`` with ``lora``.
 
     Ctrl-C (``KeyboardInterrupt``) at any moment ends the run early, not half-way:
     the engine is stopped (an update in progress ended decided first), the journal
@@ -96,8 +165,17 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
             raise BadInput(f"{name} must be an int >= 1, got {v!r}")
     if num_generations < 2:
         raise BadInput("num_generations must be >= 2 (GRPO compares siblings)")
-    if not (isinstance(learning_rate, (int, float)) and 0 < learning_rate < float("inf")):
+    if lora is not None and not isinstance(lora, LoraSettings):
+        raise BadInput("lora must be a LoraSettings")
+    if learning_rate is None:
+        learning_rate = FULL_LR if lora is None else LORA_LR
+    if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float))
+                                               and 0 < learning_rate < float("inf")):
         raise BadInput(f"learning_rate must be a positive number, got {learning_rate!r}")
+    if gateway and lora is not None:
+        raise BadInput("--lora with --gateway is not built: the gateway's adapter route "
+                       "(POST /control/adapters) has no client here yet; run --lora without "
+                       "--gateway (the engine in process)")
     if gateway and not token:
         raise BadInput("--gateway needs the gateway's control token (--token-file or "
                        "ROLLOUTCORE_TOKEN)")
@@ -110,6 +188,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
     for p in (traj,) if gateway else (traj, journal):
         if p.exists():
             p.unlink()
+    if lora is not None:
+        shutil.rmtree(_store(traj), ignore_errors=True)   # the adapters of an earlier run
     t_all = time.monotonic()
     # Where the run is, for an interrupt: the phase and the trainer's step.
     at: dict[str, Any] = {"phase": "checkpoint", "step": None}
@@ -129,7 +209,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
         info["import_s"], info["trl_version"] = time.monotonic() - t0, trl.__version__
         say(f"[2/4] TRL {trl.__version__}, transformers {transformers.__version__} imported "
             f"({info['import_s']:.1f} s)")
-        run = f"grpo-toy-seed{seed}"
+        run = f"grpo-toy-seed{seed}" if lora is None else f"grpo-lora-toy-seed{seed}"
         at["phase"] = "engine_start"
         t0 = time.monotonic()
         if gateway:
@@ -137,9 +217,13 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
             rollout = _through_gateway(gateway, token, ckpt, run, traj)
             say(f"[3/4] through the gateway {gateway} (committed {rollout.version.label})")
         else:
-            say("[3/4] starting vLLM on the checkpoint (a CPU start takes 20-60 s"
+            say("[3/4] starting vLLM on the checkpoint"
+                + (f" with LoRA (rank up to {lora.rank})" if lora else "")
+                + " (a CPU start takes 20-60 s"
                 + ("; its progress below)" if engine_progress else ")"))
-            rollout = _launch(ckpt, run, traj, journal, engine_progress)
+            rollout = (_launch(ckpt, run, traj, journal, engine_progress) if lora is None
+                       else _launch(ckpt, run, traj, journal, engine_progress,
+                                    lora_rank=lora.rank))
             info["engine_start_s"] = time.monotonic() - t0
             say(f"[3/4] vLLM started on the checkpoint in {info['engine_start_s']:.1f} s, "
                 f"bootstrapped as {rollout.version.label}")
@@ -147,7 +231,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
             rollout, ckpt, trl, torch, transformers, dataset_cls, steps=steps, seed=seed,
             learning_rate=learning_rate, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_tokens=max_tokens, workdir=workdir,
-            say=say, rows=rows, at=at)
+            say=say, rows=rows, at=at, lora=lora)
     except KeyboardInterrupt as exc:
         interrupt = exc
         info["interrupted_after_s"] = time.monotonic() - t_all
@@ -167,9 +251,12 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0, learning_rate: f
                 "finished steps")
         stopped = _close(rollout, interrupt, presses, at)
         audit_journal = gateway_journal if gateway else journal
-        report = _report(rows, rollout, info, steps=steps)
+        report = _report(rows, rollout, info, steps=steps, lora=lora,
+                         learning_rate=learning_rate)
         report["audit"] = _audit(traj, audit_journal, workdir)
-        report["plot"] = _plot(rows, workdir / "reward.png")
+        report["plot"] = _plot(rows, workdir / "reward.png", None if lora is None else
+                               f"GRPO (TRL, LoRA r={lora.rank}) through RolloutCore: tiny "
+                               "model, CPU vLLM")
         if interrupt is not None or presses:
             it = rollout.interrupted if rollout is not None else None
             report["interrupted"] = {
@@ -216,11 +303,18 @@ def _imports() -> tuple[Any, Any, Any, Any]:
     return trl, torch, transformers, dataset_cls
 
 
-def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
+            lora_rank: int | None = None) -> Any:
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    return RolloutCoreRollout.launch(ckpt, run=run, trajectories=traj, journal=journal,
-                                     progress=progress)
+    return RolloutCoreRollout.launch(
+        ckpt, run=run, trajectories=traj, journal=journal, progress=progress,
+        lora_rank=lora_rank, adapter_store=None if lora_rank is None else _store(traj))
+
+
+def _store(traj: Path) -> Path:
+    """A LoRA run's adapter store: the versions not retired stay there (replay)."""
+    return traj.parent / "adapters"
 
 
 def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path) -> Any:
@@ -270,7 +364,7 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
            *, steps: int, seed: int, learning_rate: float, prompts_per_step: int,
            num_generations: int, max_tokens: int, workdir: Path,
            say: Callable[[str], None], rows: list[dict[str, Any]],
-           at: dict[str, Any]) -> float:
+           at: dict[str, Any], lora: LoraSettings | None = None) -> float:
     """TRL's GRPO training; a row per finished step into ``rows``; returns its wall time."""
     at["phase"] = "trainer_setup"
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -307,8 +401,13 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
                 return
             upd = rep.update
             r = rewards.get(step, [])
-            row = {"step": step, "reward": _mean(r), "version": rep.generation.version.label,
+            ad = rep.generation.adapter
+            row = {"step": step, "reward": _mean(r),
+                   "version": rep.generation.version.label if ad is None
+                   else f"{rep.generation.version.label}+a{ad.generation}",
                    "generation": rep.generation.version.generation,
+                   "adapter": None if ad is None else ad.name,
+                   "adapter_generation": None if ad is None else ad.generation,
                    "samples": rep.generation.samples,
                    "update_s": upd.total_s if upd else 0.0,
                    "drain_s": upd.drain_s if upd else 0.0,
@@ -340,11 +439,13 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args,
                               train_dataset=dataset_cls.from_dict({"prompt": _prompts(256)}),
                               processing_class=tok, rollout_func=rollout,
-                              callbacks=[Progress()])
+                              callbacks=[Progress()],
+                              peft_config=None if lora is None else lora.peft_config())
     trainer.remove_callback(transformers.PrinterCallback)
-    say(f"[4/4] GRPO: {steps} steps x {prompts_per_step} prompts x {num_generations} "
-        f"completions of up to {max_tokens} tokens; reward = fraction of bytes == "
-        f"{chr(TARGET_BYTE)!r}")
+    say(f"[4/4] GRPO{'' if lora is None else f' (LoRA r={lora.rank}, alpha={lora.alpha})'}"
+        f": {steps} steps x {prompts_per_step} prompts x {num_generations} "
+        f"completions of up to {max_tokens} tokens, lr {learning_rate:g}; reward = fraction "
+        f"of bytes == {chr(TARGET_BYTE)!r}")
     at["phase"] = "training"
     t0 = time.monotonic()
     trainer.train()
@@ -352,7 +453,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
 
 
 def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *,
-            steps: int) -> dict[str, Any]:
+            steps: int, lora: LoraSettings | None = None,
+            learning_rate: float | None = None) -> dict[str, Any]:
     """The report of the finished steps (all of them, or those before an interrupt)."""
     curve = [r["reward"] for r in rows]
     first5, last5 = _mean(curve[:5]), _mean(curve[-5:])
@@ -378,8 +480,30 @@ def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *
         "updates": [u.to_dict() for u in updates],
         "trl_version": info["trl_version"], "vllm_version": _vllm_version(),
         "import_s": info["import_s"], "engine_start_s": info["engine_start_s"],
+        "learning_rate": learning_rate, "lora": _lora_report(rollout, lora),
         "interrupted": None,
     }
+
+
+def _lora_report(rollout: Any, lora: LoraSettings | None) -> dict[str, Any] | None:
+    """A LoRA run's own record: the adapter versions published, the base unchanged."""
+    if lora is None:
+        return None
+    updates = list(rollout.updates) if rollout is not None else []
+    steps = list(rollout.steps) if rollout is not None else []
+    bases = sorted({u.version.label for u in updates} | {s.generation.version.label
+                                                         for s in steps})
+    return {**lora.to_dict(),
+            "base_version": bases[0] if len(bases) == 1 else bases,
+            "base_weights": "unchanged: a LoRA run trains and publishes only the adapter; "
+                            "every adapter version was verified on this base version",
+            "adapter_versions": [u.adapter.name for u in updates if u.adapter is not None],
+            # the newest versions (the others were retired, their directories removed)
+            "adapters_kept": sorted(str(p) for p in (
+                {Path(u.adapter.path) for u in updates if u.adapter is not None})
+                if p.is_dir()),
+            "samples_through_adapter": sum(s.generation.samples for s in steps
+                                           if s.generation.adapter is not None)}
 
 
 def _vllm_version() -> str | None:
@@ -398,23 +522,23 @@ def _vllm_version() -> str | None:
 def _results(report: dict[str, Any]) -> None:
     keys = ("steps", "reward_first5", "reward_last5", "updates_published",
             "update_share_of_step", "restart_share_of_step", "samples_recorded",
-            "samples_generated", "trl_version", "vllm_version")
+            "samples_generated", "trl_version", "vllm_version", "learning_rate", "lora")
     report["results"] = {k: report.get(k) for k in keys}
 
 
-def _plot(rows: list[dict[str, Any]], out: Path) -> str | None:
+def _plot(rows: list[dict[str, Any]], out: Path, title: str | None = None) -> str | None:
     """Reward per step above, update and drain time per step below; ``None`` without rows."""
     if not rows:
         return None
     import matplotlib.pyplot as plt
 
-    fig = _figure(rows)
+    fig = _figure(rows, title)
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return str(out)
 
 
-def _figure(rows: list[dict[str, Any]]) -> Any:
+def _figure(rows: list[dict[str, Any]], title: str | None = None) -> Any:
     """The plot's figure (steps on an integer axis: a step is a whole optimizer step)."""
     import matplotlib
 
@@ -426,7 +550,7 @@ def _figure(rows: list[dict[str, Any]]) -> Any:
     fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     a.plot(steps, [r["reward"] for r in rows], marker="o", color="tab:green")
     a.set_ylabel("mean reward (fraction of 'a')")
-    a.set_title("GRPO (TRL) through RolloutCore: tiny model, CPU vLLM")
+    a.set_title(title or "GRPO (TRL) through RolloutCore: tiny model, CPU vLLM")
     a.grid(alpha=0.3)
     b.bar(steps, [r["update_s"] for r in rows], color="tab:blue", label="update (verified)")
     b.bar(steps, [r["drain_s"] for r in rows], color="tab:orange", label="of which drain")
@@ -475,6 +599,12 @@ def format_summary(report: dict[str, Any]) -> str:
         f"verified); share of the step spent updating: "
         f"{report['update_share_of_step'] * 100:.1f}%",
     ]
+    lo = report.get("lora")
+    if lo:
+        lines.append(f"LoRA r={lo['rank']} alpha={lo['alpha']} on {', '.join(lo['targets'])}: "
+                     f"{len(lo['adapter_versions'])} adapter versions published (the first "
+                     f"before step 1), {lo['samples_through_adapter']} samples through them; "
+                     f"base {lo['base_version']} {lo['base_weights'].split(':')[0]}")
     if report.get("restart_share_of_step") is not None:
         lines.append(f"the same with a vLLM restart per step ({report['restart_s']:.1f} s, "
                      f"results/cpu-hot-vs-restart.json): "
@@ -502,7 +632,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
         raise BadInput("--journal is for --gateway (the gateway's journal); without one the "
                        "journal is written to the workdir")
-    rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr,
+    lora = _lora_args(args)
+    rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr, lora=lora,
                     gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
                     gateway_journal=Path(args.journal) if args.journal else None,
                     progress=None if args.quiet else print, engine_progress=not args.quiet)
@@ -522,6 +653,23 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"rolloutcore train: reward gain {gain} (want >= {args.min_gain}) or audit "
               "findings: see above", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _lora_args(args: argparse.Namespace) -> LoraSettings | None:
+    """``--lora`` and its options; an option without ``--lora`` is refused."""
+    from rolloutcore.errors import BadInput
+
+    given = [f for f, v in (("--lora-rank", args.lora_rank), ("--lora-alpha", args.lora_alpha),
+                            ("--lora-targets", args.lora_targets)) if v is not None]
+    if not args.lora:
+        if given:
+            raise BadInput(f"{', '.join(given)} need --lora")
+        return None
+    rank = 8 if args.lora_rank is None else args.lora_rank
+    targets = _PROJECTIONS if args.lora_targets is None else tuple(
+        t.strip() for t in args.lora_targets.split(",") if t.strip())
+    return LoraSettings(rank, 2 * rank if args.lora_alpha is None else args.lora_alpha,
+                        targets)
 
 
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
@@ -553,7 +701,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_int_in(10, 500), default=20,
                    help="optimizer steps (default 20; the reward check needs 10+)")
     p.add_argument("--seed", type=_int_in(0, 2**31 - 1), default=0, help="training seed")
-    p.add_argument("--lr", type=_pos_float, default=2e-3, help="learning rate (default 2e-3)")
+    p.add_argument("--lr", type=_pos_float, default=None,
+                   help=f"learning rate (default {FULL_LR:g}; with --lora {LORA_LR:g})")
+    p.add_argument("--lora", action="store_true",
+                   help="train a LoRA adapter (TRL peft_config), published as verified "
+                        "adapter versions; the base weights do not change")
+    p.add_argument("--lora-rank", type=_int_in(1, _MAX_LORA_RANK), default=None,
+                   help="with --lora: the adapter's rank (default 8)")
+    p.add_argument("--lora-alpha", type=_int_in(1, 1_000_000), default=None,
+                   help="with --lora: LoRA alpha (default 2 x rank)")
+    p.add_argument("--lora-targets", default=None, metavar="MODULES",
+                   help="with --lora: comma-separated projections (default all: "
+                        + ",".join(_PROJECTIONS) + ")")
     p.add_argument("--gateway", metavar="URL", default=None,
                    help="generate and update through a running `rolloutcore serve`")
     p.add_argument("--token-file", default=None,

@@ -719,6 +719,7 @@ class FleetCoordinator:
             r = results.get(str(url))
             out = outs[m.replica.name]
             if r is not None and r.ok:
+                self._adopt_round(m, fan, str(url))
                 self._report(m, out, r.evidence, failed)
             elif r is not None and r.closed:
                 resend.append(m)   # the fallback: a fresh per-engine round
@@ -730,6 +731,15 @@ class FleetCoordinator:
             res.transfer = "fanout+resend"
             fan.invalidate()
             self._per_engine_transfer(resend, outs, failed, parallel=True)
+
+    @staticmethod
+    def _adopt_round(m: _Member, fan: Any, url: str) -> None:
+        """The fan-out's record of what ``m``'s ranks wrote, to ``m``'s validation (a
+        fan-out without per-rank reports, e.g. CUDA IPC's, has none to hand over)."""
+        round_of = getattr(fan, "round_of", None)
+        got = round_of(url) if callable(round_of) else None
+        if got is not None and m.replica.on_round is not None:
+            m.replica.on_round(*got)
 
     def _close_all(self, members: Sequence[_Member], outs: Mapping[str, UpdateOutcome],
                    res: FleetUpdateResult, failed: dict[str, UpdateFailed]) -> None:

@@ -41,7 +41,10 @@ class Replica:
     replica holds (adapter, journal, process). ``adopt(previous_epoch)``: for
     a fleet restarted on its journals, the recoverer that accepts the engine
     process this start launched as the replacement of the journal's one
-    (verified like any recovery; see ``take_over``).
+    (verified like any recovery; see ``take_over``). ``on_round(nonce, sent,
+    reports)``: what a fan-out round wrote on this engine's ranks (their write
+    reports, the tensors as broadcast), handed to the replica's adapter so its
+    validation checks every rank's writes as after a per-engine round.
     """
 
     name: str
@@ -56,6 +59,7 @@ class Replica:
     journal: Any = None
     on_recovered: Callable[[], None] | None = None
     adopt: Callable[[str], Recoverer] | None = None
+    on_round: Callable[[str, Any, Any], None] | None = None
 
     @property
     def controller(self) -> LifecycleController:

@@ -149,6 +149,7 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
 
     def on_fanout() -> None:
         tr.abort()  # its per-engine group was replaced; the next per-engine send reconnects
+        tr.forget_round(url)  # what the fan-out's ranks report replaces its last round
 
     def on_recovered() -> None:
         """A new process answers at the URL: a fresh adapter for it (instance id, group)."""
@@ -171,11 +172,16 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         finally:
             journal.close()
 
+    def on_round(nonce: str, sent: Any, reports: Any) -> None:
+        """A fan-out round's reports of this engine's ranks: its validation checks them."""
+        tr.adopt_round(url, nonce, sent, reports)
+
     # Only a gloo group is replaced by a fan-out round (a CUDA IPC mapping is not).
+    gloo = isinstance(tr, GlooTransport)
     return Replica(name, runner, stage, url=url, recoverer=recoverer, fanout_url=url,
-                   engine=engine, on_fanout=on_fanout if isinstance(tr, GlooTransport) else None,
+                   engine=engine, on_fanout=on_fanout if gloo else None,
                    close=close, journal=journal,
-                   on_recovered=on_recovered, adopt=adopt)
+                   on_recovered=on_recovered, adopt=adopt, on_round=on_round if gloo else None)
 
 
 # --------------------------------------------------------------------------- starting
@@ -248,29 +254,58 @@ def _show(msg: str, tty: bool, final: bool = False) -> None:
     sys.stderr.flush()
 
 
-def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Engine ``i`` of ``n`` on one host: which cores vLLM's CPU backend binds its worker to.
+def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
+                ranks: int = 1, cpus: Sequence[int] | None = None) -> dict[str, str]:
+    """Engine ``i`` of ``n`` on one host: which cores vLLM's CPU backend binds its workers to.
 
     vLLM's CPU build binds every engine's worker to the same cores by default
     (``VLLM_CPU_OMP_THREADS_BIND=auto``: the first cores, one kept back), so
     engines started side by side compute on one core between them. Engine
     ``i`` gets its own share of the cores this process may use
-    (``os.sched_getaffinity``), round robin when there are more engines than
-    cores. Nothing is set for one engine, or when the caller's ``env`` or
-    this process's environment already chooses (a GPU build ignores it).
+    (``os.sched_getaffinity``, or ``cpus``), round robin when there are more
+    one-rank engines than cores. An engine of ``ranks`` workers (tensor x
+    pipeline parallel) gets ``ranks`` disjoint groups of its share, separated
+    by ``|`` as vLLM reads them (``0|1``, ``4-5|6-7``); fewer cores than
+    ``n * ranks`` is refused (``BadInput``): ranks sharing a core spin against
+    each other (an operator who accepts that sets ``VLLM_CPU_OMP_THREADS_BIND``).
+    Nothing is set for one one-rank engine, when the caller's ``env`` or this
+    process's environment already chooses, or (``ranks`` > 1) where CUDA is
+    present (the GPU build ignores it).
     """
-    if n <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise BadInput(f"ranks must be an int >= 1, got {ranks!r}")
+    if (n <= 1 and ranks <= 1) or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
             env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env):
         return {}
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1))
-    share = max(1, len(cpus) // n)
-    start = (i * share) % len(cpus)
-    ids = [cpus[(start + k) % len(cpus)] for k in range(share)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in ids)}
+    if cpus is None:
+        if ranks > 1:
+            import torch
+
+            if torch.cuda.is_available():
+                return {}
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
+            range(os.cpu_count() or 1))
+    cpus = sorted(cpus)
+    if ranks == 1:
+        share = max(1, len(cpus) // n)
+        start = (i * share) % len(cpus)
+        ids = [cpus[(start + k) % len(cpus)] for k in range(share)]
+        return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in ids)}
+    if len(cpus) < n * ranks:
+        raise BadInput(f"{n} engine(s) of {ranks} ranks (tensor x pipeline parallel) need "
+                       f"{n * ranks} CPU cores, one per rank, on vLLM's CPU build; this "
+                       f"process may use {len(cpus)} ({','.join(map(str, cpus))}). Start "
+                       "fewer engines or ranks, or set VLLM_CPU_OMP_THREADS_BIND yourself to "
+                       "share cores between ranks")
+    share = len(cpus) // (n * ranks)
+    groups = [cpus[(i * ranks + r) * share:(i * ranks + r + 1) * share] for r in range(ranks)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(
+        f"{g[0]}-{g[-1]}" if len(g) > 1 and g[-1] - g[0] == len(g) - 1
+        else ",".join(map(str, g)) for g in groups)}
 
 
-def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None, *,
+                    ranks: int = 1) -> dict[str, str]:
     """What engine ``i`` of ``n`` started on this host gets: its cores (``cpu_binding``).
 
     vLLM's idle spin is left as vLLM sets it: a shorter one
@@ -278,7 +313,7 @@ def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None) -> dic
     host faster but put some answers over 5 s (``results/idle-spin.json``); an
     operator who wants that trade passes it in ``env``.
     """
-    return cpu_binding(i, n, env)
+    return cpu_binding(i, n, env, ranks=ranks)
 
 
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
@@ -290,12 +325,21 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
     env = dict(engine_kwargs.pop("env", None) or {})
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        v = engine_kwargs.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"{key} must be an int >= 1, got {v!r}")
+        ranks *= v
+    # Every rank of every engine on cores of its own (refused before anything starts
+    # where the host has too few).
+    bindings = [shared_host_env(i, n, env, ranks=ranks) for i in range(n)]
     # Their dev and weight routes answer only this process (transports.engine_key).
     engine_kwargs.setdefault("guard_routes", True)
     engines = [ManagedEngine(Path(checkpoint), port=free_port(),
                              startup_timeout_s=startup_timeout_s,
                              log_dir=None if log_dir is None else Path(log_dir) / f"e{i}",
-                             env={**shared_host_env(i, n, env), **env},
+                             env={**bindings[i], **env},
                              **engine_kwargs) for i in range(n)]
     try:
         start_all({f"e{i}": e.start for i, e in enumerate(engines)}, progress=progress,

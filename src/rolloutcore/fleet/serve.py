@@ -82,6 +82,8 @@ class FleetServeOptions:
     lora: bool = False                    # LoRA engines; the fleet's adapter versions
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    tensor_parallel_size: int = 1         # ranks of each launched engine
+    pipeline_parallel_size: int = 1       # stages of each launched engine
 
     def __post_init__(self) -> None:
         from rolloutcore.service.serve import check_lora_options
@@ -93,6 +95,14 @@ class FleetServeOptions:
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                raise BadInput(f"{name} must be an int in 1..64, got {v!r}")
+        if self.ray and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise BadInput("--ray places one-rank engines (one Ray bundle each); a fleet of "
+                           "tensor- or pipeline-parallel engines runs as local processes "
+                           "(--engines N), not placed by Ray yet")
         Policy.parse(self.default_policy)   # a RouteRefused (BadInput) when unknown
         if self.quorum is not None and not 1 <= self.quorum <= self.engines:
             raise BadInput(f"quorum must be in 1..{self.engines}, got {self.quorum}")
@@ -198,6 +208,13 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     if not isinstance(o, FleetServeOptions):
         raise BadInput("run_fleet_serve takes FleetServeOptions")
     token, given, data_token, floor = _check(o)
+    if not o.ray:
+        from rolloutcore.fleet.placement import cpu_binding
+
+        # Cores for every rank of every engine, or a refusal before anything is made.
+        ranks = o.tensor_parallel_size * o.pipeline_parallel_size
+        for i in range(o.engines):
+            cpu_binding(i, o.engines, ranks=ranks)
     cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
                         data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
                         max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
@@ -251,7 +268,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             engines = list(placement.engines)
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
-                                   progress=True, **lora_kw)
+                                   progress=True, tensor_parallel_size=o.tensor_parallel_size,
+                                   pipeline_parallel_size=o.pipeline_parallel_size, **lora_kw)
         coord = build_fleet(engines, checkpoint=model_dir, weights=weights0,
                             config=FleetConfig(quorum=o.quorum, min_serving=o.min_serving,
                                                health_interval_s=o.health_interval_s),

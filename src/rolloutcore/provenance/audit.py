@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from rolloutcore.core.adapters import AdapterChange, AdapterState
 from rolloutcore.core.pool import (
     FleetBootstrap,
     FleetPublish,
@@ -83,6 +84,7 @@ from rolloutcore.core.records import (
 )
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
+from rolloutcore.provenance.adapter_use import adapter_problems
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.stitch import check_versions
@@ -135,6 +137,9 @@ class JournalSummary:
     #: Updates a journal file leaves without an end (no ``commit``, ``abandon`` or
     #: ``taint`` after their ``request_update``): (file, the request).
     unended: tuple[tuple[str, RequestUpdate], ...] = ()
+    #: The LoRA-adapter versions ever published (``adapter`` records entering
+    #: PUBLISHED): name -> (generation, content digest, base label).
+    adapters: Mapping[str, tuple[int, str, str]] = field(default_factory=dict)
 
     @property
     def is_fleet(self) -> bool:
@@ -151,6 +156,9 @@ class JournalSummary:
             "interruptions": [r.to_data() for r in self.interruptions],
             "unended_updates": [{"journal": f, "update_id": r.update_id,
                                  "target": r.target.to_dict()} for f, r in self.unended]}
+        if self.adapters:
+            out["adapters_published"] = {n: {"generation": g, "content_digest": d, "base": b}
+                                         for n, (g, d, b) in self.adapters.items()}
         if self.is_fleet:
             out["fleet"] = {"versions": {str(g): lab for g, lab in
                                          sorted(self.fleet_versions.items())},
@@ -208,6 +216,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
     aborted: set[str] = set()
     interruptions: list[Interrupted] = []
     unended: list[tuple[str, RequestUpdate]] = []
+    adapters: dict[str, tuple[int, str, str]] = {}
     lines = skipped = 0
     for f in files:
         opened: RequestUpdate | None = None   # this file's update without an end yet
@@ -232,6 +241,8 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                         commits.add(rec.version)
                     elif isinstance(rec, Interrupted):
                         interruptions.append(rec)
+                    elif isinstance(rec, AdapterChange) and rec.after is AdapterState.PUBLISHED:
+                        adapters[rec.name] = (rec.generation, rec.content_digest, rec.base)
                     elif isinstance(rec, Admit):
                         admissions[rec.rollout_id] = rec.version
                     elif isinstance(rec, Carry):
@@ -255,7 +266,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                           MappingProxyType(admissions), frozenset(over),
                           MappingProxyType(fleet_versions), frozenset(served),
                           frozenset(failed), frozenset(aborted), tuple(interruptions),
-                          tuple(unended))
+                          tuple(unended), MappingProxyType(adapters))
 
 
 # --------------------------------------------------------------------------- purity
@@ -277,6 +288,9 @@ class PurityIssue(enum.StrEnum):
     # Samples a fleet gateway recorded (trajectory schema 4, ``fleet``):
     FLEET_MISMATCH = "fleet-mismatch"          # replica/fleet version/engine version disagree
     UNEXPLAINED = "unexplained-unattributable"  # no replica failed, no drain abort
+    # Samples generated through a LoRA adapter (trajectory schema 5, ``adapter``):
+    UNPUBLISHED_ADAPTER = "unpublished-adapter"  # the journal never published it
+    ADAPTER_MISMATCH = "adapter-mismatch"      # published with another content/base/generation
 
 
 @dataclass(frozen=True)
@@ -341,6 +355,9 @@ def _purity_findings(s: TrajectorySample, journal: JournalSummary | None
                 f"journal admitted {rid!r} under {journal.admissions[rid]}, record says {bound}")
         if s.fleet is not None and journal.is_fleet:
             out += _fleet_findings(s, journal)
+        if s.adapter is not None:   # trajectory schema 5: the adapter was published as recorded
+            for problem, detail in adapter_problems(s.adapter, journal.adapters):
+                add(PurityIssue(problem), detail)
     return out
 
 
@@ -422,6 +439,8 @@ class PurityReport:
             labels = ", ".join(str(v) for v in sorted(j.commits, key=_vkey)) or "(none)"
             lines.append(f"  journal: {j.path}: {len(j.commits)} committed versions ({labels}); "
                          f"{j.skipped} of {j.lines} lines unreadable")
+            if j.adapters:
+                lines.append(f"  {len(j.adapters)} LoRA-adapter versions published")
             for rec in j.interruptions:
                 lines.append(f"  interrupted: {describe_interruption(rec)}")
             for f, ru in j.unended:

@@ -35,6 +35,15 @@ content digest). What happens to a sample at another version is the
 replayed), ``report`` (listed as ``version-mismatch``, which fails the
 report) or ``skip`` (listed as ``skipped``; the rest is replayed).
 
+**Through an adapter.** A sample generated through a LoRA adapter (trajectory
+schema 5, ``adapter``) is replayed through that adapter: both lanes send its
+name as the model, and the engine must list that name with the base as its
+parent (else it is a version mismatch, as above). The name is
+content-addressed (``rcl-<generation>-<digest[:16]>``), so the check is that
+an adapter with that content was loaded under it; load the version's files
+(kept by the trainer: RolloutCore retires them from its own store) under the
+recorded name first.
+
 Exactness assumes what vLLM itself does not promise across batch shapes:
 the replay sends one request at a time, so a recorded sample that was
 batched with others may differ by kernel noise; the logprob lane tells that
@@ -75,6 +84,7 @@ __all__ = [
     "WeightsCheck",
     "compare_logprobs",
     "compare_tokens",
+    "adapter_issue",
     "record_version_issue",
     "replay_file",
     "replay_lanes",
@@ -227,6 +237,24 @@ def record_version_issue(sample: TrajectorySample, engine_label: str) -> str | N
     return None
 
 
+def adapter_issue(sample: TrajectorySample, listed: Mapping[str, str | None]) -> str | None:
+    """Why ``sample``'s adapter cannot be replayed on an engine listing ``listed``
+    (``/v1/models``: name -> parent); ``None`` when it can (or it has none)."""
+    a = sample.adapter
+    if a is None:
+        return None
+    if not a.name.endswith("-" + a.content_digest[:16]):
+        return (f"adapter name {a.name!r} does not carry its content digest "
+                f"{a.content_digest[:16]}: the engine's adapter of that name cannot be "
+                "shown to be it")
+    if a.name not in listed:
+        return (f"generated through adapter {a.name!r}, which the engine does not list: "
+                f"load that version's files under that name")
+    if listed[a.name] is None:
+        return f"{a.name!r} is the engine's base model here, not an adapter"
+    return None
+
+
 # --------------------------------------------------------------------------- lanes (engine)
 
 
@@ -258,7 +286,8 @@ def _regenerate(http: VllmHTTP, sample: TrajectorySample,
     gen = http.generate(sample.prompt.token_ids, max_tokens=max_tokens,
                         temperature=sp.temperature, seed=sp.seed, logprobs=False,
                         ignore_eos=bool(extra.get("ignore_eos", False)),
-                        sampling_extra=extra, timeout_s=timeout_s)
+                        sampling_extra=extra, timeout_s=timeout_s,
+                        model=None if sample.adapter is None else sample.adapter.name)
     lane = compare_tokens(rec, gen.token_ids, prefix=aborted)
     if lane.status is LaneStatus.PASS and not aborted and \
             gen.finish_reason != sample.completion.finish_reason:
@@ -273,14 +302,15 @@ def _rescore(http: VllmHTTP, sample: TrajectorySample, tolerance: float,
     comp = list(sample.completion.token_ids)
     rec = sample.completion.logprobs
     assert rec is not None
+    model = None if sample.adapter is None else sample.adapter.name
     try:
-        scored = http.score(prompt + comp, timeout_s=timeout_s)
+        scored = http.score(prompt + comp, timeout_s=timeout_s, model=model)
     except BadInput:
         # Scoring generates one token: a record that fills max_model_len does
         # not fit. Score all but its last token rather than nothing.
         if len(comp) < 2:
             raise
-        scored = [*http.score(prompt + comp[:-1], timeout_s=timeout_s), None]
+        scored = [*http.score(prompt + comp[:-1], timeout_s=timeout_s, model=model), None]
     return compare_logprobs(rec, scored[len(prompt):], tolerance)
 
 
@@ -559,8 +589,10 @@ class ReplayValidator:
             raise BadInput(f"{trajectories}: no committed samples to replay")
         label = self._label()
         issues: dict[int, str] = {}
+        listed = (self.http.models(timeout_s=self.timeout_s)
+                  if any(s.adapter is not None for s in items) else {})
         for i, s in enumerate(items):
-            why = record_version_issue(s, label)
+            why = record_version_issue(s, label) or adapter_issue(s, listed)
             if why is not None:
                 issues[i] = why
         weights: dict[str | None, WeightsCheck] = {}

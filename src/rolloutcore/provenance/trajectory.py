@@ -60,11 +60,13 @@ from rolloutcore.core.strict import freeze_json as _freeze_json
 from rolloutcore.core.strict import thaw_json as _thaw_json
 from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
+from rolloutcore.provenance.adapter_use import AdapterUse
 from rolloutcore.provenance.seeds import SEED_DERIVATION
 from rolloutcore.provenance.token_versions import TokenVersions
 
 __all__ = [
     "KNOWN_SCHEMA_VERSIONS",
+    "AdapterUse",
     "MAX_EXTRA_DEPTH",
     "SAMPLING_EPS",
     "SCHEMA_VERSION",
@@ -93,9 +95,10 @@ __all__ = [
 #: 3: + ``attribution`` (written only for a sample credited to no version) and
 #: ``completion.versions`` (asynchronous updates), each only where it applies;
 #: 4: + ``fleet`` (the replica and the fleet version that answered, written only
-#: for a sample a fleet gateway recorded).
-SCHEMA_VERSION = 4
-KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4})
+#: for a sample a fleet gateway recorded); 5: + ``adapter`` (the LoRA-adapter
+#: version the sample was generated through, written only for such a sample).
+SCHEMA_VERSION = 5
+KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, 5})
 #: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
 #: a record: the record's own encoders and readers recurse over it.
 MAX_EXTRA_DEPTH = 32
@@ -616,6 +619,8 @@ class TrajectorySample:
     attribution: Attribution = field(default_factory=Attribution)
     #: The replica and fleet version that answered (a fleet gateway's record).
     fleet: FleetPlacement | None = None
+    #: The LoRA-adapter version it was generated through (on the bound base).
+    adapter: AdapterUse | None = None
 
     def __post_init__(self) -> None:
         _str("run", self.run, _ID_RE)
@@ -637,12 +642,23 @@ class TrajectorySample:
         if self.fleet is not None and not isinstance(self.fleet, FleetPlacement):
             raise BadInput(f"fleet must be a FleetPlacement or None, "
                            f"got {type(self.fleet).__name__}")
+        if self.adapter is not None:
+            if not isinstance(self.adapter, AdapterUse):
+                raise BadInput(f"adapter must be an AdapterUse or None, "
+                               f"got {type(self.adapter).__name__}")
+            if self.adapter.base != self.binding.version.label:
+                raise BadInput(f"adapter {self.adapter.name} was verified on base "
+                               f"{self.adapter.base}, the sample is bound to "
+                               f"{self.binding.version.label}")
 
     @property
     def schema_version(self) -> int:
         """The lowest version that holds this record: 1 for a text prompt (written
         exactly as before version 2), 2 with images, 3 when not attributable or
-        with per-token versions (``completion.versions``), 4 with a fleet placement."""
+        with per-token versions (``completion.versions``), 4 with a fleet placement,
+        5 with a LoRA adapter."""
+        if self.adapter is not None:
+            return 5
         if self.fleet is not None:
             return 4
         if not self.attribution.attributable or self.completion.versions is not None:
@@ -661,6 +677,8 @@ class TrajectorySample:
             out["attribution"] = self.attribution.to_dict()
         if self.fleet is not None:
             out["fleet"] = self.fleet.to_dict()
+        if self.adapter is not None:
+            out["adapter"] = self.adapter.to_dict()
         return out
 
     @classmethod
@@ -671,15 +689,17 @@ class TrajectorySample:
             raise BadInput(f"not a sample record (record={m.get('record')!r})")
         v = m["schema_version"]
         _exact_keys("sample", m, _SAMPLE_KEYS, ("attribution",) if v == 3 else
-                    ("attribution", "fleet") if v == 4 else ())
+                    ("attribution", "fleet") if v == 4 else
+                    ("attribution", "fleet", "adapter") if v == 5 else ())
         has_media = isinstance(m["prompt"], Mapping) and "media" in m["prompt"]
         has_versions = isinstance(m["completion"], Mapping) and "versions" in m["completion"]
         has_attribution = "attribution" in m
         attribution = (Attribution.from_dict(m["attribution"]) if has_attribution
                        else Attribution())
         fleet = FleetPlacement.from_dict(m["fleet"]) if "fleet" in m else None
-        want = (4 if fleet is not None else 3 if (has_versions or has_attribution)
-                else 2 if has_media else 1)
+        adapter = AdapterUse.from_dict(m["adapter"]) if "adapter" in m else None
+        want = (5 if adapter is not None else 4 if fleet is not None
+                else 3 if (has_versions or has_attribution) else 2 if has_media else 1)
         if v != want:
             raise BadInput("trajectory sample: prompt.media is written with schema_version 2, "
                            "attribution and completion.versions with 3 (with or without "
@@ -687,7 +707,7 @@ class TrajectorySample:
                            f"{'with' if has_media else 'without'} media, "
                            f"{'with' if has_attribution else 'without'} attribution, "
                            f"{'with' if has_versions else 'without'} versions; a fleet "
-                           "placement with 4)")
+                           "placement with 4, an adapter with 5)")
         if has_attribution and attribution.attributable:
             raise BadInput("trajectory sample: attribution is written only for a sample "
                            "that is not attributable")
@@ -697,7 +717,7 @@ class TrajectorySample:
                    SampledCompletion.from_dict(m["completion"]),
                    Binding.from_dict(m["binding"]),
                    EngineIdentity.from_dict(m["engine"]),
-                   Timestamps.from_dict(m["timestamps"]), attribution, fleet)
+                   Timestamps.from_dict(m["timestamps"]), attribution, fleet, adapter)
 
     def encode(self) -> bytes:
         """The canonical JSON line of this record."""

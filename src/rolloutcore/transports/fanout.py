@@ -31,6 +31,13 @@ A broadcast needs every member. So the round is all-or-repair:
   would skip the layers the broken round had completed, and partly-written
   ones would be processed half empty.
 
+Every round carries a nonce, so every rank of every engine reports at its finish
+what it wrote (``rank_checksums``, as in a per-engine round): the reports are
+received per engine, beside that engine's finish, and kept as that engine's
+round (``round_of``), so each replica's own validation checks *its* ranks'
+writes (``GlooTransport.adopt_round``), a tensor-parallel engine's every rank.
+An engine whose reports do not arrive by the deadline has failed the round.
+
 Whatever happens, a result never claims more than it saw: an engine counts as
 transferred only when the whole broadcast went out *and* its own
 ``update_weights`` and ``finish_weight_update`` answered 200. The engine's
@@ -40,15 +47,18 @@ validation (checksums, probe) still decides whether the weights are right.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import secrets
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.errors import BadInput, TransferError
+from rolloutcore.transports import rank_checksums
 from rolloutcore.transports.base import (
     TransportBase,
     check_label,
@@ -67,6 +77,7 @@ from rolloutcore.transports.gloo import (
     _dist,
     _new_group,
 )
+from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.source import WeightSource
 
 __all__ = ["FanoutResult", "GlooFanout"]
@@ -112,6 +123,8 @@ class _Group:
     store: Any
     group: Any
     world_size: int
+    #: url -> (its first rank in the group, its world size)
+    ranks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class GlooFanout(TransportBase):
@@ -133,6 +146,7 @@ class GlooFanout(TransportBase):
         self.close_timeout_s = check_timeout(close_timeout_s, "close_timeout_s")
         self._g: _Group | None = None
         self.last_connect_s: float | None = None
+        self._rounds: dict[str, Round] = {}  # engine URL -> its last finished round
 
     @property
     def members(self) -> tuple[str, ...]:
@@ -211,7 +225,8 @@ class GlooFanout(TransportBase):
             raise
         group = f_group.result()
         group._set_default_timeout(datetime.timedelta(seconds=self.op_timeout_s))
-        self._g = _Group(urls, store, group, world)
+        self._g = _Group(urls, store, group, world,
+                         {u: (off, n) for u, off, n in zip(urls, offsets, sizes, strict=True)})
         self.last_connect_s = time.monotonic() - t0
 
     # -- send -------------------------------------------------------------------
@@ -265,7 +280,10 @@ class GlooFanout(TransportBase):
 
     def _round(self, g: _Group, labels: Mapping[str, str], source: WeightSource, t0: float,
                deadline: float) -> dict[str, FanoutResult]:
-        info = GlooUpdateInfo.of(source)
+        nonce = secrets.token_hex(8)
+        info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
+        for u in g.urls:
+            self._rounds.pop(u, None)
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -298,8 +316,10 @@ class GlooFanout(TransportBase):
                               "update") for u in urls}
         f_send = run_side(lambda: self._broadcast(g, source), "broadcast")
         send_error: TransferError | None = None
+        sent: dict[str, Any] = {}
         try:
             self.wait([f_send], deadline, "broadcast", mutation_started=True)
+            sent = f_send.result()
         except TransferError as exc:
             send_error = exc
             self._drop()
@@ -318,17 +338,31 @@ class GlooFanout(TransportBase):
         f_fin = {u: run_side(lambda u=u: self.post(  # type: ignore[misc]
             u, "/finish_weight_update", {"weight_version": labels[u]}, left()), "finish")
             for u in urls if u not in results}
+        # Every rank of each finishing engine reports what it wrote, over the group,
+        # while its finish runs: received per engine (one silent engine does not hold
+        # up the others' reports).
+        f_rep = {u: run_side(lambda u=u: receive_reports(  # type: ignore[misc]
+            g.group, range(g.ranks[u][0], g.ranks[u][0] + g.ranks[u][1])), "reports")
+            for u in f_fin}
+        broken = False
         for u, f in f_fin.items():
             try:
-                self.wait([f], deadline, "finish_weight_update", mutation_started=True)
+                self.wait([f, f_rep[u]], deadline, "finish_weight_update",
+                          mutation_started=True)
             except TransferError as exc:
                 results[u] = FanoutResult(u, labels[u], error=exc, sent=True)
+                broken = True  # a report may still be pending in the group
             else:
+                off = g.ranks[u][0]
+                self._rounds[u] = Round(nonce, sent, [(r - off + 1, rep)
+                                                       for r, rep in f_rep[u].result()])
                 results[u] = FanoutResult(u, labels[u], evidence=TransferEvidence(
                     completed=True, mutation_started=True, backend=BACKEND,
                     tensors=len(info.names), bytes=source.nbytes, finish_label=labels[u],
                     elapsed_s=time.monotonic() - t0,
                     unverified=(f"one broadcast to {len(urls)} engines",)))
+        if broken:
+            self._drop()
         for u, r in list(results.items()):
             if r.error is not None and u not in f_fin:
                 # update_weights failed: close the broken reload for a fresh round.
@@ -336,14 +370,25 @@ class GlooFanout(TransportBase):
                                           closed=self._close_session(u))
         return results
 
-    def _broadcast(self, g: _Group, source: WeightSource) -> int:
-        n = 0
-        for _name, t in source.named_tensors():
+    def _broadcast(self, g: _Group, source: WeightSource) -> dict[str, Any]:
+        """Send every tensor; returns them as sent (each engine's rank check's
+        reference, so that the source is not read again)."""
+        sent: dict[str, Any] = {}
+        for name, t in source.named_tensors():
             if self._abort.is_set():
                 raise TransferError("transfer", "aborted", mutation_started=True)
-            g.group.broadcast(_as_cpu(t), 0).wait()
-            n += 1
-        return n
+            cpu = _as_cpu(t)
+            g.group.broadcast(cpu, 0).wait()
+            sent[name] = cpu
+        return sent
+
+    def round_of(self, url: str) -> tuple[str, dict[str, Any],
+                                          list[tuple[int, rank_checksums.RankReport]]] | None:
+        """What the last round wrote on ``url``'s ranks: (nonce, tensors as sent, reports
+        numbered from 1 within the engine), for its replica's transport
+        (``GlooTransport.adopt_round``); None when that engine did not finish it."""
+        rnd = self._rounds.get(url)
+        return None if rnd is None else (rnd.nonce, rnd.sent, list(rnd.reports))
 
     def _close_session(self, url: str) -> bool:
         """Finalise whatever reload a failed round left open on ``url``; True when done.

@@ -60,7 +60,7 @@ import ipaddress
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -78,6 +78,7 @@ from rolloutcore.transports.base import (
     preflight,
     run_side,
 )
+from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.model_index import ModelIndex, check_against_model
 from rolloutcore.transports.rank_capture import build_capture_class
 from rolloutcore.transports.source import WeightSource
@@ -513,18 +514,6 @@ def __getattr__(name: str) -> Any:
 _ABANDONED: list[Any] = []
 
 
-#: The largest write report an engine rank may announce (names and checksums of
-#: every parameter it wrote: ~300 bytes each).
-_MAX_REPORT_BYTES = 64 << 20
-
-
-@dataclass
-class _Round:
-    nonce: str
-    sent: dict[str, torch.Tensor]
-    reports: list[tuple[int, rank_checksums.RankReport]]
-
-
 @dataclass
 class _Conn:
     base_url: str
@@ -551,7 +540,7 @@ class GlooTransport(TransportBase):
         super().__init__()
         self.op_timeout_s = check_timeout(op_timeout_s, "op_timeout_s")
         self._conn: _Conn | None = None
-        self._rounds: dict[str, _Round] = {}  # engine URL -> its last finished round
+        self._rounds: dict[str, Round] = {}  # engine URL -> its last finished round
         self.last_check: dict[str, Any] = {}
 
     def engine_config(self) -> dict[str, Any]:
@@ -665,37 +654,41 @@ class GlooTransport(TransportBase):
         f = run_side(lambda: self.post(url, "/finish_weight_update",
                                        {"weight_version": None if draft else label},
                                        left()), "finish")
-        f_rep = run_side(lambda: self._receive_reports(conn), "reports")
+        f_rep = run_side(lambda: receive_reports(conn.group, range(1, conn.world_size)),
+                         "reports")
         try:
             self.wait([f, f_rep], deadline, "finish_weight_update", mutation_started=True)
         except BaseException:
             self._drop(notify_engine=False)
             raise
-        self._rounds[key] = _Round(nonce, sent, f_rep.result())
+        self._rounds[key] = Round(nonce, sent, f_rep.result())
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
                                 tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
 
-    @staticmethod
-    def _receive_reports(conn: _Conn) -> list[tuple[int, rank_checksums.RankReport]]:
-        import torch
+    def adopt_round(self, base_url: str, nonce: str, sent: Mapping[str, torch.Tensor],
+                    reports: Sequence[tuple[int, rank_checksums.RankReport]]) -> None:
+        """Take a round another sender ran to ``base_url`` (a fleet's ``GlooFanout``)
+        as this transport's last round to it, so that ``validation_check`` and
+        ``declared_checksums`` check what that engine's ranks wrote in it.
+        ``reports``: (rank within the engine, counted from 1 as in a round of
+        this transport's own, report)."""
+        url = check_url(base_url)
+        if not isinstance(nonce, str) or not 0 < len(nonce) <= 128:
+            raise BadInput("nonce must be a string of 1..128 characters")
+        if not isinstance(sent, Mapping) or not sent:
+            raise BadInput("sent must be a non-empty mapping of tensor names to tensors")
+        reps = list(reports)
+        if sorted(r for r, _ in reps) != list(range(1, len(reps) + 1)):
+            raise BadInput(f"report ranks must be 1..{len(reps)}, got "
+                           f"{[r for r, _ in reps]}")
+        self._rounds[_round_key(url, False)] = Round(nonce, dict(sent), reps)
 
-        out = []
-        for rank in range(1, conn.world_size):
-            n = torch.zeros(1, dtype=torch.int64)
-            conn.group.recv([n], rank, rank_checksums.REPORT_TAG).wait()
-            size = int(n.item())
-            if not 0 < size <= _MAX_REPORT_BYTES:
-                raise TransferError("transfer", f"engine rank {rank} announced a write report "
-                                    f"of {size} bytes", mutation_started=True)
-            buf = torch.empty(size, dtype=torch.uint8)
-            conn.group.recv([buf], rank, rank_checksums.REPORT_TAG).wait()
-            try:
-                out.append((rank, rank_checksums.decode(buf.numpy().tobytes())))
-            except ValueError as exc:
-                raise TransferError("transfer", f"engine rank {rank}'s write report: {exc}",
-                                    mutation_started=True) from exc
-        return out
+    def forget_round(self, base_url: str) -> None:
+        """Drop what this transport kept of its last rounds to ``base_url`` (another
+        sender is about to write there: an older round must not vouch for it)."""
+        for draft in (False, True):
+            self._rounds.pop(_round_key(base_url, draft), None)
 
     def validation_check(self, base_url: str, *,
                          reference: Mapping[str, torch.Tensor] | None = None,

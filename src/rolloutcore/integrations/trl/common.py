@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.records import Classification, State
 from rolloutcore.core.versions import (
     WeightIdentity,
@@ -115,6 +116,9 @@ class UpdateReport:
     phases_s: Mapping[str, float]
     total_s: float              # prepare + the transition, as the trainer waited for it
     probe_max_abs_diff: float | None = None   # nats; None when no probe ran here
+    #: A LoRA run: the adapter version this update published (``version`` is the
+    #: base, unchanged).
+    adapter: AdapterVersion | None = None
 
     @property
     def drain_s(self) -> float:
@@ -126,7 +130,8 @@ class UpdateReport:
                 "verification": self.identity.verification.wire,
                 "prepare_s": self.prepare_s, "phases_s": dict(self.phases_s),
                 "drain_s": self.drain_s, "total_s": self.total_s,
-                "probe_max_abs_diff": self.probe_max_abs_diff}
+                "probe_max_abs_diff": self.probe_max_abs_diff,
+                "adapter": None if self.adapter is None else self.adapter.to_dict()}
 
 
 @dataclass(frozen=True)
@@ -141,11 +146,13 @@ class GenerationReport:
     generate_s: float
     record_s: float
     first_prompt_index: int
+    adapter: AdapterVersion | None = None     # a LoRA run: the adapter it generated through
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "version": self.version.to_dict(), "groups": self.groups,
                 "samples": self.samples, "tokens": self.tokens, "generate_s": self.generate_s,
-                "record_s": self.record_s, "first_prompt_index": self.first_prompt_index}
+                "record_s": self.record_s, "first_prompt_index": self.first_prompt_index,
+                "adapter": None if self.adapter is None else self.adapter.to_dict()}
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.records import Classification, FailureKind, Interrupted, Step
 from rolloutcore.core.versions import (
@@ -49,6 +50,10 @@ class PublishedUpdate:
     version: WeightVersion
     identity: WeightIdentity
     phases_s: Mapping[str, float]
+    #: A LoRA run's update: the adapter version published (the base unchanged), and
+    #: the probe through it (nats).
+    adapter: AdapterVersion | None = None
+    probe_max_abs_diff: float | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,9 @@ class EngineSample:
     spans: tuple[VersionSpan, ...] | None
     stamps: Timestamps
     attributable: bool = True
+    #: The LoRA-adapter version it was generated through (a LoRA run), on the
+    #: binding's base version.
+    adapter: AdapterVersion | None = None
 
 
 class RolloutEngine(Protocol):
@@ -159,12 +167,51 @@ def interrupted_record(controller: Any, what: Interruption) -> Interrupted:
                        "; ".join(x for x in (what.samples_text, what.detail) if x))
 
 
-class _SessionEngine:
-    """An in-process ``EngineSession``: its controller admits, its runner updates."""
+def adapter_reference(model: Any, engine_dtype: str | None) -> Any:
+    """The trainer's PEFT model with its adapter weights as the engine holds them.
 
-    def __init__(self, session: Any, *, owns: bool) -> None:
+    A float32 copy whose ``lora_`` tensors went through ``engine_dtype`` (bf16 for
+    the tiny checkpoint) and back: the probe's reference then differs from the
+    engine only by the engine's arithmetic, as the full update's reference
+    (``weights._probe_reference``) is made of the tensors sent. ``None``: the
+    model itself.
+    """
+    if engine_dtype is None:
+        return model
+    import copy
+
+    import torch
+
+    dt = getattr(torch, engine_dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise BadInput(f"engine dtype {engine_dtype!r} is not a torch dtype")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.requires_grad_(False)
+            if "lora_" in name:
+                p.data = p.data.to(dt).to(p.dtype)
+    return ref.eval()
+
+
+class _SessionEngine:
+    """An in-process ``EngineSession``: its controller admits, its runner updates.
+
+    ``adapters=True`` (a LoRA run, ``session.enable_adapters`` done): the base is
+    never updated; ``update_adapter`` publishes the trainer's adapter as the next
+    adapter version (``control.adapters``: loaded, listed, probed through it and
+    the base beside it, then published), and every request is bound to (base
+    version, current adapter version) and sent as that adapter.
+    """
+
+    def __init__(self, session: Any, *, owns: bool, adapters: bool = False) -> None:
+        if adapters and getattr(session, "adapters", None) is None:
+            raise BadInput("adapters=True needs a session with adapters enabled "
+                           "(session.enable_adapters, on an engine started with "
+                           "--enable-lora)")
         self.session = session
         self.owns = owns
+        self.adapters = adapters
         self.replica = str(session.http.base_url)
 
     def committed(self) -> tuple[WeightVersion, WeightIdentity]:
@@ -176,12 +223,35 @@ class _SessionEngine:
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
                owner: str) -> PublishedUpdate:
+        if self.adapters:
+            raise BadInput("a LoRA run publishes adapters (update_adapter), never the base")
         res = self.session.update(state, provenance, probe=probe, owner=owner)
         return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
 
+    def update_adapter(self, model: Any, provenance: Provenance,
+                       engine_dtype: str | None = None) -> PublishedUpdate:
+        """Publish ``model``'s adapter (a PEFT model, not merged) as the next adapter
+        version, verified against ``model`` itself, its adapter weights rounded to
+        ``engine_dtype`` (what the engine holds: vLLM loads an adapter in the model's
+        dtype); the base version is unchanged."""
+        if not self.adapters:
+            raise BadInput("this engine was not set up for adapters (adapters=True)")
+        res = self.session.update_adapter(model, provenance,
+                                          reference=adapter_reference(model, engine_dtype))
+        version, identity = self.committed()
+        probe = next((ch.max_abs_diff for ch in res.checks if ch.name == "adapter-probe"),
+                     None)
+        return PublishedUpdate(version, identity, dict(res.phases), res.version,
+                               None if probe is None else float(probe))
+
     def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         c, http = self.session.controller, self.session.http
-        binding = c.admit(rollout_id)
+        adapter: AdapterVersion | None = None
+        if self.adapters:
+            bound = self.session.adapters.admit(rollout_id)  # (base, adapter) or refused
+            binding, adapter = bound.base, bound.adapter.adapter
+        else:
+            binding = c.admit(rollout_id)
         aw, am = time.time(), time.monotonic()
         try:
             assert spec.max_tokens is not None
@@ -189,13 +259,18 @@ class _SessionEngine:
                               seed=spec.seed, logprobs=True,
                               ignore_eos=bool(spec.extra.get("ignore_eos", False)),
                               request_id=rollout_id, sampling_extra=_vllm_extra(spec),
-                              cache_salt=salt_for(binding.version))
+                              cache_salt=salt_for(binding.version),
+                              **({} if adapter is None else {"model": adapter.name}))
         finally:
-            done = c.complete(rollout_id)
+            try:
+                if adapter is not None:
+                    self.session.adapters.release(rollout_id)
+            finally:
+                done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
         return EngineSample(binding, tuple(g.token_ids), tuple(g.logprobs or ()),
-                       g.finish_reason or "unknown", _spans(g.weight_versions),
-                       Timestamps(aw, am, cw, max(cm, am)), done.attributable)
+                            g.finish_reason or "unknown", _spans(g.weight_versions),
+                            Timestamps(aw, am, cw, max(cm, am)), done.attributable, adapter)
 
     def engine_identity(self) -> EngineIdentity:
         from rolloutcore.adapters.vllm import engine_identity

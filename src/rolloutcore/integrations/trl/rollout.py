@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.core.adapters import AdapterConfig, AdapterVersion
 from rolloutcore.core.records import State
 from rolloutcore.core.versions import (
     EngineIdentity,
@@ -45,6 +46,7 @@ from rolloutcore.integrations.trl.weights import (
 from rolloutcore.provenance.recorder import TrajectoryRecorder
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.trajectory import (
+    AdapterUse,
     Prompt,
     SampledCompletion,
     SamplingSpec,
@@ -54,7 +56,24 @@ from rolloutcore.provenance.trajectory import (
 )
 from rolloutcore.transports.source import WeightSource
 
-__all__ = ["RolloutCoreRollout"]
+__all__ = ["LORA_RANKS", "RolloutCoreRollout", "lora_engine_args"]
+
+#: The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: What a LoRA run needs of vLLM besides its flags: adapters loaded at runtime.
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+
+
+def lora_engine_args(rank: int, max_loras: int = 2) -> list[str]:
+    """vLLM's flags for adapters up to ``rank``: ``--max-lora-rank`` is the smallest
+    value vLLM accepts that holds it; ``max_loras`` adapters in one batch (a
+    synchronous run has one in use, and the next one beside it while it is probed)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= LORA_RANKS[-1]:
+        raise BadInput(f"LoRA rank must be an int in 1..{LORA_RANKS[-1]}, got {rank!r}")
+    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+        raise BadInput(f"max_loras must be an int >= 1, got {max_loras!r}")
+    vllm_rank = next(r for r in LORA_RANKS if r >= rank)
+    return ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(vllm_rank)]
 
 # --------------------------------------------------------------------------- rollout
 
@@ -91,6 +110,17 @@ class RolloutCoreRollout:
     ``trajectories`` is the trajectory file (opened now: one writer).
     ``max_concurrency`` bounds the requests in flight (vLLM batches them).
 
+    **LoRA** (``adapters=True``; ``launch(..., lora_rank=R)`` starts the engine
+    for it): the trainer's model is a PEFT model (TRL's ``peft_config``) and the
+    base never changes. Before the first generation and after every optimizer
+    step the trainer's adapter (not merged) is published as the next adapter
+    version (``EngineSession.update_adapter``: loaded under a new name, listed,
+    probed through it against the trainer's own PEFT model and the base probed
+    beside it, then published; no drain). Every request is bound to (base
+    version, adapter version) and sent as that adapter; every sample records
+    both (trajectory schema 5, ``adapter``) and is refused unless its adapter
+    is the one published for its step.
+
     **Interrupted** (Ctrl-C: ``KeyboardInterrupt``, or ``SystemExit``): the
     interrupt propagates, never as a sample failure or a ``TrainingStopped``.
     During generation the step's requests not yet started are cancelled and
@@ -107,15 +137,19 @@ class RolloutCoreRollout:
                  probe: bool = True, probe_tolerance: float = DEFAULT_PROBE_TOLERANCE,
                  importance_sampling: bool = True,
                  max_concurrency: int = 32, owner: str = "trl",
-                 interrupt_wait_s: float = 10.0) -> None:
+                 interrupt_wait_s: float = 10.0, adapters: bool = False) -> None:
         from rolloutcore.control.session import EngineSession
 
         if isinstance(engine, EngineSession):
-            engine = _SessionEngine(engine, owns=False)
+            engine = _SessionEngine(engine, owns=False, adapters=bool(adapters))
         elif not all(callable(getattr(engine, m, None)) for m in (
                 "committed", "update", "generate", "engine_identity", "close")):
             raise BadInput("engine must be an EngineSession or a RolloutEngine (or use "
                            "RolloutCoreRollout.launch / through_gateway)")
+        if adapters and not (callable(getattr(engine, "update_adapter", None))
+                             and getattr(engine, "adapters", False)):
+            raise BadInput("adapters=True needs an engine that publishes LoRA adapters (an "
+                           "EngineSession with adapters enabled, or launch(lora_rank=...))")
         ckpt = Path(checkpoint)
         if not (ckpt / "config.json").is_file():
             raise BadInput(f"{ckpt} is not a checkpoint directory (no config.json)")
@@ -141,6 +175,10 @@ class RolloutCoreRollout:
             raise BadInput(f"interrupt_wait_s must be a number >= 0, got {interrupt_wait_s!r}")
         self.interrupt_wait_s = float(interrupt_wait_s)
         self.owner = owner
+        #: A LoRA run: adapters published, the base never updated.
+        self.adapters = bool(adapters)
+        #: The adapter version published for the current step (a LoRA run).
+        self.adapter: AdapterVersion | None = None
         self.manifest = WeightSource.from_checkpoint(ckpt).manifest()
         version, identity = engine.committed()
         self.version = version
@@ -168,18 +206,45 @@ class RolloutCoreRollout:
     def launch(cls, checkpoint: str | Path, *, run: str, trajectories: str | Path | None = None,
                journal: str | Path | None = None, transport: Any = None,
                engine_kwargs: Mapping[str, Any] | None = None, progress: bool = False,
-               start_timeout_s: float = 600.0, **kw: Any) -> RolloutCoreRollout:
-        """Start vLLM on ``checkpoint`` under RolloutCore and bootstrap it (step 0)."""
+               start_timeout_s: float = 600.0, lora_rank: int | None = None,
+               adapter_config: AdapterConfig | None = None,
+               adapter_store: str | Path | None = None,
+               **kw: Any) -> RolloutCoreRollout:
+        """Start vLLM on ``checkpoint`` under RolloutCore and bootstrap it (step 0).
+
+        ``lora_rank``: a LoRA run (``adapters=True``): vLLM is started with
+        ``lora_engine_args(lora_rank)`` and runtime adapter loading, and the
+        session's adapters enabled (``adapter_config``: default 4 loaded, one
+        superseded version kept), with the rollout's probe tolerance;
+        ``adapter_store``: where each adapter version's directory is written
+        (default a temporary one, removed at close; a given one is kept, holding
+        the versions not retired, for replay).
+        """
         from rolloutcore.control.session import EngineSession
 
+        ekw = dict(engine_kwargs or {})
+        if lora_rank is not None:
+            ekw["extra_args"] = [*ekw.get("extra_args", ()), *lora_engine_args(lora_rank)]
+            ekw["env"] = {**dict(ekw.get("env") or {}), **LORA_ENV}
+        if adapter_config is not None and not isinstance(adapter_config, AdapterConfig):
+            raise BadInput("adapter_config must be an AdapterConfig")
+        if (adapter_config is not None or adapter_store is not None
+                or kw.pop("adapters", None)) and lora_rank is None:
+            raise BadInput("a LoRA run needs lora_rank (the engine's --max-lora-rank)")
         session = EngineSession.launch(checkpoint, transport=transport, journal_path=journal,
-                                       engine_kwargs=engine_kwargs, progress=progress,
+                                       engine_kwargs=ekw, progress=progress,
                                        start_timeout_s=start_timeout_s)
         try:
             origin = kw.get("origin") or str(Path(checkpoint).resolve())
             session.bootstrap(checkpoint, Provenance(origin, run, 0))
-            return cls(_SessionEngine(session, owns=True), checkpoint=checkpoint, run=run,
-                       trajectories=trajectories, **kw)
+            if lora_rank is not None:
+                session.enable_adapters(
+                    config=adapter_config or AdapterConfig(max_loaded=4, max_staleness=1),
+                    store=adapter_store,
+                    probe_tolerance=float(kw.get("probe_tolerance", DEFAULT_PROBE_TOLERANCE)))
+            return cls(_SessionEngine(session, owns=True, adapters=lora_rank is not None),
+                       checkpoint=checkpoint, run=run, trajectories=trajectories,
+                       adapters=lora_rank is not None, **kw)
         except BaseException as exc:
             try:
                 if not isinstance(exc, Exception):  # the journal says what stopped it
@@ -203,6 +268,10 @@ class RolloutCoreRollout:
         policy probe's expectations are computed here, from the trained model,
         and the gateway compares the engine with them.
         """
+        if kw.get("adapters"):
+            raise BadInput("a LoRA run through a gateway is not built: the gateway's "
+                           "adapter route (POST /control/adapters) has no client here yet; "
+                           "run it in process (RolloutCoreRollout.launch(lora_rank=...))")
         if transport is None:
             from rolloutcore.transports.gloo import GlooTransport
 
@@ -259,7 +328,8 @@ class RolloutCoreRollout:
         self._check_usable()
         self.interrupted = None
         step = int(trainer.state.global_step)
-        if step == self.synced_step:
+        # A LoRA run publishes the trainer's adapter before its first generation too.
+        if step == self.synced_step and not (self.adapters and self.adapter is None):
             upd, self._pending_update = self._pending_update, None
             return upd
         try:
@@ -277,6 +347,8 @@ class RolloutCoreRollout:
         if acc is not None and hasattr(acc, "unwrap_model"):
             model = acc.unwrap_model(model)
         t0 = time.monotonic()
+        if self.adapters:
+            return self._push_adapter(model, step, t0)
         state = engine_state_dict(model, self.manifest)
         probe: Any = False
         if self.probe:
@@ -298,6 +370,35 @@ class RolloutCoreRollout:
         rep = UpdateReport(step, pub.version, pub.identity, prepare_s, dict(pub.phases_s),
                            time.monotonic() - t0,
                            None if last is None else float(last.max_abs_diff))
+        self.updates.append(rep)
+        self._pending_update = rep
+        return rep
+
+    def _push_adapter(self, model: Any, step: int, t0: float) -> UpdateReport:
+        """A LoRA run: the trainer's adapter published as the next adapter version."""
+        from rolloutcore.verification.adapters import is_peft_model
+
+        if not is_peft_model(model):
+            raise BadInput("a LoRA run (adapters=True) trains a PEFT model: give the "
+                           "GRPOTrainer a peft_config (or a PeftModel)")
+        prov = Provenance(self.origin, self.run, step)
+        try:
+            pub = self.engine.update_adapter(  # type: ignore[attr-defined]
+                model, prov, self.manifest.params[0].dtype)
+        except (UpdateFailed, UpdateRefused, EffectError) as exc:
+            err = TrainingStopped(
+                step, "update_failed", f"adapter: {type(exc).__name__}: {exc}",
+                phase=getattr(exc, "phase", None),
+                classification=getattr(exc, "classification", None),
+                state=getattr(exc, "state", None), published=self.version)
+            self._stop(err)
+            raise err from exc
+        assert pub.adapter is not None
+        self.version, self.identity, self.synced_step = pub.version, pub.identity, step
+        self.adapter = pub.adapter
+        phases = dict(pub.phases_s)
+        rep = UpdateReport(step, pub.version, pub.identity, float(phases.get("prepare", 0.0)),
+                           phases, time.monotonic() - t0, pub.probe_max_abs_diff, pub.adapter)
         self.updates.append(rep)
         self._pending_update = rep
         return rep
@@ -442,7 +543,7 @@ class RolloutCoreRollout:
         pool = self._pool
         assert pool is not None
         first = self._next_index.get(step, 0)
-        version = self.version
+        version, adapter = self.version, self.adapter
         t0 = time.monotonic()
         for k, p in enumerate(prompts):
             idx = first + k
@@ -481,7 +582,8 @@ class RolloutCoreRollout:
                                   state=st, published=self.version) from e
         for pend, row in zip(pending, results, strict=True):
             for i, s in enumerate(row):
-                problem = _attribution_problem(s, version)
+                problem = _attribution_problem(s, version) or (
+                    _adapter_problem(s, adapter) if self.adapters else None)
                 if problem:
                     raise TrainingStopped(step, "attribution",
                                           f"sample {pend.group_id}/{i}: {problem}",
@@ -499,7 +601,10 @@ class RolloutCoreRollout:
                                               SEED_DERIVATION, base.extra),
                                  SampledCompletion(s.token_ids, s.finish_reason, s.logprobs,
                                                    None, s.spans),
-                                 s.binding, engine, s.stamps)
+                                 s.binding, engine, s.stamps,
+                                 adapter=None if s.adapter is None else AdapterUse(
+                                     s.adapter.name, s.adapter.generation,
+                                     s.adapter.content_digest, s.adapter.base))
                 for i, s in enumerate(row))))
         if self.recorder is not None:
             for g in groups:
@@ -508,6 +613,8 @@ class RolloutCoreRollout:
         record_s = time.monotonic() - t1
         out: dict[str, Any] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
                                "rc_version": [], "rc_generation": [], "rc_rollout_id": []}
+        if self.adapters:
+            out["rc_adapter"] = []
         tokens = 0
         for pend, row in zip(pending, results, strict=True):
             for s in row:
@@ -517,9 +624,11 @@ class RolloutCoreRollout:
                 out["rc_version"].append(s.binding.version.label)
                 out["rc_generation"].append(s.binding.version.generation)
                 out["rc_rollout_id"].append(s.binding.rollout_id)
+                if self.adapters:
+                    out["rc_adapter"].append(None if s.adapter is None else s.adapter.name)
                 tokens += len(s.token_ids)
         return out, GenerationReport(step, version, len(prompts), len(prompts) * n, tokens,
-                                     generate_s, record_s, first)
+                                     generate_s, record_s, first, adapter)
 
     def _engine_id(self) -> EngineIdentity:
         if self._engine_identity is None:
@@ -595,6 +704,19 @@ def _groups(prompts: Sequence[Any], n: int) -> list[Any]:
                            f"{n} times (TRL's RepeatSampler order)")
         out.append(block[0])
     return out
+
+
+def _adapter_problem(s: EngineSample, expected: AdapterVersion | None) -> str | None:
+    """Why ``s`` cannot be credited to the adapter version published for its step."""
+    if s.adapter is None:
+        return "generated without an adapter in a LoRA run"
+    if s.adapter != expected:
+        return (f"generated through adapter {s.adapter.name} but this step's adapter is "
+                f"{None if expected is None else expected.name}")
+    if s.adapter.base != s.binding.version.label:
+        return (f"adapter {s.adapter.name} was verified on {s.adapter.base}, the sample is "
+                f"bound to {s.binding.version.label}")
+    return None
 
 
 def _attribution_problem(s: EngineSample, expected: WeightVersion) -> str | None:

@@ -1,0 +1,79 @@
+"""A sample's LoRA adapter (trajectory schema 5), and what the audit checks of it.
+
+The binding names the base version (the engine's weights, which an adapter does
+not change); ``AdapterUse`` names the adapter on top. ``adapter_problems`` is the
+audit's check of one against the journal's published adapter versions.
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
+
+__all__ = ["AdapterUse", "adapter_problems"]
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # vLLM's LoRA names
+_LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class AdapterUse:
+    """The LoRA-adapter version a sample was generated through.
+
+    ``name`` is what the request sent as its model; ``generation``;
+    ``content_digest`` the sha256 of its tensors and config
+    (``verification.adapters``); ``base`` the label of the base version it was
+    verified on (``TrajectorySample`` requires the binding's).
+    """
+
+    name: str
+    generation: int
+    content_digest: str
+    base: str
+
+    def __post_init__(self) -> None:
+        for where, x, pat in (("adapter.name", self.name, _NAME_RE),
+                              ("adapter.content_digest", self.content_digest, _HEX64),
+                              ("adapter.base", self.base, _LABEL_RE)):
+            check_str(where, x)
+            if not pat.fullmatch(x):
+                raise fail(where, f"must match {pat.pattern}, got {x!r}")
+        g = self.generation
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise fail("adapter.generation", f"must be an int >= 1, got {g!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "generation": self.generation,
+                "content_digest": self.content_digest, "base": self.base}
+
+    @classmethod
+    def from_dict(cls, d: object) -> AdapterUse:
+        m = check_obj("adapter", d)
+        exact_keys("adapter", m, ("name", "generation", "content_digest", "base"))
+        return cls(m["name"], m["generation"], m["content_digest"], m["base"])
+
+
+def adapter_problems(a: AdapterUse, published: Mapping[str, tuple[int, str, str]]
+                     ) -> list[tuple[str, str]]:
+    """(issue, detail) for an adapter the journal did not publish as recorded.
+
+    ``published``: name -> (generation, content digest, base label) of every
+    version the journal's ``adapter`` records published (verified).
+    """
+    pub = published.get(a.name)
+    if pub is None:
+        return [("unpublished-adapter", f"adapter {a.name} was never published in the "
+                 "journal")]
+    if pub != (a.generation, a.content_digest, a.base):
+        return [("adapter-mismatch",
+                 f"adapter {a.name} was published as generation {pub[0]}, sha256 "
+                 f"{pub[1][:16]}, on {pub[2]}; the sample says generation {a.generation}, "
+                 f"sha256 {a.content_digest[:16]}, on {a.base}")]
+    return []
