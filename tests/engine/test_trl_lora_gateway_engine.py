@@ -63,7 +63,7 @@ def test_train_lora_through_a_serve_lora_gateway(tmp_path: Path) -> None:
     port = free_port()
     cmd = [sys.executable, "-m", "rolloutcore", "serve", "--lora", "--max-lora-rank", "8",
            "--model", str(ckpt), "--port", str(port), "--token", TOKEN,
-           "--workdir", str(tmp_path / "gw"), "--journal", str(journal)]
+           "--workdir", str(work), "--journal", str(journal)]   # train's workdir too
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True,
@@ -91,9 +91,11 @@ def test_train_lora_through_a_serve_lora_gateway(tmp_path: Path) -> None:
     assert [p.name for p in published] == lora["adapter_versions"]
     assert {p.base for p in published} == {lora["base_version"]}
     assert not any(isinstance(r, RequestUpdate) for r in recs)   # the base never updated
-    # the trainer's saved copies were removed; the gateway's store holds its own
-    assert not list((work / "adapters").iterdir())
-    assert all(str(tmp_path / "gw") in u["adapter"]["path"] for u in rep["updates"])
+    # the trainer's saved copies were removed; the gateway's store holds its own (the
+    # versions not retired: the last two)
+    assert not list((work / "adapters-sent").iterdir())
+    assert all(Path(u["adapter"]["path"]).parent == work / "adapters" for u in rep["updates"])
+    assert lora["adapters_kept"] == sorted(u["adapter"]["path"] for u in rep["updates"][1:])
     # every sample names its step's adapter version, as the gateway answered it
     by_step = {u["step"]: u["adapter"] for u in rep["updates"]}
     samples = [s for g in read_groups(work / "trajectories.jsonl") for s in g.samples]

@@ -29,8 +29,9 @@ bound to (base version, adapter version) and every sample records both; the
 audit checks each sample's adapter against the journal's ``adapter`` records.
 Same progress line, table, plot, trajectory file, journal and audit.
 ``--lora --gateway URL`` does the same through a gateway started with ``rolloutcore
-serve --model DIR --lora`` on this run's checkpoint (``WORKDIR/policy-0``): the
-adapter is saved (``save_pretrained``) under ``WORKDIR/adapters`` and published with
+serve --lora`` on this run's checkpoint (``WORKDIR/policy-0``; ``serve --workdir
+WORKDIR`` makes the same one): the adapter is saved (``save_pretrained``) under
+``WORKDIR/adapters-sent`` and published with
 ``RolloutCoreClient.update_adapter``; requests ask for ``policy`` and each sample
 takes the adapter version the gateway's answer names. The journal is the gateway's
 (``--journal``, the path given to ``serve --journal``); without it the audit checks
@@ -191,8 +192,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
     for p in (traj,) if gateway else (traj, journal):
         if p.exists():
             p.unlink()
-    if lora is not None:
-        shutil.rmtree(_store(traj), ignore_errors=True)   # the adapters of an earlier run
+    if lora is not None:   # the adapters of an earlier run (a gateway's store is its own)
+        shutil.rmtree(_sent(traj) if gateway else _store(traj), ignore_errors=True)
     t_all = time.monotonic()
     # Where the run is, for an interrupt: the phase and the trainer's step.
     at: dict[str, Any] = {"phase": "checkpoint", "step": None}
@@ -318,15 +319,21 @@ def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
 
 
 def _store(traj: Path) -> Path:
-    """A LoRA run's adapter store: the versions not retired stay there (replay). Through a
-    gateway: where the trainer saves each adapter for the gateway (which keeps its own)."""
+    """A LoRA run's adapter store: the versions not retired stay there (replay)."""
     return traj.parent / "adapters"
+
+
+def _sent(traj: Path) -> Path:
+    """Through a gateway: where the trainer saves each adapter for the gateway to read
+    (each removed once published). Not ``_store``: ``serve --workdir`` on the same
+    directory keeps its own store there."""
+    return traj.parent / "adapters-sent"
 
 
 def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
                      lora: bool = False) -> Any:
-    """``lora``: the adapter saved for the gateway under the run's adapter store (each
-    directory removed once the gateway published its own copy)."""
+    """``lora``: each adapter saved for the gateway under ``_sent`` (removed once the
+    gateway published its own copy)."""
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
     if not lora:
@@ -334,7 +341,7 @@ def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
                                                   trajectories=traj)
     return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
                                               trajectories=traj, adapters=True,
-                                              adapter_dir=_store(traj))
+                                              adapter_dir=_sent(traj))
 
 
 def _close(rollout: Any, interrupt: BaseException | None, presses: list[int],
