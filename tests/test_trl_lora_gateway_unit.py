@@ -221,5 +221,32 @@ def test_answer_adapter_reads_what_the_gateway_says_and_refuses_half_an_answer(
             ({**info, "adapter_digest": "zz"}, {**hdr, "x-rolloutcore-adapter-digest": "zz"},
              "sha256"),
             ({k: v for k, v in info.items() if k != "adapter_base"}, hdr, "adapter_base")):
-        with pytest.raises((ValueError, KeyError), match=said):
+        with pytest.raises((BadInput, KeyError), match=said):
             answer_adapter(bad_info, bad_hdr, {a.name: a})
+
+
+def test_train_lora_gateway_without_a_token_exits_2_before_anything_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from rolloutcore.cli import main
+
+    monkeypatch.delenv("ROLLOUTCORE_TOKEN", raising=False)
+    work = tmp_path / "w"
+    rc = main(["train", "--lora", "--gateway", "http://127.0.0.1:9", "--workdir", str(work),
+               "--quiet"])
+    assert rc == 2 and "needs the gateway's control token" in capsys.readouterr().err
+    assert not work.exists()
+
+
+def test_the_summary_says_which_journal_the_audit_read() -> None:
+    from rolloutcore.cli.train import _journal_line
+
+    assert _journal_line({"journal": "/j.jsonl", "gateway": "http://gw"}) == \
+        "journal: /j.jsonl"
+    assert _journal_line({"journal": "/w/journal.jsonl", "gateway": None}) == \
+        "journal: /w/journal.jsonl"
+    lora = _journal_line({"journal": None, "gateway": "http://gw", "lora": {"rank": 4}})
+    assert lora.startswith("journal: none") and "--journal" in lora
+    assert "against the version the gateway answered" in lora
+    full = _journal_line({"journal": None, "gateway": "http://gw", "lora": None})
+    assert "not checked against the commits" in full

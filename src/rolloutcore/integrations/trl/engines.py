@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import shutil
 import tempfile
@@ -210,7 +211,7 @@ def answer_adapter(info: Mapping[str, Any], headers: Mapping[str, str],
     name. A version among them, with the same generation, content and base, is
     returned as published (with its path); any other is returned as the answer
     names it (``path`` ``gateway:NAME``): it is not this step's, and the rollout
-    refuses the sample. ``ValueError`` for an answer that does not say it coherently.
+    refuses the sample. ``BadInput`` for an answer that does not say it coherently.
     """
     name = info.get("adapter")
     h_name, h_digest = headers.get("x-rolloutcore-adapter"), headers.get(
@@ -218,22 +219,19 @@ def answer_adapter(info: Mapping[str, Any], headers: Mapping[str, str],
     if name is None:
         if h_name is not None or any(k in info for k in ("adapter_generation",
                                                          "adapter_digest", "adapter_base")):
-            raise ValueError("the answer names an adapter only in part")
+            raise BadInput("the answer names an adapter only in part")
         return None
     gen, digest, base = info["adapter_generation"], info["adapter_digest"], info["adapter_base"]
     if isinstance(gen, bool) or not isinstance(gen, int):
-        raise ValueError(f"adapter_generation is not an int: {gen!r}")
+        raise BadInput(f"adapter_generation is not an int: {gen!r}")
     if h_name != name or h_digest != digest:
-        raise ValueError(f"the headers name adapter {h_name!r} ({h_digest!r}), the body "
+        raise BadInput(f"the headers name adapter {h_name!r} ({h_digest!r}), the body "
                          f"{name!r} ({digest!r})")
     known = published.get(str(name))
     if known is not None and (known.generation, known.content_digest, known.base) == (
             gen, digest, base):
         return known
-    try:
-        return AdapterVersion(gen, str(name), f"gateway:{name}", str(digest), str(base))
-    except BadInput as exc:
-        raise ValueError(str(exc)) from exc
+    return AdapterVersion(gen, str(name), f"gateway:{name}", str(digest), str(base))
 
 
 def _probe_diff(checks: Iterable[Any]) -> float | None:
@@ -249,7 +247,7 @@ def _probe_diff(checks: Iterable[Any]) -> float | None:
     return None
 
 
-class _AdapterPublisher:
+class _AdapterPublisher(abc.ABC):
     """What both engines do for a LoRA run (``adapters=True``): the base is never updated,
     ``update_adapter`` publishes the trainer's adapter as the next adapter version and
     answers the base version (unchanged) with it. Each engine says only how it publishes
@@ -257,16 +255,16 @@ class _AdapterPublisher:
 
     adapters: bool
 
-    def committed(self) -> tuple[WeightVersion, WeightIdentity]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def committed(self) -> tuple[WeightVersion, WeightIdentity]: ...
 
     def _no_base_update(self) -> None:
         if self.adapters:
             raise BadInput("a LoRA run publishes adapters (update_adapter), never the base")
 
+    @abc.abstractmethod
     def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
-                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]:
-        raise NotImplementedError
+                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]: ...
 
     def update_adapter(self, model: Any, provenance: Provenance,
                        engine_dtype: str | None = None) -> PublishedUpdate:
