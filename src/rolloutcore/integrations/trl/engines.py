@@ -226,7 +226,7 @@ def answer_adapter(info: Mapping[str, Any], headers: Mapping[str, str],
         raise BadInput(f"adapter_generation is not an int: {gen!r}")
     if h_name != name or h_digest != digest:
         raise BadInput(f"the headers name adapter {h_name!r} ({h_digest!r}), the body "
-                         f"{name!r} ({digest!r})")
+                       f"{name!r} ({digest!r})")
     known = published.get(str(name))
     if known is not None and (known.generation, known.content_digest, known.base) == (
             gen, digest, base):
