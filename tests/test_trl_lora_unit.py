@@ -47,8 +47,6 @@ def test_bad_lora_arguments_are_refused_by_the_parser(
     (["--lora", "--lora-targets", "q_proj,lm_head"], "['lm_head'] are not projections"),
     (["--lora", "--lora-targets", ","], "non-empty"),
     (["--lora", "--lora-targets", "q_proj,q_proj"], "repeat a module"),
-    (["--lora", "--gateway", "http://127.0.0.1:9", "--token-file", "/dev/null"],
-     "--lora with --gateway is not built"),
 ])
 def test_bad_lora_input_exits_2_before_anything_is_made(
         argv: list[str], said: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -190,6 +188,6 @@ def test_launch_refuses_adapter_options_without_a_rank_before_starting_anything(
                {"lora_rank": 0}, {"lora_rank": 8, "adapter_config": {"max_loaded": 4}}):
         with pytest.raises(BadInput):
             RolloutCoreRollout.launch(tmp_path / "nowhere", run="r", **kw)  # type: ignore[arg-type]
-    with pytest.raises(BadInput, match="through a gateway is not built"):
+    with pytest.raises(BadInput, match="adapter_dir is for adapters=True"):
         RolloutCoreRollout.through_gateway("http://127.0.0.1:9", "t", checkpoint=tmp_path,
-                                           run="r", adapters=True)
+                                           run="r", adapter_dir=tmp_path)

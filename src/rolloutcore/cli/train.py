@@ -28,6 +28,14 @@ PEFT model, the base probed beside it, published; no drain). Every request is
 bound to (base version, adapter version) and every sample records both; the
 audit checks each sample's adapter against the journal's ``adapter`` records.
 Same progress line, table, plot, trajectory file, journal and audit.
+``--lora --gateway URL`` does the same through a gateway started with ``rolloutcore
+serve --lora`` on this run's checkpoint (``WORKDIR/policy-0``; ``serve --workdir
+WORKDIR`` makes the same one): the adapter is saved (``save_pretrained``) under
+``WORKDIR/adapters-sent`` and published with
+``RolloutCoreClient.update_adapter``; requests ask for ``policy`` and each sample
+takes the adapter version the gateway's answer names. The journal is the gateway's
+(``--journal``, the path given to ``serve --journal``); without it the audit checks
+the trajectories alone.
 
 It exits 0 when the reward rose (the mean of the last 5 steps at least
 ``--min-gain`` times the first 5) and the audit is clean, else 1; 130 when
@@ -172,10 +180,6 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
     if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float))
                                                and 0 < learning_rate < float("inf")):
         raise BadInput(f"learning_rate must be a positive number, got {learning_rate!r}")
-    if gateway and lora is not None:
-        raise BadInput("--lora with --gateway is not built: the gateway's adapter route "
-                       "(POST /control/adapters) has no client here yet; run --lora without "
-                       "--gateway (the engine in process)")
     if gateway and not token:
         raise BadInput("--gateway needs the gateway's control token (--token-file or "
                        "ROLLOUTCORE_TOKEN)")
@@ -188,8 +192,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
     for p in (traj,) if gateway else (traj, journal):
         if p.exists():
             p.unlink()
-    if lora is not None:
-        shutil.rmtree(_store(traj), ignore_errors=True)   # the adapters of an earlier run
+    if lora is not None:   # the adapters of an earlier run (a gateway's store is its own)
+        shutil.rmtree(_sent(traj) if gateway else _store(traj), ignore_errors=True)
     t_all = time.monotonic()
     # Where the run is, for an interrupt: the phase and the trainer's step.
     at: dict[str, Any] = {"phase": "checkpoint", "step": None}
@@ -214,8 +218,10 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
         t0 = time.monotonic()
         if gateway:
             assert token is not None
-            rollout = _through_gateway(gateway, token, ckpt, run, traj)
-            say(f"[3/4] through the gateway {gateway} (committed {rollout.version.label})")
+            rollout = _through_gateway(gateway, token, ckpt, run, traj, lora is not None)
+            say(f"[3/4] through the gateway {gateway} (committed {rollout.version.label}"
+                + ("; the adapter published through it, POST /control/adapters)"
+                   if lora else ")"))
         else:
             say("[3/4] starting vLLM on the checkpoint"
                 + (f" with LoRA (rank up to {lora.rank})" if lora else "")
@@ -317,11 +323,25 @@ def _store(traj: Path) -> Path:
     return traj.parent / "adapters"
 
 
-def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path) -> Any:
+def _sent(traj: Path) -> Path:
+    """Through a gateway: where the trainer saves each adapter for the gateway to read
+    (each removed once published). Not ``_store``: ``serve --workdir`` on the same
+    directory keeps its own store there."""
+    return traj.parent / "adapters-sent"
+
+
+def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
+                     lora: bool = False) -> Any:
+    """``lora``: each adapter saved for the gateway under ``_sent`` (removed once the
+    gateway published its own copy)."""
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
+    if not lora:
+        return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
+                                                  trajectories=traj)
     return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
-                                              trajectories=traj)
+                                              trajectories=traj, adapters=True,
+                                              adapter_dir=_sent(traj))
 
 
 def _close(rollout: Any, interrupt: BaseException | None, presses: list[int],
@@ -615,12 +635,25 @@ def format_summary(report: dict[str, Any]) -> str:
     lines += [
         f"samples: {report['samples_generated']} generated, {report['samples_recorded']} "
         f"recorded in {report['trajectories']}",
-        f"journal: {report['journal']}",
+        _journal_line(report),
         f"plot: {report['plot']}",
         "",
         report["audit"]["table"] if report.get("audit") else "audit: nothing was recorded",
     ]
     return "\n".join(lines)
+
+
+def _journal_line(report: dict[str, Any]) -> str:
+    """Which journal the audit read; through a gateway without ``--journal``, what that
+    leaves unchecked."""
+    if report.get("journal") or not report.get("gateway"):
+        return f"journal: {report.get('journal')}"
+    what = ("each sample's adapter was checked, as it was generated, against the version "
+            "the gateway answered this trainer's update with, not against the journal"
+            if report.get("lora") else "each sample's version was not checked against "
+            "the commits")
+    return ("journal: none (the gateway keeps its own: give it with --journal, serve's "
+            f"--journal, for the audit to check it); {what}")
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -717,12 +750,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --lora: comma-separated projections (default all: "
                         + ",".join(_PROJECTIONS) + ")")
     p.add_argument("--gateway", metavar="URL", default=None,
-                   help="generate and update through a running `rolloutcore serve`")
+                   help="generate and update through a running `rolloutcore serve` "
+                        "(with --lora: one started with serve --lora on WORKDIR/policy-0)")
     p.add_argument("--token-file", default=None,
                    help="with --gateway: the control token (else ROLLOUTCORE_TOKEN)")
     p.add_argument("--journal", default=None,
                    help="with --gateway: the gateway's journal (serve --journal), so the "
-                        "audit checks every version was committed")
+                        "audit checks every version was committed (with --lora: every "
+                        "sample's adapter version was published)")
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")

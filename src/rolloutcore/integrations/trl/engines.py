@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import shutil
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from rolloutcore.core.adapters import AdapterVersion
@@ -23,7 +27,9 @@ from rolloutcore.errors import (
     BadInput,
     EffectError,
     JournalError,
+    RolloutCoreError,
     UpdateFailed,
+    UpdateRefused,
 )
 from rolloutcore.integrations.trl.common import (
     _RETRY_503_S,
@@ -38,7 +44,8 @@ from rolloutcore.provenance.trajectory import (
 )
 from rolloutcore.transports.source import WeightSource
 
-__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine", "end_open_update"]
+__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine", "answer_adapter",
+           "end_open_update"]
 
 # --------------------------------------------------------------------------- engines
 
@@ -194,7 +201,83 @@ def adapter_reference(model: Any, engine_dtype: str | None) -> Any:
     return ref.eval()
 
 
-class _SessionEngine:
+def answer_adapter(info: Mapping[str, Any], headers: Mapping[str, str],
+                   published: Mapping[str, AdapterVersion]) -> AdapterVersion | None:
+    """The adapter version a gateway's answer names (``None``: none, the base answered).
+
+    ``info`` is the answer's ``rolloutcore`` body field, ``headers`` its headers
+    (``X-RolloutCore-Adapter`` and ``-Digest`` must name the same version as the
+    body); ``published``: the versions the gateway published for this trainer, by
+    name. A version among them, with the same generation, content and base, is
+    returned as published (with its path); any other is returned as the answer
+    names it (``path`` ``gateway:NAME``): it is not this step's, and the rollout
+    refuses the sample. ``BadInput`` for an answer that does not say it coherently.
+    """
+    name = info.get("adapter")
+    h_name, h_digest = headers.get("x-rolloutcore-adapter"), headers.get(
+        "x-rolloutcore-adapter-digest")
+    if name is None:
+        if h_name is not None or any(k in info for k in ("adapter_generation",
+                                                         "adapter_digest", "adapter_base")):
+            raise BadInput("the answer names an adapter only in part")
+        return None
+    gen, digest, base = info["adapter_generation"], info["adapter_digest"], info["adapter_base"]
+    if isinstance(gen, bool) or not isinstance(gen, int):
+        raise BadInput(f"adapter_generation is not an int: {gen!r}")
+    if h_name != name or h_digest != digest:
+        raise BadInput(f"the headers name adapter {h_name!r} ({h_digest!r}), the body "
+                       f"{name!r} ({digest!r})")
+    known = published.get(str(name))
+    if known is not None and (known.generation, known.content_digest, known.base) == (
+            gen, digest, base):
+        return known
+    return AdapterVersion(gen, str(name), f"gateway:{name}", str(digest), str(base))
+
+
+def _probe_diff(checks: Iterable[Any]) -> float | None:
+    """The adapter probe's largest difference among an adapter update's checks (objects or
+    their ``to_dict``); ``None`` without one."""
+    for ch in checks:
+        d = ch if isinstance(ch, Mapping) else {"name": getattr(ch, "name", None),
+                                                "max_abs_diff": getattr(ch, "max_abs_diff",
+                                                                        None)}
+        if d.get("name") == "adapter-probe":
+            v = d.get("max_abs_diff")
+            return None if v is None else float(v)
+    return None
+
+
+class _AdapterPublisher(abc.ABC):
+    """What both engines do for a LoRA run (``adapters=True``): the base is never updated,
+    ``update_adapter`` publishes the trainer's adapter as the next adapter version and
+    answers the base version (unchanged) with it. Each engine says only how it publishes
+    (``_publish_adapter``)."""
+
+    adapters: bool
+
+    @abc.abstractmethod
+    def committed(self) -> tuple[WeightVersion, WeightIdentity]: ...
+
+    def _no_base_update(self) -> None:
+        if self.adapters:
+            raise BadInput("a LoRA run publishes adapters (update_adapter), never the base")
+
+    @abc.abstractmethod
+    def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
+                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]: ...
+
+    def update_adapter(self, model: Any, provenance: Provenance,
+                       engine_dtype: str | None = None) -> PublishedUpdate:
+        """Publish ``model``'s adapter (a PEFT model, not merged) as the next adapter
+        version; the base version is unchanged."""
+        if not self.adapters:
+            raise BadInput("this engine was not set up for adapters (adapters=True)")
+        adapter, phases, checks = self._publish_adapter(model, provenance, engine_dtype)
+        version, identity = self.committed()
+        return PublishedUpdate(version, identity, dict(phases), adapter, _probe_diff(checks))
+
+
+class _SessionEngine(_AdapterPublisher):
     """An in-process ``EngineSession``: its controller admits, its runner updates.
 
     ``adapters=True`` (a LoRA run, ``session.enable_adapters`` done): the base is
@@ -223,26 +306,18 @@ class _SessionEngine:
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
                owner: str) -> PublishedUpdate:
-        if self.adapters:
-            raise BadInput("a LoRA run publishes adapters (update_adapter), never the base")
+        self._no_base_update()
         res = self.session.update(state, provenance, probe=probe, owner=owner)
         return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
 
-    def update_adapter(self, model: Any, provenance: Provenance,
-                       engine_dtype: str | None = None) -> PublishedUpdate:
-        """Publish ``model``'s adapter (a PEFT model, not merged) as the next adapter
-        version, verified against ``model`` itself, its adapter weights rounded to
+    def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
+                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]:
+        """In process: verified against ``model`` itself, its adapter weights rounded to
         ``engine_dtype`` (what the engine holds: vLLM loads an adapter in the model's
-        dtype); the base version is unchanged."""
-        if not self.adapters:
-            raise BadInput("this engine was not set up for adapters (adapters=True)")
+        dtype)."""
         res = self.session.update_adapter(model, provenance,
                                           reference=adapter_reference(model, engine_dtype))
-        version, identity = self.committed()
-        probe = next((ch.max_abs_diff for ch in res.checks if ch.name == "adapter-probe"),
-                     None)
-        return PublishedUpdate(version, identity, dict(res.phases), res.version,
-                               None if probe is None else float(probe))
+        return res.version, res.phases, res.checks
 
     def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         c, http = self.session.controller, self.session.http
@@ -299,24 +374,49 @@ class _SessionEngine:
             self.session.close()
 
 
-class _GatewayEngine:
-    """A ``rolloutcore serve`` gateway: its data plane admits, its control API updates."""
+class _GatewayEngine(_AdapterPublisher):
+    """A ``rolloutcore serve`` gateway: its data plane admits, its control API updates.
+
+    ``adapters=True`` (a LoRA run, the gateway started with ``serve --lora``): the base
+    is never updated; ``update_adapter`` saves the trainer's adapter (``save_pretrained``,
+    not merged) to a fresh directory under ``adapter_dir`` (where the gateway can read
+    it: the same machine) and publishes it through the trainer protocol
+    (``RolloutCoreClient.update_adapter``: the gateway copies it into its own store,
+    verifies and publishes it); the directory is removed once it is published. Every
+    request asks for ``public_model`` (the gateway binds it to (base version, current
+    adapter version)), and each sample takes the adapter version its answer names
+    (``rolloutcore.adapter``, ``adapter_generation``, ``adapter_digest``,
+    ``adapter_base``, and the ``X-RolloutCore-Adapter`` headers, which must agree).
+    """
 
     def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
-                 timeout_s: float, min_verification: str | None) -> None:
+                 timeout_s: float, min_verification: str | None, adapters: bool = False,
+                 adapter_dir: str | Path | None = None, public_model: str = "policy",
+                 http_transport: Any = None) -> None:
         import httpx
 
         from rolloutcore.service.client import RolloutCoreClient
 
+        if not adapters and adapter_dir is not None:
+            raise BadInput("adapter_dir is for adapters=True (a LoRA run)")
+        if not isinstance(public_model, str) or not public_model:
+            raise BadInput("public_model must be a non-empty model name")
         self.replica = url.rstrip("/")
-        self.client = RolloutCoreClient(self.replica, token, transport=transport)
+        self.client = RolloutCoreClient(self.replica, token, transport=transport,
+                                        http_transport=http_transport)
         headers = {"authorization": f"Bearer {data_token}"} if data_token else {}
-        self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers)
+        self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers,
+                                 transport=http_transport)
         self.min_verification = min_verification
+        self.adapters = bool(adapters)
+        self.adapter_dir = None if adapter_dir is None else Path(adapter_dir)
+        self.public_model = public_model
+        #: The adapter versions the gateway published for this trainer, by name.
+        self.published: dict[str, AdapterVersion] = {}
         self._lock = threading.Lock()
         self._version: WeightVersion | None = None
         self._identity: WeightIdentity | None = None
-        self._model: str | None = None
+        self._model: str | None = public_model if adapters else None
 
     def committed(self) -> tuple[WeightVersion, WeightIdentity]:
         st = self.client.status()
@@ -330,6 +430,7 @@ class _GatewayEngine:
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
                owner: str) -> PublishedUpdate:
+        self._no_base_update()
         # The probe was computed from the trainer's own model (``probe_for``): a
         # state dict alone cannot give one, and the gateway's floor is the probe.
         res = self.client.update(WeightSource.of(state), provenance, owner=owner,
@@ -342,6 +443,38 @@ class _GatewayEngine:
         with self._lock:
             self._version, self._identity = res.published, ident
         return PublishedUpdate(res.published, ident, dict(res.phases))
+
+    def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
+                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]:
+        """Through the gateway: it computes the references itself, from the base it serves
+        and the directory it is sent (``engine_dtype`` is not needed). Fail-closed: a
+        refusal or failure raises (``UpdateRefused``, ``UpdateFailed``; an answer of
+        any other kind is an ``UpdateFailed``, ambiguous); the directory of an adapter
+        not published is kept (the gateway may still be reading it)."""
+        if self.adapter_dir is not None:
+            self.adapter_dir.mkdir(parents=True, exist_ok=True)
+        out = Path(tempfile.mkdtemp(prefix=f"step{provenance.step}-",
+                                    dir=None if self.adapter_dir is None else self.adapter_dir))
+        model.save_pretrained(out)
+        try:
+            res = self.client.update_adapter(out, provenance)
+        except (UpdateRefused, UpdateFailed, EffectError, BadInput):
+            raise
+        except RolloutCoreError as exc:   # an answer neither published nor refused
+            raise UpdateFailed("adapter", "ambiguous", "unknown",
+                               f"the gateway's adapter update answered: {exc}") from exc
+        try:
+            adapter = AdapterVersion.from_dict(res["version"])
+            phases = {str(k): float(v) for k, v in dict(res.get("phases") or {}).items()}
+            checks = list(res.get("checks") or ())
+        except (BadInput, KeyError, TypeError, ValueError) as exc:
+            raise UpdateFailed("adapter", "ambiguous", "unknown",
+                               f"unexpected answer to the adapter update (a fleet gateway's "
+                               f"is not read here yet): {exc!r}") from exc
+        with self._lock:
+            self.published[adapter.name] = adapter
+        shutil.rmtree(out, ignore_errors=True)   # the gateway holds its own copy
+        return adapter, phases, checks
 
     def _served_model(self) -> str:
         if self._model is None:
@@ -385,6 +518,9 @@ class _GatewayEngine:
             digest = str(info["identity_digest"])
             spans = _spans(ch.get("weight_versions"))
             finish = str(ch.get("finish_reason") or "unknown")
+            with self._lock:
+                adapter = answer_adapter(info, r.headers, self.published) \
+                    if self.adapters else None
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EffectError("generate", f"unexpected gateway answer: {exc!r}",
                               mutation_started=False) from exc
@@ -401,7 +537,7 @@ class _GatewayEngine:
         credited = ident.digest == digest and info.get("attributable", True) is not False
         rid = str(info.get("rollout_id") or rollout_id)
         return EngineSample(Binding(version, ident, rid), toks, lps, finish, spans,
-                            Timestamps(aw, am, cw, max(cm, am)), credited)
+                            Timestamps(aw, am, cw, max(cm, am)), credited, adapter)
 
     def engine_identity(self) -> EngineIdentity:
         r = self.http.get("/version")

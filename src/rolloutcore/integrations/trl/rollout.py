@@ -111,7 +111,9 @@ class RolloutCoreRollout:
     ``max_concurrency`` bounds the requests in flight (vLLM batches them).
 
     **LoRA** (``adapters=True``; ``launch(..., lora_rank=R)`` starts the engine
-    for it): the trainer's model is a PEFT model (TRL's ``peft_config``) and the
+    for it, ``through_gateway(..., adapters=True)`` uses a ``serve --lora``
+    gateway, publishing through ``RolloutCoreClient.update_adapter``): the
+    trainer's model is a PEFT model (TRL's ``peft_config``) and the
     base never changes. Before the first generation and after every optimizer
     step the trainer's adapter (not merged) is published as the next adapter
     version (``EngineSession.update_adapter``: loaded under a new name, listed,
@@ -149,7 +151,8 @@ class RolloutCoreRollout:
         if adapters and not (callable(getattr(engine, "update_adapter", None))
                              and getattr(engine, "adapters", False)):
             raise BadInput("adapters=True needs an engine that publishes LoRA adapters (an "
-                           "EngineSession with adapters enabled, or launch(lora_rank=...))")
+                           "EngineSession with adapters enabled, launch(lora_rank=...), or "
+                           "through_gateway(adapters=True) to a serve --lora gateway)")
         ckpt = Path(checkpoint)
         if not (ckpt / "config.json").is_file():
             raise BadInput(f"{ckpt} is not a checkpoint directory (no config.json)")
@@ -258,7 +261,8 @@ class RolloutCoreRollout:
     def through_gateway(cls, url: str, token: str, *, checkpoint: str | Path, run: str,
                         trajectories: str | Path | None = None, transport: Any = None,
                         data_token: str | None = None, timeout_s: float = 300.0,
-                        min_verification: str | None = None, **kw: Any) -> RolloutCoreRollout:
+                        min_verification: str | None = None,
+                        adapter_dir: str | Path | None = None, **kw: Any) -> RolloutCoreRollout:
         """Generate and update through a ``rolloutcore serve`` gateway at ``url``.
 
         ``token`` is the gateway's control token; ``transport`` moves the
@@ -267,18 +271,27 @@ class RolloutCoreRollout:
         ``None`` asks for the gateway's floor (``probe`` by default): the
         policy probe's expectations are computed here, from the trained model,
         and the gateway compares the engine with them.
+
+        ``adapters=True``: a LoRA run through a gateway started with ``serve
+        --lora`` on ``checkpoint``. The trainer's adapter is saved to a fresh
+        directory under ``adapter_dir`` (default the system's temporary directory;
+        the gateway must be able to read it: the same machine) and published
+        through ``RolloutCoreClient.update_adapter``; requests ask for the model
+        ``policy`` and every sample takes the adapter version its answer names
+        (refused unless it is the one published for its step). No weights move:
+        ``transport`` is not used.
         """
-        if kw.get("adapters"):
-            raise BadInput("a LoRA run through a gateway is not built: the gateway's "
-                           "adapter route (POST /control/adapters) has no client here yet; "
-                           "run it in process (RolloutCoreRollout.launch(lora_rank=...))")
-        if transport is None:
+        adapters = bool(kw.get("adapters"))
+        if adapter_dir is not None and not adapters:
+            raise BadInput("adapter_dir is for adapters=True (a LoRA run)")
+        if transport is None and not adapters:
             from rolloutcore.transports.gloo import GlooTransport
 
             transport = GlooTransport()
         kw.setdefault("probe", True)  # expectations from the model; the gateway compares
         eng = _GatewayEngine(url, token, transport=transport, data_token=data_token,
-                             timeout_s=timeout_s, min_verification=min_verification)
+                             timeout_s=timeout_s, min_verification=min_verification,
+                             adapters=adapters, adapter_dir=adapter_dir)
         try:
             return cls(eng, checkpoint=checkpoint, run=run, trajectories=trajectories, **kw)
         except BaseException:
