@@ -31,7 +31,7 @@ def test_concurrent_loads_leave_tying_and_init_as_they_were(tmp_path: Path) -> N
     for _ in range(4):
         gate = threading.Barrier(2)
 
-        def load() -> None:
+        def load(gate: threading.Barrier = gate) -> None:
             try:
                 gate.wait(10)
                 PolicyProbe.from_checkpoint(ckpt, new_tokens=2)

@@ -99,7 +99,24 @@ def test_client_refuses_bad_input_before_sending(tmp_path: Path) -> None:
         c.update_adapter(tmp_path / "a", {"checkpoint": "x"})  # type: ignore[arg-type]
     with pytest.raises(BadInput, match="timeout_s"):
         c.update_adapter(tmp_path / "a", prov, timeout_s=0)
+    for tol in (0, -1, 0.06, True, "0.01", float("nan")):
+        with pytest.raises(BadInput, match="probe_tolerance"):
+            c.update_adapter(tmp_path / "a", prov, probe_tolerance=tol)  # type: ignore[arg-type]
     assert gw.requests == []
+
+
+def test_the_adapter_bodys_probe_tolerance_is_checked_field_by_field(tmp_path: Path) -> None:
+    from rolloutcore.service.adapter_control import adapter_probe_tolerance, parse_adapter_body
+
+    body: dict[str, Any] = {"adapter_dir": str(tmp_path), "provenance": {"checkpoint": "c"}}
+    assert adapter_probe_tolerance(body) is None
+    assert adapter_probe_tolerance({**body, "probe_tolerance": 0.05}) == 0.05
+    parse_adapter_body({**body, "probe_tolerance": 0.02})
+    for bad in (0, 0.051, "x", None, True, [0.01]):
+        if bad is None:
+            continue
+        with pytest.raises(BadInput, match="probe_tolerance"):
+            parse_adapter_body({**body, "probe_tolerance": bad})
 
 
 @pytest.mark.parametrize("status,body,exc,needle", [

@@ -104,7 +104,8 @@ def gw(tmp_path: Path) -> Any:
     eng = _GatewayEngine(URL, "t" * 32, transport=None, data_token=None, timeout_s=5,
                          min_verification=None, adapters=True,
                          adapter_dir=tmp_path / "sent",
-                         http_transport=httpx.MockTransport(fake.handler))
+                         http_transport=httpx.MockTransport(fake.handler),
+                         probe_tolerance=0.05)
     yield fake, eng, tmp_path / "sent"
     eng.close()
 
@@ -130,6 +131,7 @@ def test_an_adapter_is_saved_published_through_the_client_and_its_directory_remo
     model = FakePeft()
     pub = eng.update_adapter(model, Provenance("ckpt", "run", 3), "bfloat16")
     body = fake.sent[0]
+    assert body["probe_tolerance"] == 0.05  # declared by the trainer, as for full updates
     assert Path(body["adapter_dir"]).parent == sent.resolve()
     assert Path(body["adapter_dir"]).name.startswith("step3-")
     assert body["files"] == ["adapter_config.json", "adapter_model.safetensors"]

@@ -68,13 +68,14 @@ from rolloutcore.errors import (
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe, measure_generated
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
+    MAX_TOLERANCE,
     Calibration,
     PolicyProbe,
     default_prompts,
 )
 
 __all__ = ["BASE_PROBE_MODES", "AdapterManager", "AdapterResult", "PreparedAdapter",
-           "RolloutBinding", "VerifiedAdapter"]
+           "RolloutBinding", "VerifiedAdapter", "check_probe_tolerance"]
 
 #: When the base is probed beside a newly loaded adapter. ``required``: always, so a
 #: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
@@ -165,6 +166,18 @@ class _Phases:
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
 
 
+def check_probe_tolerance(value: object, default: float) -> float:
+    """An adapter update's probe tolerance: ``value`` (a number in (0, ``MAX_TOLERANCE``])
+    or ``default`` when None; ``BadInput`` otherwise."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not 0 < value <= MAX_TOLERANCE:
+        raise BadInput(f"probe_tolerance must be a number in (0, {MAX_TOLERANCE:g}] nats, "
+                       f"got {value!r}")
+    return float(value)
+
+
 class AdapterManager:
     """The adapter versions of one engine (see the module docstring). Thread-safe."""
 
@@ -218,22 +231,27 @@ class AdapterManager:
         return self.shell.view.current
 
     # ------------------------------------------------------------------ update
-    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None
-               ) -> AdapterResult:
+    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+               probe_tolerance: float | None = None) -> AdapterResult:
         """``prepare`` then ``apply``: the adapter published, verified, or ``UpdateFailed``."""
-        return self.apply(self.prepare(adapter, provenance, reference=reference))
+        return self.apply(self.prepare(adapter, provenance, reference=reference,
+                                       probe_tolerance=probe_tolerance))
 
-    def prepare(self, adapter: Any, provenance: Provenance, *, reference: Any = None
-                ) -> PreparedAdapter:
+    def prepare(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+                probe_tolerance: float | None = None) -> PreparedAdapter:
         """Check, digest, name and write the adapter, and compute its reference.
 
         ``reference``: the trainer's own model of base + adapter (a PEFT model);
         default: the base model with the adapter as written, through PEFT.
+        ``probe_tolerance``: this update's probe through the adapter (nats, at most
+        ``MAX_TOLERANCE``; default the manager's): a trainer declares it as it
+        declares a full update's (LoRA's bf16 arithmetic grows with the adapter).
         Refused with ``BadInput`` (nothing written) when the adapter is bad.
         """
         t0 = time.perf_counter()
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
+        tol = check_probe_tolerance(probe_tolerance, self.probe_tolerance)
         base = self._base_version()
         self.check_base()
         src = AdapterSource.of(adapter, max_rank=self.max_rank)
@@ -247,10 +265,10 @@ class AdapterManager:
             if reference is not None:
                 vocab = int(reference.config.vocab_size)
                 probe = PolicyProbe.from_model(reference, default_prompts(vocab),
-                                               tolerance=self.probe_tolerance)
+                                               tolerance=tol)
                 probe.name = "adapter-probe"
             else:
-                probe = adapter_probe(self.base_model, path, tolerance=self.probe_tolerance)
+                probe = adapter_probe(self.base_model, path, tolerance=tol)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise

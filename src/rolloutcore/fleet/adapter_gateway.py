@@ -40,7 +40,11 @@ from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused, UpdateR
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
 from rolloutcore.fleet.gateway import FleetAdmission, create_fleet_app
 from rolloutcore.fleet.routing import Policy
-from rolloutcore.service.adapter_control import adapter_base_dir, parse_adapter_body
+from rolloutcore.service.adapter_control import (
+    adapter_base_dir,
+    adapter_probe_tolerance,
+    parse_adapter_body,
+)
 from rolloutcore.service.admission import Target, _asks_prompt_logprobs
 
 __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_routes"]
@@ -150,13 +154,14 @@ def fleet_adapter_routes(adapters: FleetAdapters, denied: Callable[[Request], Re
             body = json.loads(got) if isinstance(got, (bytes, str)) else got
             adapter_dir, prov = parse_adapter_body(body)
             base_dir = adapter_base_dir(body)
+            tol = adapter_probe_tolerance(body)
         except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
             return JSONResponse({"error": str(exc)}, status_code=400)
 
         def run() -> Any:
             if base_dir is not None:
                 adapters.set_base(base_dir)
-            return adapters.update(adapter_dir, prov)
+            return adapters.update(adapter_dir, prov, probe_tolerance=tol)
 
         try:
             res = await anyio.to_thread.run_sync(run)

@@ -56,6 +56,7 @@ from rolloutcore.control.adapters import (
     AdapterResult,
     PreparedAdapter,
     VerifiedAdapter,
+    check_probe_tolerance,
 )
 from rolloutcore.core.adapters import AdapterVersion, adapter_name
 from rolloutcore.core.versions import Provenance
@@ -204,17 +205,18 @@ class FleetAdapters:
             m.shell.watch(fn)
 
     # ------------------------------------------------------------------ update
-    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None
-               ) -> FleetAdapterResult:
+    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+               probe_tolerance: float | None = None) -> FleetAdapterResult:
         """Publish ``adapter`` (a PEFT model or an adapter directory) on every serving
         replica, or nowhere (``FleetAdapterFailed``; ``UpdateRefused``/``BadInput``:
         nothing changed). See the module docstring."""
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
+        tol = check_probe_tolerance(probe_tolerance, self.probe_tolerance)
         if not self._update.acquire(blocking=False):
             raise UpdateRefused("a fleet adapter update is running; one at a time")
         try:
-            return self._run(adapter, provenance, reference)
+            return self._run(adapter, provenance, reference, tol)
         finally:
             self._update.release()
 
@@ -273,7 +275,7 @@ class FleetAdapters:
                     return p
         return None
 
-    def _run(self, adapter: Any, provenance: Provenance, reference: Any
+    def _run(self, adapter: Any, provenance: Provenance, reference: Any, tol: float
              ) -> FleetAdapterResult:
         t0 = time.perf_counter()
         members = self._members()
@@ -302,7 +304,7 @@ class FleetAdapters:
                 p = self.managers[n].store / name
                 src.write(p)
                 paths[n] = p
-            probe = self._reference(reference, paths[members[0]])
+            probe = self._reference(reference, paths[members[0]], tol)
         except BaseException:
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
@@ -420,14 +422,14 @@ class FleetAdapters:
             ranks.append(self.max_rank)
         return min(ranks) if ranks else None
 
-    def _reference(self, reference: Any, path: Path) -> PolicyProbe:
+    def _reference(self, reference: Any, path: Path, tolerance: float) -> PolicyProbe:
         if reference is not None:
             vocab = int(reference.config.vocab_size)
             probe = PolicyProbe.from_model(reference, default_prompts(vocab),
-                                           tolerance=self.probe_tolerance)
+                                           tolerance=tolerance)
             probe.name = "adapter-probe"
             return probe
-        return adapter_probe(self.base_model, path, tolerance=self.probe_tolerance)
+        return adapter_probe(self.base_model, path, tolerance=tolerance)
 
     def close(self) -> None:
         for m in self.managers.values():

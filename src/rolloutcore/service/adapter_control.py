@@ -30,15 +30,18 @@ from starlette.routing import Route
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 
-__all__ = ["adapter_base_dir", "adapter_routes", "parse_adapter_body"]
+__all__ = ["adapter_base_dir", "adapter_probe_tolerance", "adapter_routes",
+           "parse_adapter_body"]
 
 
 def parse_adapter_body(body: object) -> tuple[Path, Provenance]:
     """The body of ``POST /control/adapters``; ``BadInput`` naming the field otherwise."""
-    if not isinstance(body, dict) or set(body) - {"base_dir"} != {"adapter_dir", "provenance"}:
+    if not isinstance(body, dict) or set(body) - {"base_dir", "probe_tolerance"} != {
+            "adapter_dir", "provenance"}:
         raise BadInput("body: needs exactly 'adapter_dir' and 'provenance' (and optional "
-                       "'base_dir')")
+                       "'base_dir', 'probe_tolerance')")
     adapter_base_dir(body)
+    adapter_probe_tolerance(body)
     d = body["adapter_dir"]
     if not isinstance(d, str) or not d or len(d) > 4096:
         raise BadInput("adapter_dir: a path of 1..4096 characters")
@@ -51,6 +54,15 @@ def parse_adapter_body(body: object) -> tuple[Path, Provenance]:
     if isinstance(step, bool) or not isinstance(step, int):
         raise BadInput("provenance.step: an int >= 0")
     return Path(d), Provenance(p["checkpoint"], p.get("trainer_run", ""), step)
+
+
+def adapter_probe_tolerance(body: dict[str, Any]) -> float | None:
+    """The body's optional ``probe_tolerance`` (nats): the trainer's tolerance of the probe
+    through the adapter, as it declares a full update's, at most ``MAX_TOLERANCE``."""
+    from rolloutcore.control.adapters import check_probe_tolerance
+
+    v = body.get("probe_tolerance")
+    return None if v is None else check_probe_tolerance(v, 0.0)
 
 
 def adapter_base_dir(body: dict[str, Any]) -> Path | None:
@@ -81,13 +93,14 @@ def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
             body = json.loads(raw)
             adapter_dir, prov = parse_adapter_body(body)
             base_dir = adapter_base_dir(body)
+            tol = adapter_probe_tolerance(body)
         except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
             return JSONResponse({"error": str(exc)}, status_code=400)
 
         def run() -> Any:
             if base_dir is not None:
                 adapters.set_base(base_dir)
-            return adapters.update(adapter_dir, prov)
+            return adapters.update(adapter_dir, prov, probe_tolerance=tol)
 
         try:
             res = await anyio.to_thread.run_sync(run)

@@ -346,6 +346,7 @@ class RolloutCoreClient:
     # ------------------------------------------------------------ adapter versions
     def update_adapter(self, adapter_dir: str | Path, provenance: Provenance, *,
                        base_dir: str | Path | None = None,
+                       probe_tolerance: float | None = None,
                        timeout_s: float = 600.0) -> dict[str, Any]:
         """Publish the LoRA adapter saved in ``adapter_dir`` (``save_pretrained``, where
         the gateway can read it) as the next adapter version: the gateway (one engine or
@@ -359,6 +360,9 @@ class RolloutCoreClient:
         (the previous adapter keeps serving). ``base_dir``: after a full update of
         the base, the new base's checkpoint (the gateway's references of base +
         adapter are computed from it; without it such an update is refused).
+        ``probe_tolerance``: the tolerance (nats) of the gateway's probe through the
+        adapter, as a trainer declares a full update's (default the gateway's; at
+        most 0.05).
         """
         if isinstance(adapter_dir, bool) or not isinstance(adapter_dir, (str, Path)) or \
                 not str(adapter_dir):
@@ -376,6 +380,10 @@ class RolloutCoreClient:
                                 "provenance": {"checkpoint": provenance.checkpoint,
                                                "trainer_run": provenance.trainer_run,
                                                "step": provenance.step}}
+        if probe_tolerance is not None:
+            from rolloutcore.control.adapters import check_probe_tolerance
+
+            body["probe_tolerance"] = check_probe_tolerance(probe_tolerance, 0.0)
         if base_dir is not None:
             if isinstance(base_dir, bool) or not isinstance(base_dir, (str, Path)) or \
                     not (Path(base_dir) / "config.json").is_file():

@@ -392,7 +392,7 @@ class _GatewayEngine(_AdapterPublisher):
     def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
                  timeout_s: float, min_verification: str | None, adapters: bool = False,
                  adapter_dir: str | Path | None = None, public_model: str = "policy",
-                 http_transport: Any = None) -> None:
+                 http_transport: Any = None, probe_tolerance: float | None = None) -> None:
         import httpx
 
         from rolloutcore.service.client import RolloutCoreClient
@@ -408,6 +408,9 @@ class _GatewayEngine(_AdapterPublisher):
         self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers,
                                  transport=http_transport)
         self.min_verification = min_verification
+        #: The tolerance this trainer declares for each adapter version's probe (the
+        #: gateway's own default when None), as for its full updates.
+        self.probe_tolerance = probe_tolerance
         self.adapters = bool(adapters)
         self.adapter_dir = None if adapter_dir is None else Path(adapter_dir)
         self.public_model = public_model
@@ -457,7 +460,8 @@ class _GatewayEngine(_AdapterPublisher):
                                     dir=None if self.adapter_dir is None else self.adapter_dir))
         model.save_pretrained(out)
         try:
-            res = self.client.update_adapter(out, provenance)
+            res = self.client.update_adapter(out, provenance,
+                                             probe_tolerance=self.probe_tolerance)
         except (UpdateRefused, UpdateFailed, EffectError, BadInput):
             raise
         except RolloutCoreError as exc:   # an answer neither published nor refused

@@ -291,7 +291,9 @@ class RolloutCoreRollout:
         kw.setdefault("probe", True)  # expectations from the model; the gateway compares
         eng = _GatewayEngine(url, token, transport=transport, data_token=data_token,
                              timeout_s=timeout_s, min_verification=min_verification,
-                             adapters=adapters, adapter_dir=adapter_dir)
+                             adapters=adapters, adapter_dir=adapter_dir,
+                             probe_tolerance=float(kw.get("probe_tolerance",
+                                                          DEFAULT_PROBE_TOLERANCE)))
         try:
             return cls(eng, checkpoint=checkpoint, run=run, trajectories=trajectories, **kw)
         except BaseException:
