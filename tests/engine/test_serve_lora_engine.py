@@ -96,6 +96,7 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) 
         time.sleep(0.5)
 
 
+@pytest.mark.slow   # two LoRA engine starts (the gateway restarted on its journal): 165 s in CI
 def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
         tiny_models: TinyModels, tmp_path: Path) -> None:
     adapter = _saved_adapter(tiny_models.A, 11, tmp_path / "adapter-11")

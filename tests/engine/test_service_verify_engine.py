@@ -396,7 +396,12 @@ def test_an_out_of_band_weight_write_is_noticed_and_taints(rig: Rig) -> None:
     r = httpx.post(f"{gw.url}/inference/v1/generate", timeout=30, json={
         "model": "policy", "token_ids": [1, 2], "sampling_params": {"max_tokens": 2}})
     assert r.status_code == 503
-    assert httpx.get(f"{rig.engine.base_url}/is_paused", timeout=10).json()["is_paused"]
+    # The fence (a pause) is the runner's effect after the taint: it lands just after the
+    # state a reader sees (seen unpaused at the first read under a loaded CI machine).
+    fence_by = time.monotonic() + 30
+    while not httpx.get(f"{rig.engine.base_url}/is_paused", timeout=10).json()["is_paused"]:
+        assert time.monotonic() < fence_by, "the tainted engine was not fenced in 30 s"
+        time.sleep(0.1)
     taint = [x for x in read_journal(rig.journal) if x.kind == "taint"][-1]
     assert "outside any update" in " ".join(taint.data["problems"])
     rig.row("out_of_band_weight_write",
