@@ -425,3 +425,28 @@ def test_the_test_kits_adapter_is_seeded_and_refuses_bad_input(tmp_path: Path) -
         kw: dict[str, Any] = {"seed": 3, **bad}
         with pytest.raises(BadInput):
             make_adapter(ck, kw.pop("seed"), **kw)
+
+
+def test_the_adapter_probe_and_the_base_probe_have_their_own_tolerances(tmp_path: Path) -> None:
+    """An adapter's probe defaults to ``ADAPTER_TOLERANCE`` (a LoRA engine's extra bf16
+    matmuls), the base's beside it to the base's own ``DEFAULT_TOLERANCE``; a tolerance
+    outside (0, MAX_TOLERANCE] is refused before a manager exists."""
+    from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager
+    from rolloutcore.verification.probe import DEFAULT_TOLERANCE, MAX_TOLERANCE
+
+    class Http:
+        def models(self, **kw: Any) -> dict[str, str | None]:
+            return {}
+
+    assert DEFAULT_TOLERANCE < ADAPTER_TOLERANCE < MAX_TOLERANCE
+    m = AdapterManager(Http(), object(), base_model=tmp_path, store=tmp_path / "s")
+    assert (m.probe_tolerance, m.base_tolerance) == (ADAPTER_TOLERANCE, DEFAULT_TOLERANCE)
+    m2 = AdapterManager(Http(), object(), base_model=tmp_path, store=tmp_path / "s2",
+                        probe_tolerance=0.05, base_tolerance=0.004)
+    assert (m2.probe_tolerance, m2.base_tolerance) == (0.05, 0.004)
+    for bad in (0, -0.01, MAX_TOLERANCE * 2, True, "0.01", float("nan")):
+        for kw in ("probe_tolerance", "base_tolerance"):
+            with pytest.raises(BadInput, match="probe_tolerance"):
+                AdapterManager(Http(), object(), base_model=tmp_path,
+                               store=tmp_path / "s3", **{kw: bad})
+    assert not (tmp_path / "s3").exists()

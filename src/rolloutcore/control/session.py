@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.control.adapters import AdapterManager, AdapterResult
+from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager, AdapterResult
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
@@ -223,7 +223,7 @@ class EngineSession:
     # ------------------------------------------------------------------ LoRA adapters
     def enable_adapters(self, *, base_model: Any = None, store: str | Path | None = None,
                         config: AdapterConfig | None = None, max_rank: int | None = None,
-                        probe_tolerance: float = DEFAULT_TOLERANCE,
+                        probe_tolerance: float = ADAPTER_TOLERANCE,
                         base_probe: str = "required") -> AdapterManager:
         """Manage LoRA-adapter versions on this engine (after ``bootstrap``).
 

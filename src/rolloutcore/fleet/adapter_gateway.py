@@ -25,26 +25,20 @@ replica's adapter table.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from rolloutcore.core.versions import Binding
-from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused, UpdateRefused
-from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
+from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused
+from rolloutcore.fleet.adapters import FleetAdapters
 from rolloutcore.fleet.gateway import FleetAdmission, create_fleet_app
 from rolloutcore.fleet.routing import Policy
-from rolloutcore.service.adapter_control import (
-    adapter_base_dir,
-    adapter_probe_tolerance,
-    parse_adapter_body,
-)
+from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import Target, _asks_prompt_logprobs
 
 __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_routes"]
@@ -142,44 +136,10 @@ class AdapterFleetAdmission(FleetAdmission):
 
 def fleet_adapter_routes(adapters: FleetAdapters, denied: Callable[[Request], Response | None],
                          json_body: Callable[[Request], Awaitable[Any]]) -> list[Route]:
-    """``POST``/``GET /control/adapters`` over a fleet's ``FleetAdapters``."""
-
-    async def publish(request: Request) -> Response:
-        if (r := denied(request)) is not None:
-            return r
-        got = await json_body(request)
-        if isinstance(got, Response):
-            return got
-        try:
-            body = json.loads(got) if isinstance(got, (bytes, str)) else got
-            adapter_dir, prov = parse_adapter_body(body)
-            base_dir = adapter_base_dir(body)
-            tol = adapter_probe_tolerance(body)
-        except (ValueError, RecursionError) as exc:   # BadInput and bad JSON alike
-            return JSONResponse({"error": str(exc)}, status_code=400)
-
-        def run() -> Any:
-            if base_dir is not None:
-                adapters.set_base(base_dir)
-            return adapters.update(adapter_dir, prov, probe_tolerance=tol)
-
-        try:
-            res = await anyio.to_thread.run_sync(run)
-        except BadInput as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
-        except UpdateRefused as exc:
-            return JSONResponse({"error": str(exc), "refused": True}, status_code=409)
-        except FleetAdapterFailed as exc:
-            return JSONResponse(exc.to_dict(), status_code=409)
-        return JSONResponse(res.to_dict())
-
-    async def view(request: Request) -> Response:
-        if (r := denied(request)) is not None:
-            return r
-        return JSONResponse(adapters.status())
-
-    return [Route("/control/adapters", publish, methods=["POST"]),
-            Route("/control/adapters", view, methods=["GET"])]
+    """``POST``/``GET /control/adapters`` over a fleet's ``FleetAdapters``: the one
+    engine's routes (``service.adapter_control.adapter_routes``) with the fleet's
+    status (each replica's adapter table)."""
+    return adapter_routes(adapters, denied, json_body, status=adapters.status)
 
 
 def create_lora_fleet_app(coordinator: Any, config: Any, adapters: FleetAdapters, *,

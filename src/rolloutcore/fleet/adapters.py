@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.control.adapters import (
+    ADAPTER_TOLERANCE,
     AdapterManager,
     AdapterResult,
     PreparedAdapter,
@@ -62,7 +63,7 @@ from rolloutcore.core.adapters import AdapterVersion, adapter_name
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe
-from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+from rolloutcore.verification.probe import PolicyProbe, default_prompts
 
 __all__ = ["FleetAdapterFailed", "FleetAdapterResult", "FleetAdapterVersion", "FleetAdapters"]
 
@@ -124,7 +125,7 @@ class FleetAdapters:
     """
 
     def __init__(self, coordinator: Any, make_manager: ManagerFactory, *, base_model: Any,
-                 deadline_s: float = 300.0, probe_tolerance: float = DEFAULT_TOLERANCE,
+                 deadline_s: float = 300.0, probe_tolerance: float = ADAPTER_TOLERANCE,
                  max_rank: int | None = None) -> None:
         from rolloutcore.fleet.coordinator import FleetCoordinator
 

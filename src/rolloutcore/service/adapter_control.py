@@ -79,9 +79,22 @@ def adapter_base_dir(body: dict[str, Any]) -> Path | None:
 
 
 def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
-                   json_body: Callable[[Request], Awaitable[bytes | Response]]) -> list[Route]:
-    """The two routes, over ``adapters`` (an ``AdapterManager``)."""
+                   json_body: Callable[[Request], Awaitable[Any]], *,
+                   status: Callable[[], dict[str, Any]] | None = None) -> list[Route]:
+    """The two routes, over ``adapters``: an ``AdapterManager`` (one engine) or a fleet's
+    ``FleetAdapters`` (both have ``set_base`` and ``update``). ``status``: the GET
+    route's answer (default: ``adapters.view``'s current version, states and bound
+    requests). A failed update answers 409 with the exception's ``to_dict()`` where it
+    has one (a fleet's: each replica's outcome), else its phase and classification."""
     import json
+
+    def view_of() -> dict[str, Any]:
+        v = adapters.view
+        return {"current": None if v.current is None else v.current.to_dict(),
+                "states": {k: s.value for k, s in v.states.items()},
+                "bound": dict(v.bound)}
+
+    answer = status or view_of
 
     async def publish(request: Request) -> Response:
         if (r := denied(request)) is not None:
@@ -90,7 +103,7 @@ def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
         if isinstance(raw, Response):
             return raw
         try:
-            body = json.loads(raw)
+            body = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
             adapter_dir, prov = parse_adapter_body(body)
             base_dir = adapter_base_dir(body)
             tol = adapter_probe_tolerance(body)
@@ -109,17 +122,16 @@ def adapter_routes(adapters: Any, denied: Callable[[Request], Response | None],
         except UpdateRefused as exc:
             return JSONResponse({"error": str(exc), "refused": True}, status_code=409)
         except UpdateFailed as exc:
-            return JSONResponse({"error": str(exc), "phase": exc.phase,
-                                 "classification": exc.classification}, status_code=409)
+            to_dict = getattr(exc, "to_dict", None)
+            return JSONResponse(to_dict() if callable(to_dict) else {
+                "error": str(exc), "phase": exc.phase, "classification": exc.classification},
+                status_code=409)
         return JSONResponse(res.to_dict())
 
     async def view(request: Request) -> Response:
         if (r := denied(request)) is not None:
             return r
-        v = adapters.view
-        return JSONResponse({"current": None if v.current is None else v.current.to_dict(),
-                             "states": {k: s.value for k, s in v.states.items()},
-                             "bound": dict(v.bound)})
+        return JSONResponse(answer())
 
     return [Route("/control/adapters", publish, methods=["POST"]),
             Route("/control/adapters", view, methods=["GET"])]
