@@ -111,11 +111,16 @@ class LoraEngine:
         ids = list(token_ids)
         out: list[tuple[int, dict[int, float]]] = []
         with torch.no_grad():
+            # Decoding with the model's KV cache, as an engine does: the prompt once, then
+            # one token per step (a full forward per token made this fake O(n^2)).
+            step = torch.tensor([ids])
+            past = None
             for _ in range(max_tokens):
-                logits = m(torch.tensor([ids])).logits[0, -1].float()
-                lp = torch.log_softmax(logits, -1)
+                res = m(step, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                lp = torch.log_softmax(res.logits[0, -1].float(), -1)
                 vals, idx = lp.topk(top)
                 tok = int(idx[0])
                 out.append((tok, {int(i): float(v) for v, i in zip(vals, idx, strict=True)}))
-                ids.append(tok)
+                step = torch.tensor([[tok]])
         return out
