@@ -173,6 +173,26 @@ def test_the_fleet_harness_plan_fits_one_device_call(capsys: pytest.CaptureFixtu
             h.parse(bad)
 
 
+def test_the_async_stage_runs_every_mode_per_round_on_one_workload_rotated(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    h = _harness()
+    order = h.async_order(3)
+    assert [m for r, m in order if r == 0] == ["none", "keep", "recompute"]
+    assert [m for r, m in order if r == 1] == ["keep", "recompute", "none"]
+    assert [m for r, m in order if r == 2] == ["recompute", "none", "keep"]
+    assert h.main(["--plan", "--only", "async", "--no-death", "--async-rounds", "3",
+                   "--phase-s", "20"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["only"] == ["async"] and plan["async_rounds"] == 3
+    st = plan["stages_s"]
+    assert st["sync"] == st["rolling"] == st["death"] == 0.0 and st["async"] > 0
+    assert plan["fits"] and len(plan["async_order"]) == 9
+    # The same rounds with every stage do not fit one call: refused before anything starts.
+    assert h.main(["--plan", "--async-rounds", "3", "--phase-s", "20"]) == 2
+    with pytest.raises(SystemExit):
+        h.parse(["--async-rounds", "0"])
+
+
 def test_the_harness_goals_and_table_read_the_issues_keys() -> None:
     h = _harness()
     r = {"fanout_over_single": 1.2, "rolling_retained_min": 0.4, "rolling_failed_any": 0,

@@ -98,13 +98,21 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     start_s = ENGINE_START_S if args.eager else ENGINE_START_S + 30.0  # graphs: 84 s
     sync_s = 4 * rounds * UPDATE_S * 2 + GATEWAY_S * 3
     rolling_s = GATEWAY_S + args.warmup_s + args.steady_s + args.rolls * (2 * UPDATE_S + 2.0)
-    async_s = len(MODES) * (GATEWAY_S + args.warmup_s + args.phase_s + 3.0)
+    async_s = args.async_rounds * len(MODES) * (GATEWAY_S + args.warmup_s + args.phase_s + 3.0)
     # the recoverer reads the checkpoint once (its content digest), then restarts it
     death_s = (args.warmup_s + 20.0 + start_s + 10.0) if args.death else 0.0
+    if args.only:   # the stages not asked for take no time
+        sync_s, rolling_s, async_s, death_s = (
+            t if name in args.only else 0.0 for name, t in (
+                ("sync", sync_s), ("rolling", rolling_s), ("async", async_s),
+                ("death", death_s)))
     total = 2 * start_s + SETUP_S + sync_s + rolling_s + async_s + death_s + END_S
     return {"engines": 2, "gpu_util": args.gpu_util, "reps": args.reps, "rolls": args.rolls,
             "series": ["single", "independent_parallel", "fanout", "sequential"],
-            "async_modes": list(MODES), "phase_s": args.phase_s, "period_s": args.period_s,
+            "async_modes": list(MODES), "async_rounds": args.async_rounds,
+            "async_order": [f"{r}:{m}" for r, m in async_order(args.async_rounds)],
+            "only": args.only or ["sync", "rolling", "async", "death"],
+            "phase_s": args.phase_s, "period_s": args.period_s,
             "updates_per_phase": int(args.phase_s // args.period_s),
             "steady_s": args.steady_s, "warmup_s": args.warmup_s,
             "concurrency": args.concurrency, "death": args.death,
@@ -677,53 +685,73 @@ def stage_rolling(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timelin
               "steady_tokens_per_s": steady})
 
 
+def _async_phase(rig: Rig, args: argparse.Namespace, timeline: Any, mode: str, seed: int
+                 ) -> dict[str, Any]:
+    """One mode's phase: a fresh fleet in that mode, the clients (workload ``seed``), an
+    update every ``period_s`` (none for ``none``)."""
+    coord = make_fleet(rig, ["e0", "e1"], rig.engines,
+                       mode="strict" if mode == "none" else mode,
+                       max_staleness=args.max_staleness)
+    try:
+        with _gateway(coord) as url:
+            load = Load(url, rig, args, seed=seed).start()
+            timeline.watch(coord, load)
+            time.sleep(args.warmup_s)
+            a = time.monotonic()
+            b = a + args.phase_s
+            ups: list[dict[str, Any]] = []
+            k = 1
+            while mode != "none":
+                at = a + k * args.period_s
+                if at >= b:
+                    break
+                time.sleep(max(0.0, at - time.monotonic()))
+                t = time.monotonic()
+                try:
+                    res = update(rig, coord, transfer="fanout")
+                    ups.append({"at": round(t - a, 3), "seconds": res.seconds,
+                                "label": res.published.label if res.published else None})
+                except Exception as exc:  # recorded; the phase goes on
+                    ups.append({"at": round(t - a, 3), "error": f"{type(exc).__name__}: "
+                                f"{str(exc)[:300]}"})
+                k += 1
+            time.sleep(max(0.0, b - time.monotonic()))
+            load.stop()
+    finally:
+        timeline.unwatch()
+        coord.close()
+    return {"tokens_per_s": load.tokens_per_s(a, b, useful=True),
+            "all_tokens_per_s": load.tokens_per_s(a, b),
+            "failed": load.failed(a, b), "failures": load.failures(a, b),
+            "updates": ups, "seed": seed,
+            "unattributable": sum(1 for r in load.done if r["unattributable"]),
+            "answers": len(load.done), "cpu": load.cpu}
+
+
+def async_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, mode) in run order: every round runs every mode on the same workload, the
+    order rotated by one each round, so no mode always runs first or last."""
+    return [(r, MODES[(j + r) % len(MODES)]) for r in range(rounds) for j in range(len(MODES))]
+
+
 def stage_async(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline: Any,
                 log: Callable[[str], None]) -> None:
-    out: dict[str, Any] = {}
-    for i, mode in enumerate(MODES):
-        coord = make_fleet(rig, ["e0", "e1"], rig.engines,
-                           mode="strict" if mode == "none" else mode,
-                           max_staleness=args.max_staleness)
-        try:
-            with _gateway(coord) as url:
-                load = Load(url, rig, args, seed=10 + i).start()
-                timeline.watch(coord, load)
-                time.sleep(args.warmup_s)
-                a = time.monotonic()
-                b = a + args.phase_s
-                ups: list[dict[str, Any]] = []
-                k = 1
-                while mode != "none":
-                    at = a + k * args.period_s
-                    if at >= b:
-                        break
-                    time.sleep(max(0.0, at - time.monotonic()))
-                    t = time.monotonic()
-                    try:
-                        res = update(rig, coord, transfer="fanout")
-                        ups.append({"at": round(t - a, 3), "seconds": res.seconds,
-                                    "label": res.published.label if res.published else None})
-                    except Exception as exc:  # recorded; the phase goes on
-                        ups.append({"at": round(t - a, 3), "error": f"{type(exc).__name__}: "
-                                    f"{str(exc)[:300]}"})
-                    k += 1
-                time.sleep(max(0.0, b - time.monotonic()))
-                load.stop()
-        finally:
-            timeline.unwatch()
-            coord.close()
-        out[mode] = {"tokens_per_s": load.tokens_per_s(a, b, useful=True),
-                     "all_tokens_per_s": load.tokens_per_s(a, b),
-                     "failed": load.failed(a, b), "failures": load.failures(a, b),
-                     "updates": ups,
-                     "unattributable": sum(1 for r in load.done if r["unattributable"]),
-                     "answers": len(load.done), "cpu": load.cpu}
-        log(f"   {mode}: {out[mode]['tokens_per_s']:.0f} useful tok/s, {len(ups)} updates, "
-            f"failed {out[mode]['failed']}, cores {load.cpu}" + "".join(
-                f"\n      {k} x {why}" for why, k in out[mode]["failures"]))
-    base = out["none"]["tokens_per_s"]
+    rounds: list[dict[str, Any]] = [{} for _ in range(args.async_rounds)]
+    for r, mode in async_order(args.async_rounds):
+        ph = rounds[r][mode] = _async_phase(rig, args, timeline, mode, seed=10 + r)
+        log(f"   round {r} {mode}: {ph['tokens_per_s']:.0f} useful tok/s, "
+            f"{len(ph['updates'])} updates, failed {ph['failed']}, cores {ph['cpu']}"
+            + "".join(f"\n      {k} x {why}" for why, k in ph["failures"]))
+    for ph in rounds:
+        base = ph["none"]["tokens_per_s"]
+        for mode in MODES[1:]:
+            ph[mode]["retained"] = ph[mode]["tokens_per_s"] / base if base else None
+    out: dict[str, Any] = {mode: dict(rounds[0][mode]) for mode in MODES}
     for mode in MODES[1:]:
-        out[mode]["retained"] = out[mode]["tokens_per_s"] / base if base else None
+        got = [ph[mode]["retained"] for ph in rounds if ph[mode]["retained"] is not None]
+        out[mode]["retained"] = statistics.median(got) if got else None
+        out[mode]["retained_per_round"] = got
+    out["rounds"] = rounds
     R["detail"]["async"] = out
     R.update({"keep_retained": out["keep"]["retained"],
               "recompute_retained": out["recompute"]["retained"]})
@@ -1034,6 +1062,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steady-s", type=float, default=10.0)
     ap.add_argument("--phase-s", type=float, default=20.0)
     ap.add_argument("--period-s", type=float, default=5.0)
+    ap.add_argument("--async-rounds", type=int, default=1,
+                    help="rounds of the async stage: every mode once per round on the same "
+                         "workload, the order rotated; retained = the median over rounds")
     ap.add_argument("--max-staleness", type=int, default=None)
     ap.add_argument("--rejoin-wait-s", type=float, default=200.0)
     ap.add_argument("--deadline-s", type=float, default=560.0,
@@ -1054,7 +1085,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             if getattr(args, k) == ap.get_default(k):
                 setattr(args, k, v)
     for name in ("reps", "rolls", "concurrency", "median_tokens", "cap_tokens",
-                 "prompt_tokens"):
+                 "prompt_tokens", "async_rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     for name in ("phase_s", "period_s", "steady_s", "rejoin_wait_s"):
