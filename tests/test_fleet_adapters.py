@@ -181,28 +181,73 @@ def test_bad_input_and_refusals_change_nothing(rig: dict[str, Any], tmp_path: Pa
         FleetAdapters(rig["fleet"].coord, lambda r: None, base_model="x", deadline_s=0)
 
 
-def test_a_recovered_replica_serves_no_policy_until_the_next_adapter_update(
+def _kill_and_recover(f: Any, engines: dict[str, Any], name: str) -> str | None:
+    epoch = f.coord.replicas[name].controller.committed.engine_epoch
+    f.engine(name).kill()
+    engines[name].adapters.clear()   # the new process holds no adapter
+    f.coord.suspect(name)
+    f.coord.supervise_once()
+    assert name not in f.coord.serving()
+    assert f.coord.wait_for(lambda: name in f.coord.serving(), 20)
+    assert f.coord.replicas[name].controller.committed.engine_epoch != epoch
+    return epoch
+
+
+def test_a_recovered_replica_catches_up_on_the_current_adapter(
         rig: dict[str, Any], adapters: dict[int, Path]) -> None:
-    """Its new engine holds no adapter: it is not eligible (its base version changed),
-    and the next update gives it a fresh table that still refuses the old names."""
+    """Its new engine holds no adapter: once it serves again the fleet's current adapter
+    is loaded and verified on it alone (same name: same content, a new process with no
+    KV under it) and published there; every other name the old process used stays
+    refused, and the next update takes it along."""
+    import time
+
     f, fa = rig["fleet"], rig["fa"]
     first = fa.update(adapters[1], _prov(1)).version
     old_mgr = fa.managers["r1"]
-    epoch = f.coord.replicas["r1"].controller.committed.engine_epoch
-    f.engine("r1").kill()
-    rig["engines"]["r1"].adapters.clear()   # the new process holds no adapter
-    f.coord.suspect("r1")
-    f.coord.supervise_once()
-    assert "r1" not in f.coord.serving()
-    assert f.coord.wait_for(lambda: "r1" in f.coord.serving(), 20)
-    assert f.coord.replicas["r1"].controller.committed.engine_epoch != epoch
-    assert not fa.eligible("r1") and fa.eligible("r0")
-    with pytest.raises(AdmissionRefused, match="verified on base"):
-        fa.managers["r1"].admit("x")
+    engines = rig["engines"]
+    _kill_and_recover(f, engines, "r1")
+    deadline = time.monotonic() + 120
+    while not fa.eligible("r1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fa.eligible("r1") and fa.caught_up["r1"] == "published", fa.status()
+    m = fa.managers["r1"]
+    assert m is not old_mgr and m.current is not None and m.current.name == first.name
+    checks = m.view.states
+    assert checks[first.name] is AdapterState.PUBLISHED
+    assert set(engines["r1"].adapters) == {first.name}
+    assert engines["r1"].paths[first.name].startswith(str(m.store))   # its own copy
+    assert fa.current is not None and set(fa.current.replicas) == {"r0", "r1"}
+    assert fa.status()["replicas"]["r1"]["caught_up"] == "published"
+    m.admit("after-catch-up")
+    m.complete("after-catch-up")
+    # Nothing more to do: a second catch-up says so and changes nothing.
+    assert fa.catch_up("r1") == "already serves the current adapter"
+    with pytest.raises(BadInput):
+        fa.catch_up("nope")
     nxt = fa.update(adapters[2], _prov(2)).version
-    assert fa.managers["r1"] is not old_mgr and fa.eligible("r1")
-    assert fa.managers["r1"].is_adapter(first.name)   # never reused there either
-    assert set(rig["engines"]["r1"].adapters) == {nxt.name}
+    assert fa.eligible("r1") and set(engines["r1"].adapters) >= {nxt.name}
+
+
+def test_a_catch_up_that_fails_verification_leaves_the_replica_out(
+        rig: dict[str, Any], adapters: dict[int, Path]) -> None:
+    """The new engine swallows the load (answers 200, loads nothing): the catch-up's
+    verification refuses it, the replica serves no ``policy`` request, and the next
+    update (which loads properly) takes it along under a new name."""
+    f, fa = rig["fleet"], rig["fa"]
+    engines = rig["engines"]
+    first = fa.update(adapters[1], _prov(1)).version
+    engines["r1"].swallow_loads = 1
+    _kill_and_recover(f, engines, "r1")
+    assert f.coord.wait_for(lambda: fa.caught_up.get("r1", "").startswith("failed"), 120), \
+        fa.status()
+    assert not fa.eligible("r1") and fa.eligible("r0")
+    assert first.name not in engines["r1"].adapters
+    with pytest.raises(AdmissionRefused):
+        fa.managers["r1"].admit("x")
+    # A catch-up of a replica that is not on a new process does nothing.
+    assert fa.catch_up("r0") == "already serves the current adapter"
+    nxt = fa.update(adapters[2], _prov(2)).version
+    assert fa.eligible("r1") and nxt.name in engines["r1"].adapters
 
 
 def test_one_update_at_a_time_and_no_serving_replica(rig: dict[str, Any],

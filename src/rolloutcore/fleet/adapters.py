@@ -31,9 +31,15 @@ adapters. So:
   get the adapter and serves no ``policy`` request until the next adapter
   update passes on it;
 * a replica whose engine was replaced (a recovery: a new process, which
-  holds no adapter) serves no ``policy`` request either (its version, its
-  base label, changed); the next adapter update gives it a fresh manager for
-  the new process (the names the old one used stay refused) and loads it;
+  holds no adapter) serves no ``policy`` request until it has caught up: once
+  it serves again (rejoined on the fleet's version) it gets a fresh manager
+  for the new process (the names the old one used stay refused, except the
+  fleet's current one: same name, same content digest, and a new process has
+  no KV under it) and the current adapter is loaded and verified on it alone
+  (``catch_up``, started by the pool's change in a thread of its own, bounded
+  by ``deadline_s``), then published there; a failure leaves it ineligible
+  (tainted for adapters where the unload failed), and the next adapter update
+  takes it along as before. One catch-up or update at a time;
 * after a full update of the base no replica is eligible until an adapter is
   verified on the new base (``rebase``: the current adapter's files verified
   again on the new base, as a new version).
@@ -42,6 +48,7 @@ adapters. So:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import threading
 import time
@@ -59,7 +66,7 @@ from rolloutcore.control.adapters import (
     VerifiedAdapter,
     check_probe_tolerance,
 )
-from rolloutcore.core.adapters import AdapterVersion, adapter_name
+from rolloutcore.core.adapters import AdapterState, AdapterVersion, adapter_name
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe
@@ -126,7 +133,7 @@ class FleetAdapters:
 
     def __init__(self, coordinator: Any, make_manager: ManagerFactory, *, base_model: Any,
                  deadline_s: float = 300.0, probe_tolerance: float = ADAPTER_TOLERANCE,
-                 max_rank: int | None = None) -> None:
+                 max_rank: int | None = None, auto_catch_up: bool = True) -> None:
         from rolloutcore.fleet.coordinator import FleetCoordinator
 
         if not isinstance(coordinator, FleetCoordinator):
@@ -162,6 +169,14 @@ class FleetAdapters:
         self._tainted: dict[str, str] = {}
         self._next = 1
         self._watchers: list[Callable[[], None]] = []
+        #: the current version's reference (a catch-up verifies against the same one)
+        self._probe: tuple[str, PolicyProbe] | None = None
+        #: what the last catch-up of each replica ended with (``status``)
+        self.caught_up: dict[str, str] = {}
+        self._catching: set[str] = set()
+        self._closed = False
+        if auto_catch_up:
+            coordinator.on_change(self._pool_changed)
 
     # ------------------------------------------------------------------ reading
     @property
@@ -196,7 +211,7 @@ class FleetAdapters:
             reps[n] = {"current": None if v.current is None else v.current.to_dict(),
                        "states": {k: s.value for k, s in v.states.items()},
                        "bound": dict(v.bound), "eligible": self.eligible(n),
-                       "tainted": self._tainted.get(n)}
+                       "tainted": self._tainted.get(n), "caught_up": self.caught_up.get(n)}
         return {"current": None if cur is None else cur.to_dict(), "replicas": reps}
 
     def watch(self, fn: Callable[[], None]) -> None:
@@ -306,6 +321,7 @@ class FleetAdapters:
                 src.write(p)
                 paths[n] = p
             probe = self._reference(reference, paths[members[0]], tol)
+            probe_kept = (name, probe)
         except BaseException:
             for p in paths.values():
                 shutil.rmtree(p, ignore_errors=True)
@@ -357,6 +373,7 @@ class FleetAdapters:
                                  tuple(members), provenance)
         with self._mem:
             self._current = fv
+            self._probe = probe_kept
         for w in list(self._watchers):
             w()
         return FleetAdapterResult(fv, results, {
@@ -401,21 +418,127 @@ class FleetAdapters:
         if not members:
             raise UpdateRefused("no replica is serving: no adapter update now")
         for n in members:
-            rep = self.coordinator.replicas[n]
-            ep = _epoch(rep)
-            if ep != self._epochs.get(n):
-                # A new process: it holds no adapter; a fresh table for it, which keeps
-                # refusing every name the old one used.
-                old = self.managers[n]
-                new = self._make(rep)
-                new.shell.run(new.table.note_loaded, {k: "seen" for k in old.view.states})
-                for w in self._watchers:
-                    new.shell.watch(w)
-                with self._mem:
-                    self.managers[n] = new
-                    self._epochs[n] = ep
-                    self._tainted.pop(n, None)
+            self._renew(n)
         return members
+
+    def _renew(self, n: str, *, keep: str | None = None) -> bool:
+        """A fresh manager for replica ``n`` if its engine is a new process (it holds no
+        adapter); its table keeps refusing every name the old one used but ``keep``.
+        Whether it was renewed."""
+        rep = self.coordinator.replicas[n]
+        ep = _epoch(rep)
+        if ep == self._epochs.get(n):
+            return False
+        old = self.managers[n]
+        new = self._make(rep)
+        new.shell.run(new.table.note_loaded,
+                      {k: "seen" for k in old.view.states if k != keep})
+        for w in self._watchers:
+            new.shell.watch(w)
+        with self._mem:
+            self.managers[n] = new
+            self._epochs[n] = ep
+            self._tainted.pop(n, None)
+        return True
+
+    # ------------------------------------------------------------------ catch-up
+    def catch_up(self, name: str) -> str:
+        """Give replica ``name`` the fleet's current adapter when its engine was replaced
+        (module docstring): loaded and verified against the current version's
+        reference on it alone, then published there. Returns what happened, in words
+        ("published", or why nothing was done); ``BadInput`` for an unknown replica.
+        Refused (words, nothing done) while a fleet adapter update runs."""
+        if name not in self.managers:
+            raise BadInput(f"no replica named {name!r} in this fleet")
+        if not self._update.acquire(blocking=False):
+            return "a fleet adapter update runs: it takes the serving replicas along"
+        try:
+            out = self._catch_up(name)
+        finally:
+            self._update.release()
+        with self._mem:
+            self.caught_up[name] = out
+        if out == "published":
+            for w in list(self._watchers):
+                w()
+        return out
+
+    def _catch_up(self, name: str) -> str:
+        cur, kept = self._current, self._probe
+        if cur is None:
+            return "no adapter is published"
+        if name not in self.coordinator.serving():
+            return "not serving"
+        if self.eligible(name):
+            return "already serves the current adapter"
+        rep = self.coordinator.replicas[name]
+        if _epoch(rep) == self._epochs.get(name):
+            return ("the same engine process as before: the next adapter update gives it "
+                    "one (a name is never reloaded into a process that held it)")
+        base = rep.controller.committed
+        if base is None:
+            return "no committed base"
+        src_path = self._kept_source(cur)
+        if src_path is None:
+            return f"the files of {cur.name} are gone: the next adapter update gives it one"
+        src = AdapterSource.of(src_path, max_rank=self._max_rank())
+        if src.content_digest != cur.content_digest:
+            return f"the kept files of {cur.name} no longer have its digest: not loaded"
+        self._renew(name, keep=cur.name)
+        m = self.managers[name]
+        m.check_base()
+        probe = kept[1] if kept is not None and kept[0] == cur.name else self._reference(
+            None, src_path, self.probe_tolerance)
+        path = m.store / cur.name
+        if path.resolve() != src_path.resolve():
+            src.write(path)
+        prepared = PreparedAdapter(AdapterVersion(
+            cur.generation, cur.name, str(path.resolve()), src.content_digest, base.label,
+            src.size_bytes), src, cur.provenance, probe, 0.0)
+        try:
+            verified = m.verify(prepared, deadline=time.monotonic() + self.deadline_s)
+            m.publish(verified)
+        except (UpdateFailed, UpdateRefused, BadInput) as exc:
+            if m.shell.read(lambda: m.table.state(cur.name)) is AdapterState.FENCED:
+                with self._mem:
+                    self._tainted[name] = (f"adapter {cur.name} could not be unloaded after "
+                                           f"its catch-up failed (fenced): no policy request "
+                                           f"until an adapter update passes")
+            return f"failed ({type(exc).__name__}: {exc})"[:600]
+        with self._mem:
+            if self._current is cur:
+                self._current = dataclasses.replace(
+                    cur, replicas=tuple(sorted({*cur.replicas, name})))
+        return "published"
+
+    def _pool_changed(self) -> None:
+        """The pool or an engine changed: a serving replica on a new process that does not
+        serve the current adapter gets a catch-up, in a thread of its own."""
+        if self._closed or self._current is None:
+            return
+        serving = set(self.coordinator.serving())
+        for n in self.managers:
+            if n not in serving or self.eligible(n) or n in self._tainted:
+                continue
+            if _epoch(self.coordinator.replicas[n]) == self._epochs.get(n):
+                continue
+            with self._mem:
+                if n in self._catching:
+                    continue
+                self._catching.add(n)
+            threading.Thread(target=self._catch_up_thread, args=(n,), daemon=True,
+                             name=f"rc-adapter-catch-up-{n}").start()
+
+    def _catch_up_thread(self, n: str) -> None:
+        try:
+            if not self._closed:
+                self.catch_up(n)
+        except Exception as exc:   # recorded; the replica stays ineligible
+            with self._mem:
+                self.caught_up[n] = f"failed ({type(exc).__name__}: {exc})"[:600]
+        finally:
+            with self._mem:
+                self._catching.discard(n)
 
     def _max_rank(self) -> int | None:
         ranks = [m.max_rank for m in self.managers.values() if m.max_rank is not None]
@@ -433,6 +556,7 @@ class FleetAdapters:
         return adapter_probe(self.base_model, path, tolerance=tolerance)
 
     def close(self) -> None:
+        self._closed = True
         for m in self.managers.values():
             with contextlib.suppress(RolloutCoreError):
                 m.close()
