@@ -100,8 +100,20 @@ def tokens_per_s(http: Any, model: str | None, *, clients: int = 8, tokens: int 
     return sum(done) / (time.perf_counter() - t0)
 
 
-def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
-                      step: Any) -> list[dict[str, Any]]:
+def negative_controls(s: Any, proxy: Any, direct: Any, base: Path | None, tmp: Path,
+                      step: Any, *, make: Any = None, proxy_http: Any = None,
+                      budget: bool = False) -> list[dict[str, Any]]:
+    """The negative controls of an adapter update, each of which must be caught.
+
+    ``make(seed, std)``: the trainer's next adapter, ``(adapter, reference)`` (a PEFT
+    model or an adapter directory, and the trainer's model of it or None); default:
+    ``make_adapter(base, seed, std=std)``, its own reference (a CPU model from ``base``).
+    ``proxy_http``: a client through ``proxy`` that the controls which inject a fault
+    put in the manager's place for their update (None: the session's client already
+    goes through the proxy). ``budget``: also the slot budget (three versions pinned by
+    bound requests, the next load refused before anything changes; three more updates).
+    Used by ``diagnostics/gpu/h200_lora.py`` with the trainer's CUDA model.
+    """
     from rolloutcore.adapters.vllm.wire import prefix_cache_delta
     from rolloutcore.core.versions import Provenance
     from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
@@ -110,10 +122,19 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
 
     m = s.adapters
     out: list[dict[str, Any]] = []
+    if make is None:
+        def make(seed: int, std: float) -> tuple[Any, Any]:
+            return make_adapter(base, seed, std=std), None   # type: ignore[arg-type]
+
+    def update(seed: int) -> Any:
+        adapter, ref = make(seed, 0.05)
+        return s.update_adapter(adapter, Provenance("lora", "bench", next(step)),
+                                reference=ref)
 
     def control(name: str, fn: Any, *, refusal: bool = True) -> None:
         """``refusal``: the control is a refused update, so nothing may change."""
         before = (m.current, {n for n, p in direct.models().items() if p})
+        t0 = time.perf_counter()
         try:
             detail = fn()
             caught = detail is not None
@@ -122,28 +143,39 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
         after = (m.current, {n for n, p in direct.models().items() if p})
         out.append({"control": name, "caught": caught and (before == after or not refusal),
                     "state_unchanged": before == after if refusal else None,
-                    "detail": str(detail)[:300]})
+                    "detail": str(detail)[:300], "s": time.perf_counter() - t0})
 
     def stale_files() -> str | None:
-        d = tmp / "stale"
-        make_adapter(base, 90, std=0.0).save_pretrained(d)
+        files, _ = make(90, 0.0)            # the untrained adapter: B = 0, the base
+        if not isinstance(files, (str, Path)):
+            d = tmp / "stale"
+            files.save_pretrained(d)
+            files = d
+        trained, ref = make(90, 0.05)       # what the trainer trained
         try:
-            s.update_adapter(d, Provenance("lora", "bench", next(step)),
-                             reference=make_adapter(base, 90))
+            s.update_adapter(files, Provenance("lora", "bench", next(step)),
+                             reference=trained if ref is None else ref)
         except UpdateFailed as exc:
             return str(exc) if "adapter-probe" in str(exc) else None
         return None
 
     def swallowed_load() -> str | None:
+        adapter, ref = make(91, 0.05)
+        own = m.http
+        if proxy_http is not None:
+            m.http = proxy_http
         proxy.inject("/v1/load_lora_adapter", Fault.swallow(), times=1)
         try:
-            s.update_adapter(make_adapter(base, 91), Provenance("lora", "bench", next(step)))
+            s.update_adapter(adapter, Provenance("lora", "bench", next(step)), reference=ref)
         except UpdateFailed as exc:
             return str(exc) if "does not list" in str(exc) else None
+        finally:
+            m.http = own
         return None
 
     def reused_name() -> str | None:
-        prepared = m.prepare(make_adapter(base, 92), Provenance("lora", "bench", next(step)))
+        adapter, ref = make(92, 0.05)
+        prepared = m.prepare(adapter, Provenance("lora", "bench", next(step)), reference=ref)
         direct.load_lora_adapter(prepared.version.name, m.current.path)
         try:
             m.apply(prepared)
@@ -162,8 +194,7 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
         a = m.current.name
         hits(a)
         warm = hits(a)
-        b = s.update_adapter(make_adapter(base, 93),
-                             Provenance("lora", "bench", next(step))).version.name
+        b = update(93).version.name
         cross = hits(b)
         return (f"same version {warm:g} hit tokens, next version {cross:g}"
                 if warm > 0 and cross == 0 else None)
@@ -176,6 +207,29 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
             return str(exc)
         return None
 
+    def over_budget() -> str | None:
+        # Pin a request to each of three versions: with the current one the table's
+        # max_loaded are loaded (4), so the next load is refused before anything is sent.
+        pins = []
+        try:
+            while len(m.table.loaded()) < m.table.config.max_loaded:
+                pins.append(f"pin-{len(pins)}")
+                m.admit(pins[-1])
+                update(94 + len(pins))
+            adapter, ref = make(99, 0.05)
+            before = (m.current, {n for n, p in direct.models().items() if p})
+            try:
+                s.update_adapter(adapter, Provenance("lora", "bench", next(step)),
+                                 reference=ref)
+            except UpdateRefused as exc:
+                same = before == (m.current, {n for n, p in direct.models().items() if p})
+                return f"{exc} (state unchanged: {same})" if same else None
+            return None
+        finally:
+            for p in pins:
+                m.complete(p)
+            m.sweep()
+
     control("adapter files untrained (engine serves the base): probe through adapter",
             stale_files)
     control("load route answers 200, loads nothing: listing", swallowed_load)
@@ -183,6 +237,9 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path, tmp: Path,
     control("stale KV across adapter versions: 0 cross-version prefix hits",
             cross_version_kv, refusal=False)
     control("bad adapter directory: refused, nothing changed", bad_dir)
+    if budget:
+        control("slot budget full (3 versions pinned by requests): refused before the load",
+                over_budget, refusal=False)
     return out
 
 

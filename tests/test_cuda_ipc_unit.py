@@ -247,6 +247,53 @@ def test_plan_maps_every_checkpoint_name_onto_fused_slices() -> None:
     assert t["layers.0.up_proj.weight"] == "layers.0.gate_up_proj.weight"
 
 
+class _WithLoRA(torch.nn.Module):
+    """Stands in for vLLM's ``...WithLoRA`` wrappers (``--enable-lora``): the layer is its
+    ``base_layer`` submodule; the LoRA slots are plain tensors, not parameters."""
+
+    def __init__(self, base_layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.tp_size = 1
+        self.lora_a_stacked = (torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16),)
+
+
+def _lora_wrapped() -> _TinyModel:
+    model = _TinyModel()
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj"):
+            setattr(layer, name, _WithLoRA(getattr(layer, name)))
+    return model
+
+
+def test_plan_maps_names_onto_a_lora_engines_base_layers() -> None:
+    # Found preparing the H200 LoRA run (diagnostics/gpu/h200_lora.py): a full update
+    # of the base of an engine started with --enable-lora over rc_cuda_ipc, where every
+    # weight is a base_layer's ("x.weight" is "x.base_layer.weight").
+    model = _lora_wrapped()
+    assert "layers.0.qkv_proj.base_layer.weight" in dict(model.named_parameters())
+    pk = _packed(1)
+    plan = build_plan(model, pk.entries)
+    assert plan.uncovered == []
+    assert plan.fused == 10 and plan.direct == 3
+    t = dict(zip(pk.names(), plan.targets, strict=True))
+    assert t["layers.1.k_proj.weight"] == "layers.1.qkv_proj.base_layer.weight"
+    assert t["layers.0.o_proj.weight"] == "layers.0.o_proj.base_layer.weight"
+    assert t["norm"] == "norm"
+    # The fast path writes the base layers' parameters, bit-exact with a plain model's.
+    loader = SliceLoader(model)
+    loader.load([pk.buffer], _message_for(pk, "fast"))
+    plain = _TinyModel()
+    SliceLoader(plain).load([pk.buffer], _message_for(pk, "fast"))
+    got = dict(model.named_parameters())
+    for n, want in plain.named_parameters():
+        real = n if n in got else n.replace(".weight", ".base_layer.weight")
+        assert torch.equal(got[real].view(torch.int16), want.view(torch.int16)), n
+    assert loader.checksum()["values"] == pk.checksum()
+    with pytest.raises(BadInput, match="slice"):   # shapes are still checked under the alias
+        build_plan(model, (EntrySpec("layers.0.k_proj.weight", "bfloat16", (8, 8), 0, 0),))
+
+
 def test_plan_refuses_unknown_names_and_wrong_shapes() -> None:
     model = _TinyModel()
     with pytest.raises(BadInput, match="not parameters"):

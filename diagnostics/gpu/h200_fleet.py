@@ -151,9 +151,34 @@ class Rig:
     bootstrap_level: Any = None
 
 
-def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
+def trainer_checkpoint(packed_weights: Any, model_dir: Path = Path("/tmp/rc-qwen3-8b-ckpt")
+                       ) -> tuple[Any, Path, float]:
+    """The trainer's first policy: Qwen3-8B shapes in one bf16 ``PackedWeights`` on the GPU,
+    deterministic random values (seed 1), written as a checkpoint to ``model_dir``: what
+    the engines start from and what a killed engine is restarted from (a real recovery
+    loads real files). Returns the buffer, the directory and the seconds of the write.
+    ``diagnostics/gpu/h200_lora.py`` starts its engine from it too."""
     import torch
     from qwen3_shapes import QWEN3_8B, qwen3_specs
+    from safetensors.torch import save_file
+
+    packed = packed_weights([(n, s, torch.bfloat16) for n, s in qwen3_specs(QWEN3_8B)],
+                            device="cuda:0")
+    g = torch.Generator(device=packed.device).manual_seed(1)
+    with torch.no_grad():
+        for name, t in packed.items():
+            (t.normal_(1.0, 0.05, generator=g) if "norm" in name
+             else t.normal_(0.0, 0.02, generator=g))
+    torch.cuda.synchronize()
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    t = time.monotonic()
+    save_file({n: x.to("cpu") for n, x in packed.items()}, str(model_dir / "model.safetensors"))
+    return packed, model_dir, time.monotonic() - t
+
+
+def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
+    import torch
 
     from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.recovery import ManagedRecoverer
@@ -170,24 +195,7 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     from rolloutcore.transports.cuda_ipc.fanout import CudaIpcFanout
     from rolloutcore.transports.source import WeightSource
 
-    packed = PackedWeights([(n, s, torch.bfloat16) for n, s in qwen3_specs(QWEN3_8B)],
-                           device="cuda:0")
-    g = torch.Generator(device=packed.device).manual_seed(1)
-    with torch.no_grad():
-        for name, t in packed.items():
-            (t.normal_(1.0, 0.05, generator=g) if "norm" in name
-             else t.normal_(0.0, 0.02, generator=g))
-    torch.cuda.synchronize()
-    # The trainer's first policy as a checkpoint on disk: what the engines start from and
-    # what a killed engine is restarted from (a real recovery loads real files).
-    model_dir = Path("/tmp/rc-qwen3-8b-ckpt")
-    model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
-    t = time.monotonic()
-    from safetensors.torch import save_file
-
-    save_file({n: x.to("cpu") for n, x in packed.items()}, str(model_dir / "model.safetensors"))
-    write_s = time.monotonic() - t
+    packed, model_dir, write_s = trainer_checkpoint(PackedWeights)
     log(f"checkpoint of the trainer's buffer written in {write_s:.1f}s")
     extra = ["--skip-tokenizer-init", "--gpu-memory-utilization", str(args.gpu_util),
              "--worker-extension-cls", WORKER_EXTENSION,

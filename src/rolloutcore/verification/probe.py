@@ -316,7 +316,11 @@ class PolicyProbe(Calibrated):
     @classmethod
     def from_model(cls, model: Any, prompts: Sequence[Sequence[int]], *,
                    new_tokens: int = 16, tolerance: float = DEFAULT_TOLERANCE) -> PolicyProbe:
-        """Reference cases from a trainer-side causal LM (a HF ``*ForCausalLM`` module)."""
+        """Reference cases from a trainer-side causal LM (a HF ``*ForCausalLM`` module).
+
+        The model may be on any device (a trainer's CUDA model: the reference is
+        computed there, in float32); the inputs go to the device of its parameters.
+        """
         import torch
 
         cases = []
@@ -327,8 +331,9 @@ class PolicyProbe(Calibrated):
                 # A float32 copy: never change the trainer's own module.
                 ref = (copy.deepcopy(model).float() if _dtype_of(model) != torch.float32
                        else model)
+                dev = _device_of(ref)
                 for p in prompts:
-                    ids = torch.tensor([list(p)], dtype=torch.long)
+                    ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
                     cont: list[int] = []
                     lps: list[float] = []
                     for _ in range(new_tokens):
@@ -337,7 +342,8 @@ class PolicyProbe(Calibrated):
                         tok = int(torch.argmax(logp))
                         cont.append(tok)
                         lps.append(float(logp[tok]))
-                        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+                        ids = torch.cat([ids, torch.tensor([[tok]], device=ids.device)],
+                                        dim=1)
                     cases.append(ProbeCase(tuple(p), tuple(cont), tuple(lps)))
         finally:
             if was_training:
@@ -491,4 +497,11 @@ def _token_list(v: object, where: str, limit: int, vocab: int | None) -> list[in
 def _dtype_of(model: Any) -> Any:
     for p in model.parameters():
         return p.dtype
+    return None
+
+
+def _device_of(model: Any) -> Any:
+    """Where the model's inputs go: its first parameter's device (None: the default)."""
+    for p in model.parameters():
+        return p.device
     return None

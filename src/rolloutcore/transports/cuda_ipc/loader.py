@@ -232,8 +232,21 @@ def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
     parameter's ``output_dim`` (only without tensor parallelism; with it, or
     for any other name, the entry is refused unless ``allow_fallback``).
     Shape and dtype must match exactly, else ``BadInput``.
+
+    On an engine started with ``--enable-lora`` vLLM wraps each linear layer
+    and the embedding (``...WithLoRA``): the weight ``x.weight`` is then the
+    parameter ``x.base_layer.weight`` (its LoRA slots are not parameters). A
+    name is looked up under both, as vLLM's own reload strips ``.base_layer.``
+    (``transports.model_index`` does the same for the CPU transport).
     """
     params = dict(model.named_parameters())
+    # checkpoint-style name -> the parameter's own name (the LoRA wrappers' base_layer)
+    alias = {n.replace(".base_layer.", "."): n for n in params if ".base_layer." in n}
+
+    def param(name: str) -> tuple[str, torch.nn.Parameter | None]:
+        real = name if name in params else alias.get(name, name)
+        return real, params.get(real)
+
     packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
     dsts: list[torch.Tensor | None] = []
     targets: list[str | None] = []
@@ -244,12 +257,12 @@ def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
         want_dt = getattr(torch, e.dtype)
         dst: torch.Tensor | None = None
         target: str | None = None
-        p = params.get(e.name)
+        real, p = param(e.name)
         if p is not None:
             if tuple(p.shape) != e.shape or p.dtype != want_dt:
                 raise BadInput(f"{e.name}: sent {list(e.shape)}/{e.dtype}, parameter is "
                                f"{list(p.shape)}/{dtype_name(p.dtype)}")
-            dst, target = p.data, e.name
+            dst, target = p.data, real
             direct_n += 1
         else:
             dotted = "." + e.name
@@ -258,8 +271,7 @@ def build_plan(model: torch.nn.Module, entries: Sequence[EntrySpec], *,
                     tag = f".{part}."
                     if tag not in dotted:
                         continue
-                    fname = dotted.replace(tag, f".{fused}.", 1)[1:]
-                    fp = params.get(fname)
+                    fname, fp = param(dotted.replace(tag, f".{fused}.", 1)[1:])
                     if fp is None:
                         continue
                     layer = model.get_submodule(fname.rsplit(".", 1)[0])
