@@ -53,6 +53,13 @@ harness's own code has run before it spends device time::
     python3 diagnostics/gpu/h200_fleet.py --plan
     PYTHONPATH=src python3 diagnostics/gpu/h200_fleet.py --cpu-selftest --out /tmp/fleet-cpu
     python3 diagnostics/gpu/h200_fleet.py --out $OUT          # on the H200 (README.md here)
+
+``--ray`` places the two engines as Ray actors in one placement group
+(``fleet.placement.place_ray``, a bundle ``{"CPU": 1, "GPU": 0.5}`` each, the
+same engine arguments), the stages then run on the ``RayEngine`` handles and
+``fleet.json`` records ``placement: "ray"`` with the version, the bundles and
+each engine's node; ``--plan --ray`` lists the device calls (ray carried by
+``prepare_carry.sh`` with ``RAY=1``).
 """
 
 from __future__ import annotations
@@ -207,6 +214,16 @@ def ray_record(placement: Any) -> dict[str, Any]:
         "cluster_resources": ray.cluster_resources()}}
 
 
+def ray_close(placement: Any, record: dict[str, Any]) -> None:
+    """Each engine as its actor has it at the end (a restart: new epoch, same actor), then
+    the placement's shutdown (engines, actors, placement group, the local cluster)."""
+    with contextlib.suppress(Exception):
+        record["ray"]["engines_at_end"] = [{"node_id": e.node_id, "epoch": e.epoch,
+                                            "base_url": e.base_url, "alive": e.alive()}
+                                           for e in placement.engines]
+    placement.shutdown()
+
+
 def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     import torch
     from qwen3_shapes import QWEN3_8B, qwen3_specs
@@ -345,10 +362,11 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
         for tr in transports:
             with contextlib.suppress(Exception):
                 tr.close()
+        if placement is not None:
+            ray_close(placement, record)   # stops the engines, then Ray
+            return
         for e in engines:
             e.stop()
-        if placement is not None:
-            placement.shutdown()
 
     return Rig(engines, make_transport, lambda m: CudaIpcFanout(m), next_weights,
                lambda: weights(state["seed"]), before_update, recoverer,
@@ -394,18 +412,25 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
         return ManagedRecoverer(engine, a, identity=wa.identity, probe=True)
 
     def close() -> None:
+        if placement is not None:
+            ray_close(placement, record)   # stops the engines, then Ray
+            return
         for e in engines:
             e.stop()
-        if placement is not None:
-            placement.shutdown()
 
+    record: dict[str, Any] = {"placement": "processes"}
+    try:
+        if placement is not None:
+            record = ray_record(placement)
+    except BaseException:
+        close()
+        raise
     return Rig(engines, lambda: GlooTransport(op_timeout_s=60),
                lambda m: GlooFanout(op_timeout_s=60), next_weights,
                lambda: wb if state["k"] % 2 else wa, lambda coord: 0.0, recoverer,
                {}, 250, {}, None, cold, close, "cpu",
                ["CPU self-test of the harness: tiny model, gloo transports; not a GPU number"],
-               record=ray_record(placement) if placement is not None
-               else {"placement": "processes"})
+               record=record)
 
 
 # --------------------------------------------------------------------------- fleets
