@@ -193,6 +193,36 @@ def test_the_async_stage_runs_every_mode_per_round_on_one_workload_rotated(
         h.parse(["--async-rounds", "0"])
 
 
+def test_the_fleet_harness_plan_under_ray_names_the_placement_and_its_calls(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    h = _harness()
+    assert h.main(["--plan"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["placement"] == "processes" and "ray" not in plain
+    assert h.main(["--plan", "--ray"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["placement"] == "ray" and plan["fits"]
+    assert plan["estimated_s"] == plain["estimated_s"] + plan["stages_s"]["ray"]
+    ray = plan["ray"]
+    assert ray["version"] == h.RAY_VERSION and ray["gpus_per_engine"] == 0.5
+    assert ray["bundles"] == [{"CPU": 1.0, "GPU": 0.5}] * 2 and ray["strategy"] == "PACK"
+    assert "signal_group" in ray["what"] and "restart" in ray["what"]
+    # The vLLM pieces' calls as without ray; the ray pieces: one call more.
+    calls = ray["calls"]
+    assert ray["carry"]["extra_calls"] == 1 and ray["carry"]["device_calls"] == len(calls) == 8
+    assert ray["carry"]["pieces"] == [".carry/ray-piece-00", ".carry/ray-piece-01"]
+    carried = [c for call in calls for c in call["carry"]]
+    assert carried == [".carry/piece-00", ".carry/MANIFEST",
+                       *(f".carry/piece-0{i}" for i in range(1, 6)),
+                       ".carry/ray-piece-00", ".carry/ray-MANIFEST",
+                       ".carry/piece-06", ".carry/ray-piece-01"]
+    last = calls[-1]["command"]
+    assert "install_on_device.sh" in last and "h200_fleet.py --ray" in last
+    assert all("install_on_device" not in c["command"] for c in calls[:-1])
+    # The call installs ray before the harness: the harness's own end comes sooner.
+    assert h.parse(["--ray"]).deadline_s == h.RAY_DEADLINE_S < h.parse([]).deadline_s
+
+
 def test_the_harness_goals_and_table_read_the_issues_keys() -> None:
     h = _harness()
     r = {"fanout_over_single": 1.2, "rolling_retained_min": 0.4, "rolling_failed_any": 0,

@@ -53,6 +53,13 @@ harness's own code has run before it spends device time::
     python3 diagnostics/gpu/h200_fleet.py --plan
     PYTHONPATH=src python3 diagnostics/gpu/h200_fleet.py --cpu-selftest --out /tmp/fleet-cpu
     python3 diagnostics/gpu/h200_fleet.py --out $OUT          # on the H200 (README.md here)
+
+``--ray`` places the two engines as Ray actors in one placement group
+(``fleet.placement.place_ray``, a bundle ``{"CPU": 1, "GPU": 0.5}`` each, the
+same engine arguments), the stages then run on the ``RayEngine`` handles and
+``fleet.json`` records ``placement: "ray"`` with the version, the bundles and
+each engine's node; ``--plan --ray`` lists the device calls (ray carried by
+``prepare_carry.sh`` with ``RAY=1``).
 """
 
 from __future__ import annotations
@@ -89,6 +96,14 @@ UPDATE_S = 0.6            # one verified transition, generous (53.8 ms measured 
 GATEWAY_S = 6.0           # a coordinator's takeover of both engines and the gateway
 END_S = 20.0              # stop both engines, the plot, the JSON
 TOKEN = "h200-fleet-token-0123456789abcdef"
+# --ray: the engines as Ray actors (fleet.placement.place_ray), ray carried as its own
+# pieces (prepare_carry.sh with RAY=1: ray 2.60.0, 79.3 MB, and four small wheels).
+RAY_VERSION = "2.60.0"
+RAY_PIECES = 2            # .carry/ray-piece-00, -01 (52 MB pieces); the last travels with
+#                           the last vLLM piece (9 + 28 MB): one device call more in all
+RAY_INSTALL_S = 20.0      # joining, checking and installing them, in the harness's call
+RAY_START_S = 15.0        # a local Ray cluster, the placement group, two actors
+RAY_DEADLINE_S = 530.0    # --deadline-s under --ray: the call also installs ray first
 MODES = ("none", "keep", "recompute")
 
 
@@ -106,7 +121,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             t if name in args.only else 0.0 for name, t in (
                 ("sync", sync_s), ("rolling", rolling_s), ("async", async_s),
                 ("death", death_s)))
-    total = 2 * start_s + SETUP_S + sync_s + rolling_s + async_s + death_s + END_S
+    ray_s = RAY_INSTALL_S + RAY_START_S if args.ray else 0.0
+    total = 2 * start_s + SETUP_S + sync_s + rolling_s + async_s + death_s + END_S + ray_s
     return {"engines": 2, "gpu_util": args.gpu_util, "reps": args.reps, "rolls": args.rolls,
             "series": ["single", "independent_parallel", "fanout", "sequential"],
             "async_modes": list(MODES), "async_rounds": args.async_rounds,
@@ -121,8 +137,47 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             "eager": args.eager,
             "stages_s": {"engines": 2 * start_s, "setup": SETUP_S, "sync": round(sync_s, 1),
                          "rolling": round(rolling_s, 1), "async": round(async_s, 1),
-                         "death": round(death_s, 1), "end": END_S},
+                         "death": round(death_s, 1), "end": END_S,
+                         **({"ray": ray_s} if args.ray else {})},
+            "placement": "ray" if args.ray else "processes",
+            **({"ray": ray_plan(args)} if args.ray else {}),
             "estimated_s": round(total, 1), "budget_s": BUDGET_S, "fits": total <= BUDGET_S}
+
+
+def ray_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What ``--ray`` does beyond the plain run, and the device calls it takes."""
+    pieces = [f".carry/ray-piece-{i:02d}" for i in range(RAY_PIECES)]
+    run = ("set -o pipefail; mkdir -p /tmp/rc-carry && cp .carry/piece-06 " + pieces[-1]
+           + " /tmp/rc-carry/ "
+           "&& bash diagnostics/gpu/install_on_device.sh && export PYTHONPATH=/tmp/site:$PWD/src "
+           "PYTHONUNBUFFERED=1 && timeout 545 python3 diagnostics/gpu/h200_fleet.py --ray "
+           "--out $OUT 2>&1 | tee $OUT/run.log")
+    calls = [{"carry": [".carry/piece-00", ".carry/MANIFEST"],
+              "command": "mkdir -p /tmp/rc-carry && cp .carry/piece-00 .carry/MANIFEST "
+                         "/tmp/rc-carry/ && nvidia-smi -L"}]
+    calls += [{"carry": [f".carry/piece-{i:02d}"],
+               "command": f"mkdir -p /tmp/rc-carry && cp .carry/piece-{i:02d} /tmp/rc-carry/ "
+                          "&& ls /tmp/rc-carry"} for i in range(1, 6)]
+    calls += [{"carry": [p, ".carry/ray-MANIFEST"] if i == 0 else [p],
+               "command": f"mkdir -p /tmp/rc-carry && cp {p} "
+                          + (".carry/ray-MANIFEST " if i == 0 else "")
+                          + "/tmp/rc-carry/ && ls /tmp/rc-carry"}
+              for i, p in enumerate(pieces[:-1])]
+    calls.append({"carry": [".carry/piece-06", pieces[-1]], "timeout_s": 600, "command": run})
+    return {"version": RAY_VERSION, "what": (
+                "a local Ray cluster on the device (place_ray: ray.init on loopback, 2 CPUs, "
+                "1 GPU); one placement group (PACK), one bundle per engine; each engine a "
+                "Ray actor (EngineActor) running the same ManagedEngine as the plain run "
+                "(rc_cuda_ipc, its worker extension, --gpu-memory-utilization, env), started "
+                "one after the other; the stages run on the RayEngine handles; the death "
+                "stage's SIGKILL and restart go through RayEngine.signal_group / restart"),
+            "gpus_per_engine": 0.5, "cpus_per_engine": 1.0, "strategy": "PACK",
+            "bundles": [{"CPU": 1.0, "GPU": 0.5}, {"CPU": 1.0, "GPU": 0.5}],
+            "carry": {"pieces": pieces, "manifest": ".carry/ray-MANIFEST",
+                      "extra_calls": len(calls) - 7, "device_calls": len(calls),
+                      "made_by": "RAY=1 bash diagnostics/gpu/prepare_carry.sh"},
+            "install_s": RAY_INSTALL_S, "start_s": RAY_START_S, "deadline_s": args.deadline_s,
+            "calls": calls}
 
 
 # --------------------------------------------------------------------------- the two rigs
@@ -149,6 +204,32 @@ class Rig:
     #: the takeover's level when a coordinator is made over running engines (None:
     #: the weights' own)
     bootstrap_level: Any = None
+    #: what fleet.json records of the placement ("placement", and under --ray "ray")
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+def ray_record(placement: Any) -> dict[str, Any]:
+    """The Ray placement as fleet.json records it: version, bundles, each engine's node."""
+    import ray
+
+    table = ray.util.placement_group_table(placement.placement_group)
+    return {"placement": "ray", "ray": {
+        "version": ray.__version__, "bundles": placement.bundles,
+        "placement_group": {k: table.get(k) for k in ("placement_group_id", "state",
+                                                         "strategy", "bundles",
+                                                         "bundles_to_node_id")},
+        "node_ids": [e.node_id for e in placement.engines],
+        "cluster_resources": ray.cluster_resources()}}
+
+
+def ray_close(placement: Any, record: dict[str, Any]) -> None:
+    """Each engine as its actor has it at the end (a restart: new epoch, same actor), then
+    the placement's shutdown (engines, actors, placement group, the local cluster)."""
+    with contextlib.suppress(Exception):
+        record["ray"]["engines_at_end"] = [{"node_id": e.node_id, "epoch": e.epoch,
+                                            "base_url": e.base_url, "alive": e.alive()}
+                                           for e in placement.engines]
+    placement.shutdown()
 
 
 def trainer_checkpoint(packed_weights: Any, model_dir: Path = Path("/tmp/rc-qwen3-8b-ckpt")
@@ -201,19 +282,35 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
              "--worker-extension-cls", WORKER_EXTENSION,
              *(["--enforce-eager"] if args.eager else [])]
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1"}
-    engines = [ManagedEngine(model_dir, backend=BACKEND, scale_out=False, max_model_len=4096,
-                             extra_args=extra, env=env, log_dir=Path(f"/tmp/rc-engine-logs/e{i}"),
-                             startup_timeout_s=420, stop_grace_s=10) for i in range(2)]
+    engine_kw: dict[str, Any] = {"backend": BACKEND, "scale_out": False, "max_model_len": 4096,
+                                 "extra_args": extra, "env": env, "stop_grace_s": 10}
     t = time.monotonic()
+    placement = None
+    if args.ray:
+        from rolloutcore.fleet.placement import place_ray
+
+        # One placement group, a bundle {"CPU": 1, "GPU": 0.5} per engine on this GPU; each
+        # actor runs the ManagedEngine below (its log file is named by its epoch), one
+        # after the other as below. place_ray stops what started if one fails.
+        placement = place_ray(2, model_dir, gpus_per_engine=0.5, sequential=True,
+                              startup_timeout_s=420, host="127.0.0.1",
+                              log_dir=Path("/tmp/rc-engine-logs/ray"), **engine_kw)
+        engines: list[Any] = list(placement.engines)
+    else:
+        engines = [ManagedEngine(model_dir, log_dir=Path(f"/tmp/rc-engine-logs/e{i}"),
+                                 startup_timeout_s=420, **engine_kw) for i in range(2)]
     try:
         # One after the other: vLLM sizes its KV cache from what the GPU's memory did
         # while it profiled, so another engine loading at the same time takes it all
         # ("No available memory for the cache blocks", seen on the H200 on 2026-12-03).
-        for e in engines:
+        for e in engines if placement is None else ():
             e.start()
+        record = ray_record(placement) if placement is not None else {"placement": "processes"}
     except BaseException:
         for e in engines:
             e.stop()
+        if placement is not None:
+            placement.shutdown()
         raise
     cold = max(e.last_start_s or 0.0 for e in engines)
     log(f"two engines healthy in {time.monotonic() - t:.1f}s, one after the other "
@@ -281,6 +378,9 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
         for tr in transports:
             with contextlib.suppress(Exception):
                 tr.close()
+        if placement is not None:
+            ray_close(placement, record)   # stops the engines, then Ray
+            return
         for e in engines:
             e.stop()
 
@@ -292,7 +392,7 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
                 f"(written in {write_s:.1f}s); a coordinator made over running engines takes "
                 "them over at 'declared' (no probe of an 8B model on the CPU); every update "
                 "is checked at engine-checksum on each engine"],
-               VerificationLevel.DECLARED)
+               VerificationLevel.DECLARED, record)
 
 
 def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
@@ -307,7 +407,15 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     b = make_checkpoint(work / "B", 2)
     wa, wb = prepare_checkpoint(a), prepare_checkpoint(b)
     t = time.monotonic()
-    engines = launch_local(2, a, log_dir=work / "logs", progress=False)
+    placement = None
+    if args.ray:  # two CPU engines as Ray actors, one bundle {"CPU": 1} each
+        from rolloutcore.fleet.placement import place_ray
+
+        placement = place_ray(2, a, cpus_per_engine=1.0, log_dir=work / "logs",
+                              startup_timeout_s=900)
+        engines: list[Any] = list(placement.engines)
+    else:
+        engines = launch_local(2, a, log_dir=work / "logs", progress=False)
     cold = max(e.last_start_s or 0.0 for e in engines)
     log(f"two CPU engines healthy in {time.monotonic() - t:.1f}s")
     state = {"k": 0}
@@ -319,12 +427,26 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     def recoverer(engine: Any) -> Any:
         return ManagedRecoverer(engine, a, identity=wa.identity, probe=True)
 
+    def close() -> None:
+        if placement is not None:
+            ray_close(placement, record)   # stops the engines, then Ray
+            return
+        for e in engines:
+            e.stop()
+
+    record: dict[str, Any] = {"placement": "processes"}
+    try:
+        if placement is not None:
+            record = ray_record(placement)
+    except BaseException:
+        close()
+        raise
     return Rig(engines, lambda: GlooTransport(op_timeout_s=60),
                lambda m: GlooFanout(op_timeout_s=60), next_weights,
                lambda: wb if state["k"] % 2 else wa, lambda coord: 0.0, recoverer,
-               {}, 250, {}, None, cold,
-               lambda: [e.stop() for e in engines] and None, "cpu",
-               ["CPU self-test of the harness: tiny model, gloo transports; not a GPU number"])
+               {}, 250, {}, None, cold, close, "cpu",
+               ["CPU self-test of the harness: tiny model, gloo transports; not a GPU number"],
+               record=record)
 
 
 # --------------------------------------------------------------------------- fleets
@@ -946,6 +1068,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         rig = (cpu_rig if args.cpu_selftest else gpu_rig)(args, log)
         R["kind"], R["notes"], R["cold_start_s"] = rig.kind, rig.notes, rig.cold_start_s
+        R.update(rig.record)
         R["engine_command"] = " ".join(rig.engines[0].command())
         stages: list[tuple[str, Callable[[], None]]] = [
             ("sync", lambda: stage_sync(rig, R, args, log)),  # type: ignore[arg-type]
@@ -1084,7 +1207,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                          "interpreter lock) instead of a process of their own")
     ap.add_argument("--cuda-graphs", dest="eager", action="store_false",
                     help="start the engines with CUDA graphs (84 s each instead of ~55 s)")
+    ap.add_argument("--ray", action="store_true",
+                    help="place the two engines as Ray actors, one placement group "
+                         "(fleet.placement.place_ray; ray carried by prepare_carry.sh RAY=1)")
     args = ap.parse_args(argv)
+    if args.ray and args.deadline_s == ap.get_default("deadline_s"):
+        args.deadline_s = RAY_DEADLINE_S   # the call installs ray before the harness starts
     if args.cpu_selftest:  # what two CPU engines on two cores can serve
         for k, v in {"concurrency": 4, "median_tokens": 8, "cap_tokens": 32,
                      "prompt_tokens": 8, "reps": 2, "rolls": 1, "phase_s": 12.0,

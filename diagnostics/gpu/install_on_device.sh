@@ -5,6 +5,8 @@
 # Expects every .carry/piece-NN and .carry/MANIFEST already copied into
 # /tmp/rc-carry by earlier calls (see diagnostics/gpu/README.md). Run from the
 # repository root; then: export PYTHONPATH=/tmp/site:$PWD/src
+# Where ray-MANIFEST or any ray-piece-NN is there too (prepare_carry.sh with RAY=1),
+# ray and its wheels are joined, checked against ray-MANIFEST and installed with them.
 set -euo pipefail
 CARRY=${CARRY:-/tmp/rc-carry}
 SITE=${SITE:-/tmp/site}
@@ -13,8 +15,17 @@ cat piece-* > wheels.tar
 # MANIFEST lists wheels.tar and every piece: all must match what was prepared.
 sha256sum -c --quiet MANIFEST
 rm -rf /tmp/rc-whl && mkdir -p /tmp/rc-whl && tar -C /tmp/rc-whl -xf wheels.tar
+WHEELS=(/tmp/rc-whl/*.whl)
+RAY_CARRIED=0
+if compgen -G 'ray-piece-*' >/dev/null || [ -e ray-MANIFEST ]; then
+  RAY_CARRIED=1
+  cat ray-piece-* > ray-wheels.tar
+  sha256sum -c --quiet ray-MANIFEST   # a missing or partial ray piece stops here
+  rm -rf /tmp/rc-whl-ray && mkdir -p /tmp/rc-whl-ray && tar -C /tmp/rc-whl-ray -xf ray-wheels.tar
+  WHEELS+=(/tmp/rc-whl-ray/*.whl)
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target "$SITE" /tmp/rc-whl/*.whl
+  --target "$SITE" "${WHEELS[@]}"
 # rolloutcore itself runs from the checkout (src/ on PYTHONPATH); vLLM finds
 # its plugin through this entry point (the one pyproject declares for it).
 DI="$SITE/rolloutcore_gpu_plugin-0.0.0.dist-info"
@@ -23,4 +34,7 @@ printf 'Metadata-Version: 2.1\nName: rolloutcore-gpu-plugin\nVersion: 0.0.0\n' >
 printf '[vllm.general_plugins]\nrolloutcore = rolloutcore.transports.vllm_plugin:register\n' \
   > "$DI/entry_points.txt"
 : > "$DI/RECORD"
-echo "installed into $SITE: $(ls /tmp/rc-whl | wc -l) wheels"
+echo "installed into $SITE: ${#WHEELS[@]} wheels"
+if [ "$RAY_CARRIED" = 1 ]; then
+  PYTHONPATH="$SITE" python3 -c 'import ray; print("ray", ray.__version__, "importable")'
+fi

@@ -8,8 +8,13 @@
 #
 # Output (git-ignored): .whl/ (downloaded wheels), .carry/piece-NN (<= 52 MB each)
 # plus .carry/MANIFEST (sha256 of the joined archive and of every piece).
-# Ray is NOT carried: rolloutcore's `rc_cuda_ipc` backend never imports vLLM's
-# `ipc` engine module (which imports ray at module level).
+# Ray is NOT carried by default: rolloutcore's `rc_cuda_ipc` backend never imports
+# vLLM's `ipc` engine module (which imports ray at module level).
+#
+# RAY=1 (opt-in; `h200_fleet.py --ray`, the engines as Ray actors): also downloads
+# ray and the dependencies of ray the device image lacks into .whl-ray/, as their own
+# pieces .carry/ray-piece-NN plus .carry/ray-MANIFEST; the vLLM pieces and MANIFEST
+# above are made as without it (same wheels, same calls).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PIP=${PIP:-python3 -m pip}
@@ -19,7 +24,7 @@ PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux1_x86_64 --platform manylinux_2_31_x86_64
       --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64)
 COMMON=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
-        --abi cp312 --abi abi3 --abi none "${PLAT[@]}" -d .whl)
+        --abi cp312 --abi abi3 --abi none "${PLAT[@]}")
 
 # Beyond the image (torch 2.11.0+cu130, transformers 5.17, numpy, ... are there).
 # List from ../shared/VLLM-FACTS.md (H200 section), minus ray and its deps.
@@ -34,15 +39,31 @@ EXTRA=(
   jmespath==1.1.0 prometheus-fastapi-instrumentator==8.1.0
   httptools==0.9.0  # the gateway's HTTP parser (service_path of h200_8b_ipc.py)
 )
-mkdir -p .whl
-for spec in "${EXTRA[@]}"; do
-  name=${spec%%==*}
-  norm=$(echo "$name" | tr '-' '_' | tr 'A-Z' 'a-z')
-  if ls .whl 2>/dev/null | tr 'A-Z' 'a-z' | grep -q "^${norm}-${spec##*==}-"; then
-    continue
-  fi
-  $PIP download -q "${COMMON[@]}" "$spec"
-done
+# ray's Requires-Dist (no extra): click, filelock, msgpack, packaging>=24.2, protobuf,
+# pyyaml, requests are in the device image (KINDS.md); jsonschema is not, nor its
+# jsonschema-specifications, referencing, rpds-py (attrs and typing-extensions are).
+RAY_EXTRA=(
+  ray==2.60.0
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1
+)
+
+fetch() {  # fetch DIR SPEC...: each wheel once
+  local dir=$1 spec name norm; shift
+  mkdir -p "$dir"
+  for spec in "$@"; do
+    name=${spec%%==*}
+    norm=$(echo "$name" | tr '-' '_' | tr 'A-Z' 'a-z')
+    if ls "$dir" 2>/dev/null | tr 'A-Z' 'a-z' | grep -q "^${norm}-${spec##*==}-"; then
+      continue
+    fi
+    $PIP download -q "${COMMON[@]}" -d "$dir" "$spec"
+  done
+}
+fetch .whl "${EXTRA[@]}"
+if [ "${RAY:-0}" = 1 ]; then
+  fetch .whl-ray "${RAY_EXTRA[@]}"
+fi
 
 # The rolloutcore package itself travels with the working tree (src/), but its
 # entry points (vllm.general_plugins) must be installed where vLLM looks:
@@ -52,5 +73,28 @@ rm -rf .carry && mkdir -p .carry
 tar -C .whl -cf .carry/wheels.tar .
 ( cd .carry && split -b "$PIECE_BYTES" -d -a 2 wheels.tar piece- )
 ( cd .carry && sha256sum wheels.tar piece-* > MANIFEST && rm wheels.tar )
+if [ "${RAY:-0}" = 1 ]; then
+  tar -C .whl-ray -cf .carry/ray-wheels.tar .
+  ( cd .carry && split -b "$PIECE_BYTES" -d -a 2 ray-wheels.tar ray-piece- )
+  ( cd .carry && sha256sum ray-wheels.tar ray-piece-* > ray-MANIFEST && rm ray-wheels.tar )
+  ls -l .whl-ray
+fi
 ls -l .carry
 echo "pieces: $(ls .carry/piece-* | wc -l)"
+if [ "${RAY:-0}" = 1 ]; then
+  echo "ray pieces: $(ls .carry/ray-piece-* | wc -l)"
+  # Each piece travels with the working tree (tracked and untracked, not ignored):
+  # the two together must stay under the 64 MiB of one device call.
+  tree=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } | xargs -0 du -cb \
+          | awk '$2 == "total" {s += $1} END {print s + 0}')
+  # The last call carries the last vLLM piece and the last ray piece together (one
+  # extra call for ray, not two): h200_fleet.py --plan --ray lists the calls.
+  big=$(stat -c %s .carry/ray-piece-* | sort -n | tail -1)
+  last=$(( $(stat -c %s "$(ls .carry/piece-* | tail -1)") \
+         + $(stat -c %s "$(ls .carry/ray-piece-* | tail -1)") ))
+  lim=$((64 * 1024 * 1024))
+  echo "working tree ${tree} B + largest ray piece ${big} B = $((tree + big)) B;" \
+       "+ last vLLM and ray pieces ${last} B = $((tree + last)) B (limit ${lim} B)"
+  [ $((tree + big)) -lt $lim ] && [ $((tree + last)) -lt $lim ] \
+    || { echo "too large for one call: lower PIECE_BYTES" >&2; exit 1; }
+fi

@@ -381,7 +381,8 @@ def _engine_actor() -> Any:
             def info(self) -> dict[str, Any]:
                 e = self.engine
                 return {"base_url": e.base_url, "epoch": e.epoch, "model_name": e.model_name,
-                        "route_key": e.route_key,
+                        "route_key": e.route_key, "command": e.command(),
+                        "last_start_s": e.last_start_s,
                         "model_dir": str(e.model_dir), "pid": e.pid if e.alive() else None,
                         "node_id": ray.get_runtime_context().get_node_id()}
 
@@ -449,6 +450,16 @@ class RayEngine:
     def node_id(self) -> str:
         return str(self._info.get("node_id"))
 
+    @property
+    def last_start_s(self) -> float | None:
+        """Seconds the actor's engine took to become healthy at its last start."""
+        v = self._info.get("last_start_s")
+        return None if v is None else float(v)
+
+    def command(self) -> list[str]:
+        """The engine's command line, as the actor runs it."""
+        return list(self._info.get("command") or [])
+
     def alive(self) -> bool:
         try:
             return bool(self._get(self.actor.alive.remote(), 30.0))
@@ -501,11 +512,16 @@ class RayPlacement:
 def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None = None,
               cpus_per_engine: float = 1.0, gpus_per_engine: float = 0.0,
               strategy: str = "PACK", progress: bool = False,
-              startup_timeout_s: float = 900.0, **engine_kwargs: Any) -> RayPlacement:
+              startup_timeout_s: float = 900.0, sequential: bool = False,
+              **engine_kwargs: Any) -> RayPlacement:
     """``n`` engines as Ray actors, one per bundle of a placement group.
 
     ``address``: a running cluster (``"auto"``, ``"ray://..."``); ``None``
     starts a local one on loopback with ``n * cpus_per_engine`` CPUs.
+    ``sequential``: start the engines one after the other (engines sharing a
+    GPU, ``gpus_per_engine`` < 1: vLLM sizes its KV cache from what the
+    device's memory did while it profiled, so an engine loading beside it
+    takes the cache's share; seen on an H200).
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -556,8 +572,11 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
         def starter(a: Any) -> Callable[[], Any]:
             return lambda: ray.get(a.start.remote(), timeout=startup_timeout_s + 60)
 
-        infos = start_all({f"e{i}": starter(a) for i, a in enumerate(actors)},
-                          progress=progress, timeout_s=startup_timeout_s + 90)
+        starters = {f"e{i}": starter(a) for i, a in enumerate(actors)}
+        infos: dict[str, Any] = {}
+        for group in ([{k: f} for k, f in starters.items()] if sequential else [starters]):
+            infos.update(start_all(group, progress=progress,
+                                   timeout_s=startup_timeout_s + 90))
         placement.engines = [RayEngine(a, infos[f"e{i}"]) for i, a in enumerate(actors)]
     except BaseException:
         for a in actors:
