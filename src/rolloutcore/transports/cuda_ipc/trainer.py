@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import operator
 import secrets
 import threading
 import time
@@ -28,10 +29,13 @@ import torch
 from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EngineUnavailable, TransferError
+from rolloutcore.transports.cuda_ipc import kernels as cuda_kernels
 from rolloutcore.transports.cuda_ipc.checksum import (
     CHECKSUM_IMPLS,
     block_checksum,
     checksum_digest,
+    kernel_ok,
+    resolve_impl,
 )
 from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS
 from rolloutcore.transports.cuda_ipc.wire import (
@@ -60,6 +64,11 @@ from rolloutcore.transports.cuda_ipc.wire import (
 from rolloutcore.verification.checksums import compare
 
 __all__ = ["CudaIpcTransport", "PackedWeights", "SendTimings", "engine_flags", "share_buffer"]
+
+_PTR = torch.Tensor.data_ptr
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_STRIDE = torch.Tensor.stride
 
 
 class PackedWeights:
@@ -93,6 +102,24 @@ class PackedWeights:
             raw = self.buffer[e.offset_bytes:e.offset_bytes + e.nbytes]
             self._views[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
         self._handle: BufferHandle | None = None
+        # Derived once from the layout (which never changes: a new layout is a new
+        # PackedWeights): what the hot path would otherwise recompute per tensor.
+        self._names = tuple(names)
+        self._nbytes = sum(e.nbytes for e in entries)
+        self._view_list = [self._views[n] for n in self._names]
+        #: where each entry lives in the buffer, as the views were made: (data
+        #: pointers, shapes, dtypes, strides), in entry order. A tensor is this
+        #: buffer's entry only if it has all four (``holds``, ``holds_tensors``).
+        self._layout = self._meta(self._view_list)
+        self._by_name = {n: i for i, n in enumerate(self._names)}
+        self._kernel_ok = all(kernel_ok(v) for v in self._view_list)
+        self._csum_prog: tuple[tuple[Any, ...], cuda_kernels.MultiChecksum] | None = None
+
+    @staticmethod
+    def _meta(ts: Sequence[torch.Tensor]) -> tuple[list[int], list[Any], list[Any], list[Any]]:
+        """(data pointers, shapes, dtypes, strides) of ``ts``: four C-level passes."""
+        return (list(map(_PTR, ts)), list(map(_SHAPE, ts)), list(map(_DTYPE, ts)),
+                list(map(_STRIDE, ts)))
 
     @classmethod
     def like(cls, named: Iterable[tuple[str, torch.Tensor]], *,
@@ -102,10 +129,11 @@ class PackedWeights:
     @property
     def nbytes(self) -> int:
         """Bytes of tensor data (without alignment padding)."""
-        return sum(e.nbytes for e in self.entries)
+        return self._nbytes
 
     def names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.entries)
+        """The entries' names in order (one tuple, the same object every call)."""
+        return self._names
 
     def tensor(self, name: str) -> torch.Tensor:
         try:
@@ -118,18 +146,38 @@ class PackedWeights:
             yield e.name, self._views[e.name]
 
     def holds(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """True when ``named`` are exactly this buffer's views (then sending copies nothing)."""
-        if len(named) != len(self.entries):
+        """True when ``named`` are exactly this buffer's entries (then sending copies nothing).
+
+        Every name once, each tensor at its entry's place in the buffer with its
+        entry's shape, dtype and strides (as the views were made). One Python
+        step per tensor: ``holds_tensors`` is the same test for a list in entry
+        order, in a few C-level passes.
+        """
+        n = len(self._names)
+        if len(named) != n:
             return False
-        views = self._views
+        ptrs, shapes, dtypes, strides = self._layout
+        seen: set[int] = set()
         for name, t in named:
-            v = views.get(name)
-            if t is v:  # the view itself (a module bound to the buffer, its items())
-                continue
-            if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape or (
-                    t.dtype != v.dtype):
+            i = self._by_name.get(name)
+            if i is None or i in seen or t.data_ptr() != ptrs[i] or t.shape != shapes[i] or (
+                    t.dtype != dtypes[i]) or t.stride() != strides[i]:
                 return False
+            seen.add(i)
         return True
+
+    def holds_tensors(self, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> bool:
+        """``holds(zip(names, tensors))`` for names in entry order: the hot path's test.
+
+        The names must be this buffer's, in order (a tuple comparison, free when
+        it is ``names()`` itself); then the tensors' data pointers, shapes, dtypes
+        and strides are read in four C-level passes and compared with the layout
+        as the views were made. Nothing is cached about the tensors: every call
+        reads them, so a tensor moved, reshaped or re-typed since is seen.
+        """
+        if tuple(names) != self._names or len(tensors) != len(self._names):
+            return False
+        return self._meta(tensors) == self._layout
 
     def load_(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors in by name; every name must exist with the same shape and dtype."""
@@ -162,7 +210,25 @@ class PackedWeights:
         return UpdateMessage(mode, (self.handle(),), self.entries)
 
     def checksum(self, impl: str = "auto") -> list[int]:
-        return block_checksum([self._views[e.name] for e in self.entries], impl=impl)
+        """``block_checksum`` of the entries' views, in entry order.
+
+        Where the kernel runs, the prepared program (``kernels.MultiChecksum``:
+        pointers, shapes and work tables) is this buffer's own, made once, and
+        reused while the views are still where they were made (read in a few
+        C-level passes each call): no per-tensor Python per checksum. Anything
+        else is ``block_checksum`` as is. Same values either way.
+        """
+        views = self._view_list
+        if self._kernel_ok and impl in CHECKSUM_IMPLS and \
+                resolve_impl(impl, self.device) == "kernel" and \
+                cuda_kernels.available(self.device) and self._meta(views) == self._layout:
+            key = (cuda_kernels.CSUM_ROWS, cuda_kernels.CSUM_WARPS, cuda_kernels.CSUM_KERNEL,
+                   str(self.device))
+            c = self._csum_prog
+            if c is None or c[0] != key:
+                c = self._csum_prog = (key, cuda_kernels.MultiChecksum(views))
+            return [int(x) for x in c[1].run().tolist()]
+        return block_checksum(views, impl=impl)
 
 
 def share_buffer(buf: torch.Tensor) -> BufferHandle:
@@ -267,8 +333,10 @@ class CudaIpcTransport:
         self.last_zero_copy = False
         self._pre: tuple[PackedWeights, list[int], tuple[str, ...]] | None = None
         self.last_check: dict[str, Any] = {}
-        self._digest_cache: tuple[tuple[str, ...], list[int], str, str,
+        self._names_cache: tuple[tuple[str, ...], str] | None = None
+        self._digest_cache: tuple[tuple[str, ...], list[int], str,
                                   dict[str, int]] | None = None
+        self._urls: dict[tuple[str, str], Any] = {}
         self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
         #: engines this transport has written to since their last connect(): only
         #: those have a write for validation_check to compare
@@ -297,6 +365,9 @@ class CudaIpcTransport:
                     isinstance(v, int) and not isinstance(v, bool) for v in vals):
                 raise BadInput("values must be one integer checksum per entry")
         self._pre = (packed, vals, packed.names())
+        # The digests the validation compares with, made now (staging) rather than
+        # in the paused window: the send hands these very objects to the check.
+        self._digests(packed.names(), vals)
         return time.monotonic() - t
 
     def stage(self, source: Any) -> PackedWeights:
@@ -381,7 +452,8 @@ class CudaIpcTransport:
             body[RESULTS] = slot.to_json()
         mutation = False
         try:
-            torch.cuda.synchronize(packed.device)  # the engine reads after our writes
+            if packed.device.type == "cuda":
+                torch.cuda.synchronize(packed.device)  # the engine reads after our writes
             t = time.monotonic()
             self._call("POST", base_url, "/start_weight_update", timeout_s, step="transfer",
                        mutation=False)
@@ -626,13 +698,21 @@ class CudaIpcTransport:
 
     def _digests(self, names: tuple[str, ...], values: list[int]
                  ) -> tuple[str, str, dict[str, int]]:
-        """(names digest, checksum digest, name -> value) of what was sent, once per send."""
+        """(names digest, checksum digest, name -> value) of what was sent, once per send.
+
+        Keyed by the very objects sent (identity: a new list of values or names is
+        a new key); the names digest once per layout (``PackedWeights.names()`` is
+        one tuple), the rest once per set of values (``precompute_checksum`` makes
+        them at staging, outside the paused window).
+        """
+        nc = self._names_cache
+        if nc is None or nc[0] is not names:
+            nc = self._names_cache = (names, names_digest(names))
         c = self._digest_cache
         if c is None or c[0] is not names or c[1] is not values:
-            c = self._digest_cache = (names, values, names_digest(names),
-                                      checksum_digest(names, values),
+            c = self._digest_cache = (names, values, checksum_digest(names, values),
                                       dict(zip(names, values, strict=True)))
-        return c[2], c[3], c[4]
+        return nc[1], c[2], c[3]
 
     def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
         """The paused validation's evidence on an engine without a version label.
@@ -665,6 +745,17 @@ class CudaIpcTransport:
         if isinstance(source, PackedWeights):
             return source
         t = time.monotonic()
+        checked = getattr(source, "checked_tensors", None)
+        fixed = checked() if callable(checked) else None  # a state-dict WeightSource
+        if fixed is not None:
+            # The hot path: the trainer's buffer staged as its own views. Whether the
+            # source is exactly an adopted buffer's entries is read from every tensor
+            # in a few C-level passes (holds_tensors), not one Python step per tensor;
+            # anything else takes the general path below, which copies.
+            for pk in self._adopted:
+                if pk.holds_tensors(fixed[0], fixed[1]):
+                    tm.pack_s = time.monotonic() - t
+                    return pk
         if callable(getattr(source, "named_tensors", None)):  # a rolloutcore WeightSource
             items = list(source.named_tensors())
         elif isinstance(source, Mapping):
@@ -720,11 +811,14 @@ class CudaIpcTransport:
 
         client = self._http()
         headers = headers_for(base_url)  # a launched engine's route key
+        url = self._urls.get((base_url, path))
+        if url is None:  # parsed once per route, not per call
+            url = self._urls[(base_url, path)] = httpx.URL(base_url.rstrip("/") + path)
         try:
             if method == "GET":
-                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers)
+                r = client.get(url, timeout=timeout_s, headers=headers)
             else:
-                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers,
+                r = client.post(url, timeout=timeout_s, headers=headers,
                                 **({"json": body} if body is not None else {}))
         except (httpx.HTTPError, RuntimeError) as exc:
             # RuntimeError: the client was closed under us by abort().
