@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,6 +44,7 @@ from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.effects import WORKERS
 from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
@@ -138,96 +137,6 @@ class Deadlines:
         return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
 
 
-class _Job:
-    """One effect handed to a worker: its function, its result, and a lock released
-    when it is done (created held; the supervisor waits on it with the deadline)."""
-
-    __slots__ = ("done", "error", "fn", "name", "value")
-
-    def __init__(self, name: str, fn: Callable[[], Any]) -> None:
-        self.name = name
-        self.fn = fn
-        self.value: Any = None
-        self.error: BaseException | None = None
-        self.done = threading.Lock()
-        self.done.acquire()
-
-
-class _EffectWorkers:
-    """Daemon threads that run the runners' effects, reused from one effect to the next.
-
-    Starting a thread per effect cost 7 thread starts per transition (about
-    0.45 ms on the H200 host, several ms on a loaded 2-core machine), on the
-    critical path. A worker takes one job at a time; an idle one is reused,
-    else a new one is started, so an effect never waits for a worker. A worker
-    whose effect overran its deadline stays with that effect until it unwinds
-    (it is not handed anything else meanwhile), exactly as the thread per
-    effect was left to unwind. At most ``keep`` workers wait idle, each for at
-    most ``idle_s``; the rest exit. Shared by every runner in the process.
-    """
-
-    def __init__(self, keep: int = 8, idle_s: float = 60.0) -> None:
-        self._keep = keep
-        self._idle_s = idle_s
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Job]] = []
-        self._serial = 0
-
-    def after_fork(self) -> None:
-        """In a forked child the workers do not exist: forget them."""
-        self._lock = threading.Lock()
-        self._idle = []
-
-    def submit(self, name: str, fn: Callable[[], Any]) -> _Job:
-        job = _Job(name, fn)
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-            self._serial += 1
-            serial = self._serial
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            inbox.put(job)
-            threading.Thread(target=self._work, args=(inbox,), daemon=True,
-                             name=f"rolloutcore-effects-{serial}").start()
-        else:
-            inbox.put(job)
-        return job
-
-    def _work(self, inbox: queue.SimpleQueue[_Job]) -> None:
-        me = threading.current_thread()
-        while True:
-            try:
-                job = inbox.get(timeout=self._idle_s)
-            except queue.Empty:
-                with self._lock:
-                    if inbox in self._idle:  # nobody picked this worker: leave
-                        self._idle.remove(inbox)
-                        return
-                job = inbox.get()  # picked meanwhile: its job is on the way
-            me.name = f"rolloutcore-{job.name}"
-            try:
-                job.value = job.fn()
-            except BaseException as exc:  # handed to the supervising thread
-                job.error = exc
-            job.fn = _done  # drop the closure (and what it holds) now
-            job.done.release()
-            del job
-            me.name = "rolloutcore-effects-idle"
-            with self._lock:
-                if len(self._idle) >= self._keep:
-                    return
-                self._idle.append(inbox)
-
-
-def _done() -> None:
-    return None
-
-
-_WORKERS = _EffectWorkers()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_WORKERS.after_fork)
-
-
 #: The lifecycle step of each effect the runner names otherwise, for the port's
 #: ``cancel``: the live validation is part of VALIDATE; the health observation
 #: and the fence act on the serving engine.
@@ -269,11 +178,11 @@ class LifecycleRunner:
                 cancel: Callable[[], None] | None = None) -> T:
         """Run ``fn`` in a worker thread; on deadline, cancel it and raise EffectTimeout.
 
-        The worker is one of the process's effect workers (``_EffectWorkers``):
+        The worker is one of the process's effect workers (``effects.WORKERS``):
         reused, not started per effect; the deadline is the supervisor's, as before.
         """
         t0 = time.monotonic()
-        job = _WORKERS.submit(step, fn)
+        job = WORKERS.submit(step, fn)
         timed_out = not job.done.acquire(timeout=min(deadline_s, threading.TIMEOUT_MAX))
         if timed_out:
             try:
