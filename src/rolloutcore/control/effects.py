@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WORKERS", "EffectWorkers"]
+__all__ = ["WORKERS", "EffectWorkers", "Job"]
 
 
-class _Job:
+class Job:
     """One effect handed to a worker: its function, its result, and a lock released
     when it is done (created held; the supervisor waits on it with the deadline)."""
 
@@ -31,6 +31,10 @@ class _Job:
         self.error: BaseException | None = None
         self.done = threading.Lock()
         self.done.acquire()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the job finished within ``timeout_s`` (interruptible, as a join is)."""
+        return self.done.acquire(timeout=min(timeout_s, threading.TIMEOUT_MAX))
 
 
 class EffectWorkers:
@@ -50,7 +54,7 @@ class EffectWorkers:
         self._keep = keep
         self._idle_s = idle_s
         self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue[_Job]] = []
+        self._idle: list[queue.SimpleQueue[Job]] = []
         self._serial = 0
 
     def after_fork(self) -> None:
@@ -58,8 +62,8 @@ class EffectWorkers:
         self._lock = threading.Lock()
         self._idle = []
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> _Job:
-        job = _Job(name, fn)
+    def submit(self, name: str, fn: Callable[[], Any]) -> Job:
+        job = Job(name, fn)
         with self._lock:
             inbox = self._idle.pop() if self._idle else None
             self._serial += 1
@@ -73,7 +77,7 @@ class EffectWorkers:
             inbox.put(job)
         return job
 
-    def _work(self, inbox: queue.SimpleQueue[_Job]) -> None:
+    def _work(self, inbox: queue.SimpleQueue[Job]) -> None:
         me = threading.current_thread()
         while True:
             try:

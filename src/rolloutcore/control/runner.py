@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -183,7 +182,7 @@ class LifecycleRunner:
         """
         t0 = time.monotonic()
         job = WORKERS.submit(step, fn)
-        timed_out = not job.done.acquire(timeout=min(deadline_s, threading.TIMEOUT_MAX))
+        timed_out = not job.wait(deadline_s)
         if timed_out:
             try:
                 if cancel is not None:
@@ -192,7 +191,7 @@ class LifecycleRunner:
                     self.adapter.cancel(_CANCEL_STEP.get(step) or Step(step))
             except Exception as exc:
                 self._note("cancel_failed", step=step, error=repr(exc))
-            job.done.acquire(timeout=min(self.deadlines.cancel_grace_s, threading.TIMEOUT_MAX))
+            job.wait(self.deadlines.cancel_grace_s)
         dt = time.monotonic() - t0
         if phases is not None:
             phases.append(PhaseTiming(phase or step, dt, True))
