@@ -201,7 +201,8 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
         c = made["session"].controller
         made["session"].adapter.inject("transfer", FaultKind.HANG)
         sigint_when(lambda st: c.state.value == "UPDATING"
-                    and calls(st, "LifecycleRunner._effect", "threading.Thread.join"))
+                    and calls(st, "LifecycleRunner._effect",
+                              "rolloutcore.control.effects.Job.wait"))
         rollout(prompts(), trainer)
         raise AssertionError("not interrupted")
 

@@ -538,7 +538,8 @@ def test_ctrl_c_during_an_update_ends_it_decided_and_the_journal_names_it(
         rig.session.adapter.inject(effect, FaultKind.HANG)
         train_step(rig.model, rig.trainer)
         sigint_when(lambda st: c.state is state
-                    and calls(st, "LifecycleRunner._effect", "threading.Thread.join"))
+                    and calls(st, "LifecycleRunner._effect",
+                              "rolloutcore.control.effects.Job.wait"))
         with pytest.raises(KeyboardInterrupt):
             rig.rollout(prompts(), rig.trainer)
         assert c.current_ticket is None and c.state is after and c.committed == v0

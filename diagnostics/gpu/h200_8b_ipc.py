@@ -580,12 +580,13 @@ def main() -> int:
     deadlines = Deadlines(pause_s=60, transfer_s=120, validate_s=60, resume_s=30,
                           reset_s=30, preflight_s=30, live_validate_s=60, drain_s=120)
 
+    assert packed is not None
+    # The buffer's layout never changes: its manifest is made once, not per update.
+    manifest = ParameterManifest.from_items((e.name, e.shape, e.dtype) for e in packed.entries)
+
     def identity(seed: int) -> WeightIdentity:
-        assert packed is not None
-        man = ParameterManifest.from_items(
-            (e.name, e.shape, e.dtype) for e in packed.entries)
-        return WeightIdentity.declare(man, Provenance(f"synthetic-qwen3-8b-seed{seed}",
-                                                      "h200-harness", seed))
+        return WeightIdentity.declare(manifest, Provenance(f"synthetic-qwen3-8b-seed{seed}",
+                                                           "h200-harness", seed))
 
     source = WeightSource.from_state_dict(dict(packed.items()),
                                           description="trainer PackedWeights views")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.effects import WORKERS
 from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
@@ -175,20 +175,14 @@ class LifecycleRunner:
     def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
                 phases: list[PhaseTiming] | None, phase: str | None = None,
                 cancel: Callable[[], None] | None = None) -> T:
-        """Run ``fn`` in a worker thread; on deadline, cancel it and raise EffectTimeout."""
-        box: dict[str, Any] = {}
+        """Run ``fn`` in a worker thread; on deadline, cancel it and raise EffectTimeout.
 
-        def work() -> None:
-            try:
-                box["value"] = fn()
-            except BaseException as exc:  # handed to the supervising thread
-                box["error"] = exc
-
+        The worker is one of the process's effect workers (``effects.WORKERS``):
+        reused, not started per effect; the deadline is the supervisor's, as before.
+        """
         t0 = time.monotonic()
-        th = threading.Thread(target=work, name=f"rolloutcore-{step}", daemon=True)
-        th.start()
-        th.join(deadline_s)
-        timed_out = th.is_alive()
+        job = WORKERS.submit(step, fn)
+        timed_out = not job.wait(deadline_s)
         if timed_out:
             try:
                 if cancel is not None:
@@ -197,22 +191,24 @@ class LifecycleRunner:
                     self.adapter.cancel(_CANCEL_STEP.get(step) or Step(step))
             except Exception as exc:
                 self._note("cancel_failed", step=step, error=repr(exc))
-            th.join(self.deadlines.cancel_grace_s)
+            job.wait(self.deadlines.cancel_grace_s)
         dt = time.monotonic() - t0
         if phases is not None:
             phases.append(PhaseTiming(phase or step, dt, True))
-        ok = not timed_out and "error" not in box
-        self._emit(Effect(step, dt, ok, None if ok else repr(box.get("error", "deadline expired"))))
+        err = job.error
+        ok = not timed_out and err is None
+        self._emit(Effect(step, dt, ok, None if ok else repr(
+            "deadline expired" if err is None else err)))
         if timed_out:
             raise EffectTimeout(step, deadline_s, mutation_started=step != Step.PREFLIGHT)
-        if "error" in box:
-            err = box["error"]
+        if err is not None:
+            job.error = None
             if isinstance(err, EffectError):
                 raise err
             if isinstance(err, Exception):
                 raise EffectError(step, f"{type(err).__name__}: {err}") from err
             raise err
-        return box["value"]  # type: ignore[no-any-return]
+        return job.value  # type: ignore[no-any-return]
 
     def _note(self, what: str, **data: Any) -> None:
         self._emit(Note(what, data))

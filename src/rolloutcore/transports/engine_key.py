@@ -141,11 +141,26 @@ def forget(url: str, key: str | None = None) -> None:
             _KEYS.pop(o, None)
 
 
+_ORIGINS: dict[str, str | None] = {}
+
+
 def headers_for(url: str) -> dict[str, str]:
-    """The headers a request to ``url`` carries: the key's, or none."""
-    try:
-        o = origin(url)
-    except BadInput:
+    """The headers a request to ``url`` carries: the key's, or none.
+
+    The URL's origin is parsed once per URL (a pure function of the string;
+    clients call this for every request); the key is looked up every time, so
+    ``register`` and ``forget`` take effect at the next request.
+    """
+    o = _ORIGINS.get(url, "")
+    if o == "":
+        try:
+            o = origin(url)
+        except BadInput:
+            o = None
+        if len(_ORIGINS) >= 1024:
+            _ORIGINS.clear()
+        _ORIGINS[url] = o
+    if o is None:
         return {}
     k = _KEYS.get(o)
     return {} if k is None else {HEADER: k}

@@ -59,6 +59,7 @@ __all__ = [
     "map_errors",
     "raise_for_status",
     "request",
+    "route_url",
     "snippet",
     "status_error",
     "transport_error",
@@ -172,3 +173,21 @@ def request(method: str, url: str, *, step: str, timeout_s: float, json_body: An
 def is_refusal(exc: BaseException) -> bool:
     """The engine said no before acting (4xx), or the request never reached it."""
     return isinstance(exc, (EngineRefused, EngineUnreachable))
+
+
+def route_url(cache: dict[str, Any], base_url: str, path: str) -> Any:
+    """``base_url + path`` as an ``httpx.URL``, parsed once per route and kept in ``cache``.
+
+    A client calls the same few routes on every update; httpx would parse the
+    URL (and merge it with a base URL) on every call. A path that is not a
+    plain absolute route (no leading ``/``, or a query or fragment in it) is
+    returned as given, for httpx to merge as before.
+    """
+    url = cache.get(path)
+    if url is None:
+        if not path.startswith("/") or "?" in path or "#" in path:
+            return path
+        import httpx
+
+        url = cache[path] = httpx.URL(base_url.rstrip("/") + path)
+    return url

@@ -55,7 +55,7 @@ from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
-from rolloutcore.transports.http import map_errors, snippet, status_error
+from rolloutcore.transports.http import map_errors, route_url, snippet, status_error
 
 __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
            "check_timeout"]
@@ -148,6 +148,7 @@ class VllmHTTP:
         self._capabilities: frozenset[str] | None = None
         self._model: str | None = None
         self._closed = False
+        self._urls: dict[str, Any] = {}  # route -> httpx.URL (route_url)
 
     # -- plumbing -----------------------------------------------------------
 
@@ -195,7 +196,8 @@ class VllmHTTP:
                 return self._cancels != cancels
 
         with map_errors(step, what, timeout_s=t, cancelled=cancelled):
-            resp = self._client.request(method, path, params=params, json=json_body,
+            resp = self._client.request(method, route_url(self._urls, self.base_url, path),
+                                        params=params, json=json_body,
                                         timeout=t, headers=engine_key.headers_for(self.base_url),
                                         extensions={"trace": self._trace})
         if check_status:

@@ -1,13 +1,14 @@
 """The trainer half of ``rc_cuda_ipc``: one shared buffer, and the update session.
 
 The trainer keeps its weights in ONE contiguous device buffer
-(``PackedWeights``; a module can be re-based onto it, the way a flat
-parameter is) and shares that buffer through a single IPC handle, created
-once and reused for every update (``share_buffer``). ``CudaIpcTransport``
-runs vLLM's update session with the JSON handle body and, where the engine
-has no version label (vLLM 0.26), gathers the version evidence: the workers'
-block checksum of what the update wrote, read from a small trainer-owned
-device buffer the workers fill at finish (``ResultSlot``), or asked through
+(``PackedWeights``, module ``packed``, re-exported here; a module can be
+re-based onto it, the way a flat parameter is) and shares that buffer
+through a single IPC handle, created once and reused for every update
+(``share_buffer``). ``CudaIpcTransport`` runs vLLM's update session with
+the JSON handle body and, where the engine has no version label (vLLM
+0.26), gathers the version evidence: the workers' block checksum of what
+the update wrote, read from a small trainer-owned device buffer the
+workers fill at finish (``ResultSlot``), or asked through
 ``/collective_rpc``; compared with the trainer's own checksum of what it
 sent by ``verification.checksums.compare``.
 """
@@ -19,7 +20,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,12 +31,11 @@ from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EngineUnavailable, TransferError
 from rolloutcore.transports.cuda_ipc.checksum import (
     CHECKSUM_IMPLS,
-    block_checksum,
     checksum_digest,
 )
 from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS
+from rolloutcore.transports.cuda_ipc.packed import PackedWeights, share_buffer
 from rolloutcore.transports.cuda_ipc.wire import (
-    ALIGN,
     BACKEND,
     HASH_AT_FINISH,
     MODES,
@@ -49,10 +49,8 @@ from rolloutcore.transports.cuda_ipc.wire import (
     ROW_UNCOVERED,
     WORKER_EXTENSION,
     BufferHandle,
-    EntrySpec,
     ResultSlot,
     UpdateMessage,
-    dtype_name,
     encode_update,
     names_digest,
     names_digest60,
@@ -60,131 +58,6 @@ from rolloutcore.transports.cuda_ipc.wire import (
 from rolloutcore.verification.checksums import compare
 
 __all__ = ["CudaIpcTransport", "PackedWeights", "SendTimings", "engine_flags", "share_buffer"]
-
-
-class PackedWeights:
-    """Named tensors laid out in one contiguous device buffer.
-
-    The trainer can re-base its module onto it (``bind_module``): each
-    parameter's ``.data`` becomes a view into the buffer, so an optimizer
-    step writes straight into what is shared and ``send`` copies nothing.
-    Otherwise ``load_`` copies tensors in (one device copy each).
-    """
-
-    def __init__(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], *,
-                 device: torch.device | str = "cuda") -> None:
-        entries: list[EntrySpec] = []
-        off = 0
-        for name, shape, dt in specs:
-            dn = dtype_name(dt)
-            e = EntrySpec(name, dn, tuple(int(s) for s in shape), 0, off)
-            entries.append(e)
-            off += -(-e.nbytes // ALIGN) * ALIGN
-        if not entries:
-            raise BadInput("PackedWeights needs at least one tensor")
-        names = [e.name for e in entries]
-        if len(set(names)) != len(names):
-            raise BadInput("PackedWeights: duplicate tensor names")
-        self.entries: tuple[EntrySpec, ...] = tuple(entries)
-        self.device = torch.device(device)
-        self.buffer = torch.empty(max(off, ALIGN), dtype=torch.uint8, device=self.device)
-        self._views: dict[str, torch.Tensor] = {}
-        for e in entries:
-            raw = self.buffer[e.offset_bytes:e.offset_bytes + e.nbytes]
-            self._views[e.name] = raw.view(getattr(torch, e.dtype)).view(e.shape)
-        self._handle: BufferHandle | None = None
-
-    @classmethod
-    def like(cls, named: Iterable[tuple[str, torch.Tensor]], *,
-             device: torch.device | str = "cuda") -> PackedWeights:
-        return cls(((n, tuple(t.shape), t.dtype) for n, t in named), device=device)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor data (without alignment padding)."""
-        return sum(e.nbytes for e in self.entries)
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(e.name for e in self.entries)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        try:
-            return self._views[name]
-        except KeyError:
-            raise BadInput(f"no tensor {name!r} in this PackedWeights") from None
-
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for e in self.entries:
-            yield e.name, self._views[e.name]
-
-    def holds(self, named: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """True when ``named`` are exactly this buffer's views (then sending copies nothing)."""
-        if len(named) != len(self.entries):
-            return False
-        views = self._views
-        for name, t in named:
-            v = views.get(name)
-            if t is v:  # the view itself (a module bound to the buffer, its items())
-                continue
-            if v is None or t.data_ptr() != v.data_ptr() or t.shape != v.shape or (
-                    t.dtype != v.dtype):
-                return False
-        return True
-
-    def load_(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors in by name; every name must exist with the same shape and dtype."""
-        with torch.no_grad():
-            for name, t in named:
-                dst = self.tensor(name)
-                if tuple(t.shape) != tuple(dst.shape) or t.dtype != dst.dtype:
-                    raise BadInput(f"{name}: {tuple(t.shape)}/{t.dtype} does not match "
-                                   f"{tuple(dst.shape)}/{dst.dtype}")
-                dst.copy_(t)
-
-    def bind_module(self, module: torch.nn.Module) -> None:
-        """Make every parameter of ``module`` named here a view into the buffer (values kept)."""
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                if name in self._views:
-                    dst = self._views[name]
-                    if tuple(p.shape) != tuple(dst.shape) or p.dtype != dst.dtype:
-                        raise BadInput(f"{name}: module parameter differs from the layout")
-                    dst.copy_(p.data)
-                    p.data = dst
-
-    def handle(self) -> BufferHandle:
-        """The buffer's IPC handle, created once (re-sharing would add ref counters)."""
-        if self._handle is None:
-            self._handle = share_buffer(self.buffer)
-        return self._handle
-
-    def message(self, mode: str = "fast") -> UpdateMessage:
-        return UpdateMessage(mode, (self.handle(),), self.entries)
-
-    def checksum(self, impl: str = "auto") -> list[int]:
-        return block_checksum([self._views[e.name] for e in self.entries], impl=impl)
-
-
-def share_buffer(buf: torch.Tensor) -> BufferHandle:
-    """The CUDA IPC handle of a flat ``uint8`` device tensor, as plain data."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    if buf.device.type != "cuda":
-        raise BadInput("CUDA IPC needs the buffer on a CUDA device")
-    if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise BadInput("share_buffer takes a flat uint8 tensor")
-    _, a = reduce_tensor(buf)  # type: ignore[no-untyped-call]
-    # a = (tensor_cls, size, stride, tensor_offset, storage_cls, dtype, device,
-    #      handle, storage_size_bytes, storage_offset_bytes, requires_grad,
-    #      ref_counter_handle, ref_counter_offset, event_handle, event_sync_required)
-    uuid = str(torch.cuda.get_device_properties(buf.device).uuid)
-    return BufferHandle(
-        device_uuid=uuid, handle=bytes(a[7]), storage_size_bytes=int(a[8]),
-        storage_offset_bytes=int(a[9]), ref_counter_handle=bytes(a[11]),
-        ref_counter_offset=int(a[12]),
-        event_handle=bytes(a[13]) if a[13] is not None else b"",
-        event_sync_required=bool(a[14]), tensor_offset_bytes=int(a[3]),
-        nbytes=buf.numel())
 
 
 def engine_flags() -> list[str]:
@@ -267,8 +140,10 @@ class CudaIpcTransport:
         self.last_zero_copy = False
         self._pre: tuple[PackedWeights, list[int], tuple[str, ...]] | None = None
         self.last_check: dict[str, Any] = {}
-        self._digest_cache: tuple[tuple[str, ...], list[int], str, str,
+        self._names_cache: tuple[tuple[str, ...], str] | None = None
+        self._digest_cache: tuple[tuple[str, ...], list[int], str,
                                   dict[str, int]] | None = None
+        self._urls: dict[str, dict[str, Any]] = {}  # engine -> route -> URL
         self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
         #: engines this transport has written to since their last connect(): only
         #: those have a write for validation_check to compare
@@ -297,6 +172,9 @@ class CudaIpcTransport:
                     isinstance(v, int) and not isinstance(v, bool) for v in vals):
                 raise BadInput("values must be one integer checksum per entry")
         self._pre = (packed, vals, packed.names())
+        # The digests the validation compares with, made now (staging) rather than
+        # in the paused window: the send hands these very objects to the check.
+        self._digests(packed.names(), vals)
         return time.monotonic() - t
 
     def stage(self, source: Any) -> PackedWeights:
@@ -381,7 +259,8 @@ class CudaIpcTransport:
             body[RESULTS] = slot.to_json()
         mutation = False
         try:
-            torch.cuda.synchronize(packed.device)  # the engine reads after our writes
+            if packed.device.type == "cuda":
+                torch.cuda.synchronize(packed.device)  # the engine reads after our writes
             t = time.monotonic()
             self._call("POST", base_url, "/start_weight_update", timeout_s, step="transfer",
                        mutation=False)
@@ -626,13 +505,21 @@ class CudaIpcTransport:
 
     def _digests(self, names: tuple[str, ...], values: list[int]
                  ) -> tuple[str, str, dict[str, int]]:
-        """(names digest, checksum digest, name -> value) of what was sent, once per send."""
+        """(names digest, checksum digest, name -> value) of what was sent, once per send.
+
+        Keyed by the very objects sent (identity: a new list of values or names is
+        a new key); the names digest once per layout (``PackedWeights.names()`` is
+        one tuple), the rest once per set of values (``precompute_checksum`` makes
+        them at staging, outside the paused window).
+        """
+        nc = self._names_cache
+        if nc is None or nc[0] is not names:
+            nc = self._names_cache = (names, names_digest(names))
         c = self._digest_cache
         if c is None or c[0] is not names or c[1] is not values:
-            c = self._digest_cache = (names, values, names_digest(names),
-                                      checksum_digest(names, values),
+            c = self._digest_cache = (names, values, checksum_digest(names, values),
                                       dict(zip(names, values, strict=True)))
-        return c[2], c[3], c[4]
+        return nc[1], c[2], c[3]
 
     def validation_check(self, base_url: str, *, timeout_s: float = 60.0) -> Check:
         """The paused validation's evidence on an engine without a version label.
@@ -665,6 +552,17 @@ class CudaIpcTransport:
         if isinstance(source, PackedWeights):
             return source
         t = time.monotonic()
+        checked = getattr(source, "checked_tensors", None)
+        fixed = checked() if callable(checked) else None  # a state-dict WeightSource
+        if fixed is not None:
+            # The hot path: the trainer's buffer staged as its own views. Whether the
+            # source is exactly an adopted buffer's entries is read from every tensor
+            # in a few C-level passes (holds_tensors), not one Python step per tensor;
+            # anything else takes the general path below, which copies.
+            for pk in self._adopted:
+                if pk.holds_tensors(fixed[0], fixed[1]):
+                    tm.pack_s = time.monotonic() - t
+                    return pk
         if callable(getattr(source, "named_tensors", None)):  # a rolloutcore WeightSource
             items = list(source.named_tensors())
         elif isinstance(source, Mapping):
@@ -717,14 +615,16 @@ class CudaIpcTransport:
         import httpx
 
         from rolloutcore.transports.engine_key import headers_for
+        from rolloutcore.transports.http import route_url
 
         client = self._http()
         headers = headers_for(base_url)  # a launched engine's route key
+        url = route_url(self._urls.setdefault(base_url, {}), base_url, path)
         try:
             if method == "GET":
-                r = client.get(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers)
+                r = client.get(url, timeout=timeout_s, headers=headers)
             else:
-                r = client.post(base_url.rstrip("/") + path, timeout=timeout_s, headers=headers,
+                r = client.post(url, timeout=timeout_s, headers=headers,
                                 **({"json": body} if body is not None else {}))
         except (httpx.HTTPError, RuntimeError) as exc:
             # RuntimeError: the client was closed under us by abort().
