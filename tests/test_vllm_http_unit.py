@@ -1085,3 +1085,35 @@ def test_engine_recompute_pause_is_refused_where_keep_ignores_clear_cache() -> N
     assert not VllmAdapter(client(plain)).drain(PauseMode.KEEP).cleared
     (req,) = [r for r in plain.requests if r.url.path == Routes.PAUSE]
     assert req.url.params["clear_cache"] == "false"
+
+
+@pytest.mark.parametrize("form", ["0.32", "0.26"])
+def test_top_logprobs_reads_both_vllm_forms_of_a_logprob_entry(form: str) -> None:
+    """vLLM 0.32 names each entry's ``token_id``; 0.26 with ``--skip-tokenizer-init`` has
+    none and writes the token as ``"token_id:N"`` (seen on the H200, 2026-12-05)."""
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        return ({"token_id": tid, "logprob": lp} if form == "0.32" else
+                {"token": f"token_id:{tid}", "logprob": lp, "bytes": None})
+
+    content = [{**entry(7, -0.1), "top_logprobs": [entry(7, -0.1), entry(9, -2.5)]},
+               {**entry(3, -0.7), "top_logprobs": [entry(3, -0.7)]}]
+
+    def engine(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"logprobs": {"content": content}}]})
+
+    with VllmHTTP(BASE, transport=httpx.MockTransport(engine)) as h:
+        got = h.top_logprobs([1, 2], max_tokens=2, top=2, model="m")
+    assert got == [(7, {7: -0.1, 9: -2.5}), (3, {3: -0.7})]
+
+
+@pytest.mark.parametrize("bad", [{"token": "hello", "logprob": -1.0}, {"logprob": -1.0},
+                                 {"token_id": "7", "logprob": -1.0},
+                                 {"token_id": True, "logprob": -1.0}])
+def test_top_logprobs_refuses_an_entry_without_a_token_id(bad: dict[str, Any]) -> None:
+    def engine(req: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"choices": [{"logprobs": {"content": [bad]}}]})
+
+    with VllmHTTP(BASE, transport=httpx.MockTransport(engine)) as h, \
+            pytest.raises(EffectError, match="unexpected generate answer"):
+        h.top_logprobs([1, 2], max_tokens=1, top=1, model="m")

@@ -111,6 +111,26 @@ def _label(labels: str, key: str) -> str | None:
 KEEPALIVE_S = 2.0
 
 
+_TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+
+def logprob_token_id(entry: Mapping[str, Any]) -> int:
+    """The token id of one ``logprobs.content`` (or ``top_logprobs``) entry: its
+    ``token_id`` (vLLM 0.32), else its ``token`` written ``"token_id:N"`` (vLLM 0.26
+    with ``--skip-tokenizer-init``, whose entries have no ``token_id``). ``KeyError``
+    or ``ValueError`` for anything else."""
+    tid = entry.get("token_id")
+    if tid is not None:
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            raise ValueError(f"token_id {tid!r} is not an int")
+        return tid
+    m = _TOKEN_ID.fullmatch(str(entry["token"]))
+    if m is None:
+        raise ValueError(f"logprob entry has no token_id and its token {entry['token']!r} "
+                         f"is not 'token_id:N'")
+    return int(m.group(1))
+
+
 def check_timeout(v: float) -> float:
     """A positive, finite number of seconds, else ``BadInput``."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -653,8 +673,8 @@ class VllmHTTP:
             "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,
                                               {"logprobs": top})}, timeout_s)
         try:
-            return [(int(c["token_id"]), {int(c["token_id"]): float(c["logprob"]), **{
-                int(t["token_id"]): float(t["logprob"]) for t in c.get("top_logprobs") or ()}})
+            return [(logprob_token_id(c), {logprob_token_id(c): float(c["logprob"]), **{
+                logprob_token_id(t): float(t["logprob"]) for t in c.get("top_logprobs") or ()}})
                 for c in resp["choices"][0]["logprobs"]["content"]]
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EffectError("generate", f"unexpected generate answer: {exc}: "
