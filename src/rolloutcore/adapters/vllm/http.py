@@ -50,6 +50,7 @@ from rolloutcore.adapters.vllm.wire import (
     VersionSpan,
     WeightInfo,
     WeightOps,
+    logprob_token_id,
 )
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
@@ -109,26 +110,6 @@ def _label(labels: str, key: str) -> str | None:
 #: closing fails with "Server disconnected without sending a response": on
 #: ``/pause`` that reads as an engine failure. Seen on a loaded 2-core machine.
 KEEPALIVE_S = 2.0
-
-
-_TOKEN_ID = re.compile(r"token_id:(\d+)")
-
-
-def logprob_token_id(entry: Mapping[str, Any]) -> int:
-    """The token id of one ``logprobs.content`` (or ``top_logprobs``) entry: its
-    ``token_id`` (vLLM 0.32), else its ``token`` written ``"token_id:N"`` (vLLM 0.26
-    with ``--skip-tokenizer-init``, whose entries have no ``token_id``). ``KeyError``
-    or ``ValueError`` for anything else."""
-    tid = entry.get("token_id")
-    if tid is not None:
-        if isinstance(tid, bool) or not isinstance(tid, int):
-            raise ValueError(f"token_id {tid!r} is not an int")
-        return tid
-    m = _TOKEN_ID.fullmatch(str(entry["token"]))
-    if m is None:
-        raise ValueError(f"logprob entry has no token_id and its token {entry['token']!r} "
-                         f"is not 'token_id:N'")
-    return int(m.group(1))
 
 
 def check_timeout(v: float) -> float:
@@ -664,8 +645,7 @@ class VllmHTTP:
                      model: str | None = None, timeout_s: float | None = None
                      ) -> list[tuple[int, dict[int, float]]]:
         """Greedy continuation: each token and the engine's ``top`` logprobs at its position
-        (the sampling path: ``prompt_logprobs`` kills a LoRA engine of vLLM 0.32's CPU
-        build beside other requests, ``verification.adapters``)."""
+        (the sampling path: see ``verification.adapters``)."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
             raise BadInput(f"top must be an int in 1..20, got {top!r}")
         resp = self._post_json(Routes.GENERATE, "generate", {

@@ -5,13 +5,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rolloutcore.core.media import ImageRef
 from rolloutcore.errors import BadInput
 
 __all__ = [
+    "logprob_token_id",
     "PREFIX_HITS",
     "PREFIX_QUERIES",
     "Completion",
@@ -181,3 +184,23 @@ def prefix_cache_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> Prefi
                            "different engine incarnations")
         out.append(a - b)
     return PrefixCacheDelta(queries=out[0], hits=out[1])
+
+
+_TOKEN_ID = re.compile(r"token_id:(\d+)")
+
+
+def logprob_token_id(entry: Mapping[str, Any]) -> int:
+    """The token id of one ``logprobs.content`` (or ``top_logprobs``) entry: its
+    ``token_id`` (vLLM 0.32), else its ``token`` written ``"token_id:N"`` (vLLM 0.26
+    with ``--skip-tokenizer-init``, whose entries have no ``token_id``). ``BadInput``
+    (a ``ValueError``) or ``KeyError`` for anything else."""
+    tid = entry.get("token_id")
+    if tid is not None:
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            raise BadInput(f"token_id {tid!r} is not an int")
+        return tid
+    m = _TOKEN_ID.fullmatch(str(entry["token"]))
+    if m is None:
+        raise BadInput(f"logprob entry has no token_id and its token {entry['token']!r} is "
+                       f"not 'token_id:N'")
+    return int(m.group(1))
