@@ -10,6 +10,8 @@ adapters, naming what is wrong, before anything reaches an engine.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from rolloutcore.core.adapters import (
     adapter_name,
 )
 from rolloutcore.core.records import JournalRecord, decode
+from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 
 S, E = AdapterState, AdapterEvent
@@ -354,6 +357,42 @@ def test_measure_generated_reanchors_after_a_divergence_and_counts_absent_as_inf
     assert not probe.judge(res).passed
 
 
+def test_measure_generated_sends_the_cases_together_and_keeps_their_order() -> None:
+    """The cases are in flight at once (the engine batches them); the worst case and
+    position are reported in the probe's own case order; a case whose request fails
+    fails the measurement after the others answered."""
+    import threading
+
+    from rolloutcore.errors import EffectError
+    from rolloutcore.verification.adapters import measure_generated
+    from rolloutcore.verification.probe import PolicyProbe, ProbeCase
+
+    cases = [ProbeCase((1, k), (5, 6), (-0.1, -0.2)) for k in (10, 11, 12)]
+    probe = PolicyProbe(cases, tolerance=0.01)
+    barrier = threading.Barrier(3, timeout=10)   # only passes with all three in flight
+
+    class Together:
+        def __init__(self, fail: int | None = None) -> None:
+            self.fail, self.answered = fail, []
+
+        def top_logprobs(self, ctx: list[int], **kw: Any) -> list[tuple[int, dict[int, float]]]:
+            barrier.wait()
+            if ctx[1] == self.fail:
+                raise EffectError("validate_live", "cut")
+            self.answered.append(ctx[1])
+            off = 0.05 if ctx[1] == 11 else 0.0     # case 1 deviates at its last position
+            return [(5, {5: -0.1}), (6, {6: -0.2 - off})]
+
+    res = measure_generated(probe, Together(), None)
+    assert res.positions == 6 and res.worst_case == 1 and res.worst_position == 1
+    assert math.isclose(res.max_abs_diff, 0.05, abs_tol=1e-9)
+    barrier.reset()
+    cut = Together(fail=12)
+    with pytest.raises(EffectError, match="cut"):
+        measure_generated(probe, cut, None)
+    assert sorted(cut.answered) == [10, 11]
+
+
 def test_a_journal_with_adapter_records_checks_and_restores(tmp_path: Path) -> None:
     """The adapter machine writes into the engine's journal: the invariant checker and
     the crash restore read past its records, and the engine's state comes back."""
@@ -450,3 +489,64 @@ def test_the_adapter_probe_and_the_base_probe_have_their_own_tolerances(tmp_path
                 AdapterManager(Http(), object(), base_model=tmp_path,
                                store=tmp_path / "s3", **{kw: bad})
     assert not (tmp_path / "s3").exists()
+
+
+def test_a_tolerance_above_the_cap_is_taken_only_for_an_adapter_the_probe_can_tell(
+        tmp_path: Path) -> None:
+    """A manager whose ``max_tolerance`` allows more than ``MAX_TOLERANCE`` (an engine
+    measured noisier than that) takes such a tolerance only for an adapter whose
+    reference lies ``DISCRIMINATION`` times it away from the base's on the probe's
+    tokens: an untrained adapter (B = 0, the base's own policy) is refused before
+    anything is written; a trained one is prepared with that distance as evidence.
+    Within the cap nothing changes (no distance computed)."""
+    from types import SimpleNamespace
+
+    from rolloutcore.control.adapters import DISCRIMINATION, AdapterManager
+    from rolloutcore.core.vocab import State
+    from rolloutcore.verification.probe import MAX_TOLERANCE, ModelScorer
+
+    class Http:
+        def models(self, **kw: Any) -> dict[str, str | None]:
+            return {}
+
+    trained = _peft(tmp_path / "t")
+    untrained = _peft(tmp_path / "u", zero_b=True)
+    base_dir = tmp_path / "t" / "base"
+    ctl = SimpleNamespace(state=State.READY, committed=SimpleNamespace(label="v1"),
+                          identity=None)
+    with pytest.raises(BadInput, match="max_tolerance"):
+        AdapterManager(Http(), ctl, base_model=base_dir, store=tmp_path / "bad",
+                       max_tolerance=float("inf"))
+    # The default manager still refuses above the cap, before anything is written.
+    m0 = AdapterManager(Http(), ctl, base_model=base_dir, store=tmp_path / "s0")
+    with pytest.raises(BadInput, match="probe_tolerance"):
+        m0.prepare(trained, Provenance("t", "unit", 1), probe_tolerance=0.1)
+    assert not any((tmp_path / "s0").iterdir())
+    within = m0.prepare(trained, Provenance("t", "unit", 1), probe_tolerance=MAX_TOLERANCE)
+    assert within.effect is None
+    # An operator's ceiling of 1 nat: the trained adapter's distance from the base,
+    # measured independently, decides.
+    m = AdapterManager(Http(), ctl, base_model=base_dir, store=tmp_path / "s",
+                       max_tolerance=1.0)
+    first = m.prepare(trained, Provenance("t", "unit", 2), probe_tolerance=MAX_TOLERANCE)
+    probe = first.probe
+    shutil.rmtree(first.version.path)   # prepared, never applied: the same generation next
+    from transformers import AutoModelForCausalLM
+
+    dist = probe.measure(ModelScorer(AutoModelForCausalLM.from_pretrained(base_dir)))
+    assert dist.max_abs_diff > 0.0
+    ok_tol = dist.max_abs_diff / (DISCRIMINATION * 1.05)
+    too_loose = dist.max_abs_diff / (DISCRIMINATION * 0.95)
+    assert ok_tol > MAX_TOLERANCE, dist   # the test adapter moves the base that far
+    p = m.prepare(trained, Provenance("t", "unit", 3), probe_tolerance=ok_tol)
+    assert p.effect is not None
+    assert p.effect.max_abs_diff == pytest.approx(dist.max_abs_diff, rel=1e-4)
+    shutil.rmtree(p.version.path)
+    before = sorted(x.name for x in (tmp_path / "s").iterdir())
+    with pytest.raises(BadInput, match="cannot tell"):
+        m.prepare(trained, Provenance("t", "unit", 4), probe_tolerance=too_loose)
+    assert sorted(x.name for x in (tmp_path / "s").iterdir()) == before
+    before = sorted(x.name for x in (tmp_path / "s").iterdir())
+    with pytest.raises(BadInput, match="cannot tell"):
+        m.prepare(untrained, Provenance("u", "unit", 5), probe_tolerance=0.2)
+    assert sorted(x.name for x in (tmp_path / "s").iterdir()) == before

@@ -90,6 +90,15 @@ LORA_ARGS = ["--enable-lora", "--max-loras", "4", "--max-lora-rank", str(RANK)]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 STD_B = 0.05              # the adapters' B ~ N(0, 0.05), as the CPU benchmark's
+#: The harness's ceiling on a declared probe tolerance (``AdapterManager(max_tolerance=)``).
+#: Run 1 (2026-12-05): the engine's bf16 8B deviated 0.20 nats at worst (mean 0.06) from
+#: the trainer's float32 reference on the base itself; a CPU check of the same shapes
+#: (2 layers, hidden 4096) read 0.069 / 0.016 for bf16 against float32 and 0.038 / 0.013
+#: for two bf16 attention kernels, so it is the precision, not another model. Above
+#: ``MAX_TOLERANCE`` the product takes a tolerance only for an adapter whose reference lies
+#: ``DISCRIMINATION`` times it from the base's (the CPU check: 3.7 nats at worst, mean 1.5,
+#: for these adapters on 2 layers).
+DECLARED_CEILING = 1.0
 STAGES = ("takeover", "bare", "updates", "logprobs_updates", "controls", "serving",
           "beside", "full", "restart")
 ARTIFACT_KEYS = ("adapter_update_s", "full_update_s", "restart_s", "bare_load_s",
@@ -447,21 +456,26 @@ def stage_takeover(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namesp
         s.runner.bootstrap(ident)
     takeover_s = time.perf_counter() - t
     # Calibrated: the product's tolerances (the engine's calibration loosens them within
-    # its rules). Declared: from what the engine showed on the known base (3x, at most 0.05).
-    tol = ADAPTER_TOLERANCE if calibrated else min(MAX_TOLERANCE, max(
+    # its rules). Declared: from what the engine showed on the known base (3x, the
+    # calibration's margin), at most DECLARED_CEILING; above MAX_TOLERANCE the manager
+    # takes it only for adapters the probe can tell from the base (DISCRIMINATION).
+    ceiling = MAX_TOLERANCE if calibrated else DECLARED_CEILING
+    tol = ADAPTER_TOLERANCE if calibrated else min(ceiling, max(
         ADAPTER_TOLERANCE, 3 * quiet.max_abs_diff))
-    base_tol = DEFAULT_TOLERANCE if calibrated else min(MAX_TOLERANCE, max(
+    base_tol = DEFAULT_TOLERANCE if calibrated else min(ceiling, max(
         DEFAULT_TOLERANCE, 3 * quiet.max_abs_diff))
+    probe.tolerance = base_tol      # the full stage's probe of the base
     s.adapters = AdapterManager(
         s.http, s.controller, base_model=rig.trainer.base, store=rig.tmp / "store",
         config=AdapterConfig(max_loaded=4, max_staleness=1), listener=s.journal.listener,
         max_rank=RANK, calibrations=lambda: dict(s.adapter.calibrations),
-        probe_tolerance=tol, base_tolerance=base_tol, timeout_s=300)
+        probe_tolerance=tol, base_tolerance=base_tol, timeout_s=300, max_tolerance=ceiling)
     R["takeover"] = {"mode": "probe (calibrating)" if calibrated else "declared",
                      "base_probe_reference_s": ref_s, "takeover_s": takeover_s,
                      "base_deviation_prompt_logprobs": quiet.to_dict(),
                      "calibrations": {k: v.to_dict() for k, v in s.adapter.calibrations.items()},
                      "adapter_probe_tolerance": tol, "base_probe_tolerance": base_tol,
+                     "max_tolerance": ceiling,
                      "published": str(s.controller.committed)}
     log(f"takeover {R['takeover']['mode']}: base max |dlogp| {quiet.max_abs_diff:.4g} "
         f"(mean {quiet.mean_abs_diff:.3g}); adapter tolerance {tol:g}")
@@ -528,7 +542,9 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "adapter_probe_max": max((u["checks"].get("adapter-probe", 0.0) for u in runs),
                                      default=None),
             "base_probe_max": max((u["checks"].get("base-probe", 0.0) for u in runs),
-                                  default=None)}
+                                  default=None),
+            "adapter_effect_min": min((u["checks"]["adapter-effect"] for u in runs
+                                       if "adapter-effect" in u["checks"]), default=None)}
 
 
 def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
@@ -544,14 +560,15 @@ def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespa
             # A correct adapter refused by the probe through it (the engine's bf16 LoRA
             # arithmetic above the tolerance): evidence, then the trainer's declared
             # tolerance (train --lora declares 0.05) so the later stages still measure.
-            if i or "adapter-probe" not in str(exc) or m.probe_tolerance >= MAX_TOLERANCE:
+            top = max(MAX_TOLERANCE, min(m.max_tolerance, 2 * m.probe_tolerance))
+            if i or "adapter-probe" not in str(exc) or m.probe_tolerance >= top:
                 raise
             R["correct_adapter_refused"] = {"tolerance": m.probe_tolerance,
                                             "error": str(exc)[:1500],
-                                            "then_declared": MAX_TOLERANCE}
+                                            "then_declared": top}
             log(f"!! a correct adapter was refused at tolerance {m.probe_tolerance:g}; the "
-                f"rest of the run declares {MAX_TOLERANCE:g}: {str(exc)[:300]}")
-            m.probe_tolerance = MAX_TOLERANCE
+                f"rest of the run declares {top:g}: {str(exc)[:300]}")
+            m.probe_tolerance = top
             u = _verified(rig, st, 100 + i)
         st.updates.append(u)
         log(f"verified adapter update {u['name']}: apply {u['phases']['apply']:.3f}s "
@@ -564,6 +581,7 @@ def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespa
               "adapter_prepare_s": sm["prepare_s"], "adapter_first_update_s":
               sm["first_apply_s"], "adapter_probe_max_abs_diff": sm["adapter_probe_max"],
               "base_probe_max_abs_diff": sm["base_probe_max"],
+              "adapter_effect_min_nats": sm["adapter_effect_min"],
               "adapter_update_vs_bare_load": sm["apply_s"] / bare if bare and sm["apply_s"]
               else None, "adapter_updates": st.updates,
               "adapter_probe_scoring": "generation (measure_generated, the product default)"})
@@ -744,7 +762,8 @@ def stage_full(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
         if negated:
             if negated_probe is None:
                 negated_probe = PolicyProbe.from_model(rig.trainer.base,
-                                                       default_prompts(rig.trainer.vocab))
+                                                       default_prompts(rig.trainer.vocab),
+                                                       tolerance=st.base_probe.tolerance)
             probe = negated_probe
         else:
             probe = st.base_probe

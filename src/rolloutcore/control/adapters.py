@@ -34,6 +34,7 @@ update still drains them) and the table's for the adapter.
 from __future__ import annotations
 
 import contextlib
+import math
 import shutil
 import tempfile
 import threading
@@ -70,12 +71,15 @@ from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
     MAX_TOLERANCE,
     Calibration,
+    ModelScorer,
     PolicyProbe,
+    ProbeResult,
     default_prompts,
 )
 
-__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "AdapterManager", "AdapterResult",
-           "PreparedAdapter", "RolloutBinding", "VerifiedAdapter", "check_probe_tolerance"]
+__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "AdapterManager",
+           "AdapterResult", "PreparedAdapter", "RolloutBinding", "VerifiedAdapter",
+           "check_probe_tolerance"]
 
 #: When the base is probed beside a newly loaded adapter. ``required``: always, so a
 #: base computed wrong beside adapter requests refuses the update (vLLM 0.32's CPU
@@ -98,6 +102,16 @@ BASE_PROBE_MODES = frozenset({"required", "when_idle"})
 #: adapter the engine did not load or loaded as another (deviations of 0.1 to inf).
 ADAPTER_TOLERANCE = 0.01
 
+#: Above ``MAX_TOLERANCE`` (only where a manager's ``max_tolerance`` allows it: an
+#: engine measured noisier than that, e.g. an 8B bf16 engine against a float32
+#: reference deviates by tenths of a nat on the base itself), an update's probe
+#: tolerance is taken only for an adapter the probe can still tell from the base: on
+#: the probe's own tokens the adapter's reference must lie at least ``DISCRIMINATION``
+#: times the tolerance away from the base's (``ModelScorer``), so that the base served
+#: in its place (a load that did nothing) still fails the probe. A tolerance within
+#: ``MAX_TOLERANCE`` is taken as it always was.
+DISCRIMINATION = 2.0
+
 
 @dataclass(frozen=True)
 class PreparedAdapter:
@@ -108,6 +122,9 @@ class PreparedAdapter:
     provenance: Provenance
     probe: PolicyProbe
     prepare_s: float
+    #: How far the adapter's reference lies from the base's on the probe's tokens;
+    #: computed when the tolerance is above ``MAX_TOLERANCE`` (``DISCRIMINATION``).
+    effect: ProbeResult | None = None
 
 
 @dataclass(frozen=True)
@@ -177,14 +194,15 @@ class _Phases:
             self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0
 
 
-def check_probe_tolerance(value: object, default: float) -> float:
-    """An adapter update's probe tolerance: ``value`` (a number in (0, ``MAX_TOLERANCE``])
-    or ``default`` when None; ``BadInput`` otherwise."""
+def check_probe_tolerance(value: object, default: float, cap: float = MAX_TOLERANCE
+                          ) -> float:
+    """An adapter update's probe tolerance: ``value`` (a number in (0, ``cap``]) or
+    ``default`` when None; ``BadInput`` otherwise."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not 0 < value <= MAX_TOLERANCE:
-        raise BadInput(f"probe_tolerance must be a number in (0, {MAX_TOLERANCE:g}] nats, "
+            not 0 < value <= cap:
+        raise BadInput(f"probe_tolerance must be a number in (0, {cap:g}] nats, "
                        f"got {value!r}")
     return float(value)
 
@@ -198,7 +216,8 @@ class AdapterManager:
                  calibrations: Callable[[], Mapping[str, Calibration]] | None = None,
                  probe_tolerance: float = ADAPTER_TOLERANCE,
                  base_tolerance: float = DEFAULT_TOLERANCE,
-                 timeout_s: float = 60.0, base_probe: str = "required") -> None:
+                 timeout_s: float = 60.0, base_probe: str = "required",
+                 max_tolerance: float = MAX_TOLERANCE) -> None:
         if base_probe not in BASE_PROBE_MODES:
             raise BadInput(f"base_probe must be one of {sorted(BASE_PROBE_MODES)}, got "
                            f"{base_probe!r}")
@@ -212,8 +231,17 @@ class AdapterManager:
         self.controller = controller
         self.base_model = base_model
         self.max_rank = max_rank
-        self.probe_tolerance = check_probe_tolerance(probe_tolerance, ADAPTER_TOLERANCE)
-        self.base_tolerance = check_probe_tolerance(base_tolerance, DEFAULT_TOLERANCE)
+        if isinstance(max_tolerance, bool) or not isinstance(max_tolerance, (int, float)) \
+                or not math.isfinite(max_tolerance) or max_tolerance <= 0:
+            raise BadInput(f"max_tolerance must be a finite number > 0 (nats), got "
+                           f"{max_tolerance!r}")
+        #: The largest probe tolerance this manager takes (an operator's setting: above
+        #: ``MAX_TOLERANCE`` only for adapters the probe can tell from the base).
+        self.max_tolerance = float(max_tolerance)
+        self.probe_tolerance = check_probe_tolerance(probe_tolerance, ADAPTER_TOLERANCE,
+                                                     self.max_tolerance)
+        self.base_tolerance = check_probe_tolerance(base_tolerance, DEFAULT_TOLERANCE,
+                                                    self.max_tolerance)
         self.timeout_s = timeout_s
         self.base_probe = base_probe
         self._calibrations = calibrations or dict
@@ -257,14 +285,16 @@ class AdapterManager:
         ``reference``: the trainer's own model of base + adapter (a PEFT model);
         default: the base model with the adapter as written, through PEFT.
         ``probe_tolerance``: this update's probe through the adapter (nats, at most
-        ``MAX_TOLERANCE``; default the manager's): a trainer declares it as it
-        declares a full update's (LoRA's bf16 arithmetic grows with the adapter).
+        the manager's ``max_tolerance``; default the manager's): a trainer declares it
+        as it declares a full update's (LoRA's bf16 arithmetic grows with the adapter).
+        A tolerance above ``MAX_TOLERANCE`` needs an adapter the probe can tell from
+        the base (``DISCRIMINATION``).
         Refused with ``BadInput`` (nothing written) when the adapter is bad.
         """
         t0 = time.perf_counter()
         if not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance")
-        tol = check_probe_tolerance(probe_tolerance, self.probe_tolerance)
+        tol = check_probe_tolerance(probe_tolerance, self.probe_tolerance, self.max_tolerance)
         base = self._base_version()
         self.check_base()
         src = AdapterSource.of(adapter, max_rank=self.max_rank)
@@ -282,10 +312,22 @@ class AdapterManager:
                 probe.name = "adapter-probe"
             else:
                 probe = adapter_probe(self.base_model, path, tolerance=tol)
+            effect = None
+            if tol > MAX_TOLERANCE:
+                effect = probe.measure(ModelScorer(self._base_module()))
+                if effect.max_abs_diff < DISCRIMINATION * tol:
+                    raise BadInput(
+                        f"probe_tolerance {tol:g} cannot tell adapter {name} from the base: "
+                        f"its reference lies at most {effect.max_abs_diff:.4g} nats (mean "
+                        f"{effect.mean_abs_diff:.3g}) from the base's on the probe's tokens, "
+                        f"under {DISCRIMINATION:g}x the tolerance; a tolerance above "
+                        f"{MAX_TOLERANCE:g} is taken only for an adapter the probe can tell "
+                        f"from the base; nothing was loaded")
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise
-        return PreparedAdapter(version, src, provenance, probe, time.perf_counter() - t0)
+        return PreparedAdapter(version, src, provenance, probe, time.perf_counter() - t0,
+                               effect)
 
     def apply(self, prepared: PreparedAdapter) -> AdapterResult:
         """Load, verify and publish a prepared adapter (see the module docstring)."""
@@ -356,6 +398,15 @@ class AdapterManager:
                             f"{listed[v.name]})"),
                       Check("content", True, f"sha256 {v.content_digest} of {v.size_bytes} "
                             f"tensor bytes and the config, rank {prepared.source.rank}")]
+            if prepared.effect is not None:
+                e = prepared.effect
+                checks.append(Check(
+                    "adapter-effect", True,
+                    f"the adapter's reference lies {e.max_abs_diff:.4g} nats at most (mean "
+                    f"{e.mean_abs_diff:.3g}) from the base's on the probe's tokens: at least "
+                    f"{DISCRIMINATION:g}x the probe's tolerance "
+                    f"{prepared.probe.tolerance:g}, so the base served in its place fails it",
+                    max_abs_diff=e.max_abs_diff, tolerance=prepared.probe.tolerance))
             in_time("probe_adapter", checks)
             try:
                 checks.append(ph.run("probe_adapter", lambda: self._probe(
@@ -519,6 +570,17 @@ class AdapterManager:
             raise UpdateRefused(f"the base is {c.state.value}, not READY on a committed "
                                 f"version: no adapter update now; nothing was changed")
         return c.committed
+
+    def _base_module(self) -> Any:
+        """The base as a module (a checkpoint directory is loaded, float32)."""
+        if not isinstance(self.base_model, (str, Path)):
+            return self.base_model
+        from transformers import AutoModelForCausalLM
+
+        from rolloutcore.verification.hf_load import HF_LOCK
+
+        with HF_LOCK:
+            return AutoModelForCausalLM.from_pretrained(str(self.base_model))
 
     def _base_probe(self, label: str) -> PolicyProbe:
         p = self._base_probes.get(label)

@@ -24,6 +24,7 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,10 +191,12 @@ def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
     (which cannot run beside other requests on vLLM 0.32's CPU build with LoRA
     enabled: ``VllmHTTP.top_logprobs``). A reference token the engine does not
     rank among its top ``TOP_K`` counts as an infinite deviation: it is the
-    reference's own argmax.
+    reference's own argmax. The cases run at once (each on its own thread, the
+    engine batches them); the first case's failure in case order is raised once
+    all have answered or timed out.
     """
-    diffs: list[tuple[float, int, int]] = []
-    for ci, case in enumerate(probe.cases):
+    def one(ci: int, case: Any) -> list[tuple[float, int, int]]:
+        out: list[tuple[float, int, int]] = []
         j = 0
         n = len(case.continuation)
         while j < n:
@@ -205,11 +208,23 @@ def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
             for tok, tops in got:
                 want = case.continuation[j]
                 have = tops.get(want)
-                diffs.append((math.inf if have is None else abs(have - case.logprobs[j]),
-                              ci, j))
+                out.append((math.inf if have is None else abs(have - case.logprobs[j]),
+                            ci, j))
                 j += 1
                 if tok != want or j >= n:
                     break
+        return out
+
+    # The cases are independent requests of one model: sent together, the engine
+    # decodes them in one batch (one decode's latency instead of one per case).
+    cases = list(enumerate(probe.cases))
+    if len(cases) == 1:
+        per_case = [one(*cases[0])]
+    else:
+        with ThreadPoolExecutor(len(cases), thread_name_prefix="rc-probe") as pool:
+            futures = [pool.submit(one, ci, case) for ci, case in cases]
+            per_case = [f.result() for f in futures]
+    diffs = [d for case_diffs in per_case for d in case_diffs]
     worst = max(diffs)
     res = ProbeResult(worst[0], sum(d for d, _, _ in diffs) / len(diffs), worst[1], worst[2],
                       len(diffs))

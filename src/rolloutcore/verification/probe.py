@@ -43,6 +43,7 @@ __all__ = [
     "Calibration",
     "Judgement",
     "MAX_TOLERANCE",
+    "ModelScorer",
     "WIRE_LIMITS",
     "PolicyProbe",
     "ProbeCase",
@@ -478,6 +479,39 @@ class PolicyProbe(Calibrated):
                      f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}",
                      max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
                      level=VerificationLevel.PROBE)
+
+
+class ModelScorer:
+    """A ``Scorer`` that is a trainer-side causal LM: the prompt log-probabilities a
+    probe's ``measure`` asks an engine for, computed by the model (in float32 on its
+    own device; a non-float32 model is scored through a float32 copy, as
+    ``PolicyProbe.from_model`` does). ``probe.measure(ModelScorer(base))`` is how far
+    the probe's reference is from ``base``'s: the effect a probe can see."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self._torch = torch
+        self._model = model
+        self._ref = model if _dtype_of(model) == torch.float32 else None
+
+    def score(self, token_ids: Sequence[int], *,
+              timeout_s: float | None = None) -> list[float | None]:
+        torch = self._torch
+        was_training = bool(getattr(self._model, "training", False))
+        self._model.eval()
+        try:
+            with torch.no_grad():
+                if self._ref is None:
+                    self._ref = copy.deepcopy(self._model).float()
+                ids = torch.tensor([list(token_ids)], dtype=torch.long,
+                                   device=_device_of(self._ref))
+                logp = torch.log_softmax(self._ref(input_ids=ids).logits[0].float(), dim=-1)
+                got = logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].tolist()
+        finally:
+            if was_training:
+                self._model.train()
+        return [None, *(float(x) for x in got)]
 
 
 #: float32 rounding of a log-softmax can land a hair above 0 for a certain token.
