@@ -586,7 +586,8 @@ class UpdateManager:
             try:
                 if ev is not None:
                     if isinstance(adapter, ExpectationTaker):
-                        adapter.expect_sent(sent)
+                        # Checked at the edge above (check_sent), before the lease moved.
+                        adapter.expect_sent(sent, checked=sent is not None)
                     self.runner.report_transfer(out, ev)
                     self.runner.close_update(out)
                 else:
