@@ -194,7 +194,21 @@ def instrument() -> None:
         _wrap(LifecycleRunner, m, span)
     _wrap(Journal, "sync", "journal.sync")
     _wrap(Journal, "_write_pending", "journal.write_batch")
-    _wrap(Shell, "run", "gw.lease_shell")
+    from starlette.requests import Request
+
+    import rolloutcore.service.control as control_mod
+
+    for m in ("_grant", "_observe", "_check_begin"):
+        _wrap(UpdateManager, m, f"gw.loop.{m}")
+    for m in ("describe", "move"):
+        _wrap(control_mod._Update, m, f"gw.loop.{m}")
+    _wrap(control_mod, "check_rank_declaration", "gw.loop.check_rank_declaration")
+    _wrap(control_mod, "worker_shards", "gw.loop.worker_shards")
+    _wrap_async(Request, "is_disconnected", "gw.loop.is_disconnected")
+    from rolloutcore.adapters.vllm.adapter import VllmAdapter
+
+    _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
+    _wrap(Shell, "run", "shell.run")
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
@@ -329,8 +343,8 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
 
     import rolloutcore
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-    from rolloutcore.control.journal import Journal, open_controller, read_journal
     from rolloutcore.control.controller import LifecycleController
+    from rolloutcore.control.journal import open_controller, read_journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
     from rolloutcore.control.session import EngineSession
     from rolloutcore.core.evidence import CacheKind
@@ -584,7 +598,9 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
             prof_stats = {}
             for ctx, prof in PROFILES.items():
                 buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats(os.environ.get("GP_SORT", "tottime")).print_stats(int(os.environ.get("GP_N", "25")))
+                st = pstats.Stats(prof, stream=buf).sort_stats(os.environ.get("GP_SORT",
+                                                                              "tottime"))
+                st.print_stats(int(os.environ.get("GP_N", "25")))
                 prof_stats[ctx] = buf.getvalue()
     threading.Thread.start = orig_start  # type: ignore[method-assign]
     # Durability: every transition's records are on disk (read back, gap-free).
@@ -592,7 +608,6 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     journal.close()
     gw_records = read_journal(tmp / "gateway.jsonl")
     in_records = read_journal(tmp / "inprocess.jsonl")
-    del Journal
     return {"rolloutcore": str(Path(rolloutcore.__file__).parent), "tensors": len(names),
             "buffer_bytes": int(pk.buffer.numel()), "reps": reps, "warmup": warmup,
             "fsync": fsync, "runs": runs, "profile": prof_stats,
@@ -643,7 +658,9 @@ def _derive(r: dict[str, Any]) -> dict[str, float]:
         d["client.encode"] = get("client.encode", 0.0)
         d["client.decode"] = get("client.decode", 0.0)
         for k in ("gw.body_read", "gw.parse_validate", "gw.hop_to_thread",
-                  "gw.hop_back_to_loop", "gw.answer_build", "gw.lease_shell"):
+                  "gw.hop_back_to_loop", "gw.answer_build", "shell.run"):
+            d[k] = get(k, 0.0)
+        for k in [k for k in s if k.startswith("gw.loop.")]:
             d[k] = get(k, 0.0)
         handlers = get("gw.begin_handler", 0.0) + get("gw.report_handler", 0.0)
         hops = get("gw.hop_to_thread", 0.0) + get("gw.hop_back_to_loop", 0.0)

@@ -169,9 +169,7 @@ class ExpectationTaker(Protocol):
                calibrating: bool = False) -> None:
         ...
 
-    def expect_sent(self, sent: Mapping[str, Any] | None, *, checked: bool = False) -> None:
-        """``checked``: ``sent`` already passed this adapter's ``check_sent`` (the
-        gateway checks a report at the edge): it is not checked a second time."""
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
         ...
 
     def check_sent(self, sent: Mapping[str, Any]) -> None:

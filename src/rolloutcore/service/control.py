@@ -586,8 +586,7 @@ class UpdateManager:
             try:
                 if ev is not None:
                     if isinstance(adapter, ExpectationTaker):
-                        # Checked at the edge above (check_sent), before the lease moved.
-                        adapter.expect_sent(sent, checked=sent is not None)
+                        adapter.expect_sent(sent)
                     self.runner.report_transfer(out, ev)
                     self.runner.close_update(out)
                 else:

@@ -148,9 +148,9 @@ class FakeAdapter:
     def check_sent(self, sent: Mapping[str, Any]) -> None:
         raise BadInput("the fake engine's transport reports no checksum of what it sent")
 
-    def expect_sent(self, sent: Mapping[str, Any] | None, *, checked: bool = False) -> None:
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
         if sent is not None:
-            self.check_sent(sent)  # it refuses every one: ``checked`` cannot have passed
+            self.check_sent(sent)
 
     def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
         if self._ops_at_drain is None or self.engine.dead:

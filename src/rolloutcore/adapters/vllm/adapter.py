@@ -306,13 +306,9 @@ class VllmAdapter(SleepMode):
         """``BadInput`` unless ``sent`` is a scheme this adapter compares, well formed."""
         check_sent_scheme(sent)
 
-    def expect_sent(self, sent: Mapping[str, Any] | None, *, checked: bool = False) -> None:
-        """The remote transport's checksum of what it sent (compared in ``validate``).
-
-        ``checked``: ``sent`` already passed ``check_sent`` (the gateway checks a
-        report at the edge, before its lease moves): not walked a second time on
-        the critical path (399 names and values for an 8B model)."""
-        if sent is not None and not checked:
+    def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
+        """The remote transport's checksum of what it sent (compared in ``validate``)."""
+        if sent is not None:
             check_sent_scheme(sent)
         if self._staged is None:
             self._staged = _Staged(None, None, None, None, "")
