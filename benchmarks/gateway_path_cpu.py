@@ -209,6 +209,9 @@ def instrument() -> None:
 
     _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
     _wrap(Shell, "run", "shell.run")
+    from rolloutcore.service.proxy import DataPlane
+
+    _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
     real_fsync = os.fsync
 
     def fsync(fd: int) -> None:
@@ -823,6 +826,8 @@ def _table(summ: dict[str, Any]) -> None:
     row("  sum of the parts above", lambda s: s["gateway"]["gateway_extra_total"])
     row("gateway: journal sync (in the worker thread)", lambda s: s["gateway"]["journal_sync"])
     row("in process: journal sync", lambda s: s["inprocess"]["journal_sync"])
+    row("gateway: event-loop wakes by the data plane (count)",
+        lambda s: s["gateway"]["span_counts"].get("gw.loop_woken_by_data_plane", 0), "{:11.0f}")
     row("gateway: effect worker hops", lambda s: s["gateway"]["effects_hop"])
     row("in process: effect worker hops", lambda s: s["inprocess"]["effects_hop"])
     row("in process: runner (run_update - transfer)",
