@@ -191,6 +191,52 @@ async def test_queue_holds_requests_during_an_update_and_admits_them_after_the_c
         assert len(r.kinds("refuse")) == 5
 
 
+async def test_an_update_with_nobody_queued_wakes_no_one_and_a_queued_request_still_runs(
+        ) -> None:
+    """Every change of the controller reaches the data plane; it wakes the event loop only
+    for a queued request (issue 31: an update's seven changes each woke the loop's
+    thread in the middle of the update's critical path)."""
+    async with rig(queue_max=4, queue_wait_s=10) as r:
+        dp = r.gateway.data
+        woken: list[int] = []
+        real = dp._wake
+
+        def wake() -> None:
+            woken.append(dp.waiting)
+            real()
+
+        dp._wake = wake  # type: ignore[method-assign]
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
+        done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                   json=transfer_body(ev), headers=lease(b.json()))
+        assert done.json()["status"] == "published"
+        assert len(r.kinds("transition")) >= 7  # the changes were made, and told
+        assert woken == []
+        # The second update has a request queued: it is woken, and admitted after the commit.
+        w2 = FakeWeights.from_seed(2, step=2)
+        r.adapter.stage(w2)
+        b = await r.client.post("/control/updates", json=begin_body(w2), headers=AUTH)
+        results: list[httpx.Response] = []
+
+        async def one() -> None:
+            results.append(await r.client.post(GEN, json=gen_body(3)))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one)
+            while dp.waiting < 1:
+                await anyio.sleep(0.005)
+            ev = remote_transfer(r.adapter, w2, b.json()["target"]["label"])
+            await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                json=transfer_body(ev), headers=lease(b.json()))
+        assert woken and all(n == 1 for n in woken)
+        assert [x.status_code for x in results] == [200]
+        assert results[0].headers[VERSION_HEADER] == "rc-2"
+        assert check_journal(r.journal.records) == []
+
+
 async def test_queue_wait_is_bounded() -> None:
     async with rig(queue_max=2, queue_wait_s=0.2) as r:
         w1 = FakeWeights.from_seed(1, step=1)
