@@ -739,6 +739,8 @@ def main() -> int:
     ap.add_argument("--before-ref", default="main", help="'' : this tree only")
     ap.add_argument("--fsync", action="store_true", help="journals fsync every batch")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N gateway transitions")
+    ap.add_argument("--raw", action="store_true",
+                    help="also write every transition's spans (runs: ~1.5 MB)")
     ap.add_argument("--out", default=str(ROOT / "results" / "gateway-path-cpu.json"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -787,8 +789,9 @@ def main() -> int:
         "reps": a.reps, "rounds": a.rounds, "scale": a.scale, "fsync": a.fsync,
         "summary": summ,
         "profile": {k: rs[-1].get("profile") for k, rs in runs.items() if rs[-1].get("profile")},
-        "runs": {k: [r["runs"] for r in rs] for k, rs in runs.items()},
     }
+    if a.raw:   # every transition's spans: ~1.5 MB for 5 rounds x 30
+        out["runs"] = {k: [r["runs"] for r in rs] for k, rs in runs.items()}
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     _table(summ)
     print(f"wrote {a.out}")
