@@ -448,7 +448,8 @@ def stage_takeover(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namesp
     quiet = probe.measure(rig.direct)        # prompt_logprobs, nothing else running
     ident = WeightIdentity.declare(WeightSource.from_state_dict(rig.weights).manifest(),
                                    Provenance("base-seed1", "h200-lora", 0))
-    calibrated = quiet.max_abs_diff <= 0.9 * TAKEOVER_TOLERANCE
+    floor = args.declare_at_least
+    calibrated = floor is None and quiet.max_abs_diff <= 0.9 * TAKEOVER_TOLERANCE
     t = time.perf_counter()
     if calibrated:
         s.runner.take_over(ident, probes=probe, min_verification=VerificationLevel.PROBE)
@@ -461,9 +462,9 @@ def stage_takeover(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namesp
     # takes it only for adapters the probe can tell from the base (DISCRIMINATION).
     ceiling = MAX_TOLERANCE if calibrated else DECLARED_CEILING
     tol = ADAPTER_TOLERANCE if calibrated else min(ceiling, max(
-        ADAPTER_TOLERANCE, 3 * quiet.max_abs_diff))
+        ADAPTER_TOLERANCE, 3 * quiet.max_abs_diff, floor or 0.0))
     base_tol = DEFAULT_TOLERANCE if calibrated else min(ceiling, max(
-        DEFAULT_TOLERANCE, 3 * quiet.max_abs_diff))
+        DEFAULT_TOLERANCE, 3 * quiet.max_abs_diff, floor or 0.0))
     probe.tolerance = base_tol      # the full stage's probe of the base
     s.adapters = AdapterManager(
         s.http, s.controller, base_model=rig.trainer.base, store=rig.tmp / "store",
@@ -1007,6 +1008,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--serve-s", type=float, default=15.0)
+    ap.add_argument("--declare-at-least", type=float, default=None, metavar="NATS",
+                    help="declare the tolerances (not calibrate) and at least NATS: the "
+                         "GPU's declared path on the CPU (e.g. 0.06: above MAX_TOLERANCE, so "
+                         "every adapter's distance from the base is checked)")
     ap.add_argument("--no-beside", dest="beside", action="store_false")
     ap.add_argument("--no-restart", dest="restart", action="store_false")
     ap.add_argument("--deadline-s", type=float, default=540.0,
