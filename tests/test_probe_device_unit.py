@@ -65,3 +65,47 @@ def test_a_cpu_model_still_gets_cpu_inputs() -> None:
     m.known = [2]
     probe = PolicyProbe.from_model(m, [[2, 2]], new_tokens=3)
     assert m.seen == ["cpu"] * 3 and len(probe.cases[0].continuation) == 3
+
+
+def test_the_kv_cached_reference_is_the_whole_sequence_reference(tmp_path: Any) -> None:
+    """A HF causal LM's reference decodes with its KV cache (one forward of the prompt,
+    then one per token); a module that is not one (no ``use_cache``) is run on the whole
+    sequence at every step. Both give the same greedy tokens and log-probabilities to
+    float32 rounding, through PEFT too."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.verification.probe import _takes_cache, default_prompts
+
+    class Plain(torch.nn.Module):  # type: ignore[misc]
+        """The same model behind a forward that takes only ``input_ids``."""
+
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.inner = inner
+            self.config = inner.config
+            self.calls: list[int] = []
+
+        def forward(self, input_ids: Any) -> Any:
+            self.calls.append(int(input_ids.shape[1]))
+            return self.inner(input_ids=input_ids, use_cache=False)
+
+    base = AutoModelForCausalLM.from_pretrained(make_checkpoint(tmp_path / "b", 1),
+                                                dtype=torch.float32)
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
+    prompts = default_prompts(int(base.config.vocab_size), n=2, length=20)
+    for model in (base, lora):
+        assert _takes_cache(model)
+        plain = Plain(model)
+        assert not _takes_cache(plain)
+        cached = PolicyProbe.from_model(model, prompts, new_tokens=6)
+        whole = PolicyProbe.from_model(plain, prompts, new_tokens=6)
+        assert plain.calls == [20, 21, 22, 23, 24, 25] * 2   # the whole sequence each step
+        for a, b in zip(cached.cases, whole.cases, strict=True):
+            assert a.continuation == b.continuation
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

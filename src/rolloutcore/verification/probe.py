@@ -334,17 +334,7 @@ class PolicyProbe(Calibrated):
                        else model)
                 dev = _device_of(ref)
                 for p in prompts:
-                    ids = torch.tensor([list(p)], dtype=torch.long, device=dev)
-                    cont: list[int] = []
-                    lps: list[float] = []
-                    for _ in range(new_tokens):
-                        logits = ref(input_ids=ids).logits[0, -1].float()
-                        logp = torch.log_softmax(logits, dim=-1)
-                        tok = int(torch.argmax(logp))
-                        cont.append(tok)
-                        lps.append(float(logp[tok]))
-                        ids = torch.cat([ids, torch.tensor([[tok]], device=ids.device)],
-                                        dim=1)
+                    cont, lps = _greedy(torch, ref, list(p), new_tokens, dev)
                     cases.append(ProbeCase(tuple(p), tuple(cont), tuple(lps)))
         finally:
             if was_training:
@@ -526,6 +516,50 @@ def _token_list(v: object, where: str, limit: int, vocab: int | None) -> list[in
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < hi:
             raise BadInput(f"{where}[{j}]: a token id in [0, {hi}), got {t!r}")
     return list(v)
+
+
+def _greedy(torch: Any, model: Any, prompt: list[int], new_tokens: int, dev: Any
+            ) -> tuple[list[int], list[float]]:
+    """``new_tokens`` greedy tokens after ``prompt`` and their log-probabilities, decoding
+    with the model's KV cache where it keeps one (a HF causal LM: one forward of the prompt,
+    then one token per step); a module that returns no cache is run on the whole sequence
+    at every step. The two agree to float32 rounding."""
+    ids = torch.tensor([prompt], dtype=torch.long, device=dev)
+    out = model(input_ids=ids, use_cache=True) if _takes_cache(model) else model(input_ids=ids)
+    cont: list[int] = []
+    lps: list[float] = []
+    for step in range(new_tokens):
+        logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+        tok = int(torch.argmax(logp))
+        cont.append(tok)
+        lps.append(float(logp[tok]))
+        if step + 1 == new_tokens:
+            break
+        nxt = torch.tensor([[tok]], dtype=torch.long, device=dev)
+        past = getattr(out, "past_key_values", None)
+        if past is not None:
+            out = model(input_ids=nxt, past_key_values=past, use_cache=True)
+        else:
+            ids = torch.cat([ids, nxt], dim=1)
+            out = model(input_ids=ids)
+    return cont, lps
+
+
+def _takes_cache(model: Any) -> bool:
+    """Whether the model is a HF ``PreTrainedModel`` (or wraps one: PEFT), whose forward
+    takes ``use_cache`` and ``past_key_values``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:   # pragma: no cover - transformers is a dependency of the probe
+        return False
+    seen: set[int] = set()
+    m: Any = model
+    while m is not None and id(m) not in seen:
+        if isinstance(m, PreTrainedModel):
+            return True
+        seen.add(id(m))
+        m = getattr(m, "base_model", None) if not hasattr(m, "peft") else m.peft
+    return False
 
 
 def _dtype_of(model: Any) -> Any:
