@@ -63,6 +63,7 @@ class FakeLoraGateway:
             return httpx.Response(200, json={
                 "version": self.current.to_dict(), "phases": {"load": 0.5, "verify": 0.25},
                 "checks": [{"name": "listed", "passed": True, "max_abs_diff": None},
+                           {"name": "content", "passed": True},
                            {"name": "adapter-probe", "passed": True, "max_abs_diff": 0.01},
                            {"name": "base-probe", "passed": True, "max_abs_diff": 0.0}],
                 "retired": [], "notes": [], "base_verified": True})
@@ -140,7 +141,8 @@ def test_an_adapter_is_saved_published_through_the_client_and_its_directory_remo
     assert pub.adapter == fake.current and pub.version == BASE
     assert pub.identity.digest == IDENTITY.digest
     assert pub.probe_max_abs_diff == 0.01 and pub.phases_s == {"load": 0.5, "verify": 0.25}
-    assert eng.published == {pub.adapter.name: pub.adapter}
+    assert eng.published == {"": {pub.adapter.name: pub.adapter}}
+    assert pub.adapters == {"": pub.adapter}
     with pytest.raises(BadInput, match="never the base"):
         eng.update({}, Provenance("ckpt", "run", 4), None, "trl")
 
@@ -151,7 +153,7 @@ def test_an_adapter_is_saved_published_through_the_client_and_its_directory_remo
      UpdateFailed, "probe failed"),
     ((400, {"error": "rank 32 > 8"}), BadInput, "rank 32"),
     ((500, {"error": "boom"}), UpdateFailed, "boom"),
-    ((200, {"version": {"name": "x"}}), UpdateFailed, "unexpected answer"),
+    ((200, {"version": {"name": "x"}}), UpdateFailed, "not taken as published"),
 ])
 def test_a_refused_failed_or_unreadable_publish_raises_and_publishes_nothing(
         gw: Any, answer: tuple[int, Any], raised: type[Exception], said: str) -> None:
@@ -173,24 +175,24 @@ def test_generation_asks_for_policy_and_takes_the_adapter_its_answer_names(gw: A
     assert s.adapter == pub.adapter and s.adapter is not None
     assert s.adapter.path == pub.adapter.path          # the published version, as recorded
     assert s.binding.version == BASE and s.token_ids == (7, 8) and s.attributable
-    assert _adapter_problem(s, pub.adapter) is None
+    assert _adapter_problem(s, {"": pub.adapter}) is None
     # the answer names a version the gateway did not publish for this step: refused
     fake.answer_as = _version(9, D2, fake.store)
     other = eng.generate("g/1", [1, 2, 3], SPEC)
     assert other.adapter is not None and other.adapter.name == fake.answer_as.name
     assert other.adapter.path == f"gateway:{fake.answer_as.name}"
-    assert "but this step's adapter is" in str(_adapter_problem(other, pub.adapter))
+    assert "but this step's adapter is" in str(_adapter_problem(other, {"": pub.adapter}))
     # the same name and generation, other content: not the published one
     assert pub.adapter is not None
     fake.answer_as = AdapterVersion(pub.adapter.generation, pub.adapter.name, "p", "3c" * 32,
                                     BASE.label)
     same_name = eng.generate("g/2", [1, 2, 3], SPEC)
-    assert _adapter_problem(same_name, pub.adapter) is not None
+    assert _adapter_problem(same_name, {"": pub.adapter}) is not None
     # no adapter named (the base answered)
     fake.answer_as, fake.current = None, None
     base = eng.generate("g/3", [1, 2, 3], SPEC)
     assert base.adapter is None
-    assert _adapter_problem(base, pub.adapter) == "generated without an adapter in a LoRA run"
+    assert _adapter_problem(base, {"": pub.adapter}) == "generated without an adapter in a LoRA run"
 
 
 def test_an_answer_whose_headers_disagree_with_its_body_is_refused(gw: Any) -> None:

@@ -123,10 +123,11 @@ def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
                 c.update_adapter(too_big, Provenance("r32", "tests", 1))
             assert c.adapters()["current"] is None
             res = c.update_adapter(adapter, Provenance("adapter-11", "tests", 2))
-            name = res["version"]["name"]
-            assert {ch["name"] for ch in res["checks"]} == {"listed", "content",
-                                                             "adapter-probe", "base-probe"}
-            assert all(ch["passed"] for ch in res["checks"])
+            name = res.name
+            assert not res.fleet and res.replicas == ("",)
+            assert {ch.name for ch in res.acks[""].checks} == {"listed", "content",
+                                                                "adapter-probe", "base-probe"}
+            assert all(ch.passed for ch in res.acks[""].checks)
             assert c.adapters()["current"]["name"] == name
         r = _generate(url)
         assert r.status_code == 200, r.text
@@ -308,8 +309,8 @@ def test_serve_engines_2_lora_publishes_on_both_through_the_client(
         assert "LoRA adapters enabled on 2 engines" in log.read_text()
         with RolloutCoreClient(url, TOKEN) as c:
             res = c.update_adapter(adapter, Provenance("adapter-31", "tests", 1))
-            name = res["version"]["name"]
-            assert set(res["replicas"]) == {"e0", "e1"}
+            name = res.name
+            assert res.fleet and res.replicas == ("e0", "e1")
             st = c.adapters()
             assert st["current"]["name"] == name
             assert all(r["eligible"] for r in st["replicas"].values())

@@ -29,13 +29,13 @@ bound to (base version, adapter version) and every sample records both; the
 audit checks each sample's adapter against the journal's ``adapter`` records.
 Same progress line, table, plot, trajectory file, journal and audit.
 ``--lora --gateway URL`` does the same through a gateway started with ``rolloutcore
-serve --lora`` on this run's checkpoint (``WORKDIR/policy-0``; ``serve --workdir
-WORKDIR`` makes the same one): the adapter is saved (``save_pretrained``) under
-``WORKDIR/adapters-sent`` and published with
+serve --lora`` (or a fleet's, ``serve --engines N --lora``) on this run's checkpoint
+(``WORKDIR/policy-0``; ``serve --workdir WORKDIR`` makes the same one): the adapter
+is saved (``save_pretrained``) under ``WORKDIR/adapters-sent`` and published with
 ``RolloutCoreClient.update_adapter``; requests ask for ``policy`` and each sample
 takes the adapter version the gateway's answer names. The journal is the gateway's
-(``--journal``, the path given to ``serve --journal``); without it the audit checks
-the trajectories alone.
+(``--journal``, the path given to ``serve --journal``; a fleet's directory); without
+it the audit checks the trajectories alone.
 
 It exits 0 when the reward rose (the mean of the last 5 steps at least
 ``--min-gain`` times the first 5) and the audit is clean, else 1; 130 when
@@ -755,9 +755,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=None,
                    help="with --gateway: the control token (else ROLLOUTCORE_TOKEN)")
     p.add_argument("--journal", default=None,
-                   help="with --gateway: the gateway's journal (serve --journal), so the "
-                        "audit checks every version was committed (with --lora: every "
-                        "sample's adapter version was published)")
+                   help="with --gateway: the gateway's journal (serve --journal; a "
+                        "fleet's, serve --engines N: its directory), so the audit checks "
+                        "every version was committed (with --lora: every sample's adapter "
+                        "version was published; through a fleet: on its replica)")
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")

@@ -69,6 +69,7 @@ from rolloutcore.control.adapters import (
 from rolloutcore.core.adapters import AdapterState, AdapterVersion, adapter_name
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
+from rolloutcore.service.adapter_answer import merged_checks
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe
 from rolloutcore.verification.probe import PolicyProbe, default_prompts
 
@@ -94,14 +95,34 @@ class FleetAdapterVersion:
 
 @dataclass(frozen=True)
 class FleetAdapterResult:
+    """A fleet adapter version published: every member's own result (its acknowledgement).
+
+    ``to_dict`` is the answer of ``POST /control/adapters`` on a fleet gateway: the
+    one-engine answer's fields for the fleet (``service.adapter_answer``: the checks
+    merged, ``acknowledged`` among them) plus ``members``, ``not_serving`` and each
+    replica's own answer, so that one parser reads both."""
+
     version: FleetAdapterVersion
     replicas: Mapping[str, AdapterResult]
     phases: Mapping[str, float]
+    #: The fleet's replicas outside the pool during the update (they did not get it).
+    not_serving: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version.to_dict(),
-                "replicas": {n: r.to_dict() for n, r in self.replicas.items()},
-                "phases": dict(self.phases)}
+        reps = {n: r.to_dict() for n, r in sorted(self.replicas.items())}
+        members = sorted(reps)
+        acked = [n for n in members if n in self.version.replicas]
+        ack = {"name": "acknowledged", "passed": acked == members and bool(members),
+               "detail": f"verified and published on {', '.join(acked) or 'no replica'}: "
+                         f"{len(acked)} of the {len(members)} serving replicas the update "
+                         f"went to (not serving: {', '.join(self.not_serving) or 'none'})",
+               "coverage": None, "max_abs_diff": None, "tolerance": None, "level": None}
+        return {"version": self.version.to_dict(), "members": members,
+                "not_serving": list(self.not_serving), "replicas": reps,
+                "checks": [*merged_checks(reps), ack], "phases": dict(self.phases),
+                "retired": sorted({x for r in reps.values() for x in r["retired"]}),
+                "notes": [f"{n}: {x}" for n, r in reps.items() for x in r["notes"]],
+                "base_verified": all(r["base_verified"] for r in reps.values())}
 
 
 class FleetAdapterFailed(UpdateFailed):
@@ -212,7 +233,13 @@ class FleetAdapters:
                        "states": {k: s.value for k, s in v.states.items()},
                        "bound": dict(v.bound), "eligible": self.eligible(n),
                        "tainted": self._tainted.get(n), "caught_up": self.caught_up.get(n)}
-        return {"current": None if cur is None else cur.to_dict(), "replicas": reps}
+        newest = self.coordinator.pool.newest
+        # The fleet's version the adapters apply to now (a trainer holds it: its identity).
+        base = None if newest is None else {"generation": newest.generation,
+                                            "label": newest.label,
+                                            "identity": newest.identity.to_dict()}
+        return {"current": None if cur is None else cur.to_dict(), "base": base,
+                "replicas": reps}
 
     def watch(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` (never under a lock) after the fleet's current adapter changed."""
@@ -378,7 +405,8 @@ class FleetAdapters:
             w()
         return FleetAdapterResult(fv, results, {
             "prepare": prep_s, "verify": verify_s, "publish": time.perf_counter() - t2,
-            "total": time.perf_counter() - t0})
+            "total": time.perf_counter() - t0},
+            tuple(sorted(n for n in self.managers if n not in members)))
 
     def _abandon(self, name: str, got: Mapping[str, VerifiedAdapter | BaseException],
                  failed: Mapping[str, BaseException], paths: Mapping[str, Path]) -> None:

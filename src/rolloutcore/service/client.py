@@ -68,6 +68,7 @@ from rolloutcore.errors import (
     UpdateFailed,
     UpdateRefused,
 )
+from rolloutcore.service.adapter_answer import PublishedAdapter, parse_adapter_answer
 from rolloutcore.transports import engine_key
 
 __all__ = ["RolloutCoreClient", "TransferFn", "UpdateGrant", "UpdateResult", "identity_of",
@@ -347,13 +348,18 @@ class RolloutCoreClient:
     def update_adapter(self, adapter_dir: str | Path, provenance: Provenance, *,
                        base_dir: str | Path | None = None,
                        probe_tolerance: float | None = None,
-                       timeout_s: float = 600.0) -> dict[str, Any]:
+                       timeout_s: float = 600.0) -> PublishedAdapter:
         """Publish the LoRA adapter saved in ``adapter_dir`` (``save_pretrained``, where
         the gateway can read it) as the next adapter version: the gateway (one engine or
         a fleet) checks, digests, loads and verifies it before anything is routed to it.
 
-        Returns the published version, its checks and phases (a fleet's: each
-        replica's). Refused here, nothing sent, when the directory holds no
+        Returns the published version with every engine's acknowledgement (its path,
+        base, checks and phases; ``acks[""]`` for a gateway over one engine, one per
+        replica for a fleet: ``service.adapter_answer``). A 200 that does not say one
+        version published on every engine it went to (a replica missing or failed, the
+        replicas naming different versions, a check not passed, a field malformed) is
+        an ``UpdateFailed``, ambiguous: nothing is taken as published. Refused here,
+        nothing sent, when the directory holds no
         ``adapter_config.json`` or ``provenance`` is not a ``Provenance``;
         ``BadInput`` for the gateway's 400 (a bad adapter), ``UpdateRefused`` for
         its refusal (nothing changed), ``UpdateFailed`` when it was not published
@@ -390,8 +396,14 @@ class RolloutCoreClient:
                 raise BadInput(f"base_dir must be a checkpoint directory, got {base_dir!r}")
             body["base_dir"] = str(Path(base_dir).resolve())
         code, data = self._call("POST", "/control/adapters", body=body, timeout_s=timeout_s)
-        if code == 200 and isinstance(data, dict):
-            return dict(data)
+        if code == 200:
+            try:
+                return parse_adapter_answer(data)
+            except (BadInput, RecursionError) as exc:
+                raise UpdateFailed("adapter", "ambiguous", "unknown",
+                                   f"the gateway answered 200 to the adapter update, but not "
+                                   f"with one version published on every engine it went to "
+                                   f"({exc}): not taken as published") from exc
         err = data.get("error") if isinstance(data, dict) else data
         if code == 400:
             raise BadInput(f"the gateway refused the adapter: {err}")

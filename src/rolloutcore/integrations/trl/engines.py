@@ -9,7 +9,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,14 +38,20 @@ from rolloutcore.integrations.trl.common import (
     deferred_interrupts,
 )
 from rolloutcore.provenance.trajectory import (
+    FleetPlacement,
     SamplingSpec,
     Timestamps,
     VersionSpan,
 )
 from rolloutcore.transports.source import WeightSource
 
-__all__ = ["EngineSample", "PublishedUpdate", "RolloutEngine", "answer_adapter",
+__all__ = ["FLEET_EPOCH", "EngineSample", "PublishedUpdate", "RolloutEngine", "answer_adapter",
            "end_open_update"]
+
+#: The engine epoch of the version a trainer holds through a fleet gateway: the fleet's
+#: version (generation, label), which each replica serves as an engine version of its
+#: own (each sample's binding names that one, and its ``fleet`` placement the replica).
+FLEET_EPOCH = "fleet"
 
 # --------------------------------------------------------------------------- engines
 
@@ -58,9 +64,12 @@ class PublishedUpdate:
     identity: WeightIdentity
     phases_s: Mapping[str, float]
     #: A LoRA run's update: the adapter version published (the base unchanged), and
-    #: the probe through it (nats).
+    #: the probe through it (nats, the largest on any engine).
     adapter: AdapterVersion | None = None
     probe_max_abs_diff: float | None = None
+    #: The adapter version as each engine that acknowledged it holds it (its path, its
+    #: base), by replica; ``""``: the one engine of a session or a gateway.
+    adapters: Mapping[str, AdapterVersion] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,9 @@ class EngineSample:
     #: The LoRA-adapter version it was generated through (a LoRA run), on the
     #: binding's base version.
     adapter: AdapterVersion | None = None
+    #: Through a fleet gateway: the replica that answered and the fleet version it
+    #: served as the binding's engine version.
+    fleet: FleetPlacement | None = None
 
 
 class RolloutEngine(Protocol):
@@ -234,6 +246,23 @@ def answer_adapter(info: Mapping[str, Any], headers: Mapping[str, str],
     return AdapterVersion(gen, str(name), f"gateway:{name}", str(digest), str(base))
 
 
+def _placement(info: Mapping[str, Any], fleet: bool) -> FleetPlacement | None:
+    """The replica and fleet version an answer names (a fleet gateway's); ``BadInput``
+    when a fleet's answer does not name them, or one engine's does."""
+    keys = ("replica", "fleet_version", "fleet_label")
+    if not any(k in info for k in keys):
+        if fleet:
+            raise BadInput("a fleet gateway's answer names no replica and fleet version")
+        return None
+    if not fleet:
+        raise BadInput("the answer names a fleet placement; the gateway's status is one "
+                       "engine's")
+    v = info["fleet_version"]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadInput(f"fleet_version is not an int: {v!r}")
+    return FleetPlacement(info["replica"], v, info["fleet_label"])
+
+
 def _probe_diff(checks: Iterable[Any]) -> float | None:
     """The adapter probe's largest difference among an adapter update's checks (objects or
     their ``to_dict``); ``None`` without one."""
@@ -264,7 +293,10 @@ class _AdapterPublisher(abc.ABC):
 
     @abc.abstractmethod
     def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
-                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]: ...
+                         ) -> tuple[Mapping[str, AdapterVersion], Mapping[str, float],
+                                    float | None]:
+        """The version published, as each engine holds it (by replica, ``""`` for one
+        engine), the phases, and the largest probe difference through it."""
 
     def update_adapter(self, model: Any, provenance: Provenance,
                        engine_dtype: str | None = None) -> PublishedUpdate:
@@ -272,9 +304,10 @@ class _AdapterPublisher(abc.ABC):
         version; the base version is unchanged."""
         if not self.adapters:
             raise BadInput("this engine was not set up for adapters (adapters=True)")
-        adapter, phases, checks = self._publish_adapter(model, provenance, engine_dtype)
+        by_replica, phases, diff = self._publish_adapter(model, provenance, engine_dtype)
         version, identity = self.committed()
-        return PublishedUpdate(version, identity, dict(phases), adapter, _probe_diff(checks))
+        first = by_replica[min(by_replica)]
+        return PublishedUpdate(version, identity, dict(phases), first, diff, dict(by_replica))
 
 
 class _SessionEngine(_AdapterPublisher):
@@ -311,13 +344,14 @@ class _SessionEngine(_AdapterPublisher):
         return PublishedUpdate(res.version, res.identity, res.outcome.breakdown())
 
     def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
-                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]:
+                         ) -> tuple[Mapping[str, AdapterVersion], Mapping[str, float],
+                                    float | None]:
         """In process: verified against ``model`` itself, its adapter weights rounded to
         ``engine_dtype`` (what the engine holds: vLLM loads an adapter in the model's
         dtype)."""
         res = self.session.update_adapter(model, provenance,
                                           reference=adapter_reference(model, engine_dtype))
-        return res.version, res.phases, res.checks
+        return {"": res.version}, res.phases, _probe_diff(res.checks)
 
     def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         c, http = self.session.controller, self.session.http
@@ -387,6 +421,15 @@ class _GatewayEngine(_AdapterPublisher):
     adapter version)), and each sample takes the adapter version its answer names
     (``rolloutcore.adapter``, ``adapter_generation``, ``adapter_digest``,
     ``adapter_base``, and the ``X-RolloutCore-Adapter`` headers, which must agree).
+
+    A fleet gateway (``serve --engines N --lora``; its status has replicas, not one
+    committed version) is a LoRA run's only: the version held is the fleet's
+    (``FLEET_EPOCH``), its identity the one the fleet published (``GET
+    /control/adapters``' ``base``); an adapter version is taken as published only
+    when every serving replica acknowledged it (``service.adapter_answer``), and each
+    replica's copy is kept (``published[replica]``). Each sample names its replica
+    and fleet version (``fleet``); its binding is that replica's engine version, which
+    must be the one the fleet's status says it serves that fleet version as.
     """
 
     def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
@@ -414,8 +457,12 @@ class _GatewayEngine(_AdapterPublisher):
         self.adapters = bool(adapters)
         self.adapter_dir = None if adapter_dir is None else Path(adapter_dir)
         self.public_model = public_model
-        #: The adapter versions the gateway published for this trainer, by name.
-        self.published: dict[str, AdapterVersion] = {}
+        #: The adapter versions the gateway published for this trainer: by replica
+        #: (``""``: a gateway's one engine), then by name, as that engine holds it.
+        self.published: dict[str, dict[str, AdapterVersion]] = {}
+        #: A fleet gateway (known from its status, ``committed``): (replica, fleet
+        #: generation) -> the engine version that replica serves it as; None: one engine.
+        self.fleet: dict[tuple[str, int], WeightVersion] | None = None
         self._lock = threading.Lock()
         self._version: WeightVersion | None = None
         self._identity: WeightIdentity | None = None
@@ -423,12 +470,53 @@ class _GatewayEngine(_AdapterPublisher):
 
     def committed(self) -> tuple[WeightVersion, WeightIdentity]:
         st = self.client.status()
+        if "committed" not in st and isinstance(st.get("replicas"), list):
+            return self._fleet_committed(st)
         if not st.get("committed") or not st.get("identity"):
             raise BadInput(f"the gateway has no committed version (state {st.get('state')})")
         v, ident = WeightVersion.from_dict(st["committed"]), WeightIdentity.from_dict(
             st["identity"])
         with self._lock:
+            if self.fleet is not None:
+                raise BadInput("the gateway answered as a fleet before, as one engine now")
             self._version, self._identity = v, ident
+        return v, ident
+
+    def _fleet_committed(self, st: Mapping[str, Any]) -> tuple[WeightVersion, WeightIdentity]:
+        """A fleet gateway's version (its newest), as the trainer holds it, and what each
+        serving replica serves it as (class docstring)."""
+        if not self.adapters:
+            raise BadInput("a fleet gateway (serve --engines N) takes a full update as a "
+                           "checkpoint (POST /control/fleet/updates), not through this "
+                           "trainer's transfer: only a LoRA run (adapters=True, train "
+                           "--lora) trains through one")
+        try:
+            newest = st["newest"]
+            if not newest:
+                raise BadInput(f"the fleet has published no version (serving "
+                               f"{st.get('serving')})")
+            gen, label, digest = (int(newest["generation"]), str(newest["label"]),
+                                  str(newest["identity_digest"]))
+            served = {(str(r["name"]), int(r["fleet_generation"])):
+                      WeightVersion.from_dict(r["engine_version"])
+                      for r in st["replicas"] if r.get("in_pool") is True
+                      and r.get("fleet_generation") is not None and r.get("engine_version")}
+            base = self.client.adapters().get("base")
+            if not isinstance(base, Mapping):
+                raise BadInput("GET /control/adapters names no base (the fleet's version "
+                               "the adapters apply to)")
+            ident = WeightIdentity.from_dict(base["identity"])
+        except (KeyError, TypeError, ValueError) as exc:   # BadInput is a ValueError
+            raise BadInput(f"unexpected fleet status: {exc!r}") from exc
+        if (base.get("generation"), base.get("label"), ident.digest) != (gen, label, digest):
+            raise BadInput(f"the fleet's adapters apply to {base.get('label')} "
+                           f"({ident.digest[:16]}), its newest version is {label} "
+                           f"({digest[:16]})")
+        v = WeightVersion(gen, label, FLEET_EPOCH)
+        with self._lock:
+            if self.fleet is None and self._version is not None:
+                raise BadInput("the gateway answered as one engine before, as a fleet now")
+            self.fleet, self._version, self._identity = served, v, ident
         return v, ident
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
@@ -448,12 +536,14 @@ class _GatewayEngine(_AdapterPublisher):
         return PublishedUpdate(res.published, ident, dict(res.phases))
 
     def _publish_adapter(self, model: Any, provenance: Provenance, engine_dtype: str | None
-                         ) -> tuple[AdapterVersion, Mapping[str, float], Iterable[Any]]:
+                         ) -> tuple[Mapping[str, AdapterVersion], Mapping[str, float],
+                                    float | None]:
         """Through the gateway: it computes the references itself, from the base it serves
         and the directory it is sent (``engine_dtype`` is not needed). Fail-closed: a
         refusal or failure raises (``UpdateRefused``, ``UpdateFailed``; an answer of
-        any other kind is an ``UpdateFailed``, ambiguous); the directory of an adapter
-        not published is kept (the gateway may still be reading it)."""
+        any other kind, or a fleet's where a serving replica did not acknowledge it, is
+        an ``UpdateFailed``, ambiguous); the directory of an adapter not published is
+        kept (the gateway may still be reading it)."""
         if self.adapter_dir is not None:
             self.adapter_dir.mkdir(parents=True, exist_ok=True)
         out = Path(tempfile.mkdtemp(prefix=f"step{provenance.step}-",
@@ -467,18 +557,20 @@ class _GatewayEngine(_AdapterPublisher):
         except RolloutCoreError as exc:   # an answer neither published nor refused
             raise UpdateFailed("adapter", "ambiguous", "unknown",
                                f"the gateway's adapter update answered: {exc}") from exc
-        try:
-            adapter = AdapterVersion.from_dict(res["version"])
-            phases = {str(k): float(v) for k, v in dict(res.get("phases") or {}).items()}
-            checks = list(res.get("checks") or ())
-        except (BadInput, KeyError, TypeError, ValueError) as exc:
-            raise UpdateFailed("adapter", "ambiguous", "unknown",
-                               f"unexpected answer to the adapter update (a fleet gateway's "
-                               f"is not read here yet): {exc!r}") from exc
         with self._lock:
-            self.published[adapter.name] = adapter
+            fleet = self.fleet is not None
+        if res.fleet != fleet:
+            raise UpdateFailed("adapter", "ambiguous", "unknown",
+                               f"unexpected answer to the adapter update: "
+                               f"{'a fleet' if res.fleet else 'one engine'} acknowledged "
+                               f"{res.name}, the gateway's status is "
+                               f"{'a fleet' if fleet else 'one engine'}'s")
+        by_replica = {n: a.version for n, a in res.acks.items()}
+        with self._lock:
+            for n, v in by_replica.items():
+                self.published.setdefault(n, {})[v.name] = v
         shutil.rmtree(out, ignore_errors=True)   # the gateway holds its own copy
-        return adapter, phases, checks
+        return by_replica, res.phases, res.probe_max_abs_diff
 
     def _served_model(self) -> str:
         if self._model is None:
@@ -522,26 +614,39 @@ class _GatewayEngine(_AdapterPublisher):
             digest = str(info["identity_digest"])
             spans = _spans(ch.get("weight_versions"))
             finish = str(ch.get("finish_reason") or "unknown")
+            placed = _placement(info, self.fleet is not None)
             with self._lock:
-                adapter = answer_adapter(info, r.headers, self.published) \
-                    if self.adapters else None
+                adapter = answer_adapter(info, r.headers, self.published.get(
+                    "" if placed is None else placed.replica, {})) if self.adapters else None
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise EffectError("generate", f"unexpected gateway answer: {exc!r}",
                               mutation_started=False) from exc
         with self._lock:
             ident = self._identity
-        if ident is None or ident.digest != digest:
+        if ident is None or ident.digest != digest or (
+                placed is not None and self._serves(placed) != version):
             self.committed()
             with self._lock:
                 ident = self._identity
         assert ident is not None
+        if placed is not None and self._serves(placed) != version:
+            raise EffectError("generate", f"unexpected gateway answer: replica "
+                              f"{placed.replica} answered as engine version {version}, the "
+                              f"fleet's status says it serves fleet version "
+                              f"{placed.fleet_version} as {self._serves(placed)}",
+                              mutation_started=False)
         # Credited to its binding only if the gateway's release said so (an answer it
         # released unattributable carries ``attributable: false``) and the identity is
         # the one this side knows.
         credited = ident.digest == digest and info.get("attributable", True) is not False
         rid = str(info.get("rollout_id") or rollout_id)
         return EngineSample(Binding(version, ident, rid), toks, lps, finish, spans,
-                            Timestamps(aw, am, cw, max(cm, am)), credited, adapter)
+                            Timestamps(aw, am, cw, max(cm, am)), credited, adapter, placed)
+
+    def _serves(self, placed: FleetPlacement) -> WeightVersion | None:
+        with self._lock:
+            return None if self.fleet is None else self.fleet.get(
+                (placed.replica, placed.fleet_version))
 
     def engine_identity(self) -> EngineIdentity:
         r = self.http.get("/version")

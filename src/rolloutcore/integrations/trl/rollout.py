@@ -182,6 +182,9 @@ class RolloutCoreRollout:
         self.adapters = bool(adapters)
         #: The adapter version published for the current step (a LoRA run).
         self.adapter: AdapterVersion | None = None
+        #: The same, as each engine that acknowledged it holds it (by replica; ``""``:
+        #: one engine): a sample is credited only through its own engine's copy.
+        self.adapter_on: Mapping[str, AdapterVersion] = {}
         self.manifest = WeightSource.from_checkpoint(ckpt).manifest()
         version, identity = engine.committed()
         self.version = version
@@ -411,6 +414,7 @@ class RolloutCoreRollout:
         assert pub.adapter is not None
         self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         self.adapter = pub.adapter
+        self.adapter_on = dict(pub.adapters) or {"": pub.adapter}
         phases = dict(pub.phases_s)
         rep = UpdateReport(step, pub.version, pub.identity, float(phases.get("prepare", 0.0)),
                            phases, time.monotonic() - t0, pub.probe_max_abs_diff, pub.adapter)
@@ -558,7 +562,7 @@ class RolloutCoreRollout:
         pool = self._pool
         assert pool is not None
         first = self._next_index.get(step, 0)
-        version, adapter = self.version, self.adapter
+        version, adapter, adapter_on = self.version, self.adapter, self.adapter_on
         t0 = time.monotonic()
         for k, p in enumerate(prompts):
             idx = first + k
@@ -598,7 +602,7 @@ class RolloutCoreRollout:
         for pend, row in zip(pending, results, strict=True):
             for i, s in enumerate(row):
                 problem = _attribution_problem(s, version) or (
-                    _adapter_problem(s, adapter) if self.adapters else None)
+                    _adapter_problem(s, adapter_on) if self.adapters else None)
                 if problem:
                     raise TrainingStopped(step, "attribution",
                                           f"sample {pend.group_id}/{i}: {problem}",
@@ -616,7 +620,7 @@ class RolloutCoreRollout:
                                               SEED_DERIVATION, base.extra),
                                  SampledCompletion(s.token_ids, s.finish_reason, s.logprobs,
                                                    None, s.spans),
-                                 s.binding, engine, s.stamps,
+                                 s.binding, engine, s.stamps, fleet=s.fleet,
                                  adapter=None if s.adapter is None else AdapterUse(
                                      s.adapter.name, s.adapter.generation,
                                      s.adapter.content_digest, s.adapter.base))
@@ -721,13 +725,17 @@ def _groups(prompts: Sequence[Any], n: int) -> list[Any]:
     return out
 
 
-def _adapter_problem(s: EngineSample, expected: AdapterVersion | None) -> str | None:
-    """Why ``s`` cannot be credited to the adapter version published for its step."""
+def _adapter_problem(s: EngineSample, expected: Mapping[str, AdapterVersion]) -> str | None:
+    """Why ``s`` cannot be credited to the adapter version published for its step
+    (``expected``: as each engine holds it, by replica; ``""``: one engine)."""
     if s.adapter is None:
         return "generated without an adapter in a LoRA run"
-    if s.adapter != expected:
-        return (f"generated through adapter {s.adapter.name} but this step's adapter is "
-                f"{None if expected is None else expected.name}")
+    where = "" if s.fleet is None else s.fleet.replica
+    want = expected.get(where)
+    if s.adapter != want:
+        on = f" on {where}" if where else ""
+        return (f"generated through adapter {s.adapter.name}{on} but this step's adapter"
+                f"{' there' if on else ''} is {None if want is None else want.name}")
     if s.adapter.base != s.binding.version.label:
         return (f"adapter {s.adapter.name} was verified on {s.adapter.base}, the sample is "
                 f"bound to {s.binding.version.label}")
@@ -740,7 +748,15 @@ def _attribution_problem(s: EngineSample, expected: WeightVersion) -> str | None
     if not s.attributable:
         return (f"its binding to {bound.label} did not survive (the engine left service "
                 "while it ran)")
-    if bound != expected:
+    if s.fleet is not None:
+        # Through a fleet: ``expected`` is the fleet's version; the binding is the
+        # engine version its replica serves it as (checked by the engine, against the
+        # fleet's status, and by the audit, against its journals).
+        fl = s.fleet
+        if (fl.fleet_version, fl.fleet_label) != (expected.generation, expected.label):
+            return (f"answered by {fl.replica} under fleet version {fl.fleet_version} "
+                    f"({fl.fleet_label}) but this step's version is {expected}")
+    elif bound != expected:
         return f"bound to {bound} but this step's version is {expected}"
     if s.spans is not None:
         named = {sp.version for sp in s.spans if sp.end > sp.start}
