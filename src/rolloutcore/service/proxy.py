@@ -340,19 +340,10 @@ class DataPlane:
         return len(self.flights)
 
     def _wake_threadsafe(self) -> None:
-        """The admission's listener (any thread): wake queued requests at a change.
-
-        Only when a request is queued: an update makes 7 changes, each of which
-        would otherwise wake the event loop's thread in the middle of the update's
-        critical path (issue 31). Not lost to a race: a request counts itself in
-        ``_waiting`` before it reads the state it waits on (``_admit``), and the
-        change is made before its listeners are told, so a request that counted
-        itself after this read sees the change without being woken.
-        """
-        if not self._waiting:
-            return
+        """The admission's listener (any thread): wake queued requests at a change, if any
+        (none lost: ``_admit`` counts itself in ``_waiting`` before it reads the state)."""
         loop = self._loop
-        if loop is not None and not loop.is_closed():
+        if self._waiting and loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(self._wake)
 
