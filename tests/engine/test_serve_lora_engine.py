@@ -169,8 +169,8 @@ def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
         r = _generate(url)
         assert r.status_code == 200, r.text
         if f"the journal's adapter {name} published again" in text:
-            assert now["name"] != name and now["content_digest"] == res["version"][
-                "content_digest"] and now["generation"] > res["version"]["generation"]
+            assert now["name"] != name and now["content_digest"] == res.content_digest \
+                and now["generation"] > res.generation
             assert r.headers["x-rolloutcore-adapter"] == now["name"]
             assert _answer_lp(r)[0] == toks   # the same policy: the same greedy tokens
         else:
