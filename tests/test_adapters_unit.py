@@ -544,3 +544,43 @@ def test_a_tolerance_above_the_cap_is_taken_only_for_an_adapter_the_probe_can_te
     with pytest.raises(BadInput, match="cannot tell"):
         m.prepare(untrained, Provenance("u", "unit", 5), probe_tolerance=0.2)
     assert not any((tmp_path / "s").iterdir())
+
+
+def test_the_audit_matches_a_fleet_sample_to_its_own_replicas_publication(
+        tmp_path: Path) -> None:
+    """A fleet's replicas each publish one adapter name, each on its own base label (a
+    rejoined replica's carries a suffix): the journal summary keeps every publication,
+    and a sample matches the one on its replica's label; another label, generation or
+    content is a mismatch, a name never published is unpublished."""
+    from rolloutcore.control.journal import Journal
+    from rolloutcore.control.shell import Shell
+    from rolloutcore.core.adapters import AdapterView
+    from rolloutcore.provenance.adapter_use import AdapterUse, adapter_problems
+    from rolloutcore.provenance.audit import read_journal_summary
+
+    d = tmp_path / "fleet"
+    d.mkdir()
+    for replica, base in (("r0", "fleet-2"), ("r1", "fleet-2.1")):
+        j = Journal(d / f"{replica}.jsonl")
+        shell: Shell[AdapterTable, AdapterView] = Shell(AdapterTable(), AdapterTable.view,
+                                                        listener=j.listener)
+        v = _v(1, "a")
+        v = AdapterVersion(v.generation, v.name, v.path, v.content_digest, base, v.size_bytes)
+        shell.run(shell.machine.propose, v)
+        shell.run(shell.machine.move, v.name, E.LOADED)
+        shell.run(shell.machine.move, v.name, E.VERIFIED, evidence=("adapter-probe: ok",))
+        j.close()
+    summary = read_journal_summary(d)
+    name, digest = _v(1, "a").name, _v(1, "a").content_digest
+    assert summary.adapters[name] == {(1, digest, "fleet-2"), (1, digest, "fleet-2.1")}
+    listed = summary.to_dict()["adapters_published"][name]
+    assert [x["base"] for x in listed] == ["fleet-2", "fleet-2.1"]
+    for base in ("fleet-2", "fleet-2.1"):
+        assert adapter_problems(AdapterUse(name, 1, digest, base), summary.adapters) == []
+    for bad in (AdapterUse(name, 1, digest, "fleet-3"), AdapterUse(name, 2, digest, "fleet-2"),
+                AdapterUse(name, 1, "b" * 64, "fleet-2")):
+        ((issue, detail),) = adapter_problems(bad, summary.adapters)
+        assert issue == "adapter-mismatch" and "fleet-2.1" in detail
+    ((issue, _),) = adapter_problems(AdapterUse("rcl-9-" + "c" * 16, 9, "c" * 64, "fleet-2"),
+                                     summary.adapters)
+    assert issue == "unpublished-adapter"

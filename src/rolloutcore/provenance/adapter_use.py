@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,20 +61,22 @@ class AdapterUse:
         return cls(m["name"], m["generation"], m["content_digest"], m["base"])
 
 
-def adapter_problems(a: AdapterUse, published: Mapping[str, tuple[int, str, str]]
+def adapter_problems(a: AdapterUse,
+                     published: Mapping[str, AbstractSet[tuple[int, str, str]]]
                      ) -> list[tuple[str, str]]:
     """(issue, detail) for an adapter the journal did not publish as recorded.
 
-    ``published``: name -> (generation, content digest, base label) of every
-    version the journal's ``adapter`` records published (verified).
+    ``published``: name -> every (generation, content digest, base label) the
+    journal's ``adapter`` records published (verified) it as: one per engine, so
+    a fleet's sample matches the publication on its own replica's base label.
     """
-    pub = published.get(a.name)
-    if pub is None:
+    pubs = published.get(a.name)
+    if not pubs:
         return [("unpublished-adapter", f"adapter {a.name} was never published in the "
                  "journal")]
-    if pub != (a.generation, a.content_digest, a.base):
+    if (a.generation, a.content_digest, a.base) not in pubs:
+        seen = "; ".join(f"generation {g}, sha256 {d[:16]}, on {b}" for g, d, b in sorted(pubs))
         return [("adapter-mismatch",
-                 f"adapter {a.name} was published as generation {pub[0]}, sha256 "
-                 f"{pub[1][:16]}, on {pub[2]}; the sample says generation {a.generation}, "
-                 f"sha256 {a.content_digest[:16]}, on {a.base}")]
+                 f"adapter {a.name} was published as {seen}; the sample says generation "
+                 f"{a.generation}, sha256 {a.content_digest[:16]}, on {a.base}")]
     return []

@@ -138,8 +138,10 @@ class JournalSummary:
     #: ``taint`` after their ``request_update``): (file, the request).
     unended: tuple[tuple[str, RequestUpdate], ...] = ()
     #: The LoRA-adapter versions ever published (``adapter`` records entering
-    #: PUBLISHED): name -> (generation, content digest, base label).
-    adapters: Mapping[str, tuple[int, str, str]] = field(default_factory=dict)
+    #: PUBLISHED): name -> every (generation, content digest, base label) it was
+    #: published as. One engine publishes a name once; a fleet's replicas each publish
+    #: it, on their own base label (a rejoined replica's may carry a suffix).
+    adapters: Mapping[str, frozenset[tuple[int, str, str]]] = field(default_factory=dict)
 
     @property
     def is_fleet(self) -> bool:
@@ -157,8 +159,12 @@ class JournalSummary:
             "unended_updates": [{"journal": f, "update_id": r.update_id,
                                  "target": r.target.to_dict()} for f, r in self.unended]}
         if self.adapters:
-            out["adapters_published"] = {n: {"generation": g, "content_digest": d, "base": b}
-                                         for n, (g, d, b) in self.adapters.items()}
+            def one(p: tuple[int, str, str]) -> dict[str, Any]:
+                return {"generation": p[0], "content_digest": p[1], "base": p[2]}
+
+            out["adapters_published"] = {
+                n: one(next(iter(ps))) if len(ps) == 1 else [one(p) for p in sorted(ps)]
+                for n, ps in self.adapters.items()}
         if self.is_fleet:
             out["fleet"] = {"versions": {str(g): lab for g, lab in
                                          sorted(self.fleet_versions.items())},
@@ -216,7 +222,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
     aborted: set[str] = set()
     interruptions: list[Interrupted] = []
     unended: list[tuple[str, RequestUpdate]] = []
-    adapters: dict[str, tuple[int, str, str]] = {}
+    adapters: dict[str, set[tuple[int, str, str]]] = {}
     lines = skipped = 0
     for f in files:
         opened: RequestUpdate | None = None   # this file's update without an end yet
@@ -242,7 +248,8 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     elif isinstance(rec, Interrupted):
                         interruptions.append(rec)
                     elif isinstance(rec, AdapterChange) and rec.after is AdapterState.PUBLISHED:
-                        adapters[rec.name] = (rec.generation, rec.content_digest, rec.base)
+                        adapters.setdefault(rec.name, set()).add(
+                            (rec.generation, rec.content_digest, rec.base))
                     elif isinstance(rec, Admit):
                         admissions[rec.rollout_id] = rec.version
                     elif isinstance(rec, Carry):
@@ -266,7 +273,8 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                           MappingProxyType(admissions), frozenset(over),
                           MappingProxyType(fleet_versions), frozenset(served),
                           frozenset(failed), frozenset(aborted), tuple(interruptions),
-                          tuple(unended), MappingProxyType(adapters))
+                          tuple(unended),
+                          MappingProxyType({n: frozenset(ps) for n, ps in adapters.items()}))
 
 
 # --------------------------------------------------------------------------- purity
