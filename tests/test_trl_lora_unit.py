@@ -148,7 +148,7 @@ def _journal(path: Path, published: AdapterVersion | None) -> Path:
 def test_the_audit_checks_each_sample_s_adapter_against_the_journal(tmp_path: Path) -> None:
     v = AdapterVersion(3, "rcl-3-" + "ab" * 8, "/tmp/rcl-3", DIGEST, "rc-1")
     summary = read_journal_summary(_journal(tmp_path / "j.jsonl", v))
-    assert summary.adapters == {v.name: (3, DIGEST, "rc-1")}
+    assert summary.adapters == {v.name: {(3, DIGEST, "rc-1")}}
     assert audit_purity([_adapted()], summary).ok
     # never published (only loaded: a version refused after its load is not one)
     r = audit_purity([_adapted(name="rcl-4-" + "cd" * 8, generation=4)], summary)

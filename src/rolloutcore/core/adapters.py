@@ -242,6 +242,11 @@ class AdapterChange(TypedRecord):
     reason: str = ""
     evidence: tuple[str, ...] = ()
 
+    @property
+    def version_key(self) -> tuple[int, str, str]:
+        """(generation, content digest, base label): the version, as a sample names it."""
+        return (self.generation, self.content_digest, self.base)
+
 
 ADAPTER_RECORDS: tuple[type[Record], ...] = (AdapterChange,)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
 
-__all__ = ["AdapterUse", "adapter_problems"]
+__all__ = ["AdapterUse", "adapter_problems", "publications_to_dict"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # vLLM's LoRA names
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
@@ -80,3 +80,14 @@ def adapter_problems(a: AdapterUse,
                  f"adapter {a.name} was published as {seen}; the sample says generation "
                  f"{a.generation}, sha256 {a.content_digest[:16]}, on {a.base}")]
     return []
+
+
+def publications_to_dict(published: Mapping[str, AbstractSet[tuple[int, str, str]]]
+                         ) -> dict[str, Any]:
+    """``published`` as JSON: per name one object, or a list of them where a fleet's
+    replicas published it on several base labels."""
+    def one(p: tuple[int, str, str]) -> dict[str, Any]:
+        return {"generation": p[0], "content_digest": p[1], "base": p[2]}
+
+    return {n: one(next(iter(ps))) if len(ps) == 1 else [one(p) for p in sorted(ps)]
+            for n, ps in published.items()}

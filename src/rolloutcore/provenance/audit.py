@@ -84,7 +84,7 @@ from rolloutcore.core.records import (
 )
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
-from rolloutcore.provenance.adapter_use import adapter_problems
+from rolloutcore.provenance.adapter_use import adapter_problems, publications_to_dict
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.stitch import check_versions
@@ -138,9 +138,8 @@ class JournalSummary:
     #: ``taint`` after their ``request_update``): (file, the request).
     unended: tuple[tuple[str, RequestUpdate], ...] = ()
     #: The LoRA-adapter versions ever published (``adapter`` records entering
-    #: PUBLISHED): name -> every (generation, content digest, base label) it was
-    #: published as. One engine publishes a name once; a fleet's replicas each publish
-    #: it, on their own base label (a rejoined replica's may carry a suffix).
+    #: PUBLISHED): name -> each (generation, digest, base label) it was published as
+    #: (a fleet's replicas each publish it, on their own base label).
     adapters: Mapping[str, frozenset[tuple[int, str, str]]] = field(default_factory=dict)
 
     @property
@@ -159,12 +158,7 @@ class JournalSummary:
             "unended_updates": [{"journal": f, "update_id": r.update_id,
                                  "target": r.target.to_dict()} for f, r in self.unended]}
         if self.adapters:
-            def one(p: tuple[int, str, str]) -> dict[str, Any]:
-                return {"generation": p[0], "content_digest": p[1], "base": p[2]}
-
-            out["adapters_published"] = {
-                n: one(next(iter(ps))) if len(ps) == 1 else [one(p) for p in sorted(ps)]
-                for n, ps in self.adapters.items()}
+            out["adapters_published"] = publications_to_dict(self.adapters)
         if self.is_fleet:
             out["fleet"] = {"versions": {str(g): lab for g, lab in
                                          sorted(self.fleet_versions.items())},
@@ -248,8 +242,7 @@ def read_journal_summary(path: str | os.PathLike[str]) -> JournalSummary:
                     elif isinstance(rec, Interrupted):
                         interruptions.append(rec)
                     elif isinstance(rec, AdapterChange) and rec.after is AdapterState.PUBLISHED:
-                        adapters.setdefault(rec.name, set()).add(
-                            (rec.generation, rec.content_digest, rec.base))
+                        adapters.setdefault(rec.name, set()).add(rec.version_key)
                     elif isinstance(rec, Admit):
                         admissions[rec.rollout_id] = rec.version
                     elif isinstance(rec, Carry):
