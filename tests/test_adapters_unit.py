@@ -584,3 +584,44 @@ def test_the_audit_matches_a_fleet_sample_to_its_own_replicas_publication(
     ((issue, _),) = adapter_problems(AdapterUse("rcl-9-" + "c" * 16, 9, "c" * 64, "fleet-2"),
                                      summary.adapters)
     assert issue == "unpublished-adapter"
+
+
+def test_probe_scoring_chooses_prompt_logprobs_or_generation_and_refuses_others(
+        tmp_path: Path) -> None:
+    """``probe_scoring="prompt_logprobs"`` scores each case with one ``score`` call through
+    the named model (the adapter's, or None for the base) and says so in the check; the
+    default goes through generation (``top_logprobs``); anything else is refused before a
+    manager exists."""
+    from rolloutcore.control.adapters import PROBE_SCORINGS, AdapterManager
+    from rolloutcore.verification.probe import PolicyProbe, ProbeCase
+
+    calls: list[tuple[str, str | None]] = []
+
+    class Http:
+        def models(self, **kw: Any) -> dict[str, str | None]:
+            return {}
+
+        def score(self, ids: list[int], *, timeout_s: float | None = None,
+                  model: str | None = None) -> list[float | None]:
+            calls.append(("score", model))
+            return [None, -0.5, -0.1, -0.2]
+
+        def top_logprobs(self, ctx: list[int], *, model: str | None = None,
+                         **kw: Any) -> list[tuple[int, dict[int, float]]]:
+            calls.append(("top_logprobs", model))
+            return [(5, {5: -0.1}), (6, {6: -0.2})]
+
+    assert {"generation", "prompt_logprobs"} == PROBE_SCORINGS
+    probe = PolicyProbe([ProbeCase((1, 2), (5, 6), (-0.1, -0.2))], tolerance=0.01)
+    for bad in ("logprobs", None, ""):
+        with pytest.raises(BadInput, match="probe_scoring"):
+            AdapterManager(Http(), object(), base_model=tmp_path, store=tmp_path / "x",
+                           probe_scoring=bad)   # type: ignore[arg-type]
+    m = AdapterManager(Http(), object(), base_model=tmp_path, store=tmp_path / "s",
+                       probe_scoring="prompt_logprobs")
+    c = m._probe(probe, "rcl-1-aaaa", "probe through the adapter")
+    assert calls == [("score", "rcl-1-aaaa")] and c.passed and "(prompt_logprobs)" in c.detail
+    calls.clear()
+    m.probe_scoring = "generation"
+    c = m._probe(probe, None, "probe of the base")
+    assert calls == [("top_logprobs", None)] and c.passed and "prompt_logprobs" not in c.detail

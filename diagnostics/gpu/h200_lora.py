@@ -65,7 +65,6 @@ import statistics
 import sys
 import threading
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,20 +240,6 @@ class Scored:
         out: list[float | None] = self.http.score(token_ids, timeout_s=timeout_s,
                                                   model=self.model)
         return out
-
-
-def logprobs_probe(self: Any, probe: Any, model: str | None, what: str) -> Any:
-    """``AdapterManager._probe`` scored by ``prompt_logprobs`` (one request per case) instead
-    of through generation: bound onto the manager for the ``logprobs_updates`` stage only."""
-    from rolloutcore.core.evidence import Check
-
-    res = probe.measure(Scored(self.http, model))
-    j = probe.judge(res, dict(self._calibrations()))
-    return Check(probe.name, j.passed,
-                 f"{what} (prompt_logprobs): {len(probe.cases)} probes, {res.positions} "
-                 f"teacher-forced positions; max |dlogp| {res.max_abs_diff:.4g}, mean "
-                 f"{res.mean_abs_diff:.3g}, {j.note}",
-                 max_abs_diff=res.max_abs_diff, tolerance=j.tolerance)
 
 
 # --------------------------------------------------------------------------- the two rigs
@@ -591,7 +576,7 @@ def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespa
 def stage_logprobs_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
                            log: Callable[[str], None]) -> None:
     m = rig.session.adapters
-    m._probe = types.MethodType(logprobs_probe, m)   # this stage only
+    m.probe_scoring = "prompt_logprobs"   # this stage only (AdapterManager's option)
     try:
         for i in range(args.reps):
             u = _verified(rig, st, 200 + i)
@@ -599,7 +584,7 @@ def stage_logprobs_updates(rig: Rig, R: dict[str, Any], st: State, args: argpars
             log(f"prompt_logprobs-scored update {u['name']}: apply "
                 f"{u['phases']['apply']:.3f}s, checks {u['checks']}")
     finally:
-        del m._probe
+        m.probe_scoring = "generation"
     sm = _summary([{"phases": {}, "prepare_s": 0.0, "checks": {}}, *st.lp_updates])
     bare = R.get("bare_load_s")
     R["logprobs_scored"] = {
@@ -607,8 +592,9 @@ def stage_logprobs_updates(rig: Rig, R: dict[str, Any], st: State, args: argpars
         "adapter_update_vs_bare_load": sm["apply_s"] / bare if bare and sm["apply_s"]
         else None, "adapter_probe_max": sm["adapter_probe_max"],
         "base_probe_max": sm["base_probe_max"], "updates": st.lp_updates,
-        "note": "both probes scored by prompt_logprobs (one request per case), the rest of "
-                "the verified update unchanged; not the product default"}
+        "note": "both probes scored by prompt_logprobs (AdapterManager(probe_scoring="
+                "'prompt_logprobs'): one request per case), the rest of the verified update "
+                "unchanged; not the product default"}
 
 
 def stage_controls(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,

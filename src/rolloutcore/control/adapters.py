@@ -77,7 +77,8 @@ from rolloutcore.verification.probe import (
     default_prompts,
 )
 
-__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "AdapterManager",
+__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "PROBE_SCORINGS",
+           "AdapterManager",
            "AdapterResult", "PreparedAdapter", "RolloutBinding", "VerifiedAdapter",
            "check_probe_tolerance"]
 
@@ -90,6 +91,15 @@ __all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "AdapterMa
 #: requests once one is published (the gateway's ``AdapterEngine`` refuses base
 #: requests then).
 BASE_PROBE_MODES = frozenset({"required", "when_idle"})
+
+#: How the probes score the engine. ``generation``: teacher-forced through the sampling
+#: path (``measure_generated``: a decode per reference token where the engine's differs),
+#: safe beside live requests everywhere. ``prompt_logprobs``: one prefill per case
+#: (``PolicyProbe.measure``), much cheaper on a big engine, but vLLM 0.32's CPU build
+#: kills its engine core when a ``prompt_logprobs`` request runs beside LoRA requests
+#: (docs/lora.md): only for engines where that was shown safe
+#: (``diagnostics/gpu/h200_lora.py``'s ``beside`` stage).
+PROBE_SCORINGS = frozenset({"generation", "prompt_logprobs"})
 
 #: The probe through an adapter's own tolerance (nats) when the update declares none. A
 #: LoRA engine computes the adapter's delta with two more bf16 matmuls than the base, so
@@ -217,7 +227,11 @@ class AdapterManager:
                  probe_tolerance: float = ADAPTER_TOLERANCE,
                  base_tolerance: float = DEFAULT_TOLERANCE,
                  timeout_s: float = 60.0, base_probe: str = "required",
-                 max_tolerance: float = MAX_TOLERANCE) -> None:
+                 max_tolerance: float = MAX_TOLERANCE, probe_scoring: str = "generation"
+                 ) -> None:
+        if probe_scoring not in PROBE_SCORINGS:
+            raise BadInput(f"probe_scoring must be one of {sorted(PROBE_SCORINGS)}, got "
+                           f"{probe_scoring!r}")
         if base_probe not in BASE_PROBE_MODES:
             raise BadInput(f"base_probe must be one of {sorted(BASE_PROBE_MODES)}, got "
                            f"{base_probe!r}")
@@ -244,6 +258,7 @@ class AdapterManager:
                                                     self.max_tolerance)
         self.timeout_s = timeout_s
         self.base_probe = base_probe
+        self.probe_scoring = probe_scoring
         self._calibrations = calibrations or dict
         self._own_store = store is None
         self.store = Path(store) if store is not None else Path(
@@ -618,9 +633,13 @@ class AdapterManager:
             self._base_identity = getattr(self.controller, "identity", None)
 
     def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
-        # Through the sampling path: these probes run beside live requests
-        # (verification.adapters.measure_generated says why not prompt_logprobs).
-        res = measure_generated(probe, self.http, model, timeout_s=self.timeout_s)
+        # These probes run beside live requests: through the sampling path unless the
+        # deployment chose prompt_logprobs (PROBE_SCORINGS says when it may).
+        if self.probe_scoring == "prompt_logprobs":
+            res = probe.measure(_ScoredThrough(self.http, model, self.timeout_s))
+            what += " (prompt_logprobs)"
+        else:
+            res = measure_generated(probe, self.http, model, timeout_s=self.timeout_s)
         j = probe.judge(res, dict(self._calibrations()))
         return Check(probe.name, j.passed,
                      f"{what}: {len(probe.cases)} probes, {res.positions} teacher-forced "
@@ -681,3 +700,16 @@ class AdapterManager:
             if gone:
                 shutil.rmtree(v.path, ignore_errors=True)
                 yield v.name
+
+
+class _ScoredThrough:
+    """A ``Scorer`` through one model of the engine (the base: None, or an adapter's name)."""
+
+    def __init__(self, http: Any, model: str | None, timeout_s: float) -> None:
+        self.http, self.model, self.timeout_s = http, model, timeout_s
+
+    def score(self, token_ids: Any, *, timeout_s: float | None = None) -> list[float | None]:
+        out: list[float | None] = self.http.score(
+            token_ids, timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            model=self.model)
+        return out
