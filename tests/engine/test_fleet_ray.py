@@ -8,6 +8,8 @@ and both engines then answer alike, not as they did on A.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from fleettools_engine import greedy
 
@@ -35,6 +37,15 @@ def test_a_ray_placed_fleet_runs_a_synchronous_update(tiny_models: TinyModels,
         assert placement.bundles == [{"CPU": 1.0}, {"CPU": 1.0}]
         table = ray.util.placement_group_table(placement.placement_group)
         assert table["state"] == "CREATED" and len(table["bundles"]) == 2
+        # On this host (the CPU build, no address): each engine's vLLM binds cores of its
+        # own, as launch_local's do (read from the engine processes' environments).
+        binds = []
+        for e in placement.engines:
+            pid = ray.get(e.actor.info.remote())["pid"]
+            raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+            env = dict(x.split("=", 1) for x in raw.split("\0") if "=" in x)
+            binds.append(env.get("VLLM_CPU_OMP_THREADS_BIND"))
+        assert None not in binds and len(set(binds)) == 2, binds
         on_a = greedy(placement.engines[0].base_url)
         coord = build_fleet(placement.engines, checkpoint=tiny_models.A)
         res = coord.update(prepare_checkpoint(tiny_models.B))

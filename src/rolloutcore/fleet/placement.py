@@ -316,6 +316,19 @@ def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None, *,
     return cpu_binding(i, n, env, ranks=ranks)
 
 
+def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, Any]
+                   ) -> list[dict[str, str]]:
+    """Every rank of every one of ``n`` engines on this host on cores of its own
+    (``shared_host_env``), refused before anything starts where the host has too few."""
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        v = engine_kwargs.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BadInput(f"{key} must be an int >= 1, got {v!r}")
+        ranks *= v
+    return [shared_host_env(i, n, env, ranks=ranks) for i in range(n)]
+
+
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
                  log_dir: str | os.PathLike[str] | None = None, progress: bool = False,
                  startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> list[Any]:
@@ -325,15 +338,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
     env = dict(engine_kwargs.pop("env", None) or {})
-    ranks = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-        v = engine_kwargs.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadInput(f"{key} must be an int >= 1, got {v!r}")
-        ranks *= v
-    # Every rank of every engine on cores of its own (refused before anything starts
-    # where the host has too few).
-    bindings = [shared_host_env(i, n, env, ranks=ranks) for i in range(n)]
+    bindings = _host_bindings(n, env, engine_kwargs)
     # Their dev and weight routes answer only this process (transports.engine_key).
     engine_kwargs.setdefault("guard_routes", True)
     engines = [ManagedEngine(Path(checkpoint), port=free_port(),
@@ -522,6 +527,10 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
     GPU, ``gpus_per_engine`` < 1: vLLM sizes its KV cache from what the
     device's memory did while it profiled, so an engine loading beside it
     takes the cache's share; seen on an H200).
+    With no ``address`` and no GPUs (vLLM's CPU build, a cluster on this host)
+    each engine's ranks are bound to cores of their own, as ``launch_local``
+    binds them (refused before anything starts where the host has too few), and
+    keep them across restarts.
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -531,6 +540,9 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
     if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
         raise BadInput(f"unknown placement strategy {strategy!r}")
+    engine_env = dict(engine_kwargs.pop("env", None) or {})
+    bindings = (_host_bindings(n, engine_env, engine_kwargs) if address is None
+                and not gpus_per_engine else [{} for _ in range(n)])
     started = False
     if not ray.is_initialized():
         env = {k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}
@@ -565,7 +577,9 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
     actors = [actor_cls.options(
         num_cpus=cpus_per_engine, num_gpus=gpus_per_engine, max_concurrency=8,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i)).remote(str(checkpoint), kwargs)
+            placement_group=pg, placement_group_bundle_index=i)).remote(
+                str(checkpoint), {**kwargs, "env": {**bindings[i], **engine_env}}
+                if bindings[i] or engine_env else kwargs)
         for i in range(n)]
     placement = RayPlacement([], pg, started, bundles)
     try:
