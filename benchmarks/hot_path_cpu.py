@@ -53,156 +53,31 @@ sys.path.insert(0, str(ROOT / "diagnostics" / "gpu"))
 
 def _measure(reps: int, scale: int, warmup: int) -> dict[str, Any]:
     """One side: runs in whatever ``rolloutcore`` is on the path."""
-    import httpx
-    import torch
-    from qwen3_shapes import QWEN3_8B, qwen3_specs  # type: ignore[import-not-found]
+    from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
     from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
-    from rolloutcore.control.runner import Deadlines, LifecycleRunner
+    from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.core.evidence import CacheKind
-    from rolloutcore.core.versions import (
-        ParameterManifest,
-        Provenance,
-        VerificationLevel,
-        WeightIdentity,
-    )
-    from rolloutcore.transports.cuda_ipc import trainer as trainer_mod
-    from rolloutcore.transports.cuda_ipc.trainer import CudaIpcTransport, PackedWeights
-    from rolloutcore.transports.cuda_ipc.wire import (
-        ROW_COUNT,
-        ROW_HEADER,
-        ROW_NAMES,
-        ROW_NONCE,
-        ROW_UNCOVERED,
-        BufferHandle,
-        ResultSlot,
-        names_digest,
-        names_digest60,
-    )
-    from rolloutcore.transports.source import WeightSource
+    from rolloutcore.core.versions import VerificationLevel
 
-    # No CUDA here: the one device synchronize of send() is a no-op on the CPU.
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    eng: dict[str, Any] = {"s": 0.0, "cpu": 0.0, "calls": 0}
 
-    specs = [(n, tuple(max(1, d // scale) * (2 if len(s) == 1 else 1) for d in s))
-             for n, s in qwen3_specs(QWEN3_8B)]
-    pk = PackedWeights(((n, s, torch.bfloat16) for n, s in specs), device="cpu")
-    names = [e.name for e in pk.entries]
-    g = torch.Generator().manual_seed(0)
-    contents = {seed: torch.randint(0, 255, pk.buffer.shape, dtype=torch.uint8, generator=g)
-                for seed in (1, 2)}
-    values: dict[int, list[int]] = {}
-    for seed in (1, 2):
-        pk.buffer.copy_(contents[seed])
-        values[seed] = pk.checksum("torch")
-    n60 = names_digest60(names_digest(names))
-
-    routes = json.loads((ROOT / "results" / "gpu" / "h200-8b-ipc.run15.json").read_text()
-                        )["engine_routes"]
-    routes = sorted(set(routes) | {"/init_weight_transfer_engine", "/openapi.json"})
-    eng: dict[str, Any] = {"paused": False, "seed": 1, "nonce": None, "s": 0.0, "cpu": 0.0,
-                           "calls": 0}
-    rows = torch.zeros(1, ROW_HEADER + len(names), dtype=torch.int64)
-    ok = {"status": "ok"}
-
-    def handler(req: httpx.Request) -> httpx.Response:
-        t, tc = time.perf_counter(), time.thread_time()
-        p = req.url.path
-        body: Any = ok
-        if p == "/openapi.json":
-            body = {"paths": {r: {} for r in routes}}
-        elif p == "/health":
-            body = {}
-        elif p == "/v1/models":
-            body = {"data": [{"id": "policy"}]}
-        elif p == "/version":
-            body = {"version": "0.26.0"}
-        elif p == "/server_info":
-            body = {"vllm_config": {"instance_id": "bench-1",
-                                    "weight_transfer_config": {"backend": "rc_cuda_ipc"},
-                                    "model_config": {"enable_sleep_mode": False}}}
-        elif p == "/pause":
-            eng["paused"] = True
-            body = {"status": "paused"}
-        elif p == "/resume":
-            eng["paused"] = False
-            body = {"status": "resumed"}
-        elif p == "/is_paused":
-            body = {"is_paused": eng["paused"]}
-        elif p == "/is_sleeping":
-            body = {"is_sleeping": eng["paused"]}
-        elif p == "/reset_prefix_cache":
-            body = {"success": True}
-        elif p == "/update_weights":
-            info = json.loads(req.content)["update_info"]
-            eng["nonce"] = (info.get("results") or {}).get("nonce")
-        elif p == "/finish_weight_update":
-            if eng["nonce"] is not None:  # the workers' row, nonce written last
-                row = rows[0]
-                row[ROW_HEADER:] = torch.tensor(values[eng["seed"]], dtype=torch.int64)
-                row[ROW_NAMES], row[ROW_UNCOVERED] = n60, 0
-                row[ROW_COUNT] = len(names)
-                row[ROW_NONCE] = eng["nonce"]
-        elif p == "/collective_rpc":
-            m = json.loads(req.content)["method"]
-            if m == "rc_cuda_ipc_hello":
-                body = {"results": [{"backend": "rc_cuda_ipc", "rank": 0, "device_uuid": "",
-                                     "n_params": len(names)}]}
-            elif m == "rc_cuda_ipc_checksum":
-                body = {"results": [{"values": values[eng["seed"]],
-                                     "names_digest": names_digest(names)}]}
-            else:
-                body = {"results": [{}]}
-        resp = httpx.Response(200, json=body)
-        eng["s"] += time.perf_counter() - t
-        eng["cpu"] += time.thread_time() - tc
+    def on_call(ns: int, cpu_s: float) -> None:
+        eng["s"] += ns / 1e9
+        eng["cpu"] += cpu_s
         eng["calls"] += 1
-        return resp
 
-    mock = httpx.MockTransport(handler)
-    fake_handle = BufferHandle(
-        device_uuid="GPU-00000000-0000-0000-0000-000000000000", handle=b"\x02c" + bytes(64),
-        storage_size_bytes=8 * rows.numel(), storage_offset_bytes=0,
-        ref_counter_handle=b"/torch_1_2_0", ref_counter_offset=0, event_handle=bytes(64),
-        event_sync_required=False, tensor_offset_bytes=0, nbytes=8 * rows.numel())
-
-    class CpuSlotTransport(CudaIpcTransport):
-        """The H200 route (``checksum_results="ipc"``) with the slot in host memory."""
-
-        def _result_slot(self, base_url: str, n_entries: int) -> ResultSlot | None:
-            self._slot = (rows, fake_handle)
-            return ResultSlot(fake_handle, int.from_bytes(os.urandom(7), "little") + 1,
-                              1, ROW_HEADER + n_entries)
-
-    # The buffer's IPC handle, as share_buffer would give it on a GPU (created once).
-    pk._handle = BufferHandle(
-        device_uuid="GPU-00000000-0000-0000-0000-000000000000", handle=b"\x02c" + bytes(64),
-        storage_size_bytes=int(pk.buffer.numel()), storage_offset_bytes=0,
-        ref_counter_handle=b"/torch_1_2_0", ref_counter_offset=0, event_handle=bytes(64),
-        event_sync_required=False, tensor_offset_bytes=0, nbytes=int(pk.buffer.numel()))
-    tr = CpuSlotTransport(device="cpu", checksum_impl="torch", copy_impl="memcpy"
-                          if "memcpy" in trainer_mod.COPY_IMPLS else "auto")
-    tr._client = httpx.Client(transport=mock)
-    tr.adopt(pk)
-    base = "http://engine.bench:8000"
-    adapter = VllmAdapter(VllmHTTP(base, transport=mock, timeout_s=120), tr,
+    si = build(scale, on_call)
+    pk, contents, values, tr, source = si.pk, si.contents, si.values, si.transport, si.source
+    names = [e.name for e in pk.entries]
+    adapter = VllmAdapter(VllmHTTP(BASE, transport=si.mock, timeout_s=120), tr,
                           engine_epoch="bench-epoch")
     controller = LifecycleController(required_caches=(CacheKind.PREFIX,))
-    deadlines = Deadlines(pause_s=60, transfer_s=120, validate_s=60, resume_s=30,
-                          reset_s=30, preflight_s=30, live_validate_s=60, drain_s=120)
-    runner = LifecycleRunner(controller, adapter, deadlines)
-    source = WeightSource.from_state_dict(dict(pk.items()),
-                                          description="trainer PackedWeights views")
-
-    def identity(seed: int) -> WeightIdentity:
-        # As the harness does: a manifest of the buffer's entries per update.
-        man = ParameterManifest.from_items((e.name, e.shape, e.dtype) for e in pk.entries)
-        return WeightIdentity.declare(man, Provenance(f"synthetic-qwen3-8b-seed{seed}",
-                                                      "cpu-bench", seed))
-
-    adapter.stage(source, provenance=Provenance("synthetic-qwen3-8b-seed1", "cpu-bench", 1))
+    runner = LifecycleRunner(controller, adapter, si.deadlines)
+    identity = si.identity
+    adapter.stage(source, provenance=StandIn.provenance(1))
     runner.bootstrap(identity(1))
     crit: list[float] = []
     crit_cpu: list[float] = []
@@ -211,15 +86,14 @@ def _measure(reps: int, scale: int, warmup: int) -> dict[str, Any]:
     threads: list[int] = []
     import threading
     for i in range(warmup + reps):
-        seed = 2 if eng["seed"] == 1 else 1
+        seed = 2 if si.engine["seed"] == 1 else 1
         pk.buffer.copy_(contents[seed])  # the trainer's step (not timed)
         t0 = time.perf_counter()
-        adapter.stage(source, provenance=Provenance(f"synthetic-qwen3-8b-seed{seed}",
-                                                    "cpu-bench", seed))
+        adapter.stage(source, provenance=StandIn.provenance(seed))
         tr.precompute_checksum(pk, values=values[seed])  # values: hashing is device work
         ident = identity(seed)
         t1 = time.perf_counter()
-        eng["seed"] = seed
+        si.engine["seed"] = seed
         e0, c0 = eng["s"], eng["cpu"]
         p0 = time.process_time()
         th0 = threading.active_count()
