@@ -208,12 +208,15 @@ def test_draft_spec_builds_the_speculative_config(tmp_path: Path) -> None:
     assert flag == "--speculative-config"
     assert json.loads(body) == {"method": "draft_model", "model": str(tmp_path.resolve()),
                                 "num_speculative_tokens": 4}
+    _, body = DraftSpec(tmp_path, method="eagle").engine_args()
+    assert json.loads(body)["method"] == "eagle"
 
 
 @pytest.mark.parametrize("kw", [{"num_speculative_tokens": 0},
                                 {"num_speculative_tokens": 17},
                                 {"num_speculative_tokens": True},
-                                {"method": "eagle"}, {"method": "ngram"}])
+                                {"method": "eagle3"}, {"method": "ngram"},
+                                {"method": "mtp"}])
 def test_draft_spec_refuses_bad_input(tmp_path: Path, kw: dict[str, Any]) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(BadInput):

@@ -340,6 +340,60 @@ def test_the_models_stacked_mapper_places_shards_by_their_id() -> None:
     assert [(s.parts, s.bound) for s in span] == [((1, 2), (8, 8)), ((0,), (8, 8))]
 
 
+class EagleLlamaForCausalLM(Model):
+    """vLLM's EAGLE-1 head as the engine holds it: ``model.fc`` and a decoder layer of
+    its own, the target's embedding and output projection borrowed (the same modules),
+    the Llama stacked mapper inherited; its ``load_weights`` moves every checkpoint
+    name but ``lm_head``'s under ``model.``."""
+
+    def __init__(self, target: Model) -> None:
+        super().__init__(tied=False, seed=7)
+        self.model.fc = Layer(8, 16, method=UnquantizedLinearMethod(), seed=9)
+        self.model.embed_tokens = target.model.embed_tokens
+        self.lm_head = target.lm_head
+        self.hf_to_vllm_mapper = StackedMapper()
+
+
+def _head_round(*extra: str) -> GlooUpdateInfo:
+    info = _round(model__embed_tokens__weight=None)
+    names = ["fc.weight", *(n.removeprefix("model.") for n in info.names)]
+    shapes = [[8, 16], *info.shapes]
+    dtypes = ["bfloat16", *info.dtype_names]
+    for n in extra:  # the target's tensors, as a checkpoint that carries them names them
+        names.append(n)
+        shapes.append([30, 8])
+        dtypes.append("float32")
+    return GlooUpdateInfo(names, dtypes, shapes)
+
+
+def test_an_eagle_heads_checkpoint_names_place_as_its_loader_renames_them() -> None:
+    target = Model(tied=False)
+    head = EagleLlamaForCausalLM(target)
+    index = ModelIndex(head, shared_with=target)
+    written = check_against_model(_head_round(), index)
+    assert written == {"model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight",
+                       "model.layers.0.mlp.gate_up_proj.weight",
+                       "model.layers.0.mlp.down_proj.weight", "model.layers.0.norm.weight"}
+    # vLLM's own parameter names would be prefixed again by the head's loader, which
+    # then fails with the reload open (seen: the engine core died). Refused up front.
+    with pytest.raises(ValueError, match=r"model\.fc\.weight: not a parameter"):
+        check_against_model(GlooUpdateInfo(["model.fc.weight"], ["bfloat16"], [[8, 16]]),
+                            index)
+    # What the head borrows from the target is the target round's to write.
+    for borrowed in ("embed_tokens.weight", "lm_head.weight"):
+        with pytest.raises(ValueError, match="shares with the engine's target model"):
+            check_against_model(_head_round(borrowed), index)
+    # The same modules seen as the target's own (its round) are writable.
+    assert "model.embed_tokens.weight" in check_against_model(_round(), ModelIndex(target))
+
+
+def test_a_draft_head_whose_loader_is_not_known_takes_no_name() -> None:
+    target = Model(tied=False)
+    head = type("Eagle3LlamaForCausalLM", (EagleLlamaForCausalLM,), {})(target)
+    with pytest.raises(ValueError, match="Eagle3LlamaForCausalLM, whose load_weights"):
+        check_against_model(_head_round(), ModelIndex(head, shared_with=target))
+
+
 def test_structural_metadata_is_refused_before_the_model_is_consulted() -> None:
     for kw in ({"names": ["a"], "dtype_names": ["complex128"], "shapes": [[1]]},
                {"names": ["a"], "dtype_names": ["float32"], "shapes": [[-1]]},

@@ -18,16 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from drafttools_engine import FaultyDraftTransport, drafted_session, prov
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.drafts import DraftedSession, DraftSpec
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.core.vocab import State
 from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
-from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource, policy_digest
+from rolloutcore.transports.drafted import policy_digest
 from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
@@ -38,40 +37,12 @@ pytestmark = [
 MIN_ACCEPTANCE = 0.5
 
 
-class FaultyDraftTransport(DraftedGlooTransport):
-    """Real transfers, with two faults a test can arm: the draft round sends other
-    weights than the pair declares (``wire``: a draft left on old weights), or its
-    source breaks after ``break_after`` tensors (a draft round failing mid-way)."""
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(**kw)
-        self.wire: WeightSource | None = None
-        self.break_after: int | None = None
-
-    def draft_wire_source(self, source: DraftedSource) -> WeightSource:
-        src = self.wire or source.draft
-        n = self.break_after
-        if n is None:
-            return src
-        entries = [(p.name, tuple(p.shape), p.dtype) for p in src.manifest().params]
-
-        def load() -> Iterator[tuple[str, Any]]:
-            for i, item in enumerate(src.named_tensors()):
-                if i == n:
-                    raise RuntimeError(f"trainer died after {n} draft tensors")
-                yield item
-
-        return WeightSource(entries, load, "a draft that breaks mid-way")
-
-
 def _prov(step: int) -> Provenance:
-    return Provenance("tiny", "draft-engine-test", step)
+    return prov(step)
 
 
 def _session(eng: ManagedEngine, journal: Path) -> tuple[DraftedSession, FaultyDraftTransport]:
-    tr = FaultyDraftTransport(op_timeout_s=20.0)
-    s = EngineSession(VllmHTTP(eng.base_url), tr, engine=eng, journal_path=journal)
-    return DraftedSession(s, min_acceptance=MIN_ACCEPTANCE), tr
+    return drafted_session(eng, journal, min_acceptance=MIN_ACCEPTANCE)
 
 
 @pytest.fixture(scope="module")

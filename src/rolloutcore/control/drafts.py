@@ -1,8 +1,8 @@
 """An engine with a speculative-decoding draft, updated as one verified transaction.
 
 ``DraftedSession`` wraps an ``EngineSession`` whose engine was started with
-a draft model (``DraftSpec.engine_args``: vLLM's ``--speculative-config``,
-method ``draft_model``) and whose transport is a ``DraftedGlooTransport``.
+a draft (``DraftSpec.engine_args``: vLLM's ``--speculative-config``,
+method ``draft_model`` or ``eagle``) and whose transport is a ``DraftedGlooTransport``.
 ``update(weights, provenance, draft_weights=...)`` runs the one transition
 the runner always runs (drain, preflight, transfer, cache reset, paused
 validation, resume, live validation, publish), with:
@@ -51,17 +51,20 @@ from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe
 
 __all__ = ["DraftSpec", "DraftedSession", "DraftedUpdateResult"]
 
-_METHODS = frozenset({"draft_model"})
+_METHODS = frozenset({"draft_model", "eagle"})
 
 
 @dataclass(frozen=True)
 class DraftSpec:
     """The draft an engine decodes with: vLLM's ``--speculative-config``.
 
-    Only ``draft_model`` (a separate, smaller causal LM with the target's
-    vocabulary) is a model RolloutCore can send weights to and check here;
-    EAGLE-style heads take their hidden states from the target and are not
-    covered (docs/speculative-drafts.md).
+    ``draft_model``: a separate, smaller causal LM with the target's
+    vocabulary. ``eagle``: an EAGLE-1 head (vLLM's ``EagleLlamaForCausalLM``:
+    ``fc`` and one decoder layer, fed the target's hidden states, borrowing
+    the target's embedding and output projection, which only the target's
+    round writes). Other heads (EAGLE-3, MTP) are not covered: their loaders
+    rename or drop names in ways the receiver does not know, and it refuses
+    them before anything changes (docs/speculative-drafts.md).
     """
 
     model_dir: Path

@@ -44,6 +44,7 @@ from rolloutcore.errors import BadInput
 
 __all__ = [
     "ARCHITECTURES",
+    "EAGLE_KINDS",
     "BOS_ID",
     "CHAT_TEMPLATE",
     "EOS_ID",
@@ -51,6 +52,7 @@ __all__ = [
     "VOCAB_SIZE",
     "LORA_TARGETS",
     "make_adapter",
+    "make_eagle_head",
     "make_checkpoint",
     "make_pair",
     "model_config",
@@ -299,3 +301,72 @@ def make_adapter(base_dir: str | Path, seed: int, *, std: float = 0.05, rank: in
                 if "lora_B" in n:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
     return m
+
+
+#: The heads ``make_eagle_head`` writes: random weights, or a head that proposes the
+#: token the target just produced (its hidden state passes through the layer untouched).
+EAGLE_KINDS = ("random", "repeat")
+
+
+def make_eagle_head(out_dir: str | Path, seed: int, *, target: str | Path,
+                    kind: str = "random") -> Path:
+    """Write an EAGLE-1 draft head for the Llama checkpoint ``target`` to ``out_dir``.
+
+    The layout is the one vLLM's ``EagleLlamaForCausalLM`` loads
+    (``--speculative-config '{"method": "eagle", ...}'``): ``fc.weight``
+    (hidden x 2 hidden, applied to the concatenated token embedding and the
+    target's hidden state) and one decoder layer ``layers.0.*`` without an
+    input norm; no embedding and no output projection of its own (the engine
+    shares the target's). The config is the target's with one layer.
+
+    ``kind="random"``: every tensor random from ``seed`` (a head that drafts,
+    and is accepted about never). ``kind="repeat"``: ``fc`` passes the target's
+    hidden state through and the layer adds nothing (zero output projections),
+    so the head proposes the target's own last prediction again: accepted
+    wherever the target repeats a token. ``seed`` then only fills the
+    attention and MLP inputs, which do not reach the output.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise BadInput(f"seed must be an int >= 0, got {seed!r}")
+    if kind not in EAGLE_KINDS:
+        raise BadInput(f"kind must be one of {list(EAGLE_KINDS)}, got {kind!r}")
+    src = Path(target) if isinstance(target, (str, Path)) else None
+    if src is None or not (src / "config.json").is_file():
+        raise BadInput(f"target must be a checkpoint directory, got {target!r}")
+    cfg = json.loads((src / "config.json").read_text())
+    if cfg.get("architectures") != ["LlamaForCausalLM"]:
+        raise BadInput(f"{src} is not a Llama checkpoint (architectures "
+                       f"{cfg.get('architectures')!r}): EagleLlamaForCausalLM heads only")
+    out = _check_out(out_dir)
+
+    import torch
+    from safetensors.torch import save_file
+
+    h, inter = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    hd = int(cfg.get("head_dim") or h // int(cfg["num_attention_heads"]))
+    q, kv = int(cfg["num_attention_heads"]) * hd, int(cfg["num_key_value_heads"]) * hd
+    shapes = {"fc.weight": (h, 2 * h),
+              "layers.0.self_attn.q_proj.weight": (q, h),
+              "layers.0.self_attn.k_proj.weight": (kv, h),
+              "layers.0.self_attn.v_proj.weight": (kv, h),
+              "layers.0.self_attn.o_proj.weight": (h, q),
+              "layers.0.mlp.gate_proj.weight": (inter, h),
+              "layers.0.mlp.up_proj.weight": (inter, h),
+              "layers.0.mlp.down_proj.weight": (h, inter)}
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(s, generator=g) * 0.02 for k, s in shapes.items()}
+    state["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    if kind == "repeat":
+        state["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+        state["layers.0.self_attn.o_proj.weight"] = torch.zeros(h, q)
+        state["layers.0.mlp.down_proj.weight"] = torch.zeros(h, inter)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1},
+                                                indent=2, sort_keys=True) + "\n")
+    _write_tokenizer(out)
+    (out / _META_FILE).write_text(json.dumps(
+        {"seed": seed, "eagle_head": kind, "target": str(src.resolve())},
+        sort_keys=True) + "\n")
+    return out

@@ -400,8 +400,12 @@ def _build_engine_class() -> type[Any]:
             # (Planned before the reload moves any tensor to meta.)
             if not self._opened:
                 self._rederive = derived.plan_rederive(self.model)
+                # A draft round (vLLM retargeted ``self.model``) must not write what the
+                # draft borrows from the target (``_default_model``, vLLM's base class).
+                target = getattr(self, "_default_model", None)
                 self._index = ModelIndex(self.model, _reload_layout,
-                                         elsewhere=_pp_elsewhere(self.model))
+                                         elsewhere=_pp_elsewhere(self.model),
+                                         shared_with=None if target is self.model else target)
 
         def finish_weight_update(self) -> None:
             if not self._opened:
@@ -421,8 +425,9 @@ def _build_engine_class() -> type[Any]:
                 plan = derived.plan_rederive(self.model)
             derived.rederive(self.model, plan, written)
             if capture is not None:
+                borrowed = self._index.borrowed if self._index is not None else ()
                 self.last_report = capture.report(placed, written, self._worker_rank(),
-                                                  self._nonce, wrote, skipped)
+                                                  self._nonce, wrote, skipped, borrowed)
             if capture is not None and self._group is not None:
                 # What this rank wrote, to the trainer over the round's own group.
                 report = self.last_report

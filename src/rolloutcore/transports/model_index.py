@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["ModelIndex", "RoundMetadata", "check_against_model"]
+__all__ = ["LOADER_RENAMES", "ModelIndex", "RoundMetadata", "check_against_model"]
 
 #: Floating dtypes that convert exactly as a cold load converts them (``copy_``) into a
 #: floating parameter; any other dtype must equal the parameter's.
@@ -72,6 +72,17 @@ class _Fused:
 _QKV_SHARDS = {"q": 0, "k": 1, "v": 2}  # vLLM's QKVParallelLinear shard ids
 
 
+def _under_model(name: str) -> str:
+    """``EagleLlamaForCausalLM.load_weights`` (vllm/model_executor/models/llama_eagle.py):
+    every checkpoint name but the output projection's moves under ``model.``."""
+    return name if "lm_head" in name else "model." + name
+
+
+#: What a model class's own ``load_weights`` does to a checkpoint name before vLLM's
+#: loader and ``hf_to_vllm_mapper`` see it (read in vLLM 0.32's model files).
+LOADER_RENAMES: dict[str, Callable[[str], str]] = {"EagleLlamaForCausalLM": _under_model}
+
+
 class ModelIndex:
     """What a round may write into one model, taken while its tensors are real.
 
@@ -85,11 +96,21 @@ class ModelIndex:
     model-format tensors (vLLM's reload metadata, meta tensors with the
     shapes, dtypes and attributes a load writes); those are used where they
     exist, the live parameters elsewhere.
+
+    A checkpoint name goes through what the model's own ``load_weights`` does
+    to it before vLLM's loader sees it (``LOADER_RENAMES``, by class: an EAGLE
+    head moves its names under ``model.``), then its ``hf_to_vllm_mapper``. A
+    draft head whose renaming is not known here (a class named ``Eagle*`` not
+    in the table) takes no name: a name the check accepts and the loader
+    refuses would fail with the reload open. ``shared_with``: the model whose
+    tensors this one borrows (vLLM's EAGLE draft shares the target's embedding
+    and output projection); a name landing on a borrowed tensor is refused, as
+    only the target's own round writes it.
     """
 
     def __init__(self, model: Any,
                  layout: Callable[[Any], Mapping[str, Any] | None] | None = None,
-                 elsewhere: Sequence[str] = ()) -> None:
+                 elsewhere: Sequence[str] = (), shared_with: Any = None) -> None:
         #: Module prefixes (``"model.layers.1."``) another pipeline stage holds: vLLM's
         #: ``get_pp_missing_layer_names`` of this stage's model.
         self.elsewhere = tuple(str(e) for e in elsewhere)
@@ -99,6 +120,13 @@ class ModelIndex:
         self.fused: dict[str, _Fused] = {}
         canonical: dict[int, str] = {}
         self.aliases: dict[str, str] = {}
+        theirs = ({id(t) for t in shared_with.parameters()} if shared_with is not None
+                  else set())
+        #: Parameters that are ``shared_with``'s tensors (by identity).
+        self.borrowed: set[str] = set()
+        cls = type(model).__name__
+        self.rename = LOADER_RENAMES.get(cls)
+        self.unknown_loader = cls if self.rename is None and cls.startswith("Eagle") else None
         for mname, mod in model.named_modules():
             live = {k: v for k, v in mod._parameters.items() if v is not None}
             fmt = (layout(mod) if layout is not None else None) or {}
@@ -110,12 +138,14 @@ class ModelIndex:
                     if first != n:
                         self.aliases[n] = first
                         continue
-                self._add(n, mod, fmt.get(pname, p))
+                key = self._add(n, mod, fmt.get(pname, p))
+                if p is not None and id(p) in theirs:
+                    self.borrowed.add(key)
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         self.map_shard = getattr(mapper, "_map_name_with_shard", None)
         self.map_name = getattr(mapper, "_map_name", None)
 
-    def _add(self, n: str, mod: Any, t: Any) -> None:
+    def _add(self, n: str, mod: Any, t: Any) -> str:
         slot = _Slot(n, (), _dim_bound(t.shape, mod, t), str(t.dtype).rsplit(".", 1)[-1],
                      bool(t.dtype.is_floating_point))
         # An engine started with --enable-lora wraps its layers: the checkpoint's
@@ -127,9 +157,17 @@ class ModelIndex:
             odim = getattr(t, "output_dim", 0)
             odim = odim if isinstance(odim, int) and 0 <= odim < len(slot.bound) else 0
             self.fused[key] = _Fused(odim, tuple(int(x) for x in sizes), slot)
+        return key
 
     def _mapped(self, name: str) -> tuple[str, Any]:
         """The model's own renaming: (parameter name, shard id or None)."""
+        if self.unknown_loader is not None:
+            raise ValueError(
+                f"{name}: this model is a {self.unknown_loader}, whose load_weights renames "
+                f"checkpoint names in a way not known here (known: "
+                f"{', '.join(sorted(LOADER_RENAMES))}); nothing is sent to it")
+        if self.rename is not None:
+            name = self.rename(name)
         if callable(self.map_shard):
             r = self.map_shard(name)
             if r is None:
@@ -181,6 +219,15 @@ class ModelIndex:
         return mine, other
 
     def resolve(self, name: str) -> list[_Slot]:
+        slots = self._resolve(name)
+        for slot in slots:
+            if slot.param in self.borrowed:
+                raise ValueError(f"{name}: lands on {slot.param}, which this model shares "
+                                 "with the engine's target model; only the target's own "
+                                 "round writes it")
+        return slots
+
+    def _resolve(self, name: str) -> list[_Slot]:
         target, shard = self._mapped(name)
         if target in self.aliases:
             raise ValueError(f"{name}: tied to {self.aliases[target]} in this engine; send "

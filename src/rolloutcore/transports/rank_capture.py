@@ -7,7 +7,7 @@ Built inside vLLM's worker (it imports vLLM's layer classes), used by
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from rolloutcore.transports import rank_checksums
@@ -98,8 +98,11 @@ def build_capture_class() -> type[Any]:
 
         def report(self, placed: Mapping[str, list[tuple[str, tuple[int, ...]]]],
                    written: set[str], worker_rank: int, nonce: str,
-                   wrote: tuple[str, ...] = (), skipped: tuple[str, ...] = ()
-                   ) -> rank_checksums.RankReport:
+                   wrote: tuple[str, ...] = (), skipped: tuple[str, ...] = (),
+                   borrowed: Collection[str] = ()) -> rank_checksums.RankReport:
+            """``borrowed``: parameters that are another model's (an EAGLE head's
+            embedding and output projection are its target's): not this round's to
+            write, so not counted among the model's parameters."""
             from vllm.distributed import (
                 get_pp_group,
                 get_tensor_model_parallel_rank,
@@ -142,7 +145,8 @@ def build_capture_class() -> type[Any]:
             pp = get_pp_group()
             return rank_checksums.RankReport(
                 worker_rank, int(get_tensor_model_parallel_rank()),
-                int(get_tensor_model_parallel_world_size()), tuple(params), len(live),
+                int(get_tensor_model_parallel_world_size()), tuple(params),
+                sum(1 for n in live if n not in borrowed),
                 self.elapsed_s + time.monotonic() - t0, nonce,
                 int(pp.rank_in_group), int(pp.world_size), wrote, skipped)
 

@@ -1,0 +1,59 @@
+"""Real-engine draft support: a drafted transport whose draft round a test can break.
+
+``FaultyDraftTransport`` runs real transfers, with two faults a test can arm:
+the draft round sends other weights than the pair declares (``wire``: a draft
+left on old weights), or its source breaks after ``break_after`` tensors (a
+draft round failing mid-way). ``drafted_session`` puts one in front of an
+engine started with a draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rolloutcore.adapters.vllm import VllmHTTP
+from rolloutcore.adapters.vllm.process import ManagedEngine
+from rolloutcore.control.drafts import DraftedSession
+from rolloutcore.control.session import EngineSession
+from rolloutcore.core.versions import Provenance
+from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource
+from rolloutcore.transports.source import WeightSource
+
+__all__ = ["FaultyDraftTransport", "drafted_session", "prov"]
+
+
+class FaultyDraftTransport(DraftedGlooTransport):
+    """Real transfers, with two faults a test can arm (see the module doc)."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.wire: WeightSource | None = None
+        self.break_after: int | None = None
+
+    def draft_wire_source(self, source: DraftedSource) -> WeightSource:
+        src = self.wire or source.draft
+        n = self.break_after
+        if n is None:
+            return src
+        entries = [(p.name, tuple(p.shape), p.dtype) for p in src.manifest().params]
+
+        def load() -> Iterator[tuple[str, Any]]:
+            for i, item in enumerate(src.named_tensors()):
+                if i == n:
+                    raise RuntimeError(f"trainer died after {n} draft tensors")
+                yield item
+
+        return WeightSource(entries, load, "a draft that breaks mid-way")
+
+
+def prov(step: int, run: str = "draft-engine-test") -> Provenance:
+    return Provenance("tiny", run, step)
+
+
+def drafted_session(eng: ManagedEngine, journal: Path, *,
+                    min_acceptance: float | None) -> tuple[DraftedSession, FaultyDraftTransport]:
+    tr = FaultyDraftTransport(op_timeout_s=20.0)
+    s = EngineSession(VllmHTTP(eng.base_url), tr, engine=eng, journal_path=journal)
+    return DraftedSession(s, min_acceptance=min_acceptance), tr
