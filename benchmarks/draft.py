@@ -17,7 +17,14 @@ taken over by a ``DraftedSession`` (``min_acceptance`` 0.5), then:
 
 Writes ``results/draft.json`` and prints a table. Not a test.
 
-    .venv/bin/python benchmarks/draft.py [--reps 4]
+``--method eagle``: the same with EAGLE-1 heads (``make_eagle_head``) in
+place of the draft copies: A's head is random (accepted about never), B's a
+"repeat" head (it proposes the target's last token again, accepted wherever
+B repeats one); the stale window moves the target to B and leaves A's head.
+No acceptance gate (the random head could not pass one). Writes
+``results/draft-eagle.json``.
+
+    .venv/bin/python benchmarks/draft.py [--reps 4] [--method eagle]
 """
 
 from __future__ import annotations
@@ -56,10 +63,16 @@ def _window(ds: Any) -> tuple[Any, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--out", default=str(ROOT / "results" / "draft.json"))
+    ap.add_argument("--method", choices=["draft_model", "eagle"], default="draft_model")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
+    eagle = args.method == "eagle"
+    if eagle and args.reps % 2:
+        ap.error("--method eagle needs an even --reps (the stale window moves A to B)")
+    args.out = args.out or str(ROOT / "results" / ("draft-eagle.json" if eagle
+                                                   else "draft.json"))
 
     import torch
     import vllm
@@ -67,7 +80,7 @@ def main() -> int:
     from rolloutcore.control.drafts import DraftedSession, DraftSpec
     from rolloutcore.core.versions import Provenance
     from rolloutcore.errors import UpdateRefused
-    from rolloutcore.testing.models import make_pair
+    from rolloutcore.testing.models import make_eagle_head, make_pair
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
 
@@ -75,16 +88,21 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="rc-draft-bench-"))
     a, b = make_pair(tmp / "ck")
     ckpts = [a, b]
-    _say(f"checkpoints in {tmp}; starting the engine on A with draft A")
+    drafts = ({a: make_eagle_head(tmp / "head-A", 5, target=a),
+               b: make_eagle_head(tmp / "head-B", 6, target=b, kind="repeat")} if eagle
+              else {a: a, b: b})
+    gate = None if eagle else MIN_ACCEPTANCE
+    _say(f"checkpoints in {tmp}; starting the engine on A with draft {drafts[a].name}")
     t0 = time.perf_counter()
-    ds = DraftedSession.launch(a, DraftSpec(a, SPEC_TOKENS), min_acceptance=MIN_ACCEPTANCE,
+    ds = DraftedSession.launch(a, DraftSpec(drafts[a], SPEC_TOKENS, method=args.method),
+                               min_acceptance=gate,
                                journal_path=tmp / "journal.jsonl", start_timeout_s=900)
     start_s = time.perf_counter() - t0
     out: dict[str, Any] = {}
     try:
         assert ds.session.engine is not None
         command = ds.session.engine.command()
-        v0 = ds.bootstrap(a, a)
+        v0 = ds.bootstrap(a, drafts[a])
         _say(f"engine up in {start_s:.1f} s, taken over as {v0.label}")
         initial, initial_s = _window(ds)
         updates: list[dict[str, Any]] = []
@@ -92,11 +110,13 @@ def main() -> int:
         for i in range(args.reps):
             ck = ckpts[(i + 1) % 2]
             t0 = time.perf_counter()
-            r = ds.update(ck, Provenance(ck.name, "draft-bench", i + 1), draft_weights=ck)
+            r = ds.update(ck, Provenance(ck.name, "draft-bench", i + 1),
+                          draft_weights=drafts[ck])
             total = time.perf_counter() - t0
             assert r.acceptance_after is not None and r.acceptance_before is not None
-            afters.append(r.acceptance_after)
-            befores.append(r.acceptance_before)
+            if not eagle or ck == b:  # eagle: B's (repeat) head is the one updated to
+                afters.append(r.acceptance_after)
+                befores.append(r.acceptance_before)
             updates.append({"to": ck.name, "version": r.version.label, "call_s": total,
                             "transaction_s": r.outcome.total_s, "phases_s": r.phases,
                             "acceptance_before": r.acceptance_before.to_dict(),
@@ -150,7 +170,8 @@ def main() -> int:
             "window_s_initial": initial_s,
             "window": {"prompts": len(ds.acceptance.prompts),
                        "max_tokens": ds.acceptance.max_tokens, "temperature": 0.0},
-            "stale_caught_by_check_draft": not caught.passed,
+            # Without a gate (eagle) the window is measured, not judged.
+            "stale_caught_by_check_draft": None if gate is None else not caught.passed,
             "stale_check_detail": caught.detail,
             "target_only_refused": refused,
             "target_only_refused_s": refused_s,
@@ -164,8 +185,12 @@ def main() -> int:
             "updates": updates,
             "engine_start_s": start_s,
             "num_speculative_tokens": SPEC_TOKENS,
-            "min_acceptance": MIN_ACCEPTANCE,
-            "draft": "a copy of the target (method draft_model): same vocabulary and policy",
+            "min_acceptance": gate,
+            "method": args.method,
+            "draft": ("EAGLE-1 heads made offline: A's random, B's a repeat head (proposes "
+                      "the target's last token again); acceptance_updated pools the updates "
+                      "to B, acceptance_stale is B's target with A's head" if eagle else
+                      "a copy of the target (method draft_model): same vocabulary and policy"),
             "machine": {"platform": platform.platform(), "python": platform.python_version(),
                         "cpus": __import__("os").cpu_count(), "torch": torch.__version__,
                         "vllm": vllm.__version__},
