@@ -392,6 +392,16 @@ def test_a_draft_head_whose_loader_is_not_known_takes_no_name() -> None:
     head = type("Eagle3LlamaForCausalLM", (EagleLlamaForCausalLM,), {})(target)
     with pytest.raises(ValueError, match="Eagle3LlamaForCausalLM, whose load_weights"):
         check_against_model(_head_round(), ModelIndex(head, shared_with=target))
+    mtp = type("DeepSeekMTP", (EagleLlamaForCausalLM,), {})(target)
+    with pytest.raises(ValueError, match="DeepSeekMTP, whose load_weights"):
+        check_against_model(_head_round(), ModelIndex(mtp, shared_with=target))
+
+
+def test_a_target_is_never_refused_for_its_class_name() -> None:
+    """Eagle2_5_VL is a vision-language target, not a head: its own round is checked as
+    any model's (no renaming, nothing borrowed)."""
+    vl = type("Eagle2_5_VLForConditionalGeneration", (Model,), {})()
+    assert len(check_against_model(_round(), ModelIndex(vl))) == 5
 
 
 def test_structural_metadata_is_refused_before_the_model_is_consulted() -> None:

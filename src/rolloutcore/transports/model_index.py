@@ -10,6 +10,7 @@ cannot take before a byte is received. Used by the engine half of
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,6 +83,10 @@ def _under_model(name: str) -> str:
 #: loader and ``hf_to_vllm_mapper`` see it (read in vLLM 0.32's model files).
 LOADER_RENAMES: dict[str, Callable[[str], str]] = {"EagleLlamaForCausalLM": _under_model}
 
+#: Class names of vLLM's speculative heads (EAGLE-1/3, MTP, DFlash, Medusa, ...), whose
+#: loaders rename, skip or transform checkpoint names.
+_SPECULATOR = re.compile(r"Eagle|MTP|DFlash|DSpark|Medusa|MLPSpeculator")
+
 
 class ModelIndex:
     """What a round may write into one model, taken while its tensors are real.
@@ -100,9 +105,10 @@ class ModelIndex:
     A checkpoint name goes through what the model's own ``load_weights`` does
     to it before vLLM's loader sees it (``LOADER_RENAMES``, by class: an EAGLE
     head moves its names under ``model.``), then its ``hf_to_vllm_mapper``. A
-    draft head whose renaming is not known here (a class named ``Eagle*`` not
-    in the table) takes no name: a name the check accepts and the loader
-    refuses would fail with the reload open. ``shared_with``: the model whose
+    speculative head whose renaming is not known here (in a draft round, a
+    class of ``_SPECULATOR``'s names not in the table: EAGLE-3, MTP, DFlash,
+    ...) takes no name: a name the check accepts and the loader refuses would
+    fail with the reload open. ``shared_with``: the model whose
     tensors this one borrows (vLLM's EAGLE draft shares the target's embedding
     and output projection); a name landing on a borrowed tensor is refused, as
     only the target's own round writes it.
@@ -126,7 +132,10 @@ class ModelIndex:
         self.borrowed: set[str] = set()
         cls = type(model).__name__
         self.rename = LOADER_RENAMES.get(cls)
-        self.unknown_loader = cls if self.rename is None and cls.startswith("Eagle") else None
+        # A speculative head in a draft round whose loader's renaming is not known. (A
+        # target is never refused by name: Eagle2_5_VL is a vision-language target.)
+        self.unknown_loader = (cls if shared_with is not None and self.rename is None
+                               and _SPECULATOR.search(cls) else None)
         for mname, mod in model.named_modules():
             live = {k: v for k, v in mod._parameters.items() if v is not None}
             fmt = (layout(mod) if layout is not None else None) or {}
