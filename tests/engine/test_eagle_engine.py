@@ -9,10 +9,12 @@ checked before the reload opens: a name the loader would fail on (which,
 with the reload open, killed the engine core) and a name landing on what
 the head borrows from the target are refused, and the engine serves on.
 
-One engine start serves the module, in order: the update (a random head on A
+One engine start serves the CI cases, in order: the update (a random head on A
 replaced by a "repeat" head on B, whose drafts the target accepts wherever
 it repeats a token), the refusals, then a head round that puts the old head
-on the wire (caught by the workers' checksums; it taints the engine).
+on the wire (caught by the workers' checksums; it taints the engine). The
+slow lane adds a tensor-parallel engine (2 ranks), each rank's share of the
+head checked.
 """
 
 from __future__ import annotations
@@ -159,3 +161,25 @@ def test_a_head_round_that_leaves_the_old_head_is_not_published(
     assert ds.session.controller.committed == v0
     chk = tr.validation_check(eng.base_url)
     assert not chk.passed and "draft: rank 0/1" in chk.detail and "differ" in chk.detail
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_engines_head_is_checked_on_every_rank(
+        engine_factory: EngineFactory, tiny_models: TinyModels, heads: Heads,
+        tmp_path: Path) -> None:
+    a, b = tiny_models.A, tiny_models.B
+    eng = engine_factory(a, tensor_parallel_size=2,
+                         extra_args=DraftSpec(heads["random_A"], method="eagle").engine_args())
+    ds, tr = drafted_session(eng, tmp_path / "j.jsonl", min_acceptance=None)
+    try:
+        ds.bootstrap(a, heads["random_A"])
+        r = ds.update(b, prov(1, RUN), draft_weights=heads["repeat_B"])
+        assert ds.session.http.weight_info().label == r.version.label
+        chk = tr.validation_check(eng.base_url)
+        assert chk.passed and chk.coverage == 1.0, chk
+        assert "draft: rank 0/2: 6/6 compared, 0 differ; rank 1/2: 6/6 compared" in chk.detail
+        after = r.acceptance_after
+        assert after is not None and (after.rate or 0.0) >= 0.1, after
+    finally:
+        ds.close()
+        engine_factory.stop(eng)
