@@ -29,11 +29,12 @@ from drafttools_engine import FaultyDraftTransport, drafted_session, prov
 from safetensors.torch import load_file
 
 from enginetools import EngineFactory, TinyModels
+from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.drafts import DraftedSession, DraftSpec
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.core.vocab import State
-from rolloutcore.errors import TransferError, UpdateFailed
+from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
 from rolloutcore.testing.models import make_eagle_head
 from rolloutcore.transports.drafted import policy_digest
 from rolloutcore.transports.source import WeightSource
@@ -140,6 +141,32 @@ def test_a_head_round_its_loader_would_fail_on_is_refused_and_the_engine_serves(
     assert ds.session.http.weight_info().label == label
     assert _greedy(eng) == out
     assert eng.alive()
+
+
+def test_the_engine_names_its_head_and_a_target_only_update_is_refused(
+        eagle: tuple[DraftedSession, FaultyDraftTransport, ManagedEngine],
+        tiny_models: TinyModels) -> None:
+    """vLLM's ``/server_info`` names the method; the session's adapter read it at
+    bootstrap, so a target-only update is refused even by a transport that would send
+    it (``require_draft=False``), before anything is drained."""
+    ds, tr, eng = eagle
+    assert ds.session.adapter.draft_method == "eagle"
+    http = VllmHTTP(eng.base_url)
+    try:
+        assert VllmAdapter(http).bootstrap().engine_info["speculative_method"] == "eagle"
+    finally:
+        http.close()
+    label = ds.session.http.weight_info().label
+    committed = ds.session.controller.committed
+    tr.require_draft = False
+    try:
+        with pytest.raises(UpdateRefused, match="method eagle"):
+            ds.session.update(tiny_models.A, prov(9, RUN), probe=False)
+    finally:
+        tr.require_draft = True
+    assert ds.session.controller.state is State.READY
+    assert ds.session.controller.committed == committed
+    assert ds.session.http.weight_info().label == label and not ds.session.http.is_paused()
 
 
 def test_a_head_round_that_leaves_the_old_head_is_not_published(

@@ -41,6 +41,7 @@ from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateRefused
+from rolloutcore.transports.drafted import engine_draft_of
 from rolloutcore.transports.drafted import refusal as transport_refusal
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.image_probe import ProbeSuite, is_vision_language, vlm_probe
@@ -338,7 +339,7 @@ class EngineSession:
     def _refuse_up_front(self, source: WeightSource) -> None:
         # Before anything is drained or sent: e.g. an engine with a draft model and
         # an update without draft weights (transports.drafted).
-        why = transport_refusal(self.transport, source)
+        why = transport_refusal(self.transport, source, engine_draft_of(self.adapter))
         if why is not None:
             raise UpdateRefused(why)
 

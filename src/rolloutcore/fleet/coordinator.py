@@ -80,6 +80,7 @@ from rolloutcore.core.pool import (
     plan_waves,
 )
 from rolloutcore.core.records import Record, Taint, Transition
+from rolloutcore.core.speculative import engine_draft_of, engine_draft_refusal
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, generation_of
 from rolloutcore.errors import (
     BadInput,
@@ -456,6 +457,11 @@ class FleetCoordinator:
                                     f"({pool.failed_closed})")
             if pool.newest is None:
                 raise UpdateRefused("bootstrap the fleet first")
+            for name, rep in self.replicas.items():
+                draft = engine_draft_of(rep.runner.adapter)
+                if draft is not None:   # the fan-out and per-engine sends carry the target
+                    raise UpdateRefused(f"replica {name}: "
+                                        + engine_draft_refusal(draft, remote=True))
             gen = pool.newest.generation + 1
             fleet_label = label if label is not None else f"fleet-{gen}"
             _check_fleet_label(fleet_label)

@@ -83,6 +83,7 @@ from rolloutcore.control.shell import Shell
 from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
 from rolloutcore.core.lease import Lease, LeaseEvent, LeaseState, LeaseTable
 from rolloutcore.core.lifecycle import FailureKind
+from rolloutcore.core.speculative import engine_draft_of, engine_draft_refusal
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
@@ -454,6 +455,11 @@ class UpdateManager:
             # until the controller is restored, and the trainer should hear that.
             return 409, {"error": f"the controller failed closed ({broken}): no update can "
                                   "begin until it is restored",
+                         "state": self.runner.controller.state.value}
+        draft = engine_draft_of(self.runner.adapter)
+        if draft is not None:
+            # The trainer's transfer carries the target only: refused before the drain.
+            return 409, {"error": engine_draft_refusal(draft, remote=True),
                          "state": self.runner.controller.state.value}
         try:
             identity = body.identity.to_identity()

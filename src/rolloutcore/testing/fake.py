@@ -60,6 +60,7 @@ from rolloutcore.core.evidence import (
     WakeTags,
 )
 from rolloutcore.core.lifecycle import Step
+from rolloutcore.core.speculative import engine_draft_refusal
 from rolloutcore.core.versions import (
     VerificationLevel,
     WeightVersion,
@@ -126,6 +127,8 @@ class FakeAdapter:
         self._sleep_ref: dict[str, str] | None = None
         #: what an adapter call refused before touching the engine, in order (tests)
         self.refusals: list[str] = []
+        #: the engine's draft (``FakeEngine.draft``), read at bootstrap as VllmAdapter does
+        self.draft_method: str | None = None
 
     # -------------------------------------------------------------- set-up
     def stage(self, weights: FakeWeights) -> None:
@@ -191,6 +194,7 @@ class FakeAdapter:
         e = self.engine
         self._epoch_at_bootstrap = e.epoch
         self._ops_verified = e.weight_ops
+        self.draft_method = e.draft
         return BootstrapEvidence(engine_epoch=e.epoch, healthy=not e.dead,
                                  observed_label=e.label, label_supported=True,
                                  capabilities=frozenset({"fake"}),
@@ -235,7 +239,9 @@ class FakeAdapter:
         src = self._staged
         digest = src.manifest.digest if fk is not FaultKind.LIE else "0" * 64
         return PreflightEvidence(source_manifest_digest=digest,
-                                 source_provenance=src.provenance)
+                                 source_provenance=src.provenance,
+                                 detail="" if self.draft_method is None
+                                 else engine_draft_refusal(self.draft_method))
 
     def transfer(self, target: UpdateTarget) -> TransferEvidence:
         t0 = time.monotonic()

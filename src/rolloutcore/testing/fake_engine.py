@@ -206,9 +206,15 @@ class FakeEngine:
 
     def __init__(self, weights: FakeWeights, *, token_delay_s: float = 0.002,
                  block_size: int = 16, sleep_mode: bool = True,
-                 wake_resumes: str = "when_awake") -> None:
+                 wake_resumes: str = "when_awake", draft: str | None = None) -> None:
         if token_delay_s < 0 or block_size <= 0:
             raise BadInput("token_delay_s must be >= 0 and block_size > 0")
+        if draft is not None and (not isinstance(draft, str) or not draft):
+            raise BadInput("draft must be a speculative method's name or None")
+        #: The speculative method of a draft with weights this engine decodes with, as
+        #: vLLM's ``/server_info`` names it (None: no draft). Its weights are not modelled:
+        #: every update the fake takes is target-only, so an adapter refuses them all.
+        self.draft = draft
         if wake_resumes not in ("when_awake", "always"):
             raise BadInput("wake_resumes must be 'when_awake' or 'always'")
         self.sleep_mode = bool(sleep_mode)

@@ -38,6 +38,12 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, TransferEvidence
+from rolloutcore.core.speculative import (
+    WEIGHTLESS_METHODS,
+    engine_draft,
+    engine_draft_of,
+    engine_draft_refusal,
+)
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
@@ -45,7 +51,8 @@ from rolloutcore.transports.source import WeightSource
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DRAFT_REFUSAL", "DraftedGlooTransport", "DraftedSource", "combine_checks",
+__all__ = ["DRAFT_REFUSAL", "WEIGHTLESS_METHODS", "DraftedGlooTransport", "DraftedSource",
+           "combine_checks", "engine_draft", "engine_draft_of", "engine_draft_refusal",
            "policy_digest", "refusal"]
 
 DRAFT_REFUSAL = ("this engine decodes speculatively with a draft model, and the update "
@@ -138,14 +145,23 @@ def combine_checks(target: Check, draft: Check) -> Check:
                  coverage=coverage, level=level)
 
 
-def refusal(transport: object, source: WeightSource) -> str | None:
+def refusal(transport: object, source: WeightSource,
+            draft_method: str | None = None) -> str | None:
     """Why ``transport`` refuses to send ``source`` at all (``None``: it does not).
 
-    Asked before an update drains the engine, so that a refusal changes nothing.
+    ``draft_method``: the engine's own draft (``engine_draft``), whatever the
+    transport. Asked before an update drains the engine, so that a refusal
+    changes nothing.
     """
+    drafted = isinstance(source, DraftedSource)
     if isinstance(transport, DraftedGlooTransport) and transport.require_draft and \
-            not isinstance(source, DraftedSource):
+            not drafted:
         return DRAFT_REFUSAL
+    if draft_method is not None and not drafted:
+        return engine_draft_refusal(draft_method)
+    if drafted and not isinstance(transport, DraftedGlooTransport):
+        return ("a target and draft pair needs a DraftedGlooTransport: this transport "
+                "would send the target's tensors only; refused, nothing was changed")
     return None
 
 

@@ -65,6 +65,7 @@ from rolloutcore.errors import (
     RolloutCoreError,
     TransferError,
 )
+from rolloutcore.transports import drafted
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.probe import Calibration, takes_calibration
@@ -207,6 +208,9 @@ class VllmAdapter(SleepMode):
         self._sleeping_at_drain: bool | None = None
         # The engine's enable_sleep_mode, read at bootstrap (None: not known).
         self._sleep_mode: bool | None = None
+        #: The engine's speculative draft with weights (``drafted.engine_draft``), read at
+        #: bootstrap: updates that do not carry the draft are refused at preflight.
+        self.draft_method: str | None = None
         self._side_pool: ThreadPoolExecutor | None = None
         if not isinstance(early_transport_check, bool):
             raise BadInput("early_transport_check must be a boolean")
@@ -364,6 +368,7 @@ class VllmAdapter(SleepMode):
                 sleep = mc.get("enable_sleep_mode") if isinstance(mc, dict) else None
                 self._sleep_mode = sleep if isinstance(sleep, bool) else None
                 info["enable_sleep_mode"] = self._sleep_mode
+                self.draft_method = info["speculative_method"] = drafted.engine_draft(cfg)
         info["instance_id"] = instance_id
         self._instance_id = instance_id if isinstance(instance_id, str) and instance_id else None
         epoch = self._epoch
@@ -502,6 +507,8 @@ class VllmAdapter(SleepMode):
                                      elapsed_s=time.monotonic() - t0,
                                      unverified=tuple(unverified))
         details = []
+        if self.draft_method is not None and not isinstance(st.source, drafted.DraftedSource):
+            details.append(drafted.engine_draft_refusal(self.draft_method))
         want_content = target.identity.content_digest
         if want_content is not None:
             got = st.source.content_digest()
