@@ -25,7 +25,6 @@ from rolloutcore.service.serve import ServeOptions, lora_engine_args
     (["serve", "--lora", "--upstream", "http://127.0.0.1:9", "--checkpoint", "/x"],
      "give model instead"),
     (["serve", "--engines", "2", "--lora", "--max-lora-rank", "3"], "max_lora_rank"),
-    (["serve", "--engines", "2", "--ray", "--lora"], "Ray placement"),
     (["serve", "--engines", "2", "--max-loras", "2"], "without it they are refused"),
 ])
 def test_bad_lora_options_exit_2_before_anything_starts(
@@ -57,11 +56,15 @@ def test_lora_options_reach_the_engine_and_the_fleet(tmp_path: Path) -> None:
     assert (fo.lora, fo.max_loras, fo.max_lora_rank) == (True, 4, None)
     eargs, env, budget = lora_engine_args(3, 32)
     assert eargs == ("--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
-                     "--max-cpu-loras", "3")
+                     "--max-cpu-loras", "3", "--middleware",
+                     "rolloutcore.transports.adapter_store.AdapterStore")
+    # A Ray fleet may sit on other nodes: its adapters are uploaded (options accepted).
+    fo = cli_serve.fleet_options(p.parse_args(["--engines", "2", "--ray", "--lora"]))
+    assert fo.ray and fo.lora
     assert env == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     assert budget.max_loaded == 3 and budget.max_staleness == 1
     # The defaults: 2 in a batch, rank 16, three loaded (current, one kept, the next).
-    assert lora_engine_args(None, None)[0][2::2] == ("2", "16", "3")
+    assert lora_engine_args(None, None)[0][2:7:2] == ("2", "16", "3")
     for kw in ({"lora": 1}, {"lora": True, "max_loras": True},
                {"lora": True, "max_lora_rank": 7}):
         with pytest.raises(BadInput):

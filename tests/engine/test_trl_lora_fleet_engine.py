@@ -5,6 +5,11 @@ the fleet's trainer protocol (each replica's acknowledgement read, its own copy 
 every recorded sample names its replica, the fleet version and that replica's copy of
 its step's adapter, and the audit against the fleet's journal directory is clean.
 
+With ``--ray`` (where ray is installed: ``scripts/test.sh --ray`` installs it) the two
+engines are Ray actors, which may sit on other nodes: each adapter version's files are
+uploaded into each engine's own store (``transports.adapter_store``) and vLLM lists the
+engine's copy as the adapter's root, never the gateway's.
+
 The fast-lane version (fake replicas, an in-process PEFT engine):
 tests/test_trl_lora_fleet_unit.py.
 """
@@ -56,7 +61,8 @@ def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) 
         time.sleep(0.5)
 
 
-def test_train_lora_through_a_fleet_gateway(tmp_path: Path) -> None:
+@pytest.mark.parametrize("placement", ["local", "ray"])
+def test_train_lora_through_a_fleet_gateway(tmp_path: Path, placement: str) -> None:
     from rolloutcore.cli.train import MODEL_SEED, LoraSettings, run_train
     from rolloutcore.testing.models import make_checkpoint
 
@@ -64,13 +70,18 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path) -> None:
     ckpt = make_checkpoint(work / "policy-0", MODEL_SEED)   # the checkpoint train uses
     journals, log = tmp_path / "journals", tmp_path / "serve.log"
     port = free_port()
+    path = [str(ROOT / "src")]
+    if placement == "ray":
+        ray = pytest.importorskip("ray")
+        path.append(str(Path(ray.__file__).parents[1]))   # where this ray came from
     cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2", "--lora",
            "--max-lora-rank", "8", "--model", str(ckpt), "--port", str(port),
-           "--token", TOKEN, "--workdir", str(tmp_path / "serve"), "--journal", str(journals)]
+           "--token", TOKEN, "--workdir", str(tmp_path / "serve"), "--journal", str(journals),
+           *(["--ray"] if placement == "ray" else [])]
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(path)})
     url = f"http://127.0.0.1:{port}"
     try:
         _wait(url, proc, log, 900)
@@ -78,8 +89,22 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path) -> None:
             work, steps=STEPS, prompts_per_step=2, num_generations=2, max_tokens=4,
             progress=None, lora=LoraSettings(rank=4, alpha=8), gateway=url, token=TOKEN,
             gateway_journal=journals)
+        st = httpx.get(f"{url}/control/status", timeout=10,
+                       headers={"authorization": f"Bearer {TOKEN}"}).json()
+        roots = []
+        for r in st["replicas"]:
+            models = httpx.get(f"{r['url']}/v1/models", timeout=30).json()["data"]
+            roots += [m["root"] for m in models if m.get("parent")]
     finally:
-        stop_group(proc, 120)
+        if placement == "ray" and proc.poll() is None:
+            # The gateway alone, as an operator stops it: SIGTERM to the whole group
+            # would also stop the Ray cluster it started (its GCS) under it.
+            proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(120)
+        stop_group(proc, 120)   # what is still running (nothing, once it exited)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)   # anything it left in its group
     assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     assert rep["interrupted"] is None and rep["steps"] == STEPS, rep.get("interrupted")
     lora = rep["lora"]
@@ -98,6 +123,12 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path) -> None:
         assert s.adapter is not None and (s.adapter.name, s.adapter.content_digest) == (
             want["name"], want["content_digest"])
         assert s.adapter.base == s.binding.version.label
+    # Where each engine loaded its adapters from: the gateway's files (local engines), or
+    # the engine's own store, uploaded (Ray actors).
+    assert roots
+    served = str((tmp_path / "serve").resolve())
+    assert all(Path(x).resolve().is_relative_to(served) == (placement == "local")
+               for x in roots), roots
     assert rep["journal"] == str(journals)
     assert rep["audit"]["ok"] and rep["audit"]["samples"] == len(samples), \
         rep["audit"]["table"]

@@ -66,6 +66,7 @@ from rolloutcore.errors import (
     UpdateFailed,
     UpdateRefused,
 )
+from rolloutcore.transports.adapter_store import delete_adapter, upload_adapter
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe, measure_generated
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
@@ -227,8 +228,8 @@ class AdapterManager:
                  probe_tolerance: float = ADAPTER_TOLERANCE,
                  base_tolerance: float = DEFAULT_TOLERANCE,
                  timeout_s: float = 60.0, base_probe: str = "required",
-                 max_tolerance: float = MAX_TOLERANCE, probe_scoring: str = "generation"
-                 ) -> None:
+                 max_tolerance: float = MAX_TOLERANCE, probe_scoring: str = "generation",
+                 upload: bool = False) -> None:
         if probe_scoring not in PROBE_SCORINGS:
             raise BadInput(f"probe_scoring must be one of {sorted(PROBE_SCORINGS)}, got "
                            f"{probe_scoring!r}")
@@ -241,6 +242,12 @@ class AdapterManager:
         if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int)
                                      or max_rank < 1):
             raise BadInput(f"max_rank must be an int >= 1, got {max_rank!r}")
+        if not isinstance(upload, bool):
+            raise BadInput(f"upload must be a bool, got {upload!r}")
+        #: Upload each version's files into the engine's own store
+        #: (``transports.adapter_store``) and load them from there: for an engine that
+        #: cannot read this process's files (another node).
+        self.upload = upload
         self.http = http
         self.controller = controller
         self.base_model = base_model
@@ -389,10 +396,13 @@ class AdapterManager:
                 raise UpdateRefused(f"adapter {v.name}: the deadline passed before the load; "
                                     f"nothing was loaded")
             self.shell.run(self.table.propose, v)   # refusals change nothing
-            # -- load
+            # -- load (from the engine's own store, where the files were uploaded)
             try:
+                where = v.path if not self.upload else ph.run("upload", lambda: upload_adapter(
+                    self.http.base_url, v.name, v.path, v.content_digest,
+                    timeout_s=self.timeout_s))
                 ph.run("load", lambda: self.http.load_lora_adapter(
-                    v.name, v.path, timeout_s=self.timeout_s))
+                    v.name, where, timeout_s=self.timeout_s))
             except RequestRejected as exc:   # a 4xx: the engine loaded nothing
                 self._move(v.name, AdapterEvent.REJECTED, f"the engine refused the load: {exc}")
                 raise UpdateFailed("load_adapter", "no_mutation", "READY",
@@ -661,7 +671,7 @@ class AdapterManager:
         gone, why = self._unload(v.name)
         self._move(v.name, AdapterEvent.UNLOADED if gone else AdapterEvent.FAILED, why)
         if gone:
-            shutil.rmtree(v.path, ignore_errors=True)
+            self._forget_files(v)
         cls = "no_mutation" if gone else "ambiguous"
         err = UpdateFailed(phase, cls, "READY",
                            f"adapter {v.name} not published: {reason}"
@@ -670,6 +680,15 @@ class AdapterManager:
         if cause is not None:
             raise err from cause
         raise err
+
+    def _forget_files(self, v: AdapterVersion) -> None:
+        """An unloaded version's files: here, and in the engine's store if uploaded there
+        (best effort: a file left in the store is never loaded again, its name is never
+        reused)."""
+        shutil.rmtree(v.path, ignore_errors=True)
+        if self.upload:
+            with contextlib.suppress(EffectError):
+                delete_adapter(self.http.base_url, v.name, timeout_s=self.timeout_s)
 
     def _unload(self, name: str) -> tuple[bool, str]:
         """Unload ``name``; gone when the engine no longer lists it."""
@@ -698,7 +717,7 @@ class AdapterManager:
             gone, why = self._unload(v.name)
             self._move(v.name, AdapterEvent.UNLOADED if gone else AdapterEvent.FAILED, why)
             if gone:
-                shutil.rmtree(v.path, ignore_errors=True)
+                self._forget_files(v)
                 yield v.name
 
 

@@ -225,14 +225,16 @@ class EngineSession:
     def enable_adapters(self, *, base_model: Any = None, store: str | Path | None = None,
                         config: AdapterConfig | None = None, max_rank: int | None = None,
                         probe_tolerance: float = ADAPTER_TOLERANCE,
-                        base_probe: str = "required") -> AdapterManager:
+                        base_probe: str = "required", upload: bool = False) -> AdapterManager:
         """Manage LoRA-adapter versions on this engine (after ``bootstrap``).
 
         ``base_model``: the base the adapters apply to, for the references (a
         checkpoint directory or a HF causal LM; default: the managed engine's
         model directory). ``max_rank``: default the engine's ``--max-lora-rank``.
         ``base_probe``: when the base is probed beside a new adapter
-        (``control.adapters.BASE_PROBE_MODES``).
+        (``control.adapters.BASE_PROBE_MODES``). ``upload``: each version's files go
+        into the engine's own store and are loaded from there (an engine started with
+        ``transports.adapter_store.AdapterStore``, on a host that cannot read ours).
         The adapters' records go to this session's journal.
         """
         if self.adapters is not None:
@@ -250,7 +252,7 @@ class EngineSession:
             self.http, self.controller, base_model=base_model, store=store, config=config,
             listener=self.journal.listener, max_rank=max_rank,
             calibrations=lambda: dict(self.adapter.calibrations),
-            probe_tolerance=probe_tolerance, base_probe=base_probe)
+            probe_tolerance=probe_tolerance, base_probe=base_probe, upload=upload)
         return self.adapters
 
     def update_adapter(self, adapter: Any, provenance: Provenance, *,

@@ -89,9 +89,6 @@ class FleetServeOptions:
         from rolloutcore.service.serve import check_lora_options
 
         check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
-        if self.lora and self.ray:
-            raise BadInput("lora with ray: the Ray placement does not launch LoRA engines "
-                           "yet; use local engines (--engines N)")
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
@@ -264,7 +261,7 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             lora_kw = {"extra_args": largs, "env": lenv}
         if o.ray:
             placement = place_ray(o.engines, model_dir, address=o.ray_address, progress=True,
-                                  log_dir=workdir / "logs")
+                                  log_dir=workdir / "logs", **lora_kw)
             engines = list(placement.engines)
         else:
             engines = launch_local(o.engines, model_dir, log_dir=workdir / "logs",
@@ -309,7 +306,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         if o.lora:
             fleet_adapters = _fleet_adapters(coord, model_dir, workdir, lora_budget,
                                              o.max_lora_rank,
-                                             Path(o.journal_dir or workdir / "journals"))
+                                             Path(o.journal_dir or workdir / "journals"),
+                                             upload=o.ray)
         app_kw: dict[str, Any] = dict(
             default_policy=o.default_policy, updater=updater, check_update=parse_update_request,
             on_finished=recorder, supervise=o.health_interval_s > 0)
@@ -337,9 +335,11 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
 
 
 def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
-                    max_lora_rank: int | None, journal_dir: Path) -> Any:
+                    max_lora_rank: int | None, journal_dir: Path, upload: bool = False) -> Any:
     """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and
-    the fleet's adapter versions over them (``fleet.adapters``). A previous fleet's
+    the fleet's adapter versions over them (``fleet.adapters``). ``upload`` (``--ray``:
+    engines may sit on other nodes): each version's files go into each engine's own store
+    (``transports.adapter_store``) and are loaded from there. A previous fleet's
     journals: their adapter names stay refused, and the adapter every replica had
     published is published again (verified, a new name) before the gateway serves."""
     from rolloutcore.control.adapters import AdapterManager
@@ -354,7 +354,8 @@ def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, bud
                               store=workdir / "adapters" / rep.name / str(epoch)[:32],
                               config=budget, listener=None if rep.journal is None
                               else rep.journal.listener, max_rank=rank,
-                              calibrations=lambda: dict(rep.runner.adapter.calibrations))
+                              calibrations=lambda: dict(rep.runner.adapter.calibrations),
+                              upload=upload)
 
     fa = FleetAdapters(coord, make, base_model=model_dir, max_rank=rank)
     from rolloutcore.control.journal import read_journal

@@ -178,8 +178,12 @@ def lora_engine_args(max_loras: int | None, max_lora_rank: int | None
     n = 2 if max_loras is None else max_loras
     rank = 16 if max_lora_rank is None else max_lora_rank
     budget = AdapterConfig(max_loaded=max(n, 3), max_staleness=1)
+    from rolloutcore.transports.adapter_store import MIDDLEWARE
+
+    # The adapter store (uploads; it answers only the engine's route key) rides along:
+    # what a trainer on another node loads from (transports.adapter_store).
     args = ("--enable-lora", "--max-loras", str(n), "--max-lora-rank", str(rank),
-            "--max-cpu-loras", str(budget.max_loaded))
+            "--max-cpu-loras", str(budget.max_loaded), "--middleware", MIDDLEWARE)
     return args, {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, budget
 
 
