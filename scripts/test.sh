@@ -5,7 +5,9 @@
 #   --fast  lint, types, fast lane only
 #   --slow  lint, types, the slow lane only (fleets of engines, long TRL runs, soaks)
 #   --ray   the Ray lane: installs the ray extra, then a fleet placed as Ray actors
-#           (two real vLLM engines in one placement group) runs a synchronous update
+#           (two real vLLM engines in one placement group) runs a synchronous update,
+#           loses an engine and takes it back; and train --lora through a Ray LoRA fleet
+#           (adapter files uploaded into each engine's store)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -16,7 +18,9 @@ if [ "${1:-}" = "--ray" ]; then
   # in; setup.sh removes them for the reason it gives (their CPU builds break transformers).
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   .venv/bin/python -c "import ray; print('ray', ray.__version__)"
-  exec .venv/bin/python -m pytest -m "" tests/engine/test_fleet_ray.py --durations=5 -rs "$@"
+  exec .venv/bin/python -m pytest -m "" tests/engine/test_fleet_ray.py \
+    "tests/engine/test_trl_lora_fleet_engine.py::test_train_lora_through_a_fleet_gateway[ray]" \
+    --durations=5 -rs "$@"
 fi
 # Compiled (and assertion-rewritten) test modules are cached between runs: a
 # shell that forbids bytecode files pays ~10 s of collection per worker.
