@@ -29,6 +29,12 @@ before a byte is read, or as it arrives); a disk that fills is 507; a client
 that disconnects mid-file leaves nothing behind. Files are written off the
 API server's event loop (its requests keep being served).
 
+The store is one directory per API server process (``ENV_DIR``, else a new
+temporary one): an engine run with ``--api-server-count`` above 1 needs
+``ENV_DIR`` set, so that a file and its seal meet whichever process answers.
+Names are never reused (``core.adapters.adapter_name``); a name uploaded but
+never sealed stays staged until its ``DELETE``.
+
 The trainer half: ``upload_adapter(base_url, name, directory, digest)`` and
 ``delete_adapter`` (``control.adapters.AdapterManager(upload=True)`` calls
 them before each load and after each unload).
@@ -209,6 +215,7 @@ class AdapterStore:
             raise _Answer(400, 'the seal\'s body is {"content_digest": <sha256 hex>}')
         stage, final = self._stage(name), self.root / name
         if final.is_dir():
+            await asyncio.to_thread(shutil.rmtree, stage, True)   # a retry's files
             got = await asyncio.to_thread(_digest, final)
             if got == want:
                 return 200, {"path": str(final.resolve()), "content_digest": got}
