@@ -1,5 +1,42 @@
+import itertools
+import re
 import sys
 from pathlib import Path
 
+import pytest
+
 # Shared test helpers (coretools, helpers/) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
+
+ENGINE_DIR = Path(__file__).parent / "engine"
+
+
+def rejects_every_engine_test(markexpr: str) -> bool:
+    """Whether the ``-m`` expression deselects every test that carries the ``engine``
+    mark, whatever its other marks: true for ``not engine and not gpu and not slow``
+    (the fast lane), false for ``""``, ``engine``, ``slow and not gpu``."""
+    if not markexpr.strip() or "(" in markexpr:
+        return False  # no expression; keyword arguments: not worth deciding here
+    from _pytest.mark.expression import Expression
+
+    expr = Expression.compile(markexpr)
+    names = sorted(set(re.findall(r"[\w.:+\-\[\]\\/]+", markexpr))
+                   - {"and", "or", "not", "engine"})
+    if len(names) > 10:
+        return False
+    for values in itertools.product((False, True), repeat=len(names)):
+        marks = {"engine": True, **dict(zip(names, values, strict=True))}
+        if expr.evaluate(lambda name, /, marks=marks, **kw: marks.get(name, False)):
+            return False
+    return True
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # Every test under engine/ carries the engine mark (engine/conftest.py adds it
+    # to any that lacks it), so a lane that deselects them all need not import
+    # those modules: they pull vLLM, torch and transformers in at import, seconds
+    # of every worker's collection.
+    if collection_path == ENGINE_DIR and rejects_every_engine_test(
+            config.getoption("markexpr", "") or ""):
+        return True
+    return None
