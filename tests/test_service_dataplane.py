@@ -231,7 +231,10 @@ async def test_an_update_with_nobody_queued_wakes_no_one_and_a_queued_request_st
             ev = remote_transfer(r.adapter, w2, b.json()["target"]["label"])
             await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
                                 json=transfer_body(ev), headers=lease(b.json()))
-        assert woken and all(n == 1 for n in woken)
+        # A wake is scheduled (from the controller's thread) only while one is queued; it
+        # runs on the loop later, when the request may already be admitted (it then sees
+        # none waiting): the first one saw it queued.
+        assert woken and woken[0] == 1 and all(n <= 1 for n in woken)
         assert [x.status_code for x in results] == [200]
         assert results[0].headers[VERSION_HEADER] == "rc-2"
         assert check_journal(r.journal.records) == []
