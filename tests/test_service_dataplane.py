@@ -550,6 +550,7 @@ async def test_an_answer_released_unattributable_says_so() -> None:
             await anyio.sleep(0.15)
             await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,
                                     "engine lost (test)")
+            r.engine.token_delay_s = 0  # tainted: the rest of the answer may come at once
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(taint_soon)
@@ -585,6 +586,7 @@ async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so(
                     tainted = True
                     await asyncio.to_thread(r.controller.fail, None, Step.SERVE,
                                             FailureKind.DIED, "engine lost (test)")
+                    r.fake.event_delay_s = 0  # tainted: the rest may come at once
         events = sse_events(seen.decode())
         assert events[-1] == "[DONE]"
         last = events[-2]
