@@ -1,7 +1,9 @@
 import itertools
+import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -9,6 +11,35 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 ENGINE_DIR = Path(__file__).parent / "engine"
+
+
+def _share_default_tls_contexts() -> None:
+    """Every httpx client makes a verifying TLS context, reading the CA bundle (10-30 ms):
+    the fast lane's ~700 clients (gateway apps, engine and trainer clients, ``httpx.get``)
+    all talk plain HTTP to loopback. Those with the default verification share one
+    (per environment that picks the bundle); any other is made as httpx makes it."""
+    try:
+        import httpx._config as config
+        import httpx._transports.default as transports
+    except ImportError:
+        return
+    real = config.create_ssl_context
+    if getattr(transports, "create_ssl_context", None) is not real:
+        return  # not the httpx this was written for: leave it alone
+    made: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return real(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in made:
+            made[key] = real(verify=verify, cert=cert, trust_env=trust_env)
+        return made[key]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_default_tls_contexts()
 
 
 def rejects_every_engine_test(markexpr: str) -> bool:

@@ -8,8 +8,6 @@ the data token checked as on the data routes.
 from __future__ import annotations
 
 import asyncio
-import functools
-import ssl
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -41,15 +39,6 @@ READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
     "/tokenize": "POST", "/detokenize": "POST"})
 
 
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """httpx's default verifying context, made once: making one reads the CA bundle
-    (about 16 ms), and every gateway app starts a client."""
-    import httpx
-
-    return httpx.create_ssl_context()
-
-
 class ReadOnlyRoutes:
     """ASGI app of ``READ_ONLY_ROUTES``: answered by vLLM, relayed as they are.
 
@@ -68,7 +57,7 @@ class ReadOnlyRoutes:
 
         cfg = self.config
         self._client = httpx.AsyncClient(
-            base_url=cfg.upstream_url, follow_redirects=False, verify=_tls_context(),
+            base_url=cfg.upstream_url, follow_redirects=False,
             timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
             limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
                                 keepalive_expiry=cfg.upstream_keepalive_s))
