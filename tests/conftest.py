@@ -12,6 +12,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 ENGINE_DIR = Path(__file__).parent / "engine"
 
+# Under xdist each worker's torch would take one thread per core: two workers on a
+# 2-core host run 4 spinning threads on 2 cores (a core kept busy beside them made a
+# 0.7 s test take 10 s). Each worker gets its share of the cores instead, unless the
+# environment says otherwise. Set before torch is imported (it reads it then).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, len(os.sched_getaffinity(0)) // max(1, _workers))))
+
 
 def _share_default_tls_contexts() -> None:
     """Every httpx client makes a verifying TLS context, reading the CA bundle (10-30 ms):
