@@ -1,5 +1,82 @@
+import itertools
+import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 # Shared test helpers (coretools, helpers/) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
+
+ENGINE_DIR = Path(__file__).parent / "engine"
+
+# Under xdist each worker's torch would take one thread per core: two workers on a
+# 2-core host run 4 spinning threads on 2 cores (a core kept busy beside them made a
+# 0.7 s test take 10 s). Each worker gets its share of the cores instead, unless the
+# environment says otherwise. Set before torch is imported (it reads it then).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, len(os.sched_getaffinity(0)) // max(1, _workers))))
+
+
+def _share_default_tls_contexts() -> None:
+    """Every httpx client makes a verifying TLS context, reading the CA bundle (10-30 ms):
+    the fast lane's ~700 clients (gateway apps, engine and trainer clients, ``httpx.get``)
+    all talk plain HTTP to loopback. Those with the default verification share one
+    (per environment that picks the bundle); any other is made as httpx makes it."""
+    try:
+        import httpx._config as config
+        import httpx._transports.default as transports
+    except ImportError:
+        return
+    real = config.create_ssl_context
+    if getattr(transports, "create_ssl_context", None) is not real:
+        return  # not the httpx this was written for: leave it alone
+    made: dict[tuple[Any, ...], Any] = {}
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> Any:
+        if verify is not True or cert is not None:
+            return real(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in made:
+            made[key] = real(verify=verify, cert=cert, trust_env=trust_env)
+        return made[key]
+
+    transports.create_ssl_context = create_ssl_context
+
+
+_share_default_tls_contexts()
+
+
+def rejects_every_engine_test(markexpr: str) -> bool:
+    """Whether the ``-m`` expression deselects every test that carries the ``engine``
+    mark, whatever its other marks: true for ``not engine and not gpu and not slow``
+    (the fast lane), false for ``""``, ``engine``, ``slow and not gpu``."""
+    if not markexpr.strip() or "(" in markexpr:
+        return False  # no expression; keyword arguments: not worth deciding here
+    from _pytest.mark.expression import Expression
+
+    expr = Expression.compile(markexpr)
+    names = sorted(set(re.findall(r"[\w.:+\-\[\]\\/]+", markexpr))
+                   - {"and", "or", "not", "engine"})
+    if len(names) > 10:
+        return False
+    for values in itertools.product((False, True), repeat=len(names)):
+        marks = {"engine": True, **dict(zip(names, values, strict=True))}
+        if expr.evaluate(lambda name, /, marks=marks, **kw: marks.get(name, False)):
+            return False
+    return True
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    # Every test under engine/ carries the engine mark (engine/conftest.py adds it
+    # to any that lacks it), so a lane that deselects them all need not import
+    # those modules: they pull vLLM, torch and transformers in at import, seconds
+    # of every worker's collection.
+    if collection_path == ENGINE_DIR and rejects_every_engine_test(
+            config.getoption("markexpr", "") or ""):
+        return True
+    return None

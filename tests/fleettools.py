@@ -17,7 +17,7 @@ import httpx
 
 from helpers.asgi_stream import lifespan
 from helpers.fake_vllm import FakeVllm
-from helpers.gateway_rig import TOKEN, uvicorn_thread
+from helpers.gateway_rig import TOKEN, uvicorn_threads
 from rolloutcore.control.journal import Journal, open_controller
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.versions import VerificationLevel
@@ -113,10 +113,9 @@ class AdapterVllm(FakeVllm):
 @contextlib.contextmanager
 def served(f: FakeFleet) -> Iterator[dict[str, AdapterVllm]]:
     fakes = {n: AdapterVllm(ad) for n, ad in f.adapters.items()}
-    with contextlib.ExitStack() as stack:
-        for n, fk in fakes.items():
-            f.coord.replicas[n].url = stack.enter_context(uvicorn_thread(fk.app,
-                                                                         lifespan="off"))
+    with uvicorn_threads([fk.app for fk in fakes.values()], lifespan="off") as urls:
+        for n, url in zip(fakes, urls, strict=True):
+            f.coord.replicas[n].url = url
         yield fakes
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import sys
 from dataclasses import dataclass, field
@@ -79,7 +80,9 @@ class _Module:
     modules: dict[str, str] = field(default_factory=dict)  # alias -> module
 
 
-def _load() -> dict[str, _Module]:
+@functools.cache
+def _mods() -> dict[str, _Module]:
+    """Every module of the package, parsed (once, when a test first asks)."""
     mods: dict[str, _Module] = {}
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(SRC).with_suffix("")
@@ -101,20 +104,18 @@ def _load() -> dict[str, _Module]:
     return mods
 
 
-MODS = _load()
-
 Ref = tuple[str, str, str]  # (kind, module, name): kind "src", "ext" or "builtin"
 
 
 def _resolve(mod: str, name: str, depth: int = 0) -> Ref | None:
-    m = MODS.get(mod)
+    m = _mods().get(mod)
     if m is None:
         return ("ext", mod, name)
     if name in m.classes:
         return ("src", mod, name)
     if name in m.names and depth < 10:
         src_mod, src_name = m.names[name]
-        if src_mod in MODS:
+        if src_mod in _mods():
             return _resolve(src_mod, src_name, depth + 1)
         return ("ext", src_mod, src_name)
     if name in m.functions:
@@ -128,9 +129,9 @@ def _ref_of(mod: str, node: ast.expr) -> Ref | None:
     if isinstance(node, ast.Name):
         return _resolve(mod, node.id)
     if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-        target = MODS[mod].modules.get(node.value.id)
+        target = _mods()[mod].modules.get(node.value.id)
         if target is not None:
-            return _resolve(target, node.attr) if target in MODS else ("ext", target, node.attr)
+            return _resolve(target, node.attr) if target in _mods() else ("ext", target, node.attr)
     return None  # self.x, a call's result: not a class named here
 
 
@@ -154,7 +155,7 @@ def _is_exception(ref: Ref, seen: frozenset[Ref] = frozenset()) -> bool:
 
 def _bases(ref: Ref) -> list[Ref | None]:
     _, mod, name = ref
-    return [_ref_of(mod, b) for b in MODS[mod].classes[name].bases]
+    return [_ref_of(mod, b) for b in _mods()[mod].classes[name].bases]
 
 
 def _in_tree(ref: Ref, seen: frozenset[Ref] = frozenset()) -> bool:
@@ -182,7 +183,7 @@ def _violations() -> tuple[list[str], set[tuple[str, str]]]:
         else:
             bad.append(f"{key[0]}:{line}: {what} {key[1]} is not a RolloutCoreError")
 
-    for m in MODS.values():
+    for m in _mods().values():
         for node in ast.walk(m.tree):
             if isinstance(node, ast.Raise) and isinstance(node.exc, (ast.Name, ast.Attribute)):
                 check(m, _ref_of(m.name, node.exc), node.exc, node.lineno, "raises")

@@ -94,6 +94,9 @@ async def _while_bound(r: Rig, request: Any, updates: int = 1,
         for i in range(updates):
             results.append(await _update(r, seed + i))
             await anyio.sleep(0.05)
+        # The updates are done: the rest of the answer may come at once.
+        delay, r.engine.token_delay_s = r.engine.token_delay_s, 0.0
+    r.engine.token_delay_s = delay
     return got[0], results
 
 
@@ -213,7 +216,9 @@ async def test_engine_recompute_continues_every_route_over_recomputed_kv(
                     for c in e.get("choices") or () for t in c.get("token_ids") or ()]
             cut = tv.spans[0].end
             prompt = body["token_ids"]
-            # The new weights' continuation of prompt + output so far (a fresh prefill).
+            # The new weights' continuation of prompt + output so far (a fresh prefill;
+            # a reference, so at no delay per token).
+            r.engine.token_delay_s = 0.0
             again = r.engine.generate([*prompt, *toks[:cut]], len(toks) - cut)
             assert again.tokens == toks[cut:]
         assert check_journal(r.journal.records) == []

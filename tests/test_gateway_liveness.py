@@ -34,6 +34,7 @@ from helpers.gateway_rig import (
 from rolloutcore.control.runner import DrainPolicy
 from rolloutcore.core.lifecycle import FailureKind, State, Step
 from rolloutcore.core.records import Record
+from rolloutcore.service import proxy
 from rolloutcore.service.server import http_protocol
 from rolloutcore.testing.fake import FakeWeights
 
@@ -80,8 +81,11 @@ def completes(r: Any, rid: str) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ the drain deadline
 
 
-async def test_a_stream_reader_that_stopped_reading_no_longer_holds_the_update() -> None:
+async def test_a_stream_reader_that_stopped_reading_no_longer_holds_the_update(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The reported defect: every begin got 503 "1 rollouts still active", for ever."""
+    # This reader takes no last word: the gateway's try to hand it one (1 s) is short here.
+    monkeypatch.setattr(proxy, "_LAST_WORD_S", 0.1)
     async with rig(client_send_s=600, event_delay_s=0.01) as r:
         short_drain(r)
         d = Drive(r.app, GEN, gen(400, True), block_after=2,
@@ -366,6 +370,7 @@ async def test_an_answer_completed_after_a_taint_is_released_unattributable() ->
             await until(lambda: bool(r.controller.active))
             await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,
                                     "engine lost (test)")
+            r.fake.event_delay_s = 0  # tainted: the rest of the answer may come at once
         assert got["resp"].status_code == 200
         (done,) = completes(r, "late")
         assert done["attributable"] is False and done["state"] == "TAINTED"

@@ -223,14 +223,19 @@ def test_the_trainers_threads_keep_off_the_cores_the_ranks_are_pinned_to(
     assert threads_beside("0-3|4-7", range(16)) == 8    # the eight cores left
     assert threads_beside("auto", range(16)) == 1       # vLLM binds the node: all of them
     assert threads_beside("0", [0, 1, 2]) == 2
-    before = torch.get_num_threads()
-    with torch_threads(1):
-        assert torch.get_num_threads() == 1
-    with torch_threads(None):
+    lane = torch.get_num_threads()
+    torch.set_num_threads(2)  # whatever the lane's own: the block's one thread differs
+    try:
+        before = torch.get_num_threads()
+        with torch_threads(1):
+            assert torch.get_num_threads() == 1
+        with torch_threads(None):
+            assert torch.get_num_threads() == before
+        with pytest.raises(RuntimeError), torch_threads(1):
+            raise RuntimeError("restored on the way out too")
         assert torch.get_num_threads() == before
-    with pytest.raises(RuntimeError), torch_threads(1):
-        raise RuntimeError("restored on the way out too")
-    assert torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(lane)
     (tmp_path / "config.json").write_text("{}")
     cpus = sorted(os.sched_getaffinity(0))
     eng = ManagedEngine(tmp_path, port=1, env={"VLLM_CPU_OMP_THREADS_BIND": str(cpus[0])})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -40,6 +42,11 @@ FAST = Deadlines(drain_s=5, pause_s=0.5, preflight_s=0.5, transfer_s=0.5, reset_
                  validate_s=0.5, resume_s=0.5, live_validate_s=5, bootstrap_s=2, fence_s=0.5,
                  cancel_grace_s=0.5,
                  retry_backoff_s=0.01)
+#: The deadline a hung effect waits out (it never completes: its own deadline need
+#: leave no room for real work; the other steps keep FAST's).
+HUNG_S = 0.1
+_DEADLINE_OF = {"drain": "pause_s", "transfer": "transfer_s", "reset_prefix": "reset_s",
+                "validate": "validate_s", "validate_live": "live_validate_s"}
 
 
 def make(token_delay_s: float = 0.001) -> tuple[FakeEngine, FakeAdapter, LifecycleController,
@@ -165,6 +172,8 @@ def test_fault_classification(effect: str, kind: FaultKind, cls: str | None,
     w1 = FakeWeights.from_seed(1, step=1)
     ad.stage(w1)
     ad.inject(effect, kind)
+    if kind is FaultKind.HANG:
+        r.deadlines = dataclasses.replace(FAST, **{_DEADLINE_OF[effect]: HUNG_S})
     t0 = time.monotonic()
     if cls is None:
         out = r.run_update(w1.identity(), min_verification=VerificationLevel.PROBE)
@@ -221,12 +230,13 @@ def test_hang_is_classified_within_deadline() -> None:
     w1 = FakeWeights.from_seed(1, step=1)
     ad.stage(w1)
     ad.inject("transfer", FaultKind.HANG)
+    r.deadlines = d = dataclasses.replace(FAST, transfer_s=HUNG_S)
     t0 = time.monotonic()
     with pytest.raises(UpdateFailed) as ei:
         r.run_update(w1.identity())
     dt = time.monotonic() - t0
     assert ei.value.phase == "transfer" and ei.value.classification == "ambiguous"
-    assert dt < FAST.transfer_s + FAST.cancel_grace_s + FAST.fence_s + 1.0
+    assert dt < d.transfer_s + d.cancel_grace_s + d.fence_s + 1.0
     effects = [rec.data for rec in j.records if rec.kind == "effect"]
     assert any(e["step"] == "transfer" and not e["ok"] for e in effects)
 
@@ -310,19 +320,38 @@ def test_a_transient_failure_resets_and_checks_stay_out_of_updates() -> None:
         r.check_serving(timeout_s=0)
 
 
-def test_a_hanging_health_read_is_a_timeout_and_taints_within_the_deadline() -> None:
-    eng, ad, c, r, _ = make()
-    gate = threading.Event()
+def _hang_until_cancelled(ad: FakeAdapter) -> Callable[[], None]:
+    """Make ``ad``'s health reads hang until the watchdog cancels them (or the returned
+    function is called); a released read raises."""
+    reads: list[threading.Event] = []
+    cancel = ad.cancel
 
     def hang(*, timeout_s: float) -> object:
-        gate.wait(60)
+        released = threading.Event()
+        reads.append(released)
+        released.wait(60)
         raise AssertionError("released")
 
+    def release() -> None:
+        for ev in reads:
+            ev.set()
+
+    def cancel_and_release(step: Step) -> None:
+        cancel(step)
+        release()
+
     ad.observe_health = hang  # type: ignore[method-assign]
+    ad.cancel = cancel_and_release  # type: ignore[method-assign]
+    return release
+
+
+def test_a_hanging_health_read_is_a_timeout_and_taints_within_the_deadline() -> None:
+    eng, ad, c, r, _ = make()
+    release = _hang_until_cancelled(ad)
     t0 = time.monotonic()
     assert r.check_serving(timeout_s=0.05) is None
     v = r.check_serving(timeout_s=0.05)
-    gate.set()
+    release()
     assert v is not None and v.tainted
     assert any("deadline" in p or "timed out" in p or "timeout" in p for p in v.problems)
     # Both checks ended at their deadlines, long before the read would have.
@@ -355,19 +384,14 @@ def test_the_watchdog_cancels_the_overrunning_step_by_its_typed_name() -> None:
         w = FakeWeights.from_seed(len(ad.cancelled) + 1, step=len(ad.cancelled) + 1)
         ad.stage(w)
         ad.inject(effect, FaultKind.HANG)
+        r.deadlines = dataclasses.replace(FAST, **{_DEADLINE_OF[effect]: HUNG_S})
         with pytest.raises(UpdateFailed):
             r.run_update(w.identity())
         assert ad.cancelled[-1] is step and all(isinstance(s, Step) for s in ad.cancelled)
         r.recover(FakeRecoverer(ad, w0))
-    gate = threading.Event()
-
-    def hang(*, timeout_s: float) -> object:
-        gate.wait(60)
-        raise AssertionError("released")
-
-    ad.observe_health = hang  # type: ignore[method-assign]
+    release = _hang_until_cancelled(ad)
     r.check_serving(timeout_s=0.05)
-    gate.set()
+    release()
     assert ad.cancelled[-1] is Step.SERVE
 
 

@@ -167,7 +167,7 @@ def test_a_report_after_the_lease_expired_is_told_so(
     assert [v.label for v in gw.controller.published] == ["default"]
 
 
-@pytest.mark.parametrize("served", [{"lease_s": 1.5}], indirect=True)
+@pytest.mark.parametrize("served", [{"lease_s": 0.6}], indirect=True)
 def test_trainer_killed_between_begin_and_report(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
     """A real trainer process begins, then is SIGKILLed before it sent anything: the lease

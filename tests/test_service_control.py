@@ -264,6 +264,7 @@ async def test_begin_that_cannot_drain_in_time_is_503_and_stays_on_the_old_versi
             assert resp.status_code == 503
             assert resp.json()["classification"] == "no_mutation"
             assert r.controller.state is State.READY
+            r.fake.event_delay_s = 0  # refused: the slow stream may end at once
         assert r.controller.committed.label == "default"  # type: ignore[union-attr]
 
 

@@ -231,7 +231,10 @@ async def test_an_update_with_nobody_queued_wakes_no_one_and_a_queued_request_st
             ev = remote_transfer(r.adapter, w2, b.json()["target"]["label"])
             await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
                                 json=transfer_body(ev), headers=lease(b.json()))
-        assert woken and all(n == 1 for n in woken)
+        # A wake is scheduled (from the controller's thread) only while one is queued; it
+        # runs on the loop later, when the request may already be admitted (it then sees
+        # none waiting): the first one saw it queued.
+        assert woken and woken[0] == 1 and all(n <= 1 for n in woken)
         assert [x.status_code for x in results] == [200]
         assert results[0].headers[VERSION_HEADER] == "rc-2"
         assert check_journal(r.journal.records) == []
@@ -547,6 +550,7 @@ async def test_an_answer_released_unattributable_says_so() -> None:
             await anyio.sleep(0.15)
             await asyncio.to_thread(r.controller.fail, None, Step.SERVE, FailureKind.DIED,
                                     "engine lost (test)")
+            r.engine.token_delay_s = 0  # tainted: the rest of the answer may come at once
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(taint_soon)
@@ -582,6 +586,7 @@ async def test_a_stream_released_unattributable_ends_with_an_event_that_says_so(
                     tainted = True
                     await asyncio.to_thread(r.controller.fail, None, Step.SERVE,
                                             FailureKind.DIED, "engine lost (test)")
+                    r.fake.event_delay_s = 0  # tainted: the rest may come at once
         events = sse_events(seen.decode())
         assert events[-1] == "[DONE]"
         last = events[-2]

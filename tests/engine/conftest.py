@@ -14,11 +14,21 @@ the same server.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.testing.models import make_checkpoint
+
+HERE = Path(__file__).parent
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """Every test here starts a real engine: one whose module forgot the mark gets it
+    (the fast lane skips this directory whole, tests/conftest.py)."""
+    if HERE in item.path.parents and item.get_closest_marker("engine") is None:
+        item.add_marker(pytest.mark.engine)
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ on the fake engine: start, load every tensor, finish with the target label.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import json
@@ -196,27 +197,74 @@ def sse_events(text: str) -> list[Any]:
     return out
 
 
-@contextlib.contextmanager
-def uvicorn_thread(app: Any, host: str = "127.0.0.1", lifespan: str = "on") -> Iterator[str]:
-    """Serve ``app`` on a free loopback port from a thread (real sockets, real disconnects)."""
+class _Server(uvicorn.Server):
+    """uvicorn's server, woken at once by ``stop`` rather than at its next 0.1 s tick."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.1)
+            should_exit = await self.on_tick(counter)
+
+    def stop(self) -> None:
+        self.should_exit = True
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # its loop already closed
+                loop.call_soon_threadsafe(wake.set)
+
+
+def _start(app: Any, host: str, lifespan: str) -> tuple[_Server, threading.Thread, Any, str]:
     import socket
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
-                                           timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
+                                    timeout_graceful_shutdown=5))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if time.monotonic() > deadline or not th.is_alive():
+            server.stop()
+            sock.close()
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
+    return server, th, sock, f"http://{host}:{port}"
+
+
+@contextlib.contextmanager
+def uvicorn_threads(apps: list[Any], host: str = "127.0.0.1",
+                    lifespan: str = "on") -> Iterator[list[str]]:
+    """Serve each of ``apps`` on a free loopback port from a thread of its own (real
+    sockets, real disconnects); at exit all are told to stop, then awaited together."""
+    started: list[tuple[_Server, threading.Thread, Any, str]] = []
     try:
-        yield f"http://{host}:{port}"
+        for app in apps:
+            started.append(_start(app, host, lifespan))
+        yield [url for *_, url in started]
     finally:
-        server.should_exit = True
-        th.join(15)
-        sock.close()
+        for server, *_ in started:
+            server.stop()
+        for _, th, sock, _ in started:
+            th.join(15)
+            sock.close()
+
+
+@contextlib.contextmanager
+def uvicorn_thread(app: Any, host: str = "127.0.0.1", lifespan: str = "on") -> Iterator[str]:
+    """Serve ``app`` on a free loopback port from a thread (real sockets, real disconnects)."""
+    with uvicorn_threads([app], host, lifespan) as (url,):
+        yield url

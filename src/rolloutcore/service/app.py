@@ -121,6 +121,12 @@ class Gateway:
         }
 
 
+@functools.cache
+def _openapi() -> dict[str, Any]:
+    """The control API's document: the same for every app (built once, read only)."""
+    return openapi_document()
+
+
 def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(obj, status_code=status, headers=headers)
 
@@ -237,7 +243,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         ok = st not in ("TAINTED", "UNINITIALIZED", "RECOVERING")
         return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "state": st})
 
-    schema = openapi_document()
+    schema = _openapi()
 
     async def openapi(request: Request) -> Response:
         return _json(200, schema)

@@ -134,6 +134,20 @@ _EFFECT_THREADS = frozenset(f"rolloutcore-{s}" for s in (*(x.value for x in Step
                                                           "validate_live"))
 
 
+def _await_effects(deadline: float) -> None:
+    """Wait, until ``deadline`` at most, for the effects under way to unwind.
+
+    An effect's worker is reused, not ended, when its effect returns
+    (``control.effects``): it is renamed idle, so its name says whether it still
+    runs an effect; waiting for the thread to end would wait out the deadline.
+    """
+    me = threading.current_thread()
+    while any(th.name in _EFFECT_THREADS and th is not me for th in threading.enumerate()):
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.005)
+
+
 def end_open_update(controller: Any, runner: Any, reason: str) -> EndedUpdate | None:
     """End the update left open when its owner was interrupted; ``None`` if none is open.
 
@@ -160,10 +174,7 @@ def end_open_update(controller: Any, runner: Any, reason: str) -> EndedUpdate | 
             return None
         with contextlib.suppress(Exception):
             runner.adapter.cancel(step)
-        deadline = time.monotonic() + runner.deadlines.cancel_grace_s
-        for th in threading.enumerate():
-            if th.name in _EFFECT_THREADS and th is not threading.current_thread():
-                th.join(max(0.0, deadline - time.monotonic()))
+        _await_effects(time.monotonic() + runner.deadlines.cancel_grace_s)
         try:
             verdict = controller.fail(ticket, step, FailureKind.TIMEOUT, reason)
         except JournalError:  # applied (as ambiguous), not recorded: the journal failed
