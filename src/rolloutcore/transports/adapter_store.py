@@ -55,7 +55,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.errors import BadInput, EffectError
+from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import engine_key
 
 __all__ = ["ENV_DIR", "ENV_MAX", "FILES", "MIDDLEWARE", "PREFIX", "AdapterStore",
@@ -78,7 +78,9 @@ _Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 _Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
-class _Answer(Exception):
+class _Answer(RolloutCoreError):
+    """The store's refusal of one request: answered with ``status``, never raised out."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
