@@ -205,6 +205,7 @@ def lora_fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
                            extra_args=largs, env=lenv)
     coord = None
     proxies: dict[str, FaultProxy] = {}
+    clients: list[VllmHTTP] = []
     try:
         coord = build_fleet(engines, checkpoint=tiny_models.A, op_timeout_s=30,
                             config=FleetConfig(health_interval_s=0))
@@ -217,7 +218,9 @@ def lora_fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
                                 engine_key.headers_for(str(rep.url))[engine_key.HEADER])
 
         def make(rep: Any) -> AdapterManager:
-            return AdapterManager(VllmHTTP(proxies[rep.name].base_url, timeout_s=120.0),
+            http = VllmHTTP(proxies[rep.name].base_url, timeout_s=120.0)
+            clients.append(http)   # the test's own: closed at the end
+            return AdapterManager(http,
                                   rep.controller, base_model=tiny_models.A,
                                   store=tmp / "store" / rep.name, config=budget,
                                   listener=rep.journal.listener, max_rank=8,
@@ -234,6 +237,8 @@ def lora_fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory
         if coord is not None:
             with contextlib.suppress(Exception):
                 coord.close()
+        for c in clients:
+            c.close()
         for p in proxies.values():
             p.stop()
         for e in engines:
