@@ -17,11 +17,11 @@ from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine
 from rolloutcore.control.drafts import DraftedSession
 from rolloutcore.control.session import EngineSession
-from rolloutcore.core.versions import Provenance
+from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource
 from rolloutcore.transports.source import WeightSource
 
-__all__ = ["FaultyDraftTransport", "drafted_session", "prov"]
+__all__ = ["FaultyDraftTransport", "assert_one_version", "drafted_session", "prov"]
 
 
 class FaultyDraftTransport(DraftedGlooTransport):
@@ -57,3 +57,17 @@ def drafted_session(eng: ManagedEngine, journal: Path, *,
     tr = FaultyDraftTransport(op_timeout_s=20.0)
     s = EngineSession(VllmHTTP(eng.base_url), tr, engine=eng, journal_path=journal)
     return DraftedSession(s, min_acceptance=min_acceptance), tr
+
+
+def assert_one_version(ds: DraftedSession, tr: FaultyDraftTransport, eng: ManagedEngine,
+                       r: Any, want: str) -> None:
+    """A drafted update published as one version with the pair's digest ``want``, at
+    probe level, under the engine's label; both rounds checked on the workers."""
+    assert r.identity.content_digest == want
+    assert ds.session.controller.identity is not None
+    assert ds.session.controller.identity.content_digest == want
+    assert r.identity.verification == VerificationLevel.PROBE
+    assert ds.session.http.weight_info().label == r.version.label
+    chk = tr.validation_check(eng.base_url)
+    assert chk.passed and chk.level == VerificationLevel.ENGINE_CHECKSUM, chk
+    assert "draft: rank 0/1" in chk.detail and chk.coverage == 1.0

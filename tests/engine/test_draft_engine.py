@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from drafttools_engine import FaultyDraftTransport, drafted_session, prov
+from drafttools_engine import FaultyDraftTransport, assert_one_version, drafted_session, prov
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.drafts import DraftedSession, DraftSpec
-from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.core.versions import Provenance
 from rolloutcore.core.vocab import State
 from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
 from rolloutcore.transports.drafted import policy_digest
@@ -78,14 +78,7 @@ def test_drafted_update_publishes_one_version_for_both(
                          src_b.manifest().digest)
     assert r.identity.content_digest == want == r.digests["content_digest"]
     assert r.digests["draft_content_digest"] == src_b.content_digest()
-    assert ds.session.controller.identity is not None
-    assert ds.session.controller.identity.content_digest == want
-    assert r.identity.verification == VerificationLevel.PROBE
-    assert ds.session.http.weight_info().label == r.version.label
-    # Both rounds checked on the workers, the draft against the trainer's draft.
-    chk = tr.validation_check(eng.base_url)
-    assert chk.passed and chk.level == VerificationLevel.ENGINE_CHECKSUM, chk
-    assert "draft: rank 0/1" in chk.detail and chk.coverage == 1.0
+    assert_one_version(ds, tr, eng, r, want)
     # Acceptance before (A with its copy) and after (B with its copy): both near 1.
     assert r.acceptance_before is not None and r.acceptance_after is not None
     assert r.acceptance_before.drafted > 0 and r.acceptance_after.drafted > 0

@@ -25,14 +25,13 @@ from typing import Any
 
 import httpx
 import pytest
-from drafttools_engine import FaultyDraftTransport, drafted_session, prov
+from drafttools_engine import FaultyDraftTransport, assert_one_version, drafted_session, prov
 from safetensors.torch import load_file
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.drafts import DraftedSession, DraftSpec
-from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.core.vocab import State
 from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
 from rolloutcore.testing.models import make_eagle_head
@@ -92,16 +91,7 @@ def test_an_eagle_head_and_its_target_are_published_as_one_version(
     src_b, src_h = WeightSource.from_checkpoint(b), WeightSource.from_checkpoint(head)
     want = policy_digest(src_b.content_digest(), src_h.content_digest(),
                          src_h.manifest().digest)
-    assert r.identity.content_digest == want
-    assert ds.session.controller.identity is not None
-    assert ds.session.controller.identity.content_digest == want
-    assert r.identity.verification == VerificationLevel.PROBE
-    assert ds.session.http.weight_info().label == r.version.label
-    # The head round checked on the workers, each of its 9 tensors where the head's
-    # loader put it, against the trainer's head read again.
-    chk = tr.validation_check(eng.base_url)
-    assert chk.passed and chk.level == VerificationLevel.ENGINE_CHECKSUM, chk
-    assert "draft: rank 0/1" in chk.detail and chk.coverage == 1.0
+    assert_one_version(ds, tr, eng, r, want)
     # The random head on A is accepted about never; the repeat head on B wherever B
     # repeats a token (a fifth of its drafts, measured): the drafting follows the head.
     before, after = r.acceptance_before, r.acceptance_after
