@@ -88,6 +88,8 @@ from rolloutcore.transports.cuda_ipc import (  # noqa: E402
 from rolloutcore.transports.source import WeightSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools
+
 from gputime import gpu_time  # noqa: E402
 from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
 
@@ -171,7 +173,12 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
     app = create_app(runner, config)
     runs: list[dict[str, Any]] = []
     bare_s: list[float] = []
+    seen: dict[str, Any] = {"statuses": {}, "spans": [], "stop": False}
     with serve_in_thread(app) as url, client_for(url) as rc:
+        clients = [threading.Thread(target=_gateway_client, args=(url, seen, i), daemon=True)
+                   for i in range(4)]
+        for c in clients:
+            c.start()
         for _ in range(reps):
             seed = next(seeds)
             source, ident, prov, probe, level = prepare(seed)
@@ -189,6 +196,9 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
                          "phases": phases, "client_s": dict(res.client_s)})
             if bare is not None:
                 bare_s.append(float(bare()))
+        seen["stop"] = True
+        for c in clients:
+            c.join(60)
     svc = med([r["service_s"] for r in runs])
     bs = med(bare_s)
     return {"reps": reps, "service_s": svc, "bare_primitives_s": bs,
@@ -199,7 +209,36 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
             "gateway_phase_medians_s": {k: med([r["phases"].get(k, 0.0) for r in runs])
                                         for k in sorted({k for r in runs for k in r["phases"]})},
             "verification": sorted({str(r["verification"]) for r in runs}),
+            "clients_during_updates": {"statuses": seen["statuses"],
+                                       "pause_503_seen_by_clients":
+                                       seen["statuses"].get("503", 0),
+                                       "answers_with_version": len(seen["spans"])},
             "runs": runs, "bare": bare_s}
+
+
+def _gateway_client(url: str, seen: dict[str, Any], i: int) -> None:
+    """A generation client of the gateway while the trainer updates through it.
+
+    Counts every status it is answered (vLLM 0.33+ answers 503 ``engine_paused``
+    to a request that reaches a paused engine: none may reach a client through
+    the gateway) and keeps the version the gateway names for each answer.
+    """
+    c = httpx.Client(timeout=120.0)
+    prompt = [(j * 31 + i) % 150000 + 100 for j in range(48)]
+    try:
+        while not seen["stop"]:
+            try:
+                r = c.post(url + "/v1/completions", json={
+                    "model": "policy", "prompt": prompt, "max_tokens": 8,
+                    "temperature": 0.0, "ignore_eos": True})
+                key = str(r.status_code)
+                if r.status_code == 200:
+                    seen["spans"].append(r.headers.get("x-rolloutcore-version"))
+            except httpx.HTTPError as exc:
+                key = type(exc).__name__
+            seen["statuses"][key] = seen["statuses"].get(key, 0) + 1
+    finally:
+        c.close()
 
 
 # ---------------------------------------------------------------------- trainer
@@ -338,6 +377,64 @@ class ThinAdapter:
 
 
 # ---------------------------------------------------------------------- main
+
+def spans_and_pause(http: Http, state: dict[str, Any], transition: Any) -> dict[str, Any]:
+    """vLLM's own per-token version spans after a RolloutCore transition, and what a
+    request that reaches the paused engine directly is answered.
+
+    After one more verified transition, a greedy ``/v1/completions`` with
+    ``return_weight_versions`` (vLLM 0.33+; 0.26 has no spans and says so): every
+    span must name the label RolloutCore published, and cover every token. Then
+    ``/pause?mode=wait`` with nothing in flight and one direct request: 0.33+
+    answers 503 ``engine_paused`` at once, older vLLMs hold it until ``/resume``.
+    """
+    out: dict[str, Any] = {}
+    nxt = 1 if state["seed"] == 2 else 2
+    o = transition(nxt)
+    label = None if o.published is None else o.published.to_dict().get("label")
+    info = http.get("/weight_info") if "/weight_info" in RESULTS.get("engine_routes", ()) else None
+    out.update(published_label=label, engine_weight_info=info)
+    prompt = [(j * 13 + 7) % 150000 + 100 for j in range(40)]
+    r = http.c.post(http.base + "/v1/completions", json={
+        "model": state.get("model_name", "policy"), "prompt": prompt, "max_tokens": 24,
+        "temperature": 0.0, "ignore_eos": True, "return_weight_versions": True,
+        "return_token_ids": True},
+        timeout=120.0)
+    out["completion_status"] = r.status_code
+    spans = None
+    if r.status_code == 200:
+        choice = r.json()["choices"][0]
+        spans = choice.get("weight_versions")
+        n = len(choice.get("token_ids") or []) or 24
+        out["spans"] = spans
+        if spans:
+            covered = sorted((int(sp["start"]), int(sp["end"])) for sp in spans)
+            contiguous = covered[0][0] == 0 and covered[-1][1] == n and all(
+                a[1] == b[0] for a, b in itertools.pairwise(covered))
+            out["spans_checked"] = bool(label) and contiguous and all(
+                sp["version"] == label for sp in spans)
+        else:
+            out["spans_checked"] = False
+            out["spans_missing"] = "the engine answered no weight_versions (vLLM < 0.33)"
+    else:
+        out["spans_checked"] = False
+        out["completion_error"] = r.text[:300]
+    # A request that reaches the paused engine itself.
+    http.post("/pause", params={"mode": "wait", "clear_cache": "false"})
+    try:
+        t = time.monotonic()
+        try:
+            d = http.c.post(http.base + "/v1/completions", json={
+                "model": state.get("model_name", "policy"), "prompt": prompt[:8],
+                "max_tokens": 2}, timeout=5.0)
+            out["direct_while_paused"] = {"status": d.status_code, "body": d.text[:200],
+                                          "s": round(time.monotonic() - t, 4)}
+        except httpx.TimeoutException:
+            out["direct_while_paused"] = {"status": "held until resume (no answer in 5 s)"}
+    finally:
+        http.post("/resume")
+    return out
+
 
 def versions() -> dict[str, Any]:
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
@@ -892,6 +989,12 @@ def main() -> int:
                                      if sp["service_s"] and R.get("hot_s") else None)
             log(f"service path: {sp['service_s']:.4f}s, bare {sp['bare_primitives_s']:.4f}s, "
                 f"ratio {sp['service_over_bare']:.3f}, verification {sp['verification']}")
+
+    with stage("spans_and_pause"):
+        R["spans_and_pause"] = spans_and_pause(http, state, transition)
+        sp = R["spans_and_pause"]
+        R["spans_checked"] = sp.get("spans_checked")
+        log(f"spans and pause: {json.dumps({k: v for k, v in sp.items() if k != 'spans'})}")
 
     with stage("d2d_copy"):
         dst = torch.empty_like(packed.buffer)
