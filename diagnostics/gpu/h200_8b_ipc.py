@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import platform
@@ -88,8 +89,6 @@ from rolloutcore.transports.cuda_ipc import (  # noqa: E402
 from rolloutcore.transports.source import WeightSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import itertools
-
 from gputime import gpu_time  # noqa: E402
 from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
 
