@@ -9,7 +9,11 @@ dependency: it only fails later. Checked:
 (b) no import from a lower layer to a higher one (``RANKS``);
 (c) the core (``rolloutcore.core`` and ``rolloutcore.errors``) imports the
     standard library only;
-(d) no file over ``MAX_LINES`` lines unless ``ALLOWED_LARGE`` says why.
+(d) no file over ``MAX_LINES`` lines unless ``ALLOWED_LARGE`` says why;
+(e) no module but the route table (``engine.routes``) spells a vLLM route:
+    a string or bytes literal equal to a path of the table (or that path
+    with a query) is a violation anywhere else, except as the path of the
+    gateway's own route list (a ``Route("/health", ...)`` declaration).
 
 The implicit import of a parent package (``import a.b`` runs ``a/__init__``)
 is not an edge: otherwise every package that re-exports its modules would be
@@ -33,7 +37,7 @@ ROOT = "rolloutcore"
 RANKS: dict[str, int] = {
     "errors": 0,
     "core": 1,
-    "transports": 2, "verification": 2,
+    "transports": 2, "verification": 2, "engine": 2,
     "adapters": 3, "testing": 3,
     "control": 4, "provenance": 4,
     "service": 5, "fleet": 5,
@@ -64,6 +68,9 @@ ALLOWED_LARGE: dict[str, str] = {
 #: occurs fails too ("fixed: remove it"), so the list stays exact. The lead
 #: empties it at merge.
 KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset()
+
+#: The one module that spells vLLM's routes (issue 45).
+ROUTE_TABLE = f"{ROOT}.engine.routes"
 
 
 # --------------------------------------------------------------------------- the graph
@@ -205,12 +212,43 @@ def violations() -> dict[tuple[str, ...], str]:
                 out[("impure", m, top)] = (
                     f"{m} (line {line}) imports {target}: the core decides only (no "
                     "threads, clocks, sleeps or I/O; the shell in control.shell has them)")
+    for m, line, path in _route_literals():
+        out[("route", m, path)] = (
+            f"{m} (line {line}) spells the vLLM route {path!r}: name it from "
+            f"{ROUTE_TABLE} (Routes.*)")
     for path in FILES.values():
         n = len(path.read_text().splitlines())
         rel = path.relative_to(SRC).as_posix()
         if n > MAX_LINES and rel not in ALLOWED_LARGE:
             out[("size", rel)] = f"{rel}: {n} lines > {MAX_LINES} (split it or allow it)"
     return out
+
+
+def _vllm_paths() -> frozenset[str]:
+    from rolloutcore.engine.routes import TABLE
+
+    return frozenset(TABLE)
+
+
+def _route_literals() -> Iterator[tuple[str, int, str]]:
+    """(module, line, path) for every vLLM route spelled outside the route table."""
+    paths = _vllm_paths()
+    for m, file in FILES.items():
+        if m == ROUTE_TABLE:
+            continue
+        tree = ast.parse(file.read_text(), filename=str(file))
+        declared: set[int] = set()  # the gateway's own routes: Route("/path", ...)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and node.args and getattr(
+                    node.func, "id", getattr(node.func, "attr", None)) == "Route":
+                declared.add(id(node.args[0]))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or id(node) in declared:
+                continue
+            v = node.value
+            text = v.decode("latin-1") if isinstance(v, bytes) else v
+            if isinstance(text, str) and text.partition("?")[0] in paths:
+                yield m, node.lineno, text
 
 
 # --------------------------------------------------------------------------- the tests
@@ -275,6 +313,9 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         "rolloutcore/cli/__init__.py": "",
         "rolloutcore/cli/x.py": "\n" * (MAX_LINES + 1),
         "rolloutcore/widgets/__init__.py": "",
+        "rolloutcore/service/routes.py": (
+            "PAUSE = '/pause?mode=wait'\nA = b'/abort_requests'\nMSG = '/pause failed'\n"
+            "r = Route('/health', None)\n"),
     })
     assert set(violations()) == {
         ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
@@ -284,4 +325,6 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("layer", "rolloutcore.service.app", "rolloutcore.cli.x"),
         ("size", "rolloutcore/cli/x.py"),
         ("unranked", "rolloutcore.widgets"),
+        ("route", "rolloutcore.service.routes", "/pause?mode=wait"),
+        ("route", "rolloutcore.service.routes", "/abort_requests"),
     }

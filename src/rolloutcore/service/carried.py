@@ -62,6 +62,7 @@ from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.lifecycle import Binding, State, UpdateMode
 from rolloutcore.core.records import Carry, Record
 from rolloutcore.core.versions import WeightVersion
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnreachable
 from rolloutcore.service.wire import (
     BODY_FIELD,
@@ -82,7 +83,7 @@ FinishedRequest = Any
 
 __all__ = ["CarriedRelay", "TOKEN_VERSIONS_FIELD", "check_one_sample"]
 
-GENERATE = "/inference/v1/generate"
+GENERATE = Routes.GENERATE
 #: The body-field key of an answer's per-token versions.
 TOKEN_VERSIONS_FIELD = "token_versions"
 _DONE = b"data: [DONE]\n\n"

@@ -28,11 +28,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from rolloutcore.core.media import ImageRef, MediaError, MediaLimits, decode_image_url
+from rolloutcore.engine.routes import Routes
 
 __all__ = ["CHAT", "GENERATE", "REFUSED_PART_TYPES", "inspect_media"]
 
-CHAT = "/v1/chat/completions"
-GENERATE = "/inference/v1/generate"
+CHAT = Routes.CHAT
+GENERATE = Routes.GENERATE
 
 #: Content-part types that carry media the gateway does not take (vLLM 0.32
 #: names). Anything else that is not an image is left to vLLM to validate.

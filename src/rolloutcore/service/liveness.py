@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rolloutcore.core.versions import Binding
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
@@ -220,7 +221,7 @@ class Flights:
         # The dev route (awaits the abort) first; the tokens-only route only when
         # the engine has no dev route (404). Bounded well inside the runner's
         # abort_s: an engine too busy to answer is still paused with abort next.
-        for path in (b"/abort_requests", b"/inference/v1/abort_requests"):
+        for path in (Routes.ABORT.encode(), Routes.ABORT_GENERATE.encode()):
             try:
                 status, answer = await up.call(path, body, timeout_s=ABORT_CALL_S)
             except EffectError as exc:

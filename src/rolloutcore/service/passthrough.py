@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from rolloutcore.engine.routes import Routes
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
@@ -35,8 +36,8 @@ __all__ = ["READ_ONLY_ROUTES", "ReadOnlyRoutes"]
 #: routes (``/pause``, ``/update_weights``, ``/collective_rpc``, ``/server_info``,
 #: ...) are never among them: only the gateway changes the engine.
 READ_ONLY_ROUTES: Mapping[str, str] = MappingProxyType({
-    "/v1/models": "GET", "/version": "GET", "/tokenizer_info": "GET",
-    "/tokenize": "POST", "/detokenize": "POST"})
+    Routes.MODELS: "GET", Routes.VERSION: "GET", Routes.TOKENIZER_INFO: "GET",
+    Routes.TOKENIZE: "POST", Routes.DETOKENIZE: "POST"})
 
 
 class ReadOnlyRoutes:

@@ -70,6 +70,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import Binding, Completion, UpdateMode
 from rolloutcore.core.media import MediaError
 from rolloutcore.core.versions import WeightVersion
+from rolloutcore.engine.routes import DATA_ROUTES
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -136,7 +137,6 @@ __all__ = [
 ]
 
 
-DATA_ROUTES = ("/v1/completions", "/v1/chat/completions", "/inference/v1/generate")
 #: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 #: Upstream response headers that describe the upstream connection, not the answer.

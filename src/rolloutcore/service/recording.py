@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.recorder import AppendOutcome, TrajectoryRecorder
 from rolloutcore.provenance.trajectory import (
@@ -69,7 +70,7 @@ __all__ = ["PROMPT_INDEX_HEADER", "RUN_HEADER", "STEP_HEADER", "GatewayRecorder"
 RUN_HEADER = "x-rolloutcore-run"
 STEP_HEADER = "x-rolloutcore-step"
 PROMPT_INDEX_HEADER = "x-rolloutcore-prompt-index"
-GENERATE = "/inference/v1/generate"
+GENERATE = Routes.GENERATE
 _TYPED = ("temperature", "top_p", "top_k", "max_tokens", "seed")
 #: Endings of a request that are recorded (the rest produced no sample).
 _RECORDED = frozenset({"complete", "aborted"})

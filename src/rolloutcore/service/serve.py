@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
@@ -210,7 +211,6 @@ def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
     0.26+ on a GPU has it. Below it: engine checksums (``/weight_checker``),
     a label (``/weight_info``), nothing.
     """
-    from rolloutcore.adapters.vllm import Routes
     from rolloutcore.core.versions import VerificationLevel
 
     if Routes.GENERATE in capabilities:
@@ -421,7 +421,7 @@ def run_serve(args: ServeOptions) -> int:
                 econf = {"dtype": engine.dtype, "max_model_len": engine.max_model_len,
                          "enable_prefix_caching": engine.prefix_caching}
             recorder = GatewayRecorder(args.record, EngineIdentity(
-                http.version() if "/version" in caps else "unknown",
+                http.version() if Routes.VERSION in caps else "unknown",
                 served or http.model(), econf, url))
         if args.lora:
             adapters = _adapter_manager(args, adapter, controller, model_dir, workdir,

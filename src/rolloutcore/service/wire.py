@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from typing import Any
 
 from rolloutcore.core.versions import Binding
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, RequestTooLarge, RolloutCoreError
 
 Scope = MutableMapping[str, Any]
@@ -103,9 +104,9 @@ def vllm_request_ids(route: str, rollout_id: str, payload: dict[str, Any]) -> li
     ``chatcmpl-``, and ``cmpl-`` plus ``-i`` for each prompt of a
     completion), and ``/abort_requests`` takes those.
     """
-    if route == "/inference/v1/generate":
+    if route == Routes.GENERATE:
         return [f"generate-tokens-{rollout_id}"]
-    if route == "/v1/chat/completions":
+    if route == Routes.CHAT:
         return [f"chatcmpl-{rollout_id}"]
     prompt = payload.get("prompt")
     n = 1

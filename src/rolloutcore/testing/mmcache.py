@@ -41,6 +41,7 @@ import httpx
 
 from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.core.evidence import PauseMode
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.transports.source import WeightSource
 
@@ -137,7 +138,7 @@ def image_chat(base_url: str, model: str, image_url: str, *, text: str = "what i
             "messages": [{"role": "user", "content": [
                 {"type": "text", "text": text},
                 {"type": "image_url", "image_url": {"url": image_url}}]}]}
-    r = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=timeout_s)
+    r = httpx.post(f"{base_url}{Routes.CHAT}", json=body, timeout=timeout_s)
     if r.status_code != 200:
         raise EffectError("chat", f"HTTP {r.status_code}: {r.text[:300]}",
                           mutation_started=False)

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
 from rolloutcore.transports.base import (
     TransportBase,
@@ -350,7 +351,7 @@ class VllmTrainerTransport(TransportBase):
 
         ws = self._engine_ws
         if ws is None:
-            f_ws = run_side(lambda: self.get(url, "/get_world_size", left()), "world-size")
+            f_ws = run_side(lambda: self.get(url, Routes.GET_WORLD_SIZE, left()), "world-size")
             self.wait([f_ws], deadline, "get_world_size", mutation_started=False)
             got = f_ws.result()
             ws = got.get("world_size") if isinstance(got, dict) else None

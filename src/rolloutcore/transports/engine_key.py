@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.engine.routes import keyless_routes
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -72,16 +73,9 @@ MIDDLEWARE = "rolloutcore.transports.engine_key.RouteGuard"
 #: A key shorter than this is refused (``new_key`` makes 43 characters).
 MIN_KEY_CHARS = 32
 
-_READ = frozenset({"GET", "HEAD"})
-#: (methods, path) open without the key: reading and generating change no weights.
-OPEN_ROUTES: Mapping[str, frozenset[str]] = {
-    "/health": _READ, "/ping": _READ | {"POST"}, "/version": _READ, "/load": _READ,
-    "/metrics": _READ, "/v1/models": _READ, "/openapi.json": _READ,
-    "/is_paused": _READ, "/is_sleeping": _READ, "/tokenizer_info": _READ,
-    "/tokenize": frozenset({"POST"}), "/detokenize": frozenset({"POST"}),
-    "/v1/completions": frozenset({"POST"}), "/v1/chat/completions": frozenset({"POST"}),
-    "/inference/v1/generate": frozenset({"POST"}),
-}
+#: (methods, path) open without the key: reading and generating change no weights
+#: (the route table's ``keyless`` column, ``engine.routes``).
+OPEN_ROUTES: Mapping[str, frozenset[str]] = keyless_routes()
 
 
 def is_open(method: str, path: str) -> bool:

@@ -67,6 +67,7 @@ from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import ParameterManifest
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import derived, rank_checksums
 from rolloutcore.transports.base import (
@@ -559,7 +560,7 @@ class GlooTransport(TransportBase):
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
 
-        f_ws = run_side(lambda: self.get(url, "/get_world_size", left()), "world-size")
+        f_ws = run_side(lambda: self.get(url, Routes.GET_WORLD_SIZE, left()), "world-size")
         self.wait([f_ws], deadline, "get_world_size", mutation_started=False)
         ws = f_ws.result()
         engine_ws = ws.get("world_size") if isinstance(ws, Mapping) else None
@@ -572,7 +573,7 @@ class GlooTransport(TransportBase):
         store = _dist().TCPStore(addr, 0, world, True, timeout=datetime.timedelta(seconds=left()),
                          wait_for_workers=False)
         info = GlooInitInfo(addr, int(store.port), 1, world, self.op_timeout_s)
-        f_init = run_side(lambda: self.post(url, "/init_weight_transfer_engine",
+        f_init = run_side(lambda: self.post(url, Routes.INIT_TRANSFER,
                                             {"init_info": asdict(info)}, left()), "init")
         f_group = run_side(lambda: _new_group(store, 0, world, min(left(), self.op_timeout_s),
                                               addr), "rendezvous")
@@ -632,7 +633,7 @@ class GlooTransport(TransportBase):
         key = _round_key(url, draft)
         info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
         self._rounds.pop(key, None)
-        start = "/start_draft_weight_update" if draft else "/start_weight_update"
+        start = Routes.START_DRAFT_UPDATE if draft else Routes.START_UPDATE
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -641,7 +642,7 @@ class GlooTransport(TransportBase):
         self.wait([f], deadline, start.lstrip("/"), mutation_started=True,
                   refusal_is_safe=True)
         # From here on the engine's model is open for reload: any failure is a mutation.
-        f_http = run_side(lambda: self.post(url, "/update_weights",
+        f_http = run_side(lambda: self.post(url, Routes.UPDATE_WEIGHTS,
                                             {"update_info": asdict(info)}, left()), "update")
         f_send = run_side(lambda: self._broadcast(conn, source), "broadcast")
         try:
@@ -652,7 +653,7 @@ class GlooTransport(TransportBase):
         sent = f_send.result()
         # At finish every engine rank sends what it wrote (rank_checksums): received
         # here while the finish runs, checked by validation_check while paused.
-        f = run_side(lambda: self.post(url, "/finish_weight_update",
+        f = run_side(lambda: self.post(url, Routes.FINISH_UPDATE,
                                        {"weight_version": None if draft else label},
                                        left()), "finish")
         f_rep = run_side(lambda: receive_reports(conn.group, range(1, conn.world_size)),
@@ -762,7 +763,7 @@ class GlooTransport(TransportBase):
             return
         if notify_engine:
             with contextlib.suppress(Exception):
-                self.post(conn.base_url, "/shutdown_weight_transfer_engine", None, 5.0)
+                self.post(conn.base_url, Routes.SHUTDOWN_TRANSFER, None, 5.0)
         # A failed round may leave a collective pending in this group; keep it alive.
         _ABANDONED.append(conn)
 

@@ -440,7 +440,7 @@ class VllmAdapter(SleepMode):
         if not isinstance(mode, PauseMode):
             raise BadInput(f"mode must be a PauseMode, got {mode!r}")
         if clear_cache is True and mode is PauseMode.KEEP and \
-                "/weight_info" not in self.http.capabilities():
+                Routes.WEIGHT_INFO not in self.http.capabilities():
             # vLLM 0.26's keep ignores clear_cache: the frozen requests would resume over
             # KV of the old weights. Refused before the pause (fail closed).
             raise EffectError("drain", "this engine (no /weight_info: older than vLLM 0.32) "

@@ -54,6 +54,7 @@ from rolloutcore.adapters.vllm.wire import (
 )
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.http import map_errors, route_url, snippet, status_error
@@ -62,39 +63,11 @@ __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTT
            "check_timeout"]
 
 
-class Routes:
-    """vLLM's route paths that RolloutCore uses, as ``/openapi.json`` lists them."""
-
-    HEALTH = "/health"
-    VERSION = "/version"
-    SERVER_INFO = "/server_info"
-    MODELS = "/v1/models"
-    METRICS = "/metrics"
-    PAUSE = "/pause"
-    RESUME = "/resume"
-    IS_PAUSED = "/is_paused"
-    IS_SLEEPING = "/is_sleeping"
-    SLEEP = "/sleep"
-    WAKE_UP = "/wake_up"
-    RESET_PREFIX = "/reset_prefix_cache"
-    RESET_ENCODER = "/reset_encoder_cache"
-    RESET_MM = "/reset_mm_cache"
-    WEIGHT_INFO = "/weight_info"
-    WEIGHT_CHECKER = "/weight_checker"
-    UPDATE_WEIGHT_VERSION = "/update_weight_version"
-    GENERATE = "/inference/v1/generate"
-    COMPLETIONS = "/v1/completions"
-    LOAD_LORA = "/v1/load_lora_adapter"
-    UNLOAD_LORA = "/v1/unload_lora_adapter"
-
-
 CACHE_ROUTES: Mapping[CacheKind, str] = {
     CacheKind.PREFIX: Routes.RESET_PREFIX,
     CacheKind.ENCODER: Routes.RESET_ENCODER,
     CacheKind.MULTIMODAL: Routes.RESET_MM,
 }
-
-_OPENAPI = "/openapi.json"
 
 #: One Prometheus text sample: name, {labels}, value (timestamps are not used by vLLM).
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
@@ -237,7 +210,8 @@ class VllmHTTP:
         """Route paths the server offers, from its ``/openapi.json``."""
         if self._capabilities is None or refresh:
             step = "capabilities"
-            paths = self._field(self._get_json(_OPENAPI, step, timeout_s), "paths", dict, step)
+            paths = self._field(self._get_json(Routes.OPENAPI, step, timeout_s), "paths", dict,
+                                step)
             self._capabilities = frozenset(str(p) for p in paths)
         return self._capabilities
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
@@ -511,7 +512,7 @@ class ManagedEngine:
         import httpx
 
         assert self._proc is not None
-        url = f"{self.base_url}/health"
+        url = f"{self.base_url}{Routes.HEALTH}"
         last_shown = -1
         tty = self.progress and sys.stderr.isatty()
         with httpx.Client(timeout=2.0) as client:
@@ -553,7 +554,7 @@ class ManagedEngine:
         import httpx
 
         answers: list[Any] = []
-        for route in ("/version", "/openapi.json"):
+        for route in (Routes.VERSION, Routes.OPENAPI):
             timeout = min(30.0, max(1.0, deadline - time.monotonic()))
             try:
                 resp = client.get(f"{self.base_url}{route}", timeout=timeout)

@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rolloutcore.adapters.vllm.http import VllmHTTP
+from rolloutcore.adapters.vllm.http import Routes, VllmHTTP
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
@@ -125,7 +125,7 @@ def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.
 
     names, values = list(sent["names"]), list(sent["values"])
     method = SENT_SCHEMES[sent["scheme"]]
-    body = http._post_json("/collective_rpc", "validate",
+    body = http._post_json(Routes.COLLECTIVE_RPC, "validate",
                            {"method": method, "args": ["auto"], "timeout": timeout_s},
                            timeout_s)
     res = body.get("results") if isinstance(body, dict) else None
@@ -179,7 +179,7 @@ def compare_rank_reports(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: flo
     """Each engine worker's own report of the last round, asked by this process
     (``/collective_rpc``), against the trainer's per-rank declaration ``sent``;
     the ``Check`` (``worker_shard_checksum``) and the per-rank result."""
-    body = http._post_json("/collective_rpc", "validate",
+    body = http._post_json(Routes.COLLECTIVE_RPC, "validate",
                            {"method": gloo_report.METHOD, "timeout": timeout_s}, timeout_s)
     res = body.get("results") if isinstance(body, dict) else None
     if not isinstance(res, list) or not res:
@@ -200,13 +200,13 @@ def rank_reports_supported(http: VllmHTTP, *, timeout_s: float = 30.0) -> bool:
     changes). Asked only where the engine has a worker extension and
     ``/collective_rpc``; any failure is ``False``."""
     try:
-        if "/collective_rpc" not in http.capabilities():
+        if Routes.COLLECTIVE_RPC not in http.capabilities():
             return False
         cfg = http.server_info(timeout_s=timeout_s).get("vllm_config")
         pc = cfg.get("parallel_config") if isinstance(cfg, dict) else None
         if isinstance(pc, dict) and not pc.get("worker_extension_cls"):
             return False
-        body = http._post_json("/collective_rpc", "rank_reports",
+        body = http._post_json(Routes.COLLECTIVE_RPC, "rank_reports",
                                {"method": gloo_report.METHOD, "timeout": timeout_s},
                                timeout_s)
     except RolloutCoreError:

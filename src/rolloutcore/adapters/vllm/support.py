@@ -10,8 +10,8 @@ and the answer says exactly what is wrong and how to fix it.
 ``assess`` is pure: the caller fetches ``/version`` and ``/openapi.json``
 (``ManagedEngine.start``, ``rolloutcore serve``) and hands the parsed
 bodies over, so the decision is unit-tested without an engine and the
-module imports no HTTP client. The route names are spelled here rather
-than taken from the adapter for the same reason.
+module imports no HTTP client. The route names come from the route table
+(``engine.routes``), which imports no HTTP client either.
 
 Optional capabilities are reported, never required: what the engine lacks
 is later stated as unverified evidence (``VllmAdapter``), not assumed.
@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutcore.engine.routes import Routes, required_routes
 from rolloutcore.errors import EngineUnavailable
 
 __all__ = [
@@ -43,14 +44,7 @@ MIN_MINOR = (0, 26)
 MAX_MINOR = (0, 32)
 
 #: Routes a hot update cannot do without, with what each is for.
-REQUIRED_ROUTES: Mapping[str, str] = {
-    "/pause": "drain the engine before the weights change",
-    "/resume": "serve again after the update",
-    "/start_weight_update": "open a weight update",
-    "/update_weights": "receive the weights",
-    "/finish_weight_update": "close the update (and set its label)",
-    "/reset_prefix_cache": "drop KV computed by the old weights",
-}
+REQUIRED_ROUTES: Mapping[str, str] = required_routes()
 
 #: Optional capabilities, each with how it shows in ``/openapi.json``.
 OPTIONAL_CAPABILITIES: Mapping[str, str] = {
@@ -61,8 +55,8 @@ OPTIONAL_CAPABILITIES: Mapping[str, str] = {
     "sleep": "/sleep and /wake_up",
 }
 
-_ROUTE_OF = {"weight_info": "/weight_info", "weight_checker": "/weight_checker",
-             "generate": "/inference/v1/generate", "sleep": "/sleep"}
+_ROUTE_OF = {"weight_info": Routes.WEIGHT_INFO, "weight_checker": Routes.WEIGHT_CHECKER,
+             "generate": Routes.GENERATE, "sleep": Routes.SLEEP}
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -181,11 +175,11 @@ def assess(version: object, openapi: object) -> SupportVerdict:
     missing = tuple(r for r in REQUIRED_ROUTES if r not in routes)
     if missing:
         hint = (" (start vLLM with VLLM_SERVER_DEV_MODE=1: the RL endpoints are dev-mode "
-                "routes)" if "/pause" in missing else "")
+                "routes)" if Routes.PAUSE in missing else "")
         reasons.append("missing required routes " + ", ".join(
             f"{r} ({REQUIRED_ROUTES[r]})" for r in missing) + hint)
     caps: dict[str, bool | None] = {k: r in routes for k, r in _ROUTE_OF.items()}
-    caps["sleep"] = "/sleep" in routes and "/wake_up" in routes
+    caps["sleep"] = Routes.SLEEP in routes and Routes.WAKE_UP in routes
     caps["weight_versions"] = (None if schemas is None else bool(
         caps["generate"] and _has_spans(schemas)))
     return SupportVerdict(text, tuple(reasons), missing,

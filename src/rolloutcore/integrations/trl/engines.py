@@ -23,6 +23,7 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -585,7 +586,7 @@ class _GatewayEngine(_AdapterPublisher):
 
     def _served_model(self) -> str:
         if self._model is None:
-            r = self.http.get("/v1/models")
+            r = self.http.get(Routes.MODELS)
             r.raise_for_status()
             self._model = str(r.json()["data"][0]["id"])
         return self._model
@@ -599,7 +600,7 @@ class _GatewayEngine(_AdapterPublisher):
         while True:
             aw, am = time.time(), time.monotonic()
             try:
-                r = self.http.post("/inference/v1/generate", json=body,
+                r = self.http.post(Routes.GENERATE, json=body,
                                    headers={"x-rolloutcore-rollout-id": rollout_id})
             except httpx.HTTPError as exc:
                 raise EffectError("generate", f"gateway unreachable: {exc!r}",
@@ -660,7 +661,7 @@ class _GatewayEngine(_AdapterPublisher):
                 (placed.replica, placed.fleet_version))
 
     def engine_identity(self) -> EngineIdentity:
-        r = self.http.get("/version")
+        r = self.http.get(Routes.VERSION)
         version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
         return EngineIdentity(version, self._served_model(), {}, self.replica)
 

@@ -28,6 +28,7 @@ import torch
 
 from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EngineUnavailable, TransferError
 from rolloutcore.transports.cuda_ipc.checksum import (
     CHECKSUM_IMPLS,
@@ -200,21 +201,21 @@ class CudaIpcTransport:
     def connect(self, base_url: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
         """Check the engine offers the update session, init the backend, say hello."""
         self._check_url(base_url)
-        r = self._call("GET", base_url, "/openapi.json", timeout_s, step="connect",
+        r = self._call("GET", base_url, Routes.OPENAPI, timeout_s, step="connect",
                        mutation=False)
         paths = frozenset(r.get("paths", {}))
-        need = {"/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                "/finish_weight_update", "/collective_rpc"}
+        need = {Routes.INIT_TRANSFER, Routes.START_UPDATE, Routes.UPDATE_WEIGHTS,
+                Routes.FINISH_UPDATE, Routes.COLLECTIVE_RPC}
         if not need <= paths:
             raise EngineUnavailable("connect", f"engine lacks routes {sorted(need - paths)}",
                                     mutation_started=False)
         self._routes = paths
         # Weight versions came with /update_weight_version and /weight_info; a finish
         # body with weight_version is read only where those exist (not in 0.26).
-        self.label_supported = "/weight_info" in paths and "/update_weight_version" in paths
+        self.label_supported = Routes.WEIGHT_INFO in paths and Routes.UPDATE_WEIGHT_VERSION in paths
         self._delivered = {d for d in self._delivered if d[0] != base_url}
         self._sent_to.discard(base_url)
-        self._call("POST", base_url, "/init_weight_transfer_engine", timeout_s,
+        self._call("POST", base_url, Routes.INIT_TRANSFER, timeout_s,
                    step="connect", mutation=False,
                    body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
                                        "checksum_impl": self.checksum_impl}})
@@ -262,12 +263,12 @@ class CudaIpcTransport:
             if packed.device.type == "cuda":
                 torch.cuda.synchronize(packed.device)  # the engine reads after our writes
             t = time.monotonic()
-            self._call("POST", base_url, "/start_weight_update", timeout_s, step="transfer",
+            self._call("POST", base_url, Routes.START_UPDATE, timeout_s, step="transfer",
                        mutation=False)
             tm.start_s = time.monotonic() - t
             mutation = True
             t = time.monotonic()
-            self._call("POST", base_url, "/update_weights", timeout_s, step="transfer",
+            self._call("POST", base_url, Routes.UPDATE_WEIGHTS, timeout_s, step="transfer",
                        mutation=True, body={"update_info": body})
             tm.update_s = time.monotonic() - t
             self._delivered.add(delivered)
@@ -282,7 +283,7 @@ class CudaIpcTransport:
                 tm.trainer_checksum_s = time.monotonic() - t
             t = time.monotonic()
             fin = {"weight_version": target_label} if self.label_supported else None
-            self._call("POST", base_url, "/finish_weight_update", timeout_s, step="transfer",
+            self._call("POST", base_url, Routes.FINISH_UPDATE, timeout_s, step="transfer",
                        mutation=True, body=fin)
             tm.finish_s = time.monotonic() - t
             if slot is not None:
@@ -317,7 +318,7 @@ class CudaIpcTransport:
 
     def rpc(self, base_url: str, method: str, *args: str, timeout_s: float = 60.0) -> list[Any]:
         """``/collective_rpc`` of a worker-extension method; one result per worker."""
-        r = self._call("POST", base_url, "/collective_rpc", timeout_s, step="rpc",
+        r = self._call("POST", base_url, Routes.COLLECTIVE_RPC, timeout_s, step="rpc",
                        mutation=False, body={"method": method, "args": list(args),
                                              "timeout": timeout_s})
         res = r.get("results") if isinstance(r, dict) else None
