@@ -1,4 +1,4 @@
-"""The one HTTP translation point (``rolloutcore.transports.http``) and its users.
+"""The one HTTP translation point (``rolloutcore.engine.errors``) and its users.
 
 Every client of vLLM (``VllmHTTP``, the transports' weight-transfer calls,
 the recoverer's label write, the gateway's upstream client) must turn the
@@ -20,6 +20,13 @@ import pytest
 
 from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.control.recovery import set_weight_version
+from rolloutcore.engine.errors import (
+    is_refusal,
+    map_errors,
+    request,
+    status_error,
+    transport_error,
+)
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -31,13 +38,6 @@ from rolloutcore.errors import (
     RolloutCoreError,
 )
 from rolloutcore.transports.base import TransportBase
-from rolloutcore.transports.http import (
-    is_refusal,
-    map_errors,
-    request,
-    status_error,
-    transport_error,
-)
 
 
 @pytest.mark.parametrize(("exc", "cls"), [

@@ -13,7 +13,12 @@ dependency: it only fails later. Checked:
 (e) no module but the route table (``engine.routes``) spells a vLLM route:
     a string or bytes literal equal to a path of the table (or that path
     with a query) is a violation anywhere else, except as the path of the
-    gateway's own route list (a ``Route("/health", ...)`` declaration).
+    gateway's own route list (a ``Route("/health", ...)`` declaration);
+(f) no module outside the engine package (``rolloutcore.engine``) catches an
+    httpx exception for itself (``except httpx.X`` or
+    ``contextlib.suppress(httpx.X)``): it wraps its call in
+    ``engine.errors.map_errors`` and catches the tree's errors, unless
+    ``OWN_HTTP_ERRORS`` says why not.
 
 The implicit import of a parent package (``import a.b`` runs ``a/__init__``)
 is not an edge: otherwise every package that re-exports its modules would be
@@ -71,6 +76,17 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset()
 
 #: The one module that spells vLLM's routes (issue 45).
 ROUTE_TABLE = f"{ROOT}.engine.routes"
+#: The package that maps httpx's exceptions into the tree (issue 45).
+ENGINE = f"{ROOT}.engine"
+#: Modules that catch httpx exceptions for themselves, each with the reason.
+OWN_HTTP_ERRORS: dict[str, str] = {
+    f"{ROOT}.service.client": (
+        "RolloutCore's client of its own gateway, not of vLLM: its errors are the "
+        "gateway's contract (the mutation flag of a refused control call)"),
+    f"{ROOT}.testing.faultproxy": (
+        "a test tool: a proxy that answers its own client with an HTTP status for what "
+        "the upstream did; it maps to HTTP answers, not to the tree"),
+}
 
 
 # --------------------------------------------------------------------------- the graph
@@ -216,6 +232,10 @@ def violations() -> dict[tuple[str, ...], str]:
         out[("route", m, path)] = (
             f"{m} (line {line}) spells the vLLM route {path!r}: name it from "
             f"{ROUTE_TABLE} (Routes.*)")
+    for m, line in _httpx_catches():
+        out[("httpx-catch", m, str(line))] = (
+            f"{m} (line {line}) catches an httpx exception for itself: wrap the call in "
+            "engine.errors.map_errors and catch the tree's errors")
     for path in FILES.values():
         n = len(path.read_text().splitlines())
         rel = path.relative_to(SRC).as_posix()
@@ -251,6 +271,25 @@ def _route_literals() -> Iterator[tuple[str, int, str]]:
                 yield m, node.lineno, text
 
 
+def _names_httpx(node: ast.expr | None) -> bool:
+    return node is not None and any(
+        isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "httpx"
+        for n in ast.walk(node))
+
+
+def _httpx_catches() -> Iterator[tuple[str, int]]:
+    """(module, line) for every httpx exception caught outside the engine package."""
+    for m, file in FILES.items():
+        if m == ENGINE or m.startswith(ENGINE + ".") or m in OWN_HTTP_ERRORS:
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            caught = (node.type if isinstance(node, ast.ExceptHandler) else ast.Tuple(
+                node.args) if isinstance(node, ast.Call) and getattr(
+                    node.func, "attr", getattr(node.func, "id", None)) == "suppress" else None)
+            if _names_httpx(caught):
+                yield m, node.lineno
+
+
 # --------------------------------------------------------------------------- the tests
 
 @pytest.fixture(scope="module")
@@ -268,6 +307,12 @@ def test_known_violations_still_occur(found: dict[tuple[str, ...], str]) -> None
     """A fixed violation leaves the list, so the list never hides a new one."""
     stale = sorted(KNOWN_VIOLATIONS - found.keys())
     assert not stale, f"fixed (remove from KNOWN_VIOLATIONS): {stale}"
+
+
+def test_own_http_errors_exist_and_give_a_reason() -> None:
+    for m, reason in OWN_HTTP_ERRORS.items():
+        assert m in FILES, m
+        assert reason.strip(), m
 
 
 def test_allowed_large_files_exist_and_give_a_reason() -> None:
@@ -315,7 +360,9 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         "rolloutcore/widgets/__init__.py": "",
         "rolloutcore/service/routes.py": (
             "PAUSE = '/pause?mode=wait'\nA = b'/abort_requests'\nMSG = '/pause failed'\n"
-            "r = Route('/health', None)\n"),
+            "r = Route('/health', None)\n"
+            "try:\n    pass\nexcept (httpx.HTTPError, OSError):\n    pass\n"
+            "with contextlib.suppress(httpx.ConnectError):\n    pass\n"),
     })
     assert set(violations()) == {
         ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
@@ -327,4 +374,6 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("unranked", "rolloutcore.widgets"),
         ("route", "rolloutcore.service.routes", "/pause?mode=wait"),
         ("route", "rolloutcore.service.routes", "/abort_requests"),
+        ("httpx-catch", "rolloutcore.service.routes", "7"),
+        ("httpx-catch", "rolloutcore.service.routes", "9"),
     }

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from rolloutcore.engine.errors import is_refusal, status_error, transport_error
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, TransferError
 from rolloutcore.transports.base import (
     TransportBase,
@@ -27,7 +28,6 @@ from rolloutcore.transports.base import (
 )
 from rolloutcore.transports.driver import DeviceGuard, TargetAwareSyncClient
 from rolloutcore.transports.gloo import GlooInitInfo, GlooTransport, GlooUpdateInfo
-from rolloutcore.transports.http import is_refusal, status_error, transport_error
 from rolloutcore.transports.ipc import IpcTransport
 from rolloutcore.transports.nccl import NcclTransport
 from rolloutcore.transports.source import WeightSource

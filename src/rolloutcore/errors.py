@@ -5,7 +5,7 @@ failures (an HTTP timeout, a reset connection, a dead process, a broken
 collective) are caught at the boundary where they happen and re-raised as the
 most specific class below with ``raise ... from exc``, so callers never need
 to know which library failed. For HTTP to vLLM that boundary is one place,
-``rolloutcore.transports.http`` (httpx's ``map_exceptions`` is the model)::
+``rolloutcore.engine.errors`` (httpx's ``map_exceptions`` is the model)::
 
     RolloutCoreError
     ├── BadInput (also a ValueError)          bad argument; nothing changed

@@ -19,7 +19,8 @@ touches):
 
 What is still outside (issue 45, moved here step by step): the clients
 (``adapters.vllm.http.VllmHTTP``, the gateway's ``service.upstream``), the
-launcher, support detection and the weight-transfer calls of the transports.
+launcher, support detection and the weight-transfer calls of the transports;
+they name routes from ``routes`` and map failures with ``errors``.
 """
 
 from rolloutcore.engine.routes import TABLE, Route, Routes

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import Routes
+from rolloutcore.errors import EffectError, EffectTimeout
 from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
@@ -74,8 +76,6 @@ class ReadOnlyRoutes:
         self.metrics.requests.labels(route, str(status)).inc()
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str) -> int:
-        import httpx
-
         cfg = self.config
         method = READ_ONLY_ROUTES[route]
         if scope["method"] != method:
@@ -107,16 +107,18 @@ class ReadOnlyRoutes:
         if b"content-type" in hdrs:
             headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
         qs = scope.get("query_string", b"")
-        try:
-            resp = await client.request(method, route + ("?" + qs.decode("latin-1")
-                                                         if qs else ""),
-                                        content=body or None, headers=headers)
-        except httpx.TimeoutException as exc:
+        try:  # the one map (engine.errors); the answer quotes httpx's own exception
+            with map_errors("read_only", f"{method} {route}", timeout_s=cfg.upstream_read_s,
+                            mutation_started=False):
+                resp = await client.request(method, route + ("?" + qs.decode("latin-1")
+                                                             if qs else ""),
+                                            content=body or None, headers=headers)
+        except EffectTimeout as exc:
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
-                                                  f"{exc!r}", "UpstreamTimeout"))
+                                                  f"{exc.__cause__!r}", "UpstreamTimeout"))
             return 504
-        except httpx.HTTPError as exc:
-            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
+        except EffectError as exc:
+            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc.__cause__!r}",
                                                   "UpstreamError"))
             return 502
         out = [(b"content-type", resp.headers.get("content-type", "application/json")

@@ -18,7 +18,7 @@ Semantics kept from the aiohttp client it replaces:
 * deadlines: ``connect_s`` for a new connection, ``pool_s`` for waiting on a
   full pool, ``read_s`` for the longest silence while the answer is read;
 * failures are the package's, as every client of vLLM has them
-  (``rolloutcore.transports.http``, whose ``transport_error`` maps the
+  (``rolloutcore.engine.errors``, whose ``transport_error`` maps the
   socket's): a deadline ``EffectTimeout``, no connection
   ``EngineUnreachable``, an answer that broke off or was not HTTP
   ``EngineUnavailable``. They are made where the failure is seen, off the
@@ -51,9 +51,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from rolloutcore.engine.errors import transport_error
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 from rolloutcore.transports import engine_key
-from rolloutcore.transports.http import transport_error
 
 __all__ = ["STEP", "UpstreamPool", "UpstreamResponse"]
 

@@ -250,7 +250,7 @@ def _digest(d: Path) -> str:
 def _call(method: str, url: str, step: str, timeout_s: float, **kw: Any) -> Any:
     import httpx
 
-    from rolloutcore.transports.http import map_errors, raise_for_status
+    from rolloutcore.engine.errors import map_errors, raise_for_status
 
     what = f"{method} {PREFIX}..."
     with map_errors(step, what, timeout_s=timeout_s):

@@ -42,8 +42,8 @@ from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.versions import check_label
+from rolloutcore.engine.errors import is_refusal, request
 from rolloutcore.errors import BadInput, TransferError
-from rolloutcore.transports.http import is_refusal, request
 from rolloutcore.transports.net import local_address_towards
 from rolloutcore.transports.source import WeightSource
 
@@ -180,10 +180,10 @@ class TransportBase:
     @staticmethod
     def post(base_url: str, path: str, body: dict[str, Any] | None,
              timeout_s: float) -> Any:
-        """POST and return the JSON body (or the text); failures as ``transports.http`` maps them.
+        """POST and return the JSON body (or the text); failures as ``engine.errors`` maps them.
 
         A 4xx is ``EngineRefused`` and no connection ``EngineUnreachable``:
-        ``transports.http.is_refusal`` tells those from a call that may have
+        ``engine.errors.is_refusal`` tells those from a call that may have
         been acted on.
         """
         r = request("POST", f"{base_url}{path}", step=path.lstrip("/"), timeout_s=timeout_s,
@@ -207,7 +207,7 @@ class TransportBase:
         The first side call to fail decides the error: when the trainer's
         end fails, the engine's matching HTTP call will only fail later (on
         its own timeout), and vice versa. With ``refusal_is_safe``, an
-        engine that refused the call (``transports.http.is_refusal``) is reported as
+        engine that refused the call (``engine.errors.is_refusal``) is reported as
         ``mutation_started=False``; abort and deadline never are, since the
         request may have arrived.
         """

@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.engine.errors import is_refusal
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
 from rolloutcore.transports.base import (
@@ -46,7 +47,6 @@ from rolloutcore.transports.base import (
     preflight,
     run_side,
 )
-from rolloutcore.transports.http import is_refusal
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
@@ -143,7 +143,7 @@ class TargetAwareSyncClient:
 
 def _is_refusal(exc: BaseException) -> bool:
     """The engine said no to a request (4xx) or was never reached."""
-    if isinstance(exc, RolloutCoreError):  # our own transports.http mapping
+    if isinstance(exc, RolloutCoreError):  # our own engine.errors mapping
         return is_refusal(exc)
     resp = getattr(exc, "response", None)  # requests.HTTPError, httpx.HTTPStatusError
     status = getattr(resp, "status_code", None)

@@ -4,7 +4,7 @@ Modules, each one concern:
 
 * ``http``: ``VllmHTTP``, a thin typed client of vLLM's own HTTP surface;
   its failures are translated where every client of vLLM translates them
-  (``rolloutcore.transports.http``);
+  (``rolloutcore.engine.errors``);
 * ``wire``: what vLLM's answers are parsed into (``WeightInfo``,
   ``Generation``, ``MetricsSnapshot``...);
 * ``checksums``: ``/weight_checker`` checksums and their comparison;

@@ -3,7 +3,7 @@
 The dev endpoints of ``VLLM_SERVER_DEV_MODE=1``, ``/metrics``, token-in /
 token-out generation. Every call has a timeout; every failure leaves as a
 ``rolloutcore.errors`` exception, translated at one point
-(``rolloutcore.transports.http``, shared with every other client of vLLM);
+(``rolloutcore.engine.errors``, shared with every other client of vLLM);
 every answer is parsed once, here, into a typed result (``wire``).
 
 What this client does not say is whether the engine's weights may have
@@ -54,10 +54,10 @@ from rolloutcore.adapters.vllm.wire import (
 )
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
-from rolloutcore.transports.http import map_errors, route_url, snippet, status_error
 
 __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
            "check_timeout"]
@@ -96,7 +96,7 @@ class VllmHTTP:
     """A typed httpx client of one vLLM server. Thread-safe.
 
     Every method takes ``timeout_s`` (default: the client's). Failures are
-    ``transports.http``'s: a timeout ``EffectTimeout``, no connection
+    ``engine.errors``'s: a timeout ``EffectTimeout``, no connection
     ``EngineUnreachable``, a broken one or a 5xx ``EngineUnavailable``, a
     route the engine does not offer ``EngineRefused``, a 4xx on a request we
     built ``RequestRejected`` (a ``BadInput``), an answer we cannot read

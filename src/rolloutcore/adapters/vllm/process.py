@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import Routes
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
 
@@ -524,7 +525,8 @@ class ManagedEngine:
                         "launch", f"vLLM exited with status {rc} while starting "
                         f"(log {self._log_path}):\n{self.log_tail()}",
                         mutation_started=False)
-                with contextlib.suppress(httpx.HTTPError):
+                with contextlib.suppress(EffectError), map_errors(
+                        "launch", f"GET {Routes.HEALTH}", timeout_s=2.0, mutation_started=False):
                     healthy = client.get(url).status_code == 200
                 if healthy:
                     self.support = self._check_support(client, deadline)
@@ -551,17 +553,18 @@ class ManagedEngine:
         that cannot be driven fails at start with the reason instead of on
         the first update's ``/pause``.
         """
-        import httpx
-
         answers: list[Any] = []
         for route in (Routes.VERSION, Routes.OPENAPI):
             timeout = min(30.0, max(1.0, deadline - time.monotonic()))
             try:
-                resp = client.get(f"{self.base_url}{route}", timeout=timeout)
+                with map_errors("launch", f"GET {route}", timeout_s=timeout,
+                                mutation_started=False):
+                    resp = client.get(f"{self.base_url}{route}", timeout=timeout)
                 answers.append(resp.json() if resp.status_code == 200
                                else {"error": f"HTTP {resp.status_code}"})
-            except (httpx.HTTPError, ValueError) as exc:
-                answers.append({"error": f"{type(exc).__name__}: {exc}"})
+            except (EffectError, ValueError) as exc:
+                err = exc.__cause__ or exc  # httpx's own exception, as before
+                answers.append({"error": f"{type(err).__name__}: {err}"})
         verdict = assess(*answers)
         if not verdict.supported:
             raise EngineUnavailable("launch", f"{verdict.describe()} (log {self._log_path})",

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 
 from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
+from rolloutcore.engine.errors import map_errors, snippet, status_error
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
-from rolloutcore.transports.http import map_errors, snippet, status_error
 
 __all__ = ["GenerationStream", "chunk_of"]
 
@@ -56,7 +56,7 @@ class GenerationStream:
     """One streamed generation: iterate ``GenerationChunk``s, ``close()`` to abort it.
 
     Closing the response closes its connection, which makes vLLM abort the
-    request. Failures leave as the tree's errors (``transports.http``), like
+    request. Failures leave as the tree's errors (``engine.errors``), like
     every other call of ``VllmHTTP``.
     """
 

@@ -23,6 +23,7 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.errors import map_errors, raise_for_status
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import (
     BadInput,
@@ -462,6 +463,7 @@ class _GatewayEngine(_AdapterPublisher):
         headers = {"authorization": f"Bearer {data_token}"} if data_token else {}
         self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers,
                                  transport=http_transport)
+        self.timeout_s = timeout_s
         self.min_verification = min_verification
         #: The tolerance this trainer declares for each adapter version's probe (the
         #: gateway's own default when None), as for its full updates.
@@ -586,25 +588,23 @@ class _GatewayEngine(_AdapterPublisher):
 
     def _served_model(self) -> str:
         if self._model is None:
-            r = self.http.get(Routes.MODELS)
-            r.raise_for_status()
+            what = f"GET {Routes.MODELS}"
+            with map_errors("generate", what, timeout_s=self.timeout_s, mutation_started=False):
+                r = self.http.get(Routes.MODELS)
+            raise_for_status(r, "generate", what, mutation_started=False)
             self._model = str(r.json()["data"][0]["id"])
         return self._model
 
     def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
-        import httpx
-
         body = {"model": self._served_model(), "token_ids": list(prompt),
                 "sampling_params": spec.to_vllm()}
         deadline = time.monotonic() + _RETRY_503_S
         while True:
             aw, am = time.time(), time.monotonic()
-            try:
+            with map_errors("generate", f"POST {Routes.GENERATE} (gateway)",
+                            timeout_s=self.timeout_s, mutation_started=False):
                 r = self.http.post(Routes.GENERATE, json=body,
                                    headers={"x-rolloutcore-rollout-id": rollout_id})
-            except httpx.HTTPError as exc:
-                raise EffectError("generate", f"gateway unreachable: {exc!r}",
-                                  mutation_started=False) from exc
             retry = r.headers.get("retry-after")
             if r.status_code == 503 and retry is not None and time.monotonic() < deadline:
                 time.sleep(min(float(retry), max(0.0, deadline - time.monotonic())))
@@ -661,7 +661,9 @@ class _GatewayEngine(_AdapterPublisher):
                 (placed.replica, placed.fleet_version))
 
     def engine_identity(self) -> EngineIdentity:
-        r = self.http.get(Routes.VERSION)
+        with map_errors("identity", f"GET {Routes.VERSION}", timeout_s=self.timeout_s,
+                        mutation_started=False):
+            r = self.http.get(Routes.VERSION)
         version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
         return EngineIdentity(version, self._served_model(), {}, self.replica)
 

@@ -29,7 +29,7 @@ import torch
 from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.routes import Routes
-from rolloutcore.errors import BadInput, EngineUnavailable, TransferError
+from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
 from rolloutcore.transports.cuda_ipc.checksum import (
     CHECKSUM_IMPLS,
     checksum_digest,
@@ -288,7 +288,7 @@ class CudaIpcTransport:
             tm.finish_s = time.monotonic() - t
             if slot is not None:
                 self._expect = (slot, base_url)
-        except (EngineUnavailable, TransferError) as exc:
+        except EffectError as exc:  # a TransferError, or the call's (engine.errors)
             raise TransferError("transfer", exc.reason, mutation_started=mutation) from exc
         self.last_timings = tm
         unverified: tuple[str, ...] = ()
@@ -613,27 +613,22 @@ class CudaIpcTransport:
 
     def _call(self, method: str, base_url: str, path: str, timeout_s: float, *, step: str,
               mutation: bool, body: Any = None) -> Any:
-        import httpx
-
+        from rolloutcore.engine.errors import map_errors, raise_for_status, route_url
         from rolloutcore.transports.engine_key import headers_for
-        from rolloutcore.transports.http import route_url
 
         client = self._http()
         headers = headers_for(base_url)  # a launched engine's route key
         url = route_url(self._urls.setdefault(base_url, {}), base_url, path)
-        try:
+        what = f"{method} {path}"
+        # abort() (another thread) closes the client under a stuck call: cancelled.
+        with map_errors(step, what, timeout_s=timeout_s, mutation_started=mutation,
+                        cancelled=lambda: self._client is not client):
             if method == "GET":
                 r = client.get(url, timeout=timeout_s, headers=headers)
             else:
                 r = client.post(url, timeout=timeout_s, headers=headers,
                                 **({"json": body} if body is not None else {}))
-        except (httpx.HTTPError, RuntimeError) as exc:
-            # RuntimeError: the client was closed under us by abort().
-            raise EngineUnavailable(step, f"{path}: {type(exc).__name__}: {exc}",
-                                    mutation_started=mutation) from exc
-        if r.status_code >= 300:
-            raise EngineUnavailable(step, f"{path} answered HTTP {r.status_code}: "
-                                    f"{r.text[:300]}", mutation_started=mutation)
+        raise_for_status(r, step, what, mutation_started=mutation)
         if not r.content:
             return {}
         try:

@@ -1,13 +1,21 @@
 """HTTP to vLLM: the one place where a failed request becomes the exception tree.
 
 Every client of a vLLM server meets the same failures: the adapter's
-``VllmHTTP``, the transports' calls to the weight-transfer routes, the
-recoverer's label write, the gateway's own data-path client
-(``service.upstream``, hand-written for speed). The deadline expires, the
-connection is refused or reset, the answer is not HTTP, the server answers
-5xx or 4xx. Each becomes the most specific class of ``rolloutcore.errors``
-here, and nowhere else, with ``raise ... from exc`` (httpx's
-``_transports/default.py`` ``map_exceptions`` is the model):
+``VllmHTTP`` and its streams, the transports' calls to the weight-transfer
+routes, the CUDA-IPC trainer, the TRL engines, the recoverer's label write,
+the launcher's probes, the gateway's read-only passthrough and its own
+data-path client (``service.upstream``, hand-written for speed). The
+deadline expires, the connection is refused or reset, the answer is not
+HTTP, the server answers 5xx or 4xx. Each becomes the most specific class of
+``rolloutcore.errors`` here, and nowhere else, with ``raise ... from exc``
+(httpx's ``_transports/default.py`` ``map_exceptions`` is the model: one
+context manager, most specific exception first). No other module catches
+``httpx.HTTPError`` for itself (``tests/test_layering.py``).
+
+Sync and async alike: ``map_errors`` is a plain context manager, so it wraps
+``client.request(...)`` and ``await client.request(...)`` the same way, and
+a stream's reads (``for``/``async for`` over its lines) as well as its
+opening.
 
 * ``map_errors``: a context manager around one request made with httpx;
 * ``transport_error``: the same mapping for a client that meets the
@@ -25,8 +33,9 @@ What each class lets a caller conclude:
 
 ``is_refusal`` is what the weight transports ask of a failed call: only a
 refusal proves the engine did nothing with it. Whether the engine's
-*weights* changed is not known here (``mutation_started`` stays ``True``):
-only the step that sent the request knows (see ``rolloutcore.errors``).
+*weights* changed is not known here (``mutation_started`` stays ``True``
+unless the caller, the step that sent the request, passes ``False``: see
+``rolloutcore.errors``).
 
 httpx is imported only where a request is made: the engine half of the
 gloo transport imports this package inside vLLM's workers.
@@ -75,47 +84,53 @@ def snippet(text: str) -> str:
 
 
 def transport_error(exc: BaseException, step: str, what: str, *, timeout_s: float,
-                    connecting: bool = False) -> EffectError:
+                    connecting: bool = False, mutation_started: bool = True) -> EffectError:
     """The tree's error for a request that failed below HTTP (no status to read).
 
     ``what`` names the request (``"POST /pause"``); ``connecting`` says the
     failure happened while the connection was being made (httpx says so
-    itself with ``ConnectError``).
+    itself with ``ConnectError``). ``mutation_started=False``: the caller knows
+    the request moves no weights (see ``rolloutcore.errors``).
     """
     httpx_mod = sys.modules.get("httpx")  # an httpx error implies httpx is imported
     if isinstance(exc, TimeoutError) or (
             httpx_mod is not None and isinstance(exc, httpx_mod.TimeoutException)):
-        return EffectTimeout(step, timeout_s, detail=what)
+        return EffectTimeout(step, timeout_s, detail=what, mutation_started=mutation_started)
     reason = f"{what}: {type(exc).__name__}: {exc}"
     if connecting or (httpx_mod is not None and isinstance(exc, httpx_mod.ConnectError)):
-        return EngineUnreachable(step, reason)
-    return EngineUnavailable(step, reason)
+        return EngineUnreachable(step, reason, mutation_started=mutation_started)
+    return EngineUnavailable(step, reason, mutation_started=mutation_started)
 
 
 @contextlib.contextmanager
 def map_errors(step: str, what: str, *, timeout_s: float,
-               cancelled: Callable[[], bool] | None = None) -> Iterator[None]:
+               cancelled: Callable[[], bool] | None = None,
+               mutation_started: bool = True) -> Iterator[None]:
     """Translate what an httpx request raises into the tree.
 
     ``cancelled`` tells a connection shut down on purpose (a watchdog
-    unblocking a stuck call from another thread) from one the engine broke:
-    the former is the step's timeout, however soon it came.
+    unblocking a stuck call from another thread, by shutting its socket or
+    closing its client: httpx then raises ``RuntimeError``) from one the
+    engine broke: the former is the step's timeout, however soon it came.
     """
     import httpx
 
     t0 = time.monotonic()
     try:
         yield
-    except (httpx.RequestError, OSError) as exc:
+    except (httpx.RequestError, OSError, RuntimeError) as exc:
         if cancelled is not None and not isinstance(exc, (httpx.TimeoutException, TimeoutError)) \
                 and cancelled():
-            raise EffectTimeout(step, time.monotonic() - t0,
+            raise EffectTimeout(step, time.monotonic() - t0, mutation_started=mutation_started,
                                 detail=f"{what}: cancelled by its watchdog") from exc
-        raise transport_error(exc, step, what, timeout_s=timeout_s) from exc
+        if isinstance(exc, RuntimeError):
+            raise  # not a failed request: a bug, left as it is
+        raise transport_error(exc, step, what, timeout_s=timeout_s,
+                              mutation_started=mutation_started) from exc
 
 
 def status_error(step: str, what: str, status: int, body: str, *,
-                 offered: bool = True) -> EffectError | None:
+                 offered: bool = True, mutation_started: bool = True) -> EffectError | None:
     """The tree's error for an answer with status ``status``; ``None`` for a 2xx.
 
     ``offered=False``: the engine's ``/openapi.json`` does not list the
@@ -126,22 +141,25 @@ def status_error(step: str, what: str, status: int, body: str, *,
     if 200 <= status < 300:
         return None
     text = snippet(body)
+    m = mutation_started
     if status >= 500:
-        return EngineUnavailable(step, f"{what} answered HTTP {status}: {text}", status=status)
+        return EngineUnavailable(step, f"{what} answered HTTP {status}: {text}", status=status,
+                                 mutation_started=m)
     if status == 403 or (status in (404, 405) and not offered):
         return EngineRefused(step, f"{what} not offered by this engine (HTTP {status}): {text}",
-                             status=status)
+                             status=status, mutation_started=m)
     if status >= 400:
         return RequestRejected(step, f"{what} refused with HTTP {status}: {text}",
-                               status=status)
+                               status=status, mutation_started=m)
     return EngineUnavailable(step, f"{what} answered HTTP {status}, not a success: {text}",
-                             status=status)
+                             status=status, mutation_started=m)
 
 
 def raise_for_status(resp: httpx.Response, step: str, what: str, *,
-                     offered: bool = True) -> httpx.Response:
+                     offered: bool = True, mutation_started: bool = True) -> httpx.Response:
     """``resp`` itself when it is a 2xx; else ``status_error``'s error."""
-    err = status_error(step, what, resp.status_code, resp.text, offered=offered)
+    err = status_error(step, what, resp.status_code, resp.text, offered=offered,
+                       mutation_started=mutation_started)
     if err is not None:
         raise err
     return resp
