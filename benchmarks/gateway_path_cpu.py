@@ -377,9 +377,9 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     # Prefix cache only, as the H200 harness's controller (vLLM 0.26 has no other reset).
     session.controller = LifecycleController(listener=session.journal.listener,
                                              required_caches=(CacheKind.PREFIX,))
-    session.runner = LifecycleRunner(session.controller, session.adapter, deadlines,
+    session.runner = LifecycleRunner(session.controller, session.vllm, deadlines,
                                      record=session.journal.write)
-    session.adapter.stage(source, provenance=StandIn.provenance(1))
+    session.vllm.stage(source, provenance=StandIn.provenance(1))
     session.runner.bootstrap(identity(1))
     # The gateway: serve --journal's controller and journal, its own adapter (no transport).
     controller, journal = open_controller(tmp / "gateway.jsonl", keep=256,
@@ -419,7 +419,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
             seed = 2 if si.engine["seed"] == 1 else 1
             ident = prepare(seed)
             if path == "inprocess":
-                session.adapter.stage(source, provenance=ident.provenance)
+                session.vllm.stage(source, provenance=ident.provenance)
             si.engine["seed"] = seed
             e0, c0, th0 = eng["ns"], eng["calls"], threads0[0]
             S.reset()

@@ -132,7 +132,7 @@ def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
         # The takeover of the engine on its start checkpoint (probe level): its
         # deviation is this engine's calibration (the adapter keeps it).
         session.bootstrap(ckpts[0], Provenance(ckpts[0].name, "probe-bench", 0))
-        calib = dict(session.adapter.calibrations)
+        calib = dict(session.vllm.calibrations)
         start = _parts(_probe(arch, ckpts[0]))
         kinds = {p.name: p.kind for p in start}
         takeover = {name: calib[kind].baseline for name, kind in kinds.items()}

@@ -171,12 +171,12 @@ def dead_session(tmp_path: Path) -> Iterator[EngineSession]:
 def test_a_session_refuses_a_target_only_update_of_a_drafted_engine_before_any_io(
         dead_session: EngineSession) -> None:
     s = dead_session
-    s.adapter.draft_method = "eagle"   # as its bootstrap read it from the engine
+    s.vllm.draft_method = "eagle"   # as its bootstrap read it from the engine
     state = s.controller.state
     with pytest.raises(UpdateRefused, match="method eagle"):
         s.update(_src(1), Provenance("ckpt", "run", 1), probe=False)
     # A pair through this plain transport would send the target only: refused too.
-    s.adapter.draft_method = None
+    s.vllm.draft_method = None
     with pytest.raises(UpdateRefused, match="DraftedGlooTransport"):
         s.update(DraftedSource(_src(1), _src(2, n=2)), Provenance("ckpt", "run", 1),
                  probe=False)

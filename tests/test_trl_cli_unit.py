@@ -199,7 +199,7 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
             train_step(model, trainer)
         at["step"] = 3
         c = made["session"].controller
-        made["session"].adapter.inject("transfer", FaultKind.HANG)
+        made["session"].vllm.inject("transfer", FaultKind.HANG)
         sigint_when(lambda st: c.state.value == "UPDATING"
                     and calls(st, "LifecycleRunner._effect",
                               "rolloutcore.control.effects.Job.wait"))

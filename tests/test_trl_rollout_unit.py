@@ -535,7 +535,7 @@ def test_ctrl_c_during_an_update_ends_it_decided_and_the_journal_names_it(
     try:
         rig.rollout(prompts(), rig.trainer)
         v0 = c.committed
-        rig.session.adapter.inject(effect, FaultKind.HANG)
+        rig.session.vllm.inject(effect, FaultKind.HANG)
         train_step(rig.model, rig.trainer)
         sigint_when(lambda st: c.state is state
                     and calls(st, "LifecycleRunner._effect",

@@ -363,7 +363,7 @@ def test_the_session_api_in_a_training_loop() -> None:
     tr.engine = e
     session = EngineSession(VllmHTTP(BASE, transport=httpx.MockTransport(e)), tr,
                             engine_epoch="e0")
-    session.adapter._connected = True
+    session.vllm._connected = True
     m = ParameterManifest.from_items([("w", (2,), "float32")])
     session.runner.bootstrap(WeightIdentity.declare(m, Provenance("ckpt/step-0")))
     c = session.controller

@@ -454,12 +454,12 @@ def stage_takeover(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namesp
     s.adapters = AdapterManager(
         s.http, s.controller, base_model=rig.trainer.base, store=rig.tmp / "store",
         config=AdapterConfig(max_loaded=4, max_staleness=1), listener=s.journal.listener,
-        max_rank=RANK, calibrations=lambda: dict(s.adapter.calibrations),
+        max_rank=RANK, calibrations=lambda: dict(s.vllm.calibrations),
         probe_tolerance=tol, base_tolerance=base_tol, timeout_s=300, max_tolerance=ceiling)
     R["takeover"] = {"mode": "probe (calibrating)" if calibrated else "declared",
                      "base_probe_reference_s": ref_s, "takeover_s": takeover_s,
                      "base_deviation_prompt_logprobs": quiet.to_dict(),
-                     "calibrations": {k: v.to_dict() for k, v in s.adapter.calibrations.items()},
+                     "calibrations": {k: v.to_dict() for k, v in s.vllm.calibrations.items()},
                      "adapter_probe_tolerance": tol, "base_probe_tolerance": base_tol,
                      "max_tolerance": ceiling,
                      "published": str(s.controller.committed)}

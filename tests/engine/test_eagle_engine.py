@@ -140,7 +140,7 @@ def test_the_engine_names_its_head_and_a_target_only_update_is_refused(
     bootstrap, so a target-only update is refused even by a transport that would send
     it (``require_draft=False``), before anything is drained."""
     ds, tr, eng = eagle
-    assert ds.session.adapter.draft_method == "eagle"
+    assert ds.session.vllm.draft_method == "eagle"
     http = VllmHTTP(eng.base_url)
     try:
         assert VllmAdapter(http).bootstrap().engine_info["speculative_method"] == "eagle"

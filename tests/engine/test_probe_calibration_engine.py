@@ -104,7 +104,7 @@ def test_in_process_a_correct_update_publishes_calibrated_and_a_mis_sent_one_is_
         s.bootstrap(qwen.A, Provenance(str(qwen.A), "calibration", 0))
         ident = s.controller.identity
         assert ident is not None and ident.verification is VerificationLevel.PROBE
-        cal = s.adapter.calibrations["text"]
+        cal = s.vllm.calibrations["text"]
         assert 0 < cal.baseline <= TAKEOVER_TOLERANCE
         notes = [r.data for r in read_journal(journal)
                  if r.kind == "note" and r.data.get("what") == "probe_calibration"]

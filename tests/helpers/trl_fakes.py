@@ -148,11 +148,11 @@ class FakeSession:
         w0 = fake_weights(dict(WeightSource.from_checkpoint(ckpt).named_tensors()),
                           Provenance(str(ckpt.resolve()), run, 0))
         self.engine = FakeEngine(w0, token_delay_s=0.0)
-        self.adapter = FakeAdapter(self.engine)
-        self.adapter.stage(w0)
+        self.vllm = FakeAdapter(self.engine)
+        self.vllm.stage(w0)
         self.journal = Journal(journal)
         self.controller = LifecycleController(listener=self.journal.listener)
-        self.runner = LifecycleRunner(self.controller, self.adapter, deadlines,
+        self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
                                       record=self.journal.write)
         self.runner.bootstrap(w0.identity())
         self.http = FakeHTTP(self.engine)
@@ -161,7 +161,7 @@ class FakeSession:
     def update(self, state: Mapping[str, Any], provenance: Provenance, *, probe: Any,
                owner: str) -> UpdateResult:
         w = fake_weights(dict(state), provenance)
-        self.adapter.stage(w)
+        self.vllm.stage(w)
         out = self.runner.run_update(w.identity(), owner=owner)
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)

@@ -90,7 +90,12 @@ class SleepReport:
 
 
 class EngineSession:
-    """One engine under RolloutCore: adapter + transport + controller + runner + journal."""
+    """One engine under RolloutCore: vLLM driver + transport + controller + runner + journal.
+
+    ``vllm`` is the engine's driver (``VllmAdapter``: the runner's port to vLLM);
+    ``adapters`` are the LoRA adapters, as vLLM names them (issue 45: one name, one
+    concept); ``engine`` is the launched process, when this session launched it.
+    """
 
     def __init__(self, http: VllmHTTP, transport: Any, *, engine: Any = None,
                  engine_epoch: str | None = None, journal_path: str | os.PathLike[str] | None
@@ -100,11 +105,11 @@ class EngineSession:
         self.http = http
         self.transport = transport
         self.journal = Journal(journal_path)
-        self.adapter = VllmAdapter(http, transport,
-                                   engine_epoch=engine_epoch or (engine.epoch if engine else None))
+        self.vllm = VllmAdapter(http, transport,
+                                engine_epoch=engine_epoch or (engine.epoch if engine else None))
         self.controller = LifecycleController(config=controller_config,
                                               listener=self.journal.listener)
-        self.runner = LifecycleRunner(self.controller, self.adapter, deadlines,
+        self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
                                       record=self.journal.write)
         #: The LoRA-adapter versions (``enable_adapters``), None until enabled.
         self.adapters: AdapterManager | None = None
@@ -211,7 +216,7 @@ class EngineSession:
               owner: str = "trainer") -> UpdateResult:
         """Run the verified transition for a prepared update."""
         self._refuse_up_front(prepared.source)
-        self.adapter.stage(prepared.source, provenance=prepared.provenance,
+        self.vllm.stage(prepared.source, provenance=prepared.provenance,
                            reference_checksums=prepared.reference_checksums,
                            probes=prepared.probe)
         level = (VerificationLevel.PROBE if prepared.probe is not None
@@ -251,7 +256,7 @@ class EngineSession:
         self.adapters = AdapterManager(
             self.http, self.controller, base_model=base_model, store=store, config=config,
             listener=self.journal.listener, max_rank=max_rank,
-            calibrations=lambda: dict(self.adapter.calibrations),
+            calibrations=lambda: dict(self.vllm.calibrations),
             probe_tolerance=probe_tolerance, base_probe=base_probe, upload=upload)
         return self.adapters
 
@@ -328,7 +333,7 @@ class EngineSession:
                                 reference_checksums=reference_checksums,
                                 content_digest=content_digest)
         self._refuse_up_front(prepared.source)
-        self.adapter.stage(prepared.source, provenance=prepared.provenance,
+        self.vllm.stage(prepared.source, provenance=prepared.provenance,
                            reference_checksums=prepared.reference_checksums,
                            probes=prepared.probe)
         level = (VerificationLevel.PROBE if prepared.probe is not None
@@ -341,7 +346,7 @@ class EngineSession:
     def _refuse_up_front(self, source: WeightSource) -> None:
         # Before anything is drained or sent: e.g. an engine with a draft model and
         # an update without draft weights (transports.drafted).
-        why = transport_refusal(self.transport, source, engine_draft_of(self.adapter))
+        why = transport_refusal(self.transport, source, engine_draft_of(self.vllm))
         if why is not None:
             raise UpdateRefused(why)
 
