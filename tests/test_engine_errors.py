@@ -18,6 +18,7 @@ import pytest
 
 from rolloutcore.engine.errors import map_errors, raise_for_status
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.weight_sync import HttpWeightSync, WeightSyncClient
 from rolloutcore.errors import (
     EffectError,
     EffectTimeout,
@@ -93,36 +94,55 @@ async def _async_call_and_stream() -> None:
 
 # ----------------------------------------------------------------- its users
 
-def _ipc_trainer(handler: Any) -> Any:
-    from rolloutcore.transports.cuda_ipc.trainer import CudaIpcTransport
+def _sync(handler: Any) -> HttpWeightSync:
+    sync = HttpWeightSync("http://e.test", pooled=True)
+    sync._client = _client(handler)
+    return sync
 
-    t = CudaIpcTransport(device="cpu")
-    t._client = _client(handler)
-    return t
+
+def test_weight_sync_speaks_vllms_four_methods_on_the_routes_of_the_table() -> None:
+    seen: list[tuple[str, str, bytes]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path, request.content))
+        if request.url.path == Routes.OPENAPI:
+            return httpx.Response(200, json={"paths": {Routes.START_UPDATE: {}}})
+        return httpx.Response(200, json={"ok": True})
+
+    sync = _sync(handler)
+    assert isinstance(sync, WeightSyncClient)
+    assert sync.routes() == frozenset({Routes.START_UPDATE})
+    sync.init_weight_transfer_engine({"a": 1})
+    sync.start_weight_update()
+    sync.start_weight_update(draft=True)
+    sync.update_weights({"names": []})
+    sync.finish_weight_update("rc-1")
+    assert sync.finish_weight_update() == {"ok": True}
+    assert [(m, p) for m, p, _ in seen] == [
+        ("GET", Routes.OPENAPI), ("POST", Routes.INIT_TRANSFER), ("POST", Routes.START_UPDATE),
+        ("POST", Routes.START_DRAFT_UPDATE), ("POST", Routes.UPDATE_WEIGHTS),
+        ("POST", Routes.FINISH_UPDATE), ("POST", Routes.FINISH_UPDATE)]
+    bodies = [b for _, _, b in seen]
+    assert bodies[1] == b'{"init_info":{"a":1}}' and bodies[2] == b""
+    assert bodies[4] == b'{"update_info":{"names":[]}}'
+    assert bodies[5] == b'{"weight_version":"rc-1"}' and bodies[6] == b""  # as vLLM's client
 
 
 @pytest.mark.parametrize(("exc", "cls"), [
     (httpx.ConnectError("refused"), EngineUnreachable),
     (httpx.ReadTimeout("slow"), EffectTimeout),
 ])
-def test_cuda_ipc_trainer_calls_go_through_the_map(exc: Exception,
-                                                   cls: type[EffectError]) -> None:
-    t = _ipc_trainer(_raise(exc))
+def test_weight_sync_failures_go_through_the_map(exc: Exception,
+                                                 cls: type[EffectError]) -> None:
     with pytest.raises(cls) as got:
-        t._call("POST", "http://e.test", Routes.START_UPDATE, 1.0, step="transfer",
-                mutation=False)
-    assert got.value.mutation_started is False
-    t2 = _ipc_trainer(lambda r: httpx.Response(500, text="boom"))
+        _sync(_raise(exc)).start_weight_update(step="transfer")
+    assert got.value.mutation_started is False and got.value.step == "transfer"
     with pytest.raises(EngineUnavailable, match="HTTP 500") as got2:
-        t2._call("POST", "http://e.test", Routes.UPDATE_WEIGHTS, 1.0, step="transfer",
-                 mutation=True)
+        _sync(lambda r: httpx.Response(500, text="boom")).update_weights({})
     assert got2.value.mutation_started is True and got2.value.status == 500
-    t3 = _ipc_trainer(lambda r: httpx.Response(200, json={"ok": 1}))
-    assert t3._call("GET", "http://e.test", Routes.OPENAPI, 1.0, step="connect",
-                    mutation=False) == {"ok": 1}
 
 
-def test_cuda_ipc_trainer_abort_makes_a_stuck_call_a_timeout() -> None:
+def test_weight_sync_abort_makes_a_stuck_call_a_timeout() -> None:
     entered, release = threading.Event(), threading.Event()
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -130,24 +150,36 @@ def test_cuda_ipc_trainer_abort_makes_a_stuck_call_a_timeout() -> None:
         release.wait(5)
         raise httpx.ReadError("connection closed by abort")
 
-    t = _ipc_trainer(handler)
+    sync = _sync(handler)
     out: list[BaseException] = []
 
     def call() -> None:
         try:
-            t._call("POST", "http://e.test", Routes.FINISH_UPDATE, 5.0, step="transfer",
-                    mutation=True)
+            sync.finish_weight_update("v", timeout_s=5.0)
         except BaseException as exc:
             out.append(exc)
 
     th = threading.Thread(target=call)
     th.start()
     assert entered.wait(5)
-    t.abort()
+    sync.abort()
     release.set()
     th.join(5)
     assert len(out) == 1 and isinstance(out[0], EffectTimeout), out
     assert "cancelled by its watchdog" in str(out[0]) and out[0].mutation_started is True
+
+
+def test_cuda_ipc_trainer_takes_the_weight_sync_client() -> None:
+    from rolloutcore.transports.cuda_ipc.trainer import CudaIpcTransport
+
+    t = CudaIpcTransport(device="cpu")
+    t._syncs["http://e.test"] = _sync(lambda r: httpx.Response(200, json={"results": [1]}))
+    assert t.rpc("http://e.test", "rc_hello") == [1]
+    t._syncs["http://e.test"] = _sync(_raise(httpx.ConnectError("refused")))
+    with pytest.raises(EngineUnreachable) as got:
+        t.rpc("http://e.test", "rc_hello")
+    assert got.value.step == "rpc" and got.value.mutation_started is False
+    t.abort()
 
 
 def _gateway_engine(handler: Any) -> Any:

@@ -17,10 +17,16 @@ touches):
   request is made, so the route guard (run inside vLLM's API server) and the
   worker halves of the transports can read the table cheaply.
 
+* **A transport takes a weight-sync client** (``engine.weight_sync``: vLLM's
+  four methods, init/start/update/finish, over the table's routes and the
+  one map) instead of posting routes itself: the fan-out and the CUDA-IPC
+  trainer do.
+
 What is still outside (issue 45, moved here step by step): the clients
 (``adapters.vllm.http.VllmHTTP``, the gateway's ``service.upstream``), the
-launcher, support detection and the weight-transfer calls of the transports;
-they name routes from ``routes`` and map failures with ``errors``.
+launcher, support detection and the gloo and vLLM-driver transports' calls
+(``TransportBase.post``); they name routes from ``routes`` and map failures
+with ``errors``.
 """
 
 from rolloutcore.engine.routes import TABLE, Route, Routes

@@ -57,7 +57,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
-from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.weight_sync import HttpWeightSync
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import rank_checksums
 from rolloutcore.transports.base import (
@@ -179,8 +179,8 @@ class GlooFanout(TransportBase):
                                 f"({sorted(addrs)}): use per-engine sends",
                                 mutation_started=False)
         addr = addrs.pop()
-        f_ws = [run_side(lambda u=u: self.get(u, Routes.GET_WORLD_SIZE, left()),  # type: ignore[misc]
-                         "world-size") for u in urls]
+        f_ws = [run_side(lambda u=u: HttpWeightSync(u).get_world_size(  # type: ignore[misc]
+            timeout_s=left()), "world-size") for u in urls]
         try:
             self.wait(f_ws, deadline, "get_world_size", mutation_started=False)
         except TransferError as exc:
@@ -212,8 +212,8 @@ class GlooFanout(TransportBase):
         offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
         infos = [GlooInitInfo(addr, int(store.port), off, world, self.op_timeout_s)
                  for off in offsets]
-        f_init = [run_side(lambda u=u, i=i: self.post(  # type: ignore[misc]
-            u, Routes.INIT_TRANSFER, {"init_info": asdict(i)}, left()), "init")
+        f_init = [run_side(lambda u=u, i=i: HttpWeightSync(  # type: ignore[misc]
+            u).init_weight_transfer_engine(asdict(i), timeout_s=left()), "init")
             for u, i in zip(urls, infos, strict=True)]
         f_group = run_side(lambda: _new_group(store, 0, world,
                                               min(left(), self.op_timeout_s), addr),
@@ -290,8 +290,8 @@ class GlooFanout(TransportBase):
             return max(0.1, deadline - time.monotonic())
 
         urls = g.urls
-        started = {u: run_side(lambda u=u: self.post(u, Routes.START_UPDATE, None,  # type: ignore[misc]
-                                                     left()), "start") for u in urls}
+        started = {u: run_side(lambda u=u: HttpWeightSync(u).start_weight_update(  # type: ignore[misc]
+            timeout_s=left()), "start") for u in urls}
         failed: dict[str, TransferError] = {}
         for u, f in started.items():
             try:
@@ -312,9 +312,8 @@ class GlooFanout(TransportBase):
                         "transfer", f"fan-out not run: {', '.join(sorted(failed))} did not "
                         "start", mutation_started=not closed), closed=closed)
             return out
-        f_http = {u: run_side(lambda u=u: self.post(u, Routes.UPDATE_WEIGHTS,  # type: ignore[misc]
-                                                    {"update_info": asdict(info)}, left()),
-                              "update") for u in urls}
+        f_http = {u: run_side(lambda u=u: HttpWeightSync(u).update_weights(  # type: ignore[misc]
+            asdict(info), timeout_s=left()), "update") for u in urls}
         f_send = run_side(lambda: self._broadcast(g, source), "broadcast")
         send_error: TransferError | None = None
         sent: dict[str, Any] = {}
@@ -336,8 +335,8 @@ class GlooFanout(TransportBase):
             for u in urls:
                 if u not in results:
                     results[u] = FanoutResult(u, labels[u], error=send_error, sent=True)
-        f_fin = {u: run_side(lambda u=u: self.post(  # type: ignore[misc]
-            u, Routes.FINISH_UPDATE, {"weight_version": labels[u]}, left()), "finish")
+        f_fin = {u: run_side(lambda u=u: HttpWeightSync(u).finish_weight_update(  # type: ignore[misc]
+            labels[u], timeout_s=left()), "finish")
             for u in urls if u not in results}
         # Every rank of each finishing engine reports what it wrote, over the group,
         # while its finish runs: received per engine (one silent engine does not hold
@@ -399,10 +398,11 @@ class GlooFanout(TransportBase):
         (no label: the engine's label is not changed) closes it.
         """
         t = self.close_timeout_s
+        sync = HttpWeightSync(url)
         try:
-            f = run_side(lambda: self.post(url, Routes.START_UPDATE, None, t), "close-start")
+            f = run_side(lambda: sync.start_weight_update(timeout_s=t), "close-start")
             self.wait([f], time.monotonic() + t + 1, "close start", mutation_started=True)
-            f = run_side(lambda: self.post(url, Routes.FINISH_UPDATE, {}, t), "close-finish")
+            f = run_side(lambda: sync.finish_weight_update(timeout_s=t), "close-finish")
             self.wait([f], time.monotonic() + t + 1, "close finish", mutation_started=True)
         except TransferError:
             return False

@@ -29,6 +29,7 @@ import torch
 from rolloutcore.core.evidence import Check, TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.weight_sync import HttpWeightSync
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
 from rolloutcore.transports.cuda_ipc.checksum import (
     CHECKSUM_IMPLS,
@@ -128,7 +129,7 @@ class CudaIpcTransport:
         self._slot: tuple[torch.Tensor, BufferHandle] | None = None
         self._expect: tuple[ResultSlot, str] | None = None
         self._read_stream: Any = None
-        self._client: Any = None
+        self._syncs: dict[str, HttpWeightSync] = {}  # engine -> its weight-sync client
         self._lock = threading.Lock()
         self._staging: PackedWeights | None = None
         self._routes: frozenset[str] = frozenset()
@@ -144,7 +145,6 @@ class CudaIpcTransport:
         self._names_cache: tuple[tuple[str, ...], str] | None = None
         self._digest_cache: tuple[tuple[str, ...], list[int], str,
                                   dict[str, int]] | None = None
-        self._urls: dict[str, dict[str, Any]] = {}  # engine -> route -> URL
         self._n_params: dict[str, int] = {}   # engine parameters per worker, from hello
         #: engines this transport has written to since their last connect(): only
         #: those have a write for validation_check to compare
@@ -201,9 +201,7 @@ class CudaIpcTransport:
     def connect(self, base_url: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
         """Check the engine offers the update session, init the backend, say hello."""
         self._check_url(base_url)
-        r = self._call("GET", base_url, Routes.OPENAPI, timeout_s, step="connect",
-                       mutation=False)
-        paths = frozenset(r.get("paths", {}))
+        paths = self._sync(base_url).routes(timeout_s=timeout_s, step="connect")
         need = {Routes.INIT_TRANSFER, Routes.START_UPDATE, Routes.UPDATE_WEIGHTS,
                 Routes.FINISH_UPDATE, Routes.COLLECTIVE_RPC}
         if not need <= paths:
@@ -215,10 +213,9 @@ class CudaIpcTransport:
         self.label_supported = Routes.WEIGHT_INFO in paths and Routes.UPDATE_WEIGHT_VERSION in paths
         self._delivered = {d for d in self._delivered if d[0] != base_url}
         self._sent_to.discard(base_url)
-        self._call("POST", base_url, Routes.INIT_TRANSFER, timeout_s,
-                   step="connect", mutation=False,
-                   body={"init_info": {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
-                                       "checksum_impl": self.checksum_impl}})
+        self._sync(base_url).init_weight_transfer_engine(
+            {"protocol": PROTOCOL, "copy_impl": self.copy_impl,
+             "checksum_impl": self.checksum_impl}, timeout_s=timeout_s, step="connect")
         hello = self.rpc(base_url, "rc_cuda_ipc_hello", timeout_s=timeout_s)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid) \
             if self.device.type == "cuda" else ""
@@ -263,13 +260,12 @@ class CudaIpcTransport:
             if packed.device.type == "cuda":
                 torch.cuda.synchronize(packed.device)  # the engine reads after our writes
             t = time.monotonic()
-            self._call("POST", base_url, Routes.START_UPDATE, timeout_s, step="transfer",
-                       mutation=False)
+            sync = self._sync(base_url)
+            sync.start_weight_update(timeout_s=timeout_s, step="transfer")
             tm.start_s = time.monotonic() - t
             mutation = True
             t = time.monotonic()
-            self._call("POST", base_url, Routes.UPDATE_WEIGHTS, timeout_s, step="transfer",
-                       mutation=True, body={"update_info": body})
+            sync.update_weights(body, timeout_s=timeout_s, step="transfer")
             tm.update_s = time.monotonic() - t
             self._delivered.add(delivered)
             self._sent_to.add(base_url)
@@ -282,9 +278,8 @@ class CudaIpcTransport:
                 self.last_sent_names = packed.names()
                 tm.trainer_checksum_s = time.monotonic() - t
             t = time.monotonic()
-            fin = {"weight_version": target_label} if self.label_supported else None
-            self._call("POST", base_url, Routes.FINISH_UPDATE, timeout_s, step="transfer",
-                       mutation=True, body=fin)
+            sync.finish_weight_update(target_label if self.label_supported else None,
+                                      timeout_s=timeout_s, step="transfer")
             tm.finish_s = time.monotonic() - t
             if slot is not None:
                 self._expect = (slot, base_url)
@@ -302,11 +297,11 @@ class CudaIpcTransport:
             elapsed_s=time.monotonic() - t0, unverified=unverified)
 
     def abort(self) -> None:
-        """From another thread: make a stuck HTTP call return (closes the connection pool)."""
+        """From another thread: make a stuck HTTP call return (closes the connection pools)."""
         with self._lock:
-            c, self._client = self._client, None
-        if c is not None:
-            c.close()
+            syncs = list(self._syncs.values())
+        for sync in syncs:
+            sync.abort()
 
     def close(self) -> None:
         self.abort()
@@ -318,9 +313,8 @@ class CudaIpcTransport:
 
     def rpc(self, base_url: str, method: str, *args: str, timeout_s: float = 60.0) -> list[Any]:
         """``/collective_rpc`` of a worker-extension method; one result per worker."""
-        r = self._call("POST", base_url, Routes.COLLECTIVE_RPC, timeout_s, step="rpc",
-                       mutation=False, body={"method": method, "args": list(args),
-                                             "timeout": timeout_s})
+        r = self._sync(base_url).collective_rpc(method, list(args), timeout_s=timeout_s,
+                                                step="rpc")
         res = r.get("results") if isinstance(r, dict) else None
         if not isinstance(res, list) or not res:
             raise EngineUnavailable("rpc", f"{method}: no results in {r!r}",
@@ -602,38 +596,10 @@ class CudaIpcTransport:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
 
-    def _http(self) -> Any:
+    def _sync(self, base_url: str) -> HttpWeightSync:
+        """The engine's weight-sync client (one pool per engine, closed by ``abort``)."""
         with self._lock:
-            if self._client is None:
-                import httpx
-
-                self._client = httpx.Client(
-                    limits=httpx.Limits(max_keepalive_connections=4))
-            return self._client
-
-    def _call(self, method: str, base_url: str, path: str, timeout_s: float, *, step: str,
-              mutation: bool, body: Any = None) -> Any:
-        from rolloutcore.engine.errors import map_errors, raise_for_status, route_url
-        from rolloutcore.transports.engine_key import headers_for
-
-        client = self._http()
-        headers = headers_for(base_url)  # a launched engine's route key
-        url = route_url(self._urls.setdefault(base_url, {}), base_url, path)
-        what = f"{method} {path}"
-        # abort() (another thread) closes the client under a stuck call: cancelled.
-        with map_errors(step, what, timeout_s=timeout_s, mutation_started=mutation,
-                        cancelled=lambda: self._client is not client):
-            if method == "GET":
-                r = client.get(url, timeout=timeout_s, headers=headers)
-            else:
-                r = client.post(url, timeout=timeout_s, headers=headers,
-                                **({"json": body} if body is not None else {}))
-        raise_for_status(r, step, what, mutation_started=mutation)
-        if not r.content:
-            return {}
-        try:
-            return r.json()
-        except ValueError:
-            return {"text": r.text[:300]}
-
-
+            sync = self._syncs.get(base_url)
+            if sync is None:
+                sync = self._syncs[base_url] = HttpWeightSync(base_url, pooled=True)
+            return sync
