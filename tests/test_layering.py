@@ -18,7 +18,10 @@ dependency: it only fails later. Checked:
     httpx exception for itself (``except httpx.X`` or
     ``contextlib.suppress(httpx.X)``): it wraps its call in
     ``engine.errors.map_errors`` and catches the tree's errors, unless
-    ``OWN_HTTP_ERRORS`` says why not.
+    ``OWN_HTTP_ERRORS`` says why not;
+(g) the weight transports (``rolloutcore.transports``) import no HTTP client
+    (``NO_HTTP_CLIENT``): they take a weight-sync client
+    (``engine.weight_sync``) or call ``engine.errors.request``.
 
 The implicit import of a parent package (``import a.b`` runs ``a/__init__``)
 is not an edge: otherwise every package that re-exports its modules would be
@@ -78,6 +81,8 @@ KNOWN_VIOLATIONS: frozenset[tuple[str, ...]] = frozenset()
 ROUTE_TABLE = f"{ROOT}.engine.routes"
 #: The package that maps httpx's exceptions into the tree (issue 45).
 ENGINE = f"{ROOT}.engine"
+#: What the weight transports never import (they talk to engines through the engine package).
+NO_HTTP_CLIENT = frozenset({"httpx", "requests", "aiohttp", "urllib3"})
 #: Modules that catch httpx exceptions for themselves, each with the reason.
 OWN_HTTP_ERRORS: dict[str, str] = {
     f"{ROOT}.service.client": (
@@ -220,6 +225,10 @@ def violations() -> dict[tuple[str, ...], str]:
                     f"({_layer(t)}={RANKS[_layer(t)]}): a lower layer may not import a "
                     "higher one")
             top = target.split(".")[0]
+            if _layer(m) == "transports" and top in NO_HTTP_CLIENT:
+                out[("http-client", m, top)] = (
+                    f"{m} (line {line}) imports {top}: a transport takes a weight-sync client "
+                    "(engine.weight_sync) or calls engine.errors.request")
             if _layer(m) in PURE and top not in (ROOT, "__future__") and (
                     top not in sys.stdlib_module_names):
                 out[("third-party", m, top)] = (
@@ -358,6 +367,8 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         "rolloutcore/cli/__init__.py": "",
         "rolloutcore/cli/x.py": "\n" * (MAX_LINES + 1),
         "rolloutcore/widgets/__init__.py": "",
+        "rolloutcore/transports/__init__.py": "",
+        "rolloutcore/transports/t.py": "def f():\n    import httpx\n",
         "rolloutcore/service/routes.py": (
             "PAUSE = '/pause?mode=wait'\nA = b'/abort_requests'\nMSG = '/pause failed'\n"
             "r = Route('/health', None)\n"
@@ -376,4 +387,5 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("route", "rolloutcore.service.routes", "/abort_requests"),
         ("httpx-catch", "rolloutcore.service.routes", "7"),
         ("httpx-catch", "rolloutcore.service.routes", "9"),
+        ("http-client", "rolloutcore.transports.t", "httpx"),
     }

@@ -166,31 +166,32 @@ def raise_for_status(resp: httpx.Response, step: str, what: str, *,
 
 
 def request(method: str, url: str | httpx.URL, *, step: str, timeout_s: float,
-            json_body: Any = None, client: httpx.Client | None = None,
-            mutation_started: bool = True,
-            cancelled: Callable[[], bool] | None = None) -> httpx.Response:
+            json_body: Any = None, content: Any = None, client: httpx.Client | None = None,
+            mutation_started: bool = True, cancelled: Callable[[], bool] | None = None,
+            what: str | None = None) -> httpx.Response:
     """One request, its failures in the tree; returns a 2xx answer.
 
     For the callers that make one call now and then (the transports, the
     recoverer) and for ``engine.weight_sync``'s pool (``client``, and
     ``cancelled`` when a watchdog may close it); ``VllmHTTP`` keeps a pool and
-    uses the same mapping.
+    uses the same mapping. ``content``: a raw body (bytes or a file) instead of
+    ``json_body``; ``what`` names the request in errors (default: method and path).
     """
     import httpx
 
     from rolloutcore.transports.engine_key import headers_for
 
     text = str(url)
-    what = f"{method} {urlsplit(text).path}"
+    what = f"{method} {urlsplit(text).path}" if what is None else what
     headers = headers_for(text)  # a launched engine's route key (transports.engine_key)
     with map_errors(step, what, timeout_s=timeout_s, cancelled=cancelled,
                     mutation_started=mutation_started):
         if client is None:
-            resp = httpx.request(method, url, json=json_body, timeout=timeout_s,
-                                 headers=headers)
+            resp = httpx.request(method, url, json=json_body, content=content,
+                                 timeout=timeout_s, headers=headers)
         else:
-            resp = client.request(method, url, json=json_body, timeout=timeout_s,
-                                  headers=headers)
+            resp = client.request(method, url, json=json_body, content=content,
+                                  timeout=timeout_s, headers=headers)
     return raise_for_status(resp, step, what, mutation_started=mutation_started)
 
 

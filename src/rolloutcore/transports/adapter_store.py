@@ -247,17 +247,12 @@ def _digest(d: Path) -> str:
 
 # ------------------------------------------------------------------ trainer half
 
-def _call(method: str, url: str, step: str, timeout_s: float, **kw: Any) -> Any:
-    import httpx
+def _call(method: str, url: str, step: str, timeout_s: float, *, content: Any = None,
+          json: Any = None) -> Any:
+    from rolloutcore.engine.errors import request
 
-    from rolloutcore.engine.errors import map_errors, raise_for_status
-
-    what = f"{method} {PREFIX}..."
-    with map_errors(step, what, timeout_s=timeout_s):
-        resp = httpx.request(method, url, timeout=timeout_s,
-                             headers=engine_key.headers_for(url), **kw)
-    raise_for_status(resp, step, what)
-    return resp.json()
+    return request(method, url, step=step, timeout_s=timeout_s, json_body=json,
+                   content=content, what=f"{method} {PREFIX}...").json()
 
 
 def upload_adapter(base_url: str, name: str, directory: str | os.PathLike[str],
