@@ -23,13 +23,13 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_vllm_http_unit import V032, Engine, answer, client, target
 
 from rolloutcore.adapters.vllm import VllmAdapter
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.transports.compat.reload import DirectReloadRefused, ReloadApi
 from rolloutcore.transports.driver import SourceSlot
 from rolloutcore.transports.source import WeightSource
+from test_vllm_http_unit import V032, Engine, answer, client, target
 
 # ----------------------------------------------------------------- the reload API
 
