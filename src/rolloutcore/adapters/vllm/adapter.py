@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from rolloutcore.adapters.vllm import engine_state
 from rolloutcore.adapters.vllm.checksums import compare_checksums
 from rolloutcore.adapters.vllm.engine_state import (
     COUNTS_WEIGHT_OPS_FROM,
@@ -445,8 +446,8 @@ class VllmAdapter(SleepMode):
         # exists yet, so nothing writes in between; a later read that differs
         # means somebody wrote (``writes_since_drain``).
         ops = self._side().submit(self._weight_ops) if self._counts_ops else None
-        said = self.http.pause(mode, clear_cache=clear_cache is True,
-                               timeout_s=self._drain_timeout_s)
+        said = engine_state.pause(self.http, mode, clear_cache=clear_cache is True,
+                                  timeout_s=self._drain_timeout_s)
         # The answer is sent once the engine core has paused; only an answer
         # that does not say so costs a second round trip to ask.
         paused = said or self.http.is_paused()

@@ -16,6 +16,11 @@ older releases give neither:
 
 Each check is ``None`` where the engine cannot give the answer (an older vLLM):
 the validation then lists it as unverified rather than passed.
+
+``pause`` drains an engine RolloutCore launched through its route guard's
+``/rolloutcore/pause`` (the engine core's own pause, without the fixed 20 ms
+sleep vLLM's ``/pause`` adds: ``transports.engine_key``), and any other engine
+through vLLM's ``/pause``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rolloutcore.core.evidence import Check
+from rolloutcore.core.evidence import Check, PauseMode
+from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
     from rolloutcore.adapters.vllm.http import VllmHTTP
@@ -34,6 +40,7 @@ __all__ = [
     "REPORTS_INCOMPLETE_FROM",
     "checkpoint_check",
     "incomplete_update_check",
+    "pause",
     "version_tuple",
 ]
 
@@ -88,3 +95,24 @@ def checkpoint_check(http: VllmHTTP, routes: frozenset[str] | Any) -> Check | No
     return Check("checkpoint-running", False,
                  f"process checkpoint state is {state!r}"
                  + (f" ({error})" if error else "") + ": only 'running' serves what was written")
+
+
+def pause(http: VllmHTTP, mode: PauseMode, *, clear_cache: bool,
+          timeout_s: float | None) -> bool:
+    """Pause the engine; whether its answer says it paused (``VllmHTTP.pause``'s contract).
+
+    An engine this process holds the route key of (it was launched with the
+    route guard) is paused through the guard's ``FAST_PAUSE``; one whose guard
+    does not know the route (404) through vLLM's ``/pause``, as any other.
+    """
+    if not isinstance(mode, PauseMode) or not isinstance(clear_cache, bool):
+        return http.pause(mode, clear_cache=clear_cache, timeout_s=timeout_s)  # its refusal
+    if engine_key.headers_for(http.base_url):
+        r = http._request("POST", engine_key.FAST_PAUSE, step="pause", timeout_s=timeout_s,
+                          params={"mode": mode.value, "clear_cache": str(clear_cache).lower()},
+                          check_status=False)
+        if r.status_code != 404:
+            if r.status_code != 200:
+                return http.pause(mode, clear_cache=clear_cache, timeout_s=timeout_s)
+            return http._status_is(r, "paused")
+    return http.pause(mode, clear_cache=clear_cache, timeout_s=timeout_s)
