@@ -257,7 +257,8 @@ async def _fast_pause(scope: _Scope, send: _Send) -> None:
     if scope.get("method") != "POST":
         await _answer(send, 405, {"error": "POST only"})
         return
-    q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"))
+    q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"),
+                 keep_blank_values=True)
     mode = (q.get("mode") or ["abort"])[-1]
     clear = (q.get("clear_cache") or ["false"])[-1].lower()
     if mode not in _PAUSE_MODES or clear not in ("true", "false"):
