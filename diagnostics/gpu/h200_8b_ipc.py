@@ -261,7 +261,11 @@ class Http:
 
     def __init__(self, base_url: str) -> None:
         self.base = base_url
-        self.c = httpx.Client(timeout=120.0)
+        from rolloutcore.transports import engine_key
+
+        # The engine is launched with the route guard: its key opens the dev routes
+        # for these bare calls too (the same calls, the same cost, one header more).
+        self.c = httpx.Client(timeout=120.0, headers=engine_key.headers_for(base_url))
 
     def post(self, path: str, body: Any = None, params: dict[str, str] | None = None,
              timeout: float = 120.0) -> tuple[Any, float]:
@@ -549,7 +553,7 @@ def main() -> int:
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1",
            **{k: str(v) for k, v in R.get("kernel_tiles", {}).get("chosen", {}).items()}}
     with stage("engine_start"):
-        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False,
+        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False, guard_routes=True,
                                max_model_len=4096, extra_args=extra, env=env,
                                log_dir=logs, startup_timeout_s=420, stop_grace_s=10)
         R["engine_env"] = env
