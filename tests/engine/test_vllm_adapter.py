@@ -535,6 +535,8 @@ def test_fast_pause_holds_a_request_that_reaches_the_engine_during_the_transfer(
 
     class Racing(GlooTransport):
         def send(self, *a: object, **k: object) -> object:  # type: ignore[override]
+            if "thread" in got:  # the way back to A: no race
+                return super().send(*a, **k)  # type: ignore[arg-type]
             assert http.is_paused()
             th = threading.Thread(target=lambda: got.setdefault(
                 "g", http.generate(prompt, max_tokens=12)))
