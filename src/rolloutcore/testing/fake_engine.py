@@ -27,7 +27,13 @@ from rolloutcore.core.versions import (
     Provenance,
     WeightIdentity,
 )
-from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EngineRefused,
+    EngineUnavailable,
+    TransferError,
+)
 
 if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
     from rolloutcore.adapters.vllm.wire import GenerationChunk
@@ -198,9 +204,12 @@ class Fault:
     times: int = 1
 
 
-class EnginePaused(Exception):
+class EnginePaused(EngineRefused):
     """vLLM 0.33+'s answer to a new request while paused in ``wait`` or ``abort`` mode
     (HTTP 503, code ``engine_paused``, retryable); ``keep`` still queues."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("generate", reason, status=503, mutation_started=False)
 
 
 class FakeEngine:
