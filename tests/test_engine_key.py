@@ -279,3 +279,31 @@ def test_the_fast_pause_says_when_it_cannot_pause(monkeypatch: pytest.MonkeyPatc
     r = _call(_engine_app(_Core("pause_scheduler_async", fail=True)), "POST",
               engine_key.FAST_PAUSE + "?mode=wait", {HEADER: KEY})
     assert r.status_code == 500 and "core gone" in r.json()["error"]
+
+
+@pytest.mark.parametrize("fast_status", [200, 404, 500])
+def test_a_keyed_engine_is_drained_through_the_fast_pause_else_through_pause(
+        fast_status: int) -> None:
+    """The adapter's drain: an engine this process holds the key of is paused through
+    /rolloutcore/pause; a guard without it (404) or a failed core pause (500) falls back to
+    vLLM's /pause; an engine without a key is paused through /pause alone."""
+    from rolloutcore.adapters.vllm import VllmAdapter
+    from rolloutcore.core.evidence import PauseMode
+    from test_vllm_http_unit import BASE, Engine, answer, client
+
+    e = Engine(overrides={engine_key.FAST_PAUSE: answer(fast_status, {
+        "status": "paused", "via": "engine_core"} if fast_status == 200 else {"error": "x"})})
+    engine_key.register(BASE, KEY)
+    try:
+        d = VllmAdapter(client(e), engine_epoch="ep").drain(PauseMode.WAIT)
+    finally:
+        engine_key.forget(BASE, KEY)
+    assert d.paused
+    assert e.sent(engine_key.FAST_PAUSE) == 1
+    assert e.sent("/pause") == (0 if fast_status == 200 else 1)
+    fast = next(r for r in e.requests if r.url.path == engine_key.FAST_PAUSE)
+    assert fast.url.params["mode"] == "wait" and fast.url.params["clear_cache"] == "false"
+    assert fast.headers[HEADER] == KEY
+    e2 = Engine()
+    assert VllmAdapter(client(e2), engine_epoch="ep").drain(PauseMode.WAIT).paused
+    assert e2.sent(engine_key.FAST_PAUSE) == 0 and e2.sent("/pause") == 1
