@@ -372,9 +372,13 @@ def _audit(traj: Path, journal: Path | None, workdir: Path) -> dict[str, Any] | 
     """The audit of what was recorded (``audit.json``); ``None`` before anything was."""
     if not traj.exists():
         return None
+    from rolloutcore.errors import BadInput
     from rolloutcore.provenance.audit import audit_file
 
-    audit = audit_file(traj, journal if journal is None or journal.exists() else None)
+    try:
+        audit = audit_file(traj, journal if journal is None or journal.exists() else None)
+    except BadInput as exc:   # e.g. interrupted before the first group was committed
+        return {"ok": False, "samples": 0, "findings": 0, "table": str(exc)}
     (workdir / "audit.json").write_text(json.dumps(audit.to_dict(), indent=2, sort_keys=True))
     return {"ok": audit.ok, "samples": audit.purity.samples,
             "findings": len(audit.purity.findings), "table": audit.format_table(10)}
