@@ -61,6 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
+
 __all__ = ["LORA_LR", "TARGET_BYTE", "LoraSettings", "add_arguments", "format_summary",
            "run_train", "target_reward"]
 
@@ -151,12 +153,13 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
               prompts_per_step: int = 4, num_generations: int = 8, max_tokens: int = 16,
               gateway: str | None = None, token: str | None = None,
               gateway_journal: Path | None = None, progress: Callable[[str], None] | None = print,
-              engine_progress: bool = False, lora: LoraSettings | None = None
-              ) -> dict[str, Any]:
+              engine_progress: bool = False, lora: LoraSettings | None = None,
+              keep_weights: bool = False) -> dict[str, Any]:
     """Run the training; returns the report (also written to ``workdir/report.json``).
 
     ``lora``: train a LoRA adapter (published as adapter versions) instead of the
     full model. ``learning_rate`` ``None``: ``FULL_LR``, or ``LORA_LR`` with ``lora``.
+    ``keep_weights``: write every published version's weights (``cli.keep_weights``).
 
     Ctrl-C (``KeyboardInterrupt``) at any moment ends the run early, not half-way:
     the engine is stopped (an update in progress ended decided first), the journal
@@ -175,6 +178,9 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
         raise BadInput("num_generations must be >= 2 (GRPO compares siblings)")
     if lora is not None and not isinstance(lora, LoraSettings):
         raise BadInput("lora must be a LoraSettings")
+    if keep_weights and lora is not None:
+        raise BadInput("--keep-weights is for full training: a LoRA run keeps its adapter "
+                       "versions in WORKDIR/adapters")
     if learning_rate is None:
         learning_rate = FULL_LR if lora is None else LORA_LR
     if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float))
@@ -237,7 +243,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
             rollout, ckpt, trl, torch, transformers, dataset_cls, steps=steps, seed=seed,
             learning_rate=learning_rate, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_tokens=max_tokens, workdir=workdir,
-            say=say, rows=rows, at=at, lora=lora)
+            say=say, rows=rows, at=at, lora=lora, keep=info if keep_weights else None)
     except KeyboardInterrupt as exc:
         interrupt = exc
         info["interrupted_after_s"] = time.monotonic() - t_all
@@ -388,7 +394,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
            *, steps: int, seed: int, learning_rate: float, prompts_per_step: int,
            num_generations: int, max_tokens: int, workdir: Path,
            say: Callable[[str], None], rows: list[dict[str, Any]],
-           at: dict[str, Any], lora: LoraSettings | None = None) -> float:
+           at: dict[str, Any], lora: LoraSettings | None = None,
+           keep: dict[str, Any] | None = None) -> float:
     """TRL's GRPO training; a row per finished step into ``rows``; returns its wall time."""
     at["phase"] = "trainer_setup"
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -400,6 +407,14 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     rewards: dict[int, list[float]] = {}
     reward_s: dict[int, float] = {}
+    keeper = None
+    if keep is not None:   # --keep-weights: its summary goes into the report (info)
+        from rolloutcore.cli.keep_weights import WeightKeeper, estimate_bytes
+
+        keeper = WeightKeeper(workdir / "weights", ckpt, tok)
+        keep["kept_weights"] = keeper.to_dict()
+        say(f"[4/4] keeping every version's weights in {keeper.root} (about "
+            f"{estimate_bytes(model) / 1e6:.1f} MB a version)")
 
     def reward(prompts: Any, completions: Any, completion_ids: list[list[int]],
                trainer_state: Any = None, **kw: Any) -> list[float]:
@@ -419,6 +434,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             begun["t"] = time.monotonic()
             at["step"] = int(state.global_step)
+            if keeper is not None:
+                keeper.before_generation(model)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             wall = time.monotonic() - begun.pop("t", time.monotonic())
@@ -427,6 +444,9 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
             if rep is None:
                 return
             upd = rep.update
+            if keeper is not None:
+                keeper.published(upd.version.label if upd else None)
+                keep["kept_weights"] = keeper.to_dict()
             r = rewards.get(step, [])
             ad = rep.generation.adapter
             row = {"step": step, "reward": _mean(r),
@@ -508,7 +528,7 @@ def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *
         "trl_version": info["trl_version"], "vllm_version": _vllm_version(),
         "import_s": info["import_s"], "engine_start_s": info["engine_start_s"],
         "learning_rate": learning_rate, "lora": _lora_report(rollout, lora),
-        "interrupted": None,
+        "interrupted": None, "kept_weights": info.get("kept_weights"),
     }
 
 
@@ -676,7 +696,8 @@ def _cmd(args: argparse.Namespace) -> int:
     rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr, lora=lora,
                     gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
                     gateway_journal=Path(args.journal) if args.journal else None,
-                    progress=None if args.quiet else print, engine_progress=not args.quiet)
+                    progress=None if args.quiet else print, engine_progress=not args.quiet,
+                    keep_weights=args.keep_weights)
     print(format_summary(rep))
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=2, default=str))
@@ -768,5 +789,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "first-5 (default 3)")
     p.add_argument("--json", help="write the full report here")
     p.add_argument("--results", help="write the results summary (results/trl-loop.json keys)")
+    p.add_argument("--keep-weights", action="store_true", help=KEEP_WEIGHTS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_cmd)
