@@ -43,6 +43,7 @@ class WeightKeeper:
 
     def __init__(self, root: Path, checkpoint: Path, tokenizer: Any) -> None:
         self.root = root
+        self.checkpoint = checkpoint
         self.tokenizer = tokenizer
         self.versions: dict[str, str] = {"rc-0": str(checkpoint)}
         self.bytes = 0
@@ -55,10 +56,15 @@ class WeightKeeper:
         """The weights this step's update will publish, not yet named."""
         import torch
 
+        from rolloutcore.adapters.vllm.engine_args import TINY_MARKER
+
         shutil.rmtree(self._pending, ignore_errors=True)
         state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}
         model.save_pretrained(self._pending, state_dict=state, safe_serialization=True)
         self.tokenizer.save_pretrained(self._pending)
+        marker = self.checkpoint / TINY_MARKER   # a tiny checkpoint's engine settings
+        if marker.is_file():
+            shutil.copyfile(marker, self._pending / TINY_MARKER)
 
     def published(self, label: str | None) -> None:
         """Name the pending weights after the version its update published (or drop them)."""

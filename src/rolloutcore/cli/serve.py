@@ -99,7 +99,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
         takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
         client_body_s=args.client_body_s, client_send_s=args.client_send_s,
-        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        vllm_args=tuple(args.vllm_args))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -149,6 +150,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="R", help="with --lora: vLLM's --max-lora-rank (one of 1, 8, "
                      "16, 32, 64, 128, 256, 320, 512; default 16); a higher-rank adapter is "
                      "refused before it is loaded")
+    eng.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
+                     metavar="OPTION",
+                     help="one of vLLM's own engine options for the launched engine, "
+                     "repeated: --vllm-arg=--max-model-len=4096 --vllm-arg=--enforce-eager "
+                     "(note the '='); everything after ' -- ' on the command line is passed "
+                     "the same way. Options RolloutCore owns (host, port, model, weight "
+                     "transfer, worker extension, middleware, parallelism, LoRA) are refused "
+                     "with the option to use instead. The tiny checkpoint's --dtype bfloat16 "
+                     "--max-model-len 512 apply to it only, unless given here")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")

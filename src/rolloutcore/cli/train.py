@@ -444,7 +444,7 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
             if rep is None:
                 return
             upd = rep.update
-            if keeper is not None:
+            if keeper is not None and keep is not None:
                 keeper.published(upd.version.label if upd else None)
                 keep["kept_weights"] = keeper.to_dict()
             r = rewards.get(step, [])
