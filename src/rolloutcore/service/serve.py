@@ -296,6 +296,16 @@ def _check_engine(http: VllmHTTP) -> SupportVerdict:
                   answer(lambda: http.capabilities(timeout_s=30.0)))
 
 
+def _check_own_vllm(http: VllmHTTP, backend: str) -> None:
+    from rolloutcore.adapters.vllm import Routes
+    from rolloutcore.service.own_vllm import check_upstream
+
+    caps = http.capabilities()
+    info = http.server_info() if Routes.SERVER_INFO in caps else None
+    for warning in check_upstream(info, caps, backend):
+        print(f"[rolloutcore] warning: {warning}", file=sys.stderr)
+
+
 def run_serve(args: ServeOptions) -> int:
     """The ``serve`` command; blocks until interrupted. Returns an exit status."""
     if not isinstance(args, ServeOptions):
@@ -411,6 +421,8 @@ def run_serve(args: ServeOptions) -> int:
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
+        if engine is None:   # a vLLM the user started: what it lacks, named (own_vllm)
+            _check_own_vllm(adapter.http, args.transport_backend)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))
