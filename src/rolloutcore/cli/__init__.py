@@ -86,12 +86,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     Every subcommand is listed; the others parse no options until named.
     """
-    parser = argparse.ArgumentParser(prog="rolloutcore",
+    from rolloutcore import __version__
+    from rolloutcore.cli.vocab import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="rolloutcore", formatter_class=HelpFormatter,
                                      description="Verified live policy updates for vLLM.")
+    parser.add_argument("--version", action="version", version=f"rolloutcore {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for cmd in COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           formatter_class=HelpFormatter)
         if cmd.name == command:
             _load(cmd, p)
     return parser

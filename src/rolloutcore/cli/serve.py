@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from rolloutcore.cli import argtypes
+from rolloutcore.cli.vocab import HelpFormatter, deprecated
 
 __all__ = ["DESCRIPTION", "FLEET_REFUSED", "add_arguments", "fleet_options", "options"]
 
@@ -116,7 +117,7 @@ def _run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``rolloutcore serve``; sets ``func`` to run the gateway."""
     p.description = DESCRIPTION
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = HelpFormatter
     eng = p.add_argument_group("engine")
     src = eng.add_mutually_exclusive_group()
     src.add_argument("--upstream", metavar="URL", help="a running vLLM server")
@@ -169,7 +170,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net = p.add_argument_group("network and security")
     net.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; others need --token and --data-token)")
-    net.add_argument("--port", type=argtypes.port, default=8100)
+    net.add_argument("--port", type=argtypes.port, default=8100,
+                     help="the gateway's port; a taken one is refused before anything "
+                          "starts (exit status 4)")
     net.add_argument("--token", default=None,
                      help="control token (else ROLLOUTCORE_TOKEN, else generated and printed)")
     net.add_argument("--token-file", default=None, help="read the control token from a file")
@@ -178,7 +181,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--data-token", default=None,
                      help="require this bearer token on the data endpoints too (else "
                           "ROLLOUTCORE_DATA_TOKEN; required when --host is not loopback)")
-    net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20)
+    net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20,
+                     help="larger request bodies get 413")
     net.add_argument("--client-body-s", type=argtypes.positive_float, default=30.0,
                      help="a request body must arrive within this (else 408)")
     net.add_argument("--client-send-s", type=argtypes.positive_float, default=30.0,
@@ -186,7 +190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim = p.add_argument_group("admission and updates")
     lim.add_argument("--queue", type=argtypes.nonneg_int, default=0,
                      help="hold up to N requests during an update (default 0: 503 at once)")
-    lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0)
+    lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0,
+                     help="how long a held request waits for the update to end (then 503)")
     lim.add_argument("--lease-s", type=argtypes.positive_float, default=120.0,
                      help="default trainer lease per update")
     lim.add_argument("--drain-timeout-s", type=argtypes.positive_float, default=120.0,
@@ -223,9 +228,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ver.add_argument("--takeover-probe", default=None, metavar="FILE",
                      help="the checkpoint's policy probe (PolicyProbe.to_wire() as JSON), "
                           "instead of computing it here with a forward pass of the checkpoint")
-    lim.add_argument("--record", default=None, metavar="PATH",
+    lim.add_argument("--trajectories", dest="record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
-                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
+                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups in "
+                          "this trajectory file")
+    lim.add_argument("--record", dest="record", default=None, metavar="PATH",
+                     action=deprecated("--trajectories"),
+                     help="deprecated spelling of --trajectories")
     fl = p.add_argument_group("fleet (several engines behind one gateway)")
     fl.add_argument("--engines", type=argtypes.positive_int, default=1, metavar="N",
                     help="launch N vLLM engines on --model (or the generated checkpoint)")

@@ -61,7 +61,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.cli.argtypes import int_in as _int_in
+from rolloutcore.cli.argtypes import positive_finite as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
+from rolloutcore.cli.vocab import add_json
 
 __all__ = ["LORA_LR", "TARGET_BYTE", "LoraSettings", "add_arguments", "format_summary",
            "run_train", "target_reward"]
@@ -693,14 +696,16 @@ def _cmd(args: argparse.Namespace) -> int:
         raise BadInput("--journal is for --gateway (the gateway's journal); without one the "
                        "journal is written to the workdir")
     lora = _lora_args(args)
+    say = (lambda s: print(s, file=sys.stderr)) if args.json else print  # stdout: the JSON
     rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr, lora=lora,
                     gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
                     gateway_journal=Path(args.journal) if args.journal else None,
-                    progress=None if args.quiet else print, engine_progress=not args.quiet,
+                    progress=None if args.quiet else say, engine_progress=not args.quiet,
                     keep_weights=args.keep_weights)
-    print(format_summary(rep))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rep, indent=2, default=str))
+    doc = json.dumps(rep, indent=2, default=str)
+    print(doc if args.json else format_summary(rep))
+    if args.report:
+        Path(args.report).write_text(doc + "\n")
     if args.results:
         Path(args.results).write_text(json.dumps(rep["results"], indent=2) + "\n")
     if rep.get("interrupted"):
@@ -731,28 +736,6 @@ def _lora_args(args: argparse.Namespace) -> LoraSettings | None:
         t.strip() for t in args.lora_targets.split(",") if t.strip())
     return LoraSettings(rank, 2 * rank if args.lora_alpha is None else args.lora_alpha,
                         targets)
-
-
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}")
-        return v
-    return parse
-
-
-def _pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -787,7 +770,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")
-    p.add_argument("--json", help="write the full report here")
+    add_json(p, "the full report", old_dest="report", old_new="--report")
+    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
     p.add_argument("--results", help="write the results summary (results/trl-loop.json keys)")
     p.add_argument("--keep-weights", action="store_true", help=KEEP_WEIGHTS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -90,7 +90,6 @@ from rolloutcore.provenance.inputs import (
     check_journal_lines,
     check_trajectory_file,
     require_samples,
-    run_audit,
 )
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
@@ -114,7 +113,6 @@ __all__ = [
     "binomial_tail",
     "describe_interruption",
     "read_journal_summary",
-    "run_audit",   # defined in provenance.inputs
 ]
 
 

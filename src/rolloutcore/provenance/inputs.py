@@ -27,7 +27,6 @@ __all__ = [
     "check_journal_lines",
     "check_trajectory_file",
     "require_samples",
-    "run_audit",
     "sniff",
 ]
 
@@ -140,24 +139,3 @@ def check_journal_lines(path: str | os.PathLike[str], lines: int, skipped: int) 
         detail = f"; {sniff(p).describe()}" if os.path.isfile(p) else ""
         raise BadInput(f"journal {p!r} is not a lifecycle journal: none of its {lines} "
                        f"lines is a journal record{detail}")
-
-
-def run_audit(trajectories: str | os.PathLike[str],
-              journal: str | os.PathLike[str] | None = None, *,
-              baseline: object = None, as_json: bool = False, max_rows: int = 50) -> int:
-    """``rolloutcore audit``: print the report; 0 when clean, 1 when anything is reported.
-
-    The exit status is the point: a pipeline gates on it. Bad input (an empty,
-    unreadable or swapped file; no committed sample) raises ``BadInput`` before
-    anything is printed.
-    """
-    from rolloutcore.provenance.audit import DiversityBaseline, audit_file
-
-    if baseline is not None and not isinstance(baseline, DiversityBaseline):
-        raise BadInput("baseline must be a DiversityBaseline")
-    report = audit_file(trajectories, journal, baseline or DiversityBaseline())
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(report.format_table(max_rows))
-    return 0 if report.ok else 1
