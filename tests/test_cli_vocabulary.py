@@ -99,3 +99,26 @@ def test_the_trajectory_file_is_positional_or_an_option(
     assert "give the trajectory file" in capsys.readouterr().err
     assert main(["audit", missing, "--trajectories", "other"]) == 2
     assert "two trajectory files" in capsys.readouterr().err
+
+
+def test_live_update_logs_under_its_workdir_and_says_where_on_failure(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("httpx")
+    import rolloutcore.testing.models as models
+    from rolloutcore.control.session import EngineSession
+    from rolloutcore.errors import EngineUnavailable
+
+    seen: dict[str, object] = {}
+
+    def fake_launch(*a: object, **kw: object) -> None:
+        seen.update(kw)
+        raise EngineUnavailable("launch", "vLLM exited", mutation_started=False)
+
+    monkeypatch.setattr(models, "make_checkpoint", lambda d, seed: Path(d).mkdir(parents=True))
+    monkeypatch.setattr(EngineSession, "launch", fake_launch)
+    work = tmp_path / "w"
+    assert main(["live-update", "--workdir", str(work), "--quiet"]) == 2
+    assert seen["engine_kwargs"] == {"log_dir": work / "logs"}
+    err = capsys.readouterr().err
+    assert f"the engine's log is in {work / 'logs'}" in err.splitlines()[0]

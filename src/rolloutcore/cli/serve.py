@@ -7,6 +7,8 @@ This module imports nothing from the service until the command runs, so
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli import argtypes
@@ -105,13 +107,33 @@ def fleet_options(args: argparse.Namespace) -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.engines > 1 or args.ray:
-        from rolloutcore.fleet.serve import run_fleet_serve
+    fleet = args.engines > 1 or args.ray
+    opts = fleet_options(args) if fleet else options(args)   # refused before a workdir
+    made = args.workdir is None
+    if made:   # made here, so that a failure can say where the logs are
+        import tempfile
 
-        return run_fleet_serve(fleet_options(args))
-    from rolloutcore.service.serve import run_serve
+        args.workdir = tempfile.mkdtemp(prefix="rolloutcore-fleet-" if fleet
+                                        else "rolloutcore-serve-")
+        opts = fleet_options(args) if fleet else options(args)
+    rc = 1
+    try:
+        if fleet:
+            from rolloutcore.fleet.serve import run_fleet_serve
 
-    return run_serve(options(args))
+            rc = run_fleet_serve(opts)
+        else:
+            from rolloutcore.service.serve import run_serve
+
+            rc = run_serve(opts)
+        return rc
+    finally:
+        work = Path(args.workdir)
+        if rc not in (0, 4) and (work / "logs").is_dir():
+            print(f"rolloutcore serve: the engine logs are in {work / 'logs'}",
+                  file=sys.stderr)
+        if made and not any(work.iterdir()):   # refused before anything: nothing left
+            work.rmdir()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -166,7 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--engine-url", default=None,
                      help="URL of vLLM as trainers reach it (default: the upstream URL)")
     eng.add_argument("--workdir", default=None,
-                     help="where a generated checkpoint and engine logs go")
+                     help="where a generated checkpoint goes, and every log (the engines' in "
+                     "WORKDIR/logs, its path printed when serve fails; default: a temp dir)")
     net = p.add_argument_group("network and security")
     net.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; others need --token and --data-token)")

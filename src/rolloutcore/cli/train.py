@@ -322,8 +322,9 @@ def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
             lora_rank: int | None = None) -> Any:
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    return RolloutCoreRollout.launch(
+    return RolloutCoreRollout.launch(   # every log under the workdir: the engine's in logs/
         ckpt, run=run, trajectories=traj, journal=journal, progress=progress,
+        engine_kwargs={"log_dir": traj.parent / "logs"},
         lora_rank=lora_rank, adapter_store=None if lora_rank is None else _store(traj))
 
 
@@ -697,11 +698,17 @@ def _cmd(args: argparse.Namespace) -> int:
                        "journal is written to the workdir")
     lora = _lora_args(args)
     say = (lambda s: print(s, file=sys.stderr)) if args.json else print  # stdout: the JSON
-    rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr, lora=lora,
-                    gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
-                    gateway_journal=Path(args.journal) if args.journal else None,
-                    progress=None if args.quiet else say, engine_progress=not args.quiet,
-                    keep_weights=args.keep_weights)
+    try:
+        rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr,
+                        lora=lora, gateway=args.gateway,
+                        token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
+                        gateway_journal=Path(args.journal) if args.journal else None,
+                        progress=None if args.quiet else say, engine_progress=not args.quiet,
+                        keep_weights=args.keep_weights)
+    except Exception:
+        print(f"rolloutcore train: failed; the run's files and the engine's log are in "
+              f"{workdir} ({workdir / 'logs'})", file=sys.stderr)
+        raise
     doc = json.dumps(rep, indent=2, default=str)
     print(doc if args.json else format_summary(rep))
     if args.report:
