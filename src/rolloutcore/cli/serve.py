@@ -40,7 +40,9 @@ rolling waves).
 
 Everything that can be refused is refused before anything starts: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
-a vLLM outside the supported range or without the routes an update needs.
+a vLLM option RolloutCore owns (--vllm-arg), a taken --port (exit status
+4), a vLLM outside the supported range or without the routes an update
+needs. Exit statuses and messages: docs/troubleshooting.md.
 """
 
 
