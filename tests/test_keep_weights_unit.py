@@ -40,7 +40,7 @@ class _Tokenizer:
 
 def test_each_published_version_is_kept_under_its_label(tmp_path: Path) -> None:
     model = _Model()
-    keeper = WeightKeeper(tmp_path / "weights", tmp_path / "policy-0", _Tokenizer())
+    keeper = WeightKeeper(tmp_path / "weights", tmp_path / "policy-0", _Tokenizer(), "rc-0")
     keeper.before_generation(model)
     keeper.published(None)                # step 0: no update, nothing kept
     model.w += 1

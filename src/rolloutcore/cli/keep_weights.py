@@ -9,7 +9,7 @@ that step's update publishes: TRL generates at the start of a step, after
 ``on_step_begin``) and named after the version once the update published
 them: ``WORKDIR/weights/<label>/`` (a Hugging Face checkpoint, bf16, as the
 engine serves it) and ``WORKDIR/weights/versions.json`` (label -> directory;
-``rc-0`` is ``policy-0``). A step whose update did not publish keeps nothing.
+the first version's is the start checkpoint, ``policy-0``). A step whose update did not publish keeps nothing.
 
 Size: two bytes per parameter per version (bf16): the tiny model has about
 0.36 M parameters, so about 0.7 MB a version, 15 MB for the default 20 steps;
@@ -41,11 +41,12 @@ def estimate_bytes(model: Any) -> int:
 class WeightKeeper:
     """Writes the trainer's weights of each published version (see the module docstring)."""
 
-    def __init__(self, root: Path, checkpoint: Path, tokenizer: Any) -> None:
+    def __init__(self, root: Path, checkpoint: Path, tokenizer: Any, first: str) -> None:
+        """``first``: the label of the version the run started on (the checkpoint's)."""
         self.root = root
         self.checkpoint = checkpoint
         self.tokenizer = tokenizer
-        self.versions: dict[str, str] = {"rc-0": str(checkpoint)}
+        self.versions: dict[str, str] = {first: str(checkpoint)}
         self.bytes = 0
         shutil.rmtree(root, ignore_errors=True)   # one run per workdir
         root.mkdir(parents=True)

@@ -415,7 +415,7 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     if keep is not None:   # --keep-weights: its summary goes into the report (info)
         from rolloutcore.cli.keep_weights import WeightKeeper, estimate_bytes
 
-        keeper = WeightKeeper(workdir / "weights", ckpt, tok)
+        keeper = WeightKeeper(workdir / "weights", ckpt, tok, rollout.version.label)
         keep["kept_weights"] = keeper.to_dict()
         say(f"[4/4] keeping every version's weights in {keeper.root} (about "
             f"{estimate_bytes(model) / 1e6:.1f} MB a version)")
