@@ -9,7 +9,8 @@ that step's update publishes: TRL generates at the start of a step, after
 ``on_step_begin``) and named after the version once the update published
 them: ``WORKDIR/weights/<label>/`` (a Hugging Face checkpoint, bf16, as the
 engine serves it) and ``WORKDIR/weights/versions.json`` (label -> directory;
-the first version's is the start checkpoint, ``policy-0``). A step whose update did not publish keeps nothing.
+the first version's is the start checkpoint, ``policy-0``). A step whose
+update did not publish keeps nothing.
 
 Size: two bytes per parameter per version (bf16): the tiny model has about
 0.36 M parameters, so about 0.7 MB a version, 15 MB for the default 20 steps;
