@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ class WeightKeeper:
         root.mkdir(parents=True)
         self._pending = root / ".pending"
         self._write_index()
+        tf = sys.modules.get("transformers")   # the trainer's: no progress bar per save
+        if tf is not None:
+            tf.utils.logging.disable_progress_bar()
 
     def before_generation(self, model: Any) -> None:
         """The weights this step's update will publish, not yet named."""
