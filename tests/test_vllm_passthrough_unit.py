@@ -110,3 +110,13 @@ def test_serve_help_documents_the_passthrough() -> None:
     sub = build_parser("serve")._subparsers._group_actions[0]   # type: ignore[union-attr]
     text = sub.choices["serve"].format_help()  # type: ignore[attr-defined]
     assert "--vllm-arg" in text and "refused" in text
+
+
+def test_a_fleet_s_engines_take_the_same_passthrough() -> None:
+    from rolloutcore.cli.serve import fleet_options
+
+    parse = build_parser("serve").parse_args
+    args = parse(["serve", "--engines", "2", "--vllm-arg=--enforce-eager"])
+    assert fleet_options(args).vllm_args == ("--enforce-eager",)
+    with pytest.raises(BadInput, match="vLLM option --port is RolloutCore's"):
+        fleet_options(parse(["serve", "--engines", "2", "--vllm-arg=--port=1"]))
