@@ -42,6 +42,19 @@ def test_the_fault_matrix_doc_shows_the_rows_of_the_json() -> None:
             "from results/fault-matrix.json: run it and paste its output there")
 
 
+def test_every_test_the_vllm_versions_page_names_exists() -> None:
+    """docs/vllm-versions.md says which test shows each difference handled: each exists."""
+    import re
+
+    root = Path(__file__).parent.parent
+    doc = (root / "docs" / "vllm-versions.md").read_text()
+    named = set(re.findall(r"`(?:[\w/]+\.py::)?(test_\w+)(?:\[\w+\])?`", doc))
+    assert len(named) >= 6, named
+    defined = {m for f in (root / "tests").rglob("test_*.py")
+               for m in re.findall(r"^(?:async )?def (test_\w+)", f.read_text(), re.M)}
+    assert sorted(named - defined) == []
+
+
 # --------------------------------------------------------------------------- #48: the CLI docs
 
 ROOT = Path(__file__).parent.parent

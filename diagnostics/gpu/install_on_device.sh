@@ -8,14 +8,19 @@
 # Where ray-MANIFEST or any ray-piece-NN is there too (prepare_carry.sh with RAY=1),
 # ray and its wheels are joined, checked against ray-MANIFEST and installed with them.
 set -euo pipefail
+# PREFIX=v034- SITE=/tmp/site034: the vLLM 0.34 carry (prepare_carry.sh with VLLM=0.34),
+# into its own site so that 0.26 (the image's torch) and 0.34 (torch 2.14) run side by side.
 CARRY=${CARRY:-/tmp/rc-carry}
 SITE=${SITE:-/tmp/site}
+PREFIX=${PREFIX:-}
 cd "$CARRY"
-cat piece-* > wheels.tar
+cat "${PREFIX}"piece-* > "${PREFIX}wheels.tar"
 # MANIFEST lists wheels.tar and every piece: all must match what was prepared.
-sha256sum -c --quiet MANIFEST
-rm -rf /tmp/rc-whl && mkdir -p /tmp/rc-whl && tar -C /tmp/rc-whl -xf wheels.tar
-WHEELS=(/tmp/rc-whl/*.whl)
+sha256sum -c --quiet "${PREFIX}MANIFEST"
+WHL=/tmp/rc-whl${PREFIX:+-${PREFIX%-}}
+rm -rf "$WHL" && mkdir -p "$WHL" && tar -C "$WHL" -xf "${PREFIX}wheels.tar"
+rm -f "${PREFIX}wheels.tar"
+WHEELS=("$WHL"/*.whl)
 RAY_CARRIED=0
 if compgen -G 'ray-piece-*' >/dev/null || [ -e ray-MANIFEST ]; then
   RAY_CARRIED=1

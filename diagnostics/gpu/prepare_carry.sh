@@ -26,6 +26,15 @@ PLAT=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
 COMMON=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
         --abi cp312 --abi abi3 --abi none "${PLAT[@]}")
 
+# VLLM=0.34 (issue 45): vLLM 0.34.0 instead, with the torch 2.14.0 and triton 3.8.0 it
+# pins and the rest of its serve-path dependencies the image lacks or has too old
+# (resolved by pip from vLLM 0.34.0's Requires-Dist, minus the image's packages and the
+# GPU kernel packages the serve path imports lazily: flashinfer (not on PyPI at the
+# pinned 0.7.3; started with VLLM_USE_FLASHINFER_SAMPLER=0), tilelang, cutlass-dsl,
+# quack, tokenspeed-mla, humming-kernels, video/audio codecs). Its pieces are
+# .carry/v034-piece-NN with .carry/v034-MANIFEST, beside the 0.26 ones; install with
+# PREFIX=v034- SITE=/tmp/site034 install_on_device.sh.
+VLLM=${VLLM:-0.26}
 # Beyond the image (torch 2.11.0+cu130, transformers 5.17, numpy, ... are there).
 # List from ../shared/VLLM-FACTS.md (H200 section), minus ray and its deps.
 EXTRA=(
@@ -38,6 +47,38 @@ EXTRA=(
   partial-json-parser==0.2.1.1.post7 model-hosting-container-standards==0.1.16
   jmespath==1.1.0 prometheus-fastapi-instrumentator==8.1.0
   httptools==0.9.0  # the gateway's HTTP parser (service_path of h200_8b_ipc.py)
+)
+EXTRA_034=(
+  vllm==0.34.0 torch==2.14.0 triton==3.8.0
+  lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 xgrammar==0.2.8
+  compressed-tensors==0.17.0 depyf==0.20.0 apache-tvm-ffi==0.1.11 nvtx==0.2.15
+  cachetools==8.0.3 blake3==1.0.11 py-cpuinfo==9.0.0 huggingface_hub==2.4.0
+  tokenizers==0.23.3 protobuf==7.36.2 starlette==1.10.0 openai==3.63.0 pydantic==2.14.4
+  pydantic_core==2.50.5 orjson==3.13.0 prometheus-fastapi-instrumentator==8.1.0
+  llguidance==1.7.6 partial-json-parser==0.2.1.1.post7 jsonschema==4.26.0 pyzmq==27.3.0
+  msgspec==0.23.0 watchfiles==1.3.0 python-json-logger==4.2.0 pybase64==1.5.1
+  cbor2==6.3.0 ijson==3.6.0 setproctitle==1.3.8 oss-harmony==0.0.11 anthropic==2.17.0
+  model-hosting-container-standards==0.1.16 mcp==2.3.0 mcp-types==2.3.0
+  opentelemetry-sdk==1.45.2 opentelemetry-api==1.45.2
+  opentelemetry-semantic-conventions==0.66b2 opentelemetry-exporter-otlp==1.45.2
+  opentelemetry-exporter-otlp-proto-grpc==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2
+  opentelemetry-exporter-otlp-common==0.66b2 opentelemetry-exporter-otlp-proto-common==1.45.2
+  opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions-ai==0.5.1
+  opentelemetry-exporter-http-transport==0.66b2
+  annotated-types==0.8.0 anyio==4.16.0 click==8.5.1 docstring_parser==0.18.0
+  email-validator==2.4.0 fastar==0.12.0 httpx2==2.17.0 httpcore2==2.17.0
+  interegular==0.3.3 jiter==0.19.0 jsonschema-specifications==2025.9.1 packaging==26.4
+  pydantic-extra-types==2.11.1 pydantic-settings==2.16.3 python-multipart==0.0.34
+  referencing==0.37.0 requests==2.34.2 rpds-py==2026.9.1 sniffio==1.3.1
+  sse-starlette==3.7.1 supervisor==4.3.0 typing_extensions==4.16.0
+  typing-inspection==0.4.5 uvicorn==0.55.0 astor==0.8.1 dill==0.4.1 fastapi==0.136.3
+  jmespath==1.1.0 loguru==0.7.3 mistral_common==1.13.1 certifi==2026.10.19.post1
+  cryptography==51.0.1 dnspython==2.9.2 fastapi-cloud-cli==0.28.0
+  googleapis-common-protos==1.76.0 httptools==0.9.0 kernels==0.19.1 pycountry==26.2.16
+  python-dotenv==1.2.4 rich-toolkit==0.20.6 truststore==0.10.5 urllib3==2.8.0
+  uvloop==0.23.0 websockets==17.4 fastapi-cli==0.0.34 PyJWT==2.15.1
+  agent-detector==2.0.0 cffi==2.1.1 detect-installer==0.2.1 rignore==0.8.1
+  sentry-sdk==2.76.0 tomlkit==0.15.3 pycparser==3.12
 )
 # ray's Requires-Dist (no extra): click, filelock, msgpack, packaging>=24.2, protobuf,
 # pyyaml, requests are in the device image (KINDS.md); jsonschema is not, nor its
@@ -60,6 +101,16 @@ fetch() {  # fetch DIR SPEC...: each wheel once
     $PIP download -q "${COMMON[@]}" -d "$dir" "$spec"
   done
 }
+if [ "$VLLM" = 0.34 ]; then
+  fetch .whl-034 "${EXTRA_034[@]}"
+  rm -f .carry/v034-*
+  mkdir -p .carry
+  tar -C .whl-034 -cf .carry/v034-wheels.tar .
+  ( cd .carry && split -b "$PIECE_BYTES" -d -a 2 v034-wheels.tar v034-piece- )
+  ( cd .carry && sha256sum v034-wheels.tar v034-piece-* > v034-MANIFEST && rm v034-wheels.tar )
+  echo "v034 pieces: $(ls .carry/v034-piece-* | wc -l)"
+  exit 0
+fi
 fetch .whl "${EXTRA[@]}"
 if [ "${RAY:-0}" = 1 ]; then
   fetch .whl-ray "${RAY_EXTRA[@]}"
@@ -69,7 +120,7 @@ fi
 # entry points (vllm.general_plugins) must be installed where vLLM looks:
 # install_on_device.sh builds a tiny dist-info for it there; nothing to do here.
 
-rm -rf .carry && mkdir -p .carry
+rm -f .carry/piece-* .carry/MANIFEST .carry/ray-* && mkdir -p .carry
 tar -C .whl -cf .carry/wheels.tar .
 ( cd .carry && split -b "$PIECE_BYTES" -d -a 2 wheels.tar piece- )
 ( cd .carry && sha256sum wheels.tar piece-* > MANIFEST && rm wheels.tar )

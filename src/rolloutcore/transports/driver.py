@@ -30,6 +30,7 @@ module imports, and its logic is tested, on a machine without either.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -215,10 +216,13 @@ class SourceSlot:
     def __init__(self) -> None:
         self.source: WeightSource | None = None
         self.device: Any = None
+        self._views: list[Any] = []
 
     def fill(self, source: WeightSource, device: Any) -> None:
         self.source = source
         self.device = device
+        for view in self._views:  # a 0.33+ view caches the metadata: forget it
+            view.__dict__.pop("metadata", None)
 
     def specs(self) -> list[tuple[str, Any, tuple[int, ...]]]:
         """(name, torch dtype, shape) of every tensor, in send order."""
@@ -239,20 +243,47 @@ class SourceSlot:
         return self.source
 
     def as_vllm(self) -> Any:
-        """This slot as a ``vllm.distributed.weight_transfer.base.WeightSource``."""
-        from vllm.distributed.weight_transfer.base import ParamMeta
-        from vllm.distributed.weight_transfer.base import WeightSource as VllmSource
+        """This slot as a ``vllm.distributed.weight_transfer.base.WeightSource``.
 
+        vLLM 0.26-0.32 call ``metadata()`` and iterate the source; from 0.33
+        ``metadata`` is a ``functools.cached_property`` (checked when the class
+        is defined) and engines call ``iter_full()``. The cached metadata is
+        dropped whenever the slot is refilled, so each round declares its own
+        source (a 0.33+ trainer then sends the round's metadata again rather
+        than an empty "unchanged" round).
+        """
+        from vllm.distributed.weight_transfer import base
+
+        # Typed as Any: the class differs by version, and mypy sees the installed one.
+        VllmSource: Any = base.WeightSource
+        ParamMeta: Any = base.ParamMeta
         slot = self
 
-        class _Slot(VllmSource):
-            def metadata(self) -> list[Any]:
-                return [ParamMeta(n, d, s) for n, d, s in slot.specs()]
+        def metas() -> list[Any]:
+            return [ParamMeta(n, d, s) for n, d, s in slot.specs()]
 
-            def __iter__(self) -> Iterator[tuple[str, Any]]:
-                return iter(slot)
+        view: Any
+        if isinstance(VllmSource.__dict__.get("metadata"), property):
+            class _Slot033(VllmSource):  # type: ignore[misc]
+                @functools.cached_property
+                def metadata(self) -> list[Any]:
+                    return metas()
 
-        return _Slot()
+                def iter_full(self) -> Iterator[tuple[str, Any]]:
+                    return iter(slot)
+
+            view = _Slot033()
+        else:
+            class _Slot(VllmSource):  # type: ignore[misc]
+                def metadata(self) -> list[Any]:
+                    return metas()
+
+                def __iter__(self) -> Iterator[tuple[str, Any]]:
+                    return iter(slot)
+
+            view = _Slot()
+        self._views.append(view)
+        return view
 
 
 # ------------------------------------------------------------------ the driver

@@ -330,7 +330,9 @@ def _build_engine_class() -> type[Any]:
     import torch
     from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
-    reload: Any = importlib.import_module("vllm.model_executor.model_loader.reload")
+    from rolloutcore.transports.compat.reload import reload_api
+
+    reload = reload_api()
     layerwise: Any = importlib.import_module(
         "vllm.model_executor.model_loader.reload.layerwise")
 
@@ -416,7 +418,7 @@ def _build_engine_class() -> type[Any]:
             skipped, self._skipped = tuple(self._skipped), {}
             capture, self._capture = self._capture, None
             try:
-                reload.finalize_layerwise_reload(self.model, self.model_config)
+                reload.close(self.model, self.model_config, self.device)
             finally:
                 if capture is not None:
                     capture.close()
@@ -468,7 +470,7 @@ def _build_engine_class() -> type[Any]:
                 if update_info.nonce is not None:
                     self._capture = capture_cls(self.model)
                 self.last_report = None  # a round that does not finish reports nothing
-                reload.initialize_layerwise_reload(self.model)
+                reload.open(self.model)
                 self._opened = True
             self._written |= written
             self._wrote.update(dict.fromkeys(mine))
@@ -476,15 +478,9 @@ def _build_engine_class() -> type[Any]:
             for k, v in placed.items():
                 self._placed.setdefault(k, []).extend(v)
             self._nonce = update_info.nonce or ""
-            ctx: Any = contextlib.nullcontext()
-            with contextlib.suppress(ImportError):
-                from vllm.model_executor.model_loader.mtp_validation import (
-                    disable_mtp_completeness_check,
-                )
-                ctx = disable_mtp_completeness_check()
             model: Any = self.model
             skip = set(other)
-            with ctx:
+            with reload.mtp_ok():
                 for name, dt, shape in zip(update_info.names, update_info.dtype_names,
                                            update_info.shapes, strict=True):
                     buf = torch.empty(shape, dtype=getattr(torch, dt))

@@ -5,8 +5,10 @@ trainer engine in ``WeightTransferTrainerFactory`` and a sync client whose
 finish carries no version. ``param_checksums``: with no ``weight_version``
 and no ``/weight_checker`` there, the paused validation's evidence is the
 workers' block checksum of every parameter, read through a worker extension.
-Nothing here is imported by the rest of the package; each module imports
-vLLM only where it calls it.
+``reload``: the other direction, vLLM 0.34's ``start_reload`` / ``finish_reload``
+(and its direct mode, refused) beside 0.26-0.33's layerwise pair; the worker
+halves of the gloo and CUDA IPC backends open and close every round through it.
+Each module imports vLLM only where it calls it.
 """
 
 __all__: list[str] = []

@@ -34,6 +34,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from rolloutcore.transports import derived
+from rolloutcore.transports.compat.reload import reload_api
 from rolloutcore.transports.cuda_ipc.checksum import CHECKSUM_IMPLS, block_checksum
 from rolloutcore.transports.cuda_ipc.loader import COPY_IMPLS, SliceLoader, map_buffer
 from rolloutcore.transports.cuda_ipc.wire import (
@@ -206,9 +207,7 @@ class CudaIpcWeightTransferEngine(
         bufs = [self._map(b) for b in msg.buffers]
         map_s = time.monotonic() - t0
         if msg.mode == "reference" and not self._layerwise:
-            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-            initialize_layerwise_reload(self.model)
+            reload_api().open(self.model)
             self._layerwise = True
         start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
@@ -225,9 +224,7 @@ class CudaIpcWeightTransferEngine(
     def finish_weight_update(self) -> None:
         received, self._received = self._received, False
         if self._layerwise:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            reload_api().close(self.model, self.model_config, self.device)
             self._layerwise = False
             derived.rederive(self.model, self._tied_plan())
             return
