@@ -248,7 +248,7 @@ def trl_lora(steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="rc-lora-trl-") as td:
         work = Path(td)
         argv = [sys.executable, "-m", "rolloutcore.cli", "train", "--lora", "--steps",
-                str(steps), "--workdir", str(work / "run"), "--json", str(work / "report.json"),
+                str(steps), "--workdir", str(work / "run"), "--report", str(work / "report.json"),
                 "--quiet"]
         t0 = time.perf_counter()
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=3600, check=False)

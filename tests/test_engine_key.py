@@ -201,3 +201,109 @@ def test_a_managed_engine_asks_vllm_for_the_guard_and_keeps_the_key_out_of_argv(
     assert cmd[cmd.index("--middleware") + 1] == engine_key.MIDDLEWARE
     with pytest.raises(BadInput):
         ManagedEngine(ckpt, guard_routes="yes")  # type: ignore[arg-type]
+
+
+class _Core:
+    """An engine core as vLLM's API server holds it (``app.state.engine_client``)."""
+
+    def __init__(self, name: str, fail: bool = False) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.fail = fail
+
+        async def pause(**kw: Any) -> None:
+            if self.fail:
+                raise RuntimeError("core gone")
+            self.calls.append((name, kw))
+        setattr(self, name, pause)
+
+
+class _Renderer:
+    def __init__(self) -> None:
+        self.cleared = 0
+
+    async def clear_mm_cache_async(self) -> None:
+        self.cleared += 1
+
+
+def _engine_app(core: Any) -> Any:
+    """The guard inside an app whose state holds an engine client, as vLLM's does."""
+    import types
+
+    state = types.SimpleNamespace(engine_client=types.SimpleNamespace(
+        engine_core=core, renderer=_Renderer()))
+    app = types.SimpleNamespace(state=state)
+    guard = RouteGuard(_inner)
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        scope["app"] = app  # Starlette sets it before its middleware runs
+        await guard(scope, receive, send)
+    asgi.state = state  # type: ignore[attr-defined]
+    return asgi
+
+
+@pytest.mark.parametrize("core_name", ["pause_scheduler_async", "pause_generation_async"])
+def test_the_fast_pause_is_the_engine_cores_own_pause_behind_the_key(
+        monkeypatch: pytest.MonkeyPatch, core_name: str) -> None:
+    """/rolloutcore/pause calls the engine core's pause as vLLM's /pause does (0.26-0.32:
+    pause_scheduler_async, 0.33+: pause_generation_async), without vLLM's fixed sleep."""
+    monkeypatch.setenv(engine_key.ENV, KEY)
+    core = _Core(core_name)
+    app = _engine_app(core)
+    path = engine_key.FAST_PAUSE + "?mode=wait&clear_cache=false"
+    assert _call(app, "POST", path).status_code == 403 and core.calls == []
+    r = _call(app, "POST", path, {HEADER: KEY})
+    assert r.status_code == 200 and r.json() == {"status": "paused", "via": "engine_core"}
+    assert core.calls == [(core_name, {"mode": "wait", "clear_cache": False})]
+    r = _call(app, "POST", engine_key.FAST_PAUSE + "?mode=keep&clear_cache=true", {HEADER: KEY})
+    assert r.status_code == 200 and core.calls[-1][1] == {"mode": "keep", "clear_cache": True}
+    assert app.state.engine_client.renderer.cleared == 1  # as AsyncLLM does, when clearing
+
+
+@pytest.mark.parametrize("query", ["?mode=later", "?mode=wait&clear_cache=maybe", "?mode="])
+def test_the_fast_pause_refuses_bad_input_and_pauses_nothing(
+        monkeypatch: pytest.MonkeyPatch, query: str) -> None:
+    monkeypatch.setenv(engine_key.ENV, KEY)
+    core = _Core("pause_scheduler_async")
+    r = _call(_engine_app(core), "POST", engine_key.FAST_PAUSE + query, {HEADER: KEY})
+    assert r.status_code == 400 and core.calls == []
+    r = _call(_engine_app(core), "GET", engine_key.FAST_PAUSE, {HEADER: KEY})
+    assert r.status_code == 405 and core.calls == []
+
+
+def test_the_fast_pause_says_when_it_cannot_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No core pause to call: 404 (the client then uses /pause); the core fails: 500."""
+    monkeypatch.setenv(engine_key.ENV, KEY)
+    r = _call(_engine_app(object()), "POST", engine_key.FAST_PAUSE + "?mode=wait",
+              {HEADER: KEY})
+    assert r.status_code == 404
+    r = _call(_engine_app(_Core("pause_scheduler_async", fail=True)), "POST",
+              engine_key.FAST_PAUSE + "?mode=wait", {HEADER: KEY})
+    assert r.status_code == 500 and "core gone" in r.json()["error"]
+
+
+@pytest.mark.parametrize("fast_status", [200, 404, 500])
+def test_a_keyed_engine_is_drained_through_the_fast_pause_else_through_pause(
+        fast_status: int) -> None:
+    """The adapter's drain: an engine this process holds the key of is paused through
+    /rolloutcore/pause; a guard without it (404) or a failed core pause (500) falls back to
+    vLLM's /pause; an engine without a key is paused through /pause alone."""
+    from rolloutcore.adapters.vllm import VllmAdapter
+    from rolloutcore.core.evidence import PauseMode
+    from test_vllm_http_unit import BASE, Engine, answer, client
+
+    e = Engine(overrides={engine_key.FAST_PAUSE: answer(fast_status, {
+        "status": "paused", "via": "engine_core"} if fast_status == 200 else {"error": "x"})})
+    engine_key.register(BASE, KEY)
+    try:
+        d = VllmAdapter(client(e), engine_epoch="ep").drain(PauseMode.WAIT)
+    finally:
+        engine_key.forget(BASE, KEY)
+    assert d.paused
+    assert e.sent(engine_key.FAST_PAUSE) == 1
+    assert e.sent("/pause") == (0 if fast_status == 200 else 1)
+    fast = next(r for r in e.requests if r.url.path == engine_key.FAST_PAUSE)
+    assert fast.url.params["mode"] == "wait" and fast.url.params["clear_cache"] == "false"
+    assert fast.headers[HEADER] == KEY
+    e2 = Engine()
+    assert VllmAdapter(client(e2), engine_epoch="ep").drain(PauseMode.WAIT).paused
+    assert e2.sent(engine_key.FAST_PAUSE) == 0 and e2.sent("/pause") == 1

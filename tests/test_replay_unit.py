@@ -166,7 +166,10 @@ def _report(*rows: SampleReplay) -> ReplayReport:
 
 def test_report_ok_needs_a_pass_and_no_failure() -> None:
     assert _report(_row(SampleStatus.PASS)).ok
-    assert _report(_row(SampleStatus.PASS), _row(SampleStatus.SKIPPED)).ok
+    # A skipped sample is not verified: a replay that skipped any is not OK (#48).
+    skipped = _report(_row(SampleStatus.PASS), _row(SampleStatus.SKIPPED))
+    assert not skipped.ok
+    assert "NOT VERIFIED (1 of 2 samples skipped" in skipped.format_table().splitlines()[0]
     assert _report(_row(SampleStatus.PASS), _row(SampleStatus.NOT_REPLAYABLE)).ok
     assert not _report(_row(SampleStatus.NOT_REPLAYABLE)).ok
     for bad in (SampleStatus.FAIL, SampleStatus.ERROR, SampleStatus.VERSION_MISMATCH):
@@ -248,7 +251,7 @@ def test_replay_file_bad_input(tmp_path: Path) -> None:
     with TrajectoryRecorder(empty):
         pass
     http = _engine(frozenset({Routes.WEIGHT_INFO}), [])
-    with pytest.raises(BadInput, match="no committed samples"):
+    with pytest.raises(BadInput, match="is empty"):
         replay_file(empty, http)
 
 

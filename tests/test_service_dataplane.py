@@ -31,6 +31,7 @@ from helpers.gateway_rig import (
 )
 from rolloutcore.control.journal import first_index
 from rolloutcore.core.cache_salt import salt_for
+from rolloutcore.core.evidence import PauseMode
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service.proxy import BODY_FIELD, VERSION_HEADER
@@ -392,11 +393,16 @@ async def test_wrong_method_unknown_route_and_huge_body_without_length() -> None
         assert snapshot(r) == before
 
 
-async def test_concurrent_streams_across_updates_are_version_pure() -> None:
+@pytest.mark.parametrize("rejects_while_paused", [False, True], ids=["vllm032", "vllm033"])
+async def test_concurrent_streams_across_updates_are_version_pure(
+        rejects_while_paused: bool) -> None:
     """Many clients while a trainer updates three times: each answer is one version,
-    equal to its binding, and nothing is admitted while an update is in flight."""
+    equal to its binding, and nothing is admitted while an update is in flight. With
+    vLLM 0.33+'s pause (a request reaching the paused engine is answered 503
+    ``engine_paused``) no client sees that 503: none is forwarded while it is paused."""
     async with rig(streaming=True, token_delay_s=0.0003, event_delay_s=0.001,
-                   queue_max=64, queue_wait_s=20) as r:
+                   queue_max=64, queue_wait_s=20,
+                   rejects_while_paused=rejects_while_paused) as r:
         answers: list[tuple[str, list[Any]]] = []
         rnd = random.Random(7)
         stop = anyio.Event()
@@ -449,6 +455,17 @@ async def test_concurrent_streams_across_updates_are_version_pure() -> None:
             assert i_begin >= 0
             assert not [x for x in recs[i_begin:i_commit] if x.kind == "admit"]
         assert r.controller.active == {}
+        if rejects_while_paused:
+            assert r.engine.rejected_while_paused == 0
+            # The control: a request that does reach the paused engine is refused.
+            r.engine.pause(PauseMode.WAIT)
+            try:
+                async with httpx.AsyncClient(timeout=10) as direct:
+                    d = await direct.post(r.upstream_url + GEN, json=gen_body())
+                assert d.status_code == 503 and d.json()["error"]["code"] == "engine_paused"
+                assert r.engine.rejected_while_paused == 1
+            finally:
+                r.engine.resume()
 
 
 async def test_metrics_count_admissions_and_requests() -> None:

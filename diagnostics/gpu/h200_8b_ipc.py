@@ -90,7 +90,7 @@ from rolloutcore.transports.source import WeightSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gputime import gpu_time  # noqa: E402
-from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
+from qwen3_shapes import QWEN3, QWEN3_8B, qwen3_specs  # noqa: E402,F401
 
 RESULTS: dict[str, Any] = {"stages": {}, "errors": {}, "commands": []}
 T_START = time.monotonic()
@@ -100,6 +100,19 @@ def log(msg: str) -> None:
     print(f"[{time.monotonic() - T_START:7.1f}s] {msg}", flush=True)
 
 
+#: Stages left out of this run (``--skip``): a stage checks ``skipped(name)`` first.
+SKIP: set[str] = set()
+
+
+class Skipped(Exception):
+    pass
+
+
+def skipped(name: str) -> None:
+    if name in SKIP:
+        raise Skipped(name)
+
+
 @contextlib.contextmanager
 def stage(name: str):  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
@@ -107,6 +120,8 @@ def stage(name: str):  # type: ignore[no-untyped-def]
     try:
         yield
         RESULTS["stages"][name] = {"ok": True, "s": round(time.monotonic() - t0, 3)}
+    except Skipped:
+        RESULTS["stages"][name] = {"skipped": "--skip"}
     except Exception as exc:
         RESULTS["stages"][name] = {"ok": False, "s": round(time.monotonic() - t0, 3)}
         RESULTS["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -261,7 +276,11 @@ class Http:
 
     def __init__(self, base_url: str) -> None:
         self.base = base_url
-        self.c = httpx.Client(timeout=120.0)
+        from rolloutcore.transports import engine_key
+
+        # The engine is launched with the route guard: its key opens the dev routes
+        # for these bare calls too (the same calls, the same cost, one header more).
+        self.c = httpx.Client(timeout=120.0, headers=engine_key.headers_for(base_url))
 
     def post(self, path: str, body: Any = None, params: dict[str, str] | None = None,
              timeout: float = 120.0) -> tuple[Any, float]:
@@ -470,9 +489,16 @@ def main() -> int:
     ap.add_argument("--gpu-util", type=float, default=0.45)
     ap.add_argument("--service", action=argparse.BooleanOptionalAction, default=True,
                     help="also run the hot transition through a gateway + RolloutCoreClient")
+    ap.add_argument("--model", choices=sorted(QWEN3), default="8b",
+                    help="the Qwen3 size whose public shapes are used (the scaling curve)")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated stages to leave out (the scaling curve keeps "
+                         "the transition, the bare sequence, the service path, the transfer)")
     ap.add_argument("--service-reps", type=int, default=None,
                     help="service-path transitions (default: --reps)")
     args = ap.parse_args()
+    SKIP.update(x for x in args.skip.split(",") if x)
+    model_cfg = QWEN3[args.model]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     RESULTS["out_dir"] = str(out)
@@ -487,21 +513,23 @@ def main() -> int:
     transport = CudaIpcTransport(mode="fast")
     packed: PackedWeights | None = None
 
-    model_dir = Path("/tmp/rc-qwen3-8b")
+    model_dir = Path(f"/tmp/rc-qwen3-{args.model}")
     model_dir.mkdir(exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(QWEN3_8B, indent=1))
+    (model_dir / "config.json").write_text(json.dumps(model_cfg, indent=1))
 
     with stage("trainer_weights"):
-        specs = qwen3_specs(QWEN3_8B)
+        specs = qwen3_specs(model_cfg)
         packed = PackedWeights([(n, s, torch.bfloat16) for n, s in specs], device="cuda:0")
         transport.adopt(packed)
         t = time.monotonic()
         fill(packed, 1)
-        R["model"] = {"config": "Qwen3-8B public config values", "tensors": len(specs),
+        R["model"] = {"config": f"Qwen3-{args.model} public config values", "size": args.model,
+                      "tensors": len(specs),
                       "bytes": packed.nbytes, "fill_s": round(time.monotonic() - t, 4)}
         log(f"trainer buffer: {len(specs)} tensors, {packed.nbytes / 1e9:.3f} GB")
 
     with stage("kernel_tiles"):
+        skipped("kernel_tiles")
         # The one-launch kernels' tile sizes, swept on the trainer's own buffer
         # (same GPU, same bytes); the engine is started with the best ones.
         from rolloutcore.transports.cuda_ipc import kernels as ck
@@ -549,7 +577,7 @@ def main() -> int:
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1",
            **{k: str(v) for k, v in R.get("kernel_tiles", {}).get("chosen", {}).items()}}
     with stage("engine_start"):
-        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False,
+        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False, guard_routes=True,
                                max_model_len=4096, extra_args=extra, env=env,
                                log_dir=logs, startup_timeout_s=420, stop_grace_s=10)
         R["engine_env"] = env
@@ -596,6 +624,7 @@ def main() -> int:
             send(s, "fast", f"w{s}")
 
     with stage("impl_compare"):
+        skipped("impl_compare")
         # Same engine, same weights, one run: how the update's copies are done
         # (per-tensor memcpy, torch _foreach_copy_, one Triton launch) and how the
         # block checksum is computed (per-tensor torch reductions, one Triton launch).
@@ -663,6 +692,7 @@ def main() -> int:
         transport.connect(http.base, timeout_s=120)
 
     with stage("copy_probe"):
+        skipped("copy_probe")
         # Where the worker's copy time goes: the IPC-mapped source or the parameters.
         send(1, "fast", "probe-1")
         R["copy_probe"] = transport.rpc(http.base, "rc_cuda_ipc_copy_probe")[0]
@@ -728,6 +758,7 @@ def main() -> int:
 
     prompt = [(i * 7919 + 13) % 150000 + 100 for i in range(320)]
     with stage("hot_cycle"):
+        skipped("hot_cycle")
         assert runner is not None
         before = http.try_generate(prompt[:64], 16, "hot_before")
         binding = controller.admit("rollout-inflight")
@@ -779,6 +810,7 @@ def main() -> int:
             f" outputs_changed={before != after}")
 
     with stage("cache_negative_control"):
+        skipped("cache_negative_control")
         # Fill the prefix cache under the current weights, then update with no reset.
         body = wire(by_reference=True)
         http.generate(prompt, 8)
@@ -990,12 +1022,14 @@ def main() -> int:
                 f"ratio {sp['service_over_bare']:.3f}, verification {sp['verification']}")
 
     with stage("spans_and_pause"):
+        skipped("spans_and_pause")
         R["spans_and_pause"] = spans_and_pause(http, state, transition)
         sp = R["spans_and_pause"]
         R["spans_checked"] = sp.get("spans_checked")
         log(f"spans and pause: {json.dumps({k: v for k, v in sp.items() if k != 'spans'})}")
 
     with stage("d2d_copy"):
+        skipped("d2d_copy")
         dst = torch.empty_like(packed.buffer)
         ts = []
         for _ in range(12):
@@ -1061,6 +1095,7 @@ def main() -> int:
         log(f"d2d copy {t * 1e3:.2f} ms = {R['d2d_copy_gbps']:.0f} GB/s")
 
     with stage("bitexact"):
+        skipped("bitexact")
         rpc = transport.rpc
         ref = send(1, "reference", "ref-1")
         R["reference_update"] = ref
@@ -1092,6 +1127,7 @@ def main() -> int:
             f"changed by other weights {changed}/{len(a['names'])})")
 
     with stage("restart"):
+        skipped("restart")
         engine.stop()
         stop_s = engine.last_stop_s
         engine.start()

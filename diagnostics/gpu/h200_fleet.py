@@ -113,7 +113,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     start_s = ENGINE_START_S if args.eager else ENGINE_START_S + 30.0  # graphs: 84 s
     sync_s = 4 * rounds * UPDATE_S * 2 + GATEWAY_S * 3
     rolling_s = GATEWAY_S + args.warmup_s + args.steady_s + args.rolls * (2 * UPDATE_S + 2.0)
-    async_s = args.async_rounds * len(MODES) * (GATEWAY_S + args.warmup_s + args.phase_s + 3.0)
+    async_s = args.async_rounds * (len(MODES) + 1) * (GATEWAY_S + args.warmup_s + args.phase_s
+                                                      + 3.0)
     # the recoverer reads the checkpoint once (its content digest), then restarts it
     death_s = (args.warmup_s + 20.0 + start_s + 10.0) if args.death else 0.0
     if args.only:   # the stages not asked for take no time
@@ -858,30 +859,59 @@ def _async_phase(rig: Rig, args: argparse.Namespace, timeline: Any, mode: str, s
             "answers": len(load.done), "cpu": load.cpu}
 
 
+#: The no-update phase runs twice per round, first and last (``none`` and ``none_after``):
+#: a round whose two agree within ``STEADY_TOL`` reached a steady state, and only such a
+#: round's ratios are read (issue 49: a 50 s phase that had not, read 1.12 "retained").
+STEADY_TOL = 0.05
+
+
 def async_order(rounds: int) -> list[tuple[int, str]]:
-    """(round, mode) in run order: every round runs every mode on the same workload, the
-    order rotated by one each round, so no mode always runs first or last."""
-    return [(r, MODES[(j + r) % len(MODES)]) for r in range(rounds) for j in range(len(MODES))]
+    """(round, mode) in run order: every round brackets the update modes by two no-update
+    phases on the same workload; the update modes' order alternates between rounds."""
+    out: list[tuple[int, str]] = []
+    for r in range(rounds):
+        mid = list(MODES[1:]) if r % 2 == 0 else list(reversed(MODES[1:]))
+        out += [(r, "none"), *((r, m) for m in mid), (r, "none_after")]
+    return out
+
+
+def steady_retention(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each round's ratios over the mean of its two no-update phases, read only where the
+    two agree within ``STEADY_TOL``; the median over those rounds per mode."""
+    out: dict[str, Any] = {"steady_rounds": [], "unsteady_rounds": []}
+    for i, ph in enumerate(rounds):
+        a, b = ph["none"]["tokens_per_s"], ph["none_after"]["tokens_per_s"]
+        spread = abs(a - b) / max(a, b) if max(a, b) > 0 else None
+        ph["none_spread"] = spread
+        if spread is None or spread > STEADY_TOL:
+            out["unsteady_rounds"].append(i)
+            continue
+        out["steady_rounds"].append(i)
+        base = (a + b) / 2
+        for mode in MODES[1:]:
+            ph[mode]["retained"] = ph[mode]["tokens_per_s"] / base
+    for mode in MODES[1:]:
+        got = [rounds[i][mode]["retained"] for i in out["steady_rounds"]]
+        out[mode] = {"retained": statistics.median(got) if got else None,
+                     "retained_per_round": got}
+    return out
 
 
 def stage_async(rig: Rig, R: dict[str, Any], args: argparse.Namespace, timeline: Any,
                 log: Callable[[str], None]) -> None:
     rounds: list[dict[str, Any]] = [{} for _ in range(args.async_rounds)]
     for r, mode in async_order(args.async_rounds):
-        ph = rounds[r][mode] = _async_phase(rig, args, timeline, mode, seed=10 + r)
+        ph = rounds[r][mode] = _async_phase(rig, args, timeline, mode.removesuffix("_after"),
+                                            seed=10 + r)
         log(f"   round {r} {mode}: {ph['tokens_per_s']:.0f} useful tok/s, "
             f"{len(ph['updates'])} updates, failed {ph['failed']}, cores {ph['cpu']}"
             + "".join(f"\n      {k} x {why}" for why, k in ph["failures"]))
-    for ph in rounds:
-        base = ph["none"]["tokens_per_s"]
-        for mode in MODES[1:]:
-            ph[mode]["retained"] = ph[mode]["tokens_per_s"] / base if base else None
+    steady = steady_retention(rounds)
     out: dict[str, Any] = {mode: dict(rounds[0][mode]) for mode in MODES}
     for mode in MODES[1:]:
-        got = [ph[mode]["retained"] for ph in rounds if ph[mode]["retained"] is not None]
-        out[mode]["retained"] = statistics.median(got) if got else None
-        out[mode]["retained_per_round"] = got
-    out["rounds"] = rounds
+        out[mode].update(steady[mode])
+    out.update(rounds=rounds, steady_rounds=steady["steady_rounds"],
+               unsteady_rounds=steady["unsteady_rounds"], steady_tolerance=STEADY_TOL)
     R["detail"]["async"] = out
     R.update({"keep_retained": out["keep"]["retained"],
               "recompute_retained": out["recompute"]["retained"]})

@@ -530,7 +530,19 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "base_probe_max": max((u["checks"].get("base-probe", 0.0) for u in runs),
                                   default=None),
             "adapter_effect_min": min((u["checks"]["adapter-effect"] for u in runs
-                                       if "adapter-effect" in u["checks"]), default=None)}
+                                       if "adapter-effect" in u["checks"]), default=None),
+            # How far the probe can tell the adapter from the base, in units of its own
+            # noise: the smallest adapter effect over the largest probe deviation seen.
+            "discrimination_ratio": _ratio(
+                min((u["checks"]["adapter-effect"] for u in runs
+                     if "adapter-effect" in u["checks"]), default=None),
+                max((u["checks"].get("adapter-probe", 0.0) for u in runs), default=None))}
+
+
+def _ratio(effect: float | None, noise: float | None) -> float | None:
+    if effect is None or noise is None:
+        return None
+    return effect / max(noise, 1e-9)
 
 
 def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
@@ -675,7 +687,11 @@ def stage_beside(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespac
     from rolloutcore.verification.adapters import measure_generated
 
     m = rig.session.adapters
-    name = m.current.name
+    name = None if m.current is None else m.current.name
+    if name not in st.probes:
+        # The current adapter was not published by _verified (a control stage left
+        # another, or none): publish one whose probe this stage can use.
+        name = _verified(rig, st, 9001)["name"]
     probe = st.probes[name]
     quiet_a = probe.measure(Scored(rig.direct, name)).to_dict()
     quiet_b = st.base_probe.measure(Scored(rig.direct, None)).to_dict()

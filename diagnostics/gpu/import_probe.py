@@ -86,10 +86,14 @@ def _frames() -> Any:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
+    ap.add_argument("--stand-ins", action="store_true",
+                    help="(the second pass, in a child) stand in for what is missing")
     args = ap.parse_args()
     rec = _Recorder()
+    rec.active = args.stand_ins
     sys.meta_path.append(rec)
-    report: dict[str, Any] = {"python": sys.version, "imported": {}, "errors": {}}
+    report: dict[str, Any] = {"python": sys.version, "imported": {}, "errors": {},
+                              "pass": "stand-ins" if args.stand_ins else "plain"}
     for name in MODULES:
         try:
             importlib.import_module(name)
@@ -118,6 +122,15 @@ def main() -> int:
         report["vllm"] = {"version": vllm.__version__, "file": vllm.__file__}
     except Exception as exc:
         report["vllm_error"] = repr(exc)
+    if report["errors"] and not args.stand_ins:
+        # Everything a plain import lacks, in one go: a child that stands in for each.
+        import subprocess
+
+        child = subprocess.run([sys.executable, __file__, "--stand-ins", "--out",
+                                str(Path(args.out) / "stand-ins")], capture_output=True,
+                               text=True, timeout=300)
+        report["stand_in_pass"] = {"rc": child.returncode, "tail": child.stdout[-6000:],
+                                   "stderr_tail": child.stderr[-2000:]}
     text = json.dumps(report, indent=1, default=str)
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,15 @@
-"""Qwen3-8B's shapes from its public config values: no weights, no download."""
+"""Qwen3 models' shapes from their public config values: no weights, no download.
+
+``QWEN3`` holds the sizes of the scaling curve (issue 49), 0.6B to 32B; the
+architecture values are the public ``config.json`` ones, shared by the family
+except where a size sets its own.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QWEN3_8B", "qwen3_specs"]
+__all__ = ["QWEN3", "QWEN3_8B", "qwen3_specs"]
 
 # Qwen3-8B's public config.json values (architecture only; no weights needed).
 QWEN3_8B: dict[str, Any] = {
@@ -18,6 +23,26 @@ QWEN3_8B: dict[str, Any] = {
     "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
     "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+
+
+def _size(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> dict[str, Any]:
+    return {**QWEN3_8B, "hidden_size": hidden, "intermediate_size": inter,
+            "num_hidden_layers": layers, "max_window_layers": layers,
+            "num_attention_heads": heads, "tie_word_embeddings": tied}
+
+
+#: name -> config, by the public config values of each size (head_dim 128 and 8 KV
+#: heads throughout; the three smallest tie the output projection to the embedding).
+QWEN3: dict[str, dict[str, Any]] = {
+    "0.6b": _size(1024, 3072, 28, 16, True),
+    "1.7b": _size(2048, 6144, 28, 16, True),
+    "4b": _size(2560, 9728, 36, 32, True),
+    "8b": QWEN3_8B,
+    "14b": _size(5120, 17408, 40, 40, False),
+    "32b": _size(5120, 25600, 64, 64, False),
 }
 
 
@@ -38,5 +63,7 @@ def qwen3_specs(cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "mlp.gate_proj.weight", (i, h)),
                 (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i))]
-    out += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    out.append(("model.norm.weight", (h,)))
+    if not cfg.get("tie_word_embeddings"):  # a tied head is the embedding: not sent
+        out.append(("lm_head.weight", (v, h)))
     return out

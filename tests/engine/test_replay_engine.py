@@ -253,7 +253,7 @@ def test_after_a_hot_update_the_replay_is_refused_or_reported(
             rec.append_group(g)
     record_rollout(session, mixed, run="replay-b", step=2, groups=GROUPS[:1])
     skip = replay_file(mixed, url, policy="skip")
-    assert skip.ok
+    assert not skip.ok   # the skipped samples are not verified (#48)
     assert skip.counts()["skipped"] == len(GROUPS) * N and skip.counts()["pass"] == N
 
     # The lanes, forced past the version check: B does not reproduce A's rollout.

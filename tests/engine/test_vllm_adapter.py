@@ -64,7 +64,8 @@ LONG = 460  # output tokens of a "long" request (prompt 40, max_model_len 512)
 
 @pytest.fixture(scope="module")
 def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[ManagedEngine]:
-    """This module's server, on checkpoint A, with the gloo weight-transfer backend.
+    """This module's server, on checkpoint A, with the gloo weight-transfer backend and
+    the route guard (its key registered in this process: every client here sends it).
 
     Its steps are paced (``slowstep``: 4 ms of sleep in the worker per step),
     so that its API server keeps up and a pause sent while a request runs
@@ -76,7 +77,7 @@ def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[M
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     eng = engine_factory(tiny_models.A, extra_args=("--logits-processors", "slowstep:SlowStep"),
-                         env={"PYTHONPATH": path, slowstep.ENV: "0.004"})
+                         env={"PYTHONPATH": path, slowstep.ENV: "0.004"}, guard_routes=True)
     try:
         yield eng
     finally:
@@ -512,6 +513,61 @@ def test_runner_drives_hot_updates_through_the_adapter(
         assert {"pause", "preflight", "transfer", "invalidate", "validate", "resume"} <= {
             p.phase for p in back.phases}
         assert http.is_paused() is False
+
+
+def test_fast_pause_holds_a_request_that_reaches_the_engine_during_the_transfer(
+        engine: ManagedEngine, tiny_models: TinyModels, http: VllmHTTP,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adapter pauses this guarded engine through the guard's ``/rolloutcore/pause``
+    (the engine core's own pause, without the fixed sleep of vLLM's ``/pause``), and the
+    guarantee is the one vLLM's pause gives: a request sent straight to the engine while
+    the weights move (through no admission at all) is held by the engine until the
+    resume, and every token it gets is of the new weights: labelled with the published
+    version, the same tokens as the same request after the publish."""
+    def no_dev_pause(*_: object, **__: object) -> bool:
+        raise AssertionError("a guarded engine is paused through /rolloutcore/pause")
+
+    monkeypatch.setattr(VllmHTTP, "pause", no_dev_pause)
+    src_a = WeightSource.from_checkpoint(tiny_models.A)
+    src_b = WeightSource.from_checkpoint(tiny_models.B)
+    prompt = _prompt(40, 11)
+    got: dict[str, object] = {}
+
+    class Racing(GlooTransport):
+        def send(self, *a: object, **k: object) -> object:  # type: ignore[override]
+            if "thread" in got:  # the way back to A: no race
+                return super().send(*a, **k)  # type: ignore[arg-type]
+            assert http.is_paused()
+            th = threading.Thread(target=lambda: got.setdefault(
+                "g", http.generate(prompt, max_tokens=12)))
+            th.start()
+            got["thread"] = th
+            time.sleep(0.5)  # the request is at the engine before the weights move
+            out = super().send(*a, **k)  # type: ignore[arg-type]
+            got["held_through_transfer"] = th.is_alive()
+            return out
+
+    with VllmAdapter.for_engine(engine, Racing(op_timeout_s=30)) as a:
+        runner = LifecycleRunner(LifecycleController(), a)
+        label_a = http.label()
+        runner.bootstrap(_identity(src_a, "A"))
+        try:
+            a.stage(src_b, provenance=Provenance("B"))
+            out = runner.run_update(_identity(src_b, "B"))
+            assert out.published is not None, out
+            th = got["thread"]
+            assert isinstance(th, threading.Thread)
+            th.join(60)
+            assert got["held_through_transfer"] is True
+            g = got["g"]
+            after = http.generate(prompt, max_tokens=12)
+            assert g.versions() == {out.published.label} == after.versions()  # type: ignore[attr-defined]
+            assert g.token_ids == after.token_ids  # type: ignore[attr-defined]
+        finally:
+            # Back to A for the module's later tests (through the same fast pause).
+            a.stage(src_a, provenance=Provenance("A"))
+            back = runner.run_update(_identity(src_a, "A"))
+            assert back.published is not None and label_a is not None
 
 
 def test_checksum_mismatch_taints_and_fences(engine: ManagedEngine, tiny_models: TinyModels,

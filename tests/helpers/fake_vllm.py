@@ -38,12 +38,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from rolloutcore.testing.fake_engine import VOCAB, FakeEngine, Generation
+from rolloutcore.testing.fake_engine import VOCAB, EnginePaused, FakeEngine, Generation
 
 
 def _err(status: int, msg: str) -> JSONResponse:
     return JSONResponse({"error": {"message": msg, "type": "BadRequestError", "code": status}},
                         status_code=status)
+
+
+async def _paused(request: Request, exc: Exception) -> Response:
+    """vLLM 0.33+'s refusal of a request that reaches a paused engine."""
+    return JSONResponse({"error": {"message": str(exc), "type": "ServiceUnavailableError",
+                                   "code": "engine_paused"}}, status_code=503)
 
 
 class FakeVllm:
@@ -62,7 +68,7 @@ class FakeVllm:
         self.streams_closed_early = 0
         self.aborted: list[list[str]] = []
         self.dev_calls = 0
-        self.app = Starlette(routes=[
+        self.app = Starlette(exception_handlers={EnginePaused: _paused}, routes=[
             Route("/abort_requests", self.abort_requests, methods=["POST"]),
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),

@@ -71,10 +71,11 @@ class Rig:
 
 def make_parts(token_delay_s: float = 0.0005, event_delay_s: float = 0.0,
                deadlines: Deadlines = FAST, controller_config: ControllerConfig | None = None,
-               live: bool = False) -> tuple[FakeEngine, FakeAdapter, LifecycleController,
-                                            LifecycleRunner, Journal, FakeVllm]:
+               live: bool = False, rejects_while_paused: bool = False,
+               ) -> tuple[FakeEngine, FakeAdapter, LifecycleController, LifecycleRunner,
+                          Journal, FakeVllm]:
     w0 = FakeWeights.from_seed(0)
-    eng = FakeEngine(w0, token_delay_s=token_delay_s)
+    eng = FakeEngine(w0, token_delay_s=token_delay_s, rejects_while_paused=rejects_while_paused)
     ad = FakeAdapter(eng)
     ad.stage(w0)
     j = Journal()
@@ -119,11 +120,13 @@ def serve_fake(fake: FakeVllm) -> str:
 async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
               event_delay_s: float = 0.0, on_finished: Any = None,
               controller_config: ControllerConfig | None = None, live: bool = False,
-              **cfg: Any) -> AsyncIterator[Rig]:
+              rejects_while_paused: bool = False, **cfg: Any) -> AsyncIterator[Rig]:
     """The rig; ``controller_config`` with an asynchronous ``update_mode`` configures the
-    gateway for it too (``ServiceConfig.update_mode``)."""
+    gateway for it too (``ServiceConfig.update_mode``); ``rejects_while_paused``: the
+    engine answers as vLLM 0.33+ does while paused (503 ``engine_paused``)."""
     eng, ad, c, r, j, fake = make_parts(token_delay_s, event_delay_s,
-                                        controller_config=controller_config, live=live)
+                                        controller_config=controller_config, live=live,
+                                        rejects_while_paused=rejects_while_paused)
     if controller_config is not None:
         cfg.setdefault("update_mode", controller_config.update_mode.value)
     up = serve_fake(fake)

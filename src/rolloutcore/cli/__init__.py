@@ -86,12 +86,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     Every subcommand is listed; the others parse no options until named.
     """
-    parser = argparse.ArgumentParser(prog="rolloutcore",
+    from rolloutcore import __version__
+    from rolloutcore.cli.vocab import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="rolloutcore", formatter_class=HelpFormatter,
                                      description="Verified live policy updates for vLLM.")
+    parser.add_argument("--version", action="version", version=f"rolloutcore {__version__}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for cmd in COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                           formatter_class=HelpFormatter)
         if cmd.name == command:
             _load(cmd, p)
     return parser
@@ -100,12 +106,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """The console script (and ``python -m rolloutcore``): an exit status, 2 on bad input."""
     args_in = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in args_in:   # ``serve ... -- VLLM OPTIONS``: vLLM's own, passed through
+        cut = args_in.index("--")
+        args_in, passthrough = args_in[:cut], args_in[cut + 1:]
     try:
         parser = build_parser(_command_in(args_in))
     except MissingExtra as exc:
         print(f"rolloutcore: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(args_in)
+    if passthrough:
+        if not hasattr(args, "vllm_args"):
+            parser.error(f"'--' passes options to a launched vLLM: only serve takes them "
+                         f"(got: {' '.join(passthrough)})")
+        args.vllm_args = [*args.vllm_args, *passthrough]
     try:
         try:
             rc: int = args.func(args)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 __all__ = [
+    "int_in",
     "nonneg_float",
     "nonneg_int",
     "port",
+    "positive_finite",
     "positive_float",
     "positive_int",
     "positive_seconds",
@@ -87,4 +90,26 @@ def positive_seconds(s: str) -> float:
         v = math.nan
     if not math.isfinite(v) or v <= 0:
         raise argparse.ArgumentTypeError(f"not a positive number of seconds: {s!r}")
+    return v
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}")
+        return v
+    return parse
+
+
+def positive_finite(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError("must be a positive number")
     return v

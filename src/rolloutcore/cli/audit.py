@@ -4,17 +4,41 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_arguments"]
+from rolloutcore.cli.vocab import add_json
+
+__all__ = ["add_arguments", "trajectory_file"]
+
+
+def trajectory_file(args: argparse.Namespace) -> str:
+    """The trajectory file: the first positional argument or --trajectories, one of them."""
+    from rolloutcore.errors import BadInput
+
+    pos, opt = args.trajectory_file, args.trajectories
+    if pos is not None and opt is not None and pos != opt:
+        raise BadInput(f"two trajectory files: {pos!r} and --trajectories {opt!r}; give one")
+    if pos is None and opt is None:
+        raise BadInput("give the trajectory file (first argument, or --trajectories FILE)")
+    return str(pos if pos is not None else opt)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rolloutcore.provenance.audit import DiversityBaseline, run_audit
+    from rolloutcore.provenance.audit import DiversityBaseline
+    from rolloutcore.provenance.audit_command import run_audit
 
-    return run_audit(args.trajectories, args.journal,
+    return run_audit(trajectory_file(args), args.journal,
                      baseline=DiversityBaseline(prefix_tokens=args.prefix_tokens,
                                                 short_answer_tokens=args.short_answer_tokens,
                                                 alpha=args.alpha),
-                     as_json=args.json, max_rows=args.max_rows)
+                     as_json=args.json, max_rows=args.max_rows, report=args.report)
+
+
+def add_trajectories(p: argparse.ArgumentParser) -> None:
+    """The trajectory file, positional or ``--trajectories`` (audit and replay)."""
+    p.add_argument("trajectory_file", nargs="?", default=None, metavar="TRAJECTORIES",
+                   help="trajectory file written by TrajectoryRecorder (train, serve "
+                        "--trajectories)")
+    p.add_argument("--trajectories", default=None, metavar="FILE",
+                   help="the same, as an option")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,11 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "controller binding or name an uncommitted version, and groups whose siblings are "
         "less diverse than independent seeds give. Exit status 0 when clean, 1 when "
         "anything is reported, 2 on bad input.")
-    p.add_argument("--trajectories", required=True, metavar="FILE",
-                   help="trajectory file written by TrajectoryRecorder")
-    p.add_argument("--journal", default=None, metavar="FILE",
-                   help="lifecycle journal (JSON lines); enables the committed-version checks")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    add_trajectories(p)
+    p.add_argument("--journal", default=None, metavar="PATH",
+                   help="lifecycle journal (JSON lines), or a fleet's journal directory; "
+                        "enables the committed-version checks")
+    add_json(p, "the full report")
+    p.add_argument("--report", default=None, metavar="PATH",
+                   help="write the full report (JSON) to PATH")
     p.add_argument("--max-rows", type=int, default=50, metavar="N",
                    help="rows per table in the text report (default 50)")
     p.add_argument("--prefix-tokens", type=int, default=16, metavar="N",

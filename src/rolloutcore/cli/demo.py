@@ -10,6 +10,7 @@ next rollout runs under the new version.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli import argtypes
+from rolloutcore.cli.vocab import add_json
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
@@ -114,8 +116,11 @@ def format_demo(r: DemoResult) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     r = run_demo(tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000.0,
-                 journal_path=args.json)
-    print(format_demo(r))
+                 journal_path=args.journal)
+    doc = json.dumps(dataclasses.asdict(r), indent=2, default=str)
+    print(doc if args.json else format_demo(r))
+    if args.report:
+        Path(args.report).write_text(doc + "\n")
     return 0 if r.ordering_ok else 1
 
 
@@ -125,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="length of the rollout that is mid-generation (default 64)")
     p.add_argument("--token-delay-ms", type=argtypes.nonneg_float, default=10.0,
                    help="simulated time per token (default 10)")
-    p.add_argument("--json", metavar="PATH", default=None,
-                   help="write the journal (JSON lines) to PATH")
+    p.add_argument("--journal", metavar="PATH", default=None,
+                   help="write the lifecycle journal (JSON lines) to PATH")
+    add_json(p, "the result (timeline, rollouts, phases)", old_dest="journal",
+             old_new="--journal")
+    p.add_argument("--report", metavar="PATH", default=None,
+                   help="write the result (JSON) to PATH")
     p.set_defaults(func=_run)

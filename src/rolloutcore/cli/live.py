@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from rolloutcore.cli.vocab import add_json
 
 __all__ = ["add_arguments", "run_live_update"]
 
@@ -37,7 +40,9 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
     report: dict[str, Any] = {"checkpoints": {"A": str(a), "B": str(b)},
                               "make_checkpoints_s": time.monotonic() - t0}
     t1 = time.monotonic()
-    session = EngineSession.launch(a, journal_path=journal_path, progress=progress)
+    # Every log under the workdir: the engine's in WORKDIR/logs.
+    session = EngineSession.launch(a, journal_path=journal_path, progress=progress,
+                                   engine_kwargs={"log_dir": workdir / "logs"})
     try:
         report["engine_start_s"] = time.monotonic() - t1
         pid_before = session.engine.pid
@@ -110,11 +115,21 @@ def _print(report: dict[str, Any]) -> None:
 
 def _cmd(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rc-live-"))
-    rep = run_live_update(workdir, journal_path=Path(args.journal) if args.journal else None,
-                          rollout_tokens=args.rollout_tokens, progress=not args.quiet)
-    _print(rep)
+    try:
+        rep = run_live_update(workdir, journal_path=Path(args.journal) if args.journal
+                              else None, rollout_tokens=args.rollout_tokens,
+                              progress=not args.quiet and not args.json)
+    except BaseException:
+        print(f"rolloutcore live-update: failed; the engine's log is in {workdir / 'logs'}",
+              file=sys.stderr)
+        raise
+    doc = json.dumps(rep, indent=2, default=str)
     if args.json:
-        Path(args.json).write_text(json.dumps(rep, indent=2, default=str))
+        print(doc)
+    else:
+        _print(rep)
+    if args.report:
+        Path(args.report).write_text(doc + "\n")
     ok = (rep["engine_pid_before"] == rep["engine_pid_after"]
           and {s["version"] for s in rep["long_rollout"]["engine_spans"]}
           <= {rep["long_rollout"]["bound_to"]})
@@ -133,9 +148,11 @@ def _tokens(s: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``rolloutcore live-update``."""
-    p.add_argument("--workdir", help="where checkpoints and logs go (default: a temp dir)")
+    p.add_argument("--workdir", help="where the checkpoints go, and every log (the engine's "
+                   "in WORKDIR/logs, its path printed on a failure; default: a temp dir)")
     p.add_argument("--journal", help="write the lifecycle journal (JSON lines) here")
-    p.add_argument("--json", help="write the full report here")
+    add_json(p, "the full report", old_dest="report", old_new="--report")
+    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
     p.add_argument("--rollout-tokens", type=_tokens, default=400,
                    help="length of the rollout in flight during the update (1-400)")
     p.add_argument("--quiet", action="store_true", help="no start-up progress")

@@ -36,10 +36,14 @@ def _make(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``rolloutcore model`` and its one subcommand, ``make``."""
-    sub = p.add_subparsers(dest="model_command", required=True)
-    make = sub.add_parser("make", help="write a tiny checkpoint (no network)")
+    from rolloutcore.cli.vocab import HelpFormatter
+
+    sub = p.add_subparsers(dest="model_command", required=True, metavar="SUBCOMMAND")
+    make = sub.add_parser("make", help="write a tiny checkpoint (no network)",
+                          formatter_class=HelpFormatter)
     make.add_argument("--out", required=True, help="new or empty directory")
-    make.add_argument("--seed", type=int, required=True)
+    make.add_argument("--seed", type=int, required=True,
+                      help="the random weights' seed (the same seed, the same weights)")
     make.add_argument("--arch", choices=("llama", "vlm"), default="llama",
                       help="llama: the tiny text model (default); vlm: a tiny Idefics3 "
                            "vision-language model")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 
 from rolloutcore.cli import argtypes
+from rolloutcore.cli.audit import add_trajectories, trajectory_file
+from rolloutcore.cli.vocab import add_json
 from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 
 __all__ = ["add_arguments"]
@@ -13,9 +15,10 @@ __all__ = ["add_arguments"]
 def _run(args: argparse.Namespace) -> int:
     from rolloutcore.provenance.replay import run_replay  # needs httpx: only when it runs
 
-    return run_replay(args.trajectories, args.engine, tolerance=args.tolerance,
+    return run_replay(trajectory_file(args), args.engine, tolerance=args.tolerance,
                       policy=args.on_mismatch, checksum_cache=args.checksum_cache,
-                      timeout_s=args.timeout, as_json=args.json, max_rows=args.max_rows)
+                      timeout_s=args.timeout, as_json=args.json, max_rows=args.max_rows,
+                      report=args.report)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,8 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "serving the records' version. Refuses an engine at another version. Exit status 0 "
         "when everything replayed matches, 1 when anything differs, 2 when refused or on "
         "bad input.")
-    p.add_argument("--trajectories", required=True, metavar="FILE",
-                   help="trajectory file written by TrajectoryRecorder")
+    add_trajectories(p)
     p.add_argument("--engine", required=True, metavar="URL",
                    help="base URL of the vLLM server (dev mode, --enable-scale-out)")
     p.add_argument("--tolerance", type=argtypes.tolerance, default=DEFAULT_TOLERANCE,
@@ -36,14 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-mismatch", choices=[m.value for m in MismatchPolicy],
                    default=MismatchPolicy.REFUSE.value,
                    help="samples at another version: refuse the replay (default), report "
-                        "them as mismatches, or skip them")
+                        "them as mismatches, or skip them (replays the others; the skipped "
+                        "are not verified, so the verdict is NOT VERIFIED, exit 1)")
     p.add_argument("--checksum-cache", default=None, metavar="DIR",
                    help="reference checksums (rolloutcore.adapters.vllm.verify.ChecksumCache):"
                         " verify the engine's weights against the bound checkpoints,"
                         " not just labels")
     p.add_argument("--timeout", type=argtypes.positive_seconds, default=120.0, metavar="S",
                    help="timeout of each engine call in seconds (default 120)")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
+    add_json(p, "the full report")
+    p.add_argument("--report", default=None, metavar="PATH",
+                   help="write the full report (JSON) to PATH")
     p.add_argument("--max-rows", type=int, default=50, metavar="N",
                    help="rows in the text report (default 50)")
     p.set_defaults(func=_run)

@@ -7,9 +7,12 @@ This module imports nothing from the service until the command runs, so
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli import argtypes
+from rolloutcore.cli.vocab import HelpFormatter, deprecated
 
 __all__ = ["DESCRIPTION", "FLEET_REFUSED", "add_arguments", "fleet_options", "options"]
 
@@ -37,7 +40,9 @@ rolling waves).
 
 Everything that can be refused is refused before anything starts: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
-a vLLM outside the supported range or without the routes an update needs.
+a vLLM option RolloutCore owns (--vllm-arg), a taken --port (exit status
+4), a vLLM outside the supported range or without the routes an update
+needs. Exit statuses and messages: docs/troubleshooting.md.
 """
 
 
@@ -99,23 +104,44 @@ def fleet_options(args: argparse.Namespace) -> Any:
         takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
         client_body_s=args.client_body_s, client_send_s=args.client_send_s,
-        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        vllm_args=tuple(args.vllm_args))
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.engines > 1 or args.ray:
-        from rolloutcore.fleet.serve import run_fleet_serve
+    fleet = args.engines > 1 or args.ray
+    opts = fleet_options(args) if fleet else options(args)   # refused before a workdir
+    made = args.workdir is None
+    if made:   # made here, so that a failure can say where the logs are
+        import tempfile
 
-        return run_fleet_serve(fleet_options(args))
-    from rolloutcore.service.serve import run_serve
+        args.workdir = tempfile.mkdtemp(prefix="rolloutcore-fleet-" if fleet
+                                        else "rolloutcore-serve-")
+        opts = fleet_options(args) if fleet else options(args)
+    rc = 1
+    try:
+        if fleet:
+            from rolloutcore.fleet.serve import run_fleet_serve
 
-    return run_serve(options(args))
+            rc = run_fleet_serve(opts)
+        else:
+            from rolloutcore.service.serve import run_serve
+
+            rc = run_serve(opts)
+        return rc
+    finally:
+        work = Path(args.workdir)
+        if rc not in (0, 4) and (work / "logs").is_dir():
+            print(f"rolloutcore serve: the engine logs are in {work / 'logs'}",
+                  file=sys.stderr)
+        if made and not any(work.iterdir()):   # refused before anything: nothing left
+            work.rmdir()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``rolloutcore serve``; sets ``func`` to run the gateway."""
     p.description = DESCRIPTION
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.formatter_class = HelpFormatter
     eng = p.add_argument_group("engine")
     src = eng.add_mutually_exclusive_group()
     src.add_argument("--upstream", metavar="URL", help="a running vLLM server")
@@ -149,17 +175,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      metavar="R", help="with --lora: vLLM's --max-lora-rank (one of 1, 8, "
                      "16, 32, 64, 128, 256, 320, 512; default 16); a higher-rank adapter is "
                      "refused before it is loaded")
+    eng.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
+                     metavar="OPTION",
+                     help="one of vLLM's own engine options for the launched engine, "
+                     "repeated: --vllm-arg=--max-model-len=4096 --vllm-arg=--enforce-eager "
+                     "(note the '='); everything after ' -- ' on the command line is passed "
+                     "the same way. Options RolloutCore owns (host, port, model, weight "
+                     "transfer, worker extension, middleware, parallelism, LoRA) are refused "
+                     "with the option to use instead. The tiny checkpoint's --dtype bfloat16 "
+                     "--max-model-len 512 apply to it only, unless given here")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")
     eng.add_argument("--engine-url", default=None,
                      help="URL of vLLM as trainers reach it (default: the upstream URL)")
     eng.add_argument("--workdir", default=None,
-                     help="where a generated checkpoint and engine logs go")
+                     help="where a generated checkpoint goes, and every log (the engines' in "
+                     "WORKDIR/logs, its path printed when serve fails; default: a temp dir)")
     net = p.add_argument_group("network and security")
     net.add_argument("--host", default="127.0.0.1",
                      help="bind address (default loopback; others need --token and --data-token)")
-    net.add_argument("--port", type=argtypes.port, default=8100)
+    net.add_argument("--port", type=argtypes.port, default=8100,
+                     help="the gateway's port; a taken one is refused before anything "
+                          "starts (exit status 4)")
     net.add_argument("--token", default=None,
                      help="control token (else ROLLOUTCORE_TOKEN, else generated and printed)")
     net.add_argument("--token-file", default=None, help="read the control token from a file")
@@ -168,7 +206,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--data-token", default=None,
                      help="require this bearer token on the data endpoints too (else "
                           "ROLLOUTCORE_DATA_TOKEN; required when --host is not loopback)")
-    net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20)
+    net.add_argument("--max-body-bytes", type=argtypes.nonneg_int, default=1 << 20,
+                     help="larger request bodies get 413")
     net.add_argument("--client-body-s", type=argtypes.positive_float, default=30.0,
                      help="a request body must arrive within this (else 408)")
     net.add_argument("--client-send-s", type=argtypes.positive_float, default=30.0,
@@ -176,7 +215,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     lim = p.add_argument_group("admission and updates")
     lim.add_argument("--queue", type=argtypes.nonneg_int, default=0,
                      help="hold up to N requests during an update (default 0: 503 at once)")
-    lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0)
+    lim.add_argument("--queue-wait-s", type=argtypes.positive_float, default=30.0,
+                     help="how long a held request waits for the update to end (then 503)")
     lim.add_argument("--lease-s", type=argtypes.positive_float, default=120.0,
                      help="default trainer lease per update")
     lim.add_argument("--drain-timeout-s", type=argtypes.positive_float, default=120.0,
@@ -213,9 +253,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ver.add_argument("--takeover-probe", default=None, metavar="FILE",
                      help="the checkpoint's policy probe (PolicyProbe.to_wire() as JSON), "
                           "instead of computing it here with a forward pass of the checkpoint")
-    lim.add_argument("--record", default=None, metavar="PATH",
+    lim.add_argument("--trajectories", dest="record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
-                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups")
+                          "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups in "
+                          "this trajectory file")
+    lim.add_argument("--record", dest="record", default=None, metavar="PATH",
+                     action=deprecated("--trajectories"),
+                     help="deprecated spelling of --trajectories")
     fl = p.add_argument_group("fleet (several engines behind one gateway)")
     fl.add_argument("--engines", type=argtypes.positive_int, default=1, metavar="N",
                     help="launch N vLLM engines on --model (or the generated checkpoint)")

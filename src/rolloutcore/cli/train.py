@@ -61,6 +61,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.cli.argtypes import int_in as _int_in
+from rolloutcore.cli.argtypes import positive_finite as _pos_float
+from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
+from rolloutcore.cli.vocab import add_json
+
 __all__ = ["LORA_LR", "TARGET_BYTE", "LoraSettings", "add_arguments", "format_summary",
            "run_train", "target_reward"]
 
@@ -151,12 +156,13 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
               prompts_per_step: int = 4, num_generations: int = 8, max_tokens: int = 16,
               gateway: str | None = None, token: str | None = None,
               gateway_journal: Path | None = None, progress: Callable[[str], None] | None = print,
-              engine_progress: bool = False, lora: LoraSettings | None = None
-              ) -> dict[str, Any]:
+              engine_progress: bool = False, lora: LoraSettings | None = None,
+              keep_weights: bool = False) -> dict[str, Any]:
     """Run the training; returns the report (also written to ``workdir/report.json``).
 
     ``lora``: train a LoRA adapter (published as adapter versions) instead of the
     full model. ``learning_rate`` ``None``: ``FULL_LR``, or ``LORA_LR`` with ``lora``.
+    ``keep_weights``: write every published version's weights (``cli.keep_weights``).
 
     Ctrl-C (``KeyboardInterrupt``) at any moment ends the run early, not half-way:
     the engine is stopped (an update in progress ended decided first), the journal
@@ -175,6 +181,9 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
         raise BadInput("num_generations must be >= 2 (GRPO compares siblings)")
     if lora is not None and not isinstance(lora, LoraSettings):
         raise BadInput("lora must be a LoraSettings")
+    if keep_weights and lora is not None:
+        raise BadInput("--keep-weights is for full training: a LoRA run keeps its adapter "
+                       "versions in WORKDIR/adapters")
     if learning_rate is None:
         learning_rate = FULL_LR if lora is None else LORA_LR
     if isinstance(learning_rate, bool) or not (isinstance(learning_rate, (int, float))
@@ -237,7 +246,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
             rollout, ckpt, trl, torch, transformers, dataset_cls, steps=steps, seed=seed,
             learning_rate=learning_rate, prompts_per_step=prompts_per_step,
             num_generations=num_generations, max_tokens=max_tokens, workdir=workdir,
-            say=say, rows=rows, at=at, lora=lora)
+            say=say, rows=rows, at=at, lora=lora, keep=info if keep_weights else None)
     except KeyboardInterrupt as exc:
         interrupt = exc
         info["interrupted_after_s"] = time.monotonic() - t_all
@@ -313,8 +322,9 @@ def _launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
             lora_rank: int | None = None) -> Any:
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    return RolloutCoreRollout.launch(
+    return RolloutCoreRollout.launch(   # every log under the workdir: the engine's in logs/
         ckpt, run=run, trajectories=traj, journal=journal, progress=progress,
+        engine_kwargs={"log_dir": traj.parent / "logs"},
         lora_rank=lora_rank, adapter_store=None if lora_rank is None else _store(traj))
 
 
@@ -372,9 +382,13 @@ def _audit(traj: Path, journal: Path | None, workdir: Path) -> dict[str, Any] | 
     """The audit of what was recorded (``audit.json``); ``None`` before anything was."""
     if not traj.exists():
         return None
+    from rolloutcore.errors import BadInput
     from rolloutcore.provenance.audit import audit_file
 
-    audit = audit_file(traj, journal if journal is None or journal.exists() else None)
+    try:
+        audit = audit_file(traj, journal if journal is None or journal.exists() else None)
+    except BadInput as exc:   # e.g. interrupted before the first group was committed
+        return {"ok": False, "samples": 0, "findings": 0, "table": str(exc)}
     (workdir / "audit.json").write_text(json.dumps(audit.to_dict(), indent=2, sort_keys=True))
     return {"ok": audit.ok, "samples": audit.purity.samples,
             "findings": len(audit.purity.findings), "table": audit.format_table(10)}
@@ -384,7 +398,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
            *, steps: int, seed: int, learning_rate: float, prompts_per_step: int,
            num_generations: int, max_tokens: int, workdir: Path,
            say: Callable[[str], None], rows: list[dict[str, Any]],
-           at: dict[str, Any], lora: LoraSettings | None = None) -> float:
+           at: dict[str, Any], lora: LoraSettings | None = None,
+           keep: dict[str, Any] | None = None) -> float:
     """TRL's GRPO training; a row per finished step into ``rows``; returns its wall time."""
     at["phase"] = "trainer_setup"
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
@@ -396,6 +411,14 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
         model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     rewards: dict[int, list[float]] = {}
     reward_s: dict[int, float] = {}
+    keeper = None
+    if keep is not None:   # --keep-weights: its summary goes into the report (info)
+        from rolloutcore.cli.keep_weights import WeightKeeper, estimate_bytes
+
+        keeper = WeightKeeper(workdir / "weights", ckpt, tok, rollout.version.label)
+        keep["kept_weights"] = keeper.to_dict()
+        say(f"[4/4] keeping every version's weights in {keeper.root} (about "
+            f"{estimate_bytes(model) / 1e6:.1f} MB a version)")
 
     def reward(prompts: Any, completions: Any, completion_ids: list[list[int]],
                trainer_state: Any = None, **kw: Any) -> list[float]:
@@ -415,6 +438,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             begun["t"] = time.monotonic()
             at["step"] = int(state.global_step)
+            if keeper is not None:
+                keeper.before_generation(model)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             wall = time.monotonic() - begun.pop("t", time.monotonic())
@@ -423,6 +448,9 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
             if rep is None:
                 return
             upd = rep.update
+            if keeper is not None and keep is not None:
+                keeper.published(upd.version.label if upd else None)
+                keep["kept_weights"] = keeper.to_dict()
             r = rewards.get(step, [])
             ad = rep.generation.adapter
             row = {"step": step, "reward": _mean(r),
@@ -504,7 +532,7 @@ def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *
         "trl_version": info["trl_version"], "vllm_version": _vllm_version(),
         "import_s": info["import_s"], "engine_start_s": info["engine_start_s"],
         "learning_rate": learning_rate, "lora": _lora_report(rollout, lora),
-        "interrupted": None,
+        "interrupted": None, "kept_weights": info.get("kept_weights"),
     }
 
 
@@ -669,13 +697,22 @@ def _cmd(args: argparse.Namespace) -> int:
         raise BadInput("--journal is for --gateway (the gateway's journal); without one the "
                        "journal is written to the workdir")
     lora = _lora_args(args)
-    rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr, lora=lora,
-                    gateway=args.gateway, token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
-                    gateway_journal=Path(args.journal) if args.journal else None,
-                    progress=None if args.quiet else print, engine_progress=not args.quiet)
-    print(format_summary(rep))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rep, indent=2, default=str))
+    say = (lambda s: print(s, file=sys.stderr)) if args.json else print  # stdout: the JSON
+    try:
+        rep = run_train(workdir, steps=args.steps, seed=args.seed, learning_rate=args.lr,
+                        lora=lora, gateway=args.gateway,
+                        token=token or os.environ.get("ROLLOUTCORE_TOKEN"),
+                        gateway_journal=Path(args.journal) if args.journal else None,
+                        progress=None if args.quiet else say, engine_progress=not args.quiet,
+                        keep_weights=args.keep_weights)
+    except Exception:
+        print(f"rolloutcore train: failed; the run's files and the engine's log are in "
+              f"{workdir} ({workdir / 'logs'})", file=sys.stderr)
+        raise
+    doc = json.dumps(rep, indent=2, default=str)
+    print(doc if args.json else format_summary(rep))
+    if args.report:
+        Path(args.report).write_text(doc + "\n")
     if args.results:
         Path(args.results).write_text(json.dumps(rep["results"], indent=2) + "\n")
     if rep.get("interrupted"):
@@ -706,28 +743,6 @@ def _lora_args(args: argparse.Namespace) -> LoraSettings | None:
         t.strip() for t in args.lora_targets.split(",") if t.strip())
     return LoraSettings(rank, 2 * rank if args.lora_alpha is None else args.lora_alpha,
                         targets)
-
-
-def _int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}")
-        return v
-    return parse
-
-
-def _pos_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -762,7 +777,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")
-    p.add_argument("--json", help="write the full report here")
+    add_json(p, "the full report", old_dest="report", old_new="--report")
+    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
     p.add_argument("--results", help="write the results summary (results/trl-loop.json keys)")
+    p.add_argument("--keep-weights", action="store_true", help=KEEP_WEIGHTS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_cmd)

@@ -84,11 +84,14 @@ class FleetServeOptions:
     max_lora_rank: int | None = None
     tensor_parallel_size: int = 1         # ranks of each launched engine
     pipeline_parallel_size: int = 1       # stages of each launched engine
+    vllm_args: tuple[str, ...] = ()       # vLLM options passed to every engine
 
     def __post_init__(self) -> None:
+        from rolloutcore.adapters.vllm.engine_args import check_vllm_args
         from rolloutcore.service.serve import check_lora_options
 
         check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
+        object.__setattr__(self, "vllm_args", check_vllm_args(self.vllm_args))
         if isinstance(self.engines, bool) or not isinstance(self.engines, int) or \
                 not 1 <= self.engines <= 512:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
@@ -205,6 +208,11 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     if not isinstance(o, FleetServeOptions):
         raise BadInput("run_fleet_serve takes FleetServeOptions")
     token, given, data_token, floor = _check(o)
+    from rolloutcore.service.serve import refuse_taken_port
+
+    taken = refuse_taken_port(o.host, o.port)   # before any engine starts
+    if taken is not None:
+        return taken
     if not o.ray:
         from rolloutcore.fleet.placement import cpu_binding
 
@@ -258,7 +266,9 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
             from rolloutcore.service.serve import lora_engine_args
 
             largs, lenv, lora_budget = lora_engine_args(o.max_loras, o.max_lora_rank)
-            lora_kw = {"extra_args": largs, "env": lenv}
+            lora_kw = {"extra_args": largs + o.vllm_args, "env": lenv}
+        elif o.vllm_args:
+            lora_kw = {"extra_args": o.vllm_args}
         if o.ray:
             placement = place_ray(o.engines, model_dir, address=o.ray_address, progress=True,
                                   log_dir=workdir / "logs", **lora_kw)

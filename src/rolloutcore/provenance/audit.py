@@ -85,6 +85,12 @@ from rolloutcore.core.records import (
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.provenance.adapter_use import adapter_problems, publications_to_dict
+from rolloutcore.provenance.inputs import (
+    check_journal_file,
+    check_journal_lines,
+    check_trajectory_file,
+    require_samples,
+)
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed
 from rolloutcore.provenance.stitch import check_versions
@@ -107,7 +113,6 @@ __all__ = [
     "binomial_tail",
     "describe_interruption",
     "read_journal_summary",
-    "run_audit",
 ]
 
 
@@ -763,14 +768,24 @@ class AuditReport:
 def audit_file(trajectories: str | os.PathLike[str],
                journal: str | os.PathLike[str] | None = None,
                baseline: DiversityBaseline = DiversityBaseline()) -> AuditReport:
-    """Audit the committed groups of a trajectory file in one streaming pass."""
-    summary = read_journal_summary(journal) if journal is not None else None
+    """Audit the committed groups of a trajectory file in one streaming pass.
+
+    Nothing is audited about nothing: an empty, unreadable or swapped file, or
+    one without a committed sample, raises ``BadInput`` (``provenance.inputs``).
+    """
+    check_trajectory_file(trajectories)
+    summary = None
+    if journal is not None:
+        check_journal_file(journal)
+        summary = read_journal_summary(journal)
+        check_journal_lines(journal, summary.lines, summary.skipped)
     tally = _PurityTally(summary)
     diversity: list[GroupDiversity] = []
     for g in read_groups(trajectories):
         diversity.append(audit_group(g, baseline))
         for s in g.samples:
             tally.add(s)
+    require_samples(trajectories, tally.n)
     return AuditReport(os.fspath(trajectories), tally.report(),
                        DiversityReport(tuple(diversity), baseline))
 
@@ -779,22 +794,3 @@ def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]
-
-
-# --------------------------------------------------------------------------- command
-
-def run_audit(trajectories: str | os.PathLike[str],
-              journal: str | os.PathLike[str] | None = None, *,
-              baseline: DiversityBaseline | None = None, as_json: bool = False,
-              max_rows: int = 50) -> int:
-    """``rolloutcore audit``: print the report; 0 when clean, 1 when anything is reported.
-
-    The exit status is the point: a pipeline gates on it. Bad input raises
-    ``BadInput`` before anything is printed.
-    """
-    report = audit_file(trajectories, journal, baseline or DiversityBaseline())
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(report.format_table(max_rows))
-    return 0 if report.ok else 1

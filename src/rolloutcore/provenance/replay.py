@@ -33,7 +33,8 @@ the cached reference of each bound checkpoint (``binding.identity``'s
 content digest). What happens to a sample at another version is the
 ``MismatchPolicy``: ``refuse`` (default: ``ReplayRefused``, nothing
 replayed), ``report`` (listed as ``version-mismatch``, which fails the
-report) or ``skip`` (listed as ``skipped``; the rest is replayed).
+report) or ``skip`` (listed as ``skipped``; the rest is replayed, and the report
+is not OK: a skipped sample is not verified).
 
 **Through an adapter.** A sample generated through a LoRA adapter (trajectory
 schema 5, ``adapter``) is replayed through that adapter: both lanes send its
@@ -65,6 +66,7 @@ from typing import Any
 from rolloutcore.adapters.vllm import Routes, VllmHTTP
 from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
+from rolloutcore.provenance.inputs import check_trajectory_file, require_samples
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 from rolloutcore.provenance.trajectory import TrajectorySample
@@ -423,11 +425,12 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        """Something passed, and nothing failed, errored or was at another version."""
+        """Something passed, and nothing failed, errored, was at another version or was
+        skipped: a skipped sample is not verified, so a replay that skipped any is not OK."""
         c = self.counts()
         return c[SampleStatus.PASS.value] > 0 and not any(
             c[s.value] for s in (SampleStatus.FAIL, SampleStatus.ERROR,
-                                 SampleStatus.VERSION_MISMATCH))
+                                 SampleStatus.VERSION_MISMATCH, SampleStatus.SKIPPED))
 
     def _lane_summary(self) -> dict[str, Any]:
         lps = [s.logprob for s in self.samples if s.logprob.max_abs_diff is not None]
@@ -453,12 +456,22 @@ class ReplayReport:
                 "weights": [w.to_dict() for w in self.weights], "notes": list(self.notes),
                 "samples": [s.to_dict() for s in self.samples]}
 
+    def _verdict(self, c: dict[str, int]) -> str:
+        if self.ok:
+            return "OK"
+        skipped = c[SampleStatus.SKIPPED.value]
+        if skipped and not any(c[s.value] for s in (SampleStatus.FAIL, SampleStatus.ERROR,
+                                                     SampleStatus.VERSION_MISMATCH)):
+            return (f"NOT VERIFIED ({skipped} of {len(self.samples)} samples skipped: at "
+                    "another version, not replayed)")
+        return "FAILED"
+
     def format_table(self, max_rows: int = 50) -> str:
         c = self.counts()
         lanes = self._lane_summary()
         head = ", ".join(f"{v} {k}" for k, v in c.items() if v)
         lines = [f"replay of {self.trajectories} against {self.engine} "
-                 f"(engine label {self.engine_label!r}): {'OK' if self.ok else 'FAILED'}",
+                 f"(engine label {self.engine_label!r}): {self._verdict(c)}",
                  f"  {len(self.samples)} samples: {head or 'none'}; "
                  f"{self.elapsed_s:.1f}s",
                  "  token lane (exact): " + (", ".join(
@@ -661,9 +674,9 @@ def replay_file(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
                 timeout_s: float = 120.0) -> ReplayReport:
     """Replay the committed samples of a trajectory file against an engine URL (or client)."""
     path = os.fspath(trajectories)
-    if not os.path.isfile(path):
-        raise BadInput(f"trajectory file {path!r} does not exist")
+    check_trajectory_file(path)   # empty, unreadable or a journal: refused, reason first
     samples = list(read_trajectories(path))
+    require_samples(path, len(samples))
     if isinstance(engine, VllmHTTP):
         return ReplayValidator(engine, tolerance=tolerance, policy=policy,
                                checksum_cache=checksum_cache,
@@ -680,16 +693,19 @@ def run_replay(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
                tolerance: float = DEFAULT_TOLERANCE,
                policy: MismatchPolicy | str = MismatchPolicy.REFUSE,
                checksum_cache: ChecksumCache | str | os.PathLike[str] | None = None,
-               timeout_s: float = 120.0, as_json: bool = False, max_rows: int = 50) -> int:
-    """``rolloutcore replay``: print the report; 0 when everything replayed matches, else 1.
+               timeout_s: float = 120.0, as_json: bool = False, max_rows: int = 50,
+               report: str | os.PathLike[str] | None = None) -> int:
+    """``rolloutcore replay``: print the report; 0 when every sample replayed and matched,
+    else 1 (a sample skipped under ``--on-mismatch skip`` is not verified: 1).
 
     A refused replay (``ReplayRefused``) and bad input raise before anything
     is printed; the CLI answers them with status 2.
     """
-    report = replay_file(trajectories, engine, tolerance=tolerance, policy=policy,
+    result = replay_file(trajectories, engine, tolerance=tolerance, policy=policy,
                          checksum_cache=checksum_cache, timeout_s=timeout_s)
-    if as_json:
-        print(json.dumps(report.to_dict(), indent=2, sort_keys=True))
-    else:
-        print(report.format_table(max_rows))
-    return 0 if report.ok else 1
+    doc = json.dumps(result.to_dict(), indent=2, sort_keys=True)
+    print(doc if as_json else result.format_table(max_rows))
+    if report is not None:
+        with open(report, "w", encoding="utf-8") as f:
+            f.write(doc + "\n")
+    return 0 if result.ok else 1

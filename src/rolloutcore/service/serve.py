@@ -29,11 +29,12 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutcore.adapters.vllm.engine_args import check_vllm_args
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
@@ -43,12 +44,16 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 if TYPE_CHECKING:
     from rolloutcore.adapters.vllm import VllmHTTP
 
-__all__ = ["LORA_RANKS", "TAKEOVER_REFUSED", "ServeOptions", "check_lora_options",
-           "control_token", "exit_on_signal", "lora_engine_args", "reachable_verification",
-           "run_serve", "vocab_size", "write_token_file"]
+__all__ = ["LORA_RANKS", "PORT_IN_USE", "TAKEOVER_REFUSED", "ServeOptions",
+           "check_lora_options", "control_token", "exit_on_signal", "lora_engine_args",
+           "port_in_use", "reachable_verification", "refuse_taken_port", "run_serve",
+           "vocab_size",
+           "write_token_file"]
 
 #: Exit status of ``serve`` when the engine it would take over cannot be verified.
 TAKEOVER_REFUSED = 3
+#: Exit status of ``serve`` when the gateway's port is taken: found before anything starts.
+PORT_IN_USE = 4
 
 
 @dataclass(frozen=True)
@@ -94,9 +99,14 @@ class ServeOptions:
     lora: bool = False                    # launch with LoRA; serve adapter versions
     max_loras: int | None = None          # with lora: vLLM's --max-loras (default 2)
     max_lora_rank: int | None = None      # with lora: vLLM's --max-lora-rank (default 16)
+    #: vLLM engine options passed to a launched engine (--vllm-arg, or after ``--``);
+    #: those RolloutCore owns are refused (adapters.vllm.engine_args).
+    vllm_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         check_lora_options(self.lora, self.max_loras, self.max_lora_rank)
+        object.__setattr__(self, "vllm_args", check_vllm_args(
+            self.vllm_args, launched=not self.upstream))
         if self.lora and self.upstream:
             raise BadInput("lora launches the engine with LoRA enabled (--enable-lora and "
                            "runtime adapter loading); a running engine (upstream) keeps the "
@@ -237,6 +247,36 @@ def vocab_size(model_dir: Path) -> int | None:
     return None
 
 
+def port_in_use(host: str, port: int) -> str | None:
+    """Why the gateway could not listen on ``host:port``; ``None`` when it can.
+
+    Bound the way uvicorn binds (``SO_REUSEADDR``: a port in TIME_WAIT is free,
+    one with a listener is not), and let go at once: checked before any engine
+    starts, so a taken port costs nothing.
+    """
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"{exc.strerror or exc}"
+    return None
+
+
+def refuse_taken_port(host: str, port: int) -> int | None:
+    """``PORT_IN_USE`` (after saying why on stderr) when ``host:port`` is taken."""
+    why = port_in_use(host, port)
+    if why is None:
+        return None
+    print(f"rolloutcore serve: error: port {port} on {host} is not free ({why}): nothing "
+          f"started; give another with --port, or stop what listens there (exit status "
+          f"{PORT_IN_USE}; docs/troubleshooting.md)", file=sys.stderr)
+    return PORT_IN_USE
+
+
 def exit_on_signal(signum: int, frame: object) -> None:
     """SIGTERM as ``SystemExit``: uvicorn re-raises the signal after its shutdown, and the
     default disposition would kill the process before its engines are stopped."""
@@ -254,6 +294,16 @@ def _check_engine(http: VllmHTTP) -> SupportVerdict:
 
     return assess(answer(lambda: http.version(timeout_s=30.0)),
                   answer(lambda: http.capabilities(timeout_s=30.0)))
+
+
+def _check_own_vllm(http: VllmHTTP, backend: str) -> None:
+    from rolloutcore.adapters.vllm import Routes
+    from rolloutcore.service.own_vllm import check_upstream
+
+    caps = http.capabilities()
+    info = http.server_info() if Routes.SERVER_INFO in caps else None
+    for warning in check_upstream(info, caps, backend):
+        print(f"[rolloutcore] warning: {warning}", file=sys.stderr)
 
 
 def run_serve(args: ServeOptions) -> int:
@@ -274,6 +324,9 @@ def run_serve(args: ServeOptions) -> int:
                    else VerificationLevel.parse(args.min_verification))
     if args.takeover_probe is not None and not Path(args.takeover_probe).is_file():
         raise BadInput(f"--takeover-probe {args.takeover_probe}: no such file")
+    taken = refuse_taken_port(args.host, args.port)   # before any engine starts
+    if taken is not None:
+        return taken
     # Settings are checked before anything is launched.
     probe = ServiceConfig(upstream_url=args.upstream or "http://127.0.0.1:1",
                           engine_url=args.engine_url, control_token=token,
@@ -349,6 +402,7 @@ def run_serve(args: ServeOptions) -> int:
                 lora_args, lora_env, lora_budget = lora_engine_args(args.max_loras,
                                                                     args.max_lora_rank)
                 extra += lora_args
+            extra += tuple(args.vllm_args)   # the user's engine options, last
             engine = ManagedEngine(model_dir, backend=args.transport_backend,
                                    log_dir=workdir / "logs", progress=True, guard_routes=True,
                                    tensor_parallel_size=args.tensor_parallel_size,
@@ -367,6 +421,8 @@ def run_serve(args: ServeOptions) -> int:
         support = engine.support if engine is not None else None
         support = (support or _check_engine(adapter.http)).require("serve")
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
+        if engine is None:   # a vLLM the user started: what it lacks, named (own_vllm)
+            _check_own_vllm(adapter.http, args.transport_backend)
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))

@@ -27,12 +27,19 @@ from rolloutcore.core.versions import (
     Provenance,
     WeightIdentity,
 )
-from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EngineRefused,
+    EngineUnavailable,
+    TransferError,
+)
 
 if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
     from rolloutcore.adapters.vllm.wire import GenerationChunk
 
 __all__ = [
+    "EnginePaused",
     "FakeEngine",
     "FakeStream",
     "FakeWeights",
@@ -197,6 +204,14 @@ class Fault:
     times: int = 1
 
 
+class EnginePaused(EngineRefused):
+    """vLLM 0.33+'s answer to a new request while paused in ``wait`` or ``abort`` mode
+    (HTTP 503, code ``engine_paused``, retryable); ``keep`` still queues."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("generate", reason, status=503, mutation_started=False)
+
+
 class FakeEngine:
     """The simulated engine. Thread-safe; ``generate`` blocks like an HTTP call would."""
 
@@ -206,7 +221,8 @@ class FakeEngine:
 
     def __init__(self, weights: FakeWeights, *, token_delay_s: float = 0.002,
                  block_size: int = 16, sleep_mode: bool = True,
-                 wake_resumes: str = "when_awake", draft: str | None = None) -> None:
+                 wake_resumes: str = "when_awake", draft: str | None = None,
+                 rejects_while_paused: bool = False) -> None:
         if token_delay_s < 0 or block_size <= 0:
             raise BadInput("token_delay_s must be >= 0 and block_size > 0")
         if draft is not None and (not isinstance(draft, str) or not draft):
@@ -217,6 +233,10 @@ class FakeEngine:
         self.draft = draft
         if wake_resumes not in ("when_awake", "always"):
             raise BadInput("wake_resumes must be 'when_awake' or 'always'")
+        #: vLLM 0.33+: a new request while paused (wait, abort) is refused with
+        #: ``EnginePaused`` instead of held until resume; counted in ``rejected_while_paused``.
+        self.rejects_while_paused = bool(rejects_while_paused)
+        self.rejected_while_paused = 0
         self.sleep_mode = bool(sleep_mode)
         self.wake_resumes = wake_resumes
         self._asleep: set[str] = set()   # "weights", "kv_cache"
@@ -330,8 +350,12 @@ class FakeEngine:
             raise BadInput("max_tokens must be positive")
         with self._cond:
             self._alive()
-            # New requests are held while paused (vLLM queues them until resume).
+            # New requests are held while paused (vLLM queues them until resume; from
+            # 0.33 only in keep mode, and refuses them in the other two).
             while self._paused is not None and not self.dead:
+                if self.rejects_while_paused and self._paused is not PauseMode.KEEP:
+                    self.rejected_while_paused += 1
+                    raise EnginePaused("Generation is paused. Please retry after it resumes.")
                 self._cond.wait(0.05)
             self._alive()
             if self._asleep:  # a scheduler resumed against asleep memory

@@ -25,6 +25,19 @@ A process that did not launch the engine learns the key from whoever did:
 a remote trainer from the gateway's grant of an update (an answer to the
 control token), a fleet's coordinator from its Ray actors.
 
+The guard also answers one route of RolloutCore's own, behind the key:
+``POST /rolloutcore/pause?mode=...&clear_cache=...`` (``FAST_PAUSE``). It makes
+the very call vLLM's ``/pause`` makes into the engine core (the scheduler's
+pause: in-flight requests waited for, aborted or frozen, new ones held or, from
+0.33, refused) and answers once the core has paused; what it leaves out is the
+fixed 20 ms ``asyncio.sleep`` vLLM's ``AsyncLLM.pause_generation`` adds after
+that call, which its own comment says "is not required for correctness" (it
+lets the API server hand the last outputs of finished requests to their
+clients first; those outputs were computed before the pause, by the weights
+still installed, and the weights change only with the next call). On the H200
+that sleep was 20 of the 23.5 ms a pause with nothing in flight took, the
+largest part of vLLM's bare update sequence (issue 49; ``docs/weight-receivers.md``).
+
 What it does not stop: a process of the same user can read the engine's
 environment (``/proc/<pid>/environ``) or attach a debugger; the key keeps out
 processes that were not given it (another user's, a script pointed at the
@@ -50,6 +63,7 @@ from rolloutcore.errors import BadInput
 
 __all__ = [
     "ENV",
+    "FAST_PAUSE",
     "HEADER",
     "MIDDLEWARE",
     "OPEN_ROUTES",
@@ -70,6 +84,9 @@ ENV = "ROLLOUTCORE_ENGINE_ROUTE_SECRET"
 HEADER = "x-rolloutcore-engine-key"
 #: What ``--middleware`` names.
 MIDDLEWARE = "rolloutcore.transports.engine_key.RouteGuard"
+#: RolloutCore's pause route on a guarded engine (keyed; see the module's doc).
+FAST_PAUSE = "/rolloutcore/pause"
+_PAUSE_MODES = frozenset({"wait", "abort", "keep"})
 #: A key shorter than this is refused (``new_key`` makes 43 characters).
 MIN_KEY_CHARS = 32
 
@@ -191,6 +208,9 @@ class RouteGuard:
     async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
         kind = scope.get("type")
         if kind == "http":
+            if scope.get("path") == FAST_PAUSE and self._allowed(scope):
+                await _fast_pause(scope, send)
+                return
             if is_open(str(scope.get("method", "")), str(scope.get("path", ""))) \
                     or self._allowed(scope):
                 await self.app(scope, receive, send)
@@ -207,3 +227,51 @@ class RouteGuard:
             await send({"type": "websocket.close", "code": 1008})
             return
         await self.app(scope, receive, send)  # lifespan, and websockets with the key
+
+
+async def _answer(send: _Send, status: int, body: Mapping[str, Any]) -> None:
+    import json
+
+    raw = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(raw)).encode())]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+async def _fast_pause(scope: _Scope, send: _Send) -> None:
+    """``FAST_PAUSE``: the engine core's scheduler pause, as vLLM's ``/pause`` calls it.
+
+    vLLM 0.26-0.32 name the core call ``pause_scheduler_async``, 0.33+
+    ``pause_generation_async``; the multimodal cache is cleared first when
+    asked, as ``AsyncLLM.pause_generation`` does.
+    """
+    from urllib.parse import parse_qs
+
+    if scope.get("method") != "POST":
+        await _answer(send, 405, {"error": "POST only"})
+        return
+    q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"),
+                 keep_blank_values=True)
+    mode = (q.get("mode") or ["abort"])[-1]
+    clear = (q.get("clear_cache") or ["false"])[-1].lower()
+    if mode not in _PAUSE_MODES or clear not in ("true", "false"):
+        await _answer(send, 400, {"error": "mode must be wait, abort or keep and clear_cache "
+                                           "true or false"})
+        return
+    app = scope.get("app")
+    engine = getattr(getattr(app, "state", None), "engine_client", None)
+    core = getattr(engine, "engine_core", None)
+    pause = getattr(core, "pause_generation_async", None) or getattr(
+        core, "pause_scheduler_async", None)
+    if pause is None:
+        await _answer(send, 404, {"error": "this vLLM has no engine-core pause to call"})
+        return
+    try:
+        if clear == "true":
+            await engine.renderer.clear_mm_cache_async()  # type: ignore[union-attr]
+        await pause(mode=mode, clear_cache=clear == "true")
+    except Exception as exc:  # the engine's own failure: the client fails the drain
+        await _answer(send, 500, {"error": f"pause failed: {type(exc).__name__}: {exc}"})
+        return
+    await _answer(send, 200, {"status": "paused", "via": "engine_core"})

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
+from rolloutcore.adapters.vllm import engine_state
 from rolloutcore.adapters.vllm.checksums import compare_checksums
+from rolloutcore.adapters.vllm.engine_state import (
+    COUNTS_WEIGHT_OPS_FROM,
+    checkpoint_check,
+    incomplete_update_check,
+    version_tuple,
+)
 from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
 from rolloutcore.adapters.vllm.sent import check_sent_scheme, compare_sent
 from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
@@ -159,22 +166,6 @@ class _Staged:
     calibrating: bool = False
 
 
-#: vLLM versions from which the engine counts its weight-transfer operations in
-#: ``/metrics`` (the counters are created on the first operation, so before one
-#: they are absent: absent is zero only where the engine is known to count).
-_COUNTS_WEIGHT_OPS_FROM = (0, 32)
-
-
-def _version_tuple(v: object) -> tuple[int, ...]:
-    out: list[int] = []
-    for part in str(v).split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 class VllmAdapter(SleepMode):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
@@ -233,6 +224,7 @@ class VllmAdapter(SleepMode):
         self._ops_verified: WeightOps | None = None
         self._ops_at_drain: WeightOps | None = None
         self._counts_ops = False  # the engine is known to count weight operations
+        self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
         #: used by every later update's probe. The model and the engine's kernels set the
@@ -392,8 +384,8 @@ class VllmAdapter(SleepMode):
             unverified.append(f"cache reset routes absent: {', '.join(missing)}")
         if Routes.IS_PAUSED in caps:
             info["paused"] = h.is_paused()
-        self._counts_ops = Routes.METRICS in caps and _version_tuple(
-            info.get("vllm_version")) >= _COUNTS_WEIGHT_OPS_FROM
+        self._version = version_tuple(info.get("vllm_version"))
+        self._counts_ops = Routes.METRICS in caps and self._version >= COUNTS_WEIGHT_OPS_FROM
         ops = self._weight_ops()
         if ops is not None:
             info["awake"] = ops.awake
@@ -454,8 +446,8 @@ class VllmAdapter(SleepMode):
         # exists yet, so nothing writes in between; a later read that differs
         # means somebody wrote (``writes_since_drain``).
         ops = self._side().submit(self._weight_ops) if self._counts_ops else None
-        said = self.http.pause(mode, clear_cache=clear_cache is True,
-                               timeout_s=self._drain_timeout_s)
+        said = engine_state.pause(self.http, mode, clear_cache=clear_cache is True,
+                                  timeout_s=self._drain_timeout_s)
         # The answer is sent once the engine core has paused; only an answer
         # that does not say so costs a second round trip to ask.
         paused = said or self.http.is_paused()
@@ -671,6 +663,9 @@ class VllmAdapter(SleepMode):
         elif self._slept is not None:
             unverified.append("after a wake: the transport cannot check what it wrote, so "
                               "no check covers every engine parameter")
+        # vLLM 0.34's own word on its weights (none from older releases).
+        checks.extend(c for c in (incomplete_update_check(h, self._version),
+                                  checkpoint_check(h, caps)) if c is not None)
         if paused_read is not None:
             paused: bool | None = paused_read.result()
         else:

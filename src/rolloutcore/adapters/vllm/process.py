@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from rolloutcore.adapters.vllm.engine_args import engine_defaults, has_flag
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import Routes
@@ -249,8 +250,8 @@ class ManagedEngine:
         backend: str | None = "rolloutcore_gloo",
         host: str = "127.0.0.1",
         port: int | None = None,
-        dtype: str = "bfloat16",
-        max_model_len: int = 512,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
         served_model_name: str | None = "policy",
         prefix_caching: bool = True,
         scale_out: bool = True,
@@ -284,19 +285,21 @@ class ManagedEngine:
                         ("stop_grace_s", stop_grace_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise BadInput(f"{name} must be > 0, got {v!r}")
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or (
-                max_model_len <= 0):
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(
+                max_model_len, int) or max_model_len <= 0):
             raise BadInput(f"max_model_len must be a positive int, got {max_model_len!r}")
         self.backend = backend
         self.host = host
         self._fixed_port = port
         self._port = port
-        self.dtype = dtype
-        self.max_model_len = max_model_len
+        self.extra_args = tuple(str(a) for a in extra_args)
+        # The tiny checkpoints' settings apply to a tiny checkpoint only, and only where
+        # neither the caller nor its extra_args chose (engine_args.engine_defaults).
+        self.dtype, self.max_model_len = engine_defaults(
+            self._model_dir, dtype, max_model_len, self.extra_args)
         self.served_model_name = served_model_name
         self.prefix_caching = prefix_caching
         self.scale_out = scale_out
-        self.extra_args = tuple(str(a) for a in extra_args)
         self.env_overrides = dict(env or {})
         self.log_dir = Path(log_dir) if log_dir is not None else Path(
             tempfile.mkdtemp(prefix="rolloutcore-engine-"))
@@ -390,8 +393,11 @@ class ManagedEngine:
         """The exact command line the next start runs."""
         cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(self._model_dir), "--host", self.host,
-               "--port", str(self.port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len)]
+               "--port", str(self.port)]
+        if self.dtype is not None and not has_flag(self.extra_args, "--dtype"):
+            cmd += ["--dtype", self.dtype]
+        if self.max_model_len is not None and not has_flag(self.extra_args, "--max-model-len"):
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.served_model_name:
             cmd += ["--served-model-name", self.served_model_name]
         if self.prefix_caching:

@@ -19,6 +19,7 @@ is later stated as unverified evidence (``VllmAdapter``), not assumed.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ __all__ = [
     "MAX_MINOR",
     "MIN_MINOR",
     "OPTIONAL_CAPABILITIES",
+    "PREVIEW_ENV",
+    "PREVIEW_MAX_MINOR",
     "REQUIRED_ROUTES",
     "SupportVerdict",
     "assess",
@@ -42,6 +45,13 @@ __all__ = [
 #: release with the RL endpoints; 0.32 is the newest one tested.
 MIN_MINOR = (0, 26)
 MAX_MINOR = (0, 32)
+#: vLLM releases whose differences RolloutCore handles (``adapters.vllm.engine_state``,
+#: ``transports.compat.reload``, the 0.33 ``WeightSource`` contract) but that have not
+#: run through its verified transition yet: admitted only where the operator sets
+#: ``ROLLOUTCORE_VLLM_PREVIEW=1``, and the verdict says so. A release moves into the
+#: supported range (``MAX_MINOR``, pyproject's ``gpu`` extra) once it has run.
+PREVIEW_MAX_MINOR = (0, 34)
+PREVIEW_ENV = "ROLLOUTCORE_VLLM_PREVIEW"
 
 #: Routes a hot update cannot do without, with what each is for.
 REQUIRED_ROUTES: Mapping[str, str] = required_routes()
@@ -53,10 +63,12 @@ OPTIONAL_CAPABILITIES: Mapping[str, str] = {
     "weight_versions": "per-token weight_versions spans in /inference/v1/generate answers",
     "generate": "/inference/v1/generate: token in, token out (--enable-scale-out)",
     "sleep": "/sleep and /wake_up",
+    "checkpoint": "/checkpoint/status: the process-checkpoint state (vLLM 0.34)",
 }
 
 _ROUTE_OF = {"weight_info": Routes.WEIGHT_INFO, "weight_checker": Routes.WEIGHT_CHECKER,
-             "generate": Routes.GENERATE, "sleep": Routes.SLEEP}
+             "generate": Routes.GENERATE, "sleep": Routes.SLEEP,
+             "checkpoint": Routes.CHECKPOINT_STATUS}
 _VERSION_RE = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
 
 
@@ -87,6 +99,8 @@ class SupportVerdict:
     reasons: tuple[str, ...]
     missing_routes: tuple[str, ...]
     capabilities: Mapping[str, bool | None] = field(default_factory=dict)
+    #: A release past the tested range, admitted by ``ROLLOUTCORE_VLLM_PREVIEW=1``.
+    preview: bool = False
 
     @property
     def supported(self) -> bool:
@@ -104,6 +118,9 @@ class SupportVerdict:
             caps += f"; cannot tell {', '.join(unknown)}"
         head = (f"vLLM {self.version or '(unknown version)'} is supported" if self.supported
                 else "unsupported vLLM: " + "; ".join(self.reasons))
+        if self.preview and self.supported:
+            head += (f" as a preview ({PREVIEW_ENV}=1: past the tested range "
+                     f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]})")
         return f"{head} ({caps})"
 
     def require(self, where: str) -> SupportVerdict:
@@ -146,16 +163,22 @@ def _has_spans(schemas: Mapping[str, Any]) -> bool:
                and "weight_versions" in s["properties"] for s in schemas.values())
 
 
-def assess(version: object, openapi: object) -> SupportVerdict:
+def assess(version: object, openapi: object, *,
+           preview: bool | None = None) -> SupportVerdict:
     """Decide support from the engine's ``/version`` and ``/openapi.json`` answers.
 
     ``version`` is the parsed ``/version`` body (``{"version": "0.32.0"}``) or
     the version string; ``openapi`` is the parsed ``/openapi.json`` body or
     just its route paths (what ``VllmHTTP.capabilities()`` returns). A
     malformed answer is a reason, not an exception: it comes from the
-    engine, and the verdict says what it was.
+    engine, and the verdict says what it was. ``preview`` (default: the
+    ``ROLLOUTCORE_VLLM_PREVIEW`` environment variable is ``1``) admits the
+    releases up to ``PREVIEW_MAX_MINOR`` that are handled but not yet run.
     """
+    if preview is None:
+        preview = os.environ.get(PREVIEW_ENV, "") == "1"
     reasons: list[str] = []
+    in_preview = False
     text = _version_text(version)
     if text is None:
         reasons.append(f"/version did not answer {{'version': str}}: {str(version)[:80]}")
@@ -163,11 +186,17 @@ def assess(version: object, openapi: object) -> SupportVerdict:
         parsed = parse_version(text)
         if parsed is None:
             reasons.append(f"cannot read vLLM version {text!r}")
+        elif preview and MAX_MINOR < parsed[:2] <= PREVIEW_MAX_MINOR:
+            in_preview = True
         elif not MIN_MINOR <= parsed[:2] <= MAX_MINOR:
+            later = (f"; {PREVIEW_MAX_MINOR[0]}.{PREVIEW_MAX_MINOR[1]} and older run as a "
+                     f"preview with {PREVIEW_ENV}=1" if MAX_MINOR < parsed[:2]
+                     <= PREVIEW_MAX_MINOR else "")
             reasons.append(
                 f"vLLM {text} is outside the supported range "
                 f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]} "
-                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one)")
+                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one"
+                f"{later})")
     routes, schemas = _routes_and_schemas(openapi)
     if routes is None:
         reasons.append(f"/openapi.json has no route list ('paths'): {str(openapi)[:80]}")
@@ -183,4 +212,4 @@ def assess(version: object, openapi: object) -> SupportVerdict:
     caps["weight_versions"] = (None if schemas is None else bool(
         caps["generate"] and _has_spans(schemas)))
     return SupportVerdict(text, tuple(reasons), missing,
-                          {k: caps[k] for k in OPTIONAL_CAPABILITIES})
+                          {k: caps[k] for k in OPTIONAL_CAPABILITIES}, preview=in_preview)

@@ -28,11 +28,16 @@ import importlib
 from collections.abc import Iterator
 from typing import Any
 
+from rolloutcore.errors import TransferError
+
 __all__ = ["DirectReloadRefused", "ReloadApi", "reload_api"]
 
 
-class DirectReloadRefused(RuntimeError):
-    """The worker runs vLLM's direct (in-place, no rollback) reload mode."""
+class DirectReloadRefused(TransferError):
+    """The worker runs vLLM's direct (in-place, no rollback) reload mode: nothing moved."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("transfer", reason, mutation_started=False)
 
 
 class ReloadApi:
