@@ -47,7 +47,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from rolloutcore.errors import (
@@ -166,7 +166,8 @@ def raise_for_status(resp: httpx.Response, step: str, what: str, *,
 
 
 def request(method: str, url: str | httpx.URL, *, step: str, timeout_s: float,
-            json_body: Any = None, content: Any = None, client: httpx.Client | None = None,
+            json_body: Any = None, content: bytes | IO[bytes] | None = None,
+            client: httpx.Client | None = None,
             mutation_started: bool = True, cancelled: Callable[[], bool] | None = None,
             what: str | None = None) -> httpx.Response:
     """One request, its failures in the tree; returns a 2xx answer.

@@ -129,8 +129,9 @@ class HttpWeightSync:
 
     # -- plumbing -------------------------------------------------------------
 
-    def call(self, method: str, route: str, body: Any, *, timeout_s: float | None = None,
-             step: str | None = None, mutation_started: bool = True) -> Any:
+    def call(self, method: str, route: str, body: Mapping[str, Any] | None, *,
+             timeout_s: float | None = None, step: str | None = None,
+             mutation_started: bool = True) -> Any:
         """One call to ``route``; its failure in the tree; the JSON answer."""
         client = self._http()
         s = route.lstrip("/") if step is None else step

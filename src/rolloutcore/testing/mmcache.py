@@ -37,10 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.core.evidence import PauseMode
+from rolloutcore.engine.errors import request
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.transports.source import WeightSource
@@ -138,10 +137,8 @@ def image_chat(base_url: str, model: str, image_url: str, *, text: str = "what i
             "messages": [{"role": "user", "content": [
                 {"type": "text", "text": text},
                 {"type": "image_url", "image_url": {"url": image_url}}]}]}
-    r = httpx.post(f"{base_url}{Routes.CHAT}", json=body, timeout=timeout_s)
-    if r.status_code != 200:
-        raise EffectError("chat", f"HTTP {r.status_code}: {r.text[:300]}",
-                          mutation_started=False)
+    r = request("POST", f"{base_url}{Routes.CHAT}", step="chat", timeout_s=timeout_s,
+                json_body=body, mutation_started=False)  # a non-2xx raises (engine.errors)
     ch = r.json()["choices"][0]
     ids = tuple(int(t) for t in ch["token_ids"])
     lps = tuple(float(c["logprob"]) for c in ch["logprobs"]["content"])

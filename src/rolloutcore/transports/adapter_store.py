@@ -51,9 +51,9 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import engine_key
@@ -247,8 +247,8 @@ def _digest(d: Path) -> str:
 
 # ------------------------------------------------------------------ trainer half
 
-def _call(method: str, url: str, step: str, timeout_s: float, *, content: Any = None,
-          json: Any = None) -> Any:
+def _call(method: str, url: str, step: str, timeout_s: float, *,
+          content: IO[bytes] | None = None, json: Mapping[str, str] | None = None) -> Any:
     from rolloutcore.engine.errors import request
 
     return request(method, url, step=step, timeout_s=timeout_s, json_body=json,
