@@ -163,3 +163,17 @@ def merge_rows(path: Path, rows: list[dict[str, Any]]) -> None:
     merged = [r for r in old if r.get("case") not in names] + rows
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(merged, indent=2, default=str) + "\n")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path,
+                 timeout_s: float = 600) -> None:
+    """Until ``url``/health answers 200; fails with the log's tail if ``proc`` exits or time
+    runs out (a ``rolloutcore serve`` or ``vllm`` started by a test)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, log.read_text()[-4000:]
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.5)

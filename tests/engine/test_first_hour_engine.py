@@ -17,13 +17,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from enginetools import stop_group
+from enginetools import stop_group, wait_healthy
 from rolloutcore.adapters.vllm.process import free_port, vllm_available
 
 pytestmark = [
@@ -41,15 +40,6 @@ def _env() -> dict[str, str]:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
 
 
 def _start(cmd: list[str], cwd: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -72,7 +62,7 @@ def test_a_passthrough_option_reaches_the_launched_vllm(tmp_path: Path) -> None:
                    "--port", str(port), "--vllm-arg=--max-model-len=256", "--",
                    "--max-num-seqs", "8"], tmp_path, log)
     try:
-        _wait(f"http://127.0.0.1:{port}", proc, log)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log)
         engine_logs = sorted((tmp_path / "logs").glob("*.log"))
         assert engine_logs, "the engine's log is under --workdir"
         line = engine_logs[0].read_text().splitlines()[0]
@@ -114,9 +104,9 @@ def test_the_own_vllm_recipe_runs_as_documented(tmp_path: Path) -> None:
     engine = _start(["bash", "-ec", engine_block], tmp_path, elog)
     gateway = None
     try:
-        _wait(f"http://127.0.0.1:{engine_port}", engine, elog)
+        wait_healthy(f"http://127.0.0.1:{engine_port}", engine, elog)
         gateway = _start(["bash", "-ec", serve_block], tmp_path, glog)
-        _wait(f"http://127.0.0.1:{gateway_port}", gateway, glog)
+        wait_healthy(f"http://127.0.0.1:{gateway_port}", gateway, glog)
         assert _ready(f"http://127.0.0.1:{gateway_port}")
         said = glog.read_text()
         assert "was not launched by RolloutCore" in said   # the route guard's absence
@@ -143,7 +133,7 @@ def test_serve_upstream_names_a_missing_weight_transfer_backend(tmp_path: Path) 
     engine = _start(["bash", "-ec", stripped.replace("8000", str(engine_port))], tmp_path,
                     elog)
     try:
-        _wait(f"http://127.0.0.1:{engine_port}", engine, elog)
+        wait_healthy(f"http://127.0.0.1:{engine_port}", engine, elog)
         done = subprocess.run(
             [sys.executable, "-m", "rolloutcore", "serve", "--upstream",
              f"http://127.0.0.1:{engine_port}", "--checkpoint", "ckpt",

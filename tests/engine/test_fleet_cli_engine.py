@@ -13,7 +13,6 @@ with two TP=2 engines (`--tensor-parallel-size 2`).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -25,7 +24,7 @@ import httpx
 import pytest
 from fleettools_engine import greedy
 
-from enginetools import TinyModels, stop_group
+from enginetools import TinyModels, stop_group, wait_healthy
 from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER
 from rolloutcore.transports.net import free_port
@@ -41,15 +40,6 @@ TOKEN = "fleet-cli-token-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
 
 
 #: Two TP=2 engines are four ranks: on this 2-core host they share the cores by the
@@ -80,7 +70,7 @@ def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModel
     url = f"http://127.0.0.1:{port}"
     engine_urls: list[str] = []
     try:
-        _wait(url, proc, log, 900)
+        wait_healthy(url, proc, log, 900)
         text = log.read_text()
         assert "starting 2 vLLM engines as local processes" in text
         st = httpx.get(f"{url}/control/status", headers=AUTH, timeout=30).json()

@@ -21,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import TinyModels, stop_group
+from enginetools import TinyModels, stop_group, wait_healthy
 from helpers.gateway_rig import TOKEN, uvicorn_thread
 from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.adapters.vllm.process import vllm_available
@@ -85,15 +84,6 @@ def _answer_lp(r: httpx.Response) -> tuple[list[int], list[float]]:
                                               for c in ch["logprobs"]["content"]]
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
 
 
 @pytest.mark.slow   # two LoRA engine starts (the gateway restarted on its journal): 165 s in CI
@@ -112,7 +102,7 @@ def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(url, proc, log, 600)
+        wait_healthy(url, proc, log, 600)
         assert "LoRA adapters enabled" in log.read_text()
         base_answer = _generate(url)
         assert base_answer.status_code == 200, base_answer.text
@@ -160,7 +150,7 @@ def test_serve_lora_publishes_through_the_client_and_serves_policy_through_it(
                                 start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     try:
-        _wait(url, proc, log2, 600)
+        wait_healthy(url, proc, log2, 600)
         text = log2.read_text()
         assert f"restored 1 adapter names from the journal (never reused); published " \
                f"then: {name}" in text
@@ -310,7 +300,7 @@ def test_serve_engines_2_lora_publishes_on_both_through_the_client(
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(url, proc, log, 900)
+        wait_healthy(url, proc, log, 900)
         assert "LoRA adapters enabled on 2 engines" in log.read_text()
         with RolloutCoreClient(url, TOKEN) as c:
             res = c.update_adapter(adapter, Provenance("adapter-31", "tests", 1))

@@ -8,20 +8,17 @@ the base never changes, and the audit against the gateway's journal is clean.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from enginetools import stop_group
+from enginetools import stop_group, wait_healthy
 from helpers.gateway_rig import TOKEN
 from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
@@ -42,15 +39,6 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 
-def _wait(url: str, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
 
 
 def test_train_lora_through_a_serve_lora_gateway(tmp_path: Path) -> None:
@@ -70,7 +58,7 @@ def test_train_lora_through_a_serve_lora_gateway(tmp_path: Path) -> None:
                                 env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(url, proc, log, 600)
+        wait_healthy(url, proc, log, 600)
         rep: dict[str, Any] = run_train(
             work, steps=STEPS, prompts_per_step=2, num_generations=4, max_tokens=8,
             progress=None, lora=LoraSettings(rank=4, alpha=8), gateway=url, token=TOKEN,
