@@ -27,11 +27,21 @@ fails and the journal is *failed*: ``sync`` and every later ``write`` raise
 ``JournalError``, and whoever registered with ``on_failure`` (the
 controller, when this journal is its listener) is told at once, from the
 writer thread, and refuses every further step (it fails closed).
+
+One writer per file. A file journal holds an exclusive ``flock`` on the
+file for as long as it is open: a second ``Journal`` on the same file (a
+second gateway given the same ``--journal``, in this process or another) is
+refused with a ``JournalError`` naming the holder, before it repairs or
+numbers anything; two writers would number the same ``seq`` twice and make
+the file unreadable. The lock is the kernel's, so a writer killed -9 leaves
+none behind.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -103,17 +113,20 @@ class Journal:
         #: Bytes of a torn last line cut when the file was opened (0: none).
         self.repaired_bytes = 0
         if self.path is not None:
-            if repair_torn_tail:
-                # A restart after a crash mid-write must not be fatal: appending after
-                # the torn line would make it damage in the middle of the file.
-                self.repaired_bytes = repair_journal(self.path)
+            # The lock first: repairing (truncating) a file another writer appends to
+            # would cut its records.
+            self._fh = fh = _open_locked(self.path)
             try:
-                self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-            except OSError as exc:
-                raise JournalError(f"cannot open journal {self.path}: {exc}") from exc
-            if self.path.stat().st_size:
-                self._seq = self._written = max(
-                    (r.seq for r in read_journal(self.path)), default=0)
+                if repair_torn_tail:
+                    # A restart after a crash mid-write must not be fatal: appending
+                    # after the torn line would make it damage in the middle of the file.
+                    self.repaired_bytes = repair_journal(self.path)
+                if self.path.stat().st_size:
+                    self._seq = self._written = max(
+                        (r.seq for r in read_journal(self.path)), default=0)
+            except BaseException:
+                fh.close()  # the lock goes with it
+                raise
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name=f"rolloutcore-journal-{self.path.name}")
             self._writer.start()
@@ -280,6 +293,42 @@ class Journal:
                 with self._cond:
                     self._failed = self._failed or f"cannot close journal: {exc}"
                 self._tell(f"cannot close journal: {exc}")
+
+
+def _lock_holder(fh: IO[str]) -> str:
+    """Who holds the lock on ``fh``'s file, in words (from ``/proc/locks``; best effort)."""
+    st = os.fstat(fh.fileno())
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            f = line.split()
+            if len(f) > 5 and f[1] == "FLOCK" and f[5] == ident:
+                pid = int(f[4])
+                return "this process" if pid == os.getpid() else f"process {pid}"
+    return "another writer"
+
+
+def _open_locked(path: Path) -> IO[str]:
+    """``path`` opened for appending, with its exclusive lock held; refused (``JournalError``)
+    while another open journal holds it. Devices are not locked (nothing to tear)."""
+    try:
+        fh = open(path, "a", encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from exc
+    try:
+        if path.is_file():
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fh)
+        fh.close()
+        raise JournalError(
+            f"journal {path} is already being written by {holder}: one writer per "
+            f"journal (stop that gateway first, or give this one another --journal)"
+        ) from None
+    except OSError as exc:
+        fh.close()
+        raise JournalError(f"cannot lock journal {path}: {exc}") from exc
+    return fh
 
 
 def _parse_lines(lines: Iterable[str], name: str, *, live: bool = False
