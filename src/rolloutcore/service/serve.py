@@ -370,6 +370,8 @@ def run_serve(args: ServeOptions) -> int:
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))
+        if engine is not None:  # the launched process's exit taints at once (#47)
+            engine.on_exit.append(runner.engine_exited)
         reachable = reachable_verification(adapter.http.capabilities())
         floor = reachable if floor_asked is None else floor_asked
         if floor > reachable:
