@@ -106,11 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rolloutcore: error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(args_in)
+    from rolloutcore.cli.signals import as_ctrl_c
+
     try:
-        try:
-            rc: int = args.func(args)
-        except ModuleNotFoundError as exc:
-            raise _missing(_BY_NAME[args.command], exc) from exc
+        # SIGTERM and SIGHUP end the command as Ctrl-C does (#47)
+        with as_ctrl_c():
+            try:
+                rc: int = args.func(args)
+            except ModuleNotFoundError as exc:
+                raise _missing(_BY_NAME[args.command], exc) from exc
     except errors.RolloutCoreError as exc:
         print(f"rolloutcore: error: {exc}", file=sys.stderr)
         return 2
