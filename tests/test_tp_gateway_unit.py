@@ -102,6 +102,23 @@ def test_a_declaration_equal_to_every_ranks_own_report_passes_with_full_coverage
     assert "coverage_per_rank=[1.000, 1.000]" in chk.detail
 
 
+def test_a_round_that_wrote_one_parameter_of_each_rank_is_not_published() -> None:
+    """#47, symptom 3: a trainer that declares a new checkpoint but sends one tensor (the
+    norm) got it published at coverage 0.067: each rank's one write matched what was
+    declared. Every rank must write every parameter it holds (coverage 1.0)."""
+    t = _tensors()
+    partial = [RankReport(r.worker_rank, r.tp_rank, r.tp_size,
+                          tuple(p for p in r.params if p.kind == "whole"), r.model_params,
+                          r.elapsed_s, r.nonce) for r in _reports(t)]
+    decl = {w: {p.name: p.value for p in r.params} for w, r in enumerate(partial)}
+    res = compare_declared(list(enumerate(partial)), decl, nonce=NONCE)
+    assert not res["passed"]
+    assert res["coverage_per_rank"] == pytest.approx([1 / 3, 1 / 3])
+    chk = to_check(res)
+    assert not chk.passed and chk.coverage < 1.0
+    assert "wrote 1 of the 3 parameters it holds" in chk.detail
+
+
 def test_the_other_ranks_slice_fails_on_that_rank_only() -> None:
     t = _tensors()
     res = compare_declared(list(enumerate(_reports(t, wrong_rank=1))), _as_map(_declared(t)),
