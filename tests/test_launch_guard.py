@@ -208,3 +208,28 @@ def test_the_engine_never_outlives_the_process_that_launched_it(
     MATRIX.row("orphaned_engine", f"the process that launched the engine is killed ({sig.name})",
                "the engine's process group is killed by its tether within seconds",
                "no engine left", published_unvalidated=0, records_lost=0, part=sig.name)
+
+
+def test_a_fleet_replicas_launched_engine_exit_taints_its_controller() -> None:
+    """Fleet placement wires the launched engine's ``on_exit`` to its replica's runner."""
+    from rolloutcore.core.evidence import BootstrapEvidence
+    from rolloutcore.core.lifecycle import State
+    from rolloutcore.fleet.placement import vllm_replica
+    from rolloutcore.testing.fake import FakeWeights
+
+    class Launched:  # what vllm_replica reads of a ManagedEngine
+        epoch = "e1"
+        on_exit: list = []  # noqa: RUF012
+
+    eng = Launched()
+    rep = vllm_replica("e0", "http://127.0.0.1:9", engine=eng)
+    try:
+        c = rep.runner.controller
+        c.bootstrap(BootstrapEvidence(engine_epoch="e1", healthy=True),
+                    FakeWeights.from_seed(0).identity())
+        assert len(eng.on_exit) == 1 and c.state is State.READY
+        eng.on_exit[0]("the launched vLLM (pid 1) exited (status -9)")
+        assert c.state is State.TAINTED
+    finally:
+        if rep.close is not None:
+            rep.close()
