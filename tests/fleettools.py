@@ -36,6 +36,19 @@ FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=2, reset_s=1, v
                  retry_backoff_s=0.01, recover_s=5)
 
 
+#: The file journals each journal directory's last fake fleet holds open (one writer per
+#: journal: ``control.journal``).
+_HELD: dict[str, list[Journal]] = {}
+
+
+def _previous_process_gone(journal_dir: Any) -> None:
+    """A fake fleet over a journal directory an earlier one (in this process) still holds:
+    that one's "process" is gone, and with it its journals' locks, as after a crash."""
+    for j in _HELD.pop(str(journal_dir), []):
+        with contextlib.suppress(Exception):
+            j.close()
+
+
 def weights(seed: int) -> FleetWeights:
     w = FakeWeights.from_seed(seed, step=seed)
     return FleetWeights(w.identity(), w, w, VerificationLevel.PROBE, probe=fake_probe(w))
@@ -64,6 +77,8 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
     new engine dies when a restart adopts it; ``controller_kw``: each replica's
     controller's arguments (e.g. its ``config``: an update mode)."""
     w0 = FakeWeights.from_seed(start_seed, step=start_seed)
+    if journal_dir is not None:
+        _previous_process_gone(journal_dir)
     reps: list[Replica] = []
     adapters: dict[str, FakeAdapter] = {}
     journals: dict[str, Journal] = {}
@@ -88,6 +103,8 @@ def fake_fleet(n: int = 3, *, token_delay_s: float = 0.0005,
     coord = FleetCoordinator(reps, config=config or FleetConfig(health_interval_s=0),
                              fanout=fan, journal_path=None if journal_dir is None
                              else f"{journal_dir}/fleet.jsonl")
+    if journal_dir is not None:
+        _HELD[str(journal_dir)] = [*journals.values(), coord.journal]
     if before_bootstrap is not None:
         before_bootstrap(adapters)
     coord.bootstrap(w0.identity(), weights=weights(start_seed))

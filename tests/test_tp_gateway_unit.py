@@ -21,6 +21,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from helpers.fault_matrix import PromiseRows
 from rolloutcore.adapters.vllm.http import VllmHTTP
 from rolloutcore.adapters.vllm.process import ManagedEngine
 from rolloutcore.adapters.vllm.sent import (
@@ -49,6 +50,10 @@ from rolloutcore.transports.rank_checksums import (
 )
 
 NONCE = "0123456789abcdef0123456789abcdef"
+MATRIX = PromiseRows("tests/test_tp_gateway_unit.py",
+                     engines="the gateway's per-rank comparison (compare_declared, to_check) "
+                             "over two ranks' reports as vLLM's workers write them")
+_fault_matrix = MATRIX.fixture()
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -100,6 +105,28 @@ def test_a_declaration_equal_to_every_ranks_own_report_passes_with_full_coverage
     chk = to_check(res)
     assert chk.passed and chk.coverage == 1.0 and chk.name == "worker_shard_checksum"
     assert "coverage_per_rank=[1.000, 1.000]" in chk.detail
+
+
+def test_a_round_that_wrote_one_parameter_of_each_rank_is_not_published() -> None:
+    """#47, symptom 3: a trainer that declares a new checkpoint but sends one tensor (the
+    norm) got it published at coverage 0.067: each rank's one write matched what was
+    declared. Every rank must write every parameter it holds (coverage 1.0)."""
+    t = _tensors()
+    partial = [RankReport(r.worker_rank, r.tp_rank, r.tp_size,
+                          tuple(p for p in r.params if p.kind == "whole"), r.model_params,
+                          r.elapsed_s, r.nonce) for r in _reports(t)]
+    decl = {w: {p.name: p.value for p in r.params} for w, r in enumerate(partial)}
+    res = compare_declared(list(enumerate(partial)), decl, nonce=NONCE)
+    assert not res["passed"]
+    assert res["coverage_per_rank"] == pytest.approx([1 / 3, 1 / 3])
+    chk = to_check(res)
+    assert not chk.passed and chk.coverage < 1.0
+    assert "wrote 1 of the 3 parameters it holds" in chk.detail
+    MATRIX.row("tp_partial_round", "a trainer declares a new checkpoint but sends one tensor "
+               "(the norm) to a TP=2 engine; each rank's one write matches the declaration",
+               "worker_shard_checksum fails (coverage 0.333 per rank: every parameter a rank "
+               "holds must be written): not published", "the update fails (not published)",
+               published_unvalidated=0, records_lost=0)
 
 
 def test_the_other_ranks_slice_fails_on_that_rank_only() -> None:

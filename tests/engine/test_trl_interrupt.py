@@ -2,7 +2,8 @@
 
 The README's first command as a subprocess in its own process group, sent
 SIGINT (as a terminal sends it to the foreground group) once a few steps
-finished. Whatever it was doing then (an update, a generation, TRL's loss):
+finished, or SIGTERM to its process alone (as an orchestrator stops it: #47,
+the same ending as Ctrl-C's). Whatever it was doing then (an update, a generation, TRL's loss):
 exit 130, no vLLM process left, the report, the plot and the audit written
 for the finished steps, and the journal closed with its ``interrupted``
 record, any update it names ended (``abandon`` or ``taint``), none left open.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.fault_matrix import PromiseRows
 from rolloutcore.adapters.vllm.process import vllm_available
 
 pytestmark = [
@@ -31,6 +33,10 @@ pytestmark = [
 pytest.importorskip("trl")
 
 ROOT = Path(__file__).resolve().parents[2]
+MATRIX = PromiseRows("tests/engine/test_trl_interrupt.py",
+                     engines="vLLM 0.32 CPU launched by rolloutcore train (TRL GRPO)",
+                     engine="vllm-cpu")
+_fault_matrix = MATRIX.fixture()
 STEPS, FINISHED_BEFORE_CTRL_C = 20, 3
 
 
@@ -63,8 +69,9 @@ def _mid_update(journal: Path) -> bool:
     return bool(ends) and ends[-1] == "begin_update"
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_mid_run_exits_130_with_the_engine_stopped_and_the_finished_steps_reported(
-        tmp_path: Path) -> None:
+        tmp_path: Path, sig: signal.Signals) -> None:
     from rolloutcore.control.journal import read_journal
     from rolloutcore.core.records import Abandon, Interrupted, RequestUpdate, Taint
 
@@ -92,7 +99,10 @@ def test_ctrl_c_mid_run_exits_130_with_the_engine_stopped_and_the_finished_steps
         while not _mid_update(work / "journal.jsonl") and time.monotonic() < deadline \
                 and proc.poll() is None:
             time.sleep(0.005)
-        os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C in the terminal it runs in
+        if sig is signal.SIGINT:
+            os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C in the terminal it runs in
+        else:
+            os.kill(proc.pid, sig)               # an orchestrator's stop: the process only
         rc = proc.wait(300)
     finally:
         if proc.poll() is None:
@@ -135,7 +145,14 @@ def test_ctrl_c_mid_run_exits_130_with_the_engine_stopped_and_the_finished_steps
     assert audit["purity"]["journal"]["unended_updates"] == []
     (seen,) = audit["purity"]["journal"]["interruptions"]
     assert seen["phase"] == last.phase
-    print(f"\nCtrl-C after {stop['after_s']:.0f} s during {stop['phase']} "
+    if sig is signal.SIGTERM:
+        MATRIX.row("train_sigterm", f"SIGTERM to rolloutcore train after "
+                   f"{stop['steps_finished']} steps, during {stop['phase']} (update open: "
+                   f"{last.update_id is not None})",
+                   f"exit 130 as on Ctrl-C: the update ended ({last.outcome}), interrupted "
+                   "record, report and audit written, no vLLM process left",
+                   "engine stopped", published_unvalidated=0, records_lost=0)
+    print(f"\n{sig.name} after {stop['after_s']:.0f} s during {stop['phase']} "
           f"(update open: {last.update_id is not None}, {last.outcome}) "
           f"(global_step {stop['step']}); {stop['steps_finished']} steps reported; "
           f"{stop['description']}")

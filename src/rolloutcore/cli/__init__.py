@@ -121,11 +121,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"'--' passes options to a launched vLLM: only serve takes them "
                          f"(got: {' '.join(passthrough)})")
         args.vllm_args = [*args.vllm_args, *passthrough]
+    from rolloutcore.cli.signals import as_ctrl_c
+
     try:
-        try:
-            rc: int = args.func(args)
-        except ModuleNotFoundError as exc:
-            raise _missing(_BY_NAME[args.command], exc) from exc
+        # SIGTERM and SIGHUP end the command as Ctrl-C does (#47)
+        with as_ctrl_c():
+            try:
+                rc: int = args.func(args)
+            except ModuleNotFoundError as exc:
+                raise _missing(_BY_NAME[args.command], exc) from exc
     except errors.RolloutCoreError as exc:
         print(f"rolloutcore: error: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ update still drains them) and the table's for the adapter.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import shutil
 import tempfile
@@ -77,6 +78,8 @@ from rolloutcore.verification.probe import (
     ProbeResult,
     default_prompts,
 )
+
+log = logging.getLogger("rolloutcore.adapters")
 
 __all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "PROBE_SCORINGS",
            "AdapterManager",
@@ -275,6 +278,9 @@ class AdapterManager:
         self.shell: Shell[AdapterTable, AdapterView] = Shell(self.table, AdapterTable.view,
                                                              listener=listener)
         self._io = threading.Lock()   # one load/unload sequence at a time
+        self._sweeps = threading.Condition()  # guards the two below
+        self._sweeper: threading.Thread | None = None
+        self._sweep_again = False
         self._base_probes: dict[str, PolicyProbe] = {}
         # The base weights ``base_model`` is (the references' base): after a full update
         # of the base, ``set_base`` must name the new one before an adapter is prepared.
@@ -544,6 +550,39 @@ class AdapterManager:
                 self._io.release()
         return v
 
+    def release_soon(self, rollout_id: str) -> AdapterVersion:
+        """``release``, for the gateway's event loop: the binding is released now (memory
+        and a queued record), the unloads it may allow run on a sweeper thread. An unload
+        waits on the engine (up to two calls of ``timeout_s``) and on the journal's sync,
+        and a client chooses when its request ends: none of that may stall the loop."""
+        v: AdapterVersion = self.shell.run(self.table.complete, rollout_id, wait=False)
+        if self.shell.read(self.table.evictable):
+            with self._sweeps:
+                self._sweep_again = True
+                if self._sweeper is None:
+                    self._sweeper = threading.Thread(target=self._sweep_loop, daemon=True,
+                                                     name="rolloutcore-adapter-sweep")
+                    self._sweeper.start()
+        return v
+
+    def _sweep_loop(self) -> None:
+        while True:
+            with self._sweeps:
+                if not self._sweep_again:
+                    self._sweeper = None
+                    self._sweeps.notify_all()
+                    return
+                self._sweep_again = False
+            try:
+                self.sweep()
+            except Exception as exc:  # noted; the next release or publish sweeps again
+                log.warning("adapter sweep failed: %r", exc)
+
+    def wait_swept(self, timeout_s: float = 30.0) -> bool:
+        """Wait until no sweep started by ``release_soon`` runs; False at the timeout."""
+        with self._sweeps:
+            return self._sweeps.wait_for(lambda: self._sweeper is None, timeout_s)
+
     def is_adapter(self, name: str) -> bool:
         """Whether ``name`` is (or was) an adapter version on this engine."""
         seen: bool = self.shell.read(self.table.seen, name)
@@ -562,12 +601,18 @@ class AdapterManager:
         was: AdapterVersion | None = self.shell.run(self.table.restore, list(changes))
         return was
 
-    def republish(self, was: AdapterVersion, provenance: Provenance) -> AdapterResult:
+    def republish(self, was: AdapterVersion, provenance: Provenance, *,
+                  verified_on: Any = None) -> AdapterResult:
         """The files of an earlier version (``restore``) published again, verified on the
         base served now, as a new version. Refused (``UpdateRefused``, nothing changed)
-        when they are gone or no longer hold what the version's digest says."""
+        when they are gone or no longer hold what the version's digest says, or when the
+        base served now is not the one it was verified on: ``verified_on``, the identity
+        the journal committed under ``was.base`` (content digests compared); without it,
+        only the same committed label of this controller counts. An adapter is trained
+        for its base: on another one it answers for a pair nobody published."""
         if not isinstance(was, AdapterVersion):
             raise BadInput("republish needs an AdapterVersion")
+        self._check_same_base(was, verified_on)
         p = Path(was.path)
         if not (p / "adapter_config.json").is_file():
             raise UpdateRefused(f"the files of {was.name} are gone ({p}): publish it again")
@@ -577,7 +622,27 @@ class AdapterManager:
                                 f"{src.content_digest[:16]}, not {was.content_digest[:16]})")
         return self.update(p, provenance)
 
+    def _check_same_base(self, was: AdapterVersion, verified_on: Any) -> None:
+        c = self.controller
+        now, committed = getattr(c, "identity", None), getattr(c, "committed", None)
+        if verified_on is None:
+            if committed is not None and committed.label == was.base:
+                return
+            why = (f"the base it was verified on ({was.base}) is not in the journal and the "
+                   f"engine serves {getattr(committed, 'label', None)}")
+        else:
+            had = getattr(verified_on, "content_digest", None)
+            cur = getattr(now, "content_digest", None)
+            if had is not None and had == cur:
+                return
+            why = (f"it was verified on base {was.base} (content "
+                   f"{(had or 'unknown')[:16]}), the engine serves content "
+                   f"{(cur or 'unknown')[:16]}")
+        raise UpdateRefused(f"{was.name} is not published again: {why}; publish an adapter "
+                            "trained for this base")
+
     def close(self) -> None:
+        self.wait_swept()
         if self._own_store:
             shutil.rmtree(self.store, ignore_errors=True)
 

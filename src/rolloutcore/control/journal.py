@@ -27,11 +27,25 @@ fails and the journal is *failed*: ``sync`` and every later ``write`` raise
 ``JournalError``, and whoever registered with ``on_failure`` (the
 controller, when this journal is its listener) is told at once, from the
 writer thread, and refuses every further step (it fails closed).
+
+One writer per file. A file journal holds an exclusive ``flock`` on the
+file for as long as it is open: a second ``Journal`` on the same file (a
+second gateway given the same ``--journal``, in this process or another) is
+refused with a ``JournalError`` naming the holder, before it repairs or
+numbers anything; two writers would number the same ``seq`` twice and make
+the file unreadable. The lock is the kernel's, so a writer killed -9 leaves
+none behind.
+
+A restart costs the state, not the history: the writer keeps a snapshot beside
+the file (``control.journal_snapshot``) and ``restore_records`` is that
+snapshot plus the file's tail after it.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import itertools
 import json
 import os
@@ -41,6 +55,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
+from rolloutcore.control.journal_snapshot import (
+    Compactor,
+    head_digest,
+    line_before,
+    read_snapshot,
+    snapshot_path,
+)
 from rolloutcore.core.records import KINDS, RECORD_TYPES, JournalRecord, Record
 from rolloutcore.errors import JournalError
 
@@ -75,12 +96,13 @@ class Journal:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
                  repair_torn_tail: bool = True, keep: int | None = None,
                  queue_max: int = 4096, put_timeout_s: float = 30.0,
-                 sync_timeout_s: float = 60.0) -> None:
+                 sync_timeout_s: float = 60.0, snapshot_every: int = 5000) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 0):
             raise JournalError(f"keep must be None or an int >= 0, got {keep!r}")
-        if isinstance(queue_max, bool) or not isinstance(queue_max, int) or queue_max < 1:
-            raise JournalError(f"queue_max must be an int >= 1, got {queue_max!r}")
+        for name, n in (("queue_max", queue_max), ("snapshot_every", snapshot_every)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise JournalError(f"{name} must be an int >= 1, got {n!r}")
         for name, v in (("put_timeout_s", put_timeout_s), ("sync_timeout_s", sync_timeout_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise JournalError(f"{name} must be a positive number, got {v!r}")
@@ -102,18 +124,27 @@ class Journal:
         self.path = Path(path) if path is not None else None
         #: Bytes of a torn last line cut when the file was opened (0: none).
         self.repaired_bytes = 0
+        self._compactor = Compactor()
+        self._snapshot_every = snapshot_every
+        self._since_snapshot = 0
+        self._head: str | None = None
+        self._regular = False  # a regular file (a device has no snapshot)
         if self.path is not None:
-            if repair_torn_tail:
-                # A restart after a crash mid-write must not be fatal: appending after
-                # the torn line would make it damage in the middle of the file.
-                self.repaired_bytes = repair_journal(self.path)
+            # The lock first: repairing (truncating) a file another writer appends to
+            # would cut its records.
+            self._fh = fh = _open_locked(self.path)
+            self._regular = self.path.is_file()
             try:
-                self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
-            except OSError as exc:
-                raise JournalError(f"cannot open journal {self.path}: {exc}") from exc
-            if self.path.stat().st_size:
-                self._seq = self._written = max(
-                    (r.seq for r in read_journal(self.path)), default=0)
+                if repair_torn_tail:
+                    # A restart after a crash mid-write must not be fatal: appending
+                    # after the torn line would make it damage in the middle of the file.
+                    self.repaired_bytes = repair_journal(self.path)
+                if self._regular:
+                    self._compactor = self._read_state(self.path)
+                self._seq = self._written = self._compactor.seq
+            except BaseException:
+                fh.close()  # the lock goes with it
+                raise
             self._writer = threading.Thread(target=self._write_loop, daemon=True,
                                             name=f"rolloutcore-journal-{self.path.name}")
             self._writer.start()
@@ -213,7 +244,8 @@ class Journal:
             batch, self._pending = self._pending, []
             self._cond.notify_all()  # room in the queue
         try:
-            fh.write("".join(jr.to_json() + "\n" for jr in batch))
+            lines = [jr.to_json() for jr in batch]
+            fh.write("".join(line + "\n" for line in lines))
             fh.flush()
             if self._fsync:
                 os.fsync(fh.fileno())
@@ -225,9 +257,57 @@ class Journal:
                 failed = self._failed
             self._tell(failed)
             return
+        for jr, line in zip(batch, lines, strict=True):
+            self._compactor.feed(jr, line)
+        self._since_snapshot += len(batch)
+        if self._since_snapshot >= max(self._snapshot_every, len(self._compactor.kept)):
+            self._snapshot(fh)
         with self._cond:
             self._written = batch[-1].seq
             self._cond.notify_all()
+
+    def _snapshot(self, fh: IO[str]) -> None:
+        """Write the snapshot of what is on disk now (the caller holds ``_io``)."""
+        if self.path is None or not self._compactor.seq or not self._regular:
+            return
+        self._since_snapshot = 0
+        if self._head is None:
+            self._head = head_digest(self.path)
+        with contextlib.suppress(OSError):
+            offset = os.fstat(fh.fileno()).st_size  # the lock's holder: no other writer
+            if self._head is not None:
+                self._compactor.write(snapshot_path(self.path), offset, self._head,
+                                      fsync=self._fsync)
+
+    def _read_state(self, path: Path) -> Compactor:
+        """What a restore needs from the file: its snapshot and the lines after it when
+        the snapshot fits the file, else every line."""
+        snap = read_snapshot(snapshot_path(path))
+        size = path.stat().st_size
+        if snap is not None and snap.offset <= size and snap.head == head_digest(path):
+            last = line_before(path, snap.offset)
+            try:
+                fits = last is not None and json.loads(last)["seq"] == snap.seq
+            except (ValueError, KeyError, TypeError):
+                fits = False
+            if fits:
+                comp = Compactor(snap)
+                for jr in read_journal(path, start=snap.offset, after_seq=snap.seq):
+                    comp.feed(jr, jr.to_json())
+                self._head = snap.head
+                return comp
+        comp = Compactor()
+        if size:
+            for jr in read_journal(path):
+                comp.feed(jr, jr.to_json())
+        return comp
+
+    def restore_records(self) -> list[Record | JournalRecord]:
+        """What the file held when this journal opened it, as a restore replays it: the
+        counts of the finished requests left out (``Compacted``), then every other
+        record (``control.journal_snapshot``). Call it before writing."""
+        with self._io:
+            return self._compactor.records()
 
     def _write_loop(self) -> None:
         while True:
@@ -272,6 +352,11 @@ class Journal:
             self._writer.join()
             self._writer = None
         with self._cond:
+            fh, failed = self._fh, self._failed
+        if fh is not None and failed is None and self._since_snapshot:
+            with self._io:
+                self._snapshot(fh)  # a clean stop's restart reads no tail
+        with self._cond:
             fh, self._fh = self._fh, None
         if fh is not None:
             try:
@@ -280,6 +365,42 @@ class Journal:
                 with self._cond:
                     self._failed = self._failed or f"cannot close journal: {exc}"
                 self._tell(f"cannot close journal: {exc}")
+
+
+def _lock_holder(fh: IO[str]) -> str:
+    """Who holds the lock on ``fh``'s file, in words (from ``/proc/locks``; best effort)."""
+    st = os.fstat(fh.fileno())
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            f = line.split()
+            if len(f) > 5 and f[1] == "FLOCK" and f[5] == ident:
+                pid = int(f[4])
+                return "this process" if pid == os.getpid() else f"process {pid}"
+    return "another writer"
+
+
+def _open_locked(path: Path) -> IO[str]:
+    """``path`` opened for appending, with its exclusive lock held; refused (``JournalError``)
+    while another open journal holds it. Devices are not locked (nothing to tear)."""
+    try:
+        fh = open(path, "a", encoding="utf-8")  # noqa: SIM115
+    except OSError as exc:
+        raise JournalError(f"cannot open journal {path}: {exc}") from exc
+    try:
+        if path.is_file():
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _lock_holder(fh)
+        fh.close()
+        raise JournalError(
+            f"journal {path} is already being written by {holder}: one writer per "
+            f"journal (stop that gateway first, or give this one another --journal)"
+        ) from None
+    except OSError as exc:
+        fh.close()
+        raise JournalError(f"cannot lock journal {path}: {exc}") from exc
+    return fh
 
 
 def _parse_lines(lines: Iterable[str], name: str, *, live: bool = False
@@ -299,7 +420,8 @@ def _parse_lines(lines: Iterable[str], name: str, *, live: bool = False
         yield JournalRecord.from_obj(obj, f"{name}:{i}")
 
 
-def read_journal(path: str | os.PathLike[str], *, live: bool = False) -> list[JournalRecord]:
+def read_journal(path: str | os.PathLike[str], *, live: bool = False, start: int = 0,
+                 after_seq: int | None = None) -> list[JournalRecord]:
     """Read a journal back into typed records; checks that ``seq`` is gap-free.
 
     ``live``: the file is being written by a running process (a batch can be
@@ -308,9 +430,15 @@ def read_journal(path: str | os.PathLike[str], *, live: bool = False) -> list[Jo
     """
     try:
         with open(path, encoding="utf-8") as fh:
-            recs = list(_parse_lines(fh, str(path), live=live))
+            if start:
+                fh.seek(start)
+            recs = list(_parse_lines(fh, str(path) if not start else f"{path}@{start}",
+                                     live=live))
     except OSError as exc:
         raise JournalError(f"cannot read journal {path}: {exc}") from exc
+    if after_seq is not None and recs and recs[0].seq != after_seq + 1:
+        raise JournalError(f"{path}: sequence gap between {after_seq} and {recs[0].seq} "
+                           f"(after its snapshot)")
     for a, b in itertools.pairwise(recs):
         if b.seq != a.seq + 1:
             raise JournalError(f"{path}: sequence gap between {a.seq} and {b.seq}")
@@ -380,7 +508,7 @@ def open_controller(path: str | os.PathLike[str] | None, *, keep: int | None = N
 
     journal = Journal(path, keep=keep)  # cuts a torn last line first
     try:
-        earlier = read_journal(path) if path is not None and os.path.getsize(path) else []
+        earlier = journal.restore_records()  # its snapshot and the lines after it
         if earlier:
             return LifecycleController.restore(earlier, listener=journal.listener,
                                                **kw), journal
@@ -395,8 +523,11 @@ def restore_controller(path: str | os.PathLike[str], **kw: Any
     """A ``LifecycleController`` replayed from the journal at ``path``, appending to it."""
     from rolloutcore.control.controller import LifecycleController
 
-    repair_journal(path)
-    recs = read_journal(path) if Path(path).exists() else []
-    journal = Journal(path)
-    c = LifecycleController.restore(recs, listener=journal.listener, **kw)
+    journal = Journal(path)  # cuts a torn last line first
+    try:
+        recs = journal.restore_records()
+        c = LifecycleController.restore(recs, listener=journal.listener, **kw)
+    except BaseException:
+        journal.close()
+        raise
     return c, journal

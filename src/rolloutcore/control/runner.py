@@ -165,6 +165,7 @@ class LifecycleRunner:
         self.deadlines = deadlines or Deadlines()
         self._record = record
         self._health_failures = 0  # consecutive failed check_serving observations
+        self._engine_gone: str | None = None  # why the launched engine's process ended
         self._drain_mode = drain_mode
         #: What the drain deadline does (public: a gateway's configuration sets it).
         self.drain_policy = drain_policy
@@ -310,6 +311,7 @@ class LifecycleRunner:
         v = c.recovered(ev)
         if not v.accepted:
             raise UpdateFailed("recover", "ambiguous", v.after.value, "; ".join(v.problems))
+        self._engine_gone = None  # a replacement engine serves now
         return v
 
     # ------------------------------------------------------------ serving
@@ -333,6 +335,8 @@ class LifecycleRunner:
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and timeout_s > 0):
             raise BadInput("timeout_s must be a positive number")
+        if self._engine_gone is not None and self.controller.state is State.READY:
+            return self.engine_exited(self._engine_gone)
         adapter = self.adapter
         if not isinstance(adapter, HealthObserver) or self.controller.state is not State.READY:
             return None
@@ -375,6 +379,20 @@ class LifecycleRunner:
         self._health_failures = 0
         self._fence_quietly()
         return v
+
+    def engine_exited(self, reason: str) -> Verdict | None:
+        """The launched engine's process ended without being stopped (``ManagedEngine.on_exit``,
+        from its watcher thread): taint now, not at a health check that whoever holds the
+        port by then may answer. Outside READY the update's own effects meet the dead
+        engine; the exit is noted, and a later READY is tainted by ``check_serving``."""
+        self._engine_gone = reason
+        self._note("engine_exited", reason=reason)
+        if self.controller.state is not State.READY:
+            return None
+        try:
+            return self.controller.fail(None, Step.SERVE, FailureKind.DIED, reason)
+        except InvalidTransition:
+            return None  # an update began meanwhile; check_serving taints after it
 
     # ------------------------------------------------------------ colocated training
     def sleep(self, level: int = 2, *, owner: str = "trainer",

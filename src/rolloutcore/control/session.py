@@ -111,6 +111,9 @@ class EngineSession:
                                               listener=self.journal.listener)
         self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
                                       record=self.journal.write)
+        exits = getattr(engine, "on_exit", None)
+        if isinstance(exits, list):  # a launched engine's exit taints at once (#47)
+            exits.append(self.runner.engine_exited)
         #: The LoRA-adapter versions (``enable_adapters``), None until enabled.
         self.adapters: AdapterManager | None = None
 

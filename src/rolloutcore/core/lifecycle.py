@@ -162,6 +162,7 @@ from rolloutcore.core.records import (
     Carry,
     Classification,
     Commit,
+    Compacted,
     Complete,
     Event,
     EvidenceSeen,
@@ -674,6 +675,9 @@ class Lifecycle(Machine):
         self._active.pop(rec.rollout_id, None)
         self._continues.pop(rec.rollout_id, None)
         self._accepted += rec.attributable
+
+    def _apply_compacted(self, rec: Compacted) -> None:
+        self._accepted += rec.accepted
 
     def _apply_request_update(self, rec: RequestUpdate) -> None:
         ticket = UpdateTicket(rec.update_id, UpdateTarget(rec.target, rec.identity, rec.owner),
@@ -1439,6 +1443,7 @@ _APPLIERS: Mapping[type[Record], Callable[[Lifecycle, Any], object]] = {
     Commit: Lifecycle._apply_commit,
     Admit: Lifecycle._apply_admit,
     Complete: Lifecycle._apply_complete,
+    Compacted: Lifecycle._apply_compacted,
     RequestUpdate: Lifecycle._apply_request_update,
     RequestWake: Lifecycle._apply_request_wake,
     BeginUpdate: Lifecycle._apply_begin_update,

@@ -65,6 +65,7 @@ __all__ = [
     "Carry",
     "Classification",
     "Commit",
+    "Compacted",
     "Complete",
     "Effect",
     "Event",
@@ -142,6 +143,31 @@ class Complete(Record):
     def from_data(cls, d: Mapping[str, Any]) -> Complete:
         return cls(str(d["rollout_id"]), _v(d["version"]), State(d["state"]),
                    bool(d["attributable"]))
+
+
+@dataclass(frozen=True)
+class Compacted(Record):
+    """What a journal's snapshot left out (``control.journal``): never a line of the file.
+
+    A restart replays the snapshot (every record a restore needs, and the admissions
+    still open) and the file's tail after it, not every request ever served. The
+    finished requests' ``admit``/``complete`` pairs and the refusals are left out;
+    only their count survives, and how many completions were attributable (the
+    admission capacity counts those). ``through_seq``: the snapshot's last ``seq``.
+    """
+
+    KIND: ClassVar[str] = "compacted"
+    through_seq: int
+    requests: int
+    accepted: int
+
+    def to_data(self) -> dict[str, Any]:
+        return {"through_seq": self.through_seq, "requests": self.requests,
+                "accepted": self.accepted}
+
+    @classmethod
+    def from_data(cls, d: Mapping[str, Any]) -> Compacted:
+        return cls(int(d["through_seq"]), int(d["requests"]), int(d["accepted"]))
 
 
 @dataclass(frozen=True)

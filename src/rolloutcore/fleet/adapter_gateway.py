@@ -116,7 +116,7 @@ class AdapterFleetAdmission(FleetAdmission):
     def _adapter_target(self, choice: Any, policy: Policy, a: Any, m: Any) -> Target:
         key = (choice.name, int(choice.generation), a.name)
         t = self._targets.get(key)
-        if t is None or t.on_release != m.release:
+        if t is None or t.on_release != m.release_soon:
             base = self._target(choice, policy)
             if len(self._targets) > 256:
                 self._targets.clear()
@@ -126,7 +126,7 @@ class AdapterFleetAdmission(FleetAdmission):
                  "adapter_digest": a.content_digest, "adapter_base": a.base},
                 (*base.headers, (b"x-rolloutcore-adapter", a.name.encode()),
                  (b"x-rolloutcore-adapter-digest", a.content_digest.encode())),
-                a.name, m.release)
+                a.name, m.release_soon)  # its unloads off the event loop
         return t
 
     def on_change(self, wake: Callable[[], None]) -> None:

@@ -448,6 +448,9 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
 
     async def health(request: Request) -> Response:
         n = len(coordinator.serving())
+        if (closed := coordinator.failed_closed) is not None:  # refuses all until restarted
+            return JSONResponse({"status": "failed_closed", "serving": n, "reason": closed},
+                                status_code=503)
         return JSONResponse({"status": "ok" if n else "unavailable", "serving": n},
                             status_code=200 if n else 503)
 

@@ -124,6 +124,9 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
     runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write,
                              drain_policy=drain_policy)
+    exits = getattr(engine, "on_exit", None)
+    if isinstance(exits, list):  # a launched engine's exit taints its replica at once (#47)
+        exits.append(runner.engine_exited)
     adopt = None
     if checkpoint is not None:
         from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer

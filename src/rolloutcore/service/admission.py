@@ -205,7 +205,7 @@ class AdapterEngine(OneEngine):
                  "adapter_digest": a.content_digest, "adapter_base": a.base},
                 ((b"x-rolloutcore-adapter", a.name.encode()),
                  (b"x-rolloutcore-adapter-digest", a.content_digest.encode())),
-                a.name, self.adapters.release)
+                a.name, self.adapters.release_soon)  # its unloads off the event loop
         return rb.base, t
 
     def on_change(self, wake: Callable[[], None]) -> None:

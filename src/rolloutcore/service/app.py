@@ -102,6 +102,10 @@ class Gateway:
         open_upd = self.updates.open_update
         return {
             "state": snap["state"],
+            # what /health says: "ok", "unavailable" or "failed_closed" (then in every state)
+            "health": ("failed_closed" if snap["failed_closed"] is not None else "ok"
+                       if snap["state"] not in ("TAINTED", "UNINITIALIZED", "RECOVERING")
+                       else "unavailable"),
             "committed": snap["committed"],
             "identity": snap["identity"],
             "active_rollouts": snap["active_rollouts"],
@@ -239,7 +243,11 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def health(request: Request) -> Response:
-        st = controller.state.value
+        # A controller failed closed (its journal cannot be written) refuses every
+        # request in every state until restarted: a liveness check must see that.
+        st, closed = controller.state.value, controller.failed_closed
+        if closed is not None:
+            return _json(503, {"status": "failed_closed", "state": st, "reason": closed})
         ok = st not in ("TAINTED", "UNINITIALIZED", "RECOVERING")
         return _json(200 if ok else 503, {"status": "ok" if ok else "unavailable", "state": st})
 

@@ -56,11 +56,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,7 @@ from rolloutcore.service.carried import CarriedRelay, check_one_sample
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.images import inspect_media
 from rolloutcore.service.liveness import Flight, Flights
+from rolloutcore.service.marks import ATTRIBUTABLE_HEADER, UNATTRIBUTABLE_HEADER, marks_headers
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.salting import check_client_salt, salted_body
 from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
@@ -137,6 +139,7 @@ __all__ = [
 ]
 
 
+log = logging.getLogger("rolloutcore.service")
 #: Matched with ``fullmatch`` (``$`` alone lets a trailing newline through).
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}")
 #: Upstream response headers that describe the upstream connection, not the answer.
@@ -151,24 +154,12 @@ _LAST_WORD_S = 1.0
 ENDINGS = ("complete", "client_disconnect", "upstream_error", "client_slow", "aborted")
 
 
-#: The headers of an answer its release made unattributable.
-ATTRIBUTABLE_HEADER = "x-rolloutcore-attributable"
-UNATTRIBUTABLE_HEADER = "x-rolloutcore-unattributable"
-
-
 def _unattributed(fin: FinishedRequest) -> dict[str, Any]:
     """The body-field entries of an answer released unattributable (else none)."""
     if fin.attributable:
         return {}
     return {"attributable": False,
             "unattributable": fin.unattributable or "the controller credits it to no version"}
-
-
-def _marks_headers(marks: Mapping[str, Any]) -> list[tuple[bytes, bytes]]:
-    if not marks:
-        return []
-    why = str(marks["unattributable"]).encode("ascii", "replace")[:300]
-    return [(ATTRIBUTABLE_HEADER.encode(), b"false"), (UNATTRIBUTABLE_HEADER.encode(), why)]
 
 
 def _retryable(exc: AdmissionRefused | RouteRefused) -> bool:
@@ -605,7 +596,11 @@ class DataPlane:
         done: Completion | None = None
         ctl = fin.target.controller if fin.target is not None else self.controller
         if fin.target is not None and fin.target.on_release is not None:
-            fin.target.on_release(_rid(fin.binding))  # an adapter version's binding
+            try:
+                fin.target.on_release(_rid(fin.binding))  # an adapter version's binding
+            except Exception as exc:  # the base's binding is released all the same
+                log.warning("the adapter binding of %s was not released: %r",
+                            _rid(fin.binding), exc)
         with contextlib.suppress(BadInput, InvalidTransition):
             if ctl is not None:
                 done = ctl.complete(_rid(fin.binding))
@@ -748,7 +743,7 @@ class DataPlane:
                 else:
                     body, obj = inject_json(body, {**info, **marks})
                 fin.response = obj
-                headers = headers + vh + _marks_headers(marks) + [
+                headers = headers + vh + marks_headers(marks) + [
                     (b"content-length", str(len(body)).encode())]
                 f.started_response = True
                 await send({"type": "http.response.start", "status": resp.status,

@@ -426,6 +426,8 @@ def run_serve(args: ServeOptions) -> int:
         runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
                                  record=None if journal is None else journal.write,
                                  drain_policy=DrainPolicy(args.drain_policy))
+        if engine is not None:  # the launched process's exit taints at once (#47)
+            engine.on_exit.append(runner.engine_exited)
         reachable = reachable_verification(adapter.http.capabilities())
         floor = reachable if floor_asked is None else floor_asked
         if floor > reachable:
@@ -532,10 +534,11 @@ def _restore_adapters(m: Any, journal_path: str) -> None:
 
     from rolloutcore.control.journal import read_journal
     from rolloutcore.core.adapters import AdapterChange
+    from rolloutcore.core.records import Commit
     from rolloutcore.core.versions import Provenance
 
-    changes = [r.record for r in read_journal(journal_path, live=True)
-               if isinstance(r.record, AdapterChange)]
+    recs = read_journal(journal_path, live=True)
+    changes = [r.record for r in recs if isinstance(r.record, AdapterChange)]
     was = m.restore(changes)
     if not changes:
         return
@@ -556,8 +559,13 @@ def _restore_adapters(m: Any, journal_path: str) -> None:
                     except (ValueError, SyntaxError, KeyError, TypeError):
                         pass
             break
+    # The base it was verified on: the identity the journal committed under its label
+    # (a restart on another checkpoint must not serve it on that one).
+    verified_on = next((r.record.identity for r in reversed(recs)
+                        if isinstance(r.record, Commit) and r.record.version.label == was.base),
+                       None)
     try:
-        res = m.republish(was, prov)
+        res = m.republish(was, prov, verified_on=verified_on)
     except RolloutCoreError as exc:
         print(f"[rolloutcore] the journal's adapter {was.name} was not published again: "
               f"{exc}; requests for 'policy' are the base's until an adapter is published",

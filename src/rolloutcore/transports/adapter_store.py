@@ -105,6 +105,7 @@ class AdapterStore:
             raise BadInput(f"AdapterStore: {ENV_MAX} must be >= 1")
         self._staging = self.root / ".staging"
         self._staging.mkdir(exist_ok=True)
+        self._seal_locks: dict[str, asyncio.Lock] = {}
 
     async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
         path = str(scope.get("path", ""))
@@ -165,11 +166,14 @@ class AdapterStore:
             raise _Answer(413, f"{file}: {declared.decode(errors='replace')[:20]} bytes, over "
                           f"the store's {self.max_bytes}")
         stage = self._stage(name)
-        stage.mkdir(exist_ok=True)
         tmp = stage / f".{file}.{uuid.uuid4().hex}"
         n = 0
         done = False
-        f = await asyncio.to_thread(open, tmp, "wb")
+        try:
+            stage.mkdir(exist_ok=True)
+            f = await asyncio.to_thread(open, tmp, "wb")
+        except OSError as exc:
+            raise _Answer(507, f"{file}: the store cannot stage it ({exc})") from exc
         try:
             while True:
                 msg = await receive()
@@ -184,12 +188,18 @@ class AdapterStore:
                 if not msg.get("more_body", False):
                     break
             await asyncio.to_thread(f.close)
-            await asyncio.to_thread(os.replace, tmp, stage / file)
+            try:
+                await asyncio.to_thread(os.replace, tmp, stage / file)
+            except FileNotFoundError:
+                # A seal took the staging directory (and the files in it) while this
+                # file arrived: it is not part of what was sealed.
+                raise _Answer(409, f"{name}: sealed while {file} was uploading; it was "
+                              "not sealed in: upload the adapter under a new name") from None
             done = True
         except OSError as exc:
             if exc.errno in _FULL:
                 raise _Answer(507, f"{file}: the store's disk is full ({exc})") from exc
-            raise _Answer(500, f"{file}: {exc}") from exc
+            raise _Answer(507, f"{file}: the store cannot write it ({exc})") from exc
         finally:
             if not done:
                 f.close()
@@ -215,28 +225,57 @@ class AdapterStore:
             want = None
         if not isinstance(want, str) or not _HEX64.fullmatch(want):
             raise _Answer(400, 'the seal\'s body is {"content_digest": <sha256 hex>}')
+        # One seal of a name at a time in this process; across processes the rename
+        # below decides (only one takes the staging directory).
+        # (A lock per name ever sealed: one per adapter version, a few bytes each.)
+        async with self._seal_locks.setdefault(name, asyncio.Lock()):
+            return await self._seal_locked(name, want)
+
+    async def _seal_locked(self, name: str, want: str) -> tuple[int, Any]:
         stage, final = self._stage(name), self.root / name
         if final.is_dir():
             await asyncio.to_thread(shutil.rmtree, stage, True)   # a retry's files
-            got = await asyncio.to_thread(_digest, final)
-            if got == want:
-                return 200, {"path": str(final.resolve()), "content_digest": got}
-            raise _Answer(409, f"{name} is sealed with other content ({got[:16]})")
+            return self._sealed(name, final, want, await asyncio.to_thread(_digest, final))
         if not all((stage / f).is_file() for f in FILES):
             raise _Answer(409, f"{name}: upload {list(FILES)} before the seal")
+        # The files are taken out of the staging directory first: what is digested is
+        # what is sealed, and an upload that lands meanwhile goes to a new staging
+        # directory (or is refused, 409), never into the sealed one.
+        sealing = self._staging / f".sealing-{name}-{uuid.uuid4().hex}"
         try:
-            got = await asyncio.to_thread(_digest, stage)
-        except (BadInput, OSError, ValueError) as exc:
-            await asyncio.to_thread(shutil.rmtree, stage, True)
-            raise _Answer(422, f"{name}: not a LoRA adapter: {exc}") from exc
-        if got != want:
-            await asyncio.to_thread(shutil.rmtree, stage, True)
-            raise _Answer(422, f"{name}: the files received digest to {got[:16]}, not "
-                          f"{want[:16]}: removed, nothing sealed")
-        for leftover in stage.glob(".*"):
-            leftover.unlink(missing_ok=True)
-        await asyncio.to_thread(os.replace, stage, final)
-        return 200, {"path": str(final.resolve()), "content_digest": got}
+            await asyncio.to_thread(os.rename, stage, sealing)
+        except FileNotFoundError:
+            raise _Answer(409, f"{name}: another seal took its files; seal again to see "
+                          "what it sealed") from None
+        except OSError as exc:
+            raise _Answer(507, f"{name}: the store cannot seal it ({exc})") from exc
+        try:
+            try:
+                got = await asyncio.to_thread(_digest, sealing)
+            except (BadInput, OSError, ValueError) as exc:
+                raise _Answer(422, f"{name}: not a LoRA adapter: {exc}") from exc
+            if got != want:
+                raise _Answer(422, f"{name}: the files received digest to {got[:16]}, not "
+                              f"{want[:16]}: removed, nothing sealed")
+            for leftover in sealing.glob(".*"):
+                leftover.unlink(missing_ok=True)
+            try:
+                await asyncio.to_thread(os.rename, sealing, final)
+            except OSError as exc:
+                if final.is_dir():  # another process sealed it meanwhile
+                    return self._sealed(name, final, want,
+                                        await asyncio.to_thread(_digest, final))
+                raise _Answer(507, f"{name}: the store cannot seal it ({exc})") from exc
+            return 200, {"path": str(final.resolve()), "content_digest": got}
+        finally:
+            await asyncio.to_thread(shutil.rmtree, sealing, True)  # gone once renamed
+
+    @staticmethod
+    def _sealed(name: str, final: Path, want: str, got: str) -> tuple[int, Any]:
+        """The answer for a name sealed already: the same content is a success."""
+        if got == want:
+            return 200, {"path": str(final.resolve()), "content_digest": got}
+        raise _Answer(409, f"{name} is sealed with other content ({got[:16]})")
 
 
 def _digest(d: Path) -> str:

@@ -388,7 +388,13 @@ def _split_whole(p: ParamWrite, full: torch.Tensor, ids: Sequence[int], tp_size:
 def _rank_row(group_rank: int, rep: RankReport, want: Callable[[ParamWrite], int | str],
               problems: list[str]) -> dict[str, Any]:
     """One rank's comparison: ``want(p)`` is the checksum ``p`` must have, or why it has
-    none; ``problems`` (the report is not this rank's, not this round's) fail it."""
+    none; ``problems`` (the report is not this rank's, not this round's) fail it, as
+    does a rank that did not write every parameter it holds (coverage below 1.0): the
+    parameters it left keep the previous version's values, which no probe can be
+    relied on to tell from the new one's (#47)."""
+    if rep.model_params > len(rep.params):
+        problems = [*problems, f"worker {rep.worker_rank} wrote {len(rep.params)} of the "
+                    f"{rep.model_params} parameters it holds: a round writes every one"]
     compared = 0
     mismatched: list[str] = []
     uncovered: list[str] = []

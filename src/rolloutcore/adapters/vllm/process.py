@@ -11,7 +11,14 @@ Three rules shape this module:
   and one worker per rank. The server is started in its own session
   (``start_new_session``), so all of them share one process group, and
   ``stop()`` signals the group, not a PID. A finalizer does the same if the
-  owner forgets, or at interpreter exit.
+  owner forgets, or at interpreter exit, and a tether (``launch_guard.Tether``)
+  does it when this process ends any other way (killed -9 included).
+* **The engine we talk to is the one we launched.** Healthy means: ``/health``
+  answers 200 *and* every socket listening on the port belongs to the launched
+  process's session (``launch_guard.listener_problem``), checked before any
+  other request goes to it; a squatter on the port fails the start (a chosen
+  port is then replaced). Its exit is noticed at once (``on_exit``): the route
+  key is forgotten, so nothing that takes the port afterwards is sent it.
 * **Every wait has a deadline** and watches the process: a server that dies
   while we wait for ``/health`` fails at once with its log tail, never at the
   deadline.
@@ -38,11 +45,12 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from rolloutcore.adapters.vllm.engine_args import engine_defaults, has_flag
+from rolloutcore.adapters.vllm.launch_guard import Tether, listener_problem, watch_exit
 from rolloutcore.adapters.vllm.support import SupportVerdict, assess
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import Routes
@@ -219,8 +227,17 @@ def torch_threads(n: int | None) -> Any:
         torch.set_num_threads(before)
 
 
-def _kill_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM the group, SIGKILL what is left after ``grace_s``, wait until it is gone."""
+def _kill_group(pgid: int, grace_s: float, tether: Tether | None = None) -> None:
+    """SIGTERM the group, SIGKILL what is left after ``grace_s``, wait until it is gone
+    (then disarm its ``tether``, if given)."""
+    try:
+        _end_group(pgid, grace_s)
+    finally:
+        if tether is not None:
+            tether.release()
+
+
+def _end_group(pgid: int, grace_s: float) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -315,6 +332,11 @@ class ManagedEngine:
         self._route_key: str | None = None
         self._route_url: str | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._tether: Tether | None = None
+        self._stopping: object = None   # the process a stop is ending (its exit is ours)
+        #: Called with the reason when the launched process exits without ``stop()``
+        #: (from a watcher thread): a gateway taints its engine at once.
+        self.on_exit: list[Callable[[str], object]] = []
         # Stops may come from several threads (a fleet's close, a recovery, a test's
         # teardown): one at a time, the later ones find nothing left to stop.
         self._stop_lock = threading.Lock()
@@ -325,6 +347,9 @@ class ManagedEngine:
         self._starts = 0
         self.last_start_s: float | None = None
         self.last_stop_s: float | None = None
+        #: The squatters the last ``start()`` met: why a port it tried was not the
+        #: launched engine's (``launch_guard.listener_problem``).
+        self.squatters: list[str] = []
         #: What the running engine offers (``support.assess``), set by ``start()``.
         self.support: SupportVerdict | None = None
 
@@ -472,6 +497,7 @@ class ManagedEngine:
             raise BadInput(f"engine already running (pid {self.pid})")
         require_vllm(self.python)
         deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        self.squatters = []
         for attempt in range(3):
             if self._fixed_port is None and (attempt > 0 or self._port is None):
                 self._port = free_port(self.host)
@@ -479,12 +505,14 @@ class ManagedEngine:
                 self._port = self._fixed_port
             t0 = time.monotonic()
             self._spawn()
+            met = len(self.squatters)
             try:
                 self._wait_healthy(deadline, t0)
             except EngineUnavailable:
                 tail = self.log_tail(200)
                 self._terminate()
-                if self._fixed_port is None and any(m in tail for m in _PORT_IN_USE):
+                if self._fixed_port is None and (
+                        len(self.squatters) > met or any(m in tail for m in _PORT_IN_USE)):
                     continue  # lost a race for the port: take another
                 raise
             except BaseException:
@@ -512,8 +540,33 @@ class ManagedEngine:
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env=self.environment(), start_new_session=True)
-        # If the owner drops us or the interpreter exits, the group still dies.
-        self._finalizer = weakref.finalize(self, _kill_group, self._proc.pid, 5.0)
+        # If the owner drops us or the interpreter exits, the group still dies; if this
+        # process dies any other way, the tether kills it.
+        proc = self._proc
+        self._tether = Tether(proc.pid)
+        self._finalizer = weakref.finalize(self, _kill_group, proc.pid, 5.0, self._tether)
+        me = weakref.ref(self)  # the watcher must not keep us alive (the finalizer)
+
+        def exited() -> None:
+            if (m := me()) is not None:
+                m._exited(proc)
+
+        watch_exit(proc.pid, exited, name=f"rc-exit-{proc.pid}")
+
+    def _exited(self, proc: subprocess.Popen[bytes]) -> None:
+        """The launched process ended; unless a stop ended it, forget its key and say so."""
+        if self._proc is not proc or self._stopping is proc:
+            return
+        url, key = self._route_url, self._route_key
+        if url is not None and key is not None:
+            engine_key.forget(url, key)  # whoever takes the port next is sent no key
+        reason = (f"the launched vLLM (pid {proc.pid}, epoch {self._epoch}) exited "
+                  f"(status {proc.poll()}) without being stopped (log {self._log_path})")
+        for cb in list(self.on_exit):
+            try:
+                cb(reason)
+            except Exception as exc:  # one failing observer does not silence the others
+                print(f"[rolloutcore] on_exit callback failed: {exc!r}", file=sys.stderr)
 
     def _wait_healthy(self, deadline: float, t0: float) -> None:
         import httpx
@@ -534,6 +587,11 @@ class ManagedEngine:
                 with contextlib.suppress(EffectError), map_errors(
                         "launch", f"GET {Routes.HEALTH}", timeout_s=2.0, mutation_started=False):
                     healthy = client.get(url).status_code == 200
+                if healthy and (squat := listener_problem(self.port, self._proc.pid)):
+                    # Someone else answered: nothing but /health went to it (no key).
+                    self.squatters.append(squat)
+                    raise EngineUnavailable("launch", f"{squat} (log {self._log_path})",
+                                            mutation_started=False)
                 if healthy:
                     self.support = self._check_support(client, deadline)
                     if self.progress:
@@ -593,6 +651,7 @@ class ManagedEngine:
     def _terminate(self, grace_s: float | None = None) -> None:
         with self._stop_lock:
             proc = self._proc
+            self._stopping = proc
             if proc is not None:
                 _kill_group(proc.pid, self.stop_grace_s if grace_s is None else grace_s)
                 with contextlib.suppress(subprocess.TimeoutExpired):
@@ -602,6 +661,9 @@ class ManagedEngine:
                     # so the process is never left unwaited.
                     threading.Thread(target=proc.wait, name=f"rc-reap-{proc.pid}",
                                      daemon=True).start()
+            if self._tether is not None:
+                self._tether.release()  # after the kill: no moment without a guard
+                self._tether = None
             if self._finalizer is not None:
                 self._finalizer.detach()
                 self._finalizer = None
