@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from helpers.fault_matrix import PromiseRows
+from helpers.squatter import SQUATTER
 from rolloutcore.adapters.vllm import process
 from rolloutcore.adapters.vllm.launch_guard import listener_problem
 from rolloutcore.adapters.vllm.process import ManagedEngine
@@ -39,19 +40,6 @@ MATRIX = PromiseRows("tests/test_launch_guard.py",
                      engine="stand-in process")
 _fault_matrix = MATRIX.fixture()
 
-SQUATTER = textwrap.dedent("""
-    import http.server, sys
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            print(self.path, self.headers.get("x-rolloutcore-engine-key"), flush=True)
-            self.send_response(200); self.send_header("content-length", "2"); self.end_headers()
-            self.wfile.write(b"{}")
-        do_POST = do_GET
-        def log_message(self, *a): pass
-    srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
-    print("listening", flush=True)
-    srv.serve_forever()
-""")
 
 
 def _env(import_s: float = 0.0) -> dict[str, str]:

