@@ -189,10 +189,6 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
     bare_s: list[float] = []
     seen: dict[str, Any] = {"statuses": {}, "spans": [], "stop": False}
     with serve_in_thread(app) as url, client_for(url) as rc:
-        clients = [threading.Thread(target=_gateway_client, args=(url, seen, i), daemon=True)
-                   for i in range(4)]
-        for c in clients:
-            c.start()
         for _ in range(reps):
             seed = next(seeds)
             source, ident, prov, probe, level = prepare(seed)
@@ -210,6 +206,16 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
                          "phases": phases, "client_s": dict(res.client_s)})
             if bare is not None:
                 bare_s.append(float(bare()))
+        # Then, untimed: three more updates with generation clients on the gateway (the
+        # timed ones above ran without them: a drain waits for their requests).
+        clients = [threading.Thread(target=_gateway_client, args=(url, seen, i), daemon=True)
+                   for i in range(4)]
+        for c in clients:
+            c.start()
+        for _ in range(3):
+            source, ident, prov, probe, level = prepare(next(seeds))
+            rc.update(source, prov, identity=ident, probe=probe, min_verification=level,
+                      owner="h200-service-phase-clients")
         seen["stop"] = True
         for c in clients:
             c.join(60)
@@ -224,8 +230,10 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
                                         for k in sorted({k for r in runs for k in r["phases"]})},
             "verification": sorted({str(r["verification"]) for r in runs}),
             "clients_during_updates": {"statuses": seen["statuses"],
+                                       # the engine's own refusal reaching a client; the
+                                       # gateway's retryable 503 while it updates is not it
                                        "pause_503_seen_by_clients":
-                                       seen["statuses"].get("503", 0),
+                                       seen["statuses"].get("503 engine_paused", 0),
                                        "answers_with_version": len(seen["spans"])},
             "runs": runs, "bare": bare_s}
 
@@ -233,9 +241,10 @@ def service_phase(runner: Any, config: Any, client_for: Any, prepare: Any, seeds
 def _gateway_client(url: str, seen: dict[str, Any], i: int) -> None:
     """A generation client of the gateway while the trainer updates through it.
 
-    Counts every status it is answered (vLLM 0.33+ answers 503 ``engine_paused``
-    to a request that reaches a paused engine: none may reach a client through
-    the gateway) and keeps the version the gateway names for each answer.
+    Counts every status it is answered, a 503 by whose it is: vLLM 0.33+ answers 503
+    ``engine_paused`` to a request that reaches a paused engine (none may reach a client
+    through the gateway), the gateway its own retryable 503 while it updates (no queue);
+    keeps the version the gateway names for each answer.
     """
     c = httpx.Client(timeout=120.0)
     prompt = [(j * 31 + i) % 150000 + 100 for j in range(48)]
@@ -246,6 +255,8 @@ def _gateway_client(url: str, seen: dict[str, Any], i: int) -> None:
                     "model": "policy", "prompt": prompt, "max_tokens": 8,
                     "temperature": 0.0, "ignore_eos": True})
                 key = str(r.status_code)
+                if r.status_code == 503:
+                    key += " engine_paused" if "engine_paused" in r.text else " gateway"
                 if r.status_code == 200:
                     seen["spans"].append(r.headers.get("x-rolloutcore-version"))
             except httpx.HTTPError as exc:

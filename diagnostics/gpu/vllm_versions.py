@@ -45,10 +45,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", help="h200-8b-ipc.json of each vLLM version")
     ap.add_argument("--out", default="results/gpu")
+    ap.add_argument("--note", action="append", default=[],
+                    help="a line on how to read these runs (kept in the JSON)")
     args = ap.parse_args()
     rows = [row(json.loads(Path(p).read_text())) for p in args.runs]
     out = {"what": "h200_8b_ipc.py on each vLLM version, one warm machine",
-           "runs": {str(r["vllm"]): r for r in rows}}
+           "notes": args.note, "runs": {str(r["vllm"]): r for r in rows}}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "vllm034.json").write_text(json.dumps(out, indent=1, default=str) + "\n")
     keys = ("hot_over_bare", "service_over_bare", "bitexact", "spans_checked",
