@@ -48,11 +48,17 @@ EXTRA=(
   jmespath==1.1.0 prometheus-fastapi-instrumentator==8.1.0
   httptools==0.9.0  # the gateway's HTTP parser (service_path of h200_8b_ipc.py)
 )
+# Seen on the H100 on 2026-12-06: torch 2.14 needs NCCL >= 2.30 (ncclCommResume; PyPI has
+# no 2.30.7, 2.32.6 loads), torchvision 0.29.0 (the image's breaks under torch 2.14), the
+# image's transformers 5.17 wants huggingface_hub < 2 (so 2.x is not carried), and vLLM's
+# engine core imports `cutlass` (nvidia-cutlass-dsl) at start: carried now, its [cu13]
+# extra's libraries not checked yet (the next run's first error will say).
 EXTRA_034=(
-  vllm==0.34.0 torch==2.14.0 triton==3.8.0
+  vllm==0.34.0 torch==2.14.0 triton==3.8.0 nvidia-nccl-cu13==2.32.6 torchvision==0.29.0
+  nvidia-cutlass-dsl==4.8.0
   lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 xgrammar==0.2.8
   compressed-tensors==0.17.0 depyf==0.20.0 apache-tvm-ffi==0.1.11 nvtx==0.2.15
-  cachetools==8.0.3 blake3==1.0.11 py-cpuinfo==9.0.0 huggingface_hub==2.4.0
+  cachetools==8.0.3 blake3==1.0.11 py-cpuinfo==9.0.0
   tokenizers==0.23.3 protobuf==7.36.2 starlette==1.10.0 openai==3.63.0 pydantic==2.14.4
   pydantic_core==2.50.5 orjson==3.13.0 prometheus-fastapi-instrumentator==8.1.0
   llguidance==1.7.6 partial-json-parser==0.2.1.1.post7 jsonschema==4.26.0 pyzmq==27.3.0
