@@ -92,7 +92,13 @@ def test_the_service_phase_times_verified_gateway_updates_against_bare_cycles() 
         out["service_s"] / 0.01)
     assert all(x["protocol_overhead_s"] <= x["service_s"] for x in out["runs"])
     assert tr.connects == 0  # connected_to: the handshake is not repeated
-    assert c.committed is not None and c.committed.label == "rc-4"
+    # Then three untimed updates with generation clients on the gateway: the timed runs
+    # above had none; every 503 a client saw is the gateway's own, none the engine's.
+    assert c.committed is not None and c.committed.label == "rc-7"
+    seen = out["clients_during_updates"]
+    assert seen["pause_503_seen_by_clients"] == 0
+    assert not [k for k in seen["statuses"] if "engine_paused" in k]
+    assert sum(seen["statuses"].values()) >= 1
 
 
 def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
