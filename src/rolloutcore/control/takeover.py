@@ -109,10 +109,6 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
     unfit = _unfit(ev)
     state = c.state
     if state is State.UNINITIALIZED:
-        # Without the journal that published it, an engine written since it started holds
-        # weights nobody can name: an update's probe deviation can be far below the
-        # engine's own noise, so no probe can tell it from the declared checkpoint.
-        unfit += _written_since_start(ev)
         if unfit:
             v = c.fail(None, Step.BOOTSTRAP, FailureKind.REFUSED, "; ".join(unfit))
             raise TakeoverRefused("bootstrap", "no_mutation", v.after.value,
@@ -229,32 +225,6 @@ def _unfit(ev: BootstrapEvidence) -> list[str]:
                    "update (its weights are unknown) or fenced it after a taint")
     if info.get("awake") is False:
         out.append("the engine is asleep: its weights are not loaded")
-    return out
-
-
-#: vLLM's weight-transfer operations that write weights (``adapters.vllm.wire``).
-_WRITES = ("start", "start_draft", "update", "finish")
-
-
-def _written_since_start(ev: BootstrapEvidence) -> list[str]:
-    """Evidence that the engine's weights changed after it started, in words: a label an
-    earlier controller gave (``rc-N``, N >= 1; a fresh engine has its own) or the
-    engine's own count of weight writes (vLLM's ``/metrics``)."""
-    out = []
-    label = ev.observed_label if ev.label_supported else None
-    gen = generation_of(label)
-    if gen is not None and gen >= 1:
-        out.append(f"the engine's weight-version label is {label!r}: it was updated after "
-                   "it started, and without the journal that published that update it "
-                   "cannot be declared to hold the checkpoint (restart the engine from the "
-                   "checkpoint, or start the gateway with that journal)")
-    ops = ev.engine_info.get("weight_ops")
-    if isinstance(ops, dict):
-        writes = {op: n for op, n in ops.items() if op in _WRITES
-                  and isinstance(n, (int, float)) and n > 0}
-        if writes and not out:
-            out.append(f"the engine counts weight writes since it started ({writes}): it "
-                       "holds weights that no journal given here published")
     return out
 
 
