@@ -31,6 +31,14 @@ if compgen -G 'ray-piece-*' >/dev/null || [ -e ray-MANIFEST ]; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target "$SITE" "${WHEELS[@]}"
+# A --target site on PYTHONPATH is not a site directory: Python never runs its .pth
+# files, and nvidia-cutlass-dsl (vLLM 0.34's engine core imports `cutlass`) puts its
+# module on sys.path only through one. This sitecustomize (found first on PYTHONPATH,
+# in every vLLM process) processes them, as a site directory would.
+if compgen -G "$SITE/*.pth" >/dev/null; then
+  printf 'import os, site\nsite.addsitedir(os.path.dirname(os.path.abspath(__file__)))\n' \
+    > "$SITE/sitecustomize.py"
+fi
 # rolloutcore itself runs from the checkout (src/ on PYTHONPATH); vLLM finds
 # its plugin through this entry point (the one pyproject declares for it).
 DI="$SITE/rolloutcore_gpu_plugin-0.0.0.dist-info"

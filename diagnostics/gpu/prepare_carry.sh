@@ -51,11 +51,13 @@ EXTRA=(
 # Seen on the H100 on 2026-12-06: torch 2.14 needs NCCL >= 2.30 (ncclCommResume; PyPI has
 # no 2.30.7, 2.32.6 loads), torchvision 0.29.0 (the image's breaks under torch 2.14), the
 # image's transformers 5.17 wants huggingface_hub < 2 (so 2.x is not carried), and vLLM's
-# engine core imports `cutlass` (nvidia-cutlass-dsl) at start: carried now, its [cu13]
-# extra's libraries not checked yet (the next run's first error will say).
+# engine core imports `cutlass` at start: nvidia-cutlass-dsl is a meta-package whose
+# module lives in -libs-base (dsl_packages/, put on sys.path by a .pth file that a
+# --target install on PYTHONPATH never runs: install_on_device.sh adds a sitecustomize
+# that processes the site's .pth files) with the CUDA 13 runtime in -libs-cu13.
 EXTRA_034=(
   vllm==0.34.0 torch==2.14.0 triton==3.8.0 nvidia-nccl-cu13==2.32.6 torchvision==0.29.0
-  nvidia-cutlass-dsl==4.8.0
+  nvidia-cutlass-dsl==4.8.0 nvidia-cutlass-dsl-libs-base==4.8.0 nvidia-cutlass-dsl-libs-cu13==4.8.0
   lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 xgrammar==0.2.8
   compressed-tensors==0.17.0 depyf==0.20.0 apache-tvm-ffi==0.1.11 nvtx==0.2.15
   cachetools==8.0.3 blake3==1.0.11 py-cpuinfo==9.0.0
