@@ -51,18 +51,23 @@ EXTRA=(
 # Seen on the H100 on 2026-12-06: torch 2.14 needs NCCL >= 2.30 (ncclCommResume; PyPI has
 # no 2.30.7, 2.32.6 loads), torchvision 0.29.0 (the image's breaks under torch 2.14), the
 # image's transformers 5.17 wants huggingface_hub < 2 (so 2.x is not carried), and vLLM's
-# engine core imports `cutlass` at start (kernel_warmup imports the MiniMax-M3 CuTe DSL
-# kernels on every CUDA engine). vLLM pins nvidia-cutlass-dsl[cu13]==4.8.0, but from 4.4 on
-# that is a meta-package over -libs-base/-libs-cu13, and the registry's copies hold only the
-# compiled MLIR libraries, no `cutlass/__init__.py` nor `cute` (checked 2026-12-06:
-# `from cutlass import Float8E4M3FN` fails, "unknown location"). 4.3.0 is the newest
-# self-contained wheel (front end and libraries, with cuda-python): carried instead, so the
-# imports resolve; a Qwen3 engine on Hopper runs no CuTe DSL kernel, and any that did would
-# fail loudly on the version, not run a stand-in. Its .pth needs the sitecustomize that
-# install_on_device.sh writes (a --target site on PYTHONPATH runs no .pth).
+# engine core imports `cutlass` and `quack` at start (kernel_warmup imports the MiniMax-M3
+# CuTe DSL kernels on every CUDA engine). vLLM pins nvidia-cutlass-dsl[cu13]==4.8.0 and
+# quack-kernels 0.6.5, but the registry's -libs-base wheels from 4.6 on hold only the
+# compiled MLIR libraries, no `cutlass/__init__.py` nor `cute` (checked 2026-12-06 for 4.6.3,
+# 4.7.1, 4.8.0, 4.8.1), and quack 0.6.x needs them. 4.5.3's -libs-base holds the front end,
+# and quack 0.5.0 is the newest quack that takes 4.5 (>=4.5.2): both carried. Checked here
+# on the CPU: every `cutlass`/`quack` import in the static closure of vLLM 0.34's worker,
+# kernel_warmup, the Qwen3 model and the API server resolves against them (the Kimi-K3,
+# Muse-Spark and fmha_sm100 kernels that need 4.8 are imported only by those models). A
+# Qwen3 engine runs no CuTe DSL kernel; one that did would fail loudly, not run a stand-in.
+# Their .pth needs the sitecustomize that install_on_device.sh writes (a --target site on
+# PYTHONPATH runs no .pth).
 EXTRA_034=(
   vllm==0.34.0 torch==2.14.0 triton==3.8.0 nvidia-nccl-cu13==2.32.6 torchvision==0.29.0
-  nvidia-cutlass-dsl==4.3.0 cuda-python==13.4.4 cuda-bindings==13.4.4 cuda-pathfinder==1.9.1
+  nvidia-cutlass-dsl==4.5.3 nvidia-cutlass-dsl-libs-base==4.5.3 quack-kernels==0.5.0
+  torch-c-dlpack-ext==0.1.5 einops==0.8.2
+  cuda-python==13.4.4 cuda-bindings==13.4.4 cuda-pathfinder==1.9.1
   lm-format-enforcer==0.11.3 outlines_core==0.2.14 lark==1.2.2 xgrammar==0.2.8
   compressed-tensors==0.17.0 depyf==0.20.0 apache-tvm-ffi==0.1.11 nvtx==0.2.15
   cachetools==8.0.3 blake3==1.0.11 py-cpuinfo==9.0.0
