@@ -569,13 +569,14 @@ class ManagedEngine:
                 print(f"[rolloutcore] on_exit callback failed: {exc!r}", file=sys.stderr)
 
     def _wait_healthy(self, deadline: float, t0: float) -> None:
-        import httpx
+        from rolloutcore.engine.client import EngineClient
 
         assert self._proc is not None
         url = f"{self.base_url}{Routes.HEALTH}"
         last_shown = -1
         tty = self.progress and sys.stderr.isatty()
-        with httpx.Client(timeout=2.0) as client:
+        with EngineClient(timeout_s=2.0) as engine:
+            client = engine.http
             while True:
                 healthy = False
                 rc = self._proc.poll()
