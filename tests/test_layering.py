@@ -49,7 +49,7 @@ RANKS: dict[str, int] = {
     "errors": 0,
     "core": 1,
     "transports": 2, "verification": 2, "engine": 2,
-    "adapters": 3, "testing": 3,
+    "testing": 3,
     "control": 4, "provenance": 4,
     "service": 5, "fleet": 5,
     "cli": 6, "integrations": 6,

@@ -48,7 +48,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rolloutcore.adapters.vllm.wire import GenerationChunk
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.lifecycle import Binding, State
@@ -63,6 +62,7 @@ from rolloutcore.core.records import (
 )
 from rolloutcore.core.rules import UPDATE_MODES
 from rolloutcore.core.versions import EngineIdentity, WeightVersion
+from rolloutcore.engine.wire import GenerationChunk
 from rolloutcore.errors import AdmissionRefused, BadInput, RolloutCoreError
 from rolloutcore.provenance.stitch import SegmentRun, Stitched, stitch
 from rolloutcore.provenance.trajectory import (

@@ -13,7 +13,7 @@ be called from a worker thread supervised by a deadline; ``cancel(step)`` is
 called from *another* thread when that deadline expires and must make the
 stuck call of ``step`` return (tear down a transfer group, close a
 connection). The fake engine (``rolloutcore.testing.fake``) and the vLLM
-HTTP adapter (``rolloutcore.adapters.vllm``) are adapters like any other;
+vLLM port (``rolloutcore.engine.port``) are adapters like any other;
 how an adapter is made and closed is its own business.
 
 What an adapter *may* do beyond that is a capability of its own, a small

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager, AdapterResult
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
@@ -40,6 +39,8 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome,
 from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.transports.drafted import engine_draft_of
 from rolloutcore.transports.drafted import refusal as transport_refusal
@@ -134,7 +135,7 @@ class EngineSession:
         rank of tensor x pipeline); each stage loads its own layers, and every tensor
         must be written by exactly one stage (``rank_checksums.stage_coverage``).
         """
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
         from rolloutcore.transports.gloo import GlooTransport
 
         tr = transport or GlooTransport()
@@ -356,7 +357,7 @@ class EngineSession:
     def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         # Beside a CPU engine this process launched, the reference forward pass keeps
         # off the cores its ranks are pinned to (same numbers; 3-4x faster on 2 cores).
-        from rolloutcore.adapters.vllm.process import torch_threads
+        from rolloutcore.engine.process import torch_threads
 
         with torch_threads(None if self.engine is None else self.engine.threads_beside()):
             return self._reference_probe(weights, tolerance)

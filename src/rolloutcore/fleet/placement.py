@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.control.journal import open_controller
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
 from rolloutcore.control.session import PreparedUpdate, identity_of
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, EngineUnavailable
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetConfig, FleetWeights, Replica
@@ -336,7 +337,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
                  log_dir: str | os.PathLike[str] | None = None, progress: bool = False,
                  startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> list[Any]:
     """``n`` ``ManagedEngine``s on ``checkpoint``, started in parallel (all or none)."""
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
@@ -374,7 +375,7 @@ def _engine_actor() -> Any:
             """Runs one vLLM engine process on its bundle's node (``ManagedEngine``)."""
 
             def __init__(self, checkpoint: str, kwargs: dict[str, Any]) -> None:
-                from rolloutcore.adapters.vllm.process import ManagedEngine
+                from rolloutcore.engine.process import ManagedEngine
 
                 kw = dict(kwargs)
                 if kw.get("host") is None:

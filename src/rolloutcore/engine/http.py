@@ -41,9 +41,14 @@ from typing import Any
 
 import httpx
 
-from rolloutcore.adapters.vllm.checksums import WeightChecksums, strip_rank
-from rolloutcore.adapters.vllm.stream import GenerationStream
-from rolloutcore.adapters.vllm.wire import (
+from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
+from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.engine.checksums import WeightChecksums, strip_rank
+from rolloutcore.engine.client import EngineClient
+from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
+from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.stream import GenerationStream
+from rolloutcore.engine.wire import (
     Completion,
     Generation,
     MetricsSnapshot,
@@ -52,11 +57,6 @@ from rolloutcore.adapters.vllm.wire import (
     WeightOps,
     logprob_token_id,
 )
-from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
-from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
-from rolloutcore.engine.client import EngineClient
-from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
-from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
 
