@@ -65,3 +65,18 @@ def test_a_stream_that_cannot_open_fails_in_the_tree() -> None:
     with EngineClient("http://e", transport=httpx.MockTransport(_handler)) as c, \
             pytest.raises(EngineUnreachable), c.stream("GET", "/gone", step="gen"):
         pass
+
+
+def test_vllm_http_has_the_lora_capability() -> None:
+    """The adapter manager takes a ``LoraCapability``: list, load, unload, score, top logprobs."""
+    from rolloutcore.control.port import LoraCapability
+    from rolloutcore.engine.http import VllmHTTP
+
+    http = VllmHTTP("http://127.0.0.1:9", transport=httpx.MockTransport(_handler))
+    try:
+        assert isinstance(http, LoraCapability)
+    finally:
+        http.close()
+    methods = {"models", "load_lora_adapter", "unload_lora_adapter", "score", "top_logprobs"}
+    assert methods <= {n for n in vars(LoraCapability) if not n.startswith("_")}
+    assert not isinstance(object(), LoraCapability)

@@ -37,7 +37,7 @@ protocol the runner tests for with ``isinstance``:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.core.evidence import (
@@ -60,8 +60,38 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "Recoverer", "Sleeper",
-           "WriteObserver"]
+__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "LoraCapability",
+           "Recoverer", "Sleeper", "WriteObserver"]
+
+
+@runtime_checkable
+class LoraCapability(Protocol):
+    """What the LoRA adapter manager (``control.adapters``) needs of an engine.
+
+    List, load, unload, score (teacher-forced) and the sampling path's top
+    logprobs; ``base_url`` names the engine for the adapter store. Structural:
+    ``engine.http.VllmHTTP`` has it, and so do the tests' fakes; ``control``
+    never imports the engine package for it.
+    """
+
+    base_url: str
+
+    def models(self, *, timeout_s: float | None = None) -> dict[str, str | None]:
+        """Every listed model name -> its parent (a LoRA adapter's base; None: a base)."""
+        ...
+
+    def load_lora_adapter(self, name: str, path: str, *,
+                          timeout_s: float | None = None) -> None: ...
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None: ...
+
+    def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
+              timeout_s: float | None = None, model: str | None = None
+              ) -> list[float | None]: ...
+
+    def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
+                     model: str | None = None, timeout_s: float | None = None
+                     ) -> list[tuple[int, dict[int, float]]]: ...
 
 
 @runtime_checkable
