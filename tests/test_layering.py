@@ -22,6 +22,9 @@ dependency: it only fails later. Checked:
 (g) the weight transports (``rolloutcore.transports``) import no HTTP client
     (``NO_HTTP_CLIENT``): they take a weight-sync client
     (``engine.weight_sync``) or call ``engine.errors.request``;
+(i) ``control`` imports nothing from the engine package (vLLM code) but the
+    modules ``CONTROL_ENGINE_LEFT`` names, each with its reason;
+(j) one composition: only ``control.stack`` constructs a ``LifecycleRunner``;
 (h) HTTP clients (``httpx.Client(`` / ``httpx.AsyncClient(``) are constructed
     only in ``engine.client`` (the sync and async twins), at most
     ``MAX_CLIENT_SITES`` times in ``src/``; everything else holds one of them.
@@ -90,6 +93,20 @@ NO_HTTP_CLIENT = frozenset({"httpx", "requests", "aiohttp", "urllib3"})
 CLIENTS = f"{ROOT}.engine.client"
 #: How many HTTP client constructions ``src/`` may hold, all in ``CLIENTS`` (issue 45: <= 3).
 MAX_CLIENT_SITES = 3
+#: The one composition of the engine stack: the only module that constructs a runner.
+WIRING = f"{ROOT}.control.stack"
+#: ``control`` modules that still import the engine package (vLLM code), each with the
+#: reason; issue 45 empties it. Any other control module importing ``engine`` fails, and
+#: an entry that no longer imports it fails too ("fixed: remove it").
+CONTROL_ENGINE_LEFT: dict[str, str] = {
+    f"{ROOT}.control.session": (
+        "EngineSession.launch starts a ManagedEngine and builds VllmHTTP/VllmAdapter for "
+        "the trainer API; to move above control with its 40 importers"),
+    f"{ROOT}.control.recovery": (
+        "ManagedRecoverer restarts a ManagedEngine and reads it through VllmHTTP"),
+    f"{ROOT}.control.async_modes": (
+        "types its streams' chunks as engine.wire.GenerationChunk"),
+}
 
 
 # --------------------------------------------------------------------------- the graph
@@ -243,6 +260,16 @@ def violations() -> dict[tuple[str, ...], str]:
         out[("httpx-catch", m, str(line))] = (
             f"{m} (line {line}) catches an httpx exception for itself: wrap the call in "
             "engine.errors.map_errors and catch the tree's errors")
+    for m, line, target in _control_engine_imports():
+        if m not in CONTROL_ENGINE_LEFT:
+            out[("control-engine", m, target)] = (
+                f"{m} (line {line}) imports {target}: control knows no vLLM code (take a "
+                "port or a capability from control.port instead)")
+    for m, line in _calls_of("LifecycleRunner"):
+        if m != WIRING:
+            out[("wiring", m, str(line))] = (
+                f"{m} (line {line}) builds a LifecycleRunner: call {WIRING}.wire, the one "
+                "composition of the engine stack")
     for m, line in _client_constructions():
         if m != CLIENTS:
             out[("client-site", m, str(line))] = (
@@ -331,6 +358,36 @@ def _client_constructions() -> Iterator[tuple[str, int]]:
                 yield m, node.lineno
 
 
+def _control_engine_imports() -> Iterator[tuple[str, int, str]]:
+    """(control module, line, engine module) for every import of the engine package."""
+    for m in FILES:
+        if m not in EXEMPT and _layer(m) == "control":
+            for target, line in _imports(m):
+                if target == ENGINE or target.startswith(ENGINE + "."):
+                    yield m, line, target
+
+
+def _calls_of(name: str) -> Iterator[tuple[str, int]]:
+    """(module, line) for every call ``name(...)`` or ``x.name(...)`` in src/."""
+    for m, file in FILES.items():
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            if isinstance(node, ast.Call) and getattr(
+                    node.func, "id", getattr(node.func, "attr", None)) == name:
+                yield m, node.lineno
+
+
+def test_control_engine_imports_left_still_occur() -> None:
+    """The list of control modules that still import vLLM code only shrinks."""
+    still = {m for m, _, _ in _control_engine_imports()}
+    stale = sorted(set(CONTROL_ENGINE_LEFT) - still)
+    assert not stale, f"fixed (remove from CONTROL_ENGINE_LEFT): {stale}"
+
+
+def test_one_wiring_function() -> None:
+    sites = {m for m, _ in _calls_of("LifecycleRunner")}
+    assert sites == {WIRING}, sites
+
+
 def test_http_clients_are_built_in_the_engine_client_only() -> None:
     sites = list(_client_constructions())
     outside = [f"{m} (line {line})" for m, line in sites if m != CLIENTS]
@@ -389,7 +446,12 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
             "r = Route('/health', None)\n"
             "try:\n    pass\nexcept (httpx.HTTPError, OSError):\n    pass\n"
             "with contextlib.suppress(httpx.ConnectError):\n    pass\n"
-            "c = httpx.AsyncClient(timeout=1)\n"),
+            "c = httpx.AsyncClient(timeout=1)\n"
+            "r = LifecycleRunner(c, None)\n"),
+        "rolloutcore/control/__init__.py": "",
+        "rolloutcore/control/x.py": "from rolloutcore.engine.http import VllmHTTP\n",
+        "rolloutcore/engine/__init__.py": "",
+        "rolloutcore/engine/http.py": "",
     })
     assert set(violations()) == {
         ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
@@ -404,5 +466,7 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("httpx-catch", "rolloutcore.service.routes", "7"),
         ("httpx-catch", "rolloutcore.service.routes", "9"),
         ("client-site", "rolloutcore.service.routes", "11"),
+        ("wiring", "rolloutcore.service.routes", "12"),
+        ("control-engine", "rolloutcore.control.x", "rolloutcore.engine.http"),
         ("http-client", "rolloutcore.transports.t", "httpx"),
     }

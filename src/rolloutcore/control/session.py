@@ -33,9 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager, AdapterResult
-from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
-from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
+from rolloutcore.control.runner import Deadlines, SleepOutcome, UpdateOutcome
+from rolloutcore.control.stack import wire
 from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
@@ -108,13 +108,9 @@ class EngineSession:
         self.journal = Journal(journal_path)
         self.vllm = VllmAdapter(http, transport,
                                 engine_epoch=engine_epoch or (engine.epoch if engine else None))
-        self.controller = LifecycleController(config=controller_config,
-                                              listener=self.journal.listener)
-        self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
-                                      record=self.journal.write)
-        exits = getattr(engine, "on_exit", None)
-        if isinstance(exits, list):  # a launched engine's exit taints at once (#47)
-            exits.append(self.runner.engine_exited)
+        stack = wire(self.vllm, journal=self.journal, controller_config=controller_config,
+                     deadlines=deadlines, engine=engine)  # the one composition
+        self.controller, self.runner = stack.controller, stack.runner
         #: The LoRA-adapter versions (``enable_adapters``), None until enabled.
         self.adapters: AdapterManager | None = None
 

@@ -339,7 +339,8 @@ def run_serve(args: ServeOptions) -> int:
 
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal, open_controller
-    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
+    from rolloutcore.control.runner import Deadlines, DrainPolicy, TakeoverRefused
+    from rolloutcore.control.stack import wire
     from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
@@ -424,11 +425,10 @@ def run_serve(args: ServeOptions) -> int:
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
         if engine is None:   # a vLLM the user started: what it lacks, named (own_vllm)
             _check_own_vllm(adapter.http, args.transport_backend)
-        runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
-                                 record=None if journal is None else journal.write,
-                                 drain_policy=DrainPolicy(args.drain_policy))
-        if engine is not None:  # the launched process's exit taints at once (#47)
-            engine.on_exit.append(runner.engine_exited)
+        # the one composition; a launched process's exit taints at once (#47)
+        runner = wire(adapter, controller=controller, journal=journal,
+                      deadlines=Deadlines(drain_s=args.drain_timeout_s),
+                      drain_policy=DrainPolicy(args.drain_policy), engine=engine).runner
         reachable = reachable_verification(adapter.http.capabilities())
         floor = reachable if floor_asked is None else floor_asked
         if floor > reachable:
