@@ -14,7 +14,6 @@ this module knows no engine (``control`` imports nothing from ``engine``).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,8 +61,8 @@ def wire(port: LifecycleAdapter, *, controller: LifecycleController | None = Non
         else:
             journal = Journal(journal_path) if journal is None else journal
             controller = LifecycleController(listener=journal.listener, **kw)
-    record: Callable[[Any], object] | None = None if journal is None else journal.write
-    runner = LifecycleRunner(controller, port, deadlines, record=record,
+    runner = LifecycleRunner(controller, port, deadlines,
+                             record=None if journal is None else journal.write,
                              drain_policy=drain_policy)
     exits = getattr(engine, "on_exit", None)
     if isinstance(exits, list):  # a launched engine's exit taints at once (#47)

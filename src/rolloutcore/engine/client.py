@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rolloutcore.engine.errors import map_errors, raise_for_status
 
@@ -53,7 +53,7 @@ class _Common:
     base_url: str
     timeout_s: float
 
-    def _what(self, method: str, url: Any, what: str | None) -> str:
+    def _what(self, method: str, url: str | httpx.URL, what: str | None) -> str:
         if what is not None:
             return what
         import httpx
@@ -79,13 +79,14 @@ class EngineClient(_Common):
                                  headers=dict(headers or {}), follow_redirects=False,
                                  limits=_limits(max_connections, max_keepalive, keepalive_s))
 
-    def request(self, method: str, url: Any, *, step: str, timeout_s: float | None = None,
-                json_body: Any = None, content: Any = None,
-                params: Mapping[str, Any] | None = None,
+    def request(self, method: str, url: str | httpx.URL, *, step: str,
+                timeout_s: float | None = None, json_body: object = None,
+                content: bytes | None = None,
+                params: Mapping[str, str | int | float | bool | None] | None = None,
                 headers: Mapping[str, str] | None = None, check_status: bool = True,
                 offered: bool = True, mutation_started: bool = True,
                 cancelled: Callable[[], bool] | None = None, what: str | None = None,
-                extensions: Mapping[str, Any] | None = None) -> httpx.Response:
+                extensions: Mapping[str, object] | None = None) -> httpx.Response:
         """One request; its failure in the tree; a 2xx unless ``check_status=False``."""
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self._what(method, url, what)
@@ -99,10 +100,11 @@ class EngineClient(_Common):
         return resp
 
     @contextlib.contextmanager
-    def stream(self, method: str, url: Any, *, step: str, timeout: Any = None,
-               json_body: Any = None, headers: Mapping[str, str] | None = None,
+    def stream(self, method: str, url: str | httpx.URL, *, step: str,
+               timeout: float | httpx.Timeout | None = None, json_body: object = None,
+               headers: Mapping[str, str] | None = None,
                mutation_started: bool = True, what: str | None = None,
-               extensions: Mapping[str, Any] | None = None) -> Iterator[httpx.Response]:
+               extensions: Mapping[str, object] | None = None) -> Iterator[httpx.Response]:
         """A streamed answer; its opening and every read under the one map."""
         t = self.timeout_s if timeout is None else timeout
         w = self._what(method, url, what)
@@ -141,13 +143,14 @@ class AsyncEngineClient(_Common):
                                       limits=_limits(max_connections, max_keepalive,
                                                      keepalive_s))
 
-    async def request(self, method: str, url: Any, *, step: str,
-                      timeout_s: float | None = None, json_body: Any = None,
-                      content: Any = None, params: Mapping[str, Any] | None = None,
+    async def request(self, method: str, url: str | httpx.URL, *, step: str,
+                      timeout_s: float | None = None, json_body: object = None,
+                      content: bytes | None = None,
+                      params: Mapping[str, str | int | float | bool | None] | None = None,
                       headers: Mapping[str, str] | None = None, check_status: bool = True,
                       offered: bool = True, mutation_started: bool = True,
                       cancelled: Callable[[], bool] | None = None, what: str | None = None,
-                      extensions: Mapping[str, Any] | None = None) -> httpx.Response:
+                      extensions: Mapping[str, object] | None = None) -> httpx.Response:
         """One request; its failure in the tree; a 2xx unless ``check_status=False``."""
         t = self.timeout_s if timeout_s is None else timeout_s
         w = self._what(method, url, what)
@@ -161,10 +164,11 @@ class AsyncEngineClient(_Common):
         return resp
 
     @contextlib.asynccontextmanager
-    async def stream(self, method: str, url: Any, *, step: str, timeout: Any = None,
-                     json_body: Any = None, headers: Mapping[str, str] | None = None,
+    async def stream(self, method: str, url: str | httpx.URL, *, step: str,
+                     timeout: float | httpx.Timeout | None = None, json_body: object = None,
+               headers: Mapping[str, str] | None = None,
                      mutation_started: bool = True, what: str | None = None,
-                     extensions: Mapping[str, Any] | None = None
+                     extensions: Mapping[str, object] | None = None
                      ) -> AsyncIterator[httpx.Response]:
         """A streamed answer; its opening and every read under the one map."""
         t = self.timeout_s if timeout is None else timeout
