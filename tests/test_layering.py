@@ -104,8 +104,6 @@ CONTROL_ENGINE_LEFT: dict[str, str] = {
         "the trainer API; to move above control with its 40 importers"),
     f"{ROOT}.control.recovery": (
         "ManagedRecoverer restarts a ManagedEngine and reads it through VllmHTTP"),
-    f"{ROOT}.control.async_modes": (
-        "types its streams' chunks as engine.wire.GenerationChunk"),
 }
 
 

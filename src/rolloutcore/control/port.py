@@ -61,7 +61,32 @@ from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
 __all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "LoraCapability",
-           "Recoverer", "Sleeper", "WriteObserver"]
+           "Recoverer", "Sleeper", "StreamChunk", "WriteObserver"]
+
+
+class _Span(Protocol):
+    @property
+    def version(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+class StreamChunk(Protocol):
+    """One event of a streamed generation, as ``control.async_modes`` reads it
+    (``engine.wire.GenerationChunk`` has this shape; control never imports it)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def logprobs(self) -> tuple[float, ...] | None: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def weight_versions(self) -> Sequence[_Span] | None: ...
+    @property
+    def read_at(self) -> float: ...
 
 
 @runtime_checkable
