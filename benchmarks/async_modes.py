@@ -413,11 +413,12 @@ class CpuEngine:
 
 def cpu_engine(args: argparse.Namespace) -> CpuEngine:
     """Start the engine (``--workdir``, ``--step-sleep-s``) and build the harness."""
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-    from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.runner import Deadlines
     from rolloutcore.control.session import identity_of
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
@@ -468,7 +469,7 @@ def cpu_engine(args: argparse.Namespace) -> CpuEngine:
         return out
 
     def hits() -> float:
-        from rolloutcore.adapters.vllm import PREFIX_HITS
+        from rolloutcore.engine.wire import PREFIX_HITS
 
         return http.metrics().get(PREFIX_HITS) or 0.0
 

@@ -70,7 +70,6 @@ def gateway_child(spec: dict[str, Any]) -> None:
     """The gateway process: a controller in ``spec['mode']`` over the running engine."""
     import uvicorn
 
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
@@ -78,6 +77,8 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.server import http_protocol
     from rolloutcore.transports.source import WeightSource

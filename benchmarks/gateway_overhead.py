@@ -161,7 +161,7 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
     and forwards over loopback to a real HTTP server (uvicorn, in another
     thread) that answers a fixed body at once. The same upstream is then
     asked the same number of times by the gateway's upstream client alone
-    (``rolloutcore.service.upstream``, the same pool). Both are this thread's CPU time only, so
+    (``rolloutcore.engine.upstream``, the same pool). Both are this thread's CPU time only, so
     the upstream server's work is not in either; the difference is the
     gateway's own code: validation, admission, binding, version splice,
     release, metrics. Medians of ``repeats`` runs.
@@ -189,7 +189,7 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
                                 (b"content-length", str(len(answer)).encode())]})
         await send({"type": "http.response.body", "body": answer})
 
-    from rolloutcore.adapters.vllm.process import free_port
+    from rolloutcore.engine.process import free_port
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(upstream_app, host="127.0.0.1", port=port,
@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("pinning needs at least 2 CPUs")
 
     sys.path.insert(0, str(ROOT / "src"))
-    from rolloutcore.adapters.vllm.process import ManagedEngine, free_port
+    from rolloutcore.engine.process import ManagedEngine, free_port
 
     work = Path(tempfile.mkdtemp(prefix="rc-gw-bench-"))
     engine = None
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"p50_added_ms": "< 1", "throughput_ratio": ">= 0.95"},
         "machine": _machine(),
         "versions": _versions(),
-        "upstream_client": "rolloutcore.service.upstream (httptools)",
+        "upstream_client": "rolloutcore.engine.upstream (httptools)",
         "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
         "gateway_command": " ".join(shlex.quote(a) for a in gw_cmd),
         "gateway_src": args.gateway_src,

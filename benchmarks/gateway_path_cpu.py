@@ -205,7 +205,7 @@ def instrument() -> None:
     _wrap(control_mod, "check_rank_declaration", "gw.loop.check_rank_declaration")
     _wrap(control_mod, "worker_shards", "gw.loop.worker_shards")
     _wrap_async(Request, "is_disconnected", "gw.loop.is_disconnected")
-    from rolloutcore.adapters.vllm.adapter import VllmAdapter
+    from rolloutcore.engine.port import VllmAdapter
 
     _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
     _wrap(Shell, "run", "shell.run")
@@ -343,13 +343,14 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import open_controller, read_journal
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.control.session import EngineSession
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.versions import VerificationLevel, WeightIdentity
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.client import RolloutCoreClient
 

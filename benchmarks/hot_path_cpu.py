@@ -56,11 +56,12 @@ def _measure(reps: int, scale: int, warmup: int) -> dict[str, Any]:
     from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.versions import VerificationLevel
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
 
     eng: dict[str, Any] = {"s": 0.0, "cpu": 0.0, "calls": 0}
 

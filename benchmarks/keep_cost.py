@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import async_modes_service as svc
 
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="rc-keep-cost-"))

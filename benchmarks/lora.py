@@ -114,8 +114,8 @@ def negative_controls(s: Any, proxy: Any, direct: Any, base: Path | None, tmp: P
     bound requests, the next load refused before anything changes; three more updates).
     Used by ``diagnostics/gpu/h200_lora.py`` with the trainer's CUDA model.
     """
-    from rolloutcore.adapters.vllm.wire import prefix_cache_delta
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.wire import prefix_cache_delta
     from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
     from rolloutcore.testing.faultproxy import Fault
     from rolloutcore.testing.models import make_adapter
@@ -335,11 +335,11 @@ def main() -> int:
         print(f"merged into {out} (the other keys kept)")
         return 0
 
-    from rolloutcore.adapters.vllm import VllmHTTP
-    from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.session import EngineSession
     from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.faultproxy import FaultProxy
     from rolloutcore.testing.models import make_adapter, make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport

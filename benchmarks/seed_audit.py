@@ -36,9 +36,9 @@ def main() -> int:
 
     import vllm
 
-    from rolloutcore.adapters.vllm import engine_identity
     from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.port import engine_identity
     from rolloutcore.provenance.audit import audit_file
     from rolloutcore.provenance.recorder import TrajectoryRecorder
     from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed

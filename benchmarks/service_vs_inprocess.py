@@ -83,7 +83,7 @@ def _overhead(wall_s: float, phases: dict[str, float]) -> float:
 
 def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Popen[bytes],
                                                                   str]:
-    from rolloutcore.adapters.vllm.process import free_port
+    from rolloutcore.engine.process import free_port
 
     port = free_port()
     token_file = work / "token"
@@ -111,9 +111,9 @@ def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Po
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rolloutcore.adapters.vllm import VllmHTTP
     from rolloutcore.control.session import EngineSession, PreparedUpdate, identity_of
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.service.client import RolloutCoreClient
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         url, ckpt = args.upstream.rstrip("/"), {"A": Path(args.checkpoint_a),
                                                 "B": Path(args.checkpoint_b)}
     else:
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
         from rolloutcore.testing.models import make_checkpoint
 
         ckpt = {"A": make_checkpoint(work / "A", 1), "B": make_checkpoint(work / "B", 2)}

@@ -58,16 +58,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from rolloutcore.adapters.vllm import (  # noqa: E402
-    Generation,
-    VllmAdapter,
-    VllmHTTP,
-    engine_identity,
-)
 from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.journal import read_journal  # noqa: E402
 from rolloutcore.core.invariants import check_journal  # noqa: E402
 from rolloutcore.core.lifecycle import Binding, State  # noqa: E402
+from rolloutcore.engine.http import VllmHTTP  # noqa: E402
+from rolloutcore.engine.port import VllmAdapter, engine_identity  # noqa: E402
+from rolloutcore.engine.wire import Generation  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, RolloutCoreError, UpdateFailed  # noqa: E402
 from rolloutcore.provenance.audit import audit_purity, read_journal_summary  # noqa: E402
 from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories  # noqa: E402
@@ -316,13 +313,13 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     object with ``A`` and ``B`` checkpoint paths. Both are made here when not
     given.
     """
-    from rolloutcore.adapters.vllm.process import ManagedEngine
-    from rolloutcore.adapters.vllm.verify import take_reference
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.recovery import ManagedRecoverer
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.control.session import identity_of
     from rolloutcore.core.versions import Provenance, VerificationLevel
+    from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.engine.verify import take_reference
     from rolloutcore.testing.faultproxy import Fault, FaultProxy
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport

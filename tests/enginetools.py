@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from rolloutcore.adapters.vllm.process import ManagedEngine, free_port
+from rolloutcore.engine.process import ManagedEngine, free_port
 
 __all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine",
            "merge_rows"]

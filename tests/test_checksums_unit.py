@@ -1,7 +1,7 @@
 """Engine-checksum comparison, references and their cache, without an engine.
 
 The comparison (``verification.checksums``) is pure; the cache and the
-reference taking (``adapters.vllm.verify``) run here on files and fakes. The
+reference taking (``engine.verify``) run here on files and fakes. The
 real ``/weight_checker`` (CPU repacking, rank-prefixed keys, a cold-loaded
 reference after a real hot update) is exercised in
 ``tests/engine/test_checksum_engine.py``. Keys and
@@ -19,16 +19,16 @@ from typing import Any
 
 import pytest
 
-from rolloutcore.adapters import vllm as adapter
-from rolloutcore.adapters.vllm import WeightChecksums
-from rolloutcore.adapters.vllm.verify import (
+from rolloutcore.core.evidence import Check
+from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.engine import checksums as adapter
+from rolloutcore.engine.checksums import WeightChecksums
+from rolloutcore.engine.verify import (
     ChecksumCache,
     engine_layout,
     reference_checksums,
     take_reference,
 )
-from rolloutcore.core.evidence import Check
-from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.verification import checksums as vc
 from rolloutcore.verification.checksums import (
@@ -226,13 +226,13 @@ def test_engine_layout_needs_a_client() -> None:
 
 
 def test_verification_does_no_io_and_imports_no_adapter() -> None:
-    """verification is rank 2: it may not reach adapters (rank 3), nor start anything."""
+    """verification may not reach the engine package, control or transports, nor start anything."""
     import ast
 
     tree = ast.parse(Path(vc.__file__).read_text())
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert not {m for m in mods if m.startswith(("rolloutcore.adapters", "rolloutcore.control",
+    assert not {m for m in mods if m.startswith(("rolloutcore.engine", "rolloutcore.control",
                                                   "rolloutcore.transports"))}
     assert not mods & {"os", "subprocess", "socket", "tempfile", "pathlib", "httpx"}
 
@@ -388,8 +388,8 @@ def test_strip_rank() -> None:
     assert vc.strip_rank("model.x") == "model.x"
 
 
-def test_the_adapters_comparison_is_verifications() -> None:
-    """One comparison: the adapter's names are verification's own objects."""
+def test_the_engines_comparison_is_verifications() -> None:
+    """One comparison: the engine package's names are verification's own objects."""
     assert adapter.compare_checksums is vc.compare_checksums
     assert adapter.WeightChecksums is vc.WeightChecksums
     assert adapter.ChecksumComparison is vc.ChecksumComparison

@@ -209,7 +209,7 @@ def test_trl_gateway_engine_leaks_no_httpx_exception() -> None:
 
 
 def test_launcher_probe_reports_the_httpx_failure_as_before(tmp_path: Any) -> None:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     (tmp_path / "config.json").write_text("{}")
     eng = ManagedEngine(tmp_path, port=1)

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from rolloutcore.engine.upstream import UpstreamPool
 from rolloutcore.errors import BadInput
-from rolloutcore.service.upstream import UpstreamPool
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.engine_key import HEADER, RouteGuard
 
@@ -189,7 +189,7 @@ def test_the_gateways_own_calls_carry_the_key_and_its_data_requests_need_none() 
 
 def test_a_managed_engine_asks_vllm_for_the_guard_and_keeps_the_key_out_of_argv(
         tmp_path: Any) -> None:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
 
     ckpt = make_checkpoint(tmp_path / "m", seed=0)
@@ -287,8 +287,8 @@ def test_a_keyed_engine_is_drained_through_the_fast_pause_else_through_pause(
     """The adapter's drain: an engine this process holds the key of is paused through
     /rolloutcore/pause; a guard without it (404) or a failed core pause (500) falls back to
     vLLM's /pause; an engine without a key is paused through /pause alone."""
-    from rolloutcore.adapters.vllm import VllmAdapter
     from rolloutcore.core.evidence import PauseMode
+    from rolloutcore.engine.port import VllmAdapter
     from test_vllm_http_unit import BASE, Engine, answer, client
 
     e = Engine(overrides={engine_key.FAST_PAUSE: answer(fast_status, {

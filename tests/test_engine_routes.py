@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rolloutcore.adapters.vllm.support import REQUIRED_ROUTES
 from rolloutcore.engine.routes import (
     DATA_ROUTES,
     NEWEST,
@@ -12,6 +11,7 @@ from rolloutcore.engine.routes import (
     keyless_routes,
     required_routes,
 )
+from rolloutcore.engine.support import REQUIRED_ROUTES
 from rolloutcore.transports.engine_key import OPEN_ROUTES, is_open
 
 

@@ -20,8 +20,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from helpers.gateway_rig import uvicorn_thread
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import free_port
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import free_port
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable, EngineUnreachable
 from rolloutcore.testing.faultproxy import Fault, FaultKind, FaultProxy
 

@@ -104,7 +104,7 @@ def test_each_rank_of_each_engine_gets_cores_of_its_own(monkeypatch: pytest.Monk
 
 def test_launch_local_refuses_too_few_cores_before_starting_anything(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from rolloutcore.adapters.vllm import process
+    from rolloutcore.engine import process
     from rolloutcore.fleet.placement import launch_local
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)

@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.sent import check_sent, check_sent_scheme
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.sent import check_sent, check_sent_scheme
 from rolloutcore.errors import BadInput
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.client import RolloutCoreClient, _sent_checksum
@@ -201,8 +201,8 @@ def _target() -> Any:
 @pytest.mark.parametrize("engine_values", [[1, 2, 3], [1, 9, 3]])
 def test_the_sent_checksum_is_read_from_the_workers_while_the_cache_resets(
         early: bool, engine_values: list[int]) -> None:
-    from rolloutcore.adapters.vllm import VllmAdapter
     from rolloutcore.core.evidence import CacheKind
+    from rolloutcore.engine.port import VllmAdapter
 
     names = ["a", "b", "c"]
     eng = _PausedEngine(engine_values, names)

@@ -20,9 +20,9 @@ import httpx
 import pytest
 import torch
 
-from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.cuda_ipc import CudaIpcTransport, PackedWeights, block_checksum

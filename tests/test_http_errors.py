@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.control.recovery import set_weight_version
 from rolloutcore.engine.errors import (
     is_refusal,
@@ -27,6 +26,7 @@ from rolloutcore.engine.errors import (
     status_error,
     transport_error,
 )
+from rolloutcore.engine.process import free_port
 from rolloutcore.errors import (
     BadInput,
     EffectError,

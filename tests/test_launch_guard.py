@@ -26,9 +26,9 @@ import pytest
 
 from helpers.fault_matrix import PromiseRows
 from helpers.squatter import SQUATTER
-from rolloutcore.adapters.vllm import process
-from rolloutcore.adapters.vllm.launch_guard import listener_problem
-from rolloutcore.adapters.vllm.process import ManagedEngine
+from rolloutcore.engine import process
+from rolloutcore.engine.launch_guard import listener_problem
+from rolloutcore.engine.process import ManagedEngine
 from rolloutcore.errors import EngineUnavailable
 from rolloutcore.transports import engine_key
 
@@ -165,7 +165,7 @@ def test_a_stop_is_not_an_exit(model_dir: Path, tmp_path: Path) -> None:
 
 LAUNCHER = textwrap.dedent("""
     import sys, time
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     eng = ManagedEngine(sys.argv[1], log_dir=sys.argv[2], startup_timeout_s=30, backend=None,
                         env={"PYTHONPATH": sys.argv[3], "FAKEVLLM_IMPORT_S": "0"})
     eng.start()

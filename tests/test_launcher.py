@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from rolloutcore.adapters.vllm.process import (
+from rolloutcore.engine.process import (
     DEFAULT_ENV,
     ManagedEngine,
     _group_alive,
     free_port,
     vllm_available,
 )
-from rolloutcore.adapters.vllm.support import REQUIRED_ROUTES
+from rolloutcore.engine.support import REQUIRED_ROUTES
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 
 

@@ -17,11 +17,17 @@ dependency: it only fails later. Checked:
 (f) no module outside the engine package (``rolloutcore.engine``) catches an
     httpx exception for itself (``except httpx.X`` or
     ``contextlib.suppress(httpx.X)``): it wraps its call in
-    ``engine.errors.map_errors`` and catches the tree's errors, unless
-    ``OWN_HTTP_ERRORS`` says why not;
+    ``engine.errors.map_errors`` (or holds an ``engine.client`` client) and
+    catches the tree's errors;
 (g) the weight transports (``rolloutcore.transports``) import no HTTP client
     (``NO_HTTP_CLIENT``): they take a weight-sync client
-    (``engine.weight_sync``) or call ``engine.errors.request``.
+    (``engine.weight_sync``) or call ``engine.errors.request``;
+(i) ``control`` imports nothing from the engine package (vLLM code) but the
+    modules ``CONTROL_ENGINE_LEFT`` names, each with its reason;
+(j) one composition: only ``control.stack`` constructs a ``LifecycleRunner``;
+(h) HTTP clients (``httpx.Client(`` / ``httpx.AsyncClient(``) are constructed
+    only in ``engine.client`` (the sync and async twins), at most
+    ``MAX_CLIENT_SITES`` times in ``src/``; everything else holds one of them.
 
 The implicit import of a parent package (``import a.b`` runs ``a/__init__``)
 is not an edge: otherwise every package that re-exports its modules would be
@@ -46,7 +52,7 @@ RANKS: dict[str, int] = {
     "errors": 0,
     "core": 1,
     "transports": 2, "verification": 2, "engine": 2,
-    "adapters": 3, "testing": 3,
+    "testing": 3,
     "control": 4, "provenance": 4,
     "service": 5, "fleet": 5,
     "cli": 6, "integrations": 6,
@@ -83,14 +89,21 @@ ROUTE_TABLE = f"{ROOT}.engine.routes"
 ENGINE = f"{ROOT}.engine"
 #: What the weight transports never import (they talk to engines through the engine package).
 NO_HTTP_CLIENT = frozenset({"httpx", "requests", "aiohttp", "urllib3"})
-#: Modules that catch httpx exceptions for themselves, each with the reason.
-OWN_HTTP_ERRORS: dict[str, str] = {
-    f"{ROOT}.service.client": (
-        "RolloutCore's client of its own gateway, not of vLLM: its errors are the "
-        "gateway's contract (the mutation flag of a refused control call)"),
-    f"{ROOT}.testing.faultproxy": (
-        "a test tool: a proxy that answers its own client with an HTTP status for what "
-        "the upstream did; it maps to HTTP answers, not to the tree"),
+#: The one module that constructs HTTP clients (``httpx.Client`` / ``httpx.AsyncClient``).
+CLIENTS = f"{ROOT}.engine.client"
+#: How many HTTP client constructions ``src/`` may hold, all in ``CLIENTS`` (issue 45: <= 3).
+MAX_CLIENT_SITES = 3
+#: The one composition of the engine stack: the only module that constructs a runner.
+WIRING = f"{ROOT}.control.stack"
+#: ``control`` modules that still import the engine package (vLLM code), each with the
+#: reason; issue 45 empties it. Any other control module importing ``engine`` fails, and
+#: an entry that no longer imports it fails too ("fixed: remove it").
+CONTROL_ENGINE_LEFT: dict[str, str] = {
+    f"{ROOT}.control.session": (
+        "EngineSession.launch starts a ManagedEngine and builds VllmHTTP/VllmAdapter for "
+        "the trainer API; to move above control with its 40 importers"),
+    f"{ROOT}.control.recovery": (
+        "ManagedRecoverer restarts a ManagedEngine and reads it through VllmHTTP"),
 }
 
 
@@ -245,6 +258,21 @@ def violations() -> dict[tuple[str, ...], str]:
         out[("httpx-catch", m, str(line))] = (
             f"{m} (line {line}) catches an httpx exception for itself: wrap the call in "
             "engine.errors.map_errors and catch the tree's errors")
+    for m, line, target in _control_engine_imports():
+        if m not in CONTROL_ENGINE_LEFT:
+            out[("control-engine", m, target)] = (
+                f"{m} (line {line}) imports {target}: control knows no vLLM code (take a "
+                "port or a capability from control.port instead)")
+    for m, line in _calls_of("LifecycleRunner"):
+        if m != WIRING:
+            out[("wiring", m, str(line))] = (
+                f"{m} (line {line}) builds a LifecycleRunner: call {WIRING}.wire, the one "
+                "composition of the engine stack")
+    for m, line in _client_constructions():
+        if m != CLIENTS:
+            out[("client-site", m, str(line))] = (
+                f"{m} (line {line}) builds an HTTP client: hold an engine.client "
+                "EngineClient / AsyncEngineClient instead")
     for path in FILES.values():
         n = len(path.read_text().splitlines())
         rel = path.relative_to(SRC).as_posix()
@@ -289,7 +317,7 @@ def _names_httpx(node: ast.expr | None) -> bool:
 def _httpx_catches() -> Iterator[tuple[str, int]]:
     """(module, line) for every httpx exception caught outside the engine package."""
     for m, file in FILES.items():
-        if m == ENGINE or m.startswith(ENGINE + ".") or m in OWN_HTTP_ERRORS:
+        if m == ENGINE or m.startswith(ENGINE + "."):
             continue
         for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
             caught = (node.type if isinstance(node, ast.ExceptHandler) else ast.Tuple(
@@ -318,10 +346,52 @@ def test_known_violations_still_occur(found: dict[tuple[str, ...], str]) -> None
     assert not stale, f"fixed (remove from KNOWN_VIOLATIONS): {stale}"
 
 
-def test_own_http_errors_exist_and_give_a_reason() -> None:
-    for m, reason in OWN_HTTP_ERRORS.items():
-        assert m in FILES, m
-        assert reason.strip(), m
+def _client_constructions() -> Iterator[tuple[str, int]]:
+    """(module, line) for every ``httpx.Client(...)`` / ``httpx.AsyncClient(...)`` in src/."""
+    for m, file in FILES.items():
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr in ("Client", "AsyncClient") and isinstance(
+                        node.func.value, ast.Name) and node.func.value.id == "httpx":
+                yield m, node.lineno
+
+
+def _control_engine_imports() -> Iterator[tuple[str, int, str]]:
+    """(control module, line, engine module) for every import of the engine package."""
+    for m in FILES:
+        if m not in EXEMPT and _layer(m) == "control":
+            for target, line in _imports(m):
+                if target == ENGINE or target.startswith(ENGINE + "."):
+                    yield m, line, target
+
+
+def _calls_of(name: str) -> Iterator[tuple[str, int]]:
+    """(module, line) for every call ``name(...)`` or ``x.name(...)`` in src/."""
+    for m, file in FILES.items():
+        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+            if isinstance(node, ast.Call) and getattr(
+                    node.func, "id", getattr(node.func, "attr", None)) == name:
+                yield m, node.lineno
+
+
+def test_control_engine_imports_left_still_occur() -> None:
+    """The list of control modules that still import vLLM code only shrinks."""
+    still = {m for m, _, _ in _control_engine_imports()}
+    stale = sorted(set(CONTROL_ENGINE_LEFT) - still)
+    assert not stale, f"fixed (remove from CONTROL_ENGINE_LEFT): {stale}"
+
+
+def test_one_wiring_function() -> None:
+    sites = {m for m, _ in _calls_of("LifecycleRunner")}
+    assert sites == {WIRING}, sites
+
+
+def test_http_clients_are_built_in_the_engine_client_only() -> None:
+    sites = list(_client_constructions())
+    outside = [f"{m} (line {line})" for m, line in sites if m != CLIENTS]
+    assert not outside, (f"HTTP clients built outside {CLIENTS}: hold an EngineClient / "
+                         f"AsyncEngineClient instead: {outside}")
+    assert 1 <= len(sites) <= MAX_CLIENT_SITES, sites
 
 
 def test_allowed_large_files_exist_and_give_a_reason() -> None:
@@ -373,7 +443,13 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
             "PAUSE = '/pause?mode=wait'\nA = b'/abort_requests'\nMSG = '/pause failed'\n"
             "r = Route('/health', None)\n"
             "try:\n    pass\nexcept (httpx.HTTPError, OSError):\n    pass\n"
-            "with contextlib.suppress(httpx.ConnectError):\n    pass\n"),
+            "with contextlib.suppress(httpx.ConnectError):\n    pass\n"
+            "c = httpx.AsyncClient(timeout=1)\n"
+            "r = LifecycleRunner(c, None)\n"),
+        "rolloutcore/control/__init__.py": "",
+        "rolloutcore/control/x.py": "from rolloutcore.engine.http import VllmHTTP\n",
+        "rolloutcore/engine/__init__.py": "",
+        "rolloutcore/engine/http.py": "",
     })
     assert set(violations()) == {
         ("cycle", "rolloutcore.core.a", "rolloutcore.core.b"),
@@ -387,5 +463,8 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("route", "rolloutcore.service.routes", "/abort_requests"),
         ("httpx-catch", "rolloutcore.service.routes", "7"),
         ("httpx-catch", "rolloutcore.service.routes", "9"),
+        ("client-site", "rolloutcore.service.routes", "11"),
+        ("wiring", "rolloutcore.service.routes", "12"),
+        ("control-engine", "rolloutcore.control.x", "rolloutcore.engine.http"),
         ("http-client", "rolloutcore.transports.t", "httpx"),
     }

@@ -1,7 +1,7 @@
 """The install story stays consistent: extras, the supported vLLM range, setup.sh.
 
 A GPU user who installs ``rolloutcore[gpu]`` must get a vLLM that the
-start-up check (``adapters.vllm.support``) accepts, a CPU user the build CI
+start-up check (``engine.support``) accepts, a CPU user the build CI
 runs, and a user with their own vLLM only the service stack.
 """
 
@@ -11,7 +11,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from rolloutcore.adapters.vllm.support import MAX_MINOR, MIN_MINOR
+from rolloutcore.engine.support import MAX_MINOR, MIN_MINOR
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput
 from rolloutcore.verification.image_probe import ProbeSuite
 from rolloutcore.verification.probe import (

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from rolloutcore.adapters.vllm.process import ManagedEngine, tp_thread_binding
+from rolloutcore.engine.process import ManagedEngine, tp_thread_binding
 from rolloutcore.errors import BadInput
 from rolloutcore.testing.models import make_checkpoint
 from rolloutcore.transports.rank_checksums import (
@@ -212,7 +212,7 @@ def test_a_tp_engine_command_and_bad_degrees(tmp_path: Any) -> None:
 
 def test_the_trainers_threads_keep_off_the_cores_the_ranks_are_pinned_to(
         tmp_path: Any) -> None:
-    from rolloutcore.adapters.vllm.process import bound_cpus, threads_beside, torch_threads
+    from rolloutcore.engine.process import bound_cpus, threads_beside, torch_threads
 
     assert bound_cpus("0|1") == {0, 1}
     assert bound_cpus("0-3|4-7") == set(range(8))

@@ -22,7 +22,6 @@ from starlette.routing import Route
 
 from coretools import drive_to
 from helpers.gateway_rig import uvicorn_thread
-from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
@@ -30,6 +29,7 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
+from rolloutcore.engine.process import free_port
 from rolloutcore.errors import BadInput, UpdateFailed
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.testing.models import make_checkpoint

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from helpers.trajtools import make_group, make_sample, version
-from rolloutcore.adapters.vllm import Routes, VllmHTTP
 from rolloutcore.cli import build_parser
 from rolloutcore.cli import replay as cli_replay
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.recorder import TrajectoryRecorder
 from rolloutcore.provenance.replay import (

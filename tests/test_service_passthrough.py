@@ -15,8 +15,8 @@ import pytest
 
 from helpers.asgi_stream import lifespan
 from helpers.gateway_rig import AUTH, DATA_TOKEN, TOKEN, begin_body, lease, rig
-from rolloutcore.adapters.vllm.process import free_port
 from rolloutcore.core.lifecycle import State
+from rolloutcore.engine.process import free_port
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES
 from rolloutcore.service.proxy import VERSION_HEADER

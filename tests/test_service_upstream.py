@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from rolloutcore.engine.upstream import STEP, UpstreamPool
 from rolloutcore.errors import EffectTimeout, EngineUnavailable, EngineUnreachable
-from rolloutcore.service.upstream import STEP, UpstreamPool
 
 pytestmark = pytest.mark.anyio
 

@@ -512,7 +512,7 @@ def test_the_token_file_is_never_written_through_a_link_and_is_0600(tmp_path: Pa
 
 def test_a_launched_engine_does_not_inherit_the_gateways_tokens(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setenv("ROLLOUTCORE_TOKEN", "control-secret-0123456789")

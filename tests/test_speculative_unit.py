@@ -23,7 +23,6 @@ import torch
 
 from fleettools import fake_fleet, weights
 from helpers.gateway_rig import AUTH, begin_body, rig
-from rolloutcore.adapters.vllm import Routes, VllmAdapter, VllmHTTP
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import UpdateTarget
 from rolloutcore.core.lifecycle import State
@@ -39,6 +38,8 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.http import Routes, VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource, refusal

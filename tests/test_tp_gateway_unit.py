@@ -22,9 +22,9 @@ import torch
 from pydantic import ValidationError
 
 from helpers.fault_matrix import PromiseRows
-from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine
-from rolloutcore.adapters.vllm.sent import (
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine
+from rolloutcore.engine.sent import (
     SENT_SCHEMES,
     check_sent_scheme,
     compare_rank_reports,

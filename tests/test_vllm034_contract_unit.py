@@ -24,8 +24,8 @@ import httpx
 import pytest
 import torch
 
-from rolloutcore.adapters.vllm import VllmAdapter
 from rolloutcore.core.evidence import PauseMode
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.transports.compat.reload import DirectReloadRefused, ReloadApi
 from rolloutcore.transports.driver import SourceSlot
 from rolloutcore.transports.source import WeightSource

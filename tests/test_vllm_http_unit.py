@@ -20,18 +20,6 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.adapters.vllm import (
-    CACHE_ROUTES,
-    EMPTY_SHA256,
-    KEEPALIVE_S,
-    MetricsSnapshot,
-    Routes,
-    VllmAdapter,
-    VllmHTTP,
-    WeightChecksums,
-    compare_checksums,
-    prefix_cache_delta,
-)
 from rolloutcore.core.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
@@ -41,6 +29,10 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.checksums import EMPTY_SHA256, WeightChecksums, compare_checksums
+from rolloutcore.engine.http import CACHE_ROUTES, KEEPALIVE_S, Routes, VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.wire import MetricsSnapshot, prefix_cache_delta
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -995,7 +987,7 @@ def test_resume_confirms_and_fence_reports_its_failures() -> None:
 
 def test_each_step_declares_once_whether_its_failures_may_have_moved_weights() -> None:
     """Every route failing with a 5xx: what each step raises carries its declaration."""
-    from rolloutcore.adapters.vllm import STEP_MAY_MUTATE
+    from rolloutcore.engine.port import STEP_MAY_MUTATE
 
     def down(req: httpx.Request) -> httpx.Response:
         return httpx.Response(503, text="down")

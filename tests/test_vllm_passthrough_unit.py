@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from rolloutcore.adapters.vllm.engine_args import (
+from rolloutcore.cli import build_parser, main
+from rolloutcore.engine.args import (
     OWNED,
     TINY_MARKER,
     check_vllm_args,
     engine_defaults,
     flag_value,
 )
-from rolloutcore.adapters.vllm.process import ManagedEngine
-from rolloutcore.cli import build_parser, main
+from rolloutcore.engine.process import ManagedEngine
 from rolloutcore.errors import BadInput
 
 pytest.importorskip("httpx")   # serve's options need the service extra to run

@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.adapters.vllm import Routes, SleepAwareTransport, VllmAdapter, VllmHTTP
 from rolloutcore.core.evidence import (
     CacheKind,
     Check,
@@ -36,6 +35,9 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.http import Routes, VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.sleep import SleepAwareTransport
 from rolloutcore.errors import BadInput, EffectError, EngineRefused, TransferError
 
 BASE = "http://engine.test"

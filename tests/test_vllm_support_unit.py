@@ -1,4 +1,4 @@
-"""Which vLLM is supported: ``adapters.vllm.support.assess`` on real and altered answers.
+"""Which vLLM is supported: ``engine.support.assess`` on real and altered answers.
 
 ``data/vllm-0.32.0-cpu.json`` holds what a real vLLM 0.32.0 (the CPU build
 these tests run) answered on ``/version`` and ``/openapi.json``, trimmed to
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rolloutcore.adapters.vllm.support import (
+from rolloutcore.engine.support import (
     OPTIONAL_CAPABILITIES,
     REQUIRED_ROUTES,
     SupportVerdict,

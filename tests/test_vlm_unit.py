@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.core.evidence import Check
+from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.errors import BadInput
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.mmcache import EncoderLog, make_image_png, png_data_url

@@ -57,7 +57,6 @@ sys.path.insert(0, str(REPO / "src"))
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from rolloutcore.adapters.vllm.process import ManagedEngine  # noqa: E402
 from rolloutcore.control.controller import LifecycleController  # noqa: E402
 from rolloutcore.control.runner import Deadlines, LifecycleRunner  # noqa: E402
 from rolloutcore.core.evidence import (  # noqa: E402
@@ -78,6 +77,7 @@ from rolloutcore.core.versions import (  # noqa: E402
     VerificationLevel,
     WeightIdentity,
 )
+from rolloutcore.engine.process import ManagedEngine  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, BadInput  # noqa: E402
 from rolloutcore.transports.cuda_ipc import (  # noqa: E402
     BACKEND,
@@ -731,7 +731,8 @@ def main() -> int:
                                           description="trainer PackedWeights views")
     with stage("rolloutcore_bootstrap"):
         try:
-            from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+            from rolloutcore.engine.http import VllmHTTP
+            from rolloutcore.engine.port import VllmAdapter
 
             adapter = VllmAdapter(VllmHTTP(engine.base_url, timeout_s=120), transport,
                                   engine_epoch=engine.epoch)
@@ -739,7 +740,7 @@ def main() -> int:
             adapter.stage(source, provenance=Provenance("synthetic-qwen3-8b-seed1",
                                                          "h200-harness", 1))
             runner.bootstrap(identity(1))
-            R["driver"] = {"adapter": "rolloutcore.adapters.vllm.VllmAdapter (its paused "
+            R["driver"] = {"adapter": "rolloutcore.engine.port.VllmAdapter (its paused "
                            "validation adds the transport's worker checksum check)",
                            "runner": "rolloutcore.control.runner.LifecycleRunner"}
         except Exception as exc:
@@ -981,7 +982,8 @@ def main() -> int:
         if not args.service:
             R["service_path"] = {"skipped": "--no-service"}
         else:
-            from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+            from rolloutcore.engine.http import VllmHTTP
+            from rolloutcore.engine.port import VllmAdapter
             from rolloutcore.service import ServiceConfig
             from rolloutcore.service.client import RolloutCoreClient
 

@@ -116,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from qwen3_shapes import QWEN3_8B, qwen3_specs
 
-    from rolloutcore.adapters.vllm import PREFIX_HITS, VllmAdapter, VllmHTTP
-    from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
@@ -130,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
         VerificationLevel,
         WeightIdentity,
     )
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.engine.wire import PREFIX_HITS
     from rolloutcore.service.client import RolloutCoreClient
     from rolloutcore.transports.cuda_ipc import (
         BACKEND,

@@ -907,7 +907,7 @@ class H200Rig:
     def __init__(self, cfg: HarnessConfig, R: dict[str, Any], out: Path) -> None:
         import torch
 
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
         from rolloutcore.transports.cuda_ipc import CudaIpcTransport, PackedWeights
 
         self.cfg, self.R, self.torch = cfg, R, torch
@@ -949,7 +949,8 @@ class H200Rig:
         self._fresh_controller(1, first=True)
 
     def _fresh_controller(self, seed: int, *, first: bool = False) -> None:
-        from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
+        from rolloutcore.engine.http import VllmHTTP
+        from rolloutcore.engine.port import VllmAdapter
 
         if self.http is not None:
             self.http.close()
@@ -1179,7 +1180,7 @@ def _tree_bytes() -> int | None:
 
 def plan_main(cfg: HarnessConfig) -> int:
     """Print the plan with the real engine command (``ManagedEngine.command``) and check it."""
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))

@@ -262,11 +262,11 @@ def trainer_checkpoint(packed_weights: Any, model_dir: Path = Path("/tmp/rc-qwen
 def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     import torch
 
-    from rolloutcore.adapters.vllm.process import ManagedEngine
     from rolloutcore.control.recovery import ManagedRecoverer
     from rolloutcore.control.session import PreparedUpdate
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.fleet.model import FleetWeights
     from rolloutcore.transports.cuda_ipc import (
         BACKEND,

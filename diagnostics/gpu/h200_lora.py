@@ -264,9 +264,9 @@ class Rig:
 
 
 def _session(engine: Any, transport: Any, tmp: Path) -> tuple[Any, Any, Any, Any]:
-    from rolloutcore.adapters.vllm import VllmHTTP
     from rolloutcore.control.runner import Deadlines
     from rolloutcore.control.session import EngineSession
+    from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.testing.faultproxy import FaultProxy
 
     direct = VllmHTTP(engine.base_url, timeout_s=300)
@@ -285,7 +285,7 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     from h200_fleet import trainer_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.transports.cuda_ipc import (
         BACKEND,
         WORKER_EXTENSION,
@@ -356,7 +356,7 @@ def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource

@@ -1137,7 +1137,7 @@ class Run:
         return ":".join(parts)
 
     def new_engine(self, gpu: int) -> Any:
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
 
         h4 = load_helper4()
         self.model_dir.mkdir(parents=True, exist_ok=True)
@@ -1185,8 +1185,9 @@ class Run:
     def rolloutcore_stack(self, eng: Any, trainer: Trainer, controller: Any,
                           on_transfer_start: Callable[[], None] | None = None) -> dict[str, Any]:
         """VllmAdapter + NcclTransport (+ checksum validation, + transfer recording)."""
-        from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
         from rolloutcore.control.runner import LifecycleRunner
+        from rolloutcore.engine.http import VllmHTTP
+        from rolloutcore.engine.port import VllmAdapter
 
         h4 = load_helper4()
         transport, holder = make_nccl_transport()
@@ -1459,7 +1460,7 @@ class Carry:
 
 def phase_kill_engine(run: Run, hot: Mapping[str, Any] | None) -> tuple[dict[str, Any],
                                                                         Carry | None]:
-    from rolloutcore.adapters.vllm.process import _group_alive
+    from rolloutcore.engine.process import _group_alive
 
     cfg = run.cfg
     res = run.base_result()
@@ -1694,8 +1695,9 @@ def observe_engine(eng: Any, seconds: float) -> list[dict[str, Any]]:
 
 
 def phase_kill_trainer(run: Run, carry: Carry | None) -> dict[str, Any]:
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service.config import ServiceConfig
     from rolloutcore.service.control import UpdateManager
     from rolloutcore.service.metrics import ServiceMetrics
@@ -1871,7 +1873,7 @@ def plan_main(cfg: HarnessConfig) -> int:
     """Print the plan with the real engine commands (``ManagedEngine.command``) and check it."""
     import tempfile
 
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     h4 = load_helper4()
     with tempfile.TemporaryDirectory() as d:

@@ -50,13 +50,14 @@ from rolloutcore.errors import (
 )
 
 if _typing.TYPE_CHECKING:
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-    from rolloutcore.adapters.vllm.process import ManagedEngine
-    from rolloutcore.adapters.vllm.support import SupportVerdict
     from rolloutcore.control.async_modes import RolloutClient
     from rolloutcore.control.journal import Journal, read_journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
     from rolloutcore.control.session import EngineSession
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.engine.support import SupportVerdict
     from rolloutcore.provenance.recorder import TrajectoryRecorder
     from rolloutcore.service.client import RolloutCoreClient
     from rolloutcore.transports import GlooTransport, IpcTransport, NcclTransport
@@ -74,10 +75,10 @@ _LAZY: dict[str, str] = {
     "UpdateOutcome": "rolloutcore.control.runner",
     "Journal": "rolloutcore.control.journal",
     "read_journal": "rolloutcore.control.journal",
-    "VllmHTTP": "rolloutcore.adapters.vllm",
-    "VllmAdapter": "rolloutcore.adapters.vllm",
-    "ManagedEngine": "rolloutcore.adapters.vllm.process",
-    "SupportVerdict": "rolloutcore.adapters.vllm.support",
+    "VllmHTTP": "rolloutcore.engine.http",
+    "VllmAdapter": "rolloutcore.engine.port",
+    "ManagedEngine": "rolloutcore.engine.process",
+    "SupportVerdict": "rolloutcore.engine.support",
     "RolloutCoreClient": "rolloutcore.service.client",
     "WeightSource": "rolloutcore.transports.source",
     "GlooTransport": "rolloutcore.transports.gloo",

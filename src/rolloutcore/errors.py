@@ -31,7 +31,7 @@ engine's weights may have changed before the failure. The HTTP boundary
 cannot know it (none of its calls moves weights, but a cache reset after a
 transfer meets weights the transfer changed), so what it raises says
 ``True`` (unknown); the adapter step that can prove otherwise says so, once
-per step (``rolloutcore.adapters.vllm.adapter.STEP_MAY_MUTATE``).
+per step (``rolloutcore.engine.port.STEP_MAY_MUTATE``).
 
 The pure core (``lifecycle``, ``evidence``, ``versions``) uses this module; it
 imports only the standard library.

@@ -37,8 +37,6 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels, kill_engine
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP, prefix_cache_delta
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.async_modes import Rollout, RolloutClient, RolloutStatus
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
@@ -48,6 +46,10 @@ from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import ControllerConfig, State
 from rolloutcore.core.records import Carry, Complete, UpdateMode
 from rolloutcore.core.versions import EngineIdentity, Provenance, WeightIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import TransferError, UpdateFailed
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import TrajectoryRecorder

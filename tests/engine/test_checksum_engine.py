@@ -28,18 +28,19 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import EMPTY_SHA256, VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
-from rolloutcore.adapters.vllm.verify import (
+from rolloutcore.control.session import EngineSession
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.engine.checksums import EMPTY_SHA256
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.verify import (
     ChecksumCache,
     engine_layout,
     reference_checksums,
     take_reference,
     verify_engine,
 )
-from rolloutcore.control.session import EngineSession
-from rolloutcore.core.lifecycle import State
-from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource

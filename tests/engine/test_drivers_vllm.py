@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import TransferError
 from rolloutcore.transports.driver import DeviceGuard, SourceSlot, TargetAwareSyncClient
 from rolloutcore.transports.nccl import NcclTransport

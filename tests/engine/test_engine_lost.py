@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process, kill_engine
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.invariants import check_journal
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.process import vllm_available
 
 pytestmark = [
     pytest.mark.engine,

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.gloo import GlooUpdateInfo

@@ -25,13 +25,14 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmHTTP, prefix_cache_delta
 from rolloutcore.control.journal import first_index
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource

@@ -60,9 +60,6 @@ import pytest
 from enginetools import EngineFactory, TinyModels, kill_engine, merge_rows
 from helpers import fault_matrix
 from helpers.fault_matrix import lifecycle_table
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
-from rolloutcore.adapters.vllm.verify import take_reference
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal, restore_controller
 from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
@@ -88,6 +85,10 @@ from rolloutcore.core.lifecycle import (
     Step,
 )
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.verify import take_reference
 from rolloutcore.errors import RolloutCoreError, TransferError, UpdateFailed
 from rolloutcore.provenance.recorder import TrajectoryRecorder
 from rolloutcore.testing.faultproxy import Fault, FaultProxy

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from enginetools import stop_group, wait_healthy
-from rolloutcore.adapters.vllm.process import free_port, vllm_available
+from rolloutcore.engine.process import free_port, vllm_available
 
 pytestmark = [
     pytest.mark.engine,

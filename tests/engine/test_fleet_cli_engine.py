@@ -25,7 +25,7 @@ import pytest
 from fleettools_engine import greedy
 
 from enginetools import TinyModels, stop_group, wait_healthy
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER
 from rolloutcore.transports.net import free_port
 

@@ -31,11 +31,11 @@ from fleettools_engine import Load, Sampler, greedy
 
 from enginetools import TinyModels
 from helpers.gateway_rig import TOKEN, uvicorn_thread
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.core.pool import FleetClosed, FleetPublish
 from rolloutcore.core.records import Admit
 from rolloutcore.core.versions import EngineIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.fleet import FleetConfig, FleetCoordinator
 from rolloutcore.fleet.gateway import (
     FLEET_LABEL_HEADER,

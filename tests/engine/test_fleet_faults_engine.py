@@ -28,9 +28,9 @@ from fleettools_engine import Load, greedy
 
 from enginetools import TinyModels
 from helpers.gateway_rig import TOKEN, uvicorn_thread
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.core.pool import ReplicaStateChange
 from rolloutcore.core.records import Admit
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.fleet import FleetConfig, FleetCoordinator, FleetUpdateFailed, ReplicaState
 from rolloutcore.fleet.gateway import REPLICA_HEADER, create_fleet_app
 from rolloutcore.fleet.placement import build_fleet, launch_local, prepare_checkpoint

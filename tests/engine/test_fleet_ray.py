@@ -19,8 +19,8 @@ import pytest
 from fleettools_engine import greedy
 
 from enginetools import TinyModels
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.core.pool import ReplicaStateChange
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.fleet import FleetConfig, ReplicaState
 from rolloutcore.fleet.placement import RayEngine, build_fleet, place_ray, prepare_checkpoint
 

@@ -28,11 +28,11 @@ import rankfault
 from fleettools_engine import greedy
 
 from enginetools import TinyModels
-from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
-from rolloutcore.adapters.vllm.wire import prefix_cache_delta
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetConfig, FleetUpdateFailed
 from rolloutcore.fleet.placement import build_fleet, prepare_checkpoint, start_all

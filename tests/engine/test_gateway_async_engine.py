@@ -41,11 +41,11 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.cache_salt import salt_label
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.service.client import RolloutCoreClient, probe_for

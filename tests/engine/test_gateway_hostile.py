@@ -58,10 +58,10 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.journal import read_journal, repair_journal
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.provenance.audit import audit_purity, read_journal_summary
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.service.client import RolloutCoreClient

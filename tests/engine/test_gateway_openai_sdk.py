@@ -28,10 +28,10 @@ import pytest
 
 from enginetools import stop_group
 from helpers.fault_matrix import PromiseRows
-from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import free_port, vllm_available
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.service.client import RolloutCoreClient

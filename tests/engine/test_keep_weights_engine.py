@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.replay import SampleStatus, replay_file
 

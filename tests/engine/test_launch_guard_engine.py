@@ -28,7 +28,7 @@ import pytest
 from enginetools import TinyModels
 from helpers.fault_matrix import PromiseRows
 from helpers.squatter import SQUATTER
-from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
+from rolloutcore.engine.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.errors import EngineUnavailable
 
 pytestmark = [pytest.mark.engine,

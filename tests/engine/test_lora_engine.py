@@ -29,12 +29,12 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from helpers.gateway_rig import uvicorn_thread
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.wire import prefix_cache_delta
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.records import RequestUpdate
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import BadInput, RequestRejected, UpdateFailed, UpdateRefused
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.models import make_adapter

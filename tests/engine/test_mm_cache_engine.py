@@ -46,13 +46,14 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, gateway_process
-from rolloutcore.adapters.vllm import EMPTY_SHA256, VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
-from rolloutcore.adapters.vllm.verify import take_reference, verify_engine
 from rolloutcore.control.journal import read_journal
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.engine.checksums import EMPTY_SHA256
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.verify import take_reference, verify_engine
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.testing.faultproxy import Fault, FaultProxy

@@ -24,9 +24,9 @@ import pytest
 from test_tp_engine import TARGET, Rig, _greedy, _prompts, cold_greedy, fault_rig
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import UpdateFailed
 
 pytestmark = [

@@ -24,7 +24,7 @@ from test_tp_engine import TARGET
 from test_tp_gateway_engine import ROOT, Rig
 
 from enginetools import TinyModels
-from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import UpdateFailed
 
 pytestmark = [

@@ -26,11 +26,11 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, gateway_process
-from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.service.client import RolloutCoreClient, identity_of
 from rolloutcore.testing.models import make_checkpoint, make_pair

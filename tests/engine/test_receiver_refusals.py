@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.gloo import GlooUpdateInfo
 from rolloutcore.transports.net import local_address_towards

@@ -27,12 +27,13 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmHTTP, engine_identity
-from rolloutcore.adapters.vllm.process import vllm_available
-from rolloutcore.adapters.vllm.verify import ChecksumCache, take_reference
 from rolloutcore.cli import build_parser
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import engine_identity
+from rolloutcore.engine.process import vllm_available
+from rolloutcore.engine.verify import ChecksumCache, take_reference
 from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories
 from rolloutcore.provenance.replay import (
     DEFAULT_TOLERANCE,

@@ -30,10 +30,10 @@ import pytest
 
 from enginetools import TinyModels, stop_group, wait_healthy
 from helpers.gateway_rig import TOKEN, uvicorn_thread
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.core.adapters import AdapterState
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import BadInput
 from rolloutcore.service.client import RolloutCoreClient
 from rolloutcore.transports.net import free_port

@@ -41,9 +41,9 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.service.client import RolloutCoreClient
 from rolloutcore.transports.gloo import GlooTransport

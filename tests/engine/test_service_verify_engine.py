@@ -39,10 +39,10 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, merge_rows
-from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.errors import BadInput, UpdateFailed
 from rolloutcore.service.client import RolloutCoreClient, identity_of
 from rolloutcore.transports.gloo import GlooTransport

@@ -20,12 +20,13 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.errors import EffectError, UpdateFailed
 
 pytestmark = [

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.engine.process import vllm_available
 
 pytestmark = [
     pytest.mark.engine,

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
+from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.testing.models import make_pair
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource

@@ -25,14 +25,14 @@ import pytest
 import rankfault
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.adapters.vllm.process import ManagedEngine, vllm_available
-from rolloutcore.adapters.vllm.wire import prefix_cache_delta
 from rolloutcore.control.runner import Deadlines
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource

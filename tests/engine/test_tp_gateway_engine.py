@@ -7,7 +7,7 @@ itself (``ManagedEngine``: one core per rank, routes guarded, the workers' own r
 the fault hooks); the trainer is ``RolloutCoreClient`` with a ``GlooTransport``. The
 gateway issues the round nonce in its grant, asks each worker for its own report of the
 round (``/collective_rpc``) and compares it with the trainer's per-rank declaration,
-while paused (``adapters.vllm.sent``, ``rolloutcore_gloo/rank``).
+while paused (``engine.sent``, ``rolloutcore_gloo/rank``).
 
 CI lane: A -> B published at the probe level with ``worker_shard_checksum``
 evidence and coverage [1.0, 1.0] per rank in the update's status; rank 1
@@ -36,9 +36,9 @@ import rankfault
 from test_tp_engine import TARGET, _greedy
 
 from enginetools import EngineFactory, TinyModels, stop_group
-from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import free_port, vllm_available
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.service.client import RolloutCoreClient, UpdateResult
 from rolloutcore.transports.gloo import GlooTransport

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers.fault_matrix import PromiseRows
-from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.engine.process import vllm_available
 
 pytestmark = [
     pytest.mark.engine,

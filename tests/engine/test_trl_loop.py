@@ -21,12 +21,12 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.replay import (

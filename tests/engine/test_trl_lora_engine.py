@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.adapters import AdapterChange, AdapterState
 from rolloutcore.core.records import Commit, RequestUpdate
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.audit import audit_file, audit_purity, read_journal_summary
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.provenance.replay import LaneStatus, ReplayRefused, ReplayValidator

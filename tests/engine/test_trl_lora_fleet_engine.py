@@ -30,9 +30,9 @@ import pytest
 
 from enginetools import stop_group
 from helpers.gateway_rig import TOKEN
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.adapters import AdapterChange, AdapterState
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.transports.net import free_port
 

@@ -20,10 +20,10 @@ import pytest
 
 from enginetools import stop_group, wait_healthy
 from helpers.gateway_rig import TOKEN
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.core.adapters import AdapterChange, AdapterState
 from rolloutcore.core.records import RequestUpdate
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.transports.net import free_port
 

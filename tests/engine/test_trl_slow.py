@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels, kill_engine
-from rolloutcore.adapters.vllm import VllmHTTP
-from rolloutcore.adapters.vllm.process import vllm_available
 from rolloutcore.control.journal import read_journal
 from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.recorder import read_groups
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource

@@ -22,16 +22,6 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.adapters.vllm import (
-    EMPTY_SHA256,
-    Generation,
-    Routes,
-    VllmAdapter,
-    VllmHTTP,
-    compare_checksums,
-    prefix_cache_delta,
-)
-from rolloutcore.adapters.vllm.process import ManagedEngine, free_port, vllm_available
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode, UpdateTarget
@@ -42,6 +32,11 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.checksums import EMPTY_SHA256, compare_checksums
+from rolloutcore.engine.http import Routes, VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.process import ManagedEngine, free_port, vllm_available
+from rolloutcore.engine.wire import Generation, prefix_cache_delta
 from rolloutcore.errors import (
     BadInput,
     EffectTimeout,

@@ -20,9 +20,9 @@ from typing import Any
 
 from rolloutcore.cli import argtypes
 from rolloutcore.cli.vocab import add_json
-from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, first_index
-from rolloutcore.control.runner import Deadlines, LifecycleRunner
+from rolloutcore.control.runner import Deadlines
+from rolloutcore.control.stack import wire
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, Generation
 
@@ -45,8 +45,8 @@ def run_demo(*, tokens: int = 64, token_delay_s: float = 0.01,
     engine = FakeEngine(FakeWeights.from_seed(0), token_delay_s=token_delay_s)
     adapter = FakeAdapter(engine)
     journal = Journal(journal_path)
-    controller = LifecycleController(listener=journal.listener)
-    runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=60.0), record=journal.write)
+    stack = wire(adapter, journal=journal, deadlines=Deadlines(drain_s=60.0))
+    controller, runner = stack.controller, stack.runner
     start = FakeWeights.from_seed(0)
     adapter.stage(start)
     runner.bootstrap(start.identity())

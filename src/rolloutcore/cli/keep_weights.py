@@ -62,7 +62,7 @@ class WeightKeeper:
         """The weights this step's update will publish, not yet named."""
         import torch
 
-        from rolloutcore.adapters.vllm.engine_args import TINY_MARKER
+        from rolloutcore.engine.args import TINY_MARKER
 
         shutil.rmtree(self._pending, ignore_errors=True)
         state = {k: v.detach().to(torch.bfloat16).clone() for k, v in model.state_dict().items()}

@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "them as mismatches, or skip them (replays the others; the skipped "
                         "are not verified, so the verdict is NOT VERIFIED, exit 1)")
     p.add_argument("--checksum-cache", default=None, metavar="DIR",
-                   help="reference checksums (rolloutcore.adapters.vllm.verify.ChecksumCache):"
+                   help="reference checksums (rolloutcore.engine.verify.ChecksumCache):"
                         " verify the engine's weights against the bound checkpoints,"
                         " not just labels")
     p.add_argument("--timeout", type=argtypes.positive_seconds, default=120.0, metavar="S",

@@ -12,7 +12,7 @@ serves). A disposition someone chose (``nohup``'s ignored SIGHUP, a
 handler installed before) is left alone. Main thread only, as signals are.
 
 The engine a command launched never outlives it either way: its tether
-(``adapters.vllm.launch_guard``) covers the deaths no handler sees (-9).
+(``engine.launch_guard``) covers the deaths no handler sees (-9).
 """
 
 from __future__ import annotations

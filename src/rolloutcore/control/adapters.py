@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rolloutcore.control.port import LoraCapability
 from rolloutcore.control.shell import Listener, Shell
 from rolloutcore.core.adapters import (
     AdapterBinding,
@@ -224,7 +225,7 @@ def check_probe_tolerance(value: object, default: float, cap: float = MAX_TOLERA
 class AdapterManager:
     """The adapter versions of one engine (see the module docstring). Thread-safe."""
 
-    def __init__(self, http: Any, controller: Any, *, base_model: Any,
+    def __init__(self, http: LoraCapability, controller: Any, *, base_model: Any,
                  store: str | Path | None = None, config: AdapterConfig | None = None,
                  listener: Listener | None = None, max_rank: int | None = None,
                  calibrations: Callable[[], Mapping[str, Calibration]] | None = None,
@@ -789,7 +790,7 @@ class AdapterManager:
 class _ScoredThrough:
     """A ``Scorer`` through one model of the engine (the base: None, or an adapter's name)."""
 
-    def __init__(self, http: Any, model: str | None, timeout_s: float) -> None:
+    def __init__(self, http: LoraCapability, model: str | None, timeout_s: float) -> None:
         self.http, self.model, self.timeout_s = http, model, timeout_s
 
     def score(self, token_ids: Any, *, timeout_s: float | None = None) -> list[float | None]:

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rolloutcore.adapters.vllm.wire import GenerationChunk
 from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.port import StreamChunk
 from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.lifecycle import Binding, State
 from rolloutcore.core.records import (
@@ -90,7 +90,7 @@ __all__ = [
 class TokenStream(Protocol):
     """A streamed generation (``VllmHTTP.generate_stream``'s ``GenerationStream``)."""
 
-    def __iter__(self) -> Iterator[GenerationChunk]: ...
+    def __iter__(self) -> Iterator[StreamChunk]: ...
 
     def close(self) -> None: ...
 
@@ -178,7 +178,7 @@ class VersionClock:
 
 
 def segment_run(clock: VersionClock, ver: WeightVersion, salt: str | None, prefill: int,
-                chunks: Iterable[GenerationChunk]) -> SegmentRun:
+                chunks: Iterable[StreamChunk]) -> SegmentRun:
     """One engine request as read (``chunks``, each with its read instant) as a segment.
 
     Each token's version is derived from when it was read (``clock``); the
@@ -260,7 +260,7 @@ class Rollout:
     first_token_mono: float | None = None
     #: The engine requests as read: (version, salt, prefill, chunks); ``runs`` is
     #: built from them once the rollout's last update is decided.
-    raw: list[tuple[WeightVersion, str | None, int, list[GenerationChunk]]] = field(
+    raw: list[tuple[WeightVersion, str | None, int, list[StreamChunk]]] = field(
         default_factory=list, repr=False)
 
     @property
@@ -425,7 +425,7 @@ class RolloutClient:
             salt = salt_for(ver) if self.salt else None
             prefill = (*out.prompt, *produced)
             updates_before = clock.updates
-            chunks: list[GenerationChunk] = []
+            chunks: list[StreamChunk] = []
             error: str | None = None
             over = False
             try:
@@ -487,7 +487,7 @@ class RolloutClient:
             return
 
     def _segment(self, ver: WeightVersion, salt: str | None, prefill: int,
-                 chunks: Iterable[GenerationChunk]) -> SegmentRun:
+                 chunks: Iterable[StreamChunk]) -> SegmentRun:
         return segment_run(self.clock, ver, salt, prefill, chunks)
 
     def _release(self, out: Rollout) -> None:

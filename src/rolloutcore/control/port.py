@@ -13,7 +13,7 @@ be called from a worker thread supervised by a deadline; ``cancel(step)`` is
 called from *another* thread when that deadline expires and must make the
 stuck call of ``step`` return (tear down a transfer group, close a
 connection). The fake engine (``rolloutcore.testing.fake``) and the vLLM
-HTTP adapter (``rolloutcore.adapters.vllm``) are adapters like any other;
+vLLM port (``rolloutcore.engine.port``) are adapters like any other;
 how an adapter is made and closed is its own business.
 
 What an adapter *may* do beyond that is a capability of its own, a small
@@ -37,7 +37,7 @@ protocol the runner tests for with ``isinstance``:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.core.evidence import (
@@ -60,8 +60,63 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import WeightVersion
 
-__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "Recoverer", "Sleeper",
-           "WriteObserver"]
+__all__ = ["ExpectationTaker", "HealthObserver", "LifecycleAdapter", "LoraCapability",
+           "Recoverer", "Sleeper", "StreamChunk", "WriteObserver"]
+
+
+class _Span(Protocol):
+    @property
+    def version(self) -> str: ...
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+class StreamChunk(Protocol):
+    """One event of a streamed generation, as ``control.async_modes`` reads it
+    (``engine.wire.GenerationChunk`` has this shape; control never imports it)."""
+
+    @property
+    def token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def logprobs(self) -> tuple[float, ...] | None: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def weight_versions(self) -> Sequence[_Span] | None: ...
+    @property
+    def read_at(self) -> float: ...
+
+
+@runtime_checkable
+class LoraCapability(Protocol):
+    """What the LoRA adapter manager (``control.adapters``) needs of an engine.
+
+    List, load, unload, score (teacher-forced) and the sampling path's top
+    logprobs; ``base_url`` names the engine for the adapter store. Structural:
+    ``engine.http.VllmHTTP`` has it, and so do the tests' fakes; ``control``
+    never imports the engine package for it.
+    """
+
+    base_url: str
+
+    def models(self, *, timeout_s: float | None = None) -> dict[str, str | None]:
+        """Every listed model name -> its parent (a LoRA adapter's base; None: a base)."""
+        ...
+
+    def load_lora_adapter(self, name: str, path: str, *,
+                          timeout_s: float | None = None) -> None: ...
+
+    def unload_lora_adapter(self, name: str, *, timeout_s: float | None = None) -> None: ...
+
+    def score(self, token_ids: Sequence[int], *, images: Sequence[str] = (),
+              timeout_s: float | None = None, model: str | None = None
+              ) -> list[float | None]: ...
+
+    def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
+                     model: str | None = None, timeout_s: float | None = None
+                     ) -> list[tuple[int, dict[int, float]]]: ...
 
 
 @runtime_checkable

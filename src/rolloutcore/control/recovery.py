@@ -59,9 +59,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutcore.adapters.vllm import Routes, VllmHTTP, compare_checksums
 from rolloutcore.core.evidence import Check, RecoveryEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.versions import Provenance, WeightIdentity, WeightVersion
+from rolloutcore.engine.checksums import compare_checksums
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -71,7 +72,7 @@ from rolloutcore.errors import (
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.verification.checksums import ReferenceChecksums
     from rolloutcore.verification.probe import PolicyProbe
 
@@ -219,7 +220,7 @@ class _Checkpoint:
     def verify(self, http: VllmHTTP, target: WeightVersion, epoch: str,
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
         """Label it, then observe it like an update's validation."""
-        from rolloutcore.adapters.vllm.verify import verify_engine
+        from rolloutcore.engine.verify import verify_engine
         from rolloutcore.verification.checksums import ReferenceChecksums
 
         t0 = time.monotonic()
@@ -308,7 +309,7 @@ class ManagedRecoverer:
                  stop_grace_s: float = 5.0, http_timeout_s: float = 60.0,
                  on_replaced: Callable[[ManagedEngine], None] | None = None,
                  read_checksums: ChecksumReader | None = None) -> None:
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
 
         # A ManagedEngine, or a handle with its interface (a fleet's Ray-placed engine,
         # whose process lives in an actor: rolloutcore.fleet.placement.RayEngine).

@@ -32,14 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
 from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager, AdapterResult
-from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
-from rolloutcore.control.runner import Deadlines, LifecycleRunner, SleepOutcome, UpdateOutcome
+from rolloutcore.control.runner import Deadlines, SleepOutcome, UpdateOutcome
+from rolloutcore.control.stack import wire
 from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.lifecycle import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.transports.drafted import engine_draft_of
 from rolloutcore.transports.drafted import refusal as transport_refusal
@@ -107,13 +108,9 @@ class EngineSession:
         self.journal = Journal(journal_path)
         self.vllm = VllmAdapter(http, transport,
                                 engine_epoch=engine_epoch or (engine.epoch if engine else None))
-        self.controller = LifecycleController(config=controller_config,
-                                              listener=self.journal.listener)
-        self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
-                                      record=self.journal.write)
-        exits = getattr(engine, "on_exit", None)
-        if isinstance(exits, list):  # a launched engine's exit taints at once (#47)
-            exits.append(self.runner.engine_exited)
+        stack = wire(self.vllm, journal=self.journal, controller_config=controller_config,
+                     deadlines=deadlines, engine=engine)  # the one composition
+        self.controller, self.runner = stack.controller, stack.runner
         #: The LoRA-adapter versions (``enable_adapters``), None until enabled.
         self.adapters: AdapterManager | None = None
 
@@ -134,7 +131,7 @@ class EngineSession:
         rank of tensor x pipeline); each stage loads its own layers, and every tensor
         must be written by exactly one stage (``rank_checksums.stage_coverage``).
         """
-        from rolloutcore.adapters.vllm.process import ManagedEngine
+        from rolloutcore.engine.process import ManagedEngine
         from rolloutcore.transports.gloo import GlooTransport
 
         tr = transport or GlooTransport()
@@ -356,7 +353,7 @@ class EngineSession:
     def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         # Beside a CPU engine this process launched, the reference forward pass keeps
         # off the cores its ranks are pinned to (same numbers; 3-4x faster on 2 cores).
-        from rolloutcore.adapters.vllm.process import torch_threads
+        from rolloutcore.engine.process import torch_threads
 
         with torch_threads(None if self.engine is None else self.engine.threads_beside()):
             return self._reference_probe(weights, tolerance)

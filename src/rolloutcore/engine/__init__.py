@@ -22,9 +22,22 @@ touches):
   one map) instead of posting routes itself: the fan-out and the CUDA-IPC
   trainer do.
 
-What is still outside (issue 45, moved here step by step): the clients
-(``adapters.vllm.http.VllmHTTP``, the gateway's ``service.upstream``), the
-launcher, support detection and the gloo and vLLM-driver transports' calls
+* **Only** ``engine.client`` **builds an HTTP client**: ``EngineClient`` and
+  its async twin ``AsyncEngineClient`` (httpx's ``BaseTransport`` /
+  ``AsyncBaseTransport`` pair: one method set, ``transport=`` a test's
+  ``httpx.MockTransport``). ``VllmHTTP`` (``engine.http``), the weight-sync
+  client, the launcher's probes, the TRL engines and the gateway's read-only
+  routes hold one (``tests/test_layering.py``).
+* What lives here: ``port`` (``VllmAdapter``, the lifecycle port over vLLM),
+  ``http``/``stream``/``wire`` (the typed client and what answers parse to),
+  ``upstream`` (the gateway's hand-written data-path pool, httptools),
+  ``process`` + ``launch_guard`` (the launcher), ``support`` (which vLLM is
+  supported), ``sleep``, ``state``, ``verify``, ``sent``, ``checksums``,
+  ``args``. In RolloutCore "adapter" means a LoRA adapter; the vLLM side is
+  "the engine". (``VllmAdapter`` keeps its name: it is public API, exported at
+  ``rolloutcore`` and used in ``docs/async-modes.md``.)
+
+Still outside: the gloo and vLLM-driver transports' calls
 (``TransportBase.post``); they name routes from ``routes`` and map failures
 with ``errors``.
 """

@@ -4,7 +4,7 @@ Every client of a vLLM server meets the same failures: the adapter's
 ``VllmHTTP`` and its streams, the transports' calls to the weight-transfer
 routes, the CUDA-IPC trainer, the TRL engines, the recoverer's label write,
 the launcher's probes, the gateway's read-only passthrough and its own
-data-path client (``service.upstream``, hand-written for speed). The
+data-path client (``engine.upstream``, hand-written for speed). The
 deadline expires, the connection is refused or reset, the answer is not
 HTTP, the server answers 5xx or 4xx. Each becomes the most specific class of
 ``rolloutcore.errors`` here, and nowhere else, with ``raise ... from exc``

@@ -152,10 +152,9 @@ class HttpWeightSync:
             return None
         with self._lock:
             if self._client is None:
-                import httpx
+                from rolloutcore.engine.client import EngineClient
 
-                self._client = httpx.Client(
-                    limits=httpx.Limits(max_keepalive_connections=self._keepalive))
+                self._client = EngineClient(max_keepalive=self._keepalive).http
             return self._client
 
     def abort(self) -> None:

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
-from rolloutcore.control.journal import open_controller
-from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
+from rolloutcore.control.runner import Deadlines, DrainPolicy
 from rolloutcore.control.session import PreparedUpdate, identity_of
+from rolloutcore.control.stack import wire
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, EngineUnavailable
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetConfig, FleetWeights, Replica
@@ -118,15 +119,14 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
 
     tr = transport or GlooTransport(op_timeout_s=op_timeout_s)
     # A journal a previous gateway wrote is restored (its versions, its open update).
-    controller, journal = open_controller(journal_path, keep=journal_keep,
-                                          **dict(controller_kw or {}))
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
-    runner = LifecycleRunner(controller, adapter, deadlines, record=journal.write,
-                             drain_policy=drain_policy)
-    exits = getattr(engine, "on_exit", None)
-    if isinstance(exits, list):  # a launched engine's exit taints its replica at once (#47)
-        exits.append(runner.engine_exited)
+    # The one composition; a launched engine's exit taints its replica at once (#47).
+    stack = wire(adapter, journal_path=journal_path, restore=True, journal_keep=journal_keep,
+                 controller_kw=dict(controller_kw or {}), deadlines=deadlines,
+                 drain_policy=drain_policy, engine=engine)
+    journal, runner = stack.journal, stack.runner
+    assert journal is not None  # restore=True always opens one
     adopt = None
     if checkpoint is not None:
         from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
@@ -336,7 +336,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
                  log_dir: str | os.PathLike[str] | None = None, progress: bool = False,
                  startup_timeout_s: float = 600.0, **engine_kwargs: Any) -> list[Any]:
     """``n`` ``ManagedEngine``s on ``checkpoint``, started in parallel (all or none)."""
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
@@ -374,7 +374,7 @@ def _engine_actor() -> Any:
             """Runs one vLLM engine process on its bundle's node (``ManagedEngine``)."""
 
             def __init__(self, checkpoint: str, kwargs: dict[str, Any]) -> None:
-                from rolloutcore.adapters.vllm.process import ManagedEngine
+                from rolloutcore.engine.process import ManagedEngine
 
                 kw = dict(kwargs)
                 if kw.get("host") is None:

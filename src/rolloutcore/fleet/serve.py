@@ -87,7 +87,7 @@ class FleetServeOptions:
     vllm_args: tuple[str, ...] = ()       # vLLM options passed to every engine
 
     def __post_init__(self) -> None:
-        from rolloutcore.adapters.vllm.engine_args import check_vllm_args
+        from rolloutcore.engine.args import check_vllm_args
         from rolloutcore.service.serve import check_lora_options
 
         check_lora_options(self.lora, self.max_loras, self.max_lora_rank)

@@ -63,8 +63,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.adapters.vllm import Routes, VllmHTTP
-from rolloutcore.adapters.vllm.verify import ChecksumCache, engine_layout, verify_engine
+from rolloutcore.engine.http import Routes, VllmHTTP
+from rolloutcore.engine.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
 from rolloutcore.provenance.inputs import check_trajectory_file, require_samples
 from rolloutcore.provenance.recorder import read_trajectories

@@ -54,8 +54,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rolloutcore.adapters.vllm.stream import chunk_of
-from rolloutcore.adapters.vllm.wire import GenerationChunk
 from rolloutcore.control.async_modes import VersionClock, attribute, segment_run
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.cache_salt import salt_for
@@ -63,6 +61,8 @@ from rolloutcore.core.lifecycle import Binding, State, UpdateMode
 from rolloutcore.core.records import Carry, Record
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.stream import chunk_of
+from rolloutcore.engine.wire import GenerationChunk
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnreachable
 from rolloutcore.service.wire import (
     BODY_FIELD,

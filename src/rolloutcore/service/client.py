@@ -59,6 +59,7 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.client import EngineClient
 from rolloutcore.errors import (
     BadInput,
     EffectTimeout,
@@ -313,22 +314,19 @@ class RolloutCoreClient:
         self._connected_to: str | None = connected_to
         self._secrets: dict[int, str] = {}
         # One keep-alive connection to the gateway, reused by every call.
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), transport=http_transport,
+        self._http = EngineClient(base_url, transport=http_transport,
                                   headers={"authorization": f"Bearer {token}"},
-                                  timeout=self._timeout_s)
+                                  timeout_s=self._timeout_s)
 
     # ------------------------------------------------------------ plumbing
     def _call(self, method: str, path: str, *, body: Any = None,
               timeout_s: float | None = None,
               headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
-        try:
-            r = self._http.request(method, path, json=body, headers=headers,
-                                   timeout=timeout_s or self._timeout_s)
-        except httpx.TimeoutException as exc:
-            raise EffectTimeout(f"{method} {path}", timeout_s or self._timeout_s) from exc
-        except httpx.HTTPError as exc:
-            raise EngineUnavailable(f"{method} {path}", f"gateway unreachable: {exc!r}",
-                                    mutation_started=False) from exc
+        # the one map (engine.errors): a timeout EffectTimeout, no gateway EngineUnreachable
+        r = self._http.request(method, path, step=f"{method} {path}", json_body=body,
+                               headers=headers, timeout_s=timeout_s or self._timeout_s,
+                               check_status=False, mutation_started=False,
+                               what=f"{method} {path} (gateway)")
         try:
             data = r.json()
         except ValueError:

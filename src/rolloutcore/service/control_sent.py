@@ -1,6 +1,6 @@
 """A transfer report's ``sent_checksum``: its bodies, and the rank declaration's rules.
 
-Two schemes (``adapters.vllm.sent.SENT_SCHEMES``), told apart by ``scheme``:
+Two schemes (``engine.sent.SENT_SCHEMES``), told apart by ``scheme``:
 ``rc_cuda_ipc/block`` (the transport's checksum of what it sent, by name) and
 ``rolloutcore_gloo/rank`` (issue 30: what the trainer declares each engine
 worker of a tensor-parallel engine must hold, rebuilt from what it
@@ -38,7 +38,7 @@ class _Strict(BaseModel):
 
 
 class SentChecksumBody(_Strict):
-    """The transport's checksum of what it sent (``adapters.vllm.sent.SENT_SCHEMES``)."""
+    """The transport's checksum of what it sent (``engine.sent.SENT_SCHEMES``)."""
 
     scheme: Literal["rc_cuda_ipc/block"]
     names: Annotated[list[_Name], Field(min_length=1, max_length=1 << 16)]

@@ -34,10 +34,10 @@ from typing import Any
 
 from rolloutcore.core.versions import Binding
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.upstream import UpstreamPool
 from rolloutcore.errors import EffectError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
-from rolloutcore.service.upstream import UpstreamPool
 from rolloutcore.service.wire import dumps, vllm_request_ids
 
 __all__ = ["ABORT_CALL_S", "Flight", "Flights"]

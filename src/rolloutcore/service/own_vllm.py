@@ -1,7 +1,7 @@
 """What a vLLM the user started must offer ``serve --upstream``, checked at start.
 
 The recipe is ``docs/own-vllm.md``. The version and the required routes (dev
-mode) are ``adapters.vllm.support``'s to judge; this module adds what only a
+mode) are ``engine.support``'s to judge; this module adds what only a
 running engine's ``/server_info`` tells: the weight-transfer backend it was
 started with (none, or another than ``--transport-backend``, would leave the
 first update waiting on a handshake the engine never joins), and the optional

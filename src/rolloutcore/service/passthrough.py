@@ -10,9 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
 
-from rolloutcore.engine.errors import map_errors
+from rolloutcore.engine.client import AsyncEngineClient
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError, EffectTimeout
 from rolloutcore.service.auth import check_bearer
@@ -53,17 +52,13 @@ class ReadOnlyRoutes:
     def __init__(self, config: ServiceConfig, metrics: ServiceMetrics) -> None:
         self.config = config
         self.metrics = metrics
-        self._client: Any = None
+        self._client: AsyncEngineClient | None = None
 
     async def start(self) -> None:
-        import httpx
-
         cfg = self.config
-        self._client = httpx.AsyncClient(
-            base_url=cfg.upstream_url, follow_redirects=False,
-            timeout=httpx.Timeout(cfg.upstream_read_s, connect=cfg.upstream_connect_s),
-            limits=httpx.Limits(max_connections=16, max_keepalive_connections=4,
-                                keepalive_expiry=cfg.upstream_keepalive_s))
+        self._client = AsyncEngineClient(
+            cfg.upstream_url, timeout_s=cfg.upstream_read_s, connect_s=cfg.upstream_connect_s,
+            max_connections=16, max_keepalive=4, keepalive_s=cfg.upstream_keepalive_s)
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
@@ -108,11 +103,10 @@ class ReadOnlyRoutes:
             headers["content-type"] = hdrs[b"content-type"].decode("latin-1")
         qs = scope.get("query_string", b"")
         try:  # the one map (engine.errors); the answer quotes httpx's own exception
-            with map_errors("read_only", f"{method} {route}", timeout_s=cfg.upstream_read_s,
-                            mutation_started=False):
-                resp = await client.request(method, route + ("?" + qs.decode("latin-1")
-                                                             if qs else ""),
-                                            content=body or None, headers=headers)
+            resp = await client.request(
+                method, route + ("?" + qs.decode("latin-1") if qs else ""), step="read_only",
+                content=body or None, headers=headers, check_status=False,
+                mutation_started=False, what=f"{method} {route}")
         except EffectTimeout as exc:
             await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
                                                   f"{exc.__cause__!r}", "UpstreamTimeout"))

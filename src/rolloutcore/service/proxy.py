@@ -72,6 +72,7 @@ from rolloutcore.core.lifecycle import Binding, Completion, UpdateMode
 from rolloutcore.core.media import MediaError
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.engine.routes import DATA_ROUTES
+from rolloutcore.engine.upstream import UpstreamPool, UpstreamResponse
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -90,7 +91,6 @@ from rolloutcore.service.liveness import Flight, Flights
 from rolloutcore.service.marks import ATTRIBUTABLE_HEADER, UNATTRIBUTABLE_HEADER, marks_headers
 from rolloutcore.service.metrics import ServiceMetrics
 from rolloutcore.service.salting import check_client_salt, salted_body
-from rolloutcore.service.upstream import UpstreamPool, UpstreamResponse
 from rolloutcore.service.wire import (
     BODY_FIELD,
     DATA_HEADERS,

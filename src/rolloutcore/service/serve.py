@@ -9,7 +9,7 @@ checkpoint it generates offline. The options are parsed in
 
 Everything that can be refused is refused before anything is admitted: a
 non-loopback bind without a given token, bad limits, a missing checkpoint,
-and a vLLM that RolloutCore cannot drive (``adapters.vllm.support``: its
+and a vLLM that RolloutCore cannot drive (``engine.support``: its
 version and routes, read from the engine itself).
 
 The first version is published only verified (``LifecycleRunner.take_over``):
@@ -34,15 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rolloutcore.adapters.vllm.engine_args import check_vllm_args
-from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.engine.args import check_vllm_args
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
 
 if TYPE_CHECKING:
-    from rolloutcore.adapters.vllm import VllmHTTP
+    from rolloutcore.engine.http import VllmHTTP
 
 __all__ = ["LORA_RANKS", "PORT_IN_USE", "TAKEOVER_REFUSED", "ServeOptions",
            "check_lora_options", "control_token", "exit_on_signal", "lora_engine_args",
@@ -100,7 +100,7 @@ class ServeOptions:
     max_loras: int | None = None          # with lora: vLLM's --max-loras (default 2)
     max_lora_rank: int | None = None      # with lora: vLLM's --max-lora-rank (default 16)
     #: vLLM engine options passed to a launched engine (--vllm-arg, or after ``--``);
-    #: those RolloutCore owns are refused (adapters.vllm.engine_args).
+    #: those RolloutCore owns are refused (engine.args).
     vllm_args: Sequence[str] = ()
 
     def __post_init__(self) -> None:
@@ -297,7 +297,7 @@ def _check_engine(http: VllmHTTP) -> SupportVerdict:
 
 
 def _check_own_vllm(http: VllmHTTP, backend: str) -> None:
-    from rolloutcore.adapters.vllm import Routes
+    from rolloutcore.engine.http import Routes
     from rolloutcore.service.own_vllm import check_upstream
 
     caps = http.capabilities()
@@ -337,12 +337,14 @@ def run_serve(args: ServeOptions) -> int:
                           client_body_s=args.client_body_s, client_send_s=args.client_send_s,
                           update_mode=args.update_mode)
 
-    from rolloutcore.adapters.vllm import VllmAdapter, VllmHTTP
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal, open_controller
-    from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner, TakeoverRefused
+    from rolloutcore.control.runner import Deadlines, DrainPolicy, TakeoverRefused
+    from rolloutcore.control.stack import wire
     from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
     from rolloutcore.core.versions import Provenance, WeightIdentity
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service.app import create_app
     from rolloutcore.transports.source import WeightSource
 
@@ -383,7 +385,7 @@ def run_serve(args: ServeOptions) -> int:
                   "the engine with `rolloutcore serve` (no --upstream) to close them",
                   file=sys.stderr)
         else:
-            from rolloutcore.adapters.vllm.process import ManagedEngine
+            from rolloutcore.engine.process import ManagedEngine
 
             if args.model:
                 model_dir = Path(args.model)
@@ -423,11 +425,10 @@ def run_serve(args: ServeOptions) -> int:
         print(f"[rolloutcore] {support.describe()}", file=sys.stderr)
         if engine is None:   # a vLLM the user started: what it lacks, named (own_vllm)
             _check_own_vllm(adapter.http, args.transport_backend)
-        runner = LifecycleRunner(controller, adapter, Deadlines(drain_s=args.drain_timeout_s),
-                                 record=None if journal is None else journal.write,
-                                 drain_policy=DrainPolicy(args.drain_policy))
-        if engine is not None:  # the launched process's exit taints at once (#47)
-            engine.on_exit.append(runner.engine_exited)
+        # the one composition; a launched process's exit taints at once (#47)
+        runner = wire(adapter, controller=controller, journal=journal,
+                      deadlines=Deadlines(drain_s=args.drain_timeout_s),
+                      drain_policy=DrainPolicy(args.drain_policy), engine=engine).runner
         reachable = reachable_verification(adapter.http.capabilities())
         floor = reachable if floor_asked is None else floor_asked
         if floor > reachable:
@@ -452,7 +453,7 @@ def run_serve(args: ServeOptions) -> int:
             max_len = mc.get("max_model_len") if isinstance(mc, dict) else None
         except EffectError:
             pass
-        from rolloutcore.adapters.vllm.sent import rank_reports_supported
+        from rolloutcore.engine.sent import rank_reports_supported
 
         transport: dict[str, Any] = {"backend": args.transport_backend}
         if args.transport_backend == "rolloutcore_gloo" and rank_reports_supported(

@@ -36,7 +36,7 @@ from rolloutcore.errors import (
 )
 
 if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
-    from rolloutcore.adapters.vllm.wire import GenerationChunk
+    from rolloutcore.engine.wire import GenerationChunk
 
 __all__ = [
     "EnginePaused",
@@ -150,7 +150,7 @@ class FakeStream:
 
     def __iter__(self) -> Iterator[GenerationChunk]:
         # Imported here: the package imports httpx, which the demo does without.
-        from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
+        from rolloutcore.engine.wire import GenerationChunk, VersionSpan
 
         seen = 0
         for g in self._steps:

@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
+from rolloutcore.engine.errors import map_errors
+from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
 
 __all__ = ["Fault", "FaultHit", "FaultKind", "FaultProxy", "Rule"]
 
@@ -379,14 +380,14 @@ class FaultProxy:
             await self._http(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        import httpx
+        from rolloutcore.engine.client import AsyncEngineClient
 
         while True:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
                 self._loop = asyncio.get_running_loop()
                 self._stopping = asyncio.Event()
-                self._client = httpx.AsyncClient(timeout=self.upstream_timeout_s)
+                self._client = AsyncEngineClient(timeout_s=self.upstream_timeout_s).http
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
                 if self._stopping is not None:
@@ -489,13 +490,12 @@ class FaultProxy:
 
     async def _fetch(self, req: Any, body: bytes, upstream: str
                      ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
-        import httpx
-
         try:
-            r = await self._client.send(self._upstream_request(req, body, upstream))
-        except httpx.HTTPError as exc:
+            with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
+                r = await self._client.send(self._upstream_request(req, body, upstream))
+        except EffectError as exc:
             return 502, [(b"content-type", b"application/json")], json.dumps(
-                {"error": {"message": f"faultproxy: upstream failed: {exc!r}",
+                {"error": {"message": f"faultproxy: upstream failed: {exc.__cause__!r}",
                            "type": "BadGateway", "code": 502}}).encode()
         hdrs = [(k, v) for k, v in r.headers.raw
                 if k.lower() not in _HOP_RESPONSE and k.lower() != b"content-length"]
@@ -504,15 +504,14 @@ class FaultProxy:
     async def _forward(self, req: Any, body: bytes, upstream: str, send: Send, *,
                        stream: bool) -> None:
         """Pass-through, streamed: a 502 when the engine cannot be reached."""
-        import httpx
-
         try:
-            r = await self._client.send(self._upstream_request(req, body, upstream),
-                                        stream=stream)
-        except httpx.HTTPError as exc:
+            with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
+                r = await self._client.send(self._upstream_request(req, body, upstream),
+                                            stream=stream)
+        except EffectError as exc:
             await self._respond(send, 502, [(b"content-type", b"application/json")],
                                 json.dumps({"error": {
-                                    "message": f"faultproxy: upstream failed: {exc!r}",
+                                    "message": f"faultproxy: upstream failed: {exc.__cause__!r}",
                                     "type": "BadGateway", "code": 502}}).encode())
             return
         try:
@@ -520,10 +519,11 @@ class FaultProxy:
             await send({"type": "http.response.start", "status": r.status_code,
                         "headers": hdrs})
             try:
-                async for chunk in r.aiter_raw():
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
-            except httpx.HTTPError:
+                with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
+                    async for chunk in r.aiter_raw():
+                        await send({"type": "http.response.body", "body": chunk,
+                                    "more_body": True})
+            except EffectError:
                 # The engine cut its answer: cut ours too, as it did.
                 _CUTTING.set(True)
                 return

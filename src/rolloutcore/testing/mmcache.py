@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.adapters.vllm import VllmHTTP
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.errors import request
+from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.transports.source import WeightSource

@@ -20,7 +20,7 @@ The key's other half is this process's ``register`` table, by origin
 (``scheme://host:port``). Every client of a vLLM server sends
 ``headers_for(url)`` with each request: ``VllmHTTP``, the transports' calls
 (``engine.errors.request``), the gateway's data-path client
-(``service.upstream``), its read-only passthrough and the CUDA-IPC trainer.
+(``engine.upstream``), its read-only passthrough and the CUDA-IPC trainer.
 A process that did not launch the engine learns the key from whoever did:
 a remote trainer from the gateway's grant of an update (an answer to the
 control token), a fleet's coordinator from its Ray actors.

@@ -1,7 +1,7 @@
 """Socket helpers the transports need, with no dependency beyond the standard library.
 
 Kept this low so that a transport choosing a rendezvous port does not import
-the process manager (``adapters.vllm.process`` re-exports ``free_port`` for
+the process manager (``engine.process`` re-exports ``free_port`` for
 its own callers).
 """
 

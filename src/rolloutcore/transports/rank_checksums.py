@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 #: The sent-checksum scheme of a trainer's per-rank declaration, compared by a gateway
-#: with the ranks' own reports (``adapters.vllm.sent.SENT_SCHEMES``).
+#: with the ranks' own reports (``engine.sent.SENT_SCHEMES``).
 SCHEME = "rolloutcore_gloo/rank"
 #: The p2p tag the engine ranks send their report with (length, then bytes).
 REPORT_TAG = 7311

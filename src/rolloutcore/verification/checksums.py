@@ -25,7 +25,7 @@ from an engine cold-loaded on the same checkpoint by vLLM's own loader,
 under the same *layout* (vLLM version, dtype, quantization, device, parallel
 sizes, load format). ``ReferenceChecksums`` is that document; taking one,
 caching it and reading engines are effects and live in
-``rolloutcore.adapters.vllm.verify``. This module does no I/O.
+``rolloutcore.engine.verify``. This module does no I/O.
 
 Keys of vLLM's digests are compared raw (rank prefix included,
 ``dp0:pp0:pcp0:tp0:<name>``) when both sides have rank prefixes: with tensor
@@ -82,7 +82,7 @@ _RANK_PREFIX = re.compile(r"^(?:[a-z]+\d+:)+")
 _ORIGINS = frozenset({"cold-load", "verified-load"})
 
 #: The engine facts that decide which bytes ``/weight_checker`` hashes, and
-#: where ``adapters.vllm.verify.engine_layout`` reads them in ``/server_info``'s
+#: where ``engine.verify.engine_layout`` reads them in ``/server_info``'s
 #: ``vllm_config``.
 LAYOUT_FIELDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "dtype": ("model_config", "dtype"),

@@ -23,7 +23,6 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
-from rolloutcore.engine.errors import map_errors, raise_for_status
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import (
     BadInput,
@@ -395,7 +394,7 @@ class _SessionEngine(_AdapterPublisher):
                             Timestamps(aw, am, cw, max(cm, am)), done.attributable, adapter)
 
     def engine_identity(self) -> EngineIdentity:
-        from rolloutcore.adapters.vllm import engine_identity
+        from rolloutcore.engine.port import engine_identity
 
         return engine_identity(self.session.http)
 
@@ -449,8 +448,7 @@ class _GatewayEngine(_AdapterPublisher):
                  timeout_s: float, min_verification: str | None, adapters: bool = False,
                  adapter_dir: str | Path | None = None, public_model: str = "policy",
                  http_transport: Any = None, probe_tolerance: float | None = None) -> None:
-        import httpx
-
+        from rolloutcore.engine.client import EngineClient
         from rolloutcore.service.client import RolloutCoreClient
 
         if not adapters and adapter_dir is not None:
@@ -461,7 +459,7 @@ class _GatewayEngine(_AdapterPublisher):
         self.client = RolloutCoreClient(self.replica, token, transport=transport,
                                         http_transport=http_transport)
         headers = {"authorization": f"Bearer {data_token}"} if data_token else {}
-        self.http = httpx.Client(base_url=self.replica, timeout=timeout_s, headers=headers,
+        self.http = EngineClient(self.replica, timeout_s=timeout_s, headers=headers,
                                  transport=http_transport)
         self.timeout_s = timeout_s
         self.min_verification = min_verification
@@ -588,10 +586,7 @@ class _GatewayEngine(_AdapterPublisher):
 
     def _served_model(self) -> str:
         if self._model is None:
-            what = f"GET {Routes.MODELS}"
-            with map_errors("generate", what, timeout_s=self.timeout_s, mutation_started=False):
-                r = self.http.get(Routes.MODELS)
-            raise_for_status(r, "generate", what, mutation_started=False)
+            r = self.http.request("GET", Routes.MODELS, step="generate", mutation_started=False)
             self._model = str(r.json()["data"][0]["id"])
         return self._model
 
@@ -601,10 +596,10 @@ class _GatewayEngine(_AdapterPublisher):
         deadline = time.monotonic() + _RETRY_503_S
         while True:
             aw, am = time.time(), time.monotonic()
-            with map_errors("generate", f"POST {Routes.GENERATE} (gateway)",
-                            timeout_s=self.timeout_s, mutation_started=False):
-                r = self.http.post(Routes.GENERATE, json=body,
-                                   headers={"x-rolloutcore-rollout-id": rollout_id})
+            r = self.http.request("POST", Routes.GENERATE, step="generate", json_body=body,
+                                  headers={"x-rolloutcore-rollout-id": rollout_id},
+                                  check_status=False, mutation_started=False,
+                                  what=f"POST {Routes.GENERATE} (gateway)")
             retry = r.headers.get("retry-after")
             if r.status_code == 503 and retry is not None and time.monotonic() < deadline:
                 time.sleep(min(float(retry), max(0.0, deadline - time.monotonic())))
@@ -661,9 +656,8 @@ class _GatewayEngine(_AdapterPublisher):
                 (placed.replica, placed.fleet_version))
 
     def engine_identity(self) -> EngineIdentity:
-        with map_errors("identity", f"GET {Routes.VERSION}", timeout_s=self.timeout_s,
-                        mutation_started=False):
-            r = self.http.get(Routes.VERSION)
+        r = self.http.request("GET", Routes.VERSION, step="identity", check_status=False,
+                              mutation_started=False)
         version = str(r.json().get("version", "unknown")) if r.status_code == 200 else "unknown"
         return EngineIdentity(version, self._served_model(), {}, self.replica)
 

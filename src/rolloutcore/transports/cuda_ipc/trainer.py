@@ -382,7 +382,7 @@ class CudaIpcTransport:
         self.last_check = out
         return out
 
-    # -- colocated training (adapters.vllm.SleepAwareTransport) --------------
+    # -- colocated training (engine.sleep.SleepAwareTransport) --------------
 
     def after_wake(self, base_url: str, *, timeout_s: float = 60.0) -> dict[str, Any]:
         """After the weights woke: the workers drop what the sleep made stale (their

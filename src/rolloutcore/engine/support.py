@@ -45,7 +45,7 @@ __all__ = [
 #: release with the RL endpoints; 0.32 is the newest one tested.
 MIN_MINOR = (0, 26)
 MAX_MINOR = (0, 32)
-#: vLLM releases whose differences RolloutCore handles (``adapters.vllm.engine_state``,
+#: vLLM releases whose differences RolloutCore handles (``engine.state``,
 #: ``transports.compat.reload``, the 0.33 ``WeightSource`` contract) but that have not
 #: run through its verified transition yet: admitted only where the operator sets
 #: ``ROLLOUTCORE_VLLM_PREVIEW=1``, and the verdict says so. A release moves into the

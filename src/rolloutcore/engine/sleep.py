@@ -31,7 +31,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from rolloutcore.adapters.vllm.http import Routes, VllmHTTP
 from rolloutcore.core.evidence import (
     SLEEP_LEVELS,
     Check,
@@ -42,6 +41,7 @@ from rolloutcore.core.evidence import (
     WakeTags,
 )
 from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import BadInput, EffectError, EngineRefused, RolloutCoreError
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.verification.checksums import compare

@@ -23,9 +23,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rolloutcore.adapters.vllm.http import Routes, VllmHTTP
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import gloo_report, rank_checksums
 

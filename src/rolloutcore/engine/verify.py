@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from rolloutcore.adapters.vllm import VllmHTTP
+from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.errors import BadInput, EffectError, JournalError
 from rolloutcore.verification.checksums import (
     HEX64,
@@ -177,7 +177,7 @@ class _Engine(Protocol):
 
 
 def _default_launch(model_dir: Path, layout: Mapping[str, Any] | None) -> _Engine:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
 
     kw: dict[str, Any] = {"backend": None}
     dtype = None if layout is None else layout.get("dtype")

@@ -16,8 +16,8 @@ from typing import Any
 
 import httpx
 
-from rolloutcore.adapters.vllm.wire import GenerationChunk, VersionSpan
 from rolloutcore.engine.errors import map_errors, snippet, status_error
+from rolloutcore.engine.wire import GenerationChunk, VersionSpan
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 
 __all__ = ["GenerationStream", "chunk_of"]

@@ -49,11 +49,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from rolloutcore.adapters.vllm.engine_args import engine_defaults, has_flag
-from rolloutcore.adapters.vllm.launch_guard import Tether, listener_problem, watch_exit
-from rolloutcore.adapters.vllm.support import SupportVerdict, assess
+from rolloutcore.engine.args import engine_defaults, has_flag
 from rolloutcore.engine.errors import map_errors
+from rolloutcore.engine.launch_guard import Tether, listener_problem, watch_exit
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
@@ -569,13 +569,14 @@ class ManagedEngine:
                 print(f"[rolloutcore] on_exit callback failed: {exc!r}", file=sys.stderr)
 
     def _wait_healthy(self, deadline: float, t0: float) -> None:
-        import httpx
+        from rolloutcore.engine.client import EngineClient
 
         assert self._proc is not None
         url = f"{self.base_url}{Routes.HEALTH}"
         last_shown = -1
         tty = self.progress and sys.stderr.isatty()
-        with httpx.Client(timeout=2.0) as client:
+        with EngineClient(timeout_s=2.0) as engine:
+            client = engine.http
             while True:
                 healthy = False
                 rc = self._proc.poll()

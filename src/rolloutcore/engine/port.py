@@ -37,18 +37,6 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
 
-from rolloutcore.adapters.vllm import engine_state
-from rolloutcore.adapters.vllm.checksums import compare_checksums
-from rolloutcore.adapters.vllm.engine_state import (
-    COUNTS_WEIGHT_OPS_FROM,
-    checkpoint_check,
-    incomplete_update_check,
-    version_tuple,
-)
-from rolloutcore.adapters.vllm.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
-from rolloutcore.adapters.vllm.sent import check_sent_scheme, compare_sent
-from rolloutcore.adapters.vllm.sleep import SleepAwareTransport, SleepMode
-from rolloutcore.adapters.vllm.wire import WeightOps
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -65,6 +53,18 @@ from rolloutcore.core.evidence import (
 )
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import EngineIdentity, Provenance
+from rolloutcore.engine import state as engine_state
+from rolloutcore.engine.checksums import compare_checksums
+from rolloutcore.engine.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
+from rolloutcore.engine.sent import check_sent_scheme, compare_sent
+from rolloutcore.engine.sleep import SleepAwareTransport, SleepMode
+from rolloutcore.engine.state import (
+    COUNTS_WEIGHT_OPS_FROM,
+    checkpoint_check,
+    incomplete_update_check,
+    version_tuple,
+)
+from rolloutcore.engine.wire import WeightOps
 from rolloutcore.errors import (
     BadInput,
     EffectError,

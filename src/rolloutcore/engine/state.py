@@ -33,7 +33,7 @@ from rolloutcore.engine.routes import Routes
 from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
-    from rolloutcore.adapters.vllm.http import VllmHTTP
+    from rolloutcore.engine.http import VllmHTTP
 
 __all__ = [
     "CHECKPOINT_ROUTE",

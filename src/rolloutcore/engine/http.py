@@ -41,9 +41,14 @@ from typing import Any
 
 import httpx
 
-from rolloutcore.adapters.vllm.checksums import WeightChecksums, strip_rank
-from rolloutcore.adapters.vllm.stream import GenerationStream
-from rolloutcore.adapters.vllm.wire import (
+from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
+from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.engine.checksums import WeightChecksums, strip_rank
+from rolloutcore.engine.client import EngineClient
+from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
+from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.stream import GenerationStream
+from rolloutcore.engine.wire import (
     Completion,
     Generation,
     MetricsSnapshot,
@@ -52,10 +57,6 @@ from rolloutcore.adapters.vllm.wire import (
     WeightOps,
     logprob_token_id,
 )
-from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
-from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
-from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
-from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
 
@@ -113,9 +114,8 @@ class VllmHTTP:
             raise BadInput(f"keepalive_s must be a number of seconds >= 0, got {keepalive_s!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = check_timeout(timeout_s)
-        self._client = httpx.Client(base_url=self.base_url, transport=transport,
-                                    timeout=self.timeout_s,
-                                    limits=httpx.Limits(keepalive_expiry=keepalive_s))
+        self._client = EngineClient(self.base_url, transport=transport,
+                                    timeout_s=self.timeout_s, keepalive_s=keepalive_s).http
         self._sockets: weakref.WeakSet[socket.socket] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._cancels = 0
