@@ -62,9 +62,16 @@ def _bool(v: str | None, default: bool) -> bool:
 class FakeVllm:
     """One fake vLLM server over ``engine``; ``transport()`` serves it."""
 
-    def __init__(self, engine: FakeEngine, *, model: str = MODEL, max_loras: int = 2) -> None:
+    def __init__(self, engine: FakeEngine, *, model: str = MODEL, max_loras: int = 2,
+                 vocab_size: int = VOCAB) -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < VOCAB:
+            raise BadInput(f"vocab_size must be an int >= {VOCAB}")
+        #: ids the served model accepts (a tokenizer's); the engine sees them modulo VOCAB
+        self.vocab_size = vocab_size
+        #: called with each request before it is answered (a test's hook; it may block)
+        self.before: Callable[[httpx.Request], None] | None = None
         if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
             raise BadInput("max_loras must be an int >= 0")
         self.engine = engine
@@ -131,6 +138,8 @@ class FakeVllm:
                                          request=request)
             queued = self._faults.get(path)
             status = queued.pop(0) if queued else None
+        if self.before is not None:
+            self.before(request)
         if status is not None:
             return _error(status, f"injected fault on {path}",
                           "ServiceUnavailableError" if status >= 500 else "BadRequestError")
@@ -225,8 +234,9 @@ class FakeVllm:
         body = self._body(request)
         ids, sp = body.get("token_ids"), body.get("sampling_params") or {}
         if not isinstance(ids, list) or not ids or any(
-                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB for t in ids):
-            raise BadInput(f"token_ids must be a non-empty list of ids below {VOCAB}")
+                isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
+                for t in ids):
+            raise BadInput(f"token_ids must be a non-empty list of ids below {self.vocab_size}")
         if not isinstance(sp, dict):
             raise BadInput("sampling_params must be an object")
         n = sp.get("max_tokens", 16)
@@ -241,7 +251,7 @@ class FakeVllm:
         # An adapter computes differently from the base: its name salts its KV and tokens
         key = None if salt is None and lora is None else f"{salt}|{lora}"
         rid = str(body.get("request_id") or uuid.uuid4().hex)
-        g = self.engine.generate(ids, n, request_id=rid, cache_salt=key)
+        g = self.engine.generate([t % VOCAB for t in ids], n, request_id=rid, cache_salt=key)
         toks = [(t + _shift(lora)) % VOCAB for t in g.tokens]
         choice = {"index": 0, "token_ids": toks, "finish_reason": g.finish_reason,
                   "weight_versions": g.version_spans}
