@@ -10,9 +10,8 @@ import httpx
 import pytest
 
 from rolloutcore.adapters.vllm.http import VllmHTTP
-from rolloutcore.testing import conformance
+from rolloutcore.testing import FakeVllm, conformance
 from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
-from rolloutcore.testing.fake_vllm import FakeVllm
 
 
 @pytest.fixture

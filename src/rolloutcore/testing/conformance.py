@@ -49,7 +49,7 @@ def check_pause_resume(make: ClientFactory) -> None:
     while paused is held, not lost, and finishes after ``/resume``."""
     with closing(make()) as c:
         for mode in PauseMode:
-            assert c.pause(mode, timeout_s=60.0) is True, f"/pause?mode={mode} not 'paused'"
+            assert c.pause(mode, timeout_s=60.0) is True, f"pause({mode}) did not answer paused"
             assert c.is_paused() is True, f"/is_paused false after pause({mode})"
             out: dict[str, Any] = {}
             held = threading.Thread(target=_generate_into, args=(c, out), daemon=True)
