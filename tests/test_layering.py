@@ -405,10 +405,6 @@ OTHER_FAKES: dict[tuple[str, str], str] = {
         "computes with the tiny model through PEFT, which the probe verification checks",
     ("tests/test_faultproxy_unit.py", "Upstream"):
         "the FaultProxy's upstream: a proxy is tested against a real socket",
-    ("tests/test_recovery_unit.py", "NotReplaced"):
-        "OperatorRecoverer builds its own client from a URL (no transport= yet)",
-    ("tests/test_recovery_unit.py", "Unlabelled"):
-        "OperatorRecoverer builds its own client from a URL (no transport= yet)",
 }
 #: The methods of ``VllmHTTP`` that each name a vLLM route: a class defining three of
 #: them outside the client stands in for it.

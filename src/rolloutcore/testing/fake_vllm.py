@@ -12,7 +12,8 @@ gets it by being handed ``transport=`` where it builds its client::
 The state is the engine's (in-flight requests, pause modes, a prefix cache
 keyed by tokens and salt, weights that change every output, sleep levels);
 this module adds LoRA adapters (a name, its path, and outputs of its own),
-the weight label, and faults: ``fail(path, status, times)`` answers the next
+the weight label, ``without`` (routes an older vLLM lacks), and
+faults: ``fail(path, status, times)`` answers the next
 ``times`` calls of ``path`` with ``status`` and vLLM's error body, ``down``
 drops every connection.
 
@@ -27,7 +28,7 @@ import hashlib
 import json
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpx
@@ -63,7 +64,7 @@ class FakeVllm:
     """One fake vLLM server over ``engine``; ``transport()`` serves it."""
 
     def __init__(self, engine: FakeEngine, *, model: str = MODEL, max_loras: int = 2,
-                 vocab_size: int = VOCAB) -> None:
+                 vocab_size: int = VOCAB, without: Iterable[str] = ()) -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < VOCAB:
@@ -111,6 +112,11 @@ class FakeVllm:
             ("POST", Routes.LOAD_LORA): self._load_lora,
             ("POST", Routes.UNLOAD_LORA): self._unload_lora,
         }
+        gone = frozenset(without)
+        if isinstance(without, str) or not gone <= {p for _, p in self._routes}:
+            raise BadInput(f"without must name routes the fake serves, got {without!r}")
+        #: an older vLLM: ``without=(Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER)`` is 0.26
+        self._routes = {k: v for k, v in self._routes.items() if k[1] not in gone}
 
     # -- serving -------------------------------------------------------------
 
@@ -190,8 +196,10 @@ class FakeVllm:
         return httpx.Response(200, json={"object": "list", "data": data})
 
     def _server_info(self, request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"vllm_config": {"model_config": {
-            "model": self.model, "dtype": "torch.bfloat16", "logprobs_mode": "raw_logprobs"}}})
+        return httpx.Response(200, json={"vllm_config": {
+            "instance_id": self.engine.epoch, "model_config": {
+                "model": self.model, "dtype": "torch.bfloat16",
+                "logprobs_mode": "raw_logprobs"}}})
 
     # -- pause, sleep, caches --------------------------------------------------
 
