@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -31,8 +32,9 @@ def test_fake_passes(fake: FakeVllm, check: Callable[[Callable[[], VllmHTTP]], N
     check(factory(fake))
 
 
-def test_fake_passes_lora(fake: FakeVllm, tmp_path: object) -> None:
-    conformance.check_lora(factory(fake), str(tmp_path))
+def test_fake_passes_lora(fake: FakeVllm, tmp_path: Path) -> None:
+    (tmp_path / "adapter_config.json").write_text("{}")
+    conformance.check_lora(factory(fake), tmp_path)
     assert fake.loras == {}
 
 

@@ -122,10 +122,19 @@ def check_weight_routes(make: ClientFactory) -> None:
 
 
 def check_lora(make: ClientFactory, adapter_dir: str | Path, name: str = "conf-lora") -> None:
-    """Load lists the adapter under the base; a second load of the name and an unload
-    of an unknown name are refused (4xx); unload removes it; the base stays."""
+    """A load under the base's name or from a directory without an adapter is refused
+    (4xx, nothing listed); a load lists the adapter under the base; a second load of the
+    name and an unload of an unknown name are refused (4xx); unload removes it."""
     with closing(make()) as c:
         base = c.model()
+        for bad_name, bad_dir in ((base, adapter_dir), (name, Path(adapter_dir) / "absent")):
+            try:
+                c.load_lora_adapter(bad_name, str(bad_dir))
+            except RequestRejected as exc:
+                assert exc.status is not None and 400 <= exc.status < 500, exc
+            else:
+                raise AssertionError(f"loading {bad_name!r} from {bad_dir} was accepted")
+        assert set(c.models()) == {base}, "a refused load changed the listing"
         c.load_lora_adapter(name, str(adapter_dir))
         try:
             listed = c.models()

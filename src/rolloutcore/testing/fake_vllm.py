@@ -29,6 +29,7 @@ import json
 import threading
 import uuid
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -63,8 +64,8 @@ def _bool(v: str | None, default: bool) -> bool:
 class FakeVllm:
     """One fake vLLM server over ``engine``; ``transport()`` serves it."""
 
-    def __init__(self, engine: FakeEngine, *, model: str = MODEL, max_loras: int = 2,
-                 vocab_size: int = VOCAB, without: Iterable[str] = ()) -> None:
+    def __init__(self, engine: FakeEngine, *, model: str = MODEL, vocab_size: int = VOCAB,
+                 without: Iterable[str] = ()) -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < VOCAB:
@@ -73,11 +74,8 @@ class FakeVllm:
         self.vocab_size = vocab_size
         #: called with each request before it is answered (a test's hook; it may block)
         self.before: Callable[[httpx.Request], None] | None = None
-        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 0:
-            raise BadInput("max_loras must be an int >= 0")
         self.engine = engine
         self.model = model
-        self.max_loras = max_loras
         #: loaded LoRA adapters: name -> the path it was loaded from
         self.loras: dict[str, str] = {}
         self.down = False
@@ -333,13 +331,18 @@ class FakeVllm:
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise BadInput("lora_name and lora_path must be non-empty strings")
+        if name == self.model:
+            return _error(400, f"The lora adapter '{name}' conflicts with a served base "
+                               "model.", "InvalidUserInput")
         with self._lock:
             if name in self.loras:
                 return _error(400, f"The lora adapter '{name}' has already been loaded. "
                                    "If you want to load the adapter in place, set "
                                    "'load_inplace' to True.", "InvalidUserInput")
-            if len(self.loras) >= self.max_loras:
-                return _error(400, f"no free LoRA slot (max_loras={self.max_loras})")
+        if not (Path(path) / "adapter_config.json").is_file():  # vLLM reads the PEFT config
+            return _error(404, f"Loading lora {name} failed: No adapter found for {path}",
+                          "NotFoundError")
+        with self._lock:
             self.loras[name] = path
         return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
 
