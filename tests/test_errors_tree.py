@@ -35,6 +35,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("integrations/trl/rollout.py", "AttributeError"): "__getattr__ protocol (the stand-in "
                                                       "for TRL's vllm_generation)",
     ("__init__.py", "AttributeError"): "module __getattr__ protocol (lazy public names)",
+    ("testing/__init__.py", "AttributeError"): "module __getattr__ protocol (lazy exports)",
+    ("testing/conformance.py", "AssertionError"): "a conformance check reports a difference "
+                                                  "as a test assertion (trio's check_* form)",
+    ("testing/fake_vllm.py", "httpx.ConnectError"): "the fake's down fault: what a transport "
+                                                    "raises for a refused connection",
     ("service/serve.py", "SystemExit"): "the signal handler ends the interpreter",
     ("service/control.py", "ValueError"): "pydantic validators signal with ValueError",
     ("service/control_sent.py", "ValueError"): "pydantic validators signal with ValueError",

@@ -468,3 +468,84 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
         ("control-engine", "rolloutcore.control.x", "rolloutcore.engine.http"),
         ("http-client", "rolloutcore.transports.t", "httpx"),
     }
+
+
+# --------------------------------------------------------------------------- fakes of vLLM
+
+TESTS = SRC.parent / "tests"
+#: The one fake of vLLM (#45): ``FakeEngine``'s state behind an httpx mock transport.
+ONE_FAKE = ("src/rolloutcore/testing/fake_vllm.py", "FakeVllm")
+#: Fakes of vLLM still to move onto the one fake, each with what keeps it. Only shrinks.
+OTHER_FAKES: dict[tuple[str, str], str] = {
+    ("tests/helpers/fake_vllm.py", "FakeVllm"):
+        "the gateway's upstream over a real loopback socket, with live streams and "
+        "mid-stream faults (the gateway's pool takes no transport= yet)",
+    ("tests/helpers/fake_lora.py", "LoraEngine"):
+        "computes with the tiny model through PEFT, which the probe verification checks",
+    ("tests/test_faultproxy_unit.py", "Upstream"):
+        "the FaultProxy's upstream: a proxy is tested against a real socket",
+}
+#: The methods of ``VllmHTTP`` that each name a vLLM route: a class defining three of
+#: them outside the client stands in for it.
+CLIENT_ROUTE_METHODS = frozenset({
+    "generate", "models", "model", "version", "server_info", "weight_info",
+    "weight_checksums", "load_lora_adapter", "unload_lora_adapter", "top_logprobs",
+    "is_paused", "is_sleeping", "wake_up", "set_weight_version"})
+#: Servers of vLLM-shaped routes that are not fakes: the gateway's own route lists.
+GATEWAY_ROUTES = frozenset({"src/rolloutcore/service/app.py",
+                            "src/rolloutcore/fleet/gateway.py"})
+
+
+def _serves_vllm_route(node: ast.AST, paths: frozenset[str]) -> bool:
+    """``Route("/pause", ...)`` (Starlette) or a handler table keyed by ``Routes.X``."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Route" \
+                and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value in paths:
+            return True
+        if isinstance(n, ast.Dict) and any(
+                isinstance(k, ast.Tuple) and any(isinstance(e, ast.Attribute) and isinstance(
+                    e.value, ast.Name) and e.value.id == "Routes" for e in k.elts)
+                for k in n.keys):
+            return True
+    return False
+
+
+def fakes_of_vllm() -> set[tuple[str, str]]:
+    """Every class in src/ and tests/ that serves vLLM's routes or stands in for its client."""
+    paths = _vllm_paths()
+    out: set[tuple[str, str]] = set()
+    for f in sorted([*SRC.rglob("*.py"), *TESTS.rglob("*.py")]):
+        rel = str(f.relative_to(SRC.parent))
+        if rel in GATEWAY_ROUTES or rel == "src/rolloutcore/engine/http.py":
+            continue
+        for c in ast.walk(ast.parse(f.read_text(), rel)):
+            if not isinstance(c, ast.ClassDef) or any(
+                    ast.unparse(b).endswith("Protocol") for b in c.bases):
+                continue  # a Protocol states the client's shape; it serves nothing
+            methods = {m.name for m in c.body
+                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            if _serves_vllm_route(c, paths) or len(methods & CLIENT_ROUTE_METHODS) >= 3:
+                out.add((rel, c.name))
+    return out
+
+
+def test_one_fake_of_vllm_and_the_others_only_leave() -> None:
+    found = fakes_of_vllm()
+    assert ONE_FAKE in found, f"the one fake is not found: {sorted(found)}"
+    new = found - {ONE_FAKE} - OTHER_FAKES.keys()
+    assert not new, f"a new fake of vLLM (use rolloutcore.testing.fake_vllm): {sorted(new)}"
+    gone = OTHER_FAKES.keys() - found
+    assert not gone, f"moved onto the one fake (remove from OTHER_FAKES): {sorted(gone)}"
+    assert all(reason.strip() for reason in OTHER_FAKES.values())
+
+
+def test_the_fake_detector_sees_both_seams() -> None:
+    paths = _vllm_paths()
+    server = ast.parse("class S:\n    def __init__(self):\n"
+                       "        self.app = Starlette(routes=[Route('/pause', self.p)])\n")
+    table = ast.parse("class T:\n    def __init__(self):\n"
+                      "        self.r = {('POST', Routes.PAUSE): self.p}\n")
+    plain = ast.parse("class P:\n    def __init__(self):\n"
+                      "        self.app = Starlette(routes=[Route('/mine', self.p)])\n")
+    assert _serves_vllm_route(server, paths) and _serves_vllm_route(table, paths)
+    assert not _serves_vllm_route(plain, paths)

@@ -11,17 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from coretools import drive_to
-from helpers.gateway_rig import uvicorn_thread
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
@@ -30,8 +24,10 @@ from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
 from rolloutcore.engine.process import free_port
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, UpdateFailed
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
+from rolloutcore.testing.fake_vllm import FakeVllm
 from rolloutcore.testing.models import make_checkpoint
 from rolloutcore.transports.source import WeightSource
 
@@ -131,71 +127,39 @@ def test_watchdog_cancels_a_recovery_that_overruns(ckpt: Path, tmp_path: Path) -
     assert c.state is State.TAINTED and check_journal(j.records) == []
 
 
-class NotReplaced:
-    """An HTTP server that answers like the engine that was tainted: same instance, or updated."""
-
-    def __init__(self, instance_id: str, label: str) -> None:
-        self.instance_id, self.label = instance_id, label
-        self.app = Starlette(routes=[
-            Route("/health", self.health), Route("/openapi.json", self.openapi),
-            Route("/server_info", self.info), Route("/weight_info", self.weight_info)])
-
-    async def health(self, req: Request) -> Response:
-        return Response(status_code=200)
-
-    async def openapi(self, req: Request) -> Response:
-        return JSONResponse({"paths": {p: {} for p in ("/health", "/server_info",
-                                                       "/weight_info")}})
-
-    async def info(self, req: Request) -> Response:
-        return JSONResponse({"vllm_config": {"instance_id": self.instance_id}})
-
-    async def weight_info(self, req: Request) -> Response:
-        return JSONResponse({"weight_version": self.label})
+def fake_vllm(instance_id: str, label: str | None = None) -> FakeVllm:
+    """The one fake of vLLM as the replaced (or not) engine: ``instance_id`` its
+    incarnation, ``label`` its weight version (None: vLLM 0.26, no label routes and no
+    ``/weight_checker``)."""
+    eng = FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0)
+    eng.epoch = instance_id
+    if label is None:
+        return FakeVllm(eng, without=(Routes.WEIGHT_INFO, Routes.UPDATE_WEIGHT_VERSION,
+                                      Routes.WEIGHT_CHECKER))
+    eng.label = label
+    return FakeVllm(eng)
 
 
 @pytest.fixture()
-def not_replaced() -> Iterator[tuple[NotReplaced, str]]:
-    srv = NotReplaced("abc", "default")
-    with uvicorn_thread(srv.app) as url:
-        yield srv, url
+def not_replaced() -> tuple[FakeVllm, str]:
+    return fake_vllm("abc", "default"), "http://replaced-engine"
 
 
 def test_an_engine_that_was_not_replaced_is_refused(
-        ckpt: Path, not_replaced: tuple[NotReplaced, str]) -> None:
+        ckpt: Path, not_replaced: tuple[FakeVllm, str]) -> None:
     srv, url = not_replaced
     flag = threading.Event()
     flag.set()
     rec = OperatorRecoverer(url, ckpt, signal=flag.is_set, wait_s=2, previous_epoch="vllm-abc",
-                            probe=False)
+                            probe=False, transport=srv.transport())
     c, r, j = tainted()
     with pytest.raises(UpdateFailed, match="not replaced"):
         r.recover(rec)
-    srv.instance_id, srv.label = "def", "rc-7"  # a new incarnation, but updated since
+    srv.engine.epoch, srv.engine.label = "def", "rc-7"  # a new incarnation, updated since
     with pytest.raises(UpdateFailed, match="rc-7"):
         r.recover(rec)
     assert c.state is State.TAINTED and check_journal(j.records) == []
     assert c.recovery_target() == WeightVersion(2, "rc-2", "e0")
-
-
-class Unlabelled:
-    """A replacement engine as vLLM 0.26 answers: a new instance, no version label
-    routes and no ``/weight_checker`` (its checksums come from a worker extension)."""
-
-    def __init__(self, instance_id: str) -> None:
-        self.instance_id = instance_id
-        self.app = Starlette(routes=[
-            Route("/health", self.health), Route("/openapi.json", self.openapi),
-            Route("/server_info", self.info)])
-
-    async def health(self, req: Request) -> Response:
-        return Response(status_code=200)
-
-    async def openapi(self, req: Request) -> Response:
-        return JSONResponse({"paths": {p: {} for p in ("/health", "/server_info")}})
-
-    async def info(self, req: Request) -> Response:
-        return JSONResponse({"vllm_config": {"instance_id": self.instance_id}})
 
 
 REFERENCE = {"model.embed_tokens.weight": "11", "model.norm.weight": "22"}
@@ -215,30 +179,31 @@ def test_a_replacement_without_version_labels_needs_its_checksums(
     checksums has no evidence at all, and is refused (three times, then the fleet
     removed the replica). The workers' own checksums against a cold engine's are
     evidence; a wrong, partial or failed reading is not."""
-    srv = Unlabelled("new-incarnation")
+    srv = fake_vllm("new-incarnation")
     flag = threading.Event()
     flag.set()
     c, r, j = tainted()
     committed = c.committed
-    with uvicorn_thread(srv.app) as url:
-        seen: list[str] = []
+    url = "http://replacement-engine"
+    seen: list[str] = []
 
-        def read(u: str) -> object:
-            seen.append(u)
-            return reader(u)  # type: ignore[operator]
+    def read(u: str) -> object:
+        seen.append(u)
+        return reader(u)  # type: ignore[operator]
 
-        rec = OperatorRecoverer(url, ckpt, signal=flag.is_set, wait_s=2,
-                                previous_epoch="vllm-old", probe=False,
-                                reference=None if reader is None else REFERENCE,
-                                read_checksums=None if reader is None else read)  # type: ignore[arg-type]
-        if want is None:
+    rec = OperatorRecoverer(url, ckpt, signal=flag.is_set, wait_s=2,
+                            previous_epoch="vllm-old", probe=False,
+                            reference=None if reader is None else REFERENCE,
+                            read_checksums=None if reader is None else read,  # type: ignore[arg-type]
+                            transport=srv.transport())
+    if want is None:
+        r.recover(rec)
+        assert c.state is State.READY and seen == [url]
+        assert c.committed is not None and c.committed != committed
+    else:
+        with pytest.raises(UpdateFailed, match=want):
             r.recover(rec)
-            assert c.state is State.READY and seen == [url]
-            assert c.committed is not None and c.committed != committed
-        else:
-            with pytest.raises(UpdateFailed, match=want):
-                r.recover(rec)
-            assert c.state is State.TAINTED and c.committed == committed
+        assert c.state is State.TAINTED and c.committed == committed
     assert check_journal(j.records) == []
 
 

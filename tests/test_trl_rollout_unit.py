@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -39,6 +40,7 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput
 from rolloutcore.integrations.trl import (
     EngineSample,
@@ -482,13 +484,16 @@ def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
         rig.rollout(prompts(), rig.trainer)                 # step 0, recorded
         groups_before = len(list(read_groups(rig.traj)))
 
-        def before(rid: str) -> None:
+        def before(req: httpx.Request) -> None:
+            if req.url.path != Routes.GENERATE:
+                return
+            rid = json.loads(req.content)["request_id"]
             arrived.append(rid)
             sent.wait(30)       # every request waits for the Ctrl-C: the rollout is waiting
             if held and rid.endswith("p3/3"):
                 hold.wait(30)   # one request outlives the bounded wait
 
-        rig.session.http.before = before
+        rig.session.fake.before = before
         # Ctrl-C once every request reached the engine (before that, a loaded host may not
         # have started them all, and a request not started is cancelled, not awaited).
         term = sigint_when(lambda st: len(arrived) == 2 * N and _waiting_for_samples(st))
@@ -505,7 +510,7 @@ def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
         assert rig.rollout.samples_recorded == 2 * N
         hold.set()
         # Not sticky: the same rollout function generates again (a notebook's next train()).
-        rig.session.http.before = None
+        rig.session.fake.before = None
         out = rig.rollout(prompts(), rig.trainer)
         assert len(out["completion_ids"]) == 2 * N and rig.rollout.interrupted is None
     finally:

@@ -33,7 +33,10 @@ from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.control.session import UpdateResult
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
+from rolloutcore.testing.fake_vllm import FakeVllm
+from rolloutcore.testing.models import VOCAB_SIZE
 from rolloutcore.transports.source import WeightSource
 
 FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=30, reset_s=1, validate_s=2,
@@ -43,6 +46,7 @@ FAST = Deadlines(drain_s=5, pause_s=5, preflight_s=2, transfer_s=30, reset_s=1, 
 
 N = 4  # num_generations
 RUN = "unit-run"
+REPLICA = "http://fake-engine-0"  # the one fake of vLLM answers it (FakeVllm)
 
 
 class Tiny(torch.nn.Module):
@@ -104,42 +108,6 @@ def fake_weights(state: Mapping[str, torch.Tensor], provenance: Provenance) -> F
                         for n, t in state.items()}, provenance)
 
 
-class FakeHTTP:
-    """``VllmHTTP.generate`` over the fake engine (``before`` runs first, per request)."""
-
-    base_url = "fake://engine-0"
-
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-        self.before: Callable[[str], None] | None = None
-        self.closed = False
-
-    def generate(self, prompt: Sequence[int], *, max_tokens: int, temperature: float,
-                 seed: int | None, logprobs: bool, ignore_eos: bool, request_id: str,
-                 sampling_extra: Any = None, cache_salt: str | None = None) -> Any:
-        if self.before is not None:
-            self.before(request_id)
-        g = self.engine.generate([t % 256 for t in prompt], max_tokens, request_id=request_id,
-                                 cache_salt=cache_salt)
-        return SimpleNamespace(token_ids=list(g.tokens),
-                               logprobs=[-1.0 - 0.01 * i for i in range(len(g.tokens))],
-                               finish_reason=g.finish_reason or "length",
-                               weight_versions=g.version_spans)
-
-    def server_info(self, timeout_s: float | None = None) -> dict[str, Any]:
-        return {"vllm_config": {"model_config": {"dtype": "torch.bfloat16",
-                                                 "logprobs_mode": "raw_logprobs"}}}
-
-    def version(self, timeout_s: float | None = None) -> str:
-        return "fake-0"
-
-    def model(self, timeout_s: float | None = None) -> str:
-        return "fake-model"
-
-    def close(self) -> None:
-        self.closed = True
-
-
 class FakeSession:
     """An ``EngineSession`` over the fake engine, bootstrapped on ``ckpt``."""
 
@@ -155,7 +123,8 @@ class FakeSession:
         self.runner = LifecycleRunner(self.controller, self.vllm, deadlines,
                                       record=self.journal.write)
         self.runner.bootstrap(w0.identity())
-        self.http = FakeHTTP(self.engine)
+        self.fake = FakeVllm(self.engine, vocab_size=VOCAB_SIZE)
+        self.http = VllmHTTP(REPLICA, transport=self.fake.transport())
         self.closed = False
 
     def update(self, state: Mapping[str, Any], provenance: Provenance, *, probe: Any,
@@ -168,6 +137,7 @@ class FakeSession:
 
     def close(self) -> None:
         self.journal.close()
+        self.http.close()
         self.closed = True
 
 

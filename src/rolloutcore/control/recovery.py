@@ -72,6 +72,8 @@ from rolloutcore.errors import (
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
+    import httpx
+
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.verification.checksums import ReferenceChecksums
     from rolloutcore.verification.probe import PolicyProbe
@@ -417,7 +419,8 @@ class OperatorRecoverer:
                  reference: ReferenceChecksums | Mapping[str, str] | None = None,
                  probe: PolicyProbe | bool | None = True, health_s: float = 60.0,
                  http_timeout_s: float = 60.0,
-                 read_checksums: ChecksumReader | None = None) -> None:
+                 read_checksums: ChecksumReader | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise BadInput(f"base_url must be an http(s) URL, got {base_url!r}")
         if not (callable(signal) or isinstance(signal, (str, os.PathLike))) or (
@@ -438,6 +441,7 @@ class OperatorRecoverer:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._http: VllmHTTP | None = None
+        self._transport = transport  # the engine client's (a test's FakeVllm)
         self.last: RecoveryTimings | None = None
 
     @property
@@ -475,7 +479,8 @@ class OperatorRecoverer:
         self.last = timings
         self._wait(self.wait_s, "the operator's signal", self._signalled)
         timings.wait_s = time.monotonic() - t0
-        http = VllmHTTP(self.base_url, timeout_s=self.http_timeout_s)
+        http = VllmHTTP(self.base_url, timeout_s=self.http_timeout_s,
+                        transport=self._transport)
         with self._lock:
             self._http = http
         try:

@@ -455,6 +455,16 @@ class FakeEngine:
                     self._cond.wait(min(left, 0.05))
             self._cond.notify_all()
 
+    def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """vLLM's ``/abort_requests``: end the named requests (None: every one) with
+        ``finish_reason: abort`` at their next token; returns how many it asked."""
+        with self._cond:
+            self._alive()
+            ids = list(self._in_flight) if request_ids is None else list(request_ids)
+            self._abort_ids.update(i for i in ids if i in self._in_flight)
+            self._cond.notify_all()
+            return len(ids)
+
     def resume(self) -> None:
         with self._cond:
             self._alive()
