@@ -84,6 +84,15 @@ async def test_trl_server_mode_sequence_publishes_under_the_gateways_label() -> 
             "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}})
         assert g.status_code == 200
         assert g.json()["choices"][0]["token_ids"] == reference_tokens(W1.digest, [5, 6, 7], 4)
+        # ... and from the native base URL too (TRL generates where it updates)
+        g2 = await r.client.post(BASE + "/inference/v1/generate", json={
+            "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}})
+        assert g2.status_code == 200 and g2.json()["choices"][0]["token_ids"] == \
+            g.json()["choices"][0]["token_ids"]
+        assert g2.headers.get("x-rolloutcore-version") == g.headers.get("x-rolloutcore-version")
+        c = await r.client.post(BASE + "/v1/completions", json={"prompt": "abc",
+                                                                 "max_tokens": 3})
+        assert c.status_code == 200, c.text
         # a second round (0.33+ sender: unchanged metadata sent empty) publishes again
         assert (await post(r, "/start_weight_update")).status_code == 200
         body = update_body(W2)

@@ -336,7 +336,14 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             await read_only(scope, receive, send)
         elif native is not None and scope["type"] == "http" and \
                 scope["path"].startswith(NATIVE_PREFIX):
-            await native(scope, receive, send)
+            # Under the native base URL the generation routes are the data plane's
+            # (a trainer generates from the same base URL it updates through).
+            route = native.path_of(scope["path"])
+            if route is not None and route in data_paths:
+                await data({**scope, "path": route, "raw_path": route.encode()}, receive,
+                           send)
+            else:
+                await native(scope, receive, send)
         else:
             await starlette_app(scope, receive, send)
 

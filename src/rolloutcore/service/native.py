@@ -238,6 +238,7 @@ class NativeRoutes:
         if twice:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
                              f"parameters written twice in one round: {twice[:5]}")
+            raise _Refusal(409, "parameters written twice in one round")
         await self._engine(rnd, "POST", Routes.UPDATE_WEIGHTS, body, mutation_started=True)
         rnd.written.update(names)
         rnd.writes += 1
@@ -270,6 +271,7 @@ class NativeRoutes:
         if not rnd.finished:
             await self._fail(rnd, FailureKind.ERROR, "resumed before /finish_weight_update: "
                              "the weights may be half-written")
+            raise _Refusal(409, "resumed before /finish_weight_update")
         await self._close(rnd)
         return 200, {"status": "resumed"}
 
@@ -319,6 +321,7 @@ class NativeRoutes:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
                              f"{len(missing)} parameters the last round wrote were not "
                              f"written: {missing[:5]}")
+            raise _Refusal(409, "the round did not cover the last round's parameters")
         ev = TransferEvidence(completed=bool(rnd.written), mutation_started=True,
                               backend="native", tensors=len(rnd.written), finish_label=rnd.label,
                               error=None if rnd.written else "no tensor was written")
@@ -394,9 +397,9 @@ class NativeRoutes:
             raise
         if status >= 400:
             kind = FailureKind.ERROR if mutation_started or rnd.writes else FailureKind.REFUSED
-            await self._fail(rnd, kind, f"vLLM answered {route} with {status}: "
-                             f"{json.dumps(answer)[:300]}", status=409 if status >= 500
-                             else status)
+            reason = f"vLLM answered {route} with {status}: {json.dumps(answer)[:300]}"
+            await self._fail(rnd, kind, reason, status=409 if status >= 500 else status)
+            raise _Refusal(409 if status >= 500 else status, reason)
 
     async def _forward(self, method: str, route: str, query: Mapping[str, str], body: Any,
                        *, weight: bool, timeout_s: float | None = None) -> tuple[int, Any]:
