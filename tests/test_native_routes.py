@@ -89,7 +89,7 @@ async def test_trl_server_mode_sequence_publishes_under_the_gateways_label() -> 
             "token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 4}})
         assert g2.status_code == 200 and g2.json()["choices"][0]["token_ids"] == \
             g.json()["choices"][0]["token_ids"]
-        assert g2.headers.get("x-rolloutcore-version") == g.headers.get("x-rolloutcore-version")
+        assert g2.headers["x-rolloutcore-version"] == g.headers["x-rolloutcore-version"]
         c = await r.client.post(BASE + "/v1/completions", json={"prompt": "abc",
                                                                  "max_tokens": 3})
         assert c.status_code == 200, c.text
