@@ -251,3 +251,18 @@ async def test_health_models_and_world_size_answer_in_vllms_shapes() -> None:
         assert h.status_code == 200 and h.content == b""
         assert (await r.client.get(BASE + "/v1/models")).status_code == 200
         assert (await r.client.get(BASE + "/get_world_size")).json() == {"world_size": 1}
+
+
+async def test_a_reset_answering_success_false_publishes_nothing() -> None:
+    from rolloutcore.testing.fake import FaultKind
+
+    async with native_rig() as r:
+        before = r.controller.snapshot()["committed"]
+        r.adapter.inject("reset_prefix", FaultKind.LIE, times=10)  # 200 {"success": false}
+        assert (await post(r, "/start_weight_update")).status_code == 200
+        assert (await post(r, "/update_weights", update_body(W1))).status_code == 200
+        fin = await post(r, "/finish_weight_update")
+        assert fin.status_code == 409, fin.text
+        assert r.controller.state is State.TAINTED
+        assert r.controller.snapshot()["committed"] == before
+        assert r.app.state.native.round is None

@@ -7,7 +7,8 @@ and ipc trainer engines), unmodified: it posts vLLM's route sequence
 ``/finish_weight_update``) to the base URL it is given, here the gateway's
 ``/rc/<token>``. A -> B is published under the gateway's label (the label
 the sender asked for is replaced), generation through the gateway is
-labelled by vLLM's own spans with it; then a round that skips a tensor is
+labelled by vLLM's own spans with it; TRL AsyncGRPO's sequence (pause keep,
+the round, resume) publishes at ``/resume``; then a round that skips a tensor is
 refused at finish with a 4xx, TAINTED, nothing published.
 """
 
@@ -82,6 +83,20 @@ def test_an_unmodified_sender_updates_through_the_gateway_by_base_url(
     assert g.status_code == 200, g.text
     spans = g.json()["choices"][0]["weight_versions"]
     assert spans and {s["version"] for s in spans} == {label}
+
+    # TRL AsyncGRPO's sequence: /pause?mode=keep, the round, /resume publishes
+    p = httpx.post(f"{base}/pause", params={"mode": "keep"}, timeout=120)
+    assert p.status_code == 200 and p.json() == {"status": "paused"}
+    assert httpx.get(f"{base}/is_paused", timeout=30).json() == {"is_paused": True}
+    tr.send(base, "trainer-label", WeightSource.from_checkpoint(models.A), timeout_s=300)
+    assert _status(url)["committed"]["label"] == label  # not before /resume
+    r = httpx.post(f"{base}/resume", timeout=120)
+    assert r.status_code == 200 and r.json() == {"status": "resumed"}, r.text
+    st = _status(url)
+    label2 = st["committed"]["label"]
+    assert st["state"] == "READY" and label2 not in (label, "default", "trainer-label")
+    assert httpx.get(f"{eng.base_url}/weight_info", timeout=30).json() == {
+        "weight_version": label2}
 
     # a round that skips one tensor: refused at finish (4xx), TAINTED, nothing published
     from safetensors.torch import load_file
