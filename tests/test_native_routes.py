@@ -266,3 +266,10 @@ async def test_a_reset_answering_success_false_publishes_nothing() -> None:
         assert r.controller.state is State.TAINTED
         assert r.controller.snapshot()["committed"] == before
         assert r.app.state.native.round is None
+
+
+async def test_a_reset_that_would_preempt_running_requests_is_refused() -> None:
+    async with native_rig() as r:
+        s0 = state(r)
+        resp = await post(r, "/reset_prefix_cache?reset_running_requests=true")
+        assert resp.status_code == 422 and state(r) == s0

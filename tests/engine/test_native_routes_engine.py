@@ -76,6 +76,9 @@ def test_an_unmodified_sender_updates_through_the_gateway_by_base_url(
     assert httpx.get(f"{eng.base_url}/weight_info", timeout=30).json() == {
         "weight_version": label}
     assert httpx.get(f"{base}/weight_info", timeout=30).json() == {"weight_version": label}
+    # TRL server mode resets the prefix cache after the finish: relayed, vLLM's body
+    reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60)
+    assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text
     # generation through the gateway: vLLM's own spans name the assigned version
     g = httpx.post(f"{url}/inference/v1/generate", timeout=120, json={
         "model": "policy", "token_ids": [5, 6, 7, 8],

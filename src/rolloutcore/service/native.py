@@ -183,6 +183,10 @@ class NativeRoutes:
         if route == Routes.RESET_PREFIX:
             # Part of the round (or after it): never a mutation of the weights. The
             # round's own reset is the runner's, checked by its body; this one is relayed.
+            if set(query) - {"reset_external"}:
+                raise _Refusal(422, "only reset_external is passed on: a reset that "
+                               "preempts running requests is the round's own decision",
+                               "BadRequestError")
             return await self._forward("POST", route, query, None, weight=False)
         body = _json_object(raw, route)
         async with self._lock:
