@@ -77,6 +77,10 @@ async def test_trl_server_mode_sequence_publishes_under_the_gateways_label() -> 
         label = snap["committed"]["label"]
         assert label != "default" and r.engine.label == label
         assert r.engine.weights_digest == W1.digest
+        notes = [n for n in r.kinds("note") if n.get("what") == "native_round"]
+        assert len(notes) == 1 and notes[0]["level"] == "native-unreferenced"
+        assert notes[0]["label"] == label and notes[0]["tensors"] == len(W1.tensors)
+        assert notes[0]["opened_by"] == "start" and len(notes[0]["sent_manifest_digest"]) == 64
         info = await r.client.get(BASE + "/weight_info")
         assert info.json() == {"weight_version": label}
         # generation now names the published version and computes W1's policy

@@ -57,6 +57,7 @@ from rolloutcore.control.port import ExpectationTaker
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
 from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind, State
+from rolloutcore.core.records import Note
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
@@ -330,7 +331,18 @@ class NativeRoutes:
                               backend="native", tensors=len(rnd.written), finish_label=rnd.label,
                               error=None if rnd.written else "no tensor was written")
 
+        # What the round wrote, in the journal before anything is published: the
+        # manifest's digest names the exact set a sample's version was made from.
+        manifest = hashlib.sha256(json.dumps(
+            sorted([n, d, list(s)] for n, (d, s) in rnd.written.items())).encode()).hexdigest()
+        note = Note("native_round", {
+            "level": NATIVE_LEVEL, "label": rnd.label, "opened_by": rnd.opened_by,
+            "pause_mode": rnd.mode, "tensors": len(rnd.written), "update_calls": rnd.writes,
+            "sent_manifest_digest": manifest, "trainer_label": rnd.trainer_label,
+            "update_id": rnd.out.ticket.update_id})
+
         def work() -> None:
+            self.runner.emit(note)
             self.runner.report_transfer(rnd.out, ev)
             self.runner.close_update(rnd.out)
 
