@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     row["label"] = label
                 rows.append(row)
                 print(f"[bench] {path:6s} {i:2d} -> {nxt}: {wall:.3f} s", file=sys.stderr)
-            tr.close() if hasattr(tr, "close") else None
+            tr.close()
         med = {p: statistics.median(r["wall_s"] for r in rows if r["path"] == p
                                     and not r["warmup"]) for p in ("direct", "native")}
         return {"benchmark": "native_routes", "machine": platform.platform(),
