@@ -61,7 +61,14 @@ from rolloutcore.core.records import Note
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
-from rolloutcore.errors import BadInput, EffectError, EffectTimeout, UpdateFailed, UpdateRefused
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    RolloutCoreError,
+    UpdateFailed,
+    UpdateRefused,
+)
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.wire import Receive, Scope, Send, body_or_answer, error_body, send_json
 from rolloutcore.transports import engine_key
@@ -93,7 +100,9 @@ class _Round:
         return self.out.ticket.target.version.label
 
 
-class _Refusal(Exception):
+class _Refusal(RolloutCoreError):
+    """A native route's answer other than 200: a 4xx or 504, in vLLM's error shape."""
+
     def __init__(self, status: int, message: str, kind: str = "Conflict") -> None:
         super().__init__(message)
         self.status, self.message, self.kind = status, message, kind
