@@ -79,6 +79,15 @@ class FakeVllm:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/pause", self.pause, methods=["POST"]),
+            # vLLM's weight routes over the fake engine (service.native's fast tests):
+            # update_info carries the bytes itself ("fake_data", hex), the fake's
+            # stand-in for the broadcast beside the call.
+            Route("/start_weight_update", self.start_update, methods=["POST"]),
+            Route("/update_weights", self.update_weights, methods=["POST"]),
+            Route("/finish_weight_update", self.finish_update, methods=["POST"]),
+            Route("/reset_prefix_cache", self.reset_prefix, methods=["POST"]),
+            Route("/get_world_size", self.world_size, methods=["GET"]),
+            Route("/init_weight_transfer_engine", self.init_transfer, methods=["POST"]),
         ])
 
     # ------------------------------------------------------------ helpers
@@ -185,6 +194,33 @@ class FakeVllm:
     async def pause(self, request: Request) -> Response:
         self.dev_calls += 1
         return JSONResponse({"status": "paused"})
+
+    async def start_update(self, request: Request) -> Response:
+        self.engine.start_update()
+        return JSONResponse({"message": "Weight update started"})
+
+    async def update_weights(self, request: Request) -> Response:
+        info = (await request.json())["update_info"]
+        for name, hexdata in zip(info["names"], info.get("fake_data", []), strict=False):
+            try:
+                self.engine.load(name, bytes.fromhex(hexdata))
+            except Exception as exc:  # vLLM answers a failed load with a 500
+                return _err(500, str(exc))
+        return JSONResponse({"message": "Weights updated"})
+
+    async def finish_update(self, request: Request) -> Response:
+        body = await request.json() if await request.body() else {}
+        self.engine.finish_update(body.get("weight_version") or "default")
+        return JSONResponse({"message": "Weight update finished"})
+
+    async def reset_prefix(self, request: Request) -> Response:
+        return JSONResponse({"success": self.engine.reset_prefix_cache()})
+
+    async def world_size(self, request: Request) -> Response:
+        return JSONResponse({"world_size": 1})
+
+    async def init_transfer(self, request: Request) -> Response:
+        return JSONResponse({"message": "Weight transfer initialized"})
 
     # ------------------------------------------------------------ routes
     async def abort_requests(self, request: Request) -> Response:

@@ -120,7 +120,8 @@ def serve_fake(fake: FakeVllm) -> str:
 async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
               event_delay_s: float = 0.0, on_finished: Any = None,
               controller_config: ControllerConfig | None = None, live: bool = False,
-              rejects_while_paused: bool = False, **cfg: Any) -> AsyncIterator[Rig]:
+              rejects_while_paused: bool = False, native_token: str | None = None,
+              **cfg: Any) -> AsyncIterator[Rig]:
     """The rig; ``controller_config`` with an asynchronous ``update_mode`` configures the
     gateway for it too (``ServiceConfig.update_mode``); ``rejects_while_paused``: the
     engine answers as vLLM 0.33+ does while paused (503 ``engine_paused``)."""
@@ -131,7 +132,7 @@ async def rig(*, streaming: bool = False, token_delay_s: float = 0.0005,
         cfg.setdefault("update_mode", controller_config.update_mode.value)
     up = serve_fake(fake)
     config = ServiceConfig(upstream_url=up, control_token=TOKEN, **cfg)
-    app = create_app(r, config, on_finished=on_finished)
+    app = create_app(r, config, on_finished=on_finished, native_token=native_token)
     transport: httpx.AsyncBaseTransport = (StreamingASGITransport(app) if streaming
                                            else httpx.ASGITransport(app))
     async with lifespan(app), httpx.AsyncClient(transport=transport,

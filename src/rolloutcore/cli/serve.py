@@ -76,6 +76,8 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                        "a fleet gateway does not serve"),
     "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
                                    "worker extension"),
+    "native_routes": (False, "vLLM's RL routes are answered by one engine's gateway; a fleet "
+                             "behind one vLLM URL is not built yet (#46)"),
     "transport_backend": ("rolloutcore_gloo",
                           "a fleet sends weights with its own gloo fan-out and per-engine "
                           "gloo groups (rolloutcore_gloo); another backend is not supported "
@@ -184,6 +186,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "transfer, worker extension, middleware, parallelism, LoRA) are refused "
                      "with the option to use instead. The tiny checkpoint's --dtype bfloat16 "
                      "--max-model-len 512 apply to it only, unless given here")
+    eng.add_argument("--native-routes", action="store_true",
+                     help="also answer vLLM's own RL routes (/pause, /start_weight_update, "
+                          "/update_weights, /finish_weight_update, ...) under "
+                          "/rc/<ROLLOUTCORE_NATIVE_TOKEN>: an unmodified trainer changes its "
+                          "base URL only (docs/native-routes.md)")
     eng.add_argument("--transport-backend", default="rolloutcore_gloo",
                      help="vLLM weight-transfer backend trainers must use "
                           "(default rolloutcore_gloo)")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "DATA_ROUTES",
+    "NATIVE_PREFIX",
+    "NATIVE_ROUTES",
     "NEWEST",
     "OLDEST",
     "TABLE",
@@ -204,3 +206,17 @@ def keyless_routes() -> Mapping[str, frozenset[str]]:
 
 #: The generation routes the gateway relays to vLLM under the same paths.
 DATA_ROUTES = (Routes.COMPLETIONS, Routes.CHAT, Routes.GENERATE)
+
+
+#: Where the gateway answers vLLM's own RL routes (``service.native``): base URL
+#: ``http://host:port/rc/<token>``, so a client that can set only a base URL
+#: authenticates by its path (TRL keeps the path part of ``vllm_server_base_url``).
+NATIVE_PREFIX = "/rc/"
+
+#: vLLM's RL control surface as the gateway answers it, path -> method.
+NATIVE_ROUTES: Mapping[str, str] = {
+    Routes.HEALTH: "GET", Routes.MODELS: "GET", Routes.VERSION: "GET",
+    Routes.SERVER_INFO: "GET", Routes.GET_WORLD_SIZE: "GET", Routes.IS_PAUSED: "GET",
+    Routes.WEIGHT_INFO: "GET", Routes.INIT_TRANSFER: "POST", Routes.PAUSE: "POST",
+    Routes.RESUME: "POST", Routes.START_UPDATE: "POST", Routes.UPDATE_WEIGHTS: "POST",
+    Routes.FINISH_UPDATE: "POST", Routes.RESET_PREFIX: "POST"}

@@ -55,6 +55,7 @@ from starlette.routing import Route
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
+from rolloutcore.engine.routes import NATIVE_PREFIX
 from rolloutcore.errors import BadInput
 from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import AdapterEngine
@@ -70,6 +71,7 @@ from rolloutcore.service.control import (
 )
 from rolloutcore.service.control_body import control_body
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
+from rolloutcore.service.native import NativeRoutes
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 from rolloutcore.transports import engine_key
@@ -137,12 +139,14 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
 
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                on_finished: Callable[[FinishedRequest], None] | None = None,
-               adapters: Any = None, public_model: str = "policy") -> Starlette:
+               adapters: Any = None, public_model: str = "policy",
+               native_token: str | None = None) -> Starlette:
     """The gateway app over a runner whose controller is (normally) already bootstrapped.
 
     ``adapters``: the engine's ``control.adapters.AdapterManager``; requests for
     ``public_model`` are then served by its current adapter version
-    (``service.admission.AdapterEngine``).
+    (``service.admission.AdapterEngine``). ``native_token``: vLLM's own RL routes
+    are answered under ``/rc/<native_token>`` (``service.native``).
     """
     if not isinstance(runner, LifecycleRunner):
         raise BadInput("runner must be a LifecycleRunner")
@@ -173,6 +177,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     else:
         metrics.watch_recorder(recorder_stats)
     gw = Gateway(runner, config, metrics, data, updates, recorder_stats)
+    native = None if native_token is None else NativeRoutes(runner, config, native_token)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -299,6 +304,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
             await updates.aclose()
+            if native is not None:
+                await native.aclose()
             await read_only.aclose()
             await data.aclose()
 
@@ -316,6 +323,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={HTTPException: http_error})
     app.state.gateway = gw
+    app.state.native = native
     # The data routes are dispatched before Starlette's middleware and router:
     # they are the hot path, and DataPlane answers every error itself.
     data_paths = frozenset(DATA_ROUTES)
@@ -326,6 +334,16 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             await data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:
             await read_only(scope, receive, send)
+        elif native is not None and scope["type"] == "http" and \
+                scope["path"].startswith(NATIVE_PREFIX):
+            # Under the native base URL the generation routes are the data plane's
+            # (a trainer generates from the same base URL it updates through).
+            route = native.path_of(scope["path"])
+            if route is not None and route in data_paths:
+                await data({**scope, "path": route, "raw_path": route.encode()}, receive,
+                           send)
+            else:
+                await native(scope, receive, send)
         else:
             await starlette_app(scope, receive, send)
 

@@ -97,6 +97,7 @@ class ServeOptions:
     pipeline_parallel_size: int = 1       # with model: stages of the launched engine
     worker_extension_cls: str | None = None  # with model: vLLM's --worker-extension-cls
     lora: bool = False                    # launch with LoRA; serve adapter versions
+    native_routes: bool = False           # answer vLLM's RL routes under /rc/<token> (#46)
     max_loras: int | None = None          # with lora: vLLM's --max-loras (default 2)
     max_lora_rank: int | None = None      # with lora: vLLM's --max-lora-rank (default 16)
     #: vLLM engine options passed to a launched engine (--vllm-arg, or after ``--``);
@@ -487,7 +488,20 @@ def run_serve(args: ServeOptions) -> int:
                                         lora_budget, journal)
             if journal is not None and args.journal:
                 _restore_adapters(adapters, args.journal)
-        app = create_app(runner, cfg, on_finished=recorder, adapters=adapters)
+        native_token = None
+        if args.native_routes:
+            # The path is the secret (a client that sets only a base URL keeps it).
+            given_native = os.environ.get("ROLLOUTCORE_NATIVE_TOKEN")
+            native_token = given_native or generate_token()
+            if args.token_out and not given_native:
+                write_token_file(args.token_out + ".native", native_token)
+            where = ("ROLLOUTCORE_NATIVE_TOKEN" if given_native else
+                     f"{args.token_out}.native" if args.token_out else "not shown: set "
+                     "ROLLOUTCORE_NATIVE_TOKEN or --token-out")
+            print(f"[rolloutcore] vLLM's RL routes: base URL http://{args.host}:{args.port}"
+                  f"/rc/<token> (token: {where})", file=sys.stderr)
+        app = create_app(runner, cfg, on_finished=recorder, adapters=adapters,
+                         native_token=native_token)
         from rolloutcore.service.server import run_until_signalled
 
         run_until_signalled(app, args.host, args.port, cfg, exit_on_signal, token=token,

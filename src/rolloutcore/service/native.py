@@ -1,0 +1,494 @@
+"""vLLM's own RL routes on the gateway: an unmodified trainer gets RolloutCore's update.
+
+A trainer that speaks only vLLM's contract (TRL server mode, TRL's
+AsyncGRPO, vLLM's ``HTTPVLLMWeightSyncClient``) changes one URL: its base
+URL becomes ``http://gateway/rc/<token>`` (``engine.routes.NATIVE_PREFIX``).
+The token is the secret; a wrong one is answered 404, as a path that does
+not exist, and the bare paths stay refused by the rest of the gateway.
+
+A **round** is one RolloutCore update through the same runner as the
+trainer protocol (``runner.open_update`` -> ``report_transfer`` ->
+``close_update``), never a second path::
+
+    /pause (any mode) or /start_weight_update with no round open
+        -> open_update: admission closes, the engine drains and pauses
+    /start_weight_update, /update_weights  -> forwarded to vLLM as sent;
+        the update bodies' names/dtypes/shapes make the round's manifest
+        (an empty one from a 0.33+ sender carries the last round's forward)
+    /finish_weight_update -> forwarded with RolloutCore's label, whatever
+        the trainer sent; then, if no /pause opened the round, the round
+        closes here (caches reset and checked, validated while paused,
+        resumed, published); otherwise it closes at /resume
+    /resume with nothing sent -> the round ends with no mutation
+
+What the round checks without a reference (``native-unreferenced``, see
+``docs/native-routes.md``): every parameter written exactly once (a name
+sent twice, or a round that covers fewer names than the last, is refused),
+at least one tensor, the label the engine reports, the cache resets by
+their bodies (the runner's own invalidation), and whatever validation the
+engine adapter runs while paused and live. It cannot prove the values are
+the trainer's: no reference is declared.
+
+Errors: a weight route never answers 500, 502 or 503 (TRL re-POSTs on
+those, and a replayed ``/update_weights`` would wait for a broadcast
+already sent): 4xx or 504, in vLLM's error shape with the reason. A call
+out of order (a finish with no update, a second finish, an update with no
+start) is 409 and changes nothing. A round not finished within
+``ServiceConfig.lease_s`` is expired as a trainer protocol lease is:
+classified from the engine's own counters, TAINTED when anything may have
+been written, nothing published.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+import anyio
+
+from rolloutcore.control.port import ExpectationTaker
+from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
+from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
+from rolloutcore.core.lifecycle import FailureKind, State
+from rolloutcore.core.records import Note
+from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
+from rolloutcore.engine.errors import map_errors
+from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    RolloutCoreError,
+    UpdateFailed,
+    UpdateRefused,
+)
+from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.wire import Receive, Scope, Send, body_or_answer, error_body, send_json
+from rolloutcore.transports import engine_key
+
+__all__ = ["NATIVE_LEVEL", "NativeRoutes"]
+
+#: The verification level a round reaches when the trainer declares nothing.
+NATIVE_LEVEL = "native-unreferenced"
+_MODES = ("abort", "wait", "keep")
+_MAX_NAMES = 1 << 20
+
+
+@dataclass
+class _Round:
+    """One open round: the runner's outcome and what the trainer sent so far."""
+
+    out: UpdateOutcome
+    opened_by: str  # "pause" or "start"
+    mode: str
+    started: bool = False
+    finished: bool = False
+    written: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
+    writes: int = 0
+    trainer_label: str | None = None
+    timer: asyncio.Task[None] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.out.ticket.target.version.label
+
+
+class _Refusal(RolloutCoreError):
+    """A native route's answer other than 200: a 4xx or 504, in vLLM's error shape."""
+
+    def __init__(self, status: int, message: str, kind: str = "Conflict") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+class NativeRoutes:
+    """ASGI app of ``NATIVE_ROUTES`` under ``/rc/<token>``; one round at a time."""
+
+    def __init__(self, runner: LifecycleRunner, config: ServiceConfig, token: str) -> None:
+        if not isinstance(token, str) or len(token) < 16 or not token.isascii() or \
+                not token.replace("-", "").replace("_", "").isalnum():
+            raise BadInput("the native routes' token must be 16+ URL-safe ASCII characters")
+        self.runner = runner
+        self.config = config
+        self._token = token.encode()
+        self.round: _Round | None = None
+        self._lock = asyncio.Lock()
+        self._client: Any = None
+        #: The last round's manifest (name -> dtype, shape), carried when a 0.33+
+        #: sender sends an unchanged round's metadata empty.
+        self.manifest: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.rounds = 0
+        self.last: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------ ASGI
+    def path_of(self, path: str) -> str | None:
+        """The vLLM route a request names, or None when its token is wrong or absent."""
+        rest = path[len(NATIVE_PREFIX):]
+        tok, sep, route = rest.partition("/")
+        if not sep or not hmac.compare_digest(tok.encode("utf-8", "replace"), self._token):
+            return None
+        return "/" + route
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self.path_of(scope["path"])
+        if route is None or route not in NATIVE_ROUTES:
+            await send_json(send, 404, error_body(404, "Not Found", "NotFoundError"))
+            return
+        method = NATIVE_ROUTES[route]
+        if scope["method"] != method:
+            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
+                            [(b"allow", method.encode())])
+            return
+        raw = b""
+        if method == "POST":
+            hdrs = dict(scope.get("headers") or [])
+            got = await body_or_answer(receive, send, self.config.max_body_bytes,
+                                       hdrs.get(b"content-length"))
+            if isinstance(got, int):
+                return
+            raw = got
+        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode(
+            "latin-1")).items()}
+        try:
+            status, body = await self.handle(route, query, raw)
+        except _Refusal as r:
+            status, body = r.status, error_body(r.status, r.message, r.kind)
+        if route == Routes.HEALTH and status == 200:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await send_json(send, status, body)
+
+    async def aclose(self) -> None:
+        rnd = self.round
+        if rnd is not None:
+            await self._expire(rnd, "service shut down during a native round")
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    # ------------------------------------------------------------ routes
+    async def handle(self, route: str, query: Mapping[str, str], raw: bytes
+                     ) -> tuple[int, Any]:
+        c = self.runner.controller
+        if route == Routes.HEALTH:
+            ok = c.failed_closed is None and c.state.value not in (
+                "TAINTED", "UNINITIALIZED", "RECOVERING")
+            return (200, None) if ok else (503, error_body(503, f"state {c.state.value}",
+                                                           "Unavailable"))
+        if route == Routes.IS_PAUSED:
+            return 200, {"is_paused": self.round is not None or c.state is not State.READY}
+        if route == Routes.WEIGHT_INFO:
+            com = c.snapshot()["committed"]
+            return 200, {"weight_version": None if com is None else com.get("label")}
+        if route in (Routes.MODELS, Routes.VERSION, Routes.SERVER_INFO, Routes.GET_WORLD_SIZE):
+            return await self._forward("GET", route, query, None, weight=False)
+        if route == Routes.RESET_PREFIX:
+            # Part of the round (or after it): never a mutation of the weights. The
+            # round's own reset is the runner's, checked by its body; this one is relayed.
+            if set(query) - {"reset_external"}:
+                raise _Refusal(422, "only reset_external is passed on: a reset that "
+                               "preempts running requests is the round's own decision",
+                               "BadRequestError")
+            return await self._forward("POST", route, query, None, weight=False)
+        body = _json_object(raw, route)
+        async with self._lock:
+            if route == Routes.INIT_TRANSFER:
+                if self.round is not None:
+                    raise _Refusal(409, "a round is open: initialise the weight transfer "
+                                   "engine before /pause or /start_weight_update")
+                return await self._forward("POST", route, {}, body, weight=False,
+                                           timeout_s=self.config.lease_s)
+            if route == Routes.PAUSE:
+                return await self._pause(query)
+            if route == Routes.START_UPDATE:
+                return await self._start(body)
+            if route == Routes.UPDATE_WEIGHTS:
+                return await self._update(body)
+            if route == Routes.FINISH_UPDATE:
+                return await self._finish(body)
+            assert route == Routes.RESUME
+            return await self._resume()
+
+    async def _pause(self, query: Mapping[str, str]) -> tuple[int, Any]:
+        mode = query.get("mode", "abort")
+        if mode not in _MODES:
+            raise _Refusal(422, f"mode must be one of {', '.join(_MODES)}, got {mode!r}",
+                           "BadRequestError")
+        if query.get("clear_cache", "true").lower() not in ("true", "false", "1", "0"):
+            raise _Refusal(422, "clear_cache must be a boolean", "BadRequestError")
+        if self.round is None:
+            await self._open("pause", mode)
+        return 200, {"status": "paused"}
+
+    async def _start(self, body: dict[str, Any]) -> tuple[int, Any]:
+        rnd = self.round
+        if rnd is not None and rnd.started:
+            raise _Refusal(409, "this round's weight update has already started (one "
+                           "trainer, one start per round)")
+        if rnd is None:
+            rnd = await self._open("start", "wait")
+        await self._engine(rnd, "POST", Routes.START_UPDATE, body or None,
+                           mutation_started=False)
+        rnd.started = True
+        return 200, {"message": "Weight update started"}
+
+    async def _update(self, body: dict[str, Any]) -> tuple[int, Any]:
+        rnd = self.round
+        if rnd is None or not rnd.started or rnd.finished:
+            raise _Refusal(409, "no weight update is open: /start_weight_update first")
+        info = body.get("update_info")
+        if not isinstance(info, dict):
+            raise _Refusal(422, "update_info must be an object", "BadRequestError")
+        names = _manifest_of(info, self.manifest)
+        twice = sorted(set(names) & set(rnd.written))
+        if twice:
+            await self._fail(rnd, FailureKind.BAD_EVIDENCE,
+                             f"parameters written twice in one round: {twice[:5]}")
+            raise _Refusal(409, "parameters written twice in one round")
+        await self._engine(rnd, "POST", Routes.UPDATE_WEIGHTS, body, mutation_started=True)
+        rnd.written.update(names)
+        rnd.writes += 1
+        return 200, {"message": "Weights updated"}
+
+    async def _finish(self, body: dict[str, Any]) -> tuple[int, Any]:
+        rnd = self.round
+        if rnd is None or not rnd.started or rnd.finished:
+            raise _Refusal(409, "no weight update is open to finish (a replayed finish "
+                           "changes nothing)")
+        wv = body.get("weight_version")
+        if wv is not None and not isinstance(wv, str):
+            raise _Refusal(422, "weight_version must be a string", "BadRequestError")
+        rnd.trainer_label = wv
+        await self._engine(rnd, "POST", Routes.FINISH_UPDATE, {"weight_version": rnd.label},
+                           mutation_started=True)
+        rnd.finished = True
+        if rnd.opened_by == "start":
+            await self._close(rnd)
+        return 200, {"message": "Weight update finished"}
+
+    async def _resume(self) -> tuple[int, Any]:
+        rnd = self.round
+        if rnd is None:
+            return 200, {"status": "resumed"}
+        if not rnd.started:
+            await self._fail(rnd, FailureKind.REFUSED, "paused and resumed with nothing sent",
+                             status=200)
+            return 200, {"status": "resumed"}
+        if not rnd.finished:
+            await self._fail(rnd, FailureKind.ERROR, "resumed before /finish_weight_update: "
+                             "the weights may be half-written")
+            raise _Refusal(409, "resumed before /finish_weight_update")
+        await self._close(rnd)
+        return 200, {"status": "resumed"}
+
+    # ------------------------------------------------------------ the round
+    async def _open(self, opened_by: str, mode: str) -> _Round:
+        cfg, c = self.config, self.runner.controller
+        if c.failed_closed is not None:
+            raise _Refusal(409, f"the controller failed closed ({c.failed_closed})")
+        if cfg.floor > VerificationLevel.DECLARED:
+            raise _Refusal(422, f"this gateway's verification floor is {cfg.floor.wire!r}; a "
+                           f"trainer that declares nothing reaches {NATIVE_LEVEL!r} "
+                           "(serve --min-verification declared to accept it)",
+                           "BadRequestError")
+        self.rounds += 1
+        seed = json.dumps({"native_round": self.rounds, "after": c.snapshot()["committed"]},
+                          sort_keys=True, default=str).encode()
+        ident = WeightIdentity(hashlib.sha256(seed).hexdigest(),
+                               Provenance(f"native:{NATIVE_LEVEL}", "native", self.rounds))
+        pre = PreflightEvidence(source_manifest_digest=ident.manifest_digest,
+                                source_provenance=ident.provenance)
+        adapter = self.runner.adapter
+
+        def open_() -> UpdateOutcome:
+            if isinstance(adapter, ExpectationTaker):
+                adapter.expect(probes=None, reference_checksums=None)
+                adapter.expect_sent(None)
+            return self.runner.open_update(ident, owner="native", preflight=pre,
+                                           min_verification=VerificationLevel.DECLARED)
+
+        try:
+            out = await anyio.to_thread.run_sync(open_)
+        except (UpdateRefused, BadInput) as exc:
+            raise _Refusal(409, str(exc)) from exc
+        except UpdateFailed as exc:
+            self.last = {"status": "failed", "classification": exc.classification,
+                         "reason": exc.reason}
+            raise _Refusal(409, f"the round could not open: {exc}") from exc
+        rnd = _Round(out, opened_by, mode)
+        self.round = rnd
+        rnd.timer = asyncio.get_running_loop().create_task(self._deadline(rnd))
+        return rnd
+
+    async def _close(self, rnd: _Round) -> None:
+        """Report what was forwarded, then the runner's close: reset, validate, publish."""
+        missing = sorted(set(self.manifest) - set(rnd.written))
+        if missing:
+            await self._fail(rnd, FailureKind.BAD_EVIDENCE,
+                             f"{len(missing)} parameters the last round wrote were not "
+                             f"written: {missing[:5]}")
+            raise _Refusal(409, "the round did not cover the last round's parameters")
+        ev = TransferEvidence(completed=bool(rnd.written), mutation_started=True,
+                              backend="native", tensors=len(rnd.written), finish_label=rnd.label,
+                              error=None if rnd.written else "no tensor was written")
+
+        # What the round wrote, in the journal before anything is published: the
+        # manifest's digest names the exact set a sample's version was made from.
+        manifest = hashlib.sha256(json.dumps(
+            sorted([n, d, list(s)] for n, (d, s) in rnd.written.items())).encode()).hexdigest()
+        note = Note("native_round", {
+            "level": NATIVE_LEVEL, "label": rnd.label, "opened_by": rnd.opened_by,
+            "pause_mode": rnd.mode, "tensors": len(rnd.written), "update_calls": rnd.writes,
+            "sent_manifest_digest": manifest, "trainer_label": rnd.trainer_label,
+            "update_id": rnd.out.ticket.update_id})
+
+        def work() -> None:
+            self.runner.emit(note)
+            self.runner.report_transfer(rnd.out, ev)
+            self.runner.close_update(rnd.out)
+
+        try:
+            await anyio.to_thread.run_sync(work)
+        except UpdateFailed as exc:
+            self._end(rnd, {"status": "failed", "classification": exc.classification,
+                            "reason": exc.reason})
+            raise _Refusal(409, f"the round failed ({exc.classification}): {exc.reason}"
+                           ) from exc
+        self.manifest = dict(rnd.written)
+        self._end(rnd, {"status": "published", "label": rnd.label,
+                        "verification": NATIVE_LEVEL, "tensors": len(rnd.written)})
+
+    async def _fail(self, rnd: _Round, kind: FailureKind, reason: str, *,
+                    status: int = 409) -> None:
+        """End the round through the failure policy; a 4xx (409) unless ``status`` is 200."""
+        def work() -> None:
+            self.runner.report_transfer_failure(rnd.out, kind, reason)
+
+        try:
+            await anyio.to_thread.run_sync(work)
+        except UpdateFailed as exc:
+            self._end(rnd, {"status": "failed", "classification": exc.classification,
+                            "reason": exc.reason})
+            if status == 200:
+                return
+            raise _Refusal(status, f"the round failed ({exc.classification}): {reason}"
+                           ) from exc
+
+    async def _deadline(self, rnd: _Round) -> None:
+        await asyncio.sleep(self.config.lease_s)
+        async with self._lock:
+            if self.round is rnd:
+                await self._expire(rnd, f"the round was not finished within "
+                                        f"{self.config.lease_s:g}s")
+
+    async def _expire(self, rnd: _Round, reason: str) -> None:
+        def work() -> None:
+            self.runner.expire_lease(rnd.out, reason)
+
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.to_thread.run_sync(work)
+            except UpdateFailed as exc:
+                self._end(rnd, {"status": "expired", "classification": exc.classification,
+                                "reason": exc.reason})
+
+    def _end(self, rnd: _Round, result: dict[str, Any]) -> None:
+        if self.round is rnd:
+            self.round = None
+        self.last = result
+        t, rnd.timer = rnd.timer, None
+        if t is not None and t is not asyncio.current_task():
+            t.cancel()
+
+    # ------------------------------------------------------------ vLLM
+    async def _engine(self, rnd: _Round, method: str, route: str, body: Any, *,
+                      mutation_started: bool) -> None:
+        """A round's call to vLLM: any failure ends the round (TAINTED once written)."""
+        try:
+            status, answer = await self._call(method, route, {}, body,
+                                              timeout_s=self.config.lease_s)
+        except _Refusal as r:
+            kind = FailureKind.TIMEOUT if r.status == 504 else FailureKind.ERROR
+            await self._fail(rnd, kind if mutation_started or rnd.writes else
+                             FailureKind.REFUSED, f"{route}: {r.message}", status=r.status)
+            raise
+        if status >= 400:
+            kind = FailureKind.ERROR if mutation_started or rnd.writes else FailureKind.REFUSED
+            reason = f"vLLM answered {route} with {status}: {json.dumps(answer)[:300]}"
+            await self._fail(rnd, kind, reason, status=409 if status >= 500 else status)
+            raise _Refusal(409 if status >= 500 else status, reason)
+
+    async def _forward(self, method: str, route: str, query: Mapping[str, str], body: Any,
+                       *, weight: bool, timeout_s: float | None = None) -> tuple[int, Any]:
+        status, answer = await self._call(method, route, query, body, timeout_s=timeout_s)
+        return (409 if status >= 500 else status), answer
+
+    async def _call(self, method: str, route: str, query: Mapping[str, str], body: Any, *,
+                    timeout_s: float | None = None) -> tuple[int, Any]:
+        import httpx
+
+        cfg = self.config
+        if self._client is None:
+            self._client = httpx.AsyncClient(base_url=cfg.upstream_url, follow_redirects=False)
+        t = cfg.upstream_read_s if timeout_s is None else timeout_s
+        try:
+            with map_errors("native", f"{method} {route}", timeout_s=t, mutation_started=False):
+                resp = await self._client.request(
+                    method, route, params=dict(query) or None, json=body,
+                    headers=engine_key.headers_for(cfg.upstream_url),
+                    timeout=httpx.Timeout(t, connect=cfg.upstream_connect_s))
+        except EffectTimeout as exc:
+            raise _Refusal(504, f"vLLM did not answer {route} in time: {exc.__cause__!r}",
+                           "UpstreamTimeout") from exc
+        except EffectError as exc:
+            raise _Refusal(409, f"vLLM unreachable on {route}: {exc.__cause__!r}",
+                           "UpstreamError") from exc
+        with contextlib.suppress(ValueError):
+            return resp.status_code, resp.json()
+        return resp.status_code, {"text": resp.text[:300]}
+
+
+def _json_object(raw: bytes, route: str) -> dict[str, Any]:
+    if not raw.strip():
+        return {}
+    try:
+        obj = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise _Refusal(400, f"malformed JSON for {route}: {exc}", "BadRequestError") from exc
+    if not isinstance(obj, dict):
+        raise _Refusal(422, f"the body of {route} must be a JSON object", "BadRequestError")
+    return obj
+
+
+def _manifest_of(info: Mapping[str, Any], last: Mapping[str, tuple[str, tuple[int, ...]]]
+                 ) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) from vLLM's update_info; an empty one carries ``last``."""
+    names, dtypes, shapes = (info.get("names"), info.get("dtype_names"), info.get("shapes"))
+    if not names and not dtypes and not shapes and last:
+        return dict(last)  # vLLM 0.33+: an unchanged round's metadata sent empty
+    if not isinstance(names, list) or not names or len(names) > _MAX_NAMES or not all(
+            isinstance(n, str) and n for n in names):
+        raise _Refusal(422, "update_info.names must be a non-empty list of parameter names",
+                       "BadRequestError")
+    dtypes = dtypes if isinstance(dtypes, list) else [""] * len(names)
+    shapes = shapes if isinstance(shapes, list) else [[]] * len(names)
+    if len(dtypes) != len(names) or len(shapes) != len(names):
+        raise _Refusal(422, "update_info.names, dtype_names and shapes differ in length",
+                       "BadRequestError")
+    if len(set(names)) != len(names):
+        raise _Refusal(422, "update_info.names repeats a parameter", "BadRequestError")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for n, d, s in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(d, str) or not isinstance(s, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+            raise _Refusal(422, f"update_info: bad dtype or shape for {n!r}", "BadRequestError")
+        out[n] = (d, tuple(s))
+    return out
