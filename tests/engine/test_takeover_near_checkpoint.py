@@ -1,0 +1,99 @@
+"""A takeover over an engine updated to a near checkpoint, on a real vLLM (#47, symptom 2).
+
+A1 is A after one optimizer step: on the probe it deviates from A by far less
+than the engine's own noise, so a gateway restarted without its journal and
+told ``--checkpoint A`` went READY and credited every answer to A. Now the
+engine's label (``rc-1``) says it was written since it started, and without
+the journal that published that update (or content evidence) the takeover is
+refused, whichever checkpoint is declared; with the journal, A1 is confirmed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from enginetools import ROOT, EngineFactory, TinyModels, gateway_process
+from rolloutcore.adapters.vllm.process import free_port, vllm_available
+from rolloutcore.core.versions import Provenance
+from rolloutcore.service.client import RolloutCoreClient
+from rolloutcore.transports.gloo import GlooTransport
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
+]
+
+TOKEN = "takeover-near-token-0123456789abcdef"
+TAKEOVER_REFUSED = 3
+
+
+def _one_optimizer_step(a: Path, out: Path) -> Path:
+    """A after one Adam step on a few tokens (lr 1e-4): the near checkpoint A1."""
+    import shutil
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(a, torch_dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ids = torch.tensor([[(7 * k) % 250 + 1 for k in range(24)]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    for f in a.iterdir():   # the tokenizer and anything else the checkpoint carries
+        if not (out / f.name).exists() and f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _serve(upstream: str, ckpt: Path, token: Path, log: Path, *extra: str
+           ) -> subprocess.CompletedProcess[bytes]:
+    """A gateway start expected to be refused: it exits by itself."""
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", upstream,
+           "--checkpoint", str(ckpt), "--port", str(free_port()), "--token-file", str(token),
+           *extra]
+    with open(log, "wb") as lf:
+        return subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=400,
+                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                              check=False)
+
+
+def test_a_gateway_without_its_journal_refuses_an_engine_on_a_near_checkpoint(
+        engine_factory: EngineFactory, tiny_models: TinyModels, tmp_path: Path) -> None:
+    a = tiny_models.A
+    a1 = _one_optimizer_step(a, tmp_path / "A1")
+    eng = engine_factory(a, backend="rolloutcore_gloo")
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    journal = tmp_path / "journal.jsonl"
+    try:
+        with gateway_process(eng.base_url, a, token, tmp_path / "gw-0.log",
+                             ["--journal", str(journal), "--lease-s", "120"]) as (url, _):
+            with RolloutCoreClient(url, TOKEN, transport=GlooTransport(op_timeout_s=60),
+                                   begin_timeout_s=300, report_timeout_s=300) as rc:
+                res = rc.update(a1, Provenance(str(a1), "near", 1), owner="near")
+            assert res.status == "published" and res.published is not None
+            assert res.published.label == "rc-1"
+        assert httpx.get(f"{eng.base_url}/weight_info", timeout=10).json()[
+            "weight_version"] == "rc-1"
+        for name, ckpt in (("A", a), ("A1", a1)):
+            log = tmp_path / f"gw-nojournal-{name}.log"
+            done = _serve(eng.base_url, ckpt, token, log)
+            text = log.read_text(errors="replace")
+            assert done.returncode == TAKEOVER_REFUSED, text[-3000:]
+            assert "refusing to serve" in text and "'rc-1': it was updated" in text, \
+                text[-3000:]
+        # With the journal that published A1, A1 is confirmed on the same engine.
+        with gateway_process(eng.base_url, a1, token, tmp_path / "gw-1.log",
+                             ["--journal", str(journal)]) as (url, _):
+            st = httpx.get(f"{url}/control/status", timeout=30,
+                           headers={"authorization": f"Bearer {TOKEN}"}).json()
+            assert st["state"] == "READY" and st["committed"]["label"] == "rc-1"
+    finally:
+        engine_factory.stop(eng)
