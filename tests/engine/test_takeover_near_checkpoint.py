@@ -10,15 +10,17 @@ refused, whichever checkpoint is declared; with the journal, A1 is confirmed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from enginetools import ROOT, EngineFactory, TinyModels, gateway_process
+from enginetools import ROOT, EngineFactory, TinyModels, gateway_process, stop_group
 from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.core.versions import Provenance
 from rolloutcore.service.client import RolloutCoreClient
@@ -34,14 +36,15 @@ TAKEOVER_REFUSED = 3
 
 
 def _one_optimizer_step(a: Path, out: Path) -> Path:
-    """A after one Adam step on a few tokens (lr 1e-4): the near checkpoint A1."""
+    """A after one Adam step on a few tokens (lr 1e-5, saved in bf16 as A is): the near
+    checkpoint A1 (a fraction of the weights move by one bf16 step)."""
     import shutil
 
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(a, torch_dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     ids = torch.tensor([[(7 * k) % 250 + 1 for k in range(24)]])
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
@@ -49,19 +52,34 @@ def _one_optimizer_step(a: Path, out: Path) -> Path:
     for f in a.iterdir():   # the tokenizer and anything else the checkpoint carries
         if not (out / f.name).exists() and f.is_file():
             shutil.copy(f, out / f.name)
+    from safetensors.torch import load_file
+
+    before = {k: v for f in a.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = {k: v for f in out.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert any(not torch.equal(before[k], after[k]) for k in before)   # A1 is not A
     return out
 
 
-def _serve(upstream: str, ckpt: Path, token: Path, log: Path, *extra: str
-           ) -> subprocess.CompletedProcess[bytes]:
-    """A gateway start expected to be refused: it exits by itself."""
+def _serve(upstream: str, ckpt: Path, token: Path, log: Path) -> tuple[int | None, str]:
+    """A gateway start expected to be refused: (its exit status, its log). One that
+    serves instead is stopped at once and reported with status ``None``."""
+    port = free_port()
     cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", upstream,
-           "--checkpoint", str(ckpt), "--port", str(free_port()), "--token-file", str(token),
-           *extra]
+           "--checkpoint", str(ckpt), "--port", str(port), "--token-file", str(token)]
     with open(log, "wb") as lf:
-        return subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, timeout=400,
-                              env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                              check=False)
+        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
+                                start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        deadline = time.monotonic() + 400
+        while proc.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return None, log.read_text(errors="replace")   # it took the engine over
+            time.sleep(0.5)
+        return proc.poll(), log.read_text(errors="replace")
+    finally:
+        stop_group(proc, 30)
 
 
 def test_a_gateway_without_its_journal_refuses_an_engine_on_a_near_checkpoint(
@@ -84,9 +102,8 @@ def test_a_gateway_without_its_journal_refuses_an_engine_on_a_near_checkpoint(
             "weight_version"] == "rc-1"
         for name, ckpt in (("A", a), ("A1", a1)):
             log = tmp_path / f"gw-nojournal-{name}.log"
-            done = _serve(eng.base_url, ckpt, token, log)
-            text = log.read_text(errors="replace")
-            assert done.returncode == TAKEOVER_REFUSED, text[-3000:]
+            code, text = _serve(eng.base_url, ckpt, token, log)
+            assert code == TAKEOVER_REFUSED, text[-3000:]
             assert "refusing to serve" in text and "'rc-1': it was updated" in text, \
                 text[-3000:]
         # With the journal that published A1, A1 is confirmed on the same engine.
