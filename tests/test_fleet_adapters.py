@@ -21,7 +21,7 @@ from helpers.fake_lora import LoraEngine
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.versions import Provenance
-from rolloutcore.errors import AdmissionRefused, BadInput, UpdateRefused
+from rolloutcore.errors import AdmissionRefused, BadInput, UpdateFailed, UpdateRefused
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
 
 pytest.importorskip("peft")
@@ -460,3 +460,30 @@ def test_a_replica_without_room_refuses_before_anything_is_loaded_anywhere(
     r1.complete("on-2")
     r1.complete("on-3")
     assert fa.update(adapters[2], _prov(6)).version.replicas == ("r0", "r1")
+
+
+def test_a_publish_that_breaks_off_mid_loop_leaves_no_replica_answering_for_it(
+        rig: dict[str, Any], adapters: dict[int, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """#47 symptom 11: the publish on r1 raises after r0 published: the fleet keeps its
+    adapter, r1's verified copy is unloaded, r0 (which holds the new one) takes no policy
+    request until an adapter update passes on it."""
+    fa: FleetAdapters = rig["fa"]
+    first = fa.update(adapters[1], _prov(1)).version
+
+    def broken(*a: Any, **kw: Any) -> Any:
+        raise UpdateFailed("publish", "no_mutation", "READY", "the replica's loop broke")
+
+    monkeypatch.setattr(fa.managers["r1"], "publish", broken)
+    with pytest.raises(FleetAdapterFailed) as exc:
+        fa.update(adapters[2], _prov(2))
+    err = exc.value
+    assert err.classification == "ambiguous" and "tainted" in err.outcomes["r0"]
+    assert fa.current == first
+    assert fa.managers["r0"].current is not None and fa.managers["r0"].current.name == err.name
+    assert not fa.eligible("r0") and fa.status()["replicas"]["r0"]["tainted"]
+    assert fa.managers["r1"].view.states[err.name] is AdapterState.REFUSED
+    assert err.name not in rig["engines"]["r1"].adapters and fa.eligible("r1")
+    monkeypatch.undo()
+    nxt = fa.update(adapters[3], _prov(3)).version
+    assert fa.current == nxt and fa.eligible("r0") and fa.eligible("r1")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -78,7 +79,18 @@ def engine(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[M
 
 
 class Serving:
+    """What the module's engine holds, and the journal of the gateway that put it there:
+    each case's gateway restarts on the previous case's journal (a gateway without it
+    may not adopt an engine an earlier update wrote, #47)."""
+
     name = "A"
+    journal: Path | None = None
+    before = 0   # records of earlier cases in this case's journal
+
+
+def _records(journal: Path) -> list[Any]:
+    """This case's journal records (the earlier cases' come first in the file)."""
+    return read_journal(journal)[Serving.before:]
 
 
 def _events(text: str) -> list[Any]:
@@ -97,6 +109,10 @@ def _run(engine: ManagedEngine, models: TinyModels, work: Path, mode: str,
     token_file = work / "token"
     token_file.write_text(TOKEN + "\n")
     journal, traj = work / "journal.jsonl", work / "traj.jsonl"
+    if Serving.journal is not None:
+        shutil.copyfile(Serving.journal, journal)
+    Serving.before = len(read_journal(journal)) if journal.exists() else 0
+    Serving.journal = journal
     start = models.A if Serving.name == "A" else models.B
     target, tname = (models.B, "B") if Serving.name == "A" else (models.A, "A")
     answers: list[dict[str, Any]] = [{} for _ in PROMPTS]
@@ -179,7 +195,7 @@ def test_keep_through_the_gateway_labels_every_token_as_vllm_does(
     answers, res, journal, traj = _run(engine, tiny_models, tmp_path, "keep")
     assert res.status == "published" and res.published is not None
     new = res.published.label
-    recs = read_journal(journal)
+    recs = _records(journal)
     carry = [r for r in recs if r.kind == "carry"]
     assert carry and len(carry[0].data["carried"]) == len(PROMPTS)  # bound, not drained
     for a in answers:
@@ -253,7 +269,7 @@ def test_engine_recompute_through_the_gateway_recomputes_inside_vllm(
             "sampling_params": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}},
             timeout=60).json()
         assert again["choices"][0]["token_ids"] == toks[cut:cut + 8]
-    drains = [r.data["evidence"] for r in read_journal(journal) if r.kind == "evidence"
+    drains = [r.data["evidence"] for r in _records(journal) if r.kind == "evidence"
               and r.data["evidence"].get("type") == "DrainEvidence"]
     assert drains and drains[-1]["cleared"] is True, drains[-1:]
     _audit(journal, traj, len(PROMPTS))
@@ -270,7 +286,7 @@ def test_the_staleness_bound_ends_kept_streams_at_the_pause(
         err = evs[-2]["error"]
         assert err["type"] == "OverStalenessBound", evs[-3:]
         assert len(_tokens(evs)) < LONG
-    recs = read_journal(journal)
+    recs = _records(journal)
     ends = [r for r in recs if r.kind == "complete"]
     assert len(ends) == len(PROMPTS) and not any(r.data["attributable"] for r in ends)
     carry = [r for r in recs if r.kind == "carry"]

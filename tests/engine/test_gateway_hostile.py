@@ -186,11 +186,12 @@ def gateway(rig: Rig, name: str, *extra: str, journal: Path | None = None,
     d.mkdir()
     token = d / "token"
     token.write_text(TOKEN + "\n")
-    journal = journal or d / "journal.jsonl"
+    journal = journal or rig.work / "journal.jsonl"
     traj, log = d / "trajectories.jsonl", d / "gateway.log"
-    # The engine's label may be rc-N from the previous case's update: the
-    # gateway declares the checkpoint that update published, and its takeover
-    # verifies it (label, policy probe of that checkpoint).
+    # The engine's label may be rc-N from the previous case's update: the gateway
+    # restarts on the previous case's journal (without it, a takeover may not adopt
+    # an engine an earlier update wrote, #47) and declares the checkpoint that update
+    # published; its takeover confirms it (label, policy probe of that checkpoint).
     with gateway_process(rig.engine.base_url, rig.holds, token, log, [
             "--journal", str(journal), "--record", str(traj),
             "--drain-timeout-s", str(DRAIN_S), "--client-body-s", str(CLIENT_BODY_S),
@@ -663,6 +664,8 @@ def test_journal_on_a_full_filesystem_is_classified_and_publishes_nothing(
             capture_output=True, check=False).returncode != 0:
         pytest.skip("needs root to mount a small tmpfs")
     try:
+        if (rig.work / "journal.jsonl").exists():  # the previous cases' journal, moved
+            shutil.copyfile(rig.work / "journal.jsonl", fs / "journal.jsonl")
         with gateway(rig, "journal_full_fs", journal=fs / "journal.jsonl") as gw:
             for i in range(3):
                 assert gw.generate(0, i).status_code == 200

@@ -12,7 +12,7 @@ apart from the runner so that each file holds one concern.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from rolloutcore.control.outcomes import EffectHost
@@ -116,8 +116,19 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
         label = ev.observed_label if ev.label_supported else None
         version = WeightVersion(generation_of(label) or 0, label or label_for(0),
                                 ev.engine_epoch)
-        vals = _observe(runner, UpdateTarget(version, identity, "takeover"),
-                                      probes, reference_checksums)
+        target = UpdateTarget(version, identity, "takeover")
+        # An engine written since it started holds weights no probe can resolve (a
+        # near checkpoint deviates far below the engine's own noise): without the
+        # journal that published them only content evidence adopts it, and its
+        # probe never calibrates later updates (#47).
+        updated = _written_since_start(ev)
+        vals = _observe(runner, target, probes, reference_checksums,
+                        calibrating=not updated)
+        if updated and not _content_proven(vals):
+            problems = [*updated, *(x for val in vals for x in val.problems(target))]
+            v = c.fail(None, Step.BOOTSTRAP, FailureKind.REFUSED, "; ".join(problems))
+            raise TakeoverRefused("bootstrap", "no_mutation", v.after.value,
+                                  "; ".join(problems))
         v = c.bootstrap(ev, identity, label=label, validations=vals,
                         min_verification=min_verification)
         if not v.accepted:
@@ -192,13 +203,16 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
 
 
 def _observe(runner: TakeoverHost, target: UpdateTarget, probes: Any | None,
-             reference_checksums: Any | None) -> list[ValidationEvidence]:
+             reference_checksums: Any | None, *, calibrating: bool = True
+             ) -> list[ValidationEvidence]:
     """The engine observed as an update's validations would (paused checks, probes)."""
     a = runner.adapter
     if isinstance(a, ExpectationTaker):
         # The probe is of the checkpoint the engine is declared to hold: the
-        # deviation it passes with is the engine's own noise (its calibration).
-        a.expect(probes=probes, reference_checksums=reference_checksums, calibrating=True)
+        # deviation it passes with is the engine's own noise (its calibration),
+        # unless the engine was written since it started (``calibrating=False``).
+        a.expect(probes=probes, reference_checksums=reference_checksums,
+                 calibrating=calibrating)
     elif probes is not None or reference_checksums is not None:
         raise BadInput("this adapter cannot take expectations (ExpectationTaker)")
     out: list[ValidationEvidence] = []
@@ -226,6 +240,41 @@ def _unfit(ev: BootstrapEvidence) -> list[str]:
     if info.get("awake") is False:
         out.append("the engine is asleep: its weights are not loaded")
     return out
+
+
+#: vLLM's weight-transfer operations that write weights (``adapters.vllm.wire``).
+_WRITES = ("start", "start_draft", "update", "finish")
+
+
+def _written_since_start(ev: BootstrapEvidence) -> list[str]:
+    """Evidence that the engine's weights changed after it started, in words: a label an
+    earlier controller gave (``rc-N``, N >= 1; a fresh engine has its own) or the
+    engine's own count of weight writes (vLLM's ``/metrics``)."""
+    label = ev.observed_label if ev.label_supported else None
+    gen = generation_of(label)
+    if gen is not None and gen >= 1:
+        return [f"the engine's weight-version label is {label!r}: it was updated after it "
+                "started, and neither the journal that published that update nor content "
+                "evidence (engine checksums covering every parameter) says it holds the "
+                "declared checkpoint: start the gateway with that journal, or restart the "
+                "engine from the checkpoint"]
+    ops = ev.engine_info.get("weight_ops")
+    if isinstance(ops, Mapping):
+        writes = {op: n for op, n in ops.items() if op in _WRITES
+                  and isinstance(n, (int, float)) and n > 0}
+        if writes:
+            return [f"the engine counts weight writes since it started ({writes}) and "
+                    "neither a journal nor content evidence says what they wrote"]
+    return []
+
+
+def _content_proven(vals: list[ValidationEvidence]) -> bool:
+    """Whether the engine's content was compared with the declared checkpoint's and held:
+    a passed engine-checksum check covering every parameter, nothing left unverified."""
+    return any(not val.unverified and any(
+        ch.passed and ch.level is not None
+        and ch.level >= VerificationLevel.ENGINE_CHECKSUM and ch.coverage == 1.0
+        for ch in val.checks) for val in vals)
 
 
 def _same_weights(declared: WeightIdentity, known: WeightIdentity) -> bool:

@@ -390,10 +390,13 @@ class FleetAdapters:
         # -- publish on each, then it is the fleet's
         results: dict[str, AdapterResult] = {}
         t2 = time.perf_counter()
-        for n in members:
+        for i, n in enumerate(members):
             v = got[n]
             assert isinstance(v, VerifiedAdapter)
-            results[n] = self.managers[n].publish(v)
+            try:
+                results[n] = self.managers[n].publish(v)
+            except BaseException as exc:
+                self._broken_off(name, members[:i], members[i:], got, exc, paths)
             with self._mem:
                 self._tainted.pop(n, None)
         fv = FleetAdapterVersion(gen, name, src.content_digest, src.size_bytes,
@@ -407,6 +410,38 @@ class FleetAdapters:
             "prepare": prep_s, "verify": verify_s, "publish": time.perf_counter() - t2,
             "total": time.perf_counter() - t0},
             tuple(sorted(n for n in self.managers if n not in members)))
+
+    def _broken_off(self, name: str, published: list[str], rest: list[str],
+                    got: Mapping[str, VerifiedAdapter | BaseException], exc: BaseException,
+                    paths: Mapping[str, Path]) -> None:
+        """The publish loop broke off at ``rest[0]`` (#47): the fleet keeps its current
+        adapter; where the new one is still verifying it is unloaded (``_abandon``), and a
+        replica that published it is tainted for adapters (it answers for an adapter the
+        fleet does not route) until an adapter update passes on it."""
+        why = f"the fleet's publish broke off at {rest[0]} ({type(exc).__name__}: {exc})"
+        m = self.managers[rest[0]]
+        if m.shell.read(lambda: m.table.state(name)) not in (
+                AdapterState.VERIFYING, AdapterState.REFUSED, None):
+            published = [*published, rest[0]]   # it moved before the failure
+        with self._mem:
+            for n in published:
+                self._tainted[n] = (f"adapter {name} published here but not on the fleet "
+                                    f"({why[:300]}): no policy request until an adapter "
+                                    "update passes")
+        left = {n: got[n] for n in rest if isinstance(got[n], VerifiedAdapter) and
+                self.managers[n].shell.read(lambda n=n: self.managers[n].table.state(name))
+                is AdapterState.VERIFYING}
+        try:
+            self._abandon(name, left, {rest[0]: exc}, paths)
+        except FleetAdapterFailed as failed:
+            outcomes = {**failed.outcomes, **{n: "published, then tainted for adapters (the "
+                                              "fleet's publish broke off)" for n in published}}
+            raise FleetAdapterFailed(name, outcomes, "ambiguous" if published
+                                     else failed.classification) from exc
+        except UpdateRefused as refused:
+            raise FleetAdapterFailed(name, {n: "published, then tainted for adapters"
+                                            for n in published} or {rest[0]: str(refused)},
+                                     "ambiguous" if published else "no_mutation") from exc
 
     def _abandon(self, name: str, got: Mapping[str, VerifiedAdapter | BaseException],
                  failed: Mapping[str, BaseException], paths: Mapping[str, Path]) -> None:
