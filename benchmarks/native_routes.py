@@ -43,7 +43,7 @@ NATIVE = "bench-native-token-0123456789abcdef"
 
 
 def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from rolloutcore.adapters.vllm.process import free_port
+    from rolloutcore.engine.process import free_port
 
     port = free_port()
     (work / "token").write_text(TOKEN + "\n")
@@ -73,7 +73,7 @@ def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Po
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rolloutcore.adapters.vllm.process import ManagedEngine
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels, gateway_process
-from rolloutcore.adapters.vllm.process import vllm_available
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import RolloutCoreError
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from enginetools import ROOT, EngineFactory, TinyModels, gateway_process, stop_group
-from rolloutcore.adapters.vllm.process import free_port, vllm_available
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.process import free_port, vllm_available
 from rolloutcore.service.client import RolloutCoreClient
 from rolloutcore.transports.gloo import GlooTransport
 

@@ -242,7 +242,7 @@ def _unfit(ev: BootstrapEvidence) -> list[str]:
     return out
 
 
-#: vLLM's weight-transfer operations that write weights (``adapters.vllm.wire``).
+#: vLLM's weight-transfer operations that write weights (``engine.wire``).
 _WRITES = ("start", "start_draft", "update", "finish")
 
 

@@ -59,7 +59,7 @@ from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind, State
 from rolloutcore.core.records import Note
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
-from rolloutcore.engine.errors import map_errors
+from rolloutcore.engine.client import AsyncEngineClient
 from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
 from rolloutcore.errors import (
     BadInput,
@@ -120,7 +120,7 @@ class NativeRoutes:
         self._token = token.encode()
         self.round: _Round | None = None
         self._lock = asyncio.Lock()
-        self._client: Any = None
+        self._client: AsyncEngineClient | None = None
         #: The last round's manifest (name -> dtype, shape), carried when a 0.33+
         #: sender sends an unchanged round's metadata empty.
         self.manifest: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -433,18 +433,16 @@ class NativeRoutes:
 
     async def _call(self, method: str, route: str, query: Mapping[str, str], body: Any, *,
                     timeout_s: float | None = None) -> tuple[int, Any]:
-        import httpx
-
         cfg = self.config
         if self._client is None:
-            self._client = httpx.AsyncClient(base_url=cfg.upstream_url, follow_redirects=False)
+            self._client = AsyncEngineClient(cfg.upstream_url, timeout_s=cfg.upstream_read_s,
+                                             connect_s=cfg.upstream_connect_s)
         t = cfg.upstream_read_s if timeout_s is None else timeout_s
         try:
-            with map_errors("native", f"{method} {route}", timeout_s=t, mutation_started=False):
-                resp = await self._client.request(
-                    method, route, params=dict(query) or None, json=body,
-                    headers=engine_key.headers_for(cfg.upstream_url),
-                    timeout=httpx.Timeout(t, connect=cfg.upstream_connect_s))
+            resp = await self._client.request(
+                method, route, step="native", timeout_s=t, params=dict(query) or None,
+                json_body=body, headers=engine_key.headers_for(cfg.upstream_url),
+                check_status=False, mutation_started=False)
         except EffectTimeout as exc:
             raise _Refusal(504, f"vLLM did not answer {route} in time: {exc.__cause__!r}",
                            "UpstreamTimeout") from exc
