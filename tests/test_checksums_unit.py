@@ -394,3 +394,35 @@ def test_the_engines_comparison_is_verifications() -> None:
     assert adapter.WeightChecksums is vc.WeightChecksums
     assert adapter.ChecksumComparison is vc.ChecksumComparison
     assert adapter.EMPTY_SHA256 == vc.EMPTY_SHA256
+
+
+# ------------------------------------------------------------- serve --takeover-checksums
+
+
+def test_serve_reads_takeover_checksums_or_refuses_the_file_with_the_reason(
+        tmp_path: Path) -> None:
+    """``serve --takeover-checksums FILE`` (#47 symptom 2's content evidence from the command
+    line): a saved reference is read back whole; a missing, garbled or foreign file is
+    refused with the option and the reason, before anything starts."""
+    import json
+
+    from rolloutcore.errors import BadInput
+    from rolloutcore.service.serve import _takeover_checksums
+
+    assert _takeover_checksums(None) is None
+    saved = ref(taken_wall=1.0)
+    good = tmp_path / "ref.json"
+    good.write_text(json.dumps(saved.to_dict()))
+    back = _takeover_checksums(str(good))
+    assert isinstance(back, ReferenceChecksums) and back.to_dict() == saved.to_dict()
+    garbled = tmp_path / "garbled.json"
+    garbled.write_text("{not json")
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"format": "something-else"}))
+    forged = tmp_path / "forged.json"
+    forged.write_text(json.dumps({**saved.to_dict(), "layout_digest": h("forged")}))
+    for bad, why in ((tmp_path / "missing.json", "No such file"), (garbled, "Expecting"),
+                     (foreign, "not a"), (forged, "layout_digest")):
+        with pytest.raises(BadInput, match="--takeover-checksums") as exc:
+            _takeover_checksums(str(bad))
+        assert why in str(exc.value)

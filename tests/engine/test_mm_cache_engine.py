@@ -36,6 +36,7 @@ counter in /metrics. The processor cache's counters are vLLM's
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -215,13 +216,19 @@ def test_the_vision_tower_travels_and_checksums_cover_it(
 
 def test_images_through_the_gateway_are_bound_recorded_and_checked(
         rig: Rig, cold: Observation, tmp_path: Path) -> None:
-    """The gateway (own process) in front of the VLM engine: chat and generate with images."""
+    """The gateway (own process) in front of the VLM engine: chat and generate with images.
+
+    The session updated this engine before; a gateway without that journal adopts it as
+    B only on content evidence (#47 symptom 2): B's cold-load checksums, saved to a file."""
     token_file = tmp_path / "token"
     token_file.write_text(GW_TOKEN + "\n")
     traj, journal = tmp_path / "traj.jsonl", tmp_path / "journal.jsonl"
+    ref = tmp_path / "b.checksums.json"
+    ref.write_text(json.dumps(rig.cold_b.to_dict()))
     png = make_image_png(7)
     with gateway_process(rig.engine.base_url, rig.b, token_file, tmp_path / "gw.log",
-                         ["--journal", str(journal), "--record", str(traj)]) as (url, _):
+                         ["--journal", str(journal), "--trajectories", str(traj),
+                          "--takeover-checksums", str(ref)]) as (url, _):
         with httpx.Client(base_url=url, timeout=120) as c:
             chat = c.post("/v1/chat/completions", json={
                 "model": rig.model, "max_tokens": 8, "temperature": 0, "logprobs": True,

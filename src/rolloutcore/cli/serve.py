@@ -64,6 +64,8 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                        "build_fleet(urls=...))"),
     "checkpoint": (None, "--checkpoint names what one --upstream engine was started from; "
                          "a fleet starts its engines on --model"),
+    "takeover_checksums": (None, "a fleet starts its own engines: there is no running engine "
+                                 "to take over"),
     "engine_url": (None, "a fleet gateway serves no trainer protocol (/control/updates) for "
                          "which trainers would need the engine's URL: its updates come "
                          "through POST /control/fleet/updates"),
@@ -260,6 +262,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ver.add_argument("--takeover-probe", default=None, metavar="FILE",
                      help="the checkpoint's policy probe (PolicyProbe.to_wire() as JSON), "
                           "instead of computing it here with a forward pass of the checkpoint")
+    ver.add_argument("--takeover-checksums", default=None, metavar="FILE",
+                     help="the checkpoint's reference checksums (ReferenceChecksums.to_dict() "
+                          "as JSON, taken from an engine that cold-loaded it): content "
+                          "evidence with which a takeover without its journal may adopt an "
+                          "engine updated since it started, when what it holds matches")
     lim.add_argument("--trajectories", dest="record", default=None, metavar="PATH",
                      help="record finished /inference/v1/generate requests that carry "
                           "X-RolloutCore-Run/-Step/-Prompt-Index as trajectory groups in "

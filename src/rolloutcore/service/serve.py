@@ -26,6 +26,7 @@ publishes nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -91,6 +92,7 @@ class ServeOptions:
     record: str | None = None
     min_verification: str | None = None   # the floor (default: the highest reachable)
     takeover_probe: str | None = None     # a saved PolicyProbe.to_wire() of the checkpoint
+    takeover_checksums: str | None = None  # a saved ReferenceChecksums.to_dict() of it
     update_mode: str = "strict"           # strict|keep|recompute|engine_recompute (carried)
     max_staleness: int | None = None      # asynchronous modes: the bound, in versions
     tensor_parallel_size: int = 1         # with model: ranks of the launched engine
@@ -325,6 +327,7 @@ def run_serve(args: ServeOptions) -> int:
                    else VerificationLevel.parse(args.min_verification))
     if args.takeover_probe is not None and not Path(args.takeover_probe).is_file():
         raise BadInput(f"--takeover-probe {args.takeover_probe}: no such file")
+    takeover_ref = _takeover_checksums(args.takeover_checksums)
     taken = refuse_taken_port(args.host, args.port)   # before any engine starts
     if taken is not None:
         return taken
@@ -438,6 +441,7 @@ def run_serve(args: ServeOptions) -> int:
         takeover_probe = _takeover_probe(args, model_dir, reachable)
         try:
             runner.take_over(identity, probes=takeover_probe, min_verification=floor,
+                             reference_checksums=takeover_ref,
                              recoverer=_recoverer(url, model_dir, identity, takeover_probe))
         except TakeoverRefused as exc:
             print(f"[rolloutcore] refusing to serve: the engine at {url} could not be "
@@ -588,6 +592,23 @@ def _restore_adapters(m: Any, journal_path: str) -> None:
         return
     print(f"[rolloutcore] the journal's adapter {was.name} published again, verified, as "
           f"{res.version.name}", file=sys.stderr)
+
+
+def _takeover_checksums(path: str | None) -> Any:
+    """``--takeover-checksums``: the checkpoint's reference checksums, read and checked
+    before anything starts (a bad file is refused with the reason, nothing launched)."""
+    if path is None:
+        return None
+    from rolloutcore.verification.checksums import ReferenceChecksums
+
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
+    try:
+        return ReferenceChecksums.from_dict(raw)
+    except BadInput as exc:
+        raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
 
 
 def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
