@@ -549,6 +549,7 @@ def test_both_torch_handle_layouts_are_accepted() -> None:
     from rolloutcore.transports.cuda_ipc.wire import handle_kind
 
     assert handle_kind(b"\x02c" + bytes(64)) == (ord("c"), 2)
+    assert handle_kind(b"\x03c" + bytes(64)) == (ord("c"), 2)  # torch >= 2.13
     assert handle_kind(b"\x02e" + bytes(40)) == (ord("e"), 2)
     assert handle_kind(b"c" + bytes(64)) == (ord("c"), 1)
     assert _handle().handle[:2] == b"\x02c"

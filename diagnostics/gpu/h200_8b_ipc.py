@@ -590,7 +590,13 @@ def main() -> int:
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "PYTHONUNBUFFERED": "1",
            **{k: str(v) for k, v in R.get("kernel_tiles", {}).get("chosen", {}).items()}}
     with stage("engine_start"):
-        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=False, guard_routes=True,
+        # vLLM 0.34 answers /inference/v1/generate 403 without --enable-scale-out (seen on
+        # the H200 on 2026-12-06); 0.26 predates the option.
+        vv = str(RESULTS["versions"].get("vllm", ""))
+        scale_out = vv[:1].isdigit() and tuple(
+            int(x) for x in vv.split(".")[:2] if x.isdigit()) >= (0, 32)
+        engine = ManagedEngine(model_dir, backend=BACKEND, scale_out=scale_out,
+                               guard_routes=True,
                                max_model_len=4096, extra_args=extra, env=env,
                                log_dir=logs, startup_timeout_s=420, stop_grace_s=10)
         R["engine_env"] = env

@@ -215,18 +215,29 @@ def test_the_vision_tower_travels_and_checksums_cover_it(
 
 
 def test_images_through_the_gateway_are_bound_recorded_and_checked(
-        rig: Rig, cold: Observation, tmp_path: Path) -> None:
-    """The gateway (own process) in front of the VLM engine: chat and generate with images.
+        rig: Rig, cold: Observation, engine_factory: EngineFactory, tmp_path: Path) -> None:
+    """The gateway (own process) in front of a VLM engine: chat and generate with images.
 
-    The session updated this engine before; a gateway without that journal adopts it as
-    B only on content evidence (#47 symptom 2): B's cold-load checksums, saved to a file."""
+    Its own engine, cold on B: the module's engine was updated by the session, and a
+    gateway without that journal may not adopt an updated engine (#47 symptom 2; the CPU
+    engine cannot hash its fused layers, so checksums cannot cover every parameter).
+    B's cold-load checksums are still given, as content evidence the fresh engine passes."""
     token_file = tmp_path / "token"
     token_file.write_text(GW_TOKEN + "\n")
     traj, journal = tmp_path / "traj.jsonl", tmp_path / "journal.jsonl"
     ref = tmp_path / "b.checksums.json"
     ref.write_text(json.dumps(rig.cold_b.to_dict()))
     png = make_image_png(7)
-    with gateway_process(rig.engine.base_url, rig.b, token_file, tmp_path / "gw.log",
+    fresh = engine_factory(rig.b, extra_args=["--enforce-eager", ITERATION_LOG_FLAG])
+    try:
+        _images_through(fresh, rig, cold, token_file, traj, journal, ref, png, tmp_path)
+    finally:
+        engine_factory.stop(fresh)
+
+
+def _images_through(fresh: ManagedEngine, rig: Rig, cold: Observation, token_file: Path,
+                    traj: Path, journal: Path, ref: Path, png: bytes, tmp_path: Path) -> None:
+    with gateway_process(fresh.base_url, rig.b, token_file, tmp_path / "gw.log",
                          ["--journal", str(journal), "--trajectories", str(traj),
                           "--takeover-checksums", str(ref)]) as (url, _):
         with httpx.Client(base_url=url, timeout=120) as c:
@@ -249,7 +260,7 @@ def test_images_through_the_gateway_are_bound_recorded_and_checked(
             assert gen.status_code == 200, gen.text
             label = gen.json()["rolloutcore"]["version"]
             assert {sp["version"] for sp in gen.json()["choices"][0]["weight_versions"]} == {
-                rig.session.http.label()}
+                VllmHTTP(fresh.base_url).label()}
             bad = c.post("/v1/chat/completions", json={
                 "model": rig.model, "max_tokens": 2, "messages": [{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": png_data_url(b"GIF89a")}}]}]})
@@ -260,8 +271,8 @@ def test_images_through_the_gateway_are_bound_recorded_and_checked(
             time.sleep(0.1)
     (group,) = list(read_groups(traj))
     (sample,) = group.samples
-    (ref,) = sample.prompt.media
-    assert ref.digest == hashlib.sha256(png).hexdigest() and ref.mime == "image/png"
+    (media,) = sample.prompt.media
+    assert media.digest == hashlib.sha256(png).hexdigest() and media.mime == "image/png"
     assert sample.binding.version.label == label and sample.schema_version == 2
     admits = [r for r in read_journal(journal, live=True) if r.kind == "admit"]
     assert len(admits) == 2  # chat and generate; the bad image was never admitted

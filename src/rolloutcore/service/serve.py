@@ -327,6 +327,9 @@ def run_serve(args: ServeOptions) -> int:
                    else VerificationLevel.parse(args.min_verification))
     if args.takeover_probe is not None and not Path(args.takeover_probe).is_file():
         raise BadInput(f"--takeover-probe {args.takeover_probe}: no such file")
+    if args.takeover_checksums is not None and args.upstream is None:
+        raise BadInput("--takeover-checksums is content evidence for taking over a running "
+                       "engine (--upstream); an engine serve launches is loaded fresh")
     takeover_ref = _takeover_checksums(args.takeover_checksums)
     taken = refuse_taken_port(args.host, args.port)   # before any engine starts
     if taken is not None:
@@ -419,6 +422,10 @@ def run_serve(args: ServeOptions) -> int:
         source = WeightSource.from_checkpoint(model_dir)
         identity = WeightIdentity.declare(source.manifest(), Provenance(
             str(model_dir.resolve()), "", args.step), source.content_digest())
+        if takeover_ref is not None and takeover_ref.content_digest != identity.content_digest:
+            raise BadInput(f"--takeover-checksums {args.takeover_checksums} are of content "
+                           f"{takeover_ref.content_digest[:16]}, not of {model_dir} "
+                           f"({str(identity.content_digest)[:16]})")
         # The pause call's own timeout is the pause step's deadline, not the
         # drain deadline (how long bound rollouts may take): after a drain-policy
         # abort the pause may take a while on a busy engine.
@@ -441,7 +448,8 @@ def run_serve(args: ServeOptions) -> int:
         takeover_probe = _takeover_probe(args, model_dir, reachable)
         try:
             runner.take_over(identity, probes=takeover_probe, min_verification=floor,
-                             reference_checksums=takeover_ref,
+                             reference_checksums=(None if takeover_ref is None
+                                                  else takeover_ref.checksums),
                              recoverer=_recoverer(url, model_dir, identity, takeover_probe))
         except TakeoverRefused as exc:
             print(f"[rolloutcore] refusing to serve: the engine at {url} could not be "

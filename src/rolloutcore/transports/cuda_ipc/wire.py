@@ -77,10 +77,13 @@ _MAX_DIMS = 8
 # against the allocation it opened (``loader.map_buffer``).
 _MAX_HANDLE = 1024
 #: torch's CUDA storage handle (``CUDACachingAllocator::shareIpcHandle``): a version byte
-#: (``SHAREABLE_HANDLE_VERSION``, 2 since torch 2.x), a kind byte (``c``: cudaMalloc, then
-#: the 64-byte ``cudaIpcMemHandle_t``; ``e``: an expandable segment, then its own bounded
-#: payload). Kind byte -> exact length of the payload after it (None: bounded).
-HANDLE_VERSIONS = frozenset({2})
+#: (``SHAREABLE_HANDLE_VERSION``: 2 in torch 2.x, 3 from torch 2.13, which vLLM 0.33/0.34
+#: pin as 2.14: seen on the H200 on 2026-12-06 as ``b"\x03c"``), a kind byte (``c``:
+#: cudaMalloc, then the 64-byte ``cudaIpcMemHandle_t``, the same payload in versions 2 and
+#: 3; ``e``: an expandable segment, then its own bounded payload, which torch 2.13 changed
+#: and which only the receiver's torch parses). Kind byte -> exact length of the payload
+#: after it (None: bounded).
+HANDLE_VERSIONS = frozenset({2, 3})
 HANDLE_KINDS = {b"c"[0]: 64, b"e"[0]: None}
 
 
