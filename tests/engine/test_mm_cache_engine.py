@@ -259,8 +259,13 @@ def _images_through(fresh: ManagedEngine, rig: Rig, cold: Observation, token_fil
                 "sampling_params": {"max_tokens": 4, "temperature": 0, "logprobs": 0}})
             assert gen.status_code == 200, gen.text
             label = gen.json()["rolloutcore"]["version"]
+            direct = VllmHTTP(fresh.base_url)
+            try:
+                engine_label = direct.label()
+            finally:
+                direct.close()
             assert {sp["version"] for sp in gen.json()["choices"][0]["weight_versions"]} == {
-                VllmHTTP(fresh.base_url).label()}
+                engine_label}
             bad = c.post("/v1/chat/completions", json={
                 "model": rig.model, "max_tokens": 2, "messages": [{"role": "user", "content": [
                     {"type": "image_url", "image_url": {"url": png_data_url(b"GIF89a")}}]}]})
