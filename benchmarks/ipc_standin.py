@@ -169,7 +169,12 @@ def build(scale: int, on_call: Callable[[int, float], None]) -> StandIn:
     pk._handle = _handle(int(pk.buffer.numel()))   # created once, as share_buffer's
     tr = CpuSlotTransport(device="cpu", checksum_impl="torch", copy_impl="memcpy"
                           if "memcpy" in trainer_mod.COPY_IMPLS else "auto")
-    tr._client = httpx.Client(transport=mock)
+    # The engine's weight-sync client (one per engine URL) over the stand-in.
+    from rolloutcore.engine.weight_sync import HttpWeightSync
+
+    sync = HttpWeightSync(BASE, pooled=True)
+    sync._client = httpx.Client(transport=mock)
+    tr._syncs[BASE] = sync
     tr.adopt(pk)
     deadlines = Deadlines(pause_s=60, transfer_s=120, validate_s=60, resume_s=30, reset_s=30,
                           preflight_s=30, live_validate_s=60, drain_s=120)

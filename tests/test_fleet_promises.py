@@ -318,10 +318,10 @@ def test_health_checks_run_at_once_so_a_slow_one_delays_no_other() -> None:
     journal = f.coord.journal
     orig = journal.write
 
-    def spy(rec: Any) -> Any:
+    def spy(rec: Any, **kw: Any) -> Any:
         if isinstance(rec, ReplicaStateChange) and rec.replica == "r2":
             seen.set()
-        return orig(rec)
+        return orig(rec, **kw)
 
     journal.write = spy  # type: ignore[method-assign]
     f.coord.config = FleetConfig(health_interval_s=0, health_failures=1, heal=False)
@@ -340,12 +340,12 @@ def test_a_journal_that_fails_inside_an_update_strands_no_replica() -> None:
     orig = j.write
     count = {"n": 0}
 
-    def failing(rec: Any) -> Any:
+    def failing(rec: Any, **kw: Any) -> Any:
         if isinstance(rec, ReplicaStateChange) and rec.event == "selected":
             count["n"] += 1
             if count["n"] == 2:                 # between selecting and recording outcomes
                 raise JournalError("cannot write: no space left on device")
-        return orig(rec)
+        return orig(rec, **kw)
 
     j.write = failing  # type: ignore[method-assign]
     with pytest.raises(FleetUpdateFailed):

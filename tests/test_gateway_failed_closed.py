@@ -76,12 +76,13 @@ async def test_a_fleet_failed_closed_says_so_on_health() -> None:
 
     count = {"n": 0}
 
-    def full(rec: Any) -> Any:  # as tests/test_fleet_promises.py's journal that fails mid-update
+    # as tests/test_fleet_promises.py's journal that fails mid-update
+    def full(rec: Any, **kw: Any) -> Any:
         if isinstance(rec, ReplicaStateChange) and rec.event == "selected":
             count["n"] += 1
             if count["n"] == 2:
                 raise JournalError("cannot write: no space left on device")
-        return orig(rec)
+        return orig(rec, **kw)
 
     async with fleet_client(fleet=f) as (_, client, _fakes):
         assert (await client.get("/health")).status_code == 200

@@ -349,10 +349,10 @@ def test_a_fleet_on_a_full_disk_writes_no_record_under_a_lock_and_strands_nothin
         for j in journals:
             orig = j.write
 
-            def checked(rec: Any, orig: Any = orig) -> Any:
+            def checked(rec: Any, orig: Any = orig, **kw: Any) -> Any:
                 if any(_held_by_me(lk) for lk in locks):
                     under_lock.append(rec.KIND)
-                return orig(rec)
+                return orig(rec, **kw)
 
             j.write = checked  # type: ignore[method-assign]
         _fill(small_fs, leave_pages=2)

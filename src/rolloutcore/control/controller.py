@@ -216,20 +216,34 @@ class LifecycleController:
         return self._shell.run(self._m.request_update, target_identity, owner, label=label,
                                min_verification=min_verification)
 
+    def _inside(self, step: Callable[..., Verdict], ticket: UpdateTicket, evidence: Any
+                ) -> Verdict:
+        """A step inside an update, group-committed (``Shell.run(durable=False)``): a
+        restart reads a journal that ends at any of them as one that ends at the
+        decision before it (the update in flight fails ``restart``: TAINTED), so they
+        reach the file with the next decision that syncs (begin_update, the publish),
+        or within the journal's ``defer_s``. A verdict that refuses is a decision:
+        synced at once."""
+        v: Verdict = self._shell.run(step, ticket, evidence, durable=False)
+        if not v.accepted:
+            self._shell.run(_nothing)
+        return v
+
     def drained(self, ticket: UpdateTicket, ev: ev.DrainEvidence) -> Verdict:
-        return self._shell.run(self._m.drained, ticket, ev)
+        return self._inside(self._m.drained, ticket, ev)
 
     def preflighted(self, ticket: UpdateTicket, ev: ev.PreflightEvidence) -> Verdict:
+        # Durable: its begin_update burns the target's label before it can reach the engine.
         return self._shell.run(self._m.preflighted, ticket, ev)
 
     def transferred(self, ticket: UpdateTicket, ev: ev.TransferEvidence) -> Verdict:
-        return self._shell.run(self._m.transferred, ticket, ev)
+        return self._inside(self._m.transferred, ticket, ev)
 
     def invalidated(self, ticket: UpdateTicket, ev: ev.CacheResetEvidence) -> Verdict:
-        return self._shell.run(self._m.invalidated, ticket, ev)
+        return self._inside(self._m.invalidated, ticket, ev)
 
     def validated(self, ticket: UpdateTicket, ev: ev.ValidationEvidence) -> Verdict:
-        return self._shell.run(self._m.validated, ticket, ev)
+        return self._inside(self._m.validated, ticket, ev)
 
     def resumed(self, ticket: UpdateTicket, ev: ev.ResumeEvidence,
                 live: ev.ValidationEvidence | None = None) -> Verdict:
@@ -286,3 +300,7 @@ class LifecycleController:
             c.add_listener(listener)
         c._shell.run(m.restored)
         return c
+
+
+def _nothing() -> None:
+    """A decision of nothing: ``Shell.run`` of it syncs what is pending."""

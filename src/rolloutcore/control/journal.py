@@ -18,9 +18,21 @@ must not cost. So a file journal accepts a record into a bounded queue
 and one writer thread writes whatever has queued up, then flushes once (and
 ``fsync``s, when asked) per batch; a data-plane record is on disk shortly
 after the call that made it returned, not before. The controller calls ``sync`` after every
-decision that is not the data plane's (an update step, a publish, a taint):
-it returns once everything accepted so far is written, so a published
+decision a restart reads differently (the update's opening, a publish, a taint, an
+abandon): it returns once everything accepted so far is written, so a published
 version is on disk before the trainer is told.
+
+Group commit. A record ``write(..., defer=True)`` does not wake the writer: it
+goes to the file with the next ``sync`` (one write, one flush for the lot), with
+the next record that does wake it, or at the latest ``defer_s`` later (the
+writer's idle wait is bounded by it). The steps inside an update (drained,
+transferred, invalidated, validated), the runner's effect notes and the trainer
+protocol's lease changes are deferred: a crash before they reach the file
+restores to the same decision (an update in flight fails ``restart``: TAINTED),
+so a sync of their own only cost a write, a flush and a thread wake each on the
+update's critical path. The request_update, the begin_update (it burns the
+target's label before the label can reach the engine), the publish and every
+failure still sync.
 
 Nothing accepted is lost silently: a record is either written, or the write
 fails and the journal is *failed*: ``sync`` and every later ``write`` raise
@@ -96,14 +108,16 @@ class Journal:
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
                  repair_torn_tail: bool = True, keep: int | None = None,
                  queue_max: int = 4096, put_timeout_s: float = 30.0,
-                 sync_timeout_s: float = 60.0, snapshot_every: int = 5000) -> None:
+                 sync_timeout_s: float = 60.0, snapshot_every: int = 5000,
+                 defer_s: float = 1.0) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 0):
             raise JournalError(f"keep must be None or an int >= 0, got {keep!r}")
         for name, n in (("queue_max", queue_max), ("snapshot_every", snapshot_every)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise JournalError(f"{name} must be an int >= 1, got {n!r}")
-        for name, v in (("put_timeout_s", put_timeout_s), ("sync_timeout_s", sync_timeout_s)):
+        for name, v in (("put_timeout_s", put_timeout_s), ("sync_timeout_s", sync_timeout_s),
+                        ("defer_s", defer_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise JournalError(f"{name} must be a positive number, got {v!r}")
         self._cond = threading.Condition(threading.Lock())
@@ -111,6 +125,7 @@ class Journal:
         self._seq = 0
         self._written = 0                  # highest seq on disk (flushed)
         self._pending: list[JournalRecord] = []
+        self._urgent = False               # a pending record woke the writer
         self._failed: str | None = None
         self._closing = False
         self._watchers: list[Callable[[str], None]] = []
@@ -119,6 +134,7 @@ class Journal:
         self._queue_max = queue_max
         self._put_timeout_s = float(put_timeout_s)
         self._sync_timeout_s = float(sync_timeout_s)
+        self._defer_s = float(defer_s)
         self._fh: IO[str] | None = None
         self._writer: threading.Thread | None = None
         self.path = Path(path) if path is not None else None
@@ -155,8 +171,8 @@ class Journal:
         """The journal itself: a controller listener that is a ``Sink`` (sync, on_failure)."""
         return self
 
-    def __call__(self, record: Record) -> None:
-        self.write(record)
+    def __call__(self, record: Record, *, defer: bool = False) -> None:
+        self.write(record, defer=defer)
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` when a write fails (at once if it already has)."""
@@ -173,8 +189,14 @@ class Journal:
         with self._cond:
             return self._failed
 
-    def write(self, record: Record) -> JournalRecord:
-        """Number ``record`` and queue it for the file (memory only: keep it now)."""
+    def defer(self, record: Record) -> JournalRecord:
+        """``write(record, defer=True)``: the runner's ``record=`` (its effect notes)."""
+        return self.write(record, defer=True)
+
+    def write(self, record: Record, *, defer: bool = False) -> JournalRecord:
+        """Number ``record`` and queue it for the file (memory only: keep it now).
+
+        ``defer``: do not wake the writer for it (group commit; the module doc)."""
         if type(record) not in _TYPES:
             raise JournalError(f"not a journal record: {record!r}")
         with self._cond:
@@ -183,6 +205,8 @@ class Journal:
             if self._closing:
                 raise JournalError("journal is closed")
             if self._fh is not None and len(self._pending) >= self._queue_max:
+                self._urgent = True
+                self._cond.notify_all()  # a full queue of deferred records: write it now
                 deadline = time.monotonic() + self._put_timeout_s
                 while len(self._pending) >= self._queue_max and self._failed is None:
                     left = deadline - time.monotonic()
@@ -200,7 +224,8 @@ class Journal:
                     self._written = self._seq
                 else:
                     self._pending.append(jr)
-                    if len(self._pending) == 1:
+                    if not defer and not self._urgent:
+                        self._urgent = True
                         self._cond.notify_all()  # wake the writer
         if failed is not None:
             self._tell(failed)
@@ -241,8 +266,9 @@ class Journal:
         with self._cond:
             if self._failed is not None or not self._pending or fh is None:
                 return
-            batch, self._pending = self._pending, []
-            self._cond.notify_all()  # room in the queue
+            batch, self._pending, self._urgent = self._pending, [], False
+            if len(batch) >= self._queue_max:
+                self._cond.notify_all()  # room in the queue (only a full one has waiters)
         try:
             lines = [jr.to_json() for jr in batch]
             fh.write("".join(line + "\n" for line in lines))
@@ -264,7 +290,6 @@ class Journal:
             self._snapshot(fh)
         with self._cond:
             self._written = batch[-1].seq
-            self._cond.notify_all()
 
     def _snapshot(self, fh: IO[str]) -> None:
         """Write the snapshot of what is on disk now (the caller holds ``_io``)."""
@@ -312,8 +337,10 @@ class Journal:
     def _write_loop(self) -> None:
         while True:
             with self._cond:
-                while not self._pending and not self._closing and self._failed is None:
-                    self._cond.wait()
+                while not self._urgent and not self._closing and self._failed is None:
+                    # Deferred records wait for a sync or an urgent record, at most defer_s.
+                    if not self._cond.wait(self._defer_s) and self._pending:
+                        break
                 if self._failed is not None or (self._closing and not self._pending):
                     return
             # No artificial delay: while one batch is written (the GIL released in the

@@ -14,7 +14,9 @@ is where they meet threads. A ``Shell`` owns one machine and:
 * after a call that asked to wait, returns only once every ``Sink`` (a
   listener that writes asynchronously: the journal's writer thread) has
   confirmed the records durable, so a published version is on disk before
-  anyone is told;
+  anyone is told; a call with ``durable=False`` (a step a restart reads as
+  the one before it) is delivered at once but left to the sink's next sync
+  (group commit: ``control.journal``);
 * fails the machine closed when a listener or a sink fails (``fail_closed``):
   the machine then refuses what it can no longer record;
 * wakes whoever waits on a condition of the machine (``wait_for``), on the
@@ -60,7 +62,7 @@ class Sink(Protocol):
     ``on_failure`` registers whom to tell when a write fails later.
     """
 
-    def __call__(self, record: Record) -> None: ...
+    def __call__(self, record: Record, *, defer: bool = False) -> None: ...
 
     def sync(self) -> None: ...
 
@@ -109,12 +111,14 @@ class Shell(Generic[M, V]):
             self.add_listener(listener)
 
     # ---------------------------------------------------------------- running
-    def run(self, fn: Callable[..., T], *args: Any, wait: bool = True, **kw: Any) -> T:
+    def run(self, fn: Callable[..., T], *args: Any, wait: bool = True, durable: bool = True,
+            **kw: Any) -> T:
         """``fn(*args, **kw)`` (a method of the machine) as one decision, then delivery.
 
         What ``fn`` raises (a refusal, which changed nothing) is raised as it is,
         after its records (why it refused) were handed on without waiting for the
-        sinks; otherwise a delivery failure raises ``JournalError``.
+        sinks; otherwise a delivery failure raises ``JournalError``. ``durable=False``
+        (with ``wait``): delivered now, made durable by the next call that syncs.
         """
         err: BaseException | None = None
         result: Any = None
@@ -130,8 +134,8 @@ class Shell(Generic[M, V]):
                 self._deliver(False)
             raise err
         try:
-            if self._outbox or (wait and self._sinks):
-                self._deliver(wait)
+            if self._outbox or (wait and durable and self._sinks):
+                self._deliver(wait, durable)
         finally:
             self._tell_watchers()
         return result  # type: ignore[no-any-return]
@@ -208,7 +212,7 @@ class Shell(Generic[M, V]):
             self._view = self._snap(self._m)
             self._cond.notify_all()
 
-    def _deliver(self, wait: bool) -> None:
+    def _deliver(self, wait: bool, durable: bool = True) -> None:
         """Hand the outbox to the listeners, in order, outside the state lock.
 
         One thread delivers at a time (``_deliver_lock``); it delivers every
@@ -216,8 +220,10 @@ class Shell(Generic[M, V]):
         releasing the lock, so a record whose own thread did not wait
         (``wait=False``) is delivered by whoever holds the lock. With ``wait``
         the caller delivers (or waits for the delivery of) its records, then
-        waits for every sink to confirm them durable; a failure then raises
-        ``JournalError`` to that caller.
+        waits for every sink to confirm them durable (``durable``; otherwise the sinks
+        hold them for the next sync); a failure then raises ``JournalError`` to that
+        caller. Records a sync follows (or that wait for one) do not wake a sink's
+        writer (``defer``).
         """
         if self._delivering == threading.get_ident():
             return  # a listener called back into the shell: the outer loop delivers
@@ -228,12 +234,15 @@ class Shell(Generic[M, V]):
             self._delivering = threading.get_ident()
             try:
                 out = self._outbox
-                listeners = self._listeners
+                listeners, sinks = self._listeners, self._sinks
                 while out:
                     rec = out.popleft()  # only the delivery lock's holder pops
                     for listener in listeners:
                         try:
-                            listener(rec)
+                            if wait and listener in sinks:
+                                listener(rec, defer=True)
+                            else:
+                                listener(rec)
                         except Exception as exc:
                             err = err or exc
                             self.fail_closed(f"a listener failed on a {rec.KIND} record: "
@@ -243,13 +252,13 @@ class Shell(Generic[M, V]):
                 self._deliver_lock.release()
             if not self._outbox:
                 break
-        if wait:
+        if wait and durable:
             for sink in self._sinks:
                 try:
                     sink.sync()
                 except Exception as exc:
                     err = err or exc
                     self.fail_closed(f"the journal failed: {exc}")
-            if err is not None:
-                raise JournalError(f"records could not be delivered; the machine now "
-                                   f"refuses every step: {err}") from err
+        if wait and err is not None:
+            raise JournalError(f"records could not be delivered; the machine now "
+                               f"refuses every step: {err}") from err

@@ -62,7 +62,7 @@ def wire(port: LifecycleAdapter, *, controller: LifecycleController | None = Non
             journal = Journal(journal_path) if journal is None else journal
             controller = LifecycleController(listener=journal.listener, **kw)
     runner = LifecycleRunner(controller, port, deadlines,
-                             record=None if journal is None else journal.write,
+                             record=None if journal is None else journal.defer,
                              drain_policy=drain_policy)
     exits = getattr(engine, "on_exit", None)
     if isinstance(exits, list):  # a launched engine's exit taints at once (#47)
