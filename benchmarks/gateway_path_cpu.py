@@ -193,7 +193,29 @@ def instrument() -> None:
                     ("close_update", "runner.close"), ("run_update", "runner.run_update")):
         _wrap(LifecycleRunner, m, span)
     _wrap(Journal, "sync", "journal.sync")
-    _wrap(Journal, "_write_pending", "journal.write_batch")
+    real_wp = Journal._write_pending
+
+    def write_pending(self: Any) -> None:
+        # Counts: a batch written (one write + one flush, + fsync with --fsync), and by
+        # whom: the writer thread (a thread woken on the side) or a sync's caller.
+        t, before = _now(), self._written
+        try:
+            real_wp(self)
+        finally:
+            if self._written != before:
+                who = "writer" if threading.current_thread() is self._writer else "sync"
+                S.add(f"journal.batch_by_{who}", _now() - t)
+
+    Journal._write_pending = write_pending  # type: ignore[method-assign]
+    import concurrent.futures
+
+    real_submit_pool = concurrent.futures.ThreadPoolExecutor.submit
+
+    def pool_submit(self: Any, fn: Any, /, *a: Any, **k: Any) -> Any:
+        S.add("side_pool.submit", 0)  # a hop to the adapter's side threads
+        return real_submit_pool(self, fn, *a, **k)
+
+    concurrent.futures.ThreadPoolExecutor.submit = pool_submit  # type: ignore[method-assign]
     from starlette.requests import Request
 
     import rolloutcore.service.control as control_mod
@@ -339,6 +361,12 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 # ---------------------------------------------------------------------- one side
 
+def _record_of(journal: Any) -> Any:
+    """The runner's ``record=`` as ``control.stack.wire`` gives it on that side's tree
+    (``journal.defer`` where the journal has it, else ``journal.write``)."""
+    return getattr(journal, "defer", journal.write)
+
+
 def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> dict[str, Any]:
     from ipc_standin import BASE, StandIn, build
 
@@ -379,7 +407,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     session.controller = LifecycleController(listener=session.journal.listener,
                                              required_caches=(CacheKind.PREFIX,))
     session.runner = LifecycleRunner(session.controller, session.vllm, deadlines,
-                                     record=session.journal.write)
+                                     record=_record_of(session.journal))
     session.vllm.stage(source, provenance=StandIn.provenance(1))
     session.runner.bootstrap(identity(1))
     # The gateway: serve --journal's controller and journal, its own adapter (no transport).
@@ -389,7 +417,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
         journal._fsync = True
     gw_adapter = VllmAdapter(VllmHTTP(base, transport=mock, timeout_s=120), None,
                              engine_epoch="bench-epoch")
-    gw_runner = LifecycleRunner(controller, gw_adapter, deadlines, record=journal.write)
+    gw_runner = LifecycleRunner(controller, gw_adapter, deadlines, record=_record_of(journal))
     gw_runner.bootstrap(identity(1))
     cfg = ServiceConfig(upstream_url=base, control_token=TOKEN,
                         transport={"backend": "rc_cuda_ipc"}, health_interval_s=0,
@@ -513,6 +541,20 @@ PARTS = (
 )
 
 
+#: Per-transition counts (medians): round trips, thread hops, journal writes.
+COUNTS = (
+    ("HTTP round trips to the gateway", "client.rpc"),
+    ("engine calls", "engine.standin"),
+    ("hops to an anyio worker thread (and back)", "gw.hop_to_thread"),
+    ("hops to an effect worker (and back)", "effects.hop_in"),
+    ("hops to the adapter's side threads", "side_pool.submit"),
+    ("journal syncs (calls)", "journal.sync"),
+    ("journal batches written by a sync (write+flush)", "journal.batch_by_sync"),
+    ("journal batches written by the writer thread (a wake)", "journal.batch_by_writer"),
+    ("fsyncs", "journal.fsync"),
+)
+
+
 def _derive(r: dict[str, Any]) -> dict[str, float]:
     """Per-transition derived spans (ms)."""
     s = dict(r["spans_ms"])
@@ -576,6 +618,9 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[path]["span_counts"] = {k: statistics.median(r["span_counts"].get(k, 0)
                                                          for r in raw)
                                     for k in sorted({k for r in raw for k in r["span_counts"]})}
+    for path in ("inprocess", "gateway"):
+        sc = out[path]["span_counts"]
+        out[path]["counts"] = {label: sc.get(k, 0) for label, k in COUNTS}
     # Paired: each gateway transition against the in-process one next to it.
     pairs = []
     ins = [r for r in runs if r["path"] == "inprocess" and not r.get("warmup")]
@@ -719,6 +764,10 @@ def _table(summ: dict[str, Any]) -> None:
     row("in process: outside the runner", lambda s: s["inprocess"]["outside_runner_and_transfer"])
     row("gateway: outside the runner and the trainer's send",
         lambda s: s["gateway"]["outside_runner_and_transfer"])
+    for label, _ in COUNTS:
+        for path in ("inprocess", "gateway"):
+            row(f"count: {path[:2]} {label}"[:58],
+                lambda s, p=path, lb=label: s[p]["counts"][lb], "{:11.1f}")
     row("gateway - in process (RolloutCore)", lambda s: s["gateway_extra_ms"])
     row("service / in process (RolloutCore, medians)",
         lambda s: s["service_over_inprocess_rolloutcore"])
