@@ -630,6 +630,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
                      max(1e-9, a["wall_ms"] - a["engine_standin_ms"]))
     out["service_over_inprocess_rolloutcore_paired_median"] = statistics.median(pairs)
     out["service_over_inprocess_wall"] = out["gateway"]["wall"] / out["inprocess"]["wall"]
+    out["service_over_inprocess_cpu"] = out["gateway"]["cpu"] / out["inprocess"]["cpu"]
     out["service_over_inprocess_rolloutcore"] = (out["gateway"]["rolloutcore"]
                                                  / out["inprocess"]["rolloutcore"])
     out["gateway_extra_ms"] = out["gateway"]["rolloutcore"] - out["inprocess"]["rolloutcore"]
@@ -743,7 +744,9 @@ def _table(summ: dict[str, Any]) -> None:
         lambda s: s["inprocess"]["rolloutcore"])
     row("in process: controller_overhead (reported)",
         lambda s: s["inprocess"]["controller_overhead_reported"])
+    row("in process: CPU time of the process (all threads)", lambda s: s["inprocess"]["cpu"])
     row("gateway: wall (client)", lambda s: s["gateway"]["wall"])
+    row("gateway: CPU time of the process (all threads)", lambda s: s["gateway"]["cpu"])
     row("gateway: RolloutCore (wall - stand-in engine)", lambda s: s["gateway"]["rolloutcore"])
     row("gateway: controller_overhead (reported)",
         lambda s: s["gateway"]["controller_overhead_reported"])
@@ -774,6 +777,7 @@ def _table(summ: dict[str, Any]) -> None:
     row("service / in process (RolloutCore, paired median)",
         lambda s: s["service_over_inprocess_rolloutcore_paired_median"])
     row("service / in process (wall)", lambda s: s["service_over_inprocess_wall"])
+    row("service / in process (CPU time)", lambda s: s["service_over_inprocess_cpu"])
 
 
 if __name__ == "__main__":
