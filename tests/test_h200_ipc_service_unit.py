@@ -226,3 +226,35 @@ def test_the_sent_checksum_is_read_from_the_workers_while_the_cache_resets(
     assert (rpc < reset) is early
     # A later validation does not reuse this report's reading.
     assert a._early_sent is None
+
+
+def test_a_sent_checksum_the_gateway_checked_is_not_checked_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's sent checksum is checked once on the event loop (``check_sent``, a 422
+    with the lease open); ``expect_sent`` in the worker thread does not repeat it for that
+    object, and still refuses any other one."""
+    import rolloutcore.engine.port as port_mod
+    from rolloutcore.engine.port import VllmAdapter
+
+    calls: list[object] = []
+
+    def counted(sent: Any) -> None:
+        calls.append(sent)
+        check_sent_scheme(sent)
+
+    monkeypatch.setattr(port_mod, "check_sent_scheme", counted)
+    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(
+        lambda r: httpx.Response(404))), engine_epoch="e0", early_transport_check=False)
+    sent = {"scheme": "rc_cuda_ipc/block", "names": ["a", "b"], "values": [1, None]}
+    a.check_sent(sent)
+    a.expect_sent(sent)
+    assert calls == [sent]
+    # another object (or the same one a second time) is checked: the memo is spent
+    bad = {"scheme": "rc_cuda_ipc/block", "names": ["a", "a"], "values": [1, 2]}
+    with pytest.raises(BadInput):
+        a.expect_sent(bad)
+    a.expect_sent(sent)
+    assert calls == [sent, bad, sent]
+    a.check_sent(sent)
+    with pytest.raises(BadInput):
+        a.expect_sent(bad)

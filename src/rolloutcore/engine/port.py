@@ -210,6 +210,8 @@ class VllmAdapter(SleepMode):
         self.early_transport_check = early_transport_check
         self._early: tuple[UpdateTarget, Future[Check], Future[bool] | None] | None = None
         # The same for a remote trainer's sent checksum (``expect_sent``).
+        #: What the last ``check_sent`` passed (``expect_sent`` does not check it again).
+        self._sent_checked: Mapping[str, Any] | None = None
         self._early_sent: tuple[Mapping[str, Any], Future[Check], Future[bool] | None] | None \
             = None
         #: The per-rank comparison of the last report's rank declaration
@@ -301,10 +303,13 @@ class VllmAdapter(SleepMode):
     def check_sent(self, sent: Mapping[str, Any]) -> None:
         """``BadInput`` unless ``sent`` is a scheme this adapter compares, well formed."""
         check_sent_scheme(sent)
+        self._sent_checked = sent
 
     def expect_sent(self, sent: Mapping[str, Any] | None) -> None:
-        """The remote transport's checksum of what it sent (compared in ``validate``)."""
-        if sent is not None:
+        """The remote transport's checksum of what it sent (compared in ``validate``); the
+        object the last ``check_sent`` passed (the gateway's report) is not checked twice."""
+        checked, self._sent_checked = self._sent_checked, None
+        if sent is not None and sent is not checked:
             check_sent_scheme(sent)
         if self._staged is None:
             self._staged = _Staged(None, None, None, None, "")
