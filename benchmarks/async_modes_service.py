@@ -73,7 +73,6 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
-    from rolloutcore.control.session import identity_of
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
@@ -81,6 +80,7 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.server import http_protocol
+    from rolloutcore.session import identity_of
     from rolloutcore.transports.source import WeightSource
 
     mode = UpdateMode(spec["mode"])

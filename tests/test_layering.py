@@ -54,7 +54,7 @@ RANKS: dict[str, int] = {
     "transports": 2, "verification": 2, "engine": 2,
     "testing": 3,
     "control": 4, "provenance": 4,
-    "service": 5, "fleet": 5,
+    "session": 5, "service": 5, "fleet": 5,
     "cli": 6, "integrations": 6,
 }
 EXEMPT = frozenset({ROOT, f"{ROOT}.__main__"})
@@ -96,15 +96,11 @@ MAX_CLIENT_SITES = 3
 #: The one composition of the engine stack: the only module that constructs a runner.
 WIRING = f"{ROOT}.control.stack"
 #: ``control`` modules that still import the engine package (vLLM code), each with the
-#: reason; issue 45 empties it. Any other control module importing ``engine`` fails, and
-#: an entry that no longer imports it fails too ("fixed: remove it").
-CONTROL_ENGINE_LEFT: dict[str, str] = {
-    f"{ROOT}.control.session": (
-        "EngineSession.launch starts a ManagedEngine and builds VllmHTTP/VllmAdapter for "
-        "the trainer API; to move above control with its 40 importers"),
-    f"{ROOT}.control.recovery": (
-        "ManagedRecoverer restarts a ManagedEngine and reads it through VllmHTTP"),
-}
+#: reason; issue 45 emptied it: the session that launches and drives vLLM is
+#: ``rolloutcore.session`` (above control), the recoverers that restart and read it are
+#: ``engine.recovery``. Any control module importing ``engine`` fails, and an entry that
+#: no longer imports it fails too ("fixed: remove it").
+CONTROL_ENGINE_LEFT: dict[str, str] = {}
 
 
 # --------------------------------------------------------------------------- the graph

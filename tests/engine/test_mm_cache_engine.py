@@ -48,7 +48,6 @@ import pytest
 
 from enginetools import EngineFactory, gateway_process
 from rolloutcore.control.journal import read_journal
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.checksums import EMPTY_SHA256
@@ -57,6 +56,7 @@ from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.engine.verify import take_reference, verify_engine
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
 from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.mmcache import (
     ITERATION_LOG_FLAG,

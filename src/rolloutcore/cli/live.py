@@ -27,8 +27,8 @@ __all__ = ["add_arguments", "run_live_update"]
 
 def run_live_update(workdir: Path, *, journal_path: Path | None = None,
                     rollout_tokens: int = 400, progress: bool = True) -> dict[str, Any]:
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.models import make_checkpoint
 
     workdir.mkdir(parents=True, exist_ok=True)

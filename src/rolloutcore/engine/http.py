@@ -431,7 +431,7 @@ class VllmHTTP:
         A label written after a transfer can be seen before it is true (the
         transports put it in the finish call instead); after a cold load of
         a known checkpoint, with nothing admitted, it is the only way to name
-        what the process loaded (``control.recovery``).
+        what the process loaded (``engine.recovery``).
         """
         if not isinstance(label, str) or not label or any(c.isspace() for c in label):
             raise BadInput(f"label must be a non-empty string without spaces, got {label!r}")

@@ -673,7 +673,7 @@ class _LazyProbe:
 
 def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
     """For a journal left TAINTED: accept a replacement engine, fresh from the checkpoint."""
-    from rolloutcore.control.recovery import OperatorRecoverer
+    from rolloutcore.engine.recovery import OperatorRecoverer
 
     def make(previous_epoch: str) -> Any:
         p = probe.get() if isinstance(probe, _LazyProbe) else probe
