@@ -30,7 +30,6 @@ import pytest
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
-from rolloutcore.engine.checksums import EMPTY_SHA256
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.engine.verify import (
@@ -44,7 +43,7 @@ from rolloutcore.errors import UpdateFailed
 from rolloutcore.session import EngineSession
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import ReferenceChecksums, verify
+from rolloutcore.verification.checksums import EMPTY_SHA256, ReferenceChecksums, verify
 
 pytestmark = [
     pytest.mark.engine,

@@ -43,7 +43,6 @@ import httpx
 
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
-from rolloutcore.engine.checksums import WeightChecksums, strip_rank
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
@@ -59,6 +58,7 @@ from rolloutcore.engine.wire import (
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
+from rolloutcore.verification.checksums import WeightChecksums, strip_rank
 
 __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
            "check_timeout"]

@@ -61,7 +61,6 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, RecoveryEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.versions import Provenance, WeightIdentity, WeightVersion
-from rolloutcore.engine.checksums import compare_checksums
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import (
     BadInput,
@@ -70,12 +69,17 @@ from rolloutcore.errors import (
     RolloutCoreError,
 )
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import (
+    ReferenceChecksums,
+    WeightChecksums,
+    checksum_map,
+    compare_checksums,
+)
 
 if TYPE_CHECKING:
     import httpx
 
     from rolloutcore.engine.process import ManagedEngine
-    from rolloutcore.verification.checksums import ReferenceChecksums
     from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
@@ -131,7 +135,6 @@ class _Checkpoint:
                  identity: WeightIdentity | None, reference: ReferenceChecksums
                  | Mapping[str, str] | None, probe: PolicyProbe | bool | None,
                  read_checksums: ChecksumReader | None = None) -> None:
-        from rolloutcore.verification.checksums import ReferenceChecksums
         from rolloutcore.verification.probe import PolicyProbe
 
         if not isinstance(checkpoint, (str, os.PathLike)) or not str(checkpoint):
@@ -163,10 +166,8 @@ class _Checkpoint:
                     raise BadInput("the reference checksums were taken from another "
                                    f"checkpoint ({reference.content_digest[:12]}, this one "
                                    f"is {content[:12]})")
-            elif not isinstance(reference, Mapping) or not reference or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in reference.items()):
-                raise BadInput("reference must be ReferenceChecksums or a non-empty mapping "
-                               "of str to str")
+            else:
+                reference = checksum_map("reference (or ReferenceChecksums)", reference)
         self.reference = reference
         if read_checksums is not None and (not callable(read_checksums) or reference is None
                                            or isinstance(reference, ReferenceChecksums)):
@@ -200,16 +201,10 @@ class _Checkpoint:
                           unverified: list[str]) -> Check:
         """The engine's checksums read the caller's way (a worker extension's hash of
         every parameter, where vLLM has no ``/weight_checker``), against ``ref``."""
-        from rolloutcore.verification.checksums import WeightChecksums
-
         reader = self.read_checksums
         assert reader is not None
         try:
-            got = reader(base_url)
-            if not isinstance(got, Mapping) or not got or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in got.items()):
-                raise BadInput(f"read_checksums returned {type(got).__name__}, not a "
-                               "non-empty mapping of str to str")
+            got = checksum_map("what read_checksums returned", reader(base_url))
         except Exception as exc:  # fail closed: no reading is a failed check, not a pass
             return Check("engine_checksum", False,
                          f"could not read the engine's checksums: {exc!r}"[:500])
@@ -223,7 +218,6 @@ class _Checkpoint:
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
         """Label it, then observe it like an update's validation."""
         from rolloutcore.engine.verify import verify_engine
-        from rolloutcore.verification.checksums import ReferenceChecksums
 
         t0 = time.monotonic()
         healthy = http.health()
