@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.adapters import ADAPTER_TOLERANCE, AdapterManager, AdapterResult
 from rolloutcore.control.journal import Journal
@@ -73,6 +73,7 @@ from rolloutcore.core.vocab import State
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
+from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.drafted import (
     DRAFT_REFUSAL,
     DraftedGlooTransport,
@@ -88,6 +89,9 @@ from rolloutcore.verification.acceptance import (
 )
 from rolloutcore.verification.image_probe import ProbeSuite, is_vision_language, vlm_probe
 from rolloutcore.verification.probe import DEFAULT_TOLERANCE, PolicyProbe, default_prompts
+
+if TYPE_CHECKING:
+    from rolloutcore.engine.process import ManagedEngine
 
 __all__ = ["DraftSpec", "DraftedSession", "DraftedUpdateResult", "EngineSession",
            "PreparedUpdate", "SleepReport", "UpdateResult", "identity_of"]
@@ -140,7 +144,8 @@ class EngineSession:
     concept); ``engine`` is the launched process, when this session launched it.
     """
 
-    def __init__(self, http: VllmHTTP, transport: Any, *, engine: Any = None,
+    def __init__(self, http: VllmHTTP, transport: WeightTransport, *,
+                 engine: ManagedEngine | None = None,
                  engine_epoch: str | None = None, journal_path: str | os.PathLike[str] | None
                  = None, deadlines: Deadlines | None = None,
                  controller_config: ControllerConfig | None = None) -> None:
@@ -158,7 +163,7 @@ class EngineSession:
 
     # ------------------------------------------------------------------ set-up
     @classmethod
-    def launch(cls, model_dir: str | Path, *, transport: Any = None,
+    def launch(cls, model_dir: str | Path, *, transport: WeightTransport | None = None,
                journal_path: str | os.PathLike[str] | None = None,
                deadlines: Deadlines | None = None, start_timeout_s: float = 300.0,
                progress: bool = False, engine_kwargs: Mapping[str, Any] | None = None,
@@ -294,7 +299,7 @@ class EngineSession:
                                "engine")
             base_model = Path(self.engine.model_dir)
         if max_rank is None and self.engine is not None:
-            max_rank = _flag_int(getattr(self.engine, "extra_args", ()), "--max-lora-rank")
+            max_rank = _flag_int(self.engine.extra_args, "--max-lora-rank")
         self.adapters = AdapterManager(
             self.http, self.controller, base_model=base_model, store=store, config=config,
             listener=self.journal.listener, max_rank=max_rank,
@@ -431,7 +436,7 @@ class EngineSession:
         self.close()
 
 
-def _flag_int(args: Any, flag: str) -> int | None:
+def _flag_int(args: Iterable[object], flag: str) -> int | None:
     """The int value of ``flag`` in a command line (``--flag N`` or ``--flag=N``)."""
     items = [str(a) for a in args]
     for i, a in enumerate(items):

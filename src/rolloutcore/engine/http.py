@@ -93,6 +93,15 @@ def check_timeout(v: float) -> float:
     return float(v)
 
 
+def _put_ids(body: dict[str, Any], **ids: object) -> None:
+    """``request_id`` / ``cache_salt`` into a generate body: each a non-empty string or None."""
+    for name, value in ids.items():
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise BadInput(f"{name} must be a non-empty string")
+            body[name] = value
+
+
 class VllmHTTP:
     """A typed httpx client of one vLLM server. Thread-safe.
 
@@ -583,14 +592,7 @@ class VllmHTTP:
         }
         if parts:
             body["content_parts"] = parts
-        if request_id is not None:
-            if not isinstance(request_id, str) or not request_id:
-                raise BadInput("request_id must be a non-empty string")
-            body["request_id"] = request_id
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise BadInput("cache_salt must be a non-empty string")
-            body["cache_salt"] = cache_salt
+        _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
 
         def unexpected(why: object) -> EffectError:
@@ -651,14 +653,7 @@ class VllmHTTP:
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
             "stream": True, "stream_options": {"include_usage": True}}
-        if request_id is not None:
-            if not isinstance(request_id, str) or not request_id:
-                raise BadInput("request_id must be a non-empty string")
-            body["request_id"] = request_id
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise BadInput("cache_salt must be a non-empty string")
-            body["cache_salt"] = cache_salt
+        _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         if self._closed:
             raise EngineUnavailable("generate", "client is closed")
         trace = self._trace

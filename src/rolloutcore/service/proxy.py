@@ -116,8 +116,6 @@ from rolloutcore.service.wire import (
     vllm_request_ids,
 )
 
-_SseRelay = SseRelay  # its old name here
-
 __all__ = [
     "ATTRIBUTABLE_HEADER",
     "BODY_FIELD",
