@@ -452,7 +452,7 @@ def cpu_engine(args: argparse.Namespace) -> CpuEngine:
 
     def controller(mode: UpdateMode, k: int | None) -> tuple[LifecycleController,
                                                              LifecycleRunner]:
-        from rolloutcore.core.lifecycle import ControllerConfig
+        from rolloutcore.core.lifecycle_state import ControllerConfig
 
         j = Journal(keep=64)
         c = LifecycleController(config=ControllerConfig(update_mode=mode, max_staleness=k),

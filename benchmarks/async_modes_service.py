@@ -74,7 +74,8 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
     from rolloutcore.core.evidence import CacheKind
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter

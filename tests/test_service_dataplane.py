@@ -621,7 +621,8 @@ def test_a_keep_or_recompute_controller_is_refused_not_run_as_strict() -> None:
     from helpers.gateway_rig import TOKEN, make_parts
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.errors import BadInput
     from rolloutcore.service import ServiceConfig
     from rolloutcore.service.app import create_app

@@ -458,7 +458,8 @@ def make_fleet(rig: Rig, names: list[str], engines: list[Any], *, mode: str = "s
     """A bootstrapped coordinator over ``engines`` on the weights they hold now
     (``holds``: those FleetWeights; default the trainer's current ones)."""
     from rolloutcore.control.runner import Deadlines
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.fleet import FleetConfig, FleetCoordinator
     from rolloutcore.fleet.placement import vllm_replica
 

@@ -17,15 +17,13 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import (
     Binding,
     Classification,
-    Completion,
-    ControllerConfig,
     FailureKind,
     State,
     Step,
     UpdateMode,
-    UpdateTicket,
     Verdict,
 )
+from rolloutcore.core.lifecycle_state import Completion, ControllerConfig, UpdateTicket
 from rolloutcore.core.versions import (
     ParameterManifest,
     ParamSpec,

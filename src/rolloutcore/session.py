@@ -67,7 +67,7 @@ from rolloutcore.control.runner import Deadlines, SleepOutcome, UpdateOutcome
 from rolloutcore.control.stack import wire
 from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.evidence import Check
-from rolloutcore.core.lifecycle import ControllerConfig
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import State
 from rolloutcore.engine.http import VllmHTTP

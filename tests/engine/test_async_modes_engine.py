@@ -42,7 +42,8 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import ControllerConfig, State
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.records import Carry, Complete, UpdateMode
 from rolloutcore.core.versions import EngineIdentity, Provenance, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP

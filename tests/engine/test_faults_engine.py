@@ -76,12 +76,8 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
     evidence_to_dict,
 )
-from rolloutcore.core.lifecycle import (
-    ControllerConfig,
-    FailureKind,
-    State,
-    Step,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter

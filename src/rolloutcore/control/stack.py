@@ -21,7 +21,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, open_controller
 from rolloutcore.control.port import LifecycleAdapter
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
-from rolloutcore.core.lifecycle import ControllerConfig
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.errors import BadInput
 
 __all__ = ["Stack", "wire"]

@@ -348,7 +348,8 @@ def run_serve(args: ServeOptions) -> int:
     from rolloutcore.control.journal import Journal, open_controller
     from rolloutcore.control.runner import Deadlines, DrainPolicy, TakeoverRefused
     from rolloutcore.control.stack import wire
-    from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
+    from rolloutcore.core.lifecycle import State, UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
