@@ -262,16 +262,9 @@ class EngineSession:
     def apply(self, prepared: PreparedUpdate, *, label: str | None = None,
               owner: str = "trainer") -> UpdateResult:
         """Run the verified transition for a prepared update."""
-        self._refuse_up_front(prepared.source)
-        self.vllm.stage(prepared.source, provenance=prepared.provenance,
-                           reference_checksums=prepared.reference_checksums,
-                           probes=prepared.probe)
-        level = (VerificationLevel.PROBE if prepared.probe is not None
-                 else VerificationLevel.DECLARED)
-        out = self.runner.run_update(prepared.identity, owner=owner, label=label,
-                                     min_verification=level)
-        assert out.published is not None and self.controller.identity is not None
-        return UpdateResult(out.published, self.controller.identity, out)
+        level = self._stage(prepared, VerificationLevel.DECLARED)
+        return self._result(self.runner.run_update(prepared.identity, owner=owner, label=label,
+                                                   min_verification=level))
 
     # ------------------------------------------------------------------ LoRA adapters
     def enable_adapters(self, *, base_model: Any = None, store: str | Path | None = None,
@@ -379,23 +372,26 @@ class EngineSession:
                                 probe_tolerance=probe_tolerance,
                                 reference_checksums=reference_checksums,
                                 content_digest=content_digest)
-        self._refuse_up_front(prepared.source)
-        self.vllm.stage(prepared.source, provenance=prepared.provenance,
-                           reference_checksums=prepared.reference_checksums,
-                           probes=prepared.probe)
-        level = (VerificationLevel.PROBE if prepared.probe is not None
-                 else VerificationLevel.ENGINE_CHECKSUM)
-        out = self.runner.wake_update(prepared.identity, owner=owner, label=label,
-                                      min_verification=level)
-        assert out.published is not None and self.controller.identity is not None
-        return UpdateResult(out.published, self.controller.identity, out)
+        level = self._stage(prepared, VerificationLevel.ENGINE_CHECKSUM)
+        return self._result(self.runner.wake_update(prepared.identity, owner=owner,
+                                                    label=label, min_verification=level))
 
-    def _refuse_up_front(self, source: WeightSource) -> None:
-        # Before anything is drained or sent: e.g. an engine with a draft model and
-        # an update without draft weights (transports.drafted).
-        why = transport_refusal(self.transport, source, engine_draft_of(self.vllm))
+    def _stage(self, prepared: PreparedUpdate, floor: VerificationLevel) -> VerificationLevel:
+        """Stage a prepared update on the driver; the level it must reach (PROBE with a
+        probe, else ``floor``). Refused before anything is drained or sent when the
+        transport cannot carry it: e.g. an engine with a draft model and an update
+        without draft weights (transports.drafted)."""
+        why = transport_refusal(self.transport, prepared.source, engine_draft_of(self.vllm))
         if why is not None:
             raise UpdateRefused(why)
+        self.vllm.stage(prepared.source, provenance=prepared.provenance,
+                        reference_checksums=prepared.reference_checksums,
+                        probes=prepared.probe)
+        return VerificationLevel.PROBE if prepared.probe is not None else floor
+
+    def _result(self, out: UpdateOutcome) -> UpdateResult:
+        assert out.published is not None and self.controller.identity is not None
+        return UpdateResult(out.published, self.controller.identity, out)
 
     def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
         # Beside a CPU engine this process launched, the reference forward pass keeps

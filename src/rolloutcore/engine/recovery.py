@@ -54,7 +54,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -283,7 +283,41 @@ def _check_seconds(name: str, v: object) -> float:
     return float(v)
 
 
-class ManagedRecoverer:
+class _Recovery:
+    """What both recoverers keep: the known checkpoint, the last timings, and the engine
+    client a recovery reads through (``_reading``), which the watchdog unblocks."""
+
+    known: _Checkpoint
+    last: RecoveryTimings | None
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._http: VllmHTTP | None = None
+        self.last = None
+
+    @property
+    def identity(self) -> WeightIdentity:
+        return self.known.identity
+
+    @contextlib.contextmanager
+    def _reading(self, http: VllmHTTP) -> Iterator[VllmHTTP]:
+        with self._lock:
+            self._http = http
+        try:
+            yield http
+        finally:
+            with self._lock:
+                self._http = None
+            http.close()
+
+    def _unblock(self) -> None:
+        with self._lock:
+            http = self._http
+        if http is not None:
+            http.cancel_inflight()
+
+
+class ManagedRecoverer(_Recovery):
     """Replaces a ``ManagedEngine``'s process with a new one on a known checkpoint.
 
     ``reference``: cold-load checksums of the checkpoint (strongly advised);
@@ -324,14 +358,8 @@ class ManagedRecoverer:
         if on_replaced is not None and not callable(on_replaced):
             raise BadInput("on_replaced must be callable")
         self.on_replaced = on_replaced
-        self._lock = threading.Lock()
+        super().__init__()
         self._cancelled = False
-        self._http: VllmHTTP | None = None
-        self.last: RecoveryTimings | None = None
-
-    @property
-    def identity(self) -> WeightIdentity:
-        return self.known.identity
 
     def _check_cancelled(self) -> None:
         with self._lock:
@@ -367,17 +395,10 @@ class ManagedRecoverer:
             raise EffectError(STEP, "the restarted engine reports the old epoch")
         if self.on_replaced is not None:
             self.on_replaced(eng)
-        http = VllmHTTP(eng.base_url, timeout_s=self.http_timeout_s)
-        with self._lock:
-            self._http = http
-        try:
+        with self._reading(VllmHTTP(eng.base_url, timeout_s=self.http_timeout_s)) as http:
             notes = [f"engine process replaced: epoch {timings.old_epoch} -> "
                      f"{timings.new_epoch}, cold start {timings.start_s:.1f}s"]
             ev = self.known.verify(http, target, eng.epoch, notes, timings)
-        finally:
-            with self._lock:
-                self._http = None
-            http.close()
         timings.total_s = time.monotonic() - t0
         return ev
 
@@ -385,9 +406,7 @@ class ManagedRecoverer:
         """Watchdog: a start in progress is killed (it then fails), a verification unblocked."""
         with self._lock:
             self._cancelled = True
-            http = self._http
-        if http is not None:
-            http.cancel_inflight()
+        self._unblock()
         if self.engine.alive():
             with contextlib.suppress(OSError, BadInput):
                 self.engine.signal_group(signal.SIGKILL)
@@ -396,7 +415,7 @@ class ManagedRecoverer:
 Signal = str | os.PathLike[str] | Callable[[], bool]
 
 
-class OperatorRecoverer:
+class OperatorRecoverer(_Recovery):
     """Waits for an operator to replace an engine we do not own, then verifies it.
 
     ``signal`` is a path (the operator creates the file once the new engine
@@ -432,15 +451,9 @@ class OperatorRecoverer:
         self.previous_epoch = previous_epoch
         self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe,
                                  read_checksums)
+        super().__init__()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._http: VllmHTTP | None = None
         self._transport = transport  # the engine client's (a test's FakeVllm)
-        self.last: RecoveryTimings | None = None
-
-    @property
-    def identity(self) -> WeightIdentity:
-        return self.known.identity
 
     def _signalled(self) -> bool:
         sig = self.signal
@@ -473,11 +486,8 @@ class OperatorRecoverer:
         self.last = timings
         self._wait(self.wait_s, "the operator's signal", self._signalled)
         timings.wait_s = time.monotonic() - t0
-        http = VllmHTTP(self.base_url, timeout_s=self.http_timeout_s,
-                        transport=self._transport)
-        with self._lock:
-            self._http = http
-        try:
+        with self._reading(VllmHTTP(self.base_url, timeout_s=self.http_timeout_s,
+                                    transport=self._transport)) as http:
             ts = time.monotonic()
 
             def healthy() -> bool:
@@ -498,10 +508,6 @@ class OperatorRecoverer:
             self.known.check_unchanged()
             notes = [f"engine replaced by an operator: epoch {self.previous_epoch} -> {epoch}"]
             ev = self.known.verify(http, target, epoch, notes, timings)
-        finally:
-            with self._lock:
-                self._http = None
-            http.close()
         timings.total_s = time.monotonic() - t0
         return ev
 
@@ -523,7 +529,4 @@ class OperatorRecoverer:
 
     def cancel(self) -> None:
         self._stop.set()
-        with self._lock:
-            http = self._http
-        if http is not None:
-            http.cancel_inflight()
+        self._unblock()
