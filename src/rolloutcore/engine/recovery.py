@@ -70,6 +70,8 @@ from rolloutcore.errors import (
 )
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.checksums import (
+    ChecksumComparison,
+    ChecksumReport,
     ReferenceChecksums,
     WeightChecksums,
     checksum_map,
@@ -209,10 +211,7 @@ class _Checkpoint:
             return Check("engine_checksum", False,
                          f"could not read the engine's checksums: {exc!r}"[:500])
         cmp = compare_checksums(WeightChecksums(dict(got), {k: k for k in got}), ref)
-        if cmp.unverifiable:
-            unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
-                              "hash as zero bytes (repacked): not verifiable")
-        return cmp.to_check()
+        return _compared(cmp, cmp.total, unverified)
 
     def verify(self, http: VllmHTTP, target: WeightVersion, epoch: str,
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
@@ -257,16 +256,10 @@ class _Checkpoint:
             unverified.append("no /weight_checker: engine checksums not compared")
         elif isinstance(ref, ReferenceChecksums):
             rep = verify_engine(http, ref)
-            checks.append(rep.to_check())
-            if rep.unverifiable:
-                unverified.append(f"{len(rep.unverifiable)} of {rep.engine_params} engine "
-                                  "parameters hash as zero bytes (repacked): not verifiable")
+            checks.append(_compared(rep, rep.engine_params, unverified))
         else:
             cmp = compare_checksums(http.weight_checksums(), ref)
-            checks.append(cmp.to_check())
-            if cmp.unverifiable:
-                unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
-                                  "hash as zero bytes (repacked): not verifiable")
+            checks.append(_compared(cmp, cmp.total, unverified))
         paused = http.is_paused() if http.has(Routes.IS_PAUSED) else None
         timings.checks = [f"{c.name}={'pass' if c.passed else 'FAIL'}" for c in checks]
         val = ValidationEvidence(wi.label, wi.label_supported, paused=paused,
@@ -275,6 +268,15 @@ class _Checkpoint:
         timings.verify_s = time.monotonic() - t0
         return RecoveryEvidence(engine_epoch=epoch, identity=self.identity, validation=val,
                                 healthy=healthy, unverified=tuple(unverified))
+
+
+def _compared(cmp: ChecksumComparison | ChecksumReport, total: int,
+              unverified: list[str]) -> Check:
+    """A checksum comparison's check; parameters hashed as zero bytes noted as unverified."""
+    if cmp.unverifiable:
+        unverified.append(f"{len(cmp.unverifiable)} of {total} engine parameters hash as "
+                          "zero bytes (repacked): not verifiable")
+    return cmp.to_check()
 
 
 def _check_seconds(name: str, v: object) -> float:
