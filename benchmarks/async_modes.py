@@ -414,11 +414,11 @@ class CpuEngine:
 def cpu_engine(args: argparse.Namespace) -> CpuEngine:
     """Start the engine (``--workdir``, ``--step-sleep-s``) and build the harness."""
     from rolloutcore.control.runner import Deadlines
-    from rolloutcore.control.session import identity_of
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.session import identity_of
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
@@ -452,7 +452,7 @@ def cpu_engine(args: argparse.Namespace) -> CpuEngine:
 
     def controller(mode: UpdateMode, k: int | None) -> tuple[LifecycleController,
                                                              LifecycleRunner]:
-        from rolloutcore.core.lifecycle import ControllerConfig
+        from rolloutcore.core.lifecycle_state import ControllerConfig
 
         j = Journal(keep=64)
         c = LifecycleController(config=ControllerConfig(update_mode=mode, max_staleness=k),

@@ -73,14 +73,15 @@ def gateway_child(spec: dict[str, Any]) -> None:
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner
-    from rolloutcore.control.session import identity_of
     from rolloutcore.core.evidence import CacheKind
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.server import http_protocol
+    from rolloutcore.session import identity_of
     from rolloutcore.transports.source import WeightSource
 
     mode = UpdateMode(spec["mode"])

@@ -55,8 +55,8 @@ def main() -> int:
     import torch
     import vllm
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.source import WeightSource
 

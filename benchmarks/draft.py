@@ -77,9 +77,9 @@ def main() -> int:
     import torch
     import vllm
 
-    from rolloutcore.control.drafts import DraftedSession, DraftSpec
     from rolloutcore.core.versions import Provenance
     from rolloutcore.errors import UpdateRefused
+    from rolloutcore.session import DraftedSession, DraftSpec
     from rolloutcore.testing.models import make_eagle_head, make_pair
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource

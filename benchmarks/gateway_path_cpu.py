@@ -374,13 +374,13 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.journal import open_controller, read_journal
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.versions import VerificationLevel, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.client import RolloutCoreClient
+    from rolloutcore.session import EngineSession
 
     instrument()
     eng: dict[str, Any] = {"ns": 0, "calls": 0}

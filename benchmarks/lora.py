@@ -335,11 +335,11 @@ def main() -> int:
         print(f"merged into {out} (the other keys kept)")
         return 0
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.faultproxy import FaultProxy
     from rolloutcore.testing.models import make_adapter, make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport

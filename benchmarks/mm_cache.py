@@ -55,12 +55,12 @@ def main() -> int:
     import transformers
     import vllm
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.evidence import CacheKind, PauseMode
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.engine.verify import take_reference
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.mmcache import (
         ITERATION_LOG_FLAG,
         EncoderLog,

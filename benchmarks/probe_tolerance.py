@@ -112,12 +112,12 @@ def _greedy(http: Any, prompts: list[list[int]]) -> list[tuple[list[int], list[f
 def run_architecture(arch: str, root: Path, n: int) -> dict[str, Any]:
     import torch
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.evidence import PauseMode
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.errors import UpdateFailed
+    from rolloutcore.session import EngineSession
     from rolloutcore.transports.source import WeightSource
     from rolloutcore.verification.checksums import compare_checksums
     from rolloutcore.verification.probe import default_prompts

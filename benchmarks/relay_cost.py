@@ -141,7 +141,8 @@ def gateway_child(mode: str, upstream: str, port: int, profile: str | None) -> N
 
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.service import ServiceConfig, create_app
     from rolloutcore.service.server import http_protocol
     from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights

@@ -36,7 +36,6 @@ def main() -> int:
 
     import vllm
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.port import engine_identity
     from rolloutcore.provenance.audit import audit_file
@@ -53,6 +52,7 @@ def main() -> int:
         VersionSpan,
         group_id_for,
     )
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.models import make_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="rc-seed-audit-"))

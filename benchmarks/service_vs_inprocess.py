@@ -111,10 +111,10 @@ def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Po
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from rolloutcore.control.session import EngineSession, PreparedUpdate, identity_of
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.service.client import RolloutCoreClient
+    from rolloutcore.session import EngineSession, PreparedUpdate, identity_of
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
     from rolloutcore.verification.probe import PolicyProbe

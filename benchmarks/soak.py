@@ -314,12 +314,12 @@ def run_soak(cfg: SoakConfig, workdir: Path, *, engine: Any = None, models: Any 
     given.
     """
     from rolloutcore.control.journal import Journal
-    from rolloutcore.control.recovery import ManagedRecoverer
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.control.session import identity_of
     from rolloutcore.core.versions import Provenance, VerificationLevel
     from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.engine.recovery import ManagedRecoverer
     from rolloutcore.engine.verify import take_reference
+    from rolloutcore.session import identity_of
     from rolloutcore.testing.faultproxy import Fault, FaultProxy
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport

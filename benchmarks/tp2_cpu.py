@@ -109,10 +109,10 @@ def main() -> int:
     import torch
     import vllm
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine, tp_thread_binding
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.models import make_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="tp2-bench-"))

@@ -22,13 +22,8 @@ from rolloutcore.core.evidence import (
     WakeEvidence,
     WakeTags,
 )
-from rolloutcore.core.lifecycle import (
-    FailureKind,
-    SleepTicket,
-    State,
-    Step,
-    UpdateTicket,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import SleepTicket, UpdateTicket
 from rolloutcore.core.versions import (
     ParameterManifest,
     Provenance,

@@ -25,7 +25,7 @@ import pytest
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
-from rolloutcore.core.lifecycle import ControllerConfig
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.records import UpdateMode
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 

@@ -33,12 +33,8 @@ from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.cache_salt import salt_for, salt_label
 from rolloutcore.core.evidence import CacheKind, DrainEvidence, PauseMode, ResumeEvidence
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import (
-    ControllerConfig,
-    FailureKind,
-    State,
-    Step,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.records import Carry, Complete, Record, UpdateMode
 from rolloutcore.core.rules import UPDATE_MODES, InFlight
 from rolloutcore.core.versions import EngineIdentity, WeightVersion

@@ -21,8 +21,6 @@ import pytest
 
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import VerificationLevel
-from rolloutcore.engine import checksums as adapter
-from rolloutcore.engine.checksums import WeightChecksums
 from rolloutcore.engine.verify import (
     ChecksumCache,
     engine_layout,
@@ -35,6 +33,7 @@ from rolloutcore.verification.checksums import (
     EMPTY_SHA256,
     LAYOUT_FIELDS,
     ReferenceChecksums,
+    WeightChecksums,
     compare,
     compare_lists,
     layout_digest,
@@ -386,14 +385,6 @@ def test_compare_checksums_view_never_counts_zero_bytes_as_a_match() -> None:
 def test_strip_rank() -> None:
     assert vc.strip_rank(R0 + "model.x") == "model.x"
     assert vc.strip_rank("model.x") == "model.x"
-
-
-def test_the_engines_comparison_is_verifications() -> None:
-    """One comparison: the engine package's names are verification's own objects."""
-    assert adapter.compare_checksums is vc.compare_checksums
-    assert adapter.WeightChecksums is vc.WeightChecksums
-    assert adapter.ChecksumComparison is vc.ChecksumComparison
-    assert adapter.EMPTY_SHA256 == vc.EMPTY_SHA256
 
 
 # ------------------------------------------------------------- serve --takeover-checksums

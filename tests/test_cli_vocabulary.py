@@ -106,8 +106,8 @@ def test_live_update_logs_under_its_workdir_and_says_where_on_failure(
         monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("httpx")
     import rolloutcore.testing.models as models
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.errors import EngineUnavailable
+    from rolloutcore.session import EngineSession
 
     seen: dict[str, object] = {}
 

@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 import torch
 
-from rolloutcore.control.drafts import DraftedSession, DraftSpec
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import Check
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.errors import BadInput, TransferError, UpdateRefused
+from rolloutcore.session import DraftedSession, DraftSpec, EngineSession
 from rolloutcore.transports.drafted import (
     DRAFT_REFUSAL,
     DraftedGlooTransport,

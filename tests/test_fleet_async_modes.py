@@ -20,7 +20,8 @@ import pytest
 from fleettools import fake_fleet, fleet_client, weights
 from helpers.gateway_rig import sse_events
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+from rolloutcore.core.lifecycle import UpdateMode
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.fleet import FleetConfig
 from rolloutcore.provenance.token_versions import TokenVersions
 from rolloutcore.service.proxy import BODY_FIELD

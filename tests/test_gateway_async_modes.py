@@ -32,7 +32,8 @@ from helpers.gateway_rig import (
 )
 from rolloutcore.core.cache_salt import salt_for
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
+from rolloutcore.core.lifecycle import State, UpdateMode
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.token_versions import TokenVersions
 from rolloutcore.service import ServiceConfig

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 import httpx
 import pytest
 
-from rolloutcore.control.recovery import set_weight_version
 from rolloutcore.engine.errors import (
     is_refusal,
     map_errors,
@@ -27,6 +26,7 @@ from rolloutcore.engine.errors import (
     transport_error,
 )
 from rolloutcore.engine.process import free_port
+from rolloutcore.engine.recovery import set_weight_version
 from rolloutcore.errors import (
     BadInput,
     EffectError,

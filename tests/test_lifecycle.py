@@ -36,16 +36,8 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
 )
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import (
-    Classification,
-    ControllerConfig,
-    Event,
-    FailureKind,
-    SleepTicket,
-    State,
-    Step,
-    UpdateTicket,
-)
+from rolloutcore.core.lifecycle import Classification, Event, FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import ControllerConfig, SleepTicket, UpdateTicket
 from rolloutcore.core.records import Refuse, Restore, Taint, Transition
 from rolloutcore.core.rules import (
     ABORT_STEPS,

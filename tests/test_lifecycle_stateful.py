@@ -34,7 +34,8 @@ from rolloutcore.core.evidence import (
     WakeTags,
 )
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import FailureKind, State, Step, UpdateTicket
+from rolloutcore.core.lifecycle import FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import UpdateTicket
 from rolloutcore.core.rules import FAIL_STEPS, STEP_STATE
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused

@@ -18,12 +18,12 @@ import pytest
 from coretools import drive_to
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
-from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
 from rolloutcore.engine.process import free_port
+from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, UpdateFailed
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights

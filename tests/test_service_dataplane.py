@@ -481,9 +481,9 @@ async def test_metrics_count_admissions_and_requests() -> None:
 
 
 def test_sse_relay_injects_only_the_first_event_across_chunk_boundaries() -> None:
-    from rolloutcore.service.proxy import _SseRelay
+    from rolloutcore.service.wire import SseRelay
 
-    relay = _SseRelay({"version": "v"}, collect=True)
+    relay = SseRelay({"version": "v"}, collect=True)
     raw = b'data: {"a": 1}\n\ndata: {"b": 2}\n\ndata: [DONE]\n\n'
     out = b"".join(relay.feed(raw[i:i + 3]) for i in range(0, len(raw), 3)) + relay.flush()
     assert not out.rstrip().endswith(b"[DONE]")  # held back: the gateway may speak before it
@@ -492,7 +492,7 @@ def test_sse_relay_injects_only_the_first_event_across_chunk_boundaries() -> Non
     assert evs == [{"a": 1, "rolloutcore": {"version": "v"}}, {"b": 2}, "[DONE]"]
     assert relay.complete
     assert [e for e in relay.events] == [{"a": 1, "rolloutcore": {"version": "v"}}, {"b": 2}]
-    empty = _SseRelay({"version": "v"}, collect=False)
+    empty = SseRelay({"version": "v"}, collect=False)
     out2 = empty.feed(b"data: [DONE]\n\n") + empty.flush() + empty.take_held()
     assert sse_events(out2.decode()) == [{"rolloutcore": {"version": "v"}}, "[DONE]"]
     assert json.loads(out2.split(b"\n\n")[0][6:])["rolloutcore"]["version"] == "v"
@@ -621,7 +621,8 @@ def test_a_keep_or_recompute_controller_is_refused_not_run_as_strict() -> None:
     from helpers.gateway_rig import TOKEN, make_parts
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.errors import BadInput
     from rolloutcore.service import ServiceConfig
     from rolloutcore.service.app import create_app

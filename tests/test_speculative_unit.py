@@ -23,7 +23,6 @@ import torch
 
 from fleettools import fake_fleet, weights
 from helpers.gateway_rig import AUTH, begin_body, rig
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import UpdateTarget
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.speculative import (
@@ -41,6 +40,7 @@ from rolloutcore.core.versions import (
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource, refusal
 from rolloutcore.transports.gloo import GlooTransport

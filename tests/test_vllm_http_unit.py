@@ -29,7 +29,6 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
-from rolloutcore.engine.checksums import EMPTY_SHA256, WeightChecksums, compare_checksums
 from rolloutcore.engine.http import CACHE_ROUTES, KEEPALIVE_S, Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.wire import MetricsSnapshot, prefix_cache_delta
@@ -43,6 +42,7 @@ from rolloutcore.errors import (
     RequestRejected,
     TransferError,
 )
+from rolloutcore.verification.checksums import EMPTY_SHA256, WeightChecksums, compare_checksums
 
 BASE = "http://engine.test"
 

@@ -356,9 +356,9 @@ def test_the_session_api_in_a_training_loop() -> None:
     """EngineSession.sleep / wake_and_update / wake, as a colocated training loop calls them."""
     import torch
 
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.lifecycle import State
     from rolloutcore.errors import UpdateRefused
+    from rolloutcore.session import EngineSession
 
     e = SleepyEngine()
     tr = WorkerTransport()

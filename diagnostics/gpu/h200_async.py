@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from rolloutcore.control.journal import Journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
     from rolloutcore.core.evidence import CacheKind, PauseMode
-    from rolloutcore.core.lifecycle import ControllerConfig
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.core.records import UpdateMode
     from rolloutcore.core.versions import (
         ParameterManifest,

@@ -262,12 +262,12 @@ def trainer_checkpoint(packed_weights: Any, model_dir: Path = Path("/tmp/rc-qwen
 def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
     import torch
 
-    from rolloutcore.control.recovery import ManagedRecoverer
-    from rolloutcore.control.session import PreparedUpdate
     from rolloutcore.core.evidence import CacheKind
     from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
     from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.engine.recovery import ManagedRecoverer
     from rolloutcore.fleet.model import FleetWeights
+    from rolloutcore.session import PreparedUpdate
     from rolloutcore.transports.cuda_ipc import (
         BACKEND,
         WORKER_EXTENSION,
@@ -397,7 +397,7 @@ def gpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
 
 
 def cpu_rig(args: argparse.Namespace, log: Callable[[str], None]) -> Rig:
-    from rolloutcore.control.recovery import ManagedRecoverer
+    from rolloutcore.engine.recovery import ManagedRecoverer
     from rolloutcore.fleet.placement import launch_local, prepare_checkpoint
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.fanout import GlooFanout
@@ -458,7 +458,8 @@ def make_fleet(rig: Rig, names: list[str], engines: list[Any], *, mode: str = "s
     """A bootstrapped coordinator over ``engines`` on the weights they hold now
     (``holds``: those FleetWeights; default the trainer's current ones)."""
     from rolloutcore.control.runner import Deadlines
-    from rolloutcore.core.lifecycle import ControllerConfig, UpdateMode
+    from rolloutcore.core.lifecycle import UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.fleet import FleetConfig, FleetCoordinator
     from rolloutcore.fleet.placement import vllm_replica
 

@@ -265,8 +265,8 @@ class Rig:
 
 def _session(engine: Any, transport: Any, tmp: Path) -> tuple[Any, Any, Any, Any]:
     from rolloutcore.control.runner import Deadlines
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.faultproxy import FaultProxy
 
     direct = VllmHTTP(engine.base_url, timeout_s=300)

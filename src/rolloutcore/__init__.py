@@ -17,15 +17,13 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import (
     Binding,
     Classification,
-    Completion,
-    ControllerConfig,
     FailureKind,
     State,
     Step,
     UpdateMode,
-    UpdateTicket,
     Verdict,
 )
+from rolloutcore.core.lifecycle_state import Completion, ControllerConfig, UpdateTicket
 from rolloutcore.core.versions import (
     ParameterManifest,
     ParamSpec,
@@ -53,13 +51,13 @@ if _typing.TYPE_CHECKING:
     from rolloutcore.control.async_modes import RolloutClient
     from rolloutcore.control.journal import Journal, read_journal
     from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.engine.support import SupportVerdict
     from rolloutcore.provenance.recorder import TrajectoryRecorder
     from rolloutcore.service.client import RolloutCoreClient
+    from rolloutcore.session import EngineSession
     from rolloutcore.transports import GlooTransport, IpcTransport, NcclTransport
     from rolloutcore.transports.cuda_ipc import CudaIpcTransport
     from rolloutcore.transports.source import WeightSource
@@ -68,7 +66,7 @@ __version__ = "0.1.0"
 
 #: Public name -> the module that defines it, imported on first access.
 _LAZY: dict[str, str] = {
-    "EngineSession": "rolloutcore.control.session",
+    "EngineSession": "rolloutcore.session",
     "RolloutClient": "rolloutcore.control.async_modes",
     "LifecycleRunner": "rolloutcore.control.runner",
     "Deadlines": "rolloutcore.control.runner",

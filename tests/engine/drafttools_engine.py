@@ -13,11 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.control.drafts import DraftedSession
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import ManagedEngine
+from rolloutcore.session import DraftedSession, EngineSession
 from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource
 from rolloutcore.transports.source import WeightSource
 

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.adapters import AdapterConfig
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import vllm_available
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.models import make_adapter
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.adapter_store import ENV_DIR, MIDDLEWARE

@@ -41,9 +41,9 @@ from rolloutcore.control.async_modes import Rollout, RolloutClient, RolloutStatu
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.control.session import identity_of
 from rolloutcore.core.invariants import check_journal
-from rolloutcore.core.lifecycle import ControllerConfig, State
+from rolloutcore.core.lifecycle import State
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.records import Carry, Complete, UpdateMode
 from rolloutcore.core.versions import EngineIdentity, Provenance, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
@@ -55,6 +55,7 @@ from rolloutcore.provenance.audit import audit_file
 from rolloutcore.provenance.recorder import TrajectoryRecorder
 from rolloutcore.provenance.replay import DEFAULT_TOLERANCE, compare_logprobs
 from rolloutcore.provenance.trajectory import SEED_NONE, SamplingSpec, TrajectoryGroup
+from rolloutcore.session import identity_of
 from rolloutcore.transports.gloo import GlooTransport, _as_cpu
 from rolloutcore.transports.source import WeightSource
 

@@ -28,10 +28,8 @@ from typing import Any
 import pytest
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
-from rolloutcore.engine.checksums import EMPTY_SHA256
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.engine.verify import (
@@ -42,9 +40,10 @@ from rolloutcore.engine.verify import (
     verify_engine,
 )
 from rolloutcore.errors import UpdateFailed
+from rolloutcore.session import EngineSession
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import ReferenceChecksums, verify
+from rolloutcore.verification.checksums import EMPTY_SHA256, ReferenceChecksums, verify
 
 pytestmark = [
     pytest.mark.engine,

@@ -21,11 +21,11 @@ import pytest
 from drafttools_engine import FaultyDraftTransport, assert_one_version, drafted_session, prov
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.control.drafts import DraftedSession, DraftSpec
 from rolloutcore.core.versions import Provenance
 from rolloutcore.core.vocab import State
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
+from rolloutcore.session import DraftedSession, DraftSpec
 from rolloutcore.transports.drafted import policy_digest
 from rolloutcore.transports.source import WeightSource
 

@@ -29,12 +29,12 @@ from drafttools_engine import FaultyDraftTransport, assert_one_version, drafted_
 from safetensors.torch import load_file
 
 from enginetools import EngineFactory, TinyModels
-from rolloutcore.control.drafts import DraftedSession, DraftSpec
 from rolloutcore.core.vocab import State
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.errors import TransferError, UpdateFailed, UpdateRefused
+from rolloutcore.session import DraftedSession, DraftSpec
 from rolloutcore.testing.models import make_eagle_head
 from rolloutcore.transports.drafted import policy_digest
 from rolloutcore.transports.source import WeightSource

@@ -26,7 +26,6 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.control.journal import first_index
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
@@ -34,6 +33,7 @@ from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
+from rolloutcore.session import EngineSession
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 from rolloutcore.verification.probe import PolicyProbe

@@ -62,9 +62,7 @@ from helpers import fault_matrix
 from helpers.fault_matrix import lifecycle_table
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, read_journal, restore_controller
-from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
 from rolloutcore.control.runner import Deadlines, LifecycleRunner, UpdateOutcome
-from rolloutcore.control.session import identity_of
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
     CacheKind,
@@ -78,19 +76,17 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
     evidence_to_dict,
 )
-from rolloutcore.core.lifecycle import (
-    ControllerConfig,
-    FailureKind,
-    State,
-    Step,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer, set_weight_version
 from rolloutcore.engine.verify import take_reference
 from rolloutcore.errors import RolloutCoreError, TransferError, UpdateFailed
 from rolloutcore.provenance.recorder import TrajectoryRecorder
+from rolloutcore.session import identity_of
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.transports.gloo import GlooTransport, _as_cpu
 from rolloutcore.transports.source import WeightSource

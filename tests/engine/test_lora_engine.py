@@ -29,13 +29,13 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from helpers.gateway_rig import uvicorn_thread
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.records import RequestUpdate
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import BadInput, RequestRejected, UpdateFailed, UpdateRefused
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.models import make_adapter
 from rolloutcore.transports.gloo import GlooTransport

@@ -48,15 +48,14 @@ import pytest
 
 from enginetools import EngineFactory, gateway_process
 from rolloutcore.control.journal import read_journal
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance, VerificationLevel
-from rolloutcore.engine.checksums import EMPTY_SHA256
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.engine.verify import take_reference, verify_engine
 from rolloutcore.errors import AdmissionRefused, UpdateFailed
 from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.faultproxy import Fault, FaultProxy
 from rolloutcore.testing.mmcache import (
     ITERATION_LOG_FLAG,
@@ -71,7 +70,7 @@ from rolloutcore.testing.mmcache import (
 from rolloutcore.testing.vlm import IMAGE_TOKEN_ID, is_vision_param, make_vlm_pair
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import ReferenceChecksums
+from rolloutcore.verification.checksums import EMPTY_SHA256, ReferenceChecksums
 from rolloutcore.verification.image_probe import ProbeSuite, vlm_probe
 
 pytestmark = [

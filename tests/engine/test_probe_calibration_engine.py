@@ -27,12 +27,12 @@ import pytest
 
 from enginetools import EngineFactory, gateway_process
 from rolloutcore.control.journal import read_journal
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import UpdateFailed
 from rolloutcore.service.client import RolloutCoreClient, identity_of
+from rolloutcore.session import EngineSession
 from rolloutcore.testing.models import make_checkpoint, make_pair
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource

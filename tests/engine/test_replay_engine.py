@@ -28,7 +28,6 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.cli import build_parser
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import engine_identity
@@ -57,6 +56,7 @@ from rolloutcore.provenance.trajectory import (
     VersionSpan,
     group_id_for,
 )
+from rolloutcore.session import EngineSession
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
 

@@ -26,7 +26,6 @@ import rankfault
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.control.runner import Deadlines
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
@@ -34,6 +33,7 @@ from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import ManagedEngine, vllm_available
 from rolloutcore.engine.wire import prefix_cache_delta
 from rolloutcore.errors import UpdateFailed
+from rolloutcore.session import EngineSession
 from rolloutcore.transports import GlooTransport
 from rolloutcore.transports.source import WeightSource
 

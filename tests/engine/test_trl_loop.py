@@ -22,7 +22,6 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels
 from rolloutcore.control.journal import read_journal
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
@@ -36,6 +35,7 @@ from rolloutcore.provenance.replay import (
     SampleStatus,
     compare_logprobs,
 )
+from rolloutcore.session import EngineSession
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 

@@ -23,12 +23,12 @@ import pytest
 
 from enginetools import EngineFactory, TinyModels, kill_engine
 from rolloutcore.control.journal import read_journal
-from rolloutcore.control.session import EngineSession
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import vllm_available
 from rolloutcore.provenance.recorder import read_groups
+from rolloutcore.session import EngineSession
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 

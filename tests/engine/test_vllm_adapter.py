@@ -32,7 +32,6 @@ from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
 )
-from rolloutcore.engine.checksums import EMPTY_SHA256, compare_checksums
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.process import ManagedEngine, free_port, vllm_available
@@ -47,6 +46,7 @@ from rolloutcore.errors import (
 from rolloutcore.testing.models import VOCAB_SIZE
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import EMPTY_SHA256, compare_checksums
 
 pytestmark = [
     pytest.mark.engine,

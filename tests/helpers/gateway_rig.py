@@ -31,7 +31,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
 from rolloutcore.core.evidence import TransferEvidence
-from rolloutcore.core.lifecycle import ControllerConfig
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
 from rolloutcore.service.control import LEASE_HEADER

@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
-from rolloutcore.control.session import UpdateResult
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.session import UpdateResult
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.testing.fake_vllm import FakeVllm
 from rolloutcore.testing.models import VOCAB_SIZE

@@ -27,8 +27,8 @@ __all__ = ["add_arguments", "run_live_update"]
 
 def run_live_update(workdir: Path, *, journal_path: Path | None = None,
                     rollout_tokens: int = 400, progress: bool = True) -> dict[str, Any]:
-    from rolloutcore.control.session import EngineSession
     from rolloutcore.core.versions import Provenance
+    from rolloutcore.session import EngineSession
     from rolloutcore.testing.models import make_checkpoint
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,9 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
                                    engine_kwargs={"log_dir": workdir / "logs"})
     try:
         report["engine_start_s"] = time.monotonic() - t1
-        pid_before = session.engine.pid
+        engine = session.engine
+        assert engine is not None  # launch() starts one
+        pid_before = engine.pid
         v0 = session.bootstrap(a, Provenance("policy-A", "live-update", 0))
         c, h = session.controller, session.http
         prompt = [(7 * i + 3) % 250 + 1 for i in range(100)]
@@ -73,7 +75,7 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
         g = result["gen"]
         after = h.generate(prompt, max_tokens=16)
         report.update({
-            "engine_pid_before": pid_before, "engine_pid_after": session.engine.pid,
+            "engine_pid_before": pid_before, "engine_pid_after": engine.pid,
             "committed_before": v0.to_dict(),
             "published": upd.version.to_dict(),
             "identity": upd.identity.to_dict(),

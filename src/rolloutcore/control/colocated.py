@@ -19,14 +19,8 @@ from typing import Protocol, TypeVar
 from rolloutcore.control.outcomes import EffectHost, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import Sleeper
 from rolloutcore.core.evidence import SLEEP_LEVELS, WakeTags
-from rolloutcore.core.lifecycle import (
-    FailureKind,
-    SleepTicket,
-    State,
-    Step,
-    UpdateTicket,
-    Verdict,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step, Verdict
+from rolloutcore.core.lifecycle_state import SleepTicket, UpdateTicket
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity
 from rolloutcore.errors import BadInput, EffectError, UpdateFailed, UpdateRefused
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from rolloutcore.control.shell import Listener, Shell, Sink
 from rolloutcore.core import evidence as ev
-from rolloutcore.core.lifecycle import (
+from rolloutcore.core.lifecycle import Lifecycle
+from rolloutcore.core.lifecycle_state import (
     Completion,
     ControllerConfig,
-    Lifecycle,
     SleepTicket,
     UpdateTicket,
     verification_of,

@@ -14,12 +14,8 @@ from typing import Any, Protocol, TypeVar
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.port import LifecycleAdapter
 from rolloutcore.core.evidence import SleepEvidence
-from rolloutcore.core.lifecycle import (
-    SleepTicket,
-    State,
-    UpdateTicket,
-    Verdict,
-)
+from rolloutcore.core.lifecycle import State, Verdict
+from rolloutcore.core.lifecycle_state import SleepTicket, UpdateTicket
 from rolloutcore.core.versions import WeightVersion
 
 __all__ = ["EffectHost", "PhaseTiming", "SleepOutcome", "StepAborted", "UpdateOutcome"]

@@ -60,14 +60,8 @@ from rolloutcore.core.evidence import (
     TransferEvidence,
     ValidationEvidence,
 )
-from rolloutcore.core.lifecycle import (
-    Classification,
-    FailureKind,
-    State,
-    Step,
-    UpdateTicket,
-    Verdict,
-)
+from rolloutcore.core.lifecycle import Classification, FailureKind, State, Step, Verdict
+from rolloutcore.core.lifecycle_state import UpdateTicket
 from rolloutcore.core.records import Effect, Event, Note, Record
 from rolloutcore.core.rules import UPDATE_MODES
 from rolloutcore.core.versions import (

@@ -4,7 +4,7 @@ The engine stack is a controller (over its journal), the runner that drives
 one engine through a port (``control.port.LifecycleAdapter``: ``VllmAdapter``
 for vLLM, ``FakeAdapter`` for the simulated engine) and, for a launched
 engine, the hook that taints at once when its process exits. The session
-(``control.session``), ``rolloutcore serve`` (``service.serve``), fleet
+(``rolloutcore.session``), ``rolloutcore serve`` (``service.serve``), fleet
 placement (``fleet.placement``) and the demo (``cli.demo``) all call
 ``wire``; nothing else constructs a ``LifecycleRunner`` in ``src/``
 (``tests/test_layering.py``). ``wire`` takes the port already built, so
@@ -21,7 +21,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal, open_controller
 from rolloutcore.control.port import LifecycleAdapter
 from rolloutcore.control.runner import Deadlines, DrainPolicy, LifecycleRunner
-from rolloutcore.core.lifecycle import ControllerConfig
+from rolloutcore.core.lifecycle_state import ControllerConfig
 from rolloutcore.errors import BadInput
 
 __all__ = ["Stack", "wire"]

@@ -18,13 +18,8 @@ from typing import Any, Protocol, TypeVar
 from rolloutcore.control.outcomes import EffectHost
 from rolloutcore.control.port import ExpectationTaker, Recoverer
 from rolloutcore.core.evidence import BootstrapEvidence, UpdateTarget, ValidationEvidence
-from rolloutcore.core.lifecycle import (
-    FailureKind,
-    State,
-    Step,
-    Verdict,
-    verification_of,
-)
+from rolloutcore.core.lifecycle import FailureKind, State, Step, Verdict
+from rolloutcore.core.lifecycle_state import verification_of
 from rolloutcore.core.versions import (
     VerificationLevel,
     WeightIdentity,

@@ -35,6 +35,7 @@ __all__ = [
     "ModeRule",
     "OUTCOMES",
     "RESETS_DONE",
+    "SLEEP_STATES",
     "STEP_STATE",
     "TRANSITIONS",
     "UPDATE_MODES",
@@ -50,6 +51,8 @@ _ALL_BUT_UNINIT = tuple(s for s in State if s is not S.UNINITIALIZED)
 #: The states an update owns (from the request to the publish or the abandon).
 UPDATE_STATES = (S.DRAINING, S.QUIESCED, S.UPDATING, S.INVALIDATING, S.VALIDATING,
                   S.RESUMING)
+#: Colocated training: the states a sleep owns (DOZING, SLEEPING) or its wake (all four).
+SLEEP_STATES = (S.DOZING, S.SLEEPING, S.WAKING, S.WARMING)
 
 
 class Lookup(enum.StrEnum):

@@ -31,11 +31,13 @@ touches):
 * What lives here: ``port`` (``VllmAdapter``, the lifecycle port over vLLM),
   ``http``/``stream``/``wire`` (the typed client and what answers parse to),
   ``upstream`` (the gateway's hand-written data-path pool, httptools),
-  ``process`` + ``launch_guard`` (the launcher), ``support`` (which vLLM is
-  supported), ``sleep``, ``state``, ``verify``, ``sent``, ``checksums``,
-  ``args``. In RolloutCore "adapter" means a LoRA adapter; the vLLM side is
-  "the engine". (``VllmAdapter`` keeps its name: it is public API, exported at
-  ``rolloutcore`` and used in ``docs/async-modes.md``.)
+  ``process`` + ``launch_guard`` (the launcher), ``recovery`` (the
+  ``control.port.Recoverer`` pair: restart a launched engine, or wait for an
+  operator's, and verify it), ``support`` (which vLLM is supported), ``sleep``,
+  ``state``, ``verify``, ``sent``, ``args``. In RolloutCore "adapter" means a
+  LoRA adapter; the vLLM side is "the engine". (``VllmAdapter`` keeps its
+  name: it is public API, exported at ``rolloutcore`` and used in
+  ``docs/async-modes.md``.)
 
 Still outside: the gloo and vLLM-driver transports' calls
 (``TransportBase.post``); they name routes from ``routes`` and map failures

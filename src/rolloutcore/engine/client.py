@@ -22,29 +22,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from rolloutcore.engine.errors import map_errors, raise_for_status
 
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["AsyncEngineClient", "EngineClient"]
+__all__ = ["AsyncEngineClient", "ClientOptions", "EngineClient"]
 
 
-def _limits(max_connections: int | None, max_keepalive: int | None,
-            keepalive_s: float | None) -> httpx.Limits:
-    import httpx
+class ClientOptions(TypedDict, total=False):
+    """Both twins' options beside the base URL and transport (defaults in ``_configure``):
+    each call's deadline, the connect phase's, headers sent on every call, the pool."""
 
-    return httpx.Limits(max_connections=max_connections,
-                        max_keepalive_connections=max_keepalive,
-                        keepalive_expiry=5.0 if keepalive_s is None else keepalive_s)
-
-
-def _timeout(timeout_s: float, connect_s: float | None) -> httpx.Timeout:
-    import httpx
-
-    return httpx.Timeout(timeout_s, connect=timeout_s if connect_s is None else connect_s)
+    timeout_s: float
+    connect_s: float | None
+    headers: Mapping[str, str] | None
+    max_connections: int | None
+    max_keepalive: int | None
+    keepalive_s: float | None
 
 
 class _Common:
@@ -52,6 +49,22 @@ class _Common:
 
     base_url: str
     timeout_s: float
+
+    def _configure(self, base_url: str, options: ClientOptions
+                   ) -> tuple[httpx.Timeout, httpx.Limits, dict[str, str]]:
+        """Keep the base URL and deadline; the httpx client's timeout, limits, headers."""
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = float(options.get("timeout_s", 30.0))
+        connect_s = options.get("connect_s")
+        keepalive_s = options.get("keepalive_s")
+        return (httpx.Timeout(self.timeout_s,
+                              connect=self.timeout_s if connect_s is None else connect_s),
+                httpx.Limits(max_connections=options.get("max_connections", 100),
+                             max_keepalive_connections=options.get("max_keepalive", 20),
+                             keepalive_expiry=5.0 if keepalive_s is None else keepalive_s),
+                dict(options.get("headers") or {}))
 
     def _what(self, method: str, url: str | httpx.URL, what: str | None) -> str:
         if what is not None:
@@ -64,20 +77,13 @@ class _Common:
 class EngineClient(_Common):
     """Sync HTTP client; every failure in the tree. Thread-safe (httpx's pool)."""
 
-    def __init__(self, base_url: str = "", *, timeout_s: float = 30.0,
-                 connect_s: float | None = None,
-                 transport: httpx.BaseTransport | None = None,
-                 headers: Mapping[str, str] | None = None,
-                 max_connections: int | None = 100, max_keepalive: int | None = 20,
-                 keepalive_s: float | None = None) -> None:
+    def __init__(self, base_url: str = "", *, transport: httpx.BaseTransport | None = None,
+                 **options: Unpack[ClientOptions]) -> None:
         import httpx
 
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = float(timeout_s)
-        self.http = httpx.Client(base_url=self.base_url, transport=transport,
-                                 timeout=_timeout(timeout_s, connect_s),
-                                 headers=dict(headers or {}), follow_redirects=False,
-                                 limits=_limits(max_connections, max_keepalive, keepalive_s))
+        timeout, limits, headers = self._configure(base_url, options)
+        self.http = httpx.Client(base_url=self.base_url, transport=transport, timeout=timeout,
+                                 headers=headers, follow_redirects=False, limits=limits)
 
     def request(self, method: str, url: str | httpx.URL, *, step: str,
                 timeout_s: float | None = None, json_body: object = None,
@@ -127,21 +133,15 @@ class EngineClient(_Common):
 class AsyncEngineClient(_Common):
     """``EngineClient``'s async twin: the same method set, awaited."""
 
-    def __init__(self, base_url: str = "", *, timeout_s: float = 30.0,
-                 connect_s: float | None = None,
+    def __init__(self, base_url: str = "", *,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 headers: Mapping[str, str] | None = None,
-                 max_connections: int | None = 100, max_keepalive: int | None = 20,
-                 keepalive_s: float | None = None) -> None:
+                 **options: Unpack[ClientOptions]) -> None:
         import httpx
 
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = float(timeout_s)
+        timeout, limits, headers = self._configure(base_url, options)
         self.http = httpx.AsyncClient(base_url=self.base_url, transport=transport,
-                                      timeout=_timeout(timeout_s, connect_s),
-                                      headers=dict(headers or {}), follow_redirects=False,
-                                      limits=_limits(max_connections, max_keepalive,
-                                                     keepalive_s))
+                                      timeout=timeout, headers=headers,
+                                      follow_redirects=False, limits=limits)
 
     async def request(self, method: str, url: str | httpx.URL, *, step: str,
                       timeout_s: float | None = None, json_body: object = None,
@@ -166,7 +166,7 @@ class AsyncEngineClient(_Common):
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str | httpx.URL, *, step: str,
                      timeout: float | httpx.Timeout | None = None, json_body: object = None,
-               headers: Mapping[str, str] | None = None,
+                     headers: Mapping[str, str] | None = None,
                      mutation_started: bool = True, what: str | None = None,
                      extensions: Mapping[str, object] | None = None
                      ) -> AsyncIterator[httpx.Response]:

@@ -43,7 +43,6 @@ import httpx
 
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
-from rolloutcore.engine.checksums import WeightChecksums, strip_rank
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
@@ -59,6 +58,7 @@ from rolloutcore.engine.wire import (
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable
 from rolloutcore.transports import engine_key
+from rolloutcore.verification.checksums import WeightChecksums, strip_rank
 
 __all__ = ["CACHE_ROUTES", "KEEPALIVE_S", "GenerationStream", "Routes", "VllmHTTP",
            "check_timeout"]
@@ -91,6 +91,15 @@ def check_timeout(v: float) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
         raise BadInput(f"timeout must be a positive number of seconds, got {v!r}")
     return float(v)
+
+
+def _put_ids(body: dict[str, Any], **ids: object) -> None:
+    """``request_id`` / ``cache_salt`` into a generate body: each a non-empty string or None."""
+    for name, value in ids.items():
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise BadInput(f"{name} must be a non-empty string")
+            body[name] = value
 
 
 class VllmHTTP:
@@ -431,7 +440,7 @@ class VllmHTTP:
         A label written after a transfer can be seen before it is true (the
         transports put it in the finish call instead); after a cold load of
         a known checkpoint, with nothing admitted, it is the only way to name
-        what the process loaded (``control.recovery``).
+        what the process loaded (``engine.recovery``).
         """
         if not isinstance(label, str) or not label or any(c.isspace() for c in label):
             raise BadInput(f"label must be a non-empty string without spaces, got {label!r}")
@@ -583,14 +592,7 @@ class VllmHTTP:
         }
         if parts:
             body["content_parts"] = parts
-        if request_id is not None:
-            if not isinstance(request_id, str) or not request_id:
-                raise BadInput("request_id must be a non-empty string")
-            body["request_id"] = request_id
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise BadInput("cache_salt must be a non-empty string")
-            body["cache_salt"] = cache_salt
+        _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
 
         def unexpected(why: object) -> EffectError:
@@ -651,14 +653,7 @@ class VllmHTTP:
             "sampling_params": self._sampling(max_tokens, temperature, logprobs, seed,
                                               ignore_eos, sampling_extra),
             "stream": True, "stream_options": {"include_usage": True}}
-        if request_id is not None:
-            if not isinstance(request_id, str) or not request_id:
-                raise BadInput("request_id must be a non-empty string")
-            body["request_id"] = request_id
-        if cache_salt is not None:
-            if not isinstance(cache_salt, str) or not cache_salt:
-                raise BadInput("cache_salt must be a non-empty string")
-            body["cache_salt"] = cache_salt
+        _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         if self._closed:
             raise EngineUnavailable("generate", "client is closed")
         trace = self._trace

@@ -54,7 +54,6 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import EngineIdentity, Provenance
 from rolloutcore.engine import state as engine_state
-from rolloutcore.engine.checksums import compare_checksums
 from rolloutcore.engine.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
 from rolloutcore.engine.sent import check_sent_scheme, compare_sent
 from rolloutcore.engine.sleep import SleepAwareTransport, SleepMode
@@ -75,6 +74,7 @@ from rolloutcore.errors import (
 from rolloutcore.transports import drafted
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import checksum_map, compare_checksums
 from rolloutcore.verification.probe import Calibration, takes_calibration
 
 __all__ = [
@@ -164,6 +164,15 @@ class _Staged:
     #: The probe is of the checkpoint the engine was started on (a takeover):
     #: its deviation becomes the engine's calibration.
     calibrating: bool = False
+
+
+def _expectations(probes: ProbeSet | None, reference_checksums: Mapping[str, str] | None
+                  ) -> tuple[dict[str, str] | None, ProbeSet | None]:
+    """What ``stage`` and ``expect`` compare with, checked: (checksums, probes)."""
+    if probes is not None and not isinstance(probes, ProbeSet):
+        raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
+    return (None if reference_checksums is None
+            else checksum_map("reference_checksums", reference_checksums)), probes
 
 
 class VllmAdapter(SleepMode):
@@ -257,15 +266,7 @@ class VllmAdapter(SleepMode):
                            "(WeightSource.of() takes a module, a state dict or a checkpoint)")
         if provenance is not None and not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance or None")
-        if reference_checksums is not None:
-            if not isinstance(reference_checksums, Mapping) or not reference_checksums or \
-                    not all(isinstance(k, str) and isinstance(v, str)
-                            for k, v in reference_checksums.items()):
-                raise BadInput("reference_checksums must be a non-empty mapping of str to str")
-            reference_checksums = dict(reference_checksums)
-        if probes is not None and not isinstance(probes, ProbeSet):
-            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
-        self._staged = _Staged(source, provenance, reference_checksums, probes,
+        self._staged = _Staged(source, provenance, *_expectations(probes, reference_checksums),
                                source.manifest().digest)
 
     @property
@@ -286,15 +287,7 @@ class VllmAdapter(SleepMode):
         """
         if not isinstance(calibrating, bool):
             raise BadInput("calibrating must be a bool")
-        if probes is not None and not isinstance(probes, ProbeSet):
-            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
-        if reference_checksums is not None:
-            if not isinstance(reference_checksums, Mapping) or not reference_checksums or \
-                    not all(isinstance(k, str) and isinstance(v, str)
-                            for k, v in reference_checksums.items()):
-                raise BadInput("reference_checksums must be a non-empty mapping of str to str")
-            reference_checksums = dict(reference_checksums)
-        self._staged = _Staged(None, None, reference_checksums, probes, "",
+        self._staged = _Staged(None, None, *_expectations(probes, reference_checksums), "",
                                calibrating=calibrating)
 
     def _record_ranks(self, result: dict[str, Any]) -> None:

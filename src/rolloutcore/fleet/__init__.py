@@ -2,8 +2,9 @@
 
 The pool's machine (the replica table, its records, the update decisions)
 is ``rolloutcore.core.pool``, run in the shell every machine runs in;
-``routing`` (policies, eligibility, balance) is pure; ``coordinator`` runs
-synchronous and rolling updates and supervises the pool; ``gateway`` is the
+``routing`` (policies, eligibility, balance) is pure; ``coordinator``
+bootstraps and supervises the pool, on ``updates`` (synchronous and rolling
+updates) over ``members`` (the replicas, their pool and its queries); ``gateway`` is the
 single gateway's data plane with a router in front (version-aware routing,
 status, metrics); ``placement`` starts engines (URLs, local processes, Ray
 actors) and builds their replicas.

@@ -4,7 +4,7 @@ Three placements, one result (engine handles with ``base_url`` and ``epoch``):
 
 * **URLs**: engines started by anything (Kubernetes, Slurm, by hand);
   ``vllm_replica(name, url)``; recovery then needs an operator
-  (``control.recovery.OperatorRecoverer``) or none (the replica stays fenced);
+  (``engine.recovery.OperatorRecoverer``) or none (the replica stays fenced);
 * **local processes**: ``launch_local(n, checkpoint)`` starts ``ManagedEngine``s
   in parallel, each on a port of its own that a restart keeps;
 * **Ray actors**: ``place_ray(n, checkpoint)`` reserves one bundle per engine
@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.control.runner import Deadlines, DrainPolicy
-from rolloutcore.control.session import PreparedUpdate, identity_of
 from rolloutcore.control.stack import wire
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
@@ -48,6 +47,7 @@ from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, EngineUnavailable
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetConfig, FleetWeights, Replica
+from rolloutcore.session import PreparedUpdate, identity_of
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
@@ -129,7 +129,7 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     assert journal is not None  # restore=True always opens one
     adopt = None
     if checkpoint is not None:
-        from rolloutcore.control.recovery import ManagedRecoverer, OperatorRecoverer
+        from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer
 
         if recoverer is None and engine is not None and recover:
             recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=probe)

@@ -214,13 +214,6 @@ class TokenVersions:
         """Tokens prefilled again by resubmissions (every segment after the first)."""
         return sum(s.prefill_tokens for s in self.segments[1:])
 
-    def version_of(self, i: int) -> int:
-        """The generation that sampled output token ``i``."""
-        for s in self.spans:
-            if s.start <= i < s.end:
-                return s.generation
-        raise BadInput(f"token {i} is outside the spans")
-
     def to_dict(self) -> dict[str, Any]:
         return {"mode": self.mode.value, "source": self.source,
                 "spans": [s.to_dict() for s in self.spans],

@@ -68,7 +68,8 @@ from typing import Any
 import anyio
 
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.core.lifecycle import Binding, Completion, UpdateMode
+from rolloutcore.core.lifecycle import Binding, UpdateMode
+from rolloutcore.core.lifecycle_state import Completion
 from rolloutcore.core.media import MediaError
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.engine.routes import DATA_ROUTES
@@ -115,8 +116,6 @@ from rolloutcore.service.wire import (
     validate_request,
     vllm_request_ids,
 )
-
-_SseRelay = SseRelay  # its old name here
 
 __all__ = [
     "ATTRIBUTABLE_HEADER",

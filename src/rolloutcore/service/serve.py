@@ -348,7 +348,8 @@ def run_serve(args: ServeOptions) -> int:
     from rolloutcore.control.journal import Journal, open_controller
     from rolloutcore.control.runner import Deadlines, DrainPolicy, TakeoverRefused
     from rolloutcore.control.stack import wire
-    from rolloutcore.core.lifecycle import ControllerConfig, State, UpdateMode
+    from rolloutcore.core.lifecycle import State, UpdateMode
+    from rolloutcore.core.lifecycle_state import ControllerConfig
     from rolloutcore.core.versions import Provenance, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.port import VllmAdapter
@@ -673,7 +674,7 @@ class _LazyProbe:
 
 def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
     """For a journal left TAINTED: accept a replacement engine, fresh from the checkpoint."""
-    from rolloutcore.control.recovery import OperatorRecoverer
+    from rolloutcore.engine.recovery import OperatorRecoverer
 
     def make(previous_epoch: str) -> Any:
         p = probe.get() if isinstance(probe, _LazyProbe) else probe

@@ -104,12 +104,6 @@ class DraftedSource(WeightSource):
         self.draft = draft
         self._parts: dict[str, str] | None = None
 
-    def target_digest(self) -> str:
-        return self.target.content_digest()
-
-    def draft_digest(self) -> str:
-        return self.draft.content_digest()
-
     def content_digest(self) -> str:
         """Read again on every call (a module or state dict may change between calls),
         as ``WeightSource.content_digest``; ``parts()`` reports the last one."""

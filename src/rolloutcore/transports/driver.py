@@ -96,10 +96,6 @@ class TargetAwareSyncClient:
         self._pending = None
 
     @property
-    def pending_label(self) -> str | None:
-        return self._pending
-
-    @property
     def mutation_possible(self) -> bool:
         """Whether the engine's weights may have changed in this round."""
         return self.start_state in ("sent", "accepted")

@@ -332,6 +332,14 @@ def raw_checksums(cs: NamedChecksums) -> dict[str, str]:
     return {cs.raw_keys.get(n, n): d for n, d in cs.digests.items()}
 
 
+def checksum_map(where: str, m: object) -> dict[str, str]:
+    """``m`` copied, or ``BadInput``: checksums must be a non-empty mapping of str to str."""
+    if not isinstance(m, Mapping) or not m or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
+        raise BadInput(f"{where} must be a non-empty mapping of str to str")
+    return dict(m)
+
+
 def _check_digests(where: str, m: object) -> dict[str, str]:
     if not isinstance(m, Mapping) or not m:
         raise BadInput(f"{where} must be a non-empty mapping of parameter key to sha256")

@@ -140,7 +140,7 @@ class RolloutCoreRollout:
                  importance_sampling: bool = True,
                  max_concurrency: int = 32, owner: str = "trl",
                  interrupt_wait_s: float = 10.0, adapters: bool = False) -> None:
-        from rolloutcore.control.session import EngineSession
+        from rolloutcore.session import EngineSession
 
         if isinstance(engine, EngineSession):
             engine = _SessionEngine(engine, owns=False, adapters=bool(adapters))
@@ -226,7 +226,7 @@ class RolloutCoreRollout:
         (default a temporary one, removed at close; a given one is kept, holding
         the versions not retired, for replay).
         """
-        from rolloutcore.control.session import EngineSession
+        from rolloutcore.session import EngineSession
 
         ekw = dict(engine_kwargs or {})
         if lora_rank is not None:

@@ -54,14 +54,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, RecoveryEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.versions import Provenance, WeightIdentity, WeightVersion
-from rolloutcore.engine.checksums import compare_checksums
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import (
     BadInput,
@@ -70,12 +69,19 @@ from rolloutcore.errors import (
     RolloutCoreError,
 )
 from rolloutcore.transports.source import WeightSource
+from rolloutcore.verification.checksums import (
+    ChecksumComparison,
+    ChecksumReport,
+    ReferenceChecksums,
+    WeightChecksums,
+    checksum_map,
+    compare_checksums,
+)
 
 if TYPE_CHECKING:
     import httpx
 
     from rolloutcore.engine.process import ManagedEngine
-    from rolloutcore.verification.checksums import ReferenceChecksums
     from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
@@ -131,7 +137,6 @@ class _Checkpoint:
                  identity: WeightIdentity | None, reference: ReferenceChecksums
                  | Mapping[str, str] | None, probe: PolicyProbe | bool | None,
                  read_checksums: ChecksumReader | None = None) -> None:
-        from rolloutcore.verification.checksums import ReferenceChecksums
         from rolloutcore.verification.probe import PolicyProbe
 
         if not isinstance(checkpoint, (str, os.PathLike)) or not str(checkpoint):
@@ -163,10 +168,8 @@ class _Checkpoint:
                     raise BadInput("the reference checksums were taken from another "
                                    f"checkpoint ({reference.content_digest[:12]}, this one "
                                    f"is {content[:12]})")
-            elif not isinstance(reference, Mapping) or not reference or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in reference.items()):
-                raise BadInput("reference must be ReferenceChecksums or a non-empty mapping "
-                               "of str to str")
+            else:
+                reference = checksum_map("reference (or ReferenceChecksums)", reference)
         self.reference = reference
         if read_checksums is not None and (not callable(read_checksums) or reference is None
                                            or isinstance(reference, ReferenceChecksums)):
@@ -200,30 +203,20 @@ class _Checkpoint:
                           unverified: list[str]) -> Check:
         """The engine's checksums read the caller's way (a worker extension's hash of
         every parameter, where vLLM has no ``/weight_checker``), against ``ref``."""
-        from rolloutcore.verification.checksums import WeightChecksums
-
         reader = self.read_checksums
         assert reader is not None
         try:
-            got = reader(base_url)
-            if not isinstance(got, Mapping) or not got or not all(
-                    isinstance(k, str) and isinstance(v, str) for k, v in got.items()):
-                raise BadInput(f"read_checksums returned {type(got).__name__}, not a "
-                               "non-empty mapping of str to str")
+            got = checksum_map("what read_checksums returned", reader(base_url))
         except Exception as exc:  # fail closed: no reading is a failed check, not a pass
             return Check("engine_checksum", False,
                          f"could not read the engine's checksums: {exc!r}"[:500])
         cmp = compare_checksums(WeightChecksums(dict(got), {k: k for k in got}), ref)
-        if cmp.unverifiable:
-            unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
-                              "hash as zero bytes (repacked): not verifiable")
-        return cmp.to_check()
+        return _compared(cmp, cmp.total, unverified)
 
     def verify(self, http: VllmHTTP, target: WeightVersion, epoch: str,
                notes: list[str], timings: RecoveryTimings) -> RecoveryEvidence:
         """Label it, then observe it like an update's validation."""
         from rolloutcore.engine.verify import verify_engine
-        from rolloutcore.verification.checksums import ReferenceChecksums
 
         t0 = time.monotonic()
         healthy = http.health()
@@ -263,16 +256,10 @@ class _Checkpoint:
             unverified.append("no /weight_checker: engine checksums not compared")
         elif isinstance(ref, ReferenceChecksums):
             rep = verify_engine(http, ref)
-            checks.append(rep.to_check())
-            if rep.unverifiable:
-                unverified.append(f"{len(rep.unverifiable)} of {rep.engine_params} engine "
-                                  "parameters hash as zero bytes (repacked): not verifiable")
+            checks.append(_compared(rep, rep.engine_params, unverified))
         else:
             cmp = compare_checksums(http.weight_checksums(), ref)
-            checks.append(cmp.to_check())
-            if cmp.unverifiable:
-                unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
-                                  "hash as zero bytes (repacked): not verifiable")
+            checks.append(_compared(cmp, cmp.total, unverified))
         paused = http.is_paused() if http.has(Routes.IS_PAUSED) else None
         timings.checks = [f"{c.name}={'pass' if c.passed else 'FAIL'}" for c in checks]
         val = ValidationEvidence(wi.label, wi.label_supported, paused=paused,
@@ -283,13 +270,56 @@ class _Checkpoint:
                                 healthy=healthy, unverified=tuple(unverified))
 
 
+def _compared(cmp: ChecksumComparison | ChecksumReport, total: int,
+              unverified: list[str]) -> Check:
+    """A checksum comparison's check; parameters hashed as zero bytes noted as unverified."""
+    if cmp.unverifiable:
+        unverified.append(f"{len(cmp.unverifiable)} of {total} engine parameters hash as "
+                          "zero bytes (repacked): not verifiable")
+    return cmp.to_check()
+
+
 def _check_seconds(name: str, v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
         raise BadInput(f"{name} must be a finite number > 0, got {v!r}")
     return float(v)
 
 
-class ManagedRecoverer:
+class _Recovery:
+    """What both recoverers keep: the known checkpoint, the last timings, and the engine
+    client a recovery reads through (``_reading``), which the watchdog unblocks."""
+
+    known: _Checkpoint
+    last: RecoveryTimings | None
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._http: VllmHTTP | None = None
+        self.last = None
+
+    @property
+    def identity(self) -> WeightIdentity:
+        return self.known.identity
+
+    @contextlib.contextmanager
+    def _reading(self, http: VllmHTTP) -> Iterator[VllmHTTP]:
+        with self._lock:
+            self._http = http
+        try:
+            yield http
+        finally:
+            with self._lock:
+                self._http = None
+            http.close()
+
+    def _unblock(self) -> None:
+        with self._lock:
+            http = self._http
+        if http is not None:
+            http.cancel_inflight()
+
+
+class ManagedRecoverer(_Recovery):
     """Replaces a ``ManagedEngine``'s process with a new one on a known checkpoint.
 
     ``reference``: cold-load checksums of the checkpoint (strongly advised);
@@ -330,14 +360,8 @@ class ManagedRecoverer:
         if on_replaced is not None and not callable(on_replaced):
             raise BadInput("on_replaced must be callable")
         self.on_replaced = on_replaced
-        self._lock = threading.Lock()
+        super().__init__()
         self._cancelled = False
-        self._http: VllmHTTP | None = None
-        self.last: RecoveryTimings | None = None
-
-    @property
-    def identity(self) -> WeightIdentity:
-        return self.known.identity
 
     def _check_cancelled(self) -> None:
         with self._lock:
@@ -373,17 +397,10 @@ class ManagedRecoverer:
             raise EffectError(STEP, "the restarted engine reports the old epoch")
         if self.on_replaced is not None:
             self.on_replaced(eng)
-        http = VllmHTTP(eng.base_url, timeout_s=self.http_timeout_s)
-        with self._lock:
-            self._http = http
-        try:
+        with self._reading(VllmHTTP(eng.base_url, timeout_s=self.http_timeout_s)) as http:
             notes = [f"engine process replaced: epoch {timings.old_epoch} -> "
                      f"{timings.new_epoch}, cold start {timings.start_s:.1f}s"]
             ev = self.known.verify(http, target, eng.epoch, notes, timings)
-        finally:
-            with self._lock:
-                self._http = None
-            http.close()
         timings.total_s = time.monotonic() - t0
         return ev
 
@@ -391,9 +408,7 @@ class ManagedRecoverer:
         """Watchdog: a start in progress is killed (it then fails), a verification unblocked."""
         with self._lock:
             self._cancelled = True
-            http = self._http
-        if http is not None:
-            http.cancel_inflight()
+        self._unblock()
         if self.engine.alive():
             with contextlib.suppress(OSError, BadInput):
                 self.engine.signal_group(signal.SIGKILL)
@@ -402,7 +417,7 @@ class ManagedRecoverer:
 Signal = str | os.PathLike[str] | Callable[[], bool]
 
 
-class OperatorRecoverer:
+class OperatorRecoverer(_Recovery):
     """Waits for an operator to replace an engine we do not own, then verifies it.
 
     ``signal`` is a path (the operator creates the file once the new engine
@@ -438,15 +453,9 @@ class OperatorRecoverer:
         self.previous_epoch = previous_epoch
         self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe,
                                  read_checksums)
+        super().__init__()
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._http: VllmHTTP | None = None
         self._transport = transport  # the engine client's (a test's FakeVllm)
-        self.last: RecoveryTimings | None = None
-
-    @property
-    def identity(self) -> WeightIdentity:
-        return self.known.identity
 
     def _signalled(self) -> bool:
         sig = self.signal
@@ -479,11 +488,8 @@ class OperatorRecoverer:
         self.last = timings
         self._wait(self.wait_s, "the operator's signal", self._signalled)
         timings.wait_s = time.monotonic() - t0
-        http = VllmHTTP(self.base_url, timeout_s=self.http_timeout_s,
-                        transport=self._transport)
-        with self._lock:
-            self._http = http
-        try:
+        with self._reading(VllmHTTP(self.base_url, timeout_s=self.http_timeout_s,
+                                    transport=self._transport)) as http:
             ts = time.monotonic()
 
             def healthy() -> bool:
@@ -504,10 +510,6 @@ class OperatorRecoverer:
             self.known.check_unchanged()
             notes = [f"engine replaced by an operator: epoch {self.previous_epoch} -> {epoch}"]
             ev = self.known.verify(http, target, epoch, notes, timings)
-        finally:
-            with self._lock:
-                self._http = None
-            http.close()
         timings.total_s = time.monotonic() - t0
         return ev
 
@@ -529,7 +531,4 @@ class OperatorRecoverer:
 
     def cancel(self) -> None:
         self._stop.set()
-        with self._lock:
-            http = self._http
-        if http is not None:
-            http.cancel_inflight()
+        self._unblock()
