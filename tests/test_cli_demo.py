@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutcore.cli import COMMANDS
+from rolloutcore.cli import COMMANDS, main
 from rolloutcore.control.journal import first_index, read_journal
 from rolloutcore.core.invariants import check_journal
 
@@ -39,12 +39,15 @@ def test_demo_subprocess_writes_journal(tmp_path: Path) -> None:
         json.loads(line)
 
 
-def test_bad_arguments_exit_nonzero_with_message() -> None:
+def test_bad_arguments_exit_nonzero_with_message(capsys: pytest.CaptureFixture[str]) -> None:
+    """In process (the console script is ``main``; the subprocess tests here run it
+    through ``python -m``): a process per case was most of this test's time."""
     for args in (["demo", "--tokens", "0"], ["demo", "--tokens", "x"],
                  ["demo", "--token-delay-ms", "-1"], ["nonsense"], []):
-        p = _cli(*args)
-        assert p.returncode == 2, args
-        assert "error" in p.stderr
+        with pytest.raises(SystemExit) as exc:
+            main(args)
+        assert exc.value.code == 2, args
+        assert "error" in capsys.readouterr().err, args
 
 
 def test_demo_unwritable_journal_is_a_clear_error(tmp_path: Path) -> None:
@@ -116,7 +119,26 @@ def test_every_verbs_help_works_with_nothing_installed(bare_python: str,
                                                        tmp_path: Path) -> None:
     """#29: ``--help`` of every verb with nothing installed (``replay --help`` said it
     needed httpx); running one that needs an extra still names it (above)."""
-    for cmd in COMMANDS:
-        p = _bare(bare_python, tmp_path, "-m", "rolloutcore", cmd.name, "--help")
-        assert p.returncode == 0, (cmd.name, p.stderr[-500:])
-        assert "usage:" in p.stdout, cmd.name
+    # One bare process asks every verb in turn (a process each was most of this test's
+    # time): an import a verb's help needs fails there as it would alone.
+    script = ("import contextlib, io, json, sys\n"
+              "from rolloutcore.cli import COMMANDS, main\n"
+              "out = {}\n"
+              "for cmd in COMMANDS:\n"
+              "    buf = io.StringIO()\n"
+              "    try:\n"
+              "        with contextlib.redirect_stdout(buf):\n"
+              "            rc = main([cmd.name, '--help'])\n"
+              "    except SystemExit as exc:\n"
+              "        rc = exc.code\n"
+              "    except BaseException as exc:\n"
+              "        rc = repr(exc)\n"
+              "    out[cmd.name] = [rc, buf.getvalue()]\n"
+              "print(json.dumps(out))\n")
+    p = _bare(bare_python, tmp_path, "-c", script)
+    assert p.returncode == 0, p.stderr[-2000:]
+    helps = json.loads(p.stdout.splitlines()[-1])
+    assert set(helps) == {cmd.name for cmd in COMMANDS}
+    for name, (rc, text) in helps.items():
+        assert rc == 0, (name, rc, p.stderr[-500:])
+        assert "usage:" in text, name

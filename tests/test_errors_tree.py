@@ -78,6 +78,8 @@ class _Module:
     name: str
     path: Path
     tree: ast.Module
+    #: every node of ``tree`` (``ast.walk`` order), walked once for every check
+    nodes: tuple[ast.AST, ...] = ()
     classes: dict[str, ast.ClassDef] = field(default_factory=dict)
     functions: set[str] = field(default_factory=set)
     names: dict[str, tuple[str, str]] = field(default_factory=dict)  # alias -> (module, name)
@@ -91,8 +93,9 @@ def _mods() -> dict[str, _Module]:
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(SRC).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        m = _Module(".".join(parts), path, ast.parse(path.read_text(), str(path)))
-        for node in ast.walk(m.tree):
+        tree = ast.parse(path.read_text(), str(path))
+        m = _Module(".".join(parts), path, tree, tuple(ast.walk(tree)))
+        for node in m.nodes:
             if isinstance(node, ast.ClassDef):
                 m.classes.setdefault(node.name, node)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -188,7 +191,7 @@ def _violations() -> tuple[list[str], set[tuple[str, str]]]:
             bad.append(f"{key[0]}:{line}: {what} {key[1]} is not a RolloutCoreError")
 
     for m in _mods().values():
-        for node in ast.walk(m.tree):
+        for node in m.nodes:
             if isinstance(node, ast.Raise) and isinstance(node.exc, (ast.Name, ast.Attribute)):
                 check(m, _ref_of(m.name, node.exc), node.exc, node.lineno, "raises")
             elif isinstance(node, ast.Call):  # raised, or made to be raised elsewhere

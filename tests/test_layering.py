@@ -38,6 +38,8 @@ layer) and ``rolloutcore/__main__`` are exempt.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +112,14 @@ def _files() -> dict[str, Path]:
 FILES = _files()
 
 
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of the file's tree (``ast.walk`` order), parsed once per file and run:
+    each check reads them all, and parsing and walking ~170 modules once per check
+    was most of this file's time."""
+    return tuple(ast.walk(ast.parse(path.read_text(), filename=str(path))))
+
+
 def _package_of(module: str) -> str:
     """The package a module's relative imports are resolved against."""
     return module if FILES[module].name == "__init__.py" else module.rpartition(".")[0]
@@ -117,8 +127,7 @@ def _package_of(module: str) -> str:
 
 def _imports(module: str) -> Iterator[tuple[str, int]]:
     """(imported module, line) for every import in the module, wherever it is."""
-    tree = ast.parse(FILES[module].read_text(), filename=str(FILES[module]))
-    for node in ast.walk(tree):
+    for node in _nodes(FILES[module]):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -280,13 +289,12 @@ def _route_literals() -> Iterator[tuple[str, int, str]]:
     for m, file in FILES.items():
         if m == ROUTE_TABLE:
             continue
-        tree = ast.parse(file.read_text(), filename=str(file))
         declared: set[int] = set()  # the gateway's own routes: Route("/path", ...)
-        for node in ast.walk(tree):
+        for node in _nodes(file):
             if isinstance(node, ast.Call) and node.args and getattr(
                     node.func, "id", getattr(node.func, "attr", None)) == "Route":
                 declared.add(id(node.args[0]))
-        for node in ast.walk(tree):
+        for node in _nodes(file):
             if not isinstance(node, ast.Constant) or id(node) in declared:
                 continue
             v = node.value
@@ -306,7 +314,7 @@ def _httpx_catches() -> Iterator[tuple[str, int]]:
     for m, file in FILES.items():
         if m == ENGINE or m.startswith(ENGINE + "."):
             continue
-        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+        for node in _nodes(file):
             caught = (node.type if isinstance(node, ast.ExceptHandler) else ast.Tuple(
                 node.args) if isinstance(node, ast.Call) and getattr(
                     node.func, "attr", getattr(node.func, "id", None)) == "suppress" else None)
@@ -336,7 +344,7 @@ def test_known_violations_still_occur(found: dict[tuple[str, ...], str]) -> None
 def _client_constructions() -> Iterator[tuple[str, int]]:
     """(module, line) for every ``httpx.Client(...)`` / ``httpx.AsyncClient(...)`` in src/."""
     for m, file in FILES.items():
-        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+        for node in _nodes(file):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     node.func.attr in ("Client", "AsyncClient") and isinstance(
                         node.func.value, ast.Name) and node.func.value.id == "httpx":
@@ -355,7 +363,7 @@ def _control_engine_imports() -> Iterator[tuple[str, int, str]]:
 def _calls_of(name: str) -> Iterator[tuple[str, int]]:
     """(module, line) for every call ``name(...)`` or ``x.name(...)`` in src/."""
     for m, file in FILES.items():
-        for node in ast.walk(ast.parse(file.read_text(), filename=str(file))):
+        for node in _nodes(file):
             if isinstance(node, ast.Call) and getattr(
                     node.func, "id", getattr(node.func, "attr", None)) == name:
                 yield m, node.lineno
@@ -497,6 +505,14 @@ def _serves_vllm_route(node: ast.AST, paths: frozenset[str]) -> bool:
     return False
 
 
+def _may_hold_a_fake(text: str) -> bool:
+    """False only for a file in which no class can pass the checks of ``fakes_of_vllm``:
+    both seams name ``Route`` or ``Routes``, and a client's stand-in defines three of
+    ``CLIENT_ROUTE_METHODS``."""
+    return "Route" in text or len(
+        {m for m in CLIENT_ROUTE_METHODS if re.search(rf"def\s+{m}\s*\(", text)}) >= 3
+
+
 def fakes_of_vllm() -> set[tuple[str, str]]:
     """Every class in src/ and tests/ that serves vLLM's routes or stands in for its client."""
     paths = _vllm_paths()
@@ -505,7 +521,9 @@ def fakes_of_vllm() -> set[tuple[str, str]]:
         rel = str(f.relative_to(SRC.parent))
         if rel in GATEWAY_ROUTES or rel == "src/rolloutcore/engine/http.py":
             continue
-        for c in ast.walk(ast.parse(f.read_text(), rel)):
+        if not _may_hold_a_fake(f.read_text()):
+            continue  # no class in it can match below: not parsed
+        for c in _nodes(f):
             if not isinstance(c, ast.ClassDef) or any(
                     ast.unparse(b).endswith("Protocol") for b in c.bases):
                 continue  # a Protocol states the client's shape; it serves nothing
@@ -536,3 +554,13 @@ def test_the_fake_detector_sees_both_seams() -> None:
                       "        self.app = Starlette(routes=[Route('/mine', self.p)])\n")
     assert _serves_vllm_route(server, paths) and _serves_vllm_route(table, paths)
     assert not _serves_vllm_route(plain, paths)
+
+
+def test_the_text_filter_keeps_every_file_the_detector_could_match() -> None:
+    """``_may_hold_a_fake`` skips a file unparsed: it never skips one that holds a fake."""
+    client = ("class C:\n    def generate(self): ...\n    async def models(self): ...\n"
+              "    def version (self): ...\n")
+    assert _may_hold_a_fake(client) and _may_hold_a_fake("x = Routes.PAUSE\n")
+    assert _may_hold_a_fake("app = Starlette(routes=[Route('/pause', p)])\n")
+    assert not _may_hold_a_fake("class C:\n    def generate(self): ...\n"
+                                "    def models(self): ...\n")

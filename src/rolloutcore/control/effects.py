@@ -12,10 +12,14 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["WORKERS", "EffectWorkers", "Job"]
+
+#: How often a wait for a job wakes to run a pending Ctrl-C's handler.
+_INTERRUPT_POLL_S = 0.1
 
 
 class Job:
@@ -33,8 +37,18 @@ class Job:
         self.done.acquire()
 
     def wait(self, timeout_s: float) -> bool:
-        """Whether the job finished within ``timeout_s`` (interruptible, as a join is)."""
-        return self.done.acquire(timeout=min(timeout_s, threading.TIMEOUT_MAX))
+        """Whether the job finished within ``timeout_s`` (interruptible, as a join is).
+
+        The wait wakes every ``_INTERRUPT_POLL_S``: CPython runs a signal's Python
+        handler only between bytecodes, so a Ctrl-C due just before the lock blocked
+        would otherwise be raised only at the deadline (a 30 s transfer's, under load)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self.done.acquire(blocking=False)
+            if self.done.acquire(timeout=min(left, _INTERRUPT_POLL_S)):
+                return True
 
 
 class EffectWorkers:

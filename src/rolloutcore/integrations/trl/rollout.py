@@ -62,6 +62,8 @@ __all__ = ["LORA_RANKS", "RolloutCoreRollout", "lora_engine_args"]
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 #: What a LoRA run needs of vLLM besides its flags: adapters loaded at runtime.
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+#: How often the wait for a step's samples wakes to run a pending Ctrl-C's handler.
+_INTERRUPT_POLL_S = 0.1
 
 
 def lora_engine_args(rank: int, max_loras: int = 2) -> list[str]:
@@ -576,8 +578,13 @@ class RolloutCoreRollout:
             pending.append(pend)
         self._next_index[step] = first + len(prompts)
         # Every future is awaited before anything is raised. An interrupt while
-        # waiting is not a sample's failure: it propagates (``_generate``).
-        wait([f for pend in pending for f in pend.futures])
+        # waiting is not a sample's failure: it propagates (``_generate``). The wait
+        # wakes every ``_INTERRUPT_POLL_S``: CPython runs a signal's Python handler only
+        # between bytecodes, so a Ctrl-C that lands just before the wait blocks would
+        # otherwise be raised only once the last sample ended (seen under load).
+        not_done = {f for pend in pending for f in pend.futures}
+        while not_done:
+            not_done = wait(not_done, timeout=_INTERRUPT_POLL_S).not_done
         results: list[list[EngineSample]] = []
         errors: list[BaseException] = []
         for pend in pending:
