@@ -146,7 +146,7 @@ class _Round:
 class NativeRoutes:
     """ASGI app of ``NATIVE_ROUTES`` under ``/rc/<token>``; one round at a time.
 
-    ``backend``: a ``RoundBackend``, or a ``LifecycleRunner`` (one engine's)."""
+    ``backend``: a ``RoundBackend`` (``native_engine.EngineRounds``, ``fleet.native``)."""
 
     def __init__(self, backend: Any, config: ServiceConfig, token: str) -> None:
         if not isinstance(token, str) or len(token) < 16 or not token.isascii() or \
@@ -154,12 +154,6 @@ class NativeRoutes:
             raise BadInput("the native routes' token must be 16+ URL-safe ASCII characters")
         if not isinstance(config, ServiceConfig):
             raise BadInput("config must be a ServiceConfig")
-        from rolloutcore.control.runner import LifecycleRunner
-
-        if isinstance(backend, LifecycleRunner):
-            from rolloutcore.service.native_engine import EngineRounds
-
-            backend = EngineRounds(backend, config)
         self.backend: RoundBackend = backend
         self.config = config
         self._token = token.encode()
