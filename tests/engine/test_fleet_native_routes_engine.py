@@ -4,7 +4,7 @@ The trainer is the same unmodified gloo sender the single-engine test uses
 (``GlooTransport.send(base_url, ...)``): it asks ``/get_world_size`` (the sum,
 2), initialises one group of 3 ranks through the gateway (split there by rank
 offset: e0 gets rank 1, e1 rank 2), and sends A -> B once. One fleet version is
-published, each replica verified under its own label, both engines then compute
+published, each replica verified under the fleet's label, both engines then compute
 B's greedy tokens and logprobs exactly as a cold engine started on B. Then e1 is
 killed: the next round is refused (4xx) naming e1, nothing is published, and e0
 serves the last published version.
@@ -94,11 +94,9 @@ def test_a_two_engine_fleet_behind_one_url_is_updated_by_an_unmodified_sender(
         assert isinstance(newest, dict) and newest["generation"] == 1
         assert st["versions_served"] == {newest["label"]: 2}, st
         for r in st["replicas"]:  # type: ignore[attr-defined]
-            label = r["engine_version"]["label"]
-            assert r["in_pool"] and label not in ("default", "trainer-label")
-            # each engine holds its own replica's label, set by the forwarded finish
-            assert httpx.get(f"{r['url']}/weight_info", timeout=30).json() == {
-                "weight_version": label}
+            # each replica verified its engine's label (set by the forwarded finish; the
+            # engine's own routes need the launch's key, which only the gateway holds)
+            assert r["in_pool"] and r["engine_version"]["label"] == newest["label"], r
         assert httpx.get(f"{base}/weight_info", timeout=30).json() == {
             "weight_version": newest["label"]}
         # both engines compute B exactly as a cold engine started on B

@@ -49,7 +49,7 @@ from rolloutcore.core.records import Note
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.client import AsyncEngineClient
 from rolloutcore.engine.routes import Routes
-from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
+from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetUpdateFailed, FleetUpdateResult, FleetWeights, Replica
 from rolloutcore.service.config import ServiceConfig
@@ -161,7 +161,7 @@ class FleetRounds:
 
     async def relay(self, method: str, route: str, query: Mapping[str, str],
                     body: Any) -> tuple[int, Any]:
-        names = self.coord.ready() or self.coord.serving()
+        names = self.coord.ready() or self.coord.serving() or list(self.group or ())
         if not names:
             raise NativeRefusal(409, "no replica is ready", "Unavailable")
         if route == Routes.GET_WORLD_SIZE:
@@ -252,7 +252,7 @@ class FleetRounds:
             try:
                 return coord.update(weights, strategy=Strategy.SYNCHRONOUS, owner="native",
                                     fanout=fan)
-            except RolloutCoreError as exc:
+            except Exception as exc:  # handed to the routes: a 409 naming it, never a 500
                 return exc
 
         update = loop.run_in_executor(None, run)
