@@ -13,8 +13,9 @@
 3. A trainer killed mid-broadcast (a second process, SIGKILLed while
    ``/update_weights`` runs: it stops after half the tensors so the kill lands inside
    the broadcast) ends the round TAINTED within a bounded time, with a 4xx/504 and
-   nothing published; the engine itself is not wedged: it answers, and a fresh
-   round sent to it directly installs B again, bit-exact with the cold engine.
+   nothing published; the gateway leaves the engine paused; the engine itself is not
+   wedged: a fresh round sent to it directly installs B again, and once resumed it
+   computes B bit-exact with the cold engine (an operator's in-place recovery).
 """
 
 from __future__ import annotations
@@ -195,8 +196,10 @@ def test_a_trainer_killed_mid_broadcast_taints_in_bounded_time(
     st = _status(url)
     assert st["committed"] == before, st
     print(f"TAINTED {tainted_s:.1f}s after the trainer was killed")
-    # the engine is not wedged: it answers, and a fresh round sent to it directly
-    # installs B again, bit-exact with the cold engine
+    # the gateway left the TAINTED engine paused (it serves nothing) ...
+    assert httpx.get(f"{eng.base_url}/is_paused", timeout=30).json() == {"is_paused": True}
+    # ... and the engine is not wedged: it answers, a fresh round sent to it directly
+    # installs B again, and once resumed it computes B bit-exact with the cold engine
     assert httpx.get(f"{eng.base_url}/health", timeout=30).status_code == 200
     tr = GlooTransport()
     try:
@@ -204,4 +207,5 @@ def test_a_trainer_killed_mid_broadcast_taints_in_bounded_time(
                 timeout_s=300)
     finally:
         tr.close()
+    assert httpx.post(f"{eng.base_url}/resume", timeout=60).status_code == 200
     assert greedy(eng.base_url) == ref_b
