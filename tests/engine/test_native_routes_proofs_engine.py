@@ -171,15 +171,16 @@ def test_a_trainer_killed_mid_broadcast_taints_in_bounded_time(
         tmp_path: Path) -> None:
     url, eng = gateway
     before = _status(url)["committed"]
-    flag = tmp_path / "half"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HALF_SENDER, f"{url}/rc/{NATIVE}", str(tiny_models.A),
-         str(flag)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    flag, out = tmp_path / "half", tmp_path / "sender.log"
+    with open(out, "wb") as lf:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HALF_SENDER, f"{url}/rc/{NATIVE}", str(tiny_models.A),
+             str(flag)], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            stdout=lf, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while not flag.exists():
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else b""
+            assert proc.poll() is None, out.read_text()
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert _status(url)["state"] == "UPDATING"
