@@ -214,3 +214,20 @@ def test_a_fleet_journal_of_another_fleet_is_refused_before_anything_starts(
         '"data": {"what": "x", "detail": {}}}\n')
     with pytest.raises(BadInput, match="cannot restore"):
         _check(FleetServeOptions(journal_dir=str(tmp_path), token="t" * 20))
+
+
+def test_native_routes_reach_a_fleet_and_lora_beside_them_is_refused() -> None:
+    import argparse
+
+    from rolloutcore.cli import serve as cli_serve
+    from rolloutcore.errors import BadInput
+    from rolloutcore.fleet.serve import FleetServeOptions
+
+    p = argparse.ArgumentParser()
+    cli_serve.add_arguments(p)
+    o = cli_serve.fleet_options(p.parse_args(["--engines", "2", "--native-routes"]))
+    assert o.native_routes is True and o.engines == 2
+    with pytest.raises(BadInput, match="native-routes with --lora"):
+        FleetServeOptions(engines=2, native_routes=True, lora=True)
+    with pytest.raises(BadInput, match="native_routes must be a bool"):
+        FleetServeOptions(engines=2, native_routes="yes")  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from helpers.gateway_rig import rig
 from rolloutcore.core.lifecycle import State
 from rolloutcore.errors import BadInput
 from rolloutcore.service.native import NativeRoutes
+from rolloutcore.service.native_engine import EngineRounds
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
 
 pytestmark = pytest.mark.anyio
@@ -222,7 +223,7 @@ async def test_the_token_is_the_path_and_nothing_else_drives_the_routes() -> Non
             assert resp.status_code in (401, 403, 404, 405), (path, resp.status_code)
         assert state(r) == s0
     with pytest.raises(BadInput):
-        NativeRoutes(r.runner, r.gateway.config, "short")
+        NativeRoutes(EngineRounds(r.runner, r.gateway.config), r.gateway.config, "short")
 
 
 async def test_a_round_never_finished_is_expired_by_its_deadline() -> None:

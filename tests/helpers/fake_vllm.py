@@ -68,6 +68,7 @@ class FakeVllm:
         self.streams_closed_early = 0
         self.aborted: list[list[str]] = []
         self.dev_calls = 0
+        self.inits: list[Any] = []   # the bodies of /init_weight_transfer_engine
         self.app = Starlette(exception_handlers={EnginePaused: _paused}, routes=[
             Route("/abort_requests", self.abort_requests, methods=["POST"]),
             Route("/inference/v1/generate", self.generate, methods=["POST"]),
@@ -220,6 +221,7 @@ class FakeVllm:
         return JSONResponse({"world_size": 1})
 
     async def init_transfer(self, request: Request) -> Response:
+        self.inits.append(await request.json() if await request.body() else None)
         return JSONResponse({"message": "Weight transfer initialized"})
 
     # ------------------------------------------------------------ routes

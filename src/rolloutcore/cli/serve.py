@@ -78,8 +78,6 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                        "a fleet gateway does not serve"),
     "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
                                    "worker extension"),
-    "native_routes": (False, "vLLM's RL routes are answered by one engine's gateway; a fleet "
-                             "behind one vLLM URL is not built yet (#46)"),
     "transport_backend": ("rolloutcore_gloo",
                           "a fleet sends weights with its own gloo fan-out and per-engine "
                           "gloo groups (rolloutcore_gloo); another backend is not supported "
@@ -109,7 +107,7 @@ def fleet_options(args: argparse.Namespace) -> Any:
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
         client_body_s=args.client_body_s, client_send_s=args.client_send_s,
         lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        vllm_args=tuple(args.vllm_args))
+        vllm_args=tuple(args.vllm_args), native_routes=args.native_routes)
 
 
 def _run(args: argparse.Namespace) -> int:

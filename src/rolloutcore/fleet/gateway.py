@@ -60,6 +60,7 @@ from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.pool import ReplicaState
 from rolloutcore.core.versions import Binding
+from rolloutcore.engine.routes import NATIVE_PREFIX
 from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
@@ -70,6 +71,7 @@ from rolloutcore.errors import (
 )
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetUpdateFailed, FleetUpdateResult
+from rolloutcore.fleet.native import FleetRounds
 from rolloutcore.fleet.routing import (
     GROUP_FIELD,
     GROUP_HEADER,
@@ -86,6 +88,7 @@ from rolloutcore.service.auth import check_bearer
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control_body import control_json
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
+from rolloutcore.service.native import NativeRoutes
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 
@@ -379,7 +382,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
                      check_update: Callable[[Mapping[str, Any]], object] | None = None,
                      on_finished: Callable[[FinishedRequest], None] | None = None,
                      admission: FleetAdmission | None = None,
-                     extra_routes: Callable[..., list[Route]] | None = None) -> Starlette:
+                     extra_routes: Callable[..., list[Route]] | None = None,
+                     native_token: str | None = None) -> Starlette:
     """The fleet's gateway over a bootstrapped coordinator.
 
     ``config`` is the single-engine service's (tokens, limits, deadlines,
@@ -392,6 +396,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
     with its replica and fleet version. ``admission`` (a ``FleetAdmission``) and
     ``extra_routes(denied, json_body)`` (more control routes): how
     ``fleet.adapter_gateway.create_lora_fleet_app`` adds LoRA-adapter versions.
+    ``native_token``: vLLM's own RL routes under ``/rc/<native_token>``, the fleet
+    behind them as one vLLM (``fleet.native``).
     """
     if not isinstance(coordinator, FleetCoordinator):
         raise BadInput("coordinator must be a FleetCoordinator")
@@ -404,6 +410,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         raise BadInput("admission must be a FleetAdmission of this coordinator")
     gw = FleetGateway(coordinator, config, policy, updater, check_update,
                       on_finished=on_finished, admission=admission)
+    native = None if native_token is None else NativeRoutes(
+        FleetRounds(coordinator, config), config, native_token)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -462,6 +470,8 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         try:
             yield
         finally:
+            if native is not None:
+                await native.aclose()
             await gw.aclose()
 
     routes = [
@@ -475,6 +485,7 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
         routes += extra_routes(denied, lambda request: control_json(request, config))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.fleet = gw
+    app.state.native = native
     inner = app.build_middleware_stack()
     data_paths = frozenset(DATA_ROUTES)
 
@@ -483,6 +494,15 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
             await gw.data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:
             await gw.read_only_route(scope, receive, send)
+        elif native is not None and scope["type"] == "http" and \
+                scope["path"].startswith(NATIVE_PREFIX):
+            # Under the native base URL the generation routes are the fleet's data plane.
+            route = native.path_of(scope["path"])
+            if route is not None and route in data_paths:
+                await gw.data({**scope, "path": route, "raw_path": route.encode()}, receive,
+                              send)
+            else:
+                await native(scope, receive, send)
         else:
             await inner(scope, receive, send)
 

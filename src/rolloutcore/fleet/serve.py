@@ -85,6 +85,7 @@ class FleetServeOptions:
     tensor_parallel_size: int = 1         # ranks of each launched engine
     pipeline_parallel_size: int = 1       # stages of each launched engine
     vllm_args: tuple[str, ...] = ()       # vLLM options passed to every engine
+    native_routes: bool = False           # vLLM's RL routes under /rc/<token> (fleet.native)
 
     def __post_init__(self) -> None:
         from rolloutcore.engine.args import check_vllm_args
@@ -115,6 +116,11 @@ class FleetServeOptions:
             raise BadInput(f"drain_policy must be 'abort' or 'refuse', got {self.drain_policy!r}")
         if self.min_verification is not None:
             VerificationLevel.parse(self.min_verification)
+        if not isinstance(self.native_routes, bool):
+            raise BadInput("native_routes must be a bool")
+        if self.native_routes and self.lora:
+            raise BadInput("--native-routes with --lora on a fleet: vLLM's adapter routes are "
+                           "not mapped onto the fleet's adapter versions yet")
         if isinstance(self.health_interval_s, bool) or not isinstance(
                 self.health_interval_s, (int, float)) or self.health_interval_s < 0:
             raise BadInput("health_interval_s must be >= 0 (0: no supervisor)")
@@ -223,7 +229,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
                         data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
                         max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
-                        client_send_s=o.client_send_s, health_interval_s=0)
+                        client_send_s=o.client_send_s, health_interval_s=0,
+                        min_verification=floor)
     from rolloutcore.control.runner import Deadlines, DrainPolicy
     from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import (
@@ -321,6 +328,11 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         app_kw: dict[str, Any] = dict(
             default_policy=o.default_policy, updater=updater, check_update=parse_update_request,
             on_finished=recorder, supervise=o.health_interval_s > 0)
+        if o.native_routes:
+            from rolloutcore.service.serve import native_routes_token
+
+            # One vLLM to a trainer that speaks vLLM's contract: one fleet version a round.
+            app_kw["native_token"] = native_routes_token(o.token_out, o.host, o.port)
         if fleet_adapters is not None:
             from rolloutcore.fleet.adapter_gateway import create_lora_fleet_app
 

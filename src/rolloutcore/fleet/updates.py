@@ -18,8 +18,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rolloutcore.control.port import ExpectationTaker
 from rolloutcore.control.runner import UpdateOutcome
-from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind, State, Step
 from rolloutcore.core.pool import (
     IN_POOL,
@@ -49,6 +50,7 @@ from rolloutcore.errors import (
 from rolloutcore.fleet.members import FleetMembers, Member, check_fleet_label
 from rolloutcore.fleet.model import (
     TRANSFERS,
+    FanoutTransport,
     FleetConfig,
     FleetUpdateFailed,
     FleetUpdateResult,
@@ -72,8 +74,17 @@ class FleetUpdates(FleetMembers):
     def update(self, weights: FleetWeights, *, strategy: Strategy | str = Strategy.SYNCHRONOUS,
                label: str | None = None, owner: str = "trainer", quorum: int | None = None,
                min_serving: int | None = None, wave_size: int | None = None,
-               transfer: str | None = None) -> FleetUpdateResult:
+               transfer: str | None = None,
+               fanout: FanoutTransport | None = None) -> FleetUpdateResult:
         """Install ``weights`` across the fleet; returns the result or raises.
+
+        ``fanout``: this synchronous update's transfer, whatever the fleet's own
+        is: every replica opened takes part in it, never a per-engine send (a
+        trainer that sends the weights itself through the gateway,
+        ``fleet.native``). ``weights.payload`` ``None``: nothing is staged (each
+        replica's adapter expects only what it checks without a reference) and
+        the weights are not retained (a fenced replica rejoins with the next
+        update, not with these).
 
         Bad input and updates that cannot keep their promises (a quorum above
         the ready replicas, a wave that would break ``min_serving``) are
@@ -92,6 +103,10 @@ class FleetUpdates(FleetMembers):
             raise BadInput(f"transfer must be one of {TRANSFERS}, got {tr!r}")
         if not isinstance(owner, str) or not owner:
             raise BadInput("owner must be a non-empty string")
+        if fanout is not None and (not isinstance(fanout, FanoutTransport)
+                                   or strat is not Strategy.SYNCHRONOUS):
+            raise BadInput("an update's own fanout is a FanoutTransport of a synchronous "
+                           "update (a rolling update runs per-engine rounds)")
         cfg = FleetConfig(quorum=self.config.quorum if quorum is None else quorum,
                           min_serving=(self.config.min_serving if min_serving is None
                                        else min_serving),
@@ -119,11 +134,15 @@ class FleetUpdates(FleetMembers):
             self._update_id += 1
             uid = self._update_id
             if strat is Strategy.SYNCHRONOUS:
-                return self._synchronous(uid, gen, fleet_label, weights, owner, cfg)
+                return self._synchronous(uid, gen, fleet_label, weights, owner, cfg, fanout)
             return self._rolling(uid, gen, fleet_label, weights, owner, cfg)
         finally:
             self._update_lock.release()
             self._wake.set()
+
+    def ready(self) -> list[str]:
+        """The replicas a synchronous update would take now, in order."""
+        return [m.replica.name for m in self._ready_members()]
 
     def _ready_members(self) -> list[Member]:
         """Replicas an update may take: in the pool, or fenced with a READY engine."""
@@ -180,7 +199,8 @@ class FleetUpdates(FleetMembers):
             self._record(self._table.end_update, uid)
 
     def _synchronous(self, uid: int, gen: int, label: str, weights: FleetWeights, owner: str,
-                     cfg: FleetConfig) -> FleetUpdateResult:
+                     cfg: FleetConfig, own: FanoutTransport | None = None
+                     ) -> FleetUpdateResult:
         t0 = time.monotonic()
         members = self._ready_members()
         quorum = cfg.quorum if cfg.quorum is not None else len(members)
@@ -188,9 +208,10 @@ class FleetUpdates(FleetMembers):
             raise UpdateRefused("no replica is ready for an update")
         if quorum > len(members):
             raise UpdateRefused(f"quorum {quorum} exceeds the {len(members)} ready replicas")
-        use_fanout = (cfg.transfer == "fanout" and self.fanout is not None
-                      and weights.source is not None and len(members) > 1
-                      and all(m.replica.fanout_url for m in members))
+        use_fanout = own is not None or (
+            cfg.transfer == "fanout" and self.fanout is not None
+            and weights.source is not None and len(members) > 1
+            and all(m.replica.fanout_url for m in members))
         transfer = "fanout" if use_fanout else "per-engine"
         names = tuple(m.replica.name for m in members)
         res = FleetUpdateResult(uid, Strategy.SYNCHRONOUS, label, None, waves=[names],
@@ -207,7 +228,10 @@ class FleetUpdates(FleetMembers):
             self._record(self._table.closed, uid, names)
             opened = [m for m in members if m.replica.name in outs]
             tt = time.monotonic()
-            if use_fanout and len(opened) > 1:
+            if own is not None:
+                if opened:
+                    self._fanout_transfer(opened, outs, weights, res, failed, own)
+            elif use_fanout and len(opened) > 1:
                 self._fanout_transfer(opened, outs, weights, res, failed)
             else:
                 self._per_engine_transfer(opened, outs, failed, parallel=False)
@@ -267,7 +291,8 @@ class FleetUpdates(FleetMembers):
         ident = first.replica.controller.identity or weights.identity
         version = FleetVersion(gen, label, ident, uid)
         self._shell.run(self._table.publish, version, tuple(passed))
-        self._payloads[gen] = weights
+        if weights.payload is not None:
+            self._payloads[gen] = weights
         # Keep the weights of the newest version (rejoins) and the one before it
         # (replicas withheld by a later abandoned update go back there).
         for g in [g for g in self._payloads if g < gen - 1]:
@@ -282,10 +307,18 @@ class FleetUpdates(FleetMembers):
 
         def one(m: Member) -> UpdateOutcome | UpdateFailed:
             r = m.replica
+            pre = None
             try:
-                r.stage(weights.payload)
+                if weights.payload is not None:
+                    r.stage(weights.payload)
+                else:   # a remote sender's round: its preflight is the identity it declared
+                    pre = PreflightEvidence(source_manifest_digest=weights.identity.manifest_digest,
+                                            source_provenance=weights.identity.provenance)
+                    if isinstance(r.runner.adapter, ExpectationTaker):
+                        r.runner.adapter.expect(probes=None, reference_checksums=None)
+                        r.runner.adapter.expect_sent(None)
                 m.out = r.runner.open_update(weights.identity, owner=owner,
-                                             label=self._label_for(m, label),
+                                             label=self._label_for(m, label), preflight=pre,
                                              min_verification=weights.min_verification)
                 return m.out
             except UpdateFailed as uf:
@@ -343,8 +376,9 @@ class FleetUpdates(FleetMembers):
 
     def _fanout_transfer(self, members: Sequence[Member], outs: Mapping[str, UpdateOutcome],
                          weights: FleetWeights, res: FleetUpdateResult,
-                         failed: dict[str, UpdateFailed]) -> None:
-        fan = self.fanout
+                         failed: dict[str, UpdateFailed],
+                         own: FanoutTransport | None = None) -> None:
+        fan = own or self.fanout
         assert fan is not None
         by_url = {m.replica.fanout_url: m for m in members}
         targets = [(str(m.replica.fanout_url), outs[m.replica.name].ticket.target.version.label)
@@ -376,13 +410,13 @@ class FleetUpdates(FleetMembers):
             if r is not None and r.ok:
                 self._adopt_round(m, fan, str(url))
                 self._report(m, out, r.evidence, failed)
-            elif r is not None and r.closed:
+            elif r is not None and r.closed and own is None:
                 resend.append(m)   # the fallback: a fresh per-engine round
             else:
                 err = (r.error if r is not None and r.error is not None else
                        box.get("err") or EffectTimeout("transfer", self.config.transfer_s))
                 self._report(m, out, err, failed)
-        if resend:
+        if resend and own is None:
             res.transfer = "fanout+resend"
             fan.invalidate()
             self._per_engine_transfer(resend, outs, failed, parallel=True)

@@ -72,6 +72,7 @@ from rolloutcore.service.control import (
 from rolloutcore.service.control_body import control_body
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
 from rolloutcore.service.native import NativeRoutes
+from rolloutcore.service.native_engine import EngineRounds
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 from rolloutcore.transports import engine_key
@@ -177,7 +178,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     else:
         metrics.watch_recorder(recorder_stats)
     gw = Gateway(runner, config, metrics, data, updates, recorder_stats)
-    native = None if native_token is None else NativeRoutes(runner, config, native_token)
+    native = None if native_token is None else NativeRoutes(EngineRounds(runner, config), config,
+                                                              native_token)
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)

@@ -42,65 +42,32 @@ been written, nothing published.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs
 
-import anyio
-
-from rolloutcore.control.port import ExpectationTaker
-from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
-from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
-from rolloutcore.core.lifecycle import FailureKind, State
-from rolloutcore.core.records import Note
-from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
-from rolloutcore.engine.client import AsyncEngineClient
+from rolloutcore.core.lifecycle import FailureKind
+from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
-from rolloutcore.errors import (
-    BadInput,
-    EffectError,
-    EffectTimeout,
-    RolloutCoreError,
-    UpdateFailed,
-    UpdateRefused,
-)
+from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.wire import Receive, Scope, Send, body_or_answer, error_body, send_json
-from rolloutcore.transports import engine_key
 
-__all__ = ["NATIVE_LEVEL", "NativeRoutes"]
+__all__ = ["NATIVE_LEVEL", "Failed", "NativeRefusal", "NativeRoutes", "RoundBackend"]
 
 #: The verification level a round reaches when the trainer declares nothing.
 NATIVE_LEVEL = "native-unreferenced"
 _MODES = ("abort", "wait", "keep")
 _MAX_NAMES = 1 << 20
 
-
-@dataclass
-class _Round:
-    """One open round: the runner's outcome and what the trainer sent so far."""
-
-    out: UpdateOutcome
-    opened_by: str  # "pause" or "start"
-    mode: str
-    started: bool = False
-    finished: bool = False
-    written: dict[str, tuple[str, tuple[int, ...]]] = field(default_factory=dict)
-    writes: int = 0
-    trainer_label: str | None = None
-    timer: asyncio.Task[None] | None = None
-
-    @property
-    def label(self) -> str:
-        return self.out.ticket.target.version.label
+Manifest = dict[str, tuple[str, tuple[int, ...]]]
 
 
-class _Refusal(RolloutCoreError):
+class NativeRefusal(RolloutCoreError):
     """A native route's answer other than 200: a 4xx or 504, in vLLM's error shape."""
 
     def __init__(self, status: int, message: str, kind: str = "Conflict") -> None:
@@ -108,22 +75,93 @@ class _Refusal(RolloutCoreError):
         self.status, self.message, self.kind = status, message, kind
 
 
-class NativeRoutes:
-    """ASGI app of ``NATIVE_ROUTES`` under ``/rc/<token>``; one round at a time."""
+_Refusal = NativeRefusal
 
-    def __init__(self, runner: LifecycleRunner, config: ServiceConfig, token: str) -> None:
+
+@dataclass(frozen=True)
+class Failed:
+    """A round's call to vLLM that failed: the answer's status, the failure's kind for
+    the failure policy (``None``: decided by whether anything was written), the reason."""
+
+    status: int
+    reason: str
+    timeout: bool = False
+
+
+class RoundBackend(Protocol):
+    """What a round drives: one engine's runner (``service.native_engine``) or a fleet's
+    coordinator (``fleet.native``). Every method that ends a round returns the result
+    (``{"status": "published" | "failed" | "expired", ...}``) and raises nothing else."""
+
+    floor: VerificationLevel
+
+    def health(self) -> str | None:
+        """None when healthy, else why not."""
+
+    def paused(self) -> bool: ...
+
+    def weight_version(self) -> str | None: ...
+
+    async def relay(self, method: str, route: str, query: Mapping[str, str],
+                    body: Any) -> tuple[int, Any]:
+        """A read-only or cache route, vLLM's answer (never a 5xx)."""
+
+    async def init(self, body: dict[str, Any]) -> tuple[int, Any]: ...
+
+    async def open(self, seq: int) -> tuple[Any, str]:
+        """Open a round (admission closes, the engines drain and pause): (handle, label).
+        Raises ``NativeRefusal`` when it cannot open (nothing changed, or the failure
+        policy already ended it)."""
+
+    async def send(self, handle: Any, route: str, body: dict[str, Any] | None
+                   ) -> Failed | None:
+        """Forward a start/update/finish (a finish with the round's own labels)."""
+
+    async def close(self, handle: Any, written: Manifest, note: dict[str, Any]
+                    ) -> dict[str, Any]: ...
+
+    async def fail(self, handle: Any, kind: FailureKind, reason: str) -> dict[str, Any]: ...
+
+    async def expire(self, handle: Any, reason: str, writes: int) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass
+class _Round:
+    """One open round: the backend's handle and what the trainer sent so far."""
+
+    handle: Any
+    label: str
+    opened_by: str  # "pause" or "start"
+    mode: str
+    started: bool = False
+    finished: bool = False
+    written: Manifest = field(default_factory=dict)
+    writes: int = 0
+    trainer_label: str | None = None
+    timer: asyncio.Task[None] | None = None
+
+
+class NativeRoutes:
+    """ASGI app of ``NATIVE_ROUTES`` under ``/rc/<token>``; one round at a time.
+
+    ``backend``: a ``RoundBackend`` (``native_engine.EngineRounds``, ``fleet.native``)."""
+
+    def __init__(self, backend: Any, config: ServiceConfig, token: str) -> None:
         if not isinstance(token, str) or len(token) < 16 or not token.isascii() or \
                 not token.replace("-", "").replace("_", "").isalnum():
             raise BadInput("the native routes' token must be 16+ URL-safe ASCII characters")
-        self.runner = runner
+        if not isinstance(config, ServiceConfig):
+            raise BadInput("config must be a ServiceConfig")
+        self.backend: RoundBackend = backend
         self.config = config
         self._token = token.encode()
         self.round: _Round | None = None
         self._lock = asyncio.Lock()
-        self._client: AsyncEngineClient | None = None
         #: The last round's manifest (name -> dtype, shape), carried when a 0.33+
         #: sender sends an unchanged round's metadata empty.
-        self.manifest: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.manifest: Manifest = {}
         self.rounds = 0
         self.last: dict[str, Any] | None = None
 
@@ -169,27 +207,23 @@ class NativeRoutes:
     async def aclose(self) -> None:
         rnd = self.round
         if rnd is not None:
-            await self._expire(rnd, "service shut down during a native round")
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+            self._end(rnd, await self.backend.expire(
+                rnd.handle, "service shut down during a native round", rnd.writes))
+        await self.backend.aclose()
 
     # ------------------------------------------------------------ routes
     async def handle(self, route: str, query: Mapping[str, str], raw: bytes
                      ) -> tuple[int, Any]:
-        c = self.runner.controller
+        b = self.backend
         if route == Routes.HEALTH:
-            ok = c.failed_closed is None and c.state.value not in (
-                "TAINTED", "UNINITIALIZED", "RECOVERING")
-            return (200, None) if ok else (503, error_body(503, f"state {c.state.value}",
-                                                           "Unavailable"))
+            why = b.health()
+            return (200, None) if why is None else (503, error_body(503, why, "Unavailable"))
         if route == Routes.IS_PAUSED:
-            return 200, {"is_paused": self.round is not None or c.state is not State.READY}
+            return 200, {"is_paused": self.round is not None or b.paused()}
         if route == Routes.WEIGHT_INFO:
-            com = c.snapshot()["committed"]
-            return 200, {"weight_version": None if com is None else com.get("label")}
+            return 200, {"weight_version": b.weight_version()}
         if route in (Routes.MODELS, Routes.VERSION, Routes.SERVER_INFO, Routes.GET_WORLD_SIZE):
-            return await self._forward("GET", route, query, None, weight=False)
+            return await b.relay("GET", route, query, None)
         if route == Routes.RESET_PREFIX:
             # Part of the round (or after it): never a mutation of the weights. The
             # round's own reset is the runner's, checked by its body; this one is relayed.
@@ -197,15 +231,14 @@ class NativeRoutes:
                 raise _Refusal(422, "only reset_external is passed on: a reset that "
                                "preempts running requests is the round's own decision",
                                "BadRequestError")
-            return await self._forward("POST", route, query, None, weight=False)
+            return await b.relay("POST", route, query, None)
         body = _json_object(raw, route)
         async with self._lock:
             if route == Routes.INIT_TRANSFER:
                 if self.round is not None:
                     raise _Refusal(409, "a round is open: initialise the weight transfer "
                                    "engine before /pause or /start_weight_update")
-                return await self._forward("POST", route, {}, body, weight=False,
-                                           timeout_s=self.config.lease_s)
+                return await b.init(body)
             if route == Routes.PAUSE:
                 return await self._pause(query)
             if route == Routes.START_UPDATE:
@@ -235,8 +268,7 @@ class NativeRoutes:
                            "trainer, one start per round)")
         if rnd is None:
             rnd = await self._open("start", "wait")
-        await self._engine(rnd, "POST", Routes.START_UPDATE, body or None,
-                           mutation_started=False)
+        await self._engine(rnd, Routes.START_UPDATE, body or None, mutation_started=False)
         rnd.started = True
         return 200, {"message": "Weight update started"}
 
@@ -253,7 +285,7 @@ class NativeRoutes:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
                              f"parameters written twice in one round: {twice[:5]}")
             raise _Refusal(409, "parameters written twice in one round")
-        await self._engine(rnd, "POST", Routes.UPDATE_WEIGHTS, body, mutation_started=True)
+        await self._engine(rnd, Routes.UPDATE_WEIGHTS, body, mutation_started=True)
         rnd.written.update(names)
         rnd.writes += 1
         return 200, {"message": "Weights updated"}
@@ -267,7 +299,8 @@ class NativeRoutes:
         if wv is not None and not isinstance(wv, str):
             raise _Refusal(422, "weight_version must be a string", "BadRequestError")
         rnd.trainer_label = wv
-        await self._engine(rnd, "POST", Routes.FINISH_UPDATE, {"weight_version": rnd.label},
+        # Forwarded with the round's own label(s), whatever the trainer sent.
+        await self._engine(rnd, Routes.FINISH_UPDATE, {"weight_version": rnd.label},
                            mutation_started=True)
         rnd.finished = True
         if rnd.opened_by == "start":
@@ -279,8 +312,8 @@ class NativeRoutes:
         if rnd is None:
             return 200, {"status": "resumed"}
         if not rnd.started:
-            await self._fail(rnd, FailureKind.REFUSED, "paused and resumed with nothing sent",
-                             status=200)
+            self._end(rnd, await self.backend.fail(rnd.handle, FailureKind.REFUSED,
+                                                   "paused and resumed with nothing sent"))
             return 200, {"status": "resumed"}
         if not rnd.finished:
             await self._fail(rnd, FailureKind.ERROR, "resumed before /finish_weight_update: "
@@ -291,114 +324,59 @@ class NativeRoutes:
 
     # ------------------------------------------------------------ the round
     async def _open(self, opened_by: str, mode: str) -> _Round:
-        cfg, c = self.config, self.runner.controller
-        if c.failed_closed is not None:
-            raise _Refusal(409, f"the controller failed closed ({c.failed_closed})")
-        if cfg.floor > VerificationLevel.DECLARED:
-            raise _Refusal(422, f"this gateway's verification floor is {cfg.floor.wire!r}; a "
+        floor = self.backend.floor
+        if floor > VerificationLevel.DECLARED:
+            raise _Refusal(422, f"this gateway's verification floor is {floor.wire!r}; a "
                            f"trainer that declares nothing reaches {NATIVE_LEVEL!r} "
                            "(serve --min-verification declared to accept it)",
                            "BadRequestError")
         self.rounds += 1
-        seed = json.dumps({"native_round": self.rounds, "after": c.snapshot()["committed"]},
-                          sort_keys=True, default=str).encode()
-        ident = WeightIdentity(hashlib.sha256(seed).hexdigest(),
-                               Provenance(f"native:{NATIVE_LEVEL}", "native", self.rounds))
-        pre = PreflightEvidence(source_manifest_digest=ident.manifest_digest,
-                                source_provenance=ident.provenance)
-        adapter = self.runner.adapter
-
-        def open_() -> UpdateOutcome:
-            if isinstance(adapter, ExpectationTaker):
-                adapter.expect(probes=None, reference_checksums=None)
-                adapter.expect_sent(None)
-            return self.runner.open_update(ident, owner="native", preflight=pre,
-                                           min_verification=VerificationLevel.DECLARED)
-
         try:
-            out = await anyio.to_thread.run_sync(open_)
-        except (UpdateRefused, BadInput) as exc:
-            raise _Refusal(409, str(exc)) from exc
-        except UpdateFailed as exc:
-            self.last = {"status": "failed", "classification": exc.classification,
-                         "reason": exc.reason}
-            raise _Refusal(409, f"the round could not open: {exc}") from exc
-        rnd = _Round(out, opened_by, mode)
+            handle, label = await self.backend.open(self.rounds)
+        except _Refusal:
+            raise
+        rnd = _Round(handle, label, opened_by, mode)
         self.round = rnd
         rnd.timer = asyncio.get_running_loop().create_task(self._deadline(rnd))
         return rnd
 
     async def _close(self, rnd: _Round) -> None:
-        """Report what was forwarded, then the runner's close: reset, validate, publish."""
+        """Report what was forwarded, then the backend's close: reset, validate, publish."""
         missing = sorted(set(self.manifest) - set(rnd.written))
         if missing:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
                              f"{len(missing)} parameters the last round wrote were not "
                              f"written: {missing[:5]}")
             raise _Refusal(409, "the round did not cover the last round's parameters")
-        ev = TransferEvidence(completed=bool(rnd.written), mutation_started=True,
-                              backend="native", tensors=len(rnd.written), finish_label=rnd.label,
-                              error=None if rnd.written else "no tensor was written")
-
         # What the round wrote, in the journal before anything is published: the
         # manifest's digest names the exact set a sample's version was made from.
-        manifest = hashlib.sha256(json.dumps(
+        digest = hashlib.sha256(json.dumps(
             sorted([n, d, list(s)] for n, (d, s) in rnd.written.items())).encode()).hexdigest()
-        note = Note("native_round", {
-            "level": NATIVE_LEVEL, "label": rnd.label, "opened_by": rnd.opened_by,
-            "pause_mode": rnd.mode, "tensors": len(rnd.written), "update_calls": rnd.writes,
-            "sent_manifest_digest": manifest, "trainer_label": rnd.trainer_label,
-            "update_id": rnd.out.ticket.update_id})
-
-        def work() -> None:
-            self.runner.emit(note)
-            self.runner.report_transfer(rnd.out, ev)
-            self.runner.close_update(rnd.out)
-
-        try:
-            await anyio.to_thread.run_sync(work)
-        except UpdateFailed as exc:
-            self._end(rnd, {"status": "failed", "classification": exc.classification,
-                            "reason": exc.reason})
-            raise _Refusal(409, f"the round failed ({exc.classification}): {exc.reason}"
-                           ) from exc
+        note = {"level": NATIVE_LEVEL, "opened_by": rnd.opened_by, "pause_mode": rnd.mode,
+                "tensors": len(rnd.written), "update_calls": rnd.writes,
+                "sent_manifest_digest": digest, "trainer_label": rnd.trainer_label}
+        result = await self.backend.close(rnd.handle, dict(rnd.written), note)
+        self._end(rnd, result)
+        if result.get("status") != "published":
+            raise _Refusal(409, f"the round failed ({result.get('classification')}): "
+                           f"{result.get('reason')}")
         self.manifest = dict(rnd.written)
-        self._end(rnd, {"status": "published", "label": rnd.label,
-                        "verification": NATIVE_LEVEL, "tensors": len(rnd.written)})
 
     async def _fail(self, rnd: _Round, kind: FailureKind, reason: str, *,
                     status: int = 409) -> None:
-        """End the round through the failure policy; a 4xx (409) unless ``status`` is 200."""
-        def work() -> None:
-            self.runner.report_transfer_failure(rnd.out, kind, reason)
-
-        try:
-            await anyio.to_thread.run_sync(work)
-        except UpdateFailed as exc:
-            self._end(rnd, {"status": "failed", "classification": exc.classification,
-                            "reason": exc.reason})
-            if status == 200:
-                return
-            raise _Refusal(status, f"the round failed ({exc.classification}): {reason}"
-                           ) from exc
+        """End the round through the failure policy; raises the 4xx (or 504) ``status``."""
+        result = await self.backend.fail(rnd.handle, kind, reason)
+        self._end(rnd, result)
+        raise _Refusal(status, f"the round failed ({result.get('classification')}): "
+                       f"{result.get('reason') or reason}")
 
     async def _deadline(self, rnd: _Round) -> None:
         await asyncio.sleep(self.config.lease_s)
         async with self._lock:
             if self.round is rnd:
-                await self._expire(rnd, f"the round was not finished within "
-                                        f"{self.config.lease_s:g}s")
-
-    async def _expire(self, rnd: _Round, reason: str) -> None:
-        def work() -> None:
-            self.runner.expire_lease(rnd.out, reason)
-
-        with anyio.CancelScope(shield=True):
-            try:
-                await anyio.to_thread.run_sync(work)
-            except UpdateFailed as exc:
-                self._end(rnd, {"status": "expired", "classification": exc.classification,
-                                "reason": exc.reason})
+                self._end(rnd, await self.backend.expire(
+                    rnd.handle, f"the round was not finished within {self.config.lease_s:g}s",
+                    rnd.writes))
 
     def _end(self, rnd: _Round, result: dict[str, Any]) -> None:
         if self.round is rnd:
@@ -408,50 +386,16 @@ class NativeRoutes:
         if t is not None and t is not asyncio.current_task():
             t.cancel()
 
-    # ------------------------------------------------------------ vLLM
-    async def _engine(self, rnd: _Round, method: str, route: str, body: Any, *,
+    async def _engine(self, rnd: _Round, route: str, body: dict[str, Any] | None, *,
                       mutation_started: bool) -> None:
         """A round's call to vLLM: any failure ends the round (TAINTED once written)."""
-        try:
-            status, answer = await self._call(method, route, {}, body,
-                                              timeout_s=self.config.lease_s)
-        except _Refusal as r:
-            kind = FailureKind.TIMEOUT if r.status == 504 else FailureKind.ERROR
-            await self._fail(rnd, kind if mutation_started or rnd.writes else
-                             FailureKind.REFUSED, f"{route}: {r.message}", status=r.status)
-            raise
-        if status >= 400:
-            kind = FailureKind.ERROR if mutation_started or rnd.writes else FailureKind.REFUSED
-            reason = f"vLLM answered {route} with {status}: {json.dumps(answer)[:300]}"
-            await self._fail(rnd, kind, reason, status=409 if status >= 500 else status)
-            raise _Refusal(409 if status >= 500 else status, reason)
-
-    async def _forward(self, method: str, route: str, query: Mapping[str, str], body: Any,
-                       *, weight: bool, timeout_s: float | None = None) -> tuple[int, Any]:
-        status, answer = await self._call(method, route, query, body, timeout_s=timeout_s)
-        return (409 if status >= 500 else status), answer
-
-    async def _call(self, method: str, route: str, query: Mapping[str, str], body: Any, *,
-                    timeout_s: float | None = None) -> tuple[int, Any]:
-        cfg = self.config
-        if self._client is None:
-            self._client = AsyncEngineClient(cfg.upstream_url, timeout_s=cfg.upstream_read_s,
-                                             connect_s=cfg.upstream_connect_s)
-        t = cfg.upstream_read_s if timeout_s is None else timeout_s
-        try:
-            resp = await self._client.request(
-                method, route, step="native", timeout_s=t, params=dict(query) or None,
-                json_body=body, headers=engine_key.headers_for(cfg.upstream_url),
-                check_status=False, mutation_started=False)
-        except EffectTimeout as exc:
-            raise _Refusal(504, f"vLLM did not answer {route} in time: {exc.__cause__!r}",
-                           "UpstreamTimeout") from exc
-        except EffectError as exc:
-            raise _Refusal(409, f"vLLM unreachable on {route}: {exc.__cause__!r}",
-                           "UpstreamError") from exc
-        with contextlib.suppress(ValueError):
-            return resp.status_code, resp.json()
-        return resp.status_code, {"text": resp.text[:300]}
+        got = await self.backend.send(rnd.handle, route, body)
+        if got is None:
+            return
+        wrote = mutation_started or rnd.writes > 0
+        kind = (FailureKind.REFUSED if not wrote else
+                FailureKind.TIMEOUT if got.timeout else FailureKind.ERROR)
+        await self._fail(rnd, kind, got.reason, status=got.status)
 
 
 def _json_object(raw: bytes, route: str) -> dict[str, Any]:

@@ -309,6 +309,21 @@ def _check_own_vllm(http: VllmHTTP, backend: str) -> None:
         print(f"[rolloutcore] warning: {warning}", file=sys.stderr)
 
 
+def native_routes_token(token_out: str | None, host: str, port: int) -> str:
+    """``--native-routes``: the secret path segment of vLLM's RL routes (a client that
+    sets only a base URL keeps it), from ``ROLLOUTCORE_NATIVE_TOKEN`` or generated and
+    written to ``<token_out>.native``."""
+    given = os.environ.get("ROLLOUTCORE_NATIVE_TOKEN")
+    token = given or generate_token()
+    if token_out and not given:
+        write_token_file(token_out + ".native", token)
+    where = ("ROLLOUTCORE_NATIVE_TOKEN" if given else f"{token_out}.native" if token_out
+             else "not shown: set ROLLOUTCORE_NATIVE_TOKEN or --token-out")
+    print(f"[rolloutcore] vLLM's RL routes: base URL http://{host}:{port}/rc/<token> "
+          f"(token: {where})", file=sys.stderr)
+    return token
+
+
 def run_serve(args: ServeOptions) -> int:
     """The ``serve`` command; blocks until interrupted. Returns an exit status."""
     if not isinstance(args, ServeOptions):
@@ -501,18 +516,8 @@ def run_serve(args: ServeOptions) -> int:
                                         lora_budget, journal)
             if journal is not None and args.journal:
                 _restore_adapters(adapters, args.journal)
-        native_token = None
-        if args.native_routes:
-            # The path is the secret (a client that sets only a base URL keeps it).
-            given_native = os.environ.get("ROLLOUTCORE_NATIVE_TOKEN")
-            native_token = given_native or generate_token()
-            if args.token_out and not given_native:
-                write_token_file(args.token_out + ".native", native_token)
-            where = ("ROLLOUTCORE_NATIVE_TOKEN" if given_native else
-                     f"{args.token_out}.native" if args.token_out else "not shown: set "
-                     "ROLLOUTCORE_NATIVE_TOKEN or --token-out")
-            print(f"[rolloutcore] vLLM's RL routes: base URL http://{args.host}:{args.port}"
-                  f"/rc/<token> (token: {where})", file=sys.stderr)
+        native_token = (native_routes_token(args.token_out, args.host, args.port)
+                        if args.native_routes else None)
         app = create_app(runner, cfg, on_finished=recorder, adapters=adapters,
                          native_token=native_token)
         from rolloutcore.service.server import run_until_signalled
