@@ -290,6 +290,8 @@ class _Update:
     #: The nonce of this update's transfer round (in the grant): a rank's report of the
     #: round must carry it, so a report of an earlier round is not taken for this one.
     round_nonce: str = field(repr=False, default="")
+    #: The manifest digest of what the trainer said it sends (the begin's).
+    source_manifest: str = ""
     #: The lease machine's shell: this update's lease is its row ``update_id``.
     leases: Shell[LeaseTable, Mapping[int, Lease]] | None = field(default=None, repr=False)
     timer: asyncio.Task[None] | None = None
@@ -510,7 +512,8 @@ class UpdateManager:
         self.leases.run(self.leases.machine.grant, uid, body.owner, wait=False)
         upd = _Update(uid, body.owner, t.target.version, identity.digest, out, lease_s,
                       now_m + lease_s, now_w + lease_s, secrets.token_urlsafe(32),
-                      body.begin_key, level, secrets.token_hex(16), self.leases)
+                      body.begin_key, level, secrets.token_hex(16), pre.source_manifest_digest,
+                      self.leases)
         self._updates[uid] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
@@ -568,7 +571,9 @@ class UpdateManager:
                     return 422, {"error": f"this gateway cannot use the sent checksum: {exc}"}
             refused = check_rank_declaration(self.config, upd.round_nonce, sent,
                                              completed=body.transfer.completed,
-                                             backend=body.transfer.backend)
+                                             backend=body.transfer.backend,
+                                             claimed=upd.out.ticket.target.identity,
+                                             source_manifest=upd.source_manifest)
             if refused is not None:
                 return 422, {"error": refused}
         async with upd.lock:
