@@ -304,13 +304,13 @@ class RouteGuard:
         try:
             body = json.loads(raw)
             if not isinstance(body, dict) or set(body) != {"key", "seconds"}:
-                raise ValueError('the body is {"key": str, "seconds": number}')
+                raise BadInput('the body is {"key": str, "seconds": number}')
             key, secs = check_key(body["key"]).encode(), body["seconds"]
             if isinstance(secs, bool) or not isinstance(secs, (int, float)) \
                     or not 0 < secs <= MAX_LEND_S:
-                raise ValueError(f"seconds must be in (0, {MAX_LEND_S:g}]")
+                raise BadInput(f"seconds must be in (0, {MAX_LEND_S:g}]")
             if hmac.compare_digest(key, self._key):
-                raise ValueError("the launcher's own key is not lent")
+                raise BadInput("the launcher's own key is not lent")
         except ValueError as exc:  # BadInput and JSONDecodeError are ValueErrors
             await _answer(send, 400, {"error": str(exc)})
             return
