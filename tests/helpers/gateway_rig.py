@@ -16,6 +16,7 @@ import asyncio
 import atexit
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -103,8 +104,10 @@ class _Switch:
 _shared: tuple[str, _Switch] | None = None
 
 
-def serve_fake(fake: FakeVllm) -> str:
-    """The URL at which ``fake`` answers from now on (a real loopback HTTP server)."""
+def serve_fake(fake: FakeVllm, *, guard_key: str | None = None) -> str:
+    """The URL at which ``fake`` answers from now on (a real loopback HTTP server);
+    ``guard_key``: behind the route guard a launched engine runs, with that key
+    (``transports.engine_key.RouteGuard``), which this process then holds."""
     global _shared
     if _shared is None:
         switch = _Switch()
@@ -112,7 +115,21 @@ def serve_fake(fake: FakeVllm) -> str:
         url = cm.__enter__()
         atexit.register(cm.__exit__, None, None, None)
         _shared = (url, switch)
-    _shared[1].app = fake.app
+    app: Any = fake.app
+    if guard_key is not None:
+        from rolloutcore.transports import engine_key
+
+        old = os.environ.get(engine_key.ENV)
+        os.environ[engine_key.ENV] = guard_key
+        try:
+            app = engine_key.RouteGuard(app)
+        finally:
+            if old is None:
+                os.environ.pop(engine_key.ENV)
+            else:
+                os.environ[engine_key.ENV] = old
+        engine_key.register(_shared[0], guard_key)
+    _shared[1].app = app
     return _shared[0]
 
 

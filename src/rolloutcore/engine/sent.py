@@ -28,6 +28,7 @@ from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import gloo_report, rank_checksums
+from rolloutcore.verification.checksums import HEX64
 
 __all__ = ["SENT_SCHEMES", "check_sent", "check_sent_scheme", "compare_rank_reports",
            "compare_sent", "rank_reports_supported"]
@@ -73,8 +74,12 @@ def check_sent_scheme(sent: Mapping[str, Any]) -> None:
 
 def _check_rank_declaration(sent: Mapping[str, Any]) -> None:
     what = f"sent checksum {rank_checksums.SCHEME}"
-    if set(sent) != {"scheme", "nonce", "ranks"}:
-        raise BadInput(f"{what}: needs exactly 'scheme', 'nonce', 'ranks'")
+    if set(sent) != {"scheme", "nonce", "manifest_digest", "content_digest", "ranks"}:
+        raise BadInput(f"{what}: needs exactly 'scheme', 'nonce', 'manifest_digest', "
+                       "'content_digest', 'ranks'")
+    for k in ("manifest_digest", "content_digest"):
+        if not isinstance(sent[k], str) or not HEX64.fullmatch(sent[k]):
+            raise BadInput(f"{what}: {k} must be a sha256 hex digest (of what the round sent)")
     nonce = sent["nonce"]
     if not isinstance(nonce, str) or not 0 < len(nonce) <= 128:
         raise BadInput(f"{what}: nonce must be a string of 1..128 characters")

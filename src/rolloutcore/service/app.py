@@ -66,10 +66,10 @@ from rolloutcore.service.control import (
     BeginBody,
     ReportBody,
     UpdateManager,
-    openapi_document,
     parse_body,
 )
 from rolloutcore.service.control_body import control_body
+from rolloutcore.service.control_openapi import openapi_document
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
 from rolloutcore.service.native import NativeRoutes
 from rolloutcore.service.native_engine import EngineRounds

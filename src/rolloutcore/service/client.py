@@ -98,8 +98,8 @@ class UpdateGrant:
     #: The lease's end on *this* process's monotonic clock: the granted duration
     #: counted from when the begin was sent (so never later than the gateway's).
     deadline_mono: float = 0.0
-    #: The engine's route key when the gateway launched it (``transports.engine_key``):
-    #: its weight routes refuse a transfer without it.
+    #: The engine's route key lent for this lease when the gateway launched it
+    #: (``transports.engine_key``): its weight routes refuse a transfer without it.
     route_key: str | None = field(default=None, repr=False)
     #: The nonce of this update's transfer round: a gloo round sent with it has every
     #: rank's report checked by the gateway (``GlooTransport.declared_checksums``).
@@ -484,9 +484,10 @@ class RolloutCoreClient:
         if code in (200, 201):
             grant = UpdateGrant.from_json(data, sent)
             if grant.route_key is not None:
-                # The engine's weight routes answer this process's transports from now
-                # on (a transfer= of the caller's too): transports.engine_key.
-                engine_key.register(grant.engine_url, grant.route_key)
+                # The engine's weight routes answer this process's transports for this
+                # lease (a transfer= of the caller's too): the key is lent for it
+                # (transports.engine_key) and ends with it.
+                engine_key.register(grant.engine_url, grant.route_key, lent=True)
             return grant
         msg = data.get("error") if isinstance(data, dict) else data
         if code == 409:
@@ -658,9 +659,9 @@ class RolloutCoreClient:
             return  # the begin will say what is wrong
         url = engine.get("base_url") if isinstance(engine, dict) else None
         if isinstance(url, str) and url:
-            if engine.get("route_guard") and not engine_key.headers_for(url):
+            if engine.get("route_guard") and not engine_key.owns(url):
                 # An engine the gateway launched refuses a client without its route
-                # key, which comes with the first grant: connected inside that lease.
+                # key, which is lent with each grant: connected inside that lease.
                 return
             t.connect(url, timeout_s=self._connect_timeout_s)
             self._connected_to = url

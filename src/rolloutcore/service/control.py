@@ -75,7 +75,6 @@ from typing import Annotated, Any, Literal
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from pydantic import model_validator as _model_validator
-from pydantic.json_schema import models_json_schema
 
 from rolloutcore.control.port import ExpectationTaker, WriteObserver
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
@@ -85,7 +84,8 @@ from rolloutcore.core.lease import Lease, LeaseEvent, LeaseState, LeaseTable
 from rolloutcore.core.lifecycle import FailureKind
 from rolloutcore.core.speculative import engine_draft_of, engine_draft_refusal
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity, WeightVersion
-from rolloutcore.errors import BadInput, UpdateFailed, UpdateRefused
+from rolloutcore.engine import lent_key
+from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control_sent import (
     RANK_SCHEME,
@@ -96,7 +96,6 @@ from rolloutcore.service.control_sent import (
     worker_shards,
 )
 from rolloutcore.service.metrics import ServiceMetrics
-from rolloutcore.transports import engine_key
 from rolloutcore.verification.probe import WIRE_LIMITS, PolicyProbe
 
 __all__ = [
@@ -114,7 +113,6 @@ __all__ = [
     "SentChecksumBody",
     "TransferBody",
     "UpdateManager",
-    "openapi_document",
     "parse_body",
 ]
 
@@ -290,6 +288,11 @@ class _Update:
     #: The nonce of this update's transfer round (in the grant): a rank's report of the
     #: round must carry it, so a report of an earlier round is not taken for this one.
     round_nonce: str = field(repr=False, default="")
+    #: The manifest digest of what the trainer said it sends (the begin's).
+    source_manifest: str = ""
+    #: The engine's key lent to the trainer for this lease (an engine this gateway
+    #: launched), taken back when the lease ends.
+    route_key: str | None = field(repr=False, default=None)
     #: The lease machine's shell: this update's lease is its row ``update_id``.
     leases: Shell[LeaseTable, Mapping[int, Lease]] | None = field(default=None, repr=False)
     timer: asyncio.Task[None] | None = None
@@ -482,16 +485,25 @@ class UpdateManager:
         self._opening = True
         adapter = self.runner.adapter
 
-        def open_() -> UpdateOutcome:
+        def open_() -> tuple[UpdateOutcome, str | None]:
             if isinstance(adapter, ExpectationTaker):
                 # Each begin replaces what the last one staged (None clears it).
                 adapter.expect(probes=probe, reference_checksums=ref)
                 adapter.expect_sent(None)
-            return self.runner.open_update(identity, owner=body.owner, label=body.label,
-                                           min_verification=level, preflight=pre)
+            out = self.runner.open_update(identity, owner=body.owner, label=body.label,
+                                          min_verification=level, preflight=pre)
+            try:
+                # An engine this gateway launched lends the trainer a key of its own, for
+                # the lease only (never the launcher's: it would outlive the lease).
+                return out, lent_key.lend(cfg.upstream_url, lease_s)
+            except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
+                self.runner.report_transfer_failure(
+                    out, FailureKind.REFUSED, f"the engine did not lend a route key for "
+                    f"the lease: {exc}")
+                raise  # pragma: no cover - report_transfer_failure raises UpdateFailed
 
         try:
-            out = await anyio.to_thread.run_sync(open_)
+            out, route_key = await anyio.to_thread.run_sync(open_)
         except UpdateRefused as exc:
             return 409, {"error": str(exc), "state": self.runner.controller.state.value}
         except BadInput as exc:
@@ -510,7 +522,8 @@ class UpdateManager:
         self.leases.run(self.leases.machine.grant, uid, body.owner, wait=False)
         upd = _Update(uid, body.owner, t.target.version, identity.digest, out, lease_s,
                       now_m + lease_s, now_w + lease_s, secrets.token_urlsafe(32),
-                      body.begin_key, level, secrets.token_hex(16), self.leases)
+                      body.begin_key, level, secrets.token_hex(16), pre.source_manifest_digest,
+                      route_key, self.leases)
         self._updates[uid] = upd
         while len(self._updates) > cfg.remember_updates:
             oldest = next(iter(self._updates.values()))
@@ -534,11 +547,10 @@ class UpdateManager:
         d = upd.describe()
         d["lease"] = {**d["lease"], "secret": upd.secret, "header": LEASE_HEADER}
         engine: dict[str, Any] = {"base_url": cfg.advertised_engine_url, "model": cfg.model}
-        key = engine_key.headers_for(cfg.upstream_url).get(engine_key.HEADER)
-        if key is not None:
-            # An engine this gateway launched closes its weight routes to every
-            # client without its key; the trainer granted an update is given it.
-            engine["route_key"] = key
+        if upd.route_key is not None:
+            # An engine this gateway launched closes its weight routes to every client
+            # without a key; the trainer granted an update is lent one for its lease.
+            engine["route_key"] = upd.route_key
         return {**d, "state": upd.out.state.value, "engine": engine,
                 "transport": dict(cfg.transport), "round_nonce": upd.round_nonce,
                 "report": f"/control/updates/{upd.update_id}/transfer"}
@@ -568,7 +580,9 @@ class UpdateManager:
                     return 422, {"error": f"this gateway cannot use the sent checksum: {exc}"}
             refused = check_rank_declaration(self.config, upd.round_nonce, sent,
                                              completed=body.transfer.completed,
-                                             backend=body.transfer.backend)
+                                             backend=body.transfer.backend,
+                                             claimed=upd.out.ticket.target.identity,
+                                             source_manifest=upd.source_manifest)
             if refused is not None:
                 return 422, {"error": refused}
         async with upd.lock:
@@ -590,6 +604,9 @@ class UpdateManager:
 
         def work() -> dict[str, Any]:
             try:
+                kept = self._take_back(upd)
+                if kept is not None:  # the trainer could still write while it is checked
+                    self.runner.report_transfer_failure(out, FailureKind.ERROR, kept)
                 if ev is not None:
                     if isinstance(adapter, ExpectationTaker):
                         adapter.expect_sent(sent)
@@ -658,8 +675,9 @@ class UpdateManager:
         out = upd.out
 
         def work() -> dict[str, Any]:
+            kept = self._take_back(upd)
             try:
-                self.runner.expire_lease(out, reason)
+                self.runner.expire_lease(out, reason if kept is None else f"{reason}; {kept}")
             except UpdateFailed as exc:
                 return _failure(exc)
             return {"status": "failed", "classification": "unknown",  # pragma: no cover
@@ -673,6 +691,20 @@ class UpdateManager:
         upd.done.set()
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
+
+    def _take_back(self, upd: _Update) -> str | None:
+        """The lease ended (its report, its expiry): the key lent for it is taken back
+        from the engine (which also drops it at the lease's deadline by itself); why
+        it could not be, or None."""
+        if upd.route_key is None:
+            return None
+        try:
+            lent_key.revoke(self.config.upstream_url)
+        except RolloutCoreError as exc:
+            return (f"the route key lent for the lease could not be taken back ({exc}): "
+                    "it stays valid on the engine until the lease's deadline")
+        upd.route_key = None
+        return None
 
     async def aclose(self, wait_s: float = 120.0) -> None:
         """On shutdown no update stays half-done: an open lease is expired now (classified
@@ -702,82 +734,3 @@ _NOT_YOURS = {"error": "this update's lease belongs to the trainer that began it
 def _failure(exc: UpdateFailed) -> dict[str, Any]:
     return {"status": "failed", "classification": exc.classification, "state": exc.state,
             "phase": exc.phase, "reason": exc.reason}
-
-
-# ---------------------------------------------------------------------- OpenAPI
-
-def openapi_document(title: str = "RolloutCore gateway: control API",
-                     version: str = "1") -> dict[str, Any]:
-    """The control API as OpenAPI 3.1, from the same models that validate requests."""
-    _, defs = models_json_schema(
-        [(m, "validation") for m in (BeginBody, ReportBody)],
-        ref_template="#/components/schemas/{model}")
-    schemas = defs.get("$defs", {})
-
-    def ref(name: str) -> dict[str, str]:
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    obj = {"type": "object"}
-
-    def resp(*codes: int, ok: int = 200) -> dict[str, Any]:
-        out: dict[str, Any] = {str(ok): {"description": "ok",
-                                         "content": {"application/json": {"schema": obj}}}}
-        for c in codes:
-            out[str(c)] = {"description": _REASONS.get(c, "error"),
-                           "content": {"application/json": {"schema": obj}}}
-        return out
-
-    auth_errors = (401, 403)
-    uid = {"name": "update_id", "in": "path", "required": True,
-           "schema": {"type": "integer", "minimum": 1, "maximum": _INT63}}
-    lease = {"name": LEASE_HEADER, "in": "header", "required": True,
-             "description": "the lease secret from the begin's answer (lease.secret)",
-             "schema": {"type": "string", "maxLength": 256}}
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": title, "version": version},
-        "components": {
-            "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
-        "paths": {
-            "/control/updates": {"post": {
-                "operationId": "beginUpdate",
-                "summary": "Begin an update: check the expectations and the floor, drain, "
-                           "quiesce, grant a lease (200: the same begin_key again)",
-                "requestBody": {"required": True,
-                                "content": {"application/json": {"schema": ref("BeginBody")}}},
-                "responses": {**resp(400, *auth_errors, 409, 413, 415, 422, 503, ok=201),
-                              "200": {"description": "the open grant of this begin_key",
-                                      "content": {"application/json": {"schema": obj}}}},
-            }},
-            "/control/updates/{update_id}": {"get": {
-                "operationId": "getUpdate",
-                "summary": "An update's lease and result",
-                "parameters": [uid, lease],
-                "responses": resp(*auth_errors, 404),
-            }},
-            "/control/updates/{update_id}/transfer": {"post": {
-                "operationId": "reportTransfer",
-                "summary": "Report the transfer (evidence or failure); the service commits",
-                "parameters": [uid, lease],
-                "requestBody": {"required": True,
-                                "content": {"application/json": {"schema": ref("ReportBody")}}},
-                "responses": resp(400, *auth_errors, 404, 409, 410, 413, 415, 422),
-            }},
-            "/control/status": {"get": {
-                "operationId": "status",
-                "summary": "State, committed version and identity, rollouts, transitions",
-                "responses": resp(*auth_errors),
-            }},
-        },
-    }
-
-
-_REASONS = {400: "malformed JSON", 401: "missing bearer token",
-            403: "wrong token, or not this update's lease secret",
-            404: "no such update", 409: "conflict (another update, or already reported)",
-            410: "the lease expired", 413: "body too large", 415: "not JSON",
-            422: "invalid fields, expectations, or below the verification floor",
-            503: "the update could not begin"}

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from pydantic import model_validator as _model_validator
 
+from rolloutcore.core.versions import WeightIdentity
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.transports.rank_checksums import SCHEME as RANK_SCHEME
 
@@ -31,6 +32,7 @@ __all__ = ["RANK_SCHEME", "RankDeclarationBody", "RankSentBody", "SentChecksumBo
 _INT63 = 2**63 - 1
 _Name = Annotated[str, StringConstraints(min_length=1, max_length=512)]
 _Value = Annotated[int, Field(ge=0, le=_INT63)] | None
+_Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class _Strict(BaseModel):
@@ -78,6 +80,10 @@ class RankSentBody(_Strict):
 
     scheme: Literal["rolloutcore_gloo/rank"]
     nonce: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    #: What the round sent, as an identity records it (``Round.digests``): the
+    #: checkpoint this declaration stands for, compared with the one the update claims.
+    manifest_digest: _Hex64
+    content_digest: _Hex64
     ranks: Annotated[list[RankDeclarationBody], Field(min_length=1, max_length=1024)]
 
     @_model_validator(mode="after")
@@ -90,9 +96,16 @@ class RankSentBody(_Strict):
 
 def check_rank_declaration(config: ServiceConfig, round_nonce: str,
                            sent: Mapping[str, Any] | None, *, completed: bool,
-                           backend: str) -> str | None:
+                           backend: str, claimed: WeightIdentity | None = None,
+                           source_manifest: str | None = None) -> str | None:
     """Why a transfer report's ``sent`` cannot be used for the update whose grant issued
-    ``round_nonce`` (a 422, the lease still open), or None."""
+    ``round_nonce`` (a 422, the lease still open), or None.
+
+    ``claimed``: the identity the update claims; a declaration stands for what its round
+    sent (``manifest_digest``, ``content_digest``), which must be that checkpoint: its
+    manifest (``source_manifest``, the begin's, by default the identity's) and, where
+    the identity names one, its content (#47: a round that sent one tensor, or every
+    tensor of another checkpoint, cannot stand for the one claimed)."""
     ranked = bool(config.transport.get("rank_reports"))
     if sent is not None and sent.get("scheme") == RANK_SCHEME:
         if not ranked:
@@ -101,6 +114,19 @@ def check_rank_declaration(config: ServiceConfig, round_nonce: str,
         if not hmac.compare_digest(str(sent.get("nonce")).encode(), round_nonce.encode()):
             return (f"sent_checksum {RANK_SCHEME}: the nonce is not this update's round "
                     "nonce (the grant's round_nonce): the declaration is of another round")
+        if claimed is None:
+            return None
+        want = source_manifest or claimed.manifest_digest
+        if sent.get("manifest_digest") != want:
+            return (f"sent_checksum {RANK_SCHEME}: the round sent tensors of manifest "
+                    f"{str(sent.get('manifest_digest'))[:12]}, the update claims manifest "
+                    f"{want[:12]}: the declaration is not of the claimed checkpoint")
+        if claimed.content_digest is not None and \
+                sent.get("content_digest") != claimed.content_digest:
+            return (f"sent_checksum {RANK_SCHEME}: the round sent content "
+                    f"{str(sent.get('content_digest'))[:12]}, the update claims content "
+                    f"{claimed.content_digest[:12]}: the declaration is not of the claimed "
+                    "checkpoint")
         return None
     if ranked and completed and backend == "rolloutcore_gloo":
         return (f"this engine's ranks are checked by the gateway: a completed "

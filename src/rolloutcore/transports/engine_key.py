@@ -38,6 +38,17 @@ still installed, and the weights change only with the next call). On the H200
 that sleep was 20 of the 23.5 ms a pause with nothing in flight took, the
 largest part of vLLM's bare update sequence (issue 49; ``docs/weight-receivers.md``).
 
+A key lent for one lease (#47). The launcher's key stays with the process that
+launched the engine; a trainer granted an update is lent another one
+(``LENT_KEY``: ``PUT`` with ``{"key", "seconds"}``, ``DELETE`` to take it
+back; only the launcher's key may call it). The guard honours a lent key
+until it is taken back, replaced, or its ``seconds`` (the lease's, counted on
+the engine's own clock) run out, whichever is first: the gateway takes it back
+(``engine.lent_key``) when the lease ends (the trainer's report, the lease's
+expiry, shutdown), and a gateway that cannot is bounded by the engine's own
+deadline. A call with a
+key no longer lent is a 403 that reaches nothing behind the guard.
+
 What it does not stop: a process of the same user can read the engine's
 environment (``/proc/<pid>/environ``) or attach a debugger; the key keeps out
 processes that were not given it (another user's, a script pointed at the
@@ -54,6 +65,7 @@ import hmac
 import os
 import secrets
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -65,6 +77,7 @@ __all__ = [
     "ENV",
     "FAST_PAUSE",
     "HEADER",
+    "LENT_KEY",
     "MIDDLEWARE",
     "OPEN_ROUTES",
     "RouteGuard",
@@ -74,6 +87,7 @@ __all__ = [
     "is_open",
     "new_key",
     "origin",
+    "owns",
     "register",
 ]
 
@@ -87,6 +101,10 @@ MIDDLEWARE = "rolloutcore.transports.engine_key.RouteGuard"
 #: RolloutCore's pause route on a guarded engine (keyed; see the module's doc).
 FAST_PAUSE = "/rolloutcore/pause"
 _PAUSE_MODES = frozenset({"wait", "abort", "keep"})
+#: RolloutCore's route on a guarded engine that lends a key for one lease (launcher only).
+LENT_KEY = "/rolloutcore/lent_key"
+#: The longest a key is lent for (a lease's own bound, ``BeginBody.lease_s``).
+MAX_LEND_S = 86400.0
 #: A key shorter than this is refused (``new_key`` makes 43 characters).
 MIN_KEY_CHARS = 32
 
@@ -130,15 +148,19 @@ def origin(url: str) -> str:
 
 
 _KEYS: dict[str, str] = {}
+#: Keys lent to this process for a lease: sent only where it holds no key of its own.
+_LENT: dict[str, str] = {}
 _LOCK = threading.Lock()
 
 
-def register(url: str, key: str) -> None:
-    """This process's clients send ``key`` to the engine at ``url`` from now on."""
+def register(url: str, key: str, *, lent: bool = False) -> None:
+    """This process's clients send ``key`` to the engine at ``url`` from now on
+    (``lent``: a key lent for a lease, which replaces the last one lent and never
+    the key of a launcher in the same process)."""
     o = origin(url)
     k = check_key(key)
     with _LOCK:
-        _KEYS[o] = k
+        (_LENT if lent else _KEYS)[o] = k
 
 
 def forget(url: str, key: str | None = None) -> None:
@@ -148,8 +170,9 @@ def forget(url: str, key: str | None = None) -> None:
     except BadInput:
         return
     with _LOCK:
-        if key is None or _KEYS.get(o) == key:
-            _KEYS.pop(o, None)
+        for table in (_KEYS, _LENT):
+            if key is None or table.get(o) == key:
+                table.pop(o, None)
 
 
 _ORIGINS: dict[str, str | None] = {}
@@ -173,8 +196,17 @@ def headers_for(url: str) -> dict[str, str]:
         _ORIGINS[url] = o
     if o is None:
         return {}
-    k = _KEYS.get(o)
+    k = _KEYS.get(o) or _LENT.get(o)
     return {} if k is None else {HEADER: k}
+
+
+def owns(url: str) -> bool:
+    """Whether this process holds the engine at ``url``'s own key (it launched it), not
+    only a key lent for a lease (which may have ended)."""
+    try:
+        return origin(url) in _KEYS
+    except BadInput:
+        return False
 
 
 # ----------------------------------------------------------------- engine side
@@ -200,13 +232,31 @@ class RouteGuard:
                                f"{exc}") from None
         self.app = app
         self._key = key.encode()
+        #: The key lent for a lease and the engine's monotonic deadline of it.
+        self._lent: tuple[bytes, float] | None = None
 
-    def _allowed(self, scope: _Scope) -> bool:
+    def _allowed(self, scope: _Scope, *, own_only: bool = False) -> bool:
         given = next((v for k, v in scope.get("headers") or () if k.lower() == _HEADER_B), None)
-        return given is not None and hmac.compare_digest(given, self._key)
+        if given is None:
+            return False
+        if hmac.compare_digest(given, self._key):
+            return True
+        lent = self._lent
+        if own_only or lent is None:
+            return False
+        if time.monotonic() >= lent[1]:
+            self._lent = None  # the lease's time is up
+            return False
+        return hmac.compare_digest(given, lent[0])
 
     async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
         kind = scope.get("type")
+        if kind == "http" and scope.get("path") == LENT_KEY:
+            if not self._allowed(scope, own_only=True):
+                await _answer(send, 403, {"error": "only the engine's launcher lends its key"})
+                return
+            await self._lend(scope, receive, send)
+            return
         if kind == "http":
             if scope.get("path") == FAST_PAUSE and self._allowed(scope):
                 await _fast_pause(scope, send)
@@ -227,6 +277,45 @@ class RouteGuard:
             await send({"type": "websocket.close", "code": 1008})
             return
         await self.app(scope, receive, send)  # lifespan, and websockets with the key
+
+
+    async def _lend(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        """``LENT_KEY``: ``PUT {"key", "seconds"}`` lends, ``DELETE`` takes back. A body
+        that is not exactly that is a 400 and changes nothing."""
+        import json
+
+        method = scope.get("method")
+        if method == "DELETE":
+            self._lent = None
+            await _answer(send, 200, {"lent": False})
+            return
+        if method != "PUT":
+            await _answer(send, 405, {"error": "PUT or DELETE only"})
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += bytes(msg.get("body") or b"")
+            if len(raw) > 4096:
+                await _answer(send, 413, {"error": "body too large"})
+                return
+            if not msg.get("more_body"):
+                break
+        try:
+            body = json.loads(raw)
+            if not isinstance(body, dict) or set(body) != {"key", "seconds"}:
+                raise BadInput('the body is {"key": str, "seconds": number}')
+            key, secs = check_key(body["key"]).encode(), body["seconds"]
+            if isinstance(secs, bool) or not isinstance(secs, (int, float)) \
+                    or not 0 < secs <= MAX_LEND_S:
+                raise BadInput(f"seconds must be in (0, {MAX_LEND_S:g}]")
+            if hmac.compare_digest(key, self._key):
+                raise BadInput("the launcher's own key is not lent")
+        except ValueError as exc:  # BadInput and JSONDecodeError are ValueErrors
+            await _answer(send, 400, {"error": str(exc)})
+            return
+        self._lent = (key, time.monotonic() + float(secs))
+        await _answer(send, 200, {"lent": True, "seconds": float(secs)})
 
 
 async def _answer(send: _Send, status: int, body: Mapping[str, Any]) -> None:

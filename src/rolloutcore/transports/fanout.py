@@ -355,7 +355,8 @@ class GlooFanout(TransportBase):
             else:
                 off = g.ranks[u][0]
                 self._rounds[u] = Round(nonce, sent, [(r - off + 1, rep)
-                                                       for r, rep in f_rep[u].result()])
+                                                       for r, rep in f_rep[u].result()],
+                                      source)
                 results[u] = FanoutResult(u, labels[u], evidence=TransferEvidence(
                     completed=True, mutation_started=True, backend=BACKEND,
                     tensors=len(info.names), bytes=source.nbytes, finish_label=labels[u],

@@ -663,7 +663,7 @@ class GlooTransport(TransportBase):
         except BaseException:
             self._drop(notify_engine=False)
             raise
-        self._rounds[key] = Round(nonce, sent, f_rep.result())
+        self._rounds[key] = Round(nonce, sent, f_rep.result(), source)
         return TransferEvidence(completed=True, mutation_started=True, backend=BACKEND,
                                 tensors=len(sent), bytes=source.nbytes, finish_label=label,
                                 elapsed_s=time.monotonic() - t0)
@@ -731,7 +731,9 @@ class GlooTransport(TransportBase):
         rnd = self._rounds.get(base_url)
         if rnd is None or not rnd.reports:
             return None
+        manifest, content = rnd.digests()  # the checkpoint the declaration stands for
         return {"scheme": rank_checksums.SCHEME, "nonce": rnd.nonce,
+                "manifest_digest": manifest, "content_digest": content,
                 "ranks": rank_checksums.declare(rnd.reports, rnd.sent)}
 
     def _broadcast(self, conn: _Conn, source: WeightSource) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.errors import TransferError
 from rolloutcore.transports import rank_checksums
+from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,18 @@ class Round:
     nonce: str
     sent: dict[str, torch.Tensor]
     reports: list[tuple[int, rank_checksums.RankReport]]
+    #: The source the round sent whole (a checkpoint on disk: its digest is kept).
+    source: WeightSource | None = None
+
+    def digests(self) -> tuple[str, str]:
+        """(manifest digest, content digest) of what the round sent, as a
+        ``WeightIdentity`` of it records them: the checkpoint a declaration of the
+        round stands for (#47). A checkpoint's digest is the one its identity
+        already computed; anything else is hashed from the tensors as sent."""
+        src = self.source
+        if src is None or not src.immutable:
+            src = WeightSource.from_state_dict(self.sent, description="the round's tensors")
+        return src.manifest().digest, src.content_digest()
 
 
 def receive_reports(group: Any, ranks: range) -> list[tuple[int, rank_checksums.RankReport]]:

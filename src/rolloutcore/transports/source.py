@@ -190,6 +190,11 @@ class WeightSource:
     def manifest(self) -> ParameterManifest:
         return self._manifest
 
+    @property
+    def immutable(self) -> bool:
+        """A checkpoint on disk: its content digest is computed once and kept."""
+        return self._immutable
+
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A fresh pass over ``(name, tensor)`` in manifest order, checked against it.
 
