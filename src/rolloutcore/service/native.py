@@ -148,13 +148,13 @@ class NativeRoutes:
 
     ``backend``: a ``RoundBackend`` (``native_engine.EngineRounds``, ``fleet.native``)."""
 
-    def __init__(self, backend: Any, config: ServiceConfig, token: str) -> None:
+    def __init__(self, backend: RoundBackend, config: ServiceConfig, token: str) -> None:
         if not isinstance(token, str) or len(token) < 16 or not token.isascii() or \
                 not token.replace("-", "").replace("_", "").isalnum():
             raise BadInput("the native routes' token must be 16+ URL-safe ASCII characters")
         if not isinstance(config, ServiceConfig):
             raise BadInput("config must be a ServiceConfig")
-        self.backend: RoundBackend = backend
+        self.backend = backend
         self.config = config
         self._token = token.encode()
         self.round: _Round | None = None
