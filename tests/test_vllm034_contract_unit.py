@@ -167,8 +167,10 @@ def _engine_034(incomplete: list[Any] | None = None, checkpoint: Any = "running"
         rpcs.append(body)
         if body.get("method") != "has_incomplete_weight_update":
             return httpx.Response(400, json={"error": "unknown method"})
+        # vLLM 0.34's /collective_rpc answers each worker's bool as its str()
+        # (entrypoints/serve/dev/rpc/api_router.py): "False", not false.
         return httpx.Response(200, json={"results": incomplete if incomplete is not None
-                                         else [False, False]})
+                                         else ["False", "False"]})
 
     e = Engine(routes=V032 | {"/collective_rpc", "/checkpoint/status"}, overrides={
         "/version": answer(200, {"version": "0.34.0"}),
@@ -197,7 +199,13 @@ def test_a_034_engine_whose_workers_finished_passes_both_checks() -> None:
     assert v.problems(target()) == []
 
 
-@pytest.mark.parametrize("results", [[False, True], [True], [None, False], []])
+def test_a_bool_answered_as_json_false_also_passes() -> None:
+    v = _validate(_engine_034(incomplete=[False]))
+    assert next(c for c in v.checks if c.name == "weights-complete").passed
+
+
+@pytest.mark.parametrize("results", [[False, True], [True], [None, False], [],
+                                     ["False", "True"], ["true"], ["0"], [{"x": 1}]])
 def test_a_034_engine_that_says_its_weights_are_half_written_is_never_published(
         results: list[Any]) -> None:
     v = _validate(_engine_034(incomplete=results))

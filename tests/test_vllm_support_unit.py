@@ -68,37 +68,42 @@ def test_a_026_engine_is_supported_without_the_optional_parts() -> None:
 
 @pytest.mark.parametrize("version,ok", [
     ("0.26.0", True), ("0.26.0rc1", True), ("0.29.3", True), ("0.32.0+cpu", True),
-    ("0.32.9", True), ("v0.30.1", True), ("0.25.2", False), ("0.33.0", False),
-    ("0.33.0.dev12+gabcdef", False), ("1.0.0", False), ("0.9.2", False),
+    ("0.32.9", True), ("v0.30.1", True), ("0.34.0", True), ("0.34.2+cu130", True),
+    ("0.25.2", False), ("0.35.0", False), ("1.0.0", False), ("0.9.2", False),
 ])
 def test_version_range(version: str, ok: bool) -> None:
     v = assess({"version": version}, REAL["openapi"], preview=False)
     assert v.supported is ok, v.reasons
+    assert not v.preview
     if not ok:
-        hint = ("; 0.34 and older run as a preview with ROLLOUTCORE_VLLM_PREVIEW=1"
-                if version.startswith("0.33") else "")
-        assert v.reasons == (f"vLLM {version} is outside the supported range 0.26..0.32 "
+        assert v.reasons == (f"vLLM {version} is outside the supported range 0.26..0.34 "
                              "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs "
-                             f"a supported one{hint})",)
+                             "a supported one)",)
 
 
-@pytest.mark.parametrize("version,ok", [
-    ("0.32.0", True), ("0.33.0", True), ("0.34.0", True), ("0.34.9", True),
-    ("0.35.0", False), ("0.25.0", False),
-])
-def test_preview_admits_the_handled_releases_past_the_tested_range(
-        version: str, ok: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """0.33 and 0.34 are handled but not yet run: admitted only by the operator's opt-in,
-    said in the verdict; the environment variable is the default of ``preview``."""
+@pytest.mark.parametrize("version", ["0.33.0", "0.33.0.dev12+gabcdef", "0.33.4"])
+def test_033_never_ran_and_starts_only_as_a_preview(
+        version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.33 is handled but has not run through the verified transition (0.34 has): only
+    the operator's opt-in admits it, and the verdict says so; the environment variable
+    is the default of ``preview``."""
+    monkeypatch.setenv("ROLLOUTCORE_VLLM_PREVIEW", "0")
+    v = assess({"version": version}, REAL["openapi"])
+    assert not v.supported and not v.preview
+    assert "has not run through RolloutCore's verified transition" in v.reasons[0]
+    assert "ROLLOUTCORE_VLLM_PREVIEW=1" in v.reasons[0]
     monkeypatch.setenv("ROLLOUTCORE_VLLM_PREVIEW", "1")
     v = assess({"version": version}, REAL["openapi"])
-    assert v.supported is ok, v.reasons
-    assert v.preview is (ok and version.startswith(("0.33", "0.34")))
-    if v.preview:
-        assert "as a preview (ROLLOUTCORE_VLLM_PREVIEW=1" in v.describe()
-    monkeypatch.setenv("ROLLOUTCORE_VLLM_PREVIEW", "0")
-    assert assess({"version": version}, REAL["openapi"]).supported is (
-        ok and not version.startswith(("0.33", "0.34")))
+    assert v.supported and v.preview, v.reasons
+    assert "as a preview (ROLLOUTCORE_VLLM_PREVIEW=1" in v.describe()
+
+
+@pytest.mark.parametrize("version", ["0.25.0", "0.35.0"])
+def test_preview_admits_nothing_outside_the_range(
+        version: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUTCORE_VLLM_PREVIEW", "1")
+    v = assess({"version": version}, REAL["openapi"])
+    assert not v.supported and not v.preview
 
 
 def test_parse_version() -> None:

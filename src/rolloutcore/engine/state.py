@@ -75,7 +75,8 @@ def incomplete_update_check(http: VllmHTTP, version: tuple[int, ...]) -> Check |
     if not isinstance(results, list) or not results:
         return Check("weights-complete", False,
                      f"/collective_rpc has_incomplete_weight_update answered {str(body)[:120]}")
-    incomplete = [i for i, r in enumerate(results) if r is not False]
+    # vLLM's /collective_rpc answers a worker's bool as its str(): "False", not false.
+    incomplete = [i for i, r in enumerate(results) if r not in (False, "False")]
     if incomplete:
         return Check("weights-complete", False,
                      f"workers {incomplete} of {len(results)} say a weight update started and "

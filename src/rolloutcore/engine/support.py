@@ -33,24 +33,25 @@ __all__ = [
     "MIN_MINOR",
     "OPTIONAL_CAPABILITIES",
     "PREVIEW_ENV",
-    "PREVIEW_MAX_MINOR",
+    "PREVIEW_ONLY",
     "REQUIRED_ROUTES",
     "SupportVerdict",
     "assess",
     "parse_version",
 ]
 
-#: The supported range, by minor version: 0.26.x up to 0.32.x (pyproject's
-#: ``gpu`` extra says the same: ``vllm>=0.26,<0.33``). 0.26 is the first
-#: release with the RL endpoints; 0.32 is the newest one tested.
+#: The supported range, by minor version: 0.26.x up to 0.34.x except 0.33.x (pyproject's
+#: ``gpu`` extra says the same: ``vllm>=0.26,!=0.33.*,<0.35``). 0.26 is the first
+#: release with the RL endpoints; 0.32 (CPU, CI) and 0.34 (the 8B transition on a GPU,
+#: ``results/gpu/vllm034.json``) are the newest ones run.
 MIN_MINOR = (0, 26)
-MAX_MINOR = (0, 32)
-#: vLLM releases whose differences RolloutCore handles (``engine.state``,
+MAX_MINOR = (0, 34)
+#: Releases inside the range whose differences RolloutCore handles (``engine.state``,
 #: ``transports.compat.reload``, the 0.33 ``WeightSource`` contract) but that have not
-#: run through its verified transition yet: admitted only where the operator sets
-#: ``ROLLOUTCORE_VLLM_PREVIEW=1``, and the verdict says so. A release moves into the
-#: supported range (``MAX_MINOR``, pyproject's ``gpu`` extra) once it has run.
-PREVIEW_MAX_MINOR = (0, 34)
+#: run through its verified transition: admitted only where the operator sets
+#: ``ROLLOUTCORE_VLLM_PREVIEW=1``, and the verdict says so. A release leaves this set
+#: (and pyproject's ``gpu`` extra admits it) once it has run.
+PREVIEW_ONLY: frozenset[tuple[int, int]] = frozenset({(0, 33)})
 PREVIEW_ENV = "ROLLOUTCORE_VLLM_PREVIEW"
 
 #: Routes a hot update cannot do without, with what each is for.
@@ -99,7 +100,7 @@ class SupportVerdict:
     reasons: tuple[str, ...]
     missing_routes: tuple[str, ...]
     capabilities: Mapping[str, bool | None] = field(default_factory=dict)
-    #: A release past the tested range, admitted by ``ROLLOUTCORE_VLLM_PREVIEW=1``.
+    #: A release not yet run, admitted by ``ROLLOUTCORE_VLLM_PREVIEW=1``.
     preview: bool = False
 
     @property
@@ -119,8 +120,7 @@ class SupportVerdict:
         head = (f"vLLM {self.version or '(unknown version)'} is supported" if self.supported
                 else "unsupported vLLM: " + "; ".join(self.reasons))
         if self.preview and self.supported:
-            head += (f" as a preview ({PREVIEW_ENV}=1: past the tested range "
-                     f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]})")
+            head += f" as a preview ({PREVIEW_ENV}=1: not yet run through the verified transition)"
         return f"{head} ({caps})"
 
     def require(self, where: str) -> SupportVerdict:
@@ -173,7 +173,7 @@ def assess(version: object, openapi: object, *,
     malformed answer is a reason, not an exception: it comes from the
     engine, and the verdict says what it was. ``preview`` (default: the
     ``ROLLOUTCORE_VLLM_PREVIEW`` environment variable is ``1``) admits the
-    releases up to ``PREVIEW_MAX_MINOR`` that are handled but not yet run.
+    releases in ``PREVIEW_ONLY``, handled but not yet run.
     """
     if preview is None:
         preview = os.environ.get(PREVIEW_ENV, "") == "1"
@@ -186,17 +186,18 @@ def assess(version: object, openapi: object, *,
         parsed = parse_version(text)
         if parsed is None:
             reasons.append(f"cannot read vLLM version {text!r}")
-        elif preview and MAX_MINOR < parsed[:2] <= PREVIEW_MAX_MINOR:
+        elif parsed[:2] in PREVIEW_ONLY and preview:
             in_preview = True
+        elif parsed[:2] in PREVIEW_ONLY:
+            reasons.append(
+                f"vLLM {text} has not run through RolloutCore's verified transition "
+                f"(it runs as a preview with {PREVIEW_ENV}=1; pip install 'rolloutcore[gpu]' "
+                "or 'rolloutcore[cpu]' installs a supported one)")
         elif not MIN_MINOR <= parsed[:2] <= MAX_MINOR:
-            later = (f"; {PREVIEW_MAX_MINOR[0]}.{PREVIEW_MAX_MINOR[1]} and older run as a "
-                     f"preview with {PREVIEW_ENV}=1" if MAX_MINOR < parsed[:2]
-                     <= PREVIEW_MAX_MINOR else "")
             reasons.append(
                 f"vLLM {text} is outside the supported range "
                 f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]} "
-                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one"
-                f"{later})")
+                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one)")
     routes, schemas = _routes_and_schemas(openapi)
     if routes is None:
         reasons.append(f"/openapi.json has no route list ('paths'): {str(openapi)[:80]}")
