@@ -196,7 +196,7 @@ def test_stops_from_several_threads_at_once_stop_it_once(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("version,routes,match", [
-    ("0.25.1", tuple(REQUIRED_ROUTES), "outside the supported range 0.26..0.32"),
+    ("0.25.1", tuple(REQUIRED_ROUTES), "outside the supported range 0.26..0.34"),
     ("0.32.0", ("/health", "/version"), "VLLM_SERVER_DEV_MODE=1"),
 ])
 def test_unsupported_engine_fails_start_and_is_stopped(
