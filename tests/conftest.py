@@ -1,3 +1,4 @@
+import gc
 import itertools
 import os
 import re
@@ -49,6 +50,26 @@ def _share_default_tls_contexts() -> None:
 
 
 _share_default_tls_contexts()
+
+# Collection imports torch, transformers, PEFT, schemathesis and the package: about a
+# million objects that live as long as the process, which the cyclic collector walked
+# again on every full collection (a dozen during collection, ~1 s each on a busy host,
+# and more during the run). Collection runs with the collector off; once it is done one
+# full collection frees what it left and gc.freeze() moves the survivors out of the
+# collector's generations. Objects made afterwards (by the tests) are collected as always.
+_GC_WAS_ENABLED = gc.isenabled()
+gc.disable()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if _GC_WAS_ENABLED and not gc.isenabled():
+        gc.collect()
+        gc.freeze()
+        gc.enable()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()  # shutdown finalizes them as it would have (extension modules check)
 
 
 def rejects_every_engine_test(markexpr: str) -> bool:

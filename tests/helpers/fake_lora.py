@@ -3,7 +3,8 @@
 ``LoraEngine(checkpoint)`` answers ``models``, ``load_lora_adapter``,
 ``unload_lora_adapter`` and ``top_logprobs`` as ``VllmHTTP`` does, computing
 with the real tiny model: the base in float32, and each loaded adapter
-through PEFT from the directory it was loaded from. Nothing is scripted: a
+through PEFT from the directory it was loaded from (merged into a copy of the base's
+weights). Nothing is scripted: a
 probe passes because the computation matches the reference, and fails when
 it does not.
 
@@ -79,7 +80,12 @@ class LoraEngine:
                 from rolloutcore.verification.hf_load import HF_LOCK
 
                 with HF_LOCK:
-                    m = PeftModel.from_pretrained(copy.deepcopy(self.base), path)
+                    # PEFT reads the directory and adds each layer's B @ A x scale to
+                    # a copy of the base's weights: the same function as the unmerged
+                    # model (float32 rounding apart), at the base's cost per token
+                    # (the probes decode token by token, on every replica).
+                    m = PeftModel.from_pretrained(copy.deepcopy(self.base), path
+                                                  ).merge_and_unload()
                 m.eval()
                 self.adapters[name] = m
             self.paths[name] = path
@@ -110,7 +116,7 @@ class LoraEngine:
         torch = self.torch
         ids = list(token_ids)
         out: list[tuple[int, dict[int, float]]] = []
-        with torch.no_grad():
+        with torch.inference_mode():
             # Decoding with the model's KV cache, as an engine does: the prompt once, then
             # one token per step (a full forward per token made this fake O(n^2)).
             step = torch.tensor([ids])
@@ -121,6 +127,6 @@ class LoraEngine:
                 lp = torch.log_softmax(res.logits[0, -1].float(), -1)
                 vals, idx = lp.topk(top)
                 tok = int(idx[0])
-                out.append((tok, {int(i): float(v) for v, i in zip(vals, idx, strict=True)}))
+                out.append((tok, dict(zip(idx.tolist(), vals.tolist(), strict=True))))
                 step = torch.tensor([[tok]])
         return out
