@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli.argtypes import int_in as _int_in
-from rolloutcore.cli.argtypes import positive_finite as _pos_float
+from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
 from rolloutcore.cli.vocab import add_json
 
