@@ -30,6 +30,7 @@ class FakeFanout:
             raise BadInput("a fan-out needs engines")
         self.adapters = dict(adapters)
         self.rounds = 0
+        self.broadcasts = 0          # tensors written once to every member
         self.die_during: str | None = None
         self.invalidated = 0
 
@@ -73,6 +74,7 @@ class FakeFanout:
                 return out
             for e in engines.values():
                 e.load(name, data)
+            self.broadcasts += 1
         for u, e in engines.items():
             e.finish_update(labels[u])
             out[u] = FanoutResult(u, labels[u], evidence=TransferEvidence(
