@@ -22,7 +22,7 @@ from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout
 
 __all__ = ["Classification", "Event", "FailureKind", "Machine", "Record", "State", "Step",
-           "TypedRecord", "UpdateMode", "strs", "version_from", "version_or_none"]
+           "TypedRecord", "UpdateMode", "strs", "version_from"]
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -147,10 +147,6 @@ class Record:
 
 def version_from(d: Any) -> WeightVersion:
     return WeightVersion.from_dict(d)
-
-
-def version_or_none(v: WeightVersion | None) -> dict[str, Any] | None:
-    return None if v is None else v.to_dict()
 
 
 def strs(xs: Any) -> tuple[str, ...]:
