@@ -48,7 +48,6 @@ from rolloutcore.core.vocab import (  # re-exported: the one schema module
     TypedRecord,
     UpdateMode,
     strs,
-    version_from,
 )
 from rolloutcore.errors import JournalError
 
@@ -103,7 +102,7 @@ SCHEMA_VERSION = 6
 READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 
 
-_v, _strs = version_from, strs
+_strs = strs
 
 
 # ``Admit``, ``Complete`` and ``Refuse`` are written once per request: their codecs are
@@ -126,7 +125,8 @@ class Admit(Record):
 
     @classmethod
     def from_data(cls, d: Mapping[str, Any]) -> Admit:
-        return cls(str(d["rollout_id"]), _v(d["version"]), str(d["identity_digest"]))
+        return cls(str(d["rollout_id"]), WeightVersion.from_dict(d["version"]),
+                   str(d["identity_digest"]))
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ class Complete(Record):
 
     @classmethod
     def from_data(cls, d: Mapping[str, Any]) -> Complete:
-        return cls(str(d["rollout_id"]), _v(d["version"]), State(d["state"]),
+        return cls(str(d["rollout_id"]), WeightVersion.from_dict(d["version"]), State(d["state"]),
                    bool(d["attributable"]))
 
 
@@ -203,7 +203,7 @@ class RequestUpdate(Record):
 
     @classmethod
     def from_data(cls, d: Mapping[str, Any]) -> RequestUpdate:
-        return cls(int(d["update_id"]), str(d["owner"]), _v(d["target"]),
+        return cls(int(d["update_id"]), str(d["owner"]), WeightVersion.from_dict(d["target"]),
                    WeightIdentity.from_dict(d["identity"]), int(d["active_rollouts"]),
                    VerificationLevel.parse(str(d.get("min_verification", "declared"))))
 
