@@ -38,7 +38,6 @@ from rolloutcore.provenance.replay import (
     compare_tokens,
     record_version_issue,
     replay_file,
-    run_replay,
     token_lane_reason,
 )
 
@@ -271,7 +270,7 @@ def test_cli_parser(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(BadInput, match="does not exist"):
         args.func(args)
     with pytest.raises(BadInput, match="does not exist"):
-        run_replay(tmp_path / "nope.jsonl", "http://127.0.0.1:9")
+        replay_file(tmp_path / "nope.jsonl", "http://127.0.0.1:9")
 
 
 def test_group_helper_records_are_replay_candidates(tmp_path: Path) -> None:

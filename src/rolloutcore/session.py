@@ -81,7 +81,7 @@ from rolloutcore.transports.drafted import (
     engine_draft_of,
 )
 from rolloutcore.transports.drafted import refusal as transport_refusal
-from rolloutcore.transports.source import WeightSource
+from rolloutcore.transports.source import Weights, WeightSource
 from rolloutcore.verification.acceptance import (
     AcceptanceProbe,
     AcceptanceSample,
@@ -219,7 +219,7 @@ class EngineSession:
         return committed
 
     # ------------------------------------------------------------------ the call
-    def update(self, weights: Any, provenance: Provenance, *, label: str | None = None,
+    def update(self, weights: Weights, provenance: Provenance, *, label: str | None = None,
                probe: PolicyProbe | ProbeSuite | bool = True,
                probe_tolerance: float = DEFAULT_TOLERANCE,
                reference_checksums: Mapping[str, str] | None = None,
@@ -236,7 +236,7 @@ class EngineSession:
                                 content_digest=content_digest)
         return self.apply(prepared, label=label, owner=owner)
 
-    def prepare(self, weights: Any, provenance: Provenance, *,
+    def prepare(self, weights: Weights, provenance: Provenance, *,
                 probe: PolicyProbe | ProbeSuite | bool = True,
                 probe_tolerance: float = DEFAULT_TOLERANCE,
                 reference_checksums: Mapping[str, str] | None = None,
@@ -354,7 +354,7 @@ class EngineSession:
         assert committed is not None
         return committed
 
-    def wake_and_update(self, weights: Any, provenance: Provenance, *,
+    def wake_and_update(self, weights: Weights, provenance: Provenance, *,
                         label: str | None = None,
                         probe: PolicyProbe | ProbeSuite | bool = True,
                         probe_tolerance: float = DEFAULT_TOLERANCE,
@@ -393,7 +393,7 @@ class EngineSession:
         assert out.published is not None and self.controller.identity is not None
         return UpdateResult(out.published, self.controller.identity, out)
 
-    def _probe_for(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
+    def _probe_for(self, weights: Weights, tolerance: float) -> PolicyProbe | ProbeSuite:
         # Beside a CPU engine this process launched, the reference forward pass keeps
         # off the cores its ranks are pinned to (same numbers; 3-4x faster on 2 cores).
         from rolloutcore.engine.process import torch_threads
@@ -401,18 +401,23 @@ class EngineSession:
         with torch_threads(None if self.engine is None else self.engine.threads_beside()):
             return self._reference_probe(weights, tolerance)
 
-    def _reference_probe(self, weights: Any, tolerance: float) -> PolicyProbe | ProbeSuite:
+    def _reference_probe(self, weights: Weights, tolerance: float) -> PolicyProbe | ProbeSuite:
         if isinstance(weights, (str, Path)):
             if is_vision_language(weights):  # text and image probes (issue 22)
                 return vlm_probe(weights, tolerance=tolerance)
             return PolicyProbe.from_checkpoint(str(weights), tolerance=tolerance)
-        if hasattr(weights, "config") and hasattr(weights, "forward"):
-            vocab = int(weights.config.vocab_size)
-            return PolicyProbe.from_model(weights, default_prompts(vocab), tolerance=tolerance)
-        if self.engine is None:
-            raise BadInput("a probe from a state dict needs the engine's model config: pass "
-                           "probe=PolicyProbe(...) or probe=False")
-        return _probe_from_state_dict(weights, Path(self.engine.model_dir), tolerance)
+        if isinstance(weights, Mapping):
+            if self.engine is None:
+                raise BadInput("a probe from a state dict needs the engine's model config: "
+                               "pass probe=PolicyProbe(...) or probe=False")
+            return _probe_from_state_dict(weights, Path(self.engine.model_dir), tolerance)
+        config = getattr(weights, "config", None)
+        if isinstance(weights, WeightSource) or config is None:
+            raise BadInput(f"no probe from a {type(weights).__name__} (a HF causal LM, a state "
+                           "dict or a checkpoint has one): pass probe=PolicyProbe(...) or "
+                           "probe=False")
+        return PolicyProbe.from_model(weights, default_prompts(int(config.vocab_size)),
+                                      tolerance=tolerance)
 
     def close(self) -> None:
         try:
@@ -607,7 +612,8 @@ class DraftedSession:
         return committed
 
     # ------------------------------------------------------------------ the call
-    def update(self, weights: Any, provenance: Provenance, *, draft_weights: Any = None,
+    def update(self, weights: Weights, provenance: Provenance, *,
+               draft_weights: Weights | None = None,
                label: str | None = None, probe: PolicyProbe | ProbeSuite | bool = True,
                probe_tolerance: float = DEFAULT_TOLERANCE, owner: str = "trainer",
                measure_before: bool = True) -> DraftedUpdateResult:
@@ -622,7 +628,8 @@ class DraftedSession:
                                 probe=probe, probe_tolerance=probe_tolerance)
         return self.apply(prepared, label=label, owner=owner, measure_before=measure_before)
 
-    def prepare(self, weights: Any, provenance: Provenance, *, draft_weights: Any = None,
+    def prepare(self, weights: Weights, provenance: Provenance, *,
+                draft_weights: Weights | None = None,
                 probe: PolicyProbe | ProbeSuite | bool = True,
                 probe_tolerance: float = DEFAULT_TOLERANCE) -> PreparedUpdate:
         """Identity of the pair and the probes; touches no engine."""

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 __all__ = [
     "int_in",
     "nonneg_float",
     "nonneg_int",
     "port",
-    "positive_finite",
     "positive_float",
     "positive_int",
     "positive_seconds",
@@ -25,91 +25,37 @@ __all__ = [
 ]
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive: {v}")
-    return v
+N = TypeVar("N", int, float)
 
 
-def nonneg_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {s}")
-    return v
-
-
-def nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0: {s}")
-    return v
-
-
-def positive_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number: {s}")
-    return v
-
-
-def port(s: str) -> int:
-    v = nonneg_int(s)
-    if not 0 < v < 65536:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535: {s}")
-    return v
-
-
-def tolerance(s: str) -> float:
-    """Nats: a finite number >= 0."""
-    try:
-        v = float(s)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v < 0:
-        raise argparse.ArgumentTypeError(f"not a finite number >= 0: {s!r}")
-    return v
-
-
-def positive_seconds(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v <= 0:
-        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {s!r}")
-    return v
-
-
-def int_in(lo: int, hi: int) -> Callable[[str], int]:
-    def parse(s: str) -> int:
+def _bounded(cast: Callable[[str], N], noun: str, ok: Callable[[N], bool],
+             want: str) -> Callable[[str], N]:
+    """A parser of ``cast``: a value ``cast`` refuses is "not {noun}", one
+    outside ``ok`` (NaN included: every test on it is false) is ``want``."""
+    def parse(s: str) -> N:
         try:
-            v = int(s)
+            v = cast(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {lo}..{hi}")
+            raise argparse.ArgumentTypeError(f"not {noun}: {s!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"{want}: {s}")
         return v
     return parse
 
 
-def positive_finite(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {s!r}") from None
-    if not 0 < v < float("inf"):
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return v
+positive_int = _bounded(int, "an integer", lambda v: v > 0, "must be positive")
+nonneg_int = _bounded(int, "an integer", lambda v: v >= 0, "must be >= 0")
+port = _bounded(int, "an integer", lambda v: 0 < v < 65536, "port must be in 1..65535")
+nonneg_float = _bounded(float, "a number", lambda v: v >= 0, "must be >= 0")
+#: A positive finite number (``inf`` and ``nan`` refused).
+positive_float = _bounded(float, "a number", lambda v: 0 < v < math.inf,
+                          "must be a positive number")
+#: Nats: a finite number >= 0.
+tolerance = _bounded(float, "a number", lambda v: 0 <= v < math.inf,
+                     "not a finite number >= 0")
+positive_seconds = _bounded(float, "a number", lambda v: 0 < v < math.inf,
+                            "not a positive number of seconds")
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    return _bounded(int, "an integer", lambda v: lo <= v <= hi, f"must be in {lo}..{hi}")

@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any, Protocol
 
 from rolloutcore.cli.vocab import add_json
 
-__all__ = ["add_arguments", "trajectory_file"]
+__all__ = ["add_arguments", "print_report", "trajectory_file"]
+
+
+class Report(Protocol):
+    """What ``audit`` and ``replay`` print: ``AuditReport``, ``ReplayReport``."""
+
+    @property
+    def ok(self) -> bool: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def format_table(self, max_rows: int = 50) -> str: ...
+
+
+def print_report(result: Report, args: argparse.Namespace) -> int:
+    """Print the result (``--json``: the full report; else its table, ``--max-rows``),
+    write the full report to ``--report``; the exit status: 0 when ``ok``, 1 when
+    anything is reported (a pipeline gates on it)."""
+    doc = json.dumps(result.to_dict(), indent=2, sort_keys=True)
+    print(doc if args.json else result.format_table(args.max_rows))
+    if args.report is not None:
+        with open(args.report, "w", encoding="utf-8") as f:
+            f.write(doc + "\n")
+    return 0 if result.ok else 1
 
 
 def trajectory_file(args: argparse.Namespace) -> str:
@@ -22,14 +47,13 @@ def trajectory_file(args: argparse.Namespace) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rolloutcore.provenance.audit import DiversityBaseline
-    from rolloutcore.provenance.audit_command import run_audit
+    """Bad input (an empty, unreadable or swapped file; no committed sample) raises
+    ``BadInput`` before anything is printed."""
+    from rolloutcore.provenance.audit import DiversityBaseline, audit_file
 
-    return run_audit(trajectory_file(args), args.journal,
-                     baseline=DiversityBaseline(prefix_tokens=args.prefix_tokens,
-                                                short_answer_tokens=args.short_answer_tokens,
-                                                alpha=args.alpha),
-                     as_json=args.json, max_rows=args.max_rows, report=args.report)
+    return print_report(audit_file(trajectory_file(args), args.journal, DiversityBaseline(
+        prefix_tokens=args.prefix_tokens, short_answer_tokens=args.short_answer_tokens,
+        alpha=args.alpha)), args)
 
 
 def add_trajectories(p: argparse.ArgumentParser) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from rolloutcore.cli import argtypes
-from rolloutcore.cli.audit import add_trajectories, trajectory_file
+from rolloutcore.cli.audit import add_trajectories, print_report, trajectory_file
 from rolloutcore.cli.vocab import add_json
 from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 
@@ -13,12 +13,13 @@ __all__ = ["add_arguments"]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from rolloutcore.provenance.replay import run_replay  # needs httpx: only when it runs
+    """1 also when a sample was skipped (``--on-mismatch skip``: not verified). A refused
+    replay (``ReplayRefused``) and bad input raise before anything is printed."""
+    from rolloutcore.provenance.replay import replay_file  # needs httpx: only when it runs
 
-    return run_replay(trajectory_file(args), args.engine, tolerance=args.tolerance,
-                      policy=args.on_mismatch, checksum_cache=args.checksum_cache,
-                      timeout_s=args.timeout, as_json=args.json, max_rows=args.max_rows,
-                      report=args.report)
+    return print_report(replay_file(
+        trajectory_file(args), args.engine, tolerance=args.tolerance, policy=args.on_mismatch,
+        checksum_cache=args.checksum_cache, timeout_s=args.timeout), args)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

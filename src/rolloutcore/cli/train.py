@@ -59,12 +59,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.cli.argtypes import int_in as _int_in
-from rolloutcore.cli.argtypes import positive_finite as _pos_float
+from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
 from rolloutcore.cli.vocab import add_json
+
+if TYPE_CHECKING:
+    from rolloutcore.integrations.trl import RolloutCoreRollout
 
 __all__ = ["LORA_LR", "TARGET_BYTE", "LoraSettings", "add_arguments", "format_summary",
            "run_train", "target_reward"]
@@ -209,7 +212,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
     rows: list[dict[str, Any]] = []
     info: dict[str, Any] = {"import_s": 0.0, "engine_start_s": 0.0, "train_wall_s": None,
                             "trl_version": None}
-    rollout: Any = None
+    rollout: RolloutCoreRollout | None = None
     interrupt: KeyboardInterrupt | None = None
     try:
         if not (ckpt / "config.json").exists():
@@ -354,7 +357,7 @@ def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
                                               adapter_dir=_sent(traj))
 
 
-def _close(rollout: Any, interrupt: BaseException | None, presses: list[int],
+def _close(rollout: RolloutCoreRollout | None, interrupt: BaseException | None, presses: list[int],
            at: dict[str, Any]) -> dict[str, Any] | None:
     """Close the rollout function (the engine it launched stopped); what became of it."""
     if rollout is None:
@@ -394,7 +397,8 @@ def _audit(traj: Path, journal: Path | None, workdir: Path) -> dict[str, Any] | 
             "findings": len(audit.purity.findings), "table": audit.format_table(10)}
 
 
-def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, dataset_cls: Any,
+def _train(rollout: RolloutCoreRollout, ckpt: Path, trl: Any, torch: Any, transformers: Any,
+           dataset_cls: Any,
            *, steps: int, seed: int, learning_rate: float, prompts_per_step: int,
            num_generations: int, max_tokens: int, workdir: Path,
            say: Callable[[str], None], rows: list[dict[str, Any]],
@@ -453,23 +457,23 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
                 keep["kept_weights"] = keeper.to_dict()
             r = rewards.get(step, [])
             ad = rep.generation.adapter
-            row = {"step": step, "reward": _mean(r),
-                   "version": rep.generation.version.label if ad is None
-                   else f"{rep.generation.version.label}+a{ad.generation}",
-                   "generation": rep.generation.version.generation,
-                   "adapter": None if ad is None else ad.name,
-                   "adapter_generation": None if ad is None else ad.generation,
-                   "samples": rep.generation.samples,
-                   "update_s": upd.total_s if upd else 0.0,
-                   "drain_s": upd.drain_s if upd else 0.0,
-                   "transition_s": sum(v for k, v in upd.phases_s.items()
-                                       if k not in ("total", "controller_overhead"))
-                   if upd else 0.0,
-                   "probe_max_abs_diff": upd.probe_max_abs_diff if upd else None,
-                   "generate_s": rep.generation.generate_s,
-                   "record_s": rep.generation.record_s,
-                   "reward_s": reward_s.get(step, 0.0),
-                   "step_s": wall}
+            row: dict[str, Any] = {"step": step, "reward": _mean(r),
+                                   "version": rep.generation.version.label if ad is None
+                                   else f"{rep.generation.version.label}+a{ad.generation}",
+                                   "generation": rep.generation.version.generation,
+                                   "adapter": None if ad is None else ad.name,
+                                   "adapter_generation": None if ad is None else ad.generation,
+                                   "samples": rep.generation.samples,
+                                   "update_s": upd.total_s if upd else 0.0,
+                                   "drain_s": upd.drain_s if upd else 0.0,
+                                   "transition_s": sum(v for k, v in upd.phases_s.items()
+                                                       if k not in ("total", "controller_overhead"))
+                                   if upd else 0.0,
+                                   "probe_max_abs_diff": upd.probe_max_abs_diff if upd else None,
+                                   "generate_s": rep.generation.generate_s,
+                                   "record_s": rep.generation.record_s,
+                                   "reward_s": reward_s.get(step, 0.0),
+                                   "step_s": wall}
             row["train_s"] = max(0.0, wall - rep.call_s - row["reward_s"])
             rows.append(row)
             say(f"step {step + 1:>3}/{steps}  reward {row['reward']:.3f}  "
@@ -503,7 +507,8 @@ def _train(rollout: Any, ckpt: Path, trl: Any, torch: Any, transformers: Any, da
     return time.monotonic() - t0
 
 
-def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *,
+def _report(rows: list[dict[str, Any]], rollout: RolloutCoreRollout | None,
+            info: Mapping[str, Any], *,
             steps: int, lora: LoraSettings | None = None,
             learning_rate: float | None = None) -> dict[str, Any]:
     """The report of the finished steps (all of them, or those before an interrupt)."""
@@ -536,7 +541,8 @@ def _report(rows: list[dict[str, Any]], rollout: Any, info: Mapping[str, Any], *
     }
 
 
-def _lora_report(rollout: Any, lora: LoraSettings | None) -> dict[str, Any] | None:
+def _lora_report(rollout: RolloutCoreRollout | None, lora: LoraSettings | None
+                 ) -> dict[str, Any] | None:
     """A LoRA run's own record: the adapter versions published, the base unchanged."""
     if lora is None:
         return None

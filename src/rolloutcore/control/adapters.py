@@ -40,15 +40,16 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.port import LoraCapability
 from rolloutcore.control.shell import Listener, Shell
 from rolloutcore.core.adapters import (
     AdapterBinding,
+    AdapterChange,
     AdapterConfig,
     AdapterEvent,
     AdapterState,
@@ -58,7 +59,7 @@ from rolloutcore.core.adapters import (
     adapter_name,
 )
 from rolloutcore.core.evidence import Check
-from rolloutcore.core.versions import Binding, Provenance
+from rolloutcore.core.versions import Binding, Provenance, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import State
 from rolloutcore.errors import (
     AdmissionRefused,
@@ -74,11 +75,16 @@ from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
     MAX_TOLERANCE,
     Calibration,
+    ModelOrDir,
     ModelScorer,
     PolicyProbe,
     ProbeResult,
-    default_prompts,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from rolloutcore.control.controller import LifecycleController
 
 log = logging.getLogger("rolloutcore.adapters")
 
@@ -225,7 +231,8 @@ def check_probe_tolerance(value: object, default: float, cap: float = MAX_TOLERA
 class AdapterManager:
     """The adapter versions of one engine (see the module docstring). Thread-safe."""
 
-    def __init__(self, http: LoraCapability, controller: Any, *, base_model: Any,
+    def __init__(self, http: LoraCapability, controller: LifecycleController, *,
+                 base_model: ModelOrDir,
                  store: str | Path | None = None, config: AdapterConfig | None = None,
                  listener: Listener | None = None, max_rank: int | None = None,
                  calibrations: Callable[[], Mapping[str, Calibration]] | None = None,
@@ -301,13 +308,15 @@ class AdapterManager:
         return self.shell.view.current
 
     # ------------------------------------------------------------------ update
-    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+    def update(self, adapter: ModelOrDir, provenance: Provenance, *,
+               reference: torch.nn.Module | None = None,
                probe_tolerance: float | None = None) -> AdapterResult:
         """``prepare`` then ``apply``: the adapter published, verified, or ``UpdateFailed``."""
         return self.apply(self.prepare(adapter, provenance, reference=reference,
                                        probe_tolerance=probe_tolerance))
 
-    def prepare(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+    def prepare(self, adapter: ModelOrDir, provenance: Provenance, *,
+                reference: torch.nn.Module | None = None,
                 probe_tolerance: float | None = None) -> PreparedAdapter:
         """Check, digest, name and write the adapter, and compute its reference.
 
@@ -334,13 +343,7 @@ class AdapterManager:
         try:
             version = AdapterVersion(gen, name, str(path.resolve()), src.content_digest,
                                      base.label, src.size_bytes)
-            if reference is not None:
-                vocab = int(reference.config.vocab_size)
-                probe = PolicyProbe.from_model(reference, default_prompts(vocab),
-                                               tolerance=tol)
-                probe.name = "adapter-probe"
-            else:
-                probe = adapter_probe(self.base_model, path, tolerance=tol)
+            probe = adapter_probe(self.base_model, path, reference=reference, tolerance=tol)
             effect = None
             if tol > MAX_TOLERANCE:
                 effect = probe.measure(ModelScorer(self._base_module()))
@@ -384,7 +387,7 @@ class AdapterManager:
         ph = _Phases()
         t0 = time.perf_counter()
 
-        def in_time(step: str, checks: Any = ()) -> None:
+        def in_time(step: str, checks: Iterable[Check] = ()) -> None:
             if deadline is not None and time.monotonic() > deadline:
                 self._refuse(v, step, f"the deadline passed before {step}", checks)
 
@@ -594,7 +597,7 @@ class AdapterManager:
         with self._io:
             return list(self._sweep_locked())
 
-    def restore(self, changes: Any) -> AdapterVersion | None:
+    def restore(self, changes: Iterable[AdapterChange]) -> AdapterVersion | None:
         """A previous controller's adapter records (``AdapterChange``, from its journal):
         their names are never reused and generations continue above them; the version
         it had published last is returned, not routed to (``republish`` loads and
@@ -603,7 +606,7 @@ class AdapterManager:
         return was
 
     def republish(self, was: AdapterVersion, provenance: Provenance, *,
-                  verified_on: Any = None) -> AdapterResult:
+                  verified_on: WeightIdentity | None = None) -> AdapterResult:
         """The files of an earlier version (``restore``) published again, verified on the
         base served now, as a new version. Refused (``UpdateRefused``, nothing changed)
         when they are gone or no longer hold what the version's digest says, or when the
@@ -623,7 +626,8 @@ class AdapterManager:
                                 f"{src.content_digest[:16]}, not {was.content_digest[:16]})")
         return self.update(p, provenance)
 
-    def _check_same_base(self, was: AdapterVersion, verified_on: Any) -> None:
+    def _check_same_base(self, was: AdapterVersion,
+                         verified_on: WeightIdentity | None) -> None:
         c = self.controller
         now, committed = getattr(c, "identity", None), getattr(c, "committed", None)
         if verified_on is None:
@@ -651,18 +655,18 @@ class AdapterManager:
     def _adapter_requests(self) -> int:
         return sum(self.shell.view.bound.values())
 
-    def _base_version_or_none(self) -> Any:
+    def _base_version_or_none(self) -> WeightVersion | None:
         c = self.controller
         return c.committed if c.state is State.READY else None
 
-    def _base_version(self) -> Any:
+    def _base_version(self) -> WeightVersion:
         c = self.controller
         if c.state is not State.READY or c.committed is None:
             raise UpdateRefused(f"the base is {c.state.value}, not READY on a committed "
                                 f"version: no adapter update now; nothing was changed")
         return c.committed
 
-    def _base_module(self) -> Any:
+    def _base_module(self) -> torch.nn.Module:
         """The base as a module (a checkpoint directory is loaded, float32)."""
         if not isinstance(self.base_model, (str, Path)):
             return self.base_model
@@ -676,13 +680,7 @@ class AdapterManager:
     def _base_probe(self, label: str) -> PolicyProbe:
         p = self._base_probes.get(label)
         if p is None:
-            if isinstance(self.base_model, (str, Path)):
-                p = PolicyProbe.from_checkpoint(str(self.base_model),
-                                                tolerance=self.base_tolerance)
-            else:
-                vocab = int(self.base_model.config.vocab_size)
-                p = PolicyProbe.from_model(self.base_model, default_prompts(vocab),
-                                           tolerance=self.base_tolerance)
+            p = PolicyProbe.of(self.base_model, tolerance=self.base_tolerance)
             p.name = "base-probe"
             self._base_probes = {label: p}
         return p
@@ -699,7 +697,7 @@ class AdapterManager:
                                 f"base (set_base, or base_dir with POST /control/adapters) "
                                 f"first; nothing was changed")
 
-    def set_base(self, base_model: Any) -> None:
+    def set_base(self, base_model: ModelOrDir) -> None:
         """The base model after a full update (its references; the old ones are dropped)."""
         if base_model is None:
             raise BadInput("base_model must be a checkpoint directory or a HF causal LM")
@@ -729,7 +727,7 @@ class AdapterManager:
                                           evidence=evidence)
         return st
 
-    def _refuse(self, v: AdapterVersion, phase: str, reason: str, checks: Any,
+    def _refuse(self, v: AdapterVersion, phase: str, reason: str, checks: Iterable[Check],
                 cause: BaseException | None = None) -> None:
         """Fail the version: unload it (REFUSED) or fence it (FENCED); raise UpdateFailed."""
         ev = tuple(f"{c.name}: {'pass' if c.passed else 'FAIL'}: {c.detail}" for c in checks)
@@ -793,7 +791,8 @@ class _ScoredThrough:
     def __init__(self, http: LoraCapability, model: str | None, timeout_s: float) -> None:
         self.http, self.model, self.timeout_s = http, model, timeout_s
 
-    def score(self, token_ids: Any, *, timeout_s: float | None = None) -> list[float | None]:
+    def score(self, token_ids: Sequence[int], *, timeout_s: float | None = None
+              ) -> list[float | None]:
         out: list[float | None] = self.http.score(
             token_ids, timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             model=self.model)

@@ -50,12 +50,10 @@ class ControllerView:
     identity: WeightIdentity | None
     failed_closed: str | None
     load: int                      # rollouts bound
-    updating: bool                 # an update (or a wake) is open
 
 
 def _view(m: Lifecycle) -> ControllerView:
-    return ControllerView(m.state, m.committed, m.identity, m.failed_closed, m.active_count,
-                          m.current_ticket is not None)
+    return ControllerView(m.state, m.committed, m.identity, m.failed_closed, m.active_count)
 
 
 class LifecycleController:

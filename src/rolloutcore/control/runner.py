@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
@@ -261,7 +261,7 @@ class LifecycleRunner:
 
     # ------------------------------------------------------------ takeover
     def take_over(self, identity: WeightIdentity, *, probes: Any | None = None,
-                  reference_checksums: Any | None = None,
+                  reference_checksums: Mapping[str, str] | None = None,
                   min_verification: VerificationLevel = VerificationLevel.DECLARED,
                   recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
         """Take over a running engine declared to hold ``identity``, verified

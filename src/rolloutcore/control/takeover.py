@@ -58,7 +58,7 @@ class TakeoverRefused(UpdateFailed):
 
 
 def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | None = None,
-              reference_checksums: Any | None = None,
+              reference_checksums: Mapping[str, str] | None = None,
               min_verification: VerificationLevel = VerificationLevel.DECLARED,
               recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
     """Take over a running engine that is declared to hold ``identity``, verified.
@@ -198,7 +198,7 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
 
 
 def _observe(runner: TakeoverHost, target: UpdateTarget, probes: Any | None,
-             reference_checksums: Any | None, *, calibrating: bool = True
+             reference_checksums: Mapping[str, str] | None, *, calibrating: bool = True
              ) -> list[ValidationEvidence]:
     """The engine observed as an update's validations would (paused checks, probes)."""
     a = runner.adapter

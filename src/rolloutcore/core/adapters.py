@@ -132,8 +132,6 @@ ADAPTER_TRANSITIONS: Mapping[tuple[AdapterState, AdapterEvent], AdapterState] = 
 #: States whose adapter may be in the engine: each holds a slot and its bytes.
 LOADED_STATES = frozenset({S.LOADING, S.VERIFYING, S.PUBLISHED, S.STANDBY, S.UNLOADING,
                            S.REFUSING, S.FENCED})
-#: States a request may be bound in.
-SERVING_STATES = frozenset({S.PUBLISHED, S.STANDBY})
 #: The states of the one adapter update in progress (one writer).
 IN_PROGRESS = frozenset({S.LOADING, S.VERIFYING, S.REFUSING})
 

@@ -58,6 +58,7 @@ __all__ = [
     "FleetUpdateBegin",
     "FleetUpdateEnd",
     "FleetVersion",
+    "Keep",
     "Outcome",
     "PoolView",
     "ReplicaEntry",
@@ -417,7 +418,10 @@ class PoolView:
         raise BadInput(f"no replica named {name!r} in this fleet")
 
 
-_KEEP: Any = object()
+class Keep(enum.Enum):
+    """``ReplicaTable.move``'s default: the replica keeps what it holds."""
+
+    KEEP = "keep"
 
 
 class ReplicaTable(Machine):
@@ -510,8 +514,9 @@ class ReplicaTable(Machine):
         return tuple(self._order)
 
     # ---------------------------------------------------------------- decisions
-    def move(self, name: str, event: ReplicaEvent, *, generation: Any = _KEEP,
-             engine_version: Any = _KEEP, reason: str = "",
+    def move(self, name: str, event: ReplicaEvent, *,
+             generation: int | Keep | None = Keep.KEEP,
+             engine_version: WeightVersion | Keep | None = Keep.KEEP, reason: str = "",
              only_from: ReplicaState | None = None) -> ReplicaState:
         """One replica's event (``REPLICA_TRANSITIONS``); returns its new state.
 
@@ -525,8 +530,8 @@ class ReplicaTable(Machine):
         if only_from is not None and e.state is not only_from:
             return e.state
         after = next_state(e.state, event)
-        gen = e.generation if generation is _KEEP else generation
-        ver = e.engine_version if engine_version is _KEEP else engine_version
+        gen = e.generation if isinstance(generation, Keep) else generation
+        ver = e.engine_version if isinstance(engine_version, Keep) else engine_version
         if gen is not None and (isinstance(gen, bool) or not isinstance(gen, int)):
             raise BadInput(f"generation must be an int or None, got {gen!r}")
         if ver is not None and not isinstance(ver, WeightVersion):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rolloutcore.core.evidence import (
     CacheResetEvidence,
@@ -21,6 +21,7 @@ from rolloutcore.core.evidence import (
     PreflightEvidence,
     ResumeEvidence,
     TransferEvidence,
+    UpdateTarget,
     ValidationEvidence,
     WakeEvidence,
 )
@@ -66,7 +67,8 @@ class StepRule:
     extra_is_evidence: bool = False
 
 
-def _checks_drained(m: LifecycleState, upd: UpdateInFlight, ev: DrainEvidence, _: Any) -> list[str]:
+def _checks_drained(m: LifecycleState, upd: UpdateInFlight, ev: DrainEvidence,
+                    _: object) -> list[str]:
     rule = upd.rule
     problems = (ev.problems(upd.ticket.target) if rule.pause is None
                 else ev.problems_for(rule.pause, rule.clear_cache))
@@ -75,13 +77,13 @@ def _checks_drained(m: LifecycleState, upd: UpdateInFlight, ev: DrainEvidence, _
     return problems
 
 
-def _effect_drained(m: LifecycleState, upd: UpdateInFlight, ev: DrainEvidence, _: Any) -> None:
+def _effect_drained(m: LifecycleState, upd: UpdateInFlight, ev: DrainEvidence, _: object) -> None:
     if not upd.rule.drains:
         m._carry(upd)
 
 
 def _checks_preflighted(m: LifecycleState, upd: UpdateInFlight, ev: PreflightEvidence,
-                        _: Any) -> list[str]:
+                        _: object) -> list[str]:
     problems = ev.problems(upd.ticket.target)
     if m._active and upd.rule.drains:  # unreachable: admission is closed
         problems.append(f"{len(m._active)} rollouts bound at begin_update")
@@ -89,18 +91,23 @@ def _checks_preflighted(m: LifecycleState, upd: UpdateInFlight, ev: PreflightEvi
 
 
 def _effect_preflighted(m: LifecycleState, upd: UpdateInFlight,
-                        ev: PreflightEvidence, _: Any) -> None:
+                        ev: PreflightEvidence, _: object) -> None:
     # From here the target's label may reach the engine: never reuse it.
     m._record(BeginUpdate(upd.ticket.update_id, upd.ticket.target.version))
 
 
-def _checks_target(m: LifecycleState, upd: UpdateInFlight, ev: Any, _: Any) -> list[str]:
-    problems: list[str] = ev.problems(upd.ticket.target)
-    return problems
+class _Targeted(Protocol):
+    """Evidence checked against the update's target alone."""
+
+    def problems(self, target: UpdateTarget) -> list[str]: ...
+
+
+def _checks_target(m: LifecycleState, upd: UpdateInFlight, ev: _Targeted, _: object) -> list[str]:
+    return ev.problems(upd.ticket.target)
 
 
 def _effect_transferred(m: LifecycleState, upd: UpdateInFlight,
-                        ev: TransferEvidence, _: Any) -> None:
+                        ev: TransferEvidence, _: object) -> None:
     # Evidence that came back but does not hold failed in the checks: the weights
     # may be anything then (ambiguous, even if the transport says it never
     # started; fail(REFUSED) is the way to report a provable no-op).
@@ -108,13 +115,13 @@ def _effect_transferred(m: LifecycleState, upd: UpdateInFlight,
 
 
 def _effect_invalidated(m: LifecycleState, upd: UpdateInFlight,
-                        ev: CacheResetEvidence, _: Any) -> bool:
+                        ev: CacheResetEvidence, _: object) -> bool:
     upd.reset_ok.add(ev.cache)
     return not m._pending_resets()
 
 
 def _checks_validated(m: LifecycleState, upd: UpdateInFlight, ev: ValidationEvidence,
-                      _: Any) -> list[str]:
+                      _: object) -> list[str]:
     problems = ev.problems(upd.ticket.target)
     if ev.paused is False:
         problems.append("validation ran on a resumed engine; it must run while paused")
@@ -124,7 +131,7 @@ def _checks_validated(m: LifecycleState, upd: UpdateInFlight, ev: ValidationEvid
 
 
 def _effect_validated(m: LifecycleState, upd: UpdateInFlight,
-                      ev: ValidationEvidence, _: Any) -> None:
+                      ev: ValidationEvidence, _: object) -> None:
     upd.validations.append(ev)
 
 

@@ -13,16 +13,15 @@ import dataclasses
 import enum
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from rolloutcore.core.evidence import field_types
-from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout
 
 __all__ = ["Classification", "Event", "FailureKind", "Machine", "Record", "State", "Step",
-           "TypedRecord", "UpdateMode", "strs", "version_from", "version_or_none"]
+           "TypedRecord", "UpdateMode", "strs"]
 
 
 # --------------------------------------------------------------------------- vocabulary
@@ -145,15 +144,7 @@ class Record:
         raise NotImplementedError
 
 
-def version_from(d: Any) -> WeightVersion:
-    return WeightVersion.from_dict(d)
-
-
-def version_or_none(v: WeightVersion | None) -> dict[str, Any] | None:
-    return None if v is None else v.to_dict()
-
-
-def strs(xs: Any) -> tuple[str, ...]:
+def strs(xs: Iterable[object]) -> tuple[str, ...]:
     if isinstance(xs, (str, bytes)):
         raise BadInput("expected a list of strings")
     return tuple(str(x) for x in xs)

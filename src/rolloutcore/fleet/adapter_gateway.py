@@ -33,13 +33,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused
 from rolloutcore.fleet.adapters import FleetAdapters
+from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.gateway import FleetAdmission, create_fleet_app
-from rolloutcore.fleet.routing import Policy
+from rolloutcore.fleet.routing import Policy, ReplicaView
 from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import Target, _asks_prompt_logprobs
+from rolloutcore.service.config import ServiceConfig
 
 __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_routes"]
 
@@ -47,7 +50,8 @@ __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_rout
 class AdapterFleetAdmission(FleetAdmission):
     """A fleet's admission that serves its adapter versions (module docstring)."""
 
-    def __init__(self, coordinator: Any, default_policy: Policy, adapters: FleetAdapters, *,
+    def __init__(self, coordinator: FleetCoordinator, default_policy: Policy,
+                 adapters: FleetAdapters, *,
                  public_model: str = "policy", base_beside_adapters: bool = False) -> None:
         if not isinstance(adapters, FleetAdapters) or adapters.coordinator is not coordinator:
             raise BadInput("adapters must be the FleetAdapters of this coordinator")
@@ -55,7 +59,7 @@ class AdapterFleetAdmission(FleetAdmission):
         self.adapters = adapters
         self.public_model = public_model
         self.base_beside_adapters = base_beside_adapters
-        self._targets: dict[tuple[str, int, str], Target] = {}
+        self._targets: dict[tuple[str, int | None, str], Target] = {}
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
                 ) -> tuple[Any, bool]:
@@ -113,8 +117,9 @@ class AdapterFleetAdmission(FleetAdmission):
                            retry_after_s=self.coordinator.config.retry_after_s,
                            kind="ServiceUnavailable")
 
-    def _adapter_target(self, choice: Any, policy: Policy, a: Any, m: Any) -> Target:
-        key = (choice.name, int(choice.generation), a.name)
+    def _adapter_target(self, choice: ReplicaView, policy: Policy, a: AdapterVersion,
+                        m: Any) -> Target:
+        key = (choice.name, choice.generation, a.name)
         t = self._targets.get(key)
         if t is None or t.on_release != m.release_soon:
             base = self._target(choice, policy)
@@ -142,7 +147,8 @@ def fleet_adapter_routes(adapters: FleetAdapters, denied: Callable[[Request], Re
     return adapter_routes(adapters, denied, json_body, status=adapters.status)
 
 
-def create_lora_fleet_app(coordinator: Any, config: Any, adapters: FleetAdapters, *,
+def create_lora_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig,
+                          adapters: FleetAdapters, *,
                           default_policy: str | Policy = "latest",
                           base_beside_adapters: bool = False, **kw: Any) -> Starlette:
     """``fleet.gateway.create_fleet_app`` serving the fleet's adapter versions: its

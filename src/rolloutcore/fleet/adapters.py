@@ -56,7 +56,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.adapters import (
     ADAPTER_TOLERANCE,
@@ -69,9 +69,15 @@ from rolloutcore.control.adapters import (
 from rolloutcore.core.adapters import AdapterState, AdapterVersion, adapter_name
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
+from rolloutcore.fleet.model import Replica
 from rolloutcore.service.adapter_answer import merged_checks
 from rolloutcore.verification.adapters import AdapterSource, adapter_probe
-from rolloutcore.verification.probe import PolicyProbe, default_prompts
+from rolloutcore.verification.probe import ModelOrDir, PolicyProbe
+
+if TYPE_CHECKING:
+    import torch
+
+    from rolloutcore.fleet.coordinator import FleetCoordinator
 
 __all__ = ["FleetAdapterFailed", "FleetAdapterResult", "FleetAdapterVersion", "FleetAdapters"]
 
@@ -140,7 +146,7 @@ class FleetAdapterFailed(UpdateFailed):
                 "phase": self.phase, "classification": self.classification}
 
 
-ManagerFactory = Callable[[Any], AdapterManager]
+ManagerFactory = Callable[[Replica], AdapterManager]
 
 
 class FleetAdapters:
@@ -152,7 +158,8 @@ class FleetAdapters:
     ``deadline_s``: how long the verification on every replica may take.
     """
 
-    def __init__(self, coordinator: Any, make_manager: ManagerFactory, *, base_model: Any,
+    def __init__(self, coordinator: FleetCoordinator, make_manager: ManagerFactory, *,
+                 base_model: ModelOrDir,
                  deadline_s: float = 300.0, probe_tolerance: float = ADAPTER_TOLERANCE,
                  max_rank: int | None = None, auto_catch_up: bool = True) -> None:
         from rolloutcore.fleet.coordinator import FleetCoordinator
@@ -248,7 +255,8 @@ class FleetAdapters:
             m.shell.watch(fn)
 
     # ------------------------------------------------------------------ update
-    def update(self, adapter: Any, provenance: Provenance, *, reference: Any = None,
+    def update(self, adapter: ModelOrDir, provenance: Provenance, *,
+               reference: torch.nn.Module | None = None,
                probe_tolerance: float | None = None) -> FleetAdapterResult:
         """Publish ``adapter`` (a PEFT model or an adapter directory) on every serving
         replica, or nowhere (``FleetAdapterFailed``; ``UpdateRefused``/``BadInput``:
@@ -263,7 +271,8 @@ class FleetAdapters:
         finally:
             self._update.release()
 
-    def rebase(self, provenance: Provenance, *, base_model: Any = None) -> FleetAdapterResult:
+    def rebase(self, provenance: Provenance, *, base_model: ModelOrDir | None = None
+               ) -> FleetAdapterResult:
         """After a full update of the base: the current adapter's files verified again on
         the base every replica serves now, published as a new version (a new name:
         its KV and its probe are the new base's). ``base_model``: the new base's
@@ -300,7 +309,7 @@ class FleetAdapters:
                     return w
         return None
 
-    def set_base(self, base_model: Any) -> None:
+    def set_base(self, base_model: ModelOrDir) -> None:
         """The base every replica serves after a full update (the references' base)."""
         if base_model is None:
             raise BadInput("base_model must be a checkpoint directory or a HF causal LM")
@@ -318,7 +327,8 @@ class FleetAdapters:
                     return p
         return None
 
-    def _run(self, adapter: Any, provenance: Provenance, reference: Any, tol: float
+    def _run(self, adapter: ModelOrDir, provenance: Provenance,
+             reference: torch.nn.Module | None, tol: float
              ) -> FleetAdapterResult:
         t0 = time.perf_counter()
         members = self._members()
@@ -347,7 +357,8 @@ class FleetAdapters:
                 p = self.managers[n].store / name
                 src.write(p)
                 paths[n] = p
-            probe = self._reference(reference, paths[members[0]], tol)
+            probe = adapter_probe(self.base_model, paths[members[0]], reference=reference,
+                                  tolerance=tol)
             probe_kept = (name, probe)
         except BaseException:
             for p in paths.values():
@@ -550,8 +561,8 @@ class FleetAdapters:
         self._renew(name, keep=cur.name)
         m = self.managers[name]
         m.check_base()
-        probe = kept[1] if kept is not None and kept[0] == cur.name else self._reference(
-            None, src_path, self.probe_tolerance)
+        probe = kept[1] if kept is not None and kept[0] == cur.name else adapter_probe(
+            self.base_model, src_path, tolerance=self.probe_tolerance)
         path = m.store / cur.name
         if path.resolve() != src_path.resolve():
             src.write(path)
@@ -609,15 +620,6 @@ class FleetAdapters:
             ranks.append(self.max_rank)
         return min(ranks) if ranks else None
 
-    def _reference(self, reference: Any, path: Path, tolerance: float) -> PolicyProbe:
-        if reference is not None:
-            vocab = int(reference.config.vocab_size)
-            probe = PolicyProbe.from_model(reference, default_prompts(vocab),
-                                           tolerance=tolerance)
-            probe.name = "adapter-probe"
-            return probe
-        return adapter_probe(self.base_model, path, tolerance=tolerance)
-
     def close(self) -> None:
         self._closed = True
         for m in self.managers.values():
@@ -625,6 +627,6 @@ class FleetAdapters:
                 m.close()
 
 
-def _epoch(rep: Any) -> str | None:
+def _epoch(rep: Replica) -> str | None:
     c = rep.controller.view.committed
     return None if c is None else c.engine_epoch

@@ -27,6 +27,7 @@ from rolloutcore.control.shell import Shell
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.pool import (
     FleetVersion,
+    Keep,
     PoolView,
     ReplicaEvent,
     ReplicaState,
@@ -49,7 +50,6 @@ from rolloutcore.fleet.routing import FleetView, ReplicaView
 __all__ = ["FleetMembers", "Member", "check_fleet_label"]
 
 E, S = ReplicaEvent, ReplicaState
-_KEEP: Any = object()
 #: Events that put a replica in the pool on the engine version its controller serves.
 _ENTERS = frozenset({E.BOOTSTRAPPED, E.PASSED, E.REJOINED})
 
@@ -248,7 +248,7 @@ class FleetMembers:
             self._wake.set()
 
     # ------------------------------------------------------------------ the pool's decisions
-    def _move(self, m: Member, event: ReplicaEvent, *, generation: Any = _KEEP,
+    def _move(self, m: Member, event: ReplicaEvent, *, generation: int | Keep | None = Keep.KEEP,
               reason: str = "", only_from: ReplicaState | None = None) -> None:
         """One replica's pool event, recorded; the engine version it serves, when it enters.
 
@@ -257,7 +257,7 @@ class FleetMembers:
         be able to leave an update.
         """
         kw: dict[str, Any] = {"reason": reason, "only_from": only_from}
-        if generation is not _KEEP:
+        if not isinstance(generation, Keep):
             kw["generation"] = generation
             if generation is None:
                 kw["engine_version"] = None

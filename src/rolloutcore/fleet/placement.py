@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.runner import Deadlines, DrainPolicy
 from rolloutcore.control.stack import wire
@@ -51,6 +51,10 @@ from rolloutcore.session import PreparedUpdate, identity_of
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
+
+if TYPE_CHECKING:
+    from rolloutcore.control.port import Recoverer
+    from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
     "RayEngine",
@@ -77,7 +81,7 @@ def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | No
     src = WeightSource.from_checkpoint(p)
     prov = provenance or Provenance(str(p.resolve()), "", 0)
     ident = identity_of(src, prov, content=content)
-    pr: Any = None
+    pr: PolicyProbe | None = None
     if probe:
         from rolloutcore.verification.probe import PolicyProbe
 
@@ -98,7 +102,7 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
                  op_timeout_s: float = 60.0,
                  drain_policy: DrainPolicy = DrainPolicy.ABORT, probe: bool = True,
                  controller_kw: Mapping[str, Any] | None = None,
-                 recoverer: Any = None) -> Replica:
+                 recoverer: Recoverer | None = None) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
@@ -140,7 +144,7 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
                                      previous_epoch=previous_epoch, identity=identity,
                                      probe=probe)
 
-    def stage(payload: Any) -> None:
+    def stage(payload: object) -> None:
         if not isinstance(payload, PreparedUpdate):
             raise BadInput("a vLLM replica stages a PreparedUpdate (prepare_checkpoint)")
         ad = runner.adapter

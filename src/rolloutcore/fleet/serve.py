@@ -36,16 +36,21 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.pool import Strategy
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.fleet.coordinator import FleetCoordinator
-from rolloutcore.fleet.model import TRANSFERS, FleetConfig
+from rolloutcore.fleet.model import TRANSFERS, FleetConfig, FleetWeights
 from rolloutcore.fleet.routing import Policy
 from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.service.serve import control_token, exit_on_signal, vocab_size
+
+if TYPE_CHECKING:
+    from rolloutcore.fleet.adapters import FleetAdapters
+    from rolloutcore.fleet.placement import RayPlacement
+    from rolloutcore.service.recording import GatewayRecorder
 
 __all__ = ["FleetServeOptions", "parse_update_request", "run_fleet_serve"]
 
@@ -263,9 +268,9 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     print(f"[rolloutcore] starting {o.engines} vLLM engines as {where} on {model_dir}",
           file=sys.stderr)
     engines: list[Any] = []
-    placement: Any = None
+    placement: RayPlacement | None = None
     coord: FleetCoordinator | None = None
-    recorder: Any = None
+    recorder: GatewayRecorder | None = None
     try:
         lora_kw: dict[str, Any] = {}
         lora_budget: Any = None
@@ -296,7 +301,7 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
               f"{len(coord.serving())} of {o.engines} engines, each taken over verified to "
               f"{level.wire}", file=sys.stderr)
 
-        fleet_adapters: Any = None
+        fleet_adapters: FleetAdapters | None = None
 
         def updater(body: Mapping[str, Any]) -> Any:
             req = parse_update_request(body)
@@ -357,7 +362,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
 
 
 def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
-                    max_lora_rank: int | None, journal_dir: Path, upload: bool = False) -> Any:
+                    max_lora_rank: int | None, journal_dir: Path, upload: bool = False
+                    ) -> FleetAdapters:
     """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and
     the fleet's adapter versions over them (``fleet.adapters``). ``upload`` (``--ray``:
     engines may sit on other nodes): each version's files go into each engine's own store
@@ -405,7 +411,7 @@ def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, bud
     return fa
 
 
-def _with_saved_probe(weights: Any, path: str, model_dir: Path) -> Any:
+def _with_saved_probe(weights: FleetWeights, path: str, model_dir: Path) -> FleetWeights:
     """``--takeover-probe``: the checkpoint's probe as saved, instead of computing it."""
     import json
 
@@ -421,7 +427,7 @@ def _with_saved_probe(weights: Any, path: str, model_dir: Path) -> Any:
                                min_verification=VerificationLevel.PROBE)
 
 
-def _recorder(path: str, coord: FleetCoordinator, engines: Sequence[Any]) -> Any:
+def _recorder(path: str, coord: FleetCoordinator, engines: Sequence[Any]) -> GatewayRecorder:
     """``--record``: one trajectory file; each sample names its replica's engine."""
     from rolloutcore.core.versions import EngineIdentity
     from rolloutcore.errors import EffectError

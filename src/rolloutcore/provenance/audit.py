@@ -594,14 +594,6 @@ class GroupDiversity:
     prefix_p_value: float
     flags: tuple[DiversityFlag, ...]
 
-    @property
-    def identical_fraction(self) -> float:
-        return self.identical_pairs / self.pairs if self.pairs else 0.0
-
-    @property
-    def prefix_fraction(self) -> float:
-        return self.prefix_pairs / self.pairs if self.pairs else 0.0
-
     def to_dict(self) -> dict[str, Any]:
         return {"group_id": self.group_id, "n": self.n, "distinct": self.distinct,
                 "pairs": self.pairs, "identical_pairs": self.identical_pairs,

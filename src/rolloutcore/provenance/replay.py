@@ -54,7 +54,6 @@ noise (small) from a wrong policy (large).
 from __future__ import annotations
 
 import enum
-import json
 import math
 import os
 import time
@@ -90,7 +89,6 @@ __all__ = [
     "record_version_issue",
     "replay_file",
     "replay_lanes",
-    "run_replay",
     "token_lane_reason",
 ]
 
@@ -685,27 +683,3 @@ def replay_file(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
         return ReplayValidator(http, tolerance=tolerance, policy=policy,
                                checksum_cache=checksum_cache,
                                timeout_s=timeout_s).replay(samples, trajectories=path)
-
-
-# --------------------------------------------------------------------------- command
-
-def run_replay(trajectories: str | os.PathLike[str], engine: str | VllmHTTP, *,
-               tolerance: float = DEFAULT_TOLERANCE,
-               policy: MismatchPolicy | str = MismatchPolicy.REFUSE,
-               checksum_cache: ChecksumCache | str | os.PathLike[str] | None = None,
-               timeout_s: float = 120.0, as_json: bool = False, max_rows: int = 50,
-               report: str | os.PathLike[str] | None = None) -> int:
-    """``rolloutcore replay``: print the report; 0 when every sample replayed and matched,
-    else 1 (a sample skipped under ``--on-mismatch skip`` is not verified: 1).
-
-    A refused replay (``ReplayRefused``) and bad input raise before anything
-    is printed; the CLI answers them with status 2.
-    """
-    result = replay_file(trajectories, engine, tolerance=tolerance, policy=policy,
-                         checksum_cache=checksum_cache, timeout_s=timeout_s)
-    doc = json.dumps(result.to_dict(), indent=2, sort_keys=True)
-    print(doc if as_json else result.format_table(max_rows))
-    if report is not None:
-        with open(report, "w", encoding="utf-8") as f:
-            f.write(doc + "\n")
-    return 0 if result.ok else 1

@@ -149,6 +149,12 @@ def _bytes_to_unicode() -> list[str]:
     return [chr(table[b]) for b in range(256)]
 
 
+def _check_seed(what: str, seed: object) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise BadInput(f"{what} must be an int >= 0, got {seed!r}")
+    return seed
+
+
 def _check_out(out_dir: str | Path) -> Path:
     if not isinstance(out_dir, (str, Path)) or not str(out_dir):
         raise BadInput(f"out_dir must be a path, got {out_dir!r}")
@@ -187,8 +193,7 @@ def make_checkpoint(out_dir: str | Path, seed: int, *, like: str | Path | None =
     if architecture not in ARCHITECTURES:
         raise BadInput(f"architecture must be one of {sorted(ARCHITECTURES)}, "
                        f"got {architecture!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BadInput(f"seed must be an int >= 0, got {seed!r}")
+    _check_seed("seed", seed)
     if tie_word_embeddings is not None and not isinstance(tie_word_embeddings, bool):
         raise BadInput(f"tie_word_embeddings must be a boolean, got {tie_word_embeddings!r}")
     if (like is None) != (negate_layer is None):
@@ -326,8 +331,7 @@ def make_eagle_head(out_dir: str | Path, seed: int, *, target: str | Path,
     wherever the target repeats a token. ``seed`` then only fills the
     attention and MLP inputs, which do not reach the output.
     """
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BadInput(f"seed must be an int >= 0, got {seed!r}")
+    _check_seed("seed", seed)
     if kind not in EAGLE_KINDS:
         raise BadInput(f"kind must be one of {list(EAGLE_KINDS)}, got {kind!r}")
     src = Path(target) if isinstance(target, (str, Path)) else None

@@ -42,6 +42,8 @@ from rolloutcore.testing.models import (
     EOS_ID,
     PAD_ID,
     VOCAB_SIZE,
+    _check_out,
+    _check_seed,
     model_config,
 )
 
@@ -151,21 +153,6 @@ def _write_processor(out: Path) -> None:
     if proc.image_token_id != IMAGE_TOKEN_ID:
         raise RuntimeError(f"<image> came out as id {proc.image_token_id}")
     proc.save_pretrained(str(out))
-
-
-def _check_out(out_dir: str | Path) -> Path:
-    if not isinstance(out_dir, (str, Path)) or not str(out_dir):
-        raise BadInput(f"out_dir must be a path, got {out_dir!r}")
-    out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise BadInput(f"{out} exists and is not an empty directory")
-    return out
-
-
-def _check_seed(what: str, seed: object) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise BadInput(f"{what} must be an int >= 0, got {seed!r}")
-    return seed
 
 
 def _check_like(like: str | Path) -> Path:

@@ -23,7 +23,7 @@ import operator
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rolloutcore.core.versions import ParameterManifest
 from rolloutcore.errors import BadInput
@@ -31,7 +31,11 @@ from rolloutcore.errors import BadInput
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WeightSource", "dtype_name"]
+__all__ = ["WeightSource", "Weights", "dtype_name"]
+
+#: What an update takes as weights (``WeightSource.of``): a module, a state dict of
+#: tensors, a safetensors checkpoint directory, or a source.
+Weights: TypeAlias = "WeightSource | torch.nn.Module | Mapping[str, torch.Tensor] | str | Path"
 
 
 _DTYPE_NAMES: dict[Any, str] = {}
@@ -84,7 +88,7 @@ class WeightSource:
     # -- constructors -------------------------------------------------------
 
     @classmethod
-    def of(cls, obj: Any) -> WeightSource:
+    def of(cls, obj: Weights) -> WeightSource:
         """A source from a module, a state dict, a checkpoint directory or a source."""
         if isinstance(obj, WeightSource):
             return obj

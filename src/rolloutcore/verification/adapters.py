@@ -27,15 +27,18 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.errors import BadInput, EffectError
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
+    ModelOrDir,
     PolicyProbe,
     ProbeResult,
-    default_prompts,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TOP_K", "AdapterSource", "adapter_probe", "is_peft_model", "measure_generated"]
 
@@ -64,7 +67,7 @@ class AdapterSource:
     rank: int
 
     @classmethod
-    def of(cls, adapter: Any, *, max_rank: int | None = None) -> AdapterSource:
+    def of(cls, adapter: ModelOrDir, *, max_rank: int | None = None) -> AdapterSource:
         """From a PEFT model (its active adapter) or an adapter directory."""
         if isinstance(adapter, (str, Path)):
             config, tensors = _read_dir(Path(adapter))
@@ -232,13 +235,21 @@ def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
     return res
 
 
-def adapter_probe(base: Any, adapter_dir: Path, *, prompts: Sequence[Sequence[int]] | None = None,
+def adapter_probe(base: ModelOrDir, adapter_dir: Path, *,
+                  reference: torch.nn.Module | None = None,
+                  prompts: Sequence[Sequence[int]] | None = None,
                   new_tokens: int = 16, tolerance: float = DEFAULT_TOLERANCE) -> PolicyProbe:
     """The trainer-side reference of base + adapter (float32, PEFT), as a policy probe.
 
     ``base``: the base model's checkpoint directory or a HF causal LM (not
-    changed: a float32 copy is taken).
+    changed: a float32 copy is taken). ``reference``: the trainer's own model of
+    base + adapter (a PEFT model), used instead of loading the two.
     """
+    if reference is not None:
+        probe = PolicyProbe.from_model(reference, prompts, new_tokens=new_tokens,
+                                       tolerance=tolerance)
+        probe.name = "adapter-probe"
+        return probe
     import copy
 
     import torch
@@ -248,14 +259,11 @@ def adapter_probe(base: Any, adapter_dir: Path, *, prompts: Sequence[Sequence[in
     from rolloutcore.verification.hf_load import HF_LOCK
 
     with HF_LOCK:
-        if isinstance(base, (str, Path)):
-            model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-        else:
-            model = copy.deepcopy(base).float()
+        model = (AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+                 if isinstance(base, (str, Path)) else copy.deepcopy(base).float())
         peft = PeftModel.from_pretrained(model, str(adapter_dir))
-    vocab = int(model.config.vocab_size)
-    probe = PolicyProbe.from_model(peft, prompts or default_prompts(vocab),
-                                   new_tokens=new_tokens, tolerance=tolerance)
+    # PEFT forwards ``config`` to the base: the prompts are the base vocabulary's.
+    probe = PolicyProbe.from_model(peft, prompts, new_tokens=new_tokens, tolerance=tolerance)
     probe.name = "adapter-probe"
     return probe
 

@@ -27,11 +27,15 @@ import copy
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
 
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CALIBRATION_MARGIN",
@@ -43,6 +47,7 @@ __all__ = [
     "Calibration",
     "Judgement",
     "MAX_TOLERANCE",
+    "ModelOrDir",
     "ModelScorer",
     "WIRE_LIMITS",
     "PolicyProbe",
@@ -52,6 +57,10 @@ __all__ = [
     "default_prompts",
     "takes_calibration",
 ]
+
+#: A model as a trainer hands it over: a checkpoint (or adapter) directory, or a
+#: module (a HF causal LM, a PEFT model).
+ModelOrDir: TypeAlias = "str | Path | torch.nn.Module"
 
 #: Nats. Calibrated on the CPU engine with the tiny test models: correct updates
 #: measured 0.0026-0.0032, the smallest single mis-sent tensor 0.0072 (a q_proj:
@@ -315,15 +324,23 @@ class PolicyProbe(Calibrated):
 
     # ------------------------------------------------------------------ reference
     @classmethod
-    def from_model(cls, model: Any, prompts: Sequence[Sequence[int]], *,
-                   new_tokens: int = 16, tolerance: float = DEFAULT_TOLERANCE) -> PolicyProbe:
-        """Reference cases from a trainer-side causal LM (a HF ``*ForCausalLM`` module).
+    def from_model(cls, model: torch.nn.Module, prompts: Sequence[Sequence[int]] | None = None,
+                   *, new_tokens: int = 16, tolerance: float = DEFAULT_TOLERANCE
+                   ) -> PolicyProbe:
+        """Reference cases from a trainer-side causal LM (a HF ``*ForCausalLM`` module);
+        ``prompts`` default to ``default_prompts`` of its config's vocabulary.
 
         The model may be on any device (a trainer's CUDA model: the reference is
         computed there, in float32); the inputs go to the device of its parameters.
         """
         import torch
 
+        if prompts is None:
+            config = getattr(model, "config", None)
+            if config is None:
+                raise BadInput(f"a {type(model).__name__} has no HF config to draw probe "
+                               "prompts from: pass prompts")
+            prompts = default_prompts(int(config.vocab_size))
         cases = []
         was_training = bool(getattr(model, "training", False))
         model.eval()
@@ -352,9 +369,14 @@ class PolicyProbe(Calibrated):
 
         with HF_LOCK:
             model = AutoModelForCausalLM.from_pretrained(model_dir)
-        vocab = int(model.config.vocab_size)
-        return cls.from_model(model, prompts or default_prompts(vocab), new_tokens=new_tokens,
-                              tolerance=tolerance)
+        return cls.from_model(model, prompts, new_tokens=new_tokens, tolerance=tolerance)
+
+    @classmethod
+    def of(cls, model: ModelOrDir, *, tolerance: float = DEFAULT_TOLERANCE) -> PolicyProbe:
+        """``from_checkpoint`` of a directory, else ``from_model``."""
+        if isinstance(model, (str, Path)):
+            return cls.from_checkpoint(str(model), tolerance=tolerance)
+        return cls.from_model(model, tolerance=tolerance)
 
     # ------------------------------------------------------------------ the wire
     def to_wire(self) -> dict[str, Any]:

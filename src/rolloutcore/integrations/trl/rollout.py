@@ -21,6 +21,7 @@ from rolloutcore.core.versions import (
 from rolloutcore.errors import (
     BadInput,
     EffectError,
+    RolloutCoreError,
     UpdateFailed,
     UpdateRefused,
 )
@@ -378,13 +379,7 @@ class RolloutCoreRollout:
         try:
             pub = self.engine.update(state, prov, probe, self.owner)
         except (UpdateFailed, UpdateRefused, EffectError) as exc:
-            err = TrainingStopped(
-                step, "update_failed", f"{type(exc).__name__}: {exc}",
-                phase=getattr(exc, "phase", None),
-                classification=getattr(exc, "classification", None),
-                state=getattr(exc, "state", None), published=self.version)
-            self._stop(err)
-            raise err from exc
+            raise self._update_failed(step, exc) from exc
         self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         last = getattr(probe, "last", None)
         rep = UpdateReport(step, pub.version, pub.identity, prepare_s, dict(pub.phases_s),
@@ -406,13 +401,7 @@ class RolloutCoreRollout:
             pub = self.engine.update_adapter(  # type: ignore[attr-defined]
                 model, prov, self.manifest.params[0].dtype)
         except (UpdateFailed, UpdateRefused, EffectError) as exc:
-            err = TrainingStopped(
-                step, "update_failed", f"adapter: {type(exc).__name__}: {exc}",
-                phase=getattr(exc, "phase", None),
-                classification=getattr(exc, "classification", None),
-                state=getattr(exc, "state", None), published=self.version)
-            self._stop(err)
-            raise err from exc
+            raise self._update_failed(step, exc, "adapter: ") from exc
         assert pub.adapter is not None
         self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         self.adapter = pub.adapter
@@ -434,6 +423,17 @@ class RolloutCoreRollout:
     def _stop(self, err: TrainingStopped) -> None:
         if self.stopped is None:
             self.stopped = err
+
+    def _update_failed(self, step: int, exc: RolloutCoreError, what: str = ""
+                       ) -> TrainingStopped:
+        """The update for ``step`` failed (its phase, classification and engine state):
+        training stops, with this error."""
+        err = TrainingStopped(step, "update_failed", f"{what}{type(exc).__name__}: {exc}",
+                              phase=getattr(exc, "phase", None),
+                              classification=getattr(exc, "classification", None),
+                              state=getattr(exc, "state", None), published=self.version)
+        self._stop(err)
+        return err
 
     def _update_interrupted(self, step: int, exc: BaseException) -> None:
         """The update for ``step`` was interrupted: end what it left open, say so."""
