@@ -80,3 +80,32 @@ def test_vllm_http_has_the_lora_capability() -> None:
     methods = {"models", "load_lora_adapter", "unload_lora_adapter", "score", "top_logprobs"}
     assert methods <= {n for n in vars(LoraCapability) if not n.startswith("_")}
     assert not isinstance(object(), LoraCapability)
+
+
+def test_every_client_of_the_process_shares_one_tls_context(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """httpx loads the CA bundle into a new TLS context per client (~30 ms); a lent key's
+    lend and take-back and every transport call built one on an update's critical path.
+    Clients, async clients and one-off requests now share one context."""
+    import ssl
+
+    from rolloutcore.engine import errors
+
+    real = ssl.create_default_context
+    made: list[int] = []
+
+    def counting(*a: object, **k: object) -> ssl.SSLContext:
+        made.append(1)
+        return real(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ssl, "create_default_context", counting)
+    errors.tls_context.cache_clear()
+    try:
+        for _ in range(3):
+            EngineClient("http://127.0.0.1:1").close()
+            asyncio.run(AsyncEngineClient("http://127.0.0.1:1").aclose())
+            with pytest.raises(EngineUnreachable):
+                errors.request("GET", "http://127.0.0.1:1/health", step="probe", timeout_s=2.0)
+        assert len(made) == 1
+    finally:
+        errors.tls_context.cache_clear()

@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
-from rolloutcore.engine.errors import map_errors, raise_for_status
+from rolloutcore.engine.errors import map_errors, raise_for_status, tls_context
 
 if TYPE_CHECKING:
     import httpx
@@ -83,7 +83,8 @@ class EngineClient(_Common):
 
         timeout, limits, headers = self._configure(base_url, options)
         self.http = httpx.Client(base_url=self.base_url, transport=transport, timeout=timeout,
-                                 headers=headers, follow_redirects=False, limits=limits)
+                                 headers=headers, follow_redirects=False, limits=limits,
+                                 verify=tls_context())
 
     def request(self, method: str, url: str | httpx.URL, *, step: str,
                 timeout_s: float | None = None, json_body: object = None,
@@ -141,7 +142,8 @@ class AsyncEngineClient(_Common):
         timeout, limits, headers = self._configure(base_url, options)
         self.http = httpx.AsyncClient(base_url=self.base_url, transport=transport,
                                       timeout=timeout, headers=headers,
-                                      follow_redirects=False, limits=limits)
+                                      follow_redirects=False, limits=limits,
+                                      verify=tls_context())
 
     async def request(self, method: str, url: str | httpx.URL, *, step: str,
                       timeout_s: float | None = None, json_body: object = None,

@@ -44,6 +44,7 @@ gloo transport imports this package inside vLLM's workers.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +61,8 @@ from rolloutcore.errors import (
 )
 
 if TYPE_CHECKING:
+    import ssl
+
     import httpx
 
 __all__ = [
@@ -71,6 +74,7 @@ __all__ = [
     "route_url",
     "snippet",
     "status_error",
+    "tls_context",
     "transport_error",
 ]
 
@@ -165,6 +169,19 @@ def raise_for_status(resp: httpx.Response, step: str, what: str, *,
     return resp
 
 
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """One verifying TLS context for every HTTP client this process builds.
+
+    httpx builds a new one per client otherwise, loading the CA bundle each time: about
+    30 ms per client (and per ``httpx.request``), which a lent route key's lend and
+    take-back, or a transport's call, paid on an update's critical path. An engine on
+    plain HTTP never uses it; one context serves any number of connections."""
+    import httpx
+
+    return httpx.create_ssl_context()
+
+
 def request(method: str, url: str | httpx.URL, *, step: str, timeout_s: float,
             json_body: Any = None, content: bytes | IO[bytes] | None = None,
             client: httpx.Client | None = None,
@@ -189,7 +206,7 @@ def request(method: str, url: str | httpx.URL, *, step: str, timeout_s: float,
                     mutation_started=mutation_started):
         if client is None:
             resp = httpx.request(method, url, json=json_body, content=content,
-                                 timeout=timeout_s, headers=headers)
+                                 timeout=timeout_s, headers=headers, verify=tls_context())
         else:
             resp = client.request(method, url, json=json_body, content=content,
                                   timeout=timeout_s, headers=headers)
