@@ -15,7 +15,19 @@ Setup: one vLLM (launched here on a generated tiny checkpoint, or
 * Throughput: ``--concurrency`` clients for ``--duration-s`` each, direct and
   gateway alternating, ``--rounds`` times each; the ratio of the medians.
 * The gateway process's CPU time per request (from /proc), in both phases.
-* The gateway's own code path in process (``gateway_python_path_us_per_request``).
+* The gateway's own code path in process (``gateway_python_path_us_per_request``),
+  from the gateway's source tree (``--gateway-src``), in a child process; and its
+  Python calls per request (cProfile), a count the machine's load does not change.
+* ``--syscalls N``: the gateway process's system calls per request (``strace -f -c``).
+
+Two revisions, one run (``--baseline-src OLD/src``, e.g. a ``git archive`` of
+an older commit): a second gateway on the same engine, its latency blocks in
+the same rounds as the first's (direct, gateway, baseline, the order rotating),
+its throughput rounds interleaved, its in-process runs alternated with the
+first's. ``versus_baseline`` has the per-round differences of the block
+medians: what one run against another run, later, on a shared machine, cannot
+tell apart from the machine's drift (the engine alone, direct, moved by 45%
+between the two runs of issue #47's pair).
 
 Each measurement runs in two CPU configurations, against the same engine:
 
@@ -35,6 +47,8 @@ configurations are in ``configurations``. Pinning needs an engine launched
 here (its process group is known); with ``--upstream`` only ``unpinned`` runs.
 
     python benchmarks/gateway_overhead.py [--requests 400] [--concurrency 8] [--rounds 3]
+    python benchmarks/gateway_overhead.py --configurations pinned --baseline-src OLD/src \
+        --syscalls 400 --out /tmp/pair.json
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,23 +127,43 @@ def _body(max_tokens: int, i: int) -> dict[str, Any]:
                                 "ignore_eos": True}}
 
 
-def latency(direct: str, gateway: str, n: int, block: int) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"direct": [], "gateway": []}
+def latency(paths: dict[str, str], n: int, block: int) -> dict[str, list[list[float]]]:
+    """Sequential requests to every path (``direct`` and each gateway) in blocks of
+    ``block``, one block of each per round (the order rotating round by round), until each
+    path has ``n``: per path, its blocks' samples (ms), round by round."""
+    out: dict[str, list[list[float]]] = {name: [] for name in paths}
+    names = list(paths)
     with httpx.Client(timeout=60) as c:
-        for base in (direct, gateway):  # warm both paths (connections, caches)
+        for base in paths.values():  # warm every path (connections, caches)
             for i in range(20):
                 c.post(f"{base}/inference/v1/generate", json=_body(1, i)).raise_for_status()
         i = 0
-        while len(out["gateway"]) < n:
-            for name, base in (("direct", direct), ("gateway", gateway)):
+        while sum(map(len, out["direct"])) < n:
+            k = len(out["direct"]) % len(names)
+            for name in names[k:] + names[:k]:
+                samples = []
                 for _ in range(block):
                     i += 1
                     t0 = time.perf_counter()
-                    r = c.post(f"{base}/inference/v1/generate", json=_body(1, i))
+                    r = c.post(f"{paths[name]}/inference/v1/generate", json=_body(1, i))
                     dt = time.perf_counter() - t0
                     r.raise_for_status()
-                    out[name].append(dt * 1000)
+                    samples.append(dt * 1000)
+                out[name].append(samples)
     return out
+
+
+def block_pairs(blocks: dict[str, list[list[float]]], a: str, b: str) -> dict[str, Any]:
+    """Path ``a`` against path ``b``, round by round: ``a``'s block median minus ``b``'s
+    (against ``direct``: the added latency; between two gateways: the direct block of the
+    round cancels out). The spread over the rounds is what a difference must beat."""
+    d = [statistics.median(x) - statistics.median(y) for x, y in
+         zip(blocks[a], blocks[b], strict=True)]
+    q = statistics.quantiles(d, n=4) if len(d) > 1 else [d[0]] * 3
+    return {"rounds": len(d), "median_ms": round(statistics.median(d), 3),
+            "p25_ms": round(q[0], 3), "p75_ms": round(q[2], 3),
+            f"{a}_slower_in_rounds": sum(x > 0 for x in d),
+            "per_round_ms": [round(x, 3) for x in d]}
 
 
 async def _throughput(base: str, concurrency: int, duration_s: float,
@@ -154,7 +189,7 @@ async def _throughput(base: str, concurrency: int, duration_s: float,
     return {"requests": done, "errors": errors, "seconds": elapsed, "rps": done / elapsed}
 
 
-def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
+def inprocess_us(n: int = 3000, repeats: int = 5, count_n: int = 1000) -> dict[str, Any]:
     """CPU microseconds per request of the gateway's own code path, in process.
 
     The gateway app is called directly (ASGI, no server in front) on uvloop,
@@ -164,13 +199,17 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
     (``rolloutcore.engine.upstream``, the same pool). Both are this thread's CPU time only, so
     the upstream server's work is not in either; the difference is the
     gateway's own code: validation, admission, binding, version splice,
-    release, metrics. Medians of ``repeats`` runs.
+    release, metrics. Medians of ``repeats`` runs. Then ``count_n`` requests of each
+    under cProfile: Python calls per request (a coroutine's resumption counts as one),
+    which the machine's load does not change. Runs the ``rolloutcore`` on ``sys.path``
+    (``in_process_of`` runs another tree's).
     """
     import threading
 
     import uvicorn
     import uvloop
 
+    import rolloutcore
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.service import ServiceConfig, create_app
@@ -229,7 +268,10 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
 
         await app(dict(scope), receive, send)
 
-    async def main() -> dict[str, float]:
+    async def main() -> dict[str, Any]:
+        import cProfile
+        import pstats
+
         gw: list[float] = []
         cl: list[float] = []
         async with app.router.lifespan_context(app):
@@ -252,10 +294,21 @@ def inprocess_us(n: int = 3000, repeats: int = 5) -> dict[str, float]:
                 for _ in range(n):
                     await client_only()
                 cl.append((time.thread_time() - t0) / n * 1e6)
+            calls = []
+            for fn in (call, client_only):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(count_n):
+                    await fn()
+                prof.disable()
+                calls.append(pstats.Stats(prof).total_calls / count_n)  # type: ignore[attr-defined]
         g, c = statistics.median(gw), statistics.median(cl)
         return {"gateway_in_process_us": round(g, 1), "upstream_client_alone_us": round(c, 1),
                 "own_path_us": round(g - c, 1), "runs_gateway_us": [round(x, 1) for x in gw],
-                "runs_client_us": [round(x, 1) for x in cl], "requests_per_run": n}
+                "runs_client_us": [round(x, 1) for x in cl], "requests_per_run": n,
+                "own_path_python_calls": round(calls[0] - calls[1], 1),
+                "gateway_python_calls": round(calls[0], 1),
+                "rolloutcore": str(Path(rolloutcore.__file__).parent)}
 
     try:
         return uvloop.run(main())
@@ -316,45 +369,125 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def measure(direct: str, gateway: str, gw_pid: int, args: argparse.Namespace
+def measure(direct: str, gateways: dict[str, tuple[str, int]], args: argparse.Namespace
             ) -> dict[str, Any]:
-    """One configuration: latency, throughput rounds, gateway CPU per request."""
+    """One configuration: latency, throughput rounds, CPU per request of each gateway
+    (``gateways``: name -> (url, pid); the first is the one the top-level keys describe,
+    any other is compared with it under ``versus_<name>``)."""
     load_before = os.getloadavg()
-    cpu0 = _cpu_s(gw_pid)
-    lat = latency(direct, gateway, args.requests, args.block)
-    gw_cpu_lat = (_cpu_s(gw_pid) - cpu0) * 1000 / (len(lat["gateway"]) + 20)
-    rounds: dict[str, list[dict[str, float]]] = {"direct": [], "gateway": []}
-    gw_cpu_tp: list[float] = []
-    for _ in range(args.rounds):
-        for name, base in (("direct", direct), ("gateway", gateway)):
-            c0 = _cpu_s(gw_pid)
-            r = asyncio.run(_throughput(base, args.concurrency, args.duration_s,
-                                        args.max_tokens))
-            if name == "gateway" and r["requests"]:
-                gw_cpu_tp.append((_cpu_s(gw_pid) - c0) * 1000 / (r["requests"] + r["errors"]))
-            rounds[name].append(r)
+    paths = {"direct": direct, **{n: u for n, (u, _) in gateways.items()}}
+    cpu0 = {n: _cpu_s(pid) for n, (_, pid) in gateways.items()}
+    blocks = latency(paths, args.requests, args.block)
+    lat = {k: [x for b in v for x in b] for k, v in blocks.items()}
+    # The whole phase over its own requests: a gateway idles through the others' blocks.
+    cpu_lat = {n: (_cpu_s(pid) - cpu0[n]) * 1000 / (len(lat[n]) + 20)
+               for n, (_, pid) in gateways.items()}
+    rounds: dict[str, list[dict[str, float]]] = {n: [] for n in paths}
+    cpu_tp: dict[str, list[float]] = {n: [] for n in gateways}
+    names = list(paths)
+    for r in range(args.rounds):
+        k = r % len(names) if len(names) > 2 else 0
+        for name in names[k:] + names[:k]:
+            pid = gateways[name][1] if name in gateways else None
+            c0 = _cpu_s(pid) if pid else 0.0
+            res = asyncio.run(_throughput(paths[name], args.concurrency, args.duration_s,
+                                          args.max_tokens))
+            if pid and res["requests"]:
+                cpu_tp[name].append((_cpu_s(pid) - c0) * 1000 / (res["requests"] + res["errors"]))
+            rounds[name].append(res)
     load_after = os.getloadavg()
-    d, g = lat["direct"], lat["gateway"]
-    rps_d = _median([r["rps"] for r in rounds["direct"]])
-    rps_g = _median([r["rps"] for r in rounds["gateway"]])
-    return {
-        "p50_added_ms": round(_pct(g, 50) - _pct(d, 50), 3),
-        "p99_added_ms": round(_pct(g, 99) - _pct(d, 99), 3),
-        "throughput_ratio": round(rps_g / rps_d, 4) if rps_d else None,
-        "latency_ms": {k: {"p50": round(_pct(v, 50), 3), "p90": round(_pct(v, 90), 3),
-                           "p99": round(_pct(v, 99), 3), "mean": round(statistics.fmean(v), 3),
-                           "n": len(v)} for k, v in lat.items()},
-        "throughput_rps": {"direct_median": round(rps_d, 2), "gateway_median": round(rps_g, 2),
-                           "per_round_ratio": [
-                               round(gr["rps"] / dr["rps"], 4) for dr, gr in
-                               zip(rounds["direct"], rounds["gateway"], strict=True)],
-                           "rounds": rounds},
-        "gateway_cpu_ms_per_request": {
-            "latency_phase": round(gw_cpu_lat, 3),
-            "throughput_phase_median": round(_median(gw_cpu_tp), 3) if gw_cpu_tp else None},
-        "load_average": {"before": [round(x, 2) for x in load_before],
-                         "after": [round(x, 2) for x in load_after]},
-    }
+    rps = {n: _median([r["rps"] for r in rs]) for n, rs in rounds.items()}
+    d = lat["direct"]
+
+    def one(n: str) -> dict[str, Any]:
+        g = lat[n]
+        return {
+            "p50_added_ms": round(_pct(g, 50) - _pct(d, 50), 3),
+            "p99_added_ms": round(_pct(g, 99) - _pct(d, 99), 3),
+            "added_per_round": block_pairs(blocks, n, "direct"),
+            "throughput_ratio": round(rps[n] / rps["direct"], 4) if rps["direct"] else None,
+            "throughput_rps": {"direct_median": round(rps["direct"], 2),
+                               "gateway_median": round(rps[n], 2),
+                               "per_round_ratio": [round(gr["rps"] / dr["rps"], 4) for dr, gr in
+                                                   zip(rounds["direct"], rounds[n], strict=True)],
+                               "rounds": {"direct": rounds["direct"], "gateway": rounds[n]}},
+            "gateway_cpu_ms_per_request": {
+                "latency_phase": round(cpu_lat[n], 3),
+                "throughput_phase_median": round(_median(cpu_tp[n]), 3) if cpu_tp[n] else None},
+        }
+
+    first, *others = gateways
+    out = one(first)
+    out["latency_ms"] = {k: {"p50": round(_pct(v, 50), 3), "p90": round(_pct(v, 90), 3),
+                             "p99": round(_pct(v, 99), 3), "mean": round(statistics.fmean(v), 3),
+                             "n": len(v)} for k, v in lat.items()}
+    for n in others:
+        out[n] = one(n)
+        out[f"versus_{n}"] = {"latency_block_pairs": block_pairs(blocks, first, n),
+                              "throughput_per_round_ratio": [
+                                  round(a["rps"] / b["rps"], 4) for a, b in
+                                  zip(rounds[first], rounds[n], strict=True)]}
+    out["load_average"] = {"before": [round(x, 2) for x in load_before],
+                           "after": [round(x, 2) for x in load_after]}
+    return out
+
+
+def in_process_of(src: str) -> dict[str, Any]:
+    """``inprocess_us`` of the tree ``src``, in a child process (one ``rolloutcore`` each)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import gateway_overhead as g; "
+            "print(json.dumps(g.inprocess_us()))")
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks")], check=False,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": src})
+    if r.returncode:
+        raise RuntimeError(f"in-process run of {src} failed:\n{r.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(r.stdout.strip().splitlines()[-1])
+    if not Path(res["rolloutcore"]).resolve().is_relative_to(Path(src).resolve()):
+        raise RuntimeError(f"in-process run of {src} imported {res['rolloutcore']}")
+    return res
+
+
+def _strace(pid: int, during: Callable[[], None]) -> dict[str, int]:
+    """System calls of process ``pid`` (all its threads) while ``during()`` runs."""
+    with tempfile.NamedTemporaryFile(suffix=".strace") as f:
+        st = subprocess.Popen(["strace", "-f", "-c", "-o", f.name, "-p", str(pid)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # attached to every thread
+        during()
+        st.send_signal(signal.SIGINT)
+        st.wait(30)
+        per: dict[str, int] = {}
+        for line in Path(f.name).read_text().splitlines():
+            parts = line.split()  # % time, seconds, usecs/call, calls, [errors], syscall
+            if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                per[parts[-1]] = int(parts[3])
+    return per
+
+
+def syscalls(url: str, pid: int, n: int, idle_s: float = 3.0) -> dict[str, Any]:
+    """System calls of the gateway process per request over ``n`` sequential requests
+    (``strace -f -c``): a count, which the machine's load changes far less than a time.
+    Its timers (uvicorn's tick, the engine watch) also run while idle: ``less_idle``
+    subtracts their rate (an idle window first) times the requests' wall time."""
+    idle = _strace(pid, lambda: time.sleep(idle_s))
+    wall = [0.0]
+
+    def requests() -> None:
+        t0 = time.monotonic()
+        with httpx.Client(timeout=60) as c:
+            for i in range(n):
+                c.post(f"{url}/inference/v1/generate", json=_body(1, i)).raise_for_status()
+        wall[0] = time.monotonic() - t0
+
+    busy = _strace(pid, requests)
+    rate = {k: v / idle_s for k, v in idle.items()}
+    return {"per_request": round(sum(busy.values()) / n, 2),
+            "per_request_less_idle": round((sum(busy.values()) - sum(rate.values()) * wall[0])
+                                           / n, 2),
+            "requests": n, "wall_s": round(wall[0], 2),
+            "idle_per_s": round(sum(rate.values()), 1),
+            "by_call": {k: round(v / n, 2) for k, v in busy.items()},
+            "by_call_less_idle": {k: round((v - rate.get(k, 0.0) * wall[0]) / n, 2)
+                                  for k, v in busy.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -375,8 +508,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-src", default=str(ROOT / "src"),
                     help="the source tree the gateway process runs from (to measure another "
                          "revision under the same design, e.g. a `git archive` of it)")
+    ap.add_argument("--baseline-src", default=None,
+                    help="a second gateway, from another source tree, in the same run on the "
+                         "same engine: its latency blocks and throughput rounds interleaved "
+                         "with the first's, compared round by round (`versus_baseline`)")
+    ap.add_argument("--syscalls", type=int, default=0, metavar="N",
+                    help="count each gateway process's system calls over N requests "
+                         "(strace -f -c)")
     ap.add_argument("--skip-in-process", action="store_true",
-                    help="leave out the in-process measurement (it runs this tree's code)")
+                    help="leave out the in-process measurement (of each gateway's tree)")
     ap.add_argument("--out", default=str(ROOT / "results" / "gateway-overhead.json"))
     args = ap.parse_args(argv)
     if bool(args.upstream) != bool(args.checkpoint):
@@ -392,13 +532,21 @@ def main(argv: list[str] | None = None) -> int:
     cpus = sorted(os.sched_getaffinity(0))
     if "pinned" in configs and len(cpus) < 2:
         ap.error("pinning needs at least 2 CPUs")
+    srcs = {"gateway": args.gateway_src}
+    if args.baseline_src:
+        srcs["baseline"] = args.baseline_src
+    for name, src in srcs.items():
+        if not (Path(src) / "rolloutcore" / "__init__.py").is_file():
+            ap.error(f"--{name}-src: no rolloutcore package in {src}")
+    if args.syscalls < 0:
+        ap.error("--syscalls: a number of requests >= 0")
 
     sys.path.insert(0, str(ROOT / "src"))
     from rolloutcore.engine.process import ManagedEngine, free_port
 
     work = Path(tempfile.mkdtemp(prefix="rc-gw-bench-"))
     engine = None
-    gw: subprocess.Popen[bytes] | None = None
+    gws: dict[str, subprocess.Popen[bytes]] = {}
     results: dict[str, Any] = {}
     try:
         if args.upstream:
@@ -411,45 +559,64 @@ def main(argv: list[str] | None = None) -> int:
             print("starting vLLM ...", file=sys.stderr)
             engine.start()
             direct = engine.base_url
-        port = free_port()
-        gateway = f"http://127.0.0.1:{port}"
         token_file = work / "token"
         token_file.write_text("bench-token-0123456789abcdef\n")
-        gw_cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", direct,
-                  "--checkpoint", str(ckpt), "--port", str(port),
-                  "--token-file", str(token_file)]
-        gw = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL,
-                              stderr=open(work / "gateway.log", "wb"),  # noqa: SIM115
-                              start_new_session=True,
-                              env={**os.environ, "PYTHONPATH": args.gateway_src})
-        _wait(f"{gateway}/health", gw, 120)
+        urls: dict[str, str] = {}
+        gw_cmd: list[str] = []
+        for name, src in srcs.items():
+            port = free_port()
+            urls[name] = f"http://127.0.0.1:{port}"
+            gw_cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", direct,
+                      "--checkpoint", str(ckpt), "--port", str(port),
+                      "--token-file", str(token_file)]
+            gws[name] = subprocess.Popen(gw_cmd, stdout=subprocess.DEVNULL,
+                                         stderr=open(work / f"{name}.log", "wb"),  # noqa: SIM115
+                                         start_new_session=True,
+                                         env={**os.environ, "PYTHONPATH": src})
+        for name, url in urls.items():
+            _wait(f"{url}/health", gws[name], 120)
         for cfg in configs:
             pinned: dict[int, set[int]] = {}
             try:
                 if cfg == "pinned":
                     assert engine is not None and engine.pid is not None
                     pinned = _pin(_group(engine.pid), set(cpus[:-1]))
-                    pinned.update(_pin([gw.pid, os.getpid()], {cpus[-1]}))
+                    pinned.update(_pin([*(p.pid for p in gws.values()), os.getpid()],
+                                       {cpus[-1]}))
                 print(f"measuring: {cfg}", file=sys.stderr)
-                results[cfg] = measure(direct, gateway, gw.pid, args)
+                results[cfg] = measure(direct, {n: (urls[n], gws[n].pid) for n in gws}, args)
                 if cfg == "pinned":
                     results[cfg]["cpus"] = {"engine": cpus[:-1], "gateway_and_clients": cpus[-1:]}
             finally:
                 _unpin(pinned)
-        python_us = ({"own_path_us": None, "gateway_in_process_us": None,
-                      "upstream_client_alone_us": None} if args.skip_in_process
-                     else inprocess_us())
+        calls = ({n: syscalls(urls[n], gws[n].pid, args.syscalls) for n in gws}
+                 if args.syscalls else None)
+        python_us: dict[str, dict[str, Any]] = {}
+        for name in ([] if args.skip_in_process else list(srcs) * 2):  # alternated
+            got = in_process_of(srcs[name])
+            if name in python_us:  # the second run: medians over both runs' repeats
+                was = python_us[name]
+                for k in ("runs_gateway_us", "runs_client_us"):
+                    got[k] = was[k] + got[k]
+                g = statistics.median(got["runs_gateway_us"])
+                c = statistics.median(got["runs_client_us"])
+                got.update(gateway_in_process_us=round(g, 1),
+                           upstream_client_alone_us=round(c, 1), own_path_us=round(g - c, 1))
+            python_us[name] = got
     finally:
-        if gw is not None and gw.poll() is None:
-            os.killpg(gw.pid, signal.SIGTERM)
-            try:
-                gw.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(gw.pid, signal.SIGKILL)
-                gw.wait(10)
+        for p in gws.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(10)
         if engine is not None:
             engine.stop()
 
+    none = {"own_path_us": None, "gateway_in_process_us": None, "upstream_client_alone_us": None}
+    python_us = {n: python_us.get(n, none) for n in srcs}
     prim = results[args.primary]
     res: dict[str, Any] = {
         "p50_added_ms": prim["p50_added_ms"],
@@ -462,8 +629,8 @@ def main(argv: list[str] | None = None) -> int:
                        "ms is taken from the engine",
         "configurations": results,
         "gateway_cpu_ms_per_request": prim["gateway_cpu_ms_per_request"],
-        "gateway_python_path_us_per_request": python_us["own_path_us"],
-        "in_process": python_us,
+        "gateway_python_path_us_per_request": python_us["gateway"]["own_path_us"],
+        "in_process": python_us["gateway"],
         "load_average": prim["load_average"],
         "workload": {"route": "/inference/v1/generate", "latency_max_tokens": 1,
                      "throughput_max_tokens": args.max_tokens,
@@ -479,29 +646,50 @@ def main(argv: list[str] | None = None) -> int:
         "gateway_src": args.gateway_src,
         "when_unix": time.time(),
     }
+    if args.baseline_src:
+        res["baseline_src"] = args.baseline_src
+        res["in_process_baseline"] = python_us["baseline"]
+    if calls is not None:
+        res["syscalls_per_request"] = calls
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
-    print(f"{'':<30}{'direct':>10}{'gateway':>10}{'added':>10}")
-    for cfg, r in results.items():
-        lm = r["latency_ms"]
-        tag = f"[{cfg}{'*' if cfg == args.primary else ''}]"
-        print(f"{tag + ' latency p50 (ms)':<30}{lm['direct']['p50']:>10.2f}"
-              f"{lm['gateway']['p50']:>10.2f}{r['p50_added_ms']:>10.2f}")
-        print(f"{tag + ' latency p99 (ms)':<30}{lm['direct']['p99']:>10.2f}"
-              f"{lm['gateway']['p99']:>10.2f}{r['p99_added_ms']:>10.2f}")
-        tp = r["throughput_rps"]
-        print(f"{tag + ' throughput (req/s)':<30}{tp['direct_median']:>10.1f}"
-              f"{tp['gateway_median']:>10.1f}{'x' + format(r['throughput_ratio'], '.3f'):>10}")
-        c = r["gateway_cpu_ms_per_request"]
-        print(f"{tag + ' gateway CPU/request':<30}{'':>10}{c['latency_phase']:>8.2f}ms"
-              f"  (throughput phase {c['throughput_phase_median']} ms)  "
-              f"load {r['load_average']['before'][0]} -> {r['load_average']['after'][0]}")
-    print(f"gateway's own code path (in process): {python_us['own_path_us']} us of "
-          f"{python_us['gateway_in_process_us']} us; the upstream client alone "
-          f"{python_us['upstream_client_alone_us']} us  (* = top-level keys)")
+    _table(results, args.primary, python_us, calls)
     print(f"wrote {out}")
     return 0
+
+
+def _table(results: dict[str, Any], primary: str, python_us: dict[str, dict[str, Any]],
+           calls: dict[str, Any] | None) -> None:
+    for cfg, r in results.items():
+        sides = {"gateway": r, **({"baseline": r["baseline"]} if "baseline" in r else {})}
+        print(f"[{cfg}{'*' if cfg == primary else ''}]{'':<24}{'direct':>10}"
+              + "".join(f"{n:>10}{'added':>8}" for n in sides))
+        lm = r["latency_ms"]
+        for p in ("p50", "p99"):
+            print(f"{'  latency ' + p + ' (ms)':<30}{lm['direct'][p]:>10.2f}"
+                  + "".join(f"{lm[n][p]:>10.2f}{s[p + '_added_ms']:>8.2f}"
+                            for n, s in sides.items()))
+        print(f"{'  throughput (req/s), ratio':<30}{r['throughput_rps']['direct_median']:>10.1f}"
+              + "".join(f"{s['throughput_rps']['gateway_median']:>10.1f}"
+                        f"{s['throughput_ratio']:>8.3f}" for s in sides.values()))
+        print(f"{'  gateway CPU ms/request':<30}{'':>10}"
+              + "".join(f"{s['gateway_cpu_ms_per_request']['latency_phase']:>10.3f}{'':>8}"
+                        for s in sides.values())
+              + f"  load {r['load_average']['before'][0]} -> {r['load_average']['after'][0]}")
+        if "versus_baseline" in r:
+            v = r["versus_baseline"]["latency_block_pairs"]
+            print(f"  gateway - baseline, per round of blocks: median {v['median_ms']:+.3f} ms "
+                  f"(quartiles {v['p25_ms']:+.3f}, {v['p75_ms']:+.3f}); gateway slower in "
+                  f"{v['gateway_slower_in_rounds']} of {v['rounds']} rounds")
+    for n, ip in python_us.items():
+        print(f"{n}: own code path in process {ip['own_path_us']} us of "
+              f"{ip['gateway_in_process_us']} us (upstream client alone "
+              f"{ip['upstream_client_alone_us']} us), {ip.get('own_path_python_calls')} Python "
+              f"calls/request" + (f"; {calls[n]['per_request']} syscalls/request "
+                                  f"({calls[n]['per_request_less_idle']} less the idle rate)"
+                                  if calls else ""))
+    print("(* = top-level keys)")
 
 
 if __name__ == "__main__":
