@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.control.effects import WORKERS
+from rolloutcore.control.effects import WORKERS, first_from
 from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
@@ -576,11 +577,16 @@ class LifecycleRunner:
         ticket = out.ticket
         c, a, d = self.controller, self.adapter, self.deadlines
         with self._phase(out):
-            for cache in self._caches_in_order():
-                if cache not in c.pending_resets:
-                    continue
+            resets = [k for k in self._caches_in_order() if k in c.pending_resets]
+            # The resets touch neither the weights nor each other, and the engine stays
+            # paused: the later ones are sent now, beside the first; each is still fed
+            # to the controller in order, under its own deadline (a retry sends again).
+            ahead = {k: WORKERS.submit("invalidate", functools.partial(a.reset_cache, k))
+                     for k in resets[1:]}
+            for cache in resets:
                 self._run_step(ticket, Step.INVALIDATE,
-                               lambda cache=cache: a.reset_cache(cache),  # type: ignore[misc]
+                               first_from(ahead.get(cache),
+                                          functools.partial(a.reset_cache, cache)),
                                lambda ev: c.invalidated(ticket, ev), d.reset_s, out,
                                "invalidate")
             if c.state is not State.VALIDATING:
