@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WORKERS", "EffectWorkers", "Job", "first_from"]
+__all__ = ["WORKERS", "EffectWorkers", "Job"]
 
 #: How often a wait for a job wakes to run a pending Ctrl-C's handler.
 _INTERRUPT_POLL_S = 0.1
@@ -115,26 +115,6 @@ class EffectWorkers:
                 if len(self._idle) >= self._keep:
                     return
                 self._idle.append(inbox)
-
-
-def first_from(job: Job | None, fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn``, whose first call returns what ``job`` (``fn``'s call, submitted ahead)
-    returns or raises, once it is done; later calls (retries) call ``fn`` again."""
-    if job is None:
-        return fn
-    ahead = [job]
-
-    def call() -> Any:
-        if not ahead:
-            return fn()
-        j = ahead.pop()
-        while not j.wait(3600.0):
-            pass  # the supervising effect's deadline (and its cancel) bounds this wait
-        if j.error is not None:
-            raise j.error
-        return j.value
-
-    return call
 
 
 def _done() -> None:

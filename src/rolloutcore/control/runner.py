@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
-from rolloutcore.control.effects import WORKERS, first_from
+from rolloutcore.control.effects import WORKERS
 from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
 from rolloutcore.control.port import (
     HealthObserver,
@@ -577,16 +576,11 @@ class LifecycleRunner:
         ticket = out.ticket
         c, a, d = self.controller, self.adapter, self.deadlines
         with self._phase(out):
-            resets = [k for k in self._caches_in_order() if k in c.pending_resets]
-            # The resets touch neither the weights nor each other, and the engine stays
-            # paused: the later ones are sent now, beside the first; each is still fed
-            # to the controller in order, under its own deadline (a retry sends again).
-            ahead = {k: WORKERS.submit("invalidate", functools.partial(a.reset_cache, k))
-                     for k in resets[1:]}
-            for cache in resets:
+            for cache in self._caches_in_order():
+                if cache not in c.pending_resets:
+                    continue
                 self._run_step(ticket, Step.INVALIDATE,
-                               first_from(ahead.get(cache),
-                                          functools.partial(a.reset_cache, cache)),
+                               lambda cache=cache: a.reset_cache(cache),  # type: ignore[misc]
                                lambda ev: c.invalidated(ticket, ev), d.reset_s, out,
                                "invalidate")
             if c.state is not State.VALIDATING:

@@ -599,6 +599,9 @@ class VllmAdapter(SleepMode):
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
         ops_read = self._side().submit(self._weight_ops_or_none) if self._counts_ops else None
+        wi = h.weight_info()
+        if not wi.label_supported:
+            unverified.append("no weight_version endpoint: label not verified")
         caps = h.capabilities()
         # A transport that can check what it installed (e.g. rc_cuda_ipc's block
         # checksum of the updated slices, computed on the workers) adds its own
@@ -606,20 +609,14 @@ class VllmAdapter(SleepMode):
         # state is read alongside it: both are taken inside the paused window
         # (only the runner resumes, after this returns), one round trip apart.
         checker = self.transport if isinstance(self.transport, CheckingTransport) else None
-        sent = None if st is None else st.sent
         early, self._early = self._early, None
         if early is not None and early[0] != target:
             early = None
         paused_read: Future[bool] | None = None
         if early is not None and early[2] is not None:
             paused_read = early[2]
-        elif Routes.IS_PAUSED in caps and (checker is not None or sent is None):
-            # Beside the label's read rather than after it (a round trip less): both
-            # are inside the paused window, which only the runner ends, after this.
+        elif Routes.IS_PAUSED in caps and checker is not None:
             paused_read = self._side().submit(h.is_paused)
-        wi = h.weight_info()
-        if not wi.label_supported:
-            unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
         ref = None if st is None else st.reference_checksums
         if Routes.WEIGHT_CHECKER not in caps:
@@ -633,6 +630,7 @@ class VllmAdapter(SleepMode):
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
+        sent = None if st is None else st.sent
         early_sent, self._early_sent = self._early_sent, None
         if sent is not None:
             if early_sent is not None and early_sent[0] is sent:
