@@ -18,6 +18,23 @@ rounds published under the gateway's label, not the sender's), and
 ``mislabeled_answers`` (answers after a gateway round whose vLLM spans name
 another version than the one the gateway published).
 
+Each round also has ``calls`` (the sender's start/update/finish and the
+reset, as the sender saw them: seconds from the round's start to the call's
+answer, and its duration) and, through the gateway, ``phases``: the
+gateway's own steps, from its journal (the round's ``native_round`` note
+times the open and each call it forwarded; ``t_mono`` is the host's
+monotonic clock, the benchmark's too): ``ingress`` (the round's start ->
+the controller's ``request_update``: the sender's call on its way, the
+gateway's ``before_open``, its lock and body read, then the thread hop),
+``open`` (the round opened: drain, pause, preflight),
+``vllm_start``/``vllm_update``/``vllm_finish`` (the calls forwarded to
+vLLM), ``close`` (the caches reset, validated while paused, resumed,
+published) with its effects (``invalidate``,
+``validate``, ``resume``, ``validate_live``), and ``answer`` (published ->
+the finish's answer back at the sender). What a sender's call costs beyond
+the server's time (its own HTTP client, per call) is in both paths alike.
+``phase_medians`` are their medians over the measured rounds.
+
     PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py --updates 5
 """
 
@@ -72,6 +89,61 @@ def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Po
         time.sleep(0.1)
 
 
+def _timed_posts(tr: Any, calls: list[dict[str, Any]]) -> None:
+    """Record each of the sender's POSTs (route, start, end) into ``calls``."""
+    post = tr.post
+
+    def timed(base_url: str, path: str, body: Any, timeout_s: float) -> Any:
+        t = time.monotonic()
+        try:
+            return post(base_url, path, body, timeout_s)
+        finally:
+            calls.append({"route": path, "t0": t, "t1": time.monotonic()})
+
+    tr.post = timed
+
+
+def _journal(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _phases(recs: list[dict[str, Any]], t0: float, t_end: float,
+            finish_answered: float) -> dict[str, float]:
+    """The gateway's steps of the round that ran in [t0, t_end], from its journal: the
+    round's note (``gateway_s``: the open and each call forwarded to vLLM, timed by the
+    gateway) and the records' times (the close: note -> commit, and its effects)."""
+    mine = [r for r in recs if t0 <= r["t_mono"] <= t_end]
+    note = next((r for r in mine if r["kind"] == "note"
+                 and r["data"].get("what") == "native_round"), None)
+    commit = next((r for r in mine if r["kind"] == "commit"), None)
+    if note is None or commit is None:
+        return {}
+    noted, committed = float(note["t_mono"]), float(commit["t_mono"])
+    out = {(k if k in ("open", "before_open") else f"vllm_{k.split('_')[0]}"): float(v)
+           for k, v in note["data"].get("gateway_s", {}).items()}
+    opened = next((float(r["t_mono"]) for r in mine if r["kind"] == "request_update"), None)
+    if opened is not None:
+        out["ingress"] = opened - t0
+    out.update(close=committed - noted, answer=finish_answered - committed)
+    for r in mine:
+        if r["kind"] == "effect" and noted <= r["t_mono"] <= committed:
+            step = r["data"]["step"]
+            out[step] = out.get(step, 0.0) + float(r["data"]["seconds"])
+    return out
+
+
+def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per call (its duration at the sender) and per gateway phase: the median."""
+    calls = sorted({k for r in rows for k in r["calls"]})
+    phases = sorted({k for r in rows for k in r.get("phases", {})})
+    out = {"calls": {k: statistics.median(r["calls"][k]["seconds"] for r in rows
+                                          if k in r["calls"]) for k in calls}}
+    if phases:
+        out["phases"] = {k: statistics.median(r["phases"].get(k, 0.0) for r in rows)
+                         for k in phases}
+    return {f: {k: round(v, 4) for k, v in d.items()} for f, d in out.items()}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
@@ -92,19 +164,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mislabeled = assigned = 0
         levels: set[str] = set()
         holds = "A"
+        loads: dict[str, list[list[float]]] = {}
         for path, base in (("direct", engine.base_url), ("native", f"{gw}/rc/{NATIVE}")):
+            loads[path] = [list(os.getloadavg())]
             tr = GlooTransport()
+            posts: list[dict[str, Any]] = []
+            _timed_posts(tr, posts)
             for i in range(args.warmup + args.updates):
                 nxt = "B" if holds == "A" else "A"
+                posts.clear()
                 t0 = time.monotonic()
                 tr.send(base, f"sender-{i}", src[nxt], timeout_s=300)
+                tr_ = time.monotonic()
                 reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60)
-                wall = time.monotonic() - t0
+                t_end = time.monotonic()
+                wall = t_end - t0
                 assert reset.status_code == 200, reset.text
                 holds = nxt
+                posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
                 row: dict[str, Any] = {"path": path, "round": i, "target": nxt, "wall_s": wall,
-                                       "warmup": i < args.warmup}
+                                       "warmup": i < args.warmup, "calls": {
+                                           c["route"].lstrip("/"): {
+                                               "answered_at": round(c["t1"] - t0, 4),
+                                               "seconds": round(c["t1"] - c["t0"], 4)}
+                                           for c in posts}}
                 if path == "native":
+                    fin = next(c["t1"] for c in posts if c["route"] == "/finish_weight_update")
+                    row["phases"] = {k: round(v, 4) for k, v in _phases(
+                        _journal(work / "journal.jsonl"), t0, t_end, fin).items()}
                     st = httpx.get(f"{gw}/control/status", headers=auth, timeout=30).json()
                     label = st["committed"]["label"]
                     assigned += label != f"sender-{i}" and st["state"] == "READY"
@@ -122,15 +209,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows.append(row)
                 print(f"[bench] {path:6s} {i:2d} -> {nxt}: {wall:.3f} s", file=sys.stderr)
             tr.close()
+            loads[path].append(list(os.getloadavg()))
         med = {p: statistics.median(r["wall_s"] for r in rows if r["path"] == p
                                     and not r["warmup"]) for p in ("direct", "native")}
+        measured = [r for r in rows if not r["warmup"]]
+        phase_medians = {path: _medians([r for r in measured if r["path"] == path])
+                         for path in ("direct", "native")}
         return {"benchmark": "native_routes", "machine": platform.platform(),
                 "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                "load_avg_by_path": loads,  # at each path's first round, and after its last
                 "updates": args.updates, "warmup": args.warmup,
                 "direct_median_s": med["direct"], "native_median_s": med["native"],
                 "native_over_direct": med["native"] / med["direct"],
                 "verification": sorted(levels), "labels_assigned": assigned,
-                "mislabeled_answers": mislabeled, "rounds": rows,
+                "mislabeled_answers": mislabeled, "phase_medians": phase_medians,
+                "rounds": rows,
                 "command": "PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py "
                            f"--updates {args.updates} --warmup {args.warmup}"}
     finally:

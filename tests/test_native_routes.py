@@ -66,6 +66,10 @@ async def trl_server_round(r: Any, w: FakeWeights) -> None:
     fin = await post(r, "/finish_weight_update")
     assert fin.status_code == 200, fin.text
     assert fin.json() == {"message": "Weight update finished"}
+    # the answer that published says under which label, and at which level: the level
+    # a trainer that declared nothing reaches, never one it did not (the body is vLLM's)
+    assert fin.headers["x-rolloutcore-verification"] == "native-unreferenced"
+    assert fin.headers["x-rolloutcore-version"] == r.controller.snapshot()["committed"]["label"]
     reset = await post(r, "/reset_prefix_cache")
     assert reset.status_code == 200 and reset.json() == {"success": True}
 
@@ -82,6 +86,11 @@ async def test_trl_server_mode_sequence_publishes_under_the_gateways_label() -> 
         assert len(notes) == 1 and notes[0]["level"] == "native-unreferenced"
         assert notes[0]["label"] == label and notes[0]["tensors"] == len(W1.tensors)
         assert notes[0]["opened_by"] == "start" and len(notes[0]["sent_manifest_digest"]) == 64
+        # the gateway's own time in the round, by step, before the close
+        assert set(notes[0]["gateway_s"]) == {"before_open", "open", "start_weight_update",
+                                              "update_weights",
+                                              "finish_weight_update"}
+        assert all(v >= 0 for v in notes[0]["gateway_s"].values())
         info = await r.client.get(BASE + "/weight_info")
         assert info.json() == {"weight_version": label}
         # generation now names the published version and computes W1's policy
@@ -125,6 +134,8 @@ async def test_async_grpo_sequence_pause_keep_publishes_at_resume() -> None:
         assert res.status_code == 200 and res.json() == {"status": "resumed"}
         snap = r.controller.snapshot()
         assert snap["state"] == "READY" and snap["committed"]["label"] == r.engine.label
+        assert res.headers["x-rolloutcore-version"] == snap["committed"]["label"]
+        assert res.headers["x-rolloutcore-verification"] == "native-unreferenced"
         assert r.engine.label != "mine" and r.engine.weights_digest == W1.digest
         assert (await r.client.get(BASE + "/is_paused")).json() == {"is_paused": False}
 
@@ -151,6 +162,31 @@ async def test_a_wrong_tensor_taints_and_publishes_nothing() -> None:
         assert "error" in resp.json()
         assert r.controller.state is State.TAINTED
         assert r.controller.snapshot()["committed"] == before
+
+
+async def test_a_wrong_but_well_shaped_tensor_is_published_at_the_unreferenced_level() -> None:
+    """No reference declared: values are not checked, and nothing says they were. The
+    answer, the round's note and the commit name what was checked, no more."""
+    async with native_rig() as r:
+        name = sorted(W1.tensors)[0]
+        wrong = dict(W1.tensors)
+        wrong[name] = bytes(len(wrong[name]))  # right shape, wrong values
+        assert (await post(r, "/start_weight_update")).status_code == 200
+        assert (await post(r, "/update_weights", update_body(W1, data=wrong))).status_code == 200
+        fin = await post(r, "/finish_weight_update")
+        assert fin.status_code == 200, fin.text
+        assert fin.headers["x-rolloutcore-verification"] == "native-unreferenced"
+        assert r.engine.weights_digest != W1.digest        # the wrong values serve
+        notes = [n for n in r.kinds("note") if n.get("what") == "native_round"]
+        assert notes[-1]["level"] == "native-unreferenced"
+        assert notes[-1]["values_checked"] is False
+        commit = r.kinds("commit")[-1]
+        # no reference was invented: no content digest, no checksum or probe level
+        assert commit["identity"]["content_digest"] is None
+        # the controller's level for "the engine reports the assigned label" (docs)
+        assert commit["identity"]["verification"] == "manifest"
+        assert not [c for v in r.kinds("evidence") if v.get("event") == "validated"
+                    for c in v["evidence"].get("checks", []) if c.get("passed")]
 
 
 async def test_a_skipped_tensor_is_refused_against_the_last_rounds_manifest() -> None:

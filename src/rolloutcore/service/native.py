@@ -45,6 +45,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,12 +56,24 @@ from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.routes import NATIVE_PREFIX, NATIVE_ROUTES, Routes
 from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.service.config import ServiceConfig
-from rolloutcore.service.wire import Receive, Scope, Send, body_or_answer, error_body, send_json
+from rolloutcore.service.wire import (
+    VERSION_HEADER,
+    Receive,
+    Scope,
+    Send,
+    body_or_answer,
+    error_body,
+    send_json,
+)
 
-__all__ = ["NATIVE_LEVEL", "Failed", "NativeRefusal", "NativeRoutes", "RoundBackend"]
+__all__ = ["NATIVE_LEVEL", "VERIFICATION_HEADER", "Failed", "NativeRefusal", "NativeRoutes",
+           "RoundBackend"]
 
 #: The verification level a round reaches when the trainer declares nothing.
 NATIVE_LEVEL = "native-unreferenced"
+#: The header of the answer that published a round: the level it reached (beside
+#: ``x-rolloutcore-version``, the label it was published under); the body stays vLLM's.
+VERIFICATION_HEADER = "x-rolloutcore-verification"
 _MODES = ("abort", "wait", "keep")
 _MAX_NAMES = 1 << 20
 
@@ -141,6 +154,18 @@ class _Round:
     writes: int = 0
     trainer_label: str | None = None
     timer: asyncio.Task[None] | None = None
+    #: The gateway's own time in the round: the open (drain, pause) and each call
+    #: forwarded to vLLM, by route (recorded in the round's note).
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Published:
+    """The answer of the call that published a round: vLLM's body, and headers naming
+    the label and the level it was published at."""
+
+    body: Any
+    headers: tuple[tuple[bytes, bytes], ...]
 
 
 class NativeRoutes:
@@ -175,6 +200,7 @@ class NativeRoutes:
         return "/" + route
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        arrived = time.monotonic()
         route = self.path_of(scope["path"])
         if route is None or route not in NATIVE_ROUTES:
             await send_json(send, 404, error_body(404, "Not Found", "NotFoundError"))
@@ -195,12 +221,15 @@ class NativeRoutes:
         query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode(
             "latin-1")).items()}
         try:
-            status, body = await self.handle(route, query, raw)
+            status, body = await self.handle(route, query, raw, arrived=arrived)
         except _Refusal as r:
             status, body = r.status, error_body(r.status, r.message, r.kind)
         if route == Routes.HEALTH and status == 200:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b""})
+            return
+        if isinstance(body, _Published):
+            await send_json(send, status, body.body, body.headers)
             return
         await send_json(send, status, body)
 
@@ -212,8 +241,8 @@ class NativeRoutes:
         await self.backend.aclose()
 
     # ------------------------------------------------------------ routes
-    async def handle(self, route: str, query: Mapping[str, str], raw: bytes
-                     ) -> tuple[int, Any]:
+    async def handle(self, route: str, query: Mapping[str, str], raw: bytes, *,
+                     arrived: float | None = None) -> tuple[int, Any]:
         b = self.backend
         if route == Routes.HEALTH:
             why = b.health()
@@ -240,9 +269,9 @@ class NativeRoutes:
                                    "engine before /pause or /start_weight_update")
                 return await b.init(body)
             if route == Routes.PAUSE:
-                return await self._pause(query)
+                return await self._pause(query, arrived)
             if route == Routes.START_UPDATE:
-                return await self._start(body)
+                return await self._start(body, arrived)
             if route == Routes.UPDATE_WEIGHTS:
                 return await self._update(body)
             if route == Routes.FINISH_UPDATE:
@@ -250,7 +279,7 @@ class NativeRoutes:
             assert route == Routes.RESUME
             return await self._resume()
 
-    async def _pause(self, query: Mapping[str, str]) -> tuple[int, Any]:
+    async def _pause(self, query: Mapping[str, str], arrived: float | None) -> tuple[int, Any]:
         mode = query.get("mode", "abort")
         if mode not in _MODES:
             raise _Refusal(422, f"mode must be one of {', '.join(_MODES)}, got {mode!r}",
@@ -258,16 +287,16 @@ class NativeRoutes:
         if query.get("clear_cache", "true").lower() not in ("true", "false", "1", "0"):
             raise _Refusal(422, "clear_cache must be a boolean", "BadRequestError")
         if self.round is None:
-            await self._open("pause", mode)
+            await self._open("pause", mode, arrived)
         return 200, {"status": "paused"}
 
-    async def _start(self, body: dict[str, Any]) -> tuple[int, Any]:
+    async def _start(self, body: dict[str, Any], arrived: float | None) -> tuple[int, Any]:
         rnd = self.round
         if rnd is not None and rnd.started:
             raise _Refusal(409, "this round's weight update has already started (one "
                            "trainer, one start per round)")
         if rnd is None:
-            rnd = await self._open("start", "wait")
+            rnd = await self._open("start", "wait", arrived)
         await self._engine(rnd, Routes.START_UPDATE, body or None, mutation_started=False)
         rnd.started = True
         return 200, {"message": "Weight update started"}
@@ -303,9 +332,10 @@ class NativeRoutes:
         await self._engine(rnd, Routes.FINISH_UPDATE, {"weight_version": rnd.label},
                            mutation_started=True)
         rnd.finished = True
+        answer = {"message": "Weight update finished"}
         if rnd.opened_by == "start":
-            await self._close(rnd)
-        return 200, {"message": "Weight update finished"}
+            return 200, await self._close(rnd, answer)
+        return 200, answer
 
     async def _resume(self) -> tuple[int, Any]:
         rnd = self.round
@@ -319,11 +349,10 @@ class NativeRoutes:
             await self._fail(rnd, FailureKind.ERROR, "resumed before /finish_weight_update: "
                              "the weights may be half-written")
             raise _Refusal(409, "resumed before /finish_weight_update")
-        await self._close(rnd)
-        return 200, {"status": "resumed"}
+        return 200, await self._close(rnd, {"status": "resumed"})
 
     # ------------------------------------------------------------ the round
-    async def _open(self, opened_by: str, mode: str) -> _Round:
+    async def _open(self, opened_by: str, mode: str, arrived: float | None) -> _Round:
         floor = self.backend.floor
         if floor > VerificationLevel.DECLARED:
             raise _Refusal(422, f"this gateway's verification floor is {floor.wire!r}; a "
@@ -331,17 +360,19 @@ class NativeRoutes:
                            "(serve --min-verification declared to accept it)",
                            "BadRequestError")
         self.rounds += 1
-        try:
-            handle, label = await self.backend.open(self.rounds)
-        except _Refusal:
-            raise
+        t0 = time.monotonic()
+        handle, label = await self.backend.open(self.rounds)
         rnd = _Round(handle, label, opened_by, mode)
+        rnd.seconds["open"] = time.monotonic() - t0
+        if arrived is not None:  # the opening call's wait for the round lock, its body
+            rnd.seconds["before_open"] = t0 - arrived
         self.round = rnd
         rnd.timer = asyncio.get_running_loop().create_task(self._deadline(rnd))
         return rnd
 
-    async def _close(self, rnd: _Round) -> None:
-        """Report what was forwarded, then the backend's close: reset, validate, publish."""
+    async def _close(self, rnd: _Round, answer: dict[str, Any]) -> _Published:
+        """Report what was forwarded, then the backend's close: reset, validate, publish;
+        ``answer`` (vLLM's body) with the headers that say what was published."""
         missing = sorted(set(self.manifest) - set(rnd.written))
         if missing:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
@@ -352,15 +383,20 @@ class NativeRoutes:
         # manifest's digest names the exact set a sample's version was made from.
         digest = hashlib.sha256(json.dumps(
             sorted([n, d, list(s)] for n, (d, s) in rnd.written.items())).encode()).hexdigest()
-        note = {"level": NATIVE_LEVEL, "opened_by": rnd.opened_by, "pause_mode": rnd.mode,
+        note = {"level": NATIVE_LEVEL, "values_checked": False,  # no reference was declared
+                "opened_by": rnd.opened_by, "pause_mode": rnd.mode,
                 "tensors": len(rnd.written), "update_calls": rnd.writes,
-                "sent_manifest_digest": digest, "trainer_label": rnd.trainer_label}
+                "sent_manifest_digest": digest, "trainer_label": rnd.trainer_label,
+                "gateway_s": {k: round(v, 6) for k, v in rnd.seconds.items()}}
         result = await self.backend.close(rnd.handle, dict(rnd.written), note)
         self._end(rnd, result)
         if result.get("status") != "published":
             raise _Refusal(409, f"the round failed ({result.get('classification')}): "
                            f"{result.get('reason')}")
         self.manifest = dict(rnd.written)
+        return _Published(answer, (
+            (VERSION_HEADER.encode(), str(result.get("label", rnd.label)).encode()),
+            (VERIFICATION_HEADER.encode(), str(result.get("verification", NATIVE_LEVEL)).encode())))
 
     async def _fail(self, rnd: _Round, kind: FailureKind, reason: str, *,
                     status: int = 409) -> None:
@@ -389,7 +425,10 @@ class NativeRoutes:
     async def _engine(self, rnd: _Round, route: str, body: dict[str, Any] | None, *,
                       mutation_started: bool) -> None:
         """A round's call to vLLM: any failure ends the round (TAINTED once written)."""
+        t0 = time.monotonic()
         got = await self.backend.send(rnd.handle, route, body)
+        key = route.lstrip("/")
+        rnd.seconds[key] = rnd.seconds.get(key, 0.0) + time.monotonic() - t0
         if got is None:
             return
         wrote = mutation_started or rnd.writes > 0
