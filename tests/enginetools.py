@@ -12,8 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,19 @@ import httpx
 
 from rolloutcore.engine.process import ManagedEngine, free_port
 
-__all__ = ["MAX_ALIVE", "EngineFactory", "TinyModels", "gateway_process", "kill_engine",
-           "merge_rows"]
+__all__ = ["MAX_ALIVE", "ROOT", "EngineFactory", "Greedy", "NativeGateway", "ServeEngines",
+           "TinyModels", "gateway_process", "kill_engine", "merge_rows", "spawn_serve"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 MAX_ALIVE = 2
+
+#: Greedy token ids and their logprobs, per prompt (``fleettools_engine.greedy``).
+Greedy = list[tuple[list[int], list[float]]]
+#: The launch fixtures of tests/engine/conftest.py (``native_gateway``, ``serve_engines``).
+NativeGateway = Callable[..., contextlib.AbstractContextManager[str]]
+ServeEngines = Callable[..., contextlib.AbstractContextManager[
+    tuple[str, subprocess.Popen[bytes]]]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,44 @@ class EngineFactory:
         eng.start()
         return eng
 
+    def together(self, *starts: tuple[Path, Mapping[str, Any]]) -> list[ManagedEngine]:
+        """Started engines, one per ``(model_dir, kwargs)``, in that order, all started at
+        once (a thread each).
+
+        A start spends most of its time importing and compiling in one process after
+        another, on one core: two started at once take about as long as one on the
+        2-core machine. If any start fails, the others are stopped and the first
+        failure is raised.
+        """
+        if len(self.alive()) + len(starts) > self.max_alive:
+            raise RuntimeError(
+                f"{len(self.alive())} test engines alive and {len(starts)} asked for "
+                f"(max {self.max_alive}): {self.alive()}")
+        engines: list[ManagedEngine] = []
+        for model_dir, kwargs in starts:
+            kw = {"log_dir": self.log_dir, "startup_timeout_s": 600.0, **kwargs}
+            engines.append(ManagedEngine(model_dir, **kw))
+        self._all.extend(engines)
+        errors: list[BaseException] = []
+
+        def start(eng: ManagedEngine) -> None:
+            try:
+                eng.start()
+            except BaseException as exc:  # raised below, in the caller's thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(e,), name=f"start-{i}")
+                   for i, e in enumerate(engines)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            for eng in engines:
+                eng.stop()
+            raise errors[0]
+        return engines
+
     def shared(self, key: str, model_dir: Path, **kwargs: Any) -> ManagedEngine:
         """The session's engine for ``key``, started on first use (restarted if it died).
 
@@ -97,22 +143,32 @@ class EngineFactory:
             raise errors[0]
 
 
-@contextlib.contextmanager
-def gateway_process(upstream: str, checkpoint: Path, token_file: Path, log: Path,
-                    extra: Sequence[str] = ()) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``python -m rolloutcore serve --upstream ...`` in its own process group.
-
-    Yields (its URL, the process) once ``/health`` answers; stops the group on exit.
-    """
+def spawn_serve(args: Sequence[str], log: Path, env: Mapping[str, str] | None = None
+                ) -> tuple[str, subprocess.Popen[bytes]]:
+    """``python -m rolloutcore serve --port <free> *args`` in its own process group, its
+    output in ``log``, ``env`` added to this process's environment: (its URL, the
+    process), at once (not yet answering)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", upstream,
-           "--checkpoint", str(checkpoint), "--port", str(port), "--token-file",
-           str(token_file), *extra]
+    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--port", str(port), *args]
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
                                 start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
-    url = f"http://127.0.0.1:{port}"
+                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                     **(env or {})})
+    return f"http://127.0.0.1:{port}", proc
+
+
+@contextlib.contextmanager
+def gateway_process(upstream: str, checkpoint: Path, token_file: Path, log: Path,
+                    extra: Sequence[str] = (), env: Mapping[str, str] | None = None
+                    ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m rolloutcore serve --upstream ...`` in its own process group (``env``
+    added to this process's environment).
+
+    Yields (its URL, the process) once ``/health`` answers; stops the group on exit.
+    """
+    url, proc = spawn_serve(["--upstream", upstream, "--checkpoint", str(checkpoint),
+                             "--token-file", str(token_file), *extra], log, env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -176,4 +232,4 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path,
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
+        time.sleep(0.1)

@@ -82,19 +82,6 @@ def _prompt(seed: int, n: int = 40) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def cold_b(engine_factory: EngineFactory, tiny_models: TinyModels) -> dict[bool, list[int]]:
-    """What a server cold-started on B generates for the cache control's requests."""
-    eng = engine_factory(tiny_models.B, backend=None, extra_args=["--enforce-eager"])
-    try:
-        with VllmHTTP(eng.base_url, timeout_s=120) as h:
-            return {k: list(h.generate([*p, *TAIL], max_tokens=16, ignore_eos=True,
-                                       logprobs=False).token_ids)
-                    for k, p in CACHE_PROMPTS.items()}
-    finally:
-        engine_factory.stop(eng)
-
-
 class Serving:
     """Which checkpoint the module's engine holds (tests alternate A and B)."""
 
@@ -110,20 +97,43 @@ class Serving:
 
 
 @pytest.fixture(scope="module")
-def engine(engine_factory: EngineFactory, tiny_models: TinyModels,
-           cold_b: dict[bool, list[int]]) -> Iterator[ManagedEngine]:
-    """The paced engine on A (8 ms of sleep per step: long rollouts outlast two updates)."""
+def started(engine_factory: EngineFactory, tiny_models: TinyModels
+            ) -> Iterator[tuple[ManagedEngine, dict[bool, list[int]]]]:
+    """The paced engine on A (8 ms of sleep per step: long rollouts outlast two updates),
+    and what a server cold-started on B generates for the cache control's requests.
+
+    Both start at once; the cold one is stopped as soon as it has answered.
+    """
     import slowstep
 
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    eng = engine_factory(tiny_models.A, extra_args=(
-        "--logits-processors", "slowstep:SlowStep", "--enforce-eager"),
-        env={"PYTHONPATH": path, slowstep.ENV: "0.008"})
+    eng, cold = engine_factory.together(
+        (tiny_models.A, {"extra_args": ("--logits-processors", "slowstep:SlowStep",
+                                        "--enforce-eager"),
+                         "env": {"PYTHONPATH": path, slowstep.ENV: "0.008"}}),
+        (tiny_models.B, {"backend": None, "extra_args": ["--enforce-eager"]}))
     try:
-        yield eng
+        try:
+            with VllmHTTP(cold.base_url, timeout_s=120) as h:
+                reference = {k: list(h.generate([*p, *TAIL], max_tokens=16, ignore_eos=True,
+                                                logprobs=False).token_ids)
+                             for k, p in CACHE_PROMPTS.items()}
+        finally:
+            engine_factory.stop(cold)
+        yield eng, reference
     finally:
         engine_factory.stop(eng)
+
+
+@pytest.fixture(scope="module")
+def cold_b(started: tuple[ManagedEngine, dict[bool, list[int]]]) -> dict[bool, list[int]]:
+    return started[1]
+
+
+@pytest.fixture(scope="module")
+def engine(started: tuple[ManagedEngine, dict[bool, list[int]]]) -> ManagedEngine:
+    return started[0]
 
 
 @pytest.fixture(scope="module")

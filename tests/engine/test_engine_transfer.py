@@ -82,22 +82,33 @@ def hot_update(eng: ManagedEngine, tr: GlooTransport, src: WeightSource, label: 
 
 
 @pytest.fixture(scope="module")
-def reference_b(engine_factory: EngineFactory, tiny_models: TinyModels) -> Outputs:
-    """What a server cold-started on B computes. The server is stopped right after."""
-    eng = engine_factory(tiny_models.B, backend=None)
+def engines(engine_factory: EngineFactory, tiny_models: TinyModels
+            ) -> Iterator[tuple[ManagedEngine, Outputs]]:
+    """The hot server on A, and what a server cold-started on B computes.
+
+    Both start at once; the cold one is stopped as soon as it has answered.
+    """
+    hot, cold = engine_factory.together(
+        (tiny_models.A, {}),                # default backend: rolloutcore_gloo
+        (tiny_models.B, {"backend": None}))
     try:
-        return generate(eng)
+        try:
+            reference = generate(cold)
+        finally:
+            engine_factory.stop(cold)
+        yield hot, reference
     finally:
-        engine_factory.stop(eng)
+        engine_factory.stop(hot)
 
 
 @pytest.fixture(scope="module")
-def hot(engine_factory: EngineFactory, tiny_models: TinyModels) -> Iterator[ManagedEngine]:
-    eng = engine_factory(tiny_models.A)  # default backend: rolloutcore_gloo
-    try:
-        yield eng
-    finally:
-        engine_factory.stop(eng)
+def reference_b(engines: tuple[ManagedEngine, Outputs]) -> Outputs:
+    return engines[1]
+
+
+@pytest.fixture(scope="module")
+def hot(engines: tuple[ManagedEngine, Outputs]) -> ManagedEngine:
+    return engines[0]
 
 
 @pytest.fixture()

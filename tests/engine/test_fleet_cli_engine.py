@@ -13,21 +13,18 @@ with two TP=2 engines (`--tensor-parallel-size 2`).
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from fleettools_engine import greedy
 
-from enginetools import TinyModels, stop_group, wait_healthy
-from rolloutcore.engine.process import ManagedEngine, vllm_available
+from enginetools import Greedy, ServeEngines, TinyModels
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.fleet.gateway import FLEET_VERSION_HEADER, REPLICA_HEADER
-from rolloutcore.transports.net import free_port
 
 pytestmark = [
     pytest.mark.engine,
@@ -35,11 +32,8 @@ pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "fleet-cli-token-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-
-
 
 
 #: Two TP=2 engines are four ranks: on this 2-core host they share the cores by the
@@ -48,29 +42,16 @@ SHARED = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "ROLLOUTCORE_VLLM_IDLE_SPIN_S": "0
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1", "tp2"])
-def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModels,
-                                                          tmp_path: Path, tp: int) -> None:
+def test_serve_engines_2_starts_updates_and_stops_a_fleet(
+        tiny_models: TinyModels, tmp_path: Path, tp: int, cold_greedy: Callable[..., Greedy],
+        serve_engines: ServeEngines) -> None:
     env = SHARED if tp > 1 else {}
-    ref = ManagedEngine(tiny_models.B, backend=None, log_dir=tmp_path / "ref",
-                        startup_timeout_s=600, tensor_parallel_size=tp, env=env)
-    ref.start()
-    try:
-        ref_b = greedy(ref.base_url)
-    finally:
-        ref.stop()
-    port = free_port()
+    ref_b = cold_greedy(tiny_models.B, tensor_parallel_size=tp, env=env)
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2",
-           "--model", str(tiny_models.A), "--port", str(port), "--token", TOKEN,
-           "--workdir", str(tmp_path / "work"), "--tensor-parallel-size", str(tp)]
-    with open(log, "wb") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **env})
-    url = f"http://127.0.0.1:{port}"
+    args = ["--engines", "2", "--model", str(tiny_models.A), "--token", TOKEN,
+            "--workdir", str(tmp_path / "work"), "--tensor-parallel-size", str(tp)]
     engine_urls: list[str] = []
-    try:
-        wait_healthy(url, proc, log, 900)
+    with serve_engines(args, log, env) as (url, proc):
         text = log.read_text()
         assert "starting 2 vLLM engines as local processes" in text
         st = httpx.get(f"{url}/control/status", headers=AUTH, timeout=30).json()
@@ -94,7 +75,7 @@ def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModel
             if job["state"] != "running":
                 break
             assert time.monotonic() < deadline, job
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert job["state"] == "published", job
         assert job["result"]["transfer"] == "fanout"
         assert job["result"]["outcomes"] == {"e0": "passed", "e1": "passed"}
@@ -110,8 +91,6 @@ def test_serve_engines_2_starts_updates_and_stops_a_fleet(tiny_models: TinyModel
             replicas.add(a.headers[REPLICA_HEADER])
         assert replicas <= {"e0", "e1"} and replicas
         assert [greedy(u) for u in engine_urls] == [ref_b, ref_b]
-    finally:
-        stop_group(proc, 120)
     assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
     for u in engine_urls:  # the gateway stopped its engines on the way out
         with pytest.raises(httpx.HTTPError):

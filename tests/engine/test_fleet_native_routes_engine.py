@@ -13,22 +13,21 @@ Slow lane: two engines and a reference engine cold-start on a 2-core host.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 from fleettools_engine import greedy
 
-from enginetools import TinyModels, stop_group, wait_healthy
-from rolloutcore.engine.process import ManagedEngine, vllm_available
+from enginetools import Greedy, ServeEngines, TinyModels
+from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import RolloutCoreError
 from rolloutcore.transports.gloo import GlooTransport
-from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
 
 pytestmark = [
@@ -37,7 +36,6 @@ pytestmark = [
     pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed"),
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "fleet-native-token-0123456789abcdef"
 NATIVE = "fleet-native-path-0123456789abcdef"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -53,30 +51,15 @@ def _pid_listening_on(port: int) -> int:
 
 
 def test_a_two_engine_fleet_behind_one_url_is_updated_by_an_unmodified_sender(
-        tiny_models: TinyModels, tmp_path: Path) -> None:
-    ref = ManagedEngine(tiny_models.B, backend=None, log_dir=tmp_path / "ref",
-                        startup_timeout_s=600)
-    ref.start()
-    try:
-        ref_b = greedy(ref.base_url)
-    finally:
-        ref.stop()
-    port = free_port()
-    log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "rolloutcore", "serve", "--engines", "2",
-           "--model", str(tiny_models.A), "--port", str(port), "--token", TOKEN,
-           "--workdir", str(tmp_path / "work"), "--native-routes",
-           "--min-verification", "declared", "--health-interval-s", "0"]
-    with open(log, "wb") as lf:
-        proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
-                                     "ROLLOUTCORE_NATIVE_TOKEN": NATIVE})
-    url = f"http://127.0.0.1:{port}"
-    base = f"{url}/rc/{NATIVE}"
-    tr = GlooTransport()
-    try:
-        wait_healthy(url, proc, log, 900)
+        tiny_models: TinyModels, tmp_path: Path, cold_greedy: Callable[..., Greedy],
+        serve_engines: ServeEngines) -> None:
+    ref_b = cold_greedy(tiny_models.B)
+    args = ["--engines", "2", "--model", str(tiny_models.A), "--token", TOKEN,
+            "--workdir", str(tmp_path / "work"), "--native-routes",
+            "--min-verification", "declared", "--health-interval-s", "0"]
+    with serve_engines(args, tmp_path / "serve.log", {"ROLLOUTCORE_NATIVE_TOKEN": NATIVE}
+                       ) as (url, proc), contextlib.closing(GlooTransport()) as tr:
+        base = f"{url}/rc/{NATIVE}"
 
         def status() -> dict[str, object]:
             return dict(httpx.get(f"{url}/control/status", headers=AUTH, timeout=30).json())
@@ -122,7 +105,4 @@ def test_a_two_engine_fleet_behind_one_url_is_updated_by_an_unmodified_sender(
         reps = {r["name"]: r for r in st["replicas"]}  # type: ignore[attr-defined]
         assert reps["e0"]["in_pool"] and not reps["e1"]["in_pool"]
         assert greedy(engines["e0"]) == ref_b
-    finally:
-        tr.close()
-        stop_group(proc, 120)
-    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "serve.log").read_text()[-3000:]

@@ -116,12 +116,26 @@ class Rig:
 
 
 @pytest.fixture(scope="module")
-def rig(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
-        ) -> Iterator[Rig]:
+def vlm(engine_factory: EngineFactory, tmp_path_factory: pytest.TempPathFactory
+        ) -> Iterator[tuple[Path, Path, Path, ManagedEngine, ManagedEngine]]:
+    """The VLM pair's root, A and B, and two engines cold-started on B at once: the
+    module's, and one no test touches until the gateway test takes it."""
     root = tmp_path_factory.mktemp("vlm")
     a, b = make_vlm_pair(root)
+    kw = {"extra_args": ["--enforce-eager", ITERATION_LOG_FLAG]}
+    eng, fresh = engine_factory.together((b, kw), (b, kw))
+    try:
+        yield root, a, b, eng, fresh
+    finally:
+        engine_factory.stop(fresh)
+        engine_factory.stop(eng)
+
+
+@pytest.fixture(scope="module")
+def rig(engine_factory: EngineFactory,
+        vlm: tuple[Path, Path, Path, ManagedEngine, ManagedEngine]) -> Iterator[Rig]:
+    root, a, b, eng, _ = vlm
     probes = {"A": vlm_probe(a), "B": vlm_probe(b)}
-    eng = engine_factory(b, extra_args=["--enforce-eager", ITERATION_LOG_FLAG])
     proxy = FaultProxy(eng.base_url).start()
     s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=120.0), GlooTransport(op_timeout_s=60),
                       engine=eng, journal_path=root / "journal.jsonl")
@@ -214,7 +228,8 @@ def test_the_vision_tower_travels_and_checksums_cover_it(
 
 
 def test_images_through_the_gateway_are_bound_recorded_and_checked(
-        rig: Rig, cold: Observation, engine_factory: EngineFactory, tmp_path: Path) -> None:
+        rig: Rig, cold: Observation, engine_factory: EngineFactory, tmp_path: Path,
+        vlm: tuple[Path, Path, Path, ManagedEngine, ManagedEngine]) -> None:
     """The gateway (own process) in front of a VLM engine: chat and generate with images.
 
     Its own engine, cold on B: the module's engine was updated by the session, and a
@@ -227,7 +242,7 @@ def test_images_through_the_gateway_are_bound_recorded_and_checked(
     ref = tmp_path / "b.checksums.json"
     ref.write_text(json.dumps(rig.cold_b.to_dict()))
     png = make_image_png(7)
-    fresh = engine_factory(rig.b, extra_args=["--enforce-eager", ITERATION_LOG_FLAG])
+    fresh = vlm[4]  # started with the module's engine, untouched until now
     try:
         _images_through(fresh, rig, cold, token_file, traj, journal, ref, png, tmp_path)
     finally:

@@ -14,7 +14,6 @@ refused at finish with a 4xx, TAINTED, nothing published.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginetools import EngineFactory, TinyModels, gateway_process
+from enginetools import EngineFactory, NativeGateway, TinyModels
 from rolloutcore.engine.process import vllm_available
 from rolloutcore.errors import RolloutCoreError
 from rolloutcore.transports.gloo import GlooTransport
@@ -40,20 +39,15 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def native(engine_factory: EngineFactory, tiny_models: TinyModels,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any, TinyModels]]:
+           native_gateway: NativeGateway, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, Any, TinyModels]]:
     work = tmp_path_factory.mktemp("native")
     eng = engine_factory(tiny_models.A, backend="rolloutcore_gloo")
-    token_file = work / "token"
-    token_file.write_text(TOKEN + "\n")
-    os.environ["ROLLOUTCORE_NATIVE_TOKEN"] = NATIVE
     try:
-        with gateway_process(eng.base_url, tiny_models.A, token_file, work / "gateway.log",
-                             ["--native-routes", "--min-verification", "declared",
-                              "--journal", str(work / "journal.jsonl")]) as (url, _proc):
-            os.environ.pop("ROLLOUTCORE_NATIVE_TOKEN", None)
+        with native_gateway(eng, tiny_models.A, work, TOKEN, NATIVE,
+                            ["--journal", str(work / "journal.jsonl")]) as url:
             yield url, eng, tiny_models
     finally:
-        os.environ.pop("ROLLOUTCORE_NATIVE_TOKEN", None)
         engine_factory.stop(eng)
 
 

@@ -2,8 +2,8 @@
 
 1. After A -> B through ``/rc/<token>`` (the unmodified gloo sender, by base URL),
    greedy ids and logprobs through the gateway and from the engine equal those of a
-   cold engine started on B (started first, then stopped: two engines never share
-   the host's two cores).
+   cold engine started on B (started beside the first one, and stopped as soon as it
+   has answered, before anything is sent).
 2. vLLM's own trainer-side control plane, unmodified: ``WeightTransferTrainerFactory``
    with the ``rolloutcore_gloo`` trainer engine registered through its public
    ``register_engine`` (``transports.vllm_trainer``), ``HTTPVLLMWeightSyncClient``
@@ -33,7 +33,7 @@ import httpx
 import pytest
 from fleettools_engine import greedy
 
-from enginetools import EngineFactory, TinyModels, gateway_process
+from enginetools import EngineFactory, NativeGateway, TinyModels
 from rolloutcore.engine.process import vllm_available
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
@@ -69,31 +69,35 @@ GlooTransport(op_timeout_s=60).send(base, "x", WeightSource.from_checkpoint(ckpt
 
 
 @pytest.fixture(scope="module")
-def ref_b(engine_factory: EngineFactory, tiny_models: TinyModels) -> Any:
-    eng = engine_factory(tiny_models.B, backend=None)
+def proofs(engine_factory: EngineFactory, tiny_models: TinyModels,
+           native_gateway: NativeGateway, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[str, Any, Any]]:
+    """The gateway (with native routes) in front of an engine on A, and what an engine
+    cold-started on B computes. The two engines start at once; the cold one is stopped
+    as soon as it has answered, before the gateway starts."""
+    work = tmp_path_factory.mktemp("proofs")
+    eng, cold = engine_factory.together((tiny_models.A, {"backend": "rolloutcore_gloo"}),
+                                        (tiny_models.B, {"backend": None}))
     try:
-        return greedy(eng.base_url)
+        try:
+            reference = greedy(cold.base_url)
+        finally:
+            engine_factory.stop(cold)
+        with native_gateway(eng, tiny_models.A, work, TOKEN, NATIVE,
+                            ["--lease-s", "120"]) as url:
+            yield url, eng, reference
     finally:
         engine_factory.stop(eng)
 
 
 @pytest.fixture(scope="module")
-def gateway(engine_factory: EngineFactory, tiny_models: TinyModels, ref_b: Any,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any]]:
-    work = tmp_path_factory.mktemp("proofs")
-    eng = engine_factory(tiny_models.A, backend="rolloutcore_gloo")
-    token_file = work / "token"
-    token_file.write_text(TOKEN + "\n")
-    os.environ["ROLLOUTCORE_NATIVE_TOKEN"] = NATIVE
-    try:
-        with gateway_process(eng.base_url, tiny_models.A, token_file, work / "gateway.log",
-                             ["--native-routes", "--min-verification", "declared",
-                              "--lease-s", "120"]) as (url, _proc):
-            os.environ.pop("ROLLOUTCORE_NATIVE_TOKEN", None)
-            yield url, eng
-    finally:
-        os.environ.pop("ROLLOUTCORE_NATIVE_TOKEN", None)
-        engine_factory.stop(eng)
+def ref_b(proofs: tuple[str, Any, Any]) -> Any:
+    return proofs[2]
+
+
+@pytest.fixture(scope="module")
+def gateway(proofs: tuple[str, Any, Any]) -> tuple[str, Any]:
+    return proofs[0], proofs[1]
 
 
 def _status(url: str) -> dict[str, Any]:
