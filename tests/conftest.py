@@ -51,6 +51,41 @@ def _share_default_tls_contexts() -> None:
 
 _share_default_tls_contexts()
 
+
+def _interruptible_like_a_terminal() -> None:
+    """A test run started in the background (``cmd &`` in a script: SIGINT ignored) or
+    under ``nohup`` (SIGHUP ignored) hands those dispositions to every process it starts,
+    and Python installs no KeyboardInterrupt handler where SIGINT is ignored at start.
+    The Ctrl-C, SIGTERM and SIGHUP tests (ours and their child processes) then see
+    nothing. The run is made to behave as one started from a terminal: SIGINT raises
+    KeyboardInterrupt here, and a hangup is absorbed by a handler of this process only
+    (a handler, unlike an ignore, is reset to the default in every child it execs)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda signum, frame: None)
+
+
+_interruptible_like_a_terminal()
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions_per_test() -> Any:
+    """Each test starts interruptible (above) and leaves SIGINT, SIGTERM and SIGHUP as it
+    found them: a test or an import that ignores or replaces one (a server run in the
+    main thread, an engine's import) must not make every later test's Ctrl-C a no-op."""
+    import signal
+
+    _interruptible_like_a_terminal()
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.getsignal(s) for s in sigs}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler and handler is not None:
+            signal.signal(s, handler)
+
 # Collection imports torch, transformers, PEFT, schemathesis and the package: about a
 # million objects that live as long as the process, which the cyclic collector walked
 # again on every full collection (a dozen during collection, ~1 s each on a busy host,
