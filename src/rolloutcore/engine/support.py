@@ -53,6 +53,7 @@ MAX_MINOR = (0, 34)
 #: (and pyproject's ``gpu`` extra admits it) once it has run.
 PREVIEW_ONLY: frozenset[tuple[int, int]] = frozenset({(0, 33)})
 PREVIEW_ENV = "ROLLOUTCORE_VLLM_PREVIEW"
+_INSTALL_HINT = "pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one"
 
 #: Routes a hot update cannot do without, with what each is for.
 REQUIRED_ROUTES: Mapping[str, str] = required_routes()
@@ -191,13 +192,11 @@ def assess(version: object, openapi: object, *,
         elif parsed[:2] in PREVIEW_ONLY:
             reasons.append(
                 f"vLLM {text} has not run through RolloutCore's verified transition "
-                f"(it runs as a preview with {PREVIEW_ENV}=1; pip install 'rolloutcore[gpu]' "
-                "or 'rolloutcore[cpu]' installs a supported one)")
+                f"(it runs as a preview with {PREVIEW_ENV}=1; {_INSTALL_HINT})")
         elif not MIN_MINOR <= parsed[:2] <= MAX_MINOR:
             reasons.append(
                 f"vLLM {text} is outside the supported range "
-                f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]} "
-                "(pip install 'rolloutcore[gpu]' or 'rolloutcore[cpu]' installs a supported one)")
+                f"{MIN_MINOR[0]}.{MIN_MINOR[1]}..{MAX_MINOR[0]}.{MAX_MINOR[1]} ({_INSTALL_HINT})")
     routes, schemas = _routes_and_schemas(openapi)
     if routes is None:
         reasons.append(f"/openapi.json has no route list ('paths'): {str(openapi)[:80]}")
