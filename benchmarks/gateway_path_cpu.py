@@ -8,7 +8,7 @@ located. This benchmark reproduces the two paths with an engine that costs
 gateway's extra time into where it goes.
 
 The engine. The stand-in of ``benchmarks/hot_path_cpu.py``: vLLM 0.26's
-routes (results/gpu/h200-8b-ipc.run15.json) behind ``httpx.MockTransport``,
+routes (results/gpu/h200-8b-ipc.json) behind ``httpx.MockTransport``,
 the workers' result row written at ``/finish_weight_update``, the workers'
 checksum answered at ``collective_rpc``; the Qwen3-8B layout (399 tensors,
 dims / ``--scale``); the trainer's ``CudaIpcTransport`` over ``PackedWeights``

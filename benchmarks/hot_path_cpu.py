@@ -11,7 +11,7 @@ per-transition Python depends on the number of tensors, not their size).
 
 The engine is an in-process stand-in behind ``httpx.MockTransport`` that
 answers what vLLM 0.26 answers on the H200 (the routes of
-results/gpu/h200-8b-ipc.run15.json, no ``/weight_info``), and writes the
+results/gpu/h200-8b-ipc.json, no ``/weight_info``), and writes the
 workers' result row at ``/finish_weight_update`` as the worker extension
 does. No CUDA, no sockets: what is left is the Python RolloutCore runs per
 transition (controller, runner, adapter, transport, httpx's client side).

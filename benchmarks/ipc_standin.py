@@ -3,7 +3,7 @@
 Shared by ``hot_path_cpu.py`` and ``gateway_path_cpu.py``: the trainer's Qwen3-8B-named
 ``PackedWeights`` (shapes divided by ``scale``) with two contents and their checksums,
 an ``httpx.MockTransport`` that answers the routes the H200 engine listed
-(``results/gpu/h200-8b-ipc.run15.json``) and writes the workers' result row at finish,
+(``results/gpu/h200-8b-ipc.json``) and writes the workers' result row at finish,
 and the trainer's ``CudaIpcTransport`` on the ``ipc`` result route with its slot in host
 memory. Nothing is imported until ``build`` runs, so a benchmark can build it against
 whichever ``rolloutcore`` its child process has on the path.
@@ -96,7 +96,7 @@ def build(scale: int, on_call: Callable[[int, float], None]) -> StandIn:
         pk.buffer.copy_(contents[seed])
         values[seed] = pk.checksum("torch")
     n60 = names_digest60(names_digest(names))
-    routes = json.loads((ROOT / "results" / "gpu" / "h200-8b-ipc.run15.json").read_text()
+    routes = json.loads((ROOT / "results" / "gpu" / "h200-8b-ipc.json").read_text()
                         )["engine_routes"]
     routes = sorted(set(routes) | {"/init_weight_transfer_engine", "/openapi.json"})
     eng: dict[str, Any] = {"paused": False, "seed": 1, "nonce": None}
