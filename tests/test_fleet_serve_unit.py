@@ -198,7 +198,24 @@ def test_a_non_loopback_fleet_needs_both_tokens_and_is_allowed_with_them(
     with pytest.raises(BadInput, match=r"data token|data plane"):
         _check(FleetServeOptions(host="0.0.0.0", token="t" * 20))
     got = _check(FleetServeOptions(host="0.0.0.0", token="t" * 20, data_token="d" * 20))
-    assert got[1] is True and got[2] == "d" * 20
+    assert got[1] is True and got[2].data_token == "d" * 20
+
+
+def test_a_native_round_on_a_fleet_is_bounded_by_lease_s() -> None:
+    """``--lease-s`` reaches the fleet's gateway config (a native round is expired after
+    it, as on one engine), clamped as one engine's is; without --native-routes it bounds
+    nothing and is refused."""
+    from rolloutcore.fleet.serve import _check
+
+    tok = "t" * 20
+    assert _check(FleetServeOptions(native_routes=True, lease_s=7.5, token=tok))[2].lease_s == 7.5
+    assert _check(FleetServeOptions(native_routes=True, lease_s=9e9, token=tok))[2].lease_s \
+        == 1800.0
+    with pytest.raises(BadInput, match="--lease-s with a fleet: it bounds a round"):
+        FleetServeOptions(lease_s=30.0)
+    for bad in (0, -1.0, True, "30", float("nan"), float("inf")):
+        with pytest.raises(BadInput, match="lease_s"):
+            FleetServeOptions(native_routes=True, lease_s=bad)  # type: ignore[arg-type]
 
 
 def test_a_fleet_journal_of_another_fleet_is_refused_before_anything_starts(

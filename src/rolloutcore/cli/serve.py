@@ -74,8 +74,6 @@ FLEET_REFUSED: dict[str, tuple[object, str]] = {
                               "them across a fleet)"),
     "max_staleness": (None, "the staleness bound belongs to the asynchronous modes, which a "
                             "fleet gateway does not run yet"),
-    "lease_s": (120.0, "the lease belongs to the trainer protocol (/control/updates), which "
-                       "a fleet gateway does not serve"),
     "worker_extension_cls": (None, "a fleet launches its engines with RolloutCore's own "
                                    "worker extension"),
     "transport_backend": ("rolloutcore_gloo",
@@ -107,7 +105,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
         drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
         client_body_s=args.client_body_s, client_send_s=args.client_send_s,
         lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        vllm_args=tuple(args.vllm_args), native_routes=args.native_routes)
+        vllm_args=tuple(args.vllm_args), native_routes=args.native_routes,
+        lease_s=args.lease_s)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -91,6 +91,7 @@ class FleetServeOptions:
     pipeline_parallel_size: int = 1       # stages of each launched engine
     vllm_args: tuple[str, ...] = ()       # vLLM options passed to every engine
     native_routes: bool = False           # vLLM's RL routes under /rc/<token> (fleet.native)
+    lease_s: float = 120.0                # a native round not finished by then is expired
 
     def __post_init__(self) -> None:
         from rolloutcore.engine.args import check_vllm_args
@@ -123,6 +124,13 @@ class FleetServeOptions:
             VerificationLevel.parse(self.min_verification)
         if not isinstance(self.native_routes, bool):
             raise BadInput("native_routes must be a bool")
+        if isinstance(self.lease_s, bool) or not isinstance(self.lease_s, (int, float)) \
+                or not 0 < self.lease_s < float("inf"):
+            raise BadInput(f"lease_s must be a positive number of seconds, got {self.lease_s!r}")
+        if self.lease_s != 120.0 and not self.native_routes:
+            raise BadInput("--lease-s with a fleet: it bounds a round on vLLM's own routes "
+                           "(--native-routes); the fleet's own updates "
+                           "(POST /control/fleet/updates) run under their deadlines")
         if self.native_routes and self.lora:
             raise BadInput("--native-routes with --lora on a fleet: vLLM's adapter routes are "
                            "not mapped onto the fleet's adapter versions yet")
@@ -194,8 +202,8 @@ def check_journal_dir(journal_dir: str | os.PathLike[str], engines: int) -> int:
     return table.replayed
 
 
-def _check(o: FleetServeOptions) -> tuple[str, bool, str | None, VerificationLevel | None]:
-    """Everything refused before anything starts: (token, given, data token, floor)."""
+def _check(o: FleetServeOptions) -> tuple[str, bool, ServiceConfig]:
+    """Everything refused before anything starts: (token, given, the gateway's config)."""
     token, given = control_token(o.token, o.token_file)
     data_token = o.data_token or os.environ.get("ROLLOUTCORE_DATA_TOKEN") or None
     check_bind(o.host, given, data_token is not None)
@@ -211,14 +219,20 @@ def _check(o: FleetServeOptions) -> tuple[str, bool, str | None, VerificationLev
     if o.record is not None and Path(o.record).is_dir():
         raise BadInput(f"--record {o.record} is a directory: give a trajectory file")
     floor = None if o.min_verification is None else VerificationLevel.parse(o.min_verification)
-    return token, given, data_token, floor
+    cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
+                        data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
+                        max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
+                        client_send_s=o.client_send_s, health_interval_s=0,
+                        min_verification=floor, lease_s=min(o.lease_s, 1800.0))
+    return token, given, cfg
 
 
 def run_fleet_serve(o: FleetServeOptions) -> int:
     """Start the engines, the coordinator and the gateway; block until interrupted."""
     if not isinstance(o, FleetServeOptions):
         raise BadInput("run_fleet_serve takes FleetServeOptions")
-    token, given, data_token, floor = _check(o)
+    token, given, cfg = _check(o)
+    floor = cfg.min_verification
     from rolloutcore.service.serve import refuse_taken_port
 
     taken = refuse_taken_port(o.host, o.port)   # before any engine starts
@@ -231,11 +245,6 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
         ranks = o.tensor_parallel_size * o.pipeline_parallel_size
         for i in range(o.engines):
             cpu_binding(i, o.engines, ranks=ranks)
-    cfg = ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=token,
-                        data_token=data_token, queue_max=o.queue, queue_wait_s=o.queue_wait_s,
-                        max_body_bytes=o.max_body_bytes, client_body_s=o.client_body_s,
-                        client_send_s=o.client_send_s, health_interval_s=0,
-                        min_verification=floor)
     from rolloutcore.control.runner import Deadlines, DrainPolicy
     from rolloutcore.fleet.gateway import create_fleet_app
     from rolloutcore.fleet.placement import (
