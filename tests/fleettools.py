@@ -16,7 +16,6 @@ from typing import Any
 import httpx
 
 from helpers.asgi_stream import lifespan
-from helpers.fake_vllm import FakeVllm
 from helpers.gateway_rig import TOKEN, uvicorn_threads
 from rolloutcore.control.journal import Journal, open_controller
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
@@ -26,6 +25,7 @@ from rolloutcore.fleet.gateway import create_fleet_app
 from rolloutcore.service import ServiceConfig
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeRecoverer, FakeWeights
 from rolloutcore.testing.fake_engine import fake_probe
+from rolloutcore.testing.fake_vllm import FakeVllm
 from rolloutcore.testing.fleetfake import FakeFanout
 
 __all__ = ["FAST", "AdapterVllm", "FakeFleet", "fake_fleet", "fleet_client", "served",
@@ -116,7 +116,7 @@ class AdapterVllm(FakeVllm):
 
     def __init__(self, adapter: FakeAdapter) -> None:
         self.adapter = adapter
-        super().__init__(adapter.engine)
+        super().__init__(adapter.engine, model="policy")  # as RolloutCore launches vLLM
 
     @property  # type: ignore[override]
     def engine(self) -> Any:
@@ -130,7 +130,7 @@ class AdapterVllm(FakeVllm):
 @contextlib.contextmanager
 def served(f: FakeFleet) -> Iterator[dict[str, AdapterVllm]]:
     fakes = {n: AdapterVllm(ad) for n, ad in f.adapters.items()}
-    with uvicorn_threads([fk.app for fk in fakes.values()], lifespan="off") as urls:
+    with uvicorn_threads(list(fakes.values()), lifespan="off") as urls:
         for n, url in zip(fakes, urls, strict=True):
             f.coord.replicas[n].url = url
         yield fakes

@@ -50,6 +50,8 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
 
     async def main() -> None:
         with served(f) as fakes:
+            for n, fk in fakes.items():
+                fk.loras = rig["engines"][n].paths  # one engine: the adapters LoraEngine loaded
             app = create_lora_fleet_app(f.coord, ServiceConfig(
                 upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
             async with lifespan(app), httpx.AsyncClient(
@@ -80,7 +82,7 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
                     assert r.headers["x-rolloutcore-adapter"] == name
                     assert r.json()["rolloutcore"]["adapter"] == name
                     rep = r.headers["x-rolloutcore-replica"]
-                    assert fakes[rep].received[-1]["model"] == name
+                    assert fakes[rep].bodies[-1]["model"] == name
                     seen.add(rep)
                 assert seen == {"r0", "r1"}
                 assert all(not m.view.bound for m in fa.managers.values())  # released

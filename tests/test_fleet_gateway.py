@@ -60,7 +60,7 @@ async def test_answers_carry_the_fleet_version_and_the_engine_version_of_their_b
         r = await client.post(GEN, json=gen_body(rolloutcore_policy="any",
                                                  rolloutcore_group="g1"))
         assert r.status_code == 200
-        sent = fakes[r.headers[REPLICA_HEADER]].received[-1]
+        sent = fakes[r.headers[REPLICA_HEADER]].bodies[-1]
         assert "rolloutcore_policy" not in sent and "rolloutcore_group" not in sent
 
 
@@ -90,7 +90,7 @@ async def test_bad_routing_input_is_a_clear_4xx_and_nothing_is_routed(
         r = await client.post(GEN, json=gen_body(**body), headers=headers)
         assert r.status_code == status, r.text
         assert r.json()["error"]["message"]
-        assert all(not fk.received for fk in fakes.values())
+        assert all(not fk.bodies for fk in fakes.values())
         assert not [x for j in f.journals.values() for x in j.records
                     if isinstance(x.record, Admit)]
         r = await client.post(GEN, content=b"{not json", headers={

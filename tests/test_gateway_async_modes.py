@@ -141,7 +141,7 @@ async def test_keep_carries_a_stream_across_an_update_and_labels_every_token() -
         assert tv.source == "engine" and tv.mode is UpdateMode.KEEP
         assert tv.spans[-1].kv == ("default", "rc-1")       # kept: attended to old KV
         assert last.get("attributable", True) is True and last["staleness"] == 1
-        assert r.fake.received[0]["cache_salt"] == salt_for(
+        assert r.fake.bodies[0]["cache_salt"] == salt_for(
             r.controller.published[0])                          # salted by its version
         carry = [d for d in (x.data for x in r.journal.records) if "carried" in d]
         assert carry and carry[0]["carried"] == [last["rollout_id"]]
@@ -168,7 +168,7 @@ async def test_recompute_resubmits_transparently_under_the_new_version() -> None
         wv = data[-1]["choices"][0]["weight_versions"]
         assert [(s["version"], s["start"], s["end"]) for s in wv] == spans
         # The resubmission: prompt + output so far, salted by the new version.
-        first, second = r.fake.received[0], r.fake.received[1]
+        first, second = r.fake.bodies[0], r.fake.bodies[1]
         assert second["token_ids"] == first["token_ids"] + toks[:spans[0][2]]
         assert second["sampling_params"]["max_tokens"] == 40 - spans[0][2]
         rc1 = r.controller.committed
@@ -211,7 +211,7 @@ async def test_engine_recompute_continues_every_route_over_recomputed_kv(
         assert tv.mode is UpdateMode.ENGINE_RECOMPUTE and len(tv.segments) == 1
         assert [s.label for s in tv.spans] == ["default", "rc-1"]
         assert [s.kv for s in tv.spans] == [("default",), ("rc-1",)]  # recomputed KV
-        assert info.get("attributable", True) is True and len(r.fake.received) == 1
+        assert info.get("attributable", True) is True and len(r.fake.bodies) == 1
         if route == GEN:
             toks = [t for e in evs[:-1] if isinstance(e, dict)
                     for c in e.get("choices") or () for t in c.get("token_ids") or ()]
@@ -267,7 +267,7 @@ async def test_a_non_streamed_completion_across_an_update_is_marked_not_guessed(
         info = resp.json()[BODY_FIELD]
         assert info["attributable"] is False and "non-streamed" in info["unattributable"]
         assert resp.headers["x-rolloutcore-attributable"] == "false"
-        assert r.fake.received[0]["return_token_ids"] is True
+        assert r.fake.bodies[0]["return_token_ids"] is True
 
 
 async def test_a_streamed_chat_across_an_update_gets_derived_versions() -> None:
@@ -300,7 +300,7 @@ async def test_more_than_one_sample_per_request_is_refused_before_admission(
         before = len(r.journal.records)
         resp = await r.client.post(route, json=body)
         assert resp.status_code == 400 and "one sample per request" in resp.text
-        assert len(r.journal.records) == before and r.fake.received == []
+        assert len(r.journal.records) == before and r.fake.bodies == []
 
 
 async def test_recorded_trajectory_carries_the_token_versions() -> None:

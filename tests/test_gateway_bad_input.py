@@ -88,7 +88,7 @@ async def test_the_rollout_id_must_match_exactly(rid: bytes) -> None:
                   headers={"x-rolloutcore-rollout-id": rid.decode("latin-1")})
         await d.start()
         assert d.status == 400 and b"must match" in d.body
-        assert r.fake.received == [] and r.controller.active == {}
+        assert r.fake.bodies == [] and r.controller.active == {}
         assert [x for x in r.journal.records if x.kind == "admit"] == []
 
 
@@ -108,14 +108,14 @@ async def test_hostile_json_is_a_400_never_forwarded(raw: bytes) -> None:
                                    headers={"content-type": "application/json"})
         assert resp.status_code == 400, resp.text
         assert resp.json()["error"]["type"] == "BadRequest"
-        assert r.fake.received == []
+        assert r.fake.bodies == []
 
 
 async def test_nesting_within_the_bound_is_forwarded() -> None:
     async with rig() as r:
         body = {"token_ids": [1], "sampling_params": {"max_tokens": 2, "x": deep(60)}}
         resp = await r.client.post(GEN, json=body)
-        assert resp.status_code == 200 and len(r.fake.received) == 1
+        assert resp.status_code == 200 and len(r.fake.bodies) == 1
 
 
 @pytest.mark.parametrize("path", ["/control/updates", "/control/updates/1/transfer"])

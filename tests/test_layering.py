@@ -468,13 +468,11 @@ def test_checker_sees_every_kind_of_import(monkeypatch: pytest.MonkeyPatch,
 # --------------------------------------------------------------------------- fakes of vLLM
 
 TESTS = SRC.parent / "tests"
-#: The one fake of vLLM (#45): ``FakeEngine``'s state behind an httpx mock transport.
+#: The one fake of vLLM (#45): ``FakeEngine``'s state behind an httpx mock transport, and
+#: over a real socket as an ASGI app.
 ONE_FAKE = ("src/rolloutcore/testing/fake_vllm.py", "FakeVllm")
 #: Fakes of vLLM still to move onto the one fake, each with what keeps it. Only shrinks.
 OTHER_FAKES: dict[tuple[str, str], str] = {
-    ("tests/helpers/fake_vllm.py", "FakeVllm"):
-        "the gateway's upstream over a real loopback socket, with live streams and "
-        "mid-stream faults (the gateway's pool takes no transport= yet)",
     ("tests/helpers/fake_lora.py", "LoraEngine"):
         "computes with the tiny model through PEFT, which the probe verification checks",
     ("tests/test_faultproxy_unit.py", "Upstream"):

@@ -49,7 +49,7 @@ _fault_matrix = MATRIX.fixture()
 
 
 def snapshot(r: Any) -> tuple[Any, ...]:
-    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.received),
+    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.bodies),
             r.gateway.updates.open_update)
 
 

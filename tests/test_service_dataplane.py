@@ -58,7 +58,7 @@ def gen_body(n: int = 6, stream: bool = False, prompt: list[int] | None = None) 
 
 
 def snapshot(r: Any) -> tuple[Any, ...]:
-    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.received))
+    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.bodies))
 
 
 async def test_generate_is_bound_answered_with_its_version_and_released() -> None:
@@ -98,8 +98,8 @@ async def test_streaming_generate_carries_version_in_first_event_and_ends_with_d
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 4}),
-    ("/v1/chat/completions", {"model": "m", "max_tokens": 4,
+    ("/v1/completions", {"model": "policy", "prompt": "hello", "max_tokens": 4}),
+    ("/v1/chat/completions", {"model": "policy", "max_tokens": 4,
                               "messages": [{"role": "user", "content": "hi"}]}),
 ])
 async def test_openai_routes_stream_and_not(route: str, body: dict[str, Any],
@@ -117,7 +117,7 @@ async def test_openai_routes_stream_and_not(route: str, body: dict[str, Any],
         # Forwarded unchanged but for the version salt (service.salting).
         committed = r.controller.committed
         assert committed is not None
-        assert r.fake.received[-1] == {**body, "stream": stream,
+        assert r.fake.bodies[-1] == {**body, "stream": stream,
                                        "cache_salt": salt_for(committed)}
         assert r.controller.active == {}
 
@@ -143,14 +143,14 @@ async def test_requests_during_an_update_get_503_retry_after_and_never_reach_vll
         r.adapter.stage(w1)
         b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
         assert b.status_code == 201 and r.controller.state is State.UPDATING
-        n_before = len(r.fake.received)
+        n_before = len(r.fake.bodies)
         for route, body in ((GEN, gen_body()), ("/v1/completions", {"prompt": "x"})):
             resp = await r.client.post(route, json=body)
             assert resp.status_code == 503
             assert resp.headers["retry-after"] == "1"
             assert resp.json()[BODY_FIELD]["state"] == "UPDATING"
             assert VERSION_HEADER not in resp.headers
-        assert len(r.fake.received) == n_before
+        assert len(r.fake.bodies) == n_before
         ev = remote_transfer(r.adapter, w1, b.json()["target"]["label"])
         done = await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
                                    json=transfer_body(ev), headers=lease(b.json()))
@@ -178,7 +178,7 @@ async def test_queue_holds_requests_during_an_update_and_admits_them_after_the_c
                 await anyio.sleep(0.005)
             over = await r.client.post(GEN, json=gen_body(3))  # the queue is full
             assert over.status_code == 503
-            assert r.fake.received == []  # nobody ran before the commit
+            assert r.fake.bodies == []  # nobody ran before the commit
             ev = remote_transfer(r.adapter, w1, "rc-1")
             await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
                                 json=transfer_body(ev), headers=lease(b.json()))
@@ -320,7 +320,7 @@ async def test_upstream_errors_pass_through_with_version() -> None:
     async with rig() as r:
         bad = await r.client.post(GEN, json={"token_ids": [999], "sampling_params": {}})
         assert bad.status_code == 400 and bad.json()[BODY_FIELD]["version"] == "default"
-        r.fake.status_error = 500
+        r.fake.fail(GEN, 500)
         err = await r.client.post(GEN, json=gen_body())
         assert err.status_code == 500 and err.json()["error"]["message"]
         assert r.controller.active == {}
@@ -515,11 +515,11 @@ async def test_an_engine_lost_between_updates_is_tainted_by_the_watch_and_refuse
         with anyio.fail_after(10):
             while r.controller.state is not State.TAINTED:
                 await anyio.sleep(0.02)
-        n_before = len(r.fake.received)
+        n_before = len(r.fake.bodies)
         resp = await r.client.post(GEN, json=gen_body(4))
         assert resp.status_code == 503
         assert resp.json()[BODY_FIELD]["state"] == "TAINTED"
-        assert len(r.fake.received) == n_before
+        assert len(r.fake.bodies) == n_before
         assert (await r.client.get("/health")).status_code == 503
         st = (await r.client.get("/control/status", headers=AUTH)).json()
         assert st["state"] == "TAINTED"

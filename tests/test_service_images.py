@@ -62,7 +62,7 @@ def data_url(raw: bytes, mime: str = "image/png") -> str:
 
 
 def chat_body(*urls: str) -> dict[str, Any]:
-    return {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [
+    return {"model": "policy", "max_tokens": 3, "messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is it?"},
         *({"type": "image_url", "image_url": {"url": u}} for u in urls)]}]}
 
@@ -175,14 +175,14 @@ async def test_the_gateway_refuses_an_untyped_chat_part_before_admission() -> No
     async with rig() as r:
         statuses = []
         for part in UNTYPED:
-            body = {"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": [
+            body = {"model": "policy", "max_tokens": 3, "messages": [{"role": "user", "content": [
                 {"type": "text", "text": "what is it?"}, part]}]}
             resp = await r.client.post(CHAT, json=body)
             assert resp.status_code == 400, (part, resp.text)
             err = resp.json()["error"]
             assert err["type"] == "BadRequest" and "needs its 'type'" in err["message"]
             statuses.append(resp.status_code)
-        assert r.kinds("admit") == [] and r.fake.received == [] and not r.controller.active
+        assert r.kinds("admit") == [] and r.fake.bodies == [] and not r.controller.active
         ok = await r.client.post(CHAT, json=chat_body(data_url(png(5))))
         assert ok.status_code == 200 and len(r.kinds("admit")) == 1
         assert ok.json()["rolloutcore"]["version"] == ok.headers[VERSION_HEADER] == "default"

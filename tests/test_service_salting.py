@@ -54,12 +54,12 @@ async def test_the_gateway_salts_by_the_version_and_refuses_a_bad_salt() -> None
         assert resp.status_code == 200
         c0 = r.controller.committed
         assert c0 is not None
-        assert r.fake.received[-1]["cache_salt"] == salt_for(c0)
-        n, recs = len(r.fake.received), len(r.journal.records)
+        assert r.fake.bodies[-1]["cache_salt"] == salt_for(c0)
+        n, recs = len(r.fake.bodies), len(r.journal.records)
         resp = await r.client.post(GEN, json={"token_ids": [1], "cache_salt": "a@b",
                                               "sampling_params": {"max_tokens": 3}})
         assert resp.status_code == 400 and "cache_salt" in resp.text
-        assert len(r.fake.received) == n and len(r.journal.records) == recs  # not admitted
+        assert len(r.fake.bodies) == n and len(r.journal.records) == recs  # not admitted
 
 
 async def test_the_salt_follows_the_committed_version_and_can_be_turned_off() -> None:
@@ -67,12 +67,12 @@ async def test_the_salt_follows_the_committed_version_and_can_be_turned_off() ->
         async with rig(salt_prefix_cache=salted) as r:
             body: dict[str, Any] = {"token_ids": [5, 6, 7], "sampling_params": {"max_tokens": 2}}
             assert (await r.client.post(GEN, json=body)).status_code == 200
-            first = r.fake.received[-1].get("cache_salt")
+            first = r.fake.bodies[-1].get("cache_salt")
             w1 = FakeWeights.from_seed(1, step=1)
             r.adapter.stage(w1)
             r.runner.run_update(w1.identity())
             assert (await r.client.post(GEN, json=body)).status_code == 200
-            second = r.fake.received[-1].get("cache_salt")
+            second = r.fake.bodies[-1].get("cache_salt")
             c1 = r.controller.committed
             assert c1 is not None and c1.label == "rc-1"
             if salted:

@@ -66,7 +66,7 @@ def anyio_backend() -> str:
 
 
 def snapshot(r: Any) -> tuple[Any, ...]:
-    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.received),
+    return (r.controller.snapshot(), len(r.journal.records), len(r.fake.bodies),
             r.gateway.updates.open_update, r.engine.paused, r.engine.weights_digest)
 
 

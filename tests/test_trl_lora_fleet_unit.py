@@ -75,6 +75,8 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
     fa = FleetAdapters(f.coord, make, base_model=base, deadline_s=120)
     try:
         with served(f) as fakes:
+            for n, fk in fakes.items():
+                fk.loras = engines[n].paths  # one engine: the adapters LoraEngine loaded
             app = create_lora_fleet_app(f.coord, ServiceConfig(
                 upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
             with uvicorn_thread(app) as url:
@@ -107,7 +109,7 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
             assert ad["name"] == names[s["step"]] and ad["base"] == \
                 s["binding"]["version"]["label"]
         assert {s["fleet"]["replica"] for s in samples} == {"r0", "r1"}
-        assert sum(len(fk.received) for fk in fakes.values()) == 8
+        assert sum(len(fk.bodies) for fk in fakes.values()) == 8
     finally:
         f.coord.close()
     # Negative controls: the audit reads the fleet's journals, so a sample that names

@@ -29,11 +29,11 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
-from helpers.fake_vllm import FakeVllm
 from helpers.gateway_rig import AUTH, TOKEN, make_parts, serve_fake, uvicorn_thread
 from rolloutcore.core.lifecycle import State
 from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.proxy import DATA_ROUTES
+from rolloutcore.testing.fake_vllm import FakeVllm
 
 __all__ = ["HOSTILE", "Tally", "fuzz_gateway", "request_strategy", "write_section"]
 
@@ -124,10 +124,6 @@ class FuzzGateway:
 def fuzz_gateway() -> Iterator[FuzzGateway]:
     """A gateway (real uvicorn, loopback) over the fake vLLM, with small bounds."""
     eng, ad, c, r, j, fake = make_parts(token_delay_s=0.0)
-    # The fake generates before it answers: cap what a fuzzed max_tokens may ask.
-    fake._max_tokens = staticmethod(  # type: ignore[method-assign]
-        lambda v: 4 if v is None else (min(v, 8) if isinstance(v, int)
-                                       and not isinstance(v, bool) and v > 0 else None))
     up = serve_fake(fake)
     app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN, lease_s=1800,
                                       max_body_bytes=MAX_BODY, health_interval_s=0,

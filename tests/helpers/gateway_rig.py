@@ -27,7 +27,6 @@ import httpx
 import uvicorn
 
 from helpers.asgi_stream import StreamingASGITransport, lifespan
-from helpers.fake_vllm import FakeVllm
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
@@ -37,6 +36,7 @@ from rolloutcore.service import ServiceConfig, create_app
 from rolloutcore.service.app import Gateway
 from rolloutcore.service.control import LEASE_HEADER
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights, fake_probe
+from rolloutcore.testing.fake_vllm import FakeVllm
 
 TOKEN = "control-token-0123456789abcdef"
 DATA_TOKEN = "data-token-0123456789abcdef"
@@ -83,7 +83,8 @@ def make_parts(token_delay_s: float = 0.0005, event_delay_s: float = 0.0,
     c = LifecycleController(listener=j.listener, config=controller_config or ControllerConfig())
     r = LifecycleRunner(c, ad, deadlines, record=j.write)
     r.bootstrap(w0.identity())
-    return eng, ad, c, r, j, FakeVllm(eng, event_delay_s=event_delay_s, live=live)
+    return eng, ad, c, r, j, FakeVllm(eng, model="policy", event_delay_s=event_delay_s,
+                                      live=live)  # served as RolloutCore launches vLLM
 
 
 class _Switch:
@@ -115,7 +116,7 @@ def serve_fake(fake: FakeVllm, *, guard_key: str | None = None) -> str:
         url = cm.__enter__()
         atexit.register(cm.__exit__, None, None, None)
         _shared = (url, switch)
-    app: Any = fake.app
+    app: Any = fake
     if guard_key is not None:
         from rolloutcore.transports import engine_key
 

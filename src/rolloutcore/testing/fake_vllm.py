@@ -20,18 +20,28 @@ drops every connection.
 Blocking routes (``/pause?mode=wait``, a generation frozen by ``keep``) block
 the calling thread, as a real server's answer would keep it waiting: an
 async caller runs them off its loop (``anyio.to_thread``).
+
+The fake is also an ASGI app, for code that must meet vLLM over a real socket
+(the gateway's upstream pool): ``uvicorn.run(FakeVllm(engine))``, as vLLM
+serves with uvicorn. There an event stream goes out event by event, with
+``live`` as the engine makes each token (its pause modes reach the stream), and
+the faults of a stream: ``event_delay_s`` between events, ``break_after_events``
+(the connection drops after that many), ``omit_done`` (no ``[DONE]``).
+``down`` there answers 500: an ASGI app cannot refuse a connection.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 
 from rolloutcore.core.evidence import PauseMode
@@ -43,6 +53,8 @@ __all__ = ["FakeVllm"]
 
 MODEL = "fake-model"
 _Handler = Callable[[httpx.Request], httpx.Response]
+_DONE = b"data: [DONE]"
+_SSE = "text/event-stream"
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> httpx.Response:
@@ -65,11 +77,30 @@ class FakeVllm:
     """One fake vLLM server over ``engine``; ``transport()`` serves it."""
 
     def __init__(self, engine: FakeEngine, *, model: str = MODEL, vocab_size: int = VOCAB,
-                 without: Iterable[str] = ()) -> None:
+                 without: Iterable[str] = (), max_model_len: int = 512, live: bool = False,
+                 event_delay_s: float = 0.0) -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < VOCAB:
-            raise BadInput(f"vocab_size must be an int >= {VOCAB}")
+        for name, v, least in (("vocab_size", vocab_size, VOCAB), ("max_model_len",
+                                                                    max_model_len, 2)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise BadInput(f"{name} must be an int >= {least}")
+        if not isinstance(live, bool):
+            raise BadInput("live must be a bool")
+        if isinstance(event_delay_s, bool) or not isinstance(event_delay_s, (int, float)) \
+                or not 0 <= event_delay_s < 60:
+            raise BadInput("event_delay_s must be seconds in [0, 60)")
+        self.max_model_len = max_model_len
+        #: streams over the socket: as the engine makes each token (a sync client's too)
+        self.live = live
+        #: stream faults over the socket (the module's docstring)
+        self.event_delay_s = float(event_delay_s)
+        self.break_after_events: int | None = None
+        self.omit_done = False
+        #: streams over the socket that the client left before their end
+        self.streams_closed_early = 0
+        #: the JSON bodies it was sent, in order (what the caller asked, as sent)
+        self.bodies: list[dict[str, Any]] = []
         #: ids the served model accepts (a tokenizer's); the engine sees them modulo VOCAB
         self.vocab_size = vocab_size
         #: called with each request before it is answered (a test's hook; it may block)
@@ -107,6 +138,16 @@ class FakeVllm:
             ("POST", Routes.FINISH_UPDATE): self._finish_update,
             ("POST", Routes.UPDATE_WEIGHT_VERSION): self._set_version,
             ("POST", Routes.WEIGHT_CHECKER): self._checksums,
+            ("GET", Routes.TOKENIZER_INFO): lambda r: httpx.Response(200, json={
+                "tokenizer_class": "FakeByteTokenizer", "vocab_size": self.vocab_size}),
+            ("POST", Routes.TOKENIZE): self._tokenize,
+            ("POST", Routes.DETOKENIZE): self._detokenize,
+            ("POST", Routes.COMPLETIONS): self._completions,
+            ("POST", Routes.CHAT): self._chat,
+            ("GET", Routes.GET_WORLD_SIZE): lambda r: httpx.Response(200, json={
+                "world_size": 1}),
+            ("POST", Routes.INIT_TRANSFER): self._init_transfer,
+            ("POST", Routes.UPDATE_WEIGHTS): self._update_weights,
             ("POST", Routes.LOAD_LORA): self._load_lora,
             ("POST", Routes.UNLOAD_LORA): self._unload_lora,
         }
@@ -165,15 +206,53 @@ class FakeVllm:
         except RolloutCoreError as exc:
             return _error(500, str(exc), "InternalServerError")
 
-    @staticmethod
-    def _body(request: httpx.Request) -> dict[str, Any]:
+    def _body(self, request: httpx.Request) -> dict[str, Any]:
         try:
             body = json.loads(request.content or b"{}")
         except ValueError as exc:
             raise BadInput("JSON decode error") from exc
         if not isinstance(body, dict):
             raise BadInput("body must be a JSON object")
+        with self._lock:
+            self.bodies.append(body)
         return body
+
+    # -- over a socket -----------------------------------------------------------
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        """ASGI: each request ``handle``d off the loop (it may block, as vLLM's answer
+        would), an event stream sent event by event (``_play``)."""
+        from starlette.requests import Request
+        from starlette.responses import Response, StreamingResponse
+
+        req = Request(scope, receive)
+        got = await anyio.to_thread.run_sync(self.handle, httpx.Request(
+            req.method, str(req.url), headers=req.headers.raw, content=await req.body()))
+        out = (StreamingResponse(self._play(got), got.status_code, media_type=_SSE)
+               if got.headers.get("content-type") == _SSE
+               else Response(got.read(), got.status_code, headers=got.headers))
+        await out(scope, receive, send)
+
+    async def _play(self, got: httpx.Response) -> AsyncIterator[bytes]:
+        chunks, buf, sent = got.iter_bytes(), b"", 0
+        try:
+            while (chunk := await anyio.to_thread.run_sync(next, chunks, None)) is not None:
+                *events, buf = (buf + chunk).split(b"\n\n")
+                for ev in events:
+                    if ev == _DONE and self.omit_done:
+                        continue
+                    if ev != _DONE and sent == self.break_after_events:
+                        # raised in the stream: the server drops the connection
+                        raise EngineUnavailable("engine", "fake vLLM: dropped mid-stream")
+                    yield ev + b"\n\n"
+                    sent += 1
+                    if self.event_delay_s:
+                        await anyio.sleep(self.event_delay_s)
+        except (anyio.get_cancelled_exc_class(), GeneratorExit):
+            self.streams_closed_early += 1
+            raise
+        finally:
+            got.close()  # a live stream's request leaves the engine
 
     # -- reading -------------------------------------------------------------
 
@@ -236,58 +315,124 @@ class FakeVllm:
 
     # -- generating ------------------------------------------------------------
 
-    def _generate(self, request: httpx.Request) -> httpx.Response:
-        body = self._body(request)
-        ids, sp = body.get("token_ids"), body.get("sampling_params") or {}
+    def _tokens(self, ids: Any, what: str = "token_ids") -> list[int]:
         if not isinstance(ids, list) or not ids or any(
                 isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size
                 for t in ids):
-            raise BadInput(f"token_ids must be a non-empty list of ids below {self.vocab_size}")
-        if not isinstance(sp, dict):
-            raise BadInput("sampling_params must be an object")
-        n = sp.get("max_tokens", 16)
+            raise BadInput(f"{what} must be a non-empty list of ids below {self.vocab_size}")
+        return ids
+
+    def _max_tokens(self, n: Any, prompt: list[int]) -> int:
+        n = 16 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadInput("max_tokens must be an int >= 1")
-        model = body.get("model", self.model)
+        if len(prompt) + n > self.max_model_len:  # vLLM's check, before the engine
+            raise BadInput(f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens; the prompt and max_tokens ask {len(prompt) + n}.")
+        return n
+
+    def _run(self, body: dict[str, Any], ids: list[int], n: int,
+             shape: Callable[[list[int], str | None, Any], dict[str, Any]],
+             rid: str | None = None) -> httpx.Response:
+        """Run the request in the engine and answer ``shape(tokens, finish, spans)``: one
+        object, or with ``stream`` one event per token, the spans on the last (vLLM 0.32):
+        played out from the whole generation or, ``live``, as the engine makes them."""
+        model, salt = body.get("model") or self.model, body.get("cache_salt")
+        if not isinstance(model, str):
+            raise BadInput("model must be a string")
         with self._lock:
             lora = model if model in self.loras else None
         if model != self.model and lora is None:
             return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
-        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise BadInput("cache_salt must be a string")
         # An adapter computes differently from the base: its name salts its KV and tokens
         key = None if salt is None and lora is None else f"{salt}|{lora}"
-        rid = str(body.get("request_id") or uuid.uuid4().hex)
-        g = self.engine.generate([t % VOCAB for t in ids], n, request_id=rid, cache_salt=key)
-        toks = [(t + _shift(lora)) % VOCAB for t in g.tokens]
-        choice = {"index": 0, "token_ids": toks, "finish_reason": g.finish_reason,
-                  "weight_versions": g.version_spans}
-        lp = sp.get("logprobs")
-        if lp is not None:
-            choice["logprobs"] = {"content": [
-                {"token_id": t, "logprob": -1.0,
-                 "top_logprobs": [{"token_id": t, "logprob": -1.0}] if lp else []}
-                for t in toks]}
-        if body.get("stream"):
-            return self._sse(rid, choice)
-        return httpx.Response(200, json={"request_id": rid, "choices": [choice]})
+        rid = rid or uuid.uuid4().hex
 
-    @staticmethod
-    def _sse(rid: str, choice: dict[str, Any]) -> httpx.Response:
-        """The generation as one event per token, the spans on the last (vLLM 0.32)."""
-        toks = choice["token_ids"]
-        lps = (choice.get("logprobs") or {}).get("content")
-        lines = []
-        for i, t in enumerate(toks):
-            last = i == len(toks) - 1
-            ev = {"index": 0, "token_ids": [t],
-                  "finish_reason": choice["finish_reason"] if last else None,
-                  "weight_versions": choice["weight_versions"] if last else None}
-            if lps is not None:
-                ev["logprobs"] = {"content": [lps[i]]}
-            lines.append(f"data: {json.dumps({'request_id': rid, 'choices': [ev]})}\n\n")
-        lines.append("data: [DONE]\n\n")
-        return httpx.Response(200, content="".join(lines).encode(),
-                              headers={"content-type": "text/event-stream"})
+        def out(toks: Iterable[int]) -> list[int]:
+            return [(t + _shift(lora)) % VOCAB for t in toks]
+        ids = [t % VOCAB for t in ids]
+        if body.get("stream") and self.live:
+            s = self.engine.generate_stream(ids, max_tokens=n, request_id=rid, cache_salt=key)
+            return _sse((shape(out(c.token_ids), c.finish_reason, None if c.weight_versions
+                               is None else [dataclasses.asdict(v) for v in c.weight_versions])
+                         for c in s), s.close)
+        g = self.engine.generate(ids, n, request_id=rid, cache_salt=key)
+        toks = out(g.tokens)
+        if not body.get("stream"):
+            return httpx.Response(200, json=shape(toks, g.finish_reason, g.version_spans))
+        last = len(toks) - 1
+        return _sse(shape([t], g.finish_reason if i == last else None,
+                          g.version_spans if i == last else None) for i, t in enumerate(toks))
+
+    def _generate(self, request: httpx.Request) -> httpx.Response:
+        body = self._body(request)
+        ids, sp = self._tokens(body.get("token_ids")), body.get("sampling_params") or {}
+        if not isinstance(sp, dict):
+            raise BadInput("sampling_params must be an object")
+        rid, lp = str(body.get("request_id") or uuid.uuid4().hex), sp.get("logprobs")
+
+        def shape(toks: list[int], finish: str | None, spans: Any) -> dict[str, Any]:
+            choice = {"index": 0, "token_ids": toks, "finish_reason": finish,
+                      "weight_versions": spans}
+            if lp is not None:
+                choice["logprobs"] = {"content": [
+                    {"token_id": t, "logprob": -1.0,
+                     "top_logprobs": [{"token_id": t, "logprob": -1.0}] if lp else []}
+                    for t in toks]}
+            return {"request_id": rid, "choices": [choice]}
+        return self._run(body, ids, self._max_tokens(sp.get("max_tokens"), ids), shape, rid)
+
+    def _completions(self, request: httpx.Request) -> httpx.Response:
+        body = self._body(request)
+        prompt = body.get("prompt")
+        ids = ([b % VOCAB for b in prompt.encode()] if isinstance(prompt, str) and prompt
+               else self._tokens(prompt, "prompt"))
+        return self._openai(body, ids, "text_completion", "cmpl", lambda text: {"text": text})
+
+    def _chat(self, request: httpx.Request) -> httpx.Response:
+        body = self._body(request)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in msgs):
+            raise BadInput("messages must be a non-empty list of {role, content}")
+        text = "\n".join(m["content"] if isinstance(m["content"], str) else "".join(
+            p.get("text", "") for p in m["content"]  # the text parts (images ignored)
+            if isinstance(p, dict) and p.get("type") == "text") for m in msgs) or " "
+        stream = bool(body.get("stream"))
+        return self._openai(body, [b % VOCAB for b in text.encode()],
+                            "chat.completion.chunk" if stream else "chat.completion", "chatcmpl",
+                            lambda t: {"delta": {"content": t}} if stream else {
+                                "message": {"role": "assistant", "content": t}})
+
+    def _openai(self, body: dict[str, Any], ids: list[int], kind: str, prefix: str,
+                part: Callable[[str], dict[str, Any]]) -> httpx.Response:
+        """``/v1/completions`` and ``/v1/chat/completions``: the engine's tokens as text
+        (one letter each), with ``return_token_ids`` the ids too."""
+        cid, tids = f"{prefix}-{uuid.uuid4().hex}", body.get("return_token_ids") is True
+        return self._run(body, ids, self._max_tokens(body.get("max_tokens"), ids),
+                         lambda toks, finish, _: {
+                             "id": cid, "object": kind, "model": body.get("model"),
+                             "choices": [{"index": 0, **part("".join(chr(97 + t % 26)
+                                                                     for t in toks)),
+                                          "finish_reason": finish,
+                                          **({"token_ids": toks} if tids else {})}]})
+
+    def _tokenize(self, request: httpx.Request) -> httpx.Response:
+        text = self._body(request).get("prompt")
+        if not isinstance(text, str):
+            raise BadInput("prompt must be a string")
+        toks = list(text.encode())  # a byte tokenizer
+        return httpx.Response(200, json={"tokens": toks, "count": len(toks),
+                                         "max_model_len": self.max_model_len})
+
+    def _detokenize(self, request: httpx.Request) -> httpx.Response:
+        toks = self._body(request).get("tokens")
+        if not isinstance(toks, list) or any(not isinstance(t, int) for t in toks):
+            raise BadInput("tokens must be a list of ints")
+        return httpx.Response(200, json={"prompt": bytes(t % 256 for t in toks).decode(
+            "latin-1")})
 
     def _abort(self, request: httpx.Request) -> httpx.Response:
         ids = self._body(request).get("request_ids")
@@ -298,6 +443,24 @@ class FakeVllm:
         return httpx.Response(200, json={"status": "aborted", "aborted": n})
 
     # -- weights ---------------------------------------------------------------
+
+    def _init_transfer(self, request: httpx.Request) -> httpx.Response:
+        self._body(request)
+        return httpx.Response(200, json={"message": "Weight transfer initialized"})
+
+    def _update_weights(self, request: httpx.Request) -> httpx.Response:
+        """``update_info`` carries the bytes itself (``fake_data``, hex): the fake's
+        stand-in for the broadcast beside the call."""
+        info = self._body(request).get("update_info")
+        if not isinstance(info, dict) or not isinstance(info.get("names"), list):
+            raise BadInput("update_info must be an object with names")
+        for name, data in zip(info["names"], info.get("fake_data", []), strict=False):
+            try:
+                raw = bytes.fromhex(data)
+            except (TypeError, ValueError) as exc:
+                raise BadInput(f"fake_data of {name!r} must be hex") from exc
+            self.engine.load(name, raw)  # refused: a 500, as vLLM answers a failed load
+        return httpx.Response(200, json={"message": "Weights updated"})
 
     def _start_update(self, request: httpx.Request) -> httpx.Response:
         self.engine.start_update()
@@ -355,6 +518,31 @@ class FakeVllm:
                 return _error(404, f"The lora adapter '{name}' cannot be found.",
                               "NotFoundError")
         return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+
+class _Events(httpx.SyncByteStream):
+    """An event stream, each event made as it is read; ``close`` ends it early."""
+
+    def __init__(self, events: Iterable[dict[str, Any]], close: Callable[[], None]) -> None:
+        self._events, self._close = events, close
+
+    def __iter__(self) -> Iterator[bytes]:
+        for ev in self._events:
+            yield f"data: {json.dumps(ev)}\n\n".encode()
+        yield _DONE + b"\n\n"
+
+    def close(self) -> None:
+        self._close()
+
+
+def _sse(events: Iterable[dict[str, Any]],
+         close: Callable[[], None] | None = None) -> httpx.Response:
+    """Events made whole now (an async client reads them too), or, given the stream's
+    ``close``, as they are read (over the socket or by a sync client)."""
+    if close is None:
+        return httpx.Response(200, content=b"".join(_Events(events, lambda: None)),
+                              headers={"content-type": _SSE})
+    return httpx.Response(200, stream=_Events(events, close), headers={"content-type": _SSE})
 
 
 def _shift(lora: str | None) -> int:
