@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ BASE_NAME = "policy"
 _SHARED_LOCK = threading.Lock()
 _MODELS: dict[str, Any] = {}                       # content digest -> model computing it
 _ANSWERS: dict[tuple[Any, ...], list[tuple[int, dict[int, float]]]] = {}
+_UNSHARED = itertools.count()                      # keys of models made from no files
 
 
 def files_digest(directory: str | Path, *within: str) -> str | None:
@@ -77,7 +79,7 @@ class LoraEngine:
             return m.eval()
 
         digest = files_digest(checkpoint)
-        self.base_key = f"base:{digest}" if digest else f"base:{id(self)}"
+        self.base_key = f"base:{digest}" if digest else f"unshared:{next(_UNSHARED)}"
         self.base = _shared_model(self.base_key, load) if digest else load()
         self.adapters: dict[str, Any] = {}     # name -> model computing it
         self.keys: dict[str, str] = {}         # name -> the content key of that model
@@ -119,8 +121,12 @@ class LoraEngine:
                 self.keys[name] = self.base_key
             else:
                 digest = files_digest(path, self.base_key)
-                key = f"adapter:{digest}" if digest else f"adapter:{name}@{id(self)}"
-                self.adapters[name] = _shared_model(key, lambda: self._merged(path))
+                if digest:
+                    key = f"adapter:{digest}"
+                    self.adapters[name] = _shared_model(key, lambda: self._merged(path))
+                else:
+                    key = f"unshared:{next(_UNSHARED)}"
+                    self.adapters[name] = self._merged(path)
                 self.keys[name] = key
             self.paths[name] = path
 
