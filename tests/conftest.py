@@ -24,10 +24,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 def _share_default_tls_contexts() -> None:
-    """Every httpx client makes a verifying TLS context, reading the CA bundle (10-30 ms):
-    the fast lane's ~700 clients (gateway apps, engine and trainer clients, ``httpx.get``)
-    all talk plain HTTP to loopback. Those with the default verification share one
-    (per environment that picks the bundle); any other is made as httpx makes it."""
+    """Every httpx client left at the default ``verify`` makes a verifying TLS context,
+    reading the CA bundle (10-30 ms). src's clients pass ``engine.errors.tls_context()``
+    (one per process); this is for the tests' own (``httpx.get``/``post``/``stream``,
+    ``httpx.Client`` against a loopback server: ~45 sites, 159 contexts and 2.2 s in nine
+    of their files without it, at load 6). Those share one per environment that picks
+    the bundle; any other ``verify`` is made as httpx makes it."""
     try:
         import httpx._config as config
         import httpx._transports.default as transports
