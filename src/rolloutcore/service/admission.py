@@ -146,12 +146,12 @@ class OneEngine:
 class ClientNames:
     """The names a vLLM client loaded adapter versions under (vLLM's
     ``/v1/load_lora_adapter`` on the gateway, ``service.native_lora``): each name ->
-    the version it was last loaded as. Only ``current`` (the name loaded last, until
-    it is unloaded) is served, by the current adapter version; a request for an older
-    name is refused, never answered by another version."""
+    the versions loaded under it, oldest first. Only ``current`` (the name loaded
+    last, until it is unloaded) is served, by the current adapter version; a request
+    for an older name is refused, never answered by another version."""
 
     current: str | None = None
-    loaded: dict[str, str] = field(default_factory=dict)
+    loaded: dict[str, list[str]] = field(default_factory=dict)
 
 
 #: ``AdapterEngine.routing``'s answer for a request naming ``ClientNames.current``.

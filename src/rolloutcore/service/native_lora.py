@@ -15,9 +15,9 @@ token is the secret, a wrong one is answered 404) a gateway started with
     supersedes it, and requests bound to the old one finish on it. 200 with
     vLLM's plain text, and ``x-rolloutcore-adapter`` naming the version.
 ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``
-    withdraws the name's version (``AdapterManager.withdraw``): no new
-    request gets it; it is unloaded from the engine once the requests bound
-    to it end. 200 with vLLM's plain text.
+    withdraws every version loaded under the name (``AdapterManager.withdraw``):
+    no new request gets one; each is unloaded from the engine once the
+    requests bound to it end. 200 with vLLM's plain text.
 
 One adapter version serves at a time (RolloutCore's guarantee: every answer
 from the version the gateway bound it to). A load under another name
@@ -61,6 +61,7 @@ __all__ = ["LORA_ROUTES", "NativeLora", "refuse_lora"]
 #: vLLM's runtime LoRA routes, as the gateway answers them under ``/rc/<token>``.
 LORA_ROUTES = frozenset({Routes.LOAD_LORA, Routes.UNLOAD_LORA})
 _MAX_NAME = 256
+_GOING = frozenset({AdapterState.UNLOADING, AdapterState.RETIRED, AdapterState.FENCED})
 _MAX_PATH = 4096
 
 
@@ -167,7 +168,7 @@ class NativeLora:
                 raise _refusal_of(exc, f"adapter {name!r} not loaded") from exc
             self.loads += 1
             v = res.version
-            self.names.loaded[name] = v.name
+            self.names.loaded.setdefault(name, []).append(v.name)
             self.names.current = name
         return (f"Success: LoRA adapter '{name}' added successfully.",
                 [(b"x-rolloutcore-adapter", v.name.encode()),
@@ -183,25 +184,36 @@ class NativeLora:
             raise _Refusal(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
                            "InvalidUserInput")
         async with self._lock:
-            version = self.names.loaded.get(name)
-            if version is None:
+            versions = self.names.loaded.get(name)
+            if versions is None:
                 raise _Refusal(404, f"The lora adapter '{name}' cannot be found.",
                                "NotFoundError")
             self._no_round()
-            st = self.adapters.view.states.get(version)
-            if st in (AdapterState.PUBLISHED, AdapterState.STANDBY):
-                why = f"unloaded by the client (vLLM /v1/unload_lora_adapter {name!r})"
-                try:
-                    await anyio.to_thread.run_sync(
-                        lambda: self.adapters.withdraw(version, why))
-                except BaseException as exc:
-                    raise _refusal_of(exc, f"adapter {name!r} not unloaded") from exc
-            # else: superseded and already retired by the existing rule: only the name goes
+            # Every version loaded under the name (an in-place load superseded the
+            # others): each retires once the requests bound to it end. One already
+            # retired by the existing rule (max_staleness) only loses the name.
+            states = self.adapters.view.states
+            live = [v for v in versions
+                    if states.get(v) in (AdapterState.PUBLISHED, AdapterState.STANDBY)]
+            why = f"unloaded by the client (vLLM /v1/unload_lora_adapter {name!r})"
+            try:
+                await anyio.to_thread.run_sync(lambda: self._withdraw(live, why))
+            except BaseException as exc:
+                raise _refusal_of(exc, f"adapter {name!r} not unloaded") from exc
             del self.names.loaded[name]
             if self.names.current == name:
                 self.names.current = None
         return f"Success: LoRA adapter '{name}' removed successfully.", [
-            (b"x-rolloutcore-adapter", version.encode())]
+            (b"x-rolloutcore-adapter", versions[-1].encode())]
+
+    def _withdraw(self, versions: list[str], why: str) -> None:
+        for v in versions:
+            try:
+                self.adapters.withdraw(v, why)
+            except UpdateRefused:
+                # retired by the sweep meanwhile (superseded, nothing bound): gone already
+                if self.adapters.view.states.get(v) not in _GOING:
+                    raise
 
     def _no_round(self) -> None:
         why = self.round_open()
