@@ -223,6 +223,11 @@ async def test_a_load_that_fails_verification_changes_nothing_the_client_sees(
         r.engine.refuse_loads = 1        # the engine refuses the load (a 4xx)
         vllm_error(await load(r, "other", files["a3"]), 409)
         assert r.admission.names.loaded == {"pol": [first.name]}  # type: ignore[union-attr]
+        before = r.state()
+        r.engine.down = True             # the engine does not answer: a 4xx, not a 5xx
+        err = vllm_error(await load(r, "other", files["a3"]), 409)
+        assert "does not answer" in err["message"]
+        assert r.state() == before
 
 
 async def test_hostile_input_is_a_4xx_in_vllms_shape_and_changes_nothing(
