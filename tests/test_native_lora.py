@@ -150,6 +150,11 @@ async def test_a_load_publishes_a_verified_version_and_the_name_routes_to_it(
         assert g.json()["model"] == v.name
         assert g.json()["rolloutcore"]["adapter"] == v.name
         assert g.headers["x-rolloutcore-adapter"] == v.name
+        # vLLM lists an adapter by the name it was loaded as: so does the gateway
+        cards = (await r.client.get(BASE + "/v1/models")).json()["data"]
+        mine = [m for m in cards if m["id"] == "my-lora"]
+        assert len(mine) == 1 and mine[0]["root"] == str(files["a1"])
+        assert mine[0]["parent"] in {m["id"] for m in cards if m.get("parent") is None}
 
 
 async def test_in_place_reload_supersedes_and_an_unload_waits_for_bound_requests(
@@ -179,6 +184,8 @@ async def test_in_place_reload_supersedes_and_an_unload_waits_for_bound_requests
         assert second.name not in r.engine.adapters       # nothing bound: unloaded now
         assert r.manager.view.states[second.name] is AdapterState.RETIRED
         assert vllm_error(await unload(r, "pol"), 404)["type"] == "NotFoundError"
+        cards = (await r.client.get(BASE + "/v1/models")).json()["data"]
+        assert "pol" not in {m["id"] for m in cards}
         # ... and the first version, superseded, stays while its request runs
         assert first.name in r.engine.adapters
         g = await generate(r, "pol")   # the name is gone: the base's request, vLLM's 404

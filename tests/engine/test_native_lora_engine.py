@@ -89,6 +89,8 @@ def test_an_unmodified_lora_client_loads_generates_reloads_and_unloads(
             assert r.status_code == 200, r.text
             assert r.text == "Success: LoRA adapter 'my-lora' added successfully."
             v1 = r.headers["x-rolloutcore-adapter"]
+            listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+            assert listed["my-lora"]["root"] == str(a1) and v1 in listed
             # vLLM's own refusal of a second load under the name, nothing changed
             again = c.post("/v1/load_lora_adapter", json={"lora_name": "my-lora",
                                                           "lora_path": str(a2)})

@@ -55,7 +55,7 @@ from starlette.routing import Route
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
-from rolloutcore.engine.routes import NATIVE_PREFIX
+from rolloutcore.engine.routes import NATIVE_PREFIX, Routes
 from rolloutcore.errors import BadInput
 from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import AdapterEngine
@@ -356,6 +356,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             if route is not None and route in data_paths:
                 await data({**scope, "path": route, "raw_path": route.encode()}, receive,
                            send)
+            elif route == Routes.MODELS and lora is not None and scope["method"] == "GET":
+                await lora.models(native.backend.relay, send)
             elif route is not None and route in LORA_ROUTES:
                 if lora is not None:
                     await lora(route, scope, receive, send)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ from rolloutcore.errors import (
 )
 from rolloutcore.service.admission import AdapterEngine
 from rolloutcore.service.config import ServiceConfig
+from rolloutcore.service.native import NativeRefusal
 from rolloutcore.service.wire import Receive, Scope, Send, body_or_answer, send_json
 
 __all__ = ["LORA_ROUTES", "NativeLora", "refuse_lora"]
@@ -100,6 +101,8 @@ class NativeLora:
         self.config = config
         self.round_open = round_open
         self.loads = 0
+        #: The path each name was last loaded from (its ``/v1/models`` card's root).
+        self.paths: dict[str, str] = {}
         self._lock = asyncio.Lock()
 
     async def __call__(self, route: str, scope: Scope, receive: Receive, send: Send) -> None:
@@ -130,6 +133,26 @@ class NativeLora:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-length", str(len(data)).encode()), *headers]})
         await send({"type": "http.response.body", "body": data, "more_body": False})
+
+    async def models(self, relay: Callable[[str, str, Mapping[str, str], Any],
+                                           Awaitable[tuple[int, Any]]], send: Send) -> None:
+        """``GET /v1/models`` under the native base URL: vLLM's listing, and the card of the
+        name a client loaded (vLLM lists its adapters by the names they were loaded as;
+        a client may look for its own)."""
+        try:
+            status, body = await relay("GET", Routes.MODELS, {}, None)
+        except NativeRefusal as r:
+            status, body = r.status, _error(r.status, r.message, r.kind)
+        name = self.names.current
+        data = body.get("data") if status == 200 and isinstance(body, dict) else None
+        if name is not None and isinstance(data, list):
+            base = next((m for m in data if isinstance(m, dict) and m.get("parent") is None
+                         and "id" in m), None)
+            if base is not None:
+                body = {**body, "data": [*data, {**base, "id": name,
+                                                 "root": self.paths.get(name),
+                                                 "parent": base["id"]}]}
+        await send_json(send, status, body)
 
     # ------------------------------------------------------------ routes
     async def load(self, body: dict[str, Any]) -> tuple[str, list[tuple[bytes, bytes]]]:
@@ -170,6 +193,7 @@ class NativeLora:
             v = res.version
             self.names.loaded.setdefault(name, []).append(v.name)
             self.names.current = name
+            self.paths[name] = path
         return (f"Success: LoRA adapter '{name}' added successfully.",
                 [(b"x-rolloutcore-adapter", v.name.encode()),
                  (b"x-rolloutcore-adapter-digest", v.content_digest.encode())])
@@ -201,6 +225,7 @@ class NativeLora:
             except BaseException as exc:
                 raise _refusal_of(exc, f"adapter {name!r} not unloaded") from exc
             del self.names.loaded[name]
+            self.paths.pop(name, None)
             if self.names.current == name:
                 self.names.current = None
         return f"Success: LoRA adapter '{name}' removed successfully.", [
