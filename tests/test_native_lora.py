@@ -81,7 +81,9 @@ class LoraRig:
         v = self.manager.view
         names = self.admission.names
         return (v.current, dict(v.states), dict(v.bound), dict(self.engine.adapters),
-                names.current, dict(names.loaded), len(self.journal.records))
+                names.current, dict(names.loaded),
+                # the adapter machine's records (a finished request's land after its answer)
+                sum(1 for x in self.journal.records if x.kind == "adapter"))
 
 
 @contextlib.asynccontextmanager

@@ -66,11 +66,13 @@ _GOING = frozenset({AdapterState.UNLOADING, AdapterState.RETIRED, AdapterState.F
 _MAX_PATH = 4096
 
 
-class _Refusal(Exception):
+class _Refusal(NativeRefusal):
+    """A LoRA route's 4xx or 504: vLLM's error, with the body field it names."""
+
     def __init__(self, status: int, message: str, kind: str, param: str | None = None
                  ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        super().__init__(status, message, kind)
+        self.param = param
 
 
 def _error(status: int, message: str, kind: str, param: str | None = None) -> dict[str, Any]:
