@@ -182,6 +182,32 @@ def test_failures_unload_or_fence_and_never_publish() -> None:
     assert t.state(d.name) is S.FENCED and d in t.loaded() and t.current == a
 
 
+def test_a_withdrawn_version_is_not_current_and_goes_once_nothing_bound_runs() -> None:
+    """The client unloaded it (vLLM's unload route on the gateway): no new request gets
+    it, its bound ones keep it, then it is evictable whatever max_staleness keeps."""
+    t = AdapterTable(AdapterConfig(max_loaded=4, max_staleness=1))
+    t.recording = True
+    a, b = _v(1, "a"), _v(2, "b")
+    _publish(t, a)
+    _publish(t, b)
+    assert t.evictable() == []            # a: the one superseded version kept
+    t.move(a.name, E.WITHDRAWN)
+    assert t.state(a.name) is S.STANDBY and t.evictable() == [a] and t.current == b
+    t.admit("r1")                         # bound to b
+    t.move(b.name, E.WITHDRAWN, reason="unloaded by the client")
+    assert t.current is None and t.state(b.name) is S.STANDBY
+    with pytest.raises(AdmissionRefused, match="no adapter is published"):
+        t.admit("r2")
+    assert t.evictable() == [a]           # b: its request still runs
+    t.complete("r1")
+    assert t.evictable() == [a, b]
+    recs = [r for r in t.take() if isinstance(r, AdapterChange)]
+    # a restart reading these records claims no current version
+    assert AdapterTable().restore(recs) is None
+    was = AdapterTable().restore(recs[:-1])   # before the withdrawal: b
+    assert was is not None and was.name == b.name
+
+
 def test_every_state_event_pair() -> None:
     """Each legal pair leads to its table's target; each other pair changes nothing."""
     paths: dict[AdapterState, list[AdapterEvent]] = {

@@ -45,10 +45,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutcore.control.adapter_results import (
+    AdapterResult,
+    PreparedAdapter,
+    RolloutBinding,
+    VerifiedAdapter,
+)
 from rolloutcore.control.port import LoraCapability
 from rolloutcore.control.shell import Listener, Shell
 from rolloutcore.core.adapters import (
-    AdapterBinding,
     AdapterChange,
     AdapterConfig,
     AdapterEvent,
@@ -78,7 +83,6 @@ from rolloutcore.verification.probe import (
     ModelOrDir,
     ModelScorer,
     PolicyProbe,
-    ProbeResult,
 )
 
 if TYPE_CHECKING:
@@ -132,75 +136,6 @@ ADAPTER_TOLERANCE = 0.01
 #: in its place (a load that did nothing) still fails the probe. A tolerance within
 #: ``MAX_TOLERANCE`` is taken as it always was.
 DISCRIMINATION = 2.0
-
-
-@dataclass(frozen=True)
-class PreparedAdapter:
-    """An adapter version ready to load: checked, digested, written, its reference computed."""
-
-    version: AdapterVersion
-    source: AdapterSource
-    provenance: Provenance
-    probe: PolicyProbe
-    prepare_s: float
-    #: How far the adapter's reference lies from the base's on the probe's tokens;
-    #: computed when the tolerance is above ``MAX_TOLERANCE`` (``DISCRIMINATION``).
-    effect: ProbeResult | None = None
-
-
-@dataclass(frozen=True)
-class AdapterResult:
-    """A published adapter version, the checks that published it and the time of each phase."""
-
-    version: AdapterVersion
-    checks: tuple[Check, ...]
-    phases: Mapping[str, float]
-    retired: tuple[str, ...] = ()
-    notes: tuple[str, ...] = ()
-
-    @property
-    def base_verified(self) -> bool:
-        """Whether the base was probed beside the new adapter (``when_idle`` may skip it)."""
-        return any(c.name == "base-probe" for c in self.checks)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version.to_dict(),
-                "checks": [c.to_dict() for c in self.checks],
-                "phases": dict(self.phases), "retired": list(self.retired),
-                "notes": list(self.notes), "base_verified": self.base_verified}
-
-
-@dataclass(frozen=True)
-class RolloutBinding:
-    """A request bound to (base version, adapter version); ``model`` is the name to send."""
-
-    base: Binding
-    adapter: AdapterBinding
-
-    @property
-    def model(self) -> str:
-        return self.adapter.adapter.name
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"base": self.base.version.to_dict(), "base_identity": self.base.identity.digest,
-                **self.adapter.to_dict()}
-
-
-@dataclass(frozen=True)
-class VerifiedAdapter:
-    """An adapter version loaded and verified on one engine, not yet published
-    (``AdapterManager.verify``; then ``publish`` or ``abandon``)."""
-
-    prepared: PreparedAdapter
-    checks: tuple[Check, ...]
-    notes: tuple[str, ...]
-    phases: Mapping[str, float]
-    retired: tuple[str, ...]
-    verify_s: float
-
-    @property
-    def version(self) -> AdapterVersion:
-        return self.prepared.version
 
 
 @dataclass
@@ -586,6 +521,22 @@ class AdapterManager:
         """Wait until no sweep started by ``release_soon`` runs; False at the timeout."""
         with self._sweeps:
             return self._sweeps.wait_for(lambda: self._sweeper is None, timeout_s)
+
+    def withdraw(self, name: str, reason: str) -> list[str]:
+        """The client unloaded adapter version ``name`` (published or superseded): it is
+        no longer current (new requests get no adapter), and it is retired as soon as
+        no request bound to it runs, ``max_staleness`` aside. Returns the versions
+        unloaded now (the others go when their last bound request ends, ``release``);
+        ``UpdateRefused`` (nothing changed) when it is in no state to withdraw."""
+        if not isinstance(reason, str) or not reason:
+            raise BadInput("withdraw needs a reason")
+        with self._io:
+            st = self.shell.read(self.table.state, name)
+            if st not in (AdapterState.PUBLISHED, AdapterState.STANDBY):
+                raise UpdateRefused(f"adapter {name} is {getattr(st, 'value', 'unknown')}: "
+                                    f"only a published or superseded version is withdrawn")
+            self._move(name, AdapterEvent.WITHDRAWN, reason)
+            return list(self._sweep_locked())
 
     def is_adapter(self, name: str) -> bool:
         """Whether ``name`` is (or was) an adapter version on this engine."""

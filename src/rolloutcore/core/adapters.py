@@ -31,6 +31,10 @@ adapter's machine is its own, lighter one, per adapter version:
 * A superseded adapter stays loaded (STANDBY) while requests bound to it run
   and while it is among the ``max_staleness`` newest superseded ones (TRL keeps
   ``max_staleness + 1`` adapters loaded); ``evictable`` names the others.
+* ``withdrawn``: the client unloaded it (vLLM's ``/v1/unload_lora_adapter`` on
+  the gateway, ``service.native_lora``). The published one stops being current
+  (new requests get no adapter), and either one waits in STANDBY only for the
+  requests bound to it: ``evictable`` names it then, whatever ``max_staleness``.
 
 Names are never reused (``seen``: every name this table ever proposed or
 found loaded), and each is content-addressed (``adapter_name``): vLLM 0.32 keys
@@ -110,6 +114,7 @@ class AdapterEvent(enum.StrEnum):
     SUPERSEDED = "superseded"  # a newer adapter was published
     UNLOAD = "unload"          # evicted: the unload is asked
     UNLOADED = "unloaded"      # the engine no longer lists it
+    WITHDRAWN = "withdrawn"    # the client unloaded it: retired once nothing bound runs
 
 
 S, E = AdapterState, AdapterEvent
@@ -124,6 +129,8 @@ ADAPTER_TRANSITIONS: Mapping[tuple[AdapterState, AdapterEvent], AdapterState] = 
     (S.REFUSING, E.UNLOADED): S.REFUSED,
     (S.REFUSING, E.FAILED): S.FENCED,
     (S.PUBLISHED, E.SUPERSEDED): S.STANDBY,
+    (S.PUBLISHED, E.WITHDRAWN): S.STANDBY,
+    (S.STANDBY, E.WITHDRAWN): S.STANDBY,
     (S.STANDBY, E.UNLOAD): S.UNLOADING,
     (S.UNLOADING, E.UNLOADED): S.RETIRED,
     (S.UNLOADING, E.FAILED): S.FENCED,
@@ -274,6 +281,7 @@ class AdapterTable(Machine):
         self._published: list[str] = []            # names, in publication order
         self._seen: set[str] = set()
         self._current: str | None = None
+        self._withdrawn: set[str] = set()          # unloaded by the client: no staleness
         self._generation = 0
 
     # ---------------------------------------------------------------- reading
@@ -313,7 +321,8 @@ class AdapterTable(Machine):
         """Superseded adapters that may be unloaded now: nothing bound to them runs and
         they are not among the ``max_staleness`` newest superseded ones."""
         standby = [n for n in self._published if self._states.get(n) is S.STANDBY]
-        keep = set(standby[len(standby) - self.config.max_staleness:]) \
+        kept = [n for n in standby if n not in self._withdrawn]
+        keep = set(kept[len(kept) - self.config.max_staleness:]) \
             if self.config.max_staleness else set()
         return [self._versions[n] for n in standby if n not in keep and not self._bound.get(n)]
 
@@ -356,8 +365,8 @@ class AdapterTable(Machine):
             self._generation = max(self._generation, ch.generation)
             if ch.after is S.PUBLISHED:
                 current = v
-            elif current is not None and ch.name == current.name and ch.after in (
-                    S.RETIRED, S.FENCED, S.UNLOADING):
+            elif current is not None and ch.name == current.name and (ch.after in (
+                    S.RETIRED, S.FENCED, S.UNLOADING) or ch.event is E.WITHDRAWN):
                 current = None
         return current
 
@@ -397,6 +406,7 @@ class AdapterTable(Machine):
 
         ``verified`` publishes it: the adapter published before is superseded in
         the same decision, so a reader never sees two current adapters or none.
+        ``withdrawn`` leaves none current when it was (the client unloaded it).
         """
         if not isinstance(event, AdapterEvent):
             raise BadInput(f"not an AdapterEvent: {event!r}")
@@ -420,6 +430,10 @@ class AdapterTable(Machine):
         if after is S.PUBLISHED:
             self._current = name
             self._published.append(name)
+        if event is E.WITHDRAWN:
+            self._withdrawn.add(name)
+            if self._current == name:
+                self._current = None
         self._record(version, before, after, event, reason, evidence)
         return after
 

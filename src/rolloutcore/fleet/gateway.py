@@ -89,6 +89,7 @@ from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.control_body import control_json
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
 from rolloutcore.service.native import NativeRoutes
+from rolloutcore.service.native_lora import LORA_ROUTES, refuse_lora
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 
@@ -501,6 +502,10 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
             if route is not None and route in data_paths:
                 await gw.data({**scope, "path": route, "raw_path": route.encode()}, receive,
                               send)
+            elif route is not None and route in LORA_ROUTES:
+                await refuse_lora(send, "a fleet gateway does not serve vLLM's LoRA routes: "
+                                  "publish adapter versions with POST /control/adapters "
+                                  "(verified on every replica), or serve one engine")
             else:
                 await native(scope, receive, send)
         else:

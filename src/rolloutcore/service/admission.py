@@ -42,7 +42,7 @@ from rolloutcore.core.records import Record, Transition
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import RouteRefused
 
-__all__ = ["AdapterEngine", "Admission", "OneEngine", "Target"]
+__all__ = ["AdapterEngine", "Admission", "ClientNames", "OneEngine", "Target"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +142,22 @@ class OneEngine:
         return None  # one engine: its own watch notices it (service.app's health watch)
 
 
+@dataclass
+class ClientNames:
+    """The names a vLLM client loaded adapter versions under (vLLM's
+    ``/v1/load_lora_adapter`` on the gateway, ``service.native_lora``): each name ->
+    the versions loaded under it, oldest first. Only ``current`` (the name loaded
+    last, until it is unloaded) is served, by the current adapter version; a request
+    for an older name is refused, never answered by another version."""
+
+    current: str | None = None
+    loaded: dict[str, list[str]] = field(default_factory=dict)
+
+
+#: ``AdapterEngine.routing``'s answer for a request naming ``ClientNames.current``.
+_CLIENT_NAME = "client-name"
+
+
 class AdapterEngine(OneEngine):
     """One engine serving LoRA-adapter versions (``control.adapters.AdapterManager``).
 
@@ -154,7 +170,9 @@ class AdapterEngine(OneEngine):
     that is being retired. Once an adapter is published, a request for another
     model (the base) is refused unless ``base_beside_adapters``: vLLM 0.32's
     CPU LoRA kernels compute a base request batched with adapter requests with
-    the last slot's adapter (``control.adapters.BASE_PROBE_MODES``).
+    the last slot's adapter (``control.adapters.BASE_PROBE_MODES``). A request for
+    the name a vLLM client loaded its adapter under (``names``) is the public
+    model's while that name is current (the name loaded last).
     """
 
     def __init__(self, adapters: Any, upstream_url: str | Callable[[], str], *,
@@ -166,6 +184,7 @@ class AdapterEngine(OneEngine):
         self.refuse_prompt_logprobs = refuse_prompt_logprobs
         self.base_beside_adapters = base_beside_adapters
         self._targets: dict[str, Target] = {}
+        self.names = ClientNames()
 
     def routing(self, payload: dict[str, Any], headers: Mapping[bytes, bytes]
                 ) -> tuple[Any, bool]:
@@ -176,6 +195,13 @@ class AdapterEngine(OneEngine):
                                     "logprobs) are refused on this LoRA engine: on vLLM "
                                     "0.32's CPU build they crash it beside other requests")
         model = payload.get("model")
+        if isinstance(model, str) and model in self.names.loaded:
+            cur = self.names.current
+            if model != cur:
+                raise RouteRefused(400, f"adapter {model!r} was superseded by the load of "
+                                        f"{cur!r}: this gateway serves one adapter version "
+                                        f"at a time, the one loaded last")
+            return _CLIENT_NAME, False
         if isinstance(model, str) and model != self.public_model and \
                 self.adapters.is_adapter(model):
             raise RouteRefused(400, f"{model!r} is an adapter version: ask for model "
@@ -184,6 +210,9 @@ class AdapterEngine(OneEngine):
 
     def try_admit(self, rollout_id: str, routing: Any) -> tuple[Binding, Target]:
         if self.adapters.current is None:
+            if routing == _CLIENT_NAME:   # unloaded since the routing was read
+                raise RouteRefused(404, "the adapter was unloaded: no adapter is published",
+                                   kind="NotFoundError")
             return super().try_admit(rollout_id, routing)
         if not routing:
             if not self.base_beside_adapters:

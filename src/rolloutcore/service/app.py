@@ -55,7 +55,7 @@ from starlette.routing import Route
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.lifecycle import State
-from rolloutcore.engine.routes import NATIVE_PREFIX
+from rolloutcore.engine.routes import NATIVE_PREFIX, Routes
 from rolloutcore.errors import BadInput
 from rolloutcore.service.adapter_control import adapter_routes
 from rolloutcore.service.admission import AdapterEngine
@@ -73,6 +73,7 @@ from rolloutcore.service.control_openapi import openapi_document
 from rolloutcore.service.metrics import CONTENT_TYPE, ServiceMetrics
 from rolloutcore.service.native import NativeRoutes
 from rolloutcore.service.native_engine import EngineRounds
+from rolloutcore.service.native_lora import LORA_ROUTES, NativeLora, refuse_lora
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 from rolloutcore.transports import engine_key
@@ -147,7 +148,8 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     ``adapters``: the engine's ``control.adapters.AdapterManager``; requests for
     ``public_model`` are then served by its current adapter version
     (``service.admission.AdapterEngine``). ``native_token``: vLLM's own RL routes
-    are answered under ``/rc/<native_token>`` (``service.native``).
+    are answered under ``/rc/<native_token>`` (``service.native``), and with
+    ``adapters`` vLLM's LoRA routes there too (``service.native_lora``).
     """
     if not isinstance(runner, LifecycleRunner):
         raise BadInput("runner must be a LifecycleRunner")
@@ -180,6 +182,16 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     gw = Gateway(runner, config, metrics, data, updates, recorder_stats)
     native = None if native_token is None else NativeRoutes(EngineRounds(runner, config), config,
                                                               native_token)
+
+    def round_open() -> str | None:
+        if native is not None and native.round is not None:
+            return "a weight round is open"
+        st = controller.state
+        return None if st is State.READY else f"the base is {st.value}, not READY"
+
+    # vLLM's LoRA routes under the native base URL (service.native_lora), with --lora.
+    lora = NativeLora(admission, config, round_open) if isinstance(
+        admission, AdapterEngine) and native is not None else None
 
     def denied(request: Request) -> Response | None:
         auth = check_bearer(request.headers.get("authorization"), config.control_token)
@@ -344,6 +356,14 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
             if route is not None and route in data_paths:
                 await data({**scope, "path": route, "raw_path": route.encode()}, receive,
                            send)
+            elif route == Routes.MODELS and lora is not None and scope["method"] == "GET":
+                await lora.models(native.backend.relay, send)
+            elif route is not None and route in LORA_ROUTES:
+                if lora is not None:
+                    await lora(route, scope, receive, send)
+                else:
+                    await refuse_lora(send, "this gateway serves no LoRA adapters: start it "
+                                      "with serve --lora")
             else:
                 await native(scope, receive, send)
         else:
