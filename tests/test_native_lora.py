@@ -96,6 +96,7 @@ async def lora_rig(files: dict[str, Path], tmp_path: Path, *, max_staleness: int
     m = AdapterManager(engine, c, base_model=files["base"], store=tmp_path / "store",
                        config=AdapterConfig(max_loaded=4, max_staleness=max_staleness),
                        listener=j.listener, max_rank=8)
+    fake.loras = engine.paths  # the served fake lists the adapters LoraEngine loaded
     config = ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN,
                            min_verification="declared")
     app = create_app(r, config, adapters=m, native_token=NATIVE)
