@@ -216,3 +216,28 @@ async def test_a_round_never_finished_is_expired() -> None:
         # nothing was written: every replica back on the old version
         assert sorted(f.coord.serving()) == ["r0", "r1"]
         assert (await post(client, "/finish_weight_update")).status_code == 409
+
+
+
+async def test_a_round_that_skips_a_tensor_is_refused_on_the_fleet_and_publishes_nothing(
+        ) -> None:
+    """After a full round, a round whose update leaves out one tensor of the last
+    round's manifest is refused at finish (the single engine's check, inherited), the
+    replicas are out of service and no fleet version is published."""
+    async with native_fleet(2) as (f, client, _):
+        for route, body in (("/start_weight_update", None), ("/update_weights",
+                                                                update_body(W1)),
+                            ("/finish_weight_update", None), ("/resume", None)):
+            assert (await post(client, route, body)).status_code == 200
+        before = f.coord.newest
+        assert before is not None
+        body = update_body(W2)
+        info = body["update_info"]
+        for k in ("names", "dtype_names", "shapes", "fake_data"):
+            info[k] = info[k][1:]
+        assert (await post(client, "/start_weight_update")).status_code == 200
+        assert (await post(client, "/update_weights", body)).status_code == 200
+        fin = await post(client, "/finish_weight_update")
+        assert fin.status_code == 409 and "not written" in fin.text, fin.text
+        assert f.coord.newest == before and f.coord.pool.update is None
+        assert all(f.coord.state_of(n) is not ReplicaState.SERVING for n in ("r0", "r1"))
