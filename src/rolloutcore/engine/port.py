@@ -234,6 +234,10 @@ class VllmAdapter(SleepMode):
         # difference is a write (``observe_health``, ``writes_since_drain``).
         self._ops_verified: WeightOps | None = None
         self._ops_at_drain: WeightOps | None = None
+        # The validation's read of them, started at the update's first cache reset
+        # (``reset_cache``): drained until resumed, the round's writes are over by then.
+        self._drained = False
+        self._ops_closing: Future[WeightOps | None] | None = None
         self._counts_ops = False  # the engine is known to count weight operations
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
@@ -438,6 +442,7 @@ class VllmAdapter(SleepMode):
                               "needs vLLM 0.32's keep-with-recompute", mutation_started=False)
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
+        self._drained, self._ops_closing = True, None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -562,6 +567,14 @@ class VllmAdapter(SleepMode):
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
+        if self._drained and self._counts_ops and self._ops_closing is None:
+            # The paused validation's read of the weight-operation counters (the health
+            # watch's baseline) starts here, overlapping the resets: the caches are
+            # reset after the update's writes and before the resume, so the counters
+            # already hold every write of the update. A write between this read and
+            # the validation's end (none is the gateway's) counts as out of band:
+            # read earlier, the baseline can only find more written, never less.
+            self._ops_closing = self._side().submit(self._weight_ops_or_none)
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
@@ -598,25 +611,34 @@ class VllmAdapter(SleepMode):
             return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
-        ops_read = self._side().submit(self._weight_ops_or_none) if self._counts_ops else None
-        wi = h.weight_info()
-        if not wi.label_supported:
-            unverified.append("no weight_version endpoint: label not verified")
+        ops_read, self._ops_closing = self._ops_closing, None
+        if ops_read is None and self._counts_ops:
+            ops_read = self._side().submit(self._weight_ops_or_none)
         caps = h.capabilities()
         # A transport that can check what it installed (e.g. rc_cuda_ipc's block
         # checksum of the updated slices, computed on the workers) adds its own
         # evidence: on vLLM 0.26 it is the only evidence there is. The paused
-        # state is read alongside it: both are taken inside the paused window
-        # (only the runner resumes, after this returns), one round trip apart.
+        # state is read alongside the label and the checks: all are taken inside the
+        # paused window (only the runner resumes, after this returns), so their order
+        # proves nothing more than their overlap does.
         checker = self.transport if isinstance(self.transport, CheckingTransport) else None
         early, self._early = self._early, None
         if early is not None and early[0] != target:
             early = None
+        sent = None if st is None else st.sent
+        early_sent, self._early_sent = self._early_sent, None
+        if early_sent is not None and early_sent[0] is not sent:
+            early_sent = None
         paused_read: Future[bool] | None = None
         if early is not None and early[2] is not None:
             paused_read = early[2]
-        elif Routes.IS_PAUSED in caps and checker is not None:
+        elif early_sent is not None and early_sent[2] is not None:
+            paused_read = early_sent[2]
+        elif Routes.IS_PAUSED in caps:
             paused_read = self._side().submit(h.is_paused)
+        wi = h.weight_info()
+        if not wi.label_supported:
+            unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
         ref = None if st is None else st.reference_checksums
         if Routes.WEIGHT_CHECKER not in caps:
@@ -630,13 +652,9 @@ class VllmAdapter(SleepMode):
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
-        sent = None if st is None else st.sent
-        early_sent, self._early_sent = self._early_sent, None
         if sent is not None:
-            if early_sent is not None and early_sent[0] is sent:
+            if early_sent is not None:
                 checks.append(early_sent[1].result())
-                if paused_read is None:
-                    paused_read = early_sent[2]
             else:
                 checks.append(compare_sent(h, sent, record=self._record_ranks))
         if checker is not None:
@@ -664,10 +682,7 @@ class VllmAdapter(SleepMode):
         # vLLM 0.34's own word on its weights (none from older releases).
         checks.extend(c for c in (incomplete_update_check(h, self._version),
                                   checkpoint_check(h, caps)) if c is not None)
-        if paused_read is not None:
-            paused: bool | None = paused_read.result()
-        else:
-            paused = h.is_paused() if Routes.IS_PAUSED in caps else None
+        paused = None if paused_read is None else paused_read.result()
         self._ops_verified = None if ops_read is None else ops_read.result()
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
@@ -744,6 +759,7 @@ class VllmAdapter(SleepMode):
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
         self.forget_sleep()
+        self._drained, self._ops_closing = False, None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None
