@@ -73,3 +73,10 @@ def test_no_key_in_the_environment_holds_nothing(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv(engine_key.ENV, raising=False)
     assert upstream_route_key("http://127.0.0.1:1") is False
     assert engine_key.headers_for("http://127.0.0.1:1") == {}
+
+
+def test_an_engine_that_cannot_be_reached_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(engine_key.ENV, OWN)
+    with pytest.raises(BadInput, match="does not take it as its route key"):
+        upstream_route_key("http://127.0.0.1:1")
+    assert engine_key.headers_for("http://127.0.0.1:1") == {}

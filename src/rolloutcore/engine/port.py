@@ -63,7 +63,7 @@ from rolloutcore.engine.state import (
     incomplete_update_check,
     version_tuple,
 )
-from rolloutcore.engine.wire import WeightOps
+from rolloutcore.engine.write_counts import WriteCounts
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -175,7 +175,7 @@ def _expectations(probes: ProbeSet | None, reference_checksums: Mapping[str, str
             else checksum_map("reference_checksums", reference_checksums)), probes
 
 
-class VllmAdapter(SleepMode):
+class VllmAdapter(SleepMode, WriteCounts):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
     The trainer side calls ``stage(source, ...)`` before each update; the
@@ -229,16 +229,8 @@ class VllmAdapter(SleepMode):
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
-        # The engine's weight-operation counters when its weights were last
-        # verified (bootstrap, each validation), and at this update's drain; a
-        # difference is a write (``observe_health``, ``writes_since_drain``).
-        self._ops_verified: WeightOps | None = None
-        self._ops_at_drain: WeightOps | None = None
-        # The validation's read of them, started at the update's first cache reset
-        # (``reset_cache``): drained until resumed, the round's writes are over by then.
-        self._drained = False
-        self._ops_closing: Future[WeightOps | None] | None = None
-        self._counts_ops = False  # the engine is known to count weight operations
+        # The engine's weight-operation counters (``engine.write_counts``).
+        self._init_write_counts()
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
@@ -567,14 +559,7 @@ class VllmAdapter(SleepMode):
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
-        if self._drained and self._counts_ops and self._ops_closing is None:
-            # The paused validation's read of the weight-operation counters (the health
-            # watch's baseline) starts here, overlapping the resets: the caches are
-            # reset after the update's writes and before the resume, so the counters
-            # already hold every write of the update. A write between this read and
-            # the validation's end (none is the gateway's) counts as out of band:
-            # read earlier, the baseline can only find more written, never less.
-            self._ops_closing = self._side().submit(self._weight_ops_or_none)
+        self._read_counts_at_reset()  # the validation's counters, beside the resets
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
@@ -725,27 +710,6 @@ class VllmAdapter(SleepMode):
                   else "" if healthy else "/health answered non-200")
         return HealthEvidence(True, healthy, restarted, reason, observed_label=label,
                               writes=writes, elapsed_s=time.monotonic() - t0)
-
-    def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
-        """What wrote weights since this update's drain (``WriteObserver``), from the
-        engine's own counters; ``None`` when the engine does not count or the drain
-        could not read them."""
-        before = self._ops_at_drain
-        if before is None or not self._counts_ops:
-            return None
-        try:
-            return self.http.weight_ops(timeout_s=timeout_s).writes_since(before)
-        except RolloutCoreError:
-            return None
-
-    def _weight_ops(self) -> WeightOps | None:
-        return self.http.weight_ops() if self._counts_ops else None
-
-    def _weight_ops_or_none(self) -> WeightOps | None:
-        try:
-            return self._weight_ops()
-        except RolloutCoreError:
-            return None
 
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (three: the early

@@ -349,15 +349,17 @@ def upstream_route_key(url: str) -> bool:
         raise BadInput(f"{engine_key.ENV}: {exc}") from None
     import httpx
 
-    from rolloutcore.engine.errors import tls_context
+    from rolloutcore.engine.errors import map_errors, tls_context
 
     # A guard is there (it refuses the launcher's route to a call without the key) ...
     try:
-        bare = httpx.delete(url + engine_key.LENT_KEY, timeout=10.0, verify=tls_context())
+        with map_errors("route key check", f"DELETE {engine_key.LENT_KEY}", timeout_s=10.0,
+                        mutation_started=False):
+            bare = httpx.delete(url + engine_key.LENT_KEY, timeout=10.0, verify=tls_context())
         why = None if bare.status_code == 403 else (
             f"it answered {bare.status_code} without the key, not the guard's 403")
-    except httpx.HTTPError as exc:
-        why = f"{type(exc).__name__}: {exc}"
+    except EffectError as exc:
+        why = str(exc)
     # ... and it takes this key as its launcher's.
     engine_key.register(url, key)
     if why is None:
