@@ -231,6 +231,8 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._instance_id: str | None = None
         # The engine's weight-operation counters (``engine.write_counts``).
         self._init_write_counts()
+        # The update's cache resets sent beside its first one (``reset_cache``).
+        self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
@@ -434,7 +436,7 @@ class VllmAdapter(SleepMode, WriteCounts):
                               "needs vLLM 0.32's keep-with-recompute", mutation_started=False)
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
-        self._drained, self._ops_closing = True, None
+        self._drained, self._ops_closing, self._resets_ahead = True, None, None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -560,6 +562,19 @@ class VllmAdapter(SleepMode, WriteCounts):
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
         self._read_counts_at_reset()  # the validation's counters, beside the resets
+        ahead = self._resets_ahead
+        if ahead is not None and cache in ahead:
+            return ahead.pop(cache).result()
+        if self._drained and ahead is None:
+            # The update's first reset: the caches after it in the runner's order go
+            # beside it. They are independent stores, the engine is paused and the
+            # update's writes are over, so their order proves nothing; each answers the
+            # runner's own call for it, checked by its body as before. The prefix
+            # cache comes first and is never reset ahead (keep mode defers it).
+            later = self._caches[self._caches.index(cache) + 1:] if cache in self._caches \
+                else ()
+            self._resets_ahead = {k: self._side().submit(self.http.reset_cache, k)
+                                  for k in later}
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
@@ -723,7 +738,7 @@ class VllmAdapter(SleepMode, WriteCounts):
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
         self.forget_sleep()
-        self._drained, self._ops_closing = False, None
+        self._drained, self._ops_closing, self._resets_ahead = False, None, None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None

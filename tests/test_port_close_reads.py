@@ -1,7 +1,9 @@
-"""The weight-operation counters a paused validation records (the health watch's
-baseline) are read at the update's first cache reset, overlapping the resets: every
-write of the update is in them, and a write after that read is out of band. A reset
-outside an update (the keep-mode sweep) starts no read.
+"""An update's close, fewer round trips in a row: the caches after the first in the
+runner's order are reset beside it, each call answered with its own cache's evidence;
+the weight-operation counters a paused validation records (the health watch's baseline)
+are read from the first reset on, overlapping the resets: every write of the update is
+in them, and a write after that read is out of band. A reset outside an update (the
+keep-mode sweep) starts neither.
 
 The engine is a stand-in answering vLLM 0.32's routes and its ``/metrics`` counters
 (``vllm:rl_weight_update_operation_duration_seconds_count``), through httpx's mock
@@ -27,7 +29,8 @@ from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.routes import Routes
 
 _ROUTES = (Routes.HEALTH, Routes.VERSION, Routes.MODELS, Routes.METRICS, Routes.PAUSE,
-           Routes.RESUME, Routes.IS_PAUSED, Routes.WEIGHT_INFO, Routes.RESET_PREFIX)
+           Routes.RESUME, Routes.IS_PAUSED, Routes.WEIGHT_INFO, Routes.RESET_PREFIX,
+           Routes.RESET_ENCODER, Routes.RESET_MM)
 
 
 class _Engine:
@@ -37,6 +40,11 @@ class _Engine:
         self.updates = 0
         self.paused = False
         self.paths: list[str] = []
+        #: the success flag each reset route answers (vLLM's prefix reset says; the
+        #: others answer an empty 200, as vLLM 0.32's do)
+        self.reset_ok: dict[str, bool | None] = {Routes.RESET_PREFIX: True,
+                                                 Routes.RESET_ENCODER: None,
+                                                 Routes.RESET_MM: None}
 
     def write(self) -> None:
         self.updates += 1
@@ -50,6 +58,10 @@ class _Engine:
             return httpx.Response(200, text=(
                 "vllm:rl_weight_update_operation_duration_seconds_count"
                 f'{{operation="update"}} {self.updates}\n'))
+        if p in self.reset_ok:
+            ok = self.reset_ok[p]
+            return httpx.Response(200, content=b"" if ok is None else
+                                  json.dumps({"success": ok}).encode())
         if p in (Routes.PAUSE, Routes.RESUME):
             self.paused = p == Routes.PAUSE
             return httpx.Response(200, json={"status": "paused" if self.paused else "resumed"})
@@ -57,8 +69,7 @@ class _Engine:
             Routes.HEALTH: None, Routes.VERSION: {"version": "0.32.0"},
             Routes.MODELS: {"data": [{"id": "policy"}]},
             Routes.IS_PAUSED: {"is_paused": self.paused},
-            Routes.WEIGHT_INFO: {"weight_version": "rc-1"},
-            Routes.RESET_PREFIX: {"success": True}}.get(p, {"detail": "Not Found"})
+            Routes.WEIGHT_INFO: {"weight_version": "rc-1"}}.get(p, {"detail": "Not Found"})
         return httpx.Response(200 if p in _ROUTES else 404, content=json.dumps(body))
 
 
@@ -105,3 +116,45 @@ def test_the_updates_own_writes_are_the_baseline_and_a_sweep_reads_nothing() -> 
     assert a.observe_health().writes == ()
     a.reset_cache(CacheKind.PREFIX)  # after the resume: a sweep again
     assert a._ops_closing is None
+
+
+def test_the_later_resets_go_beside_the_first_and_each_answers_for_its_own_cache() -> None:
+    eng = _Engine()
+    eng.reset_ok[Routes.RESET_MM] = False  # a later reset's failure is still its own
+    a = _adapter(eng)
+    a.drain(PauseMode.WAIT)
+    eng.write()
+    first = a.reset_cache(CacheKind.PREFIX)
+    assert first.cache is CacheKind.PREFIX and first.engine_success is True
+    assert a._resets_ahead is not None
+    for f in list(a._resets_ahead.values()):
+        f.result(timeout=10)
+    # All three were sent before the runner asked for the second.
+    assert {Routes.RESET_ENCODER, Routes.RESET_MM} <= set(eng.paths)
+    enc = a.reset_cache(CacheKind.ENCODER)
+    mm = a.reset_cache(CacheKind.MULTIMODAL)
+    assert (enc.cache, mm.cache) == (CacheKind.ENCODER, CacheKind.MULTIMODAL)
+    assert mm.engine_success is False
+    # A retry of a reset (an incomplete observation) is a call of its own.
+    again = a.reset_cache(CacheKind.MULTIMODAL)
+    assert again.engine_success is False
+    assert [p for p in eng.paths if p.startswith("/reset")].count(Routes.RESET_MM) == 2
+    assert all(eng.paths.count(r) == 1 for r in (Routes.RESET_PREFIX, Routes.RESET_ENCODER))
+    a.resume()
+    # After the resume (a sweep): one reset, one call.
+    n = len(eng.paths)
+    a.reset_cache(CacheKind.PREFIX)
+    assert eng.paths[n:] == [Routes.RESET_PREFIX]
+
+
+def test_a_first_reset_later_in_the_order_resets_nothing_before_it() -> None:
+    """Keep mode defers the prefix reset: the update's first reset is the encoder's, and
+    the prefix cache is not reset ahead of the sweep."""
+    eng = _Engine()
+    a = _adapter(eng)
+    a.drain(PauseMode.KEEP)
+    a.reset_cache(CacheKind.ENCODER)
+    assert a._resets_ahead is not None
+    for f in list(a._resets_ahead.values()):
+        f.result(timeout=10)
+    assert Routes.RESET_PREFIX not in eng.paths and Routes.RESET_MM in eng.paths
