@@ -9,7 +9,10 @@ broadcast, finish) followed by ``/reset_prefix_cache``, as TRL server mode
 does; its base URL is the engine's, or the gateway's ``/rc/<token>``.
 ``--updates`` rounds on each path, interleaved (direct, native; native,
 direct; ...: the order swapped every pair, so a drift in the machine's load
-lands on both alike), each path connected once, alternating A and B.
+lands on both alike), alternating A and B. The engine's workers hold one
+sender's group at a time, so a round on the other path than the last
+reconnects first (untimed): the second round of each pair starts on a fresh
+group, on either path alike (``fresh_group`` in its row).
 
 ``--engines``: ``guarded``, the engine launched behind RolloutCore's route
 guard and the gateway given its key (``serve.upstream_route_key``), which is
@@ -164,9 +167,15 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], nxt: str,
            src: Any, warm: bool) -> tuple[dict[str, Any], float, float]:
-    """One round of the sender on ``base``: (row, its start, its end)."""
+    """One round of the sender on ``base``: (row, its start, its end). The engine's
+    workers hold one sender's group at a time: a round on the other path first
+    connects there (``/init_weight_transfer_engine``, relayed by the gateway outside
+    any round), before the round's clock starts."""
     from rolloutcore.transports import engine_key
 
+    fresh = tr.connected_to != base
+    if fresh:
+        tr.connect(base, timeout_s=300)
     posts.clear()
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -177,12 +186,11 @@ def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], n
     t_end = time.monotonic()
     assert reset.status_code == 200, reset.text
     posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
+    calls = {c["route"].lstrip("/"): {"answered_at": round(c["t1"] - t0, 4),
+                                      "seconds": round(c["t1"] - c["t0"], 4)} for c in posts}
     row: dict[str, Any] = {"path": path, "round": i, "target": nxt, "wall_s": t_end - t0,
-                           "warmup": warm, "load_1m": round(load, 2), "calls": {
-                               c["route"].lstrip("/"): {
-                                   "answered_at": round(c["t1"] - t0, 4),
-                                   "seconds": round(c["t1"] - c["t0"], 4)}
-                               for c in posts}}
+                           "warmup": warm, "load_1m": round(load, 2), "fresh_group": fresh,
+                           "calls": calls}
     return row, t0, t_end
 
 
@@ -202,7 +210,7 @@ def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str,
                            startup_timeout_s=900, guard_routes=guarded)
     engine.start()
     gw_proc = None
-    trs: dict[str, Any] = {}
+    tr = GlooTransport()
     try:
         gw_proc, gw = _gateway(engine.base_url, ckpt["A"], work, engine.route_key)
         auth = {"authorization": f"Bearer {TOKEN}"}
@@ -211,11 +219,8 @@ def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str,
         levels: set[str] = set()
         holds = "A"
         bases = {"direct": engine.base_url, "native": f"{gw}/rc/{NATIVE}"}
-        posts: dict[str, list[dict[str, Any]]] = {}
-        for path in bases:  # each path connects once
-            trs[path] = GlooTransport()
-            posts[path] = []
-            _timed_posts(trs[path], posts[path])
+        posts: list[dict[str, Any]] = []
+        _timed_posts(tr, posts)
         load_start = list(os.getloadavg())
         for i in range(args.warmup + args.updates):
             # Interleaved, the order swapped every pair (direct, native; native, direct;
@@ -223,12 +228,11 @@ def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str,
             order = ("direct", "native") if i % 2 == 0 else ("native", "direct")
             for path in order:
                 nxt = "B" if holds == "A" else "A"
-                row, t0, t_end = _round(path, i, bases[path], trs[path], posts[path], nxt,
-                                        src[nxt], i < args.warmup)
+                row, t0, t_end = _round(path, i, bases[path], tr, posts, nxt, src[nxt],
+                                        i < args.warmup)
                 holds = nxt
                 if path == "native":
-                    fin = next(c["t1"] for c in posts[path]
-                               if c["route"] == "/finish_weight_update")
+                    fin = next(c["t1"] for c in posts if c["route"] == "/finish_weight_update")
                     row["phases"] = {k: round(v, 4) for k, v in _phases(
                         _journal(work / "journal.jsonl"), t0, t_end, fin).items()}
                     st = httpx.get(f"{gw}/control/status", headers=auth, timeout=30).json()
@@ -266,8 +270,7 @@ def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str,
                                   for p in bases},
                 "rounds": rows}
     finally:
-        for tr in trs.values():
-            tr.close()
+        tr.close()
         if gw_proc is not None:
             gw_proc.terminate()
             gw_proc.wait(30)
