@@ -561,7 +561,6 @@ class VllmAdapter(SleepMode, WriteCounts):
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
-        self._read_counts_at_reset()  # the validation's counters, beside the resets
         ahead = self._resets_ahead
         if ahead is not None and cache in ahead:
             return ahead.pop(cache).result()
@@ -575,6 +574,9 @@ class VllmAdapter(SleepMode, WriteCounts):
                 else ()
             self._resets_ahead = {k: self._side().submit(self.http.reset_cache, k)
                                   for k in later}
+        # The validation's counters, beside the resets (sent after them: vLLM renders
+        # /metrics on its API server's loop while the resets wait on the engine core).
+        self._read_counts_at_reset()
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
