@@ -1,18 +1,32 @@
 """The same unmodified sender, on the engine directly and through the gateway's native routes.
 
 Setup: one vLLM (CPU, generated tiny checkpoints A and B, the gloo
-weight-transfer backend) and one ``rolloutcore serve --native-routes``
+weight-transfer backend) and one ``rolloutcore serve --upstream --native-routes``
 gateway in its own process (engine watch off: the direct rounds are writes
 the gateway does not make, and it would rightly taint on them). The sender
 is ``GlooTransport.send`` (vLLM's route sequence: start, update beside the
 broadcast, finish) followed by ``/reset_prefix_cache``, as TRL server mode
 does; its base URL is the engine's, or the gateway's ``/rc/<token>``.
-``--updates`` direct rounds first, then as many through the gateway (each
-path connects once), alternating A and B.
+``--updates`` rounds on each path, interleaved (direct, native; native,
+direct; ...: the order swapped every pair, so a drift in the machine's load
+lands on both alike), alternating A and B. The engine's workers hold one
+sender's group at a time, so a round on the other path than the last
+reconnects first (untimed): the second round of each pair starts on a fresh
+group, on either path alike (``fresh_group`` in its row).
 
-Written to ``results/native-routes.json``: per-round wall times, the
-medians, ``native_over_direct`` (gateway median / direct median: what the
-round costs on top: drain, pause, checks, resume, publish), the level a
+``--engines``: ``guarded``, the engine launched behind RolloutCore's route
+guard and the gateway given its key (``serve.upstream_route_key``), which is
+what ``serve --model`` runs: the gateway pauses through the guard's
+``FAST_PAUSE``; ``open``, a vLLM with its routes open, as a plain
+``--upstream`` has: vLLM's own ``/pause`` with its fixed 20 ms sleep. Each
+on its own engine, the first named the headline.
+
+Written to ``results/native-routes.json``, per engine (``by_engine``):
+per-round wall times and the machine's 1-minute load at each round's start,
+the medians, ``native_over_direct`` (gateway median / direct median: what the
+round costs on top: drain, pause, checks, resume, publish),
+``round_ratios`` (each interleaved pair's native / direct) and their median
+``round_ratio_median``, the level a
 gateway round reached (``verification``), ``labels_assigned`` (gateway
 rounds published under the gateway's label, not the sender's), and
 ``mislabeled_answers`` (answers after a gateway round whose vLLM spans name
@@ -35,7 +49,7 @@ the finish's answer back at the sender). What a sender's call costs beyond
 the server's time (its own HTTP client, per call) is in both paths alike.
 ``phase_medians`` are their medians over the measured rounds.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py --updates 5
+    PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py --updates 5 --engines guarded,open
 """
 
 from __future__ import annotations
@@ -59,11 +73,19 @@ TOKEN = "bench-control-token-0123456789abcdef"
 NATIVE = "bench-native-token-0123456789abcdef"
 
 
-def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _gateway(upstream: str, checkpoint: Path, work: Path, route_key: str | None
+             ) -> tuple[subprocess.Popen[bytes], str]:
+    """``serve --upstream`` on the engine, given its route key when it has one."""
     from rolloutcore.engine.process import free_port
 
     port = free_port()
+    from rolloutcore.transports import engine_key
+
     (work / "token").write_text(TOKEN + "\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ROLLOUTCORE_NATIVE_TOKEN": NATIVE}
+    env.pop(engine_key.ENV, None)
+    if route_key is not None:
+        env[engine_key.ENV] = route_key
     log = work / "gateway.log"
     cmd = [sys.executable, "-m", "rolloutcore", "serve", "--upstream", upstream,
            "--checkpoint", str(checkpoint), "--port", str(port), "--token-file",
@@ -71,8 +93,7 @@ def _gateway(upstream: str, checkpoint: Path, work: Path) -> tuple[subprocess.Po
            "--min-verification", "declared", "--journal", str(work / "journal.jsonl")]
     with open(log, "wb") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
-                                     "ROLLOUTCORE_NATIVE_TOKEN": NATIVE})
+                                env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:
@@ -144,57 +165,79 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return {f: {k: round(v, 4) for k, v in d.items()} for f, d in out.items()}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], nxt: str,
+           src: Any, warm: bool) -> tuple[dict[str, Any], float, float]:
+    """One round of the sender on ``base``: (row, its start, its end). The engine's
+    workers hold one sender's group at a time: a round on the other path first
+    connects there (``/init_weight_transfer_engine``, relayed by the gateway outside
+    any round), before the round's clock starts."""
+    from rolloutcore.transports import engine_key
+
+    fresh = tr.connected_to != base
+    if fresh:
+        tr.connect(base, timeout_s=300)
+    posts.clear()
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    tr.send(base, f"sender-{path}-{i}", src, timeout_s=300)
+    tr_ = time.monotonic()
+    reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60,
+                       headers=engine_key.headers_for(base))
+    t_end = time.monotonic()
+    assert reset.status_code == 200, reset.text
+    posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
+    calls = {c["route"].lstrip("/"): {"answered_at": round(c["t1"] - t0, 4),
+                                      "seconds": round(c["t1"] - c["t0"], 4)} for c in posts}
+    row: dict[str, Any] = {"path": path, "round": i, "target": nxt, "wall_s": t_end - t0,
+                           "warmup": warm, "load_1m": round(load, 2), "fresh_group": fresh,
+                           "calls": calls}
+    return row, t0, t_end
+
+
+def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str, Any]:
+    """The benchmark on one engine: ``guarded`` (launched behind RolloutCore's route
+    guard, the gateway given its key: what ``serve --model`` runs) or not (an
+    ``--upstream`` vLLM with its routes open: vLLM's own ``/pause``)."""
     from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
     from rolloutcore.transports.source import WeightSource
 
-    work = Path(tempfile.mkdtemp(prefix="rc-native-routes-"))
+    work.mkdir(parents=True)
     ckpt = {"A": make_checkpoint(work / "A", 1), "B": make_checkpoint(work / "B", 2)}
     src = {k: WeightSource.from_checkpoint(p) for k, p in ckpt.items()}
     engine = ManagedEngine(ckpt["A"], backend="rolloutcore_gloo", log_dir=work / "logs",
-                           startup_timeout_s=900)
+                           startup_timeout_s=900, guard_routes=guarded)
     engine.start()
     gw_proc = None
+    tr = GlooTransport()
     try:
-        gw_proc, gw = _gateway(engine.base_url, ckpt["A"], work)
+        gw_proc, gw = _gateway(engine.base_url, ckpt["A"], work, engine.route_key)
         auth = {"authorization": f"Bearer {TOKEN}"}
         rows: list[dict[str, Any]] = []
         mislabeled = assigned = 0
         levels: set[str] = set()
         holds = "A"
-        loads: dict[str, list[list[float]]] = {}
-        for path, base in (("direct", engine.base_url), ("native", f"{gw}/rc/{NATIVE}")):
-            loads[path] = [list(os.getloadavg())]
-            tr = GlooTransport()
-            posts: list[dict[str, Any]] = []
-            _timed_posts(tr, posts)
-            for i in range(args.warmup + args.updates):
+        bases = {"direct": engine.base_url, "native": f"{gw}/rc/{NATIVE}"}
+        posts: list[dict[str, Any]] = []
+        _timed_posts(tr, posts)
+        load_start = list(os.getloadavg())
+        for i in range(args.warmup + args.updates):
+            # Interleaved, the order swapped every pair (direct, native; native, direct;
+            # ...), so a drift in the machine's load lands on both paths alike.
+            order = ("direct", "native") if i % 2 == 0 else ("native", "direct")
+            for path in order:
                 nxt = "B" if holds == "A" else "A"
-                posts.clear()
-                t0 = time.monotonic()
-                tr.send(base, f"sender-{i}", src[nxt], timeout_s=300)
-                tr_ = time.monotonic()
-                reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60)
-                t_end = time.monotonic()
-                wall = t_end - t0
-                assert reset.status_code == 200, reset.text
+                row, t0, t_end = _round(path, i, bases[path], tr, posts, nxt, src[nxt],
+                                        i < args.warmup)
                 holds = nxt
-                posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
-                row: dict[str, Any] = {"path": path, "round": i, "target": nxt, "wall_s": wall,
-                                       "warmup": i < args.warmup, "calls": {
-                                           c["route"].lstrip("/"): {
-                                               "answered_at": round(c["t1"] - t0, 4),
-                                               "seconds": round(c["t1"] - c["t0"], 4)}
-                                           for c in posts}}
                 if path == "native":
                     fin = next(c["t1"] for c in posts if c["route"] == "/finish_weight_update")
                     row["phases"] = {k: round(v, 4) for k, v in _phases(
                         _journal(work / "journal.jsonl"), t0, t_end, fin).items()}
                     st = httpx.get(f"{gw}/control/status", headers=auth, timeout=30).json()
                     label = st["committed"]["label"]
-                    assigned += label != f"sender-{i}" and st["state"] == "READY"
+                    assigned += label != f"sender-{path}-{i}" and st["state"] == "READY"
                     notes = [json.loads(line) for line in
                              (work / "journal.jsonl").read_text().splitlines()
                              if '"native_round"' in line]
@@ -207,41 +250,67 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     mislabeled += any(s["version"] != label for s in spans) or not spans
                     row["label"] = label
                 rows.append(row)
-                print(f"[bench] {path:6s} {i:2d} -> {nxt}: {wall:.3f} s", file=sys.stderr)
-            tr.close()
-            loads[path].append(list(os.getloadavg()))
-        med = {p: statistics.median(r["wall_s"] for r in rows if r["path"] == p
-                                    and not r["warmup"]) for p in ("direct", "native")}
+                print(f"[bench] {'guarded' if guarded else 'open':7s} {path:6s} {i:2d} -> "
+                      f"{nxt}: {row['wall_s']:.3f} s", file=sys.stderr)
         measured = [r for r in rows if not r["warmup"]]
-        phase_medians = {path: _medians([r for r in measured if r["path"] == path])
-                         for path in ("direct", "native")}
-        return {"benchmark": "native_routes", "machine": platform.platform(),
-                "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-                "load_avg_by_path": loads,  # at each path's first round, and after its last
-                "updates": args.updates, "warmup": args.warmup,
+        med = {p: statistics.median(r["wall_s"] for r in measured if r["path"] == p)
+               for p in bases}
+        pairs = [n["wall_s"] / d["wall_s"] for d, n in zip(
+            [r for r in measured if r["path"] == "direct"],
+            [r for r in measured if r["path"] == "native"], strict=True)]
+        return {"engine": "guarded" if guarded else "open",
+                "load_avg": {"start": load_start, "end": list(os.getloadavg())},
                 "direct_median_s": med["direct"], "native_median_s": med["native"],
                 "native_over_direct": med["native"] / med["direct"],
+                "round_ratios": [round(x, 4) for x in pairs],
+                "round_ratio_median": statistics.median(pairs),
                 "verification": sorted(levels), "labels_assigned": assigned,
-                "mislabeled_answers": mislabeled, "phase_medians": phase_medians,
-                "rounds": rows,
-                "command": "PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py "
-                           f"--updates {args.updates} --warmup {args.warmup}"}
+                "mislabeled_answers": mislabeled,
+                "phase_medians": {p: _medians([r for r in measured if r["path"] == p])
+                                  for p in bases},
+                "rounds": rows}
     finally:
+        tr.close()
         if gw_proc is not None:
             gw_proc.terminate()
             gw_proc.wait(30)
         engine.stop()
 
 
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or set(engines) - {"guarded", "open"}:
+        raise SystemExit(f"--engines: a list of guarded and open, got {args.engines!r}")
+    if args.updates < 1 or args.warmup < 0:
+        raise SystemExit("--updates must be at least 1 and --warmup at least 0")
+    base = Path(tempfile.mkdtemp(prefix="rc-native-routes-"))
+    by = {e: run_engine(args, e == "guarded", base / e) for e in engines}
+    head = by[engines[0]]
+    return {"benchmark": "native_routes", "machine": platform.platform(),
+            "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+            "updates": args.updates, "warmup": args.warmup, "engine": head["engine"],
+            **{k: head[k] for k in ("direct_median_s", "native_median_s",
+                                    "native_over_direct", "round_ratio_median")},
+            "by_engine": by,
+            "command": "PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py "
+                       f"--updates {args.updates} --warmup {args.warmup} "
+                       f"--engines {','.join(engines)}"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--updates", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--engines", default="guarded,open",
+                   help="guarded (launched behind the route guard, as serve --model runs "
+                        "it), open (an --upstream vLLM, its routes open), or both: the "
+                        "first is the headline")
     p.add_argument("--out", default=str(ROOT / "results" / "native-routes.json"))
     args = p.parse_args()
     res = run(args)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=2))
+    print(json.dumps({**res, "by_engine": {e: {k: v for k, v in r.items() if k != "rounds"}
+                                           for e, r in res["by_engine"].items()}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ from rolloutcore.engine.state import (
     incomplete_update_check,
     version_tuple,
 )
-from rolloutcore.engine.wire import WeightOps
+from rolloutcore.engine.write_counts import WriteCounts
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -175,7 +175,7 @@ def _expectations(probes: ProbeSet | None, reference_checksums: Mapping[str, str
             else checksum_map("reference_checksums", reference_checksums)), probes
 
 
-class VllmAdapter(SleepMode):
+class VllmAdapter(SleepMode, WriteCounts):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
     The trainer side calls ``stage(source, ...)`` before each update; the
@@ -229,12 +229,10 @@ class VllmAdapter(SleepMode):
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
-        # The engine's weight-operation counters when its weights were last
-        # verified (bootstrap, each validation), and at this update's drain; a
-        # difference is a write (``observe_health``, ``writes_since_drain``).
-        self._ops_verified: WeightOps | None = None
-        self._ops_at_drain: WeightOps | None = None
-        self._counts_ops = False  # the engine is known to count weight operations
+        # The engine's weight-operation counters (``engine.write_counts``).
+        self._init_write_counts()
+        # The update's cache resets sent beside its first one (``reset_cache``).
+        self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
@@ -438,6 +436,7 @@ class VllmAdapter(SleepMode):
                               "needs vLLM 0.32's keep-with-recompute", mutation_started=False)
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
+        self._drained, self._ops_closing, self._resets_ahead = True, None, None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -562,6 +561,22 @@ class VllmAdapter(SleepMode):
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
+        ahead = self._resets_ahead
+        if ahead is not None and cache in ahead:
+            return ahead.pop(cache).result()
+        if self._drained and ahead is None:
+            # The update's first reset: the caches after it in the runner's order go
+            # beside it. They are independent stores, the engine is paused and the
+            # update's writes are over, so their order proves nothing; each answers the
+            # runner's own call for it, checked by its body as before. The prefix
+            # cache comes first and is never reset ahead (keep mode defers it).
+            later = self._caches[self._caches.index(cache) + 1:] if cache in self._caches \
+                else ()
+            self._resets_ahead = {k: self._side().submit(self.http.reset_cache, k)
+                                  for k in later}
+        # The validation's counters, beside the resets (sent after them: vLLM renders
+        # /metrics on its API server's loop while the resets wait on the engine core).
+        self._read_counts_at_reset()
         return self.http.reset_cache(cache)
 
     @_step(Step.VALIDATE)
@@ -598,25 +613,34 @@ class VllmAdapter(SleepMode):
             return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
-        ops_read = self._side().submit(self._weight_ops_or_none) if self._counts_ops else None
-        wi = h.weight_info()
-        if not wi.label_supported:
-            unverified.append("no weight_version endpoint: label not verified")
+        ops_read, self._ops_closing = self._ops_closing, None
+        if ops_read is None and self._counts_ops:
+            ops_read = self._side().submit(self._weight_ops_or_none)
         caps = h.capabilities()
         # A transport that can check what it installed (e.g. rc_cuda_ipc's block
         # checksum of the updated slices, computed on the workers) adds its own
         # evidence: on vLLM 0.26 it is the only evidence there is. The paused
-        # state is read alongside it: both are taken inside the paused window
-        # (only the runner resumes, after this returns), one round trip apart.
+        # state is read alongside the label and the checks: all are taken inside the
+        # paused window (only the runner resumes, after this returns), so their order
+        # proves nothing more than their overlap does.
         checker = self.transport if isinstance(self.transport, CheckingTransport) else None
         early, self._early = self._early, None
         if early is not None and early[0] != target:
             early = None
+        sent = None if st is None else st.sent
+        early_sent, self._early_sent = self._early_sent, None
+        if early_sent is not None and early_sent[0] is not sent:
+            early_sent = None
         paused_read: Future[bool] | None = None
         if early is not None and early[2] is not None:
             paused_read = early[2]
-        elif Routes.IS_PAUSED in caps and checker is not None:
+        elif early_sent is not None and early_sent[2] is not None:
+            paused_read = early_sent[2]
+        elif Routes.IS_PAUSED in caps:
             paused_read = self._side().submit(h.is_paused)
+        wi = h.weight_info()
+        if not wi.label_supported:
+            unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
         ref = None if st is None else st.reference_checksums
         if Routes.WEIGHT_CHECKER not in caps:
@@ -630,13 +654,9 @@ class VllmAdapter(SleepMode):
             if cmp.unverifiable:
                 unverified.append(f"{len(cmp.unverifiable)} of {cmp.total} engine parameters "
                                   "hash as zero bytes (repacked): content not verifiable")
-        sent = None if st is None else st.sent
-        early_sent, self._early_sent = self._early_sent, None
         if sent is not None:
-            if early_sent is not None and early_sent[0] is sent:
+            if early_sent is not None:
                 checks.append(early_sent[1].result())
-                if paused_read is None:
-                    paused_read = early_sent[2]
             else:
                 checks.append(compare_sent(h, sent, record=self._record_ranks))
         if checker is not None:
@@ -664,10 +684,7 @@ class VllmAdapter(SleepMode):
         # vLLM 0.34's own word on its weights (none from older releases).
         checks.extend(c for c in (incomplete_update_check(h, self._version),
                                   checkpoint_check(h, caps)) if c is not None)
-        if paused_read is not None:
-            paused: bool | None = paused_read.result()
-        else:
-            paused = h.is_paused() if Routes.IS_PAUSED in caps else None
+        paused = None if paused_read is None else paused_read.result()
         self._ops_verified = None if ops_read is None else ops_read.result()
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
@@ -711,27 +728,6 @@ class VllmAdapter(SleepMode):
         return HealthEvidence(True, healthy, restarted, reason, observed_label=label,
                               writes=writes, elapsed_s=time.monotonic() - t0)
 
-    def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
-        """What wrote weights since this update's drain (``WriteObserver``), from the
-        engine's own counters; ``None`` when the engine does not count or the drain
-        could not read them."""
-        before = self._ops_at_drain
-        if before is None or not self._counts_ops:
-            return None
-        try:
-            return self.http.weight_ops(timeout_s=timeout_s).writes_since(before)
-        except RolloutCoreError:
-            return None
-
-    def _weight_ops(self) -> WeightOps | None:
-        return self.http.weight_ops() if self._counts_ops else None
-
-    def _weight_ops_or_none(self) -> WeightOps | None:
-        try:
-            return self._weight_ops()
-        except RolloutCoreError:
-            return None
-
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (three: the early
         transport check, the paused-state read and the operation counters may be in
@@ -744,6 +740,7 @@ class VllmAdapter(SleepMode):
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
         self.forget_sleep()
+        self._drained, self._ops_closing, self._resets_ahead = False, None, None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None

@@ -41,6 +41,7 @@ from rolloutcore.engine.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.service.auth import generate_token, read_token_file, write_token_file
 from rolloutcore.service.config import ServiceConfig, check_bind
+from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
     from rolloutcore.engine.http import VllmHTTP
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 __all__ = ["LORA_RANKS", "PORT_IN_USE", "TAKEOVER_REFUSED", "ServeOptions",
            "check_lora_options", "control_token", "exit_on_signal", "lora_engine_args",
            "port_in_use", "reachable_verification", "refuse_taken_port", "run_serve",
-           "vocab_size",
+           "upstream_route_key", "vocab_size",
            "write_token_file"]
 
 #: Exit status of ``serve`` when the engine it would take over cannot be verified.
@@ -324,6 +325,57 @@ def native_routes_token(token_out: str | None, host: str, port: int) -> str:
     return token
 
 
+def upstream_route_key(url: str) -> bool:
+    """``--upstream``: hold the route key of an engine started behind RolloutCore's guard.
+
+    A vLLM its user started as ``ROLLOUTCORE_ENGINE_ROUTE_SECRET=<key> vllm serve ...
+    --middleware rolloutcore.transports.engine_key.RouteGuard`` closes its dev and
+    weight routes as an engine ``serve`` launches does. Given the same key in this
+    process's environment (``engine_key.ENV``), the gateway holds it as a launcher
+    does: its calls carry it, it lends a key to a trainer for one lease, and it pauses
+    through the guard's ``FAST_PAUSE`` (vLLM's ``/pause`` without its fixed 20 ms
+    sleep). Checked at once: the engine must take the key as its own (taking back a
+    lent key, which only the launcher's key may do), else ``BadInput`` and no key is
+    held. False when the environment holds no key.
+    """
+    from rolloutcore.engine import lent_key
+
+    raw = os.environ.get(engine_key.ENV)
+    if raw is None:
+        return False
+    try:
+        key = engine_key.check_key(raw.strip())
+    except BadInput as exc:
+        raise BadInput(f"{engine_key.ENV}: {exc}") from None
+    import httpx
+
+    from rolloutcore.engine.errors import map_errors, tls_context
+
+    # A guard is there (it refuses the launcher's route to a call without the key) ...
+    try:
+        with map_errors("route key check", f"DELETE {engine_key.LENT_KEY}", timeout_s=10.0,
+                        mutation_started=False):
+            bare = httpx.delete(url + engine_key.LENT_KEY, timeout=10.0, verify=tls_context())
+        why = None if bare.status_code == 403 else (
+            f"it answered {bare.status_code} without the key, not the guard's 403")
+    except EffectError as exc:
+        why = str(exc)
+    # ... and it takes this key as its launcher's.
+    engine_key.register(url, key)
+    if why is None:
+        try:
+            lent_key.revoke(url)
+        except EffectError as exc:
+            why = str(exc)
+    if why is not None:
+        engine_key.forget(url, key)
+        raise BadInput(f"{engine_key.ENV} is set, but the engine at {url} does not take it as "
+                       f"its route key ({why}): start vLLM with --middleware "
+                       f"{engine_key.MIDDLEWARE} and the same key in its environment, or "
+                       f"unset {engine_key.ENV}")
+    return True
+
+
 def run_serve(args: ServeOptions) -> int:
     """The ``serve`` command; blocks until interrupted. Returns an exit status."""
     if not isinstance(args, ServeOptions):
@@ -401,12 +453,18 @@ def run_serve(args: ServeOptions) -> int:
         if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
                 None, None
-            print(f"[rolloutcore] the engine at {url} was not launched by RolloutCore: its dev "
-                  "and weight routes answer every process that reaches it. An out-of-band "
-                  "write is detected (health ticks every "
-                  f"{probe.health_interval_s:g} s, instance id, label), not refused; launch "
-                  "the engine with `rolloutcore serve` (no --upstream) to close them",
-                  file=sys.stderr)
+            if upstream_route_key(url):
+                print(f"[rolloutcore] the engine at {url} takes this gateway's route key "
+                      "(the guard's): its dev and weight routes answer only this gateway "
+                      "and the trainer it grants an update", file=sys.stderr)
+            else:
+                print(f"[rolloutcore] the engine at {url} was not launched by RolloutCore: "
+                      "its dev and weight routes answer every process that reaches it. An "
+                      "out-of-band write is detected (health ticks every "
+                      f"{probe.health_interval_s:g} s, instance id, label), not refused; "
+                      "launch the engine with `rolloutcore serve` (no --upstream), or behind "
+                      f"the guard with the key in {engine_key.ENV}, to close them",
+                      file=sys.stderr)
         else:
             from rolloutcore.engine.process import ManagedEngine
 

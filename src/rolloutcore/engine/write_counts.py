@@ -1,0 +1,74 @@
+"""The engine's own count of its weight writes: the write-counter half of ``VllmAdapter``.
+
+vLLM 0.32+ counts every ``/start_weight_update``, ``/update_weights`` and
+``/finish_weight_update`` on ``/metrics`` (``engine.wire.WeightOps``), whoever
+calls them. The adapter reads the counters at bootstrap and at each paused
+validation (``_ops_verified``: what the published version was verified as, the
+health watch's baseline) and beside each drain's pause (``_ops_at_drain``:
+``writes_since_drain`` tells an expired lease whether anything was sent).
+
+The validation's read starts at the update's first cache reset
+(``_read_counts_at_reset``), overlapping the resets: the caches are reset after
+the update's writes and before the resume, so the counters already hold every
+write of the update. A write between that read and the validation's end (none
+is the gateway's) counts as out of band: read earlier, the baseline can only
+find more written, never less. A reset outside an update (the keep-mode
+sweep, after the resume) starts no read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from rolloutcore.errors import RolloutCoreError
+
+if TYPE_CHECKING:
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.wire import WeightOps
+
+__all__ = ["WriteCounts"]
+
+
+class WriteCounts:
+    """The write-counter half of ``VllmAdapter`` (see the module docstring)."""
+
+    http: VllmHTTP
+    _side: Callable[[], ThreadPoolExecutor]
+
+    def _init_write_counts(self) -> None:
+        # The counters when the weights were last verified (bootstrap, each
+        # validation), and at this update's drain; a difference is a write.
+        self._ops_verified: WeightOps | None = None
+        self._ops_at_drain: WeightOps | None = None
+        self._counts_ops = False  # the engine is known to count weight operations
+        # Drained until resumed; the validation's read, started at the first reset.
+        self._drained = False
+        self._ops_closing: Future[WeightOps | None] | None = None
+
+    def _read_counts_at_reset(self) -> None:
+        """At a cache reset: start the paused validation's read, once per update."""
+        if self._drained and self._counts_ops and self._ops_closing is None:
+            self._ops_closing = self._side().submit(self._weight_ops_or_none)
+
+    def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
+        """What wrote weights since this update's drain (``WriteObserver``), from the
+        engine's own counters; ``None`` when the engine does not count or the drain
+        could not read them."""
+        before = self._ops_at_drain
+        if before is None or not self._counts_ops:
+            return None
+        try:
+            return self.http.weight_ops(timeout_s=timeout_s).writes_since(before)
+        except RolloutCoreError:
+            return None
+
+    def _weight_ops(self) -> WeightOps | None:
+        return self.http.weight_ops() if self._counts_ops else None
+
+    def _weight_ops_or_none(self) -> WeightOps | None:
+        try:
+            return self._weight_ops()
+        except RolloutCoreError:
+            return None

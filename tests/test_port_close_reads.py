@@ -1,0 +1,160 @@
+"""An update's close, fewer round trips in a row: the caches after the first in the
+runner's order are reset beside it, each call answered with its own cache's evidence;
+the weight-operation counters a paused validation records (the health watch's baseline)
+are read from the first reset on, overlapping the resets: every write of the update is
+in them, and a write after that read is out of band. A reset outside an update (the
+keep-mode sweep) starts neither.
+
+The engine is a stand-in answering vLLM 0.32's routes and its ``/metrics`` counters
+(``vllm:rl_weight_update_operation_duration_seconds_count``), through httpx's mock
+transport; the real engine's counters are ``tests/engine/test_service_verify_engine.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from rolloutcore.core.evidence import CacheKind, PauseMode, UpdateTarget
+from rolloutcore.core.versions import (
+    ParameterManifest,
+    Provenance,
+    WeightIdentity,
+    WeightVersion,
+)
+from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.engine.routes import Routes
+
+_ROUTES = (Routes.HEALTH, Routes.VERSION, Routes.MODELS, Routes.METRICS, Routes.PAUSE,
+           Routes.RESUME, Routes.IS_PAUSED, Routes.WEIGHT_INFO, Routes.RESET_PREFIX,
+           Routes.RESET_ENCODER, Routes.RESET_MM)
+
+
+class _Engine:
+    """vLLM 0.32's answers, its update counter written by ``write``."""
+
+    def __init__(self) -> None:
+        self.updates = 0
+        self.paused = False
+        self.paths: list[str] = []
+        #: the success flag each reset route answers (vLLM's prefix reset says; the
+        #: others answer an empty 200, as vLLM 0.32's do)
+        self.reset_ok: dict[str, bool | None] = {Routes.RESET_PREFIX: True,
+                                                 Routes.RESET_ENCODER: None,
+                                                 Routes.RESET_MM: None}
+
+    def write(self) -> None:
+        self.updates += 1
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        p = request.url.path
+        self.paths.append(p)
+        if p == Routes.OPENAPI:
+            return httpx.Response(200, json={"paths": {r: {} for r in _ROUTES}})
+        if p == Routes.METRICS:
+            return httpx.Response(200, text=(
+                "vllm:rl_weight_update_operation_duration_seconds_count"
+                f'{{operation="update"}} {self.updates}\n'))
+        if p in self.reset_ok:
+            ok = self.reset_ok[p]
+            return httpx.Response(200, content=b"" if ok is None else
+                                  json.dumps({"success": ok}).encode())
+        if p in (Routes.PAUSE, Routes.RESUME):
+            self.paused = p == Routes.PAUSE
+            return httpx.Response(200, json={"status": "paused" if self.paused else "resumed"})
+        body: Any = {
+            Routes.HEALTH: None, Routes.VERSION: {"version": "0.32.0"},
+            Routes.MODELS: {"data": [{"id": "policy"}]},
+            Routes.IS_PAUSED: {"is_paused": self.paused},
+            Routes.WEIGHT_INFO: {"weight_version": "rc-1"}}.get(p, {"detail": "Not Found"})
+        return httpx.Response(200 if p in _ROUTES else 404, content=json.dumps(body))
+
+
+def _target() -> UpdateTarget:
+    m = ParameterManifest.from_items([("w", (2,), "float32")])
+    return UpdateTarget(WeightVersion(1, "rc-1", "e0"),
+                        WeightIdentity.declare(m, Provenance("c")), "test")
+
+
+def _adapter(eng: _Engine) -> VllmAdapter:
+    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
+                    engine_epoch="e0")
+    a.bootstrap()
+    return a
+
+
+def test_a_write_after_the_first_reset_is_out_of_band() -> None:
+    eng = _Engine()
+    a = _adapter(eng)
+    a.drain(PauseMode.WAIT)
+    eng.write()                      # the update's own write
+    a.reset_cache(CacheKind.PREFIX)  # the counters are read from here on
+    assert a._ops_closing is not None
+    a._ops_closing.result(timeout=10)
+    eng.write()                      # somebody else's, while still paused
+    ev = a.validate(_target(), live=False)
+    assert ev is not None and ev.paused is True
+    a.resume()
+    assert eng.paths.count(Routes.METRICS) == 3  # bootstrap, drain, the reset's read
+    # The update's write is the baseline; the one after the reset's read is not.
+    assert a.observe_health().writes == ("1 /update_weights call(s)",)
+
+
+def test_the_updates_own_writes_are_the_baseline_and_a_sweep_reads_nothing() -> None:
+    eng = _Engine()
+    a = _adapter(eng)
+    a.reset_cache(CacheKind.PREFIX)  # a sweep: no update drained, no read started
+    assert a._ops_closing is None
+    a.drain(PauseMode.WAIT)
+    eng.write()
+    ev = a.validate(_target(), live=False)  # no reset due: the validation reads them
+    assert ev is not None and ev.paused is True
+    a.resume()
+    assert a.observe_health().writes == ()
+    a.reset_cache(CacheKind.PREFIX)  # after the resume: a sweep again
+    assert a._ops_closing is None
+
+
+def test_the_later_resets_go_beside_the_first_and_each_answers_for_its_own_cache() -> None:
+    eng = _Engine()
+    eng.reset_ok[Routes.RESET_MM] = False  # a later reset's failure is still its own
+    a = _adapter(eng)
+    a.drain(PauseMode.WAIT)
+    eng.write()
+    first = a.reset_cache(CacheKind.PREFIX)
+    assert first.cache is CacheKind.PREFIX and first.engine_success is True
+    assert a._resets_ahead is not None
+    for f in list(a._resets_ahead.values()):
+        f.result(timeout=10)
+    # All three were sent before the runner asked for the second.
+    assert {Routes.RESET_ENCODER, Routes.RESET_MM} <= set(eng.paths)
+    enc = a.reset_cache(CacheKind.ENCODER)
+    mm = a.reset_cache(CacheKind.MULTIMODAL)
+    assert (enc.cache, mm.cache) == (CacheKind.ENCODER, CacheKind.MULTIMODAL)
+    assert mm.engine_success is False
+    # A retry of a reset (an incomplete observation) is a call of its own.
+    again = a.reset_cache(CacheKind.MULTIMODAL)
+    assert again.engine_success is False
+    assert [p for p in eng.paths if p.startswith("/reset")].count(Routes.RESET_MM) == 2
+    assert all(eng.paths.count(r) == 1 for r in (Routes.RESET_PREFIX, Routes.RESET_ENCODER))
+    a.resume()
+    # After the resume (a sweep): one reset, one call.
+    n = len(eng.paths)
+    a.reset_cache(CacheKind.PREFIX)
+    assert eng.paths[n:] == [Routes.RESET_PREFIX]
+
+
+def test_a_first_reset_later_in_the_order_resets_nothing_before_it() -> None:
+    """Keep mode defers the prefix reset: the update's first reset is the encoder's, and
+    the prefix cache is not reset ahead of the sweep."""
+    eng = _Engine()
+    a = _adapter(eng)
+    a.drain(PauseMode.KEEP)
+    a.reset_cache(CacheKind.ENCODER)
+    assert a._resets_ahead is not None
+    for f in list(a._resets_ahead.values()):
+        f.result(timeout=10)
+    assert Routes.RESET_PREFIX not in eng.paths and Routes.RESET_MM in eng.paths
