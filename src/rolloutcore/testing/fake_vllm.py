@@ -122,7 +122,7 @@ class FakeVllm:
         self._as_base: set[str] = set()
         self.down = False
         self.received: list[tuple[str, str]] = []   # (method, path) of every call
-        self._faults: dict[str, list[int]] = {}
+        self._faults: dict[str, list[int | type[httpx.TransportError]]] = {}
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, str], _Handler] = {
             ("GET", Routes.HEALTH): self._health,
@@ -174,12 +174,17 @@ class FakeVllm:
         """A mock transport serving this fake, for ``httpx.Client`` or ``AsyncClient``."""
         return httpx.MockTransport(self.handle)
 
-    def fail(self, path: str, status: int, times: int = 1) -> None:
-        """Answer the next ``times`` calls of ``path`` with ``status`` (vLLM's error body)."""
+    def fail(self, path: str, status: int | type[httpx.TransportError], times: int = 1
+             ) -> None:
+        """Answer the next ``times`` calls of ``path`` with ``status`` (vLLM's error body),
+        or raise it there: ``httpx.ReadTimeout`` is a call that hangs past its timeout."""
         if not any(p == path for _, p in self._routes):
             raise BadInput(f"the fake does not serve {path!r}")
-        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
-            raise BadInput(f"status must be an HTTP error status, got {status!r}")
+        if not (isinstance(status, type) and issubclass(status, httpx.TransportError)) and (
+                isinstance(status, bool) or not isinstance(status, int)
+                or not 400 <= status <= 599):
+            raise BadInput(f"status must be an HTTP error status or an httpx.TransportError "
+                           f"type, got {status!r}")
         if isinstance(times, bool) or not isinstance(times, int) or times < 1:
             raise BadInput("times must be an int >= 1")
         with self._lock:
@@ -196,6 +201,8 @@ class FakeVllm:
             status = queued.pop(0) if queued else None
         if self.before is not None:
             self.before(request)
+        if isinstance(status, type):
+            raise status(f"fake vLLM: injected {status.__name__} on {path}", request=request)
         if status is not None:
             return _error(status, f"injected fault on {path}",
                           "ServiceUnavailableError" if status >= 500 else "BadRequestError")
@@ -401,13 +408,12 @@ class FakeVllm:
                 ) -> httpx.Response:
         """The scorer's greedy tokens and their ``top`` logprobs, for the model named."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
-            raise BadInput("logprobs must be an int in 0..20")
+            raise BadInput("logprobs must be an int in 1..20")
         model = body.get("model") or self.model
         with self._lock:
-            path = None if model == self.model or model in self._as_base else self.loras.get(
-                model, "")
-        if path == "":
-            return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            if model != self.model and model not in self.loras:
+                return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            path = None if model == self.model or model in self._as_base else self.loras[model]
         assert self.scorer is not None
         out = self.scorer(path, ids, max_tokens=n, top=top)
         return httpx.Response(200, json={"choices": [{
@@ -533,8 +539,8 @@ class FakeVllm:
                 return _error(400, f"The lora adapter '{name}' has already been loaded. "
                                    "If you want to load the adapter in place, set "
                                    "'load_inplace' to True.", "InvalidUserInput")
-            swallowed, self.swallow_loads = self.swallow_loads > 0, max(
-                0, self.swallow_loads - 1)
+            swallowed = self.swallow_loads > 0
+            self.swallow_loads -= swallowed
         if not swallowed and not (Path(path) / "adapter_config.json").is_file():
             # vLLM reads the PEFT config
             return _error(404, f"Loading lora {name} failed: No adapter found for {path}",
