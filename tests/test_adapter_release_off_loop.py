@@ -5,7 +5,7 @@ release (``Target.on_release``, on the event loop) unloaded the adapter there:
 blocking calls to the engine (up to 2 x 60 s) and a journal sync, while
 ``/health`` and every stream waited; a client chooses when its long request
 ends. And an exception there skipped the base binding's release. The engine
-is ``helpers.fake_lora.LoraEngine`` (the real tiny model through PEFT) under a
+is ``testing.peft_scorer.peft_vllm`` (the real tiny model through PEFT) under a
 real ``AdapterManager`` and the gateway's ``AdapterEngine`` admission.
 """
 
@@ -28,7 +28,7 @@ from rolloutcore.service.proxy import FinishedRequest
 
 pytest.importorskip("peft")
 MATRIX = PromiseRows("tests/test_adapter_release_off_loop.py",
-                     engines="LoraEngine (the tiny model through PEFT) under the real "
+                     engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager and the gateway's admission")
 _fault_matrix = MATRIX.fixture()
 UNLOAD_S = 1.5
@@ -38,8 +38,8 @@ UNLOAD_S = 1.5
 def manager(tmp_path: Path) -> Any:
     import torch
 
-    from helpers.fake_lora import LoraEngine
     from rolloutcore.testing.models import make_adapter, make_checkpoint
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     torch.set_num_threads(1)
     base = make_checkpoint(tmp_path / "base", 0)
@@ -49,19 +49,19 @@ def manager(tmp_path: Path) -> Any:
         dirs.append(tmp_path / f"a{seed}")
     f = fake_fleet(1)
     rep = f.coord.replicas["r0"]
-    engine = LoraEngine(base)
+    fake, engine = peft_vllm(base)
     m = AdapterManager(engine, rep.controller, base_model=base, store=tmp_path / "store",
                        config=AdapterConfig(max_loaded=3, max_staleness=0),
                        listener=rep.journal.listener, max_rank=8)
     try:
-        yield m, engine, dirs
+        yield m, engine, dirs, fake
     finally:
         m.close()
         f.coord.close()
 
 
 def test_the_release_of_a_retired_adapter_returns_before_its_slow_unload(manager: Any) -> None:
-    m, engine, (a1, a2) = manager
+    m, engine, (a1, a2), fake = manager
     first = m.update(a1, Provenance("adapter", "tests", 1)).version
     admission = AdapterEngine(m, "http://127.0.0.1:9")
     _, target = admission.try_admit("long", True)
@@ -80,7 +80,7 @@ def test_the_release_of_a_retired_adapter_returns_before_its_slow_unload(manager
     took = time.monotonic() - t0
     assert took < 0.3, f"the release waited {took:.2f}s on the engine"
     assert m.wait_swept(30)
-    assert first.name not in engine.adapters           # unloaded, off the loop
+    assert first.name not in fake.loras           # unloaded, off the loop
     assert m.view.states[first.name] is AdapterState.RETIRED
     MATRIX.row("lora_release_on_loop",
                f"a request bound to a retired adapter ends while the engine's unload takes "

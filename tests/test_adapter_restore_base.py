@@ -5,7 +5,7 @@ After A -> B and adapter Y published for B, rerunning ``serve --lora --model A
 pair nobody published. The restore checked the adapter's digest, not its base.
 Now the base's identity the journal committed under Y's base label is compared
 (content digests) with the base served now. The engines are
-``helpers.fake_lora.LoraEngine`` under the real ``AdapterManager`` and a fake
+``testing.peft_scorer.peft_vllm`` under the real ``AdapterManager`` and a fake
 fleet's replica controller, whose base is updated for real (A -> B).
 """
 
@@ -25,7 +25,7 @@ from rolloutcore.core.versions import Provenance
 
 pytest.importorskip("peft")
 MATRIX = PromiseRows("tests/test_adapter_restore_base.py",
-                     engines="LoraEngine (the tiny model through PEFT) under the real "
+                     engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager; a fake fleet replica's controller")
 _fault_matrix = MATRIX.fixture()
 
@@ -35,8 +35,8 @@ def published_on_b(tmp_path: Path) -> Any:
     """A journal whose adapter was published on base B (rc-1, after A -> B)."""
     import torch
 
-    from helpers.fake_lora import LoraEngine
     from rolloutcore.testing.models import make_adapter, make_checkpoint
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     torch.set_num_threads(1)
     base = make_checkpoint(tmp_path / "base", 0)
@@ -49,7 +49,7 @@ def published_on_b(tmp_path: Path) -> Any:
     jpath = tmp_path / "journal.jsonl"
     j = Journal(jpath)
     j.write(Commit(c.committed, c.identity))    # the gateway's journal has the base's commit
-    m = AdapterManager(LoraEngine(base), c, base_model=base, store=tmp_path / "store",
+    m = AdapterManager(peft_vllm(base)[1], c, base_model=base, store=tmp_path / "store",
                        listener=j.listener, max_rank=8)
     y = m.update(tmp_path / "a1", Provenance("adapter", "tests", 1)).version
     assert y.base == c.committed.label
@@ -62,18 +62,18 @@ def published_on_b(tmp_path: Path) -> Any:
 
 def test_a_restart_on_another_base_does_not_republish_the_adapter(
         published_on_b: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from helpers.fake_lora import LoraEngine
     from rolloutcore.service.serve import _restore_adapters
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     base, jpath, y, _ = published_on_b
     g = fake_fleet(1)                           # the restart: the engine on A again
     try:
         c = g.coord.replicas["r0"].controller
         assert c.identity.content_digest != read_journal(jpath)[0].record.identity.content_digest
-        eng = LoraEngine(base)
+        fake, eng = peft_vllm(base)
         m = AdapterManager(eng, c, base_model=base, store=tmp_path / "store2", max_rank=8)
         _restore_adapters(m, str(jpath))
-        assert m.current is None and eng.adapters == {}    # nothing loaded, nothing routed
+        assert m.current is None and fake.loras == {}    # nothing loaded, nothing routed
         assert m.is_adapter(y.name)                        # its name stays refused
         err = capsys.readouterr().err
         assert f"the journal's adapter {y.name} was not published again" in err
@@ -89,14 +89,14 @@ def test_a_restart_on_another_base_does_not_republish_the_adapter(
 
 
 def test_a_restart_on_the_same_base_republishes_it(published_on_b: Any, tmp_path: Path) -> None:
-    from helpers.fake_lora import LoraEngine
     from rolloutcore.service.serve import _restore_adapters
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     base, jpath, y, f = published_on_b
-    eng = LoraEngine(base)                      # the same base (B): a new engine
+    fake, eng = peft_vllm(base)                 # the same base (B): a new engine
     m = AdapterManager(eng, f.coord.replicas["r0"].controller, base_model=base,
                        store=tmp_path / "store3", max_rank=8)
     _restore_adapters(m, str(jpath))
     assert m.current is not None and m.current.content_digest == y.content_digest
-    assert set(eng.adapters) == {m.current.name}
+    assert set(fake.loras) == {m.current.name}
     m.close()

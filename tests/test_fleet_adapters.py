@@ -1,7 +1,7 @@
 """Fleet LoRA-adapter versions (``fleet.adapters``): verified on every replica, then published.
 
 Each replica is a fake fleet's replica (its own controller and journal) whose
-LoRA routes are answered by ``helpers.fake_lora.LoraEngine``: the real tiny
+LoRA routes are answered by the one fake with ``testing.peft_scorer``: the real tiny
 model in float32, each adapter applied through PEFT from the directory it was
 loaded from. The probes compare those computations with the reference, so a
 fault shows up the way it would on vLLM: an adapter that computes the base, a
@@ -18,15 +18,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from fleettools import fake_fleet
-from helpers.fake_lora import LoraEngine
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.versions import Provenance
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import AdmissionRefused, BadInput, UpdateRefused
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
+from rolloutcore.testing.peft_scorer import peft_vllm
 
 pytest.importorskip("peft")
 
@@ -68,10 +70,12 @@ def adapters(base: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, 
 @pytest.fixture
 def rig(base: Path, tmp_path: Path) -> Iterator[dict[str, Any]]:
     f = fake_fleet(2)
-    engines = {n: LoraEngine(base) for n in f.coord.replicas}
+    engines, clients = {}, {}   # each replica: the one fake, and its client
+    for n in f.coord.replicas:
+        engines[n], clients[n] = peft_vllm(base)
 
     def make(rep: Any) -> AdapterManager:
-        return AdapterManager(engines[rep.name], rep.controller, base_model=base,
+        return AdapterManager(clients[rep.name], rep.controller, base_model=base,
                               store=tmp_path / rep.name / rep.controller.committed.label,
                               config=AdapterConfig(max_loaded=3, max_staleness=1),
                               listener=rep.journal.listener, max_rank=8)
@@ -102,10 +106,10 @@ def test_published_on_every_replica_once_all_verified(rig: dict[str, Any],
         assert m.current is not None and m.current.name == v.name
         assert {c.name for c in res.replicas[n].checks} == {"listed", "content",
                                                             "adapter-probe", "base-probe"}
-        assert v.name in rig["engines"][n].adapters
+        assert v.name in rig["engines"][n].loras
         assert fa.eligible(n)
     # Each replica read its own copy of the files; the fleet's name is new everywhere.
-    paths = {rig["engines"][n].paths[v.name] for n in fa.managers}
+    paths = {rig["engines"][n].loras[v.name] for n in fa.managers}
     assert len(paths) == 2
     second = fa.update(adapters[2], _prov(2)).version
     assert second.generation > v.generation and second.name != v.name
@@ -130,7 +134,7 @@ def test_one_replica_failing_verification_publishes_nothing_anywhere(
     for n, m in fa.managers.items():
         assert m.current == before[1][n][0]
         assert m.view.states[err.name] is AdapterState.REFUSED
-        assert set(rig["engines"][n].adapters) == {first.name}
+        assert set(rig["engines"][n].loras) == {first.name}
         assert fa.eligible(n)
     # The next update gets a new name and passes on both.
     nxt = fa.update(adapters[2], _prov(3)).version
@@ -144,7 +148,7 @@ def test_a_load_that_loads_nothing_and_a_failed_unload(rig: dict[str, Any],
     # r0's load answers and loads nothing (not listed); r1's unload of the verified copy
     # hangs: it stays fenced there, and r1 takes no policy request until a later update.
     rig["engines"]["r0"].swallow_loads = 1
-    rig["engines"]["r1"].fail_unloads = 1
+    rig["engines"]["r1"].fail(Routes.UNLOAD_LORA, httpx.ReadTimeout)
     with pytest.raises(FleetAdapterFailed, match="does not list") as exc:
         fa.update(adapters[2], _prov(2))
     assert exc.value.classification == "ambiguous"
@@ -171,14 +175,14 @@ def test_bad_input_and_refusals_change_nothing(rig: dict[str, Any], tmp_path: Pa
         fa.update(adapters[2], "step 2")  # type: ignore[arg-type]
     # Every replica refuses the load (a 4xx): nothing loaded anywhere, nothing published.
     for e in rig["engines"].values():
-        e.refuse_loads = 1
+        e.fail(Routes.LOAD_LORA, 400)
     with pytest.raises(FleetAdapterFailed, match="refused"):
         fa.update(adapters[2], _prov(2))
     assert fa.current == before[0]
     assert {n: m.view.current for n, m in fa.managers.items()} == {
         n: c for n, (c, _) in before[1].items()}
     for n, e in rig["engines"].items():
-        assert set(e.adapters) == {before[1][n][0].name}
+        assert set(e.loras) == {before[1][n][0].name}
     with pytest.raises(BadInput):
         FleetAdapters(rig["fleet"].coord, lambda r: None, base_model="x")  # type: ignore
     with pytest.raises(BadInput, match="deadline_s"):
@@ -188,7 +192,7 @@ def test_bad_input_and_refusals_change_nothing(rig: dict[str, Any], tmp_path: Pa
 def _kill_and_recover(f: Any, engines: dict[str, Any], name: str) -> str | None:
     epoch = f.coord.replicas[name].controller.committed.engine_epoch
     f.engine(name).kill()
-    engines[name].adapters.clear()   # the new process holds no adapter
+    engines[name].loras.clear()   # the new process holds no adapter
     f.coord.suspect(name)
     f.coord.supervise_once()
     assert name not in f.coord.serving()
@@ -218,8 +222,8 @@ def test_a_recovered_replica_catches_up_on_the_current_adapter(
     assert m is not old_mgr and m.current is not None and m.current.name == first.name
     checks = m.view.states
     assert checks[first.name] is AdapterState.PUBLISHED
-    assert set(engines["r1"].adapters) == {first.name}
-    assert engines["r1"].paths[first.name].startswith(str(m.store))   # its own copy
+    assert set(engines["r1"].loras) == {first.name}
+    assert engines["r1"].loras[first.name].startswith(str(m.store))   # its own copy
     assert fa.current is not None and set(fa.current.replicas) == {"r0", "r1"}
     assert fa.status()["replicas"]["r1"]["caught_up"] == "published"
     m.admit("after-catch-up")
@@ -229,7 +233,7 @@ def test_a_recovered_replica_catches_up_on_the_current_adapter(
     with pytest.raises(BadInput):
         fa.catch_up("nope")
     nxt = fa.update(adapters[2], _prov(2)).version
-    assert fa.eligible("r1") and set(engines["r1"].adapters) >= {nxt.name}
+    assert fa.eligible("r1") and set(engines["r1"].loras) >= {nxt.name}
 
 
 def test_a_catch_up_that_fails_verification_leaves_the_replica_out(
@@ -245,13 +249,13 @@ def test_a_catch_up_that_fails_verification_leaves_the_replica_out(
     assert f.coord.wait_for(lambda: fa.caught_up.get("r1", "").startswith("failed"), 120), \
         fa.status()
     assert not fa.eligible("r1") and fa.eligible("r0")
-    assert first.name not in engines["r1"].adapters
+    assert first.name not in engines["r1"].loras
     with pytest.raises(AdmissionRefused):
         fa.managers["r1"].admit("x")
     # A catch-up of a replica that is not on a new process does nothing.
     assert fa.catch_up("r0") == "already serves the current adapter"
     nxt = fa.update(adapters[2], _prov(2)).version
-    assert fa.eligible("r1") and nxt.name in engines["r1"].adapters
+    assert fa.eligible("r1") and nxt.name in engines["r1"].loras
 
 
 def test_one_update_at_a_time_and_no_serving_replica(rig: dict[str, Any],

@@ -14,11 +14,12 @@ import pytest
 
 import test_fleet_adapters as first
 from fleettools import fake_fleet
-from helpers.fake_lora import LoraEngine
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterState
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import AdmissionRefused, UpdateFailed, UpdateRefused
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
+from rolloutcore.testing.peft_scorer import peft_vllm
 from test_fleet_adapters import _prov, _state
 
 # The first half's fixtures, found by pytest by name here (module-scoped ones are made
@@ -51,7 +52,7 @@ def test_the_fleet_gateway_publishes_and_routes_policy_to_the_fleets_adapter(
     async def main() -> None:
         with served(f) as fakes:
             for n, fk in fakes.items():
-                fk.loras = rig["engines"][n].paths  # one engine: the adapters LoraEngine loaded
+                fk.loras = rig["engines"][n].loras  # one engine: the adapters loaded
             app = create_lora_fleet_app(f.coord, ServiceConfig(
                 upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
             async with lifespan(app), httpx.AsyncClient(
@@ -143,12 +144,12 @@ def test_a_restarted_gateway_restores_names_and_republishes_the_journals_adapter
     try:
         jpath = tmp_path / "j.jsonl"
         j = Journal(jpath)
-        m1 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+        m1 = AdapterManager(peft_vllm(base)[1], rep.controller, base_model=base,
                             store=tmp_path / "store", listener=j.listener, max_rank=8)
         m1.update(adapters[1], _prov(1))
         second = m1.update(adapters[2], _prov(7)).version
         j.close()
-        eng2 = LoraEngine(base)                    # the restarted engine holds nothing
+        fake2, eng2 = peft_vllm(base)              # the restarted engine holds nothing
         j2 = Journal(jpath)
         m2 = AdapterManager(eng2, rep.controller, base_model=base,
                             store=tmp_path / "store", listener=j2.listener, max_rank=8)
@@ -157,7 +158,7 @@ def test_a_restarted_gateway_restores_names_and_republishes_the_journals_adapter
         assert now is not None and now.name != second.name
         assert now.content_digest == second.content_digest
         assert now.generation == second.generation + 1
-        assert set(eng2.adapters) == {now.name}
+        assert set(fake2.loras) == {now.name}
         assert m2.is_adapter(second.name)           # an old name stays refused
         j2.close()
         recs = [r.record for r in read_journal(jpath) if isinstance(r.record, AdapterChange)]
@@ -167,7 +168,7 @@ def test_a_restarted_gateway_restores_names_and_republishes_the_journals_adapter
         import shutil
 
         shutil.rmtree(now.path)
-        m3 = AdapterManager(LoraEngine(base), rep.controller, base_model=base,
+        m3 = AdapterManager(peft_vllm(base)[1], rep.controller, base_model=base,
                             store=tmp_path / "store3", max_rank=8)
         _restore_adapters(m3, str(jpath))
         assert m3.current is None and m3.is_adapter(now.name)
@@ -187,7 +188,7 @@ def test_a_restarted_fleet_restores_names_and_the_adapter_all_replicas_published
                for n, rep in f.coord.replicas.items()}
     f2 = fake_fleet(2)
     try:
-        engines = {n: LoraEngine(base) for n in f2.coord.replicas}
+        engines = {n: peft_vllm(base)[1] for n in f2.coord.replicas}
         fa2 = FleetAdapters(f2.coord, lambda rep: AdapterManager(
             engines[rep.name], rep.controller, base_model=base,
             store=tmp_path / "s2" / rep.name, max_rank=8), base_model=base)
@@ -207,6 +208,10 @@ def test_a_restarted_fleet_restores_names_and_the_adapter_all_replicas_published
         f2.coord.close()
 
 
+def _lora_calls(fake: Any) -> list[tuple[str, str]]:
+    return [c for c in fake.received if c[1] in (Routes.LOAD_LORA, Routes.UNLOAD_LORA)]
+
+
 def test_a_replica_without_room_refuses_before_anything_is_loaded_anywhere(
         rig: dict[str, Any], adapters: dict[int, Path]) -> None:
     """The budget (3 loaded) is checked on every replica before any load: on r1 two
@@ -220,12 +225,12 @@ def test_a_replica_without_room_refuses_before_anything_is_loaded_anywhere(
     r1.admit("on-3")
     fa.update(adapters[1], _prov(4))        # same files, a new version: a new name
     before = _state(fa)
-    loads = {n: list(e.calls) for n, e in rig["engines"].items()}
+    loads = {n: _lora_calls(e) for n, e in rig["engines"].items()}
     with pytest.raises(UpdateRefused, match="does not fit on r1") as exc:
         fa.update(adapters[2], _prov(5))
     assert "r0:" not in str(exc.value)       # r0 had room
     assert _state(fa) == before
-    assert {n: list(e.calls) for n, e in rig["engines"].items()} == loads
+    assert {n: _lora_calls(e) for n, e in rig["engines"].items()} == loads
     r1.complete("on-2")
     r1.complete("on-3")
     assert fa.update(adapters[2], _prov(6)).version.replicas == ("r0", "r1")
@@ -252,7 +257,7 @@ def test_a_publish_that_breaks_off_mid_loop_leaves_no_replica_answering_for_it(
     assert fa.managers["r0"].current is not None and fa.managers["r0"].current.name == err.name
     assert not fa.eligible("r0") and fa.status()["replicas"]["r0"]["tainted"]
     assert fa.managers["r1"].view.states[err.name] is AdapterState.REFUSED
-    assert err.name not in rig["engines"]["r1"].adapters and fa.eligible("r1")
+    assert err.name not in rig["engines"]["r1"].loras and fa.eligible("r1")
     monkeypatch.undo()
     nxt = fa.update(adapters[3], _prov(3)).version
     assert fa.current == nxt and fa.eligible("r0") and fa.eligible("r1")

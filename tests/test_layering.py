@@ -473,8 +473,6 @@ TESTS = SRC.parent / "tests"
 ONE_FAKE = ("src/rolloutcore/testing/fake_vllm.py", "FakeVllm")
 #: Fakes of vLLM still to move onto the one fake, each with what keeps it. Only shrinks.
 OTHER_FAKES: dict[tuple[str, str], str] = {
-    ("tests/helpers/fake_lora.py", "LoraEngine"):
-        "computes with the tiny model through PEFT, which the probe verification checks",
     ("tests/test_faultproxy_unit.py", "Upstream"):
         "the FaultProxy's upstream: a proxy is tested against a real socket",
 }

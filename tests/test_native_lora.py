@@ -1,8 +1,8 @@
-"""vLLM's LoRA routes on the gateway (service.native_lora), over the fake LoRA engine.
+"""vLLM's LoRA routes on the gateway (service.native_lora), over the one fake of vLLM.
 
 The gateway is the real one (``create_app`` with the real ``AdapterManager``);
-the adapters are loaded, listed and probed by ``helpers.fake_lora.LoraEngine``
-(the tiny model through PEFT), so a load publishes only when the engine
+the adapters are loaded, listed and probed on the one fake with
+``testing.peft_scorer`` (the tiny model through PEFT), so a load publishes only when the engine
 computes what the adapter's reference does. Generation goes to the fake vLLM
 data plane, which echoes the model it was sent: the adapter version the
 gateway bound. An unmodified client's bodies and answers are vLLM's; hostile
@@ -25,6 +25,7 @@ from helpers.asgi_stream import lifespan
 from helpers.gateway_rig import TOKEN, make_parts, serve_fake
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
+from rolloutcore.engine.routes import Routes
 from rolloutcore.service import ServiceConfig, create_app
 
 pytest.importorskip("peft")
@@ -80,7 +81,7 @@ class LoraRig:
         """Everything a refused call must leave as it was."""
         v = self.manager.view
         names = self.admission.names
-        return (v.current, dict(v.states), dict(v.bound), dict(self.engine.adapters),
+        return (v.current, dict(v.states), dict(v.bound), dict(self.engine.loras),
                 names.current, dict(names.loaded),
                 # the adapter machine's records (a finished request's land after its answer)
                 sum(1 for x in self.journal.records if x.kind == "adapter"))
@@ -89,14 +90,14 @@ class LoraRig:
 @contextlib.asynccontextmanager
 async def lora_rig(files: dict[str, Path], tmp_path: Path, *, max_staleness: int = 1
                    ) -> AsyncIterator[LoraRig]:
-    from helpers.fake_lora import LoraEngine
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     _, _, c, r, j, fake = make_parts()
-    engine = LoraEngine(files["base"])
-    m = AdapterManager(engine, c, base_model=files["base"], store=tmp_path / "store",
+    engine, lora_client = peft_vllm(files["base"])
+    m = AdapterManager(lora_client, c, base_model=files["base"], store=tmp_path / "store",
                        config=AdapterConfig(max_loaded=4, max_staleness=max_staleness),
                        listener=j.listener, max_rank=8)
-    fake.loras = engine.paths  # the served fake lists the adapters LoraEngine loaded
+    fake.loras = engine.loras  # the served fake lists the adapters the LoRA fake loaded
     config = ServiceConfig(upstream_url=serve_fake(fake), control_token=TOKEN,
                            min_verification="declared")
     app = create_app(r, config, adapters=m, native_token=NATIVE)
@@ -139,7 +140,7 @@ async def test_a_load_publishes_a_verified_version_and_the_name_routes_to_it(
         v = r.manager.current
         assert v is not None and resp.headers["x-rolloutcore-adapter"] == v.name
         assert r.manager.view.states[v.name] is AdapterState.PUBLISHED
-        assert v.name in r.engine.adapters and r.engine.paths[v.name] == v.path
+        assert v.name in r.engine.loras and r.engine.loras[v.name] == v.path
         # journaled through the adapter machinery, the client's name and path with it
         recs = [x.data for x in r.journal.records if x.kind == "adapter"]
         pub = [x for x in recs if x["after"] == "published"]
@@ -184,19 +185,19 @@ async def test_in_place_reload_supersedes_and_an_unload_waits_for_bound_requests
         assert resp.status_code == 200
         assert resp.text == "Success: LoRA adapter 'pol' removed successfully."
         assert r.manager.current is None
-        assert second.name not in r.engine.adapters       # nothing bound: unloaded now
+        assert second.name not in r.engine.loras       # nothing bound: unloaded now
         assert r.manager.view.states[second.name] is AdapterState.RETIRED
         assert vllm_error(await unload(r, "pol"), 404)["type"] == "NotFoundError"
         cards = (await r.client.get(BASE + "/v1/models")).json()["data"]
         assert "pol" not in {m["id"] for m in cards}
         # ... and the first version, superseded, stays while its request runs
-        assert first.name in r.engine.adapters
+        assert first.name in r.engine.loras
         g = await generate(r, "pol")   # the name is gone: the base's request, vLLM's 404
         assert g.json().get("model") != second.name
         target.on_release("long")      # type: ignore[misc]
         assert r.manager.wait_swept(60)
         assert r.manager.view.states[first.name] is AdapterState.RETIRED
-        assert first.name not in r.engine.adapters
+        assert first.name not in r.engine.loras
         events = [(x["name"], x["event"]) for x in (y.data for y in r.journal.records
                                                     if y.kind == "adapter")]
         assert (second.name, "withdrawn") in events
@@ -230,7 +231,7 @@ async def test_a_load_that_fails_verification_changes_nothing_the_client_sees(
         assert "adapter-probe" in err["message"] and "keeps serving" in err["message"]
         assert r.manager.current == first
         assert (await generate(r, "pol")).json()["model"] == first.name  # type: ignore[union-attr]
-        r.engine.refuse_loads = 1        # the engine refuses the load (a 4xx)
+        r.engine.fail(Routes.LOAD_LORA, 400)  # the engine refuses the load (a 4xx)
         vllm_error(await load(r, "other", files["a3"]), 409)
         assert r.admission.names.loaded == {"pol": [first.name]}  # type: ignore[union-attr]
         before = r.state()

@@ -2,7 +2,7 @@
 
 The fleet is the fast lane's: two fake replicas (their own controllers and file
 journals) behind the real fleet gateway on a loopback port (uvicorn), each
-replica's adapter routes an in-process PEFT engine (``helpers.fake_lora``: the
+replica's adapter routes the one fake scoring with PEFT (``testing.peft_scorer``: the
 real tiny model, so the adapter probes compare real computations), its
 generation a ``FakeVllm``. The trainer is TRL's GRPO on the run's own tiny
 checkpoint. What is checked: every adapter version published on both replicas
@@ -46,7 +46,6 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
     import torch
 
     from fleettools import fake_fleet, served
-    from helpers.fake_lora import LoraEngine
     from helpers.gateway_rig import TOKEN, uvicorn_thread
     from rolloutcore.cli.train import MODEL_SEED, LoraSettings, run_train
     from rolloutcore.control.adapters import AdapterManager
@@ -57,6 +56,7 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
     from rolloutcore.provenance.recorder import TrajectoryRecorder, read_groups
     from rolloutcore.service import ServiceConfig
     from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.testing.peft_scorer import peft_vllm
 
     # run_train gives torch half the cores; keep it at one beside the fake engines.
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
@@ -64,10 +64,10 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
     jdir.mkdir()
     base = make_checkpoint(work / "policy-0", MODEL_SEED)   # what train uses and serve makes
     f = fake_fleet(2, journal_dir=str(jdir))
-    engines = {n: LoraEngine(base) for n in f.coord.replicas}
+    engines = {n: peft_vllm(base) for n in f.coord.replicas}   # (the one fake, client)
 
     def make(rep: Any) -> AdapterManager:
-        return AdapterManager(engines[rep.name], rep.controller, base_model=base,
+        return AdapterManager(engines[rep.name][1], rep.controller, base_model=base,
                               store=tmp_path / "store" / rep.name,
                               config=AdapterConfig(max_loaded=3, max_staleness=1),
                               listener=rep.journal.listener, max_rank=8)
@@ -76,7 +76,7 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
     try:
         with served(f) as fakes:
             for n, fk in fakes.items():
-                fk.loras = engines[n].paths  # one engine: the adapters LoraEngine loaded
+                fk.loras = engines[n][0].loras  # one engine: the adapters loaded
             app = create_lora_fleet_app(f.coord, ServiceConfig(
                 upstream_url="http://127.0.0.1:1", control_token=TOKEN), fa, supervise=False)
             with uvicorn_thread(app) as url:
@@ -93,9 +93,9 @@ def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: No
         # Published on both replicas, each from its own copy of the files.
         assert fa.current is not None and fa.current.name == names[-1]
         assert set(fa.current.replicas) == {"r0", "r1"}
-        for n, e in engines.items():
-            assert set(names) <= set(e.paths) and str(tmp_path / "store" / n) in \
-                e.paths[names[-1]]
+        for n, (e, _) in engines.items():
+            assert set(names) <= set(e.loras) and str(tmp_path / "store" / n) in \
+                e.loras[names[-1]]
         # Every sample: its replica, the fleet version, its step's adapter on that replica,
         # bound to the engine version its replica served the fleet version as.
         samples = [json.loads(x) for x in (work / "trajectories.jsonl").read_text()

@@ -15,7 +15,11 @@ this module adds LoRA adapters (a name, its path, and outputs of its own),
 the weight label, ``without`` (routes an older vLLM lacks), and
 faults: ``fail(path, status, times)`` answers the next
 ``times`` calls of ``path`` with ``status`` and vLLM's error body, ``down``
-drops every connection.
+drops every connection, ``swallow_loads`` (that many LoRA loads answer and load
+nothing), ``base_under_name`` (that many are listed while the base computes).
+Given a ``scorer`` (``testing.peft_scorer``: the tiny model through PEFT), a
+generation that asks top logprobs is answered by it, for the base or the
+adapter's directory: what an adapter probe checks.
 
 Blocking routes (``/pause?mode=wait``, a generation frozen by ``keep``) block
 the calling thread, as a real server's answer would keep it waiting: an
@@ -78,13 +82,16 @@ class FakeVllm:
 
     def __init__(self, engine: FakeEngine, *, model: str = MODEL, vocab_size: int = VOCAB,
                  without: Iterable[str] = (), max_model_len: int = 512, live: bool = False,
-                 event_delay_s: float = 0.0) -> None:
+                 event_delay_s: float = 0.0, scorer: Callable[..., list[tuple[
+                     int, dict[int, float]]]] | None = None) -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
         for name, v, least in (("vocab_size", vocab_size, VOCAB), ("max_model_len",
                                                                     max_model_len, 2)):
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise BadInput(f"{name} must be an int >= {least}")
+        if scorer is not None and not callable(scorer):
+            raise BadInput("scorer must be callable (path, token_ids, max_tokens=, top=)")
         if not isinstance(live, bool):
             raise BadInput("live must be a bool")
         if isinstance(event_delay_s, bool) or not isinstance(event_delay_s, (int, float)) \
@@ -109,9 +116,13 @@ class FakeVllm:
         self.model = model
         #: loaded LoRA adapters: name -> the path it was loaded from
         self.loras: dict[str, str] = {}
+        self.scorer = scorer
+        #: LoRA load faults (the module's docstring); names loaded under the base
+        self.swallow_loads = self.base_under_name = 0
+        self._as_base: set[str] = set()
         self.down = False
         self.received: list[tuple[str, str]] = []   # (method, path) of every call
-        self._faults: dict[str, list[int]] = {}
+        self._faults: dict[str, list[int | type[httpx.TransportError]]] = {}
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, str], _Handler] = {
             ("GET", Routes.HEALTH): self._health,
@@ -163,12 +174,17 @@ class FakeVllm:
         """A mock transport serving this fake, for ``httpx.Client`` or ``AsyncClient``."""
         return httpx.MockTransport(self.handle)
 
-    def fail(self, path: str, status: int, times: int = 1) -> None:
-        """Answer the next ``times`` calls of ``path`` with ``status`` (vLLM's error body)."""
+    def fail(self, path: str, status: int | type[httpx.TransportError], times: int = 1
+             ) -> None:
+        """Answer the next ``times`` calls of ``path`` with ``status`` (vLLM's error body),
+        or raise it there: ``httpx.ReadTimeout`` is a call that hangs past its timeout."""
         if not any(p == path for _, p in self._routes):
             raise BadInput(f"the fake does not serve {path!r}")
-        if isinstance(status, bool) or not isinstance(status, int) or not 400 <= status <= 599:
-            raise BadInput(f"status must be an HTTP error status, got {status!r}")
+        if not (isinstance(status, type) and issubclass(status, httpx.TransportError)) and (
+                isinstance(status, bool) or not isinstance(status, int)
+                or not 400 <= status <= 599):
+            raise BadInput(f"status must be an HTTP error status or an httpx.TransportError "
+                           f"type, got {status!r}")
         if isinstance(times, bool) or not isinstance(times, int) or times < 1:
             raise BadInput("times must be an int >= 1")
         with self._lock:
@@ -179,12 +195,14 @@ class FakeVllm:
         with self._lock:
             self.received.append((request.method, path))
             if self.down:
-                raise httpx.ConnectError("fake vLLM: connection refused (down)",
+                raise httpx.ConnectError("fake vLLM does not answer: connection refused (down)",
                                          request=request)
             queued = self._faults.get(path)
             status = queued.pop(0) if queued else None
         if self.before is not None:
             self.before(request)
+        if isinstance(status, type):
+            raise status(f"fake vLLM: injected {status.__name__} on {path}", request=request)
         if status is not None:
             return _error(status, f"injected fault on {path}",
                           "ServiceUnavailableError" if status >= 500 else "BadRequestError")
@@ -372,6 +390,8 @@ class FakeVllm:
         if not isinstance(sp, dict):
             raise BadInput("sampling_params must be an object")
         rid, lp = str(body.get("request_id") or uuid.uuid4().hex), sp.get("logprobs")
+        if self.scorer is not None and lp:
+            return self._scored(body, ids, self._max_tokens(sp.get("max_tokens"), ids), lp)
 
         def shape(toks: list[int], finish: str | None, spans: Any) -> dict[str, Any]:
             choice = {"index": 0, "token_ids": toks, "finish_reason": finish,
@@ -383,6 +403,23 @@ class FakeVllm:
                     for t in toks]}
             return {"request_id": rid, "choices": [choice]}
         return self._run(body, ids, self._max_tokens(sp.get("max_tokens"), ids), shape, rid)
+
+    def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: Any
+                ) -> httpx.Response:
+        """The scorer's greedy tokens and their ``top`` logprobs, for the model named."""
+        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
+            raise BadInput("logprobs must be an int in 1..20")
+        model = body.get("model") or self.model
+        with self._lock:
+            if model != self.model and model not in self.loras:
+                return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            path = None if model == self.model or model in self._as_base else self.loras[model]
+        assert self.scorer is not None
+        out = self.scorer(path, ids, max_tokens=n, top=top)
+        return httpx.Response(200, json={"choices": [{
+            "index": 0, "token_ids": [t for t, _ in out], "finish_reason": "length",
+            "logprobs": {"content": [{"token_id": t, "logprob": tops[t], "top_logprobs": [
+                {"token_id": k, "logprob": v} for k, v in tops.items()]} for t, tops in out]}}]})
 
     def _completions(self, request: httpx.Request) -> httpx.Response:
         body = self._body(request)
@@ -502,11 +539,17 @@ class FakeVllm:
                 return _error(400, f"The lora adapter '{name}' has already been loaded. "
                                    "If you want to load the adapter in place, set "
                                    "'load_inplace' to True.", "InvalidUserInput")
-        if not (Path(path) / "adapter_config.json").is_file():  # vLLM reads the PEFT config
+            swallowed = self.swallow_loads > 0
+            self.swallow_loads -= swallowed
+        if not swallowed and not (Path(path) / "adapter_config.json").is_file():
+            # vLLM reads the PEFT config
             return _error(404, f"Loading lora {name} failed: No adapter found for {path}",
                           "NotFoundError")
         with self._lock:
-            self.loras[name] = path
+            if not swallowed:  # a swallowed load answers as a load and loads nothing
+                self.loras[name] = path
+                (self._as_base.add if self.base_under_name else self._as_base.discard)(name)
+                self.base_under_name = max(0, self.base_under_name - 1)
         return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
 
     def _unload_lora(self, request: httpx.Request) -> httpx.Response:
