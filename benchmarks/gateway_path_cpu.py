@@ -231,6 +231,10 @@ def instrument() -> None:
 
     _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
     _wrap(Shell, "run", "shell.run")
+    from rolloutcore.engine import lent_key
+
+    _wrap(lent_key, "lend", "gw.lent_key.lend")       # --guarded: in the begin's thread
+    _wrap(lent_key, "revoke", "gw.lent_key.revoke")   # in the report's
     from rolloutcore.service.proxy import DataPlane
 
     _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
@@ -367,7 +371,51 @@ def _record_of(journal: Any) -> Any:
     return getattr(journal, "defer", journal.write)
 
 
-def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def guarded_engine(mock: Any) -> Iterator[str]:
+    """A launched engine's lending half (``--guarded``): ``RouteGuard`` on loopback in a
+    thread, its key held by this process, so the gateway lends a route key at each begin
+    and takes it back at each report (``engine.lent_key``), as for an engine it launched.
+    Behind the guard, any other request is answered by the stand-in (``mock``), so a
+    client of the gateway's that does not go through ``MockTransport`` still finds it."""
+    import httpx
+
+    from rolloutcore.transports import engine_key
+
+    async def standin(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        qs = scope.get("query_string") or b""
+        req = httpx.Request(scope["method"], "http://engine.bench" + scope["path"]
+                            + ("?" + qs.decode() if qs else ""),
+                            content=body, headers=[(k.decode(), v.decode())
+                                                   for k, v in scope["headers"]])
+        resp = mock.handle_request(req)
+        resp.read()
+        await send({"type": "http.response.start", "status": resp.status_code,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": resp.content})
+
+    key = engine_key.new_key()
+    os.environ[engine_key.ENV] = key
+    try:
+        guard = engine_key.RouteGuard(standin)
+    finally:
+        os.environ.pop(engine_key.ENV)
+    with serve_in_thread(guard) as url:
+        engine_key.register(url, key)
+        try:
+            yield url
+        finally:
+            engine_key.forget(url)
+
+
+def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
+             guarded: bool = False) -> dict[str, Any]:
     from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
@@ -396,6 +444,22 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     pk, contents, values, tr, source = si.pk, si.contents, si.values, si.transport, si.source
     names = [e.name for e in pk.entries]
     mock, base, deadlines, identity = si.mock, BASE, si.deadlines, si.identity
+    stack = contextlib.ExitStack()
+    # --guarded: the gateway's upstream is the guard's loopback URL (it lends and takes
+    # back there); the trainer's transport and the in-process side stay on the stand-in.
+    gw_base = base
+    if guarded:
+        gw_base = stack.enter_context(guarded_engine(mock))
+        # A launched engine's guard pauses through its own fast route: the stand-in's
+        # ``/pause`` (no 20 ms sleep to leave out here).
+        handler = mock.handler
+
+        def fast_pause(req: Any) -> Any:
+            if req.url.path == "/rolloutcore/pause":
+                req.url = req.url.copy_with(path="/pause")
+            return handler(req)
+
+        mock.handler = fast_pause
     tmp = Path(tempfile.mkdtemp(prefix="gateway-path-cpu-"))
     # In process: the session, its journal on disk.
     session = EngineSession(VllmHTTP(base, transport=mock, timeout_s=120), tr,
@@ -415,11 +479,11 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
                                            required_caches=(CacheKind.PREFIX,))
     if fsync:
         journal._fsync = True
-    gw_adapter = VllmAdapter(VllmHTTP(base, transport=mock, timeout_s=120), None,
+    gw_adapter = VllmAdapter(VllmHTTP(gw_base, transport=mock, timeout_s=120), None,
                              engine_epoch="bench-epoch")
     gw_runner = LifecycleRunner(controller, gw_adapter, deadlines, record=_record_of(journal))
     gw_runner.bootstrap(identity(1))
-    cfg = ServiceConfig(upstream_url=base, control_token=TOKEN,
+    cfg = ServiceConfig(upstream_url=gw_base, engine_url=base, control_token=TOKEN,
                         transport={"backend": "rc_cuda_ipc"}, health_interval_s=0,
                         min_verification="engine-checksum",
                         reachable_verification=VerificationLevel.ENGINE_CHECKSUM)
@@ -435,7 +499,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
 
     runs: list[dict[str, Any]] = []
     prof_stats: dict[str, str] | None = None
-    with serve_in_thread(TimedApp(app)) as url, \
+    with stack, serve_in_thread(TimedApp(app)) as url, \
             RolloutCoreClient(url, TOKEN, transport=tr, connected_to=base,
                               begin_timeout_s=300, report_timeout_s=300) as rc:
 
@@ -520,7 +584,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     in_records = read_journal(tmp / "inprocess.jsonl")
     return {"rolloutcore": str(Path(rolloutcore.__file__).parent), "tensors": len(names),
             "buffer_bytes": int(pk.buffer.numel()), "reps": reps, "warmup": warmup,
-            "fsync": fsync, "runs": runs, "profile": prof_stats,
+            "fsync": fsync, "guarded": guarded, "runs": runs, "profile": prof_stats,
             "journal_records": {"gateway": len(gw_records), "inprocess": len(in_records)}}
 
 
@@ -582,7 +646,8 @@ def _derive(r: dict[str, Any]) -> dict[str, float]:
         d["client.encode"] = get("client.encode", 0.0)
         d["client.decode"] = get("client.decode", 0.0)
         for k in ("gw.body_read", "gw.parse_validate", "gw.hop_to_thread",
-                  "gw.hop_back_to_loop", "gw.answer_build", "shell.run"):
+                  "gw.hop_back_to_loop", "gw.answer_build", "shell.run",
+                  "gw.lent_key.lend", "gw.lent_key.revoke"):
             d[k] = get(k, 0.0)
         for k in [k for k in s if k.startswith("gw.loop.")]:
             d[k] = get(k, 0.0)
@@ -644,6 +709,8 @@ def _side(src: Path, a: argparse.Namespace) -> dict[str, Any]:
                str(a.scale), "--warmup", str(a.warmup), "--profile", str(a.profile)]
         if a.fsync:
             cmd.append("--fsync")
+        if a.guarded:
+            cmd.append("--guarded")
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if r.returncode:
             raise SystemExit(f"side {src} failed:\n{r.stdout}\n{r.stderr}")
@@ -663,6 +730,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="before/after alternations")
     ap.add_argument("--before-ref", default="main", help="'' : this tree only")
     ap.add_argument("--fsync", action="store_true", help="journals fsync every batch")
+    ap.add_argument("--guarded", action="store_true",
+                    help="a launched engine: the gateway lends a route key and takes it back")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N gateway transitions")
     ap.add_argument("--raw", action="store_true",
                     help="also write every transition's spans (runs: ~1.5 MB)")
@@ -670,7 +739,7 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile)
+        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile, a.guarded)
         Path(a.child).write_text(json.dumps(res))
         return 0
     head = _git("rev-parse", "HEAD")
@@ -712,6 +781,7 @@ def main() -> int:
         | {"before": ref, "after": head + (" + uncommitted src" if dirty else "")},
         "what": __doc__.split("\n\n")[1:4],
         "reps": a.reps, "rounds": a.rounds, "scale": a.scale, "fsync": a.fsync,
+        "guarded": a.guarded,
         "summary": summ,
         "profile": {k: rs[-1].get("profile") for k, rs in runs.items() if rs[-1].get("profile")},
     }
@@ -754,6 +824,10 @@ def _table(summ: dict[str, Any]) -> None:
     for label, ks in PARTS:
         row("  " + label[:56], lambda s, ks=ks: sum(s["gateway"].get(k, 0.0) for k in ks))
     row("  sum of the parts above", lambda s: s["gateway"]["gateway_extra_total"])
+    row("gateway: route key lend (in the begin's worker thread)",
+        lambda s: s["gateway"].get("gw.lent_key.lend", 0.0))
+    row("gateway: route key take-back (in the report's)",
+        lambda s: s["gateway"].get("gw.lent_key.revoke", 0.0))
     row("gateway: journal sync (in the worker thread)", lambda s: s["gateway"]["journal_sync"])
     row("in process: journal sync", lambda s: s["inprocess"]["journal_sync"])
     row("gateway: event-loop wakes by the data plane (count)",
