@@ -147,6 +147,62 @@ def test_a_lent_key_never_replaces_the_launchers_in_this_process() -> None:
     assert engine_key.headers_for(url) == {}
 
 
+# ------------------------------------------------------------------ the lender's connection
+
+def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead_engine(
+        rig: tuple[RouteGuard, _Engine]) -> None:
+    """``Lender``: the lends and take-backs of successive leases go over one kept-alive
+    connection, and each does what ``lend``/``revoke`` do (the lent key opens the routes,
+    the take-back closes them); once the engine is gone a take-back is ``EngineUnreachable``
+    (nothing delivered), and after ``close`` a call still goes out, on a new connection."""
+    from helpers.gateway_rig import uvicorn_thread
+    from rolloutcore.errors import EngineUnreachable
+
+    guard, eng = rig
+    peers: list[Any] = []
+
+    async def recorded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            peers.append(tuple(scope["client"]))
+        await guard(scope, receive, send)
+
+    with pytest.raises(ValueError):
+        lent_key.Lender("http://127.0.0.1:1", timeout_s=0)
+    with uvicorn_thread(recorded, lifespan="off") as url:
+        engine_key.register(url, OWN)
+        lender = lent_key.Lender(url, timeout_s=10)
+        try:
+            for _ in range(2):
+                key = lender.lend(30)
+                assert key is not None
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 200
+                lender.revoke()
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 403
+            # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
+            # between them on one of its own.
+            assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
+            lender.close()
+            assert lender.closed
+            assert lender.lend(30) is not None  # closed: a connection of its own
+            assert peers[-1] != peers[0]
+            lender.revoke()
+            lender.close()  # idempotent
+            pooled = lent_key.Lender(url)
+            assert pooled.lend(30) is not None
+        except BaseException:
+            engine_key.forget(url)
+            raise
+    try:
+        with pytest.raises(EngineUnreachable):
+            pooled.revoke()  # the engine is gone: its idle connection is not reused
+    finally:
+        pooled.close()
+        engine_key.forget(url)
+    assert lent_key.Lender(url).lend(30) is None  # no key of it held: nothing to lend
+
+
 # ------------------------------------------------------------------ the gateway lends
 
 def _gateway_parts(guarded: bool) -> tuple[str, Any, Any, str, Any]:
@@ -211,6 +267,9 @@ def test_the_key_lent_to_a_trainer_ends_with_its_lease() -> None:
             assert httpx.post(up + "/pause", headers={HEADER: g.route_key}, json={},
                               timeout=10).status_code == 403
             assert ("POST", "/pause") not in fake.received[reached:] and not fake.engine.paused
+            lender = app.state.gateway.updates.lender
+            assert not lender.closed
+        assert lender.closed  # the gateway's shutdown closed its kept-alive connection
     finally:
         engine_key.forget(up)
 

@@ -361,6 +361,9 @@ class UpdateManager:
         self.metrics = metrics
         self._updates: OrderedDict[int, _Update] = OrderedDict()
         self._opening = False
+        #: The route-key lend and take-back of an engine this gateway launched, over one
+        #: kept-alive connection (closed in ``aclose``).
+        self.lender = lent_key.Lender(config.upstream_url)
         #: The lease machine, its changes recorded in the engine's journal.
         self.leases: Shell[LeaseTable, Mapping[int, Lease]] = Shell(
             LeaseTable(), LeaseTable.view, listener=runner.emit)
@@ -495,7 +498,7 @@ class UpdateManager:
             try:
                 # An engine this gateway launched lends the trainer a key of its own, for
                 # the lease only (never the launcher's: it would outlive the lease).
-                return out, lent_key.lend(cfg.upstream_url, lease_s)
+                return out, self.lender.lend(lease_s)
             except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
                 self.runner.report_transfer_failure(
                     out, FailureKind.REFUSED, f"the engine did not lend a route key for "
@@ -699,7 +702,7 @@ class UpdateManager:
         if upd.route_key is None:
             return None
         try:
-            lent_key.revoke(self.config.upstream_url)
+            self.lender.revoke()
         except RolloutCoreError as exc:
             return (f"the route key lent for the lease could not be taken back ({exc}): "
                     "it stays valid on the engine until the lease's deadline")
@@ -709,7 +712,8 @@ class UpdateManager:
     async def aclose(self, wait_s: float = 120.0) -> None:
         """On shutdown no update stays half-done: an open lease is expired now (classified
         from the engine), and one being reported or expired is waited for, bounded by
-        ``wait_s`` (the runner's own deadlines end it well before)."""
+        ``wait_s`` (the runner's own deadlines end it well before); then the lender's
+        kept-alive connection is closed."""
         for upd in list(self._updates.values()):
             if upd.timer is not None:
                 upd.timer.cancel()
@@ -721,6 +725,7 @@ class UpdateManager:
                 continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
+        self.lender.close()  # every lease has ended: its connection goes with the gateway
 
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
