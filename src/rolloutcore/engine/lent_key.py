@@ -16,13 +16,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from rolloutcore.engine.errors import request, tls_context
+from rolloutcore.engine.errors import request
 from rolloutcore.errors import BadInput
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.engine_key import LENT_KEY, MAX_LEND_S
 
 if TYPE_CHECKING:
-    import httpx
+    from rolloutcore.engine.client import EngineClient
 
 __all__ = ["KEEPALIVE_S", "Lender", "lend", "revoke"]
 
@@ -32,7 +32,7 @@ KEEPALIVE_S = 4.0
 
 
 def lend(url: str, seconds: float, *, timeout_s: float = 10.0,
-         client: httpx.Client | None = None) -> str | None:
+         client: EngineClient | None = None) -> str | None:
     """Lend a fresh key for ``seconds`` on the engine at ``url`` (it replaces any key
     lent before) and return it; None where this process holds no key of that engine
     (it did not launch it: nothing is guarded). An ``EffectError`` if the engine did
@@ -45,17 +45,18 @@ def lend(url: str, seconds: float, *, timeout_s: float = 10.0,
     key = engine_key.new_key()
     request("PUT", url.rstrip("/") + LENT_KEY, step="route key lend", timeout_s=timeout_s,
             json_body={"key": key, "seconds": float(seconds)}, mutation_started=False,
-            client=client)
+            client=None if client is None else client.http)
     return key
 
 
-def revoke(url: str, *, timeout_s: float = 10.0, client: httpx.Client | None = None) -> None:
+def revoke(url: str, *, timeout_s: float = 10.0, client: EngineClient | None = None) -> None:
     """Take back the key lent on the engine at ``url`` (nothing where this process
     holds no key of it); an ``EffectError`` if the engine did not answer that it did.
     ``client``: a pooled client to send it with (``Lender``'s); else a fresh one."""
     if engine_key.owns(url):
         request("DELETE", url.rstrip("/") + LENT_KEY, step="route key revoke",
-                timeout_s=timeout_s, mutation_started=False, client=client)
+                timeout_s=timeout_s, mutation_started=False,
+                client=None if client is None else client.http)
 
 
 class Lender:
@@ -76,23 +77,21 @@ class Lender:
             raise BadInput(f"timeout_s must be a positive number, not {timeout_s!r}")
         self.url = url
         self.timeout_s = float(timeout_s)
-        self._client: httpx.Client | None = None
+        self._client: EngineClient | None = None
         self._closed = False
         self._lock = threading.Lock()
 
-    def _pooled(self) -> httpx.Client | None:
+    def _pooled(self) -> EngineClient | None:
         if not engine_key.owns(self.url):
             return None
         with self._lock:
             if self._closed:
                 return None
             if self._client is None:
-                import httpx
+                from rolloutcore.engine.client import EngineClient
 
-                self._client = httpx.Client(
-                    verify=tls_context(), timeout=self.timeout_s,
-                    limits=httpx.Limits(max_keepalive_connections=1,
-                                        keepalive_expiry=KEEPALIVE_S))
+                self._client = EngineClient(self.url, timeout_s=self.timeout_s,
+                                            max_keepalive=1, keepalive_s=KEEPALIVE_S)
             return self._client
 
     def lend(self, seconds: float) -> str | None:
