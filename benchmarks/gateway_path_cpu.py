@@ -233,8 +233,13 @@ def instrument() -> None:
     _wrap(Shell, "run", "shell.run")
     from rolloutcore.engine import lent_key
 
-    _wrap(lent_key, "lend", "gw.lent_key.lend")       # --guarded: in the begin's thread
-    _wrap(lent_key, "revoke", "gw.lent_key.revoke")   # in the report's
+    # --guarded: the lend and the take-back, in a worker thread (before: after the drain,
+    # before the close), or on the loop (Lender: the lend beside the drain).
+    _wrap(lent_key, "lend", "gw.lent_key.lend")
+    _wrap(lent_key, "revoke", "gw.lent_key.revoke")
+    if hasattr(lent_key, "Lender"):
+        _wrap_async(lent_key.Lender, "lend", "gw.lent_key.lend")
+        _wrap_async(lent_key.Lender, "revoke", "gw.lent_key.revoke")
     from rolloutcore.service.proxy import DataPlane
 
     _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
@@ -824,9 +829,9 @@ def _table(summ: dict[str, Any]) -> None:
     for label, ks in PARTS:
         row("  " + label[:56], lambda s, ks=ks: sum(s["gateway"].get(k, 0.0) for k in ks))
     row("  sum of the parts above", lambda s: s["gateway"]["gateway_extra_total"])
-    row("gateway: route key lend (in the begin's worker thread)",
+    row("gateway: route key lend (wall; beside the drain where overlapped)",
         lambda s: s["gateway"].get("gw.lent_key.lend", 0.0))
-    row("gateway: route key take-back (in the report's)",
+    row("gateway: route key take-back",
         lambda s: s["gateway"].get("gw.lent_key.revoke", 0.0))
     row("gateway: journal sync (in the worker thread)", lambda s: s["gateway"]["journal_sync"])
     row("in process: journal sync", lambda s: s["inprocess"]["journal_sync"])

@@ -151,10 +151,11 @@ def test_a_lent_key_never_replaces_the_launchers_in_this_process() -> None:
 
 def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead_engine(
         rig: tuple[RouteGuard, _Engine]) -> None:
-    """``Lender``: the lends and take-backs of successive leases go over one kept-alive
-    connection, and each does what ``lend``/``revoke`` do (the lent key opens the routes,
-    the take-back closes them); once the engine is gone a take-back is ``EngineUnreachable``
-    (nothing delivered), and after ``close`` a call still goes out, on a new connection."""
+    """``Lender`` (the gateway's, on its loop): the lends and take-backs of successive
+    leases go over one kept-alive connection, and each does what ``lend``/``revoke`` do
+    (the lent key opens the routes, the take-back closes them); after ``aclose`` a call
+    still goes out, on a connection of its own; once the engine is gone a take-back is
+    ``EngineUnreachable`` (nothing delivered: its idle connection is not reused)."""
     from helpers.gateway_rig import uvicorn_thread
     from rolloutcore.errors import EngineUnreachable
 
@@ -166,41 +167,45 @@ def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead
             peers.append(tuple(scope["client"]))
         await guard(scope, receive, send)
 
+    def opens(url: str, key: str) -> bool:
+        return httpx.post(url + "/pause", headers={HEADER: key}, timeout=10).status_code == 200
+
+    async def leases(url: str, lender: lent_key.Lender) -> None:
+        for _ in range(2):
+            key = await lender.lend(30)
+            assert key is not None and opens(url, key)
+            await lender.revoke()
+            assert not opens(url, key)
+        # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
+        # between them on one of its own.
+        assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
+        await lender.aclose()
+        assert lender.closed
+        key = await lender.lend(30)  # closed: on a connection of its own
+        assert key is not None and opens(url, key) and peers[-2] != peers[0]
+        await lender.revoke()
+        await lender.aclose()  # idempotent
+
+    async def gone(lender: lent_key.Lender) -> None:
+        with pytest.raises(EngineUnreachable):
+            await lender.revoke()
+        await lender.aclose()
+
     with pytest.raises(ValueError):
         lent_key.Lender("http://127.0.0.1:1", timeout_s=0)
-    with uvicorn_thread(recorded, lifespan="off") as url:
-        engine_key.register(url, OWN)
-        lender = lent_key.Lender(url, timeout_s=10)
-        try:
-            for _ in range(2):
-                key = lender.lend(30)
-                assert key is not None
-                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
-                                  ).status_code == 200
-                lender.revoke()
-                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
-                                  ).status_code == 403
-            # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
-            # between them on one of its own.
-            assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
-            lender.close()
-            assert lender.closed
-            assert lender.lend(30) is not None  # closed: a connection of its own
-            assert peers[-1] != peers[0]
-            lender.revoke()
-            lender.close()  # idempotent
-            pooled = lent_key.Lender(url)
-            assert pooled.lend(30) is not None
-        except BaseException:
-            engine_key.forget(url)
-            raise
     try:
-        with pytest.raises(EngineUnreachable):
-            pooled.revoke()  # the engine is gone: its idle connection is not reused
+        with uvicorn_thread(recorded, lifespan="off") as url:
+            engine_key.register(url, OWN)
+            asyncio.run(leases(url, lent_key.Lender(url, timeout_s=10)))
+            assert eng.served.count("/pause") == 3  # only the probes the lent key opened
+            pooled = lent_key.Lender(url)
+            loop = asyncio.new_event_loop()
+            assert loop.run_until_complete(pooled.lend(30)) is not None  # kept alive
+        loop.run_until_complete(gone(pooled))  # the engine stopped since
+        loop.close()
     finally:
-        pooled.close()
         engine_key.forget(url)
-    assert lent_key.Lender(url).lend(30) is None  # no key of it held: nothing to lend
+    assert asyncio.run(lent_key.Lender(url).lend(30)) is None  # no key of it: nothing sent
 
 
 # ------------------------------------------------------------------ the gateway lends
@@ -299,5 +304,47 @@ def test_a_key_the_engine_does_not_lend_refuses_the_begin_and_changes_nothing() 
             after = httpx.get(f"{url}/control/status", headers=auth, timeout=10).json()
             assert after["state"] == "READY" and after["committed"] == before["committed"]
             assert not fake.engine.paused
+    finally:
+        engine_key.forget(up)
+
+
+def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain() -> None:
+    """The lend runs beside the drain: when the drain fails (no update opened, nothing
+    sent) the key lent meanwhile is taken back, and the engine refuses it."""
+    from helpers.gateway_rig import TOKEN, uvicorn_thread
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.errors import UpdateFailed
+    from rolloutcore.service import ServiceConfig, create_app
+    from rolloutcore.service.client import RolloutCoreClient, identity_of, probe_for
+    from rolloutcore.testing.fake import FakeWeights
+    from rolloutcore.testing.fake_engine import FaultKind
+
+    up, ad, r, key, fake = _gateway_parts(guarded=True)
+    w1 = FakeWeights.from_seed(1, step=1)
+    try:
+        app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
+        with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
+            lender = app.state.gateway.updates.lender
+            lent: list[str | None] = []
+            real_lend = lender.lend
+
+            async def lend(seconds: float) -> str | None:
+                lent.append(await real_lend(seconds))
+                return lent[-1]
+
+            lender.lend = lend
+            ad.stage(w1)
+            ad.inject("drain", FaultKind.RAISE)
+            with pytest.raises(UpdateFailed) as ei:
+                rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert ei.value.classification == "no_mutation"
+            assert len(lent) == 1 and lent[0] is not None  # lent beside the drain...
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[0]},
+                              json={}, timeout=10).status_code == 403  # ...and taken back
+            # The next begin opens and is lent a key of its own.
+            g = rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert g.route_key is not None and g.route_key == lent[-1] != lent[0]
     finally:
         engine_key.forget(up)

@@ -488,25 +488,26 @@ class UpdateManager:
         self._opening = True
         adapter = self.runner.adapter
 
-        def open_() -> tuple[UpdateOutcome, str | None]:
+        def open_() -> UpdateOutcome:
             if isinstance(adapter, ExpectationTaker):
                 # Each begin replaces what the last one staged (None clears it).
                 adapter.expect(probes=probe, reference_checksums=ref)
                 adapter.expect_sent(None)
-            out = self.runner.open_update(identity, owner=body.owner, label=body.label,
-                                          min_verification=level, preflight=pre)
-            try:
-                # An engine this gateway launched lends the trainer a key of its own, for
-                # the lease only (never the launcher's: it would outlive the lease).
-                return out, self.lender.lend(lease_s)
-            except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
-                self.runner.report_transfer_failure(
-                    out, FailureKind.REFUSED, f"the engine did not lend a route key for "
-                    f"the lease: {exc}")
-                raise  # pragma: no cover - report_transfer_failure raises UpdateFailed
+            return self.runner.open_update(identity, owner=body.owner, label=body.label,
+                                           min_verification=level, preflight=pre)
 
+        # An engine this gateway launched lends the trainer a key of its own, for the
+        # lease only (never the launcher's: it would outlive the lease). Lent on the loop
+        # beside the drain: the key is shown to nobody until the grant below.
+        lent_at = time.monotonic()
+        lending = asyncio.ensure_future(self.lender.lend(lease_s))
         try:
-            out, route_key = await anyio.to_thread.run_sync(open_)
+            try:
+                out = await anyio.to_thread.run_sync(open_)
+            except BaseException:
+                await self._unlend(lending)  # no update opened: the key is taken back
+                raise
+            route_key = await self._lent(lending, out, lease_s, lent_at)
         except UpdateRefused as exc:
             return 409, {"error": str(exc), "state": self.runner.controller.state.value}
         except BadInput as exc:
@@ -542,6 +543,34 @@ class UpdateManager:
                 await self._expire_locked(upd, "the begin's answer could not be delivered "
                                           "(the trainer disconnected while it drained)")
         return 201, self._grant(upd)
+
+    async def _lent(self, lending: asyncio.Future[str | None], out: UpdateOutcome,
+                    lease_s: float, lent_at: float) -> str | None:
+        """The key lent beside the drain, once the update is open. A lend that failed
+        ends the update as one refused before anything was sent (``UpdateFailed``,
+        no_mutation, the engine resumed). A drain slow enough to have eaten into the
+        key's seconds on the engine lends it again, so the key still ends with the
+        lease, not before it."""
+        try:
+            key = await lending
+            if key is not None and time.monotonic() - lent_at > min(0.05, lease_s / 100):
+                key = await self.lender.lend(lease_s)  # replaces the first (never shown)
+            return key
+        except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
+            reason = f"the engine did not lend a route key for the lease: {exc}"
+            await anyio.to_thread.run_sync(
+                self.runner.report_transfer_failure, out, FailureKind.REFUSED, reason)
+            raise  # pragma: no cover - report_transfer_failure raises UpdateFailed
+
+    async def _unlend(self, lending: asyncio.Future[str | None]) -> None:
+        """A begin that opened no update: a key lent beside its drain is taken back (it
+        was shown to nobody; the engine also drops it at its seconds)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if await lending is not None:
+                    await self.lender.revoke()
+            except RolloutCoreError:
+                pass
 
     def _grant(self, upd: _Update) -> dict[str, Any]:
         """The begin's answer: the only place the lease secret (and the engine's route key,
@@ -604,10 +633,10 @@ class UpdateManager:
         out = upd.out
 
         adapter = self.runner.adapter
+        kept = await self._take_back(upd)
 
         def work() -> dict[str, Any]:
             try:
-                kept = self._take_back(upd)
                 if kept is not None:  # the trainer could still write while it is checked
                     self.runner.report_transfer_failure(out, FailureKind.ERROR, kept)
                 if ev is not None:
@@ -677,8 +706,7 @@ class UpdateManager:
         upd.move(LeaseEvent.EXPIRE, reason=reason)
         out = upd.out
 
-        def work() -> dict[str, Any]:
-            kept = self._take_back(upd)
+        def work(kept: str | None) -> dict[str, Any]:
             try:
                 self.runner.expire_lease(out, reason if kept is None else f"{reason}; {kept}")
             except UpdateFailed as exc:
@@ -688,22 +716,23 @@ class UpdateManager:
 
         # Shielded: a cancelled caller must not leave the update half-classified.
         with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(work)
+            result = await anyio.to_thread.run_sync(work, await self._take_back(upd))
         result.update(status="expired", state=out.state.value, phases=out.breakdown())
         upd.move(LeaseEvent.CLASSIFIED, result=result)
         upd.done.set()
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
 
-    def _take_back(self, upd: _Update) -> str | None:
+    async def _take_back(self, upd: _Update) -> str | None:
         """The lease ended (its report, its expiry): the key lent for it is taken back
         from the engine (which also drops it at the lease's deadline by itself); why
-        it could not be, or None."""
+        it could not be, or None. Any failure is such a reason (the update then ends
+        failed, never half-reported: this runs before the report's own handling)."""
         if upd.route_key is None:
             return None
         try:
-            self.lender.revoke()
-        except RolloutCoreError as exc:
+            await self.lender.revoke()
+        except Exception as exc:
             return (f"the route key lent for the lease could not be taken back ({exc}): "
                     "it stays valid on the engine until the lease's deadline")
         upd.route_key = None
@@ -725,7 +754,7 @@ class UpdateManager:
                 continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
-        self.lender.close()  # every lease has ended: its connection goes with the gateway
+        await self.lender.aclose()  # every lease has ended: its connection goes with the gateway
 
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
