@@ -376,47 +376,57 @@ def _record_of(journal: Any) -> Any:
     return getattr(journal, "defer", journal.write)
 
 
-@contextlib.contextmanager
-def guarded_engine(mock: Any) -> Iterator[str]:
-    """A launched engine's lending half (``--guarded``): ``RouteGuard`` on loopback in a
-    thread, its key held by this process, so the gateway lends a route key at each begin
-    and takes it back at each report (``engine.lent_key``), as for an engine it launched.
-    Behind the guard, any other request is answered by the stand-in (``mock``), so a
-    client of the gateway's that does not go through ``MockTransport`` still finds it."""
-    import httpx
+_GUARD = """
+import socket, uvicorn
+from rolloutcore.transports.engine_key import RouteGuard
 
+async def nothing(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1], flush=True)
+uvicorn.Server(uvicorn.Config(RouteGuard(nothing), log_level="warning", lifespan="off",
+                              access_log=False, http="httptools")).run(sockets=[s])
+"""
+
+
+@contextlib.contextmanager
+def guarded_engine() -> Iterator[str]:
+    """A launched engine's lending half (``--guarded``): ``RouteGuard`` served by uvicorn
+    in a process of its own (as vLLM's API server is: its time is not this process's),
+    its key held by this process, so the gateway lends a route key at each begin and
+    takes it back at each report (``engine.lent_key``), as for an engine it launched.
+    Only the lending route is served there; the engine's other routes stay the
+    stand-in's (``MockTransport``, which ignores the host)."""
     from rolloutcore.transports import engine_key
 
-    async def standin(scope: Any, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        qs = scope.get("query_string") or b""
-        req = httpx.Request(scope["method"], "http://engine.bench" + scope["path"]
-                            + ("?" + qs.decode() if qs else ""),
-                            content=body, headers=[(k.decode(), v.decode())
-                                                   for k, v in scope["headers"]])
-        resp = mock.handle_request(req)
-        resp.read()
-        await send({"type": "http.response.start", "status": resp.status_code,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": resp.content})
-
     key = engine_key.new_key()
-    os.environ[engine_key.ENV] = key
+    proc = subprocess.Popen([sys.executable, "-c", _GUARD], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, engine_key.ENV: key})
     try:
-        guard = engine_key.RouteGuard(standin)
-    finally:
-        os.environ.pop(engine_key.ENV)
-    with serve_in_thread(guard) as url:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the guard did not start") from None
+                time.sleep(0.02)
         engine_key.register(url, key)
         try:
             yield url
         finally:
             engine_key.forget(url)
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
@@ -454,7 +464,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
     # back there); the trainer's transport and the in-process side stay on the stand-in.
     gw_base = base
     if guarded:
-        gw_base = stack.enter_context(guarded_engine(mock))
+        gw_base = stack.enter_context(guarded_engine())
         # A launched engine's guard pauses through its own fast route: the stand-in's
         # ``/pause`` (no 20 ms sleep to leave out here).
         handler = mock.handler
