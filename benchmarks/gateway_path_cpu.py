@@ -237,9 +237,12 @@ def instrument() -> None:
     # before the close), or on the loop (Lender: the lend beside the drain).
     _wrap(lent_key, "lend", "gw.lent_key.lend")
     _wrap(lent_key, "revoke", "gw.lent_key.revoke")
+    import inspect
+
     if hasattr(lent_key, "Lender"):
-        _wrap_async(lent_key.Lender, "lend", "gw.lent_key.lend")
-        _wrap_async(lent_key.Lender, "revoke", "gw.lent_key.revoke")
+        for m in ("lend", "revoke"):
+            sync = not inspect.iscoroutinefunction(getattr(lent_key.Lender, m))
+            (_wrap if sync else _wrap_async)(lent_key.Lender, m, f"gw.lent_key.{m}")
     from rolloutcore.service.proxy import DataPlane
 
     _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
@@ -430,7 +433,7 @@ def guarded_engine() -> Iterator[str]:
 
 
 def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
-             guarded: bool = False) -> dict[str, Any]:
+             guarded: bool = False, pause_ms: float = 0.0) -> dict[str, Any]:
     from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
@@ -465,16 +468,23 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
     gw_base = base
     if guarded:
         gw_base = stack.enter_context(guarded_engine())
-        # A launched engine's guard pauses through its own fast route: the stand-in's
-        # ``/pause`` (no 20 ms sleep to leave out here).
-        handler = mock.handler
+    handler = mock.handler
 
-        def fast_pause(req: Any) -> Any:
-            if req.url.path == "/rolloutcore/pause":
-                req.url = req.url.copy_with(path="/pause")
-            return handler(req)
+    def pause(req: Any) -> Any:
+        if req.url.path == "/rolloutcore/pause":
+            # A launched engine's guard pauses through its own fast route: the
+            # stand-in's ``/pause`` (no 20 ms sleep to leave out here).
+            req.url = req.url.copy_with(path="/pause")
+        if req.url.path == "/pause" and pause_ms > 0:
+            # --pause-ms: the engine's own pause, a wait (no core, no GIL), counted as
+            # the stand-in's time as its other calls are.
+            t = _now()
+            time.sleep(pause_ms / 1e3)
+            with lock:
+                eng["ns"] += _now() - t
+        return handler(req)
 
-        mock.handler = fast_pause
+    mock.handler = pause
     tmp = Path(tempfile.mkdtemp(prefix="gateway-path-cpu-"))
     # In process: the session, its journal on disk.
     session = EngineSession(VllmHTTP(base, transport=mock, timeout_s=120), tr,
@@ -599,7 +609,8 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
     in_records = read_journal(tmp / "inprocess.jsonl")
     return {"rolloutcore": str(Path(rolloutcore.__file__).parent), "tensors": len(names),
             "buffer_bytes": int(pk.buffer.numel()), "reps": reps, "warmup": warmup,
-            "fsync": fsync, "guarded": guarded, "runs": runs, "profile": prof_stats,
+            "fsync": fsync, "guarded": guarded, "pause_ms": pause_ms, "runs": runs,
+            "profile": prof_stats,
             "journal_records": {"gateway": len(gw_records), "inprocess": len(in_records)}}
 
 
@@ -726,6 +737,7 @@ def _side(src: Path, a: argparse.Namespace) -> dict[str, Any]:
             cmd.append("--fsync")
         if a.guarded:
             cmd.append("--guarded")
+        cmd += ["--pause-ms", str(a.pause_ms)]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if r.returncode:
             raise SystemExit(f"side {src} failed:\n{r.stdout}\n{r.stderr}")
@@ -747,6 +759,8 @@ def main() -> int:
     ap.add_argument("--fsync", action="store_true", help="journals fsync every batch")
     ap.add_argument("--guarded", action="store_true",
                     help="a launched engine: the gateway lends a route key and takes it back")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="the stand-in's pause waits this long (the H100's drain+pause: 2.6)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N gateway transitions")
     ap.add_argument("--raw", action="store_true",
                     help="also write every transition's spans (runs: ~1.5 MB)")
@@ -754,7 +768,7 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile, a.guarded)
+        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile, a.guarded, a.pause_ms)
         Path(a.child).write_text(json.dumps(res))
         return 0
     head = _git("rev-parse", "HEAD")
@@ -796,7 +810,7 @@ def main() -> int:
         | {"before": ref, "after": head + (" + uncommitted src" if dirty else "")},
         "what": __doc__.split("\n\n")[1:4],
         "reps": a.reps, "rounds": a.rounds, "scale": a.scale, "fsync": a.fsync,
-        "guarded": a.guarded,
+        "guarded": a.guarded, "pause_ms": a.pause_ms,
         "summary": summ,
         "profile": {k: rs[-1].get("profile") for k, rs in runs.items() if rs[-1].get("profile")},
     }

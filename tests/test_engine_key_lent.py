@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -151,11 +152,10 @@ def test_a_lent_key_never_replaces_the_launchers_in_this_process() -> None:
 
 def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead_engine(
         rig: tuple[RouteGuard, _Engine]) -> None:
-    """``Lender`` (the gateway's, on its loop): the lends and take-backs of successive
-    leases go over one kept-alive connection, and each does what ``lend``/``revoke`` do
-    (the lent key opens the routes, the take-back closes them); after ``aclose`` a call
-    still goes out, on a connection of its own; once the engine is gone a take-back is
-    ``EngineUnreachable`` (nothing delivered: its idle connection is not reused)."""
+    """``Lender``: the lends and take-backs of successive leases go over one kept-alive
+    connection, and each does what ``lend``/``revoke`` do (the lent key opens the routes,
+    the take-back closes them); once the engine is gone a take-back is ``EngineUnreachable``
+    (nothing delivered), and after ``close`` a call still goes out, on a new connection."""
     from helpers.gateway_rig import uvicorn_thread
     from rolloutcore.errors import EngineUnreachable
 
@@ -167,45 +167,45 @@ def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead
             peers.append(tuple(scope["client"]))
         await guard(scope, receive, send)
 
-    def opens(url: str, key: str) -> bool:
-        return httpx.post(url + "/pause", headers={HEADER: key}, timeout=10).status_code == 200
-
-    async def leases(url: str, lender: lent_key.Lender) -> None:
-        for _ in range(2):
-            key = await lender.lend(30)
-            assert key is not None and opens(url, key)
-            await lender.revoke()
-            assert not opens(url, key)
-        # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
-        # between them on one of its own.
-        assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
-        await lender.aclose()
-        assert lender.closed
-        key = await lender.lend(30)  # closed: on a connection of its own
-        assert key is not None and opens(url, key) and peers[-2] != peers[0]
-        await lender.revoke()
-        await lender.aclose()  # idempotent
-
-    async def gone(lender: lent_key.Lender) -> None:
-        with pytest.raises(EngineUnreachable):
-            await lender.revoke()
-        await lender.aclose()
-
     with pytest.raises(ValueError):
         lent_key.Lender("http://127.0.0.1:1", timeout_s=0)
-    try:
-        with uvicorn_thread(recorded, lifespan="off") as url:
-            engine_key.register(url, OWN)
-            asyncio.run(leases(url, lent_key.Lender(url, timeout_s=10)))
-            assert eng.served.count("/pause") == 3  # only the probes the lent key opened
+    with uvicorn_thread(recorded, lifespan="off") as url:
+        engine_key.register(url, OWN)
+        lender = lent_key.Lender(url, timeout_s=10)
+        try:
+            for beside in (True, False):  # on the lend thread (the begin's), then inline
+                key = lender.start_lend(30).result() if beside else lender.lend(30)
+                assert key is not None
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 200
+                lender.revoke()
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 403
+            # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
+            # between them on one of its own.
+            assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
+            lender.close()
+            assert lender.closed and lender._thread is None  # its lend thread ended
+            assert lender.start_lend(30).result() is not None  # closed: inline, on a
+            assert not any(t.name.startswith("rc-lend") for t in threading.enumerate())
+            assert peers[-1] != peers[0]                        # connection of its own
+            lender.revoke()
+            assert lender.lend(30) is not None
+            assert peers[-1] != peers[0]
+            lender.revoke()
+            lender.close()  # idempotent
             pooled = lent_key.Lender(url)
-            loop = asyncio.new_event_loop()
-            assert loop.run_until_complete(pooled.lend(30)) is not None  # kept alive
-        loop.run_until_complete(gone(pooled))  # the engine stopped since
-        loop.close()
+            assert pooled.lend(30) is not None
+        except BaseException:
+            engine_key.forget(url)
+            raise
+    try:
+        with pytest.raises(EngineUnreachable):
+            pooled.revoke()  # the engine is gone: its idle connection is not reused
     finally:
+        pooled.close()
         engine_key.forget(url)
-    assert asyncio.run(lent_key.Lender(url).lend(30)) is None  # no key of it: nothing sent
+    assert lent_key.Lender(url).lend(30) is None  # no key of it held: nothing to lend
 
 
 # ------------------------------------------------------------------ the gateway lends
@@ -328,8 +328,8 @@ def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain()
             lent: list[str | None] = []
             real_lend = lender.lend
 
-            async def lend(seconds: float) -> str | None:
-                lent.append(await real_lend(seconds))
+            def lend(seconds: float) -> str | None:
+                lent.append(real_lend(seconds))
                 return lent[-1]
 
             lender.lend = lend

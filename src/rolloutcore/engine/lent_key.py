@@ -6,13 +6,16 @@ when the lease ends (``revoke``). Both go out with this process's own key
 (``engine_key.headers_for``: a launcher's key wins over a lent one), under a
 deadline, their failures in the tree (``engine.errors.request``).
 
-``Lender`` is the gateway's: one engine's lend and take-back on its event loop,
-over one kept-alive connection (an update's two calls no longer pay a TCP connect
-each, and the lend runs beside the drain), closed with the gateway.
+``Lender`` is the gateway's: one engine's lend and take-back over one kept-alive
+connection (each update's two calls no longer pay a TCP connect each), the lend
+on a thread of its own beside the begin's drain (``start_lend``), closed with the
+gateway.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from rolloutcore.engine.errors import request
@@ -21,7 +24,7 @@ from rolloutcore.transports import engine_key
 from rolloutcore.transports.engine_key import LENT_KEY, MAX_LEND_S
 
 if TYPE_CHECKING:
-    from rolloutcore.engine.client import AsyncEngineClient
+    from rolloutcore.engine.client import EngineClient
 
 __all__ = ["KEEPALIVE_S", "Lender", "lend", "revoke"]
 
@@ -30,46 +33,44 @@ __all__ = ["KEEPALIVE_S", "Lender", "lend", "revoke"]
 KEEPALIVE_S = 4.0
 
 
-def _checked(seconds: float) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
-            or not 0 < seconds <= MAX_LEND_S:
-        raise BadInput(f"a key is lent for 0 < seconds <= {MAX_LEND_S:g}, not {seconds!r}")
-    return float(seconds)
-
-
-def lend(url: str, seconds: float, *, timeout_s: float = 10.0) -> str | None:
+def lend(url: str, seconds: float, *, timeout_s: float = 10.0,
+         client: EngineClient | None = None) -> str | None:
     """Lend a fresh key for ``seconds`` on the engine at ``url`` (it replaces any key
     lent before) and return it; None where this process holds no key of that engine
     (it did not launch it: nothing is guarded). An ``EffectError`` if the engine did
     not take it (then no key is lent)."""
-    seconds, key = _checked(seconds), engine_key.new_key()
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not 0 < seconds <= MAX_LEND_S:
+        raise BadInput(f"a key is lent for 0 < seconds <= {MAX_LEND_S:g}, not {seconds!r}")
     if not engine_key.owns(url):
         return None
+    key = engine_key.new_key()
     request("PUT", url.rstrip("/") + LENT_KEY, step="route key lend", timeout_s=timeout_s,
-            json_body={"key": key, "seconds": seconds}, mutation_started=False)
+            json_body={"key": key, "seconds": float(seconds)}, mutation_started=False,
+            client=None if client is None else client.http)
     return key
 
 
-def revoke(url: str, *, timeout_s: float = 10.0) -> None:
+def revoke(url: str, *, timeout_s: float = 10.0, client: EngineClient | None = None) -> None:
     """Take back the key lent on the engine at ``url`` (nothing where this process
-    holds no key of it); an ``EffectError`` if the engine did not answer that it did."""
+    holds no key of it); an ``EffectError`` if the engine did not answer that it did.
+    ``client``: a pooled client to send it with (``Lender``'s); else a fresh one."""
     if engine_key.owns(url):
         request("DELETE", url.rstrip("/") + LENT_KEY, step="route key revoke",
-                timeout_s=timeout_s, mutation_started=False)
+                timeout_s=timeout_s, mutation_started=False,
+                client=None if client is None else client.http)
 
 
 class Lender:
-    """``lend`` and ``revoke`` for the gateway, on its event loop, over one kept-alive
-    connection to the engine at ``url``.
+    """``lend`` and ``revoke`` for the engine at ``url`` over one kept-alive client.
 
-    Awaited on the loop, a lend runs beside the begin's drain (in a worker thread)
-    instead of after it, and neither call takes a thread of its own. The client is made
-    at the first call to an engine this process holds the key of (nothing is sent to any
-    other) and closed by ``aclose``; a call after that (a lease expired during shutdown)
-    still goes out, on a connection of its own. Each call keeps its deadline
-    (``timeout_s``) and its failures' classes (``engine.errors``): a connection the
-    engine dropped is not reused (httpx checks an idle one before it sends), and
-    ``KEEPALIVE_S`` ends an idle one before the engine's own keep-alive could.
+    The client is made at the first call to an engine this process holds the key of
+    (nothing for any other) and closed by ``close``; a call after ``close`` (a lease
+    expired during shutdown) still goes out, on a connection of its own, as ``lend``
+    and ``revoke`` alone do. Each call keeps its deadline (``timeout_s``) and its
+    failures' classes: a connection the engine dropped is not reused (httpx checks an
+    idle one before it sends), and ``KEEPALIVE_S`` ends an idle one before the engine's
+    own keep-alive could.
     """
 
     def __init__(self, url: str, *, timeout_s: float = 10.0) -> None:
@@ -78,43 +79,59 @@ class Lender:
             raise BadInput(f"timeout_s must be a positive number, not {timeout_s!r}")
         self.url = url
         self.timeout_s = float(timeout_s)
-        self._client: AsyncEngineClient | None = None
-        self.closed = False
+        self._client: EngineClient | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread: ThreadPoolExecutor | None = None
 
-    async def _call(self, method: str, step: str, body: object = None) -> None:
-        from rolloutcore.engine.client import AsyncEngineClient
-
-        one_off = None
-        client = self._client
-        if self.closed:
-            client = one_off = AsyncEngineClient(self.url, timeout_s=self.timeout_s)
-        elif client is None:
-            client = self._client = AsyncEngineClient(
-                self.url, timeout_s=self.timeout_s, max_keepalive=1, keepalive_s=KEEPALIVE_S)
-        try:
-            await client.request(method, LENT_KEY, step=step, json_body=body,
-                                 headers=engine_key.headers_for(self.url),
-                                 mutation_started=False)
-        finally:
-            if one_off is not None:
-                await one_off.aclose()
-
-    async def lend(self, seconds: float) -> str | None:
-        """``lend(url, seconds)``, awaited."""
-        seconds, key = _checked(seconds), engine_key.new_key()
+    def _pooled(self) -> EngineClient | None:
         if not engine_key.owns(self.url):
             return None
-        await self._call("PUT", "route key lend", {"key": key, "seconds": seconds})
-        return key
+        with self._lock:
+            if self._closed:
+                return None
+            if self._client is None:
+                from rolloutcore.engine.client import EngineClient
 
-    async def revoke(self) -> None:
-        """``revoke(url)``, awaited."""
-        if engine_key.owns(self.url):
-            await self._call("DELETE", "route key revoke")
+                self._client = EngineClient(self.url, timeout_s=self.timeout_s,
+                                            max_keepalive=1, keepalive_s=KEEPALIVE_S)
+            return self._client
 
-    async def aclose(self) -> None:
-        """Close the kept-alive connection (idempotent)."""
-        self.closed = True
-        client, self._client = self._client, None
+    def lend(self, seconds: float) -> str | None:
+        """``lend(url, seconds)`` over the pooled connection."""
+        return lend(self.url, seconds, timeout_s=self.timeout_s, client=self._pooled())
+
+    def start_lend(self, seconds: float) -> Future[str | None]:
+        """``lend(seconds)`` on the lender's own thread, so that the caller's work (the
+        begin's drain) runs while the engine answers; its future. Done at once (no
+        thread) where this process holds no key of the engine, and after ``close``."""
+        done: Future[str | None] = Future()
+        with self._lock:
+            if engine_key.owns(self.url) and not self._closed:
+                if self._thread is None:
+                    self._thread = ThreadPoolExecutor(1, thread_name_prefix="rc-lend")
+                return self._thread.submit(self.lend, seconds)
+        try:
+            done.set_result(self.lend(seconds))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
+
+    def revoke(self) -> None:
+        """``revoke(url)`` over the pooled connection."""
+        revoke(self.url, timeout_s=self.timeout_s, client=self._pooled())
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """End the lend thread and close the pooled connection (idempotent)."""
+        with self._lock:
+            self._closed = True
+            client, self._client = self._client, None
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)  # a lend in flight ends within its deadline
         if client is not None:
-            await client.aclose()
+            client.close()

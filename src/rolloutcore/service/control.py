@@ -69,6 +69,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -488,26 +489,37 @@ class UpdateManager:
         self._opening = True
         adapter = self.runner.adapter
 
-        def open_() -> UpdateOutcome:
+        def open_() -> tuple[UpdateOutcome, str | None]:
             if isinstance(adapter, ExpectationTaker):
                 # Each begin replaces what the last one staged (None clears it).
                 adapter.expect(probes=probe, reference_checksums=ref)
                 adapter.expect_sent(None)
-            return self.runner.open_update(identity, owner=body.owner, label=body.label,
-                                           min_verification=level, preflight=pre)
-
-        # An engine this gateway launched lends the trainer a key of its own, for the
-        # lease only (never the launcher's: it would outlive the lease). Lent on the loop
-        # beside the drain: the key is shown to nobody until the grant below.
-        lent_at = time.monotonic()
-        lending = asyncio.ensure_future(self.lender.lend(lease_s))
-        try:
+            # An engine this gateway launched lends the trainer a key of its own, for
+            # the lease only (never the launcher's: it would outlive the lease). Lent
+            # beside the drain: the key is shown to nobody until the grant.
+            lent_at = time.monotonic()
+            lending = self.lender.start_lend(lease_s)
             try:
-                out = await anyio.to_thread.run_sync(open_)
+                out = self.runner.open_update(identity, owner=body.owner, label=body.label,
+                                              min_verification=level, preflight=pre)
             except BaseException:
-                await self._unlend(lending)  # no update opened: the key is taken back
+                self._unlend(lending)  # no update opened: the key is taken back
                 raise
-            route_key = await self._lent(lending, out, lease_s, lent_at)
+            try:
+                key = lending.result()
+                if key is not None and time.monotonic() - lent_at > min(0.05, lease_s / 100):
+                    # A slow drain ate into the key's seconds on the engine: lent again
+                    # (it replaces the first, never shown), so it ends with the lease.
+                    key = self.lender.lend(lease_s)
+                return out, key
+            except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
+                self.runner.report_transfer_failure(
+                    out, FailureKind.REFUSED, f"the engine did not lend a route key for "
+                    f"the lease: {exc}")
+                raise  # pragma: no cover - report_transfer_failure raises UpdateFailed
+
+        try:
+            out, route_key = await anyio.to_thread.run_sync(open_)
         except UpdateRefused as exc:
             return 409, {"error": str(exc), "state": self.runner.controller.state.value}
         except BadInput as exc:
@@ -543,34 +555,6 @@ class UpdateManager:
                 await self._expire_locked(upd, "the begin's answer could not be delivered "
                                           "(the trainer disconnected while it drained)")
         return 201, self._grant(upd)
-
-    async def _lent(self, lending: asyncio.Future[str | None], out: UpdateOutcome,
-                    lease_s: float, lent_at: float) -> str | None:
-        """The key lent beside the drain, once the update is open. A lend that failed
-        ends the update as one refused before anything was sent (``UpdateFailed``,
-        no_mutation, the engine resumed). A drain slow enough to have eaten into the
-        key's seconds on the engine lends it again, so the key still ends with the
-        lease, not before it."""
-        try:
-            key = await lending
-            if key is not None and time.monotonic() - lent_at > min(0.05, lease_s / 100):
-                key = await self.lender.lend(lease_s)  # replaces the first (never shown)
-            return key
-        except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
-            reason = f"the engine did not lend a route key for the lease: {exc}"
-            await anyio.to_thread.run_sync(
-                self.runner.report_transfer_failure, out, FailureKind.REFUSED, reason)
-            raise  # pragma: no cover - report_transfer_failure raises UpdateFailed
-
-    async def _unlend(self, lending: asyncio.Future[str | None]) -> None:
-        """A begin that opened no update: a key lent beside its drain is taken back (it
-        was shown to nobody; the engine also drops it at its seconds)."""
-        with anyio.CancelScope(shield=True):
-            try:
-                if await lending is not None:
-                    await self.lender.revoke()
-            except RolloutCoreError:
-                pass
 
     def _grant(self, upd: _Update) -> dict[str, Any]:
         """The begin's answer: the only place the lease secret (and the engine's route key,
@@ -633,10 +617,10 @@ class UpdateManager:
         out = upd.out
 
         adapter = self.runner.adapter
-        kept = await self._take_back(upd)
 
         def work() -> dict[str, Any]:
             try:
+                kept = self._take_back(upd)
                 if kept is not None:  # the trainer could still write while it is checked
                     self.runner.report_transfer_failure(out, FailureKind.ERROR, kept)
                 if ev is not None:
@@ -706,7 +690,8 @@ class UpdateManager:
         upd.move(LeaseEvent.EXPIRE, reason=reason)
         out = upd.out
 
-        def work(kept: str | None) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            kept = self._take_back(upd)
             try:
                 self.runner.expire_lease(out, reason if kept is None else f"{reason}; {kept}")
             except UpdateFailed as exc:
@@ -716,23 +701,31 @@ class UpdateManager:
 
         # Shielded: a cancelled caller must not leave the update half-classified.
         with anyio.CancelScope(shield=True):
-            result = await anyio.to_thread.run_sync(work, await self._take_back(upd))
+            result = await anyio.to_thread.run_sync(work)
         result.update(status="expired", state=out.state.value, phases=out.breakdown())
         upd.move(LeaseEvent.CLASSIFIED, result=result)
         upd.done.set()
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
 
-    async def _take_back(self, upd: _Update) -> str | None:
+    def _unlend(self, lending: Future[str | None]) -> None:
+        """A begin that opened no update: a key lent beside its drain is taken back (it
+        was shown to nobody; the engine also drops it at its seconds)."""
+        try:
+            if lending.result() is not None:
+                self.lender.revoke()
+        except RolloutCoreError:
+            pass
+
+    def _take_back(self, upd: _Update) -> str | None:
         """The lease ended (its report, its expiry): the key lent for it is taken back
         from the engine (which also drops it at the lease's deadline by itself); why
-        it could not be, or None. Any failure is such a reason (the update then ends
-        failed, never half-reported: this runs before the report's own handling)."""
+        it could not be, or None."""
         if upd.route_key is None:
             return None
         try:
-            await self.lender.revoke()
-        except Exception as exc:
+            self.lender.revoke()
+        except RolloutCoreError as exc:
             return (f"the route key lent for the lease could not be taken back ({exc}): "
                     "it stays valid on the engine until the lease's deadline")
         upd.route_key = None
@@ -754,7 +747,7 @@ class UpdateManager:
                 continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
-        await self.lender.aclose()  # every lease has ended: its connection goes with the gateway
+        self.lender.close()  # every lease has ended: its connection goes with the gateway
 
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
