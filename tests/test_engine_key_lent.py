@@ -348,3 +348,46 @@ def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain()
             assert g.route_key is not None and g.route_key == lent[-1] != lent[0]
     finally:
         engine_key.forget(up)
+
+
+def test_a_slow_drain_lends_the_key_again_so_it_ends_with_the_lease() -> None:
+    """The key lent beside a drain that took longer than the slack (here 0.2 s, against
+    50 ms) is lent again once the update is open: the grant shows the second, the engine
+    honours it and no longer the first (replaced, never shown)."""
+    from helpers.gateway_rig import TOKEN, uvicorn_thread
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.service import ServiceConfig, create_app
+    from rolloutcore.service.client import RolloutCoreClient, identity_of, probe_for
+    from rolloutcore.testing.fake import FakeWeights
+
+    up, ad, r, key, fake = _gateway_parts(guarded=True)
+    w1 = FakeWeights.from_seed(1, step=1)
+    real_drain = ad.drain
+
+    def slow_drain(*a: Any, **k: Any) -> Any:
+        time.sleep(0.2)  # the engine's pause waits for requests in flight
+        return real_drain(*a, **k)
+
+    ad.drain = slow_drain
+    try:
+        app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
+        with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
+            lender = app.state.gateway.updates.lender
+            lent: list[str | None] = []
+            real_lend = lender.lend
+
+            def lend(seconds: float) -> str | None:
+                lent.append(real_lend(seconds))
+                return lent[-1]
+
+            lender.lend = lend
+            ad.stage(w1)
+            g = rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert len(lent) == 2 and None not in lent and g.route_key == lent[1]
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[0]},
+                              json={}, timeout=10).status_code == 403
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[1]},
+                              json={}, timeout=10).status_code != 403
+    finally:
+        engine_key.forget(up)

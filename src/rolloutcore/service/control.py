@@ -747,7 +747,9 @@ class UpdateManager:
                 continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
-        self.lender.close()  # every lease has ended: its connection goes with the gateway
+        # Every lease has ended: the lender's thread and connection go with the gateway
+        # (off the loop: a lend in flight ends within its deadline).
+        await anyio.to_thread.run_sync(self.lender.close)
 
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
