@@ -231,6 +231,18 @@ def instrument() -> None:
 
     _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
     _wrap(Shell, "run", "shell.run")
+    from rolloutcore.engine import lent_key
+
+    # --guarded: the lend and the take-back, in a worker thread (before: after the drain,
+    # before the close), or on the loop (Lender: the lend beside the drain).
+    _wrap(lent_key, "lend", "gw.lent_key.lend")
+    _wrap(lent_key, "revoke", "gw.lent_key.revoke")
+    import inspect
+
+    if hasattr(lent_key, "Lender"):
+        for m in ("lend", "revoke"):
+            sync = not inspect.iscoroutinefunction(getattr(lent_key.Lender, m))
+            (_wrap if sync else _wrap_async)(lent_key.Lender, m, f"gw.lent_key.{m}")
     from rolloutcore.service.proxy import DataPlane
 
     _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
@@ -367,7 +379,61 @@ def _record_of(journal: Any) -> Any:
     return getattr(journal, "defer", journal.write)
 
 
-def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> dict[str, Any]:
+_GUARD = """
+import socket, uvicorn
+from rolloutcore.transports.engine_key import RouteGuard
+
+async def nothing(scope, receive, send):
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1], flush=True)
+uvicorn.Server(uvicorn.Config(RouteGuard(nothing), log_level="warning", lifespan="off",
+                              access_log=False, http="httptools")).run(sockets=[s])
+"""
+
+
+@contextlib.contextmanager
+def guarded_engine() -> Iterator[str]:
+    """A launched engine's lending half (``--guarded``): ``RouteGuard`` served by uvicorn
+    in a process of its own (as vLLM's API server is: its time is not this process's),
+    its key held by this process, so the gateway lends a route key at each begin and
+    takes it back at each report (``engine.lent_key``), as for an engine it launched.
+    Only the lending route is served there; the engine's other routes stay the
+    stand-in's (``MockTransport``, which ignores the host)."""
+    from rolloutcore.transports import engine_key
+
+    key = engine_key.new_key()
+    proc = subprocess.Popen([sys.executable, "-c", _GUARD], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, engine_key.ENV: key})
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{int(proc.stdout.readline())}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), 1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the guard did not start") from None
+                time.sleep(0.02)
+        engine_key.register(url, key)
+        try:
+            yield url
+        finally:
+            engine_key.forget(url)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int,
+             guarded: bool = False, pause_ms: float = 0.0) -> dict[str, Any]:
     from ipc_standin import BASE, StandIn, build
 
     import rolloutcore
@@ -396,6 +462,29 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     pk, contents, values, tr, source = si.pk, si.contents, si.values, si.transport, si.source
     names = [e.name for e in pk.entries]
     mock, base, deadlines, identity = si.mock, BASE, si.deadlines, si.identity
+    stack = contextlib.ExitStack()
+    # --guarded: the gateway's upstream is the guard's loopback URL (it lends and takes
+    # back there); the trainer's transport and the in-process side stay on the stand-in.
+    gw_base = base
+    if guarded:
+        gw_base = stack.enter_context(guarded_engine())
+    handler = mock.handler
+
+    def pause(req: Any) -> Any:
+        if req.url.path == "/rolloutcore/pause":
+            # A launched engine's guard pauses through its own fast route: the
+            # stand-in's ``/pause`` (no 20 ms sleep to leave out here).
+            req.url = req.url.copy_with(path="/pause")
+        if req.url.path == "/pause" and pause_ms > 0:
+            # --pause-ms: the engine's own pause, a wait (no core, no GIL), counted as
+            # the stand-in's time as its other calls are.
+            t = _now()
+            time.sleep(pause_ms / 1e3)
+            with lock:
+                eng["ns"] += _now() - t
+        return handler(req)
+
+    mock.handler = pause
     tmp = Path(tempfile.mkdtemp(prefix="gateway-path-cpu-"))
     # In process: the session, its journal on disk.
     session = EngineSession(VllmHTTP(base, transport=mock, timeout_s=120), tr,
@@ -415,11 +504,11 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
                                            required_caches=(CacheKind.PREFIX,))
     if fsync:
         journal._fsync = True
-    gw_adapter = VllmAdapter(VllmHTTP(base, transport=mock, timeout_s=120), None,
+    gw_adapter = VllmAdapter(VllmHTTP(gw_base, transport=mock, timeout_s=120), None,
                              engine_epoch="bench-epoch")
     gw_runner = LifecycleRunner(controller, gw_adapter, deadlines, record=_record_of(journal))
     gw_runner.bootstrap(identity(1))
-    cfg = ServiceConfig(upstream_url=base, control_token=TOKEN,
+    cfg = ServiceConfig(upstream_url=gw_base, engine_url=base, control_token=TOKEN,
                         transport={"backend": "rc_cuda_ipc"}, health_interval_s=0,
                         min_verification="engine-checksum",
                         reachable_verification=VerificationLevel.ENGINE_CHECKSUM)
@@ -435,7 +524,7 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
 
     runs: list[dict[str, Any]] = []
     prof_stats: dict[str, str] | None = None
-    with serve_in_thread(TimedApp(app)) as url, \
+    with stack, serve_in_thread(TimedApp(app)) as url, \
             RolloutCoreClient(url, TOKEN, transport=tr, connected_to=base,
                               begin_timeout_s=300, report_timeout_s=300) as rc:
 
@@ -520,7 +609,8 @@ def _measure(reps: int, scale: int, warmup: int, fsync: bool, profile: int) -> d
     in_records = read_journal(tmp / "inprocess.jsonl")
     return {"rolloutcore": str(Path(rolloutcore.__file__).parent), "tensors": len(names),
             "buffer_bytes": int(pk.buffer.numel()), "reps": reps, "warmup": warmup,
-            "fsync": fsync, "runs": runs, "profile": prof_stats,
+            "fsync": fsync, "guarded": guarded, "pause_ms": pause_ms, "runs": runs,
+            "profile": prof_stats,
             "journal_records": {"gateway": len(gw_records), "inprocess": len(in_records)}}
 
 
@@ -582,7 +672,8 @@ def _derive(r: dict[str, Any]) -> dict[str, float]:
         d["client.encode"] = get("client.encode", 0.0)
         d["client.decode"] = get("client.decode", 0.0)
         for k in ("gw.body_read", "gw.parse_validate", "gw.hop_to_thread",
-                  "gw.hop_back_to_loop", "gw.answer_build", "shell.run"):
+                  "gw.hop_back_to_loop", "gw.answer_build", "shell.run",
+                  "gw.lent_key.lend", "gw.lent_key.revoke"):
             d[k] = get(k, 0.0)
         for k in [k for k in s if k.startswith("gw.loop.")]:
             d[k] = get(k, 0.0)
@@ -644,6 +735,9 @@ def _side(src: Path, a: argparse.Namespace) -> dict[str, Any]:
                str(a.scale), "--warmup", str(a.warmup), "--profile", str(a.profile)]
         if a.fsync:
             cmd.append("--fsync")
+        if a.guarded:
+            cmd.append("--guarded")
+        cmd += ["--pause-ms", str(a.pause_ms)]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         if r.returncode:
             raise SystemExit(f"side {src} failed:\n{r.stdout}\n{r.stderr}")
@@ -663,6 +757,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="before/after alternations")
     ap.add_argument("--before-ref", default="main", help="'' : this tree only")
     ap.add_argument("--fsync", action="store_true", help="journals fsync every batch")
+    ap.add_argument("--guarded", action="store_true",
+                    help="a launched engine: the gateway lends a route key and takes it back")
+    ap.add_argument("--pause-ms", type=float, default=0.0,
+                    help="the stand-in's pause waits this long (the H100's drain+pause: 2.6)")
     ap.add_argument("--profile", type=int, default=0, help="cProfile N gateway transitions")
     ap.add_argument("--raw", action="store_true",
                     help="also write every transition's spans (runs: ~1.5 MB)")
@@ -670,7 +768,7 @@ def main() -> int:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile)
+        res = _measure(a.reps, a.scale, a.warmup, a.fsync, a.profile, a.guarded, a.pause_ms)
         Path(a.child).write_text(json.dumps(res))
         return 0
     head = _git("rev-parse", "HEAD")
@@ -712,6 +810,7 @@ def main() -> int:
         | {"before": ref, "after": head + (" + uncommitted src" if dirty else "")},
         "what": __doc__.split("\n\n")[1:4],
         "reps": a.reps, "rounds": a.rounds, "scale": a.scale, "fsync": a.fsync,
+        "guarded": a.guarded, "pause_ms": a.pause_ms,
         "summary": summ,
         "profile": {k: rs[-1].get("profile") for k, rs in runs.items() if rs[-1].get("profile")},
     }
@@ -754,6 +853,10 @@ def _table(summ: dict[str, Any]) -> None:
     for label, ks in PARTS:
         row("  " + label[:56], lambda s, ks=ks: sum(s["gateway"].get(k, 0.0) for k in ks))
     row("  sum of the parts above", lambda s: s["gateway"]["gateway_extra_total"])
+    row("gateway: route key lend (wall; beside the drain where overlapped)",
+        lambda s: s["gateway"].get("gw.lent_key.lend", 0.0))
+    row("gateway: route key take-back",
+        lambda s: s["gateway"].get("gw.lent_key.revoke", 0.0))
     row("gateway: journal sync (in the worker thread)", lambda s: s["gateway"]["journal_sync"])
     row("in process: journal sync", lambda s: s["inprocess"]["journal_sync"])
     row("gateway: event-loop wakes by the data plane (count)",

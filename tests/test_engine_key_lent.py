@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from typing import Any
 
@@ -147,6 +148,66 @@ def test_a_lent_key_never_replaces_the_launchers_in_this_process() -> None:
     assert engine_key.headers_for(url) == {}
 
 
+# ------------------------------------------------------------------ the lender's connection
+
+def test_a_lender_lends_and_takes_back_over_one_connection_and_classifies_a_dead_engine(
+        rig: tuple[RouteGuard, _Engine]) -> None:
+    """``Lender``: the lends and take-backs of successive leases go over one kept-alive
+    connection, and each does what ``lend``/``revoke`` do (the lent key opens the routes,
+    the take-back closes them); once the engine is gone a take-back is ``EngineUnreachable``
+    (nothing delivered), and after ``close`` a call still goes out, on a new connection."""
+    from helpers.gateway_rig import uvicorn_thread
+    from rolloutcore.errors import EngineUnreachable
+
+    guard, eng = rig
+    peers: list[Any] = []
+
+    async def recorded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            peers.append(tuple(scope["client"]))
+        await guard(scope, receive, send)
+
+    with pytest.raises(ValueError):
+        lent_key.Lender("http://127.0.0.1:1", timeout_s=0)
+    with uvicorn_thread(recorded, lifespan="off") as url:
+        engine_key.register(url, OWN)
+        lender = lent_key.Lender(url, timeout_s=10)
+        try:
+            for beside in (True, False):  # on the lend thread (the begin's), then inline
+                key = lender.start_lend(30).result() if beside else lender.lend(30)
+                assert key is not None
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 200
+                lender.revoke()
+                assert httpx.post(url + "/pause", headers={HEADER: key}, timeout=10
+                                  ).status_code == 403
+            # The lender's four calls (0, 2, 4, 6) came on one connection; each probe
+            # between them on one of its own.
+            assert len(peers) == 8 and len({peers[i] for i in (0, 2, 4, 6)}) == 1, peers
+            lender.close()
+            assert lender.closed and lender._thread is None  # its lend thread ended
+            assert lender.start_lend(30).result() is not None  # closed: inline, on a
+            assert not any(t.name.startswith("rc-lend") for t in threading.enumerate())
+            assert peers[-1] != peers[0]                        # connection of its own
+            lender.revoke()
+            assert lender.lend(30) is not None
+            assert peers[-1] != peers[0]
+            lender.revoke()
+            lender.close()  # idempotent
+            pooled = lent_key.Lender(url)
+            assert pooled.lend(30) is not None
+        except BaseException:
+            engine_key.forget(url)
+            raise
+    try:
+        with pytest.raises(EngineUnreachable):
+            pooled.revoke()  # the engine is gone: its idle connection is not reused
+    finally:
+        pooled.close()
+        engine_key.forget(url)
+    assert lent_key.Lender(url).lend(30) is None  # no key of it held: nothing to lend
+
+
 # ------------------------------------------------------------------ the gateway lends
 
 def _gateway_parts(guarded: bool) -> tuple[str, Any, Any, str, Any]:
@@ -211,6 +272,9 @@ def test_the_key_lent_to_a_trainer_ends_with_its_lease() -> None:
             assert httpx.post(up + "/pause", headers={HEADER: g.route_key}, json={},
                               timeout=10).status_code == 403
             assert ("POST", "/pause") not in fake.received[reached:] and not fake.engine.paused
+            lender = app.state.gateway.updates.lender
+            assert not lender.closed
+        assert lender.closed  # the gateway's shutdown closed its kept-alive connection
     finally:
         engine_key.forget(up)
 
@@ -240,5 +304,90 @@ def test_a_key_the_engine_does_not_lend_refuses_the_begin_and_changes_nothing() 
             after = httpx.get(f"{url}/control/status", headers=auth, timeout=10).json()
             assert after["state"] == "READY" and after["committed"] == before["committed"]
             assert not fake.engine.paused
+    finally:
+        engine_key.forget(up)
+
+
+def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain() -> None:
+    """The lend runs beside the drain: when the drain fails (no update opened, nothing
+    sent) the key lent meanwhile is taken back, and the engine refuses it."""
+    from helpers.gateway_rig import TOKEN, uvicorn_thread
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.errors import UpdateFailed
+    from rolloutcore.service import ServiceConfig, create_app
+    from rolloutcore.service.client import RolloutCoreClient, identity_of, probe_for
+    from rolloutcore.testing.fake import FakeWeights
+    from rolloutcore.testing.fake_engine import FaultKind
+
+    up, ad, r, key, fake = _gateway_parts(guarded=True)
+    w1 = FakeWeights.from_seed(1, step=1)
+    try:
+        app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
+        with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
+            lender = app.state.gateway.updates.lender
+            lent: list[str | None] = []
+            real_lend = lender.lend
+
+            def lend(seconds: float) -> str | None:
+                lent.append(real_lend(seconds))
+                return lent[-1]
+
+            lender.lend = lend
+            ad.stage(w1)
+            ad.inject("drain", FaultKind.RAISE)
+            with pytest.raises(UpdateFailed) as ei:
+                rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert ei.value.classification == "no_mutation"
+            assert len(lent) == 1 and lent[0] is not None  # lent beside the drain...
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[0]},
+                              json={}, timeout=10).status_code == 403  # ...and taken back
+            # The next begin opens and is lent a key of its own.
+            g = rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert g.route_key is not None and g.route_key == lent[-1] != lent[0]
+    finally:
+        engine_key.forget(up)
+
+
+def test_a_slow_drain_lends_the_key_again_so_it_ends_with_the_lease() -> None:
+    """The key lent beside a drain that took longer than the slack (here 0.2 s, against
+    50 ms) is lent again once the update is open: the grant shows the second, the engine
+    honours it and no longer the first (replaced, never shown)."""
+    from helpers.gateway_rig import TOKEN, uvicorn_thread
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.service import ServiceConfig, create_app
+    from rolloutcore.service.client import RolloutCoreClient, identity_of, probe_for
+    from rolloutcore.testing.fake import FakeWeights
+
+    up, ad, r, key, fake = _gateway_parts(guarded=True)
+    w1 = FakeWeights.from_seed(1, step=1)
+    real_drain = ad.drain
+
+    def slow_drain(*a: Any, **k: Any) -> Any:
+        time.sleep(0.2)  # the engine's pause waits for requests in flight
+        return real_drain(*a, **k)
+
+    ad.drain = slow_drain
+    try:
+        app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
+        with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
+            lender = app.state.gateway.updates.lender
+            lent: list[str | None] = []
+            real_lend = lender.lend
+
+            def lend(seconds: float) -> str | None:
+                lent.append(real_lend(seconds))
+                return lent[-1]
+
+            lender.lend = lend
+            ad.stage(w1)
+            g = rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
+                         probe=probe_for(w1))
+            assert len(lent) == 2 and None not in lent and g.route_key == lent[1]
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[0]},
+                              json={}, timeout=10).status_code == 403
+            assert httpx.post(up + "/update_weight_version", headers={HEADER: lent[1]},
+                              json={}, timeout=10).status_code != 403
     finally:
         engine_key.forget(up)

@@ -69,6 +69,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -361,6 +362,9 @@ class UpdateManager:
         self.metrics = metrics
         self._updates: OrderedDict[int, _Update] = OrderedDict()
         self._opening = False
+        #: The route-key lend and take-back of an engine this gateway launched, over one
+        #: kept-alive connection (closed in ``aclose``).
+        self.lender = lent_key.Lender(config.upstream_url)
         #: The lease machine, its changes recorded in the engine's journal.
         self.leases: Shell[LeaseTable, Mapping[int, Lease]] = Shell(
             LeaseTable(), LeaseTable.view, listener=runner.emit)
@@ -490,12 +494,24 @@ class UpdateManager:
                 # Each begin replaces what the last one staged (None clears it).
                 adapter.expect(probes=probe, reference_checksums=ref)
                 adapter.expect_sent(None)
-            out = self.runner.open_update(identity, owner=body.owner, label=body.label,
-                                          min_verification=level, preflight=pre)
+            # An engine this gateway launched lends the trainer a key of its own, for
+            # the lease only (never the launcher's: it would outlive the lease). Lent
+            # beside the drain: the key is shown to nobody until the grant.
+            lent_at = time.monotonic()
+            lending = self.lender.start_lend(lease_s)
             try:
-                # An engine this gateway launched lends the trainer a key of its own, for
-                # the lease only (never the launcher's: it would outlive the lease).
-                return out, lent_key.lend(cfg.upstream_url, lease_s)
+                out = self.runner.open_update(identity, owner=body.owner, label=body.label,
+                                              min_verification=level, preflight=pre)
+            except BaseException:
+                self._unlend(lending)  # no update opened: the key is taken back
+                raise
+            try:
+                key = lending.result()
+                if key is not None and time.monotonic() - lent_at > min(0.05, lease_s / 100):
+                    # A slow drain ate into the key's seconds on the engine: lent again
+                    # (it replaces the first, never shown), so it ends with the lease.
+                    key = self.lender.lend(lease_s)
+                return out, key
             except RolloutCoreError as exc:  # nothing was sent: no_mutation, resumed
                 self.runner.report_transfer_failure(
                     out, FailureKind.REFUSED, f"the engine did not lend a route key for "
@@ -692,6 +708,15 @@ class UpdateManager:
         self.metrics.leases_expired.inc()
         self._observe("lease_expired", out)
 
+    def _unlend(self, lending: Future[str | None]) -> None:
+        """A begin that opened no update: a key lent beside its drain is taken back (it
+        was shown to nobody; the engine also drops it at its seconds)."""
+        try:
+            if lending.result() is not None:
+                self.lender.revoke()
+        except RolloutCoreError:
+            pass
+
     def _take_back(self, upd: _Update) -> str | None:
         """The lease ended (its report, its expiry): the key lent for it is taken back
         from the engine (which also drops it at the lease's deadline by itself); why
@@ -699,7 +724,7 @@ class UpdateManager:
         if upd.route_key is None:
             return None
         try:
-            lent_key.revoke(self.config.upstream_url)
+            self.lender.revoke()
         except RolloutCoreError as exc:
             return (f"the route key lent for the lease could not be taken back ({exc}): "
                     "it stays valid on the engine until the lease's deadline")
@@ -709,7 +734,8 @@ class UpdateManager:
     async def aclose(self, wait_s: float = 120.0) -> None:
         """On shutdown no update stays half-done: an open lease is expired now (classified
         from the engine), and one being reported or expired is waited for, bounded by
-        ``wait_s`` (the runner's own deadlines end it well before)."""
+        ``wait_s`` (the runner's own deadlines end it well before); then the lender's
+        kept-alive connection is closed."""
         for upd in list(self._updates.values()):
             if upd.timer is not None:
                 upd.timer.cancel()
@@ -721,6 +747,9 @@ class UpdateManager:
                 continue
             async with upd.lock:
                 await self._expire_locked(upd, "service shut down during the lease")
+        # Every lease has ended: the lender's thread and connection go with the gateway
+        # (off the loop: a lend in flight ends within its deadline).
+        await anyio.to_thread.run_sync(self.lender.close)
 
     def _observe(self, outcome: str, out: object) -> None:
         phases = out.breakdown() if isinstance(out, UpdateOutcome) else {}
