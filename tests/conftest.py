@@ -3,6 +3,7 @@ import itertools
 import os
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,21 @@ def _interruptible_like_a_terminal() -> None:
 
 
 _interruptible_like_a_terminal()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """One torch thread for a module whose replicas or managers compute in this process
+    (two at once would oversubscribe a 2-core host: minutes instead of seconds); the
+    process's count is put back after the module, so no later file computes otherwise."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

@@ -35,13 +35,10 @@ UNLOAD_S = 1.5
 
 
 @pytest.fixture
-def manager(tmp_path: Path) -> Any:
-    import torch
-
+def manager(tmp_path: Path, one_torch_thread: None) -> Any:
     from rolloutcore.testing.models import make_adapter, make_checkpoint
     from rolloutcore.testing.peft_scorer import peft_vllm
 
-    torch.set_num_threads(1)
     base = make_checkpoint(tmp_path / "base", 0)
     dirs = []
     for seed in (1, 2):

@@ -31,14 +31,11 @@ _fault_matrix = MATRIX.fixture()
 
 
 @pytest.fixture
-def published_on_b(tmp_path: Path) -> Any:
+def published_on_b(tmp_path: Path, one_torch_thread: None) -> Any:
     """A journal whose adapter was published on base B (rc-1, after A -> B)."""
-    import torch
-
     from rolloutcore.testing.models import make_adapter, make_checkpoint
     from rolloutcore.testing.peft_scorer import peft_vllm
 
-    torch.set_num_threads(1)
     base = make_checkpoint(tmp_path / "base", 0)
     make_adapter(base, 1, rank=4).save_pretrained(tmp_path / "a1")
     f = fake_fleet(1)

@@ -308,6 +308,21 @@ def test_a_key_the_engine_does_not_lend_refuses_the_begin_and_changes_nothing() 
         engine_key.forget(up)
 
 
+def _record_lends(app: Any) -> list[str | None]:
+    """Every key the gateway's lender lends from now on, in order (the call still goes
+    to the engine)."""
+    lender = app.state.gateway.updates.lender
+    lent: list[str | None] = []
+    real_lend = lender.lend
+
+    def lend(seconds: float) -> str | None:
+        lent.append(real_lend(seconds))
+        return lent[-1]
+
+    lender.lend = lend
+    return lent
+
+
 def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain() -> None:
     """The lend runs beside the drain: when the drain fails (no update opened, nothing
     sent) the key lent meanwhile is taken back, and the engine refuses it."""
@@ -324,15 +339,7 @@ def test_a_begin_that_opens_no_update_takes_back_the_key_lent_beside_its_drain()
     try:
         app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
         with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
-            lender = app.state.gateway.updates.lender
-            lent: list[str | None] = []
-            real_lend = lender.lend
-
-            def lend(seconds: float) -> str | None:
-                lent.append(real_lend(seconds))
-                return lent[-1]
-
-            lender.lend = lend
+            lent = _record_lends(app)
             ad.stage(w1)
             ad.inject("drain", FaultKind.RAISE)
             with pytest.raises(UpdateFailed) as ei:
@@ -372,15 +379,7 @@ def test_a_slow_drain_lends_the_key_again_so_it_ends_with_the_lease() -> None:
     try:
         app = create_app(r, ServiceConfig(upstream_url=up, control_token=TOKEN))
         with uvicorn_thread(app) as url, RolloutCoreClient(url, TOKEN) as rc:
-            lender = app.state.gateway.updates.lender
-            lent: list[str | None] = []
-            real_lend = lender.lend
-
-            def lend(seconds: float) -> str | None:
-                lent.append(real_lend(seconds))
-                return lent[-1]
-
-            lender.lend = lend
+            lent = _record_lends(app)
             ad.stage(w1)
             g = rc.begin(identity_of(w1, Provenance("w1", "run", 1)), owner="trainer-0",
                          probe=probe_for(w1))

@@ -31,20 +31,8 @@ from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
 from rolloutcore.testing.peft_scorer import peft_vllm
 
 pytest.importorskip("peft")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Two replicas verify at once, each computing in this process: one torch thread
-    each, or on a 2-core host they oversubscribe it (minutes instead of seconds)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+# Two replicas verify at once, each computing in this process.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

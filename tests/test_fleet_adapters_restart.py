@@ -24,7 +24,6 @@ from test_fleet_adapters import _prov, _state
 
 # The first half's fixtures, found by pytest by name here (module-scoped ones are made
 # once per file).
-one_torch_thread = first.one_torch_thread
 base = first.base
 adapters = first.adapters
 rig = first.rig

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from rolloutcore.engine.routes import Routes
 from rolloutcore.service import ServiceConfig, create_app
 
 pytest.importorskip("peft")
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 NATIVE = "native-lora-token-0123456789ab"
 BASE = f"/rc/{NATIVE}"
@@ -39,18 +39,6 @@ LOAD, UNLOAD = BASE + "/v1/load_lora_adapter", BASE + "/v1/unload_lora_adapter"
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

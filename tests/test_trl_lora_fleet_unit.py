@@ -18,7 +18,6 @@ tests/engine/test_trl_lora_fleet_engine.py.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,18 +26,6 @@ import pytest
 
 pytest.importorskip("peft")
 pytest.importorskip("trl")
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: None,
