@@ -17,10 +17,10 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from test_serve_lora_engine import PROMPT, _reference_logprobs, _saved_adapter
 
 from enginetools import TinyModels, stop_group, wait_healthy
 from helpers.gateway_rig import TOKEN
@@ -35,34 +35,12 @@ pytest.importorskip("peft")
 
 ROOT = Path(__file__).resolve().parents[2]
 NATIVE = "native-lora-engine-token-0123456789"
-PROMPT = [5, 17, 42, 9, 100, 3]
-
-
-def _saved_adapter(base: Path, seed: int, out: Path) -> Path:
-    from rolloutcore.testing.models import make_adapter
-
-    make_adapter(base, seed, rank=8).save_pretrained(out)
-    return out
-
-
-def _reference_logprobs(base: Path, adapter_dir: Path | None, ids: list[int]) -> list[float]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    if adapter_dir is not None:
-        from peft import PeftModel
-
-        m = PeftModel.from_pretrained(m, str(adapter_dir))
-    with torch.no_grad():
-        lp = torch.log_softmax(m(torch.tensor([ids])).logits[0].float(), -1)
-    return [float(lp[i - 1, ids[i]]) for i in range(len(PROMPT), len(ids))]
 
 
 def test_an_unmodified_lora_client_loads_generates_reloads_and_unloads(
         tiny_models: TinyModels, tmp_path: Path) -> None:
-    a1 = _saved_adapter(tiny_models.A, 21, tmp_path / "a21")
-    a2 = _saved_adapter(tiny_models.A, 22, tmp_path / "a22")
+    a1 = _saved_adapter(tiny_models.A, 21, tmp_path / "a21", rank=8)
+    a2 = _saved_adapter(tiny_models.A, 22, tmp_path / "a22", rank=8)
     port = free_port()
     log = tmp_path / "serve.log"
     journal = tmp_path / "journal.jsonl"
