@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.errors import BadInput, EffectTimeout, RequestRejected
 from rolloutcore.testing import FakeVllm, conformance
 from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
 
@@ -89,3 +91,41 @@ def test_weights_change_outputs(fake: FakeVllm) -> None:
     c.reset_prefix_cache()
     b = c.generate(conformance.PROMPT, max_tokens=6, ignore_eos=True)
     assert b.token_ids != a and {s.version for s in b.weight_versions or ()} == {"v2"}
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"model": ""}, "model"), ({"vocab_size": 3}, "vocab_size"),
+    ({"vocab_size": True}, "vocab_size"), ({"max_model_len": 1}, "max_model_len"),
+    ({"scorer": 42}, "scorer must be callable"),
+    ({"scorer": "peft_scorer"}, "scorer must be callable"),
+    ({"live": 1}, "live"), ({"event_delay_s": -1}, "event_delay_s"),
+    ({"event_delay_s": True}, "event_delay_s"), ({"without": "/v1/models"}, "without"),
+    ({"without": ("/nowhere",)}, "without")])
+def test_a_fake_built_wrong_is_refused(kw: dict[str, Any], match: str) -> None:
+    with pytest.raises(BadInput, match=match):
+        FakeVllm(FakeEngine(FakeWeights.from_seed(1), token_delay_s=0.0), **kw)
+
+
+@pytest.mark.parametrize("status", [
+    200, 399, 600, True, "500", 500.0, None, ValueError, httpx.HTTPStatusError,
+    httpx.ReadTimeout("an instance, not its type")])
+def test_a_fault_that_is_neither_an_http_error_nor_a_transport_error_is_refused(
+        fake: FakeVllm, status: Any) -> None:
+    c = factory(fake)()
+    with pytest.raises(BadInput, match="status must be an HTTP error status"):
+        fake.fail("/v1/models", status)
+    assert "fake-model" in c.models()  # nothing was queued
+
+
+def test_the_faults_it_takes(fake: FakeVllm) -> None:
+    c = factory(fake)()
+    fake.fail("/v1/models", 400)
+    fake.fail("/v1/models", httpx.ReadTimeout, times=2)
+    with pytest.raises(BadInput, match="times"):
+        fake.fail("/v1/models", 500, times=0)
+    with pytest.raises(RequestRejected, match="HTTP 400"):
+        c.models()
+    for _ in range(2):
+        with pytest.raises(EffectTimeout):
+            c.models()
+    assert "fake-model" in c.models()
