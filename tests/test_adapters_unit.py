@@ -274,7 +274,13 @@ def _peft(tmp_path: Path, *, zero_b: bool = False) -> Any:
 
     ck = make_checkpoint(tmp_path / "base", 1)
     base = AutoModelForCausalLM.from_pretrained(ck, dtype=torch.float32)
-    m = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    # PEFT draws lora_A from torch's global generator, which holds whatever the tests
+    # before this one (in this worker, in its order) left there: the adapter, and how far
+    # it moves the base, would change with the run. Its own seed, the global one untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj",
+                                                                          "v_proj"]))
     if not zero_b:
         g = torch.Generator().manual_seed(0)
         with torch.no_grad():
