@@ -26,10 +26,8 @@ def factory(fake: FakeVllm) -> Callable[[], VllmHTTP]:
     return lambda: VllmHTTP("http://fake-vllm", transport=fake.transport())
 
 
-@pytest.mark.parametrize("check", [
-    conformance.check_error_shapes, conformance.check_pause_resume,
-    conformance.check_cache_reset, conformance.check_labels_after_finish,
-    conformance.check_weight_routes])
+@pytest.mark.parametrize("check", [  # every exported check, one by one
+    getattr(conformance, n) for n in conformance.__all__ if n not in ("check_all", "check_lora")])
 def test_fake_passes(fake: FakeVllm, check: Callable[[Callable[[], VllmHTTP]], None]) -> None:
     check(factory(fake))
 
@@ -38,6 +36,12 @@ def test_fake_passes_lora(fake: FakeVllm, tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text("{}")
     conformance.check_lora(factory(fake), tmp_path)
     assert fake.loras == {}
+
+
+def test_fake_passes_what_the_engine_lane_runs(fake: FakeVllm, tmp_path: Path) -> None:
+    """The call tests/engine/test_conformance_engine.py makes against a real vLLM."""
+    (tmp_path / "adapter_config.json").write_text("{}")
+    conformance.check_all(factory(fake), adapter_dir=tmp_path)
 
 
 def test_checks_catch_a_fake_that_differs(fake: FakeVllm) -> None:
