@@ -38,13 +38,18 @@ import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.effects import WORKERS
-from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
+from rolloutcore.control.outcomes import (
+    Deadlines,
+    PhaseTiming,
+    SleepOutcome,
+    StepAborted,
+    UpdateOutcome,
+)
 from rolloutcore.control.port import (
     HealthObserver,
     LifecycleAdapter,
@@ -96,38 +101,6 @@ class DrainPolicy(enum.StrEnum):
 #: Cuts the stragglers' requests and aborts them in the engine (the gateway's data
 #: plane): gets the bindings and the reason, returns what it did (for the journal).
 StragglerAborter = Callable[[tuple[Binding, ...], str], Any]
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds each effect may take before it is classified as a timeout."""
-
-    drain_s: float = 120.0        # local rollouts finishing (admission closed)
-    abort_s: float = 10.0         # stragglers cut and aborted in the engine (drain policy)
-    pause_s: float = 60.0         # engine pause(mode=wait): engine's own in-flight work
-    preflight_s: float = 30.0
-    transfer_s: float = 300.0
-    reset_s: float = 15.0
-    validate_s: float = 60.0
-    resume_s: float = 15.0
-    live_validate_s: float = 60.0
-    bootstrap_s: float = 30.0
-    recover_s: float = 600.0      # replace the engine process and verify it
-    fence_s: float = 10.0
-    cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
-    retry_backoff_s: float = 0.2
-    sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
-    wake_s: float = 60.0          # one /wake_up
-
-    def __post_init__(self) -> None:
-        for name, v in self.__dict__.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise BadInput(f"deadline {name} must be a positive number, got {v!r}")
-
-    def scaled(self, factor: float) -> Deadlines:
-        if not factor > 0:
-            raise BadInput("factor must be positive")
-        return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
 
 
 #: The lifecycle step of each effect the runner names otherwise, for the port's

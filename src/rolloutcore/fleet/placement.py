@@ -64,7 +64,6 @@ __all__ = [
     "launch_local",
     "place_ray",
     "prepare_checkpoint",
-    "shared_host_env",
     "start_all",
     "vllm_replica",
 ]
@@ -73,14 +72,14 @@ __all__ = [
 # --------------------------------------------------------------------------- weights
 
 def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | None = None,
-                       *, probe: bool = True, content: bool = True) -> FleetWeights:
+                       *, probe: bool = True) -> FleetWeights:
     """The ``FleetWeights`` of a checkpoint directory (probe computed once, for every engine)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise BadInput(f"{p} is not a model directory (no config.json)")
     src = WeightSource.from_checkpoint(p)
     prov = provenance or Provenance(str(p.resolve()), "", 0)
-    ident = identity_of(src, prov, content=content)
+    ident = identity_of(src, prov)
     pr: PolicyProbe | None = None
     if probe:
         from rolloutcore.verification.probe import PolicyProbe
@@ -94,55 +93,43 @@ def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | No
 
 # --------------------------------------------------------------------------- replicas
 
-def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = None,
+def vllm_replica(name: str, url: str, *, engine: Any = None,
                  journal_path: str | os.PathLike[str] | None = None,
                  journal_keep: int | None = None, deadlines: Deadlines | None = None,
                  checkpoint: str | os.PathLike[str] | None = None,
-                 identity: WeightIdentity | None = None, recover: bool = True,
-                 op_timeout_s: float = 60.0,
-                 drain_policy: DrainPolicy = DrainPolicy.ABORT, probe: bool = True,
-                 controller_kw: Mapping[str, Any] | None = None,
-                 recoverer: Recoverer | None = None) -> Replica:
+                 identity: WeightIdentity | None = None, op_timeout_s: float = 60.0,
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
-    with ``checkpoint`` (and ``recover``) it gets a ``ManagedRecoverer`` that
-    restarts it on that checkpoint, declared as ``identity`` (the fleet's
-    start version, so a recovered replica is on it without an update).
-    ``probe``: a recovery runs the checkpoint's policy probe (``False`` where
-    no probe can be computed, e.g. a model too large for a forward pass on
-    the CPU: the recovered replica then rejoins only through an update its
-    transport verifies). ``recoverer``: one built by the caller (e.g. once for
-    a large checkpoint, whose content digest reads every byte) instead of
-    the ``ManagedRecoverer`` made here. ``controller_kw``: the replica
-    controller's keyword arguments (``config``: its ``ControllerConfig``, i.e.
-    update mode and staleness bound; ``required_caches``), as
-    ``LifecycleController`` takes them.
+    with ``checkpoint`` it gets a ``ManagedRecoverer`` that restarts it on
+    that checkpoint, declared as ``identity`` (the fleet's start version, so
+    a recovered replica is on it without an update); a recovery runs the
+    checkpoint's policy probe.
     """
     from rolloutcore.transports.gloo import GlooTransport
 
-    tr = transport or GlooTransport(op_timeout_s=op_timeout_s)
+    tr = GlooTransport(op_timeout_s=op_timeout_s)
     # A journal a previous gateway wrote is restored (its versions, its open update).
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
     # The one composition; a launched engine's exit taints its replica at once (#47).
     stack = wire(adapter, journal_path=journal_path, restore=True, journal_keep=journal_keep,
-                 controller_kw=dict(controller_kw or {}), deadlines=deadlines,
-                 drain_policy=drain_policy, engine=engine)
+                 deadlines=deadlines, drain_policy=drain_policy, engine=engine)
     journal, runner = stack.journal, stack.runner
     assert journal is not None  # restore=True always opens one
     adopt = None
+    recoverer: Recoverer | None = None
     if checkpoint is not None:
         from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer
 
-        if recoverer is None and engine is not None and recover:
-            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=probe)
+        if engine is not None:
+            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity)
 
         def adopt(previous_epoch: str) -> OperatorRecoverer:
             """The engine this start launched, as the journal's engine's replacement."""
             return OperatorRecoverer(url, checkpoint, signal=lambda: True, wait_s=5.0,
-                                     previous_epoch=previous_epoch, identity=identity,
-                                     probe=probe)
+                                     previous_epoch=previous_epoch, identity=identity)
 
     def stage(payload: object) -> None:
         if not isinstance(payload, PreparedUpdate):
@@ -183,12 +170,9 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         """A fan-out round's reports of this engine's ranks: its validation checks them."""
         tr.adopt_round(url, nonce, sent, reports)
 
-    # Only a gloo group is replaced by a fan-out round (a CUDA IPC mapping is not).
-    gloo = isinstance(tr, GlooTransport)
     return Replica(name, runner, stage, url=url, recoverer=recoverer, fanout_url=url,
-                   engine=engine, on_fanout=on_fanout if gloo else None,
-                   close=close, journal=journal,
-                   on_recovered=on_recovered, adopt=adopt, on_round=on_round if gloo else None)
+                   engine=engine, on_fanout=on_fanout, close=close, journal=journal,
+                   on_recovered=on_recovered, adopt=adopt, on_round=on_round)
 
 
 # --------------------------------------------------------------------------- starting
@@ -311,29 +295,22 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
         else ",".join(map(str, g)) for g in groups)}
 
 
-def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None, *,
-                    ranks: int = 1) -> dict[str, str]:
-    """What engine ``i`` of ``n`` started on this host gets: its cores (``cpu_binding``).
+def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, Any]
+                   ) -> list[dict[str, str]]:
+    """Every rank of every one of ``n`` engines on this host on cores of its own
+    (``cpu_binding``), refused before anything starts where the host has too few.
 
     vLLM's idle spin is left as vLLM sets it: a shorter one
     (``ROLLOUTCORE_VLLM_IDLE_SPIN_S``, ``transports.vllm_plugin``) made a crowded
     host faster but put some answers over 5 s (``results/idle-spin.json``); an
-    operator who wants that trade passes it in ``env``.
-    """
-    return cpu_binding(i, n, env, ranks=ranks)
-
-
-def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, Any]
-                   ) -> list[dict[str, str]]:
-    """Every rank of every one of ``n`` engines on this host on cores of its own
-    (``shared_host_env``), refused before anything starts where the host has too few."""
+    operator who wants that trade passes it in ``env``."""
     ranks = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         v = engine_kwargs.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BadInput(f"{key} must be an int >= 1, got {v!r}")
         ranks *= v
-    return [shared_host_env(i, n, env, ranks=ranks) for i in range(n)]
+    return [cpu_binding(i, n, env, ranks=ranks) for i in range(n)]
 
 
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
