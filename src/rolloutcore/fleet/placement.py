@@ -93,37 +93,43 @@ def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | No
 
 # --------------------------------------------------------------------------- replicas
 
-def vllm_replica(name: str, url: str, *, engine: Any = None,
+def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = None,
                  journal_path: str | os.PathLike[str] | None = None,
                  journal_keep: int | None = None, deadlines: Deadlines | None = None,
                  checkpoint: str | os.PathLike[str] | None = None,
                  identity: WeightIdentity | None = None, op_timeout_s: float = 60.0,
-                 drain_policy: DrainPolicy = DrainPolicy.ABORT) -> Replica:
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT,
+                 controller_kw: Mapping[str, Any] | None = None,
+                 recoverer: Recoverer | None = None) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
     with ``checkpoint`` it gets a ``ManagedRecoverer`` that restarts it on
     that checkpoint, declared as ``identity`` (the fleet's start version, so
     a recovered replica is on it without an update); a recovery runs the
-    checkpoint's policy probe.
+    checkpoint's policy probe. ``recoverer``: one built by the caller (e.g.
+    once for a large checkpoint, whose content digest reads every byte)
+    instead. ``controller_kw``: the replica controller's keyword arguments
+    (``config``: its ``ControllerConfig``; ``required_caches``), as
+    ``LifecycleController`` takes them.
     """
     from rolloutcore.transports.gloo import GlooTransport
 
-    tr = GlooTransport(op_timeout_s=op_timeout_s)
+    tr = transport or GlooTransport(op_timeout_s=op_timeout_s)
     # A journal a previous gateway wrote is restored (its versions, its open update).
     epoch = str(engine.epoch) if engine is not None else None
     adapter = VllmAdapter(VllmHTTP(url), tr, engine_epoch=epoch)
     # The one composition; a launched engine's exit taints its replica at once (#47).
     stack = wire(adapter, journal_path=journal_path, restore=True, journal_keep=journal_keep,
-                 deadlines=deadlines, drain_policy=drain_policy, engine=engine)
+                 controller_kw=dict(controller_kw or {}), deadlines=deadlines,
+                 drain_policy=drain_policy, engine=engine)
     journal, runner = stack.journal, stack.runner
     assert journal is not None  # restore=True always opens one
     adopt = None
-    recoverer: Recoverer | None = None
     if checkpoint is not None:
         from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer
 
-        if engine is not None:
+        if recoverer is None and engine is not None:
             recoverer = ManagedRecoverer(engine, checkpoint, identity=identity)
 
         def adopt(previous_epoch: str) -> OperatorRecoverer:
@@ -170,9 +176,12 @@ def vllm_replica(name: str, url: str, *, engine: Any = None,
         """A fan-out round's reports of this engine's ranks: its validation checks them."""
         tr.adopt_round(url, nonce, sent, reports)
 
+    # Only a gloo group is replaced by a fan-out round (a CUDA IPC mapping is not).
+    gloo = isinstance(tr, GlooTransport)
     return Replica(name, runner, stage, url=url, recoverer=recoverer, fanout_url=url,
-                   engine=engine, on_fanout=on_fanout, close=close, journal=journal,
-                   on_recovered=on_recovered, adopt=adopt, on_round=on_round)
+                   engine=engine, on_fanout=on_fanout if gloo else None,
+                   close=close, journal=journal,
+                   on_recovered=on_recovered, adopt=adopt, on_round=on_round if gloo else None)
 
 
 # --------------------------------------------------------------------------- starting
