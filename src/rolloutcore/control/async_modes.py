@@ -108,7 +108,7 @@ class StreamSource(Protocol):
 
 
 class VersionClock:
-    """A controller listener: when each published update resumed the engine, and taints.
+    """A controller listener: when each published update resumed the engine.
 
     ``version_at(t, since)`` is the version that sampled a token read at
     ``t`` by a request submitted under ``since``.
@@ -119,7 +119,6 @@ class VersionClock:
         self._target: WeightVersion | None = None
         self._resume_at: float | None = None
         self._bounds: list[tuple[float, WeightVersion]] = []
-        self._taints: list[float] = []
         self.updates = 0
         self.records = 0
         controller.add_listener(self)
@@ -139,10 +138,7 @@ class VersionClock:
                         self._resume_at is not None:
                     self._bounds.append((self._resume_at, rec.version))
                 self._target = self._resume_at = None
-            elif isinstance(rec, Taint):
-                self._taints.append(self._resume_at if self._resume_at is not None else now)
-                self._target = self._resume_at = None
-            elif isinstance(rec, Abandon):
+            elif isinstance(rec, (Taint, Abandon)):
                 self._target = self._resume_at = None
             self._cond.notify_all()
 
@@ -159,11 +155,6 @@ class VersionClock:
                         ver.engine_epoch == since.engine_epoch:
                     v = ver
             return v
-
-    @property
-    def taints(self) -> int:
-        with self._cond:
-            return len(self._taints)
 
     def wait(self, pred: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (woken by every record) until ``pred()``, at most ``timeout_s``."""
