@@ -50,14 +50,14 @@ __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_rout
 class AdapterFleetAdmission(FleetAdmission):
     """A fleet's admission that serves its adapter versions (module docstring)."""
 
+    public_model = "policy"
+
     def __init__(self, coordinator: FleetCoordinator, default_policy: Policy,
-                 adapters: FleetAdapters, *,
-                 public_model: str = "policy", base_beside_adapters: bool = False) -> None:
+                 adapters: FleetAdapters, *, base_beside_adapters: bool = False) -> None:
         if not isinstance(adapters, FleetAdapters) or adapters.coordinator is not coordinator:
             raise BadInput("adapters must be the FleetAdapters of this coordinator")
         super().__init__(coordinator, default_policy)
         self.adapters = adapters
-        self.public_model = public_model
         self.base_beside_adapters = base_beside_adapters
         self._targets: dict[tuple[str, int | None, str], Target] = {}
 

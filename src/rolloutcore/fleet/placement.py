@@ -407,10 +407,10 @@ def _engine_actor() -> Any:
 class RayEngine:
     """This side's handle of an ``EngineActor``: what ``ManagedEngine`` offers a fleet."""
 
-    def __init__(self, actor: Any, info: Mapping[str, Any], call_timeout_s: float = 900.0
-                 ) -> None:
+    call_timeout_s = 900.0
+
+    def __init__(self, actor: Any, info: Mapping[str, Any]) -> None:
         self.actor = actor
-        self.call_timeout_s = call_timeout_s
         self._info: dict[str, Any] = {}
         self._set_info(info)
 

@@ -193,15 +193,9 @@ class Router:
     thread-safe: the gateway calls it from its event loop.
     """
 
-    def __init__(self, *, max_groups: int = 4096, decay: float = 0.8,
-                 tolerance: float = 0.25) -> None:
-        if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
-            raise BadInput("max_groups must be an int >= 1")
-        if not 0 < decay < 1 or not 0 < tolerance < 1:
-            raise BadInput("decay and tolerance must be in (0, 1)")
-        self.max_groups = max_groups
-        self.decay = decay
-        self.tolerance = tolerance
+    max_groups, decay, tolerance = 4096, 0.8, 0.25
+
+    def __init__(self) -> None:
         self._groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._turn = 0
         self._fail: dict[str, float] = {}
