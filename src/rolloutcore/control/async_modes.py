@@ -308,8 +308,7 @@ class RolloutClient:
                  salt: bool = True, unsafe_unsalted: bool = False,
                  clock: VersionClock | None = None, admit_wait_s: float = 600.0,
                  update_wait_s: float = 600.0, read_timeout_s: float = 600.0,
-                 sampling_extra: Mapping[str, Any] | None = None,
-                 on_complete: Callable[[Rollout], None] | None = None) -> None:
+                 sampling_extra: Mapping[str, Any] | None = None) -> None:
         if not isinstance(controller, LifecycleController):
             raise BadInput("controller must be a LifecycleController")
         if not isinstance(source, StreamSource):
@@ -335,7 +334,6 @@ class RolloutClient:
         #: Sent with every request's sampling_params (``{"detokenize": False}`` for
         #: an engine started without a tokenizer).
         self.sampling_extra = dict(sampling_extra or {})
-        self._on_complete = on_complete
         self._lock = threading.Lock()
         self._progress: dict[str, int] = {}
 
@@ -386,7 +384,7 @@ class RolloutClient:
             b = self._admit(rid)
         except AdmissionRefused as exc:
             out.error = f"not admitted: {exc}"
-            return self._done(out)
+            return out
         out.binding = b
         out.admitted_wall, out.admitted_mono = time.time(), time.monotonic()
         with self._lock:
@@ -397,7 +395,7 @@ class RolloutClient:
             with self._lock:
                 self._progress.pop(rid, None)
             self._release(out)
-        return self._done(out)
+        return out
 
     def _generate(self, out: Rollout, b: Binding, max_tokens: int, temperature: float,
                   seed: int | None, ignore_eos: bool, logprobs: bool) -> None:
@@ -507,8 +505,3 @@ class RolloutClient:
             out.status, out.attributable, out.error = RolloutStatus.FAILED, False, got
             return
         out.stitched, out.staleness = got
-
-    def _done(self, out: Rollout) -> Rollout:
-        if self._on_complete is not None:
-            self._on_complete(out)
-        return out

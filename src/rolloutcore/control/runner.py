@@ -117,12 +117,8 @@ class LifecycleRunner:
     def __init__(self, controller: LifecycleController, adapter: LifecycleAdapter,
                  deadlines: Deadlines | None = None, *,
                  record: Callable[[Record], object] | None = None,
-                 drain_mode: PauseMode = PauseMode.WAIT,
                  drain_policy: DrainPolicy = DrainPolicy.ABORT,
                  stragglers: StragglerAborter | None = None) -> None:
-        if drain_mode is PauseMode.KEEP:
-            raise BadInput("strict mode drains with WAIT (or ABORT); KEEP lets rollouts span "
-                           "versions")
         if not isinstance(drain_policy, DrainPolicy):
             raise BadInput(f"drain_policy must be a DrainPolicy, got {drain_policy!r}")
         if stragglers is not None and not callable(stragglers):
@@ -133,7 +129,6 @@ class LifecycleRunner:
         self._record = record
         self._health_failures = 0  # consecutive failed check_serving observations
         self._engine_gone: str | None = None  # why the launched engine's process ended
-        self._drain_mode = drain_mode
         #: What the drain deadline does (public: a gateway's configuration sets it).
         self.drain_policy = drain_policy
         #: Who cuts the stragglers' requests (the gateway's data plane sets it).
@@ -462,7 +457,7 @@ class LifecycleRunner:
         out.started_at = time.monotonic()
         c, a, d = self.controller, self.adapter, self.deadlines
         rule = UPDATE_MODES[c.update_mode]
-        pause = rule.pause or self._drain_mode
+        pause = rule.pause or PauseMode.WAIT
         with self._phase(out):
             # DRAINING: admission is closed. Strict: wait for bound rollouts, then
             # pause the engine so that anything it runs beyond our view finishes
