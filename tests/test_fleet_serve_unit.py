@@ -132,12 +132,12 @@ def test_a_fleet_of_sharded_engines_is_local_not_ray() -> None:
 def test_engines_crowding_a_host_keep_vllms_idle_spin(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shorter spin put answers over 5 s under load (results/idle-spin.json): nothing
     sets it; an engine on a crowded host gets its own cores only."""
-    from rolloutcore.fleet.placement import shared_host_env
+    from rolloutcore.fleet.placement import cpu_binding
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert shared_host_env(1, 3) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
-    assert shared_host_env(0, 1) == {}
+    assert cpu_binding(1, 3) == {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+    assert cpu_binding(0, 1) == {}
 
 
 @pytest.mark.parametrize("flag,value,needle", [

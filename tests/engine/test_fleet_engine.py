@@ -45,8 +45,8 @@ from rolloutcore.fleet.gateway import (
 )
 from rolloutcore.fleet.placement import (
     build_fleet,
+    cpu_binding,
     prepare_checkpoint,
-    shared_host_env,
     start_all,
 )
 from rolloutcore.service import ServiceConfig
@@ -81,9 +81,9 @@ def fleet(tiny_models: TinyModels, tmp_path_factory: pytest.TempPathFactory) -> 
     logs = tmp_path_factory.mktemp("fleet-logs")
     # Each engine's worker on its own core (vLLM's CPU default puts them all on one).
     engines = [ManagedEngine(tiny_models.A, port=free_port(), log_dir=logs / f"e{i}",
-                             startup_timeout_s=600, env=shared_host_env(i, 2)) for i in range(2)]
+                             startup_timeout_s=600, env=cpu_binding(i, 2)) for i in range(2)]
     ref = ManagedEngine(tiny_models.B, backend=None, log_dir=logs / "ref", startup_timeout_s=600,
-                        env=shared_host_env(1, 2))
+                        env=cpu_binding(1, 2))
     everything = [*engines, ref]
     coord = None
     try:

@@ -108,7 +108,7 @@ class StreamSource(Protocol):
 
 
 class VersionClock:
-    """A controller listener: when each published update resumed the engine, and taints.
+    """A controller listener: when each published update resumed the engine.
 
     ``version_at(t, since)`` is the version that sampled a token read at
     ``t`` by a request submitted under ``since``.
@@ -119,7 +119,6 @@ class VersionClock:
         self._target: WeightVersion | None = None
         self._resume_at: float | None = None
         self._bounds: list[tuple[float, WeightVersion]] = []
-        self._taints: list[float] = []
         self.updates = 0
         self.records = 0
         controller.add_listener(self)
@@ -139,10 +138,7 @@ class VersionClock:
                         self._resume_at is not None:
                     self._bounds.append((self._resume_at, rec.version))
                 self._target = self._resume_at = None
-            elif isinstance(rec, Taint):
-                self._taints.append(self._resume_at if self._resume_at is not None else now)
-                self._target = self._resume_at = None
-            elif isinstance(rec, Abandon):
+            elif isinstance(rec, (Taint, Abandon)):
                 self._target = self._resume_at = None
             self._cond.notify_all()
 
@@ -159,11 +155,6 @@ class VersionClock:
                         ver.engine_epoch == since.engine_epoch:
                     v = ver
             return v
-
-    @property
-    def taints(self) -> int:
-        with self._cond:
-            return len(self._taints)
 
     def wait(self, pred: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (woken by every record) until ``pred()``, at most ``timeout_s``."""
@@ -317,8 +308,7 @@ class RolloutClient:
                  salt: bool = True, unsafe_unsalted: bool = False,
                  clock: VersionClock | None = None, admit_wait_s: float = 600.0,
                  update_wait_s: float = 600.0, read_timeout_s: float = 600.0,
-                 sampling_extra: Mapping[str, Any] | None = None,
-                 on_complete: Callable[[Rollout], None] | None = None) -> None:
+                 sampling_extra: Mapping[str, Any] | None = None) -> None:
         if not isinstance(controller, LifecycleController):
             raise BadInput("controller must be a LifecycleController")
         if not isinstance(source, StreamSource):
@@ -344,7 +334,6 @@ class RolloutClient:
         #: Sent with every request's sampling_params (``{"detokenize": False}`` for
         #: an engine started without a tokenizer).
         self.sampling_extra = dict(sampling_extra or {})
-        self._on_complete = on_complete
         self._lock = threading.Lock()
         self._progress: dict[str, int] = {}
 
@@ -395,7 +384,7 @@ class RolloutClient:
             b = self._admit(rid)
         except AdmissionRefused as exc:
             out.error = f"not admitted: {exc}"
-            return self._done(out)
+            return out
         out.binding = b
         out.admitted_wall, out.admitted_mono = time.time(), time.monotonic()
         with self._lock:
@@ -406,7 +395,7 @@ class RolloutClient:
             with self._lock:
                 self._progress.pop(rid, None)
             self._release(out)
-        return self._done(out)
+        return out
 
     def _generate(self, out: Rollout, b: Binding, max_tokens: int, temperature: float,
                   seed: int | None, ignore_eos: bool, logprobs: bool) -> None:
@@ -516,8 +505,3 @@ class RolloutClient:
             out.status, out.attributable, out.error = RolloutStatus.FAILED, False, got
             return
         out.stitched, out.staleness = got
-
-    def _done(self, out: Rollout) -> Rollout:
-        if self._on_complete is not None:
-            self._on_complete(out)
-        return out

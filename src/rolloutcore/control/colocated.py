@@ -29,27 +29,10 @@ __all__ = ["ColocatedHost", "sleep", "wake", "wake_update"]
 T = TypeVar("T")
 
 
-class _Deadlines(Protocol):
-    @property
-    def drain_s(self) -> float: ...
-    @property
-    def fence_s(self) -> float: ...
-    @property
-    def sleep_s(self) -> float: ...
-    @property
-    def wake_s(self) -> float: ...
-    @property
-    def preflight_s(self) -> float: ...
-    @property
-    def transfer_s(self) -> float: ...
-
-
 class ColocatedHost(EffectHost, Protocol):
     """What the colocated paths drive: the runner's controller, adapter, deadlines,
     effects and update phases (the runner is one)."""
 
-    @property
-    def deadlines(self) -> _Deadlines: ...
     def _run_step(self, ticket: UpdateTicket, step: Step, fn: Callable[[], T],
                   feed: Callable[[T], Verdict], deadline_s: float, out: UpdateOutcome,
                   phase: str | None = None) -> Verdict: ...

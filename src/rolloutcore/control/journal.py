@@ -106,18 +106,14 @@ class Journal:
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, fsync: bool = False,
-                 repair_torn_tail: bool = True, keep: int | None = None,
-                 queue_max: int = 4096, put_timeout_s: float = 30.0,
-                 sync_timeout_s: float = 60.0, snapshot_every: int = 5000,
-                 defer_s: float = 1.0) -> None:
+                 keep: int | None = None, queue_max: int = 4096,
+                 put_timeout_s: float = 30.0, defer_s: float = 1.0) -> None:
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 0):
             raise JournalError(f"keep must be None or an int >= 0, got {keep!r}")
-        for name, n in (("queue_max", queue_max), ("snapshot_every", snapshot_every)):
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise JournalError(f"{name} must be an int >= 1, got {n!r}")
-        for name, v in (("put_timeout_s", put_timeout_s), ("sync_timeout_s", sync_timeout_s),
-                        ("defer_s", defer_s)):
+        if isinstance(queue_max, bool) or not isinstance(queue_max, int) or queue_max < 1:
+            raise JournalError(f"queue_max must be an int >= 1, got {queue_max!r}")
+        for name, v in (("put_timeout_s", put_timeout_s), ("defer_s", defer_s)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise JournalError(f"{name} must be a positive number, got {v!r}")
         self._cond = threading.Condition(threading.Lock())
@@ -133,7 +129,7 @@ class Journal:
         self._fsync = fsync
         self._queue_max = queue_max
         self._put_timeout_s = float(put_timeout_s)
-        self._sync_timeout_s = float(sync_timeout_s)
+        self._sync_timeout_s = 60.0
         self._defer_s = float(defer_s)
         self._fh: IO[str] | None = None
         self._writer: threading.Thread | None = None
@@ -141,7 +137,7 @@ class Journal:
         #: Bytes of a torn last line cut when the file was opened (0: none).
         self.repaired_bytes = 0
         self._compactor = Compactor()
-        self._snapshot_every = snapshot_every
+        self._snapshot_every = 5000
         self._since_snapshot = 0
         self._head: str | None = None
         self._regular = False  # a regular file (a device has no snapshot)
@@ -151,10 +147,9 @@ class Journal:
             self._fh = fh = _open_locked(self.path)
             self._regular = self.path.is_file()
             try:
-                if repair_torn_tail:
-                    # A restart after a crash mid-write must not be fatal: appending
-                    # after the torn line would make it damage in the middle of the file.
-                    self.repaired_bytes = repair_journal(self.path)
+                # A restart after a crash mid-write must not be fatal: appending
+                # after the torn line would make it damage in the middle of the file.
+                self.repaired_bytes = repair_journal(self.path)
                 if self._regular:
                     self._compactor = self._read_state(self.path)
                 self._seq = self._written = self._compactor.seq

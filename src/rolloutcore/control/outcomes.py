@@ -1,4 +1,5 @@
-"""What the runner hands back: phase timings and the outcome of an update or a sleep.
+"""What the runner takes and hands back: its deadlines, phase timings and the outcome
+of an update or a sleep.
 
 Apart from the runner so that the paths it delegates to (the takeover, the
 colocated sleep and wake) use the same types without importing the runner.
@@ -17,10 +18,43 @@ from rolloutcore.core.evidence import SleepEvidence
 from rolloutcore.core.lifecycle import State, Verdict
 from rolloutcore.core.lifecycle_state import SleepTicket, UpdateTicket
 from rolloutcore.core.versions import WeightVersion
+from rolloutcore.errors import BadInput
 
-__all__ = ["EffectHost", "PhaseTiming", "SleepOutcome", "StepAborted", "UpdateOutcome"]
+__all__ = ["Deadlines", "EffectHost", "PhaseTiming", "SleepOutcome", "StepAborted", "UpdateOutcome"]
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each effect may take before it is classified as a timeout."""
+
+    drain_s: float = 120.0        # local rollouts finishing (admission closed)
+    abort_s: float = 10.0         # stragglers cut and aborted in the engine (drain policy)
+    pause_s: float = 60.0         # engine pause(mode=wait): engine's own in-flight work
+    preflight_s: float = 30.0
+    transfer_s: float = 300.0
+    reset_s: float = 15.0
+    validate_s: float = 60.0
+    resume_s: float = 15.0
+    live_validate_s: float = 60.0
+    bootstrap_s: float = 30.0
+    recover_s: float = 600.0      # replace the engine process and verify it
+    fence_s: float = 10.0
+    cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
+    retry_backoff_s: float = 0.2
+    sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
+    wake_s: float = 60.0          # one /wake_up
+
+    def __post_init__(self) -> None:
+        for name, v in self.__dict__.items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise BadInput(f"deadline {name} must be a positive number, got {v!r}")
+
+    def scaled(self, factor: float) -> Deadlines:
+        if not factor > 0:
+            raise BadInput("factor must be positive")
+        return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
 
 
 @dataclass(frozen=True)
@@ -91,6 +125,7 @@ class EffectHost(Protocol):
 
     controller: LifecycleController
     adapter: LifecycleAdapter
+    deadlines: Deadlines
 
     def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
                 phases: Any, phase: str | None = None,

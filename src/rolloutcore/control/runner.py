@@ -38,13 +38,18 @@ import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.effects import WORKERS
-from rolloutcore.control.outcomes import PhaseTiming, SleepOutcome, StepAborted, UpdateOutcome
+from rolloutcore.control.outcomes import (
+    Deadlines,
+    PhaseTiming,
+    SleepOutcome,
+    StepAborted,
+    UpdateOutcome,
+)
 from rolloutcore.control.port import (
     HealthObserver,
     LifecycleAdapter,
@@ -98,38 +103,6 @@ class DrainPolicy(enum.StrEnum):
 StragglerAborter = Callable[[tuple[Binding, ...], str], Any]
 
 
-@dataclass(frozen=True)
-class Deadlines:
-    """Seconds each effect may take before it is classified as a timeout."""
-
-    drain_s: float = 120.0        # local rollouts finishing (admission closed)
-    abort_s: float = 10.0         # stragglers cut and aborted in the engine (drain policy)
-    pause_s: float = 60.0         # engine pause(mode=wait): engine's own in-flight work
-    preflight_s: float = 30.0
-    transfer_s: float = 300.0
-    reset_s: float = 15.0
-    validate_s: float = 60.0
-    resume_s: float = 15.0
-    live_validate_s: float = 60.0
-    bootstrap_s: float = 30.0
-    recover_s: float = 600.0      # replace the engine process and verify it
-    fence_s: float = 10.0
-    cancel_grace_s: float = 5.0   # how long a cancelled effect gets to unwind
-    retry_backoff_s: float = 0.2
-    sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
-    wake_s: float = 60.0          # one /wake_up
-
-    def __post_init__(self) -> None:
-        for name, v in self.__dict__.items():
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
-                raise BadInput(f"deadline {name} must be a positive number, got {v!r}")
-
-    def scaled(self, factor: float) -> Deadlines:
-        if not factor > 0:
-            raise BadInput("factor must be positive")
-        return Deadlines(**{k: v * factor for k, v in self.__dict__.items()})
-
-
 #: The lifecycle step of each effect the runner names otherwise, for the port's
 #: ``cancel``: the live validation is part of VALIDATE; the health observation
 #: and the fence act on the serving engine.
@@ -144,12 +117,8 @@ class LifecycleRunner:
     def __init__(self, controller: LifecycleController, adapter: LifecycleAdapter,
                  deadlines: Deadlines | None = None, *,
                  record: Callable[[Record], object] | None = None,
-                 drain_mode: PauseMode = PauseMode.WAIT,
                  drain_policy: DrainPolicy = DrainPolicy.ABORT,
                  stragglers: StragglerAborter | None = None) -> None:
-        if drain_mode is PauseMode.KEEP:
-            raise BadInput("strict mode drains with WAIT (or ABORT); KEEP lets rollouts span "
-                           "versions")
         if not isinstance(drain_policy, DrainPolicy):
             raise BadInput(f"drain_policy must be a DrainPolicy, got {drain_policy!r}")
         if stragglers is not None and not callable(stragglers):
@@ -160,7 +129,6 @@ class LifecycleRunner:
         self._record = record
         self._health_failures = 0  # consecutive failed check_serving observations
         self._engine_gone: str | None = None  # why the launched engine's process ended
-        self._drain_mode = drain_mode
         #: What the drain deadline does (public: a gateway's configuration sets it).
         self.drain_policy = drain_policy
         #: Who cuts the stragglers' requests (the gateway's data plane sets it).
@@ -489,7 +457,7 @@ class LifecycleRunner:
         out.started_at = time.monotonic()
         c, a, d = self.controller, self.adapter, self.deadlines
         rule = UPDATE_MODES[c.update_mode]
-        pause = rule.pause or self._drain_mode
+        pause = rule.pause or PauseMode.WAIT
         with self._phase(out):
             # DRAINING: admission is closed. Strict: wait for bound rollouts, then
             # pause the engine so that anything it runs beyond our view finishes

@@ -34,21 +34,10 @@ __all__ = ["TakeoverHost", "TakeoverRefused", "take_over"]
 T = TypeVar("T")
 
 
-class _Deadlines(Protocol):
-    @property
-    def bootstrap_s(self) -> float: ...
-    @property
-    def validate_s(self) -> float: ...
-    @property
-    def live_validate_s(self) -> float: ...
-
-
 class TakeoverHost(EffectHost, Protocol):
     """What the takeover drives: the runner's controller, adapter, deadlines and
     effects (the runner is one; the takeover does not import the runner)."""
 
-    @property
-    def deadlines(self) -> _Deadlines: ...
     def _fence_quietly(self) -> None: ...
     def recover(self, recoverer: Recoverer, *, owner: str = "operator") -> Verdict: ...
 

@@ -35,7 +35,7 @@ from starlette.routing import Route
 
 from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.versions import Binding
-from rolloutcore.errors import AdmissionRefused, BadInput, RouteRefused
+from rolloutcore.errors import BadInput, RouteRefused
 from rolloutcore.fleet.adapters import FleetAdapters
 from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.gateway import FleetAdmission, create_fleet_app
@@ -50,14 +50,14 @@ __all__ = ["AdapterFleetAdmission", "create_lora_fleet_app", "fleet_adapter_rout
 class AdapterFleetAdmission(FleetAdmission):
     """A fleet's admission that serves its adapter versions (module docstring)."""
 
+    public_model = "policy"
+
     def __init__(self, coordinator: FleetCoordinator, default_policy: Policy,
-                 adapters: FleetAdapters, *,
-                 public_model: str = "policy", base_beside_adapters: bool = False) -> None:
+                 adapters: FleetAdapters, *, base_beside_adapters: bool = False) -> None:
         if not isinstance(adapters, FleetAdapters) or adapters.coordinator is not coordinator:
             raise BadInput("adapters must be the FleetAdapters of this coordinator")
         super().__init__(coordinator, default_policy)
         self.adapters = adapters
-        self.public_model = public_model
         self.base_beside_adapters = base_beside_adapters
         self._targets: dict[tuple[str, int | None, str], Target] = {}
 
@@ -86,36 +86,15 @@ class AdapterFleetAdmission(FleetAdmission):
                                         f"{self.public_model!r}; base requests beside adapter "
                                         f"requests are refused on these engines")
             return super().try_admit(rollout_id, (policy, group))
-        tried = {n for n in self._replicas if not self.adapters.eligible(n)}
-        last: AdmissionRefused | None = None
-        for _ in range(len(self._replicas)):
-            try:
-                choice = self.router.choose(self.coordinator.view(), policy, group,
-                                            exclude=tried)
-            except RouteRefused as exc:
-                if exc.status != 503:
-                    raise
-                break
-            ctl = self._replicas[choice.name].controller
-            try:
-                b = ctl.admit(rollout_id, expect=choice.engine_version)
-            except AdmissionRefused as exc:
-                tried.add(choice.name)
-                last = exc
-                continue
-            m = self.adapters.manager(choice.name)
-            try:
-                rb = m.bind(rollout_id, b, expect=cur.name)
-            except AdmissionRefused as exc:
-                ctl.complete(rollout_id)
-                tried.add(choice.name)
-                last = exc
-                continue
-            return b, self._adapter_target(choice, policy, rb.adapter.adapter, m)
-        raise RouteRefused(503, f"no replica serving adapter {cur.name} could admit it under "
-                                f"{policy} now" + (f" (last: {last.reason})" if last else ""),
-                           retry_after_s=self.coordinator.config.retry_after_s,
-                           kind="ServiceUnavailable")
+        m = self.adapters.manager
+
+        def target(choice: ReplicaView, b: Binding) -> Target:
+            rb = m(choice.name).bind(rollout_id, b, expect=cur.name)
+            return self._adapter_target(choice, policy, rb.adapter.adapter, m(choice.name))
+
+        return self._admit(rollout_id, policy, group,
+                           {n for n in self._replicas if not self.adapters.eligible(n)},
+                           f"no replica serving adapter {cur.name}", target)
 
     def _adapter_target(self, choice: ReplicaView, policy: Policy, a: AdapterVersion,
                         m: Any) -> Target:

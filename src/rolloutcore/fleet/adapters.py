@@ -161,7 +161,7 @@ class FleetAdapters:
     def __init__(self, coordinator: FleetCoordinator, make_manager: ManagerFactory, *,
                  base_model: ModelOrDir,
                  deadline_s: float = 300.0, probe_tolerance: float = ADAPTER_TOLERANCE,
-                 max_rank: int | None = None, auto_catch_up: bool = True) -> None:
+                 max_rank: int | None = None) -> None:
         from rolloutcore.fleet.coordinator import FleetCoordinator
 
         if not isinstance(coordinator, FleetCoordinator):
@@ -203,8 +203,7 @@ class FleetAdapters:
         self.caught_up: dict[str, str] = {}
         self._catching: set[str] = set()
         self._closed = False
-        if auto_catch_up:
-            coordinator.on_change(self._pool_changed)
+        coordinator.on_change(self._pool_changed)
 
     # ------------------------------------------------------------------ reading
     @property

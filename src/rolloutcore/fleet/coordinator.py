@@ -82,13 +82,12 @@ class FleetCoordinator(FleetUpdates):
 
     # ------------------------------------------------------------------ bootstrap
     def bootstrap(self, identity: WeightIdentity, *, weights: FleetWeights | None = None,
-                  label: str = "fleet-0", bootstrapped: bool = False) -> FleetVersion:
+                  label: str = "fleet-0") -> FleetVersion:
         """Take every replica over on ``identity`` (fleet version 0, ``label``), verified.
 
         Each runner takes its engine over as ``serve --upstream`` does
         (``take_over``: awake, not paused, its label and ``weights.probe``, to
-        ``weights.min_verification``), unless ``bootstrapped`` (done already:
-        only checked). A replica that cannot be verified joins FENCED, with
+        ``weights.min_verification``). A replica that cannot be verified joins FENCED, with
         the reason. ``weights`` is retained for rejoins.
 
         On a restored pool (the journal held a previous gateway's records) it
@@ -121,9 +120,8 @@ class FleetCoordinator(FleetUpdates):
                 return ("the pool's journal is restored but this replica has no journal of "
                         "its own: its engine versions cannot continue")
             try:
-                if not bootstrapped:
-                    r.runner.take_over(identity, probes=probe, min_verification=level,
-                                       recoverer=r.adopt)
+                r.runner.take_over(identity, probes=probe, min_verification=level,
+                                   recoverer=r.adopt)
                 c = r.controller
                 ident = c.identity
                 if c.state is not State.READY or ident is None or \

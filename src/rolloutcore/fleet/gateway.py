@@ -158,11 +158,24 @@ class FleetAdmission:
         policy can never be served.
         """
         policy, group = routing
-        tried: set[str] = set()
+        return self._admit(rollout_id, policy, group, None, "no replica",
+                           lambda choice, b: self._target(choice, policy))
+
+    def _admit(self, rollout_id: str, policy: Policy, group: str | None,
+               left_out: set[str] | None, who: str,
+               target: Callable[[ReplicaView, Binding], Target]) -> tuple[Binding, Target]:
+        """``try_admit``'s loop; ``left_out`` (never chosen; ``None``: the router's 503 is
+        raised as it is); ``target`` may refuse the binding (it is released)."""
+        tried = set() if left_out is None else left_out
         last: AdmissionRefused | None = None
         for _ in range(len(self._replicas)):
-            choice = self.router.choose(self.coordinator.view(), policy, group,
-                                        exclude=tried)
+            try:
+                choice = self.router.choose(self.coordinator.view(), policy, group,
+                                            exclude=tried)
+            except RouteRefused as exc:
+                if exc.status != 503 or left_out is None:
+                    raise
+                break
             ctl = self._replicas[choice.name].controller
             try:
                 b = ctl.admit(rollout_id, expect=choice.engine_version)
@@ -170,8 +183,13 @@ class FleetAdmission:
                 tried.add(choice.name)
                 last = exc
                 continue
-            return b, self._target(choice, policy)
-        raise RouteRefused(503, f"no replica could admit it under {policy} now"
+            try:
+                return b, target(choice, b)
+            except AdmissionRefused as exc:
+                ctl.complete(rollout_id)
+                tried.add(choice.name)
+                last = exc
+        raise RouteRefused(503, f"{who} could admit it under {policy} now"
                            + (f" (last: {last.reason})" if last is not None else ""),
                            retry_after_s=self.coordinator.config.retry_after_s,
                            kind="ServiceUnavailable")

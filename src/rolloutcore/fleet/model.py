@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from rolloutcore.control.controller import LifecycleController
+from rolloutcore.control.journal import Journal
 from rolloutcore.control.port import Recoverer
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.pool import FleetVersion, Outcome, Strategy
@@ -56,7 +57,7 @@ class Replica:
     engine: Any = None
     on_fanout: Callable[[], None] | None = None
     close: Callable[[], None] | None = None
-    journal: Any = None
+    journal: Journal | None = None
     on_recovered: Callable[[], None] | None = None
     adopt: Callable[[str], Recoverer] | None = None
     on_round: Callable[[str, Any, Any], None] | None = None

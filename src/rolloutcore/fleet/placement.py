@@ -64,7 +64,6 @@ __all__ = [
     "launch_local",
     "place_ray",
     "prepare_checkpoint",
-    "shared_host_env",
     "start_all",
     "vllm_replica",
 ]
@@ -73,14 +72,14 @@ __all__ = [
 # --------------------------------------------------------------------------- weights
 
 def prepare_checkpoint(path: str | os.PathLike[str], provenance: Provenance | None = None,
-                       *, probe: bool = True, content: bool = True) -> FleetWeights:
+                       *, probe: bool = True) -> FleetWeights:
     """The ``FleetWeights`` of a checkpoint directory (probe computed once, for every engine)."""
     p = Path(path)
     if not (p / "config.json").is_file():
         raise BadInput(f"{p} is not a model directory (no config.json)")
     src = WeightSource.from_checkpoint(p)
     prov = provenance or Provenance(str(p.resolve()), "", 0)
-    ident = identity_of(src, prov, content=content)
+    ident = identity_of(src, prov)
     pr: PolicyProbe | None = None
     if probe:
         from rolloutcore.verification.probe import PolicyProbe
@@ -98,25 +97,20 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
                  journal_path: str | os.PathLike[str] | None = None,
                  journal_keep: int | None = None, deadlines: Deadlines | None = None,
                  checkpoint: str | os.PathLike[str] | None = None,
-                 identity: WeightIdentity | None = None, recover: bool = True,
-                 op_timeout_s: float = 60.0,
-                 drain_policy: DrainPolicy = DrainPolicy.ABORT, probe: bool = True,
+                 identity: WeightIdentity | None = None, op_timeout_s: float = 60.0,
+                 drain_policy: DrainPolicy = DrainPolicy.ABORT,
                  controller_kw: Mapping[str, Any] | None = None,
                  recoverer: Recoverer | None = None) -> Replica:
     """One vLLM engine as a fleet replica (see the module docstring).
 
     ``engine``: the launcher's handle (``ManagedEngine``, ``RayEngine``);
-    with ``checkpoint`` (and ``recover``) it gets a ``ManagedRecoverer`` that
-    restarts it on that checkpoint, declared as ``identity`` (the fleet's
-    start version, so a recovered replica is on it without an update).
-    ``probe``: a recovery runs the checkpoint's policy probe (``False`` where
-    no probe can be computed, e.g. a model too large for a forward pass on
-    the CPU: the recovered replica then rejoins only through an update its
-    transport verifies). ``recoverer``: one built by the caller (e.g. once for
-    a large checkpoint, whose content digest reads every byte) instead of
-    the ``ManagedRecoverer`` made here. ``controller_kw``: the replica
-    controller's keyword arguments (``config``: its ``ControllerConfig``, i.e.
-    update mode and staleness bound; ``required_caches``), as
+    with ``checkpoint`` it gets a ``ManagedRecoverer`` that restarts it on
+    that checkpoint, declared as ``identity`` (the fleet's start version, so
+    a recovered replica is on it without an update); a recovery runs the
+    checkpoint's policy probe. ``recoverer``: one built by the caller (e.g.
+    once for a large checkpoint, whose content digest reads every byte)
+    instead. ``controller_kw``: the replica controller's keyword arguments
+    (``config``: its ``ControllerConfig``; ``required_caches``), as
     ``LifecycleController`` takes them.
     """
     from rolloutcore.transports.gloo import GlooTransport
@@ -135,14 +129,13 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
     if checkpoint is not None:
         from rolloutcore.engine.recovery import ManagedRecoverer, OperatorRecoverer
 
-        if recoverer is None and engine is not None and recover:
-            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity, probe=probe)
+        if recoverer is None and engine is not None:
+            recoverer = ManagedRecoverer(engine, checkpoint, identity=identity)
 
         def adopt(previous_epoch: str) -> OperatorRecoverer:
             """The engine this start launched, as the journal's engine's replacement."""
             return OperatorRecoverer(url, checkpoint, signal=lambda: True, wait_s=5.0,
-                                     previous_epoch=previous_epoch, identity=identity,
-                                     probe=probe)
+                                     previous_epoch=previous_epoch, identity=identity)
 
     def stage(payload: object) -> None:
         if not isinstance(payload, PreparedUpdate):
@@ -311,29 +304,22 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
         else ",".join(map(str, g)) for g in groups)}
 
 
-def shared_host_env(i: int, n: int, env: Mapping[str, str] | None = None, *,
-                    ranks: int = 1) -> dict[str, str]:
-    """What engine ``i`` of ``n`` started on this host gets: its cores (``cpu_binding``).
+def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, Any]
+                   ) -> list[dict[str, str]]:
+    """Every rank of every one of ``n`` engines on this host on cores of its own
+    (``cpu_binding``), refused before anything starts where the host has too few.
 
     vLLM's idle spin is left as vLLM sets it: a shorter one
     (``ROLLOUTCORE_VLLM_IDLE_SPIN_S``, ``transports.vllm_plugin``) made a crowded
     host faster but put some answers over 5 s (``results/idle-spin.json``); an
-    operator who wants that trade passes it in ``env``.
-    """
-    return cpu_binding(i, n, env, ranks=ranks)
-
-
-def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, Any]
-                   ) -> list[dict[str, str]]:
-    """Every rank of every one of ``n`` engines on this host on cores of its own
-    (``shared_host_env``), refused before anything starts where the host has too few."""
+    operator who wants that trade passes it in ``env``."""
     ranks = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         v = engine_kwargs.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BadInput(f"{key} must be an int >= 1, got {v!r}")
         ranks *= v
-    return [shared_host_env(i, n, env, ranks=ranks) for i in range(n)]
+    return [cpu_binding(i, n, env, ranks=ranks) for i in range(n)]
 
 
 def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
@@ -421,10 +407,10 @@ def _engine_actor() -> Any:
 class RayEngine:
     """This side's handle of an ``EngineActor``: what ``ManagedEngine`` offers a fleet."""
 
-    def __init__(self, actor: Any, info: Mapping[str, Any], call_timeout_s: float = 900.0
-                 ) -> None:
+    call_timeout_s = 900.0
+
+    def __init__(self, actor: Any, info: Mapping[str, Any]) -> None:
         self.actor = actor
-        self.call_timeout_s = call_timeout_s
         self._info: dict[str, Any] = {}
         self._set_info(info)
 

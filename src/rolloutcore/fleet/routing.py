@@ -31,7 +31,7 @@ import enum
 import hashlib
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,15 +193,9 @@ class Router:
     thread-safe: the gateway calls it from its event loop.
     """
 
-    def __init__(self, *, max_groups: int = 4096, decay: float = 0.8,
-                 tolerance: float = 0.25) -> None:
-        if isinstance(max_groups, bool) or not isinstance(max_groups, int) or max_groups < 1:
-            raise BadInput("max_groups must be an int >= 1")
-        if not 0 < decay < 1 or not 0 < tolerance < 1:
-            raise BadInput("decay and tolerance must be in (0, 1)")
-        self.max_groups = max_groups
-        self.decay = decay
-        self.tolerance = tolerance
+    max_groups, decay, tolerance = 4096, 0.8, 0.25
+
+    def __init__(self) -> None:
         self._groups: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._turn = 0
         self._fail: dict[str, float] = {}
@@ -218,10 +212,8 @@ class Router:
         return self._fail.get(name, 0.0)
 
     def choose(self, view: FleetView, policy: Policy, group: str | None = None,
-               pending: Mapping[str, int] | None = None,
                exclude: Collection[str] = ()) -> ReplicaView:
-        """The replica for one request (``pending``: chosen but not yet admitted, per
-        name; ``exclude``: replicas that refused this request already)."""
+        """The replica for one request (``exclude``: replicas that refused it already)."""
         cands = [r for r in eligible(view, policy) if r.name not in exclude]
         if not cands:
             raise RouteRefused(503, f"no serving replica could take it under {policy} now",
@@ -235,9 +227,8 @@ class Router:
                         return r
         best_score = min(self.failure_score(r.name) for r in cands)
         cands = [r for r in cands if self.failure_score(r.name) <= best_score + self.tolerance]
-        extra = pending or {}
-        low = min(r.load + extra.get(r.name, 0) for r in cands)
-        best = [r for r in cands if r.load + extra.get(r.name, 0) == low]
+        low = min(r.load for r in cands)
+        best = [r for r in cands if r.load == low]
         self._turn += 1
         pick = best[self._turn % len(best)]
         if group is not None:
@@ -289,7 +280,3 @@ def group_key(header: str | None, body: Mapping[str, Any]) -> str | None:
         blob = json.dumps(prompt, sort_keys=True, separators=(",", ":"), default=str)
         return "p:" + hashlib.sha256(blob.encode()).hexdigest()[:32]
     return None
-
-
-def _names(replicas: Sequence[ReplicaView]) -> list[str]:
-    return [r.name for r in replicas]

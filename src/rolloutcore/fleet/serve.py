@@ -48,6 +48,7 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.service.serve import control_token, exit_on_signal, vocab_size
 
 if TYPE_CHECKING:
+    from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.fleet.adapters import FleetAdapters
     from rolloutcore.fleet.placement import RayPlacement
     from rolloutcore.service.recording import GatewayRecorder
@@ -282,7 +283,7 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
     recorder: GatewayRecorder | None = None
     try:
         lora_kw: dict[str, Any] = {}
-        lora_budget: Any = None
+        lora_budget: AdapterConfig | None = None
         if o.lora:
             from rolloutcore.service.serve import lora_engine_args
 
@@ -370,7 +371,8 @@ def run_fleet_serve(o: FleetServeOptions) -> int:
                 e.stop()
 
 
-def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path, budget: Any,
+def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path,
+                    budget: AdapterConfig | None,
                     max_lora_rank: int | None, journal_dir: Path, upload: bool = False
                     ) -> FleetAdapters:
     """``--lora``: each replica's ``AdapterManager`` (its engine's HTTP, its journal), and

@@ -422,7 +422,7 @@ class FleetUpdates(FleetMembers):
             self._per_engine_transfer(resend, outs, failed, parallel=True)
 
     @staticmethod
-    def _adopt_round(m: Member, fan: Any, url: str) -> None:
+    def _adopt_round(m: Member, fan: FanoutTransport, url: str) -> None:
         """The fan-out's record of what ``m``'s ranks wrote, to ``m``'s validation (a
         fan-out without per-rank reports, e.g. CUDA IPC's, has none to hand over)."""
         round_of = getattr(fan, "round_of", None)

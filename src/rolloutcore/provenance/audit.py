@@ -113,6 +113,7 @@ __all__ = [
     "binomial_tail",
     "describe_interruption",
     "read_journal_summary",
+    "report_table",
 ]
 
 
@@ -467,10 +468,7 @@ class PurityReport:
             rows = [("group", "sample", "issue", "detail")]
             rows += [(f.group_id, str(f.sample_index), f.issue.value, f.detail)
                      for f in self.findings[:max_rows]]
-            lines += _table(rows)
-            if len(self.findings) > max_rows:
-                lines.append(f"  ... {len(self.findings) - max_rows} more findings (--json "
-                             "for all)")
+            lines += report_table(rows, len(self.findings), max_rows, "findings")
         return "\n".join(lines)
 
 
@@ -723,10 +721,7 @@ class DiversityReport:
                       str(g.identical_long_pairs), str(g.prefix_pairs),
                       str(g.duplicate_seed_pairs), ",".join(f.value for f in g.flags))
                      for g in self.flagged[:max_rows]]
-            lines += _table(rows)
-            if len(self.flagged) > max_rows:
-                lines.append(f"  ... {len(self.flagged) - max_rows} more flagged groups "
-                             "(--json for all)")
+            lines += report_table(rows, len(self.flagged), max_rows, "flagged groups")
         return "\n".join(lines)
 
 
@@ -782,7 +777,13 @@ def audit_file(trajectories: str | os.PathLike[str],
                        DiversityReport(tuple(diversity), baseline))
 
 
-def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+def report_table(rows: Sequence[tuple[str, ...]], total: int, max_rows: int,
+                 what: str) -> list[str]:
+    """A report's rows (a header, then at most ``max_rows`` of ``total``), aligned, and
+    how many of ``what`` were left out."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-            for r in rows]
+    out = ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+           for r in rows]
+    if total > max_rows:
+        out.append(f"  ... {total - max_rows} more {what} (--json for all)")
+    return out

@@ -65,6 +65,7 @@ from typing import Any
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
+from rolloutcore.provenance.audit import report_table
 from rolloutcore.provenance.inputs import check_trajectory_file, require_samples
 from rolloutcore.provenance.recorder import read_trajectories
 from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
@@ -497,11 +498,7 @@ class ReplayReport:
             rows.append((s.group_id, str(s.sample_index), s.recorded_label, s.status.value,
                          tok, lpv, ",".join(map(str, lp.first_mismatches)) or "-",
                          detail[:120]))
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                  for r in rows]
-        if len(self.samples) > max_rows:
-            lines.append(f"  ... {len(self.samples) - max_rows} more samples (--json for all)")
+        lines += report_table(rows, len(self.samples), max_rows, "samples")
         return "\n".join(lines)
 
 

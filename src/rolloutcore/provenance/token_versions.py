@@ -36,7 +36,7 @@ import itertools
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from rolloutcore.core.records import UpdateMode
 from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
@@ -142,7 +142,14 @@ class Segment:
         return cls(m["start"], m["end"], m["label"], m["cache_salt"], m["prefill_tokens"])
 
 
-def check_cover(where: str, parts: Sequence[TokenSpan | Segment], n: int) -> None:
+class _Span(Protocol):
+    @property
+    def start(self) -> int: ...
+    @property
+    def end(self) -> int: ...
+
+
+def check_cover(where: str, parts: Sequence[_Span], n: int) -> None:
     """Contiguous parts covering exactly ``[0, n)`` (an empty output may have none)."""
     if not parts:
         if n:

@@ -43,7 +43,6 @@ Standard library only.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import re
@@ -62,7 +61,7 @@ from rolloutcore.core.versions import Binding, EngineIdentity
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.adapter_use import AdapterUse
 from rolloutcore.provenance.seeds import SEED_DERIVATION
-from rolloutcore.provenance.token_versions import TokenVersions
+from rolloutcore.provenance.token_versions import TokenVersions, check_cover
 
 __all__ = [
     "KNOWN_SCHEMA_VERSIONS",
@@ -265,19 +264,7 @@ def validate_spans(spans: Sequence[VersionSpan], n_tokens: int) -> None:
     (two label changes between tokens) and a zero-token completion may carry
     either no span or one empty span; both are accepted.
     """
-    if not spans:
-        if n_tokens:
-            raise BadInput(f"weight_versions is empty but there are {n_tokens} output tokens")
-        return
-    if spans[0].start != 0:
-        raise BadInput(f"weight_versions must start at token 0, starts at {spans[0].start}")
-    for a, b in itertools.pairwise(spans):
-        if a.end != b.start:
-            raise BadInput(f"weight_versions not contiguous: {a.version!r} ends at {a.end}, "
-                           f"{b.version!r} starts at {b.start}")
-    if spans[-1].end != n_tokens:
-        raise BadInput(f"weight_versions end at {spans[-1].end}, "
-                       f"but there are {n_tokens} output tokens")
+    check_cover("weight_versions", spans, n_tokens)
 
 
 @dataclass(frozen=True)
