@@ -123,7 +123,7 @@ def _data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-class ImageProbe(Calibrated):
+class ImageProbe(Calibrated[ImageProbeCase]):
     """Image probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
     kind: ClassVar[str] = "image"
@@ -131,18 +131,8 @@ class ImageProbe(Calibrated):
     def __init__(self, cases: Sequence[ImageProbeCase], *, tolerance: float = IMAGE_TOLERANCE,
                  name: str = "image-probe", timeout_s: float = 60.0,
                  calibrate: bool = True) -> None:
-        self.cases = tuple(cases)
-        if not self.cases:
-            raise BadInput("an image probe needs at least one case")
-        if not math.isfinite(tolerance) or tolerance <= 0:
-            raise BadInput("tolerance must be a positive number")
-        if not isinstance(calibrate, bool):
-            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
-        self.calibrate = calibrate
-        self.tolerance = tolerance
-        self.name = name
-        self.timeout_s = timeout_s
-        self.last: ProbeResult | None = None
+        super().__init__(cases, tolerance=tolerance, name=name, timeout_s=timeout_s,
+                         calibrate=calibrate)
         self.mismatched_expansions = 0
 
     @classmethod

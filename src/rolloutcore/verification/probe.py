@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import VerificationLevel
@@ -174,7 +174,11 @@ class Judgement:
     note: str
 
 
-class Calibrated:
+#: A probe set's case type (``ProbeCase``, ``ImageProbeCase``).
+C = TypeVar("C")
+
+
+class Calibrated(Generic[C]):
     """What a probe set needs to be calibrated (``PolicyProbe``, ``ImageProbe``).
 
     ``run(http, target)`` uses the probe's own tolerance; the adapter passes
@@ -196,6 +200,22 @@ class Calibrated:
     name: str
     tolerance: float
     calibrate: bool = True
+
+    def __init__(self, cases: Iterable[C], *, tolerance: float, name: str, timeout_s: float,
+                 calibrate: bool) -> None:
+        """The checks and settings both probe sets share (``cases``: at least one)."""
+        self.cases = tuple(cases)
+        if not self.cases:
+            raise BadInput(f"a {type(self).__name__} needs at least one case")
+        if not math.isfinite(tolerance) or tolerance <= 0:
+            raise BadInput("tolerance must be a positive number")
+        if not isinstance(calibrate, bool):
+            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
+        self.tolerance = tolerance
+        self.name = name
+        self.timeout_s = timeout_s
+        self.calibrate = calibrate
+        self.last: ProbeResult | None = None
 
     def _calibration(self, calibrations: Mapping[str, Calibration] | None
                      ) -> Calibration | None:
@@ -303,24 +323,14 @@ def default_prompts(vocab_size: int, *, n: int = 3, length: int = 160,
     return out
 
 
-class PolicyProbe(Calibrated):
+class PolicyProbe(Calibrated[ProbeCase]):
     """A set of probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
     def __init__(self, cases: Iterable[ProbeCase], *,
                  tolerance: float = DEFAULT_TOLERANCE, name: str = "policy-probe",
                  timeout_s: float = 60.0, calibrate: bool = True) -> None:
-        self.cases = tuple(cases)
-        if not self.cases:
-            raise BadInput("a probe set needs at least one case")
-        if not math.isfinite(tolerance) or tolerance <= 0:
-            raise BadInput("tolerance must be a positive number")
-        if not isinstance(calibrate, bool):
-            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
-        self.tolerance = tolerance
-        self.name = name
-        self.timeout_s = timeout_s
-        self.calibrate = calibrate
-        self.last: ProbeResult | None = None
+        super().__init__(cases, tolerance=tolerance, name=name, timeout_s=timeout_s,
+                         calibrate=calibrate)
 
     # ------------------------------------------------------------------ reference
     @classmethod
