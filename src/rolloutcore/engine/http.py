@@ -86,10 +86,10 @@ def _label(labels: str, key: str) -> str | None:
 KEEPALIVE_S = 2.0
 
 
-def check_timeout(v: float) -> float:
-    """A positive, finite number of seconds, else ``BadInput``."""
+def check_timeout(v: object, name: str = "timeout") -> float:
+    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise BadInput(f"timeout must be a positive number of seconds, got {v!r}")
+        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
     return float(v)
 
 
