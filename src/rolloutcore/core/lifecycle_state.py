@@ -279,10 +279,6 @@ class LifecycleState(Machine):
     def config(self) -> ControllerConfig:
         return self._cfg
 
-    @property
-    def required_caches(self) -> frozenset[CacheKind]:
-        return self._required_caches
-
     def serving_version(self, rollout_id: str) -> WeightVersion | None:
         """The version a bound rollout's next tokens come from (None: not bound).
 
