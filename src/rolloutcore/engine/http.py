@@ -37,6 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
@@ -658,7 +659,7 @@ class VllmHTTP:
             raise EngineUnavailable("generate", "client is closed")
         trace = self._trace
 
-        def open_stream(timeout: httpx.Timeout) -> Any:
+        def open_stream(timeout: httpx.Timeout) -> AbstractContextManager[httpx.Response]:
             return self._client.stream("POST", Routes.GENERATE, json=body, timeout=timeout,
                                        headers=engine_key.headers_for(self.base_url),
                                        extensions={"trace": trace})
