@@ -50,6 +50,7 @@ from rolloutcore.verification.probe import (
     PolicyProbe,
     ProbeResult,
     default_prompts,
+    deviations_at,
     takes_calibration,
 )
 
@@ -202,30 +203,17 @@ class ImageProbe(Calibrated[ImageProbeCase]):
                 self.mismatched_expansions += 1
                 diffs.extend((math.inf, ci, j) for j in range(len(case.continuation)))
                 continue
-            for j, want in enumerate(case.logprobs):
-                have = got[n_exp + j]
-                diffs.append((math.inf, ci, j) if have is None or not math.isfinite(have)
-                             else (abs(have - want), ci, j))
-        worst = max(diffs)
-        vals = [d for d, _, _ in diffs]
-        res = ProbeResult(worst[0], sum(vals) / len(vals), worst[1], worst[2], len(diffs))
-        self.last = res
-        return res
+            diffs += deviations_at(got[n_exp:], case.logprobs, ci)
+        self.last = ProbeResult.of(diffs)
+        return self.last
 
     def run(self, http: ImageScorer, target: UpdateTarget, *,
             calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         res = self.measure(http)
-        j = self.judge(res, calibrations, calibrating, deviations)
         extra = (f"; {self.mismatched_expansions} image prompts expanded differently by the "
                  "engine" if self.mismatched_expansions else "")
-        return Check(self.name, j.passed,
-                     f"{len(self.cases)} image probes, {res.positions} teacher-forced "
-                     f"positions; max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, "
-                     f"pos {res.worst_position}), mean {res.mean_abs_diff:.3g}, "
-                     f"{j.note}{extra}",
-                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
-                     level=VerificationLevel.PROBE)
+        return self.checked(res, "image probes", calibrations, calibrating, deviations, extra)
 
 
 class ProbeSuite:

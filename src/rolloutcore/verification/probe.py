@@ -55,6 +55,7 @@ __all__ = [
     "ProbeResult",
     "Scorer",
     "default_prompts",
+    "deviations_at",
     "takes_calibration",
 ]
 
@@ -265,6 +266,26 @@ class Calibrated(Generic[C]):
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         raise NotImplementedError  # each probe kind measures its own way
 
+    def checked(self, res: ProbeResult, what: str,
+                calibrations: Mapping[str, Calibration] | None, calibrating: bool,
+                deviations: dict[str, tuple[float, float]] | None, extra: str = "") -> Check:
+        """``run``'s check: ``res`` as ``judge`` holds it (``what``: the cases' name)."""
+        j = self.judge(res, calibrations, calibrating, deviations)
+        return Check(self.name, j.passed,
+                     f"{len(self.cases)} {what}, {res.positions} teacher-forced positions; "
+                     f"max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, pos "
+                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}{extra}",
+                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
+                     level=VerificationLevel.PROBE)
+
+
+def deviations_at(got: Sequence[float | None], want: Sequence[float], case: int
+                  ) -> list[tuple[float, int, int]]:
+    """(|dlogp|, case, position) of each reference logprob against the engine's (``got``,
+    aligned with ``want``): infinite where the engine gave none, or none finite."""
+    return [(math.inf if have is None or not math.isfinite(have) else abs(have - w), case, j)
+            for j, (have, w) in enumerate(zip(got, want, strict=True))]
+
 
 def takes_calibration(probes: object) -> bool:
     """Whether ``probes.run`` takes ``calibrations``, ``calibrating`` and ``deviations``."""
@@ -300,6 +321,13 @@ class ProbeResult:
     worst_case: int
     worst_position: int
     positions: int
+
+    @classmethod
+    def of(cls, diffs: Sequence[tuple[float, int, int]]) -> ProbeResult:
+        """The worst and the mean of (|dlogp|, case, position), one per compared position."""
+        worst = max(diffs)
+        return cls(worst[0], sum(d for d, _, _ in diffs) / len(diffs), worst[1], worst[2],
+                   len(diffs))
 
     def to_dict(self) -> dict[str, Any]:
         return {"max_abs_diff": self.max_abs_diff, "mean_abs_diff": self.mean_abs_diff,
@@ -478,29 +506,15 @@ class PolicyProbe(Calibrated[ProbeCase]):
             if len(got) != len(seq):
                 raise EffectError("validate_live",
                                   f"engine scored {len(got)} positions for {len(seq)} tokens")
-            for j, want in enumerate(case.logprobs):
-                have = got[len(case.prompt) + j]
-                if have is None or not math.isfinite(have):
-                    diffs.append((math.inf, ci, j))
-                else:
-                    diffs.append((abs(have - want), ci, j))
-        worst = max(diffs)
-        finite = [d for d, _, _ in diffs]
-        res = ProbeResult(worst[0], sum(finite) / len(finite), worst[1], worst[2], len(diffs))
-        self.last = res
-        return res
+            diffs += deviations_at(got[len(case.prompt):], case.logprobs, ci)
+        self.last = ProbeResult.of(diffs)
+        return self.last
 
     def run(self, http: Scorer, target: UpdateTarget, *,
             calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
-        res = self.measure(http)
-        j = self.judge(res, calibrations, calibrating, deviations)
-        return Check(self.name, j.passed,
-                     f"{len(self.cases)} probes, {res.positions} teacher-forced positions; "
-                     f"max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, pos "
-                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}",
-                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
-                     level=VerificationLevel.PROBE)
+        return self.checked(self.measure(http), "probes", calibrations, calibrating,
+                            deviations)
 
 
 class ModelScorer:
