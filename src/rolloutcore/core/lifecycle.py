@@ -362,8 +362,7 @@ class Lifecycle(LifecycleState):
 
     def _refuse(self, rollout_id: str, reason: str, retry: float | None) -> AdmissionRefused:
         """A refused admission, recorded: for its caller to raise."""
-        if self.recording:
-            self._outbox.append(Refuse(rollout_id, self._state, reason))
+        self._note(Refuse(rollout_id, self._state, reason))
         return AdmissionRefused(self._state.value, reason, retry)
 
     def complete(self, rollout_id: str) -> Completion:
@@ -391,9 +390,7 @@ class Lifecycle(LifecycleState):
                        and self._state is S.RESUMING and rollout_id in upd.carry.carried)
         attributable = (self._state not in (S.TAINTED, S.RECOVERING) and not carried_now
                         and self._committed == self._continues.get(rollout_id, b.version))
-        rec = Complete(rollout_id, b.version, self._state, attributable)
-        self._apply_complete(rec)
-        self._outbox.append(rec)
+        self._record(Complete(rollout_id, b.version, self._state, attributable))
         return Completion(b, self.now, self._state, self._committed, attributable)
 
     def abort_rollouts(self, ticket: UpdateTicket, rollout_ids: Iterable[str],
@@ -422,9 +419,7 @@ class Lifecycle(LifecycleState):
             b = self._active.get(rid) if isinstance(rid, str) else None
             if b is None:
                 continue
-            rec = Complete(rid, b.version, self._state, False)
-            self._apply_complete(rec)
-            self._outbox.append(rec)
+            self._record(Complete(rid, b.version, self._state, False))
             c = Completion(b, self.now, self._state, self._committed, False, aborted=reason)
             self._aborted[rid] = c
             while len(self._aborted) > _ABORTED_KEPT:
@@ -671,8 +666,7 @@ class Lifecycle(LifecycleState):
         if not isinstance(owner, str) or not owner:
             raise BadInput("owner must be a non-empty string")
         self._check(E.BEGIN_RECOVERY)
-        if self.recording:
-            self._outbox.append(BeginRecovery(owner))
+        self._note(BeginRecovery(owner))
         self._go(E.BEGIN_RECOVERY)
 
     def recovered(self, ev: RecoveryEvidence) -> Verdict:
@@ -693,9 +687,7 @@ class Lifecycle(LifecycleState):
             problems.append("recovery must replace the engine (same epoch observed)")
         self._evidence(E.RECOVERED, ev, problems)
         if problems:
-            if self.recording:
-                self._outbox.append(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE,
-                                            "; ".join(problems)))
+            self._note(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE, "; ".join(problems)))
             return self._failure(E.RECOVERED, Step.RECOVER, FailureKind.BAD_EVIDENCE,
                                  problems)
         level, summary = verification_of([ev.validation])
@@ -726,15 +718,12 @@ class Lifecycle(LifecycleState):
         if self._state in SLEEP_STATES and self._sleep is None:
             raise JournalError(f"journal ends in {self._state.value} without the "
                                f"request_sleep that opened the sleep")
-        if self.recording:
-            self._outbox.append(Restore(self._state, len(self._active),
-                                        None if upd is None else upd.request))
+        self._note(Restore(self._state, len(self._active),
+                           None if upd is None else upd.request))
         # Rollouts bound by the process that wrote the journal died with it:
         # released here, unattributable (recorded as such), never kept active.
         for rid, b in list(self._active.items()):
-            rec = Complete(rid, b.version, self._state, False)
-            self._apply_complete(rec)
-            self._outbox.append(rec)
+            self._record(Complete(rid, b.version, self._state, False))
         if (self._state, Step.RESTART) in FAIL_STEPS:
             what = ("a recovery" if self._state is S.RECOVERING else
                     "a sleep" if self._state in SLEEP_STATES else "an update")
