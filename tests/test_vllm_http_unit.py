@@ -409,6 +409,7 @@ def test_checksums_of_a_tensor_parallel_engine_keep_rank_keys_for_repeated_names
     assert cs.digests["lm_head.weight"] == "c" * 64  # normalised to lower case
     assert cs.raw_keys["lm_head.weight"] == "dp0:pp0:pcp0:tp0:lm_head.weight"
     assert cs.unverifiable == {"model.layers.0.mlp.down_proj.weight"}
+    assert cs.coverage == 0.75
 
 
 def test_checksums_without_the_checker_route() -> None:

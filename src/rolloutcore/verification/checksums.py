@@ -317,6 +317,14 @@ class WeightChecksums:
         """Parameters the engine hashed as zero bytes: their content cannot be checked."""
         return frozenset(n for n, d in self.digests.items() if d == EMPTY_SHA256)
 
+    @property
+    def hashable(self) -> frozenset[str]:
+        return frozenset(n for n, d in self.digests.items() if d != EMPTY_SHA256)
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of parameters whose content the engine could hash at all."""
+        return 0.0 if not self.digests else len(self.hashable) / len(self.digests)
 
 
 def raw_checksums(cs: NamedChecksums) -> dict[str, str]:
