@@ -181,10 +181,6 @@ def test_reference_round_trip_and_properties() -> None:
     back = ReferenceChecksums.from_dict(json.loads(json.dumps(r.to_dict())))
     assert back == r and back.layout_digest == layout_digest(LAYOUT)
     assert len(r.unverifiable) == 2 and r.coverage == pytest.approx(0.6)
-    assert r.by_name()["lm_head.weight"] == h("head")
-    two_ranks = ref({R0 + "w": h("a"), R1 + "w": h("b")})
-    with pytest.raises(BadInput, match="several ranks"):
-        two_ranks.by_name()
 
 
 @pytest.mark.parametrize("change", [
@@ -248,7 +244,6 @@ def test_cache_round_trip_keyed_by_content_and_layout(tmp_path: Path) -> None:
     assert cache.get(r.content_digest, LAYOUT) == r
     assert cache.get(r.content_digest, {**LAYOUT, "dtype": "torch.float16"}) is None
     assert cache.get(h("other"), LAYOUT) is None
-    assert cache.references(r.content_digest) == [r]
     assert not [x for x in p.parent.iterdir() if x.name.endswith(".tmp")]
     again = ReferenceChecksums(r.content_digest, LAYOUT, engine_map(), taken_wall=1.0)
     cache.put(again)  # replaces atomically
@@ -267,9 +262,6 @@ def test_a_corrupt_or_misplaced_cache_file_is_an_error_not_a_miss(tmp_path: Path
     p.write_text(json.dumps(other.to_dict()))
     with pytest.raises(JournalError, match="does not hold"):
         cache.get(r.content_digest, LAYOUT)
-    p.write_text("[]")
-    with pytest.raises(JournalError, match="unreadable"):
-        cache.references(r.content_digest)
 
 
 def test_cache_bad_input(tmp_path: Path) -> None:

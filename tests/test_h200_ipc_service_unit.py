@@ -6,7 +6,7 @@ and ``RolloutCoreClient`` over rc_cuda_ipc on the H200 (``service_phase``);
 here the same function drives a gateway over the fake engine, so its
 structure (a gateway runner whose adapter holds no transport, the client's
 expectations, bare cycles interleaved, the summary) is exercised before the
-lead runs it on the device. ``check_sent`` is the gateway side of the
+lead runs it on the device. ``compare_sent`` is the gateway side of the
 rc_cuda_ipc comparison; the engine's answers are stood in by a mock transport.
 """
 
@@ -25,7 +25,7 @@ from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
-from rolloutcore.engine.sent import check_sent, check_sent_scheme
+from rolloutcore.engine.sent import check_sent_scheme, compare_sent
 from rolloutcore.errors import BadInput
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.client import RolloutCoreClient, _sent_checksum
@@ -118,17 +118,18 @@ def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
 def test_the_gateway_compares_what_was_sent_with_what_the_workers_hash() -> None:
     names = ["a", "b", "c"]
     sent = {"scheme": "rc_cuda_ipc/block", "names": names, "values": [1, 2, 3]}
-    ok = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names)), sent)
+    check_sent_scheme(sent)
+    ok = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names)), sent)
     assert ok.passed and ok.coverage == 1.0 and ok.level is VerificationLevel.ENGINE_CHECKSUM
-    bad = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 9, 3], names)), sent)
+    bad = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 9, 3], names)), sent)
     assert not bad.passed and "mismatched=1" in bad.detail
-    other = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], ["x"] * 3)),
+    other = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], ["x"] * 3)),
                        sent)
     assert not other.passed and other.coverage == 0.0
-    partial = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, None], names)),
+    partial = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, None], names)),
                          sent)
     assert not partial.passed
-    short = check_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names, 2)),
+    short = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names, 2)),
                        sent)
     assert not short.passed and "uncovered_params=2" in short.detail
 

@@ -139,7 +139,6 @@ no cache to reset) is a row of ``STATE_TRIGGERED``, as in h11.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -231,8 +230,8 @@ class Lifecycle(LifecycleState):
     (``core.lifecycle_state``); here are the decisions.
     """
 
-    def _step(self, event: Event, ticket: UpdateTicket, ev: Evidence, extra: Any = None,
-              *, key: object = None) -> Verdict:
+    def _step(self, event: Event, ticket: UpdateTicket, ev: Evidence,
+              extra: ValidationEvidence | None = None, *, key: object = None) -> Verdict:
         """Every evidence event of an update: one skeleton over its ``STEPS`` row.
 
         Owned by the ticket, checked (the evidence's own postcondition and the
@@ -342,23 +341,17 @@ class Lifecycle(LifecycleState):
                                  "again once woken and verified")
             else:
                 retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
-            if self.recording:
-                self._outbox.append(Refuse(rollout_id, st, reason))
-            raise AdmissionRefused(st.value, reason, retry)
+            raise self._refuse(rollout_id, reason, retry)
         if expect is not None and expect != self._committed:
-            reason = (f"routed for {expect.label}, but the engine now serves "
-                      f"{self._committed.label if self._committed else 'nothing'}")
-            if self.recording:
-                self._outbox.append(Refuse(rollout_id, st, reason))
-            raise AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
+            raise self._refuse(rollout_id, f"routed for {expect.label}, but the engine now "
+                               f"serves {self._committed.label if self._committed else 'nothing'}",
+                               self._cfg.retry_after_s)
         cap = self._capacity()
         if cap is not None and cap <= 0:
-            reason = (f"staleness capacity reached: {len(self._active)} running and "
-                      f"{self._accepted} accepted for max_staleness "
-                      f"{self._cfg.max_staleness} at version {len(self._published) - 1}")
-            if self.recording:
-                self._outbox.append(Refuse(rollout_id, st, reason))
-            raise AdmissionRefused(st.value, reason, self._cfg.retry_after_s)
+            raise self._refuse(rollout_id, f"staleness capacity reached: {len(self._active)} "
+                               f"running and {self._accepted} accepted for max_staleness "
+                               f"{self._cfg.max_staleness} at version {len(self._published) - 1}",
+                               self._cfg.retry_after_s)
         if rollout_id in self._active:
             raise BadInput(f"rollout {rollout_id!r} is already active")
         assert self._committed is not None and self._identity is not None
@@ -366,6 +359,11 @@ class Lifecycle(LifecycleState):
         b = self._apply_admit(rec)
         self._outbox.append(rec)
         return b
+
+    def _refuse(self, rollout_id: str, reason: str, retry: float | None) -> AdmissionRefused:
+        """A refused admission, recorded: for its caller to raise."""
+        self._note(Refuse(rollout_id, self._state, reason))
+        return AdmissionRefused(self._state.value, reason, retry)
 
     def complete(self, rollout_id: str) -> Completion:
         """Release a rollout's binding. Unknown ids are an error and change nothing.
@@ -392,9 +390,7 @@ class Lifecycle(LifecycleState):
                        and self._state is S.RESUMING and rollout_id in upd.carry.carried)
         attributable = (self._state not in (S.TAINTED, S.RECOVERING) and not carried_now
                         and self._committed == self._continues.get(rollout_id, b.version))
-        rec = Complete(rollout_id, b.version, self._state, attributable)
-        self._apply_complete(rec)
-        self._outbox.append(rec)
+        self._record(Complete(rollout_id, b.version, self._state, attributable))
         return Completion(b, self.now, self._state, self._committed, attributable)
 
     def abort_rollouts(self, ticket: UpdateTicket, rollout_ids: Iterable[str],
@@ -423,9 +419,7 @@ class Lifecycle(LifecycleState):
             b = self._active.get(rid) if isinstance(rid, str) else None
             if b is None:
                 continue
-            rec = Complete(rid, b.version, self._state, False)
-            self._apply_complete(rec)
-            self._outbox.append(rec)
+            self._record(Complete(rid, b.version, self._state, False))
             c = Completion(b, self.now, self._state, self._committed, False, aborted=reason)
             self._aborted[rid] = c
             while len(self._aborted) > _ABORTED_KEPT:
@@ -458,12 +452,7 @@ class Lifecycle(LifecycleState):
                 f"land in released memory, vLLM #57853)")
         if (self._state, E.REQUEST_UPDATE) not in TRANSITIONS:
             raise UpdateRefused(f"updates start only in READY, not {self._state.value}")
-        assert self._committed is not None
-        gen = self._fresh_generation()
-        nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
-        if nxt.label in self._used_labels:
-            raise BadInput(f"label {nxt.label!r} was already used; labels name one "
-                           f"weight set each")
+        nxt = self._next_version(label)
         self._record(RequestUpdate(self._next_update_id, owner, nxt, target_identity,
                                    len(self._active), min_verification))
         self._go(E.REQUEST_UPDATE)
@@ -603,12 +592,17 @@ class Lifecycle(LifecycleState):
             if label is not None:
                 raise BadInput("a restore keeps the committed label; pass no label")
             return UpdateTarget(self._committed, self._identity, owner)
+        return UpdateTarget(self._next_version(label), identity, owner)
+
+    def _next_version(self, label: str | None) -> WeightVersion:
+        """The next generation on the committed epoch, labelled ``label`` (or rc-N)."""
+        assert self._committed is not None
         gen = self._fresh_generation()
         nxt = WeightVersion(gen, label or label_for(gen), self._committed.engine_epoch)
         if nxt.label in self._used_labels:
             raise BadInput(f"label {nxt.label!r} was already used; labels name one "
                            f"weight set each")
-        return UpdateTarget(nxt, identity, owner)
+        return nxt
 
     def request_wake(self, sleep: SleepTicket, owner: str,
                      identity: WeightIdentity | None = None, *, label: str | None = None,
@@ -672,8 +666,7 @@ class Lifecycle(LifecycleState):
         if not isinstance(owner, str) or not owner:
             raise BadInput("owner must be a non-empty string")
         self._check(E.BEGIN_RECOVERY)
-        if self.recording:
-            self._outbox.append(BeginRecovery(owner))
+        self._note(BeginRecovery(owner))
         self._go(E.BEGIN_RECOVERY)
 
     def recovered(self, ev: RecoveryEvidence) -> Verdict:
@@ -694,9 +687,7 @@ class Lifecycle(LifecycleState):
             problems.append("recovery must replace the engine (same epoch observed)")
         self._evidence(E.RECOVERED, ev, problems)
         if problems:
-            if self.recording:
-                self._outbox.append(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE,
-                                            "; ".join(problems)))
+            self._note(Failure(Step.RECOVER, FailureKind.BAD_EVIDENCE, "; ".join(problems)))
             return self._failure(E.RECOVERED, Step.RECOVER, FailureKind.BAD_EVIDENCE,
                                  problems)
         level, summary = verification_of([ev.validation])
@@ -727,15 +718,12 @@ class Lifecycle(LifecycleState):
         if self._state in SLEEP_STATES and self._sleep is None:
             raise JournalError(f"journal ends in {self._state.value} without the "
                                f"request_sleep that opened the sleep")
-        if self.recording:
-            self._outbox.append(Restore(self._state, len(self._active),
-                                        None if upd is None else upd.request))
+        self._note(Restore(self._state, len(self._active),
+                           None if upd is None else upd.request))
         # Rollouts bound by the process that wrote the journal died with it:
         # released here, unattributable (recorded as such), never kept active.
         for rid, b in list(self._active.items()):
-            rec = Complete(rid, b.version, self._state, False)
-            self._apply_complete(rec)
-            self._outbox.append(rec)
+            self._record(Complete(rid, b.version, self._state, False))
         if (self._state, Step.RESTART) in FAIL_STEPS:
             what = ("a recovery" if self._state is S.RECOVERING else
                     "a sleep" if self._state in SLEEP_STATES else "an update")

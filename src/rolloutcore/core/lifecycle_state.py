@@ -279,10 +279,6 @@ class LifecycleState(Machine):
     def config(self) -> ControllerConfig:
         return self._cfg
 
-    @property
-    def required_caches(self) -> frozenset[CacheKind]:
-        return self._required_caches
-
     def serving_version(self, rollout_id: str) -> WeightVersion | None:
         """The version a bound rollout's next tokens come from (None: not bound).
 
@@ -422,6 +418,11 @@ class LifecycleState(Machine):
         _APPLIERS[type(rec)](self, rec)
         self._outbox.append(rec)
 
+    def _note(self, rec: Record) -> None:
+        """Queue a record that changes no durable state (only while anyone listens)."""
+        if self.recording:
+            self._outbox.append(rec)
+
     # ---------------------------------------------------------------- internals
     def _check(self, event: Event) -> None:
         if self._broken is not None:
@@ -471,8 +472,7 @@ class LifecycleState(Machine):
         return self._update
 
     def _evidence(self, event: Event, ev: Evidence, problems: list[str]) -> None:
-        if self.recording:
-            self._outbox.append(EvidenceSeen(event, ev, tuple(problems)))
+        self._note(EvidenceSeen(event, ev, tuple(problems)))
 
     def _verdict(self, event: Event, before: State, *, accepted: bool,
                  cls: Classification | None = None, problems: list[str] | None = None,
@@ -545,9 +545,7 @@ class LifecycleState(Machine):
             (over if k is not None and age > k else carried).append(rid)
         self._record(Carry(upd.ticket.update_id, upd.mode, tuple(carried), tuple(over), k))
         for rid in over:
-            rec = Complete(rid, self._active[rid].version, self._state, False)
-            self._apply_complete(rec)
-            self._outbox.append(rec)
+            self._record(Complete(rid, self._active[rid].version, self._state, False))
 
     def _capacity(self) -> int | None:
         """AReaL's admission capacity: ``(k + v + 1) * batch - (accepted + running)``."""

@@ -11,7 +11,9 @@ document; a test checks the committed copy is current.
 
 from __future__ import annotations
 
-from typing import Any
+import enum
+from collections.abc import Mapping
+from typing import TypeVar
 
 from rolloutcore.core.adapters import (
     ADAPTER_TRANSITIONS,
@@ -139,7 +141,11 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _grid(states: list[Any], events: list[Any], table: Any) -> list[str]:
+_S = TypeVar("_S", bound=enum.StrEnum)
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def _grid(states: list[_S], events: list[_E], table: Mapping[tuple[_S, _E], _S]) -> list[str]:
     out = ["| state | " + " | ".join(e.value for e in events) + " |",
            "|---|" + "---|" * len(events)]
     for s in states:

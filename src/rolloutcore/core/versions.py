@@ -164,17 +164,6 @@ class ParameterManifest:
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.params)
 
-    def diff(self, other: ParameterManifest) -> list[str]:
-        """Human-readable differences, empty when equal."""
-        a = {p.name: p for p in self.params}
-        b = {p.name: p for p in other.params}
-        out = [f"missing {n}" for n in sorted(a.keys() - b.keys())]
-        out += [f"unexpected {n}" for n in sorted(b.keys() - a.keys())]
-        for n in sorted(a.keys() & b.keys()):
-            if a[n] != b[n]:
-                out.append(f"{n}: {a[n].shape}/{a[n].dtype} != {b[n].shape}/{b[n].dtype}")
-        return out
-
 
 @dataclass(frozen=True)
 class Provenance:

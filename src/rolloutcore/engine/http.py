@@ -37,6 +37,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
@@ -86,10 +87,10 @@ def _label(labels: str, key: str) -> str | None:
 KEEPALIVE_S = 2.0
 
 
-def check_timeout(v: float) -> float:
-    """A positive, finite number of seconds, else ``BadInput``."""
+def check_timeout(v: object, name: str = "timeout") -> float:
+    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise BadInput(f"timeout must be a positive number of seconds, got {v!r}")
+        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
     return float(v)
 
 
@@ -658,7 +659,7 @@ class VllmHTTP:
             raise EngineUnavailable("generate", "client is closed")
         trace = self._trace
 
-        def open_stream(timeout: httpx.Timeout) -> Any:
+        def open_stream(timeout: httpx.Timeout) -> AbstractContextManager[httpx.Response]:
             return self._client.stream("POST", Routes.GENERATE, json=body, timeout=timeout,
                                        headers=engine_key.headers_for(self.base_url),
                                        extensions={"trace": trace})

@@ -193,11 +193,9 @@ class VllmAdapter(SleepMode, WriteCounts):
             raise BadInput("http must be a VllmHTTP")
         if engine_epoch is not None and (not isinstance(engine_epoch, str) or not engine_epoch):
             raise BadInput("engine_epoch must be a non-empty string or None")
-        if probes is not None and not isinstance(probes, ProbeSet):
-            raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
         self.http = http
         self.transport = transport
-        self.probes = probes
+        self.probes = _expectations(probes, None)[1]
         self._epoch = engine_epoch
         self._drain_timeout_s = check_timeout(drain_timeout_s)
         self._transfer_timeout_s = check_timeout(transfer_timeout_s)
@@ -314,13 +312,18 @@ class VllmAdapter(SleepMode, WriteCounts):
             # not touch weights), as the in-process path's early check is; the
             # validation collects it, for this report only.
             st_sent = self._staged.sent
-            side = self._side()
-            kv_asleep = self._slept is not None and "kv_cache" not in self._woken
-            check = side.submit(compare_sent, self.http, st_sent, record=self._record_ranks)
-            paused = (side.submit(self.http.is_paused)
-                      if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
-                      else None)
-            self._early_sent = (st_sent, check, paused)
+            check = self._side().submit(compare_sent, self.http, st_sent,
+                                        record=self._record_ranks)
+            self._early_sent = (st_sent, check, self._paused_ahead())
+
+    def _paused_ahead(self) -> Future[bool] | None:
+        """The paused state, read now beside an early check (None while the KV cache
+        still sleeps: vLLM resumes its scheduler when it wakes, and the wake pauses it
+        again, so the validation reads the state after that)."""
+        kv_asleep = self._slept is not None and "kv_cache" not in self._woken
+        if Routes.IS_PAUSED not in self.http.capabilities() or kv_asleep:
+            return None
+        return self._side().submit(self.http.is_paused)
 
     # -- port ---------------------------------------------------------------
 
@@ -542,20 +545,13 @@ class VllmAdapter(SleepMode, WriteCounts):
         # installed (a read of the parameters on the workers) can start now and
         # overlap the cache reset, which does not touch weights. The validation
         # collects it, for this target only.
-        # The paused state is read then too (the engine stays paused until the runner
-        # resumes it after the validation, so a read from here on is inside the
-        # same paused window as one taken during the validation), except while the
-        # KV cache still sleeps: vLLM resumes its scheduler when it wakes, and the
-        # wake pauses it again, so the validation reads the state after that.
+        # The paused state is read then too (``_paused_ahead``: the engine stays paused
+        # until the runner resumes it after the validation, so a read from here on is
+        # inside the same paused window as one taken during the validation).
         tr = self.transport
         if self.early_transport_check and isinstance(tr, CheckingTransport):
-            side = self._side()
-            check = side.submit(tr.validation_check, self.http.base_url)
-            kv_asleep = self._slept is not None and "kv_cache" not in self._woken
-            paused = (side.submit(self.http.is_paused)
-                      if Routes.IS_PAUSED in self.http.capabilities() and not kv_asleep
-                      else None)
-            self._early = (target, check, paused)
+            check = self._side().submit(tr.validation_check, self.http.base_url)
+            self._early = (target, check, self._paused_ahead())
         return ev
 
     @_step(Step.INVALIDATE)

@@ -47,7 +47,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from rolloutcore.engine.args import engine_defaults, has_flag
 from rolloutcore.engine.errors import map_errors
@@ -57,6 +57,9 @@ from rolloutcore.engine.support import SupportVerdict, assess
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.net import free_port  # its home; re-exported for callers here
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "DEFAULT_ENV",
@@ -611,14 +614,14 @@ class ManagedEngine:
                     self._show(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
                 time.sleep(0.5)
 
-    def _check_support(self, client: Any, deadline: float) -> SupportVerdict:
+    def _check_support(self, client: httpx.Client, deadline: float) -> SupportVerdict:
         """The engine's own version and routes, judged once it is healthy (or raise).
 
         Checked here, before anyone is handed the engine, so that a vLLM
         that cannot be driven fails at start with the reason instead of on
         the first update's ``/pause``.
         """
-        answers: list[Any] = []
+        answers: list[object] = []
         for route in (Routes.VERSION, Routes.OPENAPI):
             timeout = min(30.0, max(1.0, deadline - time.monotonic()))
             try:

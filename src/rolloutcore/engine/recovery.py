@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, RecoveryEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.versions import Provenance, WeightIdentity, WeightVersion
-from rolloutcore.engine.http import Routes, VllmHTTP
+from rolloutcore.engine.http import Routes, VllmHTTP, check_timeout
 from rolloutcore.errors import (
     BadInput,
     EffectError,
@@ -279,12 +279,6 @@ def _compared(cmp: ChecksumComparison | ChecksumReport, total: int,
     return cmp.to_check()
 
 
-def _check_seconds(name: str, v: object) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
-        raise BadInput(f"{name} must be a finite number > 0, got {v!r}")
-    return float(v)
-
-
 class _Recovery:
     """What both recoverers keep: the known checkpoint, the last timings, and the engine
     client a recovery reads through (``_reading``), which the watchdog unblocks."""
@@ -354,9 +348,9 @@ class ManagedRecoverer(_Recovery):
         self.known = _Checkpoint(checkpoint, provenance, identity, reference, probe,
                                  read_checksums)
         self.start_timeout_s = (None if start_timeout_s is None
-                                else _check_seconds("start_timeout_s", start_timeout_s))
-        self.stop_grace_s = _check_seconds("stop_grace_s", stop_grace_s)
-        self.http_timeout_s = _check_seconds("http_timeout_s", http_timeout_s)
+                                else check_timeout(start_timeout_s, "start_timeout_s"))
+        self.stop_grace_s = check_timeout(stop_grace_s, "stop_grace_s")
+        self.http_timeout_s = check_timeout(http_timeout_s, "http_timeout_s")
         if on_replaced is not None and not callable(on_replaced):
             raise BadInput("on_replaced must be callable")
         self.on_replaced = on_replaced
@@ -443,10 +437,10 @@ class OperatorRecoverer(_Recovery):
             raise BadInput("signal must be a file path or a callable returning bool")
         self.base_url = base_url.rstrip("/")
         self.signal = signal
-        self.wait_s = _check_seconds("wait_s", wait_s)
-        self.poll_s = _check_seconds("poll_s", poll_s)
-        self.health_s = _check_seconds("health_s", health_s)
-        self.http_timeout_s = _check_seconds("http_timeout_s", http_timeout_s)
+        self.wait_s = check_timeout(wait_s, "wait_s")
+        self.poll_s = check_timeout(poll_s, "poll_s")
+        self.health_s = check_timeout(health_s, "health_s")
+        self.http_timeout_s = check_timeout(http_timeout_s, "http_timeout_s")
         if previous_epoch is not None and (not isinstance(previous_epoch, str)
                                            or not previous_epoch):
             raise BadInput("previous_epoch must be a non-empty string or None")

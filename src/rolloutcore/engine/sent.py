@@ -30,7 +30,7 @@ from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import gloo_report, rank_checksums
 from rolloutcore.verification.checksums import HEX64
 
-__all__ = ["SENT_SCHEMES", "check_sent", "check_sent_scheme", "compare_rank_reports",
+__all__ = ["SENT_SCHEMES", "check_sent_scheme", "compare_rank_reports",
            "compare_sent", "rank_reports_supported"]
 
 
@@ -101,23 +101,16 @@ def _check_rank_declaration(sent: Mapping[str, Any]) -> None:
         _names_values(r["names"], r["values"], f"{what}: ranks[{i}]")
 
 
-def check_sent(http: VllmHTTP, sent: Mapping[str, Any], *, timeout_s: float = 60.0) -> Check:
-    """The engine's workers hash what the last update wrote; compared with what was sent.
+def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.0, *,
+                 record: Callable[[dict[str, Any]], None] | None = None) -> Check:
+    """The engine's workers hash what the last update wrote; compared with what was sent
+    (a ``sent`` that ``check_sent_scheme`` has already passed).
 
     For ``rc_cuda_ipc/block``: ``/collective_rpc rc_cuda_ipc_checksum`` on
     every worker (the block checksum of the slices the last update wrote),
     compared position by position through the one comparison
     (``verification.checksums.compare``). Passes only with every tensor
     compared, none mismatched, and every model parameter covered.
-    """
-    check_sent_scheme(sent)
-    return compare_sent(http, sent, timeout_s)
-
-
-def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.0, *,
-                 record: Callable[[dict[str, Any]], None] | None = None) -> Check:
-    """``check_sent`` of a ``sent`` that ``check_sent_scheme`` has already passed.
-
     ``record``: given the per-rank comparison of a ``rolloutcore_gloo/rank``
     declaration (``rank_checksums.compare_declared``'s result)."""
     if sent["scheme"] == rank_checksums.SCHEME:
@@ -129,13 +122,7 @@ def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.
     from rolloutcore.verification.checksums import compare
 
     names, values = list(sent["names"]), list(sent["values"])
-    method = SENT_SCHEMES[sent["scheme"]]
-    body = http._post_json(Routes.COLLECTIVE_RPC, "validate",
-                           {"method": method, "args": ["auto"], "timeout": timeout_s},
-                           timeout_s)
-    res = body.get("results") if isinstance(body, dict) else None
-    if not isinstance(res, list) or not res:
-        raise EffectError("validate", f"{method}: no results from the engine's workers")
+    res = _worker_results(http, SENT_SCHEMES[sent["scheme"]], timeout_s, ["auto"])
     want = names_digest(names)
     mism: list[str] = []
     covered = len(names)
@@ -163,6 +150,18 @@ def compare_sent(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: float = 60.
                  coverage=covered / len(names), level=VerificationLevel.ENGINE_CHECKSUM)
 
 
+def _worker_results(http: VllmHTTP, method: str, timeout_s: float,
+                    args: list[str] | None = None) -> list[Any]:
+    """Every engine worker's answer to ``method`` (``/collective_rpc``), or ``EffectError``."""
+    body = http._post_json(Routes.COLLECTIVE_RPC, "validate",
+                           {"method": method, "timeout": timeout_s,
+                            **({} if args is None else {"args": args})}, timeout_s)
+    res = body.get("results") if isinstance(body, dict) else None
+    if not isinstance(res, list) or not res:
+        raise EffectError("validate", f"{method}: no results from the engine's workers")
+    return res
+
+
 def _worker_reports(results: list[Any]) -> list[tuple[int, rank_checksums.RankReport | str]]:
     out: list[tuple[int, rank_checksums.RankReport | str]] = []
     for i, w in enumerate(results):
@@ -184,12 +183,7 @@ def compare_rank_reports(http: VllmHTTP, sent: Mapping[str, Any], timeout_s: flo
     """Each engine worker's own report of the last round, asked by this process
     (``/collective_rpc``), against the trainer's per-rank declaration ``sent``;
     the ``Check`` (``worker_shard_checksum``) and the per-rank result."""
-    body = http._post_json(Routes.COLLECTIVE_RPC, "validate",
-                           {"method": gloo_report.METHOD, "timeout": timeout_s}, timeout_s)
-    res = body.get("results") if isinstance(body, dict) else None
-    if not isinstance(res, list) or not res:
-        raise EffectError("validate", f"{gloo_report.METHOD}: no results from the engine's "
-                          "workers")
+    res = _worker_results(http, gloo_report.METHOD, timeout_s)
     declared = {int(r["worker_rank"]): dict(zip(r["names"], r["values"], strict=True))
                 for r in sent["ranks"]}
     result = rank_checksums.compare_declared(_worker_reports(res), declared,

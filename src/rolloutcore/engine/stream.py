@@ -52,6 +52,10 @@ def chunk_of(ev: Mapping[str, Any], logprobs: bool, read_at: float) -> Generatio
                            None if cached is None else int(cached))
 
 
+#: What opening the stream returns: httpx's streamed-response context manager.
+_Opened = contextlib.AbstractContextManager[httpx.Response]
+
+
 class GenerationStream:
     """One streamed generation: iterate ``GenerationChunk``s, ``close()`` to abort it.
 
@@ -60,11 +64,11 @@ class GenerationStream:
     every other call of ``VllmHTTP``.
     """
 
-    def __init__(self, open_stream: Callable[[httpx.Timeout], Any], what: str,
+    def __init__(self, open_stream: Callable[[httpx.Timeout], _Opened], what: str,
                  read_timeout_s: float, logprobs: bool) -> None:
         self._open_stream, self._what = open_stream, what
         self._read_s, self._lp = read_timeout_s, logprobs
-        self._cm: Any = None
+        self._cm: _Opened | None = None
         self._resp: httpx.Response | None = None
         self._closed = False
 
@@ -73,7 +77,7 @@ class GenerationStream:
         timeout = httpx.Timeout(self._read_s, connect=min(30.0, self._read_s))
         with map_errors("generate", what, timeout_s=self._read_s):
             self._cm = self._open_stream(timeout)
-            resp: httpx.Response = self._cm.__enter__()
+            resp = self._cm.__enter__()
         if resp.status_code != 200:
             text = resp.read().decode("utf-8", "replace")
             self.close()

@@ -147,25 +147,6 @@ class ChecksumCache:
                 Path(tmp).unlink(missing_ok=True)
         return p
 
-    def references(self, content_digest: str) -> list[ReferenceChecksums]:
-        """Every cached reference of one checkpoint, whatever its layout."""
-        d = self.path_for(content_digest, {}).parent
-        if not d.is_dir():
-            return []
-        out = []
-        for p in sorted(d.glob("*.json")):
-            try:
-                layout = json.loads(p.read_bytes())["layout"]
-                ref = self.get(content_digest, layout)
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise JournalError(f"checksum reference {str(p)!r} is unreadable: "
-                                   f"{exc!r}") from exc
-            if ref is None:
-                raise JournalError(f"checksum reference {str(p)!r} is not stored under its "
-                                   "own layout digest")
-            out.append(ref)
-        return out
-
 
 class _Engine(Protocol):
     """What ``reference_checksums`` needs of a started engine (``ManagedEngine`` has it)."""

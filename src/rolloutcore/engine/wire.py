@@ -166,10 +166,6 @@ class PrefixCacheDelta:
     queries: float
     hits: float
 
-    @property
-    def hit_rate(self) -> float | None:
-        return None if self.queries == 0 else self.hits / self.queries
-
 
 def prefix_cache_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> PrefixCacheDelta:
     """Prefix-cache queries and hits between two scrapes of one engine incarnation."""

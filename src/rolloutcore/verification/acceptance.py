@@ -24,10 +24,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rolloutcore.core.evidence import Check
+from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.errors import BadInput
+
+if TYPE_CHECKING:
+    from rolloutcore.engine.http import VllmHTTP
 
 __all__ = ["ACCEPTED", "DRAFTED", "AcceptanceProbe", "AcceptanceSample", "acceptance_between",
            "default_acceptance_prompts"]
@@ -137,7 +140,7 @@ class AcceptanceProbe:
         #: The last window's sample (``run`` or ``measure``).
         self.last: AcceptanceSample | None = None
 
-    def measure(self, http: Any) -> AcceptanceSample:
+    def measure(self, http: VllmHTTP) -> AcceptanceSample:
         """Scrape, generate greedily on every prompt, scrape: the window's sample."""
         before = http.metrics(timeout_s=self.timeout_s).values
         for p in self.prompts:
@@ -162,7 +165,7 @@ class AcceptanceProbe:
                         "decodes (left on other weights?)"),
                      tolerance=self.min_acceptance)
 
-    def run(self, http: Any, target: Any = None) -> Check:
+    def run(self, http: VllmHTTP, target: UpdateTarget | None = None) -> Check:
         """``ProbeSet.run``: measure a window and judge it."""
         return self.judge(self.measure(http))
 

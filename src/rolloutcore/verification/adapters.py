@@ -34,6 +34,7 @@ from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
     ModelOrDir,
     PolicyProbe,
+    ProbeCase,
     ProbeResult,
 )
 
@@ -198,7 +199,7 @@ def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
     engine batches them); the first case's failure in case order is raised once
     all have answered or timed out.
     """
-    def one(ci: int, case: Any) -> list[tuple[float, int, int]]:
+    def one(ci: int, case: ProbeCase) -> list[tuple[float, int, int]]:
         out: list[tuple[float, int, int]] = []
         j = 0
         n = len(case.continuation)
@@ -227,12 +228,8 @@ def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
         with ThreadPoolExecutor(len(cases), thread_name_prefix="rc-probe") as pool:
             futures = [pool.submit(one, ci, case) for ci, case in cases]
             per_case = [f.result() for f in futures]
-    diffs = [d for case_diffs in per_case for d in case_diffs]
-    worst = max(diffs)
-    res = ProbeResult(worst[0], sum(d for d, _, _ in diffs) / len(diffs), worst[1], worst[2],
-                      len(diffs))
-    probe.last = res
-    return res
+    probe.last = ProbeResult.of([d for case_diffs in per_case for d in case_diffs])
+    return probe.last
 
 
 def adapter_probe(base: ModelOrDir, adapter_dir: Path, *,

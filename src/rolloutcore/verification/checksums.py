@@ -525,16 +525,6 @@ class ReferenceChecksums:
     def coverage(self) -> float:
         return 1.0 - len(self.unverifiable) / len(self.checksums)
 
-    def by_name(self) -> dict[str, str]:
-        """Checksums keyed by bare parameter name (one rank only), as the adapter compares."""
-        out: dict[str, str] = {}
-        for k, d in self.checksums.items():
-            name = _split(k)[1]
-            if name in out:
-                raise BadInput(f"parameter {name!r} appears on several ranks: compare raw keys")
-            out[name] = d
-        return out
-
     def to_dict(self) -> dict[str, Any]:
         return {"format": REFERENCE_FORMAT, "format_version": _FORMAT_VERSION,
                 "content_digest": self.content_digest, "layout": dict(self.layout),

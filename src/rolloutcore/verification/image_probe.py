@@ -50,6 +50,7 @@ from rolloutcore.verification.probe import (
     PolicyProbe,
     ProbeResult,
     default_prompts,
+    deviations_at,
     takes_calibration,
 )
 
@@ -123,7 +124,7 @@ def _data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-class ImageProbe(Calibrated):
+class ImageProbe(Calibrated[ImageProbeCase]):
     """Image probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
     kind: ClassVar[str] = "image"
@@ -131,18 +132,8 @@ class ImageProbe(Calibrated):
     def __init__(self, cases: Sequence[ImageProbeCase], *, tolerance: float = IMAGE_TOLERANCE,
                  name: str = "image-probe", timeout_s: float = 60.0,
                  calibrate: bool = True) -> None:
-        self.cases = tuple(cases)
-        if not self.cases:
-            raise BadInput("an image probe needs at least one case")
-        if not math.isfinite(tolerance) or tolerance <= 0:
-            raise BadInput("tolerance must be a positive number")
-        if not isinstance(calibrate, bool):
-            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
-        self.calibrate = calibrate
-        self.tolerance = tolerance
-        self.name = name
-        self.timeout_s = timeout_s
-        self.last: ProbeResult | None = None
+        super().__init__(cases, tolerance=tolerance, name=name, timeout_s=timeout_s,
+                         calibrate=calibrate)
         self.mismatched_expansions = 0
 
     @classmethod
@@ -212,30 +203,17 @@ class ImageProbe(Calibrated):
                 self.mismatched_expansions += 1
                 diffs.extend((math.inf, ci, j) for j in range(len(case.continuation)))
                 continue
-            for j, want in enumerate(case.logprobs):
-                have = got[n_exp + j]
-                diffs.append((math.inf, ci, j) if have is None or not math.isfinite(have)
-                             else (abs(have - want), ci, j))
-        worst = max(diffs)
-        vals = [d for d, _, _ in diffs]
-        res = ProbeResult(worst[0], sum(vals) / len(vals), worst[1], worst[2], len(diffs))
-        self.last = res
-        return res
+            diffs += deviations_at(got[n_exp:], case.logprobs, ci)
+        self.last = ProbeResult.of(diffs)
+        return self.last
 
     def run(self, http: ImageScorer, target: UpdateTarget, *,
             calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         res = self.measure(http)
-        j = self.judge(res, calibrations, calibrating, deviations)
         extra = (f"; {self.mismatched_expansions} image prompts expanded differently by the "
                  "engine" if self.mismatched_expansions else "")
-        return Check(self.name, j.passed,
-                     f"{len(self.cases)} image probes, {res.positions} teacher-forced "
-                     f"positions; max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, "
-                     f"pos {res.worst_position}), mean {res.mean_abs_diff:.3g}, "
-                     f"{j.note}{extra}",
-                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
-                     level=VerificationLevel.PROBE)
+        return self.checked(res, "image probes", calibrations, calibrating, deviations, extra)
 
 
 class ProbeSuite:

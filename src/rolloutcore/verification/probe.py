@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import VerificationLevel
@@ -55,6 +55,7 @@ __all__ = [
     "ProbeResult",
     "Scorer",
     "default_prompts",
+    "deviations_at",
     "takes_calibration",
 ]
 
@@ -174,7 +175,11 @@ class Judgement:
     note: str
 
 
-class Calibrated:
+#: A probe set's case type (``ProbeCase``, ``ImageProbeCase``).
+C = TypeVar("C")
+
+
+class Calibrated(Generic[C]):
     """What a probe set needs to be calibrated (``PolicyProbe``, ``ImageProbe``).
 
     ``run(http, target)`` uses the probe's own tolerance; the adapter passes
@@ -196,6 +201,22 @@ class Calibrated:
     name: str
     tolerance: float
     calibrate: bool = True
+
+    def __init__(self, cases: Iterable[C], *, tolerance: float, name: str, timeout_s: float,
+                 calibrate: bool) -> None:
+        """The checks and settings both probe sets share (``cases``: at least one)."""
+        self.cases = tuple(cases)
+        if not self.cases:
+            raise BadInput(f"a {type(self).__name__} needs at least one case")
+        if not math.isfinite(tolerance) or tolerance <= 0:
+            raise BadInput("tolerance must be a positive number")
+        if not isinstance(calibrate, bool):
+            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
+        self.tolerance = tolerance
+        self.name = name
+        self.timeout_s = timeout_s
+        self.calibrate = calibrate
+        self.last: ProbeResult | None = None
 
     def _calibration(self, calibrations: Mapping[str, Calibration] | None
                      ) -> Calibration | None:
@@ -245,6 +266,26 @@ class Calibrated:
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
         raise NotImplementedError  # each probe kind measures its own way
 
+    def checked(self, res: ProbeResult, what: str,
+                calibrations: Mapping[str, Calibration] | None, calibrating: bool,
+                deviations: dict[str, tuple[float, float]] | None, extra: str = "") -> Check:
+        """``run``'s check: ``res`` as ``judge`` holds it (``what``: the cases' name)."""
+        j = self.judge(res, calibrations, calibrating, deviations)
+        return Check(self.name, j.passed,
+                     f"{len(self.cases)} {what}, {res.positions} teacher-forced positions; "
+                     f"max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, pos "
+                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}{extra}",
+                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
+                     level=VerificationLevel.PROBE)
+
+
+def deviations_at(got: Sequence[float | None], want: Sequence[float], case: int
+                  ) -> list[tuple[float, int, int]]:
+    """(|dlogp|, case, position) of each reference logprob against the engine's (``got``,
+    aligned with ``want``): infinite where the engine gave none, or none finite."""
+    return [(math.inf if have is None or not math.isfinite(have) else abs(have - w), case, j)
+            for j, (have, w) in enumerate(zip(got, want, strict=True))]
+
 
 def takes_calibration(probes: object) -> bool:
     """Whether ``probes.run`` takes ``calibrations``, ``calibrating`` and ``deviations``."""
@@ -281,6 +322,13 @@ class ProbeResult:
     worst_position: int
     positions: int
 
+    @classmethod
+    def of(cls, diffs: Sequence[tuple[float, int, int]]) -> ProbeResult:
+        """The worst and the mean of (|dlogp|, case, position), one per compared position."""
+        worst = max(diffs)
+        return cls(worst[0], sum(d for d, _, _ in diffs) / len(diffs), worst[1], worst[2],
+                   len(diffs))
+
     def to_dict(self) -> dict[str, Any]:
         return {"max_abs_diff": self.max_abs_diff, "mean_abs_diff": self.mean_abs_diff,
                 "worst_case": self.worst_case, "worst_position": self.worst_position,
@@ -303,24 +351,14 @@ def default_prompts(vocab_size: int, *, n: int = 3, length: int = 160,
     return out
 
 
-class PolicyProbe(Calibrated):
+class PolicyProbe(Calibrated[ProbeCase]):
     """A set of probe cases with a tolerance; ``run`` is the adapter's ProbeSet hook."""
 
     def __init__(self, cases: Iterable[ProbeCase], *,
                  tolerance: float = DEFAULT_TOLERANCE, name: str = "policy-probe",
                  timeout_s: float = 60.0, calibrate: bool = True) -> None:
-        self.cases = tuple(cases)
-        if not self.cases:
-            raise BadInput("a probe set needs at least one case")
-        if not math.isfinite(tolerance) or tolerance <= 0:
-            raise BadInput("tolerance must be a positive number")
-        if not isinstance(calibrate, bool):
-            raise BadInput(f"calibrate must be a bool, got {calibrate!r}")
-        self.tolerance = tolerance
-        self.name = name
-        self.timeout_s = timeout_s
-        self.calibrate = calibrate
-        self.last: ProbeResult | None = None
+        super().__init__(cases, tolerance=tolerance, name=name, timeout_s=timeout_s,
+                         calibrate=calibrate)
 
     # ------------------------------------------------------------------ reference
     @classmethod
@@ -468,29 +506,15 @@ class PolicyProbe(Calibrated):
             if len(got) != len(seq):
                 raise EffectError("validate_live",
                                   f"engine scored {len(got)} positions for {len(seq)} tokens")
-            for j, want in enumerate(case.logprobs):
-                have = got[len(case.prompt) + j]
-                if have is None or not math.isfinite(have):
-                    diffs.append((math.inf, ci, j))
-                else:
-                    diffs.append((abs(have - want), ci, j))
-        worst = max(diffs)
-        finite = [d for d, _, _ in diffs]
-        res = ProbeResult(worst[0], sum(finite) / len(finite), worst[1], worst[2], len(diffs))
-        self.last = res
-        return res
+            diffs += deviations_at(got[len(case.prompt):], case.logprobs, ci)
+        self.last = ProbeResult.of(diffs)
+        return self.last
 
     def run(self, http: Scorer, target: UpdateTarget, *,
             calibrations: Mapping[str, Calibration] | None = None, calibrating: bool = False,
             deviations: dict[str, tuple[float, float]] | None = None) -> Check:
-        res = self.measure(http)
-        j = self.judge(res, calibrations, calibrating, deviations)
-        return Check(self.name, j.passed,
-                     f"{len(self.cases)} probes, {res.positions} teacher-forced positions; "
-                     f"max |dlogp| {res.max_abs_diff:.4g} (case {res.worst_case}, pos "
-                     f"{res.worst_position}), mean {res.mean_abs_diff:.3g}, {j.note}",
-                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance,
-                     level=VerificationLevel.PROBE)
+        return self.checked(self.measure(http), "probes", calibrations, calibrating,
+                            deviations)
 
 
 class ModelScorer:
