@@ -49,6 +49,8 @@ from rolloutcore.provenance.trajectory import (
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
+    import torch
+
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.session import EngineSession
@@ -206,7 +208,7 @@ def interrupted_record(controller: LifecycleController, what: Interruption) -> I
                        "; ".join(x for x in (what.samples_text, what.detail) if x))
 
 
-def adapter_reference(model: Any, engine_dtype: str | None) -> Any:
+def adapter_reference(model: torch.nn.Module, engine_dtype: str | None) -> torch.nn.Module:
     """The trainer's PEFT model with its adapter weights as the engine holds them.
 
     A float32 copy whose ``lora_`` tensors went through ``engine_dtype`` (bf16 for
