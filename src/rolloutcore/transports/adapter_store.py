@@ -51,12 +51,13 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import engine_key
+from rolloutcore.transports.engine_key import Receive, Scope, Send
 
 __all__ = ["ENV_DIR", "ENV_MAX", "FILES", "MIDDLEWARE", "PREFIX", "AdapterStore",
            "delete_adapter", "upload_adapter"]
@@ -73,9 +74,6 @@ FILES = ("adapter_config.json", "adapter_model.safetensors")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
-_Scope = MutableMapping[str, Any]
-_Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-_Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class _Answer(RolloutCoreError):
@@ -89,7 +87,7 @@ class _Answer(RolloutCoreError):
 class AdapterStore:
     """ASGI middleware for vLLM's API server: the adapter store's routes (module doc)."""
 
-    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
         raw = os.environ.get(engine_key.ENV)
         self._key = engine_key.check_key(raw).encode() if raw else None
@@ -107,7 +105,7 @@ class AdapterStore:
         self._staging.mkdir(exist_ok=True)
         self._seal_locks: dict[str, asyncio.Lock] = {}
 
-    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
         if scope.get("type") != "http" or not path.startswith(PREFIX):
             await self.app(scope, receive, send)
@@ -118,20 +116,16 @@ class AdapterStore:
             status, body = exc.status, {"error": {"message": str(exc), "code": exc.status}}
         if status == 0:
             return   # the client left: nobody to answer
-        raw = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(raw)).encode())]})
-        await send({"type": "http.response.body", "body": raw})
+        await engine_key.send_json(send, status, body)
 
-    def _allowed(self, scope: _Scope) -> bool:
+    def _allowed(self, scope: Scope) -> bool:
         given = next((v for k, v in scope.get("headers") or ()
                       if k.lower() == engine_key.HEADER.lower().encode()), None)
         return self._key is not None and given is not None and \
             hmac.compare_digest(given, self._key)
 
-    async def _route(self, scope: _Scope, parts: list[str],
-                     receive: _Receive) -> tuple[int, Any]:
+    async def _route(self, scope: Scope, parts: list[str],
+                     receive: Receive) -> tuple[int, Any]:
         if not self._allowed(scope):
             raise _Answer(403, "the adapter store needs the engine's route key"
                           + ("" if self._key else " (this engine has none: uploads are off)"))
@@ -157,8 +151,8 @@ class AdapterStore:
     def _stage(self, name: str) -> Path:
         return self._staging / name
 
-    async def _put(self, scope: _Scope, name: str, file: str,
-                   receive: _Receive) -> tuple[int, Any]:
+    async def _put(self, scope: Scope, name: str, file: str,
+                   receive: Receive) -> tuple[int, Any]:
         declared = next((v for k, v in scope.get("headers") or ()
                          if k.lower() == b"content-length"), None)
         if declared is not None and (not declared.isdigit() or
@@ -206,7 +200,7 @@ class AdapterStore:
                 tmp.unlink(missing_ok=True)
         return 200, {"name": name, "file": file, "bytes": n}
 
-    async def _small_body(self, receive: _Receive) -> bytes:
+    async def _small_body(self, receive: Receive) -> bytes:
         buf = b""
         while True:
             msg = await receive()

@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
@@ -43,6 +43,7 @@ from urllib.parse import urlsplit
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.core.versions import check_label
 from rolloutcore.engine.errors import is_refusal, request
+from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.net import local_address_towards
 from rolloutcore.transports.source import WeightSource
@@ -54,7 +55,9 @@ __all__ = [
     "check_timeout",
     "local_address_towards",
     "preflight",
+    "remaining",
     "run_side",
+    "world_size_of",
 ]
 
 T = TypeVar("T")
@@ -109,10 +112,14 @@ def check_url(base_url: object) -> str:
 
 
 def preflight(source: WeightSource, expected_manifest_digest: str | None) -> None:
-    """The identity preflight: the source must be what the target declares.
+    """The identity preflight: ``source`` must be a ``WeightSource`` (``BadInput``) and
+    what the target declares.
 
     Runs before any engine call, so a refusal is ``mutation_started=False``.
     """
+    if not isinstance(source, WeightSource):
+        raise BadInput(f"source must be a rolloutcore WeightSource, "
+                       f"got {type(source).__name__}")
     if expected_manifest_digest is None:
         return
     got = source.manifest().digest
@@ -121,6 +128,21 @@ def preflight(source: WeightSource, expected_manifest_digest: str | None) -> Non
             "transfer", f"preflight: source manifest {got[:12]} differs from the "
             f"target's {expected_manifest_digest[:12]}; nothing was sent",
             mutation_started=False)
+
+
+def remaining(deadline: float) -> float:
+    """What is left until ``deadline`` (``time.monotonic``), never less than 0.1 s."""
+    return max(0.1, deadline - time.monotonic())
+
+
+def world_size_of(answer: object, who: str = "engine") -> int:
+    """The ``world_size`` of a ``/get_world_size`` answer; ``TransferError`` (no
+    mutation) for anything but an int >= 1."""
+    n = answer.get("world_size") if isinstance(answer, Mapping) else None
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TransferError("transfer", f"{who} reported world size {answer!r}",
+                            mutation_started=False)
+    return n
 
 
 def run_side(fn: Callable[[], T], name: str) -> Future[T]:
@@ -197,6 +219,13 @@ class TransportBase:
     def get(base_url: str, path: str, timeout_s: float) -> Any:
         return request("GET", f"{base_url}{path}", step=path.lstrip("/"),
                        timeout_s=timeout_s).json()
+
+    def engine_world_size(self, url: str, deadline: float) -> int:
+        """``GET /get_world_size`` of ``url``, waited for until ``deadline`` (no mutation)."""
+        f = run_side(lambda: self.get(url, Routes.GET_WORLD_SIZE, remaining(deadline)),
+                     "world-size")
+        self.wait([f], deadline, "get_world_size", mutation_started=False)
+        return world_size_of(f.result())
 
     # -- waiting ----------------------------------------------------------------
 

@@ -207,16 +207,13 @@ class DraftedGlooTransport(GlooTransport):
             ev_t = super().send(base_url, target_label, source.target, timeout_s=timeout_s,
                                 expected_manifest_digest=expected_manifest_digest,
                                 nonce=nonce)
-        except TransferError as exc:
-            if exc.mutation_started:
-                raise
-            # Refused before the target round started, but the draft is already written.
-            raise TransferError("transfer", f"the draft was written, then the target round "
-                                f"failed: {exc}", mutation_started=True) from exc
         except Exception as exc:
+            if isinstance(exc, TransferError) and exc.mutation_started:
+                raise
+            # The target round failed or was refused, but the draft is already written.
+            why = exc if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
             raise TransferError("transfer", f"the draft was written, then the target round "
-                                f"failed: {type(exc).__name__}: {exc}",
-                                mutation_started=True) from exc
+                                f"failed: {why}", mutation_started=True) from exc
         t2 = time.monotonic()
         self.last_phases = {"draft_transfer_s": t1 - t0, "target_transfer_s": t2 - t1}
         self._drafted[base_url.rstrip("/")] = source

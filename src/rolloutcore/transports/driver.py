@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import TransferEvidence
 from rolloutcore.engine.errors import is_refusal
-from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
 from rolloutcore.transports.base import (
     TransportBase,
@@ -45,6 +44,7 @@ from rolloutcore.transports.base import (
     check_timeout,
     check_url,
     preflight,
+    remaining,
     run_side,
 )
 from rolloutcore.transports.source import WeightSource
@@ -341,21 +341,9 @@ class VllmTrainerTransport(TransportBase):
     def _connect(self, url: str, deadline: float) -> None:
         self._drop()
         device = self.guard.bind()
-
-        def left() -> float:
-            return max(0.1, deadline - time.monotonic())
-
-        ws = self._engine_ws
-        if ws is None:
-            f_ws = run_side(lambda: self.get(url, Routes.GET_WORLD_SIZE, left()), "world-size")
-            self.wait([f_ws], deadline, "get_world_size", mutation_started=False)
-            got = f_ws.result()
-            ws = got.get("world_size") if isinstance(got, dict) else None
-            if isinstance(ws, bool) or not isinstance(ws, int) or ws < 1:
-                raise TransferError("transfer", f"engine reported world size {got!r}",
-                                    mutation_started=False)
+        ws = self._engine_ws or self.engine_world_size(url, deadline)
         info = self.init_info(url, ws)
-        client = TargetAwareSyncClient(self._make_client(url, left()))
+        client = TargetAwareSyncClient(self._make_client(url, remaining(deadline)))
         source = self._slot
         trainer_init = self._trainer_init or _factory_trainer_init
 
@@ -388,9 +376,6 @@ class VllmTrainerTransport(TransportBase):
         url = check_url(base_url)
         label = check_label(target_label)
         t = check_timeout(timeout_s)
-        if not isinstance(source, WeightSource):
-            raise BadInput(f"source must be a rolloutcore WeightSource, "
-                           f"got {type(source).__name__}")
         preflight(source, expected_manifest_digest)
         device = self.guard.check()
         if self._url != url or self._engine is None or self._client is None:

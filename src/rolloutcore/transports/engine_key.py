@@ -211,9 +211,10 @@ def owns(url: str) -> bool:
 
 # ----------------------------------------------------------------- engine side
 
-_Scope = MutableMapping[str, Any]
-_Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-_Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+#: The ASGI types the engine-side middlewares (this one, ``adapter_store``) take.
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _HEADER_B = HEADER.encode()
 
 
@@ -224,7 +225,7 @@ class RouteGuard:
     valid one it raises and the engine does not start (fail closed).
     """
 
-    def __init__(self, app: Callable[[_Scope, _Receive, _Send], Awaitable[None]]) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         try:
             key = check_key(os.environ.get(ENV))
         except BadInput as exc:
@@ -235,7 +236,7 @@ class RouteGuard:
         #: The key lent for a lease and the engine's monotonic deadline of it.
         self._lent: tuple[bytes, float] | None = None
 
-    def _allowed(self, scope: _Scope, *, own_only: bool = False) -> bool:
+    def _allowed(self, scope: Scope, *, own_only: bool = False) -> bool:
         given = next((v for k, v in scope.get("headers") or () if k.lower() == _HEADER_B), None)
         if given is None:
             return False
@@ -249,11 +250,11 @@ class RouteGuard:
             return False
         return hmac.compare_digest(given, lent[0])
 
-    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope.get("type")
         if kind == "http" and scope.get("path") == LENT_KEY:
             if not self._allowed(scope, own_only=True):
-                await _answer(send, 403, {"error": "only the engine's launcher lends its key"})
+                await send_json(send, 403, {"error": "only the engine's launcher lends its key"})
                 return
             await self._lend(scope, receive, send)
             return
@@ -279,7 +280,7 @@ class RouteGuard:
         await self.app(scope, receive, send)  # lifespan, and websockets with the key
 
 
-    async def _lend(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+    async def _lend(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``LENT_KEY``: ``PUT {"key", "seconds"}`` lends, ``DELETE`` takes back. A body
         that is not exactly that is a 400 and changes nothing."""
         import json
@@ -287,17 +288,17 @@ class RouteGuard:
         method = scope.get("method")
         if method == "DELETE":
             self._lent = None
-            await _answer(send, 200, {"lent": False})
+            await send_json(send, 200, {"lent": False})
             return
         if method != "PUT":
-            await _answer(send, 405, {"error": "PUT or DELETE only"})
+            await send_json(send, 405, {"error": "PUT or DELETE only"})
             return
         raw = b""
         while True:
             msg = await receive()
             raw += bytes(msg.get("body") or b"")
             if len(raw) > 4096:
-                await _answer(send, 413, {"error": "body too large"})
+                await send_json(send, 413, {"error": "body too large"})
                 return
             if not msg.get("more_body"):
                 break
@@ -312,13 +313,14 @@ class RouteGuard:
             if hmac.compare_digest(key, self._key):
                 raise BadInput("the launcher's own key is not lent")
         except ValueError as exc:  # BadInput and JSONDecodeError are ValueErrors
-            await _answer(send, 400, {"error": str(exc)})
+            await send_json(send, 400, {"error": str(exc)})
             return
         self._lent = (key, time.monotonic() + float(secs))
-        await _answer(send, 200, {"lent": True, "seconds": float(secs)})
+        await send_json(send, 200, {"lent": True, "seconds": float(secs)})
 
 
-async def _answer(send: _Send, status: int, body: Mapping[str, Any]) -> None:
+async def send_json(send: Send, status: int, body: Mapping[str, Any]) -> None:
+    """Answer an ASGI request with ``body`` as JSON."""
     import json
 
     raw = json.dumps(body).encode()
@@ -328,7 +330,7 @@ async def _answer(send: _Send, status: int, body: Mapping[str, Any]) -> None:
     await send({"type": "http.response.body", "body": raw})
 
 
-async def _fast_pause(scope: _Scope, send: _Send) -> None:
+async def _fast_pause(scope: Scope, send: Send) -> None:
     """``FAST_PAUSE``: the engine core's scheduler pause, as vLLM's ``/pause`` calls it.
 
     vLLM 0.26-0.32 name the core call ``pause_scheduler_async``, 0.33+
@@ -338,14 +340,14 @@ async def _fast_pause(scope: _Scope, send: _Send) -> None:
     from urllib.parse import parse_qs
 
     if scope.get("method") != "POST":
-        await _answer(send, 405, {"error": "POST only"})
+        await send_json(send, 405, {"error": "POST only"})
         return
     q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"),
                  keep_blank_values=True)
     mode = (q.get("mode") or ["abort"])[-1]
     clear = (q.get("clear_cache") or ["false"])[-1].lower()
     if mode not in _PAUSE_MODES or clear not in ("true", "false"):
-        await _answer(send, 400, {"error": "mode must be wait, abort or keep and clear_cache "
+        await send_json(send, 400, {"error": "mode must be wait, abort or keep and clear_cache "
                                            "true or false"})
         return
     app = scope.get("app")
@@ -354,13 +356,13 @@ async def _fast_pause(scope: _Scope, send: _Send) -> None:
     pause = getattr(core, "pause_generation_async", None) or getattr(
         core, "pause_scheduler_async", None)
     if pause is None:
-        await _answer(send, 404, {"error": "this vLLM has no engine-core pause to call"})
+        await send_json(send, 404, {"error": "this vLLM has no engine-core pause to call"})
         return
     try:
         if clear == "true":
             await engine.renderer.clear_mm_cache_async()  # type: ignore[union-attr]
         await pause(mode=mode, clear_cache=clear == "true")
     except Exception as exc:  # the engine's own failure: the client fails the drain
-        await _answer(send, 500, {"error": f"pause failed: {type(exc).__name__}: {exc}"})
+        await send_json(send, 500, {"error": f"pause failed: {type(exc).__name__}: {exc}"})
         return
-    await _answer(send, 200, {"status": "paused", "via": "engine_core"})
+    await send_json(send, 200, {"status": "paused", "via": "engine_core"})

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -61,22 +60,22 @@ from rolloutcore.engine.weight_sync import HttpWeightSync
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import rank_checksums
 from rolloutcore.transports.base import (
-    TransportBase,
     check_label,
     check_timeout,
     check_url,
     local_address_towards,
     preflight,
+    remaining,
     run_side,
+    world_size_of,
 )
 from rolloutcore.transports.gloo import (
     _ABANDONED,
     BACKEND,
     GlooInitInfo,
+    GlooSender,
     GlooUpdateInfo,
-    _as_cpu,
-    _dist,
-    _new_group,
+    _trainer_store,
 )
 from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.source import WeightSource
@@ -128,11 +127,11 @@ class _Group:
     ranks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-class GlooFanout(TransportBase):
+class GlooFanout(GlooSender):
     """Trainer end of one ``rolloutcore_gloo`` group over several engines.
 
-    ``connect_all(urls)`` makes the group (no weights change); ``send_all``
-    runs one round to every member and returns one ``FanoutResult`` per
+    ``send_all`` makes the group (no weights change) when it is not exactly
+    its engines, then runs one round to every member and returns one ``FanoutResult`` per
     engine, never raising for an engine's failure (bad input raises
     ``BadInput`` before anything is sent). The group is kept for the next
     round until ``invalidate`` (a per-engine send replaced an engine's
@@ -155,23 +154,9 @@ class GlooFanout(TransportBase):
 
     # -- connect ----------------------------------------------------------------
 
-    def connect_all(self, urls: Sequence[str], *, timeout_s: float) -> None:
-        """One group: the trainer at rank 0, engine ``i``'s workers at its rank offset."""
-        clean = _check_urls(urls)
-        t = check_timeout(timeout_s)
-        self._enter()
-        try:
-            self._connect_all(clean, time.monotonic() + t)
-        finally:
-            self._busy = False
-
     def _connect_all(self, urls: tuple[str, ...], deadline: float) -> None:
         self.invalidate()
         t0 = time.monotonic()
-
-        def left() -> float:
-            return max(0.1, deadline - time.monotonic())
-
         hosts = {urlsplit(u).hostname or "127.0.0.1" for u in urls}
         addrs = {local_address_towards(h) for h in hosts}
         if len(addrs) != 1:
@@ -180,7 +165,7 @@ class GlooFanout(TransportBase):
                                 mutation_started=False)
         addr = addrs.pop()
         f_ws = [run_side(lambda u=u: HttpWeightSync(u).get_world_size(  # type: ignore[misc]
-            timeout_s=left()), "world-size") for u in urls]
+            timeout_s=remaining(deadline)), "world-size") for u in urls]
         try:
             self.wait(f_ws, deadline, "get_world_size", mutation_started=False)
         except TransferError as exc:
@@ -197,35 +182,16 @@ class GlooFanout(TransportBase):
             if not failed or len(failed) == len(urls):
                 raise
             raise _JoinFailed(failed) from exc
-        sizes: list[int] = []
-        for u, f in zip(urls, f_ws, strict=True):
-            ws = f.result()
-            n = ws.get("world_size") if isinstance(ws, Mapping) else None
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise TransferError("transfer", f"{u} reported world size {ws!r}",
-                                    mutation_started=False)
-            sizes.append(n)
+        sizes = [world_size_of(f.result(), u) for u, f in zip(urls, f_ws, strict=True)]
         world = 1 + sum(sizes)
-        store = _dist().TCPStore(addr, 0, world, True,
-                                 timeout=datetime.timedelta(seconds=left()),
-                                 wait_for_workers=False)
+        store = _trainer_store(addr, world, remaining(deadline))
         offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
         infos = [GlooInitInfo(addr, int(store.port), off, world, self.op_timeout_s)
                  for off in offsets]
         f_init = [run_side(lambda u=u, i=i: HttpWeightSync(  # type: ignore[misc]
-            u).init_weight_transfer_engine(asdict(i), timeout_s=left()), "init")
+            u).init_weight_transfer_engine(asdict(i), timeout_s=remaining(deadline)), "init")
             for u, i in zip(urls, infos, strict=True)]
-        f_group = run_side(lambda: _new_group(store, 0, world,
-                                              min(left(), self.op_timeout_s), addr),
-                           "rendezvous")
-        try:
-            self.wait([*f_init, f_group], deadline, "init_weight_transfer_engine",
-                      mutation_started=False)
-        except BaseException:
-            _ABANDONED.append((store, f_group))
-            raise
-        group = f_group.result()
-        group._set_default_timeout(datetime.timedelta(seconds=self.op_timeout_s))
+        group = self.rendezvous(store, world, addr, f_init, deadline)
         self._g = _Group(urls, store, group, world,
                          {u: (off, n) for u, off, n in zip(urls, offsets, sizes, strict=True)})
         self.last_connect_s = time.monotonic() - t0
@@ -250,12 +216,9 @@ class GlooFanout(TransportBase):
             pairs.append((check_url(item[0]), check_label(item[1])))
         urls = _check_urls([u for u, _ in pairs])
         t = check_timeout(timeout_s)
-        if not isinstance(source, WeightSource):
-            raise BadInput(f"source must be a rolloutcore WeightSource, "
-                           f"got {type(source).__name__}")
         labels = dict(pairs)
         try:
-            preflight(source, expected_manifest_digest)
+            preflight(source, expected_manifest_digest)   # BadInput for anything else
         except TransferError as exc:
             return {u: FanoutResult(u, labels[u], error=exc) for u in urls}
         t0 = time.monotonic()
@@ -285,13 +248,9 @@ class GlooFanout(TransportBase):
         info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
         for u in g.urls:
             self._rounds.pop(u, None)
-
-        def left() -> float:
-            return max(0.1, deadline - time.monotonic())
-
         urls = g.urls
         started = {u: run_side(lambda u=u: HttpWeightSync(u).start_weight_update(  # type: ignore[misc]
-            timeout_s=left()), "start") for u in urls}
+            timeout_s=remaining(deadline)), "start") for u in urls}
         failed: dict[str, TransferError] = {}
         for u, f in started.items():
             try:
@@ -313,8 +272,8 @@ class GlooFanout(TransportBase):
                         "start", mutation_started=not closed), closed=closed)
             return out
         f_http = {u: run_side(lambda u=u: HttpWeightSync(u).update_weights(  # type: ignore[misc]
-            asdict(info), timeout_s=left()), "update") for u in urls}
-        f_send = run_side(lambda: self._broadcast(g, source), "broadcast")
+            asdict(info), timeout_s=remaining(deadline)), "update") for u in urls}
+        f_send = run_side(lambda: self.broadcast(g.group, source), "broadcast")
         send_error: TransferError | None = None
         sent: dict[str, Any] = {}
         try:
@@ -336,7 +295,7 @@ class GlooFanout(TransportBase):
                 if u not in results:
                     results[u] = FanoutResult(u, labels[u], error=send_error, sent=True)
         f_fin = {u: run_side(lambda u=u: HttpWeightSync(u).finish_weight_update(  # type: ignore[misc]
-            labels[u], timeout_s=left()), "finish")
+            labels[u], timeout_s=remaining(deadline)), "finish")
             for u in urls if u not in results}
         # Every rank of each finishing engine reports what it wrote, over the group,
         # while its finish runs: received per engine (one silent engine does not hold
@@ -370,18 +329,6 @@ class GlooFanout(TransportBase):
                 results[u] = FanoutResult(u, r.label, error=r.error, sent=True,
                                           closed=self._close_session(u))
         return results
-
-    def _broadcast(self, g: _Group, source: WeightSource) -> dict[str, Any]:
-        """Send every tensor; returns them as sent (each engine's rank check's
-        reference, so that the source is not read again)."""
-        sent: dict[str, Any] = {}
-        for name, t in source.named_tensors():
-            if self._abort.is_set():
-                raise TransferError("transfer", "aborted", mutation_started=True)
-            cpu = _as_cpu(t)
-            g.group.broadcast(cpu, 0).wait()
-            sent[name] = cpu
-        return sent
 
     def round_of(self, url: str) -> tuple[str, dict[str, Any],
                                           list[tuple[int, rank_checksums.RankReport]]] | None:

@@ -61,6 +61,7 @@ import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -77,6 +78,7 @@ from rolloutcore.transports.base import (
     check_url,
     local_address_towards,
     preflight,
+    remaining,
     run_side,
 )
 from rolloutcore.transports.gloo_rounds import Round, receive_reports
@@ -134,6 +136,12 @@ def _new_group(store: Any, rank: int, world_size: int, timeout_s: float,
     opts._devices = [pgg.create_device(hostname="127.0.0.1")
                      if _is_loopback(host) else pgg.create_default_device()]
     return pgg(store, rank, world_size, opts)
+
+
+def _trainer_store(addr: str, world: int, timeout_s: float) -> Any:
+    """The rendezvous ``TCPStore`` the trainer (rank 0) owns, on a free port of ``addr``."""
+    return _dist().TCPStore(addr, 0, world, True, timeout=datetime.timedelta(seconds=timeout_s),
+                            wait_for_workers=False)
 
 
 def _dist() -> Any:
@@ -524,7 +532,44 @@ class _Conn:
     world_size: int
 
 
-class GlooTransport(TransportBase):
+class GlooSender(TransportBase):
+    """What the trainer ends of ``rolloutcore_gloo`` share (``GlooTransport``, one engine;
+    ``GlooFanout``, several in one group): the rendezvous and the broadcast."""
+
+    op_timeout_s: float
+
+    def rendezvous(self, store: Any, world: int, addr: str, f_init: list[Future[Any]],
+                   deadline: float) -> Any:
+        """Rank 0 of a new group over ``store``, made while the engines join it (their
+        ``/init_weight_transfer_engine``: ``f_init``); its collectives then get the op
+        timeout, not what was left of the connect deadline. Nothing mutates."""
+        f_group = run_side(lambda: _new_group(store, 0, world,
+                                              min(remaining(deadline), self.op_timeout_s),
+                                              addr), "rendezvous")
+        try:
+            self.wait([*f_init, f_group], deadline, "init_weight_transfer_engine",
+                      mutation_started=False)
+        except BaseException:
+            _ABANDONED.append((store, f_group))
+            raise
+        group = f_group.result()
+        group._set_default_timeout(datetime.timedelta(seconds=self.op_timeout_s))
+        return group
+
+    def broadcast(self, group: Any, source: WeightSource) -> dict[str, torch.Tensor]:
+        """Send every tensor from rank 0 of ``group``; returns them as sent (the rank
+        check's reference, so that the source is not read a second time)."""
+        sent: dict[str, torch.Tensor] = {}
+        for name, t in source.named_tensors():
+            if self._abort.is_set():
+                raise TransferError("transfer", "aborted", mutation_started=True)
+            cpu = _as_cpu(t)
+            group.broadcast(cpu, 0).wait()
+            sent[name] = cpu
+        return sent
+
+
+class GlooTransport(GlooSender):
     """Trainer end of ``rolloutcore_gloo``: rank 0, store owner, sender.
 
     ``op_timeout_s`` bounds every collective on both ends (the engine gets
@@ -556,37 +601,15 @@ class GlooTransport(TransportBase):
 
     def _connect(self, url: str, deadline: float) -> None:
         self._drop(notify_engine=False)
-
-        def left() -> float:
-            return max(0.1, deadline - time.monotonic())
-
-        f_ws = run_side(lambda: self.get(url, Routes.GET_WORLD_SIZE, left()), "world-size")
-        self.wait([f_ws], deadline, "get_world_size", mutation_started=False)
-        ws = f_ws.result()
-        engine_ws = ws.get("world_size") if isinstance(ws, Mapping) else None
-        if isinstance(engine_ws, bool) or not isinstance(engine_ws, int) or engine_ws < 1:
-            raise TransferError("transfer", f"engine reported world size {ws!r}",
-                                mutation_started=False)
-        world = 1 + engine_ws
-        host = urlsplit(url).hostname or "127.0.0.1"
-        addr = local_address_towards(host)
-        store = _dist().TCPStore(addr, 0, world, True, timeout=datetime.timedelta(seconds=left()),
-                         wait_for_workers=False)
+        world = 1 + self.engine_world_size(url, deadline)
+        addr = local_address_towards(urlsplit(url).hostname or "127.0.0.1")
+        store = _trainer_store(addr, world, remaining(deadline))
         info = GlooInitInfo(addr, int(store.port), 1, world, self.op_timeout_s)
         f_init = run_side(lambda: self.post(url, Routes.INIT_TRANSFER,
-                                            {"init_info": asdict(info)}, left()), "init")
-        f_group = run_side(lambda: _new_group(store, 0, world, min(left(), self.op_timeout_s),
-                                              addr), "rendezvous")
-        try:
-            self.wait([f_init, f_group], deadline, "init_weight_transfer_engine",
-                      mutation_started=False)
-        except BaseException:
-            _ABANDONED.append((store, f_group))
-            raise
-        group = f_group.result()
-        # Later collectives get the op timeout, not what was left of the connect deadline.
-        group._set_default_timeout(datetime.timedelta(seconds=self.op_timeout_s))
-        self._conn = _Conn(url, store, group, world)
+                                            {"init_info": asdict(info)}, remaining(deadline)),
+                          "init")
+        self._conn = _Conn(url, store, self.rendezvous(store, world, addr, [f_init], deadline),
+                           world)
 
     # -- send -------------------------------------------------------------------
 
@@ -611,9 +634,6 @@ class GlooTransport(TransportBase):
         t = check_timeout(timeout_s)
         if nonce is not None and (not isinstance(nonce, str) or not 0 < len(nonce) <= 128):
             raise BadInput("nonce must be a string of 1..128 characters")
-        if not isinstance(source, WeightSource):
-            raise BadInput(f"source must be a rolloutcore WeightSource, "
-                           f"got {type(source).__name__}")
         preflight(source, expected_manifest_digest)
         t0 = time.monotonic()
         deadline = t0 + t
@@ -634,16 +654,12 @@ class GlooTransport(TransportBase):
         info = dataclasses.replace(GlooUpdateInfo.of(source), nonce=nonce)
         self._rounds.pop(key, None)
         start = Routes.START_DRAFT_UPDATE if draft else Routes.START_UPDATE
-
-        def left() -> float:
-            return max(0.1, deadline - time.monotonic())
-
-        f = run_side(lambda: self.post(url, start, None, left()), "start")
+        f = run_side(lambda: self.post(url, start, None, remaining(deadline)), "start")
         self.wait([f], deadline, start.lstrip("/"), mutation_started=True,
                   refusal_is_safe=True)
         # From here on the engine's model is open for reload: any failure is a mutation.
-        f_http = run_side(lambda: self.post(url, Routes.UPDATE_WEIGHTS,
-                                            {"update_info": asdict(info)}, left()), "update")
+        f_http = run_side(lambda: self.post(url, Routes.UPDATE_WEIGHTS, {
+            "update_info": asdict(info)}, remaining(deadline)), "update")
         f_send = run_side(lambda: self._broadcast(conn, source), "broadcast")
         try:
             self.wait([f_send, f_http], deadline, "update_weights", mutation_started=True)
@@ -655,7 +671,7 @@ class GlooTransport(TransportBase):
         # here while the finish runs, checked by validation_check while paused.
         f = run_side(lambda: self.post(url, Routes.FINISH_UPDATE,
                                        {"weight_version": None if draft else label},
-                                       left()), "finish")
+                                       remaining(deadline)), "finish")
         f_rep = run_side(lambda: receive_reports(conn.group, range(1, conn.world_size)),
                          "reports")
         try:
@@ -737,16 +753,7 @@ class GlooTransport(TransportBase):
                 "ranks": rank_checksums.declare(rnd.reports, rnd.sent)}
 
     def _broadcast(self, conn: _Conn, source: WeightSource) -> dict[str, torch.Tensor]:
-        """Send every tensor; returns them as sent (the rank check's reference, so that
-        the source is not read a second time)."""
-        sent: dict[str, torch.Tensor] = {}
-        for name, t in source.named_tensors():
-            if self._abort.is_set():
-                raise TransferError("transfer", "aborted", mutation_started=True)
-            cpu = _as_cpu(t)
-            conn.group.broadcast(cpu, 0).wait()
-            sent[name] = cpu
-        return sent
+        return self.broadcast(conn.group, source)
 
     # -- teardown ---------------------------------------------------------------
 

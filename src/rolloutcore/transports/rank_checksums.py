@@ -28,6 +28,7 @@ fails the check.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -526,6 +527,13 @@ def stage_coverage(reports: Sequence[RankReport], names: Sequence[str] | None = 
             "passed": bool(reports) and bool(want) and not problems}
 
 
+def _rebuilt(p: ParamWrite, tensors: Mapping[str, torch.Tensor], rep: RankReport) -> int | str:
+    """The checksum ``p`` must have on ``rep``'s rank, rebuilt from ``tensors`` (or why
+    it cannot be)."""
+    t = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
+    return t if isinstance(t, str) else checksum_of(t)
+
+
 def compare_ranks(reports: Sequence[tuple[int, RankReport]],
                   tensors: Mapping[str, torch.Tensor], *, rank_offset: int = 1,
                   nonce: str | None = None, names: Sequence[str] | None = None
@@ -541,14 +549,9 @@ def compare_ranks(reports: Sequence[tuple[int, RankReport]],
     write each exactly once per tensor-parallel rank (``stage_coverage``, in
     ``stages``).
     """
-    ranks: list[dict[str, Any]] = []
-    for group_rank, rep in reports:
-        def want(p: ParamWrite, rep: RankReport = rep) -> int | str:
-            t = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
-            return t if isinstance(t, str) else checksum_of(t)
-
-        ranks.append(_rank_row(group_rank, rep, want,
-                               _identity_problems(group_rank, rep, rank_offset, nonce)))
+    ranks = [_rank_row(group_rank, rep, functools.partial(_rebuilt, tensors=tensors, rep=rep),
+                       _identity_problems(group_rank, rep, rank_offset, nonce))
+             for group_rank, rep in reports]
     stages = None if names is None else stage_coverage([r for _, r in reports], names)
     return _result(ranks, stages=stages)
 
@@ -574,9 +577,9 @@ def declare(reports: Sequence[tuple[int, RankReport]], tensors: Mapping[str, tor
         names: list[str] = []
         values: list[int | None] = []
         for p in rep.params:
-            t = expected(p, tensors, rep.tp_rank, max(1, rep.tp_size))
+            v = _rebuilt(p, tensors, rep)
             names.append(p.name)
-            values.append(None if isinstance(t, str) else checksum_of(t))
+            values.append(None if isinstance(v, str) else v)
         out.append({"worker_rank": group_rank - rank_offset, "names": names,
                     "values": values})
     return out

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.base import run_side
-from rolloutcore.transports.gloo import BACKEND, GlooInitInfo, _as_cpu, _dist, _new_group
+from rolloutcore.transports.gloo import BACKEND, GlooInitInfo, _as_cpu, _new_group, _trainer_store
 from rolloutcore.transports.net import local_address_towards
 
 __all__ = ["register", "trainer_engine_class", "trainer_init_info"]
@@ -71,9 +71,7 @@ def _build() -> dict[str, Any]:
             if isinstance(world, bool) or not isinstance(world, int) or world < 2:
                 raise BadInput(f"world_size must be an int >= 2, got {world!r}")
             addr = local_address_towards(init_info.peer_host)
-            store = _dist().TCPStore(addr, 0, world, True,
-                                     timeout=datetime.timedelta(seconds=t),
-                                     wait_for_workers=False)
+            store = _trainer_store(addr, world, t)
             info = GlooInitInfo(addr, int(store.port), 1, world, t)
             f_init = run_side(lambda: client.init_weight_transfer_engine(asdict(info)),
                               "init")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import threading
@@ -11,10 +12,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.cache_salt import salt_for
+from rolloutcore.core.evidence import Check
 from rolloutcore.core.records import Classification, FailureKind, Interrupted, Step
 from rolloutcore.core.versions import (
     Binding,
@@ -45,6 +47,13 @@ from rolloutcore.provenance.trajectory import (
     VersionSpan,
 )
 from rolloutcore.transports.source import WeightSource
+
+if TYPE_CHECKING:
+    import torch
+
+    from rolloutcore.control.controller import LifecycleController
+    from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.session import EngineSession
 
 __all__ = ["FLEET_EPOCH", "EngineSample", "PublishedUpdate", "RolloutEngine", "answer_adapter",
            "end_open_update"]
@@ -149,7 +158,8 @@ def _await_effects(deadline: float) -> None:
         time.sleep(0.005)
 
 
-def end_open_update(controller: Any, runner: Any, reason: str) -> EndedUpdate | None:
+def end_open_update(controller: LifecycleController, runner: LifecycleRunner,
+                    reason: str) -> EndedUpdate | None:
     """End the update left open when its owner was interrupted; ``None`` if none is open.
 
     An interrupt (``KeyboardInterrupt``, ``SystemExit``) is not an exception the
@@ -188,7 +198,7 @@ def end_open_update(controller: Any, runner: Any, reason: str) -> EndedUpdate | 
                            verdict.classification, controller.state)
 
 
-def interrupted_record(controller: Any, what: Interruption) -> Interrupted:
+def interrupted_record(controller: LifecycleController, what: Interruption) -> Interrupted:
     """The journal's ``interrupted`` record of ``what`` on this controller, as it is now."""
     u = what.update
     return Interrupted(what.cause, what.phase, what.step, controller.state,
@@ -198,7 +208,7 @@ def interrupted_record(controller: Any, what: Interruption) -> Interrupted:
                        "; ".join(x for x in (what.samples_text, what.detail) if x))
 
 
-def adapter_reference(model: Any, engine_dtype: str | None) -> Any:
+def adapter_reference(model: torch.nn.Module, engine_dtype: str | None) -> torch.nn.Module:
     """The trainer's PEFT model with its adapter weights as the engine holds them.
 
     A float32 copy whose ``lora_`` tensors went through ``engine_dtype`` (bf16 for
@@ -275,17 +285,11 @@ def _placement(info: Mapping[str, Any], fleet: bool) -> FleetPlacement | None:
     return FleetPlacement(info["replica"], v, info["fleet_label"])
 
 
-def _probe_diff(checks: Iterable[Any]) -> float | None:
-    """The adapter probe's largest difference among an adapter update's checks (objects or
-    their ``to_dict``); ``None`` without one."""
-    for ch in checks:
-        d = ch if isinstance(ch, Mapping) else {"name": getattr(ch, "name", None),
-                                                "max_abs_diff": getattr(ch, "max_abs_diff",
-                                                                        None)}
-        if d.get("name") == "adapter-probe":
-            v = d.get("max_abs_diff")
-            return None if v is None else float(v)
-    return None
+def _probe_diff(checks: Iterable[Check]) -> float | None:
+    """The adapter probe's largest difference among an adapter update's checks; ``None``
+    without one."""
+    ch = next((c for c in checks if c.name == "adapter-probe"), None)
+    return None if ch is None or ch.max_abs_diff is None else float(ch.max_abs_diff)
 
 
 class _AdapterPublisher(abc.ABC):
@@ -332,7 +336,7 @@ class _SessionEngine(_AdapterPublisher):
     version, current adapter version) and sent as that adapter.
     """
 
-    def __init__(self, session: Any, *, owns: bool, adapters: bool = False) -> None:
+    def __init__(self, session: EngineSession, *, owns: bool, adapters: bool = False) -> None:
         if adapters and getattr(session, "adapters", None) is None:
             raise BadInput("adapters=True needs a session with adapters enabled "
                            "(session.enable_adapters, on an engine started with "
@@ -367,9 +371,10 @@ class _SessionEngine(_AdapterPublisher):
 
     def generate(self, rollout_id: str, prompt: Sequence[int], spec: SamplingSpec) -> EngineSample:
         c, http = self.session.controller, self.session.http
+        mgr = self.session.adapters if self.adapters else None   # not None: __init__
         adapter: AdapterVersion | None = None
-        if self.adapters:
-            bound = self.session.adapters.admit(rollout_id)  # (base, adapter) or refused
+        if mgr is not None:
+            bound = mgr.admit(rollout_id)  # (base, adapter) or refused
             binding, adapter = bound.base, bound.adapter.adapter
         else:
             binding = c.admit(rollout_id)
@@ -381,11 +386,11 @@ class _SessionEngine(_AdapterPublisher):
                               ignore_eos=bool(spec.extra.get("ignore_eos", False)),
                               request_id=rollout_id, sampling_extra=_vllm_extra(spec),
                               cache_salt=salt_for(binding.version),
-                              **({} if adapter is None else {"model": adapter.name}))
+                              model=None if adapter is None else adapter.name)
         finally:
             try:
-                if adapter is not None:
-                    self.session.adapters.release(rollout_id)
+                if adapter is not None and mgr is not None:
+                    mgr.release(rollout_id)
             finally:
                 done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
@@ -410,8 +415,7 @@ class _SessionEngine(_AdapterPublisher):
         ended = self.end_update(f"interrupted ({what.cause}) during {what.phase}: the "
                                 "journal closes with the update open")
         if ended is not None and what.update is None:
-            what = Interruption(what.phase, what.step, what.cause, ended, what.samples,
-                                what.completed, what.unfinished, what.detail)
+            what = dataclasses.replace(what, update=ended)
         self.session.runner.emit(interrupted_record(self.session.controller, what))
         return what
 

@@ -35,6 +35,7 @@ from rolloutcore.integrations.trl.common import (
 )
 from rolloutcore.integrations.trl.engines import (
     EngineSample,
+    PublishedUpdate,
     RolloutEngine,
     _GatewayEngine,
     _SessionEngine,
@@ -102,6 +103,7 @@ class _Pending:
     group_id: str
     prompt: tuple[int, ...]
     futures: list[Future[EngineSample]] = field(default_factory=list)
+    specs: list[SamplingSpec] = field(default_factory=list)
 
 
 class RolloutCoreRollout:
@@ -380,11 +382,14 @@ class RolloutCoreRollout:
             pub = self.engine.update(state, prov, probe, self.owner)
         except (UpdateFailed, UpdateRefused, EffectError) as exc:
             raise self._update_failed(step, exc) from exc
-        self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         last = getattr(probe, "last", None)
-        rep = UpdateReport(step, pub.version, pub.identity, prepare_s, dict(pub.phases_s),
-                           time.monotonic() - t0,
-                           None if last is None else float(last.max_abs_diff))
+        return self._published(pub, step, UpdateReport(
+            step, pub.version, pub.identity, prepare_s, dict(pub.phases_s),
+            time.monotonic() - t0, None if last is None else float(last.max_abs_diff)))
+
+    def _published(self, pub: PublishedUpdate, step: int, rep: UpdateReport) -> UpdateReport:
+        """``pub`` is the version held from ``step`` on; ``rep`` its report."""
+        self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         self.updates.append(rep)
         self._pending_update = rep
         return rep
@@ -403,15 +408,12 @@ class RolloutCoreRollout:
         except (UpdateFailed, UpdateRefused, EffectError) as exc:
             raise self._update_failed(step, exc, "adapter: ") from exc
         assert pub.adapter is not None
-        self.version, self.identity, self.synced_step = pub.version, pub.identity, step
         self.adapter = pub.adapter
         self.adapter_on = dict(pub.adapters) or {"": pub.adapter}
         phases = dict(pub.phases_s)
-        rep = UpdateReport(step, pub.version, pub.identity, float(phases.get("prepare", 0.0)),
-                           phases, time.monotonic() - t0, pub.probe_max_abs_diff, pub.adapter)
-        self.updates.append(rep)
-        self._pending_update = rep
-        return rep
+        return self._published(pub, step, UpdateReport(
+            step, pub.version, pub.identity, float(phases.get("prepare", 0.0)), phases,
+            time.monotonic() - t0, pub.probe_max_abs_diff, pub.adapter))
 
     # ------------------------------------------------------------------ internals
     def _check_usable(self) -> None:
@@ -574,6 +576,7 @@ class RolloutCoreRollout:
                 spec = SamplingSpec(base.temperature, base.top_p, base.top_k, base.max_tokens,
                                     derive_seed(self.run, step, gid, i), SEED_DERIVATION,
                                     base.extra)
+                pend.specs.append(spec)
                 pend.futures.append(pool.submit(self.engine.generate, f"{gid}/{i}", p, spec))
             pending.append(pend)
         self._next_index[step] = first + len(prompts)
@@ -620,11 +623,7 @@ class RolloutCoreRollout:
         for pend, row in zip(pending, results, strict=True):
             groups.append(TrajectoryGroup(tuple(
                 TrajectorySample(self.run, step, pend.group_id, pend.prompt_index, n, i,
-                                 Prompt(pend.prompt),
-                                 SamplingSpec(base.temperature, base.top_p, base.top_k,
-                                              base.max_tokens,
-                                              derive_seed(self.run, step, pend.group_id, i),
-                                              SEED_DERIVATION, base.extra),
+                                 Prompt(pend.prompt), pend.specs[i],
                                  SampledCompletion(s.token_ids, s.finish_reason, s.logprobs,
                                                    None, s.spans),
                                  s.binding, engine, s.stamps, fleet=s.fleet,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.versions import (
     ParameterManifest,
@@ -13,12 +13,17 @@ from rolloutcore.errors import (
     BadInput,
 )
 
+if TYPE_CHECKING:
+    import torch
+
+    from rolloutcore.verification.probe import PolicyProbe
+
 __all__ = ["engine_state_dict", "probe_for"]
 
 # --------------------------------------------------------------------------- weights
 
 
-def engine_state_dict(model: Any, manifest: ParameterManifest) -> dict[str, Any]:
+def engine_state_dict(model: object, manifest: ParameterManifest) -> dict[str, torch.Tensor]:
     """The module's parameters as the engine holds them: the manifest's names and dtypes.
 
     A trainer usually trains in float32 while vLLM serves bfloat16: each
@@ -40,7 +45,7 @@ def engine_state_dict(model: Any, manifest: ParameterManifest) -> dict[str, Any]
         raise BadInput(f"the trainer's model does not match the engine's checkpoint: missing "
                        f"{missing[:4]}, unexpected {unexpected[:4]} (a PEFT or wrapped model "
                        "must be merged and unwrapped first)")
-    out: dict[str, Any] = {}
+    out: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, spec in want.items():
             t = params[name].detach()
@@ -53,11 +58,11 @@ def engine_state_dict(model: Any, manifest: ParameterManifest) -> dict[str, Any]
     return out
 
 
-def _probe_reference(model: Any, state: Mapping[str, Any]) -> Any:
+def _probe_reference(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Any:
     """A float32 copy of ``model`` holding exactly the tensors sent (cast back up)."""
     import torch
 
-    ref = copy.deepcopy(model)
+    ref: Any = copy.deepcopy(model)   # a transformers model (its config, its checkpointing)
     if getattr(ref, "is_gradient_checkpointing", False):
         # TRL turns it on; transformers then drops the KV cache even in eval mode.
         ref.gradient_checkpointing_disable()
@@ -69,8 +74,8 @@ def _probe_reference(model: Any, state: Mapping[str, Any]) -> Any:
     return ref.float().eval()
 
 
-def probe_for(model: Any, state: Mapping[str, Any], *, tolerance: float,
-              new_tokens: int = 16) -> Any:
+def probe_for(model: torch.nn.Module, state: Mapping[str, torch.Tensor], *, tolerance: float,
+              new_tokens: int = 16) -> PolicyProbe:
     """The policy probe of the tensors in ``state`` (as sent), computed with a KV cache.
 
     The same cases as ``PolicyProbe.from_model`` (greedy continuations of the

@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from rolloutcore.transports.base import run_side
+from rolloutcore.transports.driver import SourceSlot, _factory_trainer_init
 from rolloutcore.transports.nccl import NcclTransport
 from rolloutcore.transports.net import free_port, local_address_towards
 from rolloutcore.transports.registry import trainer_transport
@@ -155,11 +156,8 @@ def make_nccl_transport(*, packed: bool = True, **kwargs: Any
     """RolloutCore's NCCL driver, with the trainer engine this vLLM needs (module doc)."""
     holder = TrainerEngineHolder()
     if native_nccl_trainer():
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        def init(info: Any, *, client: Any, source: Any) -> Any:
-            holder.engine = WeightTransferTrainerFactory.trainer_init(
-                info, client=client, source=source.as_vllm())
+        def init(info: Any, *, client: Any, source: SourceSlot) -> Any:
+            holder.engine = _factory_trainer_init(info, client=client, source=source)
             return holder.engine
 
         holder.kind = "vllm WeightTransferTrainerFactory nccl (native)"

@@ -41,13 +41,8 @@ _STRIDE = torch.Tensor.stride
 
 
 class PackedWeights:
-    """Named tensors laid out in one contiguous device buffer.
-
-    The trainer can re-base its module onto it (``bind_module``): each
-    parameter's ``.data`` becomes a view into the buffer, so an optimizer
-    step writes straight into what is shared and ``send`` copies nothing.
-    Otherwise ``load_`` copies tensors in (one device copy each).
-    """
+    """Named tensors laid out in one contiguous device buffer; ``load_`` copies
+    tensors in (one device copy each)."""
 
     def __init__(self, specs: Iterable[tuple[str, Sequence[int], torch.dtype]], *,
                  device: torch.device | str = "cuda") -> None:
@@ -157,17 +152,6 @@ class PackedWeights:
                     raise BadInput(f"{name}: {tuple(t.shape)}/{t.dtype} does not match "
                                    f"{tuple(dst.shape)}/{dst.dtype}")
                 dst.copy_(t)
-
-    def bind_module(self, module: torch.nn.Module) -> None:
-        """Make every parameter of ``module`` named here a view into the buffer (values kept)."""
-        with torch.no_grad():
-            for name, p in module.named_parameters():
-                if name in self._views:
-                    dst = self._views[name]
-                    if tuple(p.shape) != tuple(dst.shape) or p.dtype != dst.dtype:
-                        raise BadInput(f"{name}: module parameter differs from the layout")
-                    dst.copy_(p.data)
-                    p.data = dst
 
     def handle(self) -> BufferHandle:
         """The buffer's IPC handle, created once (re-sharing would add ref counters)."""
