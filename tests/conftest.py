@@ -1,3 +1,4 @@
+import atexit
 import gc
 import itertools
 import os
@@ -121,8 +122,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         gc.enable()
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    gc.unfreeze()  # shutdown finalizes them as it would have (extension modules check)
+# Unfrozen at exit, not in pytest_unconfigure: pytest's unraisable-exception plugin runs a
+# full collection in its unconfigure and another in its cleanup (to flush finalizers of
+# the tests' objects), and unfrozen first, those walked the million collected objects
+# again in every process at its end. atexit runs after both and before shutdown, which
+# finalizes them as it would have (extension modules check).
+atexit.register(gc.unfreeze)
 
 
 def rejects_every_engine_test(markexpr: str) -> bool:
