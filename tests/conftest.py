@@ -1,3 +1,4 @@
+import atexit
 import gc
 import itertools
 import os
@@ -121,8 +122,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         gc.enable()
 
 
-def pytest_unconfigure(config: pytest.Config) -> None:
-    gc.unfreeze()  # shutdown finalizes them as it would have (extension modules check)
+# Unfrozen at exit, not in pytest_unconfigure: pytest's unraisable-exception plugin runs a
+# full collection in its unconfigure and another in its cleanup (to flush finalizers of
+# the tests' objects), and unfrozen first, those walked the million collected objects
+# again in every process at its end. atexit runs after both and before shutdown, which
+# finalizes them as it would have (extension modules check).
+atexit.register(gc.unfreeze)
 
 
 def rejects_every_engine_test(markexpr: str) -> bool:
@@ -154,3 +159,47 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
             config.getoption("markexpr", "") or ""):
         return True
     return None
+
+
+# The fast lane's schedule (``-n 2 --dist loadfile``). xdist hands out whole files, the
+# ones with the most tests first, so the heaviest files (one or a few tests each) came
+# last and one worker ran them while the other had finished. Files are handed out
+# heaviest first instead (test-phase CPU of one worker, measured on the fast lane), the
+# rest as xdist orders them. Two pairs are one unit: each pair pays a per-process cost
+# once on one worker instead of once on each (the fleet-adapter files: the PEFT fake's
+# base models, merged adapters and answers, kept per process; the TRL fleet file and
+# the vLLM contract file: importing vLLM, seconds of CPU).
+_SHARED_UNIT = {
+    "tests/test_fleet_adapters_restart.py": "tests/test_fleet_adapters.py",
+    "tests/test_vllm034_contract_unit.py": "tests/test_trl_lora_fleet_unit.py",
+}
+_HEAVIEST_FIRST = (
+    "tests/test_fleet_adapters.py", "tests/test_trl_lora_fleet_unit.py",
+    "tests/test_cuda_ipc_unit.py", "tests/test_native_lora.py", "tests/test_layering.py",
+    "tests/test_receiver_validation.py", "tests/test_errors_tree.py",
+    "tests/test_service_schemathesis.py", "tests/test_lifecycle_stateful.py",
+    "tests/test_service_control.py", "tests/test_trainer_protocol_fuzz.py",
+    "tests/test_cli_demo.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
+
+    class HeaviestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = str(super()._split_scope(nodeid))
+            return _SHARED_UNIT.get(scope, scope)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The heaviest unit still queued goes next; among the rest, xdist's order.
+            first = min(self.workqueue, key=lambda s: rank.get(s, len(rank)))
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return HeaviestFirst(config, log)
