@@ -239,9 +239,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
                 + (f" with LoRA (rank up to {lora.rank})" if lora else "")
                 + " (a CPU start takes 20-60 s"
                 + ("; its progress below)" if engine_progress else ")"))
-            rollout = (_launch(ckpt, run, traj, journal, engine_progress) if lora is None
-                       else _launch(ckpt, run, traj, journal, engine_progress,
-                                    lora_rank=lora.rank))
+            rollout = _launch(ckpt, run, traj, journal, engine_progress,
+                              lora_rank=None if lora is None else lora.rank)
             info["engine_start_s"] = time.monotonic() - t0
             say(f"[3/4] vLLM started on the checkpoint in {info['engine_start_s']:.1f} s, "
                 f"bootstrapped as {rollout.version.label}")
@@ -349,12 +348,9 @@ def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
     gateway published its own copy)."""
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    if not lora:
-        return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
-                                                  trajectories=traj)
     return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
-                                              trajectories=traj, adapters=True,
-                                              adapter_dir=_sent(traj))
+                                              trajectories=traj, adapters=lora,
+                                              adapter_dir=_sent(traj) if lora else None)
 
 
 def _close(rollout: RolloutCoreRollout | None, interrupt: BaseException | None, presses: list[int],

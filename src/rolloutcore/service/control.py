@@ -258,7 +258,7 @@ class ReportBody(_Strict):
         return self
 
 
-def parse_body(model: type[_Strict], raw: bytes) -> tuple[int, Any]:
+def parse_body(model: type[BaseModel], raw: bytes) -> tuple[int, Any]:
     """(0, model instance) or (HTTP status, error body): 400 bad JSON, 422 bad fields."""
     try:
         obj = json.loads(raw)
