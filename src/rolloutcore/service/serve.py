@@ -238,8 +238,6 @@ def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
 
 def vocab_size(model_dir: Path) -> int | None:
     """The served model's vocabulary (its config.json), for the probe's edge checks."""
-    import json
-
     try:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -673,30 +671,30 @@ def _takeover_checksums(path: str | None) -> Any:
         return None
     from rolloutcore.verification.checksums import ReferenceChecksums
 
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
+    raw = _json_file("--takeover-checksums", path)
     try:
         return ReferenceChecksums.from_dict(raw)
     except BadInput as exc:
         raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
 
 
+def _json_file(flag: str, path: str) -> Any:
+    """The JSON of the file an option names; ``BadInput`` naming the option if unreadable."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{flag} {path}: {exc}") from exc
+
+
 def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
     """The policy probe the takeover runs: saved (``--takeover-probe``) or computed from
     the declared checkpoint (a forward pass of it on this host's CPU)."""
-    import json
-
     from rolloutcore.core.versions import VerificationLevel
     from rolloutcore.verification.probe import PolicyProbe
 
     if args.takeover_probe is not None:
-        try:
-            raw = json.loads(Path(args.takeover_probe).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"--takeover-probe {args.takeover_probe}: {exc}") from exc
-        return PolicyProbe.from_wire(raw, vocab_size=vocab_size(model_dir))
+        return PolicyProbe.from_wire(_json_file("--takeover-probe", args.takeover_probe),
+                                     vocab_size=vocab_size(model_dir))
     if reachable < VerificationLevel.PROBE:
         return None
     return _LazyProbe(model_dir)
