@@ -77,6 +77,7 @@ from rolloutcore.service.native_engine import EngineRounds
 from rolloutcore.service.native_lora import LORA_ROUTES, NativeLora, refuse_lora
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.service.wire import Receive, Scope, Send
 from rolloutcore.transports import engine_key
 
 __all__ = ["Gateway", "create_app"]
@@ -165,7 +166,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                        f"(ServiceConfig.update_mode, serve --update-mode)")
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
-    admission: Any = controller
+    admission: LifecycleController | AdapterEngine = controller
     if adapters is not None:
         if adapters.controller is not controller:
             raise BadInput("adapters must be the manager of this runner's engine")
@@ -339,7 +340,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     data_paths = frozenset(DATA_ROUTES)
     starlette_app = app.build_middleware_stack()
 
-    async def fast_path(scope: Any, receive: Any, send: Any) -> None:
+    async def fast_path(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
             await data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:

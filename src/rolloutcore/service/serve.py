@@ -44,7 +44,13 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
+    from rolloutcore.control.adapters import AdapterManager
+    from rolloutcore.core.adapters import AdapterConfig
+    from rolloutcore.core.versions import VerificationLevel, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.service.recording import GatewayRecorder
+    from rolloutcore.verification.checksums import ReferenceChecksums
 
 __all__ = ["LORA_RANKS", "PORT_IN_USE", "TAKEOVER_REFUSED", "ServeOptions",
            "check_lora_options", "control_token", "exit_on_signal", "lora_engine_args",
@@ -179,7 +185,7 @@ def check_lora_options(lora: object, max_loras: object, max_lora_rank: object) -
 
 
 def lora_engine_args(max_loras: int | None, max_lora_rank: int | None
-                     ) -> tuple[tuple[str, ...], dict[str, str], Any]:
+                     ) -> tuple[tuple[str, ...], dict[str, str], AdapterConfig]:
     """vLLM's arguments and environment for a LoRA engine, and the adapter budget.
 
     ``--max-loras`` bounds the adapters of one batch; the adapters loaded at once
@@ -217,7 +223,7 @@ def control_token(token: str | None, token_file: str | None) -> tuple[str, bool]
     return generate_token(), False
 
 
-def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
+def reachable_verification(capabilities: frozenset[str] | set[str]) -> VerificationLevel:
     """The highest verification an engine with these routes can reach.
 
     ``probe`` needs only the scoring route (``/inference/v1/generate`` with
@@ -443,10 +449,10 @@ def run_serve(args: ServeOptions) -> int:
                   f"committed {controller.committed}", file=sys.stderr)
     else:
         controller = LifecycleController(config=ccfg)
-    adapter: Any = None
-    recorder: Any = None
-    adapters: Any = None
-    lora_budget: Any = None
+    adapter: VllmAdapter | None = None
+    recorder: GatewayRecorder | None = None
+    adapters: AdapterManager | None = None
+    lora_budget: AdapterConfig | None = None
     try:
         if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
@@ -596,12 +602,14 @@ def run_serve(args: ServeOptions) -> int:
             journal.close()
 
 
-def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_dir: Path,
-                     workdir: Path, budget: Any, journal: Any) -> Any:
+def _adapter_manager(args: ServeOptions, adapter: VllmAdapter, controller: Any, model_dir: Path,
+                     workdir: Path, budget: AdapterConfig | None, journal: Any
+                     ) -> AdapterManager:
     """``--lora``: the engine's adapter versions (``control.adapters``), journaled with the
     lifecycle's records; the adapters it publishes are written under the workdir."""
     from rolloutcore.control.adapters import AdapterManager
 
+    assert budget is not None   # lora_engine_args made it, for the launched engine
     rank = 16 if args.max_lora_rank is None else args.max_lora_rank
     m = AdapterManager(adapter.http, controller, base_model=model_dir,
                        store=workdir / "adapters", config=budget,
@@ -613,7 +621,7 @@ def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_di
     return m
 
 
-def _restore_adapters(m: Any, journal_path: str) -> None:
+def _restore_adapters(m: AdapterManager, journal_path: str) -> None:
     """A previous gateway's adapter records: its names are never reused, and the adapter
     it had published is published again (its files, verified on this engine's base,
     under a new name): the engine launched now holds none of its adapters, so nothing
@@ -664,7 +672,7 @@ def _restore_adapters(m: Any, journal_path: str) -> None:
           f"{res.version.name}", file=sys.stderr)
 
 
-def _takeover_checksums(path: str | None) -> Any:
+def _takeover_checksums(path: str | None) -> ReferenceChecksums | None:
     """``--takeover-checksums``: the checkpoint's reference checksums, read and checked
     before anything starts (a bad file is refused with the reason, nothing launched)."""
     if path is None:
@@ -686,7 +694,8 @@ def _json_file(flag: str, path: str) -> Any:
         raise BadInput(f"{flag} {path}: {exc}") from exc
 
 
-def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
+def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: VerificationLevel
+                    ) -> Any:
     """The policy probe the takeover runs: saved (``--takeover-probe``) or computed from
     the declared checkpoint (a forward pass of it on this host's CPU)."""
     from rolloutcore.core.versions import VerificationLevel
@@ -733,7 +742,7 @@ class _LazyProbe:
             p.run(http, target)
 
 
-def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
+def _recoverer(url: str, model_dir: Path, identity: WeightIdentity, probe: Any) -> Any:
     """For a journal left TAINTED: accept a replacement engine, fresh from the checkpoint."""
     from rolloutcore.engine.recovery import OperatorRecoverer
 
