@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from rolloutcore.cli.argtypes import int_in as _int_in
 from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli.vocab import add_report, emit
 
 if TYPE_CHECKING:
     from rolloutcore.integrations.trl import RolloutCoreRollout
@@ -711,10 +711,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"rolloutcore train: failed; the run's files and the engine's log are in "
               f"{workdir} ({workdir / 'logs'})", file=sys.stderr)
         raise
-    doc = json.dumps(rep, indent=2, default=str)
-    print(doc if args.json else format_summary(rep))
-    if args.report:
-        Path(args.report).write_text(doc + "\n")
+    emit(args, json.dumps(rep, indent=2, default=str), format_summary(rep))
     if args.results:
         Path(args.results).write_text(json.dumps(rep["results"], indent=2) + "\n")
     if rep.get("interrupted"):
@@ -779,8 +776,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")
-    add_json(p, "the full report", old_dest="report", old_new="--report")
-    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
+    add_report(p, "the full report", old_json=True)
     p.add_argument("--results", help="write the results summary (results/trl-loop.json keys)")
     p.add_argument("--keep-weights", action="store_true", help=KEEP_WEIGHTS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress lines")
