@@ -43,7 +43,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from pydantic import BaseModel
@@ -79,6 +79,9 @@ from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
 from rolloutcore.service.wire import Receive, Scope, Send
 from rolloutcore.transports import engine_key
+
+if TYPE_CHECKING:
+    from rolloutcore.control.adapters import AdapterManager
 
 __all__ = ["Gateway", "create_app"]
 
@@ -143,7 +146,7 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
 
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                on_finished: Callable[[FinishedRequest], None] | None = None,
-               adapters: Any = None, public_model: str = "policy",
+               adapters: AdapterManager | None = None, public_model: str = "policy",
                native_token: str | None = None) -> Starlette:
     """The gateway app over a runner whose controller is (normally) already bootstrapped.
 

@@ -659,11 +659,9 @@ class DataPlane:
             await self._last_word(send, 503, msg, kind, **self.info(binding, target),
                                   attributable=False, unattributable=msg)
 
-    def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
+    def finishing(self, f: Flight, fin: FinishedRequest) -> None:
         f.finishing = True
         self._release(fin)
-
-    finishing = _finishing
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
                      target: Target, fin: FinishedRequest, f: Flight) -> None:
@@ -680,7 +678,7 @@ class DataPlane:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
         except EffectError as exc:  # EffectTimeout, EngineUnavailable, EngineUnreachable
             fin.status, msg, kind = upstream_failure(exc)
-            self._finishing(f, fin)
+            self.finishing(f, fin)
             # A connection the engine refused is its own signal (it is gone).
             self.admission.observe(target, False, isinstance(exc, EngineUnreachable))
             await send_error(send, fin.status, msg, kind, vh, **info)
@@ -696,7 +694,7 @@ class DataPlane:
                     body = await resp.read(self.config.max_response_bytes)
                 except EffectError as exc:
                     fin.status = 502
-                    self._finishing(f, fin)
+                    self.finishing(f, fin)
                     # An answer too large for the gateway is the request's doing, not
                     # the engine's: it says nothing about the engine's health.
                     self.admission.observe(target, resp.too_large, False)
@@ -706,7 +704,7 @@ class DataPlane:
                 self.admission.observe(target, True, False)
                 fin.ending = "complete"
                 # Released first: the answer says what the release was (unattributable).
-                self._finishing(f, fin)
+                self.finishing(f, fin)
                 marks = _unattributed(fin)
                 if self._on_finished is None and not marks:
                     out = splice_field(body, self.info_json(binding, target))
@@ -755,7 +753,7 @@ class DataPlane:
             fin.ending = "complete"
         fin.events = sse.events
         fin.record_overflow = sse.overflow
-        self._finishing(f, fin)
+        self.finishing(f, fin)
         marks = _unattributed(fin)
         if marks and error is None:
             # The release made it unattributable: a last event says so, before [DONE].
