@@ -184,16 +184,15 @@ class _ClientStream:
         if self._first:
             self._first, raw = False, None
             obj = {**obj, BODY_FIELD: self._info}
+        out = dumps(obj) if raw is None else raw
         if self._collect:
-            out = dumps(obj) if raw is None else raw
             self._room -= len(out)
             if self._room < 0:
                 self._collect, self.overflow = False, True
                 self.events.clear()
             else:
                 self.events.append(obj)
-            return b"data: " + out + b"\n\n"
-        return b"data: " + (dumps(obj) if raw is None else raw) + b"\n\n"
+        return b"data: " + out + b"\n\n"
 
     async def event(self, obj: dict[str, Any]) -> None:
         await self._send({"type": "http.response.body", "body": self._encode(obj),
