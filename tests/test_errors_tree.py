@@ -31,7 +31,6 @@ _ENGINE_HALF = ("runs inside vLLM's engine process and follows its weight-transf
 #: (file under src/rolloutcore, class raised or defined) -> why a class outside the tree.
 ALLOWED: dict[tuple[str, str], str] = {
     ("cli/argtypes.py", "argparse.ArgumentTypeError"): "argparse type functions",
-    ("cli/live.py", "argparse.ArgumentTypeError"): "argparse type functions",
     ("integrations/trl/rollout.py", "AttributeError"): "__getattr__ protocol (the stand-in "
                                                       "for TRL's vllm_generation)",
     ("__init__.py", "AttributeError"): "module __getattr__ protocol (lazy public names)",

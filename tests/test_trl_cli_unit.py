@@ -140,7 +140,8 @@ def test_ctrl_c_during_the_engine_start_exits_130_with_the_report(
     _no_imports(monkeypatch)
     asked: dict[str, Any] = {}
 
-    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
+               lora_rank: int | None = None) -> Any:
         asked["progress"] = progress
         asked["announced"] = "[3/4] starting vLLM" in capsys.readouterr().out
         raise KeyboardInterrupt
@@ -180,7 +181,8 @@ def test_ctrl_c_during_an_update_exits_130_with_the_report_plot_audit_and_journa
     work, model = _workdir(tmp_path, monkeypatch)
     made: dict[str, Any] = {}
 
-    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
+               lora_rank: int | None = None) -> Any:
         made["session"] = s = FakeSession(ckpt, run, journal=journal)
         return RolloutCoreRollout(_SessionEngine(s, owns=True), checkpoint=ckpt, run=run,
                                   trajectories=traj, probe=False)
@@ -248,7 +250,8 @@ def test_a_run_that_finishes_exits_0_and_its_journal_has_no_interruption(
 
     work, model = _workdir(tmp_path, monkeypatch)
 
-    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool) -> Any:
+    def launch(ckpt: Path, run: str, traj: Path, journal: Path, progress: bool,
+               lora_rank: int | None = None) -> Any:
         return RolloutCoreRollout(_SessionEngine(FakeSession(ckpt, run, journal=journal),
                                                  owns=True), checkpoint=ckpt, run=run,
                                   trajectories=traj, probe=False)

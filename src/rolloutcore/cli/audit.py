@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Protocol
 
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli.vocab import add_report, emit
 
 __all__ = ["add_arguments", "print_report", "trajectory_file"]
 
@@ -26,11 +26,8 @@ def print_report(result: Report, args: argparse.Namespace) -> int:
     """Print the result (``--json``: the full report; else its table, ``--max-rows``),
     write the full report to ``--report``; the exit status: 0 when ``ok``, 1 when
     anything is reported (a pipeline gates on it)."""
-    doc = json.dumps(result.to_dict(), indent=2, sort_keys=True)
-    print(doc if args.json else result.format_table(args.max_rows))
-    if args.report is not None:
-        with open(args.report, "w", encoding="utf-8") as f:
-            f.write(doc + "\n")
+    emit(args, json.dumps(result.to_dict(), indent=2, sort_keys=True),
+         result.format_table(args.max_rows))
     return 0 if result.ok else 1
 
 
@@ -76,9 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--journal", default=None, metavar="PATH",
                    help="lifecycle journal (JSON lines), or a fleet's journal directory; "
                         "enables the committed-version checks")
-    add_json(p, "the full report")
-    p.add_argument("--report", default=None, metavar="PATH",
-                   help="write the full report (JSON) to PATH")
+    add_report(p, "the full report")
     p.add_argument("--max-rows", type=int, default=50, metavar="N",
                    help="rows per table in the text report (default 50)")
     p.add_argument("--prefix-tokens", type=int, default=16, metavar="N",

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.cli import argtypes
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli.vocab import add_json, emit, timeline_lines
 from rolloutcore.control.journal import Journal, first_index
 from rolloutcore.control.runner import Deadlines
 from rolloutcore.control.stack import wire
@@ -96,13 +96,7 @@ def run_demo(*, tokens: int = 64, token_delay_s: float = 0.01,
 
 
 def format_demo(r: DemoResult) -> str:
-    lines = ["state timeline (time spent in each state):"]
-    for t in r.timeline:
-        lines.append(f"  {t['from']:<13} -> {t['to']:<13} on {t['event']:<14} "
-                     f"{t['duration_s'] * 1000:9.1f} ms")
-    lines.append("update phases:")
-    for k, v in r.phases.items():
-        lines.append(f"  {k:<20} {v * 1000:9.1f} ms")
+    lines = timeline_lines(r.timeline, r.phases)
     lines.append(f"long rollout: bound to {r.long_rollout['bound']}, "
                  f"{r.long_rollout['tokens']} tokens, engine spans "
                  f"{json.dumps(r.long_rollout['spans'])}")
@@ -117,10 +111,7 @@ def format_demo(r: DemoResult) -> str:
 def _run(args: argparse.Namespace) -> int:
     r = run_demo(tokens=args.tokens, token_delay_s=args.token_delay_ms / 1000.0,
                  journal_path=args.journal)
-    doc = json.dumps(dataclasses.asdict(r), indent=2, default=str)
-    print(doc if args.json else format_demo(r))
-    if args.report:
-        Path(args.report).write_text(doc + "\n")
+    emit(args, json.dumps(dataclasses.asdict(r), indent=2, default=str), format_demo(r))
     return 0 if r.ordering_ok else 1
 
 

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli import argtypes
+from rolloutcore.cli.vocab import add_report, emit, timeline_lines
 
 __all__ = ["add_arguments", "run_live_update"]
 
@@ -94,25 +95,17 @@ def run_live_update(workdir: Path, *, journal_path: Path | None = None,
         session.close()
 
 
-def _print(report: dict[str, Any]) -> None:
-    print(f"engine started in {report['engine_start_s']:.1f}s "
-          f"(pid {report['engine_pid_before']})")
-    lr = report["long_rollout"]
-    print(f"long rollout: bound to {lr['bound_to']}, {lr['tokens']} tokens, "
-          f"vLLM per-token spans {json.dumps(lr['engine_spans'])}")
-    print("state timeline:")
-    for t in report["timeline"]:
-        print(f"  {t['from']:<13} -> {t['to']:<13} on {t['event']:<14} "
-              f"{t['duration_s'] * 1000:9.1f} ms")
-    print("update phases:")
-    for k, v in report["phases_s"].items():
-        print(f"  {k:<20} {v * 1000:9.1f} ms")
-    ident = report["identity"]
-    print(f"published {report['published']['label']} on the same engine process "
-          f"(pid {report['engine_pid_after']}); verification: {ident['verification']}")
-    for e in ident["evidence"]:
-        print(f"  evidence: {e}")
-    print(f"after the update: vLLM spans {json.dumps(report['after_update']['engine_spans'])}")
+def _format(report: dict[str, Any]) -> str:
+    lr, ident = report["long_rollout"], report["identity"]
+    return "\n".join([
+        f"engine started in {report['engine_start_s']:.1f}s (pid {report['engine_pid_before']})",
+        f"long rollout: bound to {lr['bound_to']}, {lr['tokens']} tokens, "
+        f"vLLM per-token spans {json.dumps(lr['engine_spans'])}",
+        *timeline_lines(report["timeline"], report["phases_s"]),
+        f"published {report['published']['label']} on the same engine process "
+        f"(pid {report['engine_pid_after']}); verification: {ident['verification']}",
+        *(f"  evidence: {e}" for e in ident["evidence"]),
+        f"after the update: vLLM spans {json.dumps(report['after_update']['engine_spans'])}"])
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -125,27 +118,11 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"rolloutcore live-update: failed; the engine's log is in {workdir / 'logs'}",
               file=sys.stderr)
         raise
-    doc = json.dumps(rep, indent=2, default=str)
-    if args.json:
-        print(doc)
-    else:
-        _print(rep)
-    if args.report:
-        Path(args.report).write_text(doc + "\n")
+    emit(args, json.dumps(rep, indent=2, default=str), _format(rep))
     ok = (rep["engine_pid_before"] == rep["engine_pid_after"]
           and {s["version"] for s in rep["long_rollout"]["engine_spans"]}
           <= {rep["long_rollout"]["bound_to"]})
     return 0 if ok else 1
-
-
-def _tokens(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
-    if not 1 <= v <= 400:
-        raise argparse.ArgumentTypeError("must be in 1..400 (the model's context is 512)")
-    return v
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,9 +130,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="where the checkpoints go, and every log (the engine's "
                    "in WORKDIR/logs, its path printed on a failure; default: a temp dir)")
     p.add_argument("--journal", help="write the lifecycle journal (JSON lines) here")
-    add_json(p, "the full report", old_dest="report", old_new="--report")
-    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
-    p.add_argument("--rollout-tokens", type=_tokens, default=400,
-                   help="length of the rollout in flight during the update (1-400)")
+    add_report(p, "the full report", old_json=True)
+    p.add_argument("--rollout-tokens", type=argtypes.int_in(1, 400), default=400,
+                   help="length of the rollout in flight during the update (1-400: the "
+                        "model's context is 512)")
     p.add_argument("--quiet", action="store_true", help="no start-up progress")
     p.set_defaults(func=_cmd)

@@ -6,7 +6,7 @@ import argparse
 
 from rolloutcore.cli import argtypes
 from rolloutcore.cli.audit import add_trajectories, print_report, trajectory_file
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli.vocab import add_report
 from rolloutcore.provenance.replay_options import DEFAULT_TOLERANCE, MismatchPolicy
 
 __all__ = ["add_arguments"]
@@ -47,9 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         " not just labels")
     p.add_argument("--timeout", type=argtypes.positive_seconds, default=120.0, metavar="S",
                    help="timeout of each engine call in seconds (default 120)")
-    add_json(p, "the full report")
-    p.add_argument("--report", default=None, metavar="PATH",
-                   help="write the full report (JSON) to PATH")
+    add_report(p, "the full report")
     p.add_argument("--max-rows", type=int, default=50, metavar="N",
                    help="rows in the text report (default 50)")
     p.set_defaults(func=_run)

@@ -46,13 +46,19 @@ needs. Exit statuses and messages: docs/troubleshooting.md.
 """
 
 
-def options(args: argparse.Namespace) -> Any:
-    """The parsed command line as ``ServeOptions`` (imports the service)."""
+def _fields_of(cls: Any, args: argparse.Namespace, **given: object) -> Any:
+    """``cls`` built from the options of the same names; ``given`` for those named otherwise."""
     from dataclasses import fields
 
+    return cls(**{f.name: given[f.name] if f.name in given else getattr(args, f.name)
+                  for f in fields(cls)})
+
+
+def options(args: argparse.Namespace) -> Any:
+    """The parsed command line as ``ServeOptions`` (imports the service)."""
     from rolloutcore.service.serve import ServeOptions
 
-    return ServeOptions(**{f.name: getattr(args, f.name) for f in fields(ServeOptions)})
+    return _fields_of(ServeOptions, args)
 
 
 #: ``serve`` options a fleet does not take, with why: given with ``--engines N``
@@ -91,22 +97,8 @@ def fleet_options(args: argparse.Namespace) -> Any:
     for name, (default, why) in FLEET_REFUSED.items():
         if getattr(args, name) != default:
             raise BadInput(f"--{name.replace('_', '-')} with a fleet: {why}")
-    return FleetServeOptions(
-        engines=args.engines, ray=args.ray, ray_address=args.ray_address, model=args.model,
-        step=args.step, workdir=args.workdir, host=args.host, port=args.port,
-        token=args.token, token_file=args.token_file, token_out=args.token_out,
-        data_token=args.data_token, default_policy=args.default_policy, quorum=args.quorum,
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        min_serving=args.min_serving, queue=args.queue, queue_wait_s=args.queue_wait_s,
-        health_interval_s=args.health_interval_s, journal_dir=args.journal,
-        record=args.record, min_verification=args.min_verification,
-        takeover_probe=args.takeover_probe, drain_policy=args.drain_policy,
-        drain_timeout_s=args.drain_timeout_s, max_body_bytes=args.max_body_bytes,
-        client_body_s=args.client_body_s, client_send_s=args.client_send_s,
-        lora=args.lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-        vllm_args=tuple(args.vllm_args), native_routes=args.native_routes,
-        lease_s=args.lease_s)
+    return _fields_of(FleetServeOptions, args, journal_dir=args.journal,
+                      vllm_args=tuple(args.vllm_args))
 
 
 def _run(args: argparse.Namespace) -> int:

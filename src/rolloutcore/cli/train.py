@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 from rolloutcore.cli.argtypes import int_in as _int_in
 from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
-from rolloutcore.cli.vocab import add_json
+from rolloutcore.cli.vocab import add_report, emit
 
 if TYPE_CHECKING:
     from rolloutcore.integrations.trl import RolloutCoreRollout
@@ -239,9 +239,8 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
                 + (f" with LoRA (rank up to {lora.rank})" if lora else "")
                 + " (a CPU start takes 20-60 s"
                 + ("; its progress below)" if engine_progress else ")"))
-            rollout = (_launch(ckpt, run, traj, journal, engine_progress) if lora is None
-                       else _launch(ckpt, run, traj, journal, engine_progress,
-                                    lora_rank=lora.rank))
+            rollout = _launch(ckpt, run, traj, journal, engine_progress,
+                              lora_rank=None if lora is None else lora.rank)
             info["engine_start_s"] = time.monotonic() - t0
             say(f"[3/4] vLLM started on the checkpoint in {info['engine_start_s']:.1f} s, "
                 f"bootstrapped as {rollout.version.label}")
@@ -349,12 +348,9 @@ def _through_gateway(url: str, token: str, ckpt: Path, run: str, traj: Path,
     gateway published its own copy)."""
     from rolloutcore.integrations.trl import RolloutCoreRollout
 
-    if not lora:
-        return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
-                                                  trajectories=traj)
     return RolloutCoreRollout.through_gateway(url, token, checkpoint=ckpt, run=run,
-                                              trajectories=traj, adapters=True,
-                                              adapter_dir=_sent(traj))
+                                              trajectories=traj, adapters=lora,
+                                              adapter_dir=_sent(traj) if lora else None)
 
 
 def _close(rollout: RolloutCoreRollout | None, interrupt: BaseException | None, presses: list[int],
@@ -715,10 +711,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"rolloutcore train: failed; the run's files and the engine's log are in "
               f"{workdir} ({workdir / 'logs'})", file=sys.stderr)
         raise
-    doc = json.dumps(rep, indent=2, default=str)
-    print(doc if args.json else format_summary(rep))
-    if args.report:
-        Path(args.report).write_text(doc + "\n")
+    emit(args, json.dumps(rep, indent=2, default=str), format_summary(rep))
     if args.results:
         Path(args.results).write_text(json.dumps(rep["results"], indent=2) + "\n")
     if rep.get("interrupted"):
@@ -783,8 +776,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-gain", type=_pos_float, default=3.0,
                    help="exit 1 unless the last-5 mean reward is this many times the "
                         "first-5 (default 3)")
-    add_json(p, "the full report", old_dest="report", old_new="--report")
-    p.add_argument("--report", metavar="PATH", help="write the full report (JSON) here")
+    add_report(p, "the full report", old_json=True)
     p.add_argument("--results", help="write the results summary (results/trl-loop.json keys)")
     p.add_argument("--keep-weights", action="store_true", help=KEEP_WEIGHTS_HELP)
     p.add_argument("--quiet", action="store_true", help="no progress lines")

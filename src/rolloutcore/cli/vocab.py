@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["HelpFormatter", "add_json", "deprecated", "warn_deprecated"]
+__all__ = ["HelpFormatter", "add_json", "add_report", "deprecated", "emit", "timeline_lines",
+           "warn_deprecated"]
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -87,3 +89,31 @@ def add_json(p: argparse.ArgumentParser | Any, what: str, *, old_dest: str | Non
     p.add_argument("--json", nargs="?", action=action, default=False, metavar="PATH",
                    help=f"print {what} as JSON on stdout (--json PATH, the old spelling "
                         f"of {old_new} PATH, still works, with a warning)")
+
+
+def add_report(p: argparse.ArgumentParser, what: str, *, old_json: bool = False) -> None:
+    """``--json`` (print ``what``) and ``--report PATH`` (write it). ``old_json``: this
+    verb's ``--json PATH`` is the old spelling of ``--report PATH``."""
+    if old_json:
+        add_json(p, what, old_dest="report", old_new="--report")
+    else:
+        add_json(p, what)
+    p.add_argument("--report", default=None, metavar="PATH",
+                   help=f"write {what} (JSON) to PATH")
+
+
+def emit(args: argparse.Namespace, doc: str, text: str) -> None:
+    """``doc`` (JSON) on stdout with ``--json``, else ``text``; ``doc`` to ``--report``."""
+    print(doc if args.json else text)
+    if args.report:
+        Path(args.report).write_text(doc + "\n", encoding="utf-8")
+
+
+def timeline_lines(timeline: Sequence[Mapping[str, Any]],
+                   phases: Mapping[str, float]) -> list[str]:
+    """The controller's state timeline and an update's phases, one line each."""
+    lines = ["state timeline (time spent in each state):"]
+    lines += [f"  {t['from']:<13} -> {t['to']:<13} on {t['event']:<14} "
+              f"{t['duration_s'] * 1000:9.1f} ms" for t in timeline]
+    return lines + ["update phases:"] + [f"  {k:<20} {v * 1000:9.1f} ms"
+                                         for k, v in phases.items()]

@@ -142,13 +142,6 @@ class PublishedAdapter:
     def replicas(self) -> tuple[str, ...]:
         return tuple(sorted(self.acks))
 
-    def version_on(self, replica: str = "") -> AdapterVersion:
-        """The version as ``replica`` holds it (``""``: the one engine's)."""
-        a = self.acks.get(replica)
-        if a is None:
-            raise BadInput(f"adapter {self.name} was not acknowledged by {replica!r}")
-        return a.version
-
     @property
     def probe_max_abs_diff(self) -> float | None:
         """The largest difference of the probe through the adapter, on any engine."""

@@ -34,13 +34,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.records import Record, Transition
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import RouteRefused
+
+if TYPE_CHECKING:
+    from rolloutcore.control.adapters import AdapterManager
 
 __all__ = ["AdapterEngine", "Admission", "ClientNames", "OneEngine", "Target"]
 
@@ -61,7 +64,7 @@ class Target:
     info: Mapping[str, Any] = field(default_factory=dict)
     headers: tuple[tuple[bytes, bytes], ...] = ()
     model: str | None = None
-    on_release: Callable[[str], None] | None = None
+    on_release: Callable[[str], object] | None = None
 
     def body(self, raw: bytes, payload: dict[str, Any]) -> bytes:
         """The request as forwarded: ``raw``, or sent as ``model`` (``payload`` says so too,
@@ -175,7 +178,7 @@ class AdapterEngine(OneEngine):
     model's while that name is current (the name loaded last).
     """
 
-    def __init__(self, adapters: Any, upstream_url: str | Callable[[], str], *,
+    def __init__(self, adapters: AdapterManager, upstream_url: str | Callable[[], str], *,
                  public_model: str = "policy", refuse_prompt_logprobs: bool = True,
                  base_beside_adapters: bool = False) -> None:
         super().__init__(adapters.controller, upstream_url)

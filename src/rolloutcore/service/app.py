@@ -43,9 +43,10 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
+from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -76,7 +77,11 @@ from rolloutcore.service.native_engine import EngineRounds
 from rolloutcore.service.native_lora import LORA_ROUTES, NativeLora, refuse_lora
 from rolloutcore.service.passthrough import READ_ONLY_ROUTES, ReadOnlyRoutes
 from rolloutcore.service.proxy import DATA_ROUTES, DataPlane, FinishedRequest
+from rolloutcore.service.wire import Receive, Scope, Send
 from rolloutcore.transports import engine_key
+
+if TYPE_CHECKING:
+    from rolloutcore.control.adapters import AdapterManager
 
 __all__ = ["Gateway", "create_app"]
 
@@ -141,7 +146,7 @@ def _json(status: int, obj: Any, headers: dict[str, str] | None = None) -> JSONR
 
 def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                on_finished: Callable[[FinishedRequest], None] | None = None,
-               adapters: Any = None, public_model: str = "policy",
+               adapters: AdapterManager | None = None, public_model: str = "policy",
                native_token: str | None = None) -> Starlette:
     """The gateway app over a runner whose controller is (normally) already bootstrapped.
 
@@ -164,7 +169,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
                        f"(ServiceConfig.update_mode, serve --update-mode)")
     metrics = ServiceMetrics(controller)
     controller.add_listener(metrics.listener)
-    admission: Any = controller
+    admission: LifecycleController | AdapterEngine = controller
     if adapters is not None:
         if adapters.controller is not controller:
             raise BadInput("adapters must be the manager of this runner's engine")
@@ -203,54 +208,49 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     async def json_body(request: Request) -> bytes | Response:
         return await control_body(request, config)
 
-    def parsed(model: Any, raw: bytes) -> tuple[int, Any]:
-        """``parse_body``, with JSON nested too deep for the parser answered 400, not 500."""
+    async def parsed(request: Request, model: type[BaseModel]) -> Any:
+        """The body as ``model`` (``parse_body``), or the answer that refuses it; JSON
+        nested too deep for the parser is answered 400, not 500."""
+        raw = await json_body(request)
+        if isinstance(raw, Response):
+            return raw
         try:
-            return parse_body(model, raw)
+            code, body = parse_body(model, raw)
         except RecursionError:
-            return 400, {"error": "malformed JSON", "detail": "nested too deeply"}
+            code, body = 400, {"error": "malformed JSON", "detail": "nested too deeply"}
+        return _json(code, body) if code else body
 
-    def update_id(request: Request) -> int | None:
+    def update_id(request: Request) -> int | Response:
+        """The path's update id once the caller is let in: the refusal, or 404 for an id
+        no update can have."""
+        if (r := denied(request)) is not None:
+            return r
         raw = request.path_params["update_id"]
         # ASCII digits only: str.isdigit() also holds for '²' or '①', which int() refuses.
-        if not (raw.isascii() and raw.isdigit()) or len(raw) > 19:
-            return None
-        v = int(raw)
-        return v if 0 < v <= _INT63 else None
+        v = int(raw) if raw.isascii() and raw.isdigit() and len(raw) <= 19 else 0
+        return v if 0 < v <= _INT63 else _json(404, {"error": "no such update"})
 
     async def begin(request: Request) -> Response:
         if (r := denied(request)) is not None:
             return r
-        raw = await json_body(request)
-        if isinstance(raw, Response):
-            return raw
-        code, body_ = parsed(BeginBody, raw)
-        if code:
-            return _json(code, body_)
-        status, body = await updates.begin(body_, disconnected=request.is_disconnected)
-        return _json(status, body)
+        body = await parsed(request, BeginBody)
+        if isinstance(body, Response):
+            return body
+        return _json(*await updates.begin(body, disconnected=request.is_disconnected))
 
     async def report(request: Request) -> Response:
-        if (r := denied(request)) is not None:
-            return r
         uid = update_id(request)
-        if uid is None:
-            return _json(404, {"error": "no such update"})
-        raw = await json_body(request)
-        if isinstance(raw, Response):
-            return raw
-        code, body_ = parsed(ReportBody, raw)
-        if code:
-            return _json(code, body_)
-        status, body = await updates.report(uid, body_, request.headers.get(LEASE_HEADER))
-        return _json(status, body)
+        if isinstance(uid, Response):
+            return uid
+        body = await parsed(request, ReportBody)
+        if isinstance(body, Response):
+            return body
+        return _json(*await updates.report(uid, body, request.headers.get(LEASE_HEADER)))
 
     async def get_update(request: Request) -> Response:
-        if (r := denied(request)) is not None:
-            return r
         uid = update_id(request)
-        if uid is None:
-            return _json(404, {"error": "no such update"})
+        if isinstance(uid, Response):
+            return uid
         return _json(*updates.get(uid, request.headers.get(LEASE_HEADER)))
 
     async def status(request: Request) -> Response:
@@ -343,7 +343,7 @@ def create_app(runner: LifecycleRunner, config: ServiceConfig, *,
     data_paths = frozenset(DATA_ROUTES)
     starlette_app = app.build_middleware_stack()
 
-    async def fast_path(scope: Any, receive: Any, send: Any) -> None:
+    async def fast_path(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
             await data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:

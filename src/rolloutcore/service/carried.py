@@ -63,14 +63,15 @@ from rolloutcore.core.versions import WeightVersion
 from rolloutcore.engine.routes import Routes
 from rolloutcore.engine.stream import chunk_of
 from rolloutcore.engine.wire import GenerationChunk
-from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnreachable
+from rolloutcore.errors import BadInput, EffectError, EngineUnreachable
 from rolloutcore.service.wire import (
     BODY_FIELD,
     Send,
     dumps,
     error_body,
     inject_json,
-    send_json,
+    send_error,
+    upstream_failure,
 )
 
 if TYPE_CHECKING:
@@ -183,16 +184,15 @@ class _ClientStream:
         if self._first:
             self._first, raw = False, None
             obj = {**obj, BODY_FIELD: self._info}
+        out = dumps(obj) if raw is None else raw
         if self._collect:
-            out = dumps(obj) if raw is None else raw
             self._room -= len(out)
             if self._room < 0:
                 self._collect, self.overflow = False, True
                 self.events.clear()
             else:
                 self.events.append(obj)
-            return b"data: " + out + b"\n\n"
-        return b"data: " + (dumps(obj) if raw is None else raw) + b"\n\n"
+        return b"data: " + out + b"\n\n"
 
     async def event(self, obj: dict[str, Any]) -> None:
         await self._send({"type": "http.response.body", "body": self._encode(obj),
@@ -305,21 +305,16 @@ class CarriedRelay:
             req_id = rid if len(segs) == 1 else f"{rid}.{len(segs) - 1}"
             try:
                 resp = await upstream.post(path, raw, req_id.encode())
-            except (EffectTimeout, EffectError) as exc:
-                timeout = isinstance(exc, EffectTimeout)
-                fin.status = 504 if timeout else 502
+            except EffectError as exc:  # EffectTimeout, EngineUnavailable, EngineUnreachable
+                fin.status, msg, kind = upstream_failure(exc)
                 plane.admission.observe(target, False, isinstance(exc, EngineUnreachable))
-                msg = (f"vLLM did not answer in time: {exc!r}" if timeout
-                       else f"vLLM unreachable: {exc!r}")
                 plane.finishing(f, fin)
                 if out is not None:
                     fin.events, fin.record_overflow = out.events, out.overflow
                     await send({"type": "http.response.body", "more_body": False,
                                 "body": out.error_tail(msg)})
                 else:
-                    await send_json(send, fin.status, error_body(
-                        fin.status, msg, "UpstreamTimeout" if timeout else "UpstreamError",
-                        **info), vh)
+                    await send_error(send, fin.status, msg, kind, vh, **info)
                 return
             complete = False
             try:
@@ -415,8 +410,8 @@ class CarriedRelay:
         except EffectError as exc:
             fin.status = 502
             self.plane.finishing(f, fin)
-            await send_json(send, 502, error_body(502, f"vLLM answer broke off: {exc!r}",
-                                                  "UpstreamError", **info), vh)
+            await send_error(send, 502, f"vLLM answer broke off: {exc!r}", "UpstreamError", vh,
+                             **info)
             return
         fin.status, fin.ending = resp.status, "complete"
         self.plane.admission.observe(target, True, False)
@@ -513,8 +508,8 @@ class CarriedRelay:
         if merged is None or ended is not None:
             status = fin.status if fin.status >= 500 else 502
             fin.status = status
-            await send_json(send, status, error_body(status, ended or "no answer from vLLM",
-                                                     "UpstreamError", **info, **extra), vh)
+            await send_error(send, status, ended or "no answer from vLLM", "UpstreamError", vh,
+                             **info, **extra)
             return
         if len(segs) > 1:
             merged = _with_spans(merged, spans)

@@ -460,14 +460,9 @@ class RolloutCoreClient:
             expect["engine_checksums"] = dict(engine_checksums)
         if transport_checksum:
             expect["transport_checksum"] = True
-        if expect:
-            body["expect"] = expect
-        if label is not None:
-            body["label"] = label
-        if lease_s is not None:
-            body["lease_s"] = lease_s
-        if source_manifest_digest is not None:
-            body["source_manifest_digest"] = source_manifest_digest
+        given = {"expect": expect or None, "label": label, "lease_s": lease_s,
+                 "source_manifest_digest": source_manifest_digest}
+        body.update({k: v for k, v in given.items() if v is not None})
         for attempt in range(retries + 1):
             sent = time.monotonic()
             try:

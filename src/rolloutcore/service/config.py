@@ -177,21 +177,16 @@ class ServiceConfig:
             if not isinstance(tok, str) or len(tok) < 16 or any(c.isspace() for c in tok):
                 raise BadInput(f"{name} must be a string of at least 16 characters "
                                "without whitespace")
-        _positive("max_body_bytes", self.max_body_bytes, integer=True)
         if isinstance(self.queue_max, bool) or not isinstance(self.queue_max, int) or (
                 self.queue_max < 0):
             raise BadInput(f"queue_max must be an integer >= 0, got {self.queue_max!r}")
         for name in ("queue_wait_s", "lease_s", "max_lease_s", "upstream_connect_s",
-                     "upstream_read_s", "upstream_keepalive_s"):
+                     "upstream_read_s", "upstream_keepalive_s", "health_timeout_s",
+                     "client_body_s", "client_header_s", "client_send_s"):
             _positive(name, getattr(self, name))
-        for name in ("upstream_max_connections", "history", "remember_updates",
-                     "health_failures"):
-            _positive(name, getattr(self, name), integer=True)
-        _positive("health_timeout_s", self.health_timeout_s)
-        for name in ("client_body_s", "client_header_s", "client_send_s"):
-            _positive(name, getattr(self, name))
-        for name in ("max_concurrent_requests", "max_response_bytes", "max_record_bytes",
-                     "max_json_depth"):
+        for name in ("max_body_bytes", "upstream_max_connections", "history",
+                     "remember_updates", "health_failures", "max_concurrent_requests",
+                     "max_response_bytes", "max_record_bytes", "max_json_depth"):
             _positive(name, getattr(self, name), integer=True)
         if self.health_interval_s != 0:
             _positive("health_interval_s (or 0: no watch)", self.health_interval_s)

@@ -258,7 +258,7 @@ class ReportBody(_Strict):
         return self
 
 
-def parse_body(model: type[_Strict], raw: bytes) -> tuple[int, Any]:
+def parse_body(model: type[BaseModel], raw: bytes) -> tuple[int, Any]:
     """(0, model instance) or (HTTP status, error body): 400 bad JSON, 422 bad fields."""
     try:
         obj = json.loads(raw)
@@ -392,13 +392,16 @@ class UpdateManager:
                 return u
         return None
 
-    def get(self, update_id: int, lease: str | None = None) -> tuple[int, dict[str, Any]]:
+    def _owned(self, update_id: int, lease: str | None) -> _Update | tuple[int, dict[str, Any]]:
+        """The update whose lease secret ``lease`` is, else the 404 or 403 that refuses."""
         u = self._updates.get(update_id)
         if u is None:
             return 404, {"error": f"no update {update_id}"}
-        if not u.owns(lease):
-            return 403, _NOT_YOURS
-        return 200, u.describe()
+        return u if u.owns(lease) else (403, _NOT_YOURS)
+
+    def get(self, update_id: int, lease: str | None = None) -> tuple[int, dict[str, Any]]:
+        u = self._owned(update_id, lease)
+        return u if isinstance(u, tuple) else (200, u.describe())
 
     def _check_begin(self, body: BeginBody) -> tuple[int, dict[str, Any]] | _Checked:
         """The floor and the expectations, before anything drains (422 with the reason)."""
@@ -406,15 +409,17 @@ class UpdateManager:
         floor = cfg.floor
         want = floor if body.min_verification is None else VerificationLevel.parse(
             body.min_verification)
+
+        def refused(error: str) -> tuple[int, dict[str, Any]]:
+            return 422, {"error": error, "floor": floor.wire, "requested": want.wire}
+
         if want < floor:
-            return 422, {"error": f"min_verification {want.wire!r} is below this gateway's "
-                         f"floor {floor.wire!r} (rolloutcore serve --min-verification); "
-                         "ask for at least the floor, or send nothing to get it",
-                         "floor": floor.wire, "requested": want.wire}
+            return refused(f"min_verification {want.wire!r} is below this gateway's floor "
+                           f"{floor.wire!r} (rolloutcore serve --min-verification); ask for "
+                           "at least the floor, or send nothing to get it")
         if want > cfg.reachable_verification:
-            return 422, {"error": f"min_verification {want.wire!r} cannot be reached on this "
-                         f"engine (at most {cfg.reachable_verification.wire!r})",
-                         "floor": floor.wire, "requested": want.wire}
+            return refused(f"min_verification {want.wire!r} cannot be reached on this engine "
+                           f"(at most {cfg.reachable_verification.wire!r})")
         ex = body.expect
         probe: PolicyProbe | None = None
         if ex is not None and ex.probe is not None:
@@ -425,15 +430,14 @@ class UpdateManager:
                              "floor": floor.wire}
         ref = None if ex is None or ex.engine_checksums is None else dict(ex.engine_checksums)
         if want >= VerificationLevel.PROBE and probe is None:
-            return 422, {"error": f"min_verification {want.wire!r} needs the policy probe's "
-                         "expectations (expect.probe: PolicyProbe.to_wire() of the weights "
-                         "you send)", "floor": floor.wire, "requested": want.wire}
+            return refused(f"min_verification {want.wire!r} needs the policy probe's "
+                           "expectations (expect.probe: PolicyProbe.to_wire() of the weights "
+                           "you send)")
         if want is VerificationLevel.ENGINE_CHECKSUM and ref is None and probe is None and (
                 ex is None or not ex.transport_checksum):
-            return 422, {"error": "min_verification 'engine-checksum' needs reference "
-                         "checksums (expect.engine_checksums) or the transport's checksum "
-                         "of what it sends (expect.transport_checksum)",
-                         "floor": floor.wire, "requested": want.wire}
+            return refused("min_verification 'engine-checksum' needs reference checksums "
+                           "(expect.engine_checksums) or the transport's checksum of what it "
+                           "sends (expect.transport_checksum)")
         if (probe is not None or ref is not None) and not isinstance(
                 self.runner.adapter, ExpectationTaker):
             return 422, {"error": "this gateway's engine adapter cannot compare expectations"}
@@ -447,6 +451,10 @@ class UpdateManager:
         to read the answer: a grant nobody received is classified at once."""
         cfg = self.config
         busy = self.open_update
+
+        def conflict(error: str) -> tuple[int, dict[str, Any]]:
+            return 409, {"error": error, "state": self.runner.controller.state.value}
+
         if busy is not None and body.begin_key is not None and busy.begin_key == \
                 body.begin_key and busy.owner == body.owner and \
                 busy.state is LeaseState.OPEN:
@@ -454,20 +462,17 @@ class UpdateManager:
             return 200, self._grant(busy)
         if self._opening or busy is not None:
             who = f"update {busy.update_id} by {busy.owner!r}" if busy else "another begin"
-            return 409, {"error": f"{who} is in progress; one writer at a time",
-                         "state": self.runner.controller.state.value}
+            return conflict(f"{who} is in progress; one writer at a time")
         broken = self.runner.controller.failed_closed
         if broken is not None:
             # Before the body's own checks: no begin, however well formed, can run
             # until the controller is restored, and the trainer should hear that.
-            return 409, {"error": f"the controller failed closed ({broken}): no update can "
-                                  "begin until it is restored",
-                         "state": self.runner.controller.state.value}
+            return conflict(f"the controller failed closed ({broken}): no update can begin "
+                            "until it is restored")
         draft = engine_draft_of(self.runner.adapter)
         if draft is not None:
             # The trainer's transfer carries the target only: refused before the drain.
-            return 409, {"error": engine_draft_refusal(draft, remote=True),
-                         "state": self.runner.controller.state.value}
+            return conflict(engine_draft_refusal(draft, remote=True))
         try:
             identity = body.identity.to_identity()
         except BadInput as exc:
@@ -520,10 +525,8 @@ class UpdateManager:
 
         try:
             out, route_key = await anyio.to_thread.run_sync(open_)
-        except UpdateRefused as exc:
-            return 409, {"error": str(exc), "state": self.runner.controller.state.value}
-        except BadInput as exc:
-            return 409, {"error": str(exc), "state": self.runner.controller.state.value}
+        except (UpdateRefused, BadInput) as exc:
+            return conflict(str(exc))
         except UpdateFailed as exc:
             result = _failure(exc)
             self._observe(result["classification"], exc.outcome)
@@ -574,11 +577,9 @@ class UpdateManager:
     # ------------------------------------------------------------ report
     async def report(self, update_id: int, body: ReportBody,
                      lease: str | None = None) -> tuple[int, dict[str, Any]]:
-        upd = self._updates.get(update_id)
-        if upd is None:
-            return 404, {"error": f"no update {update_id}"}
-        if not upd.owns(lease):
-            return 403, _NOT_YOURS
+        upd = self._owned(update_id, lease)
+        if isinstance(upd, tuple):
+            return upd
         ev: TransferEvidence | None = None
         sent: dict[str, Any] | None = None
         if body.transfer is not None:

@@ -22,10 +22,9 @@ from rolloutcore.service.wire import (
     Scope,
     Send,
     body_or_answer,
-    error_body,
     headers_of_interest,
     send_auth_refusal,
-    send_json,
+    send_error,
 )
 
 __all__ = ["READ_ONLY_ROUTES", "ReadOnlyRoutes"]
@@ -74,9 +73,8 @@ class ReadOnlyRoutes:
         cfg = self.config
         method = READ_ONLY_ROUTES[route]
         if scope["method"] != method:
-            await send_json(send, 405, error_body(405, f"use {method}", "MethodNotAllowed"),
-                            [(b"allow", method.encode())])
-            return 405
+            return await send_error(send, 405, f"use {method}", "MethodNotAllowed",
+                                    [(b"allow", method.encode())])
         hdrs = headers_of_interest(scope)
         auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
@@ -88,10 +86,9 @@ class ReadOnlyRoutes:
                     got = await body_or_answer(receive, send, cfg.max_body_bytes,
                                                hdrs.get(b"content-length"))
             except TimeoutError:
-                await send_json(send, 408, error_body(
-                    408, f"the request body did not arrive within {cfg.client_body_s:g}s",
-                    "RequestTimeout"), [(b"connection", b"close")])
-                return 408
+                return await send_error(
+                    send, 408, f"the request body did not arrive within {cfg.client_body_s:g}s",
+                    "RequestTimeout", [(b"connection", b"close")])
             if isinstance(got, int):
                 return got
             body = got
@@ -108,13 +105,11 @@ class ReadOnlyRoutes:
                 content=body or None, headers=headers, check_status=False,
                 mutation_started=False, what=f"{method} {route}")
         except EffectTimeout as exc:
-            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: "
-                                                  f"{exc.__cause__!r}", "UpstreamTimeout"))
-            return 504
+            return await send_error(send, 504, f"vLLM did not answer in time: "
+                                    f"{exc.__cause__!r}", "UpstreamTimeout")
         except EffectError as exc:
-            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc.__cause__!r}",
-                                                  "UpstreamError"))
-            return 502
+            return await send_error(send, 502, f"vLLM unreachable: {exc.__cause__!r}",
+                                    "UpstreamError")
         out = [(b"content-type", resp.headers.get("content-type", "application/json")
                 .encode("latin-1")), (b"content-length", str(len(resp.content)).encode())]
         await send({"type": "http.response.start", "status": resp.status_code,

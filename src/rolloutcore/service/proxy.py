@@ -57,7 +57,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -78,7 +77,6 @@ from rolloutcore.errors import (
     AdmissionRefused,
     BadInput,
     EffectError,
-    EffectTimeout,
     EngineUnreachable,
     InvalidTransition,
     RouteRefused,
@@ -110,9 +108,12 @@ from rolloutcore.service.wire import (
     headers_of_interest,
     inject_json,
     json_depth,
+    retry_headers,
     send_auth_refusal,
+    send_error,
     send_json,
     splice_field,
+    upstream_failure,
     validate_request,
     vllm_request_ids,
 )
@@ -428,9 +429,9 @@ class DataPlane:
         cfg = self.config
         if len(self.flights) >= cfg.max_concurrent_requests:
             self.metrics.overloaded.inc()
-            await send_json(send, 503, error_body(
-                503, f"the gateway has {cfg.max_concurrent_requests} requests in progress",
-                "ServiceUnavailable"), [(b"retry-after", b"1")])
+            await send_error(send, 503, f"the gateway has {cfg.max_concurrent_requests} "
+                             "requests in progress", "ServiceUnavailable",
+                             [(b"retry-after", b"1")])
             self._count(route, 503)
             return
         task = asyncio.current_task()
@@ -461,24 +462,22 @@ class DataPlane:
         hdrs = [(b"connection", b"close")] if close else []
         with contextlib.suppress(Exception):
             async with asyncio.timeout(_LAST_WORD_S):
-                await send_json(send, status, error_body(status, message, kind, **extra), hdrs)
+                await send_error(send, status, message, kind, hdrs, **extra)
 
     async def _handle(self, scope: Scope, receive: Receive, send: Send, route: str,
                       f: Flight) -> int:
         cfg = self.config
         if scope["method"] != "POST":
-            await send_json(send, 405, error_body(405, "use POST", "MethodNotAllowed"),
-                            [(b"allow", b"POST")])
-            return 405
+            return await send_error(send, 405, "use POST", "MethodNotAllowed",
+                                    [(b"allow", b"POST")])
         hdrs = headers_of_interest(scope, self._wanted)
         auth = check_bearer(hdrs.get(b"authorization"), cfg.data_token)
         if not auth.ok:
             return await send_auth_refusal(send, auth)
         ctype = hdrs.get(b"content-type", b"")
         if ctype.split(b";")[0].strip().lower() != b"application/json":
-            await send_json(send, 415, error_body(415, "Content-Type must be application/json",
-                                                  "UnsupportedMediaType"))
-            return 415
+            return await send_error(send, 415, "Content-Type must be application/json",
+                                    "UnsupportedMediaType")
         try:
             raw = await body_or_answer(receive, send, cfg.max_body_bytes,
                                        hdrs.get(b"content-length"))
@@ -494,26 +493,19 @@ class DataPlane:
         f.phase = "checking"
         problem, payload = validate_request(raw, cfg.max_json_depth)
         problem = problem or check_client_salt(payload)
-        if problem:
-            await send_json(send, 400, error_body(400, problem, "BadRequest"))
-            return 400
-        if self.asynchronous and (problem := check_one_sample(route, payload)):
-            await send_json(send, 400, error_body(400, problem, "BadRequest"))
-            return 400
+        if problem or (self.asynchronous and (problem := check_one_sample(route, payload))):
+            return await send_error(send, 400, problem, "BadRequest")
         try:  # images: checked and described before anything is admitted
             media = inspect_media(route, payload, cfg.media)
         except MediaError as exc:
-            await send_json(send, exc.status, error_body(exc.status, str(exc),
-                                                         _MEDIA_KIND[exc.status]))
-            return exc.status
+            return await send_error(send, exc.status, str(exc), _MEDIA_KIND[exc.status])
         rid_h = hdrs.get(_ROLLOUT_HEADER_B)
         # 128 random bits, the same "r-" + 32 hex digits a uuid4 gave, without
         # the UUID object.
         rid = rid_h.decode("latin-1") if rid_h is not None else f"r-{os.urandom(16).hex()}"
         if not _ROLLOUT_ID.fullmatch(rid):
-            await send_json(send, 400, error_body(
-                400, f"{ROLLOUT_HEADER} must match {_ROLLOUT_ID.pattern}", "BadRequest"))
-            return 400
+            return await send_error(send, 400, f"{ROLLOUT_HEADER} must match "
+                                    f"{_ROLLOUT_ID.pattern}", "BadRequest")
         try:
             routing, changed = self.admission.routing(payload, hdrs)
         except RouteRefused as exc:
@@ -522,9 +514,8 @@ class DataPlane:
             raw = json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
         if not self.flights.claim(f, rid):
             # One rollout id is bound once, whichever engine would take it.
-            await send_json(send, 409, error_body(
-                409, f"rollout {rid!r} is already active", "Conflict"))
-            return 409
+            return await send_error(send, 409, f"rollout {rid!r} is already active",
+                                    "Conflict")
         try:
             binding, target = await self._admit(rid, routing)
         except RouteRefused as exc:
@@ -532,19 +523,14 @@ class DataPlane:
             return await self._route_refused(send, exc)
         except AdmissionRefused as exc:
             self.flights.unclaim(f)
-            # ``x-should-retry`` is what OpenAI's SDKs obey before their own status
-            # rules: retry an update's refusal, never a tainted engine's.
-            retry = [(b"x-should-retry", b"false" if exc.retry_after_s is None else b"true")]
-            if exc.retry_after_s is not None:
-                retry.append((b"retry-after", str(max(1, math.ceil(exc.retry_after_s))).encode()))
-            await send_json(send, 503, error_body(503, str(exc), "ServiceUnavailable",
-                                                  state=exc.state,
-                                                  retry_after_s=exc.retry_after_s), retry)
-            return 503
+            # Retry an update's refusal, never a tainted engine's.
+            return await send_error(
+                send, 503, str(exc), "ServiceUnavailable",
+                retry_headers(exc.retry_after_s is not None, exc.retry_after_s),
+                state=exc.state, retry_after_s=exc.retry_after_s)
         except BadInput as exc:  # the rollout id is already active
             self.flights.unclaim(f)
-            await send_json(send, 409, error_body(409, str(exc), "Conflict"))
-            return 409
+            return await send_error(send, 409, str(exc), "Conflict")
         t0 = time.monotonic()
         fin = FinishedRequest(route, binding, payload, 502, "upstream_error", target,
                               admitted_wall=time.time(), admitted_mono=t0, media=media)
@@ -569,15 +555,10 @@ class DataPlane:
 
     async def _route_refused(self, send: Send, exc: RouteRefused) -> int:
         """No engine for this request: its 4xx, or a 503 with Retry-After."""
-        headers: list[tuple[bytes, bytes]] = []
-        if exc.status == 503:
-            headers.append((b"x-should-retry", b"true"))
-            if exc.retry_after_s is not None:
-                headers.append((b"retry-after",
-                                str(max(1, math.ceil(exc.retry_after_s))).encode()))
         self.metrics.route_refused.labels(str(exc.status)).inc()
-        await send_json(send, exc.status, error_body(exc.status, str(exc), exc.kind), headers)
-        return exc.status
+        return await send_error(send, exc.status, str(exc), exc.kind,
+                                retry_headers(True, exc.retry_after_s)
+                                if exc.status == 503 else ())
 
     def _release(self, fin: FinishedRequest) -> None:
         """Release the binding once: when the last byte from vLLM is in hand, or at the end.
@@ -678,11 +659,9 @@ class DataPlane:
             await self._last_word(send, 503, msg, kind, **self.info(binding, target),
                                   attributable=False, unattributable=msg)
 
-    def _finishing(self, f: Flight, fin: FinishedRequest) -> None:
+    def finishing(self, f: Flight, fin: FinishedRequest) -> None:
         f.finishing = True
         self._release(fin)
-
-    finishing = _finishing
 
     async def _relay(self, send: Send, route: str, raw: bytes, binding: Binding,
                      target: Target, fin: FinishedRequest, f: Flight) -> None:
@@ -697,20 +676,12 @@ class DataPlane:
             return
         try:
             resp = await upstream.post(self._paths[route], raw, _rid(binding).encode())
-        except EffectTimeout as exc:
-            fin.status = 504
-            self._finishing(f, fin)
-            self.admission.observe(target, False, False)
-            await send_json(send, 504, error_body(504, f"vLLM did not answer in time: {exc!r}",
-                                                  "UpstreamTimeout", **info), vh)
-            return
-        except EffectError as exc:  # EngineUnavailable, EngineUnreachable
-            fin.status = 502
-            self._finishing(f, fin)
+        except EffectError as exc:  # EffectTimeout, EngineUnavailable, EngineUnreachable
+            fin.status, msg, kind = upstream_failure(exc)
+            self.finishing(f, fin)
             # A connection the engine refused is its own signal (it is gone).
             self.admission.observe(target, False, isinstance(exc, EngineUnreachable))
-            await send_json(send, 502, error_body(502, f"vLLM unreachable: {exc!r}",
-                                                  "UpstreamError", **info), vh)
+            await send_error(send, fin.status, msg, kind, vh, **info)
             return
         try:
             headers = [(k, v) for k, v in resp.raw_headers if k.lower() not in _HOP]
@@ -723,18 +694,17 @@ class DataPlane:
                     body = await resp.read(self.config.max_response_bytes)
                 except EffectError as exc:
                     fin.status = 502
-                    self._finishing(f, fin)
+                    self.finishing(f, fin)
                     # An answer too large for the gateway is the request's doing, not
                     # the engine's: it says nothing about the engine's health.
                     self.admission.observe(target, resp.too_large, False)
-                    await send_json(send, 502, error_body(
-                        502, f"vLLM answer broke off: {exc!r}", "UpstreamError",
-                        **info), vh)
+                    await send_error(send, 502, f"vLLM answer broke off: {exc!r}",
+                                     "UpstreamError", vh, **info)
                     return
                 self.admission.observe(target, True, False)
                 fin.ending = "complete"
                 # Released first: the answer says what the release was (unattributable).
-                self._finishing(f, fin)
+                self.finishing(f, fin)
                 marks = _unattributed(fin)
                 if self._on_finished is None and not marks:
                     out = splice_field(body, self.info_json(binding, target))
@@ -783,7 +753,7 @@ class DataPlane:
             fin.ending = "complete"
         fin.events = sse.events
         fin.record_overflow = sse.overflow
-        self._finishing(f, fin)
+        self.finishing(f, fin)
         marks = _unattributed(fin)
         if marks and error is None:
             # The release made it unattributable: a last event says so, before [DONE].

@@ -44,7 +44,13 @@ from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
+    from rolloutcore.control.adapters import AdapterManager
+    from rolloutcore.core.adapters import AdapterConfig
+    from rolloutcore.core.versions import VerificationLevel, WeightIdentity
     from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.service.recording import GatewayRecorder
+    from rolloutcore.verification.checksums import ReferenceChecksums
 
 __all__ = ["LORA_RANKS", "PORT_IN_USE", "TAKEOVER_REFUSED", "ServeOptions",
            "check_lora_options", "control_token", "exit_on_signal", "lora_engine_args",
@@ -179,7 +185,7 @@ def check_lora_options(lora: object, max_loras: object, max_lora_rank: object) -
 
 
 def lora_engine_args(max_loras: int | None, max_lora_rank: int | None
-                     ) -> tuple[tuple[str, ...], dict[str, str], Any]:
+                     ) -> tuple[tuple[str, ...], dict[str, str], AdapterConfig]:
     """vLLM's arguments and environment for a LoRA engine, and the adapter budget.
 
     ``--max-loras`` bounds the adapters of one batch; the adapters loaded at once
@@ -217,7 +223,7 @@ def control_token(token: str | None, token_file: str | None) -> tuple[str, bool]
     return generate_token(), False
 
 
-def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
+def reachable_verification(capabilities: frozenset[str] | set[str]) -> VerificationLevel:
     """The highest verification an engine with these routes can reach.
 
     ``probe`` needs only the scoring route (``/inference/v1/generate`` with
@@ -238,8 +244,6 @@ def reachable_verification(capabilities: frozenset[str] | set[str]) -> Any:
 
 def vocab_size(model_dir: Path) -> int | None:
     """The served model's vocabulary (its config.json), for the probe's edge checks."""
-    import json
-
     try:
         cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -445,10 +449,10 @@ def run_serve(args: ServeOptions) -> int:
                   f"committed {controller.committed}", file=sys.stderr)
     else:
         controller = LifecycleController(config=ccfg)
-    adapter: Any = None
-    recorder: Any = None
-    adapters: Any = None
-    lora_budget: Any = None
+    adapter: VllmAdapter | None = None
+    recorder: GatewayRecorder | None = None
+    adapters: AdapterManager | None = None
+    lora_budget: AdapterConfig | None = None
     try:
         if args.upstream and args.checkpoint:  # (upstream without checkpoint: refused above)
             url, model_dir, epoch, served = args.upstream.rstrip("/"), Path(args.checkpoint), \
@@ -598,12 +602,14 @@ def run_serve(args: ServeOptions) -> int:
             journal.close()
 
 
-def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_dir: Path,
-                     workdir: Path, budget: Any, journal: Any) -> Any:
+def _adapter_manager(args: ServeOptions, adapter: VllmAdapter, controller: Any, model_dir: Path,
+                     workdir: Path, budget: AdapterConfig | None, journal: Any
+                     ) -> AdapterManager:
     """``--lora``: the engine's adapter versions (``control.adapters``), journaled with the
     lifecycle's records; the adapters it publishes are written under the workdir."""
     from rolloutcore.control.adapters import AdapterManager
 
+    assert budget is not None   # lora_engine_args made it, for the launched engine
     rank = 16 if args.max_lora_rank is None else args.max_lora_rank
     m = AdapterManager(adapter.http, controller, base_model=model_dir,
                        store=workdir / "adapters", config=budget,
@@ -615,7 +621,7 @@ def _adapter_manager(args: ServeOptions, adapter: Any, controller: Any, model_di
     return m
 
 
-def _restore_adapters(m: Any, journal_path: str) -> None:
+def _restore_adapters(m: AdapterManager, journal_path: str) -> None:
     """A previous gateway's adapter records: its names are never reused, and the adapter
     it had published is published again (its files, verified on this engine's base,
     under a new name): the engine launched now holds none of its adapters, so nothing
@@ -666,37 +672,38 @@ def _restore_adapters(m: Any, journal_path: str) -> None:
           f"{res.version.name}", file=sys.stderr)
 
 
-def _takeover_checksums(path: str | None) -> Any:
+def _takeover_checksums(path: str | None) -> ReferenceChecksums | None:
     """``--takeover-checksums``: the checkpoint's reference checksums, read and checked
     before anything starts (a bad file is refused with the reason, nothing launched)."""
     if path is None:
         return None
     from rolloutcore.verification.checksums import ReferenceChecksums
 
-    try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
+    raw = _json_file("--takeover-checksums", path)
     try:
         return ReferenceChecksums.from_dict(raw)
     except BadInput as exc:
         raise BadInput(f"--takeover-checksums {path}: {exc}") from exc
 
 
-def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: Any) -> Any:
+def _json_file(flag: str, path: str) -> Any:
+    """The JSON of the file an option names; ``BadInput`` naming the option if unreadable."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{flag} {path}: {exc}") from exc
+
+
+def _takeover_probe(args: ServeOptions, model_dir: Path, reachable: VerificationLevel
+                    ) -> Any:
     """The policy probe the takeover runs: saved (``--takeover-probe``) or computed from
     the declared checkpoint (a forward pass of it on this host's CPU)."""
-    import json
-
     from rolloutcore.core.versions import VerificationLevel
     from rolloutcore.verification.probe import PolicyProbe
 
     if args.takeover_probe is not None:
-        try:
-            raw = json.loads(Path(args.takeover_probe).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise BadInput(f"--takeover-probe {args.takeover_probe}: {exc}") from exc
-        return PolicyProbe.from_wire(raw, vocab_size=vocab_size(model_dir))
+        return PolicyProbe.from_wire(_json_file("--takeover-probe", args.takeover_probe),
+                                     vocab_size=vocab_size(model_dir))
     if reachable < VerificationLevel.PROBE:
         return None
     return _LazyProbe(model_dir)
@@ -735,7 +742,7 @@ class _LazyProbe:
             p.run(http, target)
 
 
-def _recoverer(url: str, model_dir: Path, identity: Any, probe: Any) -> Any:
+def _recoverer(url: str, model_dir: Path, identity: WeightIdentity, probe: Any) -> Any:
     """For a journal left TAINTED: accept a replacement engine, fresh from the checkpoint."""
     from rolloutcore.engine.recovery import OperatorRecoverer
 

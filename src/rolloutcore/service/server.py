@@ -27,11 +27,18 @@ Used by ``rolloutcore serve``: ``uvicorn.run(app, http=http_protocol(h, s))``.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rolloutcore.errors import BadInput
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from rolloutcore.service.config import ServiceConfig
 
 __all__ = ["HeaderDeadlineProtocol", "http_protocol", "run_until_signalled"]
 
@@ -117,7 +124,8 @@ def http_protocol(header_s: float, send_s: float = 30.0) -> type[HeaderDeadlineP
                 {"header_s": float(header_s), "send_s": float(send_s)})
 
 
-def run_until_signalled(app: Any, host: str, port: int, config: Any, on_signal: Any, *,
+def run_until_signalled(app: Starlette, host: str, port: int, config: ServiceConfig,
+                        on_signal: Callable[[int, FrameType | None], None], *,
                         token: str, token_given: bool, token_out: str | None,
                         banner: str) -> None:
     """Serve ``app`` under uvicorn until SIGTERM/SIGINT, as every gateway does.

@@ -19,7 +19,14 @@ from typing import Any
 
 from rolloutcore.core.versions import Binding
 from rolloutcore.engine.routes import Routes
-from rolloutcore.errors import BadInput, RequestTooLarge, RolloutCoreError
+from rolloutcore.errors import (
+    BadInput,
+    EffectError,
+    EffectTimeout,
+    RequestTooLarge,
+    RolloutCoreError,
+)
+from rolloutcore.service.auth import AuthResult
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -47,9 +54,12 @@ __all__ = [
     "json_depth",
     "body_or_answer",
     "read_body",
+    "retry_headers",
     "send_auth_refusal",
+    "send_error",
     "send_json",
     "splice_field",
+    "upstream_failure",
     "validate_request",
     "vllm_request_ids",
 ]
@@ -310,6 +320,30 @@ async def send_json(send: Send, status: int, obj: Any,
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+async def send_error(send: Send, status: int, message: str, kind: str,
+                     headers: Iterable[tuple[bytes, bytes]] = (), **extra: Any) -> int:
+    """``error_body`` sent as the answer; returns ``status`` (what a handler reports)."""
+    await send_json(send, status, error_body(status, message, kind, **extra), headers)
+    return status
+
+
+def upstream_failure(exc: EffectError) -> tuple[int, str, str]:
+    """(status, message, kind) of a request vLLM did not take: 504 when it did not answer
+    in time, else 502 (unreachable, unavailable)."""
+    if isinstance(exc, EffectTimeout):
+        return 504, f"vLLM did not answer in time: {exc!r}", "UpstreamTimeout"
+    return 502, f"vLLM unreachable: {exc!r}", "UpstreamError"
+
+
+def retry_headers(retry: bool, after_s: float | None) -> list[tuple[bytes, bytes]]:
+    """``x-should-retry`` (what OpenAI's SDKs obey before their own status rules) and,
+    when a refusal says when, ``retry-after`` in whole seconds (at least 1)."""
+    out = [(b"x-should-retry", b"true" if retry else b"false")]
+    if after_s is not None:
+        out.append((b"retry-after", str(max(1, math.ceil(after_s))).encode()))
+    return out
+
+
 class VersionView:
     """A version's answer decorations: body field (less the rollout id) and headers.
 
@@ -390,22 +424,19 @@ async def body_or_answer(receive: Receive, send: Send, limit: int,
     try:
         return await read_body(receive, limit, content_length)
     except RequestTooLarge:
-        await send_json(send, 413, error_body(413, f"request body exceeds {limit} bytes",
-                                              "PayloadTooLarge"), [(b"connection", b"close")])
-        return 413
+        return await send_error(send, 413, f"request body exceeds {limit} bytes",
+                                "PayloadTooLarge", [(b"connection", b"close")])
     except ClientGone:
         return 499
     except BadInput as exc:
-        await send_json(send, 400, error_body(400, str(exc), "BadRequest"))
-        return 400
+        return await send_error(send, 400, str(exc), "BadRequest")
 
 
-async def send_auth_refusal(send: Send, auth: Any) -> int:
+async def send_auth_refusal(send: Send, auth: AuthResult) -> int:
     """A bearer token's refusal (``auth.check_bearer``): 401/403 with WWW-Authenticate."""
-    status = int(auth.status)
-    await send_json(send, status, error_body(status, auth.reason, "Unauthorized"),
-                    [(b"www-authenticate", b"Bearer")])
-    return status
+    assert auth.status is not None   # a refusal, never an allowed request
+    return await send_error(send, auth.status, auth.reason, "Unauthorized",
+                            [(b"www-authenticate", b"Bearer")])
 
 
 def headers_of_interest(scope: Scope, wanted: frozenset[bytes] = DATA_HEADERS
