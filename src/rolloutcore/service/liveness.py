@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rolloutcore.core.versions import Binding
 from rolloutcore.engine.routes import Routes
@@ -38,9 +38,6 @@ from rolloutcore.engine.upstream import UpstreamPool
 from rolloutcore.errors import EffectError
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.metrics import ServiceMetrics
-
-if TYPE_CHECKING:
-    from rolloutcore.service.proxy import FinishedRequest
 from rolloutcore.service.wire import dumps, vllm_request_ids
 
 __all__ = ["ABORT_CALL_S", "Flight", "Flights"]
@@ -63,7 +60,7 @@ class Flight:
     route: str = ""
     payload: dict[str, Any] = field(default_factory=dict)
     #: The proxy's FinishedRequest once bound (``released`` says the binding ended).
-    fin: FinishedRequest | None = None
+    fin: Any = None
     #: ``time.monotonic()`` when the send to the client now pending began; 0: none.
     send_since: float = 0.0
     #: Why the gateway cut it (the first reason wins; one cancel per flight).
