@@ -95,18 +95,26 @@ def _gateway(upstream: str, checkpoint: Path, work: Path, route_key: str | None
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_for_health(proc, url, log, 300)
+    return proc, url
+
+
+def wait_for_health(proc: subprocess.Popen[bytes], url: str, log: Path,
+                    timeout_s: float) -> None:
+    """Until the gateway process answers ``/health`` 200; ``RuntimeError`` with its log's
+    end when it exits or does not answer in time (then it is killed)."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"the gateway exited:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the gateway exited:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"the gateway did not start:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the gateway did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
 
 

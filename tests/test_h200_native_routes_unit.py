@@ -9,9 +9,7 @@ here before the lead runs it there.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ import httpx
 import pytest
 
 from helpers.gateway_rig import FAST, TOKEN, serve_fake, uvicorn_thread
+from helpers.scripts import load_script
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import LifecycleRunner
@@ -32,19 +31,7 @@ HARNESS = Path(__file__).resolve().parents[1] / "diagnostics" / "gpu" / "h200_na
 LEVEL = "native-unreferenced"
 
 
-def _load() -> Any:
-    name = "rc_h200_native_routes_harness"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, HARNESS)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-H = _load()
+H: Any = load_script("rc_h200_native_routes_harness", HARNESS)
 NR = H.nr
 
 

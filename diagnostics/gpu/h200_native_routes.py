@@ -67,7 +67,6 @@ import platform
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -322,8 +321,6 @@ def gateway_child(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def gateway(upstream: str, work: Path, route_key: str | None) -> Iterator[str]:
     """The gateway process on a free loopback port; yields its URL, stops it after."""
-    import httpx
-
     from rolloutcore.engine.process import free_port
     from rolloutcore.transports import engine_key
 
@@ -342,16 +339,7 @@ def gateway(upstream: str, work: Path, route_key: str | None) -> Iterator[str]:
                                 start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
+        nr.wait_for_health(proc, url, log, 180)
         yield url
     finally:
         if proc.poll() is None:
@@ -439,21 +427,9 @@ def gpu_main(args: argparse.Namespace) -> int:
         (out / name).write_text(json.dumps(res, indent=1, default=str))
         return res
 
-    @contextlib.contextmanager
-    def stage(name: str) -> Iterator[None]:
-        t = time.monotonic()
-        log(f"== {name}")
-        try:
-            yield
-            R["stages"][name] = {"ok": True, "s": round(time.monotonic() - t, 3)}
-        except Exception as exc:
-            R["stages"][name] = {"ok": False, "s": round(time.monotonic() - t, 3)}
-            R["errors"][name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-            log(f"!! {name} failed: {type(exc).__name__}: {exc}")
-        finally:
-            with contextlib.suppress(Exception):
-                save()
+    from h200_colocated import stage_recorder
 
+    stage = stage_recorder(R, out, log, save)
     import h200_8b_ipc as h4
     import torch
 
