@@ -406,10 +406,13 @@ def ipc_round(base: str, params: Callable[[], Iterator[tuple[str, Any]]]) -> Non
 
 def gpu_main(args: argparse.Namespace) -> int:
     t_start = time.monotonic()
+    import h200_8b_ipc as h4
+    import torch
+    from h200_colocated import stage_recorder
 
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t_start:7.1f}s] {msg}", flush=True)
+    from rolloutcore.engine.weight_sync import HttpWeightSync
 
+    log = h4.log          # seconds since that import, as its own runs log
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/rc-native-routes")
@@ -427,14 +430,7 @@ def gpu_main(args: argparse.Namespace) -> int:
         (out / name).write_text(json.dumps(res, indent=1, default=str))
         return res
 
-    from h200_colocated import stage_recorder
-
     stage = stage_recorder(R, out, log, save)
-    import h200_8b_ipc as h4
-    import torch
-
-    from rolloutcore.engine.weight_sync import HttpWeightSync
-
     R["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     R["versions"] = h4.versions(Path(__file__).resolve(), Path(nr.__file__).resolve())
     vv = str(R["versions"].get("vllm", ""))
