@@ -21,15 +21,17 @@ Issue #46's GPU part, on one GPU (trainer and engine share it), Qwen3-8B shapes
   prefix; vLLM joins ``f"{url}/update_weights"``);
 * the gateway: a process of its own (``--gateway-child``) running what
   ``rolloutcore serve --upstream URL --native-routes`` composes
-  (``control.stack.wire``, the takeover, ``create_app(..., native_token=...)``,
+  (``control.stack.wire``, ``create_app(..., native_token=...)``,
   ``run_until_signalled``), with the guard's key as ``serve`` takes it
   (``upstream_route_key``), engine watch off (the direct rounds are writes it
   does not make), floor ``declared``. ``serve`` itself is not started: its
   takeover needs the checkpoint's safetensors (a dummy-loaded engine has
   none) and computes the checkpoint's policy probe with a forward pass of it
-  on the host's CPU (Qwen3-8B: 32 GB float32, minutes); here the takeover
-  declares the dummy weights (``take_over(identity, probes=None)``, level
-  declared) and the rounds are what is measured.
+  on the host's CPU (Qwen3-8B: 32 GB float32, minutes), and without that probe
+  it refuses a vLLM 0.26 (no label, no check: "no evidence at all", seen on
+  the H100); here the runner starts from the declared dummy weights
+  (``runner.bootstrap(identity)``, as ``h200_8b_ipc``'s gateway does) and the
+  rounds are what is measured.
 
 Rounds: ``--warmup`` + ``--reps`` pairs, interleaved (direct, native; native,
 direct; ...), the trainer's buffer refilled with the other policy (seed 1 or
@@ -298,7 +300,9 @@ def gateway_child(args: argparse.Namespace) -> int:
             (n, s, "bfloat16") for n, s in qwen3_specs(QWEN3_8B))
         ident = WeightIdentity.declare(manifest, Provenance(
             "vllm --load-format dummy (Qwen3-8B shapes)", "h200-native-routes", 0))
-        stack.runner.take_over(ident, probes=None, min_verification=VerificationLevel.DECLARED)
+        # The declared start, as h200_8b_ipc's gateway has it: the takeover refuses an
+        # engine with no label (0.26 has none) when no check runs ("no evidence at all").
+        stack.runner.bootstrap(ident)
         reach = reachable_verification(adapter.http.capabilities())
         cfg = ServiceConfig(upstream_url=url, control_token=TOKEN, model="policy",
                             transport={"backend": "ipc"}, health_interval_s=0,
