@@ -95,18 +95,26 @@ def _gateway(upstream: str, checkpoint: Path, work: Path, route_key: str | None
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
                                 env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_for_health(proc, url, log, 300)
+    return proc, url
+
+
+def wait_for_health(proc: subprocess.Popen[bytes], url: str, log: Path,
+                    timeout_s: float) -> None:
+    """Until the gateway process answers ``/health`` 200; ``RuntimeError`` with its log's
+    end when it exits or does not answer in time (then it is killed)."""
+    deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise SystemExit(f"the gateway exited:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the gateway exited:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"the gateway did not start:\n{log.read_text()[-3000:]}")
+            raise RuntimeError(f"the gateway did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.1)
 
 
@@ -165,6 +173,69 @@ def _medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return {f: {k: round(v, 4) for k, v in d.items()} for f, d in out.items()}
 
 
+def calls_of(posts: list[dict[str, Any]], t0: float) -> dict[str, dict[str, float]]:
+    """The sender's calls of a round that started at ``t0``, by route: seconds from the
+    start to the call's answer, and its duration."""
+    return {c["route"].lstrip("/"): {"answered_at": round(c["t1"] - t0, 4),
+                                     "seconds": round(c["t1"] - c["t0"], 4)} for c in posts}
+
+
+def interleaved(rounds: int) -> list[tuple[int, str]]:
+    """(round, path) in the order they run: direct, native; native, direct; ... (the
+    order swapped every pair, so a drift in the machine's load lands on both alike)."""
+    return [(i, path) for i in range(rounds)
+            for path in (("direct", "native") if i % 2 == 0 else ("native", "direct"))]
+
+
+def after_native_round(gw: str, auth: dict[str, str], journal: Path, sender_label: str | None,
+                       *, spans: bool = True, previous: str | None = None,
+                       sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a gateway round left, as its clients see it: the label the gateway published
+    (``assigned``: the gateway's own, READY, not the sender's nor ``previous``), the
+    levels its rounds' journal notes reached, and one greedy answer through the gateway,
+    ``mislabeled`` when it is attributed to another version than that label (or did not
+    come). The attribution is vLLM's per-token spans (``spans``; an answer without any is
+    mislabeled), or, for a vLLM that has none (0.26), the gateway's version header.
+    ``sampling``: more sampling parameters (``detokenize: false`` without a tokenizer)."""
+    st = httpx.get(f"{gw}/control/status", headers=auth, timeout=30).json()
+    label = st["committed"]["label"]
+    notes = [json.loads(line) for line in journal.read_text().splitlines()
+             if '"native_round"' in line]
+    g = httpx.post(f"{gw}/inference/v1/generate", timeout=120, json={
+        "model": "policy", "token_ids": [5, 6, 7, 8],
+        "sampling_params": {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True,
+                            **(sampling or {})}})
+    named: list[str] = []
+    if g.status_code == 200 and spans:
+        named = [s["version"] for s in g.json()["choices"][0].get("weight_versions") or []]
+    elif g.status_code == 200 and "x-rolloutcore-version" in g.headers:
+        named = [g.headers["x-rolloutcore-version"]]
+    return {"label": label, "state": st["state"],
+            "assigned": st["state"] == "READY" and label not in (sender_label, previous),
+            "levels": sorted({n["data"]["level"] for n in notes if "data" in n}),
+            "mislabeled": not named or any(v != label for v in named),
+            "attributed_by": "vllm spans" if spans else "gateway header",
+            "answer_status": g.status_code}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured (non-warm-up) rounds of both paths: medians, their ratio, each
+    interleaved pair's ratio and the phase medians."""
+    measured = [r for r in rows if not r["warmup"]]
+    paths = ("direct", "native")
+    med = {p: statistics.median(r["wall_s"] for r in measured if r["path"] == p)
+           for p in paths}
+    pairs = [n["wall_s"] / d["wall_s"] for d, n in zip(
+        [r for r in measured if r["path"] == "direct"],
+        [r for r in measured if r["path"] == "native"], strict=True)]
+    return {"direct_median_s": med["direct"], "native_median_s": med["native"],
+            "native_over_direct": med["native"] / med["direct"],
+            "round_ratios": [round(x, 4) for x in pairs],
+            "round_ratio_median": statistics.median(pairs),
+            "phase_medians": {p: _medians([r for r in measured if r["path"] == p])
+                              for p in paths}}
+
+
 def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], nxt: str,
            src: Any, warm: bool) -> tuple[dict[str, Any], float, float]:
     """One round of the sender on ``base``: (row, its start, its end). The engine's
@@ -186,11 +257,9 @@ def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], n
     t_end = time.monotonic()
     assert reset.status_code == 200, reset.text
     posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
-    calls = {c["route"].lstrip("/"): {"answered_at": round(c["t1"] - t0, 4),
-                                      "seconds": round(c["t1"] - c["t0"], 4)} for c in posts}
     row: dict[str, Any] = {"path": path, "round": i, "target": nxt, "wall_s": t_end - t0,
                            "warmup": warm, "load_1m": round(load, 2), "fresh_group": fresh,
-                           "calls": calls}
+                           "calls": calls_of(posts, t0)}
     return row, t0, t_end
 
 
@@ -222,52 +291,29 @@ def run_engine(args: argparse.Namespace, guarded: bool, work: Path) -> dict[str,
         posts: list[dict[str, Any]] = []
         _timed_posts(tr, posts)
         load_start = list(os.getloadavg())
-        for i in range(args.warmup + args.updates):
-            # Interleaved, the order swapped every pair (direct, native; native, direct;
-            # ...), so a drift in the machine's load lands on both paths alike.
-            order = ("direct", "native") if i % 2 == 0 else ("native", "direct")
-            for path in order:
-                nxt = "B" if holds == "A" else "A"
-                row, t0, t_end = _round(path, i, bases[path], tr, posts, nxt, src[nxt],
-                                        i < args.warmup)
-                holds = nxt
-                if path == "native":
-                    fin = next(c["t1"] for c in posts if c["route"] == "/finish_weight_update")
-                    row["phases"] = {k: round(v, 4) for k, v in _phases(
-                        _journal(work / "journal.jsonl"), t0, t_end, fin).items()}
-                    st = httpx.get(f"{gw}/control/status", headers=auth, timeout=30).json()
-                    label = st["committed"]["label"]
-                    assigned += label != f"sender-{path}-{i}" and st["state"] == "READY"
-                    notes = [json.loads(line) for line in
-                             (work / "journal.jsonl").read_text().splitlines()
-                             if '"native_round"' in line]
-                    levels.update(n["data"]["level"] for n in notes if "data" in n)
-                    g = httpx.post(f"{gw}/inference/v1/generate", timeout=120, json={
-                        "model": "policy", "token_ids": [5, 6, 7, 8],
-                        "sampling_params": {"max_tokens": 8, "temperature": 0.0,
-                                            "ignore_eos": True}}).json()
-                    spans = g["choices"][0].get("weight_versions") or []
-                    mislabeled += any(s["version"] != label for s in spans) or not spans
-                    row["label"] = label
-                rows.append(row)
-                print(f"[bench] {'guarded' if guarded else 'open':7s} {path:6s} {i:2d} -> "
-                      f"{nxt}: {row['wall_s']:.3f} s", file=sys.stderr)
-        measured = [r for r in rows if not r["warmup"]]
-        med = {p: statistics.median(r["wall_s"] for r in measured if r["path"] == p)
-               for p in bases}
-        pairs = [n["wall_s"] / d["wall_s"] for d, n in zip(
-            [r for r in measured if r["path"] == "direct"],
-            [r for r in measured if r["path"] == "native"], strict=True)]
+        for i, path in interleaved(args.warmup + args.updates):
+            nxt = "B" if holds == "A" else "A"
+            row, t0, t_end = _round(path, i, bases[path], tr, posts, nxt, src[nxt],
+                                    i < args.warmup)
+            holds = nxt
+            if path == "native":
+                fin = next(c["t1"] for c in posts if c["route"] == "/finish_weight_update")
+                row["phases"] = {k: round(v, 4) for k, v in _phases(
+                    _journal(work / "journal.jsonl"), t0, t_end, fin).items()}
+                seen = after_native_round(gw, auth, work / "journal.jsonl",
+                                          f"sender-{path}-{i}")
+                assigned += seen["assigned"]
+                levels.update(seen["levels"])
+                mislabeled += seen["mislabeled"]
+                row["label"] = seen["label"]
+            rows.append(row)
+            print(f"[bench] {'guarded' if guarded else 'open':7s} {path:6s} {i:2d} -> "
+                  f"{nxt}: {row['wall_s']:.3f} s", file=sys.stderr)
         return {"engine": "guarded" if guarded else "open",
                 "load_avg": {"start": load_start, "end": list(os.getloadavg())},
-                "direct_median_s": med["direct"], "native_median_s": med["native"],
-                "native_over_direct": med["native"] / med["direct"],
-                "round_ratios": [round(x, 4) for x in pairs],
-                "round_ratio_median": statistics.median(pairs),
+                **summarize(rows),
                 "verification": sorted(levels), "labels_assigned": assigned,
                 "mislabeled_answers": mislabeled,
-                "phase_medians": {p: _medians([r for r in measured if r["path"] == p])
-                                  for p in bases},
                 "rounds": rows}
     finally:
         tr.close()

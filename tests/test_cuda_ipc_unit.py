@@ -687,3 +687,53 @@ def test_engine_checksum_compares_each_worker_and_reports_the_least_covered() ->
     r = check(full, {**full, "names_digest": "0" * 64})
     assert not r["passed"] and r["coverage"] == 0.0
     assert r["mismatched"] == ["<layout differs from the last update sent>"]
+
+
+class _Worker:
+    """A vLLM worker as ``--worker-extension-cls`` sees it: ``weight_transfer_engine``
+    (any backend's) and ``get_model()``."""
+
+    def __init__(self, model: torch.nn.Module, engine: Any) -> None:
+        self.weight_transfer_engine, self._model = engine, model
+
+    def get_model(self) -> torch.nn.Module:
+        return self._model
+
+
+def _extended(model: torch.nn.Module, engine: Any) -> Any:
+    from rolloutcore.transports.cuda_ipc.engine import CudaIpcWorkerExtension
+
+    cls = type("ExtendedWorker", (CudaIpcWorkerExtension, _Worker), {})
+    return cls(model, engine)
+
+
+@pytest.mark.parametrize("target", ["engine", "worker"])
+def test_parameter_checks_run_under_another_backend(target: str) -> None:
+    """Snapshot and parameter checksums read the model the updates write, whatever the
+    backend (vLLM's own ``ipc``: a diagnostic's bit-exact check runs beside it): the
+    transfer engine's target, else the worker's own model. rc_cuda_ipc's own routes
+    still refuse another backend."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8)).to(
+        torch.bfloat16)
+    other = type("IPCWeightTransferEngine", (), {"model": model if target == "engine"
+                                                  else None})()
+    w = _extended(torch.nn.Linear(2, 2) if target == "engine" else model, other)
+    names = [n for n, _ in model.named_parameters()]
+    assert w.rc_cuda_ipc_snapshot("take") == {
+        "taken": 4, "bytes": sum(p.numel() * 2 for p in model.parameters())}
+    a = w.rc_cuda_ipc_param_checksums()
+    assert a["names"] == names and a["values"] == block_checksum(
+        [p.data for p in model.parameters()])
+    assert w.rc_cuda_ipc_snapshot("compare")["n_mismatched"] == 0
+    with torch.no_grad():
+        model[1].bias[3] += 1.0                 # one value of one parameter
+    got = w.rc_cuda_ipc_snapshot("compare")
+    assert got["n_mismatched"] == 1 and got["mismatched"] == ["1.bias"] and got["compared"] == 4
+    assert w.rc_cuda_ipc_param_checksums()["values"] != a["values"]
+    assert w.rc_cuda_ipc_snapshot("drop") == {"dropped": True}
+    assert w.rc_cuda_ipc_snapshot("compare")["n_mismatched"] == 4   # nothing to compare with
+    with pytest.raises(ValueError, match="unknown snapshot action"):
+        w.rc_cuda_ipc_snapshot("keep")
+    with pytest.raises(RuntimeError, match="backend is not rc_cuda_ipc"):
+        w.rc_cuda_ipc_stats()

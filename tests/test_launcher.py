@@ -224,3 +224,23 @@ def test_free_port_is_bindable() -> None:
     p = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))
+
+
+def test_vllms_ipc_backend_takes_pickled_handles_only_behind_the_guard(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``ipc`` backend over HTTP sends its CUDA IPC handles pickled: the engine
+    must allow it (``serve --model --transport-backend ipc``), only behind the route
+    guard; an unguarded engine keeps what its caller gave, and the caller's word wins."""
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    model = _model(tmp_path)
+    key = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+    guarded = ManagedEngine(model, port=18000, backend="ipc", guard_routes=True)
+    assert guarded.environment()[key] == "1"
+    assert json.loads(guarded.command()[guarded.command().index(
+        "--weight-transfer-config") + 1]) == {"backend": "ipc"}
+    assert key not in ManagedEngine(model, port=18000, backend="ipc").environment()
+    for backend in ("rolloutcore_gloo", "nccl", "rc_cuda_ipc", None):
+        assert key not in ManagedEngine(model, port=18000, backend=backend,
+                                        guard_routes=True).environment()
+    assert ManagedEngine(model, port=18000, backend="ipc", guard_routes=True,
+                         env={key: "0"}).environment()[key] == "0"

@@ -467,7 +467,9 @@ def spans_and_pause(http: Http, state: dict[str, Any], transition: Any) -> dict[
     return out
 
 
-def versions() -> dict[str, Any]:
+def versions(*also: Path) -> dict[str, Any]:
+    """The versions that ran; ``tree_sha256`` names the code by content (RolloutCore's
+    sources, this file and ``also``: the harness that imported it)."""
     v: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
                          "cuda": torch.version.cuda}
     try:
@@ -489,7 +491,7 @@ def versions() -> dict[str, Any]:
     import hashlib
 
     h = hashlib.sha256()
-    for f in sorted([*(REPO / "src" / "rolloutcore").rglob("*.py"), Path(__file__)]):
+    for f in sorted({*(REPO / "src" / "rolloutcore").rglob("*.py"), Path(__file__), *also}):
         h.update(f.relative_to(REPO).as_posix().encode() + b"\0" + f.read_bytes())
     v["tree_sha256"] = h.hexdigest()
     return v

@@ -1116,8 +1116,13 @@ class H200Rig:
 T0 = time.monotonic()
 
 
-def _stage_recorder(R: dict[str, Any], out: Path,
-                    log: Callable[[str], None]) -> Callable[[str], Any]:
+def stage_recorder(R: dict[str, Any], out: Path, log: Callable[[str], None],
+                   save: Callable[[], object] | None = None) -> Callable[[str], Any]:
+    """``stage(name)``: a context that records the stage's time or its error in ``R``
+    (the run goes on) and then saves what was measured so far (``save``, else
+    ``colocated.partial.json``), so a run cut short keeps it.
+    ``diagnostics/gpu/h200_native_routes.py`` uses it too."""
+
     @contextlib.contextmanager
     def stage(name: str) -> Iterator[None]:
         t = time.monotonic()
@@ -1131,8 +1136,11 @@ def _stage_recorder(R: dict[str, Any], out: Path,
             log(f"!! {name} failed: {type(exc).__name__}: {exc}")
         finally:
             with contextlib.suppress(Exception):  # survives a run cut short
-                (out / "colocated.partial.json").write_text(
-                    json.dumps(R, indent=1, default=str))
+                if save is not None:
+                    save()
+                else:
+                    (out / "colocated.partial.json").write_text(
+                        json.dumps(R, indent=1, default=str))
     return stage
 
 
@@ -1205,7 +1213,7 @@ def selftest_main(cfg: HarnessConfig, out: Path) -> int:
     R: dict[str, Any] = {"stages": {}, "errors": {}, "commands": ["selftest"],
                          "machine": "fake engine (CPU)", "versions": {"selftest": True}}
     rig = FakeRig()
-    run_stages(rig, cfg, R, _stage_recorder(R, out, lambda m: None))
+    run_stages(rig, cfg, R, stage_recorder(R, out, lambda m: None))
     return finish(R, out)
 
 
@@ -1229,7 +1237,7 @@ def gpu_main(cfg: HarnessConfig, out: Path) -> int:
     def log(m: str) -> None:
         print(f"[{time.monotonic() - T0:7.1f}s] {m}", flush=True)
 
-    stage = _stage_recorder(R, out, log)
+    stage = stage_recorder(R, out, log)
     try:
         with stage("trainer_weights"):
             rig = H200Rig(cfg, R, out)

@@ -224,6 +224,8 @@ class VllmAdapter(SleepMode, WriteCounts):
         #: The per-rank comparison of the last report's rank declaration
         #: (``rolloutcore_gloo/rank``, ``sent.compare_rank_reports``), for the status.
         self.last_rank_result: dict[str, Any] | None = None
+        #: Checks the caller made of this round's writes (``add_round_check``).
+        self._round_checks: tuple[Check, ...] = ()
         # vLLM's instance_id at bootstrap (None: the engine does not say); a
         # different one later means the engine process was replaced behind us.
         self._instance_id: str | None = None
@@ -285,6 +287,17 @@ class VllmAdapter(SleepMode, WriteCounts):
             raise BadInput("calibrating must be a bool")
         self._staged = _Staged(None, None, *_expectations(probes, reference_checksums), "",
                                calibrating=calibrating)
+        self._round_checks = ()
+
+    def add_round_check(self, check: Check) -> None:
+        """A check the caller made of this round's writes, reported with the next paused
+        validation (cleared by ``expect``). The native routes' check that every
+        parameter was written exactly once: on a vLLM with no label (0.26) and no
+        reference it is the only check a round has, and a validation with none is
+        refused ("no evidence at all")."""
+        if not isinstance(check, Check):
+            raise BadInput(f"check must be a Check, got {type(check).__name__}")
+        self._round_checks += (check,)
 
     def _record_ranks(self, result: dict[str, Any]) -> None:
         self.last_rank_result = result
@@ -680,6 +693,8 @@ class VllmAdapter(SleepMode, WriteCounts):
         # vLLM 0.34's own word on its weights (none from older releases).
         checks.extend(c for c in (incomplete_update_check(h, self._version),
                                   checkpoint_check(h, caps)) if c is not None)
+        checks.extend(self._round_checks)
+        self._round_checks = ()
         paused = None if paused_read is None else paused_read.result()
         self._ops_verified = None if ops_read is None else ops_read.result()
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,

@@ -460,6 +460,13 @@ class ManagedEngine:
         env = {k: v for k, v in os.environ.items() if not _is_secret(k)}
         env.update(DEFAULT_ENV)
         env.update(self._tp_binding)
+        if self.backend == "ipc" and self.guard_routes:
+            # vLLM's own ``ipc`` backend takes its CUDA IPC handles pickled in the
+            # ``/update_weights`` body (``ipc_handles_pickled``) and refuses them
+            # without this. Behind the route guard only this launch's key holders (the
+            # gateway, the trainer it grants an update) reach that route; an engine
+            # without the guard gets it only from its caller (``env=``, the environment).
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         env.update(self.env_overrides)
         if self.guard_routes and self._route_key is not None:
             env[engine_key.ENV] = self._route_key

@@ -21,7 +21,7 @@ import anyio
 
 from rolloutcore.control.port import ExpectationTaker
 from rolloutcore.control.runner import LifecycleRunner, UpdateOutcome
-from rolloutcore.core.evidence import PreflightEvidence, TransferEvidence
+from rolloutcore.core.evidence import Check, PreflightEvidence, TransferEvidence
 from rolloutcore.core.lifecycle import FailureKind, State
 from rolloutcore.core.records import Note
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
@@ -163,7 +163,17 @@ class EngineRounds:
         rec = Note("native_round", {**note, "label": label,
                                     "update_id": out.ticket.update_id})
 
+        add = getattr(self.runner.adapter, "add_round_check", None)
+
         def work() -> None:
+            if callable(add) and written:
+                # What this gateway checked of the round (service.native): every name
+                # written once, the last round's all covered. Names, dtypes and shapes
+                # only, so it establishes nothing above declared.
+                add(Check("native_manifest", True, f"{len(written)} parameters, each "
+                          "written once by the sender's /update_weights calls, covering "
+                          "the last round's (names, dtypes, shapes; values not checked)",
+                          level=VerificationLevel.DECLARED))
             self.runner.emit(rec)
             self.runner.report_transfer(out, ev)
             self.runner.close_update(out)

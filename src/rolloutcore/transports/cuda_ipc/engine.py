@@ -285,6 +285,18 @@ class CudaIpcWorkerExtension:
             raise RuntimeError(f"weight transfer backend is not {BACKEND}: {type(eng).__name__}")
         return eng
 
+    def _rc_model(self) -> torch.nn.Module:
+        """The model the worker's updates write: its weight-transfer engine's target
+        under any backend (vLLM's own ``ipc`` too), else the worker's own model. The
+        parameter checks below need nothing of ``rc_cuda_ipc``."""
+        model = getattr(getattr(self, "weight_transfer_engine", None), "model", None)
+        if model is None:
+            model = self.get_model()  # type: ignore[attr-defined]
+        if not isinstance(model, torch.nn.Module):
+            raise RuntimeError(f"the worker's model is a {type(model).__name__}, not a "
+                               "torch.nn.Module")
+        return model
+
     def rc_cuda_ipc_hello(self) -> dict[str, Any]:
         eng = getattr(self, "weight_transfer_engine", None)
         if not isinstance(eng, CudaIpcWeightTransferEngine):
@@ -389,12 +401,7 @@ class CudaIpcWorkerExtension:
         return res
 
     def rc_cuda_ipc_param_checksums(self) -> dict[str, Any]:
-        # The update target, or (before any update, on a vLLM whose transfer engine
-        # has none yet) the worker's own model.
-        model = getattr(self._rc_engine(), "model", None)
-        if model is None:
-            model = self.get_model()  # type: ignore[attr-defined]
-        named = list(model.named_parameters())
+        named = list(self._rc_model().named_parameters())
         t = time.monotonic()
         vals = block_checksum([p.data for _, p in named])
         return {"names": [n for n, _ in named], "values": vals,
@@ -402,7 +409,7 @@ class CudaIpcWorkerExtension:
 
     def rc_cuda_ipc_snapshot(self, action: str) -> dict[str, Any]:
         """``take``: clone every parameter; ``compare``: bitwise against it; ``drop``."""
-        model = self._rc_engine().model
+        model = self._rc_model()
         store: dict[str, torch.Tensor] = getattr(self, "_rc_snapshot", {})
         if action == "take":
             store = {n: p.data.detach().clone() for n, p in model.named_parameters()}
