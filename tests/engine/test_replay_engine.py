@@ -30,8 +30,8 @@ from enginetools import EngineFactory, TinyModels
 from rolloutcore.cli import build_parser
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.engine.http import VllmHTTP
-from rolloutcore.engine.port import engine_identity
 from rolloutcore.engine.process import vllm_available
+from rolloutcore.engine.state import engine_identity
 from rolloutcore.engine.verify import ChecksumCache, take_reference
 from rolloutcore.provenance.recorder import TrajectoryRecorder, read_trajectories
 from rolloutcore.provenance.replay import (

@@ -52,7 +52,7 @@ from rolloutcore.core.evidence import (
     ValidationEvidence,
 )
 from rolloutcore.core.lifecycle import Step
-from rolloutcore.core.versions import EngineIdentity, Provenance
+from rolloutcore.core.versions import Provenance
 from rolloutcore.engine import state as engine_state
 from rolloutcore.engine.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
 from rolloutcore.engine.sent import check_sent_scheme, compare_sent
@@ -82,7 +82,6 @@ __all__ = [
     "CheckingTransport",
     "ProbeSet",
     "VllmAdapter",
-    "engine_identity",
 ]
 
 #: Whether a failure inside each of the adapter's steps may have changed the
@@ -120,24 +119,6 @@ class CheckingTransport(Protocol):
 
     def validation_check(self, base_url: str) -> Check:
         ...
-
-
-def engine_identity(http: VllmHTTP, *, timeout_s: float | None = None) -> EngineIdentity:
-    """What a trajectory records about the engine, read from the engine (``/server_info``).
-
-    The settings that decide whether a sample can be replayed exactly (dtype,
-    context, logprobs mode, prefix caching), never assumed by the caller.
-    """
-    cfg = http.server_info(timeout_s=timeout_s).get("vllm_config") or {}
-    mc = cfg.get("model_config") or {}
-    cc = cfg.get("cache_config") or {}
-    config = {"dtype": str(mc.get("dtype", "")).removeprefix("torch.") or None,
-              "max_model_len": mc.get("max_model_len"),
-              "logprobs_mode": mc.get("logprobs_mode"),
-              "enable_prefix_caching": cc.get("enable_prefix_caching")}
-    return EngineIdentity(http.version(timeout_s=timeout_s),
-                          http.model(timeout_s=timeout_s),
-                          {k: v for k, v in config.items() if v is not None}, http.base_url)
 
 
 @runtime_checkable

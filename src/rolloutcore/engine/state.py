@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, PauseMode
+from rolloutcore.core.versions import EngineIdentity
 from rolloutcore.engine.routes import Routes
 from rolloutcore.transports import engine_key
 
@@ -40,6 +41,7 @@ __all__ = [
     "COUNTS_WEIGHT_OPS_FROM",
     "REPORTS_INCOMPLETE_FROM",
     "checkpoint_check",
+    "engine_identity",
     "incomplete_update_check",
     "pause",
     "version_tuple",
@@ -118,3 +120,21 @@ def pause(http: VllmHTTP, mode: PauseMode, *, clear_cache: bool,
                 return http.pause(mode, clear_cache=clear_cache, timeout_s=timeout_s)
             return http._status_is(r, "paused")
     return http.pause(mode, clear_cache=clear_cache, timeout_s=timeout_s)
+
+
+def engine_identity(http: VllmHTTP, *, timeout_s: float | None = None) -> EngineIdentity:
+    """What a trajectory records about the engine, read from the engine (``/server_info``).
+
+    The settings that decide whether a sample can be replayed exactly (dtype,
+    context, logprobs mode, prefix caching), never assumed by the caller.
+    """
+    cfg = http.server_info(timeout_s=timeout_s).get("vllm_config") or {}
+    mc = cfg.get("model_config") or {}
+    cc = cfg.get("cache_config") or {}
+    config = {"dtype": str(mc.get("dtype", "")).removeprefix("torch.") or None,
+              "max_model_len": mc.get("max_model_len"),
+              "logprobs_mode": mc.get("logprobs_mode"),
+              "enable_prefix_caching": cc.get("enable_prefix_caching")}
+    return EngineIdentity(http.version(timeout_s=timeout_s),
+                          http.model(timeout_s=timeout_s),
+                          {k: v for k, v in config.items() if v is not None}, http.base_url)

@@ -399,7 +399,7 @@ class _SessionEngine(_AdapterPublisher):
                             Timestamps(aw, am, cw, max(cm, am)), done.attributable, adapter)
 
     def engine_identity(self) -> EngineIdentity:
-        from rolloutcore.engine.port import engine_identity
+        from rolloutcore.engine.state import engine_identity
 
         return engine_identity(self.session.http)
 
