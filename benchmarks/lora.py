@@ -628,18 +628,15 @@ def updates_only(args: argparse.Namespace) -> int:
         finally:
             s.close()
             direct.close()
-    d = up["scorings"]["default"]
-    result.update({**headline(up), "bare_load_s": up["bare_load_s"],
-                   "bare_load_all_s": up["bare_load_all_s"],
-                   "bare_unload_s": up["bare_unload_s"],
-                   "adapter_update_s": d["adapter_update_s"],
-                   "adapter_update_phases_s": d["phases_s"],
-                   "adapter_update_vs_bare_load": d["vs_bare_load"],
-                   "adapter_updates": d["updates"],
+    # The headline keys stay the last full run's: this run's machine load is its own.
+    result.update({**headline(up),
                    "updates_only": {"machine": machine(), "versions": versions(),
                                     "command": " ".join([Path(sys.executable).name,
                                                          *sys.argv]),
-                                    "load_avg": os.getloadavg()}})
+                                    "load_avg": os.getloadavg(),
+                                    "bare_load_s": up["bare_load_s"],
+                                    "bare_load_all_s": up["bare_load_all_s"],
+                                    "bare_unload_s": up["bare_unload_s"]}})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_scorings(up)

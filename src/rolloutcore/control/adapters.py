@@ -97,7 +97,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rolloutcore.adapters")
 
 __all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "ENGINE_SCORINGS",
-           "PROBE_SCORINGS", "TOGETHER_DEVICES", "AdapterManager",
+           "PROBE_SCORINGS", "TOGETHER_DEVICES", "AdapterManager", "engine_device",
            "AdapterResult", "PreparedAdapter", "RolloutBinding", "VerifiedAdapter",
            "check_probe_tolerance"]
 
@@ -240,8 +240,9 @@ class AdapterManager:
         #: How the probes score (``PROBE_SCORINGS``; ``auto`` resolved here, once).
         self.probe_scoring = probe_scoring if probe_scoring != "auto" else \
             ENGINE_SCORINGS.get(self.engine_device or "", "generation")
-        #: ``prompt_logprobs`` only: both probes and all their cases sent at once (the
-        #: engine batches them: one prefill for all), else one request at a time. Default:
+        #: Both probes sent at once, the base probe's requests batched with the adapter
+        #: probe's (with ``prompt_logprobs`` every case of both: one prefill for all; else
+        #: one request at a time); else the base probe after the adapter probe. Default:
         #: on the devices of ``TOGETHER_DEVICES``.
         self.probes_together = (self.engine_device in TOGETHER_DEVICES
                                 if probes_together is None else probes_together)
