@@ -532,8 +532,11 @@ def _summary(runs: list[dict[str, Any]], bare: float | None, *, first_apart: boo
 
 
 def _scoring(m: Any) -> str:
-    return (f"{m.probe_scoring}" + (", both probes and all their cases at once"
-                                    if m.probes_together else ", one request at a time")
+    how = {(True, "prompt_logprobs"): ", both probes and all their cases at once",
+           (False, "prompt_logprobs"): ", one request at a time",
+           (True, "generation"): ", both probes at once",
+           (False, "generation"): ", one probe after the other"}
+    return (f"{m.probe_scoring}" + how.get((bool(m.probes_together), m.probe_scoring), "")
             + f" (the product default on this {m.engine_device or 'unnamed'} engine)")
 
 
