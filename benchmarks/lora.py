@@ -456,11 +456,9 @@ def main() -> int:
         print(f"merged into {out} (the other keys kept)")
         return 0
 
-    from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine
-    from rolloutcore.session import EngineSession
     from rolloutcore.testing.faultproxy import FaultProxy
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
@@ -485,14 +483,9 @@ def main() -> int:
         result["cold_start_s"] = time.perf_counter() - t0
         proxy = FaultProxy(eng.base_url).start()
         direct = VllmHTTP(eng.base_url, timeout_s=300)
-        s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=300), tr, engine=eng,
-                          journal_path=tmp / "journal.jsonl")
+        s = adapter_session(eng, tr, a, tmp, proxy.base_url)
         try:
-            s.bootstrap(a, Provenance("A", "bench", 0))
-            s.enable_adapters(store=tmp / "store",
-                              config=AdapterConfig(max_loaded=4, max_staleness=1))
             m = s.adapters
-            assert m is not None
             up = measure_updates(m, direct, a, tmp, step, args.reps)
             loads, unloads = up["bare_load_all_s"], up["bare_unload_all_s"]
             updates = up["scorings"]["default"]["updates"]
@@ -592,14 +585,32 @@ def print_scorings(up: dict[str, Any]) -> None:
               f"{dd['probe_noise_max_nats']:.3g} = {dd['ratio']:.1f}x")
 
 
-def updates_only(args: argparse.Namespace) -> int:
-    """``--updates-only``: one engine, the bare load and ``measure_updates``; merged into
-    ``--out`` (its other keys, from the last full run, kept)."""
+def adapter_session(eng: Any, tr: Any, a: Path, tmp: Path, url: str) -> Any:
+    """An ``EngineSession`` of ``eng`` through ``url``, taken over on ``a``, adapters
+    enabled (store under ``tmp``, 4 loaded at most, 1 superseded kept)."""
     from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
-    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.session import EngineSession
+
+    s = EngineSession(VllmHTTP(url, timeout_s=300), tr, engine=eng,
+                      journal_path=tmp / "journal.jsonl")
+    try:
+        s.bootstrap(a, Provenance("A", "bench", 0))
+        s.enable_adapters(store=tmp / "store",
+                          config=AdapterConfig(max_loaded=4, max_staleness=1))
+    except BaseException:
+        s.close()
+        raise
+    assert s.adapters is not None
+    return s
+
+
+def updates_only(args: argparse.Namespace) -> int:
+    """``--updates-only``: one engine, the bare load and ``measure_updates``; merged into
+    ``--out`` (its other keys, from the last full run, kept)."""
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.process import ManagedEngine
     from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
 
@@ -617,13 +628,8 @@ def updates_only(args: argparse.Namespace) -> int:
                             log_dir=tmp / "logs", startup_timeout_s=900)
         eng.start()
         direct = VllmHTTP(eng.base_url, timeout_s=300)
-        s = EngineSession(VllmHTTP(eng.base_url, timeout_s=300), tr, engine=eng,
-                          journal_path=tmp / "journal.jsonl")
+        s = adapter_session(eng, tr, a, tmp, eng.base_url)
         try:
-            s.bootstrap(a, Provenance("A", "bench", 0))
-            s.enable_adapters(store=tmp / "store",
-                              config=AdapterConfig(max_loaded=4, max_staleness=1))
-            assert s.adapters is not None
             up = measure_updates(s.adapters, direct, a, tmp, step, args.reps)
         finally:
             s.close()
