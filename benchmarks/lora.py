@@ -100,6 +100,69 @@ def tokens_per_s(http: Any, model: str | None, *, clients: int = 8, tokens: int 
     return sum(done) / (time.perf_counter() - t0)
 
 
+def discrimination(updates: list[dict[str, Any]]) -> dict[str, Any]:
+    """The probe's discrimination over verified updates: the smallest adapter effect (how
+    far an adapter's reference lies from the base's on its probe's tokens: what the probe
+    would read were the base served in its place) over the largest probe noise (the
+    deviation of a correct engine: the probe through the adapter and the base's, each
+    update). Above 1 the probe can tell a load that did nothing from a correct one; the
+    tolerance has to sit between the two."""
+    effects = [u["effect"] for u in updates if u.get("effect") is not None]
+    noise = [d for u in updates for k, d in u["checks"].items()
+             if k in ("adapter-probe", "base-probe") and d is not None]
+    lo, hi = (min(effects) if effects else None), (max(noise) if noise else None)
+    return {"adapter_effect_min_nats": lo, "probe_noise_max_nats": hi,
+            "ratio": None if lo is None or hi is None else lo / max(hi, 1e-9),
+            "updates": len(updates)}
+
+
+def verified_update(m: Any, adapter: Any, provenance: Any, *, reference: Any = None,
+                    base: Any = None) -> dict[str, Any]:
+    """One verified adapter update (``prepare`` then ``apply``, the latter timed), its
+    phases, its checks' deviations and, given the base model ``base`` (trainer side), the
+    adapter's effect: its reference's distance from the base's on the probe's tokens."""
+    from rolloutcore.verification.probe import ModelScorer
+
+    t = time.perf_counter()
+    prepared = m.prepare(adapter, provenance, reference=reference)
+    prep = time.perf_counter() - t
+    t = time.perf_counter()
+    res = m.apply(prepared)
+    wall = time.perf_counter() - t
+    effect = prepared.effect
+    if effect is None and base is not None:
+        effect = prepared.probe.measure(ModelScorer(base))
+    return {"name": res.version.name, "prepare_s": prep, "wall_s": wall,
+            "phases": {**res.phases, "wall": wall}, "size_bytes": res.version.size_bytes,
+            "scoring": m.probe_scoring, "together": m.probes_together,
+            "effect": None if effect is None else effect.max_abs_diff,
+            "checks": {c.name: c.max_abs_diff for c in res.checks
+                       if c.max_abs_diff is not None}, "probe": prepared.probe}
+
+
+def series_summary(updates: list[dict[str, Any]], bare: float | None, *,
+                   first_apart: bool = True) -> dict[str, Any]:
+    """Medians of a series of verified updates against the bare load ``bare``;
+    ``first_apart``: the first left out when there are more (it computes the base
+    probe's reference too)."""
+    steady = updates[1:] if first_apart and len(updates) > 1 else updates
+
+    def pm(k: str) -> float | None:
+        xs = [u["phases"][k] for u in steady if k in u["phases"]]
+        return statistics.median(xs) if xs else None
+
+    apply_s = pm("apply")
+    return {"adapter_update_s": apply_s,
+            "phases_s": {k: pm(k) for k in ("list", "load", "probes", "probe_adapter",
+                                            "probe_base", "publish", "retire")
+                         if pm(k) is not None},
+            "vs_bare_load": apply_s / bare if apply_s and bare else None,
+            "scoring": updates[0]["scoring"] if updates else None,
+            "together": updates[0]["together"] if updates else None,
+            "discrimination": discrimination(updates),
+            "updates": [{k: v for k, v in u.items() if k != "probe"} for u in updates]}
+
+
 def negative_controls(s: Any, proxy: Any, direct: Any, base: Path | None, tmp: Path,
                       step: Any, *, make: Any = None, proxy_http: Any = None,
                       budget: bool = False) -> list[dict[str, Any]]:
@@ -306,6 +369,57 @@ def print_trl(trl: dict[str, Any]) -> None:
         print(f"{k:58s} {v:>9s}")
 
 
+#: The scorings measured side by side: the product's default on this engine, and the
+#: other ways it can score. ``prompt_logprobs`` one request at a time is how it scored
+#: before issue #49 where chosen; ``together`` (every case of both probes at once) is not
+#: run on vLLM's CPU build: its engine core dies of ``prompt_logprobs`` batched with
+#: another request on a LoRA engine (docs/lora.md), which the default avoids there.
+CPU_SCORINGS = {"prompt_logprobs_one_at_a_time": ("prompt_logprobs", False)}
+
+
+def measure_updates(m: Any, direct: Any, a: Path, tmp: Path, step: Any, reps: int
+                    ) -> dict[str, Any]:
+    """The bare load and unload of one adapter directory (fresh names), then ``reps + 1``
+    verified updates with the manager's default scoring and with each of
+    ``CPU_SCORINGS``, interleaved (one of each in turn, so the machine's load falls on
+    all alike); the adapter effects computed trainer side for the discrimination."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.testing.models import make_adapter
+
+    bare_dir = tmp / "bare"
+    make_adapter(a, 7).save_pretrained(bare_dir)
+    loads, unloads = [], []
+    for i in range(reps):
+        t = time.perf_counter()
+        direct.load_lora_adapter(f"bare-{i}", str(bare_dir))
+        loads.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        direct.unload_lora_adapter(f"bare-{i}")
+        unloads.append(time.perf_counter() - t)
+    bare = med(loads)
+    base = AutoModelForCausalLM.from_pretrained(str(a), dtype=torch.float32)
+    default = (m.probe_scoring, m.probes_together)
+    configs = {"default": default, **CPU_SCORINGS}
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in configs}
+    seed = 100
+    try:
+        for _ in range(reps + 1):
+            for label, (scoring, together) in configs.items():
+                m.probe_scoring, m.probes_together = scoring, together
+                seed += 1
+                runs[label].append(verified_update(
+                    m, make_adapter(a, seed), Provenance("lora", "bench", next(step)),
+                    base=base))
+    finally:
+        m.probe_scoring, m.probes_together = default
+    return {"bare_load_s": bare, "bare_unload_s": med(unloads), "bare_load_all_s": loads,
+            "bare_unload_all_s": unloads, "engine_device": m.engine_device,
+            "scorings": {k: series_summary(v, bare) for k, v in runs.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -313,12 +427,19 @@ def main() -> int:
                     help="steps of the TRL LoRA run (10+: first and last 5)")
     ap.add_argument("--trl-only", action="store_true",
                     help="run only `train --lora` and merge it into --out")
+    ap.add_argument("--updates-only", action="store_true",
+                    help="only the bare load and the verified updates of each scoring, "
+                         "side by side; merged into --out (the other keys kept)")
     ap.add_argument("--out", default=str(ROOT / "results" / "lora.json"))
     args = ap.parse_args()
     if args.reps < 2:
         ap.error("--reps must be >= 2")
     if not 10 <= args.trl_steps <= 500:
         ap.error("--trl-steps must be in 10..500")
+    if args.trl_only and args.updates_only:
+        ap.error("--trl-only and --updates-only are two runs")
+    if args.updates_only:
+        return updates_only(args)
     if args.trl_only:
         out = Path(args.out)
         try:
@@ -335,13 +456,11 @@ def main() -> int:
         print(f"merged into {out} (the other keys kept)")
         return 0
 
-    from rolloutcore.core.adapters import AdapterConfig
     from rolloutcore.core.versions import Provenance
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.process import ManagedEngine
-    from rolloutcore.session import EngineSession
     from rolloutcore.testing.faultproxy import FaultProxy
-    from rolloutcore.testing.models import make_adapter, make_checkpoint
+    from rolloutcore.testing.models import make_checkpoint
     from rolloutcore.transports.gloo import GlooTransport
 
     result: dict[str, Any] = {
@@ -364,37 +483,12 @@ def main() -> int:
         result["cold_start_s"] = time.perf_counter() - t0
         proxy = FaultProxy(eng.base_url).start()
         direct = VllmHTTP(eng.base_url, timeout_s=300)
-        s = EngineSession(VllmHTTP(proxy.base_url, timeout_s=300), tr, engine=eng,
-                          journal_path=tmp / "journal.jsonl")
+        s = adapter_session(eng, tr, a, tmp, proxy.base_url)
         try:
-            s.bootstrap(a, Provenance("A", "bench", 0))
-            s.enable_adapters(store=tmp / "store",
-                              config=AdapterConfig(max_loaded=4, max_staleness=1))
             m = s.adapters
-            assert m is not None
-            # -- bare load / unload of one adapter directory, fresh names
-            bare_dir = tmp / "bare"
-            make_adapter(a, 7).save_pretrained(bare_dir)
-            loads, unloads = [], []
-            for i in range(args.reps):
-                t = time.perf_counter()
-                direct.load_lora_adapter(f"bare-{i}", str(bare_dir))
-                loads.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                direct.unload_lora_adapter(f"bare-{i}")
-                unloads.append(time.perf_counter() - t)
-            # -- verified adapter updates (the first computes the base's reference too)
-            updates = []
-            for i in range(args.reps + 1):
-                adapter = make_adapter(a, 100 + i)
-                prepared = m.prepare(adapter, Provenance("lora", "bench", next(step)))
-                t = time.perf_counter()
-                res = m.apply(prepared)
-                phases = dict(res.phases)
-                phases["wall"] = time.perf_counter() - t
-                updates.append({"name": res.version.name, "phases": phases,
-                                "checks": {c.name: c.max_abs_diff for c in res.checks
-                                           if c.max_abs_diff is not None}})
+            up = measure_updates(m, direct, a, tmp, step, args.reps)
+            loads, unloads = up["bare_load_all_s"], up["bare_unload_all_s"]
+            updates = up["scorings"]["default"]["updates"]
             steady = updates[1:]
             # -- serving cost of LoRA (nothing else running)
             serve_base = tokens_per_s(direct, None)
@@ -437,7 +531,8 @@ def main() -> int:
         "adapter_prepare_s": pmed("prepare"),
         "adapter_first_update_s": updates[0]["phases"]["apply"],
         "adapter_update_vs_bare_load": adapter_s / bare if bare else None,
-        "adapter_updates": updates,
+        "adapter_updates": [{k: v for k, v in u.items() if k != "probe"} for u in updates],
+        **headline(up),
         "full_update_s": med(fulls), "full_update_all_s": fulls,
         "serving_tokens_per_s": {"base": serve_base, "adapter": serve_adapter,
                                  "base_after": serve_base_after, "clients": 8, "tokens": 64},
@@ -460,8 +555,98 @@ def main() -> int:
     print(f"adapter update / bare load: {result['adapter_update_vs_bare_load']:.1f}x; "
           f"tokens/s base {serve_base:.0f}, adapter {serve_adapter:.0f}; negative controls "
           f"caught {result['negative_controls_caught']}/{len(controls)}")
+    print_scorings(up)
     print_trl(result["trl_lora"])
     print(f"wrote {args.out}")
+    return 0
+
+
+def headline(up: dict[str, Any]) -> dict[str, Any]:
+    """The keys ``measure_updates`` gives ``results/lora.json``."""
+    d = up["scorings"]["default"]
+    return {"scorings": up["scorings"], "engine_device": up["engine_device"],
+            "adapter_probe_scoring": f"{d['scoring']}" + (", probes together"
+                                                          if d["together"] else ""),
+            "discrimination": d["discrimination"],
+            "discrimination_ratio": d["discrimination"]["ratio"]}
+
+
+def print_scorings(up: dict[str, Any]) -> None:
+    print(f"bare load {up['bare_load_s']:.4f}s; verified updates side by side "
+          f"(engine device {up['engine_device']}):")
+    for label, sc in up["scorings"].items():
+        ph = sc["phases_s"]
+        probes = sum(ph.get(k, 0.0) for k in ("probes", "probe_adapter", "probe_base"))
+        dd = sc["discrimination"]
+        print(f"  {label:32s} {sc['scoring']:16s} together={sc['together']!s:5s} "
+              f"apply {sc['adapter_update_s']:.4f}s = {sc['vs_bare_load']:.1f}x bare "
+              f"(probes {probes:.4f}s); "
+              f"effect min {dd['adapter_effect_min_nats']:.3g} / noise max "
+              f"{dd['probe_noise_max_nats']:.3g} = {dd['ratio']:.1f}x")
+
+
+def adapter_session(eng: Any, tr: Any, a: Path, tmp: Path, url: str) -> Any:
+    """An ``EngineSession`` of ``eng`` through ``url``, taken over on ``a``, adapters
+    enabled (store under ``tmp``, 4 loaded at most, 1 superseded kept)."""
+    from rolloutcore.core.adapters import AdapterConfig
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.session import EngineSession
+
+    s = EngineSession(VllmHTTP(url, timeout_s=300), tr, engine=eng,
+                      journal_path=tmp / "journal.jsonl")
+    try:
+        s.bootstrap(a, Provenance("A", "bench", 0))
+        s.enable_adapters(store=tmp / "store",
+                          config=AdapterConfig(max_loaded=4, max_staleness=1))
+    except BaseException:
+        s.close()
+        raise
+    assert s.adapters is not None
+    return s
+
+
+def updates_only(args: argparse.Namespace) -> int:
+    """``--updates-only``: one engine, the bare load and ``measure_updates``; merged into
+    ``--out`` (its other keys, from the last full run, kept)."""
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.process import ManagedEngine
+    from rolloutcore.testing.models import make_checkpoint
+    from rolloutcore.transports.gloo import GlooTransport
+
+    out = Path(args.out)
+    try:
+        result = json.loads(out.read_text())
+    except (OSError, ValueError):
+        result = {}
+    step = iter(range(1, 100_000))
+    with tempfile.TemporaryDirectory(prefix="rc-lora-bench-") as td:
+        tmp = Path(td)
+        a = make_checkpoint(tmp / "A", 1)
+        tr = GlooTransport()
+        eng = ManagedEngine(a, backend=tr.backend, extra_args=LORA_ARGS, env=LORA_ENV,
+                            log_dir=tmp / "logs", startup_timeout_s=900)
+        eng.start()
+        direct = VllmHTTP(eng.base_url, timeout_s=300)
+        s = adapter_session(eng, tr, a, tmp, eng.base_url)
+        try:
+            up = measure_updates(s.adapters, direct, a, tmp, step, args.reps)
+        finally:
+            s.close()
+            direct.close()
+    # The headline keys stay the last full run's: this run's machine load is its own.
+    result.update({**headline(up),
+                   "updates_only": {"machine": machine(), "versions": versions(),
+                                    "command": " ".join([Path(sys.executable).name,
+                                                         *sys.argv]),
+                                    "load_avg": os.getloadavg(),
+                                    "bare_load_s": up["bare_load_s"],
+                                    "bare_load_all_s": up["bare_load_all_s"],
+                                    "bare_unload_s": up["bare_unload_s"]}})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_scorings(up)
+    print(f"merged into {out} (the other keys kept)")
     return 0
 
 

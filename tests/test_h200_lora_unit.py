@@ -65,18 +65,41 @@ def test_a_rank_16_adapter_on_every_projection_of_qwen3_8b_is_87_mb() -> None:
 
 def test_goals_and_table_read_the_issues_keys() -> None:
     r = {"adapter_update_vs_bare_load": 30.0, "bare_load_s": 0.14, "adapter_update_s": 4.2,
-         "logprobs_scored": {"adapter_update_vs_bare_load": 1.8},
+         "scorings": {"generation": {"adapter_update_s": 5.7,
+                                     "adapter_update_vs_bare_load": 54.0}},
+         "discrimination": {"adapter_effect_min_nats": 5.8, "probe_noise_max_nats": 0.2,
+                            "ratio": 29.0}, "discrimination_ratio": 29.0,
          "negative_controls_caught": 6, "negative_controls_total": 6,
          "serving_tokens_per_s": {"base": 552.0, "adapter": 169.0, "clients": 32},
          "errors": {}}
     g = h.goals(r)
     assert g["adapter_update<=2x_bare_load"] is False
-    assert g["logprobs_scored_update<=2x_bare_load"] is True
+    assert g["discrimination_ratio>=2"] is True
     assert g["negative_controls_all_caught"] is True
+    assert h.goals({**r, "discrimination_ratio": 1.5})["discrimination_ratio>=2"] is False
     text = h.table(r)
     assert "552 / 169" in text and "6 / 6" in text and text.endswith("LORA OK")
+    assert "5.8 / 0.2 = 29.0x" in text and "5.7000 / 54.0x" in text
     assert h.table({**r, "errors": {"full": "boom"}}).endswith(
         "ERROR in full: boom\nLORA HAS PROBLEMS")
     assert h.goals({"errors": {}}) == {"adapter_update<=2x_bare_load": None,
-                                       "logprobs_scored_update<=2x_bare_load": None,
+                                       "discrimination_ratio>=2": None,
                                        "negative_controls_all_caught": None}
+
+
+def test_the_discrimination_is_the_smallest_effect_over_the_largest_noise() -> None:
+    from lora import discrimination, series_summary
+
+    ups = [{"effect": 6.4, "checks": {"adapter-probe": 0.22, "base-probe": 0.19,
+                                      "adapter-effect": 6.4}, "phases": {"apply": 9.0}},
+           {"effect": 5.8, "checks": {"adapter-probe": 0.18, "base-probe": 0.25},
+            "phases": {"apply": 0.2, "probes": 0.1}},
+           {"effect": 7.4, "checks": {"adapter-probe": 0.16}, "phases": {"apply": 0.4}}]
+    d = discrimination(ups)
+    assert (d["adapter_effect_min_nats"], d["probe_noise_max_nats"]) == (5.8, 0.25)
+    assert d["ratio"] == pytest.approx(23.2)
+    assert discrimination([{"effect": None, "checks": {}}])["ratio"] is None
+    sm = series_summary([{**u, "scoring": "prompt_logprobs", "together": True} for u in ups],
+                        0.1)
+    assert sm["adapter_update_s"] == pytest.approx(0.3)      # the first left out
+    assert sm["vs_bare_load"] == pytest.approx(3.0) and sm["phases_s"] == {"probes": 0.1}

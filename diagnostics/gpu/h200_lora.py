@@ -20,12 +20,15 @@ model), in one device call (under 8 minutes with the engine start):
 * stages, each recording its own error (the run goes on), ``lora.partial.json``
   after each: ``takeover`` (the base probe measured first; the takeover probes it
   when the engine's bf16 deviation allows, else declares it and the adapter probes'
-  tolerances are declared from the measured deviation); ``bare`` (``/v1/load_lora_adapter``
-  and unload of one adapter directory, and the same name loaded twice); ``updates``
-  (verified adapter updates, RolloutCore's default probe scored through generation,
-  ``measure_generated``, each phase); ``logprobs_updates`` (the same updates with
-  both probes scored by ``prompt_logprobs``, one request per case: measured, not the
-  product default); ``controls`` (``benchmarks/lora.py``'s negative controls with the
+  tolerances are declared from the measured deviation); ``bare``
+  (``/v1/load_lora_adapter`` and unload of one adapter directory, and the same name
+  loaded twice); ``updates`` (verified adapter updates as the product makes them by
+  default: on CUDA both probes scored by ``prompt_logprobs``, every case of both sent at
+  once; each phase; the headline ``adapter_update_vs_bare_load`` and the probe's
+  ``discrimination_ratio``, min adapter effect / max probe noise); ``scorings`` (the same
+  updates scored the other ways, interleaved: through generation, ``measure_generated``,
+  the default before issue #49, and ``prompt_logprobs`` one request at a time);
+  ``controls`` (``benchmarks/lora.py``'s negative controls with the
   trainer's CUDA model, plus the slot budget); ``serving`` (32 closed-loop clients,
   fixed lengths, through the adapter and on the base); ``beside`` (``prompt_logprobs``
   scored while adapter and base requests run: does vLLM 0.26 on CUDA survive it and
@@ -81,7 +84,7 @@ SETUP_S = 60.0            # buffer fill, the float32 model on the GPU, the check
 PREPARE_S = 3.0           # one adapter: 87 MB digested and written, the float32 reference
 #                           (48 float32 forwards of ~170 tokens of the 8B: ~2 s)
 APPLY_GEN_S = 6.0         # a verified update, probes through generation (eager 8B decode)
-APPLY_LP_S = 1.0          # the same with prompt_logprobs-scored probes
+APPLY_LP_S = 1.0          # the same with prompt_logprobs-scored probes (the CUDA default)
 FULL_S = 8.0              # one full update: negate, float32 reference, checksum, transition
 END_S = 20.0              # stops, the JSON
 RANK = 16
@@ -98,7 +101,7 @@ STD_B = 0.05              # the adapters' B ~ N(0, 0.05), as the CPU benchmark's
 #: ``DISCRIMINATION`` times it from the base's (the CPU check: 3.7 nats at worst, mean 1.5,
 #: for these adapters on 2 layers).
 DECLARED_CEILING = 1.0
-STAGES = ("takeover", "bare", "updates", "logprobs_updates", "controls", "serving",
+STAGES = ("takeover", "bare", "updates", "scorings", "controls", "serving",
           "beside", "full", "restart")
 ARTIFACT_KEYS = ("adapter_update_s", "full_update_s", "restart_s", "bare_load_s",
                  "adapter_update_vs_bare_load", "negative_controls",
@@ -114,8 +117,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     stages = {
         "setup": SETUP_S, "engine_start": ENGINE_START_S, "takeover": 15.0,
         "bare": args.bare_reps * 0.4 + 1.0,
-        "updates": (args.reps + 1) * (PREPARE_S + APPLY_GEN_S),
-        "logprobs_updates": args.reps * (PREPARE_S + APPLY_LP_S),
+        "updates": (args.reps + 1) * (PREPARE_S + APPLY_LP_S),
+        "scorings": args.reps * (2 * PREPARE_S + APPLY_GEN_S + APPLY_LP_S),
         "controls": controls_s,
         "serving": 2 * (args.serve_s + 8.0),
         "beside": 20.0 if args.beside else 0.0,
@@ -407,7 +410,7 @@ class State:
         self.base_probe: Any = None
         self.probes: dict[str, Any] = {}      # adapter name -> its reference probe
         self.updates: list[dict[str, Any]] = []
-        self.lp_updates: list[dict[str, Any]] = []
+        self.scorings: dict[str, list[dict[str, Any]]] = {}
 
 
 def stage_takeover(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
@@ -497,52 +500,44 @@ def stage_bare(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
 
 
 def _verified(rig: Rig, st: State, seed: int) -> dict[str, Any]:
+    """One verified update (``benchmarks/lora.py``'s ``verified_update``) of the trainer's
+    adapter of ``seed``, its reference the trainer's model; the adapter's effect is the
+    ``adapter-effect`` check's (a declared tolerance above ``MAX_TOLERANCE``) or computed
+    here from the trainer's base."""
+    from lora import verified_update
+
     from rolloutcore.core.versions import Provenance
 
-    m = rig.session.adapters
     adapter, ref = rig.trainer.make(seed, STD_B)
-    t = time.perf_counter()
-    prepared = m.prepare(adapter, Provenance("lora", "h200-lora", next(st.step)),
-                         reference=ref)
-    prep = time.perf_counter() - t
-    t = time.perf_counter()
-    res = m.apply(prepared)
-    wall = time.perf_counter() - t
-    st.probes[res.version.name] = prepared.probe
-    return {"name": res.version.name, "seed": seed, "prepare_s": prep, "wall_s": wall,
-            "phases": dict(res.phases), "size_bytes": res.version.size_bytes,
-            "checks": {c.name: c.max_abs_diff for c in res.checks
-                       if c.max_abs_diff is not None}}
+    u = verified_update(rig.session.adapters, adapter,
+                        Provenance("lora", "h200-lora", next(st.step)), reference=ref,
+                        base=rig.trainer.base)
+    st.probes[u["name"]] = u.pop("probe")
+    u["seed"] = seed
+    return u
 
 
-def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    steady = runs[1:] if len(runs) > 1 else runs
+def _summary(runs: list[dict[str, Any]], bare: float | None, *, first_apart: bool = True
+             ) -> dict[str, Any]:
+    from lora import series_summary
 
-    def pm(k: str) -> float | None:
-        return med([u["phases"].get(k, 0.0) for u in steady])
-
-    return {"apply_s": pm("apply"), "prepare_s": med([u["prepare_s"] for u in steady]),
-            "phases_s": {k: pm(k) for k in ("list", "load", "probe_adapter", "probe_base",
-                                            "publish", "retire")},
+    sm = series_summary(runs, bare, first_apart=first_apart)
+    return {**sm, "adapter_update_vs_bare_load": sm["vs_bare_load"],
             "first_apply_s": runs[0]["phases"].get("apply") if runs else None,
+            "prepare_s": med([u["prepare_s"] for u in runs[1:] or runs]),
             "adapter_probe_max": max((u["checks"].get("adapter-probe", 0.0) for u in runs),
                                      default=None),
             "base_probe_max": max((u["checks"].get("base-probe", 0.0) for u in runs),
-                                  default=None),
-            "adapter_effect_min": min((u["checks"]["adapter-effect"] for u in runs
-                                       if "adapter-effect" in u["checks"]), default=None),
-            # How far the probe can tell the adapter from the base, in units of its own
-            # noise: the smallest adapter effect over the largest probe deviation seen.
-            "discrimination_ratio": _ratio(
-                min((u["checks"]["adapter-effect"] for u in runs
-                     if "adapter-effect" in u["checks"]), default=None),
-                max((u["checks"].get("adapter-probe", 0.0) for u in runs), default=None))}
+                                  default=None)}
 
 
-def _ratio(effect: float | None, noise: float | None) -> float | None:
-    if effect is None or noise is None:
-        return None
-    return effect / max(noise, 1e-9)
+def _scoring(m: Any) -> str:
+    how = {(True, "prompt_logprobs"): ", both probes and all their cases at once",
+           (False, "prompt_logprobs"): ", one request at a time",
+           (True, "generation"): ", both probes at once",
+           (False, "generation"): ", one probe after the other"}
+    return (f"{m.probe_scoring}" + how.get((bool(m.probes_together), m.probe_scoring), "")
+            + f" (the product default on this {m.engine_device or 'unnamed'} engine)")
 
 
 def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
@@ -569,44 +564,56 @@ def stage_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespa
             m.probe_tolerance = top
             u = _verified(rig, st, 100 + i)
         st.updates.append(u)
-        log(f"verified adapter update {u['name']}: apply {u['phases']['apply']:.3f}s "
-            f"(probes {u['phases'].get('probe_adapter', 0):.3f} + "
-            f"{u['phases'].get('probe_base', 0):.3f}), prepare {u['prepare_s']:.2f}s, "
-            f"checks {u['checks']}")
-    sm = _summary(st.updates)
-    bare = R.get("bare_load_s")
-    R.update({"adapter_update_s": sm["apply_s"], "adapter_update_phases_s": sm["phases_s"],
+        ph = u["phases"]
+        log(f"verified adapter update {u['name']} ({m.probe_scoring}, together "
+            f"{m.probes_together}): apply {ph['apply']:.3f}s (probes "
+            f"{ph.get('probes', 0) + ph.get('probe_adapter', 0) + ph.get('probe_base', 0):.3f}),"
+            f" prepare {u['prepare_s']:.2f}s, effect {u['effect']}, checks {u['checks']}")
+    sm = _summary(st.updates, R.get("bare_load_s"))
+    dd = sm["discrimination"]
+    R.update({"adapter_update_s": sm["adapter_update_s"],
+              "adapter_update_phases_s": sm["phases_s"],
               "adapter_prepare_s": sm["prepare_s"], "adapter_first_update_s":
               sm["first_apply_s"], "adapter_probe_max_abs_diff": sm["adapter_probe_max"],
               "base_probe_max_abs_diff": sm["base_probe_max"],
-              "adapter_effect_min_nats": sm["adapter_effect_min"],
-              "adapter_update_vs_bare_load": sm["apply_s"] / bare if bare and sm["apply_s"]
-              else None, "adapter_updates": st.updates,
-              "adapter_probe_scoring": "generation (measure_generated, the product default)"})
+              "adapter_effect_min_nats": dd["adapter_effect_min_nats"],
+              "discrimination": dd, "discrimination_ratio": dd["ratio"],
+              "adapter_update_vs_bare_load": sm["vs_bare_load"],
+              "adapter_updates": st.updates, "adapter_probe_scoring": _scoring(m)})
 
 
-def stage_logprobs_updates(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
-                           log: Callable[[str], None]) -> None:
+#: The scorings the ``scorings`` stage measures beside the product default: the
+#: default before issue #49 (generation) and ``prompt_logprobs`` one request at a time.
+OTHER_SCORINGS = {"generation": ("generation", False),
+                  "prompt_logprobs_one_at_a_time": ("prompt_logprobs", False)}
+
+
+def stage_scorings(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
+                   log: Callable[[str], None]) -> None:
+    """The same verified updates scored the other ways, interleaved (one of each in turn),
+    against the product default's (``updates``)."""
     m = rig.session.adapters
-    m.probe_scoring = "prompt_logprobs"   # this stage only (AdapterManager's option)
+    default = (m.probe_scoring, m.probes_together)
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in OTHER_SCORINGS}
     try:
         for i in range(args.reps):
-            u = _verified(rig, st, 200 + i)
-            st.lp_updates.append(u)
-            log(f"prompt_logprobs-scored update {u['name']}: apply "
-                f"{u['phases']['apply']:.3f}s, checks {u['checks']}")
+            for j, (label, (scoring, together)) in enumerate(OTHER_SCORINGS.items()):
+                m.probe_scoring, m.probes_together = scoring, together
+                u = _verified(rig, st, 200 + 10 * j + i)
+                runs[label].append(u)
+                log(f"{label}-scored update {u['name']}: apply {u['phases']['apply']:.3f}s, "
+                    f"checks {u['checks']}")
     finally:
-        m.probe_scoring = "generation"
-    sm = _summary([{"phases": {}, "prepare_s": 0.0, "checks": {}}, *st.lp_updates])
+        m.probe_scoring, m.probes_together = default
+    st.scorings = runs
     bare = R.get("bare_load_s")
-    R["logprobs_scored"] = {
-        "adapter_update_s": sm["apply_s"], "phases_s": sm["phases_s"],
-        "adapter_update_vs_bare_load": sm["apply_s"] / bare if bare and sm["apply_s"]
-        else None, "adapter_probe_max": sm["adapter_probe_max"],
-        "base_probe_max": sm["base_probe_max"], "updates": st.lp_updates,
-        "note": "both probes scored by prompt_logprobs (AdapterManager(probe_scoring="
-                "'prompt_logprobs'): one request per case), the rest of the verified update "
-                "unchanged; not the product default"}
+    out = {"default": {k: v for k, v in _summary(st.updates, bare).items() if k != "updates"}
+           if st.updates else None}
+    for label, us in runs.items():
+        # none to leave out: the base probe's reference was computed by ``updates``
+        out[label] = _summary(us, bare, first_apart=False)
+    out["default_scoring"] = _scoring(m)
+    R["scorings"] = out
 
 
 def stage_controls(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespace,
@@ -809,7 +816,7 @@ def stage_restart(rig: Rig, R: dict[str, Any], st: State, args: argparse.Namespa
 
 
 STAGE_FNS = {"takeover": stage_takeover, "bare": stage_bare, "updates": stage_updates,
-             "logprobs_updates": stage_logprobs_updates, "controls": stage_controls,
+             "scorings": stage_scorings, "controls": stage_controls,
              "serving": stage_serving, "beside": stage_beside, "full": stage_full,
              "restart": stage_restart}
 
@@ -935,14 +942,19 @@ R_ADAPTER = (f"PEFT LoRA r={RANK}, alpha {2 * RANK}, every projection, A ~ U(+-1
 
 
 def goals(R: dict[str, Any]) -> dict[str, Any]:
+    """The product default's update within 2x the bare load, the probe's discrimination
+    (smallest adapter effect over largest probe noise) at least ``DISCRIMINATION``, and
+    every negative control caught (None: not measured)."""
+    from rolloutcore.control.adapters import DISCRIMINATION
+
     def le(v: Any, lim: float) -> bool | None:
         return None if v is None else v <= lim
 
-    lp = R.get("logprobs_scored") or {}
     n = R.get("negative_controls_total")
+    ratio = R.get("discrimination_ratio")
     return {"adapter_update<=2x_bare_load": le(R.get("adapter_update_vs_bare_load"), 2.0),
-            "logprobs_scored_update<=2x_bare_load": le(lp.get("adapter_update_vs_bare_load"),
-                                                       2.0),
+            f"discrimination_ratio>={DISCRIMINATION:g}": None if ratio is None
+            else ratio >= DISCRIMINATION,
             "negative_controls_all_caught": None if not n
             else R.get("negative_controls_caught") == n}
 
@@ -952,27 +964,32 @@ def table(R: dict[str, Any]) -> str:
         return "n/a" if v is None else fmt.format(v)
 
     ph = R.get("adapter_update_phases_s") or {}
-    lp = R.get("logprobs_scored") or {}
-    lph = lp.get("phases_s") or {}
+    sc = R.get("scorings") or {}
     sv = R.get("serving_tokens_per_s") or {}
     bs = R.get("prompt_logprobs_beside_lora") or {}
+    dd = R.get("discrimination") or {}
     rows = [
         ("bare /v1/load_lora_adapter (s)", f(R.get("bare_load_s"))),
         ("bare /v1/unload_lora_adapter (s)", f(R.get("bare_unload_s"))),
         ("the same name loaded again", str(R.get("bare_reload_same_name", "n/a"))[:70]),
-        ("verified adapter update, probes through generation (s)",
-         f(R.get("adapter_update_s"))),
-        ("  of which probe through the adapter / of the base (s)",
-         f"{f(ph.get('probe_adapter'))} / {f(ph.get('probe_base'))}"),
+        ("verified adapter update, the product default (s)", f(R.get("adapter_update_s"))),
+        ("  its scoring", str(R.get("adapter_probe_scoring", "n/a"))[:70]),
+        ("  of which probes: both at once / adapter / base (s)",
+         f"{f(ph.get('probes'))} / {f(ph.get('probe_adapter'))} / {f(ph.get('probe_base'))}"),
         ("  of which load / listings / publish + retire (s)",
          f"{f(ph.get('load'))} / {f(ph.get('list'))} / "
          f"{f((ph.get('publish') or 0) + (ph.get('retire') or 0))}"),
         ("adapter update / bare load (goal <= 2)", f(R.get("adapter_update_vs_bare_load"),
-                                                     "{:.1f}x")),
-        ("verified adapter update, probes by prompt_logprobs (s)", f(lp.get("adapter_update_s"))),
-        ("  of which probes adapter / base (s)",
-         f"{f(lph.get('probe_adapter'))} / {f(lph.get('probe_base'))}"),
-        ("  / bare load", f(lp.get("adapter_update_vs_bare_load"), "{:.1f}x")),
+                                                     "{:.1f}x"))]
+    for label in OTHER_SCORINGS:
+        o = sc.get(label) or {}
+        rows.append((f"verified update scored by {label} (s) / bare load",
+                     f"{f(o.get('adapter_update_s'))} / "
+                     f"{f(o.get('adapter_update_vs_bare_load'), '{:.1f}x')}"))
+    rows += [
+        ("discrimination: min adapter effect / max probe noise (nats)",
+         f"{f(dd.get('adapter_effect_min_nats'), '{:.3g}')} / "
+         f"{f(dd.get('probe_noise_max_nats'), '{:.3g}')} = {f(dd.get('ratio'), '{:.1f}x')}"),
         ("trainer side: digest + write + float32 reference (s)", f(R.get("adapter_prepare_s"),
                                                                    "{:.2f}")),
         ("probe max |dlogp| through the adapter / base",

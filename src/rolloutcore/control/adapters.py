@@ -41,8 +41,10 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.adapter_results import (
@@ -71,6 +73,7 @@ from rolloutcore.errors import (
     BadInput,
     EffectError,
     RequestRejected,
+    RolloutCoreError,
     UpdateFailed,
     UpdateRefused,
 )
@@ -83,6 +86,7 @@ from rolloutcore.verification.probe import (
     ModelOrDir,
     ModelScorer,
     PolicyProbe,
+    ProbeResult,
 )
 
 if TYPE_CHECKING:
@@ -92,8 +96,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rolloutcore.adapters")
 
-__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "PROBE_SCORINGS",
-           "AdapterManager",
+__all__ = ["ADAPTER_TOLERANCE", "BASE_PROBE_MODES", "DISCRIMINATION", "ENGINE_SCORINGS",
+           "PROBE_SCORINGS", "TOGETHER_DEVICES", "AdapterManager", "engine_device",
            "AdapterResult", "PreparedAdapter", "RolloutBinding", "VerifiedAdapter",
            "check_probe_tolerance"]
 
@@ -110,11 +114,27 @@ BASE_PROBE_MODES = frozenset({"required", "when_idle"})
 #: How the probes score the engine. ``generation``: teacher-forced through the sampling
 #: path (``measure_generated``: a decode per reference token where the engine's differs),
 #: safe beside live requests everywhere. ``prompt_logprobs``: one prefill per case
-#: (``PolicyProbe.measure``), much cheaper on a big engine, but vLLM 0.32's CPU build
-#: kills its engine core when a ``prompt_logprobs`` request runs beside LoRA requests
-#: (docs/lora.md): only for engines where that was shown safe
-#: (``diagnostics/gpu/h200_lora.py``'s ``beside`` stage).
+#: (``PolicyProbe.measure``), 12x cheaper on an 8B engine, but vLLM 0.32's CPU build
+#: kills its engine core when a ``prompt_logprobs`` request runs beside another request
+#: on a LoRA engine (docs/lora.md): only for engines where that was shown safe
+#: (``diagnostics/gpu/h200_lora.py``'s ``beside`` stage: vLLM 0.26 on CUDA).
+#: ``AdapterManager(probe_scoring="auto")``, the default, takes ``prompt_logprobs`` on a
+#: CUDA engine and ``generation`` on any other or one that does not say
+#: (``ENGINE_SCORINGS``); what generation proves that prompt_logprobs does not:
+#: docs/lora.md ("Which scoring").
 PROBE_SCORINGS = frozenset({"generation", "prompt_logprobs"})
+
+#: The scoring ``probe_scoring="auto"`` takes on an engine of each device type
+#: (``/server_info``'s ``device_config``); any other device, or an engine without
+#: ``/server_info``, is scored through generation.
+ENGINE_SCORINGS: Mapping[str, str] = MappingProxyType({"cuda": "prompt_logprobs",
+                                                        "cpu": "generation"})
+
+#: The devices whose engines score ``prompt_logprobs`` requests batched with each other and
+#: with LoRA requests correctly (measured: ``h200_lora.py``'s ``beside`` stage, vLLM 0.26 on
+#: an H100, 2026-12-07: engine alive, deviations as when quiet). There the two probes and
+#: all their cases go to the engine at once (``probes_together``); elsewhere one at a time.
+TOGETHER_DEVICES = frozenset({"cuda"})
 
 #: The probe through an adapter's own tolerance (nats) when the update declares none. A
 #: LoRA engine computes the adapter's delta with two more bf16 matmuls than the base, so
@@ -174,11 +194,14 @@ class AdapterManager:
                  probe_tolerance: float = ADAPTER_TOLERANCE,
                  base_tolerance: float = DEFAULT_TOLERANCE,
                  timeout_s: float = 60.0, base_probe: str = "required",
-                 max_tolerance: float = MAX_TOLERANCE, probe_scoring: str = "generation",
-                 upload: bool = False) -> None:
-        if probe_scoring not in PROBE_SCORINGS:
-            raise BadInput(f"probe_scoring must be one of {sorted(PROBE_SCORINGS)}, got "
-                           f"{probe_scoring!r}")
+                 max_tolerance: float = MAX_TOLERANCE, probe_scoring: str = "auto",
+                 probes_together: bool | None = None, upload: bool = False) -> None:
+        if not isinstance(probe_scoring, str) or \
+                probe_scoring not in {*PROBE_SCORINGS, "auto"}:
+            raise BadInput(f"probe_scoring must be one of {sorted({*PROBE_SCORINGS, 'auto'})}"
+                           f", got {probe_scoring!r}")
+        if probes_together is not None and not isinstance(probes_together, bool):
+            raise BadInput(f"probes_together must be a bool or None, got {probes_together!r}")
         if base_probe not in BASE_PROBE_MODES:
             raise BadInput(f"base_probe must be one of {sorted(BASE_PROBE_MODES)}, got "
                            f"{base_probe!r}")
@@ -211,7 +234,18 @@ class AdapterManager:
                                                     self.max_tolerance)
         self.timeout_s = timeout_s
         self.base_probe = base_probe
-        self.probe_scoring = probe_scoring
+        #: The engine's device type as ``/server_info`` gives it (None: it does not say).
+        self.engine_device = (engine_device(http, timeout_s)
+                              if probe_scoring == "auto" or probes_together is None else None)
+        #: How the probes score (``PROBE_SCORINGS``; ``auto`` resolved here, once).
+        self.probe_scoring = probe_scoring if probe_scoring != "auto" else \
+            ENGINE_SCORINGS.get(self.engine_device or "", "generation")
+        #: Both probes sent at once, the base probe's requests batched with the adapter
+        #: probe's (with ``prompt_logprobs`` every case of both: one prefill for all; else
+        #: one request at a time); else the base probe after the adapter probe. Default:
+        #: on the devices of ``TOGETHER_DEVICES``.
+        self.probes_together = (self.engine_device in TOGETHER_DEVICES
+                                if probes_together is None else probes_together)
         self._calibrations = calibrations or dict
         self._own_store = store is None
         self.store = Path(store) if store is not None else Path(
@@ -379,18 +413,25 @@ class AdapterManager:
                     max_abs_diff=e.max_abs_diff, tolerance=prepared.probe.tolerance))
             in_time("probe_adapter", checks)
             try:
-                checks.append(ph.run("probe_adapter", lambda: self._probe(
-                    prepared.probe, v.name, "probe through the adapter")))
-                in_time("probe_base", checks)
+                through = (prepared.probe, v.name, "probe through the adapter")
                 busy = self._adapter_requests()
-                if busy and self.base_probe == "when_idle":
-                    notes.append(f"base-probe not run: {busy} adapter requests in flight "
-                                 f"(when_idle; vLLM 0.32's CPU LoRA kernels apply the last "
-                                 f"slot's adapter to base requests batched with them)")
+                if self.probes_together and not (busy and self.base_probe == "when_idle"):
+                    # Both at once: the base probe's requests are batched with the
+                    # adapter's (as serving batches them; stricter than one after the other).
+                    checks.extend(ph.run("probes", lambda: self._probes([
+                        through, (base_probe, None, self._beside(busy)
+                                  + " (sent with the adapter probe)")])))
                 else:
-                    checks.append(ph.run("probe_base", lambda: self._probe(
-                        base_probe, None, "probe of the base beside it"
-                        + (f" ({busy} adapter requests in flight)" if busy else ""))))
+                    checks.append(ph.run("probe_adapter", lambda: self._probe(*through)))
+                    in_time("probe_base", checks)
+                    busy = self._adapter_requests()
+                    if busy and self.base_probe == "when_idle":
+                        notes.append(f"base-probe not run: {busy} adapter requests in flight "
+                                     f"(when_idle; vLLM 0.32's CPU LoRA kernels apply the last "
+                                     f"slot's adapter to base requests batched with them)")
+                    else:
+                        checks.append(ph.run("probe_base", lambda: self._probe(
+                            base_probe, None, self._beside(busy))))
             except EffectError as exc:
                 self._refuse(v, "validate", f"a probe failed to run: {exc}", checks, exc)
             failed = [c for c in checks if not c.passed]
@@ -657,20 +698,53 @@ class AdapterManager:
             self._base_probes = {}
             self._base_identity = getattr(self.controller, "identity", None)
 
+    @staticmethod
+    def _beside(busy: int) -> str:
+        return "probe of the base beside it" + (f" ({busy} adapter requests in flight)"
+                                                if busy else "")
+
     def _probe(self, probe: PolicyProbe, model: str | None, what: str) -> Check:
-        # These probes run beside live requests: through the sampling path unless the
-        # deployment chose prompt_logprobs (PROBE_SCORINGS says when it may).
+        """One probe, judged (``_probes`` with one)."""
+        (check,) = self._probes([(probe, model, what)])
+        return check
+
+    def _probes(self, probes: Sequence[tuple[PolicyProbe, str | None, str]]) -> list[Check]:
+        """Each (probe, model, what) measured through ``model`` and judged, in order.
+
+        These probes run beside live requests: through the sampling path unless the
+        deployment's engine scores ``prompt_logprobs`` (``PROBE_SCORINGS``). With
+        ``probes_together`` every probe is sent at once, and with ``prompt_logprobs``
+        every case of every probe too (one batch on the engine); each probe still reads
+        every position of every case of its own and is judged on its own. The first
+        failure to run, in probe order, is raised once all have answered."""
         if self.probe_scoring == "prompt_logprobs":
-            res = probe.measure(_ScoredThrough(self.http, model, self.timeout_s))
-            what += " (prompt_logprobs)"
+            scorers = [_ScoredThrough(self.http, m, self.timeout_s) for _, m, _ in probes]
+            if self.probes_together:
+                _prefetch(scorers, [p for p, _, _ in probes])
+
+            def measure(i: int) -> ProbeResult:
+                return probes[i][0].measure(scorers[i])
         else:
-            res = measure_generated(probe, self.http, model, timeout_s=self.timeout_s)
-        j = probe.judge(res, dict(self._calibrations()))
-        return Check(probe.name, j.passed,
-                     f"{what}: {len(probe.cases)} probes, {res.positions} teacher-forced "
-                     f"positions; max |dlogp| {res.max_abs_diff:.4g}, mean "
-                     f"{res.mean_abs_diff:.3g}, {j.note}",
-                     max_abs_diff=res.max_abs_diff, tolerance=j.tolerance)
+            def measure(i: int) -> ProbeResult:
+                p, m, _ = probes[i]
+                return measure_generated(p, self.http, m, timeout_s=self.timeout_s)
+        if self.probes_together and len(probes) > 1 and self.probe_scoring == "generation":
+            with ThreadPoolExecutor(len(probes), thread_name_prefix="rc-probes") as pool:
+                futures = [pool.submit(measure, i) for i in range(len(probes))]
+                results = [f.result() for f in futures]
+        else:
+            results = [measure(i) for i in range(len(probes))]
+        checks = []
+        for (probe, _, what), res in zip(probes, results, strict=True):
+            j = probe.judge(res, dict(self._calibrations()))
+            how = f" ({self.probe_scoring})" if self.probe_scoring != "generation" else ""
+            checks.append(Check(
+                probe.name, j.passed,
+                f"{what}{how}: {len(probe.cases)} probes, {res.positions} teacher-forced "
+                f"positions; max |dlogp| {res.max_abs_diff:.4g}, mean "
+                f"{res.mean_abs_diff:.3g}, {j.note}",
+                max_abs_diff=res.max_abs_diff, tolerance=j.tolerance))
+        return checks
 
     def _move(self, name: str, event: AdapterEvent, reason: str = "",
               evidence: tuple[str, ...] = ()) -> AdapterState:
@@ -736,15 +810,66 @@ class AdapterManager:
                 yield v.name
 
 
+def engine_device(http: object, timeout_s: float | None = None) -> str | None:
+    """The engine's device type (``cuda``, ``cpu``, ...) from ``/server_info``'s
+    ``device_config``; None when the engine does not say (no ``/server_info``: vLLM
+    without ``VLLM_SERVER_DEV_MODE``, or a test's fake)."""
+    info = getattr(http, "server_info", None)
+    if not callable(info):
+        return None
+    try:
+        body = info(timeout_s=timeout_s)
+    except RolloutCoreError as exc:
+        log.info("no device type from /server_info (%s): adapter probes through generation",
+                 exc)
+        return None
+    cfg = body.get("vllm_config") if isinstance(body, dict) else None
+    dev = cfg.get("device_config") if isinstance(cfg, dict) else None
+    if not isinstance(dev, dict):
+        return None
+    for key in ("device_type", "device"):
+        v = dev.get(key)
+        if isinstance(v, str) and v and v != "auto":
+            return v.split(":")[0].lower()
+    return None
+
+
 class _ScoredThrough:
-    """A ``Scorer`` through one model of the engine (the base: None, or an adapter's name)."""
+    """A ``Scorer`` through one model of the engine (the base: None, or an adapter's name).
+
+    ``_prefetch`` may have scored its sequences already (all at once): ``score``
+    then answers those, in order, and checks that it is asked for the same tokens."""
 
     def __init__(self, http: LoraCapability, model: str | None, timeout_s: float) -> None:
         self.http, self.model, self.timeout_s = http, model, timeout_s
+        self.ready: list[tuple[list[int], list[float | None]]] | None = None
 
     def score(self, token_ids: Sequence[int], *, timeout_s: float | None = None
               ) -> list[float | None]:
+        if self.ready is not None:
+            if not self.ready or self.ready[0][0] != list(token_ids):
+                raise RuntimeError("a prefetched probe was asked for other tokens than it "
+                                   "scored")   # a bug here, never the engine's
+            return self.ready.pop(0)[1]
         out: list[float | None] = self.http.score(
             token_ids, timeout_s=self.timeout_s if timeout_s is None else timeout_s,
             model=self.model)
         return out
+
+
+def _prefetch(scorers: Sequence[_ScoredThrough], probes: Sequence[PolicyProbe]) -> None:
+    """Score every case of every probe through its scorer at once (one thread per
+    request: the engine batches them); each scorer then answers its probe's ``measure``
+    from those. The first failure in (probe, case) order is raised once all have
+    answered or timed out."""
+    jobs = [(sc, [*c.prompt, *c.continuation], p.timeout_s)
+            for sc, p in zip(scorers, probes, strict=True) for c in p.cases]
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="rc-probe") as pool:
+        futures = [pool.submit(sc.score, seq, timeout_s=t) for sc, seq, t in jobs]
+        got = [f.result() for f in futures]
+    ready: dict[int, list[tuple[list[int], list[float | None]]]] = {
+        id(sc): [] for sc in scorers}
+    for (sc, seq, _), out in zip(jobs, got, strict=True):
+        ready[id(sc)].append((seq, out))
+    for sc in scorers:
+        sc.ready = ready[id(sc)]
