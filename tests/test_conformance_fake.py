@@ -102,6 +102,8 @@ def test_weights_change_outputs(fake: FakeVllm) -> None:
     ({"vocab_size": True}, "vocab_size"), ({"max_model_len": 1}, "max_model_len"),
     ({"scorer": 42}, "scorer must be callable"),
     ({"scorer": "peft_scorer"}, "scorer must be callable"),
+    ({"device": ""}, "device must be a non-empty string"),
+    ({"device": 3}, "device must be a non-empty string"),
     ({"live": 1}, "live"), ({"event_delay_s": -1}, "event_delay_s"),
     ({"event_delay_s": True}, "event_delay_s"), ({"without": "/v1/models"}, "without"),
     ({"without": ("/nowhere",)}, "without")])

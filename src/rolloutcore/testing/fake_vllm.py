@@ -83,7 +83,7 @@ class FakeVllm:
     def __init__(self, engine: FakeEngine, *, model: str = MODEL, vocab_size: int = VOCAB,
                  without: Iterable[str] = (), max_model_len: int = 512, live: bool = False,
                  event_delay_s: float = 0.0, scorer: Callable[..., list[tuple[
-                     int, dict[int, float]]]] | None = None) -> None:
+                     int, dict[int, float]]]] | None = None, device: str = "cpu") -> None:
         if not isinstance(model, str) or not model:
             raise BadInput("model must be a non-empty string")
         for name, v, least in (("vocab_size", vocab_size, VOCAB), ("max_model_len",
@@ -94,6 +94,8 @@ class FakeVllm:
             raise BadInput("scorer must be callable (path, token_ids, max_tokens=, top=)")
         if not isinstance(live, bool):
             raise BadInput("live must be a bool")
+        if not isinstance(device, str) or not device:
+            raise BadInput("device must be a non-empty string (cpu, cuda, ...)")
         if isinstance(event_delay_s, bool) or not isinstance(event_delay_s, (int, float)) \
                 or not 0 <= event_delay_s < 60:
             raise BadInput("event_delay_s must be seconds in [0, 60)")
@@ -117,6 +119,8 @@ class FakeVllm:
         #: loaded LoRA adapters: name -> the path it was loaded from
         self.loras: dict[str, str] = {}
         self.scorer = scorer
+        #: the device ``/server_info`` says the engine runs on (``device_config``)
+        self.device = device
         #: LoRA load faults (the module's docstring); names loaded under the base
         self.swallow_loads = self.base_under_name = 0
         self._as_base: set[str] = set()
@@ -294,7 +298,8 @@ class FakeVllm:
         return httpx.Response(200, json={"vllm_config": {
             "instance_id": self.engine.epoch, "model_config": {
                 "model": self.model, "dtype": "torch.bfloat16",
-                "logprobs_mode": "raw_logprobs"}}})
+                "logprobs_mode": "raw_logprobs"},
+            "device_config": {"device": self.device}}})
 
     # -- pause, sleep, caches --------------------------------------------------
 
@@ -390,6 +395,8 @@ class FakeVllm:
         if not isinstance(sp, dict):
             raise BadInput("sampling_params must be an object")
         rid, lp = str(body.get("request_id") or uuid.uuid4().hex), sp.get("logprobs")
+        if self.scorer is not None and sp.get("prompt_logprobs") is not None:
+            return self._prompt_scored(body, ids, rid)
         if self.scorer is not None and lp:
             return self._scored(body, ids, self._max_tokens(sp.get("max_tokens"), ids), lp)
 
@@ -404,16 +411,40 @@ class FakeVllm:
             return {"request_id": rid, "choices": [choice]}
         return self._run(body, ids, self._max_tokens(sp.get("max_tokens"), ids), shape, rid)
 
+    def _scored_path(self, body: dict[str, Any]) -> str | httpx.Response | None:
+        """The adapter path the model named is scored through (None: the base), or a 404."""
+        model = body.get("model") or self.model
+        with self._lock:
+            if model != self.model and model not in self.loras:
+                return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
+            return None if model == self.model or model in self._as_base else self.loras[model]
+
+    def _prompt_scored(self, body: dict[str, Any], ids: list[int], rid: str
+                       ) -> httpx.Response:
+        """``prompt_logprobs``: the scorer's teacher-forced logprob of every prompt token
+        (the first has none), and one greedy token after it, as vLLM answers it."""
+        path = self._scored_path(body)
+        if isinstance(path, httpx.Response):
+            return path
+        assert self.scorer is not None
+        prompt = getattr(self.scorer, "prompt_logprobs", None)
+        if not callable(prompt):
+            raise BadInput("this fake's scorer does not score prompts (prompt_logprobs)")
+        lps = prompt(path, ids)
+        ((tok, _),) = self.scorer(path, ids, max_tokens=1, top=1)
+        return httpx.Response(200, json={"request_id": rid, "prompt_logprobs": [
+            None if v is None else {str(t): {"logprob": v, "rank": 1}}
+            for t, v in zip(ids, lps, strict=True)],
+            "choices": [{"index": 0, "token_ids": [tok], "finish_reason": "length"}]})
+
     def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: Any
                 ) -> httpx.Response:
         """The scorer's greedy tokens and their ``top`` logprobs, for the model named."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
             raise BadInput("logprobs must be an int in 1..20")
-        model = body.get("model") or self.model
-        with self._lock:
-            if model != self.model and model not in self.loras:
-                return _error(404, f"The model `{model}` does not exist.", "NotFoundError")
-            path = None if model == self.model or model in self._as_base else self.loras[model]
+        path = self._scored_path(body)
+        if isinstance(path, httpx.Response):
+            return path
         assert self.scorer is not None
         out = self.scorer(path, ids, max_tokens=n, top=top)
         return httpx.Response(200, json={"choices": [{

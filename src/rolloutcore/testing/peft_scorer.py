@@ -118,6 +118,13 @@ class PeftScorer:
                 _ANSWERS[request] = known
         return [(tok, dict(tops)) for tok, tops in known]
 
+    def prompt_logprobs(self, path: str | None, token_ids: list[int]) -> list[float | None]:
+        """The teacher-forced logprob of every token of ``token_ids`` (the first: None),
+        through the base or the adapter at ``path``: vLLM's ``prompt_logprobs``."""
+        from rolloutcore.verification.probe import ModelScorer
+
+        return ModelScorer(self._model(path)[1]).score(list(token_ids))
+
     def _decode(self, m: Any, token_ids: list[int], max_tokens: int, top: int
                 ) -> list[tuple[int, dict[int, float]]]:
         torch = self._torch
@@ -136,10 +143,13 @@ class PeftScorer:
         return out
 
 
-def peft_vllm(checkpoint: str | Path) -> tuple[FakeVllm, VllmHTTP]:
+def peft_vllm(checkpoint: str | Path, *, scorer: PeftScorer | None = None,
+              device: str = "cpu") -> tuple[FakeVllm, VllmHTTP]:
     """The one fake answering logprobs with the tiny model at ``checkpoint`` (and its
-    adapters), and a client of it: what ``AdapterManager`` drives in the fast lane."""
-    scorer = PeftScorer(checkpoint)
+    adapters), and a client of it: what ``AdapterManager`` drives in the fast lane.
+    ``scorer``: one of this checkpoint's (a test's subclass); ``device``: what
+    ``/server_info`` says the engine runs on."""
+    scorer = PeftScorer(checkpoint) if scorer is None else scorer
     fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0)), vocab_size=scorer.vocab_size,
-                    scorer=scorer)
+                    scorer=scorer, device=device)
     return fake, VllmHTTP("http://fake-vllm", transport=fake.transport())
