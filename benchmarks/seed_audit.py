@@ -37,7 +37,7 @@ def main() -> int:
     import vllm
 
     from rolloutcore.core.versions import Provenance
-    from rolloutcore.engine.port import engine_identity
+    from rolloutcore.engine.state import engine_identity
     from rolloutcore.provenance.audit import audit_file
     from rolloutcore.provenance.recorder import TrajectoryRecorder
     from rolloutcore.provenance.seeds import SEED_DERIVATION, derive_seed

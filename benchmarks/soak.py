@@ -63,7 +63,8 @@ from rolloutcore.control.journal import read_journal  # noqa: E402
 from rolloutcore.core.invariants import check_journal  # noqa: E402
 from rolloutcore.core.lifecycle import Binding, State  # noqa: E402
 from rolloutcore.engine.http import VllmHTTP  # noqa: E402
-from rolloutcore.engine.port import VllmAdapter, engine_identity  # noqa: E402
+from rolloutcore.engine.port import VllmAdapter  # noqa: E402
+from rolloutcore.engine.state import engine_identity  # noqa: E402
 from rolloutcore.engine.wire import Generation  # noqa: E402
 from rolloutcore.errors import AdmissionRefused, RolloutCoreError, UpdateFailed  # noqa: E402
 from rolloutcore.provenance.audit import audit_purity, read_journal_summary  # noqa: E402
