@@ -284,7 +284,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 def make_adapter(base_dir: str | Path, seed: int, *, std: float = 0.05, rank: int = 8) -> Any:
     """A PEFT LoRA (``rank``, alpha 2x rank) on every projection of the checkpoint at
     ``base_dir``, its B matrices random with ``std`` (0: PEFT's own initialisation, B = 0,
-    i.e. an adapter that changes nothing). Needs ``peft`` and ``transformers``."""
+    i.e. an adapter that changes nothing); A and B both drawn from ``seed``. Needs ``peft``
+    and ``transformers``."""
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise BadInput(f"seed must be an int, got {seed!r}")
     if not std >= 0 or isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -295,7 +296,10 @@ def make_adapter(base_dir: str | Path, seed: int, *, std: float = 0.05, rank: in
 
     from rolloutcore.verification.hf_load import HF_LOCK
 
-    with HF_LOCK:
+    # PEFT draws lora_A from torch's global generator: drawn under ``seed``, and without
+    # disturbing the caller's generator, so one seed is one adapter whatever ran before.
+    with HF_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         base = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
         m = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank,
                                                       target_modules=list(LORA_TARGETS)))
