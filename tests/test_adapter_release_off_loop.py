@@ -20,13 +20,14 @@ import pytest
 from fleettools import fake_fleet
 from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import rig
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.versions import Provenance
 from rolloutcore.service.admission import AdapterEngine, Target
 from rolloutcore.service.proxy import FinishedRequest
 
-pytest.importorskip("peft")
+installed("peft")
 MATRIX = PromiseRows("tests/test_adapter_release_off_loop.py",
                      engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager and the gateway's admission")

@@ -24,8 +24,10 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("peft")
-pytest.importorskip("trl")
+from helpers.needs import installed
+
+installed("peft")
+installed("trl")
 
 
 def test_train_lora_through_a_fleet_gateway(tmp_path: Path, one_torch_thread: None,
