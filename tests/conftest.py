@@ -168,19 +168,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # rest as xdist orders them. The files that compute through Hugging Face's stack (PEFT,
 # transformers, TRL, the tiny checkpoints: ``_HF_USE``) are one unit, run by one worker:
 # that stack is imported by one process instead of two (``import peft`` brings
-# transformers and accelerate: ~4 s of CPU; TRL's trainer and vLLM's weight-transfer
-# modules more), and the PEFT fake's per-process caches (base models, merged adapters,
-# answers) serve every such file. Their modules skip without importing it
-# (``helpers.needs.installed``), so the other worker never does. The unit is about two
-# fifths of the lane's test time (wall), so the other worker takes the rest meanwhile.
-# The vLLM contract file joins it (vLLM imported once).
+# transformers and accelerate: ~4 s of CPU), and the PEFT fake's per-process caches
+# (base models, merged adapters, answers) serve every such file. Their modules skip
+# without importing it (``helpers.needs.installed``), so the other worker never does.
+# The unit is about two fifths of the lane's test time (wall), so the other worker
+# takes the rest meanwhile.
 _HF_USE = re.compile(r"\b[Pp]eft|make_adapter|make_checkpoint|installed\(\"(transformers|trl)\"\)"
                      r"|^\s*(from|import) (transformers|trl)\b", re.M)
 _HF_UNIT = "tests/test_fleet_adapters.py"
-_JOINS_HF_UNIT = ("tests/test_vllm034_contract_unit.py",)
 _HEAVIEST_FIRST = (
-    _HF_UNIT, "tests/test_cuda_ipc_unit.py", "tests/test_layering.py",
-    "tests/test_receiver_validation.py", "tests/test_errors_tree.py",
+    _HF_UNIT, "tests/test_layering.py", "tests/test_errors_tree.py",
     "tests/test_service_schemathesis.py", "tests/test_lifecycle_stateful.py",
     "tests/test_service_control.py", "tests/test_trainer_protocol_fuzz.py",
     "tests/test_cli_demo.py",
@@ -190,7 +187,7 @@ _HEAVIEST_FIRST = (
 def hf_unit(root: Path) -> frozenset[str]:
     """The test files (relative to ``root``, as xdist names them) run as the one unit."""
     return frozenset({f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")
-                      if _HF_USE.search(p.read_text())} | set(_JOINS_HF_UNIT))
+                      if _HF_USE.search(p.read_text())})
 
 
 @pytest.hookimpl(optionalhook=True)
