@@ -711,6 +711,7 @@ def _extended(model: torch.nn.Module, engine: Any) -> Any:
     return cls(model, engine)
 
 
+@pytest.mark.slow  # imports vLLM (the worker extension's module): ~6.5 s of CPU here
 @pytest.mark.parametrize("target", ["engine", "worker"])
 def test_parameter_checks_run_under_another_backend(target: str) -> None:
     """Snapshot and parameter checksums read the model the updates write, whatever the
