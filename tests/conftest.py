@@ -165,22 +165,29 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # ones with the most tests first, so the heaviest files (one or a few tests each) came
 # last and one worker ran them while the other had finished. Files are handed out
 # heaviest first instead (test-phase CPU of one worker, measured on the fast lane), the
-# rest as xdist orders them. Two pairs are one unit: each pair pays a per-process cost
-# once on one worker instead of once on each (the fleet-adapter files: the PEFT fake's
-# base models, merged adapters and answers, kept per process; the TRL fleet file and
-# the vLLM contract file: importing vLLM, seconds of CPU).
-_SHARED_UNIT = {
-    "tests/test_fleet_adapters_restart.py": "tests/test_fleet_adapters.py",
-    "tests/test_vllm034_contract_unit.py": "tests/test_trl_lora_fleet_unit.py",
-}
+# rest as xdist orders them. The files that compute through Hugging Face's stack (PEFT,
+# transformers, TRL, the tiny checkpoints: ``_HF_USE``) are one unit, run by one worker:
+# that stack is imported by one process instead of two (``import peft`` brings
+# transformers and accelerate: ~4 s of CPU), and the PEFT fake's per-process caches
+# (base models, merged adapters, answers) serve every such file. Their modules skip
+# without importing it (``helpers.needs.installed``), so the other worker never does.
+# The unit is about two fifths of the lane's test time (wall), so the other worker
+# takes the rest meanwhile.
+_HF_USE = re.compile(r"\b[Pp]eft|make_adapter|make_checkpoint|installed\(\"(transformers|trl)\"\)"
+                     r"|^\s*(from|import) (transformers|trl)\b", re.M)
+_HF_UNIT = "tests/test_fleet_adapters.py"
 _HEAVIEST_FIRST = (
-    "tests/test_fleet_adapters.py", "tests/test_trl_lora_fleet_unit.py",
-    "tests/test_cuda_ipc_unit.py", "tests/test_native_lora.py", "tests/test_layering.py",
-    "tests/test_receiver_validation.py", "tests/test_errors_tree.py",
+    _HF_UNIT, "tests/test_layering.py", "tests/test_errors_tree.py",
     "tests/test_service_schemathesis.py", "tests/test_lifecycle_stateful.py",
     "tests/test_service_control.py", "tests/test_trainer_protocol_fuzz.py",
     "tests/test_cli_demo.py",
 )
+
+
+def hf_unit(root: Path) -> frozenset[str]:
+    """The test files (relative to ``root``, as xdist names them) run as the one unit."""
+    return frozenset({f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")
+                      if _HF_USE.search(p.read_text())})
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -190,11 +197,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadFileScheduling
 
     rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
+    unit = hf_unit(Path(config.rootpath))
 
     class HeaviestFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = str(super()._split_scope(nodeid))
-            return _SHARED_UNIT.get(scope, scope)
+            return _HF_UNIT if scope in unit else scope
 
         def _assign_work_unit(self, node: Any) -> None:
             # The heaviest unit still queued goes next; among the rest, xdist's order.

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from fleettools import fake_fleet
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.http import VllmHTTP
@@ -30,7 +31,7 @@ from rolloutcore.errors import BadInput, UpdateFailed
 from rolloutcore.testing.fake_vllm import FakeVllm
 from rolloutcore.testing.peft_scorer import PeftScorer
 
-pytest.importorskip("peft")
+installed("peft")
 
 Fault = Callable[[str | None, list[float | None], int], tuple[str | None, list[float | None]]]
 

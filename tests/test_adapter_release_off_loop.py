@@ -20,18 +20,19 @@ import pytest
 from fleettools import fake_fleet
 from helpers.fault_matrix import PromiseRows
 from helpers.gateway_rig import rig
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.versions import Provenance
 from rolloutcore.service.admission import AdapterEngine, Target
 from rolloutcore.service.proxy import FinishedRequest
 
-pytest.importorskip("peft")
+installed("peft")
 MATRIX = PromiseRows("tests/test_adapter_release_off_loop.py",
                      engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager and the gateway's admission")
 _fault_matrix = MATRIX.fixture()
-UNLOAD_S = 1.5
+UNLOAD_S = 1.0  # over 3x the release's bound (0.3 s): a release that waited fails
 
 
 @pytest.fixture

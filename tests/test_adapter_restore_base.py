@@ -18,12 +18,13 @@ import pytest
 
 from fleettools import fake_fleet, weights
 from helpers.fault_matrix import PromiseRows
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.control.journal import Journal, read_journal
 from rolloutcore.core.records import Commit
 from rolloutcore.core.versions import Provenance
 
-pytest.importorskip("peft")
+installed("peft")
 MATRIX = PromiseRows("tests/test_adapter_restore_base.py",
                      engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager; a fake fleet replica's controller")

@@ -85,6 +85,24 @@ def test_one_handler_serves_the_async_client(fake: FakeVllm) -> None:
     assert len(body["choices"][0]["token_ids"]) == 3  # type: ignore[index]
 
 
+def test_over_the_socket_it_says_which_connection_each_request_came_on(fake: FakeVllm
+                                                                       ) -> None:
+    """``peers``: the client's address per request served over a socket; a pooled
+    connection keeps its port, another connection has its own; the mock transport has
+    no socket and records none."""
+    from helpers.gateway_rig import uvicorn_thread
+
+    factory(fake)().version()
+    assert fake.peers == []
+    with uvicorn_thread(fake, lifespan="off") as url:
+        with httpx.Client(base_url=url) as one:
+            assert one.get("/version").status_code == one.get("/health").status_code == 200
+        with httpx.Client(base_url=url) as two:
+            assert two.get("/version").status_code == 200
+    a, b, c = fake.peers
+    assert a == b != c and a[0] == c[0] == "127.0.0.1"
+
+
 def test_weights_change_outputs(fake: FakeVllm) -> None:
     c = factory(fake)()
     a = c.generate(conformance.PROMPT, max_tokens=6, ignore_eos=True).token_ids

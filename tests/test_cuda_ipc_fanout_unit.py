@@ -282,53 +282,41 @@ def test_before_anything_was_sent_the_transports_check_claims_nothing() -> None:
     assert "nothing sent" in chk.detail
 
 
-def _sse_app(served: list[int]) -> Any:
-    """An engine stand-in for the clients: ``max_tokens`` token events, then [DONE];
-    ``served`` counts the answers sent whole."""
-    import json as _json
-
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import StreamingResponse
-    from starlette.routing import Route
-
-    async def generate(request: Request) -> StreamingResponse:
-        body = await request.json()
-        n = body["sampling_params"]["max_tokens"]
-
-        async def events() -> Any:
-            for i in range(n):
-                yield f"data: {_json.dumps({'choices': [{'token_ids': [i]}]})}\n\n"
-            yield "data: [DONE]\n\n"
-            served.append(n)
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"x-rolloutcore-replica": "e0"})
-
-    return Starlette(routes=[Route("/inference/v1/generate", generate, methods=["POST"])])
-
-
 @pytest.mark.parametrize("in_process", [False, True])
 def test_the_harness_clients_run_in_a_process_of_their_own(in_process: bool) -> None:
     """The load's clients (by default in a spawned process, apart from the gateway's
-    interpreter lock) hand back every finished request and the CPU each side used."""
-    from helpers.gateway_rig import uvicorn_thread
+    interpreter lock) hand back every finished request and the CPU each side used. They
+    meet what they meet on the GPU: the real fleet gateway (one replica, ``r0``) in front of
+    the one fake of vLLM, each on a loopback port of its own."""
+    from fleettools import fake_fleet, served
+    from helpers.gateway_rig import TOKEN, uvicorn_thread
+    from rolloutcore.engine.routes import Routes
+    from rolloutcore.fleet import FleetConfig
+    from rolloutcore.fleet.gateway import create_fleet_app
+    from rolloutcore.service import ServiceConfig
 
     h = _harness()
     args = h.parse(["--concurrency", "3", "--median-tokens", "4", "--cap-tokens", "8",
                     "--prompt-tokens", "4"] + (["--clients-in-process"] if in_process else []))
     rig = types.SimpleNamespace(model=None, sampling_extra={}, vocab=50)
-    served: list[int] = []
-    with uvicorn_thread(_sse_app(served)) as url:
+    fleet = fake_fleet(1, token_delay_s=0.0, config=FleetConfig(health_interval_s=0))
+
+    def generated() -> int:
+        return sum(1 for m, p in fakes["r0"].received if (m, p) == ("POST", Routes.GENERATE))
+
+    with served(fleet) as fakes, uvicorn_thread(create_fleet_app(
+            fleet.coord, ServiceConfig(upstream_url="http://127.0.0.1:1", control_token=TOKEN),
+            supervise=False)) as url:
         load = h.Load(url, rig, args, seed=1)
         t0 = time.monotonic()
         load.start()
         deadline = time.monotonic() + 120   # a spawned interpreter starts slowly under load
-        while time.monotonic() < deadline and len(served) < 6:
+        while time.monotonic() < deadline and generated() < 6:
             time.sleep(0.05)
         load.stop(wait_s=120)
-    assert len(served) >= 6, "the clients sent too few requests"
+    assert generated() >= 6, "the clients sent too few requests"
     assert len(load.done) >= 6, "the finished requests did not come back"
-    assert all(r["status"] == 200 and not r["error"] and r["replica"] == "e0"
+    assert all(r["status"] == 200 and not r["error"] and r["replica"] == "r0"
                for r in load.done), load.done[:3]
     assert all(r["tokens"] == sum(k for _, k in r["reads"]) for r in load.done)
     assert load.tokens_per_s(t0, time.monotonic() + 1) > 0

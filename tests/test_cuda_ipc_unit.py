@@ -376,6 +376,10 @@ def interpreted_kernels() -> None:
     assert cuda_kernels.available(torch.device("cpu"))
 
 
+# Slow lane: a child pytest under Triton's interpreter (torch and Triton imported again):
+# ~5.5 s of CPU and 7 s of wall alone, 25 s in the fast lane at load 8. It checks the
+# kernels' results bit for bit, not that anything is fast.
+@pytest.mark.slow
 def test_kernels_interpreted() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -707,6 +711,7 @@ def _extended(model: torch.nn.Module, engine: Any) -> Any:
     return cls(model, engine)
 
 
+@pytest.mark.slow  # imports vLLM (the worker extension's module): ~6.5 s of CPU here
 @pytest.mark.parametrize("target", ["engine", "worker"])
 def test_parameter_checks_run_under_another_backend(target: str) -> None:
     """Snapshot and parameter checksums read the model the updates write, whatever the

@@ -4,19 +4,20 @@ A replica killed as a synchronous update starts is seen by the fan-out as a
 ``/get_world_size`` that fails. The group cannot be made; nothing is posted
 to the members that answered, so each is reported ``closed`` (a per-engine
 round to it is safe) and the coordinator sends to it alone, while the dead
-one keeps its own error. Served by a real HTTP server (the live member) and
-a port nobody listens on (the dead one).
+one keeps its own error. The live member is the one fake of vLLM
+(``FakeVllm``, served by uvicorn: it answers every route, so a call the fan-out
+should not make would succeed there and is caught by what it ``received``); the
+dead one is a port nobody listens on.
 """
 
 from __future__ import annotations
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from helpers.gateway_rig import uvicorn_thread
+from rolloutcore.engine.routes import Routes
+from rolloutcore.testing import FakeVllm
+from rolloutcore.testing.fake import FakeEngine, FakeWeights
 from rolloutcore.transports.fanout import GlooFanout
 from rolloutcore.transports.net import free_port
 
@@ -26,20 +27,9 @@ torch = pytest.importorskip("torch")
 def test_a_member_that_cannot_join_leaves_the_others_free_for_per_engine_sends() -> None:
     from rolloutcore.transports.source import WeightSource
 
-    seen: list[str] = []
-
-    async def world_size(request: Request) -> JSONResponse:
-        seen.append(request.url.path)
-        return JSONResponse({"world_size": 1})
-
-    async def anything(request: Request) -> JSONResponse:
-        seen.append(request.url.path)
-        return JSONResponse({"error": "not expected"}, status_code=500)
-
-    app = Starlette(routes=[Route("/get_world_size", world_size),
-                            Route("/{rest:path}", anything, methods=["GET", "POST"])])
+    fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0))
     src = WeightSource.from_state_dict({"w": torch.ones(4)})
-    with uvicorn_thread(app) as live:
+    with uvicorn_thread(fake, lifespan="off") as live:
         dead = f"http://127.0.0.1:{free_port()}"
         fan = GlooFanout(op_timeout_s=5)
         out = fan.send_all([(live, "rc-1"), (dead, "rc-1")], src, timeout_s=20)
@@ -49,7 +39,9 @@ def test_a_member_that_cannot_join_leaves_the_others_free_for_per_engine_sends()
     assert dead in str(ok.error) and "could not join" in str(ok.error)
     assert not gone.ok and not gone.closed and gone.error is not None
     assert not gone.error.mutation_started
-    assert seen == ["/get_world_size"]   # nothing but the question was asked of the live one
+    # nothing but the question was asked of the live one
+    assert fake.received == [("GET", Routes.GET_WORLD_SIZE)]
+    assert fake.engine.label == "default" and not fake.engine.paused
     assert fan.members == ()             # no group was kept
 
 

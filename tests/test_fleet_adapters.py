@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from fleettools import fake_fleet
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.core.versions import Provenance
@@ -30,7 +31,7 @@ from rolloutcore.errors import AdmissionRefused, BadInput, UpdateRefused
 from rolloutcore.fleet.adapters import FleetAdapterFailed, FleetAdapters
 from rolloutcore.testing.peft_scorer import peft_vllm
 
-pytest.importorskip("peft")
+installed("peft")
 # Two replicas verify at once, each computing in this process.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.needs import installed
 from rolloutcore.testing.models import make_checkpoint
 from rolloutcore.verification.probe import PolicyProbe
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+installed("transformers")
 
 
 def test_concurrent_loads_leave_tying_and_init_as_they_were(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ import ast
 import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -478,16 +478,66 @@ CLIENT_ROUTE_METHODS = frozenset({
     "generate", "models", "model", "version", "server_info", "weight_info",
     "weight_checksums", "load_lora_adapter", "unload_lora_adapter", "top_logprobs",
     "is_paused", "is_sleeping", "wake_up", "set_weight_version"})
-#: Servers of vLLM-shaped routes that are not fakes: the gateway's own route lists.
+#: Servers of vLLM-shaped routes that are not fakes: the gateway's own route lists, and
+#: its relay of vLLM's own RL routes under ``/rc/<token>`` (an ASGI app naming them).
 GATEWAY_ROUTES = frozenset({"src/rolloutcore/service/app.py",
-                            "src/rolloutcore/fleet/gateway.py"})
+                            "src/rolloutcore/fleet/gateway.py",
+                            "src/rolloutcore/service/native.py"})
 
 
-def _serves_vllm_route(node: ast.AST, paths: frozenset[str]) -> bool:
-    """``Route("/pause", ...)`` (Starlette) or a handler table keyed by ``Routes.X``."""
-    for n in ast.walk(node):
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "Route" \
-                and n.args and isinstance(n.args[0], ast.Constant) and n.args[0].value in paths:
+#: Calls that declare a route of an app: Starlette's ``Route``/``app.add_route``.
+_ROUTE_CALLS = frozenset({"Route", "WebSocketRoute", "add_route", "add_api_route"})
+#: Decorators that declare one: ``@app.route``, FastAPI's ``@app.post`` and the rest.
+_ROUTE_DECORATORS = frozenset({"route", "api_route", "get", "post", "put", "delete",
+                               "patch", "websocket"})
+
+
+def _is_vllm_path(node: ast.AST, paths: frozenset[str]) -> bool:
+    """``"/pause"`` or ``Routes.PAUSE``: a path of vLLM's route table."""
+    if isinstance(node, ast.Constant):
+        return node.value in paths
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+            and node.value.id == "Routes":
+        from rolloutcore.engine.routes import Routes
+
+        return getattr(Routes, node.attr, None) in paths
+    return False
+
+
+def _is_asgi_app(fn: ast.AST) -> bool:
+    """``async def app(scope, receive, send)`` (or a method of that shape): a raw ASGI app."""
+    if not isinstance(fn, ast.AsyncFunctionDef):
+        return False
+    names = [a.arg for a in fn.args.args]
+    return names[-3:] == ["scope", "receive", "send"] and len(names) <= 4
+
+
+def _walk_outside_classes(node: ast.AST) -> Iterator[ast.AST]:
+    """``ast.walk`` that does not enter a class (a class is judged as one)."""
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        yield n
+        todo.extend(c for c in ast.iter_child_nodes(n) if not isinstance(c, ast.ClassDef))
+
+
+def _serves_vllm_route(node: ast.AST, paths: frozenset[str], *,
+                       walk: Callable[[ast.AST], Iterator[ast.AST]] = ast.walk) -> bool:
+    """Whether ``node`` builds an app answering a vLLM route: ``Route("/pause", ...)``
+    (Starlette, or ``app.add_route``), a ``@app.post("/pause")`` handler, a handler table
+    keyed by ``Routes.X``, or a raw ASGI app (``async def app(scope, receive, send)``)
+    that names a vLLM path."""
+    for n in walk(node):
+        if isinstance(n, ast.Call) and n.args and getattr(
+                n.func, "id", getattr(n.func, "attr", None)) in _ROUTE_CALLS \
+                and _is_vllm_path(n.args[0], paths):
+            return True
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute)
+                and d.func.attr in _ROUTE_DECORATORS and d.args
+                and _is_vllm_path(d.args[0], paths) for d in n.decorator_list):
+            return True
+        if _is_asgi_app(n) and any(_is_vllm_path(x, paths) for x in ast.walk(n)):
             return True
         if isinstance(n, ast.Dict) and any(
                 isinstance(k, ast.Tuple) and any(isinstance(e, ast.Attribute) and isinstance(
@@ -497,16 +547,45 @@ def _serves_vllm_route(node: ast.AST, paths: frozenset[str]) -> bool:
     return False
 
 
+_ASGI_DEF = re.compile(r"def\s+\w+\s*\(\s*(self\s*,\s*)?scope\b")
+
+
 def _may_hold_a_fake(text: str) -> bool:
-    """False only for a file in which no class can pass the checks of ``fakes_of_vllm``:
-    both seams name ``Route`` or ``Routes``, and a client's stand-in defines three of
+    """False only for a file in which nothing can pass the checks of ``fakes_of_vllm``:
+    every route declaration names ``Route``, ``Routes`` or ``add_route`` or is a decorator
+    (``@app.post(``), a raw
+    ASGI app defines ``(scope, receive, send)``, and a client's stand-in defines three of
     ``CLIENT_ROUTE_METHODS``."""
-    return "Route" in text or len(
+    return "Route" in text or "add_route" in text or "add_api_route" in text \
+        or _ASGI_DEF.search(text) is not None or re.search(
+        r"@\w[\w.]*\.(" + "|".join(_ROUTE_DECORATORS) + r")\(", text) is not None or len(
         {m for m in CLIENT_ROUTE_METHODS if re.search(rf"def\s+{m}\s*\(", text)}) >= 3
 
 
+def _fakes_in(tree: ast.AST, paths: frozenset[str]) -> Iterator[str]:
+    """The names of what in a module stands in for vLLM: a class (at any depth) that
+    serves its routes or defines three of its client's methods; a function (outside a
+    class) that builds an app serving its routes; ``<module>`` for module-level code
+    that does."""
+    for c in ast.walk(tree):
+        if not isinstance(c, ast.ClassDef) or any(
+                ast.unparse(b).endswith("Protocol") for b in c.bases):
+            continue  # a Protocol states the client's shape; it serves nothing
+        methods = {m.name for m in c.body
+                   if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        if _serves_vllm_route(c, paths) or len(methods & CLIENT_ROUTE_METHODS) >= 3:
+            yield c.name
+    for stmt in getattr(tree, "body", ()):
+        if isinstance(stmt, ast.ClassDef):
+            continue
+        if _serves_vllm_route(stmt, paths, walk=_walk_outside_classes):
+            yield stmt.name if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                else "<module>"
+
+
 def fakes_of_vllm() -> set[tuple[str, str]]:
-    """Every class in src/ and tests/ that serves vLLM's routes or stands in for its client."""
+    """Everything in src/ and tests/ that serves vLLM's routes or stands in for its
+    client (``_fakes_in``)."""
     paths = _vllm_paths()
     out: set[tuple[str, str]] = set()
     for f in sorted([*SRC.rglob("*.py"), *TESTS.rglob("*.py")]):
@@ -514,15 +593,8 @@ def fakes_of_vllm() -> set[tuple[str, str]]:
         if rel in GATEWAY_ROUTES or rel == "src/rolloutcore/engine/http.py":
             continue
         if not _may_hold_a_fake(f.read_text()):
-            continue  # no class in it can match below: not parsed
-        for c in _nodes(f):
-            if not isinstance(c, ast.ClassDef) or any(
-                    ast.unparse(b).endswith("Protocol") for b in c.bases):
-                continue  # a Protocol states the client's shape; it serves nothing
-            methods = {m.name for m in c.body
-                       if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-            if _serves_vllm_route(c, paths) or len(methods & CLIENT_ROUTE_METHODS) >= 3:
-                out.add((rel, c.name))
+            continue  # nothing in it can match below: not parsed
+        out.update((rel, name) for name in _fakes_in(_nodes(f)[0], paths))
     return out
 
 
@@ -554,3 +626,35 @@ def test_the_text_filter_keeps_every_file_the_detector_could_match() -> None:
     assert _may_hold_a_fake("app = Starlette(routes=[Route('/pause', p)])\n")
     assert not _may_hold_a_fake("class C:\n    def generate(self): ...\n"
                                 "    def models(self): ...\n")
+
+
+def test_the_fake_detector_sees_function_built_apps() -> None:
+    """An app built by a function (or at module level) that answers a vLLM route is a
+    fake as much as a class is: Starlette's ``Route``, ``add_route``, a decorator, a raw
+    ASGI app; inside a test function too. One answering only its own paths is not."""
+    paths = _vllm_paths()
+    built = {
+        "starlette": "def _sse_app(served):\n    async def generate(request): ...\n"
+                     "    return Starlette(routes=[Route('/inference/v1/generate', generate,"
+                     " methods=['POST'])])\n",
+        "inline": "def test_x():\n    async def world_size(request): ...\n"
+                  "    app = Starlette(routes=[Route('/get_world_size', world_size)])\n",
+        "table name": "def make():\n    return Starlette(routes=[Route(Routes.VERSION, f)])\n",
+        "add_route": "def make(app):\n    app.add_route('/pause', f, methods=['POST'])\n",
+        "decorator": "def make(app):\n    @app.post('/resume')\n    async def r(): ...\n",
+        "asgi": "def make():\n    async def app(scope, receive, send):\n"
+                "        if scope['path'] == '/is_paused': ...\n    return app\n",
+        "module": "app = Starlette(routes=[Route('/v1/models', models)])\n",
+    }
+    for kind, text in built.items():
+        assert _may_hold_a_fake(text), kind
+        name = "<module>" if kind == "module" else text.split("(")[0][4:]
+        assert list(_fakes_in(ast.parse(text), paths)) == [name], kind
+    # Not a fake: an app of its own paths, a client calling vLLM's, a class judged once.
+    for text in ("def make():\n    return Starlette(routes=[Route('/mine', f)])\n",
+                 "def test_y(client):\n    client.post('/pause')\n"
+                 "    assert seen == ['/get_world_size']\n",
+                 "async def app(scope, receive, send):\n    await send(scope['path'])\n"):
+        assert list(_fakes_in(ast.parse(text), paths)) == [], text
+    nested = "def test_z():\n    class S:\n        app = Starlette(routes=[Route('/pause', p)])\n"
+    assert list(_fakes_in(ast.parse(nested), paths)) == ["S"]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from helpers.needs import installed
 
-pytest.importorskip("peft")
+installed("peft")
 
 
 def _lora(m: object) -> dict[str, object]:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.needs import installed
 from rolloutcore.cli import main as cli_main
 from rolloutcore.errors import BadInput
 from rolloutcore.testing.models import (
@@ -18,7 +19,7 @@ from rolloutcore.testing.models import (
 from rolloutcore.transports.source import WeightSource
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+installed("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
+from helpers.needs import installed
 from rolloutcore.testing.models import BOS_ID, CHAT_TEMPLATE, make_checkpoint
 
-pytest.importorskip("transformers")
+installed("transformers")
 
 
 def test_the_tokenizer_renders_messages_with_role_markers(tmp_path: Path) -> None:

@@ -23,12 +23,13 @@ import pytest
 
 from helpers.asgi_stream import lifespan
 from helpers.gateway_rig import TOKEN, make_parts, serve_fake
+from helpers.needs import installed
 from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterConfig, AdapterState
 from rolloutcore.engine.routes import Routes
 from rolloutcore.service import ServiceConfig, create_app
 
-pytest.importorskip("peft")
+installed("peft")
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_torch_thread")]
 
 NATIVE = "native-lora-token-0123456789ab"

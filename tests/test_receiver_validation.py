@@ -713,18 +713,20 @@ def test_a_fast_update_refuses_layers_that_transform_their_weights() -> None:
 
 
 def test_the_forged_handle_cases_of_the_gpu_diagnostic_are_all_refused_on_cpu(
-        tmp_path: Path) -> None:
-    """``diagnostics/gpu/forged_handles.py --plan``: everything that runs without a GPU."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``diagnostics/gpu/forged_handles.py --plan``: everything that runs without a GPU.
+    Its ``main`` runs in this process (an interpreter of its own paid ~2 s of CPU to
+    import torch again, for nothing the plan needs)."""
     import json
-    import subprocess
     import sys
+
+    from helpers.scripts import load_script
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, str(root / "diagnostics/gpu/forged_handles.py"),
-                        "--plan", "--out", str(out)], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "PYTHONPATH": str(root / "src")})
-    assert r.returncode == 0, r.stdout + r.stderr
+    script = load_script("forged_handles", root / "diagnostics/gpu/forged_handles.py")
+    monkeypatch.setattr(sys, "argv", ["forged_handles.py", "--plan", "--out", str(out)])
+    assert script.main() == 0
     rep = json.loads((out / "forged-handles.json").read_text())
     assert rep["mode"] == "plan" and rep["ok"] is True
     cpu = [c for c in rep["cases"] if c["ran"]]

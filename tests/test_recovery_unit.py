@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from coretools import drive_to
+from helpers.needs import installed
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.journal import Journal
 from rolloutcore.control.runner import Deadlines, LifecycleRunner
@@ -32,7 +33,7 @@ from rolloutcore.testing.models import make_checkpoint
 from rolloutcore.transports.source import WeightSource
 
 pytest.importorskip("torch")
-pytest.importorskip("transformers")
+installed("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.needs import installed
 from rolloutcore.errors import BadInput
 from rolloutcore.testing.models import make_checkpoint, make_pair
 from rolloutcore.transports.source import WeightSource
 
-pytest.importorskip("transformers")
+installed("transformers")
 
 
 def test_a_tied_pair_has_no_separate_head_and_is_hot_swappable(tmp_path: Path) -> None:

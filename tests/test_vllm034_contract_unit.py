@@ -87,6 +87,7 @@ def test_direct_reload_mode_is_refused_before_anything_moves(
     assert calls == []
 
 
+@pytest.mark.slow  # imports vLLM (about 5 s of CPU on these CPUs)
 def test_the_installed_vllm_has_a_reload_api_the_workers_can_use() -> None:
     pytest.importorskip("vllm")
     from rolloutcore.transports.compat.reload import reload_api
@@ -145,6 +146,7 @@ def test_the_source_slot_meets_the_033_contract_and_declares_each_round(
     assert [(n, tuple(t.shape)) for n, t in view.iter_full()] == [("c", (4, 1))]
 
 
+@pytest.mark.slow  # imports vLLM (about 5 s of CPU on these CPUs)
 def test_the_source_slot_still_meets_the_installed_vllms_contract() -> None:
     pytest.importorskip("vllm")
     slot = SourceSlot()

@@ -159,23 +159,19 @@ def test_idle_connections_are_dropped_before_the_server_would_drop_them() -> Non
     client reuses one for ``keepalive_s``. Inside that, calls share a
     connection (the same client port); past it, a new one is opened.
     """
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
-
     from helpers.gateway_rig import uvicorn_thread
+    from rolloutcore.testing import FakeVllm
+    from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
 
-    def port(request: Request) -> JSONResponse:
-        assert request.client is not None
-        return JSONResponse({"version": str(request.client.port)})
-
+    fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0))
     assert KEEPALIVE_S < 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
-    with uvicorn_thread(Starlette(routes=[Route(Routes.VERSION, port)])) as url, \
-            VllmHTTP(url, keepalive_s=0.2) as h:
-        first, again = h.version(), h.version()
+    with uvicorn_thread(fake, lifespan="off") as url, VllmHTTP(url, keepalive_s=0.2) as h:
+        h.version()
+        h.version()
         time.sleep(0.5)
-        later = h.version()
+        h.version()
+    assert fake.received == [("GET", Routes.VERSION)] * 3
+    first, again, later = fake.peers
     assert first == again != later
 
 

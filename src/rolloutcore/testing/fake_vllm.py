@@ -31,7 +31,8 @@ serves with uvicorn. There an event stream goes out event by event, with
 ``live`` as the engine makes each token (its pause modes reach the stream), and
 the faults of a stream: ``event_delay_s`` between events, ``break_after_events``
 (the connection drops after that many), ``omit_done`` (no ``[DONE]``).
-``down`` there answers 500: an ASGI app cannot refuse a connection.
+``down`` there answers 500: an ASGI app cannot refuse a connection. ``peers``
+says which connection each request came on (the client's address).
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ class FakeVllm:
         self._as_base: set[str] = set()
         self.down = False
         self.received: list[tuple[str, str]] = []   # (method, path) of every call
+        #: over the socket: the client's (host, port) of every request, in order (the
+        #: connection it came on: a pooled connection is reused, a new one has a new port)
+        self.peers: list[tuple[str, int]] = []
         self._faults: dict[str, list[int | type[httpx.TransportError]]] = {}
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, str], _Handler] = {
@@ -248,6 +252,9 @@ class FakeVllm:
         from starlette.responses import Response, StreamingResponse
 
         req = Request(scope, receive)
+        if req.client is not None:
+            with self._lock:
+                self.peers.append((req.client.host, req.client.port))
         got = await anyio.to_thread.run_sync(self.handle, httpx.Request(
             req.method, str(req.url), headers=req.headers.raw, content=await req.body()))
         out = (StreamingResponse(self._play(got), got.status_code, media_type=_SSE)
