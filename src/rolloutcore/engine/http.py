@@ -607,10 +607,7 @@ class VllmHTTP:
             if logprobs:
                 content = (ch.get("logprobs") or {}).get("content") or []
                 lps = tuple(float(c["logprob"]) for c in content)
-            spans_raw = ch.get("weight_versions")
-            spans = None if spans_raw is None else tuple(
-                VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-                for s in spans_raw)
+            spans = VersionSpan.parse(ch.get("weight_versions"))
         except (KeyError, IndexError, TypeError, ValueError, BadInput) as exc:
             raise unexpected(exc) from exc
         if lps is not None and len(lps) != len(toks):

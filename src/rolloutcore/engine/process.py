@@ -66,6 +66,7 @@ __all__ = [
     "ManagedEngine",
     "free_port",
     "require_vllm",
+    "show_progress",
     "tp_thread_binding",
     "vllm_available",
 ]
@@ -119,6 +120,15 @@ def require_vllm(python: str | None = None) -> None:
             "machines without a GPU; then remove torchvision/torchaudio/torchcodec, "
             "which break transformers there)",
             mutation_started=False)
+
+
+def show_progress(msg: str, tty: bool, final: bool = False) -> None:
+    """One progress line on stderr: rewritten in place on a terminal, one line each else."""
+    if tty:
+        sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
+    else:
+        sys.stderr.write(f"[rolloutcore] {msg}\n")
+    sys.stderr.flush()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -606,8 +616,8 @@ class ManagedEngine:
                 if healthy:
                     self.support = self._check_support(client, deadline)
                     if self.progress:
-                        self._show(f"vLLM ready on :{self.port} in "
-                                   f"{time.monotonic() - t0:.1f}s", tty, final=True)
+                        show_progress(f"vLLM ready on :{self.port} in "
+                                      f"{time.monotonic() - t0:.1f}s", tty, final=True)
                     return
                 now = time.monotonic()
                 if now >= deadline:
@@ -618,7 +628,7 @@ class ManagedEngine:
                 elapsed = int(now - t0)
                 if self.progress and elapsed != last_shown and (tty or elapsed % 10 == 0):
                     last_shown = elapsed
-                    self._show(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
+                    show_progress(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
                 time.sleep(0.5)
 
     def _check_support(self, client: httpx.Client, deadline: float) -> SupportVerdict:
@@ -645,14 +655,6 @@ class ManagedEngine:
             raise EngineUnavailable("launch", f"{verdict.describe()} (log {self._log_path})",
                                     mutation_started=False)
         return verdict
-
-    @staticmethod
-    def _show(msg: str, tty: bool, final: bool = False) -> None:
-        if tty:
-            sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
-        else:
-            sys.stderr.write(f"[rolloutcore] {msg}\n")
-        sys.stderr.flush()
 
     def _forget_key(self) -> None:
         if self._route_key is not None and self._route_url is not None:

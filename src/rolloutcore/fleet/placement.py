@@ -193,6 +193,8 @@ def start_all(starters: Mapping[str, Callable[[], Any]], *, progress: bool = Fal
     Returns name -> what each starter returned; if any fails, raises its
     error after the others have finished (the caller stops what did start).
     """
+    from rolloutcore.engine.process import show_progress
+
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     done: dict[str, float] = {}
@@ -218,11 +220,11 @@ def start_all(starters: Mapping[str, Callable[[], Any]], *, progress: bool = Fal
         el = int(time.monotonic() - t0)
         if progress and el != last and (tty or el % 10 == 0):
             last = el
-            _show(_line(starters, done, errors, el), tty)
+            show_progress(_line(starters, done, errors, el), tty)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     if progress:
-        _show(_line(starters, done, errors, int(time.monotonic() - t0)), tty, final=True)
+        show_progress(_line(starters, done, errors, int(time.monotonic() - t0)), tty, final=True)
     if errors:
         raise next(iter(errors.values()))
     missing = [n for n in starters if n not in results]
@@ -244,14 +246,6 @@ def _line(starters: Mapping[str, Any], done: Mapping[str, float],
             parts.append(f"{n} starting")
     ready = sum(1 for n in starters if n in done and n not in errors)
     return f"engines {ready}/{len(starters)} ready after {el}s: " + ", ".join(parts)
-
-
-def _show(msg: str, tty: bool, final: bool = False) -> None:
-    if tty:
-        sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
-    else:
-        sys.stderr.write(f"[rolloutcore] {msg}\n")
-    sys.stderr.flush()
 
 
 def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,

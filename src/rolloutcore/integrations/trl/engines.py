@@ -123,14 +123,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-def _spans(raw: Any) -> tuple[VersionSpan, ...] | None:
-    if raw is None:
-        return None
-    return tuple(VersionSpan(str(s.version), int(s.start), int(s.end)) if not isinstance(
-        s, Mapping) else VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-        for s in raw)
-
-
 def _vllm_extra(spec: SamplingSpec) -> dict[str, Any]:
     """``spec.to_vllm()`` less what ``VllmHTTP.generate`` takes as arguments."""
     out = spec.to_vllm()
@@ -395,7 +387,7 @@ class _SessionEngine(_AdapterPublisher):
                 done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
         return EngineSample(binding, tuple(g.token_ids), tuple(g.logprobs or ()),
-                            g.finish_reason or "unknown", _spans(g.weight_versions),
+                            g.finish_reason or "unknown", g.weight_versions,
                             Timestamps(aw, am, cw, max(cm, am)), done.attributable, adapter)
 
     def engine_identity(self) -> EngineIdentity:
@@ -623,7 +615,7 @@ class _GatewayEngine(_AdapterPublisher):
             version = WeightVersion(int(info["generation"]), str(info["version"]),
                                     str(info["engine_epoch"]))
             digest = str(info["identity_digest"])
-            spans = _spans(ch.get("weight_versions"))
+            spans = VersionSpan.parse(ch.get("weight_versions"))
             finish = str(ch.get("finish_reason") or "unknown")
             placed = _placement(info, self.fleet is not None)
             with self._lock:
