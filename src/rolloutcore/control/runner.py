@@ -228,7 +228,7 @@ class LifecycleRunner:
         return v
 
     # ------------------------------------------------------------ takeover
-    def take_over(self, identity: WeightIdentity, *, probes: Any | None = None,
+    def take_over(self, identity: WeightIdentity, *, probes: object = None,
                   reference_checksums: Mapping[str, str] | None = None,
                   min_verification: VerificationLevel = VerificationLevel.DECLARED,
                   recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:

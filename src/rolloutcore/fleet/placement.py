@@ -53,7 +53,10 @@ from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
+    import torch
+
     from rolloutcore.control.port import Recoverer
+    from rolloutcore.transports.rank_checksums import RankReport
     from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
@@ -172,7 +175,8 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         finally:
             journal.close()
 
-    def on_round(nonce: str, sent: Any, reports: Any) -> None:
+    def on_round(nonce: str, sent: Mapping[str, torch.Tensor],
+                 reports: Sequence[tuple[int, RankReport]]) -> None:
         """A fan-out round's reports of this engine's ranks: its validation checks them."""
         tr.adopt_round(url, nonce, sent, reports)
 

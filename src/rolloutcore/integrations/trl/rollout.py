@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.adapters import AdapterConfig, AdapterVersion
 from rolloutcore.core.records import State
@@ -57,6 +57,10 @@ from rolloutcore.provenance.trajectory import (
     group_id_for,
 )
 from rolloutcore.transports.source import WeightSource
+
+if TYPE_CHECKING:
+    from rolloutcore.integrations.trl.engines import Probe
+    from rolloutcore.transports.base import WeightTransport
 
 __all__ = ["LORA_RANKS", "RolloutCoreRollout", "lora_engine_args"]
 
@@ -215,7 +219,7 @@ class RolloutCoreRollout:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def launch(cls, checkpoint: str | Path, *, run: str, trajectories: str | Path | None = None,
-               journal: str | Path | None = None, transport: Any = None,
+               journal: str | Path | None = None, transport: WeightTransport | None = None,
                engine_kwargs: Mapping[str, Any] | None = None, progress: bool = False,
                start_timeout_s: float = 600.0, lora_rank: int | None = None,
                adapter_config: AdapterConfig | None = None,
@@ -267,9 +271,9 @@ class RolloutCoreRollout:
 
     @classmethod
     def through_gateway(cls, url: str, token: str, *, checkpoint: str | Path, run: str,
-                        trajectories: str | Path | None = None, transport: Any = None,
-                        data_token: str | None = None, timeout_s: float = 300.0,
-                        min_verification: str | None = None,
+                        trajectories: str | Path | None = None,
+                        transport: WeightTransport | None = None, data_token: str | None = None,
+                        timeout_s: float = 300.0, min_verification: str | None = None,
                         adapter_dir: str | Path | None = None, **kw: Any) -> RolloutCoreRollout:
         """Generate and update through a ``rolloutcore serve`` gateway at ``url``.
 
@@ -373,7 +377,7 @@ class RolloutCoreRollout:
         if self.adapters:
             return self._push_adapter(model, step, t0)
         state = engine_state_dict(model, self.manifest)
-        probe: Any = False
+        probe: Probe = False
         if self.probe:
             probe = probe_for(model, state, tolerance=self.probe_tolerance)
         prov = Provenance(self.origin, self.run, step)
