@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -69,8 +70,7 @@ class MediaLimits:
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_images"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise BadInput(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, 1)
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ class ImageRef:
                            f"got {self.mime!r}")
         for name in ("nbytes", "width", "height"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise BadInput(f"image {name} must be an int >= 1, got {v!r}")
+            check_int(f"image {name}", v, 1)
 
     @classmethod
     def of(cls, data: bytes, limits: MediaLimits | None = None) -> ImageRef:

@@ -44,6 +44,7 @@ import httpx
 
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.core.strict import check_int
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
@@ -530,8 +531,7 @@ class VllmHTTP:
     @staticmethod
     def _sampling(max_tokens: int, temperature: float, logprobs: bool, seed: int | None,
                   ignore_eos: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadInput(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        check_int("max_tokens", max_tokens, 1)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or (
                 not math.isfinite(temperature) or temperature < 0):
             raise BadInput(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -620,8 +620,7 @@ class VllmHTTP:
                      ) -> list[tuple[int, dict[int, float]]]:
         """Greedy continuation: each token and the engine's ``top`` logprobs at its position
         (the sampling path: see ``verification.adapters``)."""
-        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
-            raise BadInput(f"top must be an int in 1..20, got {top!r}")
+        check_int("top", top, 1, 20)
         resp = self._post_json(Routes.GENERATE, "generate", {
             "model": self._model_or(model, timeout_s), "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,

@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.engine.args import engine_defaults, has_flag
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.launch_guard import Tether, listener_problem, watch_exit
@@ -299,8 +300,7 @@ class ManagedEngine:
         self._model_dir = self._check_model_dir(model_dir)
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         for pname, pv in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-            if isinstance(pv, bool) or not isinstance(pv, int) or not 1 <= pv <= 64:
-                raise BadInput(f"{pname} must be an int in 1..64, got {pv!r}")
+            check_int(pname, pv, 1, 64)
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
         #: One core group per rank (tensor x pipeline) on the CPU build

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
-from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
+from rolloutcore.core.strict import check_int, check_obj, check_str, exact_keys
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -92,10 +92,8 @@ class VersionSpan:
 
     def __post_init__(self) -> None:
         check_str("weight_versions.version", self.version)
-        for where, x in (("weight_versions.start", self.start),
-                         ("weight_versions.end", self.end)):
-            if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-                raise fail(where, f"must be an int >= 0, got {x!r}")
+        check_int("weight_versions.start", self.start)
+        check_int("weight_versions.end", self.end)
         if self.end < self.start:
             raise BadInput(f"weight_versions: span {self.version!r} ends ({self.end}) "
                            f"before it starts ({self.start})")

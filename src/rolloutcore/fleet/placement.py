@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.runner import Deadlines, DrainPolicy
 from rolloutcore.control.stack import wire
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
@@ -270,8 +271,7 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
     process's environment already chooses, or (``ranks`` > 1) where CUDA is
     present (the GPU build ignores it).
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise BadInput(f"ranks must be an int >= 1, got {ranks!r}")
+    check_int("ranks", ranks, 1)
     if (n <= 1 and ranks <= 1) or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
             env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env):
         return {}
@@ -314,8 +314,7 @@ def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, A
     ranks = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         v = engine_kwargs.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadInput(f"{key} must be an int >= 1, got {v!r}")
+        check_int(key, v, 1)
         ranks *= v
     return [cpu_binding(i, n, env, ranks=ranks) for i in range(n)]
 
@@ -326,8 +325,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     """``n`` ``ManagedEngine``s on ``checkpoint``, started in parallel (all or none)."""
     from rolloutcore.engine.process import ManagedEngine
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
+    check_int("the number of engines", n, 1)
     env = dict(engine_kwargs.pop("env", None) or {})
     bindings = _host_bindings(n, env, engine_kwargs)
     # Their dev and weight routes answer only this process (transports.engine_key).
@@ -527,8 +525,7 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
+    check_int("the number of engines", n, 1)
     if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
         raise BadInput(f"unknown placement strategy {strategy!r}")
     engine_env = dict(engine_kwargs.pop("env", None) or {})

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.pool import Strategy
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.fleet.coordinator import FleetCoordinator
@@ -105,8 +106,7 @@ class FleetServeOptions:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise BadInput(f"{name} must be an int in 1..64, got {v!r}")
+            check_int(name, v, 1, 64)
         if self.ray and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise BadInput("--ray places one-rank engines (one Ray bundle each); a fleet of "
                            "tensor- or pipeline-parallel engines runs as local processes "

@@ -51,6 +51,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, BinaryIO
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, JournalError, RolloutCoreError
 from rolloutcore.provenance.trajectory import (
     TrajectoryGroup,
@@ -463,8 +464,7 @@ class GenerationCursor:
             raise BadInput(f"cursor.run must be a non-empty string, got {self.run!r}")
         for name in ("step", "next_prompt_index"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BadInput(f"cursor.{name} must be an int >= 0, got {v!r}")
+            check_int(f"cursor.{name}", v)
         ahead = set()
         for i in self.committed_ahead:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
@@ -492,16 +492,13 @@ class GenerationCursor:
 
     def pending(self, total: int) -> list[int]:
         """Prompt indices below ``total`` still to generate, in order."""
-        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-            raise BadInput(f"total must be an int >= 0, got {total!r}")
+        check_int("total", total)
         ahead = set(self.committed_ahead)
         return [i for i in range(self.next_prompt_index, total) if i not in ahead]
 
     def advance(self, prompt_index: int) -> GenerationCursor:
         """The cursor with ``prompt_index`` committed as well."""
-        if isinstance(prompt_index, bool) or not isinstance(prompt_index, int) \
-                or prompt_index < 0:
-            raise BadInput(f"prompt_index must be an int >= 0, got {prompt_index!r}")
+        check_int("prompt_index", prompt_index)
         if self.is_committed(prompt_index):
             return self
         return GenerationCursor(self.run, self.step, self.next_prompt_index,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.adapters import AdapterConfig, AdapterVersion
 from rolloutcore.core.records import State
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import (
     EngineIdentity,
     Provenance,
@@ -76,10 +77,8 @@ def lora_engine_args(rank: int, max_loras: int = 2) -> list[str]:
     """vLLM's flags for adapters up to ``rank``: ``--max-lora-rank`` is the smallest
     value vLLM accepts that holds it; ``max_loras`` adapters in one batch (a
     synchronous run has one in use, and the next one beside it while it is probed)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= LORA_RANKS[-1]:
-        raise BadInput(f"LoRA rank must be an int in 1..{LORA_RANKS[-1]}, got {rank!r}")
-    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
-        raise BadInput(f"max_loras must be an int >= 1, got {max_loras!r}")
+    check_int("LoRA rank", rank, 1, LORA_RANKS[-1])
+    check_int("max_loras", max_loras, 1)
     vllm_rank = next(r for r in LORA_RANKS if r >= rank)
     return ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(vllm_rank)]
 
@@ -169,9 +168,7 @@ class RolloutCoreRollout:
             raise BadInput("run must be a non-empty string")
         # The run name is part of every group id and seed: check it once, here.
         group_id_for(run, 0, 0)
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or \
-                max_concurrency < 1:
-            raise BadInput(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        check_int("max_concurrency", max_concurrency, 1)
         self.engine: RolloutEngine = engine
         self.run = run
         self.checkpoint = ckpt
