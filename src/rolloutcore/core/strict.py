@@ -18,8 +18,8 @@ from typing import Any
 
 from rolloutcore.errors import BadInput
 
-__all__ = ["check_int", "check_obj", "check_str", "exact_keys", "fail", "freeze_json",
-           "thaw_json"]
+__all__ = ["check_int", "check_obj", "check_str", "check_timeout", "exact_keys", "fail",
+           "freeze_json", "thaw_json"]
 
 
 def fail(where: str, msg: str) -> BadInput:
@@ -38,6 +38,13 @@ def check_int(name: str, v: object, lo: int = 0, hi: int | None = None) -> int:
         raise BadInput(f"{name} must be an int " + (f">= {lo}" if hi is None else f"in {lo}..{hi}")
                        + f", got {v!r}")
     return v
+
+
+def check_timeout(v: object, name: str = "timeout_s") -> float:
+    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
+    return float(v)
 
 
 def check_obj(where: str, d: object) -> Mapping[str, Any]:

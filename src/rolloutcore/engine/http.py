@@ -44,7 +44,7 @@ import httpx
 
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
-from rolloutcore.core.strict import check_int
+from rolloutcore.core.strict import check_int, check_timeout
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
@@ -86,13 +86,6 @@ def _label(labels: str, key: str) -> str | None:
 #: closing fails with "Server disconnected without sending a response": on
 #: ``/pause`` that reads as an engine failure. Seen on a loaded 2-core machine.
 KEEPALIVE_S = 2.0
-
-
-def check_timeout(v: object, name: str = "timeout") -> float:
-    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
-    return float(v)
 
 
 def _put_ids(body: dict[str, Any], **ids: object) -> None:
