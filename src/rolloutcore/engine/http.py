@@ -48,12 +48,11 @@ from rolloutcore.core.strict import check_int, check_timeout
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
-from rolloutcore.engine.stream import GenerationStream
+from rolloutcore.engine.stream import GenerationStream, chunk_of
 from rolloutcore.engine.wire import (
     Completion,
     Generation,
     MetricsSnapshot,
-    VersionSpan,
     WeightInfo,
     WeightOps,
     logprob_token_id,
@@ -588,25 +587,15 @@ class VllmHTTP:
             body["content_parts"] = parts
         _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
-
-        def unexpected(why: object) -> EffectError:
-            return EffectError(step, f"unexpected generate answer: {why}: "
-                               f"{snippet(json.dumps(resp))}")
-
-        try:
-            ch = resp["choices"][0]
-            toks = tuple(int(t) for t in ch.get("token_ids") or ())
-            lps: tuple[float, ...] | None = None
-            if logprobs:
-                content = (ch.get("logprobs") or {}).get("content") or []
-                lps = tuple(float(c["logprob"]) for c in content)
-            spans = VersionSpan.parse(ch.get("weight_versions"))
-        except (KeyError, IndexError, TypeError, ValueError, BadInput) as exc:
-            raise unexpected(exc) from exc
-        if lps is not None and len(lps) != len(toks):
-            raise unexpected(f"{len(lps)} logprobs for {len(toks)} tokens")
-        return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
-                          ch.get("finish_reason"), spans, media)
+        try:  # choice 0, read as a streamed event's is
+            if not resp.get("choices"):
+                raise ValueError("no choices")
+            c = chunk_of(resp, logprobs, 0.0)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput too
+            raise EffectError(step, f"unexpected generate answer: {exc}: "
+                              f"{snippet(json.dumps(resp))}") from exc
+        return Generation(str(resp.get("request_id", body.get("request_id", ""))), c.token_ids,
+                          c.logprobs, c.finish_reason, c.weight_versions, media)
 
     def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
                      model: str | None = None, timeout_s: float | None = None
