@@ -36,6 +36,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -212,15 +213,18 @@ class _Scan:
         self.tail_group_ids = tuple(gids)
 
 
-def _open_for_read(path: PathLike) -> BinaryIO:
+@contextlib.contextmanager
+def _open_errors(path: PathLike, missing: str) -> Iterator[None]:
+    """Opening a trajectory file: ``missing`` names what a ``FileNotFoundError`` lacks."""
+    p = os.fspath(path)
     try:
-        return open(path, "rb")
+        yield
     except FileNotFoundError as exc:
-        raise BadInput(f"trajectory file {os.fspath(path)!r} does not exist") from exc
+        raise BadInput(f"{missing} {p!r} does not exist") from exc
     except IsADirectoryError as exc:
-        raise BadInput(f"trajectory file {os.fspath(path)!r} is a directory") from exc
+        raise BadInput(f"trajectory file {p!r} is a directory") from exc
     except OSError as exc:
-        raise JournalError(f"cannot read {os.fspath(path)!r}: {exc}") from exc
+        raise JournalError(f"cannot open {p!r}: {exc}") from exc
 
 
 def read_groups(path: PathLike) -> Iterator[TrajectoryGroup]:
@@ -228,7 +232,9 @@ def read_groups(path: PathLike) -> Iterator[TrajectoryGroup]:
 
     Takes no lock and changes nothing, so it may run while a writer appends.
     """
-    with _open_for_read(path) as f:
+    with _open_errors(path, "trajectory file"):
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    with f:
         scan = _Scan(f, os.fspath(path))
         for _, lines in scan.groups():
             samples = []
@@ -283,14 +289,8 @@ class TrajectoryRecorder:
         self._index: dict[str, CommittedGroup] = {}
         self._by_prompt: dict[tuple[str, int, int], str] = {}
         existed = self.path.exists()
-        try:
+        with _open_errors(self.path, "the directory of"):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        except IsADirectoryError as exc:
-            raise BadInput(f"trajectory file {str(self.path)!r} is a directory") from exc
-        except FileNotFoundError as exc:
-            raise BadInput(f"directory of {str(self.path)!r} does not exist") from exc
-        except OSError as exc:
-            raise JournalError(f"cannot open {str(self.path)!r}: {exc}") from exc
         try:
             self._lock(fd, float(lock_timeout_s))
             if not existed:
