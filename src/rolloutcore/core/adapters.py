@@ -57,7 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from rolloutcore.core.strict import check_int
+from rolloutcore.core.strict import HEX64, check_int
 from rolloutcore.core.vocab import Machine, Record, TypedRecord
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 
@@ -76,7 +76,6 @@ __all__ = [
     "adapter_name",
 ]
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What vLLM accepts as a LoRA name and what travels in headers and paths.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_PREFIX = "rcl"
@@ -89,7 +88,7 @@ def adapter_name(generation: int, content_digest: str) -> str:
     digest makes it say what it holds.
     """
     check_int("adapter generation", generation, 1)
-    if not isinstance(content_digest, str) or not _HEX64.fullmatch(content_digest):
+    if not isinstance(content_digest, str) or not HEX64.fullmatch(content_digest):
         raise BadInput("adapter content_digest must be a sha256 hex digest")
     return f"{NAME_PREFIX}-{generation}-{content_digest[:16]}"
 
@@ -166,7 +165,7 @@ class AdapterVersion:
             raise BadInput(f"adapter name must match {_NAME_RE.pattern}, got {self.name!r}")
         if not isinstance(self.path, str) or not self.path:
             raise BadInput("adapter path must be a non-empty string")
-        if not isinstance(self.content_digest, str) or not _HEX64.fullmatch(self.content_digest):
+        if not isinstance(self.content_digest, str) or not HEX64.fullmatch(self.content_digest):
             raise BadInput("adapter content_digest must be a sha256 hex digest")
         if not isinstance(self.base, str) or not self.base:
             raise BadInput("adapter base must be the base version's label")

@@ -12,14 +12,19 @@ Standard library only.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from rolloutcore.errors import BadInput
 
-__all__ = ["check_int", "check_obj", "check_str", "check_timeout", "exact_keys", "fail",
+__all__ = ["HEX64", "check_int", "check_obj", "check_str", "check_timeout", "exact_keys", "fail",
            "freeze_json", "thaw_json"]
+
+
+#: A sha256 digest as hex: every content digest, checksum and identity digest.
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def fail(where: str, msg: str) -> BadInput:

@@ -52,8 +52,8 @@ from functools import cached_property
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
+from rolloutcore.core.strict import HEX64, check_str, exact_keys
 from rolloutcore.core.strict import check_obj as _obj
-from rolloutcore.core.strict import check_str, exact_keys
 from rolloutcore.core.strict import fail as _fail
 from rolloutcore.core.strict import freeze_json as _freeze_json
 from rolloutcore.core.strict import thaw_json as _thaw_json
@@ -116,7 +116,6 @@ _SEED_SCHEMES = frozenset({SEED_DERIVATION, SEED_EXTERNAL, SEED_NONE})
 SAMPLING_EPS = 1e-5
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FINISH_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _TYPED_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed"})
@@ -288,7 +287,7 @@ class Prompt:
             media = tuple(ImageRef.from_dict(dict(x) if isinstance(x, Mapping) else x)
                           for x in raw)
         return cls(_tokens("prompt.token_ids", m["token_ids"]),
-                   _str("prompt.digest", m["digest"], _HEX64), media)
+                   _str("prompt.digest", m["digest"], HEX64), media)
 
 
 @dataclass(frozen=True)
