@@ -589,7 +589,7 @@ class VllmHTTP:
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
         try:  # choice 0, read as a streamed event's is
             if not resp.get("choices"):
-                raise ValueError("no choices")
+                raise BadInput("no choices")
             c = chunk_of(resp, logprobs, 0.0)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput too
             raise EffectError(step, f"unexpected generate answer: {exc}: "
