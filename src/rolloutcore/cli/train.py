@@ -65,6 +65,7 @@ from rolloutcore.cli.argtypes import int_in as _int_in
 from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
 from rolloutcore.cli.vocab import add_report, emit
+from rolloutcore.core.strict import check_int
 
 if TYPE_CHECKING:
     from rolloutcore.integrations.trl import RolloutCoreRollout
@@ -178,8 +179,7 @@ def run_train(workdir: Path, *, steps: int = 20, seed: int = 0,
 
     for name, v in (("steps", steps), ("prompts_per_step", prompts_per_step),
                     ("num_generations", num_generations), ("max_tokens", max_tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadInput(f"{name} must be an int >= 1, got {v!r}")
+        check_int(name, v, 1)
     if num_generations < 2:
         raise BadInput("num_generations must be >= 2 (GRPO compares siblings)")
     if lora is not None and not isinstance(lora, LoraSettings):

@@ -70,6 +70,7 @@ from rolloutcore.core.adapters import (
     adapter_name,
 )
 from rolloutcore.core.evidence import Check
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import Binding, Provenance, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import State
 from rolloutcore.errors import (
@@ -197,9 +198,8 @@ class AdapterManager:
         if base_model is None:
             raise BadInput("an adapter manager needs the base model (a checkpoint directory or "
                            "a HF causal LM) for its references")
-        if max_rank is not None and (isinstance(max_rank, bool) or not isinstance(max_rank, int)
-                                     or max_rank < 1):
-            raise BadInput(f"max_rank must be an int >= 1, got {max_rank!r}")
+        if max_rank is not None:
+            check_int("max_rank", max_rank, 1)
         if not isinstance(upload, bool):
             raise BadInput(f"upload must be a bool, got {upload!r}")
         #: Upload each version's files into the engine's own store

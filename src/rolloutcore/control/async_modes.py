@@ -62,6 +62,7 @@ from rolloutcore.core.records import (
     UpdateMode,
 )
 from rolloutcore.core.rules import UPDATE_MODES
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import EngineIdentity, WeightVersion
 from rolloutcore.errors import AdmissionRefused, BadInput, RolloutCoreError
 from rolloutcore.provenance.stitch import SegmentRun, Stitched, stitch
@@ -376,8 +377,7 @@ class RolloutClient:
         if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                               for t in ids):
             raise BadInput("prompt must be a non-empty sequence of token ids >= 0")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadInput("max_tokens must be an int >= 1")
+        check_int("max_tokens", max_tokens, 1)
         rid = rollout_id or f"r-{uuid.uuid4().hex}"
         out = Rollout(rid, ids, RolloutStatus.FAILED, self.mode)
         try:

@@ -214,7 +214,7 @@ class LifecycleController:
         return self._shell.run(self._m.request_update, target_identity, owner, label=label,
                                min_verification=min_verification)
 
-    def _inside(self, step: Callable[..., Verdict], ticket: UpdateTicket, evidence: Any
+    def _inside(self, step: Callable[..., Verdict], ticket: UpdateTicket, evidence: object
                 ) -> Verdict:
         """A step inside an update, group-committed (``Shell.run(durable=False)``): a
         restart reads a journal that ends at any of them as one that ends at the

@@ -219,7 +219,7 @@ class ExpectationTaker(Protocol):
     (``verification.probe.Calibration``).
     """
 
-    def expect(self, *, probes: Any | None,
+    def expect(self, *, probes: object,
                reference_checksums: Mapping[str, str] | None,
                calibrating: bool = False) -> None:
         ...

@@ -69,6 +69,7 @@ from rolloutcore.core.lifecycle import Classification, FailureKind, State, Step,
 from rolloutcore.core.lifecycle_state import UpdateTicket
 from rolloutcore.core.records import Effect, Event, Note, Record
 from rolloutcore.core.rules import UPDATE_MODES
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import (
     Binding,
     VerificationLevel,
@@ -228,7 +229,7 @@ class LifecycleRunner:
         return v
 
     # ------------------------------------------------------------ takeover
-    def take_over(self, identity: WeightIdentity, *, probes: Any | None = None,
+    def take_over(self, identity: WeightIdentity, *, probes: object = None,
                   reference_checksums: Mapping[str, str] | None = None,
                   min_verification: VerificationLevel = VerificationLevel.DECLARED,
                   recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
@@ -291,9 +292,7 @@ class LifecycleRunner:
         nothing outside READY (an update's own effects classify failures
         then) and drops a check that raced an update's start.
         """
-        if isinstance(failures_to_taint, bool) or not isinstance(failures_to_taint, int) \
-                or failures_to_taint < 1:
-            raise BadInput("failures_to_taint must be an int >= 1")
+        check_int("failures_to_taint", failures_to_taint, 1)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and timeout_s > 0):
             raise BadInput("timeout_s must be a positive number")

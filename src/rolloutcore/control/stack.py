@@ -41,7 +41,7 @@ def wire(port: LifecycleAdapter, *, controller: LifecycleController | None = Non
          journal_path: str | os.PathLike[str] | None = None, restore: bool = False,
          journal_keep: int | None = None, controller_config: ControllerConfig | None = None,
          controller_kw: dict[str, Any] | None = None, deadlines: Deadlines | None = None,
-         drain_policy: DrainPolicy = DrainPolicy.ABORT, engine: Any = None) -> Stack:
+         drain_policy: DrainPolicy = DrainPolicy.ABORT, engine: object = None) -> Stack:
     """The engine stack over ``port``.
 
     The controller: ``controller`` as given (with its ``journal``, if any), or

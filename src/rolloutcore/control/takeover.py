@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from rolloutcore.control.outcomes import EffectHost
 from rolloutcore.control.port import ExpectationTaker, Recoverer
 from rolloutcore.core.evidence import BootstrapEvidence, UpdateTarget, ValidationEvidence
 from rolloutcore.core.lifecycle import FailureKind, State, Step, Verdict
-from rolloutcore.core.lifecycle_state import verification_of
+from rolloutcore.core.lifecycle_state import judge_takeover
 from rolloutcore.core.versions import (
     VerificationLevel,
     WeightIdentity,
@@ -46,7 +46,7 @@ class TakeoverRefused(UpdateFailed):
     """A takeover that could not verify the engine: nothing was published from it."""
 
 
-def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | None = None,
+def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: object = None,
               reference_checksums: Mapping[str, str] | None = None,
               min_verification: VerificationLevel = VerificationLevel.DECLARED,
               recoverer: Callable[[str], Recoverer] | None = None) -> Verdict | None:
@@ -138,12 +138,7 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
         if not problems:
             target = UpdateTarget(committed, known, "takeover")
             vals = _observe(runner, target, probes, reference_checksums)
-            for val in vals:
-                problems += val.problems(target)
-            level, _ = verification_of(vals)
-            if not problems and level < min_verification:
-                problems.append(f"takeover verification reached {level.wire}, "
-                                f"{min_verification.wire} required")
+            problems, _, _ = judge_takeover(problems, vals, target, min_verification)
         if not problems:
             runner._note("takeover_verified", version=committed.to_dict(),
                        checks=[x for val in vals for x in val.summary])
@@ -186,7 +181,7 @@ def take_over(runner: TakeoverHost, identity: WeightIdentity, *, probes: Any | N
     return v
 
 
-def _observe(runner: TakeoverHost, target: UpdateTarget, probes: Any | None,
+def _observe(runner: TakeoverHost, target: UpdateTarget, probes: object,
              reference_checksums: Mapping[str, str] | None, *, calibrating: bool = True
              ) -> list[ValidationEvidence]:
     """The engine observed as an update's validations would (paused checks, probes)."""

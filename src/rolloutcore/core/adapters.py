@@ -57,6 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from rolloutcore.core.strict import HEX64, check_int
 from rolloutcore.core.vocab import Machine, Record, TypedRecord
 from rolloutcore.errors import AdmissionRefused, BadInput, InvalidTransition, UpdateRefused
 
@@ -75,7 +76,6 @@ __all__ = [
     "adapter_name",
 ]
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 #: What vLLM accepts as a LoRA name and what travels in headers and paths.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_PREFIX = "rcl"
@@ -87,9 +87,8 @@ def adapter_name(generation: int, content_digest: str) -> str:
     The generation makes it unique per table even for equal content; the
     digest makes it say what it holds.
     """
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
-        raise BadInput(f"adapter generation must be an int >= 1, got {generation!r}")
-    if not isinstance(content_digest, str) or not _HEX64.fullmatch(content_digest):
+    check_int("adapter generation", generation, 1)
+    if not isinstance(content_digest, str) or not HEX64.fullmatch(content_digest):
         raise BadInput("adapter content_digest must be a sha256 hex digest")
     return f"{NAME_PREFIX}-{generation}-{content_digest[:16]}"
 
@@ -161,20 +160,16 @@ class AdapterVersion:
     size_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.generation, bool) or not isinstance(self.generation, int) \
-                or self.generation < 1:
-            raise BadInput(f"adapter generation must be an int >= 1, got {self.generation!r}")
+        check_int("adapter generation", self.generation, 1)
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise BadInput(f"adapter name must match {_NAME_RE.pattern}, got {self.name!r}")
         if not isinstance(self.path, str) or not self.path:
             raise BadInput("adapter path must be a non-empty string")
-        if not isinstance(self.content_digest, str) or not _HEX64.fullmatch(self.content_digest):
+        if not isinstance(self.content_digest, str) or not HEX64.fullmatch(self.content_digest):
             raise BadInput("adapter content_digest must be a sha256 hex digest")
         if not isinstance(self.base, str) or not self.base:
             raise BadInput("adapter base must be the base version's label")
-        if isinstance(self.size_bytes, bool) or not isinstance(self.size_bytes, int) \
-                or self.size_bytes < 0:
-            raise BadInput(f"adapter size_bytes must be an int >= 0, got {self.size_bytes!r}")
+        check_int("adapter size_bytes", self.size_bytes)
 
     def to_dict(self) -> dict[str, object]:
         return {"generation": self.generation, "name": self.name, "path": self.path,
@@ -214,8 +209,7 @@ class AdapterConfig:
     def __post_init__(self) -> None:
         for what, v, lo in (("max_loaded", self.max_loaded, 1),
                             ("max_staleness", self.max_staleness, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise BadInput(f"{what} must be an int >= {lo}, got {v!r}")
+            check_int(what, v, lo)
         if self.max_bytes is not None and (isinstance(self.max_bytes, bool)
                                            or not isinstance(self.max_bytes, int)
                                            or self.max_bytes < 1):

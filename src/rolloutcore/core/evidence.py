@@ -29,6 +29,7 @@ from rolloutcore.errors import BadInput
 
 __all__ = [
     "field_types",
+    "jsonable",
     "BootstrapEvidence",
     "CacheKind",
     "CacheResetEvidence",
@@ -498,17 +499,19 @@ class WakeEvidence(Evidence):
         return out
 
 
-def _jsonable(v: Any) -> Any:
+def jsonable(v: Any) -> Any:
+    """``v`` as JSON: an enum as its value, a version, identity or check as its ``to_dict``,
+    sets sorted, tuples as lists, evidence as ``evidence_to_dict`` (records and evidence)."""
     if isinstance(v, enum.Enum):
         return v.value
-    if isinstance(v, (WeightVersion, WeightIdentity, Provenance, Check)):
+    if hasattr(v, "to_dict"):
         return v.to_dict()
     if isinstance(v, (frozenset, set)):
-        return sorted(_jsonable(x) for x in v)
+        return sorted(jsonable(x) for x in v)
     if isinstance(v, (tuple, list)):
-        return [_jsonable(x) for x in v]
+        return [jsonable(x) for x in v]
     if isinstance(v, Mapping):
-        return {str(k): _jsonable(x) for k, x in v.items()}
+        return {str(k): jsonable(x) for k, x in v.items()}
     if isinstance(v, Evidence):
         return evidence_to_dict(v)
     return v
@@ -518,7 +521,7 @@ def evidence_to_dict(ev: Evidence) -> dict[str, Any]:
     """A JSON-safe dict of any evidence object, tagged with its type."""
     out: dict[str, Any] = {"type": type(ev).__name__}
     for f in fields(ev):
-        out[f.name] = _jsonable(getattr(ev, f.name))
+        out[f.name] = jsonable(getattr(ev, f.name))
     return out
 
 
@@ -540,7 +543,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def _from_json(tp: Any, v: Any) -> Any:
-    """Undo ``_jsonable`` for a value of declared type ``tp``."""
+    """Undo ``jsonable`` for a value of declared type ``tp``."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
         if v is None and type(None) in args:

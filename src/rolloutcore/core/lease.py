@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.vocab import Machine, Record, TypedRecord
 from rolloutcore.errors import BadInput, InvalidTransition, UpdateRefused
 
@@ -130,8 +131,7 @@ class LeaseTable(Machine):
     # ---------------------------------------------------------------- decisions
     def grant(self, update_id: int, owner: str) -> Lease:
         """A begin's lease (OPEN); refused while another is not final (one writer)."""
-        if isinstance(update_id, bool) or not isinstance(update_id, int) or update_id < 1:
-            raise BadInput(f"update_id must be an int >= 1, got {update_id!r}")
+        check_int("update_id", update_id, 1)
         if update_id in self._leases:
             raise BadInput(f"update {update_id} already has a lease")
         busy = self.active

@@ -160,6 +160,7 @@ from rolloutcore.core.lifecycle_state import (
     LifecycleState,
     SleepTicket,
     UpdateTicket,
+    judge_takeover,
     verification_of,
 )
 from rolloutcore.core.records import (
@@ -287,18 +288,13 @@ class Lifecycle(LifecycleState):
             raise BadInput("min_verification must be a VerificationLevel")
         self._check(E.BOOTSTRAP)
         before = self._state
-        problems = ev.problems(None)
         # An engine already labelled rc-N by an earlier controller continues
         # at generation N, so labels and generations keep agreeing.
         version = WeightVersion(generation_of(label) or 0, label or label_for(0),
                                 ev.engine_epoch)
-        target = UpdateTarget(version, identity, "bootstrap")
-        for val in vals:
-            problems += val.problems(target)
-        level, summary = verification_of(vals)
-        if not problems and level < min_verification:
-            problems.append(f"takeover verification reached {level.wire}, "
-                            f"{min_verification.wire} required")
+        problems, level, summary = judge_takeover(
+            ev.problems(None), vals, UpdateTarget(version, identity, "bootstrap"),
+            min_verification)
         self._evidence(E.BOOTSTRAP, ev, problems)
         for val in vals:
             self._evidence(E.BOOTSTRAP, val, problems)

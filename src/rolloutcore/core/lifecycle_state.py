@@ -79,7 +79,7 @@ from rolloutcore.errors import (
 )
 
 __all__ = ["Completion", "ControllerConfig", "LifecycleState", "SleepTicket",
-           "UpdateInFlight", "UpdateTicket", "verification_of"]
+           "UpdateInFlight", "UpdateTicket", "judge_takeover", "verification_of"]
 
 S, E = State, Event
 C = Classification
@@ -184,6 +184,21 @@ def verification_of(vals: Iterable[ValidationEvidence]) -> tuple[VerificationLev
                 level = max(level, c.level)
         summary += v.summary
     return level, summary
+
+
+def judge_takeover(problems: Iterable[str], vals: Iterable[ValidationEvidence],
+                   target: UpdateTarget, min_verification: VerificationLevel
+                   ) -> tuple[list[str], VerificationLevel, list[str]]:
+    """A takeover's validations of ``target`` judged as an update's: ``problems`` (those
+    found before) plus each one's, and one more where they are none yet the level
+    reached is under ``min_verification``; the level and the checks' summary."""
+    vals = list(vals)
+    found = [*problems, *(p for v in vals for p in v.problems(target))]
+    level, summary = verification_of(vals)
+    if not found and level < min_verification:
+        found.append(f"takeover verification reached {level.wire}, "
+                     f"{min_verification.wire} required")
+    return found, level, summary
 
 
 class LifecycleState(Machine):

@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutcore.core.strict import HEX64, check_int
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -43,7 +44,6 @@ __all__ = [
 #: The formats accepted, by MIME type (``image/jpg`` is a common alias of JPEG).
 IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/gif", "image/webp"})
 _ALIASES = {"image/jpg": "image/jpeg", "image/pjpeg": "image/jpeg"}
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _B64 = re.compile(rb"^[A-Za-z0-9+/]*={0,2}$")
 # JPEG start-of-frame markers (the ones that carry the frame size).
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE,
@@ -69,8 +69,7 @@ class MediaLimits:
     def __post_init__(self) -> None:
         for name in ("max_bytes", "max_pixels", "max_images"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise BadInput(f"{name} must be an int >= 1, got {v!r}")
+            check_int(name, v, 1)
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,14 @@ class ImageRef:
     height: int
 
     def __post_init__(self) -> None:
-        if not isinstance(self.digest, str) or not _HEX64.fullmatch(self.digest):
+        if not isinstance(self.digest, str) or not HEX64.fullmatch(self.digest):
             raise BadInput(f"image digest must be 64 lowercase hex digits, got {self.digest!r}")
         if self.mime not in IMAGE_MIME_TYPES:
             raise BadInput(f"image mime must be one of {sorted(IMAGE_MIME_TYPES)}, "
                            f"got {self.mime!r}")
         for name in ("nbytes", "width", "height"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise BadInput(f"image {name} must be an int >= 1, got {v!r}")
+            check_int(f"image {name}", v, 1)
 
     @classmethod
     def of(cls, data: bytes, limits: MediaLimits | None = None) -> ImageRef:

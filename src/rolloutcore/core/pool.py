@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import Machine, Record, State, TypedRecord
 from rolloutcore.errors import BadInput, InvalidTransition, JournalError, UpdateRefused
@@ -166,8 +167,7 @@ class SyncDecision:
 
 def decide_synchronous(outcomes: Mapping[str, Outcome], quorum: int) -> SyncDecision:
     """Publish iff at least ``quorum`` replicas passed; say what becomes of each."""
-    if isinstance(quorum, bool) or not isinstance(quorum, int) or quorum < 1:
-        raise BadInput(f"quorum must be an int >= 1, got {quorum!r}")
+    check_int("quorum", quorum, 1)
     passed = tuple(sorted(n for n, o in outcomes.items() if o is Outcome.PASSED))
     kept = tuple(sorted(n for n, o in outcomes.items() if o is Outcome.NO_MUTATION))
     tainted = tuple(sorted(n for n, o in outcomes.items() if o is Outcome.AMBIGUOUS))
@@ -192,13 +192,11 @@ def plan_waves(order: Sequence[str], *, serving: int, min_serving: int,
     if len(set(names)) != len(names):
         raise BadInput("a replica appears twice in the rolling order")
     for name, v in (("serving", serving), ("min_serving", min_serving)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise BadInput(f"{name} must be an int >= 0, got {v!r}")
+        check_int(name, v)
     room = serving - min_serving
     if wave_size is None:
         wave_size = max(1, room)
-    if isinstance(wave_size, bool) or not isinstance(wave_size, int) or wave_size < 1:
-        raise BadInput(f"wave_size must be an int >= 1, got {wave_size!r}")
+    check_int("wave_size", wave_size, 1)
     if not names:
         return []
     if room < wave_size:

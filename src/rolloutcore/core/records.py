@@ -102,9 +102,6 @@ SCHEMA_VERSION = 6
 READABLE_VERSIONS = frozenset({1, 2, 3, 4, 5, 6})
 
 
-_strs = strs
-
-
 # ``Admit``, ``Complete`` and ``Refuse`` are written once per request: their codecs are
 # written out (about 7x faster than ``TypedRecord``'s, which reads the fields' types).
 # The records of updates, sleeps and recoveries are ``TypedRecord``s.
@@ -286,7 +283,7 @@ class EvidenceSeen(Record):
 
     @classmethod
     def from_data(cls, d: Mapping[str, Any]) -> EvidenceSeen:
-        return cls(Event(d["event"]), evidence_from_dict(d["evidence"]), _strs(d["problems"]))
+        return cls(Event(d["event"]), evidence_from_dict(d["evidence"]), strs(d["problems"]))
 
 
 @dataclass(frozen=True)

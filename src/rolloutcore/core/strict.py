@@ -12,13 +12,19 @@ Standard library only.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 from rolloutcore.errors import BadInput
 
-__all__ = ["check_obj", "check_str", "exact_keys", "fail", "freeze_json", "thaw_json"]
+__all__ = ["HEX64", "check_int", "check_obj", "check_str", "check_timeout", "exact_keys", "fail",
+           "freeze_json", "thaw_json"]
+
+
+#: A sha256 digest as hex: every content digest, checksum and identity digest.
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def fail(where: str, msg: str) -> BadInput:
@@ -29,6 +35,21 @@ def check_str(where: str, x: object) -> str:
     if not isinstance(x, str) or not x:
         raise fail(where, f"must be a non-empty string, got {x!r}")
     return x
+
+
+def check_int(name: str, v: object, lo: int = 0, hi: int | None = None) -> int:
+    """``v`` if it is an int (a bool is not) in ``lo..hi``; else ``BadInput`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        raise BadInput(f"{name} must be an int " + (f">= {lo}" if hi is None else f"in {lo}..{hi}")
+                       + f", got {v!r}")
+    return v
+
+
+def check_timeout(v: object, name: str = "timeout_s") -> float:
+    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
+    return float(v)
 
 
 def check_obj(where: str, d: object) -> Mapping[str, Any]:

@@ -37,6 +37,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rolloutcore.core.strict import HEX64 as _HEX64
 from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail, freeze_json, thaw_json
 from rolloutcore.errors import BadInput
 
@@ -60,7 +61,6 @@ LABEL_PREFIX = "rc-"
 #: HTTP headers and file names, so no spaces, no slashes, at most 128 characters.
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 _RC_LABEL = re.compile(rf"^{re.escape(LABEL_PREFIX)}(\d+)$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def check_label(label: object) -> str:

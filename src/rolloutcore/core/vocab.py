@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
-from rolloutcore.core.evidence import field_types
+from rolloutcore.core.evidence import field_types, jsonable
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout
 
 __all__ = ["Classification", "Event", "FailureKind", "Machine", "Record", "State", "Step",
@@ -186,7 +186,7 @@ class TypedRecord(Record):
     """
 
     def to_data(self) -> dict[str, Any]:
-        return {f.name: _encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_data(cls: type[R], d: Mapping[str, Any]) -> R:
@@ -204,16 +204,6 @@ class TypedRecord(Record):
                 continue
             kw[name] = _decode(f"{cls.KIND}.{name}", hints[name], d[name])
         return cls(**kw)
-
-
-def _encode(v: Any) -> Any:
-    if isinstance(v, enum.Enum):
-        return v.value
-    if isinstance(v, tuple):
-        return [_encode(x) for x in v]
-    if hasattr(v, "to_dict"):
-        return v.to_dict()
-    return v
 
 
 def _decode(where: str, tp: Any, v: Any) -> Any:

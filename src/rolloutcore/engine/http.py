@@ -44,15 +44,15 @@ import httpx
 
 from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
+from rolloutcore.core.strict import check_int, check_timeout
 from rolloutcore.engine.client import EngineClient
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
-from rolloutcore.engine.stream import GenerationStream
+from rolloutcore.engine.stream import GenerationStream, chunk_of
 from rolloutcore.engine.wire import (
     Completion,
     Generation,
     MetricsSnapshot,
-    VersionSpan,
     WeightInfo,
     WeightOps,
     logprob_token_id,
@@ -85,13 +85,6 @@ def _label(labels: str, key: str) -> str | None:
 #: closing fails with "Server disconnected without sending a response": on
 #: ``/pause`` that reads as an engine failure. Seen on a loaded 2-core machine.
 KEEPALIVE_S = 2.0
-
-
-def check_timeout(v: object, name: str = "timeout") -> float:
-    """A positive, finite number of seconds, else ``BadInput`` naming ``name``."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-        raise BadInput(f"{name} must be a positive number of seconds, got {v!r}")
-    return float(v)
 
 
 def _put_ids(body: dict[str, Any], **ids: object) -> None:
@@ -530,8 +523,7 @@ class VllmHTTP:
     @staticmethod
     def _sampling(max_tokens: int, temperature: float, logprobs: bool, seed: int | None,
                   ignore_eos: bool, extra: Mapping[str, Any] | None) -> dict[str, Any]:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise BadInput(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        check_int("max_tokens", max_tokens, 1)
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or (
                 not math.isfinite(temperature) or temperature < 0):
             raise BadInput(f"temperature must be a finite number >= 0, got {temperature!r}")
@@ -595,36 +587,22 @@ class VllmHTTP:
             body["content_parts"] = parts
         _put_ids(body, request_id=request_id, cache_salt=cache_salt)
         resp = self._post_json(Routes.GENERATE, step, body, timeout_s)
-
-        def unexpected(why: object) -> EffectError:
-            return EffectError(step, f"unexpected generate answer: {why}: "
-                               f"{snippet(json.dumps(resp))}")
-
-        try:
-            ch = resp["choices"][0]
-            toks = tuple(int(t) for t in ch.get("token_ids") or ())
-            lps: tuple[float, ...] | None = None
-            if logprobs:
-                content = (ch.get("logprobs") or {}).get("content") or []
-                lps = tuple(float(c["logprob"]) for c in content)
-            spans_raw = ch.get("weight_versions")
-            spans = None if spans_raw is None else tuple(
-                VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-                for s in spans_raw)
-        except (KeyError, IndexError, TypeError, ValueError, BadInput) as exc:
-            raise unexpected(exc) from exc
-        if lps is not None and len(lps) != len(toks):
-            raise unexpected(f"{len(lps)} logprobs for {len(toks)} tokens")
-        return Generation(str(resp.get("request_id", body.get("request_id", ""))), toks, lps,
-                          ch.get("finish_reason"), spans, media)
+        try:  # choice 0, read as a streamed event's is
+            if not resp.get("choices"):
+                raise BadInput("no choices")
+            c = chunk_of(resp, logprobs, 0.0)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput too
+            raise EffectError(step, f"unexpected generate answer: {exc}: "
+                              f"{snippet(json.dumps(resp))}") from exc
+        return Generation(str(resp.get("request_id", body.get("request_id", ""))), c.token_ids,
+                          c.logprobs, c.finish_reason, c.weight_versions, media)
 
     def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
                      model: str | None = None, timeout_s: float | None = None
                      ) -> list[tuple[int, dict[int, float]]]:
         """Greedy continuation: each token and the engine's ``top`` logprobs at its position
         (the sampling path: see ``verification.adapters``)."""
-        if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
-            raise BadInput(f"top must be an int in 1..20, got {top!r}")
+        check_int("top", top, 1, 20)
         resp = self._post_json(Routes.GENERATE, "generate", {
             "model": self._model_or(model, timeout_s), "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,

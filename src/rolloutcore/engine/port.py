@@ -178,9 +178,9 @@ class VllmAdapter(SleepMode, WriteCounts):
         self.transport = transport
         self.probes = _expectations(probes, None)[1]
         self._epoch = engine_epoch
-        self._drain_timeout_s = check_timeout(drain_timeout_s)
-        self._transfer_timeout_s = check_timeout(transfer_timeout_s)
-        self._connect_timeout_s = check_timeout(connect_timeout_s)
+        self._drain_timeout_s = check_timeout(drain_timeout_s, "drain_timeout_s")
+        self._transfer_timeout_s = check_timeout(transfer_timeout_s, "transfer_timeout_s")
+        self._connect_timeout_s = check_timeout(connect_timeout_s, "connect_timeout_s")
         self._staged: _Staged | None = None
         self._connected = False
         self._caches: tuple[CacheKind, ...] = tuple(CacheKind)

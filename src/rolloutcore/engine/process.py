@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.engine.args import engine_defaults, has_flag
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.engine.launch_guard import Tether, listener_problem, watch_exit
@@ -66,6 +67,7 @@ __all__ = [
     "ManagedEngine",
     "free_port",
     "require_vllm",
+    "show_progress",
     "tp_thread_binding",
     "vllm_available",
 ]
@@ -119,6 +121,15 @@ def require_vllm(python: str | None = None) -> None:
             "machines without a GPU; then remove torchvision/torchaudio/torchcodec, "
             "which break transformers there)",
             mutation_started=False)
+
+
+def show_progress(msg: str, tty: bool, final: bool = False) -> None:
+    """One progress line on stderr: rewritten in place on a terminal, one line each else."""
+    if tty:
+        sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
+    else:
+        sys.stderr.write(f"[rolloutcore] {msg}\n")
+    sys.stderr.flush()
 
 
 def _group_alive(pgid: int) -> bool:
@@ -289,8 +300,7 @@ class ManagedEngine:
         self._model_dir = self._check_model_dir(model_dir)
         tp, pp = tensor_parallel_size, pipeline_parallel_size
         for pname, pv in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
-            if isinstance(pv, bool) or not isinstance(pv, int) or not 1 <= pv <= 64:
-                raise BadInput(f"{pname} must be an int in 1..64, got {pv!r}")
+            check_int(pname, pv, 1, 64)
         self.tensor_parallel_size = tp
         self.pipeline_parallel_size = pp
         #: One core group per rank (tensor x pipeline) on the CPU build
@@ -606,8 +616,8 @@ class ManagedEngine:
                 if healthy:
                     self.support = self._check_support(client, deadline)
                     if self.progress:
-                        self._show(f"vLLM ready on :{self.port} in "
-                                   f"{time.monotonic() - t0:.1f}s", tty, final=True)
+                        show_progress(f"vLLM ready on :{self.port} in "
+                                      f"{time.monotonic() - t0:.1f}s", tty, final=True)
                     return
                 now = time.monotonic()
                 if now >= deadline:
@@ -618,7 +628,7 @@ class ManagedEngine:
                 elapsed = int(now - t0)
                 if self.progress and elapsed != last_shown and (tty or elapsed % 10 == 0):
                     last_shown = elapsed
-                    self._show(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
+                    show_progress(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
                 time.sleep(0.5)
 
     def _check_support(self, client: httpx.Client, deadline: float) -> SupportVerdict:
@@ -645,14 +655,6 @@ class ManagedEngine:
             raise EngineUnavailable("launch", f"{verdict.describe()} (log {self._log_path})",
                                     mutation_started=False)
         return verdict
-
-    @staticmethod
-    def _show(msg: str, tty: bool, final: bool = False) -> None:
-        if tty:
-            sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
-        else:
-            sys.stderr.write(f"[rolloutcore] {msg}\n")
-        sys.stderr.flush()
 
     def _forget_key(self) -> None:
         if self._route_key is not None and self._route_url is not None:

@@ -44,7 +44,7 @@ _MAX_SENT = 1 << 16
 MAX_RANKS = 1024
 
 
-def _names_values(names: Any, values: Any, what: str) -> None:
+def _names_values(names: object, values: object, what: str) -> None:
     if not isinstance(names, list) or not 0 < len(names) <= _MAX_SENT or not all(
             isinstance(n, str) and 0 < len(n) <= 512 for n in names):
         raise BadInput(f"{what}: names must be 1..{_MAX_SENT} strings")

@@ -44,11 +44,9 @@ def chunk_of(ev: Mapping[str, Any], logprobs: bool, read_at: float) -> Generatio
         content = (ch.get("logprobs") or {}).get("content") or []
         lps = tuple(float(c["logprob"]) for c in content)
         if len(lps) != len(toks):
-            raise BadInput(f"{len(lps)} logprobs for {len(toks)} tokens in a stream event")
-    raw = ch.get("weight_versions")
-    spans = None if raw is None else tuple(
-        VersionSpan(str(x["version"]), int(x["start"]), int(x["end"])) for x in raw)
-    return GenerationChunk(toks, lps, ch.get("finish_reason"), spans, read_at,
+            raise BadInput(f"{len(lps)} logprobs for {len(toks)} tokens")
+    return GenerationChunk(toks, lps, ch.get("finish_reason"),
+                           VersionSpan.parse(ch.get("weight_versions")), read_at,
                            None if cached is None else int(cached))
 
 

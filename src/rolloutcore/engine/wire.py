@@ -6,11 +6,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
+from rolloutcore.core.strict import check_int, check_obj, check_str, exact_keys
 from rolloutcore.errors import BadInput
 
 __all__ = [
@@ -79,15 +80,44 @@ _ROUTE_OF = {"start": "start_weight_update", "start_draft": "start_draft_weight_
 
 @dataclass(frozen=True)
 class VersionSpan:
-    """Output tokens ``[start, end)`` were sampled by weights the engine labels ``version``."""
+    """vLLM's ``WeightVersionSpan``: output tokens ``[start, end)`` sampled under ``version``.
+
+    The one span type: what the engine's answers are parsed into, and the
+    ``weight_versions`` of a trajectory record (``provenance.trajectory``).
+    """
 
     version: str
     start: int
     end: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start <= self.end:
-            raise BadInput(f"bad weight-version span [{self.start}, {self.end})")
+        check_str("weight_versions.version", self.version)
+        check_int("weight_versions.start", self.start)
+        check_int("weight_versions.end", self.end)
+        if self.end < self.start:
+            raise BadInput(f"weight_versions: span {self.version!r} ends ({self.end}) "
+                           f"before it starts ({self.start})")
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+    @classmethod
+    def parse(cls, raw: Iterable[Mapping[str, Any]] | None) -> tuple[VersionSpan, ...] | None:
+        """A choice's ``weight_versions`` as vLLM writes it (a list, or null where the
+        engine reports no spans); a malformed one raises ``KeyError``/``TypeError``/
+        ``ValueError``/``BadInput``, which the caller names."""
+        if raw is None:
+            return None
+        return tuple(cls(str(s["version"]), int(s["start"]), int(s["end"])) for s in raw)
+
+    @classmethod
+    def from_dict(cls, d: object, note: str = "") -> VersionSpan:
+        m = check_obj("weight_versions[]", d)
+        exact_keys("weight_versions[]", m, ("version", "start", "end"), note=note)
+        return cls(m["version"], m["start"], m["end"])
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.core.lifecycle import State
@@ -380,7 +381,7 @@ class FleetGateway:
         threading.Thread(target=run, name=f"rc-fleet-update-{jid}", daemon=True).start()
         return job
 
-    async def read_only_route(self, scope: Any, receive: Any, send: Any) -> None:
+    async def read_only_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         serving = self.coordinator.serving() or list(self.read_only)
         await self.read_only[serving[0]](scope, receive, send)
 
@@ -508,7 +509,7 @@ def create_fleet_app(coordinator: FleetCoordinator, config: ServiceConfig, *,
     inner = app.build_middleware_stack()
     data_paths = frozenset(DATA_ROUTES)
 
-    async def fast_path(scope: Any, receive: Any, send: Any) -> None:
+    async def fast_path(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in data_paths:
             await gw.data(scope, receive, send)
         elif scope["type"] == "http" and scope["path"] in READ_ONLY_ROUTES:

@@ -54,7 +54,7 @@ class Replica:
     url: str | None = None
     recoverer: Recoverer | None = None
     fanout_url: str | None = None
-    engine: Any = None
+    engine: object = None
     on_fanout: Callable[[], None] | None = None
     close: Callable[[], None] | None = None
     journal: Journal | None = None
@@ -78,10 +78,10 @@ class FleetWeights:
     """
 
     identity: WeightIdentity
-    payload: Any
-    source: Any = None
+    payload: object
+    source: object = None
     min_verification: VerificationLevel = VerificationLevel.DECLARED
-    probe: Any = None
+    probe: object = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.identity, WeightIdentity):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from rolloutcore.control.runner import Deadlines, DrainPolicy
 from rolloutcore.control.stack import wire
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
@@ -53,7 +54,10 @@ from rolloutcore.transports.net import free_port
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
+    import torch
+
     from rolloutcore.control.port import Recoverer
+    from rolloutcore.transports.rank_checksums import RankReport
     from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
@@ -172,7 +176,8 @@ def vllm_replica(name: str, url: str, *, engine: Any = None, transport: Any = No
         finally:
             journal.close()
 
-    def on_round(nonce: str, sent: Any, reports: Any) -> None:
+    def on_round(nonce: str, sent: Mapping[str, torch.Tensor],
+                 reports: Sequence[tuple[int, RankReport]]) -> None:
         """A fan-out round's reports of this engine's ranks: its validation checks them."""
         tr.adopt_round(url, nonce, sent, reports)
 
@@ -193,6 +198,8 @@ def start_all(starters: Mapping[str, Callable[[], Any]], *, progress: bool = Fal
     Returns name -> what each starter returned; if any fails, raises its
     error after the others have finished (the caller stops what did start).
     """
+    from rolloutcore.engine.process import show_progress
+
     results: dict[str, Any] = {}
     errors: dict[str, BaseException] = {}
     done: dict[str, float] = {}
@@ -218,11 +225,11 @@ def start_all(starters: Mapping[str, Callable[[], Any]], *, progress: bool = Fal
         el = int(time.monotonic() - t0)
         if progress and el != last and (tty or el % 10 == 0):
             last = el
-            _show(_line(starters, done, errors, el), tty)
+            show_progress(_line(starters, done, errors, el), tty)
     for th in threads:
         th.join(max(0.0, deadline - time.monotonic()))
     if progress:
-        _show(_line(starters, done, errors, int(time.monotonic() - t0)), tty, final=True)
+        show_progress(_line(starters, done, errors, int(time.monotonic() - t0)), tty, final=True)
     if errors:
         raise next(iter(errors.values()))
     missing = [n for n in starters if n not in results]
@@ -246,14 +253,6 @@ def _line(starters: Mapping[str, Any], done: Mapping[str, float],
     return f"engines {ready}/{len(starters)} ready after {el}s: " + ", ".join(parts)
 
 
-def _show(msg: str, tty: bool, final: bool = False) -> None:
-    if tty:
-        sys.stderr.write(f"\r[rolloutcore] {msg}\033[K" + ("\n" if final else ""))
-    else:
-        sys.stderr.write(f"[rolloutcore] {msg}\n")
-    sys.stderr.flush()
-
-
 def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
                 ranks: int = 1, cpus: Sequence[int] | None = None) -> dict[str, str]:
     """Engine ``i`` of ``n`` on one host: which cores vLLM's CPU backend binds its workers to.
@@ -272,8 +271,7 @@ def cpu_binding(i: int, n: int, env: Mapping[str, str] | None = None, *,
     process's environment already chooses, or (``ranks`` > 1) where CUDA is
     present (the GPU build ignores it).
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise BadInput(f"ranks must be an int >= 1, got {ranks!r}")
+    check_int("ranks", ranks, 1)
     if (n <= 1 and ranks <= 1) or "VLLM_CPU_OMP_THREADS_BIND" in os.environ or (
             env is not None and "VLLM_CPU_OMP_THREADS_BIND" in env):
         return {}
@@ -316,8 +314,7 @@ def _host_bindings(n: int, env: Mapping[str, str], engine_kwargs: Mapping[str, A
     ranks = 1
     for key in ("tensor_parallel_size", "pipeline_parallel_size"):
         v = engine_kwargs.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise BadInput(f"{key} must be an int >= 1, got {v!r}")
+        check_int(key, v, 1)
         ranks *= v
     return [cpu_binding(i, n, env, ranks=ranks) for i in range(n)]
 
@@ -328,8 +325,7 @@ def launch_local(n: int, checkpoint: str | os.PathLike[str], *,
     """``n`` ``ManagedEngine``s on ``checkpoint``, started in parallel (all or none)."""
     from rolloutcore.engine.process import ManagedEngine
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
+    check_int("the number of engines", n, 1)
     env = dict(engine_kwargs.pop("env", None) or {})
     bindings = _host_bindings(n, env, engine_kwargs)
     # Their dev and weight routes answer only this process (transports.engine_key).
@@ -529,8 +525,7 @@ def place_ray(n: int, checkpoint: str | os.PathLike[str], *, address: str | None
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise BadInput(f"the number of engines must be an int >= 1, got {n!r}")
+    check_int("the number of engines", n, 1)
     if strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
         raise BadInput(f"unknown placement strategy {strategy!r}")
     engine_env = dict(engine_kwargs.pop("env", None) or {})

@@ -39,10 +39,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.pool import Strategy
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import Provenance, VerificationLevel
 from rolloutcore.errors import BadInput, RolloutCoreError
 from rolloutcore.fleet.coordinator import FleetCoordinator
-from rolloutcore.fleet.model import TRANSFERS, FleetConfig, FleetWeights
+from rolloutcore.fleet.model import TRANSFERS, FleetConfig, FleetWeights, Replica
 from rolloutcore.fleet.routing import Policy
 from rolloutcore.service.config import ServiceConfig, check_bind
 from rolloutcore.service.serve import control_token, exit_on_signal, vocab_size
@@ -105,8 +106,7 @@ class FleetServeOptions:
             raise BadInput(f"engines must be an int in 1..512, got {self.engines!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
-                raise BadInput(f"{name} must be an int in 1..64, got {v!r}")
+            check_int(name, v, 1, 64)
         if self.ray and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise BadInput("--ray places one-rank engines (one Ray bundle each); a fleet of "
                            "tensor- or pipeline-parallel engines runs as local processes "
@@ -382,18 +382,22 @@ def _fleet_adapters(coord: FleetCoordinator, model_dir: Path, workdir: Path,
     journals: their adapter names stay refused, and the adapter every replica had
     published is published again (verified, a new name) before the gateway serves."""
     from rolloutcore.control.adapters import AdapterManager
+    from rolloutcore.engine.port import VllmAdapter
     from rolloutcore.fleet.adapters import FleetAdapters
 
     rank = 16 if max_lora_rank is None else max_lora_rank
 
-    def make(rep: Any) -> AdapterManager:
+    def make(rep: Replica) -> AdapterManager:
         ad = rep.runner.adapter
+        if not isinstance(ad, VllmAdapter):
+            raise BadInput(f"--lora drives a vLLM engine; replica {rep.name} has none")
         epoch = rep.controller.committed.engine_epoch if rep.controller.committed else "x"
         return AdapterManager(ad.http, rep.controller, base_model=model_dir,
                               store=workdir / "adapters" / rep.name / str(epoch)[:32],
                               config=budget, listener=None if rep.journal is None
                               else rep.journal.listener, max_rank=rank,
-                              calibrations=lambda: dict(rep.runner.adapter.calibrations),
+                              calibrations=lambda: getattr(rep.runner.adapter, "calibrations",
+                                                           {}),  # a recovery replaces it
                               upload=upload)
 
     fa = FleetAdapters(coord, make, base_model=model_dir, max_rank=rank)
@@ -426,6 +430,7 @@ def _with_saved_probe(weights: FleetWeights, path: str, model_dir: Path) -> Flee
     """``--takeover-probe``: the checkpoint's probe as saved, instead of computing it."""
     import json
 
+    from rolloutcore.session import PreparedUpdate
     from rolloutcore.verification.probe import PolicyProbe
 
     try:
@@ -433,6 +438,8 @@ def _with_saved_probe(weights: FleetWeights, path: str, model_dir: Path) -> Flee
     except (OSError, ValueError) as exc:
         raise BadInput(f"--takeover-probe {path}: {exc}") from exc
     probe = PolicyProbe.from_wire(raw, vocab_size=vocab_size(model_dir))
+    if not isinstance(weights.payload, PreparedUpdate):
+        raise BadInput("--takeover-probe replaces the probe of prepare_checkpoint's weights")
     payload = dataclasses.replace(weights.payload, probe=probe)
     return dataclasses.replace(weights, payload=payload, probe=probe,
                                min_verification=VerificationLevel.PROBE)

@@ -15,13 +15,12 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
+from rolloutcore.core.strict import HEX64, check_obj, check_str, exact_keys, fail
 
 __all__ = ["AdapterUse", "adapter_problems", "publications_to_dict"]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")   # vLLM's LoRA names
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class AdapterUse:
 
     def __post_init__(self) -> None:
         for where, x, pat in (("adapter.name", self.name, _NAME_RE),
-                              ("adapter.content_digest", self.content_digest, _HEX64),
+                              ("adapter.content_digest", self.content_digest, HEX64),
                               ("adapter.base", self.base, _LABEL_RE)):
             check_str(where, x)
             if not pat.fullmatch(x):

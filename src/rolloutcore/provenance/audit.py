@@ -82,6 +82,7 @@ from rolloutcore.core.records import (
     Taint,
     UpdateMode,
 )
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import WeightVersion
 from rolloutcore.errors import BadInput, JournalError
 from rolloutcore.provenance.adapter_use import adapter_problems, publications_to_dict
@@ -536,8 +537,7 @@ class DiversityBaseline:
                 raise BadInput(f"baseline.{name} must be in [0, 1], got {v!r}")
         for name in ("prefix_tokens", "short_answer_tokens"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise BadInput(f"baseline.{name} must be an int >= 1, got {v!r}")
+            check_int(f"baseline.{name}", v, 1)
 
     def to_dict(self) -> dict[str, Any]:
         return {"identical_pair_fraction": self.identical_pair_fraction,

@@ -36,6 +36,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import fcntl
@@ -51,6 +52,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, BinaryIO
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, JournalError, RolloutCoreError
 from rolloutcore.provenance.trajectory import (
     TrajectoryGroup,
@@ -211,15 +213,18 @@ class _Scan:
         self.tail_group_ids = tuple(gids)
 
 
-def _open_for_read(path: PathLike) -> BinaryIO:
+@contextlib.contextmanager
+def _open_errors(path: PathLike, missing: str) -> Iterator[None]:
+    """Opening a trajectory file: ``missing`` names what a ``FileNotFoundError`` lacks."""
+    p = os.fspath(path)
     try:
-        return open(path, "rb")
+        yield
     except FileNotFoundError as exc:
-        raise BadInput(f"trajectory file {os.fspath(path)!r} does not exist") from exc
+        raise BadInput(f"{missing} {p!r} does not exist") from exc
     except IsADirectoryError as exc:
-        raise BadInput(f"trajectory file {os.fspath(path)!r} is a directory") from exc
+        raise BadInput(f"trajectory file {p!r} is a directory") from exc
     except OSError as exc:
-        raise JournalError(f"cannot read {os.fspath(path)!r}: {exc}") from exc
+        raise JournalError(f"cannot open {p!r}: {exc}") from exc
 
 
 def read_groups(path: PathLike) -> Iterator[TrajectoryGroup]:
@@ -227,7 +232,9 @@ def read_groups(path: PathLike) -> Iterator[TrajectoryGroup]:
 
     Takes no lock and changes nothing, so it may run while a writer appends.
     """
-    with _open_for_read(path) as f:
+    with _open_errors(path, "trajectory file"):
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    with f:
         scan = _Scan(f, os.fspath(path))
         for _, lines in scan.groups():
             samples = []
@@ -282,14 +289,8 @@ class TrajectoryRecorder:
         self._index: dict[str, CommittedGroup] = {}
         self._by_prompt: dict[tuple[str, int, int], str] = {}
         existed = self.path.exists()
-        try:
+        with _open_errors(self.path, "the directory of"):
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-        except IsADirectoryError as exc:
-            raise BadInput(f"trajectory file {str(self.path)!r} is a directory") from exc
-        except FileNotFoundError as exc:
-            raise BadInput(f"directory of {str(self.path)!r} does not exist") from exc
-        except OSError as exc:
-            raise JournalError(f"cannot open {str(self.path)!r}: {exc}") from exc
         try:
             self._lock(fd, float(lock_timeout_s))
             if not existed:
@@ -463,8 +464,7 @@ class GenerationCursor:
             raise BadInput(f"cursor.run must be a non-empty string, got {self.run!r}")
         for name in ("step", "next_prompt_index"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise BadInput(f"cursor.{name} must be an int >= 0, got {v!r}")
+            check_int(f"cursor.{name}", v)
         ahead = set()
         for i in self.committed_ahead:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
@@ -492,16 +492,13 @@ class GenerationCursor:
 
     def pending(self, total: int) -> list[int]:
         """Prompt indices below ``total`` still to generate, in order."""
-        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-            raise BadInput(f"total must be an int >= 0, got {total!r}")
+        check_int("total", total)
         ahead = set(self.committed_ahead)
         return [i for i in range(self.next_prompt_index, total) if i not in ahead]
 
     def advance(self, prompt_index: int) -> GenerationCursor:
         """The cursor with ``prompt_index`` committed as well."""
-        if isinstance(prompt_index, bool) or not isinstance(prompt_index, int) \
-                or prompt_index < 0:
-            raise BadInput(f"prompt_index must be an int >= 0, got {prompt_index!r}")
+        check_int("prompt_index", prompt_index)
         if self.is_committed(prompt_index):
             return self
         return GenerationCursor(self.run, self.step, self.next_prompt_index,

@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from rolloutcore.errors import BadInput
+from rolloutcore.core.strict import check_int, check_str
 
 __all__ = ["SEED_BITS", "SEED_DERIVATION", "derive_seed", "seed_encoding"]
 
@@ -50,24 +50,10 @@ SEED_DERIVATION = "rolloutcore-seed-v1"
 SEED_BITS = 63
 
 
-def _check_int(name: str, x: object) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise BadInput(f"{name} must be an int, got {x!r}")
-    if x < 0:
-        raise BadInput(f"{name} must be >= 0, got {x}")
-    return x
-
-
-def _check_str(name: str, x: object) -> str:
-    if not isinstance(x, str) or not x:
-        raise BadInput(f"{name} must be a non-empty string, got {x!r}")
-    return x
-
-
 def seed_encoding(run: str, step: int, group: str, sample: int) -> bytes:
     """The exact bytes that are hashed; public so other languages can check it."""
-    fields = [SEED_DERIVATION, _check_str("run", run), _check_int("step", step),
-              _check_str("group", group), _check_int("sample", sample)]
+    fields = [SEED_DERIVATION, check_str("run", run), check_int("step", step),
+              check_str("group", group), check_int("sample", sample)]
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 

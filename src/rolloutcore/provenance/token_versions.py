@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from rolloutcore.core.records import UpdateMode
-from rolloutcore.core.strict import check_obj, check_str, exact_keys, fail
+from rolloutcore.core.strict import check_int, check_obj, check_str, exact_keys, fail
 from rolloutcore.errors import BadInput
 
 __all__ = ["SOURCES", "Segment", "TokenSpan", "TokenVersions", "check_cover"]
@@ -48,12 +48,6 @@ __all__ = ["SOURCES", "Segment", "TokenSpan", "TokenVersions", "check_cover"]
 #: resume instant (an engine without per-token labels).
 SOURCES = frozenset({"engine", "stream"})
 _LABEL_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-
-
-def _nat(where: str, x: object) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise fail(where, f"must be an int >= 0, got {x!r}")
-    return x
 
 
 def _label(where: str, x: object) -> str:
@@ -76,10 +70,10 @@ class TokenSpan:
     kv: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        _nat("versions.spans.generation", self.generation)
+        check_int("versions.spans.generation", self.generation)
         _label("versions.spans.label", self.label)
-        _nat("versions.spans.start", self.start)
-        _nat("versions.spans.end", self.end)
+        check_int("versions.spans.start", self.start)
+        check_int("versions.spans.end", self.end)
         if self.end < self.start:
             raise BadInput(f"versions.spans: {self.label} ends ({self.end}) before it "
                            f"starts ({self.start})")
@@ -121,14 +115,14 @@ class Segment:
     prefill_tokens: int
 
     def __post_init__(self) -> None:
-        _nat("versions.segments.start", self.start)
-        _nat("versions.segments.end", self.end)
+        check_int("versions.segments.start", self.start)
+        check_int("versions.segments.end", self.end)
         if self.end < self.start:
             raise BadInput("versions.segments: a segment ends before it starts")
         _label("versions.segments.label", self.label)
         if self.cache_salt is not None:
             check_str("versions.segments.cache_salt", self.cache_salt)
-        _nat("versions.segments.prefill_tokens", self.prefill_tokens)
+        check_int("versions.segments.prefill_tokens", self.prefill_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {"start": self.start, "end": self.end, "label": self.label,
@@ -198,8 +192,8 @@ class TokenVersions:
         if not self.segments:
             raise BadInput("versions.segments: at least one engine request produced it")
         if self.max_staleness is not None:
-            _nat("versions.max_staleness", self.max_staleness)
-        _nat("versions.completed_generation", self.completed_generation)
+            check_int("versions.max_staleness", self.max_staleness)
+        check_int("versions.completed_generation", self.completed_generation)
         gens = [s.generation for s in self.spans]
         if gens != sorted(gens):
             raise BadInput("versions.spans: generations must not go back")

@@ -52,12 +52,13 @@ from functools import cached_property
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
+from rolloutcore.core.strict import HEX64, check_str, exact_keys
 from rolloutcore.core.strict import check_obj as _obj
-from rolloutcore.core.strict import check_str, exact_keys
 from rolloutcore.core.strict import fail as _fail
 from rolloutcore.core.strict import freeze_json as _freeze_json
 from rolloutcore.core.strict import thaw_json as _thaw_json
 from rolloutcore.core.versions import Binding, EngineIdentity
+from rolloutcore.engine.wire import VersionSpan  # re-exported: the schema's spans
 from rolloutcore.errors import BadInput
 from rolloutcore.provenance.adapter_use import AdapterUse
 from rolloutcore.provenance.seeds import SEED_DERIVATION
@@ -97,6 +98,8 @@ __all__ = [
 #: for a sample a fleet gateway recorded); 5: + ``adapter`` (the LoRA-adapter
 #: version the sample was generated through, written only for such a sample).
 SCHEMA_VERSION = 5
+#: What an unknown key is told (it may be a newer schema's).
+_NOTE = f"schema version {SCHEMA_VERSION}"
 KNOWN_SCHEMA_VERSIONS = frozenset({1, 2, 3, 4, 5})
 #: Deepest nesting of ``sampling.extra`` (whatever else was sent to vLLM) kept in
 #: a record: the record's own encoders and readers recurse over it.
@@ -113,7 +116,6 @@ _SEED_SCHEMES = frozenset({SEED_DERIVATION, SEED_EXTERNAL, SEED_NONE})
 SAMPLING_EPS = 1e-5
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,255}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FINISH_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _TYPED_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens", "seed"})
@@ -160,7 +162,7 @@ def _tokens(where: str, xs: object) -> tuple[int, ...]:
 
 def _exact_keys(where: str, d: Mapping[str, Any], required: Iterable[str],
                 optional: Iterable[str] = ()) -> None:
-    exact_keys(where, d, required, optional, f"schema version {SCHEMA_VERSION}")
+    exact_keys(where, d, required, optional, _NOTE)
 
 
 def encode_line(d: Mapping[str, Any]) -> bytes:
@@ -228,35 +230,6 @@ def group_id_for(run: str, step: int, prompt_index: int) -> str:
 
 # --------------------------------------------------------------------------- records
 
-@dataclass(frozen=True)
-class VersionSpan:
-    """vLLM's ``WeightVersionSpan``: output tokens ``[start, end)`` sampled under ``version``."""
-
-    version: str
-    start: int
-    end: int
-
-    def __post_init__(self) -> None:
-        _str("weight_versions.version", self.version)
-        _int("weight_versions.start", self.start)
-        _int("weight_versions.end", self.end)
-        if self.end < self.start:
-            raise BadInput(f"weight_versions: span {self.version!r} ends ({self.end}) "
-                           f"before it starts ({self.start})")
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "start": self.start, "end": self.end}
-
-    @classmethod
-    def from_dict(cls, d: object) -> VersionSpan:
-        m = _obj("weight_versions[]", d)
-        _exact_keys("weight_versions[]", m, ("version", "start", "end"))
-        return cls(m["version"], m["start"], m["end"])
-
-
 def validate_spans(spans: Sequence[VersionSpan], n_tokens: int) -> None:
     """Contiguous spans covering exactly ``[0, n_tokens)``, as vLLM builds them.
 
@@ -314,7 +287,7 @@ class Prompt:
             media = tuple(ImageRef.from_dict(dict(x) if isinstance(x, Mapping) else x)
                           for x in raw)
         return cls(_tokens("prompt.token_ids", m["token_ids"]),
-                   _str("prompt.digest", m["digest"], _HEX64), media)
+                   _str("prompt.digest", m["digest"], HEX64), media)
 
 
 @dataclass(frozen=True)
@@ -476,7 +449,7 @@ class SampledCompletion:
             raise BadInput("completion.weight_versions must be a list or null")
         return cls(_tokens("completion.token_ids", m["token_ids"]), m["finish_reason"],
                    m["logprobs"], m["stop_reason"],
-                   None if wv is None else tuple(VersionSpan.from_dict(s) for s in wv),
+                   None if wv is None else tuple(VersionSpan.from_dict(s, _NOTE) for s in wv),
                    TokenVersions.from_dict(m["versions"]) if "versions" in m else None)
 
 

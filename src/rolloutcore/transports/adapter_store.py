@@ -55,6 +55,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from rolloutcore.core.strict import HEX64
 from rolloutcore.errors import BadInput, EffectError, RolloutCoreError
 from rolloutcore.transports import engine_key
 from rolloutcore.transports.engine_key import Receive, Scope, Send
@@ -72,7 +73,6 @@ DEFAULT_MAX_BYTES = 4 << 30
 #: The files of a PEFT LoRA adapter directory (``verification.adapters``).
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _FULL = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 
 
@@ -217,7 +217,7 @@ class AdapterStore:
             want = json.loads(raw).get("content_digest")
         except (ValueError, AttributeError):
             want = None
-        if not isinstance(want, str) or not _HEX64.fullmatch(want):
+        if not isinstance(want, str) or not HEX64.fullmatch(want):
             raise _Answer(400, 'the seal\'s body is {"content_digest": <sha256 hex>}')
         # One seal of a name at a time in this process; across processes the rename
         # below decides (only one takes the staging directory).
@@ -294,7 +294,7 @@ def upload_adapter(base_url: str, name: str, directory: str | os.PathLike[str],
     path the engine holds it under (sealed only if it digests to ``content_digest``)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise BadInput(f"not an adapter name: {name!r}")
-    if not isinstance(content_digest, str) or not _HEX64.fullmatch(content_digest):
+    if not isinstance(content_digest, str) or not HEX64.fullmatch(content_digest):
         raise BadInput("content_digest must be a sha256 hex digest")
     d = Path(directory)
     missing = [f for f in FILES if not (d / f).is_file()]

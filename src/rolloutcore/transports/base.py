@@ -41,6 +41,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.strict import check_timeout
 from rolloutcore.core.versions import check_label
 from rolloutcore.engine.errors import is_refusal, request
 from rolloutcore.engine.routes import Routes
@@ -93,13 +94,6 @@ class WeightTransport(Protocol):
         ...
 
 
-
-
-def check_timeout(timeout_s: object, name: str = "timeout_s") -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (
-            0 < timeout_s < float("inf")):
-        raise BadInput(f"{name} must be a finite number > 0, got {timeout_s!r}")
-    return float(timeout_s)
 
 
 def check_url(base_url: object) -> str:

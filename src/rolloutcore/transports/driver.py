@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import TransferEvidence
+from rolloutcore.core.strict import check_int
 from rolloutcore.engine.errors import is_refusal
 from rolloutcore.errors import BadInput, RolloutCoreError, TransferError
 from rolloutcore.transports.base import (
@@ -305,10 +306,8 @@ class VllmTrainerTransport(TransportBase):
         self.guard = guard or DeviceGuard()
         self._trainer_init = trainer_init
         self._client_factory = client_factory
-        if engine_world_size is not None and (
-                isinstance(engine_world_size, bool) or not isinstance(engine_world_size, int)
-                or engine_world_size < 1):
-            raise BadInput(f"engine_world_size must be an int >= 1, got {engine_world_size!r}")
+        if engine_world_size is not None:
+            check_int("engine_world_size", engine_world_size, 1)
         self._engine_ws = engine_world_size
         self._slot = SourceSlot()
         self._engine: Any = None

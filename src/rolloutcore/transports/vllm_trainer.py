@@ -28,6 +28,7 @@ import datetime
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports.base import run_side
 from rolloutcore.transports.gloo import BACKEND, GlooInitInfo, _as_cpu, _new_group, _trainer_store
@@ -68,8 +69,7 @@ def _build() -> dict[str, Any]:
             if not init_info.is_sender:
                 raise BadInput("rolloutcore_gloo has one trainer rank (rank 0)")
             world, t = init_info.world_size, float(init_info.timeout_s)
-            if isinstance(world, bool) or not isinstance(world, int) or world < 2:
-                raise BadInput(f"world_size must be an int >= 2, got {world!r}")
+            check_int("world_size", world, 2)
             addr = local_address_towards(init_info.peer_host)
             store = _trainer_store(addr, world, t)
             info = GlooInitInfo(addr, int(store.port), 1, world, t)

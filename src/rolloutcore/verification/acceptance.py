@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, UpdateTarget
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput
 
 if TYPE_CHECKING:
@@ -92,12 +93,9 @@ def acceptance_between(before: Mapping[str, float], after: Mapping[str, float]
 def default_acceptance_prompts(vocab_size: int, n: int = 4, length: int = 12
                                ) -> list[list[int]]:
     """Fixed token prompts below ``vocab_size`` (deterministic, no RNG state touched)."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
-        raise BadInput(f"vocab_size must be an int >= 2, got {vocab_size!r}")
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
-        raise BadInput(f"n must be an int in 1..64, got {n!r}")
-    if isinstance(length, bool) or not isinstance(length, int) or not 1 <= length <= 512:
-        raise BadInput(f"length must be an int in 1..512, got {length!r}")
+    check_int("vocab_size", vocab_size, 2)
+    check_int("n", n, 1, 64)
+    check_int("length", length, 1, 512)
     top = min(vocab_size, 256)  # byte-level ids of the tiny tokenizer; any model has them
     return [[(7 + 31 * i + 13 * j * (i + 1)) % top for j in range(length)] for i in range(n)]
 
@@ -123,9 +121,7 @@ class AcceptanceProbe:
                     isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
                 raise BadInput(f"prompts[{i}] must be a non-empty sequence of ints >= 0")
             ps.append(tuple(p))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or \
-                not 1 <= max_tokens <= 4096:
-            raise BadInput(f"max_tokens must be an int in 1..4096, got {max_tokens!r}")
+        check_int("max_tokens", max_tokens, 1, 4096)
         if min_acceptance is not None and (
                 isinstance(min_acceptance, bool) or not isinstance(min_acceptance, (int, float))
                 or not 0 < min_acceptance <= 1):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, EffectError
 from rolloutcore.verification.probe import (
     DEFAULT_TOLERANCE,
@@ -86,9 +87,7 @@ class AdapterSource:
 
         if str(config.get("peft_type", "")).upper() != "LORA":
             raise BadInput(f"{CONFIG}: peft_type must be LORA, got {config.get('peft_type')!r}")
-        r = config.get("r")
-        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-            raise BadInput(f"{CONFIG}: r must be an int >= 1, got {r!r}")
+        r = check_int(f"{CONFIG}: r", config.get("r"), 1)
         if max_rank is not None and r > max_rank:
             raise BadInput(f"adapter rank {r} exceeds the engine's --max-lora-rank {max_rank}")
         lora = [n for n in tensors if ".lora_A." in n or ".lora_B." in n]

@@ -47,6 +47,7 @@ from types import MappingProxyType
 from typing import Any, Protocol, TypeGuard
 
 from rolloutcore.core.evidence import Check
+from rolloutcore.core.strict import HEX64  # re-exported
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput
 
@@ -77,7 +78,6 @@ __all__ = [
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 REFERENCE_FORMAT = "rolloutcore-checksum-reference"
 _FORMAT_VERSION = 1
-HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _RANK_PREFIX = re.compile(r"^(?:[a-z]+\d+:)+")
 _ORIGINS = frozenset({"cold-load", "verified-load"})
 

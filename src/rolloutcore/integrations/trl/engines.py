@@ -49,11 +49,18 @@ from rolloutcore.provenance.trajectory import (
 from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
+    import httpx
     import torch
 
     from rolloutcore.control.controller import LifecycleController
     from rolloutcore.control.runner import LifecycleRunner
     from rolloutcore.session import EngineSession
+    from rolloutcore.transports.base import WeightTransport
+    from rolloutcore.verification.image_probe import ProbeSuite
+    from rolloutcore.verification.probe import PolicyProbe
+
+    #: What an update checks the engine with (``EngineSession.update``'s ``probe``).
+    Probe = PolicyProbe | ProbeSuite | bool
 
 __all__ = ["FLEET_EPOCH", "EngineSample", "PublishedUpdate", "RolloutEngine", "answer_adapter",
            "end_open_update"]
@@ -112,7 +119,7 @@ class RolloutEngine(Protocol):
 
     def committed(self) -> tuple[WeightVersion, WeightIdentity]: ...
 
-    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Probe,
                owner: str) -> PublishedUpdate: ...
 
     def generate(self, rollout_id: str, prompt: Sequence[int],
@@ -121,14 +128,6 @@ class RolloutEngine(Protocol):
     def engine_identity(self) -> EngineIdentity: ...
 
     def close(self) -> None: ...
-
-
-def _spans(raw: Any) -> tuple[VersionSpan, ...] | None:
-    if raw is None:
-        return None
-    return tuple(VersionSpan(str(s.version), int(s.start), int(s.end)) if not isinstance(
-        s, Mapping) else VersionSpan(str(s["version"]), int(s["start"]), int(s["end"]))
-        for s in raw)
 
 
 def _vllm_extra(spec: SamplingSpec) -> dict[str, Any]:
@@ -353,7 +352,7 @@ class _SessionEngine(_AdapterPublisher):
                            "first (or use RolloutCoreRollout.launch)")
         return c.committed, c.identity
 
-    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Probe,
                owner: str) -> PublishedUpdate:
         self._no_base_update()
         res = self.session.update(state, provenance, probe=probe, owner=owner)
@@ -395,7 +394,7 @@ class _SessionEngine(_AdapterPublisher):
                 done = c.complete(rollout_id)
         cw, cm = time.time(), time.monotonic()
         return EngineSample(binding, tuple(g.token_ids), tuple(g.logprobs or ()),
-                            g.finish_reason or "unknown", _spans(g.weight_versions),
+                            g.finish_reason or "unknown", g.weight_versions,
                             Timestamps(aw, am, cw, max(cm, am)), done.attributable, adapter)
 
     def engine_identity(self) -> EngineIdentity:
@@ -448,10 +447,11 @@ class _GatewayEngine(_AdapterPublisher):
     must be the one the fleet's status says it serves that fleet version as.
     """
 
-    def __init__(self, url: str, token: str, *, transport: Any, data_token: str | None,
-                 timeout_s: float, min_verification: str | None, adapters: bool = False,
-                 adapter_dir: str | Path | None = None, public_model: str = "policy",
-                 http_transport: Any = None, probe_tolerance: float | None = None) -> None:
+    def __init__(self, url: str, token: str, *, transport: WeightTransport | None,
+                 data_token: str | None, timeout_s: float, min_verification: str | None,
+                 adapters: bool = False, adapter_dir: str | Path | None = None,
+                 public_model: str = "policy", http_transport: httpx.BaseTransport | None = None,
+                 probe_tolerance: float | None = None) -> None:
         from rolloutcore.engine.client import EngineClient
         from rolloutcore.service.client import RolloutCoreClient
 
@@ -535,7 +535,7 @@ class _GatewayEngine(_AdapterPublisher):
             self.fleet, self._version, self._identity = served, v, ident
         return v, ident
 
-    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Any,
+    def update(self, state: Mapping[str, Any], provenance: Provenance, probe: Probe,
                owner: str) -> PublishedUpdate:
         self._no_base_update()
         # The probe was computed from the trainer's own model (``probe_for``): a
@@ -623,7 +623,7 @@ class _GatewayEngine(_AdapterPublisher):
             version = WeightVersion(int(info["generation"]), str(info["version"]),
                                     str(info["engine_epoch"]))
             digest = str(info["identity_digest"])
-            spans = _spans(ch.get("weight_versions"))
+            spans = VersionSpan.parse(ch.get("weight_versions"))
             finish = str(ch.get("finish_reason") or "unknown")
             placed = _placement(info, self.fleet is not None)
             with self._lock:

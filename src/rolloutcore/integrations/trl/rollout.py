@@ -9,10 +9,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.adapters import AdapterConfig, AdapterVersion
 from rolloutcore.core.records import State
+from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import (
     EngineIdentity,
     Provenance,
@@ -58,6 +59,10 @@ from rolloutcore.provenance.trajectory import (
 )
 from rolloutcore.transports.source import WeightSource
 
+if TYPE_CHECKING:
+    from rolloutcore.integrations.trl.engines import Probe
+    from rolloutcore.transports.base import WeightTransport
+
 __all__ = ["LORA_RANKS", "RolloutCoreRollout", "lora_engine_args"]
 
 #: The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``).
@@ -72,10 +77,8 @@ def lora_engine_args(rank: int, max_loras: int = 2) -> list[str]:
     """vLLM's flags for adapters up to ``rank``: ``--max-lora-rank`` is the smallest
     value vLLM accepts that holds it; ``max_loras`` adapters in one batch (a
     synchronous run has one in use, and the next one beside it while it is probed)."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= LORA_RANKS[-1]:
-        raise BadInput(f"LoRA rank must be an int in 1..{LORA_RANKS[-1]}, got {rank!r}")
-    if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
-        raise BadInput(f"max_loras must be an int >= 1, got {max_loras!r}")
+    check_int("LoRA rank", rank, 1, LORA_RANKS[-1])
+    check_int("max_loras", max_loras, 1)
     vllm_rank = next(r for r in LORA_RANKS if r >= rank)
     return ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(vllm_rank)]
 
@@ -165,9 +168,7 @@ class RolloutCoreRollout:
             raise BadInput("run must be a non-empty string")
         # The run name is part of every group id and seed: check it once, here.
         group_id_for(run, 0, 0)
-        if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or \
-                max_concurrency < 1:
-            raise BadInput(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+        check_int("max_concurrency", max_concurrency, 1)
         self.engine: RolloutEngine = engine
         self.run = run
         self.checkpoint = ckpt
@@ -215,7 +216,7 @@ class RolloutCoreRollout:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def launch(cls, checkpoint: str | Path, *, run: str, trajectories: str | Path | None = None,
-               journal: str | Path | None = None, transport: Any = None,
+               journal: str | Path | None = None, transport: WeightTransport | None = None,
                engine_kwargs: Mapping[str, Any] | None = None, progress: bool = False,
                start_timeout_s: float = 600.0, lora_rank: int | None = None,
                adapter_config: AdapterConfig | None = None,
@@ -267,9 +268,9 @@ class RolloutCoreRollout:
 
     @classmethod
     def through_gateway(cls, url: str, token: str, *, checkpoint: str | Path, run: str,
-                        trajectories: str | Path | None = None, transport: Any = None,
-                        data_token: str | None = None, timeout_s: float = 300.0,
-                        min_verification: str | None = None,
+                        trajectories: str | Path | None = None,
+                        transport: WeightTransport | None = None, data_token: str | None = None,
+                        timeout_s: float = 300.0, min_verification: str | None = None,
                         adapter_dir: str | Path | None = None, **kw: Any) -> RolloutCoreRollout:
         """Generate and update through a ``rolloutcore serve`` gateway at ``url``.
 
@@ -373,7 +374,7 @@ class RolloutCoreRollout:
         if self.adapters:
             return self._push_adapter(model, step, t0)
         state = engine_state_dict(model, self.manifest)
-        probe: Any = False
+        probe: Probe = False
         if self.probe:
             probe = probe_for(model, state, tolerance=self.probe_tolerance)
         prov = Provenance(self.origin, self.run, step)

@@ -42,9 +42,6 @@ _weights_cache: dict[tuple[int, str], torch.Tensor] = {}
 _weights_lock = threading.Lock()
 
 
-_rows_cols = cuda_kernels.block_shape
-
-
 def _as_int32(t: torch.Tensor) -> torch.Tensor:
     """The raw bits of ``t`` as a flat int32 view (no copy when aligned)."""
     if t.numel() * t.element_size() % 4:
@@ -112,7 +109,7 @@ def block_checksum_device(tensors: Sequence[torch.Tensor], *, impl: str = "auto"
         if impl == "kernel":
             raise BadInput("the checksum kernel cannot run here: it needs Triton on the "
                            "tensors' device and contiguous, 4-byte aligned tensors")
-    rows = [_rows_cols(t.numel() * t.element_size()) for t in tensors]
+    rows = [cuda_kernels.block_shape(t.numel() * t.element_size()) for t in tensors]
     return _block_checksum_device(tensors, rows)
 
 
