@@ -231,18 +231,20 @@ def instrument() -> None:
 
     _wrap(VllmAdapter, "check_sent", "gw.loop.check_sent")
     _wrap(Shell, "run", "shell.run")
-    from rolloutcore.engine import lent_key
-
     # --guarded: the lend and the take-back, in a worker thread (before: after the drain,
-    # before the close), or on the loop (Lender: the lend beside the drain).
-    _wrap(lent_key, "lend", "gw.lent_key.lend")
-    _wrap(lent_key, "revoke", "gw.lent_key.revoke")
+    # before the close), or on the loop (Lender: the lend beside the drain). Timed once
+    # each: a Lender's call (which calls the module's function) where there is one.
     import inspect
+
+    from rolloutcore.engine import lent_key
 
     if hasattr(lent_key, "Lender"):
         for m in ("lend", "revoke"):
             sync = not inspect.iscoroutinefunction(getattr(lent_key.Lender, m))
             (_wrap if sync else _wrap_async)(lent_key.Lender, m, f"gw.lent_key.{m}")
+    else:
+        _wrap(lent_key, "lend", "gw.lent_key.lend")
+        _wrap(lent_key, "revoke", "gw.lent_key.revoke")
     from rolloutcore.service.proxy import DataPlane
 
     _wrap(DataPlane, "_wake", "gw.loop_woken_by_data_plane")  # on the loop, once woken
