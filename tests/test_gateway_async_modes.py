@@ -92,11 +92,15 @@ async def _while_bound(r: Rig, request: Any, updates: int = 1,
         with anyio.fail_after(10):
             while not any(v >= 3 for v in r.engine.tokens_in_flight().values()):
                 await anyio.sleep(0.005)
+        # The answer must still be running when the updates land, however slowly a loaded
+        # machine runs them: its next tokens come 10x slower until they are done (at the
+        # first delay, 37 tokens left = 0.37 s, less than an update on two busy cores).
+        delay, r.engine.token_delay_s = r.engine.token_delay_s, r.engine.token_delay_s * 10
         for i in range(updates):
             results.append(await _update(r, seed + i))
             await anyio.sleep(0.05)
         # The updates are done: the rest of the answer may come at once.
-        delay, r.engine.token_delay_s = r.engine.token_delay_s, 0.0
+        r.engine.token_delay_s = 0.0
     r.engine.token_delay_s = delay
     return got[0], results
 
