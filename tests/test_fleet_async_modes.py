@@ -55,7 +55,14 @@ async def _stream_across_an_update(mode: UpdateMode) -> tuple[Any, list[Any], An
                 while not any(v >= 3 for n in f.adapters
                               for v in f.engine(n).tokens_in_flight().values()):
                     await anyio.sleep(0.005)
+            # The stream must still run when the update lands, however slowly a loaded
+            # machine runs it (37 tokens left at 0.01 s = 0.37 s): 10x slower until then,
+            # then the rest at once.
+            for n in f.adapters:
+                f.engine(n).token_delay_s = 0.1
             res = await anyio.to_thread.run_sync(f.coord.update, weights(1))
+            for n in f.adapters:
+                f.engine(n).token_delay_s = 0.0
         resp = got[0]
         assert resp.status_code == 200, resp.text
         return f, sse_events(resp.text), resp.headers, res
