@@ -71,11 +71,11 @@ CACHE_ROUTES: Mapping[CacheKind, str] = {
     CacheKind.MULTIMODAL: Routes.RESET_MM,
 }
 
-#: One Prometheus text sample: name, {labels}, value (timestamps are not used by vLLM).
 #: The samples ``weight_ops`` reads, and where vLLM renders only those (``weight_ops``).
 _OPS_SAMPLES = ("vllm:rl_weight_update_operation_duration_seconds_count",
                 "vllm:rl_weight_update_operations_in_flight", "vllm:engine_sleep_state")
 _OPS_PATH = Routes.METRICS + "/"
+#: One Prometheus text sample: name, {labels}, value (timestamps are not used by vLLM).
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
 
 
@@ -137,7 +137,8 @@ class VllmHTTP:
         self._model: str | None = None
         self._closed = False
         self._urls: dict[str, Any] = {}  # route -> httpx.URL (route_url)
-        #: Whether ``/metrics/`` answers ``weight_ops``' restricted read (None: not tried).
+        #: Whether ``/metrics/`` answers ``weight_ops``' restricted read (None: not tried;
+        #: False: its first try was not a 200, so it is not asked again).
         self._ops_filtered: bool | None = None
 
     # -- plumbing -----------------------------------------------------------
@@ -492,7 +493,8 @@ class VllmHTTP:
             if resp.status_code == 200:
                 self._ops_filtered = True
                 return resp.text
-            self._ops_filtered = False
+            if self._ops_filtered is None:  # never answered: an engine without the mount
+                self._ops_filtered = False
         return self._request("GET", Routes.METRICS, step=step, timeout_s=timeout_s).text
 
     def metrics(self, *, timeout_s: float | None = None) -> MetricsSnapshot:
