@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from fleettools import fake_fleet, served
+from fleettools import FAST, fake_fleet, served
 from helpers.asgi_stream import lifespan
 from helpers.gateway_rig import TOKEN
 from rolloutcore.core.lifecycle import State
@@ -241,3 +241,87 @@ async def test_a_round_that_skips_a_tensor_is_refused_on_the_fleet_and_publishes
         assert fin.status_code == 409 and "not written" in fin.text, fin.text
         assert f.coord.newest == before and f.coord.pool.update is None
         assert all(f.coord.state_of(n) is not ReplicaState.SERVING for n in ("r0", "r1"))
+
+
+async def test_a_fleet_of_vllms_without_a_label_publishes_on_the_gateways_manifest_check(
+        ) -> None:
+    """vLLM 0.26 (no ``/weight_info``, no ``/weight_checker``) on every replica, each
+    behind ``VllmAdapter``: a native round's paused validation has no label and no
+    reference on any replica. The gateway's own check of the round (every name written
+    once: the single engine's ``add_round_check``) is each replica's evidence, at the
+    declared level, and the fleet version publishes (without it: "no evidence at all"
+    on every replica, nothing published); a second round makes the check again.
+
+    A takeover on 0.26 needs a check of its own (the fleet's transport gives one), so
+    the replicas are taken over on the fake's full contract; then each engine answers
+    0.26's and its replica's adapter is a new one read from it, as a replica's
+    ``on_recovered`` makes it for a new incarnation (``fleet.placement``)."""
+    from helpers.gateway_rig import _Switch, uvicorn_threads
+    from rolloutcore.control.controller import LifecycleController
+    from rolloutcore.control.journal import Journal
+    from rolloutcore.control.runner import LifecycleRunner
+    from rolloutcore.engine.http import VllmHTTP
+    from rolloutcore.engine.port import VllmAdapter
+    from rolloutcore.engine.routes import Routes
+    from rolloutcore.fleet import FleetCoordinator, Replica
+    from rolloutcore.testing.fake import FakeEngine
+    from rolloutcore.testing.fake_vllm import FakeVllm
+
+    w0 = FakeWeights.from_seed(0)
+    engines = [FakeEngine(w0, token_delay_s=0.0) for _ in range(2)]
+    switches = [_Switch() for _ in engines]
+    for sw, e in zip(switches, engines, strict=True):
+        sw.app = FakeVllm(e, model="policy")
+    adapters: list[VllmAdapter] = []
+    with uvicorn_threads(switches, lifespan="off") as urls:
+        reps, journals = [], {}
+        for i, url in enumerate(urls):
+            adapters.append(VllmAdapter(VllmHTTP(url), None))
+            j = journals[f"r{i}"] = Journal()
+            runner = LifecycleRunner(LifecycleController(listener=j.listener), adapters[-1],
+                                     FAST, record=j.write)
+            reps.append(Replica(f"r{i}", runner, lambda _p: None, url=url, fanout_url=url,
+                                journal=j))
+        coord = FleetCoordinator(reps, config=FleetConfig(health_interval_s=0))
+        app = create_fleet_app(coord, ServiceConfig(
+            upstream_url="http://127.0.0.1:1", control_token=TOKEN,
+            min_verification=VerificationLevel.DECLARED), supervise=False,
+            native_token=NATIVE)
+        try:
+            coord.bootstrap(w0.identity())
+            assert sorted(coord.serving()) == ["r0", "r1"]
+            for sw, e, rep, url in zip(switches, engines, reps, urls, strict=True):
+                sw.app = FakeVllm(e, model="policy", without=(
+                    Routes.WEIGHT_INFO, Routes.UPDATE_WEIGHT_VERSION, Routes.WEIGHT_CHECKER))
+                adapters.append(VllmAdapter(VllmHTTP(url), None))
+                adapters[-1].bootstrap()
+                rep.runner.adapter = adapters[-1]
+            async with lifespan(app), httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app), base_url="http://fleet.test",
+                    timeout=30) as client:
+                for n, w in enumerate((W1, W2), 1):
+                    before = coord.newest
+                    assert (await post(client, "/start_weight_update")).status_code == 200
+                    assert (await post(client, "/update_weights",
+                                       update_body(w))).status_code == 200
+                    fin = await post(client, "/finish_weight_update")
+                    assert fin.status_code == 200, fin.text
+                    newest = coord.newest
+                    assert newest is not None and before is not None
+                    assert newest.generation == before.generation + 1
+                    assert sorted(coord.serving()) == ["r0", "r1"]
+                    assert {e.weights_digest for e in engines} == {w.digest}
+                    for name, j in journals.items():
+                        vals = [rec.data["evidence"] for rec in j.records
+                                if rec.kind == "evidence"
+                                and rec.data.get("event") == "validated"]
+                        mine = [ch for ch in vals[-1].get("checks") or ()
+                                if ch.get("name") == "native_manifest"]
+                        # this round's paused validation has it, made for this round
+                        assert len(mine) == 1 and mine[0]["passed"], (name, vals[-1])
+                        assert sum(ch.get("name") == "native_manifest" for v in vals
+                                   for ch in v.get("checks") or ()) == n
+        finally:
+            coord.close()
+            for ad in adapters:
+                ad.close()

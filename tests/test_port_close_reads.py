@@ -39,6 +39,7 @@ class _Engine:
     def __init__(self) -> None:
         self.updates = 0
         self.paused = False
+        self.label = "rc-1"
         self.paths: list[str] = []
         #: the success flag each reset route answers (vLLM's prefix reset says; the
         #: others answer an empty 200, as vLLM 0.32's do)
@@ -69,7 +70,7 @@ class _Engine:
             Routes.HEALTH: None, Routes.VERSION: {"version": "0.32.0"},
             Routes.MODELS: {"data": [{"id": "policy"}]},
             Routes.IS_PAUSED: {"is_paused": self.paused},
-            Routes.WEIGHT_INFO: {"weight_version": "rc-1"}}.get(p, {"detail": "Not Found"})
+            Routes.WEIGHT_INFO: {"weight_version": self.label}}.get(p, {"detail": "Not Found"})
         return httpx.Response(200 if p in _ROUTES else 404, content=json.dumps(body))
 
 
@@ -101,6 +102,35 @@ def test_a_write_after_the_first_reset_is_out_of_band() -> None:
     assert eng.paths.count(Routes.METRICS) == 3  # bootstrap, drain, the reset's read
     # The update's write is the baseline; the one after the reset's read is not.
     assert a.observe_health().writes == ("1 /update_weights call(s)",)
+
+
+def test_the_label_and_paused_state_are_read_beside_the_first_reset() -> None:
+    """The paused validation's label and paused-state reads go out with the update's
+    first cache reset (after its writes, inside the paused window) and the validation
+    collects them: the same evidence, a label the engine does not hold refused as
+    before; a sweep's reset (no update drained) reads neither."""
+    for label, ok in (("rc-1", True), ("rc-0", False)):
+        eng = _Engine()
+        a = _adapter(eng)
+        a.drain(PauseMode.WAIT)
+        eng.write()
+        eng.label = label                # what the update's finish set
+        a.reset_cache(CacheKind.PREFIX)
+        assert a._state_closing is not None
+        a._state_closing[0].result(timeout=10)
+        assert a._state_closing[1] is not None and a._state_closing[1].result(timeout=10)
+        reads = len(eng.paths)
+        assert eng.paths.count(Routes.WEIGHT_INFO) == 2   # bootstrap's, and this one
+        ev = a.validate(_target(), live=False)
+        assert ev is not None and ev.paused is True and ev.observed_label == label
+        # nothing read again by the validation: it collected the reads of the reset
+        assert eng.paths[reads:].count(Routes.WEIGHT_INFO) == 0
+        assert eng.paths[reads:].count(Routes.IS_PAUSED) == 0
+        assert (ev.problems(_target()) == []) is ok
+        a.resume()
+        assert a._state_closing is None
+        a.reset_cache(CacheKind.PREFIX)   # a sweep: nothing read beside it
+        assert a._state_closing is None
 
 
 def test_the_updates_own_writes_are_the_baseline_and_a_sweep_reads_nothing() -> None:
@@ -158,3 +188,76 @@ def test_a_first_reset_later_in_the_order_resets_nothing_before_it() -> None:
     for f in list(a._resets_ahead.values()):
         f.result(timeout=10)
     assert Routes.RESET_PREFIX not in eng.paths and Routes.RESET_MM in eng.paths
+
+
+class _Registry:
+    """vLLM's ``/metrics`` as its API server renders it with ``prometheus_client``: the whole
+    registry at ``/metrics``; at ``/metrics/`` (vLLM mounts ``make_asgi_app`` there) only the
+    samples ``name[]`` names, as ``make_asgi_app`` restricts them
+    (``registry.restricted_registry``). ``mount=False``: an engine without that mount."""
+
+    def __init__(self, *, mount: bool = True) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.mount = mount
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.ops = Histogram("vllm:rl_weight_update_operation_duration_seconds", "ops",
+                             ["operation"], registry=r)
+        self.flight = Gauge("vllm:rl_weight_update_operations_in_flight", "in flight",
+                            ["operation"], registry=r)
+        sleep = Gauge("vllm:engine_sleep_state", "sleep", ["sleep_state"], registry=r)
+        sleep.labels(sleep_state="awake").set(1)
+        sleep.labels(sleep_state="weights_offloaded").set(0)
+        # what else a vLLM registry renders (the bulk of the page)
+        for i in range(40):
+            Counter(f"vllm:other_{i}", "other", ["engine"], registry=r).labels(engine="0").inc(i)
+        self.paths: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        from prometheus_client import generate_latest
+
+        p = request.url.path
+        self.paths.append(p)
+        if p == Routes.OPENAPI:
+            return httpx.Response(200, json={"paths": {Routes.METRICS: {}}})
+        if p == Routes.METRICS:
+            return httpx.Response(200, content=generate_latest(self.registry))
+        if p == Routes.METRICS + "/" and self.mount:
+            names = request.url.params.get_list("name[]")
+            reg: Any = self.registry.restricted_registry(names) if names else self.registry
+            return httpx.Response(200, content=generate_latest(reg))
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+
+def test_the_counters_read_from_the_restricted_metrics_are_the_whole_pages() -> None:
+    """``weight_ops`` asks vLLM for its three families only (``/metrics/?name[]=...``):
+    the same counters, in-flight calls and sleep state as a parse of the whole page, for
+    a fraction of its size; an engine without that mount is read whole, the same."""
+    reg = _Registry()
+    for op, n in (("start", 2), ("update", 3), ("finish", 1), ("init", 1)):
+        for _ in range(n):
+            reg.ops.labels(operation=op).observe(0.01)
+    reg.flight.labels(operation="update").set(1)
+    http = VllmHTTP("http://e.test", transport=httpx.MockTransport(reg))
+    got = http.weight_ops()
+    assert reg.paths == [Routes.METRICS + "/"]   # one restricted read, no whole page
+    assert dict(got.done) == {"start": 2.0, "update": 3.0, "finish": 1.0, "init": 1.0}
+    assert dict(got.in_flight) == {"update": 1.0} and got.awake is True
+    # the same as the whole page's parse, and a fraction of its bytes
+    whole_reg = _Registry(mount=False)
+    whole_reg.registry = reg.registry
+    whole = VllmHTTP("http://e.test", transport=httpx.MockTransport(whole_reg))
+    assert whole.weight_ops() == got
+    assert whole_reg.paths == [Routes.METRICS + "/", Routes.METRICS]  # 404, then whole
+    assert whole.weight_ops() == got and whole_reg.paths[-1] == Routes.METRICS
+    assert whole_reg.paths.count(Routes.METRICS + "/") == 1   # not asked again
+    from prometheus_client import generate_latest
+
+    small = generate_latest(reg.registry.restricted_registry([
+        "vllm:rl_weight_update_operation_duration_seconds_count",
+        "vllm:rl_weight_update_operations_in_flight", "vllm:engine_sleep_state"]))
+    assert len(small) * 4 < len(generate_latest(reg.registry))
+    # a write after the first read is seen by the restricted read as by the whole one
+    reg.ops.labels(operation="update").observe(0.01)
+    assert http.weight_ops().writes_since(got) == ("1 /update_weights call(s)",
+                                                   "a /update_weights call in flight")

@@ -63,6 +63,7 @@ from rolloutcore.engine.state import (
     incomplete_update_check,
     version_tuple,
 )
+from rolloutcore.engine.wire import WeightInfo
 from rolloutcore.engine.write_counts import WriteCounts
 from rolloutcore.errors import (
     BadInput,
@@ -214,6 +215,8 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._init_write_counts()
         # The update's cache resets sent beside its first one (``reset_cache``).
         self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
+        # The paused validation's label and paused reads (``_read_state_at_reset``).
+        self._state_closing: tuple[Future[WeightInfo], Future[bool] | None] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
@@ -433,7 +436,8 @@ class VllmAdapter(SleepMode, WriteCounts):
                               "needs vLLM 0.32's keep-with-recompute", mutation_started=False)
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
-        self._drained, self._ops_closing, self._resets_ahead = True, None, None
+        self._drained, self._ops_closing, self._resets_ahead, self._state_closing = \
+            True, None, None, None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -567,7 +571,18 @@ class VllmAdapter(SleepMode, WriteCounts):
         # The validation's counters, beside the resets (sent after them: vLLM renders
         # /metrics on its API server's loop while the resets wait on the engine core).
         self._read_counts_at_reset()
+        self._read_state_at_reset()
         return self.http.reset_cache(cache)
+
+    def _read_state_at_reset(self) -> None:
+        """At an update's first reset, the paused validation's label and paused reads (an
+        early check's serves): the writes are over (the finish set the label) and only the
+        runner resumes, after the validation: the same paused window (``_paused_ahead``)."""
+        if not self._drained or self._state_closing is not None:
+            return
+        early = any(x is not None and x[2] is not None for x in (self._early, self._early_sent))
+        self._state_closing = (self._side().submit(self.http.weight_info),
+                               None if early else self._paused_ahead())
 
     @_step(Step.VALIDATE)
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
@@ -604,6 +619,7 @@ class VllmAdapter(SleepMode, WriteCounts):
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
         ops_read, self._ops_closing = self._ops_closing, None
+        closing, self._state_closing = self._state_closing, None
         if ops_read is None and self._counts_ops:
             ops_read = self._side().submit(self._weight_ops_or_none)
         caps = h.capabilities()
@@ -626,9 +642,11 @@ class VllmAdapter(SleepMode, WriteCounts):
             paused_read = early[2]
         elif early_sent is not None and early_sent[2] is not None:
             paused_read = early_sent[2]
+        elif closing is not None and closing[1] is not None:
+            paused_read = closing[1]
         elif Routes.IS_PAUSED in caps:
             paused_read = self._side().submit(h.is_paused)
-        wi = h.weight_info()
+        wi = h.weight_info() if closing is None else closing[0].result()
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
@@ -721,18 +739,18 @@ class VllmAdapter(SleepMode, WriteCounts):
                               writes=writes, elapsed_s=time.monotonic() - t0)
 
     def _side(self) -> ThreadPoolExecutor:
-        """Worker threads for engine reads that overlap another call (three: the early
-        transport check, the paused-state read and the operation counters may be in
-        flight together)."""
+        """Worker threads for engine reads that overlap another call (five: beside the first
+        reset, the two after it, the counters, the label and the paused state)."""
         if self._side_pool is None:
-            self._side_pool = ThreadPoolExecutor(3, thread_name_prefix="rc-vllm-side")
+            self._side_pool = ThreadPoolExecutor(5, thread_name_prefix="rc-vllm-side")
         return self._side_pool
 
     @_step(Step.RESUME)
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
         self.forget_sleep()
-        self._drained, self._ops_closing, self._resets_ahead = False, None, None
+        self._drained, self._ops_closing, self._resets_ahead, self._state_closing = \
+            False, None, None, None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None

@@ -54,7 +54,12 @@ from rolloutcore.fleet.coordinator import FleetCoordinator
 from rolloutcore.fleet.model import FleetUpdateFailed, FleetUpdateResult, FleetWeights, Replica
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.native import NATIVE_LEVEL, Failed, Manifest, NativeRefusal
-from rolloutcore.service.native_engine import forward_step, native_identity, relay_call
+from rolloutcore.service.native_engine import (
+    forward_step,
+    native_identity,
+    record_round,
+    relay_call,
+)
 from rolloutcore.transports.fanout import FanoutResult
 
 __all__ = ["FleetRounds", "NativeFanout"]
@@ -295,9 +300,10 @@ class FleetRounds:
     async def close(self, handle: _FleetRound, written: Manifest, note: dict[str, Any]
                     ) -> dict[str, Any]:
         def record() -> None:
+            # Each replica's validation gets the round's check as one engine's does.
             for rep, label in handle.targets.values():
                 t = rep.controller.current_ticket
-                rep.runner.emit(Note("native_round", {
+                record_round(rep.runner, written, Note("native_round", {
                     **note, "label": label, "fleet_label": handle.label,
                     "update_id": None if t is None else t.update_id}))
 

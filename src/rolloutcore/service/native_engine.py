@@ -32,7 +32,7 @@ from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.native import NATIVE_LEVEL, Failed, Manifest, NativeRefusal
 from rolloutcore.transports import engine_key
 
-__all__ = ["EngineRounds", "native_identity", "relay_call"]
+__all__ = ["EngineRounds", "native_identity", "record_round", "relay_call"]
 
 
 def native_identity(seq: int, after: Any) -> WeightIdentity:
@@ -41,6 +41,25 @@ def native_identity(seq: int, after: Any) -> WeightIdentity:
                       default=str).encode()
     return WeightIdentity(hashlib.sha256(seed).hexdigest(),
                           Provenance(f"native:{NATIVE_LEVEL}", "native", seq))
+
+
+def record_round(runner: LifecycleRunner, written: Manifest, note: Note) -> None:
+    """What the gateway checked of a round (``service.native``), handed to the engine's
+    validation and journal before its transfer is reported: one engine's round and each
+    replica of a fleet's (``fleet.native``) alike.
+
+    Every name written once, the last round's all covered: names, dtypes and shapes
+    only, so it establishes nothing above declared. On a vLLM with no label (0.26) and
+    no reference it is the only check the round has; the adapter reports it with the
+    next paused validation (``VllmAdapter.add_round_check``), which without it is
+    refused ("no evidence at all")."""
+    add = getattr(runner.adapter, "add_round_check", None)
+    if callable(add) and written:
+        add(Check("native_manifest", True, f"{len(written)} parameters, each written once "
+                  "by the sender's /update_weights calls, covering the last round's "
+                  "(names, dtypes, shapes; values not checked)",
+                  level=VerificationLevel.DECLARED))
+    runner.emit(note)
 
 
 def failed_result(exc: UpdateFailed) -> dict[str, Any]:
@@ -163,18 +182,8 @@ class EngineRounds:
         rec = Note("native_round", {**note, "label": label,
                                     "update_id": out.ticket.update_id})
 
-        add = getattr(self.runner.adapter, "add_round_check", None)
-
         def work() -> None:
-            if callable(add) and written:
-                # What this gateway checked of the round (service.native): every name
-                # written once, the last round's all covered. Names, dtypes and shapes
-                # only, so it establishes nothing above declared.
-                add(Check("native_manifest", True, f"{len(written)} parameters, each "
-                          "written once by the sender's /update_weights calls, covering "
-                          "the last round's (names, dtypes, shapes; values not checked)",
-                          level=VerificationLevel.DECLARED))
-            self.runner.emit(rec)
+            record_round(self.runner, written, rec)
             self.runner.report_transfer(out, ev)
             self.runner.close_update(out)
 
