@@ -514,12 +514,16 @@ class VllmHTTP:
         full Prometheus parse: the health watch reads it every few seconds, and
         an update twice (beside its pause, beside its first cache reset).
 
-        Only those are rendered where the engine can: vLLM mounts ``prometheus_client``'s
-        exposition app at ``/metrics/``, which takes ``name[]`` and collects only the named
-        samples (``_OPS_SAMPLES``) of the registry ``/metrics`` renders: ~0.5 KB in ~4 ms
-        on the CPU engine instead of ~50 KB in 13-15 ms, on the API server loop the
-        update's own calls wait on. An engine that answers it otherwise (no mount: 404,
-        307) is read whole, as before; the parse below is the same for both."""
+        Only those families are rendered where the engine can: vLLM mounts
+        ``prometheus_client``'s own exposition app at ``/metrics/`` (its
+        workaround for the 307 of ``/metrics/``), which takes ``name[]`` and
+        collects only the named metrics from the same registry as ``/metrics``
+        (``_OPS_SAMPLES``). On the CPU engine that is ~0.5 KB in about 4 ms instead
+        of the whole registry's ~50 KB in 13-15 ms, on the API server's event loop
+        the update's own calls wait on. Any other answer there than a 200 (an
+        engine without that mount: a 404 or the 307) and the whole ``/metrics`` is
+        read, as before; the parse below is the same for both, so the counters are.
+        """
         step = "weight_ops"
         text = self._ops_text(step, timeout_s)
         done: dict[str, float] = {}

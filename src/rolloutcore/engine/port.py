@@ -215,7 +215,8 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._init_write_counts()
         # The update's cache resets sent beside its first one (``reset_cache``).
         self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
-        # The paused validation's label and paused reads (``_read_state_at_reset``).
+        # The paused validation's label and paused-state reads, sent beside the update's
+        # first reset (``_read_state_at_reset``).
         self._state_closing: tuple[Future[WeightInfo], Future[bool] | None] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
@@ -436,8 +437,8 @@ class VllmAdapter(SleepMode, WriteCounts):
                               "needs vLLM 0.32's keep-with-recompute", mutation_started=False)
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
-        self._drained, self._ops_closing, self._resets_ahead, self._state_closing = \
-            True, None, None, None
+        self._drained, self._ops_closing, self._resets_ahead = True, None, None
+        self._state_closing = None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -575,11 +576,19 @@ class VllmAdapter(SleepMode, WriteCounts):
         return self.http.reset_cache(cache)
 
     def _read_state_at_reset(self) -> None:
-        """At an update's first reset, the paused validation's label and paused reads (an
-        early check's serves): the writes are over (the finish set the label) and only the
-        runner resumes, after the validation: the same paused window (``_paused_ahead``)."""
+        """At an update's first cache reset: start the paused validation's reads of the
+        engine's label and paused state, beside the resets (once per update).
+
+        The update's writes are over (its transfer was reported: the finish, which sets
+        the label, has answered) and only the runner resumes, after the validation: a
+        read from here on is inside the same paused window, after the same writes, as
+        one taken during the validation (``_paused_ahead``'s argument), and a reset
+        changes neither. A write after these reads is out of band and is what the
+        write counters, read from the same moment (``_read_counts_at_reset``), catch.
+        """
         if not self._drained or self._state_closing is not None:
             return
+        # An early check's own paused read (taken as the transfer returned) serves.
         early = any(x is not None and x[2] is not None for x in (self._early, self._early_sent))
         self._state_closing = (self._side().submit(self.http.weight_info),
                                None if early else self._paused_ahead())
@@ -739,8 +748,10 @@ class VllmAdapter(SleepMode, WriteCounts):
                               writes=writes, elapsed_s=time.monotonic() - t0)
 
     def _side(self) -> ThreadPoolExecutor:
-        """Worker threads for engine reads that overlap another call (five: beside the first
-        reset, the two after it, the counters, the label and the paused state)."""
+        """Worker threads for engine reads that overlap another call (five: beside an
+        update's first cache reset, the two resets after it, the operation counters,
+        the label and the paused state may be in flight together; or the early
+        transport check beside them)."""
         if self._side_pool is None:
             self._side_pool = ThreadPoolExecutor(5, thread_name_prefix="rc-vllm-side")
         return self._side_pool
@@ -749,8 +760,8 @@ class VllmAdapter(SleepMode, WriteCounts):
     def resume(self) -> ResumeEvidence:
         t0 = time.monotonic()
         self.forget_sleep()
-        self._drained, self._ops_closing, self._resets_ahead, self._state_closing = \
-            False, None, None, None
+        self._drained, self._ops_closing, self._resets_ahead = False, None, None
+        self._state_closing = None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None
