@@ -33,9 +33,8 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from rolloutcore.core.evidence import (
     BootstrapEvidence,
@@ -54,6 +53,7 @@ from rolloutcore.core.evidence import (
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import Provenance
 from rolloutcore.engine import state as engine_state
+from rolloutcore.engine.expected import CheckingTransport, ProbeSet, Staged, expectations
 from rolloutcore.engine.http import CACHE_ROUTES, Routes, VllmHTTP, check_timeout
 from rolloutcore.engine.sent import check_sent_scheme, compare_sent
 from rolloutcore.engine.sleep import SleepAwareTransport, SleepMode
@@ -75,7 +75,7 @@ from rolloutcore.errors import (
 from rolloutcore.transports import drafted
 from rolloutcore.transports.base import WeightTransport
 from rolloutcore.transports.source import WeightSource
-from rolloutcore.verification.checksums import checksum_map, compare_checksums
+from rolloutcore.verification.checksums import compare_checksums
 from rolloutcore.verification.probe import Calibration, takes_calibration
 
 __all__ = [
@@ -113,50 +113,6 @@ def _step(step: Step) -> Iterator[None]:
         raise
 
 
-@runtime_checkable
-class CheckingTransport(Protocol):
-    """A transport that can check what it installed (e.g. rc_cuda_ipc's block checksum
-    of the updated slices, computed on the workers): an optional capability."""
-
-    def validation_check(self, base_url: str) -> Check:
-        ...
-
-
-@runtime_checkable
-class ProbeSet(Protocol):
-    """Behavioural validation (issue 9): run fixed probes, compare with expectations.
-
-    Provided by another module; the adapter calls it after resume with
-    admission still closed and records the returned check.
-    """
-
-    def run(self, http: VllmHTTP, target: UpdateTarget) -> Check:
-        ...
-
-
-@dataclass
-class _Staged:
-    source: WeightSource | None     # None: a remote trainer sends (``expect``)
-    provenance: Provenance | None
-    reference_checksums: Mapping[str, str] | None
-    probes: ProbeSet | None
-    manifest_digest: str
-    #: A remote trainer's transport checksum of what it sent (``expect_sent``).
-    sent: Mapping[str, Any] | None = None
-    #: The probe is of the checkpoint the engine was started on (a takeover):
-    #: its deviation becomes the engine's calibration.
-    calibrating: bool = False
-
-
-def _expectations(probes: ProbeSet | None, reference_checksums: Mapping[str, str] | None
-                  ) -> tuple[dict[str, str] | None, ProbeSet | None]:
-    """What ``stage`` and ``expect`` compare with, checked: (checksums, probes)."""
-    if probes is not None and not isinstance(probes, ProbeSet):
-        raise BadInput("probes must implement ProbeSet.run(http, target) -> Check")
-    return (None if reference_checksums is None
-            else checksum_map("reference_checksums", reference_checksums)), probes
-
-
 class VllmAdapter(SleepMode, WriteCounts):
     """``LifecycleAdapter`` for one vLLM server: ``VllmHTTP`` + a weight transport.
 
@@ -177,12 +133,12 @@ class VllmAdapter(SleepMode, WriteCounts):
             raise BadInput("engine_epoch must be a non-empty string or None")
         self.http = http
         self.transport = transport
-        self.probes = _expectations(probes, None)[1]
+        self.probes = expectations(probes, None)[1]
         self._epoch = engine_epoch
         self._drain_timeout_s = check_timeout(drain_timeout_s, "drain_timeout_s")
         self._transfer_timeout_s = check_timeout(transfer_timeout_s, "transfer_timeout_s")
         self._connect_timeout_s = check_timeout(connect_timeout_s, "connect_timeout_s")
-        self._staged: _Staged | None = None
+        self._staged: Staged | None = None
         self._connected = False
         self._caches: tuple[CacheKind, ...] = tuple(CacheKind)
         self._sleeping_at_drain: bool | None = None
@@ -249,7 +205,7 @@ class VllmAdapter(SleepMode, WriteCounts):
                            "(WeightSource.of() takes a module, a state dict or a checkpoint)")
         if provenance is not None and not isinstance(provenance, Provenance):
             raise BadInput("provenance must be a Provenance or None")
-        self._staged = _Staged(source, provenance, *_expectations(probes, reference_checksums),
+        self._staged = Staged(source, provenance, *expectations(probes, reference_checksums),
                                source.manifest().digest)
 
     @property
@@ -270,7 +226,7 @@ class VllmAdapter(SleepMode, WriteCounts):
         """
         if not isinstance(calibrating, bool):
             raise BadInput("calibrating must be a bool")
-        self._staged = _Staged(None, None, *_expectations(probes, reference_checksums), "",
+        self._staged = Staged(None, None, *expectations(probes, reference_checksums), "",
                                calibrating=calibrating)
         self._round_checks = ()
 
@@ -299,7 +255,7 @@ class VllmAdapter(SleepMode, WriteCounts):
         if sent is not None and sent is not checked:
             check_sent_scheme(sent)
         if self._staged is None:
-            self._staged = _Staged(None, None, None, None, "")
+            self._staged = Staged(None, None, None, None, "")
         self._staged.sent = None if sent is None else dict(sent)
         self._early_sent = None
         self.last_rank_result = None
