@@ -13,6 +13,8 @@ import pytest
 # Shared test helpers (coretools, helpers/) are imported as plain modules.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from helpers.schedule import HEAVIEST_FIRST, HF_UNIT, hf_unit
+
 ENGINE_DIR = Path(__file__).parent / "engine"
 
 # Under xdist each worker's torch would take one thread per core: two workers on a
@@ -166,43 +168,26 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 # last and one worker ran them while the other had finished. Files are handed out
 # heaviest first instead (test-phase CPU of one worker, measured on the fast lane), the
 # rest as xdist orders them. The files that compute through Hugging Face's stack (PEFT,
-# transformers, TRL, the tiny checkpoints: ``_HF_USE``) are one unit, run by one worker:
+# transformers, TRL, the tiny checkpoints: ``helpers.schedule``) are one unit, run by one worker:
 # that stack is imported by one process instead of two (``import peft`` brings
 # transformers and accelerate: ~4 s of CPU), and the PEFT fake's per-process caches
 # (base models, merged adapters, answers) serve every such file. Their modules skip
 # without importing it (``helpers.needs.installed``), so the other worker never does.
 # The unit is about two fifths of the lane's test time (wall), so the other worker
 # takes the rest meanwhile.
-_HF_USE = re.compile(r"\b[Pp]eft|make_adapter|make_checkpoint|installed\(\"(transformers|trl)\"\)"
-                     r"|^\s*(from|import) (transformers|trl)\b", re.M)
-_HF_UNIT = "tests/test_fleet_adapters.py"
-_HEAVIEST_FIRST = (
-    _HF_UNIT, "tests/test_layering.py", "tests/test_errors_tree.py",
-    "tests/test_service_schemathesis.py", "tests/test_lifecycle_stateful.py",
-    "tests/test_service_control.py", "tests/test_trainer_protocol_fuzz.py",
-    "tests/test_cli_demo.py",
-)
-
-
-def hf_unit(root: Path) -> frozenset[str]:
-    """The test files (relative to ``root``, as xdist names them) run as the one unit."""
-    return frozenset({f"tests/{p.name}" for p in (root / "tests").glob("test_*.py")
-                      if _HF_USE.search(p.read_text())})
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    rank = {name: i for i, name in enumerate(_HEAVIEST_FIRST)}
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
     unit = hf_unit(Path(config.rootpath))
 
     class HeaviestFirst(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = str(super()._split_scope(nodeid))
-            return _HF_UNIT if scope in unit else scope
+            return HF_UNIT if scope in unit else scope
 
         def _assign_work_unit(self, node: Any) -> None:
             # The heaviest unit still queued goes next; among the rest, xdist's order.

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _HF_UNIT, hf_unit
 from helpers.needs import installed
+from helpers.schedule import HF_UNIT, hf_unit
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("peft", "transformers", "trl")
@@ -46,7 +46,7 @@ def test_no_module_imports_the_hf_stack_at_collection() -> None:
 
 def test_every_module_that_uses_the_hf_stack_is_in_the_one_unit() -> None:
     unit = hf_unit(ROOT)
-    assert _HF_UNIT in unit and "tests/test_trl_lora_unit.py" in unit
+    assert HF_UNIT in unit and "tests/test_trl_lora_unit.py" in unit
     users = {f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
              if any(f'installed("{m}")' in p.read_text() for m in HEAVY)}
     assert users and users <= unit, sorted(users - unit)
