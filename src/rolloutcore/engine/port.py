@@ -63,7 +63,6 @@ from rolloutcore.engine.state import (
     incomplete_update_check,
     version_tuple,
 )
-from rolloutcore.engine.wire import WeightInfo
 from rolloutcore.engine.write_counts import WriteCounts
 from rolloutcore.errors import (
     BadInput,
@@ -171,9 +170,6 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._init_write_counts()
         # The update's cache resets sent beside its first one (``reset_cache``).
         self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
-        # The paused validation's label and paused-state reads, sent beside the update's
-        # first reset (``_read_state_at_reset``).
-        self._state_closing: tuple[Future[WeightInfo], Future[bool] | None] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
         #: The probe tolerance calibrated on this engine (``verification.probe.Calibration``,
         #: by probe kind): set by a passing takeover probe (``expect(calibrating=True)``),
@@ -394,7 +390,6 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._refuse_asleep("drain", "a drain for an update")
         t0 = time.monotonic()
         self._drained, self._ops_closing, self._resets_ahead = True, None, None
-        self._state_closing = None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
         # The engine's weight-operation counters, read beside the pause: no grant
@@ -528,26 +523,7 @@ class VllmAdapter(SleepMode, WriteCounts):
         # The validation's counters, beside the resets (sent after them: vLLM renders
         # /metrics on its API server's loop while the resets wait on the engine core).
         self._read_counts_at_reset()
-        self._read_state_at_reset()
         return self.http.reset_cache(cache)
-
-    def _read_state_at_reset(self) -> None:
-        """At an update's first cache reset: start the paused validation's reads of the
-        engine's label and paused state, beside the resets (once per update).
-
-        The update's writes are over (its transfer was reported: the finish, which sets
-        the label, has answered) and only the runner resumes, after the validation: a
-        read from here on is inside the same paused window, after the same writes, as
-        one taken during the validation (``_paused_ahead``'s argument), and a reset
-        changes neither. A write after these reads is out of band and is what the
-        write counters, read from the same moment (``_read_counts_at_reset``), catch.
-        """
-        if not self._drained or self._state_closing is not None:
-            return
-        # An early check's own paused read (taken as the transfer returned) serves.
-        early = any(x is not None and x[2] is not None for x in (self._early, self._early_sent))
-        self._state_closing = (self._side().submit(self.http.weight_info),
-                               None if early else self._paused_ahead())
 
     @_step(Step.VALIDATE)
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
@@ -584,7 +560,6 @@ class VllmAdapter(SleepMode, WriteCounts):
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
         ops_read, self._ops_closing = self._ops_closing, None
-        closing, self._state_closing = self._state_closing, None
         if ops_read is None and self._counts_ops:
             ops_read = self._side().submit(self._weight_ops_or_none)
         caps = h.capabilities()
@@ -607,11 +582,11 @@ class VllmAdapter(SleepMode, WriteCounts):
             paused_read = early[2]
         elif early_sent is not None and early_sent[2] is not None:
             paused_read = early_sent[2]
-        elif closing is not None and closing[1] is not None:
-            paused_read = closing[1]
         elif Routes.IS_PAUSED in caps:
             paused_read = self._side().submit(h.is_paused)
-        wi = h.weight_info() if closing is None else closing[0].result()
+        # The label is read here, in the validation's own step: an engine lost since the
+        # resets fails this observation (incomplete, retried), not a later step.
+        wi = h.weight_info()
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
@@ -705,9 +680,8 @@ class VllmAdapter(SleepMode, WriteCounts):
 
     def _side(self) -> ThreadPoolExecutor:
         """Worker threads for engine reads that overlap another call (five: beside an
-        update's first cache reset, the two resets after it, the operation counters,
-        the label and the paused state may be in flight together; or the early
-        transport check beside them)."""
+        update's first cache reset, the two resets after it and the operation counters;
+        the early transport check and the paused-state read beside them)."""
         if self._side_pool is None:
             self._side_pool = ThreadPoolExecutor(5, thread_name_prefix="rc-vllm-side")
         return self._side_pool
@@ -717,7 +691,6 @@ class VllmAdapter(SleepMode, WriteCounts):
         t0 = time.monotonic()
         self.forget_sleep()
         self._drained, self._ops_closing, self._resets_ahead = False, None, None
-        self._state_closing = None
         said = self.http.resume()
         unverified: tuple[str, ...] = ()
         after: bool | None
