@@ -107,3 +107,42 @@ async def test_a_failing_adapter_release_still_releases_the_base_binding() -> No
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def test_an_adapter_refused_for_the_budget_can_be_sent_again_once_it_fits(
+        tmp_path: Path, one_torch_thread: None) -> None:
+    """Refused before the table took it (every slot pinned), nothing changed: not even
+    the store, so the same adapter sent again once a slot is free is published (its
+    name, generation and digest, are the same; the store never reuses a directory)."""
+    from rolloutcore.errors import UpdateRefused
+    from rolloutcore.testing.models import make_adapter, make_checkpoint
+    from rolloutcore.testing.peft_scorer import peft_vllm
+
+    base = make_checkpoint(tmp_path / "base", 0)
+    dirs = []
+    for seed in (1, 2, 3):
+        make_adapter(base, seed, rank=4).save_pretrained(tmp_path / f"a{seed}")
+        dirs.append(tmp_path / f"a{seed}")
+    f = fake_fleet(1)
+    rep = f.coord.replicas["r0"]
+    _, engine = peft_vllm(base)
+    store = tmp_path / "store"
+    m = AdapterManager(engine, rep.controller, base_model=base, store=store,
+                       config=AdapterConfig(max_loaded=2, max_staleness=0),
+                       listener=rep.journal.listener, max_rank=8)
+    try:
+        m.update(dirs[0], Provenance("adapter", "tests", 1))
+        _, target = AdapterEngine(m, "http://127.0.0.1:9").try_admit("long", True)
+        m.update(dirs[1], Provenance("adapter", "tests", 2))  # the first stays, bound
+        held = sorted(p.name for p in store.iterdir())
+        with pytest.raises(UpdateRefused, match="does not fit"):
+            m.update(dirs[2], Provenance("adapter", "tests", 3))
+        assert sorted(p.name for p in store.iterdir()) == held
+        assert target.on_release is not None
+        target.on_release("long")
+        assert m.wait_swept(30)
+        third = m.update(dirs[2], Provenance("adapter", "tests", 3)).version
+        assert m.current == third and (store / third.name).is_dir()
+    finally:
+        m.close()
+        f.coord.close()

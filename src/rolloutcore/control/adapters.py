@@ -269,9 +269,20 @@ class AdapterManager:
     def update(self, adapter: ModelOrDir, provenance: Provenance, *,
                reference: torch.nn.Module | None = None,
                probe_tolerance: float | None = None) -> AdapterResult:
-        """``prepare`` then ``apply``: the adapter published, verified, or ``UpdateFailed``."""
-        return self.apply(self.prepare(adapter, provenance, reference=reference,
-                                       probe_tolerance=probe_tolerance))
+        """``prepare`` then ``apply``: the adapter published, verified, or ``UpdateFailed``.
+
+        Refused before the table took the version (``UpdateRefused``: the budget full,
+        another update verifying, the base changed), nothing changed: the files
+        ``prepare`` wrote go too, so the same adapter can be sent again once it fits
+        (its name, generation and digest, would be the same)."""
+        prepared = self.prepare(adapter, provenance, reference=reference,
+                                probe_tolerance=probe_tolerance)
+        try:
+            return self.apply(prepared)
+        except UpdateRefused:
+            if prepared.version.name not in self.shell.view.states:
+                shutil.rmtree(prepared.version.path, ignore_errors=True)
+            raise
 
     def prepare(self, adapter: ModelOrDir, provenance: Provenance, *,
                 reference: torch.nn.Module | None = None,
