@@ -4,7 +4,7 @@ The paused validation of ``rc_cuda_ipc`` hashes every updated slice on the
 engine's workers and the trainer hashes what it sent; both use
 ``cuda_ipc.block_checksum``. On the H200 its torch form took 10.5-13 ms for
 Qwen3-8B's 16.4 GB while a plain read of the same bytes takes about 3.8 ms.
-This sweeps the Triton kernel's forms (``cuda_kernels.CSUM_KERNELS``), tile
+This sweeps the Triton kernel's forms (``cuda_ipc.kernels.CSUM_KERNELS``), tile
 rows and warps, checks every result equals the torch definition, and times
 each (CUDA events, median of 5), on the trainer's packed buffer and on the
 same tensors in separate allocations (as an engine's parameters are).
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gputime import gpu_time  # noqa: E402
 from qwen3_shapes import QWEN3_8B, qwen3_specs  # noqa: E402
 
-from rolloutcore.transports import cuda_kernels as ck  # noqa: E402
 from rolloutcore.transports.cuda_ipc import PackedWeights, block_checksum  # noqa: E402
+from rolloutcore.transports.cuda_ipc import kernels as ck  # noqa: E402
 
 
 def sweep(tensors: list[torch.Tensor], ref: list[int], rows_set: tuple[int, ...],
