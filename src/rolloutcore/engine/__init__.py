@@ -29,7 +29,8 @@ touches):
   client, the launcher's probes, the TRL engines and the gateway's read-only
   routes hold one (``tests/test_layering.py``).
 * What lives here: ``port`` (``VllmAdapter``, the lifecycle port over vLLM)
-  and ``expected`` (what an update is checked against), ``http``/``stream``/``wire`` (the typed client and what answers parse to),
+  and ``expected`` (what an update is checked against),
+  ``http``/``stream``/``wire`` (the typed client and what answers parse to),
   ``upstream`` (the gateway's hand-written data-path pool, httptools),
   ``process`` + ``launch_guard`` (the launcher), ``recovery`` (the
   ``control.port.Recoverer`` pair: restart a launched engine, or wait for an
