@@ -110,6 +110,11 @@ def test_on_cuda_the_default_scores_by_prompt_logprobs_with_both_probes_at_once(
     path = r.fake.loras[res.version.name]
     assert sorted(r.scorer.scored, key=str) == sorted([path] * n + [None] * n, key=str)
     assert r.scorer.most_in_flight == 2 * n
+    # token ids only: the engine does not detokenize every prompt position's logprob
+    # (most of a probe's cost on a CPU engine: benchmarks/score_cost.py)
+    scoring = [b["sampling_params"] for b in r.fake.bodies
+               if "prompt_logprobs" in b.get("sampling_params", {})]
+    assert len(scoring) == 2 * n and all(sp["detokenize"] is False for sp in scoring)
 
 
 @pytest.mark.parametrize("control,caught_by", [

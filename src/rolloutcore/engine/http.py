@@ -637,7 +637,8 @@ class VllmHTTP:
         resp = self._post_json(Routes.GENERATE, "generate", {
             "model": self._model_or(model, timeout_s), "token_ids": self._token_ids(token_ids),
             "sampling_params": self._sampling(max_tokens, 0.0, False, None, True,
-                                              {"logprobs": top})}, timeout_s)
+                                              {"logprobs": top, "detokenize": False})},
+            timeout_s)
         try:
             return [(logprob_token_id(c), {logprob_token_id(c): float(c["logprob"]), **{
                 logprob_token_id(t): float(t["logprob"]) for t in c.get("top_logprobs") or ()}})
@@ -725,8 +726,11 @@ class VllmHTTP:
         body: dict[str, Any] = {
             "model": self._model_or(model, timeout_s),
             "token_ids": ids,
+            # Token ids only: the engine's detokenization of every prompt position's
+            # logprob was ~2/3 of a 6 x 176-token probe on a CPU engine (84 vs 29 ms,
+            # benchmarks/score_cost.py); the answer is keyed by token id either way.
             "sampling_params": self._sampling(1, 0.0, False, None, True,
-                                              {"prompt_logprobs": 0}),
+                                              {"prompt_logprobs": 0, "detokenize": False}),
         }
         if parts:
             body["content_parts"] = parts
