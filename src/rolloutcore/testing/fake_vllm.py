@@ -128,6 +128,9 @@ class FakeVllm:
         self.model = model
         #: what ``/version`` answers: ``"0.32.0"`` makes the client read what 0.32 serves
         self.version = "fake"
+        #: vLLM 0.26: ``/sleep`` and ``/wake_up`` answer an empty 200 (0.32 says the state;
+        #: the engine's ``wake_resumes="always"`` is 0.26's wake)
+        self.empty_sleep_answers = False
         #: loaded LoRA adapters: name -> the path it was loaded from
         self.loras: dict[str, str] = {}
         self.scorer = scorer
@@ -404,6 +407,8 @@ class FakeVllm:
         if not raw.isdigit() or int(raw) not in (1, 2):
             raise BadInput(f"sleep level must be 1 or 2, got {raw!r}")
         self.engine.sleep(int(raw))
+        if self.empty_sleep_answers:
+            return httpx.Response(200)
         return httpx.Response(200, json={"status": "sleeping", "level": int(raw)})
 
     def _wake(self, request: httpx.Request) -> httpx.Response:
@@ -411,6 +416,8 @@ class FakeVllm:
         awake = True
         for t in tags or ["all"]:
             awake = self.engine.wake(t)
+        if self.empty_sleep_answers:
+            return httpx.Response(200)
         return httpx.Response(200, json={"status": "awake" if awake else "sleeping",
                                          "tags": tags or None})
 
