@@ -485,6 +485,9 @@ GATEWAY_ROUTES = frozenset({"src/rolloutcore/service/app.py",
                             "src/rolloutcore/service/native.py"})
 
 
+#: Paths only the gateway answers (its control routes, its relay of vLLM's RL routes): a
+#: handler answering them stands in for the gateway, not for vLLM.
+GATEWAY_PATHS = ("/control/", "/rc/")
 #: Calls that declare a route of an app: Starlette's ``Route``/``app.add_route``.
 _ROUTE_CALLS = frozenset({"Route", "WebSocketRoute", "add_route", "add_api_route"})
 #: Decorators that declare one: ``@app.route``, FastAPI's ``@app.post`` and the rest.
@@ -521,13 +524,104 @@ def _walk_outside_classes(node: ast.AST) -> Iterator[ast.AST]:
         todo.extend(c for c in ast.iter_child_nodes(n) if not isinstance(c, ast.ClassDef))
 
 
+def _holds_vllm_path(node: ast.AST | None, paths: frozenset[str]) -> bool:
+    """A vLLM path, or a literal tuple/list/set/dict (its keys) holding one."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_holds_vllm_path(e, paths) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return any(_holds_vllm_path(k, paths) for k in node.keys)
+    return node is not None and _is_vllm_path(node, paths)
+
+
+def _name_of(node: ast.AST) -> str | None:
+    """``x`` for a name, ``self.x`` for an attribute of one: what an assignment binds."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return f"{node.value.id}.{node.attr}"
+    return None
+
+
+def _path_tables(tree: ast.AST, paths: frozenset[str]) -> frozenset[str]:
+    """Names (``ROUTES``, ``self.table``) bound anywhere in ``tree`` to a literal holding a
+    vLLM path: a handler looking its request's path up in one answers by vLLM's routes."""
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and _holds_vllm_path(n.value, paths):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if (name := _name_of(t)) is not None:
+                    out.add(name)
+    return frozenset(out)
+
+
+def _answers_by_request_path(fn: ast.AST, paths: frozenset[str],
+                             tables: frozenset[str]) -> bool:
+    """A function handed a request (an httpx ``MockTransport`` handler, a ``__call__``)
+    that answers it (returns a value) by its path: ``request.url.path`` (or a name bound
+    to it) compared with a vLLM path (``==``, ``in (...)``, ``match``/``case``) or looked
+    up in a table of them (``table[path]``, ``table.get(path)``, ``path in table``). One
+    that also answers the gateway's own paths (``GATEWAY_PATHS``) stands in for the
+    gateway, which relays vLLM's generation routes under their paths; one that returns
+    nothing (a hook watching requests) answers none."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False
+    params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args]} - {"self", "cls"}
+    if not params or not any(isinstance(n, ast.Return) and n.value is not None
+                             and not (isinstance(n.value, ast.Constant)
+                                      and n.value.value is None) for n in ast.walk(fn)):
+        return False
+
+    def is_path(e: ast.AST) -> bool:  # request.url.path, or a name bound to it
+        return (isinstance(e, ast.Attribute) and e.attr == "path"
+                and isinstance(e.value, ast.Attribute) and e.value.attr == "url"
+                and isinstance(e.value.value, ast.Name) and e.value.value.id in params) \
+            or (isinstance(e, ast.Name) and e.id in bound)
+
+    def is_table(e: ast.AST) -> bool:
+        return _holds_vllm_path(e, paths) or _name_of(e) in tables
+
+    def is_gateway(e: ast.AST) -> bool:
+        return isinstance(e, ast.Constant) and isinstance(e.value, str) \
+            and e.value.startswith(GATEWAY_PATHS)
+
+    bound: set[str] = set()
+    for n in ast.walk(fn):  # path = request.url.path; path, x = request.url.path, ...
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                pairs = zip(t.elts, n.value.elts, strict=False) if isinstance(
+                    t, ast.Tuple) and isinstance(n.value, ast.Tuple) else [(t, n.value)]
+                bound.update(x.id for x, v in pairs if isinstance(x, ast.Name) and is_path(v))
+    vllm = gateway = False
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Compare) and any(is_path(x) for x in [n.left, *n.comparators]):
+            vllm |= any(is_table(x) for x in [n.left, *n.comparators])
+            gateway |= any(is_gateway(x) for x in [n.left, *n.comparators])
+        elif isinstance(n, ast.Match) and is_path(n.subject):
+            values = [p.value for c in n.cases for p in ast.walk(c.pattern)
+                      if isinstance(p, ast.MatchValue)]
+            vllm |= any(_is_vllm_path(v, paths) for v in values)
+            gateway |= any(is_gateway(v) for v in values)
+        elif isinstance(n, ast.Subscript) and is_path(n.slice):
+            vllm |= is_table(n.value)
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) \
+                and n.func.attr == "get" and n.args and is_path(n.args[0]):
+            vllm |= is_table(n.func.value)
+    return vllm and not gateway
+
+
 def _serves_vllm_route(node: ast.AST, paths: frozenset[str], *,
-                       walk: Callable[[ast.AST], Iterator[ast.AST]] = ast.walk) -> bool:
+                       walk: Callable[[ast.AST], Iterator[ast.AST]] = ast.walk,
+                       tables: frozenset[str] | None = None) -> bool:
     """Whether ``node`` builds an app answering a vLLM route: ``Route("/pause", ...)``
     (Starlette, or ``app.add_route``), a ``@app.post("/pause")`` handler, a handler table
-    keyed by ``Routes.X``, or a raw ASGI app (``async def app(scope, receive, send)``)
-    that names a vLLM path."""
+    keyed by ``Routes.X``, a raw ASGI app (``async def app(scope, receive, send)``)
+    that names a vLLM path, or a handler of requests (an httpx ``MockTransport``'s)
+    answering by their path (``_answers_by_request_path``; ``tables``: the module's
+    names bound to literals of vLLM paths, ``_path_tables``)."""
+    tables = _path_tables(node, paths) if tables is None else tables
     for n in walk(node):
+        if _answers_by_request_path(n, paths, tables):
+            return True
         if isinstance(n, ast.Call) and n.args and getattr(
                 n.func, "id", getattr(n.func, "attr", None)) in _ROUTE_CALLS \
                 and _is_vllm_path(n.args[0], paths):
@@ -554,9 +648,10 @@ def _may_hold_a_fake(text: str) -> bool:
     """False only for a file in which nothing can pass the checks of ``fakes_of_vllm``:
     every route declaration names ``Route``, ``Routes`` or ``add_route`` or is a decorator
     (``@app.post(``), a raw
-    ASGI app defines ``(scope, receive, send)``, and a client's stand-in defines three of
-    ``CLIENT_ROUTE_METHODS``."""
+    ASGI app defines ``(scope, receive, send)``, a handler of requests reads their
+    ``.url.path``, and a client's stand-in defines three of ``CLIENT_ROUTE_METHODS``."""
     return "Route" in text or "add_route" in text or "add_api_route" in text \
+        or ".url.path" in text \
         or _ASGI_DEF.search(text) is not None or re.search(
         r"@\w[\w.]*\.(" + "|".join(_ROUTE_DECORATORS) + r")\(", text) is not None or len(
         {m for m in CLIENT_ROUTE_METHODS if re.search(rf"def\s+{m}\s*\(", text)}) >= 3
@@ -567,18 +662,20 @@ def _fakes_in(tree: ast.AST, paths: frozenset[str]) -> Iterator[str]:
     serves its routes or defines three of its client's methods; a function (outside a
     class) that builds an app serving its routes; ``<module>`` for module-level code
     that does."""
+    tables = _path_tables(tree, paths)
     for c in ast.walk(tree):
         if not isinstance(c, ast.ClassDef) or any(
                 ast.unparse(b).endswith("Protocol") for b in c.bases):
             continue  # a Protocol states the client's shape; it serves nothing
         methods = {m.name for m in c.body
                    if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))}
-        if _serves_vllm_route(c, paths) or len(methods & CLIENT_ROUTE_METHODS) >= 3:
+        if _serves_vllm_route(c, paths, tables=tables) \
+                or len(methods & CLIENT_ROUTE_METHODS) >= 3:
             yield c.name
     for stmt in getattr(tree, "body", ()):
         if isinstance(stmt, ast.ClassDef):
             continue
-        if _serves_vllm_route(stmt, paths, walk=_walk_outside_classes):
+        if _serves_vllm_route(stmt, paths, walk=_walk_outside_classes, tables=tables):
             yield stmt.name if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)) \
                 else "<module>"
 
@@ -658,3 +755,63 @@ def test_the_fake_detector_sees_function_built_apps() -> None:
         assert list(_fakes_in(ast.parse(text), paths)) == [], text
     nested = "def test_z():\n    class S:\n        app = Starlette(routes=[Route('/pause', p)])\n"
     assert list(_fakes_in(ast.parse(nested), paths)) == ["S"]
+
+
+def test_the_fake_detector_sees_handlers_answering_by_the_requests_path() -> None:
+    """A handler of requests (an httpx ``MockTransport``'s, a ``__call__``) that answers
+    by the request's path is a fake of vLLM: ``if``/``match`` on ``request.url.path`` (or
+    a name bound to it) against a vLLM path, or a lookup of it in a table of vLLM paths
+    (a literal, or a name bound to one anywhere in the module). Not a fake: a client
+    calling vLLM's routes, a hook that only watches requests, a handler of the gateway's
+    own paths (it relays vLLM's generation routes), a table of vLLM's paths that no
+    handler reads by a request's path (the gateway's route lists)."""
+    paths = _vllm_paths()
+    fakes = {
+        "if": ("class E:\n    def __call__(self, req):\n        path = req.url.path\n"
+               "        if path == Routes.PAUSE:\n            return httpx.Response(200)\n"
+               "        return httpx.Response(404)\n", ["E"]),
+        "literal": ("def make():\n    def handler(request):\n"
+                    "        if request.url.path == '/is_paused':\n"
+                    "            return ok\n    return httpx.MockTransport(handler)\n",
+                    ["make"]),
+        "in": ("def h(r):\n    return ok if r.url.path in ('/pause', '/resume') else no\n",
+               ["h"]),
+        "tuple bound": ("def h(r):\n    p, new = r.url.path, 1\n"
+                        "    assert p != '/v1/models'\n    return ok\n", ["h"]),
+        "match": ("def h(r):\n    match r.url.path:\n        case Routes.HEALTH:\n"
+                  "            return ok\n    return no\n", ["h"]),
+        "table": ("ANSWERS = {'/version': v, Routes.MODELS: m}\n"
+                  "def h(r):\n    return ANSWERS[r.url.path](r)\n", ["h"]),
+        "self table": ("class T:\n    def __init__(self):\n"
+                       "        self.ok = {Routes.RESET_MM: True}\n"
+                       "    def __call__(self, r):\n"
+                       "        return self.ok.get(r.url.path)\n", ["T"]),
+        "in a test": ("def test_x():\n    def handler(req):\n"
+                      "        assert req.url.path == '/collective_rpc'\n"
+                      "        return ok\n    run(handler)\n", ["test_x"]),
+    }
+    for kind, (text, names) in fakes.items():
+        assert _may_hold_a_fake(text), kind
+        assert list(_fakes_in(ast.parse(text), paths)) == names, kind
+    not_fakes = (
+        # a client calling vLLM's routes, and reading its answer's request
+        "def pause(c):\n    r = c.post(Routes.PAUSE)\n"
+        "    return r.request.url.path == Routes.PAUSE\n",
+        # a hook watching requests (FakeVllm.before): it answers none
+        "def before(req):\n    if req.url.path != Routes.GENERATE:\n        return\n"
+        "    seen.append(req)\n",
+        # a fake of the gateway: its control routes, its relay of vLLM's generate
+        "def handler(req):\n    path = req.url.path\n"
+        "    if path == '/control/status':\n        return st\n"
+        "    if path == '/inference/v1/generate':\n        return gen\n    return no\n",
+        # the gateway's route table, read by no handler of a request's path
+        "NATIVE = {Routes.HEALTH: 'GET', Routes.PAUSE: 'POST'}\n"
+        "def methods(path):\n    return NATIVE[path]\n",
+        # a handler answering paths of its own
+        "def h(r):\n    return ok if r.url.path == '/ok' else no\n",
+        # a handler answering every path alike, and one handed no request
+        "def h(r):\n    return httpx.Response(200, json={'ok': True})\n",
+        "def h():\n    p = x.url.path\n    return p == '/pause'\n",
+    )
+    for text in not_fakes:
+        assert list(_fakes_in(ast.parse(text), paths)) == [], text
