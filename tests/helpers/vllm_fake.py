@@ -2,7 +2,7 @@
 engine client set it up: a fresh ``FakeEngine`` (no token delay), the model ``policy``,
 the label ``rc-1``, the routes a test's vLLM serves, and the answers it needs that the
 engine's state never gives (``FakeVllm.override``). A test that needs vLLM's routes
-builds this, never a handler of its own (``tests/test_layering.py``, ``fakes_of_vllm``).
+builds this, never a handler of its own (``tests/test_layering_fakes.py``, ``fakes_of_vllm``).
 """
 
 from __future__ import annotations
