@@ -106,19 +106,21 @@ def _path_tables(tree: ast.AST, paths: frozenset[str]) -> frozenset[str]:
 
 def _answers_by_request_path(fn: ast.AST, paths: frozenset[str],
                              tables: frozenset[str]) -> bool:
-    """A function handed a request (an httpx ``MockTransport`` handler, a ``__call__``)
-    that answers it (returns a value) by its path: ``request.url.path`` (or a name bound
-    to it) compared with a vLLM path (``==``, ``in (...)``, ``match``/``case``) or looked
-    up in a table of them (``table[path]``, ``table.get(path)``, ``path in table``). One
-    that also answers the gateway's own paths (``GATEWAY_PATHS``) stands in for the
-    gateway, which relays vLLM's generation routes under their paths; one that returns
-    nothing (a hook watching requests) answers none."""
-    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    """A function or lambda handed a request (an httpx ``MockTransport`` handler, a
+    ``__call__``) that answers it (returns a value) by its path: ``request.url.path`` (or
+    a name bound to it) compared with a vLLM path (``==``, ``in (...)``,
+    ``match``/``case``) or looked up in a table of them (``table[path]``,
+    ``table.get(path)``, ``path in table``). One that also answers the gateway's own
+    paths (``GATEWAY_PATHS``) stands in for the gateway, which relays vLLM's generation
+    routes under their paths; one that returns nothing (a hook watching requests)
+    answers none."""
+    if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
         return False
     params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args]} - {"self", "cls"}
-    if not params or not any(isinstance(n, ast.Return) and n.value is not None
-                             and not (isinstance(n.value, ast.Constant)
-                                      and n.value.value is None) for n in ast.walk(fn)):
+    answers = [fn.body] if isinstance(fn, ast.Lambda) else [
+        n.value for n in ast.walk(fn) if isinstance(n, ast.Return)]
+    if not params or not any(v is not None and not (
+            isinstance(v, ast.Constant) and v.value is None) for v in answers):
         return False
 
     def is_path(e: ast.AST) -> bool:  # request.url.path, or a name bound to it
@@ -308,10 +310,11 @@ def test_the_fake_detector_sees_function_built_apps() -> None:
 
 
 def test_the_fake_detector_sees_handlers_answering_by_the_requests_path() -> None:
-    """A handler of requests (an httpx ``MockTransport``'s, a ``__call__``) that answers
-    by the request's path is a fake of vLLM: ``if``/``match`` on ``request.url.path`` (or
-    a name bound to it) against a vLLM path, or a lookup of it in a table of vLLM paths
-    (a literal, or a name bound to one anywhere in the module). Not a fake: a client
+    """A handler of requests (an httpx ``MockTransport``'s, a ``__call__``, a lambda) that
+    answers by the request's path is a fake of vLLM: ``if``/``match`` on
+    ``request.url.path`` (or a name bound to it) against a vLLM path, or a lookup of it in
+    a table of vLLM paths (a literal, or a name bound to one anywhere in the module).
+    Not a fake: a client
     calling vLLM's routes, a hook that only watches requests, a handler of the gateway's
     own paths (it relays vLLM's generation routes), a table of vLLM's paths that no
     handler reads by a request's path (the gateway's route lists)."""
@@ -336,6 +339,8 @@ def test_the_fake_detector_sees_handlers_answering_by_the_requests_path() -> Non
                        "        self.ok = {Routes.RESET_MM: True}\n"
                        "    def __call__(self, r):\n"
                        "        return self.ok.get(r.url.path)\n", ["T"]),
+        "lambda": ("def test_l():\n    t = httpx.MockTransport(lambda r: no\n"
+                   "        if r.url.path == Routes.SLEEP else ok)\n", ["test_l"]),
         "in a test": ("def test_x():\n    def handler(req):\n"
                       "        assert req.url.path == '/collective_rpc'\n"
                       "        return ok\n    run(handler)\n", ["test_x"]),
