@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.errors import BadInput, EffectTimeout, RequestRejected
 from rolloutcore.testing import FakeVllm, conformance
 from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
@@ -153,3 +153,60 @@ def test_the_faults_it_takes(fake: FakeVllm) -> None:
         with pytest.raises(EffectTimeout):
             c.models()
     assert "fake-model" in c.models()
+
+
+def test_an_override_answers_its_route_until_spent_and_serves_a_route_it_lacks(
+        fake: FakeVllm) -> None:
+    from rolloutcore.errors import EffectError, EngineUnavailable
+
+    c = factory(fake)()
+    fake.override(Routes.MODELS, lambda r: httpx.Response(200, json={"data": "x"}), times=2)
+    for _ in range(2):
+        with pytest.raises(EffectError):   # what its state never answers
+            c.models()
+    assert "fake-model" in c.models()       # spent: the fake's own answer again
+
+    def reset(request: httpx.Request) -> httpx.Response:
+        raise httpx.RemoteProtocolError("Server disconnected", request=request)
+
+    fake.override(Routes.RESUME, reset)     # every call
+    for _ in range(2):
+        with pytest.raises(EngineUnavailable, match="RemoteProtocolError"):
+            c.resume()
+    assert not fake.engine.paused and Routes.COLLECTIVE_RPC not in c.capabilities()
+    fake.override(Routes.COLLECTIVE_RPC, lambda r: httpx.Response(200, json={"results": []}))
+    assert Routes.COLLECTIVE_RPC in fake.paths
+    assert Routes.COLLECTIVE_RPC in c.capabilities(refresh=True)
+    fake.fail(Routes.MODELS, 503)           # a queued fault comes first
+    fake.override(Routes.MODELS, lambda r: httpx.Response(200, json={"data": []}))
+    with pytest.raises(EngineUnavailable, match="HTTP 503"):
+        c.models()
+    assert c.models() == {}
+    for bad in (("v1/models", reset, None), ("/v1/models", "no", None),
+                ("/v1/models", reset, 0), ("/v1/models", reset, True)):
+        with pytest.raises(BadInput):
+            fake.override(*bad)  # type: ignore[arg-type]
+
+
+def test_version_metrics_and_the_0_26_sleep_answers(fake: FakeVllm) -> None:
+    """``version`` is what ``/version`` says; ``/metrics`` counts each weight-update call
+    that succeeded (the counter created by the first, as vLLM's) and says whether the
+    engine is awake; ``empty_sleep_answers``: 0.26's bodiless ``/sleep``/``/wake_up``."""
+    c = factory(fake)()
+    assert c.version() == "fake"
+    fake.version = "0.32.0"
+    assert c.version() == "0.32.0"
+    assert c.weight_ops().done == {} and c.weight_ops().awake is True
+    with httpx.Client(base_url="http://fake-vllm", transport=fake.transport()) as raw:
+        assert raw.post(Routes.START_UPDATE).status_code == 200
+        assert raw.post(Routes.START_UPDATE).status_code == 500   # refused: not counted
+        for _ in range(2):
+            raw.post(Routes.UPDATE_WEIGHTS, json={"update_info": {"names": []}})
+        raw.post(Routes.FINISH_UPDATE, json={"weight_version": "rc-9"})
+    ops = c.weight_ops()
+    assert dict(ops.done) == {"start": 1.0, "update": 2.0, "finish": 1.0}
+    c.sleep(1)
+    assert c.weight_ops().awake is False and c.wake_up() is True
+    fake.empty_sleep_answers = True
+    c.sleep(1)
+    assert c.wake_up() is None and not fake.engine.asleep   # said nothing, woke

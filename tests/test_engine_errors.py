@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_fake import answer, vllm
 from rolloutcore.engine.errors import map_errors, raise_for_status
 from rolloutcore.engine.routes import Routes
 from rolloutcore.engine.weight_sync import HttpWeightSync, WeightSyncClient
@@ -101,15 +102,15 @@ def _sync(handler: Any) -> HttpWeightSync:
 
 
 def test_weight_sync_speaks_vllms_four_methods_on_the_routes_of_the_table() -> None:
-    seen: list[tuple[str, str, bytes]] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.method, request.url.path, request.content))
-        if request.url.path == Routes.OPENAPI:
-            return httpx.Response(200, json={"paths": {Routes.START_UPDATE: {}}})
-        return httpx.Response(200, json={"ok": True})
-
-    sync = _sync(handler)
+    # The one fake of vLLM, its four routes answering as the test says (the fake's engine
+    # would refuse a finish without a start, and it serves no draft update).
+    requests: list[httpx.Request] = []
+    ok = answer(200, {"ok": True})
+    fake = vllm(seen=requests, overrides={
+        Routes.OPENAPI: answer(200, {"paths": {Routes.START_UPDATE: {}}}),
+        **{p: ok for p in (Routes.INIT_TRANSFER, Routes.START_UPDATE, Routes.START_DRAFT_UPDATE,
+                           Routes.UPDATE_WEIGHTS, Routes.FINISH_UPDATE)}})
+    sync = _sync(fake.handle)
     assert isinstance(sync, WeightSyncClient)
     assert sync.routes() == frozenset({Routes.START_UPDATE})
     sync.init_weight_transfer_engine({"a": 1})
@@ -118,6 +119,7 @@ def test_weight_sync_speaks_vllms_four_methods_on_the_routes_of_the_table() -> N
     sync.update_weights({"names": []})
     sync.finish_weight_update("rc-1")
     assert sync.finish_weight_update() == {"ok": True}
+    seen = [(r.method, r.url.path, r.content) for r in requests]
     assert [(m, p) for m, p, _ in seen] == [
         ("GET", Routes.OPENAPI), ("POST", Routes.INIT_TRANSFER), ("POST", Routes.START_UPDATE),
         ("POST", Routes.START_DRAFT_UPDATE), ("POST", Routes.UPDATE_WEIGHTS),

@@ -289,9 +289,9 @@ def test_a_keyed_engine_is_drained_through_the_fast_pause_else_through_pause(
     vLLM's /pause; an engine without a key is paused through /pause alone."""
     from rolloutcore.core.evidence import PauseMode
     from rolloutcore.engine.port import VllmAdapter
-    from test_vllm_http_unit import BASE, Engine, answer, client
+    from test_vllm_http_unit import BASE, answer, client, requests, sent, vllm
 
-    e = Engine(overrides={engine_key.FAST_PAUSE: answer(fast_status, {
+    e = vllm(overrides={engine_key.FAST_PAUSE: answer(fast_status, {
         "status": "paused", "via": "engine_core"} if fast_status == 200 else {"error": "x"})})
     engine_key.register(BASE, KEY)
     try:
@@ -299,11 +299,11 @@ def test_a_keyed_engine_is_drained_through_the_fast_pause_else_through_pause(
     finally:
         engine_key.forget(BASE, KEY)
     assert d.paused
-    assert e.sent(engine_key.FAST_PAUSE) == 1
-    assert e.sent("/pause") == (0 if fast_status == 200 else 1)
-    fast = next(r for r in e.requests if r.url.path == engine_key.FAST_PAUSE)
+    assert sent(e, engine_key.FAST_PAUSE) == 1
+    assert sent(e, "/pause") == (0 if fast_status == 200 else 1)
+    fast = requests(e, engine_key.FAST_PAUSE)[0]
     assert fast.url.params["mode"] == "wait" and fast.url.params["clear_cache"] == "false"
     assert fast.headers[HEADER] == KEY
-    e2 = Engine()
+    e2 = vllm()
     assert VllmAdapter(client(e2), engine_epoch="ep").drain(PauseMode.WAIT).paused
-    assert e2.sent(engine_key.FAST_PAUSE) == 0 and e2.sent("/pause") == 1
+    assert sent(e2, engine_key.FAST_PAUSE) == 0 and sent(e2, "/pause") == 1

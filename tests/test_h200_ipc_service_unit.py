@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,15 @@ import httpx
 import pytest
 
 from helpers.gateway_rig import TOKEN, make_parts, remote_transfer, serve_fake
-from rolloutcore.core.evidence import TransferEvidence
+from helpers.vllm_fake import vllm
+from rolloutcore.core.evidence import PauseMode, TransferEvidence
 from rolloutcore.core.versions import VerificationLevel
-from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.sent import check_sent_scheme, compare_sent
 from rolloutcore.errors import BadInput
 from rolloutcore.service import ServiceConfig
 from rolloutcore.service.client import RolloutCoreClient, _sent_checksum
+from rolloutcore.testing import FakeVllm
 from rolloutcore.testing.fake import FakeAdapter, FakeWeights
 from rolloutcore.transports.cuda_ipc.wire import names_digest
 
@@ -101,10 +104,10 @@ def test_the_service_phase_times_verified_gateway_updates_against_bare_cycles() 
     assert sum(seen["statuses"].values()) >= 1
 
 
-def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
-                ) -> httpx.MockTransport:
-    def handler(req: httpx.Request) -> httpx.Response:
-        assert req.url.path == "/collective_rpc"
+def _rpc_answer(values: list[int | None], names: list[str], uncovered: int = 0
+                ) -> Callable[[httpx.Request], httpx.Response]:
+    """``/collective_rpc`` as rc_cuda_ipc's checksum RPC answers it: each worker's hash."""
+    def rpc(req: httpx.Request) -> httpx.Response:
         import json
 
         body = json.loads(req.content)
@@ -112,25 +115,34 @@ def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
         return httpx.Response(200, json={"results": [
             {"values": values, "names_digest": names_digest(names),
              "n_uncovered": uncovered}]})
-    return httpx.MockTransport(handler)
+    return rpc
+
+
+def _rpc_engine(values: list[int | None], names: list[str], uncovered: int = 0
+                ) -> VllmHTTP:
+    """The one fake of vLLM answering the checksum RPC; it is sent nothing else."""
+    fake = vllm(overrides={Routes.COLLECTIVE_RPC: _rpc_answer(values, names, uncovered)})
+    fake.before = _only_rpc
+    return VllmHTTP("http://e.test", transport=fake.transport())
+
+
+def _only_rpc(req: httpx.Request) -> None:
+    assert req.url.path == Routes.COLLECTIVE_RPC, req.url.path
 
 
 def test_the_gateway_compares_what_was_sent_with_what_the_workers_hash() -> None:
     names = ["a", "b", "c"]
     sent = {"scheme": "rc_cuda_ipc/block", "names": names, "values": [1, 2, 3]}
     check_sent_scheme(sent)
-    ok = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names)), sent)
+    ok = compare_sent(_rpc_engine([1, 2, 3], names), sent)
     assert ok.passed and ok.coverage == 1.0 and ok.level is VerificationLevel.ENGINE_CHECKSUM
-    bad = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 9, 3], names)), sent)
+    bad = compare_sent(_rpc_engine([1, 9, 3], names), sent)
     assert not bad.passed and "mismatched=1" in bad.detail
-    other = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], ["x"] * 3)),
-                       sent)
+    other = compare_sent(_rpc_engine([1, 2, 3], ["x"] * 3), sent)
     assert not other.passed and other.coverage == 0.0
-    partial = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, None], names)),
-                         sent)
+    partial = compare_sent(_rpc_engine([1, 2, None], names), sent)
     assert not partial.passed
-    short = compare_sent(VllmHTTP("http://e.test", transport=_rpc_engine([1, 2, 3], names, 2)),
-                       sent)
+    short = compare_sent(_rpc_engine([1, 2, 3], names, 2), sent)
     assert not short.passed and "uncovered_params=2" in short.detail
 
 
@@ -161,27 +173,12 @@ def test_the_client_reports_the_transports_checksum_of_what_it_sent() -> None:
     assert _sent_checksum(Ipc([5])) is None
 
 
-class _PausedEngine:
-    """A paused vLLM with rc_cuda_ipc's checksum RPC; records the order of requests."""
-
-    def __init__(self, values: list[int], names: list[str]) -> None:
-        self.values, self.names = values, names
-        self.paths: list[str] = []
-
-    def __call__(self, req: httpx.Request) -> httpx.Response:
-        self.paths.append(req.url.path)
-        if req.url.path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {p: {} for p in (
-                "/health", "/is_paused", "/reset_prefix_cache", "/collective_rpc")}})
-        if req.url.path == "/is_paused":
-            return httpx.Response(200, json={"is_paused": True})
-        if req.url.path == "/reset_prefix_cache":
-            return httpx.Response(200, json={"success": True})
-        if req.url.path == "/collective_rpc":
-            return httpx.Response(200, json={"results": [
-                {"values": self.values, "names_digest": names_digest(self.names),
-                 "n_uncovered": 0}]})
-        return httpx.Response(404)
+def _paused_engine(values: list[int], names: list[str]) -> FakeVllm:
+    """The one fake of vLLM, paused, with rc_cuda_ipc's checksum RPC."""
+    fake = vllm(only=(Routes.HEALTH, Routes.IS_PAUSED, Routes.RESET_PREFIX),
+                overrides={Routes.COLLECTIVE_RPC: _rpc_answer(values, names)})
+    fake.engine.pause(PauseMode.WAIT)
+    return fake
 
 
 def _target() -> Any:
@@ -206,8 +203,8 @@ def test_the_sent_checksum_is_read_from_the_workers_while_the_cache_resets(
     from rolloutcore.engine.port import VllmAdapter
 
     names = ["a", "b", "c"]
-    eng = _PausedEngine(engine_values, names)
-    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
+    eng = _paused_engine(engine_values, names)
+    a = VllmAdapter(VllmHTTP("http://e.test", transport=eng.transport()),
                     engine_epoch="e0", early_transport_check=early)
     a.http.capabilities()
     a.expect(probes=None, reference_checksums=None)
@@ -222,8 +219,9 @@ def test_the_sent_checksum_is_read_from_the_workers_while_the_cache_resets(
     assert check.passed is (engine_values == [1, 2, 3])
     # One read of the workers' hash either way: before the reset when started at the
     # report, after it otherwise.
-    assert eng.paths.count("/collective_rpc") == 1
-    rpc, reset = eng.paths.index("/collective_rpc"), eng.paths.index("/reset_prefix_cache")
+    paths = [p for _, p in eng.received]  # in the order they came
+    assert paths.count("/collective_rpc") == 1
+    rpc, reset = paths.index("/collective_rpc"), paths.index("/reset_prefix_cache")
     assert (rpc < reset) is early
     # A later validation does not reuse this report's reading.
     assert a._early_sent is None

@@ -5,14 +5,14 @@ are read from the first reset on, overlapping the resets: every write of the upd
 in them, and a write after that read is out of band. A reset outside an update (the
 keep-mode sweep) starts neither.
 
-The engine is a stand-in answering vLLM 0.32's routes and its ``/metrics`` counters
+The engine is the one fake of vLLM (``rolloutcore.testing.FakeVllm``) saying it is 0.32,
+which counts its weight-update calls at ``/metrics``
 (``vllm:rl_weight_update_operation_duration_seconds_count``), through httpx's mock
 transport; the real engine's counters are ``tests/engine/test_service_verify_engine.py``.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -29,54 +29,27 @@ from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
-
-_ROUTES = (Routes.HEALTH, Routes.VERSION, Routes.MODELS, Routes.METRICS, Routes.PAUSE,
-           Routes.RESUME, Routes.IS_PAUSED, Routes.WEIGHT_INFO, Routes.RESET_PREFIX,
-           Routes.RESET_ENCODER, Routes.RESET_MM)
+from rolloutcore.testing import FakeVllm
+from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
 
 
-class _Engine:
-    """vLLM 0.32's answers, its update counter written by ``write``."""
+def _engine() -> FakeVllm:
+    """The one fake of vLLM, saying it is 0.32 (so its ``/metrics`` counts the weight
+    updates), its label ``rc-1``."""
+    fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0), model="policy")
+    fake.version, fake.engine.label = "0.32.0", "rc-1"
+    return fake
 
-    def __init__(self) -> None:
-        self.updates = 0
-        self.paused = False
-        self.label = "rc-1"
-        self.paths: list[str] = []
-        self.down = False  # every request refused (the engine lost)
-        #: the success flag each reset route answers (vLLM's prefix reset says; the
-        #: others answer an empty 200, as vLLM 0.32's do)
-        self.reset_ok: dict[str, bool | None] = {Routes.RESET_PREFIX: True,
-                                                 Routes.RESET_ENCODER: None,
-                                                 Routes.RESET_MM: None}
 
-    def write(self) -> None:
-        self.updates += 1
+def _write(fake: FakeVllm) -> None:
+    """A weight write the engine counts: an ``/update_weights`` call, sent to the fake."""
+    got = fake.handle(httpx.Request("POST", f"http://e.test{Routes.UPDATE_WEIGHTS}",
+                                    json={"update_info": {"names": []}}))
+    assert got.status_code == 200, got.text
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        if self.down:
-            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
-        p = request.url.path
-        self.paths.append(p)
-        if p == Routes.OPENAPI:
-            return httpx.Response(200, json={"paths": {r: {} for r in _ROUTES}})
-        if p == Routes.METRICS:
-            return httpx.Response(200, text=(
-                "vllm:rl_weight_update_operation_duration_seconds_count"
-                f'{{operation="update"}} {self.updates}\n'))
-        if p in self.reset_ok:
-            ok = self.reset_ok[p]
-            return httpx.Response(200, content=b"" if ok is None else
-                                  json.dumps({"success": ok}).encode())
-        if p in (Routes.PAUSE, Routes.RESUME):
-            self.paused = p == Routes.PAUSE
-            return httpx.Response(200, json={"status": "paused" if self.paused else "resumed"})
-        body: Any = {
-            Routes.HEALTH: None, Routes.VERSION: {"version": "0.32.0"},
-            Routes.MODELS: {"data": [{"id": "policy"}]},
-            Routes.IS_PAUSED: {"is_paused": self.paused},
-            Routes.WEIGHT_INFO: {"weight_version": self.label}}.get(p, {"detail": "Not Found"})
-        return httpx.Response(200 if p in _ROUTES else 404, content=json.dumps(body))
+
+def _paths(fake: FakeVllm) -> list[str]:
+    return [p for _, p in fake.received]
 
 
 def _target() -> UpdateTarget:
@@ -85,26 +58,25 @@ def _target() -> UpdateTarget:
                         WeightIdentity.declare(m, Provenance("c")), "test")
 
 
-def _adapter(eng: _Engine) -> VllmAdapter:
-    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
-                    engine_epoch="e0")
+def _adapter(eng: FakeVllm) -> VllmAdapter:
+    a = VllmAdapter(VllmHTTP("http://e.test", transport=eng.transport()), engine_epoch="e0")
     a.bootstrap()
     return a
 
 
 def test_a_write_after_the_first_reset_is_out_of_band() -> None:
-    eng = _Engine()
+    eng = _engine()
     a = _adapter(eng)
     a.drain(PauseMode.WAIT)
-    eng.write()                      # the update's own write
+    _write(eng)                      # the update's own write
     a.reset_cache(CacheKind.PREFIX)  # the counters are read from here on
     assert a._ops_closing is not None
     a._ops_closing.result(timeout=10)
-    eng.write()                      # somebody else's, while still paused
+    _write(eng)                      # somebody else's, while still paused
     ev = a.validate(_target(), live=False)
     assert ev is not None and ev.paused is True
     a.resume()
-    assert eng.paths.count(Routes.METRICS) == 3  # bootstrap, drain, the reset's read
+    assert _paths(eng).count(Routes.METRICS) == 3  # bootstrap, drain, the reset's read
     # The update's write is the baseline; the one after the reset's read is not.
     assert a.observe_health().writes == ("1 /update_weights call(s)",)
 
@@ -116,18 +88,18 @@ def test_the_validation_reads_the_label_itself_after_the_resets() -> None:
     ``EffectError``: retried as incomplete, then escalated) instead of passing on reads
     taken before it was lost (tests/engine/test_faults_engine.py kills a real engine
     there)."""
-    eng = _Engine()
+    eng = _engine()
     a = _adapter(eng)
     a.drain(PauseMode.WAIT)
-    eng.write()
+    _write(eng)
     a.reset_cache(CacheKind.PREFIX)
-    before = eng.paths.count(Routes.WEIGHT_INFO)
+    before = _paths(eng).count(Routes.WEIGHT_INFO)
     ev = a.validate(_target(), live=False)
     assert ev is not None and ev.observed_label == "rc-1" and ev.problems(_target()) == []
-    assert eng.paths.count(Routes.WEIGHT_INFO) == before + 1
+    assert _paths(eng).count(Routes.WEIGHT_INFO) == before + 1
     a.resume()
     a.drain(PauseMode.WAIT)
-    eng.write()
+    _write(eng)
     a.reset_cache(CacheKind.PREFIX)
     eng.down = True
     with pytest.raises(EffectError):
@@ -135,12 +107,12 @@ def test_the_validation_reads_the_label_itself_after_the_resets() -> None:
 
 
 def test_the_updates_own_writes_are_the_baseline_and_a_sweep_reads_nothing() -> None:
-    eng = _Engine()
+    eng = _engine()
     a = _adapter(eng)
     a.reset_cache(CacheKind.PREFIX)  # a sweep: no update drained, no read started
     assert a._ops_closing is None
     a.drain(PauseMode.WAIT)
-    eng.write()
+    _write(eng)
     ev = a.validate(_target(), live=False)  # no reset due: the validation reads them
     assert ev is not None and ev.paused is True
     a.resume()
@@ -150,18 +122,22 @@ def test_the_updates_own_writes_are_the_baseline_and_a_sweep_reads_nothing() -> 
 
 
 def test_the_later_resets_go_beside_the_first_and_each_answers_for_its_own_cache() -> None:
-    eng = _Engine()
-    eng.reset_ok[Routes.RESET_MM] = False  # a later reset's failure is still its own
+    eng = _engine()
+    eng.override(Routes.RESET_MM, lambda r: httpx.Response(200, json={"success": False}))
+    # (a later reset's failure is still its own)
     a = _adapter(eng)
     a.drain(PauseMode.WAIT)
-    eng.write()
+    _write(eng)
     first = a.reset_cache(CacheKind.PREFIX)
     assert first.cache is CacheKind.PREFIX and first.engine_success is True
     assert a._resets_ahead is not None
     for f in list(a._resets_ahead.values()):
         f.result(timeout=10)
+    # (and the counters' read the first reset started: it lands before the sweep's count)
+    assert a._ops_closing is not None
+    a._ops_closing.result(timeout=10)
     # All three were sent before the runner asked for the second.
-    assert {Routes.RESET_ENCODER, Routes.RESET_MM} <= set(eng.paths)
+    assert {Routes.RESET_ENCODER, Routes.RESET_MM} <= set(_paths(eng))
     enc = a.reset_cache(CacheKind.ENCODER)
     mm = a.reset_cache(CacheKind.MULTIMODAL)
     assert (enc.cache, mm.cache) == (CacheKind.ENCODER, CacheKind.MULTIMODAL)
@@ -169,38 +145,38 @@ def test_the_later_resets_go_beside_the_first_and_each_answers_for_its_own_cache
     # A retry of a reset (an incomplete observation) is a call of its own.
     again = a.reset_cache(CacheKind.MULTIMODAL)
     assert again.engine_success is False
-    assert [p for p in eng.paths if p.startswith("/reset")].count(Routes.RESET_MM) == 2
-    assert all(eng.paths.count(r) == 1 for r in (Routes.RESET_PREFIX, Routes.RESET_ENCODER))
+    assert [p for p in _paths(eng) if p.startswith("/reset")].count(Routes.RESET_MM) == 2
+    assert all(_paths(eng).count(r) == 1 for r in (Routes.RESET_PREFIX, Routes.RESET_ENCODER))
     a.resume()
     # After the resume (a sweep): one reset, one call.
-    n = len(eng.paths)
+    n = len(_paths(eng))
     a.reset_cache(CacheKind.PREFIX)
-    assert eng.paths[n:] == [Routes.RESET_PREFIX]
+    assert _paths(eng)[n:] == [Routes.RESET_PREFIX]
 
 
 def test_a_first_reset_later_in_the_order_resets_nothing_before_it() -> None:
     """Keep mode defers the prefix reset: the update's first reset is the encoder's, and
     the prefix cache is not reset ahead of the sweep."""
-    eng = _Engine()
+    eng = _engine()
     a = _adapter(eng)
     a.drain(PauseMode.KEEP)
     a.reset_cache(CacheKind.ENCODER)
     assert a._resets_ahead is not None
     for f in list(a._resets_ahead.values()):
         f.result(timeout=10)
-    assert Routes.RESET_PREFIX not in eng.paths and Routes.RESET_MM in eng.paths
+    assert Routes.RESET_PREFIX not in _paths(eng) and Routes.RESET_MM in _paths(eng)
 
 
 class _Registry:
-    """vLLM's ``/metrics`` as its API server renders it with ``prometheus_client``: the whole
-    registry at ``/metrics``; at ``/metrics/`` (vLLM mounts ``make_asgi_app`` there) only the
-    samples ``name[]`` names, as ``make_asgi_app`` restricts them
-    (``registry.restricted_registry``). ``mount=False``: an engine without that mount."""
+    """vLLM's metrics registry (``prometheus_client``), rendered as its API server renders
+    it: the whole registry at ``/metrics``; at ``/metrics/`` (vLLM mounts ``make_asgi_app``
+    there) only the samples ``name[]`` names, as ``make_asgi_app`` restricts them
+    (``registry.restricted_registry``). ``serve`` has the fake answer both routes with
+    them; ``mount=False``: an engine without that mount (the fake's 404)."""
 
-    def __init__(self, *, mount: bool = True) -> None:
+    def __init__(self) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.mount = mount
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.ops = Histogram("vllm:rl_weight_update_operation_duration_seconds", "ops",
                              ["operation"], registry=r)
@@ -212,22 +188,25 @@ class _Registry:
         # what else a vLLM registry renders (the bulk of the page)
         for i in range(40):
             Counter(f"vllm:other_{i}", "other", ["engine"], registry=r).labels(engine="0").inc(i)
-        self.paths: list[str] = []
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
+    def whole(self, request: httpx.Request) -> httpx.Response:
         from prometheus_client import generate_latest
 
-        p = request.url.path
-        self.paths.append(p)
-        if p == Routes.OPENAPI:
-            return httpx.Response(200, json={"paths": {Routes.METRICS: {}}})
-        if p == Routes.METRICS:
-            return httpx.Response(200, content=generate_latest(self.registry))
-        if p == Routes.METRICS + "/" and self.mount:
-            names = request.url.params.get_list("name[]")
-            reg: Any = self.registry.restricted_registry(names) if names else self.registry
-            return httpx.Response(200, content=generate_latest(reg))
-        return httpx.Response(404, json={"detail": "Not Found"})
+        return httpx.Response(200, content=generate_latest(self.registry))
+
+    def restricted(self, request: httpx.Request) -> httpx.Response:
+        from prometheus_client import generate_latest
+
+        names = request.url.params.get_list("name[]")
+        reg: Any = self.registry.restricted_registry(names) if names else self.registry
+        return httpx.Response(200, content=generate_latest(reg))
+
+    def serve(self, *, mount: bool = True) -> FakeVllm:
+        fake = _engine()
+        fake.override(Routes.METRICS, self.whole)
+        if mount:
+            fake.override(Routes.METRICS + "/", self.restricted)
+        return fake
 
 
 def test_the_counters_read_from_the_restricted_metrics_are_the_whole_pages() -> None:
@@ -235,23 +214,23 @@ def test_the_counters_read_from_the_restricted_metrics_are_the_whole_pages() -> 
     the same counters, in-flight calls and sleep state as a parse of the whole page, for
     a fraction of its size; an engine without that mount is read whole, the same."""
     reg = _Registry()
+    fake = reg.serve()
     for op, n in (("start", 2), ("update", 3), ("finish", 1), ("init", 1)):
         for _ in range(n):
             reg.ops.labels(operation=op).observe(0.01)
     reg.flight.labels(operation="update").set(1)
-    http = VllmHTTP("http://e.test", transport=httpx.MockTransport(reg))
+    http = VllmHTTP("http://e.test", transport=fake.transport())
     got = http.weight_ops()
-    assert reg.paths == [Routes.METRICS + "/"]   # one restricted read, no whole page
+    assert _paths(fake) == [Routes.METRICS + "/"]   # one restricted read, no whole page
     assert dict(got.done) == {"start": 2.0, "update": 3.0, "finish": 1.0, "init": 1.0}
     assert dict(got.in_flight) == {"update": 1.0} and got.awake is True
     # the same as the whole page's parse, and a fraction of its bytes
-    whole_reg = _Registry(mount=False)
-    whole_reg.registry = reg.registry
-    whole = VllmHTTP("http://e.test", transport=httpx.MockTransport(whole_reg))
+    unmounted = reg.serve(mount=False)
+    whole = VllmHTTP("http://e.test", transport=unmounted.transport())
     assert whole.weight_ops() == got
-    assert whole_reg.paths == [Routes.METRICS + "/", Routes.METRICS]  # 404, then whole
-    assert whole.weight_ops() == got and whole_reg.paths[-1] == Routes.METRICS
-    assert whole_reg.paths.count(Routes.METRICS + "/") == 1   # not asked again
+    assert _paths(unmounted) == [Routes.METRICS + "/", Routes.METRICS]  # 404, then whole
+    assert whole.weight_ops() == got and _paths(unmounted)[-1] == Routes.METRICS
+    assert _paths(unmounted).count(Routes.METRICS + "/") == 1   # not asked again
     from prometheus_client import generate_latest
 
     small = generate_latest(reg.registry.restricted_registry([

@@ -9,9 +9,9 @@ its model; later updates' worst position may deviate by
 tolerance, never more than ``MAX_TOLERANCE``) and their mean by
 ``MEAN_MARGIN`` times its mean; the check says how its tolerance was set.
 
-Here the adapter is the real ``VllmAdapter`` over a scripted vLLM (an
-``httpx.MockTransport`` answering ``/inference/v1/generate`` with the probe's
-reference log-probabilities plus a chosen deviation);
+Here the adapter is the real ``VllmAdapter`` over the one fake of vLLM
+(``rolloutcore.testing.FakeVllm``) whose ``/inference/v1/generate`` answers the probe's
+reference log-probabilities plus a chosen deviation (``Scripted``);
 ``tests/engine/test_probe_calibration_engine.py`` runs the tied Qwen3 itself.
 """
 
@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_fake import vllm
 from rolloutcore.core.evidence import Check, UpdateTarget
 from rolloutcore.core.versions import ParameterManifest, Provenance, WeightIdentity, WeightVersion
-from rolloutcore.engine.http import VllmHTTP
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput
 from rolloutcore.verification.image_probe import ProbeSuite
@@ -48,7 +49,8 @@ CASES = [ProbeCase((3, 4, 5), (6, 7, 8), (-1.0, -2.0, -0.5)),
 
 
 class Scripted:
-    """vLLM's generate route scoring the probe sequences at reference - a deviation:
+    """The answers of vLLM's generate route scoring the probe sequences at reference - a
+    deviation:
     ``peak`` at the first continuation position, ``rest`` at the other four (so the
     max is ``peak`` and the mean ``(peak + 4 rest) / 5``)."""
 
@@ -64,18 +66,7 @@ class Scripted:
     def mean(self) -> float:
         return (self.peak + 4 * self.rest) / 5
 
-    def __call__(self, req: httpx.Request) -> httpx.Response:
-        if req.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "policy"}]})
-        if req.url.path == "/weight_info":
-            return httpx.Response(200, json={"weight_version": "rc-1"})
-        if req.url.path == "/is_paused":
-            return httpx.Response(200, json={"is_paused": False})
-        if req.url.path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {p: {} for p in (
-                "/inference/v1/generate", "/weight_info", "/is_paused", "/v1/models")}})
-        if req.url.path != "/inference/v1/generate":
-            return httpx.Response(404, json={"detail": "Not Found"})
+    def generate(self, req: httpx.Request) -> httpx.Response:
         ids = json.loads(req.content)["token_ids"]
         n_prompt, lps = self.ref[tuple(ids)]
         plp: list[Any] = [None] * n_prompt
@@ -88,7 +79,11 @@ class Scripted:
 
 
 def adapter(engine: Scripted) -> VllmAdapter:
-    return VllmAdapter(VllmHTTP(BASE, transport=httpx.MockTransport(engine)))
+    """``VllmAdapter`` over the one fake of vLLM (the model ``policy``, its label ``rc-1``,
+    not paused), its generate route answered by ``engine``."""
+    fake = vllm(only=(Routes.GENERATE, Routes.WEIGHT_INFO, Routes.IS_PAUSED, Routes.MODELS),
+                overrides={Routes.GENERATE: engine.generate})
+    return VllmAdapter(VllmHTTP(BASE, transport=fake.transport()))
 
 
 def target() -> UpdateTarget:

@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from helpers.trajtools import make_group, make_sample, version
+from helpers.vllm_fake import vllm
 from rolloutcore.cli import build_parser
 from rolloutcore.cli import replay as cli_replay
 from rolloutcore.engine.http import Routes, VllmHTTP
@@ -192,14 +192,11 @@ def test_report_dict_and_table() -> None:
 
 
 def _engine(routes: frozenset[str], seen: list[str]) -> VllmHTTP:
-    def handler(req: httpx.Request) -> httpx.Response:
-        seen.append(req.url.path)
-        if req.url.path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {r: {} for r in routes}})
-        if req.url.path == Routes.WEIGHT_INFO:
-            return httpx.Response(200, json={"weight_version": "rc-1"})
-        return httpx.Response(500, json={"error": "not expected in this test"})
-    return VllmHTTP("http://engine.test", transport=httpx.MockTransport(handler))
+    """The one fake of vLLM serving ``routes`` (its label ``rc-1``); ``seen``: the paths
+    it is sent."""
+    fake = vllm(only=routes)
+    fake.before = lambda req: seen.append(req.url.path)
+    return VllmHTTP("http://engine.test", transport=fake.transport())
 
 
 def test_an_engine_without_a_version_label_is_refused_before_any_request() -> None:

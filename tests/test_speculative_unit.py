@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import torch
 
 from fleettools import fake_fleet, weights
 from helpers.gateway_rig import AUTH, begin_body, rig
+from helpers.vllm_fake import answer, vllm
 from rolloutcore.core.evidence import UpdateTarget
 from rolloutcore.core.lifecycle import State
 from rolloutcore.core.speculative import (
@@ -41,6 +41,7 @@ from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.errors import BadInput, UpdateRefused
 from rolloutcore.session import EngineSession
+from rolloutcore.testing import FakeVllm
 from rolloutcore.testing.fake import FakeAdapter, FakeEngine, FakeWeights
 from rolloutcore.transports.drafted import DraftedGlooTransport, DraftedSource, refusal
 from rolloutcore.transports.gloo import GlooTransport
@@ -108,30 +109,13 @@ def test_refusal_follows_the_engines_draft_whatever_the_transport() -> None:
 
 # --------------------------------------------------------------------------- adapter
 
-class DraftedEngine:
-    """The routes ``VllmAdapter.bootstrap`` reads, from an engine decoding with a draft."""
-
-    def __init__(self, vllm_config: dict[str, Any]) -> None:
-        self.vllm_config = vllm_config
-        self.writes: list[str] = []
-
-    def __call__(self, req: httpx.Request) -> httpx.Response:
-        path = req.url.path
-        if req.method == "POST":
-            self.writes.append(path)
-        if path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {r: {} for r in (
-                Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO, Routes.MODELS)}})
-        if path == Routes.HEALTH:
-            return httpx.Response(200)
-        if path == Routes.MODELS:
-            return httpx.Response(200, json={"data": [{"id": "policy"}]})
-        if path == Routes.VERSION:
-            return httpx.Response(200, json={"version": "0.32.0"})
-        if path == Routes.SERVER_INFO:
-            return httpx.Response(200, json={"vllm_config": {
-                "instance_id": "i-1", "model_config": {}, **self.vllm_config}})
-        return httpx.Response(404)
+def drafted_engine(vllm_config: dict[str, Any]) -> FakeVllm:
+    """The one fake of vLLM serving the routes ``VllmAdapter.bootstrap`` reads, as 0.32,
+    from an engine decoding with a draft (its ``/server_info`` carries ``vllm_config``)."""
+    return vllm(version="0.32.0", only=(Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO,
+                                        Routes.MODELS), overrides={
+        Routes.SERVER_INFO: answer(200, {"vllm_config": {
+            "instance_id": "i-1", "model_config": {}, **vllm_config}})})
 
 
 def _target() -> UpdateTarget:
@@ -143,8 +127,8 @@ def _target() -> UpdateTarget:
 @pytest.mark.parametrize(("cfg", "method"), [(EAGLE, "eagle"), ({}, None)])
 def test_the_adapter_reads_the_draft_and_its_preflight_refuses_a_target_only_source(
         cfg: dict[str, Any], method: str | None) -> None:
-    e = DraftedEngine(cfg)
-    a = VllmAdapter(VllmHTTP("http://engine.test", transport=httpx.MockTransport(e)))
+    e = drafted_engine(cfg)
+    a = VllmAdapter(VllmHTTP("http://engine.test", transport=e.transport()))
     ev = a.bootstrap()
     assert a.draft_method == method and ev.engine_info["speculative_method"] == method
     t = _target()
@@ -153,7 +137,7 @@ def test_the_adapter_reads_the_draft_and_its_preflight_refuses_a_target_only_sou
     assert any("method eagle" in p for p in problems) == (method is not None), problems
     a.stage(DraftedSource(_src(1), _src(2, n=2)))
     assert not any("decodes speculatively" in p for p in a.preflight(t).problems(t))
-    assert e.writes == []  # read, never written
+    assert [p for m, p in e.received if m == "POST"] == []  # read, never written
 
 
 # --------------------------------------------------------------------------- session

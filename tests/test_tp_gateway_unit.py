@@ -22,7 +22,8 @@ import torch
 from pydantic import ValidationError
 
 from helpers.fault_matrix import PromiseRows
-from rolloutcore.engine.http import VllmHTTP
+from helpers.vllm_fake import answer, vllm
+from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.process import ManagedEngine
 from rolloutcore.engine.sent import (
     SENT_SCHEMES,
@@ -200,20 +201,19 @@ def test_the_trainer_declares_from_what_it_broadcast() -> None:
 
 def _engine(answers: list[Any], seen: list[dict[str, Any]] | None = None,
             extension: str | None = "rankfault.RankFault") -> VllmHTTP:
-    def handle(req: httpx.Request) -> httpx.Response:
-        if req.url.path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {p: {} for p in (
-                "/health", "/collective_rpc", "/server_info")}})
-        if req.url.path == "/server_info":
-            return httpx.Response(200, json={"vllm_config": {"parallel_config": {
-                "worker_extension_cls": extension or ""}}})
-        if req.url.path == "/collective_rpc":
-            if seen is not None:
-                seen.append(json.loads(req.content))
-            return httpx.Response(200, json={"results": answers})
-        return httpx.Response(404)
+    """The one fake of vLLM serving ``/collective_rpc`` (each worker's answer in
+    ``answers``; ``seen``: the bodies it is sent) and a ``/server_info`` naming the
+    workers' extension."""
+    def rpc(req: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(json.loads(req.content))
+        return httpx.Response(200, json={"results": answers})
 
-    return VllmHTTP("http://e.test", transport=httpx.MockTransport(handle))
+    fake = vllm(only=(Routes.HEALTH, Routes.SERVER_INFO), overrides={
+        Routes.SERVER_INFO: answer(200, {"vllm_config": {"parallel_config": {
+            "worker_extension_cls": extension or ""}}}),
+        Routes.COLLECTIVE_RPC: rpc})
+    return VllmHTTP("http://e.test", transport=fake.transport())
 
 
 def test_the_gateway_asks_each_worker_itself_and_compares() -> None:

@@ -26,10 +26,11 @@ import torch
 
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.port import VllmAdapter
+from rolloutcore.testing import FakeVllm
 from rolloutcore.transports.compat.reload import DirectReloadRefused, ReloadApi
 from rolloutcore.transports.driver import SourceSlot
 from rolloutcore.transports.source import WeightSource
-from test_vllm_http_unit import V032, Engine, answer, client, target
+from test_vllm_http_unit import answer, client, sent, target, vllm
 
 # ----------------------------------------------------------------- the reload API
 
@@ -159,7 +160,7 @@ def test_the_source_slot_still_meets_the_installed_vllms_contract() -> None:
 # ---------------------------------------------- 0.34's own word on its weights
 
 
-def _engine_034(incomplete: list[Any] | None = None, checkpoint: Any = "running") -> Engine:
+def _engine_034(incomplete: list[Any] | None = None, checkpoint: Any = "running") -> FakeVllm:
     rpcs: list[Any] = []
 
     def rpc(req: httpx.Request) -> httpx.Response:
@@ -174,7 +175,7 @@ def _engine_034(incomplete: list[Any] | None = None, checkpoint: Any = "running"
         return httpx.Response(200, json={"results": incomplete if incomplete is not None
                                          else ["False", "False"]})
 
-    e = Engine(routes=V032 | {"/collective_rpc", "/checkpoint/status"}, overrides={
+    e = vllm(overrides={  # served so, and listed by /openapi.json
         "/version": answer(200, {"version": "0.34.0"}),
         "/metrics": answer(200, text=""),
         "/collective_rpc": rpc,
@@ -185,7 +186,7 @@ def _engine_034(incomplete: list[Any] | None = None, checkpoint: Any = "running"
     return e
 
 
-def _validate(e: Engine) -> Any:
+def _validate(e: FakeVllm) -> Any:
     a = VllmAdapter(client(e), engine_epoch="ep-1")
     a.bootstrap()
     a.drain(PauseMode.WAIT)
@@ -227,8 +228,8 @@ def test_a_034_engine_outside_its_running_checkpoint_state_fails_validation(
 
 
 def test_a_032_engine_is_not_asked_what_it_cannot_answer() -> None:
-    e = Engine(routes=V032, overrides={"/version": answer(200, {"version": "0.32.0"}),
-                                       "/metrics": answer(200, text="")})
+    e = vllm(overrides={"/version": answer(200, {"version": "0.32.0"}),
+                        "/metrics": answer(200, text="")})
     v = _validate(e)
     assert not {c.name for c in v.checks} & {"weights-complete", "checkpoint-running"}
-    assert e.sent("/collective_rpc") == 0 and e.sent("/checkpoint/status") == 0
+    assert sent(e, "/collective_rpc") == 0 and sent(e, "/checkpoint/status") == 0

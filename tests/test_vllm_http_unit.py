@@ -14,7 +14,8 @@ import http.server
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -42,73 +43,45 @@ from rolloutcore.errors import (
     RequestRejected,
     TransferError,
 )
+from rolloutcore.testing import FakeVllm
+from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
 from rolloutcore.verification.checksums import EMPTY_SHA256, WeightChecksums, compare_checksums
 
 BASE = "http://engine.test"
 
-V032 = frozenset({
-    Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO, Routes.MODELS, Routes.METRICS,
-    Routes.PAUSE, Routes.RESUME, Routes.IS_PAUSED, Routes.IS_SLEEPING, Routes.RESET_PREFIX,
-    Routes.RESET_ENCODER, Routes.RESET_MM, Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER,
-    Routes.GENERATE, Routes.COMPLETIONS,
-})
-# vLLM 0.26: pause/resume, resets, weight transfer; no label, no checker.
-V026 = V032 - {Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER}
-
 Handler = Callable[[httpx.Request], httpx.Response]
+# vLLM 0.26: pause/resume, resets, weight transfer; no label, no checker.
+V026 = (Routes.WEIGHT_INFO, Routes.WEIGHT_CHECKER)
+#: every request each fake was sent, in order (its ``before`` hook records them)
+_SEEN: weakref.WeakKeyDictionary[FakeVllm, list[httpx.Request]] = weakref.WeakKeyDictionary()
 
 
-class Engine:
-    """A route table answering like vLLM, with per-route overrides; records requests."""
-
-    def __init__(self, routes: frozenset[str] = V032,
-                 overrides: Mapping[str, Handler] | None = None) -> None:
-        self.routes = routes
-        self.overrides = dict(overrides or {})
-        self.requests: list[httpx.Request] = []
-        self.paused = False
-
-    def __call__(self, req: httpx.Request) -> httpx.Response:
-        self.requests.append(req)
-        path = req.url.path
-        if path in self.overrides:
-            return self.overrides[path](req)
-        if path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {r: {} for r in self.routes}})
-        if path not in self.routes:
-            return httpx.Response(404, json={"detail": "Not Found"})
-        if path == Routes.HEALTH:
-            return httpx.Response(200)
-        if path == Routes.MODELS:
-            return httpx.Response(200, json={"data": [{"id": "policy"}]})
-        if path == Routes.VERSION:
-            return httpx.Response(200, json={"version": "0.26.0"})
-        if path == Routes.SERVER_INFO:
-            return httpx.Response(200, json={"vllm_config": {}})
-        if path == Routes.PAUSE:
-            self.paused = True
-            return httpx.Response(200, json={"status": "paused"})
-        if path == Routes.RESUME:
-            self.paused = False
-            return httpx.Response(200, json={"status": "resumed"})
-        if path == Routes.IS_PAUSED:
-            return httpx.Response(200, json={"is_paused": self.paused})
-        if path == Routes.IS_SLEEPING:
-            return httpx.Response(200, json={"is_sleeping": self.paused})
-        if path == Routes.RESET_PREFIX:
-            return httpx.Response(200, json={"success": True})
-        if path in (Routes.RESET_ENCODER, Routes.RESET_MM):
-            return httpx.Response(200)
-        if path == Routes.WEIGHT_INFO:
-            return httpx.Response(200, json={"weight_version": "rc-1"})
-        return httpx.Response(500, json={"error": f"unexpected {path}"})
-
-    def sent(self, path: str) -> int:
-        return sum(1 for r in self.requests if r.url.path == path)
+def vllm(without: Iterable[str] = (), overrides: Mapping[str, Handler] | None = None
+           ) -> FakeVllm:
+    """The one fake of vLLM (``FakeVllm``: the model ``policy``, label ``rc-1``, a vLLM
+    that says it is 0.26), ``without`` the routes an older vLLM lacks, each path of
+    ``overrides`` answered by its handler (``FakeVllm.override``); records requests."""
+    fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0),
+                    model="policy", without=without)
+    fake.engine.label, fake.version = "rc-1", "0.26.0"
+    for path, handler in (overrides or {}).items():
+        fake.override(path, handler)
+    _SEEN[fake] = []
+    fake.before = _SEEN[fake].append
+    return fake
 
 
-def client(engine: Engine, **kw: Any) -> VllmHTTP:
-    return VllmHTTP(BASE, transport=httpx.MockTransport(engine), **kw)
+def requests(fake: FakeVllm, path: str | None = None) -> list[httpx.Request]:
+    """What ``fake`` was sent (to ``path``), in order."""
+    return [r for r in _SEEN[fake] if path is None or r.url.path == path]
+
+
+def sent(fake: FakeVllm, path: str) -> int:
+    return sum(1 for _, p in fake.received if p == path)
+
+
+def client(engine: FakeVllm, **kw: Any) -> VllmHTTP:
+    return VllmHTTP(BASE, transport=engine.transport(), **kw)
 
 
 def answer(status: int, body: Any = None, text: str | None = None) -> Handler:
@@ -160,8 +133,6 @@ def test_idle_connections_are_dropped_before_the_server_would_drop_them() -> Non
     connection (the same client port); past it, a new one is opened.
     """
     from helpers.gateway_rig import uvicorn_thread
-    from rolloutcore.testing import FakeVllm
-    from rolloutcore.testing.fake_engine import FakeEngine, FakeWeights
 
     fake = FakeVllm(FakeEngine(FakeWeights.from_seed(0), token_delay_s=0.0))
     assert KEEPALIVE_S < 5.0  # vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE default
@@ -176,17 +147,17 @@ def test_idle_connections_are_dropped_before_the_server_would_drop_them() -> Non
 
 
 def test_capabilities_are_read_once_from_openapi() -> None:
-    e = Engine()
+    e = vllm()
     h = client(e)
-    assert h.capabilities() == V032
+    assert h.capabilities() == e.paths and Routes.PAUSE in e.paths
     assert h.has(Routes.GENERATE) and not h.has("/nope")
-    assert e.sent("/openapi.json") == 1
+    assert sent(e, "/openapi.json") == 1
     h.capabilities(refresh=True)
-    assert e.sent("/openapi.json") == 2
+    assert sent(e, "/openapi.json") == 2
 
 
 def test_openapi_without_paths_is_an_effect_error() -> None:
-    h = client(Engine(overrides={"/openapi.json": answer(200, {"info": {}})}))
+    h = client(vllm(overrides={"/openapi.json": answer(200, {"info": {}})}))
     with pytest.raises(EffectError, match="paths"):
         h.capabilities()
 
@@ -196,7 +167,7 @@ def test_openapi_without_paths_is_an_effect_error() -> None:
 
 def test_server_error_is_engine_unavailable_and_the_step_says_whether_weights_moved() -> None:
     # The HTTP client cannot know whether weights moved: it says "maybe" ...
-    h = client(Engine(overrides={Routes.PAUSE: answer(500, {"error": "boom"})}))
+    h = client(vllm(overrides={Routes.PAUSE: answer(500, {"error": "boom"})}))
     with pytest.raises(EngineUnavailable, match=r"HTTP 500.*boom") as ei:
         h.pause(PauseMode.WAIT)
     assert ei.value.mutation_started is True and ei.value.step == "pause"
@@ -205,14 +176,14 @@ def test_server_error_is_engine_unavailable_and_the_step_says_whether_weights_mo
     with pytest.raises(EngineUnavailable, match=r"HTTP 500.*boom") as ei:
         VllmAdapter(h).drain(PauseMode.WAIT)
     assert ei.value.mutation_started is False and ei.value.step == "pause"
-    h2 = client(Engine(overrides={Routes.RESUME: answer(500, {"error": "boom"})}))
+    h2 = client(vllm(overrides={Routes.RESUME: answer(500, {"error": "boom"})}))
     with pytest.raises(EngineUnavailable) as ei:
         VllmAdapter(h2).resume()
     assert ei.value.mutation_started is True
 
 
 def test_connect_error_is_engine_unreachable_from_the_httpx_error() -> None:
-    h = client(Engine(overrides={Routes.RESUME: raising(httpx.ConnectError("refused"))}))
+    h = client(vllm(overrides={Routes.RESUME: raising(httpx.ConnectError("refused"))}))
     with pytest.raises(EngineUnreachable) as ei:
         h.resume()
     assert isinstance(ei.value, EngineUnavailable)
@@ -221,7 +192,7 @@ def test_connect_error_is_engine_unreachable_from_the_httpx_error() -> None:
 
 
 def test_a_reset_connection_is_engine_unavailable_not_unreachable() -> None:
-    h = client(Engine(overrides={Routes.PAUSE: raising(
+    h = client(vllm(overrides={Routes.PAUSE: raising(
         httpx.RemoteProtocolError("Server disconnected without sending a response."))}))
     with pytest.raises(EngineUnavailable, match="RemoteProtocolError") as ei:
         h.pause(PauseMode.WAIT)
@@ -229,7 +200,7 @@ def test_a_reset_connection_is_engine_unavailable_not_unreachable() -> None:
 
 
 def test_timeout_is_effect_timeout_with_the_deadline_used() -> None:
-    h = client(Engine(overrides={Routes.IS_PAUSED: raising(httpx.ReadTimeout("slow"))}),
+    h = client(vllm(overrides={Routes.IS_PAUSED: raising(httpx.ReadTimeout("slow"))}),
                timeout_s=7)
     with pytest.raises(EffectTimeout) as ei:
         h.is_paused()
@@ -241,7 +212,7 @@ def test_timeout_is_effect_timeout_with_the_deadline_used() -> None:
 
 
 def test_client_error_on_our_request_is_bad_input() -> None:
-    h = client(Engine(overrides={Routes.GENERATE: answer(
+    h = client(vllm(overrides={Routes.GENERATE: answer(
         400, {"error": {"message": "Token id 999 is out of vocabulary"}})}))
     with pytest.raises(BadInput, match="out of vocabulary") as ei:
         h.generate([1, 999], max_tokens=2)
@@ -249,7 +220,7 @@ def test_client_error_on_our_request_is_bad_input() -> None:
 
 
 def test_a_route_the_engine_does_not_offer_is_not_bad_input() -> None:
-    e = Engine(routes=V032 - {Routes.PAUSE})
+    e = vllm(without=(Routes.PAUSE,))
     h = client(e)
     h.capabilities()
     with pytest.raises(EngineRefused, match="not offered") as ei:
@@ -259,7 +230,7 @@ def test_a_route_the_engine_does_not_offer_is_not_bad_input() -> None:
         VllmAdapter(h).drain(PauseMode.WAIT)
     assert ei.value.mutation_started is False
     # vLLM answers 403 on /inference/v1/generate without --enable-scale-out.
-    h2 = client(Engine(overrides={Routes.GENERATE: answer(403, {"detail": "Forbidden"})}))
+    h2 = client(vllm(overrides={Routes.GENERATE: answer(403, {"detail": "Forbidden"})}))
     with pytest.raises(EngineRefused, match="not offered") as ei:
         h2.generate([1], max_tokens=1)
     assert not isinstance(ei.value, BadInput)
@@ -268,23 +239,23 @@ def test_a_route_the_engine_does_not_offer_is_not_bad_input() -> None:
 @pytest.mark.parametrize("body", [{"is_paused": "yes"}, {"paused": True}, [], None])
 def test_unexpected_is_paused_answers_are_effect_errors(body: Any) -> None:
     ans = answer(200, text="not json") if body is None else answer(200, body)
-    h = client(Engine(overrides={Routes.IS_PAUSED: ans}))
+    h = client(vllm(overrides={Routes.IS_PAUSED: ans}))
     with pytest.raises(EffectError):
         h.is_paused()
 
 
 def test_health_false_on_503_raises_when_unreachable() -> None:
-    assert client(Engine(overrides={Routes.HEALTH: answer(503)})).health() is False
-    h = client(Engine(overrides={Routes.HEALTH: raising(httpx.ConnectError("x"))}))
+    assert client(vllm(overrides={Routes.HEALTH: answer(503)})).health() is False
+    h = client(vllm(overrides={Routes.HEALTH: raising(httpx.ConnectError("x"))}))
     with pytest.raises(EngineUnavailable):
         h.health()
 
 
 def test_bad_arguments_send_nothing() -> None:
-    e = Engine()
+    e = vllm()
     h = client(e)
     h.capabilities()
-    before = len(e.requests)
+    before = len(requests(e))
     for call in (
         lambda: h.pause("wait"),  # type: ignore[arg-type]
         lambda: h.pause(PauseMode.WAIT, clear_cache="no"),  # type: ignore[arg-type]
@@ -303,11 +274,11 @@ def test_bad_arguments_send_nothing() -> None:
         with pytest.raises(BadInput):
             call()
     # generate() asks for the model name first, nothing else reached the engine
-    assert {r.url.path for r in e.requests[before:]} <= {Routes.MODELS}
+    assert {r.url.path for r in requests(e)[before:]} <= {Routes.MODELS}
 
 
 def test_closed_client_refuses() -> None:
-    h = client(Engine())
+    h = client(vllm())
     h.close()
     with pytest.raises(EngineUnavailable, match="closed"):
         h.resume()
@@ -324,51 +295,51 @@ def test_closed_client_refuses() -> None:
 ])
 def test_prefix_reset_bodies_that_are_not_a_flag_fail_closed(
         ans: Handler, success: bool, detail: str) -> None:
-    ev = client(Engine(overrides={Routes.RESET_PREFIX: ans})).reset_prefix_cache()
+    ev = client(vllm(overrides={Routes.RESET_PREFIX: ans})).reset_prefix_cache()
     assert ev.http_status == 200 and ev.engine_success is success
     assert detail in ev.detail and ev.problems(None)
 
 
 def test_reset_with_empty_body_is_unflagged_and_says_so() -> None:
-    ev = client(Engine(overrides={Routes.RESET_PREFIX: answer(200)})).reset_prefix_cache()
+    ev = client(vllm(overrides={Routes.RESET_PREFIX: answer(200)})).reset_prefix_cache()
     assert ev.http_status == 200 and ev.engine_success is None
     assert ev.unverified == ("prefix cache reset: the engine reports no success flag",)
     assert not ev.problems(None)
 
 
 def test_encoder_reset_that_starts_reporting_a_flag_is_read() -> None:
-    ev = client(Engine(overrides={Routes.RESET_ENCODER: answer(200, {"success": False})})
+    ev = client(vllm(overrides={Routes.RESET_ENCODER: answer(200, {"success": False})})
                 ).reset_encoder_cache()
     assert ev.engine_success is False and ev.problems(None)
 
 
 def test_reset_server_error_raises() -> None:
-    h = client(Engine(overrides={Routes.RESET_MM: answer(503, text="overloaded")}))
+    h = client(vllm(overrides={Routes.RESET_MM: answer(503, text="overloaded")}))
     with pytest.raises(EngineUnavailable, match="503"):
         h.reset_mm_cache()
 
 
 def test_reset_running_requests_is_passed_as_a_query() -> None:
-    e = Engine()
+    e = vllm()
     client(e).reset_prefix_cache(reset_running_requests=True)
-    req = [r for r in e.requests if r.url.path == Routes.RESET_PREFIX][-1]
+    req = requests(e, Routes.RESET_PREFIX)[-1]
     assert req.url.params["reset_running_requests"] == "true"
 
 
 @pytest.mark.parametrize("kind", list(CacheKind))
 def test_absent_reset_route_is_unverified_not_pretended(kind: CacheKind) -> None:
-    e = Engine(routes=V032 - {CACHE_ROUTES[kind]})
+    e = vllm(without=(CACHE_ROUTES[kind],))
     ev = client(e).reset_cache(kind)
     assert ev.http_status is None and ev.engine_success is None
     assert ev.unverified == (f"{kind.value} cache reset route absent: cache not reset",)
     assert ev.problems(None)  # a reset that did not happen is never a success
-    assert e.sent(CACHE_ROUTES[kind]) == 0
+    assert sent(e, CACHE_ROUTES[kind]) == 0
 
 
 def test_pause_sends_mode_and_never_clears_by_default() -> None:
-    e = Engine()
+    e = vllm()
     client(e).pause(PauseMode.KEEP)
-    req = [r for r in e.requests if r.url.path == Routes.PAUSE][-1]
+    req = requests(e, Routes.PAUSE)[-1]
     assert req.method == "POST"
     assert dict(req.url.params) == {"mode": "keep", "clear_cache": "false"}
 
@@ -377,17 +348,17 @@ def test_pause_sends_mode_and_never_clears_by_default() -> None:
 
 
 def test_weight_info_on_an_engine_without_labels() -> None:
-    e = Engine(routes=V026)
+    e = vllm(without=V026)
     wi = client(e).weight_info()
     assert wi.label is None and wi.label_supported is False
-    assert e.sent(Routes.WEIGHT_INFO) == 0
+    assert sent(e, Routes.WEIGHT_INFO) == 0
 
 
 def test_weight_info_answers() -> None:
-    assert client(Engine()).label() == "rc-1"
-    h = client(Engine(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": None})}))
+    assert client(vllm()).label() == "rc-1"
+    h = client(vllm(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": None})}))
     assert h.weight_info().label is None and h.weight_info().label_supported
-    h = client(Engine(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": 3})}))
+    h = client(vllm(overrides={Routes.WEIGHT_INFO: answer(200, {"weight_version": 3})}))
     with pytest.raises(EffectError):
         h.weight_info()
 
@@ -397,7 +368,7 @@ def test_checksums_of_a_tensor_parallel_engine_keep_rank_keys_for_repeated_names
             "dp0:pp0:pcp0:tp1:model.norm.weight": "b" * 64,
             "dp0:pp0:pcp0:tp0:lm_head.weight": "C" * 64,
             "dp0:pp0:pcp0:tp0:model.layers.0.mlp.down_proj.weight": EMPTY_SHA256}
-    h = client(Engine(overrides={Routes.WEIGHT_CHECKER: answer(200, {"checksums": sums})}))
+    h = client(vllm(overrides={Routes.WEIGHT_CHECKER: answer(200, {"checksums": sums})}))
     cs = h.weight_checksums()
     assert set(cs.digests) == {"dp0:pp0:pcp0:tp0:model.norm.weight",
                                "dp0:pp0:pcp0:tp1:model.norm.weight",
@@ -409,7 +380,7 @@ def test_checksums_of_a_tensor_parallel_engine_keep_rank_keys_for_repeated_names
 
 
 def test_checksums_without_the_checker_route() -> None:
-    h = client(Engine(routes=V026))
+    h = client(vllm(without=V026))
     with pytest.raises(EffectError, match="no /weight_checker") as ei:
         h.weight_checksums()
     assert ei.value.mutation_started is True  # the HTTP client cannot tell
@@ -466,7 +437,7 @@ vllm:e2e_request_latency_seconds_sum{model_name="policy"} 1.5
 
 
 def test_metrics_are_parsed_and_summed_over_engines() -> None:
-    m = client(Engine(overrides={Routes.METRICS: answer(200, text=METRICS)})).metrics()
+    m = client(vllm(overrides={Routes.METRICS: answer(200, text=METRICS)})).metrics()
     assert m.get("vllm:prefix_cache_queries_total") == 900.0
     assert m.get("vllm:prefix_cache_hits_total") == 256.0
     assert m.get("vllm:e2e_request_latency_seconds_count") == 4.0
@@ -474,7 +445,7 @@ def test_metrics_are_parsed_and_summed_over_engines() -> None:
 
 
 def test_unparseable_metrics() -> None:
-    h = client(Engine(overrides={Routes.METRICS: answer(200, text="vllm:x{ 1 2 3\n")}))
+    h = client(vllm(overrides={Routes.METRICS: answer(200, text="vllm:x{ 1 2 3\n")}))
     with pytest.raises(EffectError, match="unparseable"):
         h.metrics()
 
@@ -510,11 +481,11 @@ def _gen_answer(**choice: Any) -> Handler:
 
 
 def test_generate_request_and_parse() -> None:
-    e = Engine(overrides={Routes.GENERATE: _gen_answer(
+    e = vllm(overrides={Routes.GENERATE: _gen_answer(
         weight_versions=[{"version": "rc-1", "start": 0, "end": 1},
                          {"version": "rc-2", "start": 1, "end": 2}])})
     g = client(e).generate([1, 2, 3], max_tokens=2, seed=7, request_id="mine")
-    body = json.loads(next(r for r in e.requests if r.url.path == Routes.GENERATE).content)
+    body = json.loads(requests(e, Routes.GENERATE)[0].content)
     assert body == {"model": "policy", "token_ids": [1, 2, 3], "request_id": "mine",
                     "sampling_params": {"max_tokens": 2, "temperature": 0.0,
                                         "ignore_eos": False, "logprobs": 0, "seed": 7}}
@@ -523,7 +494,7 @@ def test_generate_request_and_parse() -> None:
 
 
 def test_generate_on_an_engine_without_version_spans() -> None:
-    g = client(Engine(overrides={Routes.GENERATE: _gen_answer()})).generate(
+    g = client(vllm(overrides={Routes.GENERATE: _gen_answer()})).generate(
         [1], max_tokens=2)
     assert g.weight_versions is None and g.versions() == frozenset()
 
@@ -534,17 +505,17 @@ def test_generate_on_an_engine_without_version_spans() -> None:
     {"token_ids": ["a"]},
 ])
 def test_generate_malformed_answers(choice: dict[str, Any]) -> None:
-    h = client(Engine(overrides={Routes.GENERATE: _gen_answer(**choice)}))
+    h = client(vllm(overrides={Routes.GENERATE: _gen_answer(**choice)}))
     with pytest.raises(EffectError, match="unexpected generate answer"):
         h.generate([1], max_tokens=2)
 
 
 def test_completions_request_and_parse() -> None:
-    e = Engine(overrides={Routes.COMPLETIONS: answer(200, {"choices": [{
+    e = vllm(overrides={Routes.COMPLETIONS: answer(200, {"choices": [{
         "text": "hi", "token_ids": [104, 105], "finish_reason": "length",
         "logprobs": {"token_logprobs": [-1.0, None]}}]})})
     c = client(e).complete("he", max_tokens=2)
-    body = json.loads(next(r for r in e.requests if r.url.path == Routes.COMPLETIONS).content)
+    body = json.loads(requests(e, Routes.COMPLETIONS)[0].content)
     assert body["prompt"] == "he" and body["return_token_ids"] is True and body["logprobs"] == 0
     assert c.text == "hi" and c.token_ids == (104, 105) and c.logprobs == (-1.0, None)
 
@@ -636,7 +607,7 @@ def _source() -> Any:
 
 
 def test_adapter_on_an_old_engine_states_what_it_cannot_verify() -> None:
-    e = Engine(routes=V026 - {Routes.RESET_ENCODER})
+    e = vllm(without=(*V026, Routes.RESET_ENCODER))
     a = VllmAdapter(client(e), engine_epoch="ep-1")
     boot = a.bootstrap()
     assert boot.healthy and boot.engine_epoch == "ep-1"
@@ -656,10 +627,11 @@ def test_adapter_on_an_old_engine_states_what_it_cannot_verify() -> None:
 
 
 def test_bootstrap_epoch_without_launcher_or_instance_id_is_local_and_stated() -> None:
-    boot = VllmAdapter(client(Engine())).bootstrap()
+    bare = vllm(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {}})})
+    boot = VllmAdapter(client(bare)).bootstrap()
     assert boot.engine_epoch.startswith("vllm-unidentified-")
     assert any("not identifiable" in u for u in boot.unverified)
-    e = Engine(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
+    e = vllm(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
         "instance_id": "abc123"}})})
     assert VllmAdapter(client(e)).bootstrap().engine_epoch == "vllm-abc123"
 
@@ -668,7 +640,7 @@ def test_bootstrap_refuses_a_transport_the_engine_was_not_started_with() -> None
     from rolloutcore.transports.gloo import GlooTransport
 
     for wt in (None, {"backend": "nccl"}):
-        e = Engine(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
+        e = vllm(overrides={Routes.SERVER_INFO: answer(200, {"vllm_config": {
             "instance_id": "i", "weight_transfer_config": wt}})})
         a = VllmAdapter(client(e), GlooTransport())
         with pytest.raises(EngineUnavailable, match="rolloutcore_gloo") as ei:
@@ -677,13 +649,13 @@ def test_bootstrap_refuses_a_transport_the_engine_was_not_started_with() -> None
 
 
 def test_bootstrap_of_a_dead_engine_is_unhealthy_evidence() -> None:
-    e = Engine(overrides={Routes.HEALTH: answer(503)})
+    e = vllm(overrides={Routes.HEALTH: answer(503)})
     boot = VllmAdapter(client(e), engine_epoch="x").bootstrap()
     assert not boot.healthy and boot.problems(None) == ["engine is not healthy"]
 
 
 def test_stage_rejects_bad_input_and_keeps_the_previous_stage() -> None:
-    a = VllmAdapter(client(Engine()))
+    a = VllmAdapter(client(vllm()))
     src = _source()
     a.stage(src)
     bads: list[Callable[[], None]] = [
@@ -700,7 +672,7 @@ def test_stage_rejects_bad_input_and_keeps_the_previous_stage() -> None:
 
 
 def test_preflight_compares_manifest_provenance_and_content() -> None:
-    e = Engine()
+    e = vllm()
     a = VllmAdapter(client(e))
     src = _source()
     ident = WeightIdentity.declare(src.manifest(), Provenance("A"), src.content_digest())
@@ -719,11 +691,11 @@ def test_preflight_compares_manifest_provenance_and_content() -> None:
     wrong_manifest = target(identity=WeightIdentity.declare(m3, Provenance("A")))
     assert any("manifest" in p for p in a.preflight(wrong_manifest).problems(wrong_manifest))
     # preflight mutated nothing: no pause/resume/reset/transfer calls beyond the drain
-    assert e.sent(Routes.PAUSE) == 1 and e.sent(Routes.RESET_PREFIX) == 0
+    assert sent(e, Routes.PAUSE) == 1 and sent(e, Routes.RESET_PREFIX) == 0
 
 
 def test_preflight_refuses_an_engine_asleep_before_the_drain() -> None:
-    e = Engine(overrides={Routes.IS_SLEEPING: answer(200, {"is_sleeping": True})})
+    e = vllm(overrides={Routes.IS_SLEEPING: answer(200, {"is_sleeping": True})})
     a = VllmAdapter(client(e))
     a.stage(_source())
     a.drain(PauseMode.WAIT)
@@ -736,29 +708,29 @@ def test_sleep_state_is_not_asked_of_an_engine_without_sleep_mode() -> None:
         return answer(200, {"vllm_config": {"model_config": {"enable_sleep_mode": sleep}}})
 
     for sleep, asked in ((False, 0), (True, 1), ("?", 1)):
-        e = Engine(overrides={Routes.SERVER_INFO: info(sleep)})
+        e = vllm(overrides={Routes.SERVER_INFO: info(sleep)})
         a = VllmAdapter(client(e))
         boot = a.bootstrap()
         assert boot.engine_info["enable_sleep_mode"] == (sleep if isinstance(sleep, bool) else None)
         a.stage(_source())
         a.drain(PauseMode.WAIT)
-        assert e.sent(Routes.IS_SLEEPING) == asked, sleep
+        assert sent(e, Routes.IS_SLEEPING) == asked, sleep
         assert a.preflight(target()).problems(target()) == []
 
 
 def test_validate_reads_paused_state_alongside_the_transport_check() -> None:
-    e = Engine()
+    e = vllm()
     tr = _CheckingTransport(True)
     a = VllmAdapter(client(e), tr)  # type: ignore[arg-type]
     a.drain(PauseMode.WAIT)
     v = a.validate(target(), live=False)
     assert v is not None and v.paused is True and len(tr.urls) == 1
     assert [c.name for c in v.checks] == ["transport-checksum"]
-    assert e.sent(Routes.IS_PAUSED) == 1
+    assert sent(e, Routes.IS_PAUSED) == 1
     a.resume()
     v2 = a.validate(target(), live=False)
     assert v2 is not None and v2.paused is False
-    failing = VllmAdapter(client(Engine(overrides={Routes.IS_PAUSED: answer(500, {})})),
+    failing = VllmAdapter(client(vllm(overrides={Routes.IS_PAUSED: answer(500, {})})),
                           _CheckingTransport(True))  # type: ignore[arg-type]
     with pytest.raises(EngineUnavailable):
         failing.validate(target(), live=False)
@@ -767,7 +739,7 @@ def test_validate_reads_paused_state_alongside_the_transport_check() -> None:
 
 
 def test_transfer_without_a_stage_or_transport_mutates_nothing() -> None:
-    a = VllmAdapter(client(Engine()))
+    a = VllmAdapter(client(vllm()))
     with pytest.raises(TransferError) as ei:
         a.transfer(target())
     assert ei.value.mutation_started is False
@@ -775,7 +747,7 @@ def test_transfer_without_a_stage_or_transport_mutates_nothing() -> None:
 
 def test_validate_with_reference_checksums() -> None:
     sums = {"dp0:pp0:pcp0:tp0:a": "1" * 64, "dp0:pp0:pcp0:tp0:qkv": EMPTY_SHA256}
-    a = VllmAdapter(client(Engine(overrides={
+    a = VllmAdapter(client(vllm(overrides={
         Routes.WEIGHT_CHECKER: answer(200, {"checksums": sums})})))
     a.stage(_source(), reference_checksums={"a": "1" * 64, "qkv": EMPTY_SHA256})
     v = a.validate(target(), live=False)
@@ -820,7 +792,7 @@ class _CheckingTransport:
 def test_paused_validation_includes_the_transports_own_check() -> None:
     for passed in (True, False):
         tr = _CheckingTransport(passed)
-        a = VllmAdapter(client(Engine()), tr)  # type: ignore[arg-type]
+        a = VllmAdapter(client(vllm()), tr)  # type: ignore[arg-type]
         a.stage(_source())
         v = a.validate(target(), live=False)
         assert v is not None and tr.urls == [BASE]
@@ -854,7 +826,7 @@ class _SendingCheckingTransport(_CheckingTransport):
 
 def test_transport_check_starts_when_the_transfer_returns_and_the_validation_collects_it(
 ) -> None:
-    e = Engine()
+    e = vllm()
     tr = _SendingCheckingTransport(True)
     a = VllmAdapter(client(e), tr)  # type: ignore[arg-type]
     t = target()
@@ -868,13 +840,13 @@ def test_transport_check_starts_when_the_transfer_returns_and_the_validation_col
         time.sleep(0.005)
     assert tr.events == ["send rc-1", "check start"]
     # The paused state was read as the transfer returned, for this validation.
-    while e.sent(Routes.IS_PAUSED) < 1 and time.monotonic() < deadline:
+    while sent(e, Routes.IS_PAUSED) < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert e.sent(Routes.IS_PAUSED) == 1
+    assert sent(e, Routes.IS_PAUSED) == 1
     tr.release.set()
     v = a.validate(t, live=False)
     assert v is not None and v.paused is True
-    assert e.sent(Routes.IS_PAUSED) == 1  # the validation took that read, not another
+    assert sent(e, Routes.IS_PAUSED) == 1  # the validation took that read, not another
     (chk,) = v.checks
     assert chk.name == "transport-checksum" and chk.passed
     assert "alongside the cache reset" in chk.detail
@@ -892,7 +864,7 @@ def test_transport_check_starts_when_the_transfer_returns_and_the_validation_col
                           (EngineUnavailable("rpc", "gone", mutation_started=False), None)):
         tr2 = _SendingCheckingTransport(outcome)
         tr2.release.set()
-        b = VllmAdapter(client(Engine()), tr2)  # type: ignore[arg-type]
+        b = VllmAdapter(client(vllm()), tr2)  # type: ignore[arg-type]
         b.stage(_source())
         b.transfer(t)
         if want is None:
@@ -905,14 +877,14 @@ def test_transport_check_starts_when_the_transfer_returns_and_the_validation_col
     # Off: the check runs inside the validation, as before.
     tr3 = _SendingCheckingTransport(True)
     tr3.release.set()
-    c = VllmAdapter(client(Engine()), tr3, early_transport_check=False)  # type: ignore[arg-type]
+    c = VllmAdapter(client(vllm()), tr3, early_transport_check=False)  # type: ignore[arg-type]
     c.stage(_source())
     c.transfer(t)
     assert tr3.events == ["send rc-1"]
     c.validate(t, live=False)
     assert tr3.events == ["send rc-1", "check start", "check end"]
     with pytest.raises(BadInput):
-        VllmAdapter(client(Engine()), tr3, early_transport_check=1)  # type: ignore[arg-type]
+        VllmAdapter(client(vllm()), tr3, early_transport_check=1)  # type: ignore[arg-type]
     a.close()
     c.close()
 
@@ -928,12 +900,12 @@ class _Probes:
 
 
 def test_live_validation_runs_the_probe_hook() -> None:
-    a = VllmAdapter(client(Engine()))
+    a = VllmAdapter(client(vllm()))
     assert a.validate(target(), live=True) is None
     chk = Check("policy_probe", False, "max diff 3.1", max_abs_diff=3.1, tolerance=0.05,
                 level=VerificationLevel.PROBE)
     probes = _Probes(chk)
-    a2 = VllmAdapter(client(Engine()), probes=probes)
+    a2 = VllmAdapter(client(vllm()), probes=probes)
     t = target()
     v = a2.validate(t, live=True)
     assert v is not None and v.checks == (chk,) and v.paused is False
@@ -950,31 +922,31 @@ def test_live_validation_runs_the_probe_hook() -> None:
 
 
 def test_resume_confirms_and_fence_reports_its_failures() -> None:
-    e = Engine()
+    e = vllm()
     a = VllmAdapter(client(e))
     d = a.drain(PauseMode.WAIT)
     r = a.resume()
     assert d.paused and r.resumed and r.is_paused_after is False
     # vLLM's own answers ({"status": "paused"/"resumed"}, sent after its engine
     # core acted) are the evidence: no second round trip to /is_paused.
-    assert e.sent(Routes.IS_PAUSED) == 0
+    assert sent(e, Routes.IS_PAUSED) == 0
     # An answer that does not say so is confirmed by asking, and believed.
-    stuck = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": True}),
+    stuck = vllm(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": True}),
                               Routes.RESUME: answer(200, {})})
     assert VllmAdapter(client(stuck)).resume().problems(None) == [
         "engine still reports paused after resume"]
-    assert stuck.sent(Routes.IS_PAUSED) == 1
-    unpaused = Engine(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": False}),
+    assert sent(stuck, Routes.IS_PAUSED) == 1
+    unpaused = vllm(overrides={Routes.IS_PAUSED: answer(200, {"is_paused": False}),
                                  Routes.PAUSE: answer(200, {"status": "ok"})})
     assert VllmAdapter(client(unpaused)).drain(PauseMode.WAIT).problems(None) == [
         "engine does not report paused"]
-    dead = VllmAdapter(client(Engine(overrides={Routes.PAUSE: raising(
+    dead = VllmAdapter(client(vllm(overrides={Routes.PAUSE: raising(
         httpx.ConnectError("gone"))})))
     with pytest.raises(EngineUnreachable):  # #16: a fence that failed says so
         dead.fence()
-    fenced = Engine()
+    fenced = vllm()
     VllmAdapter(client(fenced)).fence()
-    req = [r for r in fenced.requests if r.url.path == Routes.PAUSE][-1]
+    req = requests(fenced, Routes.PAUSE)[-1]
     assert req.url.params["mode"] == "abort"
 
 
@@ -988,9 +960,10 @@ def test_each_step_declares_once_whether_its_failures_may_have_moved_weights() -
     def down(req: httpx.Request) -> httpx.Response:
         return httpx.Response(503, text="down")
 
-    def broken(*, health: bool = True) -> Engine:
+    def broken(*, health: bool = True) -> FakeVllm:
         # /openapi.json answers (the routes are known), (/health,) everything else is down.
-        return Engine(overrides={r: down for r in V032 if r != Routes.HEALTH or not health})
+        served = vllm().paths - {Routes.OPENAPI}
+        return vllm(overrides={r: down for r in served if r != Routes.HEALTH or not health})
 
     assert STEP_MAY_MUTATE[Step.DRAIN] is False and STEP_MAY_MUTATE[Step.TRANSFER] is True
     t = target()
@@ -1032,7 +1005,7 @@ def test_a_transfer_failure_keeps_the_transports_own_classification() -> None:
                           False),
                          (TransferError("transfer", "cut mid-way", mutation_started=True), True),
                          (RuntimeError("collective broke"), True)):
-        a = VllmAdapter(client(Engine()), _AbortableTransport(err))  # type: ignore[arg-type]
+        a = VllmAdapter(client(vllm()), _AbortableTransport(err))  # type: ignore[arg-type]
         a.stage(_source())
         with pytest.raises(TransferError) as ei:
             a.transfer(target())
@@ -1041,7 +1014,7 @@ def test_a_transfer_failure_keeps_the_transports_own_classification() -> None:
 
 def test_cancel_of_the_transfer_step_aborts_the_transport() -> None:
     tr = _AbortableTransport()
-    a = VllmAdapter(client(Engine()), tr)  # type: ignore[arg-type]
+    a = VllmAdapter(client(vllm()), tr)  # type: ignore[arg-type]
     a.cancel(Step.VALIDATE)
     assert tr.aborted == 0
     a.cancel(Step.TRANSFER)
@@ -1052,7 +1025,7 @@ def test_cancel_of_the_transfer_step_aborts_the_transport() -> None:
 def test_the_adapter_is_the_port_and_observes_health() -> None:
     from rolloutcore.control.port import HealthObserver, LifecycleAdapter
 
-    a = VllmAdapter(client(Engine()))
+    a = VllmAdapter(client(vllm()))
     assert isinstance(a, LifecycleAdapter) and isinstance(a, HealthObserver)
 
 
@@ -1060,18 +1033,18 @@ def test_engine_recompute_pause_is_refused_where_keep_ignores_clear_cache() -> N
     """vLLM 0.26's keep ignores clear_cache: an engine_recompute drain there is refused
     before the pause (nothing sent, no mutation); on 0.32 it asks for clear_cache=true and
     its evidence says the caches were cleared."""
-    old = Engine(routes=V026)
+    old = vllm(without=V026)
     with pytest.raises(EffectError, match="ignores clear_cache") as ei:
         VllmAdapter(client(old)).drain(PauseMode.KEEP, clear_cache=True)
-    assert ei.value.mutation_started is False and old.sent(Routes.PAUSE) == 0
-    new = Engine()
+    assert ei.value.mutation_started is False and sent(old, Routes.PAUSE) == 0
+    new = vllm()
     ev = VllmAdapter(client(new)).drain(PauseMode.KEEP, clear_cache=True)
     assert ev.cleared and ev.mode is PauseMode.KEEP
-    (req,) = [r for r in new.requests if r.url.path == Routes.PAUSE]
+    (req,) = requests(new, Routes.PAUSE)
     assert req.url.params["clear_cache"] == "true" and req.url.params["mode"] == "keep"
-    plain = Engine()
+    plain = vllm()
     assert not VllmAdapter(client(plain)).drain(PauseMode.KEEP).cleared
-    (req,) = [r for r in plain.requests if r.url.path == Routes.PAUSE]
+    (req,) = requests(plain, Routes.PAUSE)
     assert req.url.params["clear_cache"] == "false"
 
 
@@ -1087,10 +1060,9 @@ def test_top_logprobs_reads_both_vllm_forms_of_a_logprob_entry(form: str) -> Non
     content = [{**entry(7, -0.1), "top_logprobs": [entry(7, -0.1), entry(9, -2.5)]},
                {**entry(3, -0.7), "top_logprobs": [entry(3, -0.7)]}]
 
-    def engine(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"choices": [{"logprobs": {"content": content}}]})
-
-    with VllmHTTP(BASE, transport=httpx.MockTransport(engine)) as h:
+    e = vllm(overrides={Routes.GENERATE: answer(200, {"choices": [
+        {"logprobs": {"content": content}}]})})
+    with client(e) as h:
         got = h.top_logprobs([1, 2], max_tokens=2, top=2, model="m")
     assert got == [(7, {7: -0.1, 9: -2.5}), (3, {3: -0.7})]
 
@@ -1099,9 +1071,7 @@ def test_top_logprobs_reads_both_vllm_forms_of_a_logprob_entry(form: str) -> Non
                                  {"token_id": "7", "logprob": -1.0},
                                  {"token_id": True, "logprob": -1.0}])
 def test_top_logprobs_refuses_an_entry_without_a_token_id(bad: dict[str, Any]) -> None:
-    def engine(req: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"choices": [{"logprobs": {"content": [bad]}}]})
-
-    with VllmHTTP(BASE, transport=httpx.MockTransport(engine)) as h, \
-            pytest.raises(EffectError, match="unexpected generate answer"):
+    e = vllm(overrides={Routes.GENERATE: answer(200, {"choices": [
+        {"logprobs": {"content": [bad]}}]})})
+    with client(e) as h, pytest.raises(EffectError, match="unexpected generate answer"):
         h.top_logprobs([1, 2], max_tokens=1, top=1, model="m")

@@ -2,7 +2,8 @@
 
 vLLM's CPU build has no sleep mode (tests/engine/test_sleep_cpu.py shows the
 refusal on a real CPU server), so the answers of a sleeping CUDA engine are
-played here by ``httpx.MockTransport``, as two vLLM releases give them, read
+played here by the one fake of vLLM (``rolloutcore.testing.FakeVllm``, its
+``FakeEngine`` sleeping and waking), as two vLLM releases give them, read
 from their sources: 0.32 answers ``/sleep`` and ``/wake_up`` with a status
 and keeps its scheduler paused until everything is awake (then resumes it);
 0.26 answers empty bodies and resumes its scheduler on any wake (the partial
@@ -20,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_fake import Handler, answer, sent, vllm
 from rolloutcore.core.evidence import (
     CacheKind,
     Check,
@@ -39,72 +41,35 @@ from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.sleep import SleepAwareTransport
 from rolloutcore.errors import BadInput, EffectError, EngineRefused, TransferError
+from rolloutcore.testing import FakeVllm
+from rolloutcore.testing.fake_engine import FakeEngine
 
 BASE = "http://engine.test"
+#: What the engine serves: no weight label (the transport's checks are the evidence).
 ROUTES = frozenset({
     Routes.HEALTH, Routes.VERSION, Routes.SERVER_INFO, Routes.MODELS, Routes.PAUSE,
     Routes.RESUME, Routes.IS_PAUSED, Routes.IS_SLEEPING, Routes.SLEEP, Routes.WAKE_UP,
-    Routes.RESET_PREFIX, Routes.RESET_ENCODER, Routes.RESET_MM, "/start_weight_update",
-    "/update_weights", "/finish_weight_update", "/collective_rpc"})
+    Routes.RESET_PREFIX, Routes.RESET_ENCODER, Routes.RESET_MM, Routes.START_UPDATE,
+    Routes.UPDATE_WEIGHTS, Routes.FINISH_UPDATE})
 
 
-class SleepyEngine:
-    """vLLM's sleep routes as 0.32 or 0.26 answer them; records every request."""
+def _info(sleep_mode: bool | None) -> Handler:
+    """``/server_info`` of an engine started for rc_cuda_ipc, with ``--enable-sleep-mode``
+    as ``sleep_mode`` says (``None``: not shown)."""
+    mc = {} if sleep_mode is None else {"enable_sleep_mode": sleep_mode}
+    return answer(200, {"vllm_config": {
+        "model_config": mc, "weight_transfer_config": {"backend": "rc_cuda_ipc"}}})
 
-    def __init__(self, release: str = "0.32", sleep_mode: bool | None = True) -> None:
-        self.release = release
-        self.sleep_mode = sleep_mode
-        self.requests: list[httpx.Request] = []
-        self.paused = False
-        self.asleep: set[str] = set()
-        self.level: int | None = None
 
-    def __call__(self, req: httpx.Request) -> httpx.Response:
-        self.requests.append(req)
-        path, new = req.url.path, self.release == "0.32"
-        if path == "/openapi.json":
-            return httpx.Response(200, json={"paths": {r: {} for r in ROUTES}})
-        if path == Routes.HEALTH:
-            return httpx.Response(200)
-        if path == Routes.MODELS:
-            return httpx.Response(200, json={"data": [{"id": "policy"}]})
-        if path == Routes.VERSION:
-            return httpx.Response(200, json={"version": f"{self.release}.0"})
-        if path == Routes.SERVER_INFO:
-            mc = {} if self.sleep_mode is None else {"enable_sleep_mode": self.sleep_mode}
-            return httpx.Response(200, json={"vllm_config": {
-                "model_config": mc, "weight_transfer_config": {"backend": "rc_cuda_ipc"}}})
-        if path == Routes.PAUSE:
-            self.paused = True
-            return httpx.Response(200, json={"status": "paused"})
-        if path == Routes.RESUME:
-            self.paused = False
-            return httpx.Response(200, json={"status": "resumed"})
-        if path == Routes.IS_PAUSED:
-            return httpx.Response(200, json={"is_paused": self.paused})
-        if path == Routes.IS_SLEEPING:
-            return httpx.Response(200, json={"is_sleeping": bool(self.asleep) or self.paused})
-        if path == Routes.SLEEP:
-            self.level = int(req.url.params["level"])
-            self.paused, self.asleep = True, {"weights", "kv_cache"}
-            return (httpx.Response(200, json={"status": "sleeping", "level": self.level})
-                    if new else httpx.Response(200))
-        if path == Routes.WAKE_UP:
-            tags = req.url.params.get_list("tags") or ["weights", "kv_cache"]
-            self.asleep -= set(tags)
-            if not self.asleep or not new:
-                self.paused = False  # 0.32: once fully awake; 0.26: on any wake
-            return (httpx.Response(200, json={"status": "sleeping" if self.asleep
-                                              else "awake", "tags": tags})
-                    if new else httpx.Response(200))
-        if path == Routes.RESET_PREFIX:
-            return httpx.Response(200, json={"success": True})
-        if path in (Routes.RESET_ENCODER, Routes.RESET_MM):
-            return httpx.Response(200)
-        return httpx.Response(500, json={"error": f"unexpected {path}"})
-
-    def sent(self, path: str) -> int:
-        return sum(1 for r in self.requests if r.url.path == path)
+def sleepy_engine(release: str = "0.32", sleep_mode: bool | None = True,
+                  seen: list[httpx.Request] | None = None) -> FakeVllm:
+    """The one fake of vLLM with sleep mode, as 0.32 or 0.26 answer it (0.26: empty
+    bodies, its scheduler resumed on any wake); ``seen``: every request, in order."""
+    e = vllm(version=f"{release}.0", only=ROUTES, seen=seen, overrides={
+        Routes.SERVER_INFO: _info(sleep_mode)})
+    if release == "0.26":
+        e.empty_sleep_answers, e.engine.wake_resumes = True, "always"
+    return e
 
 
 class WorkerTransport:
@@ -118,7 +83,7 @@ class WorkerTransport:
         self.calls: list[str] = []
         self.skip: set[str] = set()
         self.last: Check | None = None
-        self.engine: SleepyEngine | None = None
+        self.engine: FakeEngine | None = None
 
     def engine_config(self) -> dict[str, Any]:
         return {"backend": self.backend}
@@ -175,27 +140,28 @@ def target(label: str = "rc-1") -> UpdateTarget:
 
 
 def rig(release: str = "0.32", sleep_mode: bool | None = True
-        ) -> tuple[VllmAdapter, SleepyEngine, WorkerTransport]:
+        ) -> tuple[VllmAdapter, FakeVllm, WorkerTransport, list[httpx.Request]]:
     import torch
 
     from rolloutcore.transports.source import WeightSource
 
-    e = SleepyEngine(release, sleep_mode)
+    seen: list[httpx.Request] = []
+    e = sleepy_engine(release, sleep_mode, seen)
     tr = WorkerTransport()
-    tr.engine = e
+    tr.engine = e.engine
     assert isinstance(tr, SleepAwareTransport)
-    h = VllmHTTP(BASE, transport=httpx.MockTransport(e))
+    h = VllmHTTP(BASE, transport=e.transport())
     a = VllmAdapter(h, tr, engine_epoch="e0")  # type: ignore[arg-type]
     a._connected = True  # the handshake is the transport's business, not tested here
     a._sleep_mode = sleep_mode
     a.stage(WeightSource.from_state_dict({"w": torch.ones(2)}))
-    return a, e, tr
+    return a, e, tr, seen
 
 
 def test_sleep_sends_level_and_wait_then_reads_what_the_engine_says() -> None:
-    a, e, tr = rig()
+    a, e, tr, seen = rig()
     ev = a.sleep(2, reference=False)
-    req = next(r for r in e.requests if r.url.path == Routes.SLEEP)
+    req = next(r for r in seen if r.url.path == Routes.SLEEP)
     assert req.method == "POST" and dict(req.url.params) == {"level": "2", "mode": "wait"}
     assert ev.level == 2 and ev.is_sleeping_after is True and ev.paused_after is True
     assert ev.problems(None) == [] and ev.reference_params == 0
@@ -205,27 +171,27 @@ def test_sleep_sends_level_and_wait_then_reads_what_the_engine_says() -> None:
 
 
 def test_an_engine_without_sleep_mode_is_refused_before_any_sleep_call() -> None:
-    a, e, tr = rig(sleep_mode=False)
+    a, e, tr, seen = rig(sleep_mode=False)
     with pytest.raises(EngineRefused, match="enable-sleep-mode") as ex:
         a.sleep(2, reference=True)
     assert ex.value.mutation_started is False
-    assert e.sent(Routes.SLEEP) == 0 and tr.calls == [] and a.asleep is None
+    assert sent(e, Routes.SLEEP) == 0 and tr.calls == [] and a.asleep is None
     # Not known from bootstrap: asked of /server_info before anything is sent.
-    a2, e2, _ = rig(sleep_mode=None)
-    e2.sleep_mode = False
+    a2, e2, _, _ = rig(sleep_mode=None)
+    e2.override(Routes.SERVER_INFO, _info(False))
     with pytest.raises(EngineRefused):
         a2.sleep(1, reference=False)
-    assert e2.sent(Routes.SERVER_INFO) == 1 and e2.sent(Routes.SLEEP) == 0
+    assert sent(e2, Routes.SERVER_INFO) == 1 and sent(e2, Routes.SLEEP) == 0
     with pytest.raises(BadInput):
         a.sleep(0, reference=False)
 
 
 @pytest.mark.parametrize("release", ["0.32", "0.26"])
 def test_the_colocated_wake_keeps_the_scheduler_paused_on_both_releases(release: str) -> None:
-    a, e, tr = rig(release)
+    a, e, tr, seen = rig(release)
     a.sleep(2, reference=False)
     w = a.wake(WakeTags.WEIGHTS)
-    assert w.fully_awake is False and w.paused_after is True and e.paused
+    assert w.fully_awake is False and w.paused_after is True and e.engine.paused
     assert w.memory_after["used_bytes"] == 17 << 30
     assert w.repaused is (release == "0.26")  # 0.26 resumed its scheduler on a partial wake
     assert w.problems(None) == [] and "after_wake" in tr.calls
@@ -235,7 +201,7 @@ def test_the_colocated_wake_keeps_the_scheduler_paused_on_both_releases(release:
     # KV cache wakes (vLLM resumes the scheduler then, and the wake pauses it again).
     assert a._early is not None and a._early[2] is None
     k = a.wake(WakeTags.KV_CACHE)
-    assert k.fully_awake is True and k.paused_after is True and k.repaused and e.paused
+    assert k.fully_awake is True and k.paused_after is True and k.repaused and e.engine.paused
     assert any("directly" in u for u in k.unverified)
     assert tr.calls.count("after_wake") == 1  # the KV cache holds no transport state
     assert a.reset_cache(CacheKind.PREFIX).engine_success is True
@@ -245,13 +211,13 @@ def test_the_colocated_wake_keeps_the_scheduler_paused_on_both_releases(release:
     assert names == ["worker_block_checksum", "engine_parameters"]
     assert all(c.passed for c in val.checks) and val.checks[1].coverage == 1.0
     a.resume()
-    assert a.asleep is None and not e.paused
+    assert a.asleep is None and not e.engine.paused
 
 
 def test_nothing_reaches_a_sleeping_engine_but_the_wake() -> None:
-    a, e, tr = rig()
+    a, e, tr, seen = rig()
     a.sleep(2, reference=False)
-    n = len(e.requests)
+    n = len(seen)
     with pytest.raises(TransferError, match="asleep") as ex:
         a.transfer(target())
     assert ex.value.mutation_started is False and "send" not in tr.calls
@@ -262,14 +228,14 @@ def test_nothing_reaches_a_sleeping_engine_but_the_wake() -> None:
         a.reset_cache(CacheKind.PREFIX)
     with pytest.raises(EngineRefused, match="already asleep"):
         a.sleep(2, reference=False)
-    assert len(e.requests) == n, "a refused call reached the engine"
+    assert len(seen) == n, "a refused call reached the engine"
     a.wake(WakeTags.WEIGHTS)
     with pytest.raises(EffectError, match="kv_cache"):  # the KV cache is still asleep
         a.reset_cache(CacheKind.PREFIX)
 
 
 def test_a_restore_compares_every_parameter_with_its_checksum_from_before_the_sleep() -> None:
-    a, e, tr = rig()
+    a, e, tr, seen = rig()
     ev = a.sleep(1, reference=True)
     assert ev.reference_params == 4 and tr.calls.index("param_checksums") < len(tr.calls)
     a.wake(WakeTags.ALL)
@@ -279,7 +245,7 @@ def test_a_restore_compares_every_parameter_with_its_checksum_from_before_the_sl
     assert chk.name == "engine-parameters" and chk.passed and chk.coverage == 1.0
     assert "before the sleep" in chk.detail
     # Weights that came back different (a level-2 sleep, a bad offload) fail it.
-    a2, _, tr2 = rig()
+    a2, _, tr2, _ = rig()
     a2.sleep(2, reference=True)
     tr2.params = {n: 0 for n in tr2.params}  # what a level-2 wake brings back
     a2.wake(WakeTags.ALL)
@@ -287,7 +253,7 @@ def test_a_restore_compares_every_parameter_with_its_checksum_from_before_the_sl
     assert bad is not None and not bad.checks[0].passed and bad.checks[0].coverage == 1.0
     assert bad.checks[0].detail.count("MISMATCHED") == 1
     # ...and without a reference there is nothing to compare with.
-    a3, _, _ = rig()
+    a3, _, _, _ = rig()
     a3.sleep(2, reference=False)
     a3.wake(WakeTags.ALL)
     none = a3.validate(target(), live=False)
@@ -295,7 +261,7 @@ def test_a_restore_compares_every_parameter_with_its_checksum_from_before_the_sl
 
 
 def test_one_parameter_left_unwritten_shows_in_the_whole_parameter_check() -> None:
-    a, e, tr = rig()
+    a, e, tr, seen = rig()
     a.sleep(2, reference=False)
     a.wake(WakeTags.WEIGHTS)
     tr.skip = {"p3"}
@@ -308,7 +274,7 @@ def test_one_parameter_left_unwritten_shows_in_the_whole_parameter_check() -> No
 
 
 def test_wake_tags_are_checked_and_sent_as_vllm_reads_them() -> None:
-    a, e, tr = rig()
+    a, e, tr, seen = rig()
     with pytest.raises(BadInput):
         a.wake("weights")  # type: ignore[arg-type]
     h = a.http
@@ -322,29 +288,26 @@ def test_wake_tags_are_checked_and_sent_as_vllm_reads_them() -> None:
     a.wake(WakeTags.WEIGHTS)
     a.transfer(target())
     a.wake(WakeTags.KV_CACHE)
-    wakes = [r for r in e.requests if r.url.path == Routes.WAKE_UP]
+    wakes = [r for r in seen if r.url.path == Routes.WAKE_UP]
     assert [r.url.params.get_list("tags") for r in wakes] == [["weights"], ["kv_cache"]]
     a.resume()
     a.sleep(1, reference=False)
     a.wake(WakeTags.ALL)
-    assert [r for r in e.requests if r.url.path == Routes.WAKE_UP][-1].url.params \
+    assert [r for r in seen if r.url.path == Routes.WAKE_UP][-1].url.params \
         .get_list("tags") == []
 
 
 def test_a_sleep_the_engine_refuses_left_it_untouched_and_a_500_did_not() -> None:
-    a, e, tr = rig()
-    e_refuse = SleepyEngine()
-    h = VllmHTTP(BASE, transport=httpx.MockTransport(
-        lambda r: httpx.Response(400, json={"detail": "bad level"})
-        if r.url.path == Routes.SLEEP else e_refuse(r)))
+    a, e, tr, seen = rig()
+    h = VllmHTTP(BASE, transport=vllm(overrides={
+        Routes.SLEEP: answer(400, {"detail": "bad level"})}).transport())
     a2 = VllmAdapter(h, engine_epoch="e0")
     a2._sleep_mode = True
     with pytest.raises(EngineRefused) as ex:
         a2.sleep(2, reference=False)
     assert ex.value.mutation_started is False and a2.asleep is None
-    h5 = VllmHTTP(BASE, transport=httpx.MockTransport(
-        lambda r: httpx.Response(500, json={"error": "boom"})
-        if r.url.path == Routes.SLEEP else e_refuse(r)))
+    h5 = VllmHTTP(BASE, transport=vllm(overrides={
+        Routes.SLEEP: answer(500, {"error": "boom"})}).transport())
     a5 = VllmAdapter(h5, engine_epoch="e0")
     a5._sleep_mode = True
     with pytest.raises(EffectError) as ex5:
@@ -360,10 +323,10 @@ def test_the_session_api_in_a_training_loop() -> None:
     from rolloutcore.errors import UpdateRefused
     from rolloutcore.session import EngineSession
 
-    e = SleepyEngine()
+    e = sleepy_engine()
     tr = WorkerTransport()
-    tr.engine = e
-    session = EngineSession(VllmHTTP(BASE, transport=httpx.MockTransport(e)), tr,
+    tr.engine = e.engine
+    session = EngineSession(VllmHTTP(BASE, transport=e.transport()), tr,
                             engine_epoch="e0")
     session.vllm._connected = True
     m = ParameterManifest.from_items([("w", (2,), "float32")])
@@ -384,7 +347,7 @@ def test_the_session_api_in_a_training_loop() -> None:
                                       Provenance(f"s{step}", "run", step), probe=False)
         assert res.version.label == f"rc-{step}" and c.state is State.READY
         assert res.identity.verification >= VerificationLevel.ENGINE_CHECKSUM
-        assert session.asleep is None and not e.paused and not e.asleep
+        assert session.asleep is None and not e.engine.paused and not e.engine.asleep
     session.sleep(1)
     assert session.wake() == c.committed and c.state is State.READY
     assert [v.label for v in c.published] == ["rc-0", "rc-1", "rc-2"]

@@ -16,7 +16,8 @@ HF_USE = re.compile(r"\b[Pp]eft|make_adapter|make_checkpoint|installed\(\"(trans
                      r"|^\s*(from|import) (transformers|trl)\b", re.M)
 HF_UNIT = "tests/test_fleet_adapters.py"
 HEAVIEST_FIRST = (
-    HF_UNIT, "tests/test_layering.py", "tests/test_errors_tree.py",
+    HF_UNIT, "tests/test_layering.py", "tests/test_layering_fakes.py",
+    "tests/test_errors_tree.py",
     "tests/test_service_schemathesis.py", "tests/test_lifecycle_stateful.py",
     "tests/test_service_control.py", "tests/test_trainer_protocol_fuzz.py",
     "tests/test_cli_demo.py",

@@ -12,9 +12,14 @@ gets it by being handed ``transport=`` where it builds its client::
 The state is the engine's (in-flight requests, pause modes, a prefix cache
 keyed by tokens and salt, weights that change every output, sleep levels);
 this module adds LoRA adapters (a name, its path, and outputs of its own),
-the weight label, ``without`` (routes an older vLLM lacks), and
+the weight label, ``version`` (what ``/version`` says: a vLLM release string
+switches on what the client reads from that release), vLLM's own count of its
+weight-update calls at ``/metrics``, ``without`` (routes an older vLLM lacks), and
 faults: ``fail(path, status, times)`` answers the next
-``times`` calls of ``path`` with ``status`` and vLLM's error body, ``down``
+``times`` calls of ``path`` with ``status`` and vLLM's error body (or raises an
+httpx transport error there), ``override(path, handler, times)`` answers them
+with what ``handler`` returns (a body of a shape the engine never gives, a
+route the fake does not serve: ``/collective_rpc``), ``down``
 drops every connection, ``swallow_loads`` (that many LoRA loads answer and load
 nothing), ``base_under_name`` (that many are listed while the base computes).
 Given a ``scorer`` (``testing.peft_scorer``: the tiny model through PEFT), a
@@ -57,6 +62,10 @@ from rolloutcore.testing.fake_engine import VOCAB, EnginePaused, FakeEngine
 __all__ = ["FakeVllm"]
 
 MODEL = "fake-model"
+#: vLLM's weight-update routes and the ``operation`` label its ``/metrics`` counts them
+#: under (``vllm:rl_weight_update_operation_duration_seconds``, from 0.32).
+_OPS = {Routes.INIT_TRANSFER: "init", Routes.START_UPDATE: "start",
+        Routes.UPDATE_WEIGHTS: "update", Routes.FINISH_UPDATE: "finish"}
 _Handler = Callable[[httpx.Request], httpx.Response]
 _DONE = b"data: [DONE]"
 _SSE = "text/event-stream"
@@ -117,6 +126,11 @@ class FakeVllm:
         self.before: Callable[[httpx.Request], None] | None = None
         self.engine = engine
         self.model = model
+        #: what ``/version`` answers: ``"0.32.0"`` makes the client read what 0.32 serves
+        self.version = "fake"
+        #: vLLM 0.26: ``/sleep`` and ``/wake_up`` answer an empty 200 (0.32 says the state;
+        #: the engine's ``wake_resumes="always"`` is 0.26's wake)
+        self.empty_sleep_answers = False
         #: loaded LoRA adapters: name -> the path it was loaded from
         self.loras: dict[str, str] = {}
         self.scorer = scorer
@@ -131,12 +145,19 @@ class FakeVllm:
         #: connection it came on: a pooled connection is reused, a new one has a new port)
         self.peers: list[tuple[str, int]] = []
         self._faults: dict[str, list[int | type[httpx.TransportError]]] = {}
+        #: path -> its handler, and the calls it has left (absent: every call), ``override``
+        self._overrides: dict[str, _Handler] = {}
+        self._overrides_left: dict[str, int] = {}
+        #: vLLM's count of finished weight-update calls, by ``_OPS`` operation
+        self._ops: dict[str, int] = {}
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, str], _Handler] = {
             ("GET", Routes.HEALTH): self._health,
-            ("GET", Routes.VERSION): lambda r: httpx.Response(200, json={"version": "fake"}),
+            ("GET", Routes.VERSION): lambda r: httpx.Response(200, json={
+                "version": self.version}),
             ("GET", Routes.OPENAPI): self._openapi,
             ("GET", Routes.MODELS): self._models,
+            ("GET", Routes.METRICS): self._metrics,
             ("GET", Routes.SERVER_INFO): self._server_info,
             ("GET", Routes.IS_PAUSED): lambda r: httpx.Response(
                 200, json={"is_paused": self.engine.paused}),
@@ -198,6 +219,33 @@ class FakeVllm:
         with self._lock:
             self._faults.setdefault(path, []).extend([status] * times)
 
+    def override(self, path: str, handler: _Handler, times: int | None = None) -> None:
+        """Answer the next ``times`` calls of ``path`` (every call: ``None``), whatever
+        their method, with what ``handler(request)`` returns, or with what it raises (an
+        ``httpx.TransportError`` instance: a reset connection, a refusal), instead of the
+        fake's own answer: what a test needs the engine to say that this fake's state
+        never does. A path the fake does not serve is served so (and listed by
+        ``/openapi.json`` while it is); ``fail`` and ``down`` still come first."""
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise BadInput(f"path must be a path (\"/...\"), got {path!r}")
+        if not callable(handler):
+            raise BadInput("handler must be callable (request) -> httpx.Response")
+        if times is not None and (isinstance(times, bool) or not isinstance(times, int)
+                                  or times < 1):
+            raise BadInput("times must be None (every call) or an int >= 1")
+        with self._lock:
+            self._overrides[path] = handler
+            if times is None:
+                self._overrides_left.pop(path, None)
+            else:
+                self._overrides_left[path] = times
+
+    @property
+    def paths(self) -> frozenset[str]:
+        """The paths this fake serves now (what ``/openapi.json`` lists)."""
+        with self._lock:
+            return frozenset({p for _, p in self._routes} | set(self._overrides))
+
     def handle(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
         with self._lock:
@@ -207,8 +255,15 @@ class FakeVllm:
                                          request=request)
             queued = self._faults.get(path)
             status = queued.pop(0) if queued else None
+            over = self._overrides.get(path) if status is None else None
+            if over is not None and path in self._overrides_left:
+                self._overrides_left[path] -= 1
+                if self._overrides_left[path] == 0:
+                    del self._overrides[path], self._overrides_left[path]
         if self.before is not None:
             self.before(request)
+        if over is not None:
+            return over(request)
         if isinstance(status, type):
             raise status(f"fake vLLM: injected {status.__name__} on {path}", request=request)
         if status is not None:
@@ -220,7 +275,11 @@ class FakeVllm:
             return httpx.Response(405 if known else 404,
                                   json={"detail": "Method Not Allowed" if known else "Not Found"})
         try:
-            return route(request)
+            got = route(request)
+            if path in _OPS and got.status_code == 200:
+                with self._lock:
+                    self._ops[_OPS[path]] = self._ops.get(_OPS[path], 0) + 1
+            return got
         except EnginePaused as exc:  # vLLM 0.33+: a request that reaches a paused engine
             return httpx.Response(503, json={"error": {
                 "message": str(exc), "type": "ServiceUnavailableError",
@@ -289,8 +348,26 @@ class FakeVllm:
         return httpx.Response(503 if self.engine.dead else 200)
 
     def _openapi(self, request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"openapi": "3.1.0", "paths": {
-            p: {m.lower(): {}} for m, p in self._routes}})
+        paths: dict[str, dict[str, Any]] = {p: {} for p in self.paths}
+        for m, p in self._routes:
+            paths[p][m.lower()] = {}
+        return httpx.Response(200, json={"openapi": "3.1.0", "paths": paths})
+
+    def _metrics(self, request: httpx.Request) -> httpx.Response:
+        """vLLM's counters of its weight-update calls (created by the first call, as
+        ``prometheus_client`` renders a labelled family) and its sleep-state gauge."""
+        with self._lock:
+            ops = dict(self._ops)
+        name = "vllm:rl_weight_update_operation_duration_seconds"
+        lines = [f"# HELP {name} Duration of weight update operations.",
+                 f"# TYPE {name} histogram"]
+        lines += [f'{name}_count{{operation="{op}"}} {n:.1f}' for op, n in sorted(ops.items())]
+        awake = not self.engine.asleep
+        lines += ["# HELP vllm:engine_sleep_state Engine sleep state.",
+                  "# TYPE vllm:engine_sleep_state gauge",
+                  f'vllm:engine_sleep_state{{sleep_state="awake"}} {float(awake):.1f}']
+        return httpx.Response(200, text="\n".join(lines) + "\n",
+                              headers={"content-type": "text/plain; version=0.0.4"})
 
     def _models(self, request: httpx.Request) -> httpx.Response:
         with self._lock:
@@ -330,6 +407,8 @@ class FakeVllm:
         if not raw.isdigit() or int(raw) not in (1, 2):
             raise BadInput(f"sleep level must be 1 or 2, got {raw!r}")
         self.engine.sleep(int(raw))
+        if self.empty_sleep_answers:
+            return httpx.Response(200)
         return httpx.Response(200, json={"status": "sleeping", "level": int(raw)})
 
     def _wake(self, request: httpx.Request) -> httpx.Response:
@@ -337,6 +416,8 @@ class FakeVllm:
         awake = True
         for t in tags or ["all"]:
             awake = self.engine.wake(t)
+        if self.empty_sleep_answers:
+            return httpx.Response(200)
         return httpx.Response(200, json={"status": "awake" if awake else "sleeping",
                                          "tags": tags or None})
 
