@@ -17,7 +17,13 @@ from typing import Any
 import httpx
 import pytest
 
-from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
+from rolloutcore.core.evidence import (
+    CacheKind,
+    CacheResetEvidence,
+    PauseMode,
+    evidence_from_dict,
+    evidence_to_dict,
+)
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.routes import Routes
@@ -114,3 +120,6 @@ def test_absent_is_accepted_only_for_a_cache_that_was_not_reset_and_never_the_pr
     assert CacheResetEvidence(CacheKind.MULTIMODAL, 200, False, absent=why).problems(None)
     # without a reason, a reset that was not sent is a failure, as before
     assert CacheResetEvidence(CacheKind.ENCODER, None, None).problems(None)
+    # the journal keeps the reason: a restore decodes the same evidence
+    ev = CacheResetEvidence(CacheKind.MULTIMODAL, None, None, absent=why)
+    assert evidence_from_dict(evidence_to_dict(ev)) == ev
