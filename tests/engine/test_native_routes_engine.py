@@ -14,6 +14,7 @@ refused at finish with a 4xx, TAINTED, nothing published.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,13 @@ AUTH = {"authorization": f"Bearer {TOKEN}"}
 @pytest.fixture(scope="module")
 def native(engine_factory: EngineFactory, tiny_models: TinyModels,
            native_gateway: NativeGateway, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[tuple[str, Any, TinyModels]]:
+           ) -> Iterator[tuple[str, Any, TinyModels, Path]]:
     work = tmp_path_factory.mktemp("native")
     eng = engine_factory(tiny_models.A, backend="rolloutcore_gloo")
     try:
         with native_gateway(eng, tiny_models.A, work, TOKEN, NATIVE,
                             ["--journal", str(work / "journal.jsonl")]) as url:
-            yield url, eng, tiny_models
+            yield url, eng, tiny_models, work / "journal.jsonl"
     finally:
         engine_factory.stop(eng)
 
@@ -56,8 +57,8 @@ def _status(url: str) -> dict[str, Any]:
 
 
 def test_an_unmodified_sender_updates_through_the_gateway_by_base_url(
-        native: tuple[str, Any, TinyModels]) -> None:
-    url, eng, models = native
+        native: tuple[str, Any, TinyModels, Path]) -> None:
+    url, eng, models, journal = native
     base = f"{url}/rc/{NATIVE}"
     before = _status(url)["committed"]
     tr = GlooTransport()
@@ -70,6 +71,17 @@ def test_an_unmodified_sender_updates_through_the_gateway_by_base_url(
     assert httpx.get(f"{eng.base_url}/weight_info", timeout=30).json() == {
         "weight_version": label}
     assert httpx.get(f"{base}/weight_info", timeout=30).json() == {"weight_version": label}
+    # the round reset the prefix cache, checked by its body; this text-only model has no
+    # encoder or multimodal cache (vLLM's own config says so): their evidence says why,
+    # and nothing was sent for them
+    resets = {r["data"]["evidence"]["cache"]: r["data"]["evidence"] for r in map(
+        json.loads, journal.read_text().splitlines())
+        if r["kind"] == "evidence" and r["data"].get("event") == "invalidated"}
+    assert resets["prefix"]["http_status"] == 200 and resets["prefix"]["engine_success"]
+    assert not resets["prefix"]["absent"]
+    for kind in ("encoder", "multimodal"):
+        assert resets[kind]["http_status"] is None
+        assert "multimodal_config is null" in resets[kind]["absent"]
     # TRL server mode resets the prefix cache after the finish: relayed, vLLM's body
     reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60)
     assert reset.status_code == 200 and reset.json() == {"success": True}, reset.text

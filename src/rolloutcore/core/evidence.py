@@ -269,19 +269,35 @@ class TransferEvidence(Evidence):
 
 @dataclass(frozen=True)
 class CacheResetEvidence(Evidence):
-    """One cache reset. ``engine_success`` is the engine's own flag, if it gave one."""
+    """One cache reset. ``engine_success`` is the engine's own flag, if it gave one.
+
+    ``absent``: the engine has no such cache, and why, read from the engine itself
+    (an encoder or multimodal cache of a model that takes no multimodal input:
+    vLLM sizes both at nothing). Nothing was sent (``http_status`` is None), and
+    nothing computed under the old weights can be in a cache that does not exist.
+    The prefix cache is never absent: every engine keeps one.
+    """
 
     cache: CacheKind
     http_status: int | None
     engine_success: bool | None
     detail: str = ""
+    absent: str = ""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not isinstance(self.cache, CacheKind):
             raise BadInput("cache must be a CacheKind")
+        if not isinstance(self.absent, str):
+            raise BadInput("absent must be a string")
 
     def problems(self, target: UpdateTarget | None) -> list[str]:
+        if self.absent:
+            if self.cache is CacheKind.PREFIX:
+                return ["the prefix cache cannot be absent: every engine keeps one"]
+            if self.http_status is not None or self.engine_success is not None:
+                return [f"{self.cache.value} cache said absent, yet a reset was answered"]
+            return []
         out = []
         if self.http_status is None or not 200 <= self.http_status < 300:
             out.append(f"{self.cache.value} cache reset answered HTTP {self.http_status}")

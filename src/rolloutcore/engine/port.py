@@ -101,6 +101,30 @@ STEP_MAY_MUTATE: Mapping[Step, bool] = MappingProxyType({
 })
 
 
+#: The caches that hold only what multimodal inputs put there.
+_MM_CACHES = frozenset((CacheKind.ENCODER, CacheKind.MULTIMODAL))
+
+
+def _no_mm_caches(vllm_config: Mapping[str, Any]) -> str:
+    """Why an engine has neither an encoder nor a multimodal cache, from its
+    ``/server_info`` ``vllm_config``; "" unless that config says so itself.
+
+    vLLM builds a multimodal config exactly for the models that take multimodal
+    input (text-only encoder-decoder models included: vLLM implements them as
+    multimodal), and sizes the encoder cache and the multimodal caches from it: a
+    ``multimodal_config`` of null means both hold nothing, ever, on this process.
+    An engine that does not say (the key missing, an older vLLM), or one with an
+    encoder-cache connector (``ec_transfer_config``), keeps both resets.
+    """
+    mc = vllm_config.get("model_config")
+    if not isinstance(mc, dict) or "multimodal_config" not in mc or \
+            mc["multimodal_config"] is not None or vllm_config.get("ec_transfer_config"):
+        return ""
+    return ("the model takes no multimodal input (/server_info: model_config."
+            "multimodal_config is null, no ec_transfer_config): vLLM keeps no encoder "
+            "or multimodal cache for it")
+
+
 @contextlib.contextmanager
 def _step(step: Step) -> Iterator[None]:
     """Apply ``STEP_MAY_MUTATE[step]`` to what the step raises (also a decorator)."""
@@ -168,6 +192,9 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._instance_id: str | None = None
         # The engine's weight-operation counters (``engine.write_counts``).
         self._init_write_counts()
+        # Why the engine has no encoder and no multimodal cache, read at bootstrap from
+        # its own config ("": it may have them, so they are reset).
+        self._mm_absent = ""
         # The update's cache resets sent beside its first one (``reset_cache``).
         self._resets_ahead: dict[CacheKind, Future[CacheResetEvidence]] | None = None
         self._version: tuple[int, ...] = ()  # the engine's vLLM (major, minor, patch)
@@ -298,6 +325,7 @@ class VllmAdapter(SleepMode, WriteCounts):
         info: dict[str, Any] = {"base_url": h.base_url, "model": h.model()}
         info["vllm_version"] = h.version() if Routes.VERSION in caps else None
         instance_id = None
+        self._mm_absent = ""
         if Routes.SERVER_INFO in caps:
             si = h.server_info()
             cfg = si.get("vllm_config")
@@ -307,6 +335,7 @@ class VllmAdapter(SleepMode, WriteCounts):
                 info["weight_transfer_config"] = wt
                 mc = cfg.get("model_config")
                 sleep = mc.get("enable_sleep_mode") if isinstance(mc, dict) else None
+                self._mm_absent = info["mm_caches_absent"] = _no_mm_caches(cfg)
                 self._sleep_mode = sleep if isinstance(sleep, bool) else None
                 info["enable_sleep_mode"] = self._sleep_mode
                 self.draft_method = info["speculative_method"] = drafted.engine_draft(cfg)
@@ -504,9 +533,21 @@ class VllmAdapter(SleepMode, WriteCounts):
             self._early = (target, check, self._paused_ahead())
         return ev
 
+    def _absent(self, cache: CacheKind) -> str:
+        """Why the engine has no ``cache`` (read at bootstrap), or "" when it may."""
+        return self._mm_absent if cache in _MM_CACHES else ""
+
     @_step(Step.INVALIDATE)
     def reset_cache(self, cache: CacheKind) -> CacheResetEvidence:
         self._refuse_asleep("invalidate", "a cache reset", "kv_cache")
+        absent = self._absent(cache)
+        if absent:
+            # Nothing to reset and nothing sent: the evidence says why, from the
+            # engine's own config, and the controller accepts only that for a cache
+            # that may not hold anything (never the prefix cache).
+            self._read_counts_at_reset()
+            return CacheResetEvidence(cache, None, None, absent=absent,
+                                      detail="not reset: the engine has no such cache")
         ahead = self._resets_ahead
         if ahead is not None and cache in ahead:
             return ahead.pop(cache).result()
@@ -516,8 +557,8 @@ class VllmAdapter(SleepMode, WriteCounts):
             # update's writes are over, so their order proves nothing; each answers the
             # runner's own call for it, checked by its body as before. The prefix
             # cache comes first and is never reset ahead (keep mode defers it).
-            later = self._caches[self._caches.index(cache) + 1:] if cache in self._caches \
-                else ()
+            later = tuple(k for k in self._caches[self._caches.index(cache) + 1:]
+                          if not self._absent(k)) if cache in self._caches else ()
             self._resets_ahead = {k: self._side().submit(self.http.reset_cache, k)
                                   for k in later}
         # The validation's counters, beside the resets (sent after them: vLLM renders
