@@ -132,6 +132,37 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 atexit.register(gc.unfreeze)
 
 
+# An xdist worker's interpreter shutdown, once its session is over and every report is with
+# the controller: full collections of the million objects collection imported (several,
+# as the modules are torn down) and torch's C++ teardown, 6-10 s of the fast lane's end at
+# load 4 (the controller waits for both workers to exit, up to xdist's 10 s timeout).
+# Nothing of the run is decided there: a worker process ends at once instead, after the
+# atexit handlers registered after this one have run (LIFO: tmp_path's numbered-dir cleanup,
+# multiprocessing's children, weakref finalizers such as TemporaryDirectory's, torch's) and
+# logging and the standard streams are flushed. Only the worker process itself: not a child
+# it forked, nor a process it started that loads this conftest (it inherits
+# PYTEST_XDIST_WORKER but has no ``workerinput``), whose exit status a test may read.
+def _exit_without_teardown(pid: int) -> None:
+    if os.getpid() != pid:
+        return
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        atexit.register(_exit_without_teardown, os.getpid())
+
+
 def rejects_every_engine_test(markexpr: str) -> bool:
     """Whether the ``-m`` expression deselects every test that carries the ``engine``
     mark, whatever its other marks: true for ``not engine and not gpu and not slow``
