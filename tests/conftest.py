@@ -157,10 +157,39 @@ def _exit_without_teardown(pid: int) -> None:
     os._exit(0)
 
 
+def _unicode_tables_for_the_workers() -> None:
+    """Hypothesis's tables of which characters utf-8 encodes and of the Unicode categories
+    (schemathesis draws its strings through them at collection), computed once here in
+    xdist's controller while the workers start. A fresh clone has no ``.hypothesis/``,
+    where Hypothesis caches them, and each worker computed them itself (a loop over every
+    code point: ~1.5 s of CPU each). Hypothesis writes the cache atomically; a worker that
+    gets there first computes them as before."""
+    try:
+        from hypothesis.internal.charmap import charmap, intervals_from_codec
+
+        intervals_from_codec("utf-8")
+        charmap()
+    except Exception:  # an optimisation only: the workers compute them as before
+        pass
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     if hasattr(config, "workerinput"):
         atexit.register(_exit_without_teardown, os.getpid())
+
+
+# After Hypothesis's own sessionstart: before it, it refuses (a warning, an error here)
+# storage access as slow plugin initialization.
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if not hasattr(config, "workerinput") and (config.getoption("numprocesses", None) or 0) \
+            and not config.getoption("collectonly", False):
+        import threading
+
+        threading.Thread(target=_unicode_tables_for_the_workers, daemon=True,
+                         name="hypothesis-unicode-tables").start()
 
 
 def rejects_every_engine_test(markexpr: str) -> bool:
