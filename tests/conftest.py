@@ -143,8 +143,8 @@ atexit.register(gc.unfreeze)
 # it forked, nor a process it started that loads this conftest (it inherits
 # PYTEST_XDIST_WORKER but has no ``workerinput``), whose exit status a test may read.
 def _exit_without_teardown(pid: int) -> None:
-    if os.getpid() != pid:
-        return
+    if os.getpid() != pid or "coverage" in sys.modules:
+        return  # not the worker; or a coverage run, whose data may be saved at exit
     import logging
 
     logging.shutdown()
