@@ -132,6 +132,104 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 atexit.register(gc.unfreeze)
 
 
+# An xdist worker's interpreter shutdown, once its session is over and every report is with
+# the controller: full collections of the million objects collection imported (several,
+# as the modules are torn down) and torch's C++ teardown, 6-10 s of the fast lane's end at
+# load 4 (the controller waits for both workers to exit, up to xdist's 10 s timeout).
+# Nothing of the run is decided there: a worker process ends at once instead, after the
+# atexit handlers registered after this one have run (LIFO: tmp_path's numbered-dir cleanup,
+# multiprocessing's children, weakref finalizers such as TemporaryDirectory's, torch's) and
+# logging and the standard streams are flushed. Only the worker process itself: not a child
+# it forked, nor a process it started that loads this conftest (it inherits
+# PYTEST_XDIST_WORKER but has no ``workerinput``), whose exit status a test may read.
+def _exit_without_teardown(pid: int) -> None:
+    if os.getpid() != pid or "coverage" in sys.modules:
+        return  # not the worker; or a coverage run, whose data may be saved at exit
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
+def _unicode_tables_for_the_workers() -> None:
+    """Hypothesis's tables of which characters utf-8 encodes and of the Unicode categories
+    (schemathesis draws its strings through them at collection), computed once here in
+    xdist's controller while the workers start. A fresh clone has no ``.hypothesis/``,
+    where Hypothesis caches them, and each worker computed them itself (a loop over every
+    code point: ~1.5 s of CPU each). Hypothesis writes the cache atomically; a worker that
+    gets there first computes them as before."""
+    try:
+        from hypothesis.internal.charmap import charmap, intervals_from_codec
+
+        intervals_from_codec("utf-8")
+        charmap()
+    except Exception:  # an optimisation only: the workers compute them as before
+        pass
+
+
+def _rewrite_this_workers_share(config: pytest.Config) -> None:
+    """Every worker imports every test module at collection, and on a fresh clone each
+    rewrote the asserts of all of them (``tests/test_*.py``: ~3.2 s of CPU per worker)
+    before caching the result in ``__pycache__``, both at once. Before collecting, worker
+    i of n rewrites and caches every n-th module from the i-th, as pytest's import hook
+    does (its functions; the pyc it reads back is checked against the source as
+    always), so that each worker finds the other's share cached. Any change in those
+    functions leaves the hook to do it all, as before."""
+    if sys.dont_write_bytecode:
+        return
+    try:
+        from _pytest.assertion.rewrite import (
+            PYC_TAIL,
+            _read_pyc,
+            _rewrite_test,
+            _write_pyc,
+            assertstate_key,
+            get_cache_dir,
+            try_makedirs,
+        )
+
+        state = config.stash[assertstate_key]
+        n = int(config.workerinput["workercount"])  # type: ignore[attr-defined]
+        i = int(str(config.workerinput["workerid"]).removeprefix("gw"))  # type: ignore[attr-defined]
+        if n < 2 or config.getoption("assertmode", "rewrite") != "rewrite":
+            return
+        for fn in sorted((Path(config.rootpath) / "tests").glob("test_*.py"))[i::n]:
+            cache_dir = get_cache_dir(fn)
+            pyc = cache_dir / (fn.name[:-3] + PYC_TAIL)
+            if _read_pyc(fn, pyc, state.trace) is None and try_makedirs(cache_dir):
+                source_hash, co = _rewrite_test(fn, config)
+                _write_pyc(state, co, source_hash, pyc)
+    except Exception:  # an optimisation only: the import hook rewrites what is left
+        return
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):
+        atexit.register(_exit_without_teardown, os.getpid())
+
+
+# After Hypothesis's own sessionstart: before it, it refuses (a warning, an error here)
+# storage access as slow plugin initialization.
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        _rewrite_this_workers_share(config)
+    elif (config.getoption("numprocesses", None) or 0) \
+            and not config.getoption("collectonly", False):
+        import threading
+
+        threading.Thread(target=_unicode_tables_for_the_workers, daemon=True,
+                         name="hypothesis-unicode-tables").start()
+
+
 def rejects_every_engine_test(markexpr: str) -> bool:
     """Whether the ``-m`` expression deselects every test that carries the ``engine``
     mark, whatever its other marks: true for ``not engine and not gpu and not slow``

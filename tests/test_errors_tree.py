@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import rolloutcore.errors as errors
+from helpers.srcast import parsed
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "rolloutcore"
@@ -92,8 +93,8 @@ def _mods() -> dict[str, _Module]:
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(SRC).with_suffix("")
         parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        tree = ast.parse(path.read_text(), str(path))
-        m = _Module(".".join(parts), path, tree, tuple(ast.walk(tree)))
+        tree, nodes = parsed(path)
+        m = _Module(".".join(parts), path, tree, nodes)
         for node in m.nodes:
             if isinstance(node, ast.ClassDef):
                 m.classes.setdefault(node.name, node)

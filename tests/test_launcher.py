@@ -27,6 +27,13 @@ from rolloutcore.engine.support import REQUIRED_ROUTES
 from rolloutcore.errors import BadInput, EffectTimeout, EngineUnavailable
 
 
+@pytest.fixture(autouse=True)
+def _quick_health_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in engines bind their port within a tenth of a second: read ``/health``
+    every 50 ms while they start, not every 0.5 s as for vLLM."""
+    monkeypatch.setattr(ManagedEngine, "health_poll_s", 0.05)
+
+
 def _model(tmp_path: Path) -> Path:
     d = tmp_path / "m"
     d.mkdir()

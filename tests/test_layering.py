@@ -45,6 +45,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.srcast import parsed
+
 SRC = Path(__file__).resolve().parent.parent / "src"
 ROOT = "rolloutcore"
 
@@ -116,7 +118,7 @@ def _nodes(path: Path) -> tuple[ast.AST, ...]:
     """Every node of the file's tree (``ast.walk`` order), parsed once per file and run:
     each check reads them all, and parsing and walking ~170 modules once per check
     was most of this file's time."""
-    return tuple(ast.walk(ast.parse(path.read_text(), filename=str(path))))
+    return parsed(path)[1]
 
 
 def _package_of(module: str) -> str:

@@ -41,7 +41,7 @@ from rolloutcore.testing.fake import (
 FAST = Deadlines(drain_s=5, pause_s=0.5, preflight_s=0.5, transfer_s=0.5, reset_s=0.5,
                  validate_s=0.5, resume_s=0.5, live_validate_s=5, bootstrap_s=2, fence_s=0.5,
                  cancel_grace_s=0.5,
-                 retry_backoff_s=0.01)
+                 retry_backoff_s=0.01, read_slack_s=0.1)
 #: The deadline a hung effect waits out (it never completes: its own deadline need
 #: leave no room for real work; the other steps keep FAST's).
 HUNG_S = 0.1

@@ -45,6 +45,9 @@ class Deadlines:
     retry_backoff_s: float = 0.2
     sleep_s: float = 120.0        # /sleep (level 1 copies the weights to host: 14 s for 8B)
     wake_s: float = 60.0          # one /wake_up
+    # A read with its own timeout (health between updates, the lease's write count) is
+    # cancelled by the watchdog at twice that timeout plus this.
+    read_slack_s: float = 1.0
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():

@@ -307,7 +307,7 @@ class LifecycleRunner:
         restarted = False
         try:
             ev = self._effect("health", lambda: adapter.observe_health(timeout_s=timeout_s),
-                              timeout_s * 2 + 1.0, None)
+                              timeout_s * 2 + self.deadlines.read_slack_s, None)
         except EffectError as exc:
             problems, kind = [str(exc)], FailureKind.of(exc)
             if kind is FailureKind.REFUSED:
@@ -526,7 +526,8 @@ class LifecycleRunner:
         if isinstance(a, WriteObserver):
             try:
                 writes = self._effect("lease", lambda: a.writes_since_drain(timeout_s=timeout_s),
-                                      timeout_s * 2 + 1.0, out.phases, "lease_check")
+                                      timeout_s * 2 + self.deadlines.read_slack_s,
+                                      out.phases, "lease_check")
             except EffectError as exc:
                 self._note("lease_check_failed", error=str(exc))
         if writes == ():

@@ -274,6 +274,10 @@ class ManagedEngine:
     against (``last_start_s``, ``last_stop_s``).
     """
 
+    #: Seconds between ``/health`` reads while the engine starts (vLLM takes tens of
+    #: seconds; the tests' stand-in engines bind within a tenth of one and set it lower).
+    health_poll_s: float = 0.5
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -629,7 +633,7 @@ class ManagedEngine:
                 if self.progress and elapsed != last_shown and (tty or elapsed % 10 == 0):
                     last_shown = elapsed
                     show_progress(f"waiting for vLLM on :{self.port} ... {elapsed}s", tty)
-                time.sleep(0.5)
+                time.sleep(self.health_poll_s)
 
     def _check_support(self, client: httpx.Client, deadline: float) -> SupportVerdict:
         """The engine's own version and routes, judged once it is healthy (or raise).
