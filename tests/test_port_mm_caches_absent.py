@@ -4,9 +4,10 @@ prefix reset only; the other two caches' evidence says why they are absent, and 
 controller accepts that for them and for nothing else. An engine that does not say so
 (the key missing, a multimodal config, an encoder-cache connector) is sent every reset.
 
-The engine is the stand-in of ``test_port_close_reads`` (vLLM 0.32's routes through
-httpx's mock transport) with ``/server_info``; the real engine is
-``tests/engine/test_native_routes_engine.py`` (a text-only model: one reset a round).
+The engine is the one fake of vLLM as ``test_port_close_reads`` has it (saying 0.32,
+through httpx's mock transport), its ``/server_info`` overridden with each config; the
+real engine is ``tests/engine/test_native_routes_engine.py`` (a text-only model: one reset
+a round).
 """
 
 from __future__ import annotations
@@ -24,31 +25,24 @@ from rolloutcore.core.evidence import (
     evidence_from_dict,
     evidence_to_dict,
 )
-from rolloutcore.engine.http import VllmHTTP
-from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.routes import Routes
-from test_port_close_reads import _ROUTES, _Engine, _target
+from rolloutcore.testing import FakeVllm
+from test_port_close_reads import _adapter, _engine, _paths, _target, _write
 
 _MISSING = object()
 
 
-class _Described(_Engine):
-    """``_Engine`` with vLLM 0.32's ``/server_info`` (``vllm_config`` as given)."""
+def _described(vllm_config: dict[str, Any]) -> FakeVllm:
+    """The one fake (``test_port_close_reads``'s, saying 0.32) whose ``/server_info``
+    gives ``vllm_config`` (``describe`` changes it later)."""
+    fake = _engine()
+    describe(fake, vllm_config)
+    return fake
 
-    def __init__(self, vllm_config: dict[str, Any]) -> None:
-        super().__init__()
-        self.vllm_config = vllm_config
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        p = request.url.path
-        if p == Routes.OPENAPI:
-            self.paths.append(p)
-            return httpx.Response(200, json={"paths": {r: {} for r in
-                                                       (*_ROUTES, Routes.SERVER_INFO)}})
-        if p == Routes.SERVER_INFO:
-            self.paths.append(p)
-            return httpx.Response(200, content=json.dumps({"vllm_config": self.vllm_config}))
-        return super().__call__(request)
+def describe(fake: FakeVllm, vllm_config: dict[str, Any]) -> None:
+    fake.override(Routes.SERVER_INFO, lambda request: httpx.Response(
+        200, content=json.dumps({"vllm_config": vllm_config})))
 
 
 def _config(mm: Any = None, **more: Any) -> dict[str, Any]:
@@ -58,14 +52,12 @@ def _config(mm: Any = None, **more: Any) -> dict[str, Any]:
     return {"model_config": mc, "instance_id": "i-1", **more}
 
 
-def _close(eng: _Described) -> list[CacheResetEvidence]:
+def _close(eng: FakeVllm) -> list[CacheResetEvidence]:
     """An update's close as the runner drives it: drain, a write, each cache's reset."""
-    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
-                    engine_epoch="e0")
-    boot = a.bootstrap()
-    assert boot.engine_info["mm_caches_absent"] == a._mm_absent
+    a = _adapter(eng)
+    assert a.bootstrap().engine_info["mm_caches_absent"] == a._mm_absent
     a.drain(PauseMode.WAIT)
-    eng.write()
+    _write(eng)
     out = [a.reset_cache(k) for k in (CacheKind.PREFIX, CacheKind.ENCODER,
                                       CacheKind.MULTIMODAL)]
     a.validate(_target(), live=False)
@@ -74,9 +66,9 @@ def _close(eng: _Described) -> list[CacheResetEvidence]:
 
 
 def test_a_text_only_engine_is_sent_the_prefix_reset_only() -> None:
-    eng = _Described(_config(None))
+    eng = _described(_config(None))
     prefix, enc, mm = _close(eng)
-    resets = [p for p in eng.paths if p.startswith("/reset")]
+    resets = [p for p in _paths(eng) if p.startswith("/reset")]
     assert resets == [Routes.RESET_PREFIX]
     assert prefix.engine_success is True and not prefix.absent
     for ev in (enc, mm):
@@ -84,7 +76,7 @@ def test_a_text_only_engine_is_sent_the_prefix_reset_only() -> None:
         assert "multimodal_config is null" in ev.absent
         assert ev.problems(None) == []  # the controller's check: accepted as absent
     # the validation's counters were still read, from the first reset on
-    assert Routes.METRICS in eng.paths or any(p.startswith("/metrics") for p in eng.paths)
+    assert Routes.METRICS in _paths(eng)
 
 
 @pytest.mark.parametrize("config", [
@@ -93,20 +85,18 @@ def test_a_text_only_engine_is_sent_the_prefix_reset_only() -> None:
     _config(None, ec_transfer_config={"ec_connector": "x"}),  # an encoder-cache connector
 ], ids=["multimodal", "not-said", "ec-connector"])
 def test_an_engine_that_may_hold_them_is_sent_every_reset(config: dict[str, Any]) -> None:
-    eng = _Described(config)
+    eng = _described(config)
     evs = _close(eng)
-    assert sorted(p for p in eng.paths if p.startswith("/reset")) == sorted(
+    assert sorted(p for p in _paths(eng) if p.startswith("/reset")) == sorted(
         [Routes.RESET_PREFIX, Routes.RESET_ENCODER, Routes.RESET_MM])
     assert all(ev.http_status == 200 and not ev.absent for ev in evs)
 
 
 def test_an_engine_replaced_by_a_multimodal_one_is_reset_again_after_its_bootstrap() -> None:
-    eng = _Described(_config(None))
-    a = VllmAdapter(VllmHTTP("http://e.test", transport=httpx.MockTransport(eng)),
-                    engine_epoch="e0")
-    a.bootstrap()
+    eng = _described(_config(None))
+    a = _adapter(eng)
     assert a._absent(CacheKind.ENCODER)
-    eng.vllm_config = _config({"limit_per_prompt": {"image": 1}})
+    describe(eng, _config({"limit_per_prompt": {"image": 1}}))
     a.bootstrap()
     assert a._absent(CacheKind.ENCODER) == "" and a._absent(CacheKind.MULTIMODAL) == ""
 
