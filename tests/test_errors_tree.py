@@ -50,6 +50,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("transports/driver.py", "NotImplementedError"): "abstract hook",
     ("transports/cuda_ipc/engine.py", "NotImplementedError"): "abstract hook",
     ("transports/gloo.py", "ValueError"): _ENGINE_HALF,
+    ("transports/gloo_policy.py", "ValueError"): _ENGINE_HALF,
     ("transports/gloo.py", "RuntimeError"): _ENGINE_HALF,
     ("transports/model_index.py", "ValueError"): _ENGINE_HALF,
     ("transports/rank_checksums.py", "ValueError"):

@@ -56,8 +56,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import ipaddress
-import os
 import secrets
 import time
 from collections.abc import Mapping, Sequence
@@ -81,6 +79,14 @@ from rolloutcore.transports.base import (
     remaining,
     run_side,
 )
+from rolloutcore.transports.gloo_policy import (
+    MAX_TIMEOUT_ENV,
+    MAX_WORLD_SIZE,
+    PEERS_ENV,
+    GlooInitInfo,
+    ReceiverPolicy,
+    check_init_info,
+)
 from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.model_index import ModelIndex, check_against_model
 from rolloutcore.transports.rank_capture import build_capture_class
@@ -91,7 +97,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKEND",
+    "MAX_TIMEOUT_ENV",
     "MAX_WORLD_SIZE",
+    "PEERS_ENV",
     "GlooInitInfo",
     "GlooTransport",
     "GlooUpdateInfo",
@@ -111,16 +119,6 @@ _DTYPES = frozenset({
 })
 _MAX_TENSORS = 1_000_000
 _MAX_RANK = 8
-#: The largest group an engine joins (trainer + engine workers): gloo connects every
-#: pair of ranks at init, so a forged size would make the engine wait on peers that
-#: never come.
-MAX_WORLD_SIZE = 1024
-
-PEERS_ENV = "ROLLOUTCORE_GLOO_PEERS"
-MAX_TIMEOUT_ENV = "ROLLOUTCORE_GLOO_MAX_TIMEOUT_S"
-_DEFAULT_MAX_TIMEOUT_S = 300.0
-
-
 def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
@@ -152,101 +150,6 @@ def _dist() -> Any:
 
 
 # ------------------------------------------------------------------ wire format
-
-
-@dataclass
-class GlooInitInfo:
-    """Engine-side init info: where the trainer's TCPStore is, and the group's shape."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.master_address, str) or not self.master_address:
-            raise ValueError("master_address must be a non-empty string")
-        for name in ("master_port", "rank_offset", "world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port out of range: {self.master_port}")
-        if not 0 < self.rank_offset < self.world_size:
-            raise ValueError("need 0 < rank_offset < world_size")
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) \
-                or not 0 < self.timeout_s <= 86400:
-            raise ValueError(f"timeout_s must be in (0, 86400], got {self.timeout_s!r}")
-
-
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-
-
-@dataclass(frozen=True)
-class ReceiverPolicy:
-    """What the engine half accepts from an ``init_info``, set by the engine's operator.
-
-    ``peers``: networks besides loopback the engine may connect to for the
-    rendezvous; ``max_timeout_s``: the longest any rendezvous or broadcast may
-    block a worker. Read from the environment of the engine's workers
-    (``from_env``), never from a request.
-    """
-
-    peers: tuple[Network, ...] = ()
-    max_timeout_s: float = _DEFAULT_MAX_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        t = self.max_timeout_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 86400:
-            raise ValueError(f"max_timeout_s must be in (0, 86400], got {t!r}")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> ReceiverPolicy:
-        e = os.environ if env is None else env
-        peers: list[Network] = []
-        for item in e.get(PEERS_ENV, "").split(","):
-            if item.strip():
-                try:
-                    peers.append(ipaddress.ip_network(item.strip(), strict=False))
-                except ValueError as exc:
-                    raise ValueError(f"{PEERS_ENV}: {item.strip()!r} is not an IP address "
-                                     "or network") from exc
-        raw = e.get(MAX_TIMEOUT_ENV, "").strip()
-        try:
-            t = float(raw) if raw else _DEFAULT_MAX_TIMEOUT_S
-        except ValueError as exc:
-            raise ValueError(f"{MAX_TIMEOUT_ENV} must be a number of seconds, "
-                             f"got {raw!r}") from exc
-        return cls(tuple(peers), t)
-
-    def allows(self, address: str) -> bool:
-        if address == "localhost":
-            return True
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return ip.is_loopback or any(ip.version == n.version and ip in n for n in self.peers)
-
-
-def check_init_info(info: GlooInitInfo, policy: ReceiverPolicy) -> None:
-    """Refuse an ``init_info`` the engine must not act on, before it connects anywhere.
-
-    A hostname is refused (what it resolves to can change between this check
-    and the connect); so is an address outside loopback and the policy's
-    peers, a timeout above the policy's cap, a world beyond ``MAX_WORLD_SIZE``.
-    """
-    if not policy.allows(info.master_address):
-        raise ValueError(
-            f"master_address {info.master_address!r} refused: this engine joins a "
-            f"rendezvous only on loopback or an address in {PEERS_ENV} "
-            f"({', '.join(map(str, policy.peers)) or 'unset'}); give an IP address")
-    if info.timeout_s > policy.max_timeout_s:
-        raise ValueError(f"timeout_s {info.timeout_s} exceeds this engine's cap of "
-                         f"{policy.max_timeout_s} s ({MAX_TIMEOUT_ENV})")
-    if info.world_size > MAX_WORLD_SIZE:
-        raise ValueError(f"world_size {info.world_size} exceeds {MAX_WORLD_SIZE}")
 
 
 @dataclass
@@ -407,30 +310,44 @@ def _build_engine_class() -> type[Any]:
                                      init_info.timeout_s, init_info.master_address)
 
         def start_weight_update(self) -> None:
+            if self._opened:
+                # A session that failed mid-round (its trainer killed mid-broadcast) left
+                # vLLM's reload open: the layers it completed processed in place (the CPU
+                # backend may leave a packed layer's parameter empty, outside the reload's
+                # loaders), the rest buffered on meta. It is closed, every layer back in
+                # its own storage, and this round opens a reload of its own (a round
+                # loading into the old one failed on the emptied parameter). The failed
+                # session TAINTED the engine; this round is verified as any other.
+                self._close_reload()
             # Refuses, writing nothing, a model whose shared weights could not be exact.
             # (Planned before the reload moves any tensor to meta.)
-            if not self._opened:
-                self._rederive = derived.plan_rederive(self.model)
-                # A draft round (vLLM retargeted ``self.model``) must not write what the
-                # draft borrows from the target (``_default_model``, vLLM's base class).
-                target = getattr(self, "_default_model", None)
-                self._index = ModelIndex(self.model, _reload_layout,
-                                         elsewhere=_pp_elsewhere(self.model),
-                                         shared_with=None if target is self.model else target)
+            self._rederive = derived.plan_rederive(self.model)
+            # A draft round (vLLM retargeted ``self.model``) must not write what the
+            # draft borrows from the target (``_default_model``, vLLM's base class).
+            target = getattr(self, "_default_model", None)
+            self._index = ModelIndex(self.model, _reload_layout,
+                                     elsewhere=_pp_elsewhere(self.model),
+                                     shared_with=None if target is self.model else target)
+
+        def _close_reload(self) -> tuple[set[str], dict[str, Any], tuple[str, ...],
+                                         tuple[str, ...], Any]:
+            """Close vLLM's open reload; what the session wrote, placed, loaded, skipped
+            and its (closed) capture, taken from the engine half."""
+            out = (self._written, self._placed, tuple(self._wrote), tuple(self._skipped),
+                   self._capture)
+            self._written, self._opened, self._placed = set(), False, {}
+            self._wrote, self._skipped, self._capture = {}, {}, None
+            try:
+                reload.close(self.model, self.model_config, self.device)
+            finally:
+                if out[4] is not None:
+                    out[4].close()
+            return out
 
         def finish_weight_update(self) -> None:
             if not self._opened:
                 return  # nothing was received: nothing was opened, nothing to rebuild
-            written, self._written, self._opened = self._written, set(), False
-            placed, self._placed = self._placed, {}
-            wrote, self._wrote = tuple(self._wrote), {}
-            skipped, self._skipped = tuple(self._skipped), {}
-            capture, self._capture = self._capture, None
-            try:
-                reload.close(self.model, self.model_config, self.device)
-            finally:
-                if capture is not None:
-                    capture.close()
+            written, placed, wrote, skipped, capture = self._close_reload()
             plan = self._rederive
             if plan is None:  # opened without a start (cannot happen through vLLM's worker)
                 plan = derived.plan_rederive(self.model)
