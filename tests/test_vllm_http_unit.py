@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
+from helpers.vllm_fake import answer, sent
 from rolloutcore.core.evidence import CacheKind, Check, PauseMode, TransferEvidence, UpdateTarget
 from rolloutcore.core.lifecycle import Step
 from rolloutcore.core.versions import (
@@ -76,20 +77,8 @@ def requests(fake: FakeVllm, path: str | None = None) -> list[httpx.Request]:
     return [r for r in _SEEN[fake] if path is None or r.url.path == path]
 
 
-def sent(fake: FakeVllm, path: str) -> int:
-    return sum(1 for _, p in fake.received if p == path)
-
-
 def client(engine: FakeVllm, **kw: Any) -> VllmHTTP:
     return VllmHTTP(BASE, transport=engine.transport(), **kw)
-
-
-def answer(status: int, body: Any = None, text: str | None = None) -> Handler:
-    def h(_: httpx.Request) -> httpx.Response:
-        if text is not None:
-            return httpx.Response(status, text=text)
-        return httpx.Response(status, json=body) if body is not None else httpx.Response(status)
-    return h
 
 
 def raising(exc: Exception) -> Handler:
