@@ -53,6 +53,7 @@ from typing import Any
 
 import anyio
 import httpx
+import prometheus_client
 
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.routes import Routes
@@ -148,8 +149,15 @@ class FakeVllm:
         #: path -> its handler, and the calls it has left (absent: every call), ``override``
         self._overrides: dict[str, _Handler] = {}
         self._overrides_left: dict[str, int] = {}
-        #: vLLM's count of finished weight-update calls, by ``_OPS`` operation
-        self._ops: dict[str, int] = {}
+        #: vLLM's ``/metrics`` of this fake, rendered by ``prometheus_client`` as vLLM's
+        #: are: its weight-update calls (observed by ``_OPS`` operation) and sleep state
+        self._registry = prometheus_client.CollectorRegistry()
+        self._op_seconds = prometheus_client.Histogram(
+            "vllm:rl_weight_update_operation_duration_seconds",
+            "Duration of weight update operations.", ["operation"], registry=self._registry)
+        self._sleep_state = prometheus_client.Gauge(
+            "vllm:engine_sleep_state", "Engine sleep state.", ["sleep_state"],
+            registry=self._registry)
         self._lock = threading.Lock()
         self._routes: dict[tuple[str, str], _Handler] = {
             ("GET", Routes.HEALTH): self._health,
@@ -277,8 +285,7 @@ class FakeVllm:
         try:
             got = route(request)
             if path in _OPS and got.status_code == 200:
-                with self._lock:
-                    self._ops[_OPS[path]] = self._ops.get(_OPS[path], 0) + 1
+                self._op_seconds.labels(_OPS[path]).observe(0.0)
             return got
         except EnginePaused as exc:  # vLLM 0.33+: a request that reaches a paused engine
             return httpx.Response(503, json={"error": {
@@ -354,20 +361,11 @@ class FakeVllm:
         return httpx.Response(200, json={"openapi": "3.1.0", "paths": paths})
 
     def _metrics(self, request: httpx.Request) -> httpx.Response:
-        """vLLM's counters of its weight-update calls (created by the first call, as
-        ``prometheus_client`` renders a labelled family) and its sleep-state gauge."""
-        with self._lock:
-            ops = dict(self._ops)
-        name = "vllm:rl_weight_update_operation_duration_seconds"
-        lines = [f"# HELP {name} Duration of weight update operations.",
-                 f"# TYPE {name} histogram"]
-        lines += [f'{name}_count{{operation="{op}"}} {n:.1f}' for op, n in sorted(ops.items())]
-        awake = not self.engine.asleep
-        lines += ["# HELP vllm:engine_sleep_state Engine sleep state.",
-                  "# TYPE vllm:engine_sleep_state gauge",
-                  f'vllm:engine_sleep_state{{sleep_state="awake"}} {float(awake):.1f}']
-        return httpx.Response(200, text="\n".join(lines) + "\n",
-                              headers={"content-type": "text/plain; version=0.0.4"})
+        """vLLM's histogram of its weight-update calls (a labelled family: an operation
+        appears with its first call) and its sleep-state gauge."""
+        self._sleep_state.labels("awake").set(float(not self.engine.asleep))
+        return httpx.Response(200, content=prometheus_client.generate_latest(self._registry),
+                              headers={"content-type": prometheus_client.CONTENT_TYPE_LATEST})
 
     def _models(self, request: httpx.Request) -> httpx.Response:
         with self._lock:
