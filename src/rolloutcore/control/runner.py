@@ -174,7 +174,7 @@ class LifecycleRunner:
             raise err
         return job.value  # type: ignore[no-any-return]
 
-    def _note(self, what: str, **data: Any) -> None:
+    def _note(self, what: str, **data: object) -> None:
         self._emit(Note(what, data))
 
     def emit(self, rec: Record) -> None:

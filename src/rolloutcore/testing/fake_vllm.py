@@ -431,7 +431,7 @@ class FakeVllm:
             raise BadInput(f"{what} must be a non-empty list of ids below {self.vocab_size}")
         return ids
 
-    def _max_tokens(self, n: Any, prompt: list[int]) -> int:
+    def _max_tokens(self, n: object, prompt: list[int]) -> int:
         n = 16 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadInput("max_tokens must be an int >= 1")

@@ -171,7 +171,7 @@ def _from_peft(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             {k: v.detach().to("cpu").clone() for k, v in state.items()})
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: object) -> object:
     if isinstance(v, (set, frozenset)):
         return sorted(v)
     return str(v)
