@@ -104,7 +104,7 @@ class StreamSource(Protocol):
                         temperature: float = 0.0, logprobs: bool = True,
                         seed: int | None = None, ignore_eos: bool = False,
                         request_id: str | None = None, cache_salt: str | None = None,
-                        sampling_extra: Any = None,
+                        sampling_extra: Mapping[str, Any] | None = None,
                         read_timeout_s: float = 300.0) -> TokenStream: ...
 
 

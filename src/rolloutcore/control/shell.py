@@ -37,7 +37,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from rolloutcore.core.records import Record
 from rolloutcore.errors import BadInput, JournalError
@@ -121,7 +121,7 @@ class Shell(Generic[M, V]):
         (with ``wait``): delivered now, made durable by the next call that syncs.
         """
         err: BaseException | None = None
-        result: Any = None
+        result: T | None = None
         with self._lock:
             self._m.now = self._clock()
             try:
@@ -138,7 +138,7 @@ class Shell(Generic[M, V]):
                 self._deliver(wait, durable)
         finally:
             self._tell_watchers()
-        return result  # type: ignore[no-any-return]
+        return cast(T, result)
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every decision, outside the lock (keep it quick; what

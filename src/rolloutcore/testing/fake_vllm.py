@@ -49,7 +49,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -59,6 +59,9 @@ from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EngineUnavailable, RolloutCoreError
 from rolloutcore.testing.fake_engine import VOCAB, EnginePaused, FakeEngine
+
+if TYPE_CHECKING:  # starlette serves it over a socket (the service extra)
+    from starlette.types import Receive, Scope, Send
 
 __all__ = ["FakeVllm"]
 
@@ -311,7 +314,7 @@ class FakeVllm:
 
     # -- over a socket -----------------------------------------------------------
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI: each request ``handle``d off the loop (it may block, as vLLM's answer
         would), an event stream sent event by event (``_play``)."""
         from starlette.requests import Request

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.errors import request
@@ -43,6 +43,10 @@ from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.transports.source import WeightSource
+
+if TYPE_CHECKING:
+    from rolloutcore.core.versions import Provenance
+    from rolloutcore.session import EngineSession
 
 __all__ = [
     "ITERATION_LOG_FLAG",
@@ -212,8 +216,8 @@ class ExperimentResult:
         }
 
 
-def mm_cache_experiment(session: Any, log: EncoderLog, a_dir: Path, b_dir: Path,
-                        image_url: str, *, provenance: Callable[[str, int], Any],
+def mm_cache_experiment(session: EngineSession, log: EncoderLog, a_dir: Path, b_dir: Path,
+                        image_url: str, *, provenance: Callable[[str, int], Provenance],
                         update_kwargs: Callable[[str], Mapping[str, Any]] | None = None,
                         ) -> ExperimentResult:
     """The measurement of the module docstring; ``session`` must be serving ``b_dir`` cold.
