@@ -46,7 +46,6 @@ from rolloutcore.transports.source import WeightSource
 
 if TYPE_CHECKING:
     from rolloutcore.core.versions import Provenance
-    from rolloutcore.session import EngineSession
 
 __all__ = [
     "ITERATION_LOG_FLAG",
@@ -216,7 +215,7 @@ class ExperimentResult:
         }
 
 
-def mm_cache_experiment(session: EngineSession, log: EncoderLog, a_dir: Path, b_dir: Path,
+def mm_cache_experiment(session: Any, log: EncoderLog, a_dir: Path, b_dir: Path,
                         image_url: str, *, provenance: Callable[[str, int], Provenance],
                         update_kwargs: Callable[[str], Mapping[str, Any]] | None = None,
                         ) -> ExperimentResult:
