@@ -35,17 +35,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rolloutcore.core.evidence import PauseMode
+from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.errors import request
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import EffectError
 from rolloutcore.transports.source import WeightSource
-
-if TYPE_CHECKING:
-    from rolloutcore.core.versions import Provenance
 
 __all__ = [
     "ITERATION_LOG_FLAG",
