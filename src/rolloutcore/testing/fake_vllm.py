@@ -489,7 +489,7 @@ class FakeVllm:
         if self.scorer is not None and lp:
             return self._scored(body, ids, self._max_tokens(sp.get("max_tokens"), ids), lp)
 
-        def shape(toks: list[int], finish: str | None, spans: Any) -> dict[str, Any]:
+        def shape(toks: list[int], finish: str | None, spans: object) -> dict[str, Any]:
             choice = {"index": 0, "token_ids": toks, "finish_reason": finish,
                       "weight_versions": spans}
             if lp is not None:
@@ -526,7 +526,7 @@ class FakeVllm:
             for t, v in zip(ids, lps, strict=True)],
             "choices": [{"index": 0, "token_ids": [tok], "finish_reason": "length"}]})
 
-    def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: Any
+    def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: object
                 ) -> httpx.Response:
         """The scorer's greedy tokens and their ``top`` logprobs, for the model named."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:
