@@ -420,8 +420,8 @@ def _train(rollout: RolloutCoreRollout, ckpt: Path, trl: Any, torch: Any, transf
         say(f"[4/4] keeping every version's weights in {keeper.root} (about "
             f"{estimate_bytes(model) / 1e6:.1f} MB a version)")
 
-    def reward(prompts: Any, completions: Any, completion_ids: list[list[int]],
-               trainer_state: Any = None, **kw: Any) -> list[float]:
+    def reward(prompts: object, completions: object, completion_ids: list[list[int]],
+               trainer_state: Any = None, **kw: object) -> list[float]:
         at["phase"] = "reward"
         t = time.monotonic()
         out = target_reward(completion_ids)
@@ -435,13 +435,15 @@ def _train(rollout: RolloutCoreRollout, ckpt: Path, trl: Any, torch: Any, transf
     begun: dict[str, float] = {}
 
     class Progress(transformers.TrainerCallback):  # type: ignore[misc]
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_step_begin(self, args: object, state: Any, control: object, **kw: object
+                          ) -> None:
             begun["t"] = time.monotonic()
             at["step"] = int(state.global_step)
             if keeper is not None:
                 keeper.before_generation(model)
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        def on_step_end(self, args: object, state: Any, control: object, **kw: object
+                        ) -> None:
             wall = time.monotonic() - begun.pop("t", time.monotonic())
             step = int(state.global_step) - 1   # the step its samples were generated for
             rep = next((s for s in reversed(rollout.steps) if s.step == step), None)

@@ -104,7 +104,7 @@ class StreamSource(Protocol):
                         temperature: float = 0.0, logprobs: bool = True,
                         seed: int | None = None, ignore_eos: bool = False,
                         request_id: str | None = None, cache_salt: str | None = None,
-                        sampling_extra: Any = None,
+                        sampling_extra: Mapping[str, Any] | None = None,
                         read_timeout_s: float = 300.0) -> TokenStream: ...
 
 
@@ -390,14 +390,14 @@ class RolloutClient:
         with self._lock:
             self._progress[rid] = 0
         try:
-            self._generate(out, b, max_tokens, temperature, seed, ignore_eos, logprobs)
+            self._generate(out, max_tokens, temperature, seed, ignore_eos, logprobs)
         finally:
             with self._lock:
                 self._progress.pop(rid, None)
             self._release(out)
         return out
 
-    def _generate(self, out: Rollout, b: Binding, max_tokens: int, temperature: float,
+    def _generate(self, out: Rollout, max_tokens: int, temperature: float,
                   seed: int | None, ignore_eos: bool, logprobs: bool) -> None:
         c, clock = self.controller, self.clock
         rid = out.rollout_id

@@ -14,7 +14,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 __all__ = ["WORKERS", "EffectWorkers", "Job"]
 
@@ -28,10 +27,10 @@ class Job:
 
     __slots__ = ("done", "error", "fn", "name", "value")
 
-    def __init__(self, name: str, fn: Callable[[], Any]) -> None:
+    def __init__(self, name: str, fn: Callable[[], object]) -> None:
         self.name = name
         self.fn = fn
-        self.value: Any = None
+        self.value: object = None
         self.error: BaseException | None = None
         self.done = threading.Lock()
         self.done.acquire()
@@ -76,7 +75,7 @@ class EffectWorkers:
         self._lock = threading.Lock()
         self._idle = []
 
-    def submit(self, name: str, fn: Callable[[], Any]) -> Job:
+    def submit(self, name: str, fn: Callable[[], object]) -> Job:
         job = Job(name, fn)
         with self._lock:
             inbox = self._idle.pop() if self._idle else None

@@ -503,7 +503,7 @@ def repair_journal(path: str | os.PathLike[str]) -> int:
 
 
 def first_index(records: Sequence[JournalRecord], kind: type[Record] | str,
-                **match: Any) -> int:
+                **match: object) -> int:
     """Index of the first record of type ``kind`` whose fields match; -1 if none.
 
     ``kind`` may also be a kind's name, matched against the JSON form (``data``).

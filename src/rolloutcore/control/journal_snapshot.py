@@ -32,7 +32,6 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rolloutcore.core.records import Admit, Compacted, Complete, JournalRecord, Record, Refuse
 from rolloutcore.errors import JournalError
@@ -99,7 +98,7 @@ def read_snapshot(path: Path) -> Snapshot | None:
     try:
         text = path.read_text(encoding="utf-8")
         header, *lines = text.splitlines()
-        h: Any = json.loads(header)
+        h: object = json.loads(header)
         if not isinstance(h, dict) or h.get("snapshot") != _FORMAT:
             return None
         return Snapshot(int(h["seq"]), int(h["offset"]), str(h["head"]), int(h["requests"]),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from rolloutcore.control.controller import LifecycleController
 from rolloutcore.control.port import LifecycleAdapter
@@ -131,6 +131,6 @@ class EffectHost(Protocol):
     deadlines: Deadlines
 
     def _effect(self, step: str, fn: Callable[[], T], deadline_s: float,
-                phases: Any, phase: str | None = None,
+                phases: list[PhaseTiming] | None, phase: str | None = None,
                 cancel: Callable[[], None] | None = None) -> T: ...
-    def _note(self, what: str, **data: Any) -> None: ...
+    def _note(self, what: str, **data: object) -> None: ...

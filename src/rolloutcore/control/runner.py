@@ -38,7 +38,7 @@ import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 from rolloutcore.control import colocated
 from rolloutcore.control.controller import LifecycleController
@@ -172,9 +172,9 @@ class LifecycleRunner:
             if isinstance(err, Exception):
                 raise EffectError(step, f"{type(err).__name__}: {err}") from err
             raise err
-        return job.value  # type: ignore[no-any-return]
+        return cast(T, job.value)
 
-    def _note(self, what: str, **data: Any) -> None:
+    def _note(self, what: str, **data: object) -> None:
         self._emit(Note(what, data))
 
     def emit(self, rec: Record) -> None:
@@ -691,7 +691,7 @@ class LifecycleRunner:
         t0 = time.monotonic()
         released = c.abort_rollouts(ticket, [b.rollout_id for b in bound if b.rollout_id],
                                     reason)
-        done: Any = None
+        done: object = None
         handler = self.stragglers
         if handler is not None and released:
             try:

@@ -37,7 +37,7 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from rolloutcore.core.records import Record
 from rolloutcore.errors import BadInput, JournalError
@@ -111,8 +111,8 @@ class Shell(Generic[M, V]):
             self.add_listener(listener)
 
     # ---------------------------------------------------------------- running
-    def run(self, fn: Callable[..., T], *args: Any, wait: bool = True, durable: bool = True,
-            **kw: Any) -> T:
+    def run(self, fn: Callable[..., T], *args: object, wait: bool = True, durable: bool = True,
+            **kw: object) -> T:
         """``fn(*args, **kw)`` (a method of the machine) as one decision, then delivery.
 
         What ``fn`` raises (a refusal, which changed nothing) is raised as it is,
@@ -121,7 +121,7 @@ class Shell(Generic[M, V]):
         (with ``wait``): delivered now, made durable by the next call that syncs.
         """
         err: BaseException | None = None
-        result: Any = None
+        result: T | None = None
         with self._lock:
             self._m.now = self._clock()
             try:
@@ -138,7 +138,7 @@ class Shell(Generic[M, V]):
                 self._deliver(wait, durable)
         finally:
             self._tell_watchers()
-        return result  # type: ignore[no-any-return]
+        return cast(T, result)
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every decision, outside the lock (keep it quick; what
@@ -153,7 +153,7 @@ class Shell(Generic[M, V]):
             except Exception:
                 continue
 
-    def read(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+    def read(self, fn: Callable[..., T], *args: object, **kw: object) -> T:
         """A query of the machine under the lock (consistent with every decision)."""
         with self._lock:
             return fn(*args, **kw)

@@ -516,7 +516,7 @@ class JournalRecord:
                           sort_keys=True)
 
     @classmethod
-    def from_obj(cls, obj: Any, where: str) -> JournalRecord:
+    def from_obj(cls, obj: object, where: str) -> JournalRecord:
         if not isinstance(obj, Mapping):
             raise JournalError(f"{where}: not a journal record")
         v = obj.get("v", 1)

@@ -91,7 +91,7 @@ def freeze_json(where: str, x: object) -> Any:
     raise fail(where, f"{type(x).__name__} is not a JSON value")
 
 
-def thaw_json(x: Any) -> Any:
+def thaw_json(x: object) -> Any:
     if isinstance(x, Mapping):
         return {k: thaw_json(v) for k, v in x.items()}
     if isinstance(x, tuple):

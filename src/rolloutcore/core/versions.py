@@ -81,7 +81,7 @@ def generation_of(label: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _sha256_json(obj: Any) -> str:
+def _sha256_json(obj: object) -> str:
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

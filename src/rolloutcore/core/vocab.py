@@ -206,7 +206,7 @@ class TypedRecord(Record):
         return cls(**kw)
 
 
-def _decode(where: str, tp: Any, v: Any) -> Any:
+def _decode(where: str, tp: Any, v: object) -> Any:
     args = typing.get_args(tp)
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):

@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from rolloutcore.control.adapters import AdapterManager
 from rolloutcore.core.adapters import AdapterVersion
 from rolloutcore.core.versions import Binding
 from rolloutcore.errors import BadInput, RouteRefused
@@ -97,7 +98,7 @@ class AdapterFleetAdmission(FleetAdmission):
                            f"no replica serving adapter {cur.name}", target)
 
     def _adapter_target(self, choice: ReplicaView, policy: Policy, a: AdapterVersion,
-                        m: Any) -> Target:
+                        m: AdapterManager) -> Target:
         key = (choice.name, choice.generation, a.name)
         t = self._targets.get(key)
         if t is None or t.on_release != m.release_soon:

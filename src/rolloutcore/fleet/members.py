@@ -268,7 +268,7 @@ class FleetMembers:
             self._shell.run(self._table.move, m.replica.name, event, **kw)
         self._wake.set()
 
-    def _record(self, fn: Callable[..., None], *args: Any) -> None:
+    def _record(self, fn: Callable[..., None], *args: object) -> None:
         """A record of the running update (its outcome may not become durable: the pool
         then fails closed and the update decides nothing more)."""
         with contextlib.suppress(JournalError):

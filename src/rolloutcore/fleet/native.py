@@ -79,7 +79,7 @@ class NativeFanout:
         self._results: dict[str, FanoutResult] | None = None
         self._done = threading.Event()
 
-    def send_all(self, targets: Sequence[tuple[str, str]], source: Any, *,
+    def send_all(self, targets: Sequence[tuple[str, str]], source: object, *,
                  timeout_s: float) -> dict[str, FanoutResult]:
         got = [(str(u), str(lb)) for u, lb in targets]
 

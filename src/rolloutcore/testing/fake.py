@@ -66,9 +66,6 @@ from rolloutcore.core.versions import (
     WeightVersion,
 )
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, TransferError
-
-if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
-    pass
 from rolloutcore.testing.fake_engine import (
     FakeEngine,
     FakeStream,
@@ -80,6 +77,9 @@ from rolloutcore.testing.fake_engine import (
     fake_probe,
     reference_tokens,
 )
+
+if TYPE_CHECKING:  # the demo runs this module with nothing installed
+    from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
     "FakeAdapter",
@@ -114,7 +114,7 @@ class FakeAdapter:
         # A remote trainer's expectations (``expect``): used instead of the staged
         # weights, which a remote trainer never hands over.
         self._remote = False
-        self._probes: Any = None
+        self._probes: PolicyProbe | None = None
         self._reference: Mapping[str, str] | None = None
         self._ops_verified: int | None = None
         self._ops_at_drain: int | None = None
@@ -137,7 +137,7 @@ class FakeAdapter:
         self._staged = weights
         self._remote = False
 
-    def expect(self, *, probes: Any | None, reference_checksums: Mapping[str, str] | None,
+    def expect(self, *, probes: PolicyProbe | None, reference_checksums: Mapping[str, str] | None,
                calibrating: bool = False) -> None:
         """A remote trainer's expectations: ``probes`` (``fake_probe``) and, as its
         reference checksum, ``{"fake-digest": weights.digest}``. The fake engine

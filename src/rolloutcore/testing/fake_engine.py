@@ -37,6 +37,7 @@ from rolloutcore.errors import (
 
 if TYPE_CHECKING:  # the demo runs this module with nothing installed (no httpx)
     from rolloutcore.engine.wire import GenerationChunk
+    from rolloutcore.verification.probe import PolicyProbe
 
 __all__ = [
     "EnginePaused",
@@ -109,7 +110,7 @@ def fake_logprob(kv: bytes, token: int, wdigest: str) -> float:
 
 def fake_probe(weights: FakeWeights, prompts: Sequence[Sequence[int]] = (
         tuple(range(40)), tuple(range(100, 133))), *, new_tokens: int = 8,
-        tolerance: float = 0.005) -> Any:
+        tolerance: float = 0.005) -> PolicyProbe:
     """What a trainer computes from ``weights``: a ``PolicyProbe`` of the fake policy
     (its greedy continuation of each prompt and their log-probabilities)."""
     from rolloutcore.verification.probe import PolicyProbe, ProbeCase

@@ -49,7 +49,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -59,6 +59,9 @@ from rolloutcore.core.evidence import PauseMode
 from rolloutcore.engine.routes import Routes
 from rolloutcore.errors import BadInput, EngineUnavailable, RolloutCoreError
 from rolloutcore.testing.fake_engine import VOCAB, EnginePaused, FakeEngine
+
+if TYPE_CHECKING:  # starlette serves it over a socket (the service extra)
+    from starlette.types import Receive, Scope, Send
 
 __all__ = ["FakeVllm"]
 
@@ -311,7 +314,7 @@ class FakeVllm:
 
     # -- over a socket -----------------------------------------------------------
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI: each request ``handle``d off the loop (it may block, as vLLM's answer
         would), an event stream sent event by event (``_play``)."""
         from starlette.requests import Request
@@ -431,7 +434,7 @@ class FakeVllm:
             raise BadInput(f"{what} must be a non-empty list of ids below {self.vocab_size}")
         return ids
 
-    def _max_tokens(self, n: Any, prompt: list[int]) -> int:
+    def _max_tokens(self, n: object, prompt: list[int]) -> int:
         n = 16 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise BadInput("max_tokens must be an int >= 1")
@@ -486,7 +489,7 @@ class FakeVllm:
         if self.scorer is not None and lp:
             return self._scored(body, ids, self._max_tokens(sp.get("max_tokens"), ids), lp)
 
-        def shape(toks: list[int], finish: str | None, spans: Any) -> dict[str, Any]:
+        def shape(toks: list[int], finish: str | None, spans: object) -> dict[str, Any]:
             choice = {"index": 0, "token_ids": toks, "finish_reason": finish,
                       "weight_versions": spans}
             if lp is not None:
@@ -523,7 +526,7 @@ class FakeVllm:
             for t, v in zip(ids, lps, strict=True)],
             "choices": [{"index": 0, "token_ids": [tok], "finish_reason": "length"}]})
 
-    def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: Any
+    def _scored(self, body: dict[str, Any], ids: list[int], n: int, top: object
                 ) -> httpx.Response:
         """The scorer's greedy tokens and their ``top`` logprobs, for the model named."""
         if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= 20:

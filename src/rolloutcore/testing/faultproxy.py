@@ -55,11 +55,16 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
+
+if TYPE_CHECKING:  # the service extra; imported where the proxy starts
+    import httpx
+    import uvicorn
+    from starlette.requests import Request
 
 __all__ = ["Fault", "FaultHit", "FaultKind", "FaultProxy", "Rule"]
 
@@ -233,13 +238,13 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._st = _State()
-        self._server: Any = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._port: int | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping: asyncio.Event | None = None
-        self._client: Any = None
+        self._client: httpx.AsyncClient | None = None
 
     # ------------------------------------------------------------ control
     @property
@@ -483,36 +488,35 @@ class FaultProxy:
                 content = new
             await self._respond(send, upstream_status or 502, headers, content)
 
-    def _upstream_request(self, req: Any, body: bytes, upstream: str) -> Any:
+    async def _send(self, req: Request, body: bytes, upstream: str, *, stream: bool = False
+                    ) -> httpx.Response:
+        """``req`` sent on to ``upstream``; ``EffectError`` when the engine cannot be
+        reached."""
+        assert self._client is not None, "made at the lifespan's startup, before a request"
         hdrs = [(k, v) for k, v in req.headers.raw if k.lower() not in _HOP]
         url = upstream + req.url.path + (f"?{req.url.query}" if req.url.query else "")
-        return self._client.build_request(req.method, url, headers=hdrs, content=body)
+        with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
+            return await self._client.send(
+                self._client.build_request(req.method, url, headers=hdrs, content=body),
+                stream=stream)
 
-    async def _fetch(self, req: Any, body: bytes, upstream: str
+    async def _fetch(self, req: Request, body: bytes, upstream: str
                      ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
         try:
-            with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
-                r = await self._client.send(self._upstream_request(req, body, upstream))
+            r = await self._send(req, body, upstream)
         except EffectError as exc:
-            return 502, [(b"content-type", b"application/json")], json.dumps(
-                {"error": {"message": f"faultproxy: upstream failed: {exc.__cause__!r}",
-                           "type": "BadGateway", "code": 502}}).encode()
+            return _bad_gateway(exc)
         hdrs = [(k, v) for k, v in r.headers.raw
                 if k.lower() not in _HOP_RESPONSE and k.lower() != b"content-length"]
         return r.status_code, hdrs, r.content
 
-    async def _forward(self, req: Any, body: bytes, upstream: str, send: Send, *,
+    async def _forward(self, req: Request, body: bytes, upstream: str, send: Send, *,
                        stream: bool) -> None:
         """Pass-through, streamed: a 502 when the engine cannot be reached."""
         try:
-            with map_errors("faultproxy", req.url.path, timeout_s=self.upstream_timeout_s):
-                r = await self._client.send(self._upstream_request(req, body, upstream),
-                                            stream=stream)
+            r = await self._send(req, body, upstream, stream=stream)
         except EffectError as exc:
-            await self._respond(send, 502, [(b"content-type", b"application/json")],
-                                json.dumps({"error": {
-                                    "message": f"faultproxy: upstream failed: {exc.__cause__!r}",
-                                    "type": "BadGateway", "code": 502}}).encode())
+            await self._respond(send, *_bad_gateway(exc))
             return
         try:
             hdrs = [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP_RESPONSE]
@@ -538,6 +542,13 @@ class FaultProxy:
         hdrs.append((b"content-length", str(len(content)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": hdrs})
         await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+def _bad_gateway(exc: EffectError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The 502 a client gets when the engine cannot be reached."""
+    return 502, [(b"content-type", b"application/json")], json.dumps(
+        {"error": {"message": f"faultproxy: upstream failed: {exc.__cause__!r}",
+                   "type": "BadGateway", "code": 502}}).encode()
 
 
 def _rewrite_failure(status: int | None, content: bytes) -> bytes | None:

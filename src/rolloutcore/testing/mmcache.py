@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from rolloutcore.core.evidence import PauseMode
+from rolloutcore.core.versions import Provenance
 from rolloutcore.engine.errors import request
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.routes import Routes
@@ -213,7 +214,7 @@ class ExperimentResult:
 
 
 def mm_cache_experiment(session: Any, log: EncoderLog, a_dir: Path, b_dir: Path,
-                        image_url: str, *, provenance: Callable[[str, int], Any],
+                        image_url: str, *, provenance: Callable[[str, int], Provenance],
                         update_kwargs: Callable[[str], Mapping[str, Any]] | None = None,
                         ) -> ExperimentResult:
     """The measurement of the module docstring; ``session`` must be serving ``b_dir`` cold.

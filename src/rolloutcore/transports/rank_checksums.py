@@ -107,7 +107,7 @@ class ParamWrite:
                 "tp": None if self.tp is None else list(self.tp)}
 
     @classmethod
-    def from_dict(cls, d: Any) -> ParamWrite:
+    def from_dict(cls, d: object) -> ParamWrite:
         if not isinstance(d, Mapping):
             raise ValueError("a parameter entry must be an object")
         name, kind = d.get("name"), d.get("kind")
@@ -170,7 +170,7 @@ class RankReport:
                 "wrote": list(self.wrote), "skipped": list(self.skipped)}
 
     @classmethod
-    def from_dict(cls, d: Any) -> RankReport:
+    def from_dict(cls, d: object) -> RankReport:
         if not isinstance(d, Mapping):
             raise ValueError("a rank report must be an object")
         ints: dict[str, int] = {}

@@ -38,10 +38,10 @@ __all__ = ["WeightSource", "Weights", "dtype_name"]
 Weights: TypeAlias = "WeightSource | torch.nn.Module | Mapping[str, torch.Tensor] | str | Path"
 
 
-_DTYPE_NAMES: dict[Any, str] = {}
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
-def dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (memoized: it runs once per tensor per pass)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
@@ -106,7 +106,7 @@ class WeightSource:
                        "torch.nn.Module, a state dict or a safetensors checkpoint dir)")
 
     @classmethod
-    def from_module(cls, module: Any) -> WeightSource:
+    def from_module(cls, module: object) -> WeightSource:
         """The module's parameters (tied ones once), by their ``named_parameters`` names."""
         import torch
 

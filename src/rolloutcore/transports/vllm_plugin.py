@@ -41,7 +41,6 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from rolloutcore.errors import BadInput
 from rolloutcore.transports.registry import install_into_vllm
@@ -76,7 +75,7 @@ def parse_idle_spin(raw: str | None) -> float | None:
 
 
 def apply_idle_spin(environ: Mapping[str, str] | None = None,
-                    spin_condition: Any = None) -> float | None:
+                    spin_condition: type | None = None) -> float | None:
     """Make ``SpinCondition``'s default ``busy_loop_s`` the environment's value.
 
     Returns the value applied, or ``None`` (not asked for, a bad value, or a

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, EffectError
@@ -42,7 +42,8 @@ from rolloutcore.verification.probe import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TOP_K", "AdapterSource", "adapter_probe", "is_peft_model", "measure_generated"]
+__all__ = ["TOP_K", "AdapterSource", "GreedyScorer", "adapter_probe", "is_peft_model",
+           "measure_generated"]
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -171,7 +172,7 @@ def _from_peft(model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             {k: v.detach().to("cpu").clone() for k, v in state.items()})
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: object) -> object:
     if isinstance(v, (set, frozenset)):
         return sorted(v)
     return str(v)
@@ -181,7 +182,15 @@ def _jsonable(v: Any) -> Any:
 TOP_K = 20
 
 
-def measure_generated(probe: PolicyProbe, http: Any, model: str | None, *,
+class GreedyScorer(Protocol):
+    """What ``measure_generated`` needs from an engine client (``VllmHTTP`` provides it)."""
+
+    def top_logprobs(self, token_ids: Sequence[int], *, max_tokens: int, top: int,
+                     model: str | None = None, timeout_s: float | None = None
+                     ) -> list[tuple[int, dict[int, float]]]: ...
+
+
+def measure_generated(probe: PolicyProbe, http: GreedyScorer, model: str | None, *,
                       timeout_s: float | None = None) -> ProbeResult:
     """``probe`` measured through the sampling path: teacher-forced by generation.
 

@@ -389,7 +389,7 @@ class PolicyProbe(Calibrated[ProbeCase]):
                        else model)
                 dev = _device_of(ref)
                 for p in prompts:
-                    cont, lps = _greedy(torch, ref, list(p), new_tokens, dev)
+                    cont, lps = _greedy(ref, list(p), new_tokens, dev)
                     cases.append(ProbeCase(tuple(p), tuple(cont), tuple(lps)))
         finally:
             if was_training:
@@ -524,7 +524,7 @@ class ModelScorer:
     ``PolicyProbe.from_model`` does). ``probe.measure(ModelScorer(base))`` is how far
     the probe's reference is from ``base``'s: the effect a probe can see."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         import torch
 
         self._torch = torch
@@ -564,12 +564,14 @@ def _token_list(v: object, where: str, limit: int, vocab: int | None) -> list[in
     return list(v)
 
 
-def _greedy(torch: Any, model: Any, prompt: list[int], new_tokens: int, dev: Any
-            ) -> tuple[list[int], list[float]]:
+def _greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int,
+            dev: torch.device | None) -> tuple[list[int], list[float]]:
     """``new_tokens`` greedy tokens after ``prompt`` and their log-probabilities, decoding
     with the model's KV cache where it keeps one (a HF causal LM: one forward of the prompt,
     then one token per step); a module that returns no cache is run on the whole sequence
     at every step. The two agree to float32 rounding."""
+    import torch
+
     ids = torch.tensor([prompt], dtype=torch.long, device=dev)
     out = model(input_ids=ids, use_cache=True) if _takes_cache(model) else model(input_ids=ids)
     cont: list[int] = []
@@ -591,7 +593,7 @@ def _greedy(torch: Any, model: Any, prompt: list[int], new_tokens: int, dev: Any
     return cont, lps
 
 
-def _takes_cache(model: Any) -> bool:
+def _takes_cache(model: object) -> bool:
     """Whether the model is a HF ``PreTrainedModel`` (or wraps one: PEFT), whose forward
     takes ``use_cache`` and ``past_key_values``."""
     try:
@@ -608,13 +610,13 @@ def _takes_cache(model: Any) -> bool:
     return False
 
 
-def _dtype_of(model: Any) -> Any:
+def _dtype_of(model: torch.nn.Module) -> torch.dtype | None:
     for p in model.parameters():
         return p.dtype
     return None
 
 
-def _device_of(model: Any) -> Any:
+def _device_of(model: torch.nn.Module) -> torch.device | None:
     """Where the model's inputs go: its first parameter's device (None: the default)."""
     for p in model.parameters():
         return p.device

@@ -10,6 +10,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from rolloutcore.core.adapters import AdapterVersion
@@ -270,7 +271,7 @@ def deferred_interrupts(message: str | None = None, *,
         yield presses
         return
 
-    def handler(signum: int, frame: Any) -> None:
+    def handler(signum: int, frame: FrameType | None) -> None:
         presses.append(signum)
         if len(presses) >= force_after:
             signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -710,7 +710,7 @@ class RolloutCoreRollout:
         self.close()
 
 
-def _conversational(prompt: Any) -> bool:
+def _conversational(prompt: object) -> bool:
     """TRL's test: a prompt is a list of messages (dicts with a role)."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) \
         and "role" in prompt[0]

@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 
-_BLOCK_INT32 = 128          # 512-byte blocks
 _MASK32 = 0xFFFFFFFF
 _weights_cache: dict[tuple[int, str], torch.Tensor] = {}
 _weights_lock = threading.Lock()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,7 +268,7 @@ class CudaIpcWeightTransferEngine(
         self._mapped.clear()
 
     @staticmethod
-    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+    def trainer_send_weights(iterator: object, trainer_args: object) -> None:
         raise NotImplementedError("the trainer side is rolloutcore.transports.cuda_ipc."
                                   "CudaIpcTransport")
 
@@ -363,7 +364,7 @@ class CudaIpcWorkerExtension:
         src = eng._map(msg.buffers[0])
         plan = loader.plan(msg)
 
-        def timed(fn: Any) -> float:
+        def timed(fn: Callable[[], object]) -> float:
             ts = []
             for _ in range(3):
                 a = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]

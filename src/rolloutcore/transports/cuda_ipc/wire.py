@@ -123,7 +123,7 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode("ascii")
 
 
-def _unb64(s: object, what: str, *, max_len: int, exact: int | None = None) -> bytes:
+def _unb64(s: object, what: str, *, max_len: int) -> bytes:
     if not isinstance(s, str):
         raise BadInput(f"{what} must be a base64 string, got {type(s).__name__}")
     if len(s) > 4 * (max_len // 3 + 2):
@@ -132,8 +132,6 @@ def _unb64(s: object, what: str, *, max_len: int, exact: int | None = None) -> b
         b = base64.b64decode(s, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise BadInput(f"{what} is not valid base64: {exc}") from exc
-    if exact is not None and len(b) != exact:
-        raise BadInput(f"{what} must be {exact} bytes, got {len(b)}")
     if len(b) > max_len:
         raise BadInput(f"{what} must be at most {max_len} bytes, got {len(b)}")
     return b
