@@ -424,13 +424,14 @@ class UpstreamPool:
         return await self._send(await self._acquire(), path, body, request_id)
 
     async def _send(self, conn: _Conn, path: bytes, body: bytes,
-                    request_id: bytes, extra: bytes = b"") -> UpstreamResponse:
+                    request_id: bytes, extra: bytes = b"", method: bytes = b"POST"
+                    ) -> UpstreamResponse:
         resp = UpstreamResponse(self, conn)
         conn.resp = resp
         transport = conn.transport
         assert transport is not None
         transport.write(b"".join((
-            b"POST ", self._prefix, path, b" HTTP/1.1\r\nHost: ", self._host_header,
+            method, b" ", self._prefix, path, b" HTTP/1.1\r\nHost: ", self._host_header,
             b"\r\nContent-Type: application/json\r\nAccept-Encoding: identity\r\n"
             b"X-Request-Id: ", request_id, b"\r\n", extra, b"Content-Length: ",
             str(len(body)).encode(), b"\r\n\r\n", body)))
@@ -465,6 +466,29 @@ class UpstreamPool:
                     resp.close()
         except TimeoutError:
             raise EffectTimeout(STEP, timeout_s, detail=f"POST {path.decode()}") from None
+
+    async def exchange(self, method: str, path: str, body: bytes, *, timeout_s: float,
+                       max_bytes: int = 1 << 20) -> tuple[int, bytes]:
+        """One request of the gateway's own on a pooled keep-alive connection, with the
+        engine's route key (a weight route of a launched engine is closed without it):
+        (status, body). ``path`` may carry a query. Bounded by ``timeout_s`` as a whole
+        (``EffectTimeout``; the connection is closed, so vLLM sees the client gone); a
+        complete answer returns its connection to the pool. For a caller with a pool of
+        its own (the native routes' relay), which nothing else can fill."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                resp = await self._send(await self._acquire(), path.encode("latin-1"), body,
+                                        b"rolloutcore", self._key_header(),
+                                        method.encode("ascii"))
+                try:
+                    out = resp.status, await resp.read(max_bytes)
+                except BaseException:
+                    resp.close()
+                    raise
+                resp.release()
+                return out
+        except TimeoutError:
+            raise EffectTimeout(STEP, timeout_s, detail=f"{method} {path}") from None
 
     def _key_header(self) -> bytes:
         # The gateway's own calls (the abort route) are closed on an engine RolloutCore

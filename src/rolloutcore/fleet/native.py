@@ -281,8 +281,8 @@ class FleetRounds:
             raise NativeRefusal(409, f"the round could not open: {res.get('reason')}")
         return rnd, rnd.label
 
-    async def send(self, handle: _FleetRound, route: str, body: dict[str, Any] | None
-                   ) -> Failed | None:
+    async def send(self, handle: _FleetRound, route: str,
+                   body: dict[str, Any] | bytes | None) -> Failed | None:
         async def one(rep: Replica, label: str) -> Failed | None:
             b = {"weight_version": label} if route == Routes.FINISH_UPDATE else body
             url = str(rep.url)

@@ -126,9 +126,10 @@ class RoundBackend(Protocol):
         Raises ``NativeRefusal`` when it cannot open (nothing changed, or the failure
         policy already ended it)."""
 
-    async def send(self, handle: Any, route: str, body: dict[str, Any] | None
+    async def send(self, handle: Any, route: str, body: dict[str, Any] | bytes | None
                    ) -> Failed | None:
-        """Forward a start/update/finish (a finish with the round's own labels)."""
+        """Forward a start/update/finish (a finish with the round's own labels); an
+        update's body as the bytes the sender sent (read, never changed)."""
 
     async def close(self, handle: Any, written: Manifest, note: dict[str, Any]
                     ) -> dict[str, Any]: ...
@@ -273,7 +274,7 @@ class NativeRoutes:
             if route == Routes.START_UPDATE:
                 return await self._start(body, arrived)
             if route == Routes.UPDATE_WEIGHTS:
-                return await self._update(body)
+                return await self._update(body, raw)
             if route == Routes.FINISH_UPDATE:
                 return await self._finish(body)
             assert route == Routes.RESUME
@@ -301,7 +302,7 @@ class NativeRoutes:
         rnd.started = True
         return 200, {"message": "Weight update started"}
 
-    async def _update(self, body: dict[str, Any]) -> tuple[int, Any]:
+    async def _update(self, body: dict[str, Any], raw: bytes) -> tuple[int, Any]:
         rnd = self.round
         if rnd is None or not rnd.started or rnd.finished:
             raise _Refusal(409, "no weight update is open: /start_weight_update first")
@@ -314,7 +315,9 @@ class NativeRoutes:
             await self._fail(rnd, FailureKind.BAD_EVIDENCE,
                              f"parameters written twice in one round: {twice[:5]}")
             raise _Refusal(409, "parameters written twice in one round")
-        await self._engine(rnd, Routes.UPDATE_WEIGHTS, body, mutation_started=True)
+        # Forwarded as sent: the bytes just read (a large round's names are not
+        # encoded a second time).
+        await self._engine(rnd, Routes.UPDATE_WEIGHTS, raw, mutation_started=True)
         rnd.written.update(names)
         rnd.writes += 1
         return 200, {"message": "Weights updated"}
@@ -422,7 +425,7 @@ class NativeRoutes:
         if t is not None and t is not asyncio.current_task():
             t.cancel()
 
-    async def _engine(self, rnd: _Round, route: str, body: dict[str, Any] | None, *,
+    async def _engine(self, rnd: _Round, route: str, body: dict[str, Any] | bytes | None, *,
                       mutation_started: bool) -> None:
         """A round's call to vLLM: any failure ends the round (TAINTED once written)."""
         t0 = time.monotonic()

@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 import anyio
 
@@ -27,6 +28,7 @@ from rolloutcore.core.records import Note
 from rolloutcore.core.versions import Provenance, VerificationLevel, WeightIdentity
 from rolloutcore.engine.client import AsyncEngineClient
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.upstream import UpstreamPool
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, UpdateFailed, UpdateRefused
 from rolloutcore.service.config import ServiceConfig
 from rolloutcore.service.native import NATIVE_LEVEL, Failed, Manifest, NativeRefusal
@@ -66,28 +68,44 @@ def failed_result(exc: UpdateFailed) -> dict[str, Any]:
     return {"status": "failed", "classification": exc.classification, "reason": exc.reason}
 
 
-async def relay_call(client: AsyncEngineClient, url: str, method: str, route: str,
-                     query: Mapping[str, str], body: Any, timeout_s: float
+async def relay_call(client: AsyncEngineClient | UpstreamPool, url: str, method: str,
+                     route: str, query: Mapping[str, str], body: Any, timeout_s: float
                      ) -> tuple[int, Any]:
     """One call to vLLM; ``NativeRefusal`` 504 when it did not answer in time, 409 when
-    it could not be reached; vLLM's own status and body otherwise."""
+    it could not be reached; vLLM's own status and body otherwise.
+
+    ``body``: JSON to encode, or ``bytes`` forwarded as they came (a sender's body the
+    gateway read but did not change). ``client``: one engine's keep-alive pool
+    (``UpstreamPool``, the lean client: ``EngineRounds``) or an ``AsyncEngineClient``."""
     try:
-        resp = await client.request(
-            method, route, step="native", timeout_s=timeout_s, params=dict(query) or None,
-            json_body=body, headers=engine_key.headers_for(url), check_status=False,
-            mutation_started=False)
+        if isinstance(client, UpstreamPool):
+            path = f"{route}?{urlencode(query)}" if query else route
+            raw = body if isinstance(body, bytes) else \
+                b"" if body is None else json.dumps(body).encode()
+            status, got = await client.exchange(method, path, raw, timeout_s=timeout_s)
+        else:
+            json_body, headers = body, engine_key.headers_for(url)
+            if isinstance(body, bytes):
+                json_body, headers = None, {**headers, "content-type": "application/json"}
+            resp = await client.request(
+                method, route, step="native", timeout_s=timeout_s,
+                params=dict(query) or None, json_body=json_body,
+                content=body if isinstance(body, bytes) else None, headers=headers,
+                check_status=False, mutation_started=False)
+            status, got = resp.status_code, resp.content
     except EffectTimeout as exc:
-        raise NativeRefusal(504, f"vLLM did not answer {route} in time: {exc.__cause__!r}",
-                            "UpstreamTimeout") from exc
+        raise NativeRefusal(504, f"vLLM did not answer {route} in time: "
+                            f"{exc.__cause__ or exc!r}", "UpstreamTimeout") from exc
     except EffectError as exc:
-        raise NativeRefusal(409, f"vLLM unreachable on {route}: {exc.__cause__!r}",
+        raise NativeRefusal(409, f"vLLM unreachable on {route}: {exc.__cause__ or exc!r}",
                             "UpstreamError") from exc
-    with contextlib.suppress(ValueError):
-        return resp.status_code, resp.json()
-    return resp.status_code, {"text": resp.text[:300]}
+    with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+        return status, json.loads(got)
+    return status, {"text": got[:300].decode("utf-8", "replace")}
 
 
-async def forward_step(client: AsyncEngineClient, url: str, route: str, body: Any,
+async def forward_step(client: AsyncEngineClient | UpstreamPool, url: str, route: str,
+                       body: Any,
                        timeout_s: float, who: str = "") -> Failed | None:
     """A round's start/update/finish to one engine: None, or what failed (named)."""
     try:
@@ -107,7 +125,7 @@ class EngineRounds:
         self.runner = runner
         self.config = config
         self.floor = config.floor
-        self._client: AsyncEngineClient | None = None
+        self._pool: UpstreamPool | None = None
 
     # ------------------------------------------------------------ reading
     def health(self) -> str | None:
@@ -124,12 +142,19 @@ class EngineRounds:
         return None if com is None else com.get("label")
 
     @property
-    def client(self) -> AsyncEngineClient:
+    def client(self) -> UpstreamPool:
+        """The relay's own keep-alive connections to the engine (the data plane's lean
+        client, not its pool: no request can queue a round's call behind it), made in
+        the loop it serves on first use. Every call bounds itself (``exchange``); the
+        silence allowed while an answer is awaited is the longest call's (an update's
+        answer comes once its broadcast is over, up to ``lease_s``)."""
         cfg = self.config
-        if self._client is None:
-            self._client = AsyncEngineClient(cfg.upstream_url, timeout_s=cfg.upstream_read_s,
-                                             connect_s=cfg.upstream_connect_s)
-        return self._client
+        if self._pool is None:
+            longest = max(cfg.lease_s, cfg.upstream_read_s)
+            self._pool = UpstreamPool(cfg.upstream_url, max_connections=4,
+                                      connect_s=cfg.upstream_connect_s, pool_s=longest,
+                                      read_s=longest, keepalive_s=cfg.upstream_keepalive_s)
+        return self._pool
 
     async def relay(self, method: str, route: str, query: Mapping[str, str],
                     body: Any) -> tuple[int, Any]:
@@ -167,8 +192,8 @@ class EngineRounds:
             raise NativeRefusal(409, f"the round could not open: {exc}") from exc
         return out, out.ticket.target.version.label
 
-    async def send(self, handle: UpdateOutcome, route: str, body: dict[str, Any] | None
-                   ) -> Failed | None:
+    async def send(self, handle: UpdateOutcome, route: str,
+                   body: dict[str, Any] | bytes | None) -> Failed | None:
         return await forward_step(self.client, self.config.upstream_url, route, body,
                                   self.config.lease_s)
 
@@ -218,6 +243,6 @@ class EngineRounds:
         return {"status": "expired", "classification": None, "reason": reason}
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.aclose()
