@@ -242,7 +242,7 @@ def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], n
     workers hold one sender's group at a time: a round on the other path first
     connects there (``/init_weight_transfer_engine``, relayed by the gateway outside
     any round), before the round's clock starts."""
-    from rolloutcore.transports import engine_key
+    from rolloutcore.engine.errors import request
 
     fresh = tr.connected_to != base
     if fresh:
@@ -252,8 +252,12 @@ def _round(path: str, i: int, base: str, tr: Any, posts: list[dict[str, Any]], n
     t0 = time.monotonic()
     tr.send(base, f"sender-{path}-{i}", src, timeout_s=300)
     tr_ = time.monotonic()
-    reset = httpx.post(f"{base}/reset_prefix_cache", timeout=60,
-                       headers=engine_key.headers_for(base))
+    # Sent as the sender's own calls are (``TransportBase.post``): a new connection per
+    # call, as vLLM's client's ``requests.post``, with the process's one TLS context (a
+    # bare ``httpx.post`` loads the CA bundle on every call: ~30 ms that vLLM's client
+    # does not spend, on both paths). The route key when the base is the engine's.
+    reset = request("POST", f"{base}/reset_prefix_cache", step="reset_prefix_cache",
+                    timeout_s=60)
     t_end = time.monotonic()
     assert reset.status_code == 200, reset.text
     posts.append({"route": "/reset_prefix_cache", "t0": tr_, "t1": t_end})
