@@ -304,3 +304,46 @@ async def test_unreachable_is_engine_unreachable() -> None:
     assert isinstance(ei.value.__cause__, ConnectionRefusedError)
     assert p.open_connections == 0
     await p.aclose()
+
+
+async def test_exchange_sends_the_route_key_and_reuses_its_connection(
+        json_server: Server) -> None:
+    """``exchange`` (the native routes' relay): any method, a query, the engine's route
+    key on every call, the answer read whole; the connection goes back to the pool."""
+    from rolloutcore.transports import engine_key
+
+    engine_key.register(json_server.url, "k" * 32)
+    try:
+        p = pool(json_server.url)
+        assert await p.exchange("POST", "/update_weights", b'{"a":1}', timeout_s=2) == (
+            200, b'{"n":1}')
+        assert await p.exchange("GET", "/is_paused?x=1", b"", timeout_s=2) == (
+            200, b'{"n":2}')
+    finally:
+        engine_key.forget(json_server.url)
+    assert json_server.connections == 1 and p.open_connections == 1
+    post, get = json_server.requests
+    assert post.startswith(b"POST /update_weights HTTP/1.1\r\n")
+    assert post.endswith(b"\r\n\r\n{\"a\":1}")
+    assert get.startswith(b"GET /is_paused?x=1 HTTP/1.1\r\n")
+    assert all(f"\r\n{engine_key.HEADER}: {'k' * 32}\r\n".encode() in r
+               for r in (post, get))
+    await p.aclose()
+
+
+async def test_exchange_past_its_deadline_times_out_and_closes() -> None:
+    """A call bounded as a whole: past ``timeout_s`` it is an ``EffectTimeout`` naming the
+    call, and its connection is closed (vLLM sees the client gone), however long the
+    pool's own silence allowance."""
+    async def never(r: asyncio.StreamReader, w: asyncio.StreamWriter, s: Server) -> None:
+        await r.read(1)  # nothing, until the client goes
+        raise ConnectionError
+
+    async with Server(never) as s:
+        p = pool(s.url, read_s=60)
+        with pytest.raises(EffectTimeout, match="POST /finish_weight_update") as ei:
+            await p.exchange("POST", "/finish_weight_update", b"{}", timeout_s=0.2)
+        assert ei.value.deadline_s == 0.2 and ei.value.step == STEP
+        await asyncio.wait_for(s.eof.wait(), 5)
+        assert p.open_connections == 0
+        await p.aclose()
