@@ -46,7 +46,9 @@ vLLM), ``close`` (the caches reset, validated while paused, resumed,
 published) with its effects (``invalidate``,
 ``validate``, ``resume``, ``validate_live``), and ``answer`` (published ->
 the finish's answer back at the sender). What a sender's call costs beyond
-the server's time (its own HTTP client, per call) is in both paths alike.
+the server's time is in both paths alike: every call, the reset too, is made as
+vLLM's ``HTTPVLLMWeightSyncClient`` makes it (``requests.post``: a new
+connection per call), with the process's one TLS context.
 ``phase_medians`` are their medians over the measured rounds.
 
     PYTHONPATH=src .venv/bin/python benchmarks/native_routes.py --updates 5 --engines guarded,open
