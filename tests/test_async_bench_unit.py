@@ -99,9 +99,9 @@ def test_every_mode_runs_end_to_end_on_the_fake_engine() -> None:
     work = bench.Workload(concurrency=4, median_tokens=8, cap_tokens=80, prompt_tokens=20)
     # Short phases: what is checked is what each mode reports, not its rate; two
     # updates are scheduled in each window, as in the real runs.
-    raw = [bench.run_phase(h, m, workload=work, duration_s=0.6, warmup_s=0.1, period_s=0.25)
+    raw = [bench.run_phase(h, m, workload=work, duration_s=0.3, warmup_s=0.05, period_s=0.12)
            for m in bench.MODES]
-    s = bench.summarize(raw, period_s=0.25, concurrency=4)
+    s = bench.summarize(raw, period_s=0.12, concurrency=4)
     for m in bench.MODES:
         row = s[m]
         for key in ("tokens_per_s", "retained", "stall_median_s", "stall_max_s",
@@ -116,7 +116,7 @@ def test_every_mode_runs_end_to_end_on_the_fake_engine() -> None:
         assert s[m]["updates"] >= 1 and s[m]["updates_failed"] == 0
         assert "lost_s_per_update" in s[m]
     assert s["strict"]["max_staleness_seen"] == 0 and s["keep"]["recomputed_tokens"] == 0
-    assert s["update_period_s"] == 0.25 and s["concurrency"] == 4
+    assert s["update_period_s"] == 0.12 and s["concurrency"] == 4
     cache = bench.cache_control(h, prompt_tokens=48, kept_tokens=200)
     assert cache["salted"]["hits"] == 0 and cache["unsalted"]["hits"] >= 32
     table = bench.format_table({**s, "cross_version_prefix_hits_salted": 0,

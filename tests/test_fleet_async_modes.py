@@ -56,13 +56,29 @@ async def _stream_across_an_update(mode: UpdateMode) -> tuple[Any, list[Any], An
                               for v in f.engine(n).tokens_in_flight().values()):
                     await anyio.sleep(0.005)
             # The stream must still run when the update lands, however slowly a loaded
-            # machine runs it (37 tokens left at 0.01 s = 0.37 s): 10x slower until then,
-            # then the rest at once.
+            # machine runs it (37 tokens left at 0.01 s = 0.37 s): 10x slower until the
+            # new weights are written into its engine, then the rest at once (and the
+            # update's probes after that, which were generated at 0.1 s a token too).
+            done = anyio.Event()
+            out: list[Any] = []
+
+            async def update() -> None:
+                try:
+                    out.append(await anyio.to_thread.run_sync(f.coord.update, weights(1)))
+                finally:
+                    done.set()
+
+            async def quicken_once_written(engine: Any) -> None:
+                ops = engine.weight_ops
+                engine.token_delay_s = 0.1
+                while engine.weight_ops == ops and not done.is_set():
+                    await anyio.sleep(0.005)
+                engine.token_delay_s = 0.0
+
             for n in f.adapters:
-                f.engine(n).token_delay_s = 0.1
-            res = await anyio.to_thread.run_sync(f.coord.update, weights(1))
-            for n in f.adapters:
-                f.engine(n).token_delay_s = 0.0
+                tg.start_soon(quicken_once_written, f.engine(n))
+            tg.start_soon(update)
+        res = out[0]
         resp = got[0]
         assert resp.status_code == 200, resp.text
         return f, sse_events(resp.text), resp.headers, res
