@@ -24,6 +24,7 @@ import uvicorn
 from helpers.asgi_drive import Drive
 from helpers.gateway_rig import (
     AUTH,
+    QuickServer,
     begin_body,
     lease,
     remote_transfer,
@@ -243,7 +244,7 @@ def test_request_headers_that_never_end_are_answered_408() -> None:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
+    server = QuickServer(uvicorn.Config(app, lifespan="off", log_level="warning",
                                            http=http_protocol(0.3)))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
@@ -261,7 +262,7 @@ def test_request_headers_that_never_end_are_answered_408() -> None:
             assert data.startswith(b"HTTP/1.1 408"), data
             assert 0.25 <= time.monotonic() - t0 < 5
     finally:
-        server.should_exit = True
+        server.stop()
         th.join(10)
         sock.close()
 
@@ -280,7 +281,7 @@ def test_a_connection_whose_peer_stopped_reading_is_dropped() -> None:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning",
+    server = QuickServer(uvicorn.Config(app, lifespan="off", log_level="warning",
                                            http=http_protocol(5.0, 0.5)))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
@@ -306,7 +307,7 @@ def test_a_connection_whose_peer_stopped_reading_is_dropped() -> None:
         c.close()
         assert got < len(body)
     finally:
-        server.should_exit = True
+        server.stop()
         th.join(10)
         sock.close()
 
@@ -408,7 +409,7 @@ async def test_http_client_sees_the_stream_end_when_aborted_over_a_socket() -> N
         short_drain(r)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(r.app, lifespan="off", log_level="warning",
+        server = QuickServer(uvicorn.Config(r.app, lifespan="off", log_level="warning",
                                                http=http_protocol(5.0)))
         serving = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
         try:
@@ -430,7 +431,7 @@ async def test_http_client_sees_the_stream_end_when_aborted_over_a_socket() -> N
             await asyncio.to_thread(th.join, 10)
             assert not th.is_alive()
         finally:
-            server.should_exit = True
+            server.stop()
             await serving
             sock.close()
         events = sse_events(got["text"])

@@ -219,11 +219,11 @@ def sse_events(text: str) -> list[Any]:
     return out
 
 
-class _Server(uvicorn.Server):
+class QuickServer(uvicorn.Server):
     """uvicorn's server, woken at once by ``stop`` rather than at its next 0.1 s tick, and
     shut down as soon as its connections and tasks are done: uvicorn's own shutdown sleeps
-    0.1 s after asking the connections to close, then polls every 0.1 s (0.1-0.3 s of
-    every test's teardown that serves over a socket, ~14 s of the fast lane)."""
+    0.1 s after asking the connections to close, then polls every 0.1 s: 0.1-0.3 s of the
+    teardown of every test that serves over a socket."""
 
     POLL_S = 0.005
 
@@ -275,14 +275,14 @@ class _Server(uvicorn.Server):
                 loop.call_soon_threadsafe(wake.set)
 
 
-def _start(app: Any, host: str, lifespan: str) -> tuple[_Server, threading.Thread, Any, str]:
+def _start(app: Any, host: str, lifespan: str) -> tuple[QuickServer, threading.Thread, Any, str]:
     import socket
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = _Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
+    server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan=lifespan,
                                     timeout_graceful_shutdown=5))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
@@ -301,7 +301,7 @@ def uvicorn_threads(apps: list[Any], host: str = "127.0.0.1",
                     lifespan: str = "on") -> Iterator[list[str]]:
     """Serve each of ``apps`` on a free loopback port from a thread of its own (real
     sockets, real disconnects); at exit all are told to stop, then awaited together."""
-    started: list[tuple[_Server, threading.Thread, Any, str]] = []
+    started: list[tuple[QuickServer, threading.Thread, Any, str]] = []
     try:
         for app in apps:
             started.append(_start(app, host, lifespan))
