@@ -132,7 +132,8 @@ def test_deadline_kills_the_whole_group(tmp_path: Path) -> None:
     marker = tmp_path / "grandchild.pid"
     # The server never answers /health and leaves a grandchild in its group.
     py = _script(tmp_path, f"sleep 300 & echo $! > {marker}; sleep 300")
-    e = ManagedEngine(_model(tmp_path), python=py, startup_timeout_s=1.5, stop_grace_s=2)
+    # The deadline only has to outlast the script's first line (a fork and an echo).
+    e = ManagedEngine(_model(tmp_path), python=py, startup_timeout_s=0.8, stop_grace_s=2)
     with pytest.raises(EffectTimeout) as ei:
         e.start()
     assert ei.value.mutation_started is False
