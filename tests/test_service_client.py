@@ -156,7 +156,10 @@ def test_a_report_after_the_lease_expired_is_told_so(
     with RolloutCoreClient(url, TOKEN) as rc:
         g = rc.begin(identity_of(W1, P1), owner="slow", probe=W1.policy_probe())
         ad.engine.start_update()  # it began sending, and overran its lease
-        time.sleep(0.6)
+        deadline = time.monotonic() + 10
+        while gw.updates.open_update is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gw.updates.open_update is None  # expired
         ad.engine.finish_update("late")
         ev = remote_transfer(ad, W1, g.target.label)
         res = rc.report(g, ev)
@@ -167,7 +170,7 @@ def test_a_report_after_the_lease_expired_is_told_so(
     assert [v.label for v in gw.controller.published] == ["default"]
 
 
-@pytest.mark.parametrize("served", [{"lease_s": 0.6}], indirect=True)
+@pytest.mark.parametrize("served", [{"lease_s": 0.3}], indirect=True)
 def test_trainer_killed_between_begin_and_report(
         served: tuple[str, Gateway, FakeAdapter]) -> None:
     """A real trainer process begins, then is SIGKILLed before it sent anything: the lease

@@ -85,7 +85,7 @@ class ProtocolEngine:
     """A trainer engine doing what vLLM's do in ``send_weights``.
 
     ``block`` = "before_start" / "in_update" makes it hang there (a stuck
-    collective) until ``release`` is set; ``finish=False`` skips finishing.
+    collective, ``stuck`` set) until ``release`` is set; ``finish=False`` skips finishing.
     """
 
     def __init__(self, client: Any, source: Any, block: str = "", finish: bool = True) -> None:
@@ -94,17 +94,20 @@ class ProtocolEngine:
         self.block = block
         self.finish = finish
         self.release = threading.Event()
+        self.stuck = threading.Event()
         self.sent: list[tuple[str, Any]] = []
         self.shutdowns = 0
 
     def send_weights(self) -> None:
         if self.block == "before_start":
+            self.stuck.set()
             self.release.wait(30)
             self._check_aborted()
         specs = self.source.specs()
         self.client.start_weight_update()
         self.client.update_weights({"names": [n for n, _, _ in specs]})
         if self.block == "in_update":
+            self.stuck.set()
             self.release.wait(30)
             self._check_aborted()
         self.sent = list(self.source)
@@ -301,7 +304,14 @@ def test_driver_round_that_never_finishes_is_a_mutation_failure() -> None:
 def test_abort_from_another_thread_unblocks_a_stuck_round(block: str, mutation: bool) -> None:
     tr, _, engines = _driver(block=block)
     tr.connect(URL, timeout_s=5)
-    aborter = threading.Timer(0.3, tr.abort)
+
+    def abort_once_stuck() -> None:
+        deadline = time.monotonic() + 10
+        while not (engines and engines[0].stuck.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        tr.abort()
+
+    aborter = threading.Thread(target=abort_once_stuck, daemon=True)
     aborter.start()
     t0 = time.monotonic()
     with pytest.raises(TransferError, match="aborted") as ei:
