@@ -32,7 +32,7 @@ MATRIX = PromiseRows("tests/test_adapter_release_off_loop.py",
                      engines="FakeVllm (the tiny model through PEFT) under the real "
                              "AdapterManager and the gateway's admission")
 _fault_matrix = MATRIX.fixture()
-UNLOAD_S = 1.0  # over 3x the release's bound (0.3 s): a release that waited fails
+UNLOAD_S = 0.6  # twice the release's bound (0.3 s): a release that waited for it fails
 
 
 @pytest.fixture

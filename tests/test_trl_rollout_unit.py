@@ -475,9 +475,11 @@ def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
 
     from helpers.trl_fakes import prompts, sigint_when
 
-    # The bounded wait is a few seconds: the released requests must end within it on a
-    # loaded host too (0.2 s failed with two cores kept busy); the held one never does.
-    rig = SessionRig(tmp_path, interrupt_wait_s=3.0)
+    # held=0: every request is released by the Ctrl-C and must end within the bounded
+    # wait, a few seconds on a loaded host too (0.2 s failed with two cores kept busy).
+    # held=1: the bound itself: the others were generated before the Ctrl-C, one request
+    # never is, and the rollout gives up on it after the bounded wait.
+    rig = SessionRig(tmp_path, interrupt_wait_s=0.5 if held else 3.0)
     sent, hold = threading.Event(), threading.Event()
     arrived: list[str] = []
     try:
@@ -489,14 +491,17 @@ def test_ctrl_c_during_generation_is_an_interrupt_not_a_failed_sample(
                 return
             rid = json.loads(req.content)["request_id"]
             arrived.append(rid)
-            sent.wait(30)       # every request waits for the Ctrl-C: the rollout is waiting
             if held and rid.endswith("p3/3"):
                 hold.wait(30)   # one request outlives the bounded wait
+            elif not held:
+                sent.wait(30)   # every request waits for the Ctrl-C: the rollout is waiting
 
         rig.session.fake.before = before
         # Ctrl-C once every request reached the engine (before that, a loaded host may not
         # have started them all, and a request not started is cancelled, not awaited).
-        term = sigint_when(lambda st: len(arrived) == 2 * N and _waiting_for_samples(st))
+        engine = rig.session.fake.engine
+        term = sigint_when(lambda st: len(arrived) == 2 * N and _waiting_for_samples(st)
+                           and (not held or engine.in_flight == 0))
         threading.Thread(target=lambda: (term.join(), sent.set()), daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rig.rollout(prompts(), rig.trainer)
