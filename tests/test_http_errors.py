@@ -141,7 +141,9 @@ def engine() -> Iterator[str]:
     _Engine.seen = []
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Engine)
     srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    # polled every 10 ms, not 0.5 s: ``shutdown`` waits for the loop to see it
+    threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.01},
+                     daemon=True).start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:

@@ -324,7 +324,9 @@ def capture_server() -> Iterator[tuple[str, list[tuple[str, Any]]]]:
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    # polled every 10 ms, not 0.5 s: ``shutdown`` waits for the loop to see it
+    th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.01},
+                          daemon=True)
     th.start()
     try:
         yield f"http://127.0.0.1:{srv.server_address[1]}", got
