@@ -82,11 +82,11 @@ def test_no_operator_signal_is_a_failed_recovery_within_its_deadline(
     c, r, j = tainted()
     committed = c.committed
     rec = OperatorRecoverer(f"http://127.0.0.1:{free_port()}", ckpt, signal=tmp_path / "go",
-                            wait_s=0.5, poll_s=0.05, probe=False)
+                            wait_s=0.2, poll_s=0.05, probe=False)
     t0 = time.monotonic()
     with pytest.raises(UpdateFailed) as ei:
         r.recover(rec)
-    assert time.monotonic() - t0 < 0.5 + 1.0
+    assert time.monotonic() - t0 < 0.2 + 1.0
     assert ei.value.phase == "recover" and ei.value.classification == "ambiguous"
     assert c.state is State.TAINTED and c.committed == committed
     assert "deadline" in ei.value.reason
@@ -99,7 +99,7 @@ def test_signal_without_a_reachable_engine_fails_and_consumes_the_signal(
     sig = tmp_path / "replaced"
     sig.write_text("new engine is up")
     rec = OperatorRecoverer(f"http://127.0.0.1:{free_port()}", ckpt, signal=sig, wait_s=2,
-                            poll_s=0.05, health_s=0.5, probe=False)
+                            poll_s=0.05, health_s=0.2, probe=False)
     with pytest.raises(UpdateFailed):
         r.recover(rec)
     assert not sig.exists()  # one signal, one recovery attempt
@@ -109,7 +109,7 @@ def test_signal_without_a_reachable_engine_fails_and_consumes_the_signal(
 
 
 def test_watchdog_cancels_a_recovery_that_overruns(ckpt: Path, tmp_path: Path) -> None:
-    c, r, j = tainted(recover_s=0.4)
+    c, r, j = tainted(recover_s=0.2)
     calls: list[float] = []
 
     def never() -> bool:
@@ -121,9 +121,9 @@ def test_watchdog_cancels_a_recovery_that_overruns(ckpt: Path, tmp_path: Path) -
     t0 = time.monotonic()
     with pytest.raises(UpdateFailed):
         r.recover(rec)
-    assert time.monotonic() - t0 < 0.4 + 1.0 + 0.5
+    assert time.monotonic() - t0 < 0.2 + 1.0 + 0.5
     n = len(calls)
-    time.sleep(0.3)
+    time.sleep(0.2)                 # four polls' worth
     assert len(calls) <= n + 1  # the cancelled wait stopped polling
     assert c.state is State.TAINTED and check_journal(j.records) == []
 
