@@ -53,7 +53,7 @@ def gen(n: int, stream: bool) -> dict[str, Any]:
     return {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": n}, "stream": stream}
 
 
-def short_drain(r: Any, drain_s: float = 0.3) -> None:
+def short_drain(r: Any, drain_s: float = 0.15) -> None:
     r.runner.deadlines = dataclasses.replace(r.runner.deadlines, drain_s=drain_s)
 
 
@@ -245,7 +245,7 @@ def test_request_headers_that_never_end_are_answered_408() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = QuickServer(uvicorn.Config(app, lifespan="off", log_level="warning",
-                                           http=http_protocol(0.3)))
+                                           http=http_protocol(0.15)))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     try:
@@ -260,7 +260,7 @@ def test_request_headers_that_never_end_are_answered_408() -> None:
                 data += chunk
             c.close()
             assert data.startswith(b"HTTP/1.1 408"), data
-            assert 0.25 <= time.monotonic() - t0 < 5
+            assert 0.12 <= time.monotonic() - t0 < 5
     finally:
         server.stop()
         th.join(10)
@@ -282,7 +282,7 @@ def test_a_connection_whose_peer_stopped_reading_is_dropped() -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = QuickServer(uvicorn.Config(app, lifespan="off", log_level="warning",
-                                           http=http_protocol(5.0, 0.5)))
+                                           http=http_protocol(5.0, 0.25)))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     th.start()
     try:
