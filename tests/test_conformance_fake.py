@@ -28,8 +28,16 @@ def factory(fake: FakeVllm) -> Callable[[], VllmHTTP]:
 
 @pytest.mark.parametrize("check", [  # every exported check, one by one
     getattr(conformance, n) for n in conformance.__all__ if n not in ("check_all", "check_lora")])
-def test_fake_passes(fake: FakeVllm, check: Callable[[Callable[[], VllmHTTP]], None]) -> None:
-    check(factory(fake))
+def test_fake_passes(fake: FakeVllm, check: Callable[..., None]) -> None:
+    # The fake holds a paused request at once: a fifth of a second shows it held.
+    check(factory(fake), **({"held_s": 0.2} if check is conformance.check_pause_resume else {}))
+
+
+def test_a_pause_check_held_for_no_positive_time_is_refused(fake: FakeVllm) -> None:
+    for bad in (0, -0.5, float("inf"), float("nan"), True, "0.5", None):
+        with pytest.raises(BadInput, match="held_s"):
+            conformance.check_pause_resume(factory(fake), held_s=bad)  # type: ignore[arg-type]
+    assert not fake.engine.paused  # refused before anything was sent
 
 
 def test_fake_passes_lora(fake: FakeVllm, tmp_path: Path) -> None:
@@ -41,7 +49,7 @@ def test_fake_passes_lora(fake: FakeVllm, tmp_path: Path) -> None:
 def test_fake_passes_what_the_engine_lane_runs(fake: FakeVllm, tmp_path: Path) -> None:
     """The call tests/engine/test_conformance_engine.py makes against a real vLLM."""
     (tmp_path / "adapter_config.json").write_text("{}")
-    conformance.check_all(factory(fake), adapter_dir=tmp_path)
+    conformance.check_all(factory(fake), adapter_dir=tmp_path, held_s=0.2)
 
 
 def test_checks_catch_a_fake_that_differs(fake: FakeVllm) -> None:

@@ -157,10 +157,10 @@ def test_delay_holds_the_answer_after_the_engine_acted(proxy: FaultProxy, up: Fa
     route = Routes.RESET_PREFIX
     before = count(up, route)
     proxy.inject(route, Fault.delay(30.0))
-    with VllmHTTP(proxy.base_url, timeout_s=0.5) as h:
+    with VllmHTTP(proxy.base_url, timeout_s=0.25) as h:
         t0 = time.monotonic()
         with pytest.raises(EffectTimeout):
-            h._request("POST", route, step="reset", timeout_s=0.5)
+            h._request("POST", route, step="reset", timeout_s=0.25)
         assert time.monotonic() - t0 < 5
     assert count(up, route) == before + 1  # the engine did reset
     assert proxy.wait_hit(route, timeout_s=1).kind is FaultKind.DELAY
@@ -170,10 +170,10 @@ def test_delay_before_forwarding_drops_a_request_whose_client_left(
         proxy: FaultProxy, up: FakeVllm) -> None:
     route = Routes.MODELS
     before = count(up, route)
-    proxy.inject(route, Fault.delay(0.6, upstream=False), times=1)
+    proxy.inject(route, Fault.delay(0.45, upstream=False), times=1)
     with pytest.raises(httpx.ReadTimeout):
         httpx.get(f"{proxy.base_url}{route}", timeout=0.2)
-    time.sleep(1.2)
+    time.sleep(0.9)     # the hold ended 0.65 s ago: a forward would have reached it
     assert count(up, route) == before
     # A client that waits gets the real answer, late.
     proxy.inject(route, Fault.delay(0.3, upstream=False), times=1)

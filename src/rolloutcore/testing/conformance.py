@@ -14,6 +14,7 @@ LoRA loading and a PEFT adapter directory for the served model.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from contextlib import closing
@@ -44,9 +45,13 @@ def _generate_into(c: VllmHTTP, out: dict[str, Any]) -> None:
     out["g"] = c.generate(PROMPT, max_tokens=4, ignore_eos=True, timeout_s=60.0)
 
 
-def check_pause_resume(make: ClientFactory) -> None:
+def check_pause_resume(make: ClientFactory, *, held_s: float = 0.5) -> None:
     """Each mode: ``/pause`` answers paused and ``/is_paused`` says so; a request sent
-    while paused is held, not lost, and finishes after ``/resume``."""
+    while paused is held (still unanswered after ``held_s``), not lost, and finishes
+    after ``/resume``."""
+    if isinstance(held_s, bool) or not isinstance(held_s, (int, float)) \
+            or not 0 < held_s < math.inf:
+        raise BadInput(f"held_s must be a positive number of seconds, got {held_s!r}")
     with closing(make()) as c:
         for mode in PauseMode:
             assert c.pause(mode, timeout_s=60.0) is True, f"pause({mode}) did not answer paused"
@@ -56,7 +61,7 @@ def check_pause_resume(make: ClientFactory) -> None:
             try:
                 if mode is PauseMode.KEEP:
                     held.start()
-                    held.join(0.5)
+                    held.join(held_s)
                     assert held.is_alive(), "a request sent while paused (keep) was not held"
             finally:
                 assert c.resume(timeout_s=60.0) is True, "/resume not 'resumed'"
@@ -178,10 +183,12 @@ def check_error_shapes(make: ClientFactory) -> None:
         assert c.health() is True
 
 
-def check_all(make: ClientFactory, *, adapter_dir: str | Path | None = None) -> None:
-    """Every check; ``check_lora`` only with ``adapter_dir``."""
+def check_all(make: ClientFactory, *, adapter_dir: str | Path | None = None,
+              held_s: float = 0.5) -> None:
+    """Every check; ``check_lora`` only with ``adapter_dir``; ``held_s``:
+    ``check_pause_resume``'s."""
     check_error_shapes(make)
-    check_pause_resume(make)
+    check_pause_resume(make, held_s=held_s)
     check_cache_reset(make)
     check_labels_after_finish(make)
     check_weight_routes(make)
