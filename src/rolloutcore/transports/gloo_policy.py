@@ -13,6 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from rolloutcore.core.strict import check_int
+
 __all__ = ["MAX_TIMEOUT_ENV", "MAX_WORLD_SIZE", "PEERS_ENV", "GlooInitInfo",
            "ReceiverPolicy", "check_init_info"]
 
@@ -40,9 +42,7 @@ class GlooInitInfo:
         if not isinstance(self.master_address, str) or not self.master_address:
             raise ValueError("master_address must be a non-empty string")
         for name in ("master_port", "rank_offset", "world_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+            check_int(name, getattr(self, name))  # BadInput: a ValueError, as the rest
         if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port out of range: {self.master_port}")
         if not 0 < self.rank_offset < self.world_size:
