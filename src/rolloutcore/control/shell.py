@@ -205,11 +205,15 @@ class Shell(Generic[M, V]):
         if recs and self._listeners:
             self._outbox.extend(recs)
             self._queued += len(recs)
-            if self._sinks and any(self._m.commits(r) for r in recs):
-                if not self._marks and not self._lost:
-                    self._held = self._view
-                self._marks.append(self._queued)
-                self._m.unrecorded = marked = True
+            if self._sinks:
+                commits = self._m.commits
+                for r in recs:
+                    if commits(r):
+                        if not self._marks and not self._lost:
+                            self._held = self._view
+                        self._marks.append(self._queued)
+                        self._m.unrecorded = marked = True
+                        break
         self._publish()
         return marked
 
