@@ -279,3 +279,61 @@ def test_an_engine_bootstrap_is_admitted_under_once_on_record() -> None:
     th.join(30)
     assert out["value"].accepted and c.committed is not None
     assert c.admit("on-time").version == c.committed
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_gateway_holds_a_request_until_the_publish_is_on_record() -> None:
+    """Through the real gateway (in process, over the FakeEngine): a request that comes
+    while the publish's sync is held waits in the queue, reaches no engine, and is
+    answered under the new version once the sync returns."""
+    import anyio
+    import httpx
+
+    from helpers.gateway_rig import AUTH, begin_body, lease, remote_transfer, rig, transfer_body
+    from rolloutcore.service.proxy import VERSION_HEADER
+
+    gen = "/inference/v1/generate"
+    body = {"token_ids": [1, 2, 3, 4], "sampling_params": {"max_tokens": 3}}
+    async with rig(queue_max=4, queue_wait_s=20) as r:
+        w1 = FakeWeights.from_seed(1, step=1)
+        r.adapter.stage(w1)
+        m = r.controller._shell.machine
+        entered, release = threading.Event(), threading.Event()
+        real_sync = r.journal.sync
+
+        def gated() -> None:
+            if m.state is State.READY and m.committed is not None and \
+                    m.committed.label == "rc-1":
+                entered.set()
+                assert release.wait(30)
+            real_sync()
+
+        r.journal.sync = gated  # type: ignore[method-assign]
+        b = await r.client.post("/control/updates", json=begin_body(w1), headers=AUTH)
+        ev = remote_transfer(r.adapter, w1, "rc-1")
+        results: list[httpx.Response] = []
+
+        async def report() -> None:
+            await r.client.post(f"/control/updates/{b.json()['update_id']}/transfer",
+                                json=transfer_body(ev), headers=lease(b.json()))
+
+        async def one() -> None:
+            results.append(await r.client.post(gen, json=body))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(report)
+            while not entered.is_set():
+                await anyio.sleep(0.005)
+            tg.start_soon(one)
+            await anyio.sleep(0.3)
+            assert results == [] and r.fake.bodies == []  # held: no engine saw it
+            assert r.gateway.data.waiting == 1
+            release.set()
+        assert [x.status_code for x in results] == [200]
+        assert results[0].headers[VERSION_HEADER] == "rc-1"
+        assert not m.unrecorded
