@@ -337,3 +337,27 @@ async def test_the_gateway_holds_a_request_until_the_publish_is_on_record() -> N
         assert [x.status_code for x in results] == [200]
         assert results[0].headers[VERSION_HEADER] == "rc-1"
         assert not m.unrecorded
+
+
+def test_a_commit_made_inside_a_delivery_is_synced_by_that_delivery() -> None:
+    """A listener that decides a commit while its record is delivered: the inner call
+    cannot sync (its records are the outer loop's to deliver); the delivery that hands
+    them on syncs them and clears the mark, even one that did not ask to wait."""
+    from rolloutcore.core.pool import FleetUpdateBegin, Strategy
+
+    sink = _GatedSink()
+    shell = Shell(ReplicaTable(["r0"]), ReplicaTable.view, listener=sink)
+    t = shell.machine
+    shell.run(t.bootstrap, FleetVersion(0, "fleet-0", ident(0)))
+    begin = FleetUpdateBegin(1, Strategy.SYNCHRONOUS, 1, "fleet-1", "0" * 64, ("r0",), 1,
+                             None, "fanout")
+
+    def publish_on_begin(rec: Record) -> None:
+        if rec is begin:
+            shell.run(t.publish, FleetVersion(1, "fleet-1", ident(1), 1), ["r0"])
+
+    shell.add_listener(publish_on_begin)
+    syncs = sink.syncs
+    shell.run(t.begin_update, begin, wait=False)
+    assert sink.syncs > syncs and not t.unrecorded
+    assert shell.view.newest is not None and shell.view.newest.label == "fleet-1"
