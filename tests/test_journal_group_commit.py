@@ -86,7 +86,8 @@ def test_an_update_syncs_three_times_and_leaves_no_record_behind(tmp_path: Path)
     orig = j.sync
 
     def counted() -> None:
-        syncs.append(c.state.value)
+        # The machine's state (the view shows the publish only once it is on record).
+        syncs.append(c._shell.read(lambda: c._shell.machine.state).value)
         orig()
 
     j.sync = counted  # type: ignore[method-assign]
@@ -95,6 +96,7 @@ def test_an_update_syncs_three_times_and_leaves_no_record_behind(tmp_path: Path)
     # request_update (DRAINING), begin_update (UPDATING), the publish (READY): the four
     # steps between them are carried by these syncs, not synced one by one
     assert syncs == ["DRAINING", "UPDATING", "READY"]
+    assert c.state is State.READY and c.committed == out.published  # shown once synced
     on_file = [x.seq for x in read_journal(path)]
     assert on_file == [x.seq for x in j.records]  # every record, before run_update returned
     j.close()

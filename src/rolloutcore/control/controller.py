@@ -53,7 +53,10 @@ class ControllerView:
 
 
 def _view(m: Lifecycle) -> ControllerView:
-    return ControllerView(m.state, m.committed, m.identity, m.failed_closed, m.active_count)
+    # While a commit is unrecorded the shell shows the view before it; a commit whose
+    # record never reached the journal (its sync failed) is never shown.
+    committed, identity = m.on_record
+    return ControllerView(m.state, committed, identity, m.failed_closed, m.active_count)
 
 
 class LifecycleController:
@@ -181,6 +184,11 @@ class LifecycleController:
     def fail_closed(self, reason: str) -> None:
         """Refuse every further step: something the records go to failed (the journal)."""
         self._shell.fail_closed(reason)
+
+    def on_recorded(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` once a published version's commit record is on record (or
+        was lost): admissions refused while it was being recorded may be retried."""
+        self._shell.on_recorded(callback)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Block until no rollout is bound (or the timeout, on the injected clock)."""

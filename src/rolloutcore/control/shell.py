@@ -19,6 +19,17 @@ is where they meet threads. A ``Shell`` owns one machine and:
   (group commit: ``control.journal``);
 * fails the machine closed when a listener or a sink fails (``fail_closed``):
   the machine then refuses what it can no longer record;
+* never shows a commit before it is on record. A decision whose records include
+  one the machine calls a commit (``commits``: a published version) while a sink
+  listens is *unrecorded* until a sink's sync confirms it: the machine's
+  ``unrecorded`` mark is set in the same hold of the lock as the decision (the
+  machine refuses admissions under it, retryably), the view published meanwhile
+  is the one before the commit, and the call waits for the sync even if it asked
+  not to (a commit left unsynced would hold admissions for ever). Once a sync
+  covers it, the shell clears the mark as a decision of its own, publishes the
+  view and tells its watchers and ``on_recorded`` callbacks; a sync that fails
+  fails the machine closed and leaves the mark set (its snapshot hides what was
+  never recorded). A replay builds a machine without its shell: it never marks;
 * wakes whoever waits on a condition of the machine (``wait_for``), on the
   injected clock;
 * publishes a snapshot after every call (``view``), an immutable value that
@@ -34,6 +45,7 @@ re-checks the outbox before it lets go, so nothing is left behind.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -70,14 +82,18 @@ class Sink(Protocol):
 
 
 class Machine(Protocol):
-    """What a shell needs of a machine: its time, its outbox, its fail-closed switch."""
+    """What a shell needs of a machine: its time, its outbox, its fail-closed switch,
+    which of its records are commits, and the mark of a commit not yet on record."""
 
     now: float
     recording: bool
+    unrecorded: bool
 
     def take(self) -> list[Record]: ...
 
     def fail_closed(self, reason: str) -> None: ...
+
+    def commits(self, record: Record) -> bool: ...
 
 
 M = TypeVar("M", bound=Machine)
@@ -105,6 +121,15 @@ class Shell(Generic[M, V]):
         self._deliver_lock = threading.Lock()
         self._delivering: int | None = None  # the delivering thread, against re-entry
         self._watchers: list[Callable[[], None]] = []
+        self._on_recorded: list[Callable[[], None]] = []
+        # Commits not yet on record: the outbox position (``_queued``) of each one's last
+        # record, in order; a sync that began once ``_handed`` reached it covers it.
+        self._marks: list[int] = []
+        self._queued = 0                # records ever appended to the outbox
+        self._handed = 0                # records ever handed to the listeners
+        self._held: V | None = None     # the view on record while a commit is unrecorded
+        self._lost = False              # a commit's sync failed: it is never on record
+        self._sync_due = False          # a commit made inside a delivery: that one syncs
         machine.now = clock()
         self._view: V = snapshot(machine)
         if listener is not None:
@@ -128,17 +153,31 @@ class Shell(Generic[M, V]):
                 result = fn(*args, **kw)
             except BaseException as exc:  # re-raised below, after the delivery
                 err = exc
-            self._settle()
+            marked = self._settle()
+        if marked:
+            # A commit: on record before this call returns, whatever it asked (never
+            # under the state lock: a failing sink's fail_closed takes it).
+            wait = durable = True
         if err is not None:
-            if self._outbox:
+            if marked:
+                with contextlib.suppress(JournalError):
+                    self._deliver(True, True, commit=True)
+            elif self._outbox:
                 self._deliver(False)
             raise err
         try:
             if self._outbox or (wait and durable and self._sinks):
-                self._deliver(wait, durable)
+                self._deliver(wait, durable, commit=marked)
         finally:
             self._tell_watchers()
         return cast(T, result)
+
+    def on_recorded(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (outside the lock; what it raises is ignored) when the commits
+        that were unrecorded are on record (or lost: their sync failed): admissions refused
+        meanwhile may be retried (and get their answer)."""
+        with self._lock:
+            self._on_recorded = [*self._on_recorded, callback]
 
     def watch(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after every decision, outside the lock (keep it quick; what
@@ -158,13 +197,53 @@ class Shell(Generic[M, V]):
         with self._lock:
             return fn(*args, **kw)
 
-    def _settle(self) -> None:
-        """Under the lock: move the machine's records out, publish, wake the waiters."""
+    def _settle(self) -> bool:
+        """Under the lock: move the machine's records out, publish, wake the waiters.
+        Returns whether the decision committed (its mark is set: the module docstring)."""
         recs = self._m.take()
+        marked = False
         if recs and self._listeners:
             self._outbox.extend(recs)
-        self._view = self._snap(self._m)
+            self._queued += len(recs)
+            if self._sinks:
+                commits = self._m.commits
+                for r in recs:
+                    if commits(r):
+                        if not self._marks and not self._lost:
+                            self._held = self._view
+                        self._marks.append(self._queued)
+                        self._m.unrecorded = marked = True
+                        break
+        self._publish()
+        return marked
+
+    def _publish(self) -> None:
+        """Under the lock: the view on record (held while a commit is unrecorded)."""
+        self._view = self._held if self._held is not None else self._snap(self._m)
         self._cond.notify_all()
+
+    def _recorded(self, covered: int | None) -> None:
+        """A sync returned: the commits it covers are on record (``covered``: the records
+        handed before it began), or it failed (None): every pending one is lost."""
+        with self._lock:
+            if not self._marks or (covered is not None and self._marks[0] > covered):
+                return
+            if covered is None:
+                self._marks, self._lost = [], True
+            else:
+                self._marks = [p for p in self._marks if p > covered]
+            if self._marks:
+                return
+            # The shell's own decision: the commit is on record; show it, let admit in.
+            self._held = None
+            self._m.unrecorded = self._lost
+            self._publish()
+            told = self._on_recorded
+        for cb in told:
+            try:
+                cb()
+            except Exception:
+                continue
 
     @property
     def view(self) -> V:
@@ -209,10 +288,9 @@ class Shell(Generic[M, V]):
         """Something the records go to failed: the machine refuses what it cannot record."""
         with self._lock:
             self._m.fail_closed(reason)
-            self._view = self._snap(self._m)
-            self._cond.notify_all()
+            self._publish()
 
-    def _deliver(self, wait: bool, durable: bool = True) -> None:
+    def _deliver(self, wait: bool, durable: bool = True, *, commit: bool = False) -> None:
         """Hand the outbox to the listeners, in order, outside the state lock.
 
         One thread delivers at a time (``_deliver_lock``); it delivers every
@@ -223,13 +301,20 @@ class Shell(Generic[M, V]):
         waits for every sink to confirm them durable (``durable``; otherwise the sinks
         hold them for the next sync); a failure then raises ``JournalError`` to that
         caller. Records a sync follows (or that wait for one) do not wake a sink's
-        writer (``defer``).
+        writer (``defer``). A sync that returns clears the marks of the commits it
+        covers (``_recorded``); ``commit``: this call's decision committed.
         """
         if self._delivering == threading.get_ident():
-            return  # a listener called back into the shell: the outer loop delivers
+            # A listener called back into the shell: the outer loop delivers (and syncs,
+            # when this call committed).
+            self._sync_due = self._sync_due or commit
+            return
         err: BaseException | None = None
+        due = False
         while True:
             if not self._deliver_lock.acquire(blocking=wait):
+                if due:
+                    break  # ours are delivered; the commit made inside is still to sync
                 return  # the holder delivers ours: it re-checks after releasing
             self._delivering = threading.get_ident()
             try:
@@ -247,18 +332,24 @@ class Shell(Generic[M, V]):
                             err = err or exc
                             self.fail_closed(f"a listener failed on a {rec.KIND} record: "
                                              f"{exc}")
+                    self._handed += 1  # after the sinks took it: a sync begun now covers it
+                # A commit a listener made inside this delivery (only while it is ours).
+                due, self._sync_due = due or self._sync_due, False
             finally:
                 self._delivering = None
                 self._deliver_lock.release()
             if not self._outbox:
                 break
-        if wait and durable:
+        if (wait and durable) or due:
+            covered: int | None = self._handed
             for sink in self._sinks:
                 try:
                     sink.sync()
                 except Exception as exc:
-                    err = err or exc
+                    err, covered = err or exc, None
                     self.fail_closed(f"the journal failed: {exc}")
+            if self._marks:
+                self._recorded(covered)
         if wait and err is not None:
             raise JournalError(f"records could not be delivered; the machine now "
                                f"refuses every step: {err}") from err

@@ -79,6 +79,9 @@ __all__ = [
 #: What vLLM accepts as a LoRA name and what travels in headers and paths.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_PREFIX = "rcl"
+#: Retry-After of an admission refused while an adapter's publish is being recorded (the
+#: gateway's queue holds it and retries once the record is on disk).
+_RECORDING_RETRY_S = 1.0
 
 
 def adapter_name(generation: int, content_digest: str) -> str:
@@ -311,6 +314,10 @@ class AdapterTable(Machine):
     def view(self) -> AdapterView:
         return AdapterView(self.current, dict(self._states), dict(self._bound), self._broken)
 
+    def commits(self, record: Record) -> bool:
+        """An adapter's publish: nothing is bound to it before it is on record."""
+        return isinstance(record, AdapterChange) and record.after is S.PUBLISHED
+
     def evictable(self) -> list[AdapterVersion]:
         """Superseded adapters that may be unloaded now: nothing bound to them runs and
         they are not among the ``max_staleness`` newest superseded ones."""
@@ -440,6 +447,9 @@ class AdapterTable(Machine):
                                    f"{self._broken}", None)
         if self._current is None:
             raise AdmissionRefused("adapters", "no adapter is published", None)
+        if self.unrecorded:
+            raise AdmissionRefused("adapters", f"the publish of adapter {self._current} is "
+                                   f"being recorded", _RECORDING_RETRY_S)
         if rollout_id in self._rollouts:
             raise BadInput(f"rollout {rollout_id!r} is already bound")
         self._rollouts[rollout_id] = self._current

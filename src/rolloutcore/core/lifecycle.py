@@ -338,6 +338,12 @@ class Lifecycle(LifecycleState):
             else:
                 retry, reason = self._cfg.retry_after_s, "a policy update is in progress"
             raise self._refuse(rollout_id, reason, retry)
+        if self.unrecorded:
+            # Published, but its commit record is not on disk yet: a crash now would
+            # restore the version before it, so nothing may be served under it.
+            label = self._committed.label if self._committed else "the version"
+            raise self._refuse(rollout_id, f"the publish of {label} is being recorded",
+                               self._cfg.retry_after_s)
         if expect is not None and expect != self._committed:
             raise self._refuse(rollout_id, f"routed for {expect.label}, but the engine now "
                                f"serves {self._committed.label if self._committed else 'nothing'}",

@@ -223,6 +223,8 @@ class LifecycleState(Machine):
         self._state = S.UNINITIALIZED
         self._committed: WeightVersion | None = None
         self._identity: WeightIdentity | None = None
+        # What was committed before the last commit (shown while that one is unrecorded).
+        self._prior: tuple[WeightVersion | None, WeightIdentity | None] = (None, None)
         self._published: list[WeightVersion] = []
         self._active: dict[str, Binding] = {}
         # Working memory, not durable: bindings a policy abort released, kept so
@@ -329,6 +331,17 @@ class LifecycleState(Machine):
         """Why the controller refuses every step (a record could not be delivered), or None."""
         return self._broken
 
+    def commits(self, record: Record) -> bool:
+        """A ``commit`` record (bootstrap, publish, recovery): nothing is admitted under
+        its version before it is on record (``control.shell``)."""
+        return type(record) is Commit
+
+    @property
+    def on_record(self) -> tuple[WeightVersion | None, WeightIdentity | None]:
+        """The committed version and identity as the journal has them: the ones before a
+        commit that is not on record (``unrecorded``), else the committed ones."""
+        return self._prior if self.unrecorded else (self._committed, self._identity)
+
     def history(self) -> list[dict[str, Any]]:
         """Transitions with the time spent in the state that was left."""
         return [{"from": a.value, "to": b.value, "event": e.value, "at": t,
@@ -372,6 +385,7 @@ class LifecycleState(Machine):
                 if rid in self._active:
                     self._continues[rid] = v
             self._sweep_due = self._sweep_due or CacheKind.PREFIX in upd.rule.deferred_resets
+        self._prior = (self._committed, self._identity)
         self._committed, self._identity = v, rec.identity
         self._published.append(v)
         self._max_generation = max(self._max_generation, v.generation)

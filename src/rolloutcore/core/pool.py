@@ -501,6 +501,11 @@ class ReplicaTable(Machine):
                         self._closed, self._broken,
                         None if self._update is None else dict(self._update))
 
+    def commits(self, record: Record) -> bool:
+        """The fleet's versions (bootstrap, publish, a restart's restore): none is shown
+        to the router before it is on record."""
+        return isinstance(record, (FleetBootstrap, FleetPublish, FleetRestore))
+
     def entry(self, name: str) -> ReplicaEntry:
         e = self._entries.get(name)
         if e is None:

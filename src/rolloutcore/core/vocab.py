@@ -155,13 +155,24 @@ class Machine:
     decides (``now``, set by the shell), its outbox (``take``), whether anyone listens
     (``recording``: records that change no state are skipped otherwise), and the
     fail-closed switch (``fail_closed``: sticky, the first reason kept; what it
-    refuses then is each machine's own decision)."""
+    refuses then is each machine's own decision), which of its records are commits
+    (``commits``) and the mark of one not yet on record (``unrecorded``: set and
+    cleared by the shell only, never by a replay; each machine refuses admissions,
+    retryably, while it is set)."""
 
     def __init__(self, now: float = 0.0) -> None:
         self.now = now
         self.recording = False
+        #: A commit of this machine is on its way to the journal (or never got there):
+        #: nothing may be admitted under it yet (``control.shell``).
+        self.unrecorded = False
         self._outbox: list[Record] = []
         self._broken: str | None = None
+
+    def commits(self, record: Record) -> bool:
+        """Whether ``record`` publishes something (a version) that nothing may be served
+        under before it is on record. None of a machine's records, unless it says so."""
+        return False
 
     def take(self) -> list[Record]:
         """The records made since the last ``take``, in the order they were decided."""

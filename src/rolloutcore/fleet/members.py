@@ -241,6 +241,7 @@ class FleetMembers:
 
         for m in self._members.values():
             m.replica.controller.add_listener(listener)
+            m.replica.controller.on_recorded(callback)  # its publish admits from here
 
     def _engine_record(self, rec: Record) -> None:
         """A replica's own record: a taint (or its controller failing) wakes the supervisor."""

@@ -140,6 +140,8 @@ class OneEngine:
                 wake()
 
         self.controller.add_listener(listener)
+        # A publish is admitted under once its commit is on record, not at its transition.
+        self.controller.on_recorded(wake)
 
     def observe(self, target: Target, ok: bool, refused: bool) -> None:
         return None  # one engine: its own watch notices it (service.app's health watch)
