@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from rolloutcore.core.adapters import ADAPTER_RECORDS
-from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
+from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict, jsonable
 from rolloutcore.core.lease import LEASE_RECORDS
 from rolloutcore.core.pool import POOL_RECORDS
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
@@ -86,6 +86,7 @@ __all__ = [
     "UpdateMode",
     "Verdict",
     "decode",
+    "fields_dict",
 ]
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
@@ -485,6 +486,28 @@ def decode(kind: str, data: Mapping[str, Any]) -> Record:
         return t.from_data(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput is a ValueError
         raise JournalError(f"bad {kind} record: {exc!r}") from exc
+
+
+def fields_dict(obj: Any, **extra: Any) -> dict[str, Any]:
+    """A dataclass's JSON form: its fields in order, each as ``jsonable`` writes it (an enum
+    as its value, a nested object as its ``to_dict``, a tuple as a list, a mapping as a
+    dict), then ``extra`` (what is derived, not stored). The one ``to_dict`` of the plain
+    report and record classes (a ``TypedRecord``'s ``to_data`` is the same, without extras).
+    """
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    out: dict[str, Any] = {}
+    for name in names:
+        v = getattr(obj, name)
+        out[name] = v if type(v) in _PLAIN else jsonable(v)  # per sample: skip the plain
+    out.update(extra)
+    return out
+
+
+#: ``fields_dict``'s per-class field names, and the values it writes as they are.
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
 # --------------------------------------------------------------------------- the journal line

@@ -52,6 +52,7 @@ from functools import cached_property
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.strict import HEX64, check_str, exact_keys
 from rolloutcore.core.strict import check_obj as _obj
 from rolloutcore.core.strict import fail as _fail
@@ -353,9 +354,7 @@ class SamplingSpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_tokens": self.max_tokens, "seed": self.seed,
-                "seed_derivation": self.seed_derivation, "extra": _thaw_json(self.extra)}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> SamplingSpec:
@@ -477,8 +476,7 @@ class Timestamps:
                            f"admitted_mono {self.admitted_mono}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"admitted_wall": self.admitted_wall, "admitted_mono": self.admitted_mono,
-                "completed_wall": self.completed_wall, "completed_mono": self.completed_mono}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> Timestamps:
@@ -521,7 +519,7 @@ class Attribution:
             check_str("attribution.reason", self.reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attributable": self.attributable, "reason": self.reason}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> Attribution:
@@ -550,8 +548,7 @@ class FleetPlacement:
         _str("fleet.fleet_label", self.fleet_label, _ID_RE)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "fleet_version": self.fleet_version,
-                "fleet_label": self.fleet_label}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> FleetPlacement:

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from rolloutcore.core.records import fields_dict
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
 
@@ -200,9 +201,7 @@ class FaultHit:
     upstream_status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"route": self.route, "method": self.method, "kind": self.kind.value,
-                "t_mono": self.t_mono, "t_wall": self.t_wall, "detail": self.detail,
-                "upstream_status": self.upstream_status}
+        return fields_dict(self)
 
 
 @dataclass
