@@ -328,3 +328,22 @@ def test_fields_dict_writes_each_field_as_json_in_order_then_the_extras() -> Non
     assert d["strategy"] == "rolling" and d["outcomes"] == {"r0": "passed"}
     assert d["waves"] == [["r0"], ["r1", "r2"]] and d["published"] is None
     assert list(d)[-1] == "extra" and d == {**r.to_dict(), "extra": 1}
+
+
+def test_fields_from_dict_reads_exactly_the_fields_back() -> None:
+    """``fields_dict``'s inverse: the same object back; a missing or unknown key is
+    ``BadInput`` naming where (and the note, for an unknown one)."""
+    from rolloutcore.core.records import fields_from_dict
+    from rolloutcore.errors import BadInput
+    from rolloutcore.provenance.trajectory import Timestamps
+
+    t = Timestamps(1.0, 2.0, 3.0, 4.0)
+    assert fields_from_dict(Timestamps, "timestamps", t.to_dict()) == t
+    assert Timestamps.from_dict(t.to_dict()) == t
+    with pytest.raises(BadInput, match=r"timestamps: missing keys \['completed_mono'\]"):
+        fields_from_dict(Timestamps, "timestamps",
+                         {k: v for k, v in t.to_dict().items() if k != "completed_mono"})
+    with pytest.raises(BadInput, match=r"timestamps: unknown keys \['x'\] \(schema version"):
+        Timestamps.from_dict({**t.to_dict(), "x": 1})
+    with pytest.raises(BadInput, match="timestamps: must be a JSON object"):
+        Timestamps.from_dict([1.0])

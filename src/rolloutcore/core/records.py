@@ -31,12 +31,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from rolloutcore.core.adapters import ADAPTER_RECORDS
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict, jsonable
 from rolloutcore.core.lease import LEASE_RECORDS
 from rolloutcore.core.pool import POOL_RECORDS
+from rolloutcore.core.strict import check_obj, exact_keys
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import (  # re-exported: the one schema module
     Classification,
@@ -87,7 +88,10 @@ __all__ = [
     "Verdict",
     "decode",
     "fields_dict",
+    "fields_from_dict",
 ]
+
+_D = TypeVar("_D")
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
 #: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
@@ -503,6 +507,18 @@ def fields_dict(obj: Any, **extra: Any) -> dict[str, Any]:
         out[name] = v if type(v) in _PLAIN else jsonable(v)  # per sample: skip the plain
     out.update(extra)
     return out
+
+
+def fields_from_dict(cls: type[_D], where: str, d: object, note: str = "") -> _D:
+    """``fields_dict``'s inverse for a class whose fields are all JSON values its own
+    ``__post_init__`` checks: ``d`` must be an object with exactly the field names
+    (``BadInput`` naming ``where``; ``note`` says what an unknown key may be)."""
+    m = check_obj(where, d)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    exact_keys(where, m, names, note=note)
+    return cls(**{k: m[k] for k in names})
 
 
 #: ``fields_dict``'s per-class field names, and the values it writes as they are.

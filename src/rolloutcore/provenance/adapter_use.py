@@ -15,8 +15,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.core.records import fields_dict
-from rolloutcore.core.strict import HEX64, check_obj, check_str, exact_keys, fail
+from rolloutcore.core.records import fields_dict, fields_from_dict
+from rolloutcore.core.strict import HEX64, check_str, fail
 
 __all__ = ["AdapterUse", "adapter_problems", "publications_to_dict"]
 
@@ -55,9 +55,7 @@ class AdapterUse:
 
     @classmethod
     def from_dict(cls, d: object) -> AdapterUse:
-        m = check_obj("adapter", d)
-        exact_keys("adapter", m, ("name", "generation", "content_digest", "base"))
-        return cls(m["name"], m["generation"], m["content_digest"], m["base"])
+        return fields_from_dict(cls, "adapter", d)
 
 
 def adapter_problems(a: AdapterUse,

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rolloutcore.core.records import UpdateMode, fields_dict
+from rolloutcore.core.records import UpdateMode, fields_dict, fields_from_dict
 from rolloutcore.core.strict import check_int, check_obj, check_str, exact_keys, fail
 from rolloutcore.errors import BadInput
 
@@ -128,10 +128,7 @@ class Segment:
 
     @classmethod
     def from_dict(cls, d: object) -> Segment:
-        m = check_obj("versions.segments[]", d)
-        exact_keys("versions.segments[]", m,
-                   ("start", "end", "label", "cache_salt", "prefill_tokens"))
-        return cls(m["start"], m["end"], m["label"], m["cache_salt"], m["prefill_tokens"])
+        return fields_from_dict(cls, "versions.segments[]", d)
 
 
 class _Span(Protocol):

@@ -52,7 +52,7 @@ from functools import cached_property
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
-from rolloutcore.core.records import fields_dict
+from rolloutcore.core.records import fields_dict, fields_from_dict
 from rolloutcore.core.strict import HEX64, check_str, exact_keys
 from rolloutcore.core.strict import check_obj as _obj
 from rolloutcore.core.strict import fail as _fail
@@ -358,11 +358,7 @@ class SamplingSpec:
 
     @classmethod
     def from_dict(cls, d: object) -> SamplingSpec:
-        m = _obj("sampling", d)
-        keys = ("temperature", "top_p", "top_k", "max_tokens", "seed", "seed_derivation",
-                "extra")
-        _exact_keys("sampling", m, keys)
-        return cls(**{k: m[k] for k in keys})
+        return fields_from_dict(cls, "sampling", d, _NOTE)
 
 
 @dataclass(frozen=True)
@@ -480,10 +476,7 @@ class Timestamps:
 
     @classmethod
     def from_dict(cls, d: object) -> Timestamps:
-        m = _obj("timestamps", d)
-        keys = ("admitted_wall", "admitted_mono", "completed_wall", "completed_mono")
-        _exact_keys("timestamps", m, keys)
-        return cls(*(m[k] for k in keys))
+        return fields_from_dict(cls, "timestamps", d, _NOTE)
 
 
 _SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
@@ -523,9 +516,7 @@ class Attribution:
 
     @classmethod
     def from_dict(cls, d: object) -> Attribution:
-        m = _obj("attribution", d)
-        _exact_keys("attribution", m, ("attributable", "reason"))
-        return cls(m["attributable"], m["reason"])
+        return fields_from_dict(cls, "attribution", d, _NOTE)
 
 
 @dataclass(frozen=True)
@@ -552,9 +543,7 @@ class FleetPlacement:
 
     @classmethod
     def from_dict(cls, d: object) -> FleetPlacement:
-        m = _obj("fleet", d)
-        _exact_keys("fleet", m, ("replica", "fleet_version", "fleet_label"))
-        return cls(m["replica"], m["fleet_version"], m["fleet_label"])
+        return fields_from_dict(cls, "fleet", d, _NOTE)
 
 
 @dataclass(frozen=True)
