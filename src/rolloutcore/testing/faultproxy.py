@@ -56,11 +56,11 @@ import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from rolloutcore.core.records import fields_dict
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
+from rolloutcore.transports.base import check_url
 
 if TYPE_CHECKING:  # the service extra; imported where the proxy starts
     import httpx
@@ -211,15 +211,6 @@ class _State:
     requests: dict[str, int] = field(default_factory=dict)
 
 
-def _check_url(url: object) -> str:
-    if not isinstance(url, str):
-        raise BadInput(f"upstream must be an http URL, got {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadInput(f"upstream must be http(s)://host:port, got {url!r}")
-    return url.rstrip("/")
-
-
 class FaultProxy:
     """Forwards everything to ``upstream``, except what a rule says to break.
 
@@ -230,7 +221,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1",
                  upstream_timeout_s: float = 600.0, start_timeout_s: float = 10.0) -> None:
-        self._upstream = _check_url(upstream)
+        self._upstream = check_url(upstream, "upstream")
         self.host = host
         self.upstream_timeout_s = _positive("upstream_timeout_s", upstream_timeout_s)
         self.start_timeout_s = _positive("start_timeout_s", start_timeout_s)
@@ -253,7 +244,7 @@ class FaultProxy:
 
     def set_upstream(self, url: str) -> None:
         """Point at another server (an engine restarted on another port)."""
-        u = _check_url(url)
+        u = check_url(url, "upstream")
         with self._lock:
             self._upstream = u
 

@@ -96,12 +96,13 @@ class WeightTransport(Protocol):
 
 
 
-def check_url(base_url: object) -> str:
+def check_url(base_url: object, name: str = "base_url") -> str:
+    """An engine's http(s) URL without its trailing slash; else ``BadInput`` naming ``name``."""
     if not isinstance(base_url, str):
-        raise BadInput(f"base_url must be a string, got {base_url!r}")
+        raise BadInput(f"{name} must be a string, got {base_url!r}")
     parts = urlsplit(base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadInput(f"base_url must be http(s)://host:port, got {base_url!r}")
+        raise BadInput(f"{name} must be http(s)://host:port, got {base_url!r}")
     return base_url.rstrip("/")
 
 
