@@ -21,6 +21,7 @@ from rolloutcore.errors import BadInput, EffectError, EffectTimeout, TransferErr
 from rolloutcore.transports.base import (
     TransportBase,
     check_label,
+    check_targets,
     check_url,
     local_address_towards,
     preflight,
@@ -427,6 +428,19 @@ def test_preflight_and_checks() -> None:
         check_url("localhost:8000")
     assert local_address_towards("127.0.0.1") == "127.0.0.1"
     assert local_address_towards("localhost") == "127.0.0.1"
+
+
+def test_fanout_targets_are_checked_in_one_place() -> None:
+    """Both fan-outs (gloo's, CUDA IPC's) read ``(url, label)`` targets through
+    ``check_targets``: url -> label in order, anything else refused before a send."""
+    assert check_targets([("http://a:1/", "v1"), ("http://b:2", "v1")]) == {
+        "http://a:1": "v1", "http://b:2": "v1"}
+    for bad, msg in (([], "non-empty"), ("http://a:1", "non-empty"),
+                     ([("http://a:1",)], "each target"), ([["http://a:1", "v1"]], "each target"),
+                     ([("a:1", "v1")], "http"), ([("http://a:1", "a b")], "label"),
+                     ([("http://a:1", "v1"), ("http://a:1/", "v2")], "targeted twice")):
+        with pytest.raises(BadInput, match=msg):
+            check_targets(bad)
 
 
 def test_only_a_4xx_or_no_connection_is_a_refusal() -> None:

@@ -60,7 +60,7 @@ from rolloutcore.engine.weight_sync import HttpWeightSync
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import rank_checksums
 from rolloutcore.transports.base import (
-    check_label,
+    check_targets,
     check_timeout,
     check_url,
     local_address_towards,
@@ -207,16 +207,9 @@ class GlooFanout(GlooSender):
         Returns a result per engine; see the module docstring for how a
         failure of one engine is reported for each of the others.
         """
-        if not isinstance(targets, Sequence) or not targets:
-            raise BadInput("targets must be a non-empty sequence of (url, label)")
-        pairs: list[tuple[str, str]] = []
-        for item in targets:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise BadInput(f"each target is (url, label), got {item!r}")
-            pairs.append((check_url(item[0]), check_label(item[1])))
-        urls = _check_urls([u for u, _ in pairs])
+        labels = check_targets(targets)
+        urls = tuple(labels)
         t = check_timeout(timeout_s)
-        labels = dict(pairs)
         try:
             preflight(source, expected_manifest_digest)   # BadInput for anything else
         except TransferError as exc:
