@@ -615,3 +615,33 @@ def test_the_old_cuda_ipc_entry_point_is_the_same_registration() -> None:
     from rolloutcore.transports.cuda_ipc import engine
 
     assert engine.register is vllm_plugin.register
+
+
+def test_a_dropped_group_is_abandoned_by_both_gloo_senders_alike() -> None:
+    """``gloo.abandon``: what ``GlooTransport`` and ``GlooFanout`` do with the group they
+    drop: kept referenced (a collective may be pending), aborted first on ``abort``
+    (best effort: an abort that raises still abandons it)."""
+    from rolloutcore.transports import gloo
+
+    class Group:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.aborted = fails, 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+            if self.fails:
+                raise RuntimeError("already torn down")
+
+    class Held:
+        def __init__(self, fails: bool = False) -> None:
+            self.group = Group(fails)
+
+    before = len(gloo._ABANDONED)
+    gloo.abandon(None, abort=True)
+    kept, aborted, failing = Held(), Held(), Held(fails=True)
+    gloo.abandon(kept)
+    gloo.abandon(aborted, abort=True)
+    gloo.abandon(failing, abort=True)
+    assert gloo._ABANDONED[before:] == [kept, aborted, failing]
+    assert (kept.group.aborted, aborted.group.aborted, failing.group.aborted) == (0, 1, 1)
+    del gloo._ABANDONED[before:]

@@ -70,12 +70,12 @@ from rolloutcore.transports.base import (
     world_size_of,
 )
 from rolloutcore.transports.gloo import (
-    _ABANDONED,
     BACKEND,
     GlooInitInfo,
     GlooSender,
     GlooUpdateInfo,
     _trainer_store,
+    abandon,
 )
 from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.source import WeightSource
@@ -357,16 +357,12 @@ class GlooFanout(GlooSender):
 
     def _drop(self) -> None:
         g, self._g = self._g, None
-        if g is not None:
-            _ABANDONED.append(g)  # a collective may still be pending in it
+        abandon(g)  # a collective may still be pending in it
 
     def abort(self) -> None:
         super().abort()
         g, self._g = self._g, None
-        if g is not None:
-            with contextlib.suppress(Exception):  # best effort; abandoned anyway
-                g.group.abort()
-            _ABANDONED.append(g)
+        abandon(g, abort=True)
 
     def close(self) -> None:
         self._drop()
