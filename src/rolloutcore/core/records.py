@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from rolloutcore.core.adapters import ADAPTER_RECORDS
 from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict, jsonable
@@ -91,7 +91,13 @@ __all__ = [
     "fields_from_dict",
 ]
 
-_D = TypeVar("_D")
+class _Dataclass(Protocol):
+    """Any dataclass instance (what ``dataclasses.fields`` takes)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+_D = TypeVar("_D", bound=_Dataclass)
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
 #: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
@@ -492,7 +498,7 @@ def decode(kind: str, data: Mapping[str, Any]) -> Record:
         raise JournalError(f"bad {kind} record: {exc!r}") from exc
 
 
-def fields_dict(obj: Any, **extra: Any) -> dict[str, Any]:
+def fields_dict(obj: _Dataclass, **extra: object) -> dict[str, Any]:
     """A dataclass's JSON form: its fields in order, each as ``jsonable`` writes it (an enum
     as its value, a nested object as its ``to_dict``, a tuple as a list, a mapping as a
     dict), then ``extra`` (what is derived, not stored). The one ``to_dict`` of the plain
@@ -516,7 +522,7 @@ def fields_from_dict(cls: type[_D], where: str, d: object, note: str = "") -> _D
     m = check_obj(where, d)
     names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
     exact_keys(where, m, names, note=note)
     return cls(**{k: m[k] for k in names})
 

@@ -61,7 +61,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import Check, TransferEvidence
@@ -441,7 +441,14 @@ def __getattr__(name: str) -> Any:
 _ABANDONED: list[Any] = []
 
 
-def abandon(held: Any, *, abort: bool = False) -> None:
+class _HoldsGroup(Protocol):
+    """What a sender drops: its connection (``_Conn``) or its fan-out's group."""
+
+    @property
+    def group(self) -> Any: ...
+
+
+def abandon(held: _HoldsGroup | None, *, abort: bool = False) -> None:
     """Keep a dropped connection's group alive (``_ABANDONED``); ``abort``: first make a
     collective pending in it raise (best effort: it is abandoned anyway). ``None``: none."""
     if held is None:
