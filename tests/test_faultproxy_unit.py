@@ -247,8 +247,12 @@ def test_stop_releases_held_requests(upstream: tuple[FakeVllm, str]) -> None:
 
 
 def test_bad_input_changes_nothing(proxy: FaultProxy) -> None:
-    with pytest.raises(BadInput):
+    with pytest.raises(BadInput, match="upstream must be http"):
         FaultProxy("ftp://host")
+    with pytest.raises(BadInput, match="upstream must be a string"):
+        FaultProxy(8000)  # type: ignore[arg-type]
+    with pytest.raises(BadInput, match="upstream must be http"):
+        proxy.set_upstream("localhost:8000")
     with pytest.raises(BadInput):
         proxy.inject("echo", Fault.close())
     with pytest.raises(BadInput):

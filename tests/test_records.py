@@ -303,3 +303,47 @@ def test_typed_records_refuse_a_value_outside_their_enum() -> None:
     assert good["after"] == "FENCED" and good["event"] == "tainted"
     with pytest.raises(JournalError, match="not a ReplicaState"):
         decode("replica_state", {**good, "after": "SLEEPY"})
+
+
+def test_fields_dict_writes_each_field_as_json_in_order_then_the_extras() -> None:
+    """The one ``to_dict`` of the report classes (``core.records.fields_dict``): the JSON
+    each class used to write by hand (enum values, nested ``to_dict``, tuples and
+    mappings as lists and dicts, ``None`` kept), in field order, extras last."""
+    from rolloutcore.core.records import fields_dict
+    from rolloutcore.fleet.model import FleetUpdateResult
+    from rolloutcore.provenance.token_versions import Segment, TokenSpan, TokenVersions
+
+    tv = TokenVersions(UpdateMode.KEEP, "engine", (TokenSpan(1, "v1", 0, 3, ("v1",)),),
+                       (Segment(0, 3, "v1", None, 5),), None, 1)
+    assert tv.to_dict() == {
+        "mode": "keep", "source": "engine",
+        "spans": [{"generation": 1, "label": "v1", "start": 0, "end": 3, "kv": ["v1"]}],
+        "segments": [{"start": 0, "end": 3, "label": "v1", "cache_salt": None,
+                      "prefill_tokens": 5}],
+        "max_staleness": None, "completed_generation": 1}
+    assert type(tv.to_dict()["mode"]) is str
+    r = FleetUpdateResult(7, Strategy.ROLLING, "v2", None, {"r0": Outcome.PASSED},
+                          {"r0": "ok"}, [("r0",), ("r1", "r2")], "fanout", 0.5, 1.0, "d")
+    d = fields_dict(r, extra=1)
+    assert d["strategy"] == "rolling" and d["outcomes"] == {"r0": "passed"}
+    assert d["waves"] == [["r0"], ["r1", "r2"]] and d["published"] is None
+    assert list(d)[-1] == "extra" and d == {**r.to_dict(), "extra": 1}
+
+
+def test_fields_from_dict_reads_exactly_the_fields_back() -> None:
+    """``fields_dict``'s inverse: the same object back; a missing or unknown key is
+    ``BadInput`` naming where (and the note, for an unknown one)."""
+    from rolloutcore.core.records import fields_from_dict
+    from rolloutcore.errors import BadInput
+    from rolloutcore.provenance.trajectory import Timestamps
+
+    t = Timestamps(1.0, 2.0, 3.0, 4.0)
+    assert fields_from_dict(Timestamps, "timestamps", t.to_dict()) == t
+    assert Timestamps.from_dict(t.to_dict()) == t
+    with pytest.raises(BadInput, match=r"timestamps: missing keys \['completed_mono'\]"):
+        fields_from_dict(Timestamps, "timestamps",
+                         {k: v for k, v in t.to_dict().items() if k != "completed_mono"})
+    with pytest.raises(BadInput, match=r"timestamps: unknown keys \['x'\] \(schema version"):
+        Timestamps.from_dict({**t.to_dict(), "x": 1})
+    with pytest.raises(BadInput, match="timestamps: must be a JSON object"):
+        Timestamps.from_dict([1.0])

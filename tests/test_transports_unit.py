@@ -21,6 +21,7 @@ from rolloutcore.errors import BadInput, EffectError, EffectTimeout, TransferErr
 from rolloutcore.transports.base import (
     TransportBase,
     check_label,
+    check_targets,
     check_url,
     local_address_towards,
     preflight,
@@ -429,6 +430,19 @@ def test_preflight_and_checks() -> None:
     assert local_address_towards("localhost") == "127.0.0.1"
 
 
+def test_fanout_targets_are_checked_in_one_place() -> None:
+    """Both fan-outs (gloo's, CUDA IPC's) read ``(url, label)`` targets through
+    ``check_targets``: url -> label in order, anything else refused before a send."""
+    assert check_targets([("http://a:1/", "v1"), ("http://b:2", "v1")]) == {
+        "http://a:1": "v1", "http://b:2": "v1"}
+    for bad, msg in (([], "non-empty"), ("http://a:1", "non-empty"),
+                     ([("http://a:1",)], "each target"), ([["http://a:1", "v1"]], "each target"),
+                     ([("a:1", "v1")], "http"), ([("http://a:1", "a b")], "label"),
+                     ([("http://a:1", "v1"), ("http://a:1/", "v2")], "targeted twice")):
+        with pytest.raises(BadInput, match=msg):
+            check_targets(bad)
+
+
 def test_only_a_4xx_or_no_connection_is_a_refusal() -> None:
     assert is_refusal(answered("/x", 404, "")) and is_refusal(answered("/x", 409, ""))
     assert not is_refusal(answered("/x", 500, ""))
@@ -601,3 +615,33 @@ def test_the_old_cuda_ipc_entry_point_is_the_same_registration() -> None:
     from rolloutcore.transports.cuda_ipc import engine
 
     assert engine.register is vllm_plugin.register
+
+
+def test_a_dropped_group_is_abandoned_by_both_gloo_senders_alike() -> None:
+    """``gloo.abandon``: what ``GlooTransport`` and ``GlooFanout`` do with the group they
+    drop: kept referenced (a collective may be pending), aborted first on ``abort``
+    (best effort: an abort that raises still abandons it)."""
+    from rolloutcore.transports import gloo
+
+    class Group:
+        def __init__(self, fails: bool) -> None:
+            self.fails, self.aborted = fails, 0
+
+        def abort(self) -> None:
+            self.aborted += 1
+            if self.fails:
+                raise RuntimeError("already torn down")
+
+    class Held:
+        def __init__(self, fails: bool = False) -> None:
+            self.group = Group(fails)
+
+    before = len(gloo._ABANDONED)
+    gloo.abandon(None, abort=True)
+    kept, aborted, failing = Held(), Held(), Held(fails=True)
+    gloo.abandon(kept)
+    gloo.abandon(aborted, abort=True)
+    gloo.abandon(failing, abort=True)
+    assert gloo._ABANDONED[before:] == [kept, aborted, failing]
+    assert (kept.group.aborted, aborted.group.aborted, failing.group.aborted) == (0, 1, 1)
+    del gloo._ABANDONED[before:]

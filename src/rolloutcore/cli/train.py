@@ -65,6 +65,7 @@ from rolloutcore.cli.argtypes import int_in as _int_in
 from rolloutcore.cli.argtypes import positive_float as _pos_float
 from rolloutcore.cli.keep_weights import KEEP_WEIGHTS_HELP
 from rolloutcore.cli.vocab import add_report, emit
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.strict import check_int
 
 if TYPE_CHECKING:
@@ -128,8 +129,7 @@ class LoraSettings:
                           task_type="CAUSAL_LM")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
-                "dropout": 0.0}
+        return fields_dict(self, dropout=0.0)
 
 
 def target_reward(completion_ids: list[list[int]]) -> list[float]:

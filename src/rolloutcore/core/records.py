@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from rolloutcore.core.adapters import ADAPTER_RECORDS
-from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict
+from rolloutcore.core.evidence import Evidence, evidence_from_dict, evidence_to_dict, jsonable
 from rolloutcore.core.lease import LEASE_RECORDS
 from rolloutcore.core.pool import POOL_RECORDS
+from rolloutcore.core.strict import check_obj, exact_keys
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity, WeightVersion
 from rolloutcore.core.vocab import (  # re-exported: the one schema module
     Classification,
@@ -86,7 +87,17 @@ __all__ = [
     "UpdateMode",
     "Verdict",
     "decode",
+    "fields_dict",
+    "fields_from_dict",
 ]
+
+class _Dataclass(Protocol):
+    """Any dataclass instance (what ``dataclasses.fields`` takes)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+
+_D = TypeVar("_D", bound=_Dataclass)
 
 #: The journal schema's version; see docs/journal-schema.md for what changed.
 #: 3 added the ``carry`` record (asynchronous updates, issue 20) and the
@@ -485,6 +496,40 @@ def decode(kind: str, data: Mapping[str, Any]) -> Record:
         return t.from_data(data)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # BadInput is a ValueError
         raise JournalError(f"bad {kind} record: {exc!r}") from exc
+
+
+def fields_dict(obj: _Dataclass, **extra: object) -> dict[str, Any]:
+    """A dataclass's JSON form: its fields in order, each as ``jsonable`` writes it (an enum
+    as its value, a nested object as its ``to_dict``, a tuple as a list, a mapping as a
+    dict), then ``extra`` (what is derived, not stored). The one ``to_dict`` of the plain
+    report and record classes (a ``TypedRecord``'s ``to_data`` is the same, without extras).
+    """
+    names = _FIELD_NAMES.get(type(obj))
+    if names is None:
+        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
+    out: dict[str, Any] = {}
+    for name in names:
+        v = getattr(obj, name)
+        out[name] = v if type(v) in _PLAIN else jsonable(v)  # per sample: skip the plain
+    out.update(extra)
+    return out
+
+
+def fields_from_dict(cls: type[_D], where: str, d: object, note: str = "") -> _D:
+    """``fields_dict``'s inverse for a class whose fields are all JSON values its own
+    ``__post_init__`` checks: ``d`` must be an object with exactly the field names
+    (``BadInput`` naming ``where``; ``note`` says what an unknown key may be)."""
+    m = check_obj(where, d)
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    exact_keys(where, m, names, note=note)
+    return cls(**{k: m[k] for k in names})
+
+
+#: ``fields_dict``'s per-class field names, and the values it writes as they are.
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
 # --------------------------------------------------------------------------- the journal line

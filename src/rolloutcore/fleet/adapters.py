@@ -67,6 +67,7 @@ from rolloutcore.control.adapters import (
     check_probe_tolerance,
 )
 from rolloutcore.core.adapters import AdapterState, AdapterVersion, adapter_name
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.versions import Provenance
 from rolloutcore.errors import BadInput, RolloutCoreError, UpdateFailed, UpdateRefused
 from rolloutcore.fleet.model import Replica
@@ -94,9 +95,7 @@ class FleetAdapterVersion:
     provenance: Provenance
 
     def to_dict(self) -> dict[str, Any]:
-        return {"generation": self.generation, "name": self.name,
-                "content_digest": self.content_digest, "size_bytes": self.size_bytes,
-                "replicas": list(self.replicas), "provenance": self.provenance.to_dict()}
+        return fields_dict(self)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from rolloutcore.control.journal import Journal
 from rolloutcore.control.port import Recoverer
 from rolloutcore.control.runner import LifecycleRunner
 from rolloutcore.core.pool import FleetVersion, Outcome, Strategy
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.versions import VerificationLevel, WeightIdentity
 from rolloutcore.errors import (
     BadInput,
@@ -167,13 +168,7 @@ class FleetUpdateResult:
     decision: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"update_id": self.update_id, "strategy": self.strategy.value,
-                "target_label": self.target_label,
-                "published": None if self.published is None else self.published.to_dict(),
-                "outcomes": {k: v.value for k, v in self.outcomes.items()},
-                "reasons": dict(self.reasons), "waves": [list(w) for w in self.waves],
-                "transfer": self.transfer, "transfer_s": self.transfer_s,
-                "seconds": self.seconds, "decision": self.decision}
+        return fields_dict(self)
 
 
 class FleetUpdateFailed(RolloutCoreError):

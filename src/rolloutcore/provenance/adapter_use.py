@@ -15,7 +15,8 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
-from rolloutcore.core.strict import HEX64, check_obj, check_str, exact_keys, fail
+from rolloutcore.core.records import fields_dict, fields_from_dict
+from rolloutcore.core.strict import HEX64, check_str, fail
 
 __all__ = ["AdapterUse", "adapter_problems", "publications_to_dict"]
 
@@ -50,14 +51,11 @@ class AdapterUse:
             raise fail("adapter.generation", f"must be an int >= 1, got {g!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "generation": self.generation,
-                "content_digest": self.content_digest, "base": self.base}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> AdapterUse:
-        m = check_obj("adapter", d)
-        exact_keys("adapter", m, ("name", "generation", "content_digest", "base"))
-        return cls(m["name"], m["generation"], m["content_digest"], m["base"])
+        return fields_from_dict(cls, "adapter", d)
 
 
 def adapter_problems(a: AdapterUse,

@@ -81,6 +81,7 @@ from rolloutcore.core.records import (
     State,
     Taint,
     UpdateMode,
+    fields_dict,
 )
 from rolloutcore.core.strict import check_int
 from rolloutcore.core.versions import WeightVersion
@@ -309,8 +310,7 @@ class PurityFinding:
     detail: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "sample_index": self.sample_index,
-                "issue": self.issue.value, "detail": self.detail}
+        return fields_dict(self)
 
 
 def _spans_text(s: TrajectorySample) -> str:
@@ -540,10 +540,7 @@ class DiversityBaseline:
             check_int(f"baseline.{name}", v, 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"identical_pair_fraction": self.identical_pair_fraction,
-                "prefix_pair_fraction": self.prefix_pair_fraction,
-                "prefix_tokens": self.prefix_tokens,
-                "short_answer_tokens": self.short_answer_tokens, "alpha": self.alpha}
+        return fields_dict(self)
 
 
 class DiversityFlag(enum.StrEnum):
@@ -593,13 +590,7 @@ class GroupDiversity:
     flags: tuple[DiversityFlag, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group_id": self.group_id, "n": self.n, "distinct": self.distinct,
-                "pairs": self.pairs, "identical_pairs": self.identical_pairs,
-                "identical_long_pairs": self.identical_long_pairs,
-                "prefix_pairs": self.prefix_pairs,
-                "duplicate_seed_pairs": self.duplicate_seed_pairs, "unseeded": self.unseeded,
-                "greedy": self.greedy, "prefix_p_value": self.prefix_p_value,
-                "flags": [f.value for f in self.flags]}
+        return fields_dict(self)
 
 
 def audit_group(group: TrajectoryGroup,

@@ -52,6 +52,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Any, BinaryIO
 
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput, JournalError, RolloutCoreError
 from rolloutcore.provenance.trajectory import (
@@ -112,8 +113,7 @@ class RecoveryReport:
         return self.truncated_bytes == 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"truncated_bytes": self.truncated_bytes, "dropped_lines": self.dropped_lines,
-                "torn_line": self.torn_line, "dropped_group_ids": list(self.dropped_group_ids)}
+        return fields_dict(self)
 
 
 # --------------------------------------------------------------------------- scanning

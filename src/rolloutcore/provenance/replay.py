@@ -62,6 +62,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rolloutcore.core.records import fields_dict
 from rolloutcore.engine.http import Routes, VllmHTTP
 from rolloutcore.engine.verify import ChecksumCache, engine_layout, verify_engine
 from rolloutcore.errors import BadInput, EffectError, EngineUnavailable, ReplayRefused
@@ -131,8 +132,7 @@ class TokenLane:
     first_mismatch: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status.value, "detail": self.detail, "recorded": self.recorded,
-                "replayed": self.replayed, "first_mismatch": self.first_mismatch}
+        return fields_dict(self)
 
 
 @dataclass(frozen=True)
@@ -150,11 +150,7 @@ class LogprobLane:
     first_mismatches: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status.value, "detail": self.detail,
-                "tolerance": self.tolerance, "positions": self.positions,
-                "max_abs_diff": self.max_abs_diff, "mean_abs_diff": self.mean_abs_diff,
-                "worst_position": self.worst_position, "over_tolerance": self.over_tolerance,
-                "first_mismatches": list(self.first_mismatches)}
+        return fields_dict(self)
 
 
 def _check_tolerance(tolerance: float) -> float:
@@ -387,8 +383,7 @@ class WeightsCheck:
     coverage: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"content_digest": self.content_digest, "status": self.status,
-                "detail": self.detail, "coverage": self.coverage}
+        return fields_dict(self)
 
 
 def _status(tok: TokenLane, lp: LogprobLane) -> SampleStatus:

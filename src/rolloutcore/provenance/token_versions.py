@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from rolloutcore.core.records import UpdateMode
+from rolloutcore.core.records import UpdateMode, fields_dict, fields_from_dict
 from rolloutcore.core.strict import check_int, check_obj, check_str, exact_keys, fail
 from rolloutcore.errors import BadInput
 
@@ -89,8 +89,7 @@ class TokenSpan:
         return self.end - self.start
 
     def to_dict(self) -> dict[str, Any]:
-        return {"generation": self.generation, "label": self.label, "start": self.start,
-                "end": self.end, "kv": list(self.kv)}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> TokenSpan:
@@ -125,15 +124,11 @@ class Segment:
         check_int("versions.segments.prefill_tokens", self.prefill_tokens)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"start": self.start, "end": self.end, "label": self.label,
-                "cache_salt": self.cache_salt, "prefill_tokens": self.prefill_tokens}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> Segment:
-        m = check_obj("versions.segments[]", d)
-        exact_keys("versions.segments[]", m,
-                   ("start", "end", "label", "cache_salt", "prefill_tokens"))
-        return cls(m["start"], m["end"], m["label"], m["cache_salt"], m["prefill_tokens"])
+        return fields_from_dict(cls, "versions.segments[]", d)
 
 
 class _Span(Protocol):
@@ -216,11 +211,7 @@ class TokenVersions:
         return sum(s.prefill_tokens for s in self.segments[1:])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"mode": self.mode.value, "source": self.source,
-                "spans": [s.to_dict() for s in self.spans],
-                "segments": [s.to_dict() for s in self.segments],
-                "max_staleness": self.max_staleness,
-                "completed_generation": self.completed_generation}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> TokenVersions:

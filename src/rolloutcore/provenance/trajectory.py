@@ -52,6 +52,7 @@ from functools import cached_property
 from typing import Any
 
 from rolloutcore.core.media import ImageRef
+from rolloutcore.core.records import fields_dict, fields_from_dict
 from rolloutcore.core.strict import HEX64, check_str, exact_keys
 from rolloutcore.core.strict import check_obj as _obj
 from rolloutcore.core.strict import fail as _fail
@@ -353,17 +354,11 @@ class SamplingSpec:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
-                "max_tokens": self.max_tokens, "seed": self.seed,
-                "seed_derivation": self.seed_derivation, "extra": _thaw_json(self.extra)}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> SamplingSpec:
-        m = _obj("sampling", d)
-        keys = ("temperature", "top_p", "top_k", "max_tokens", "seed", "seed_derivation",
-                "extra")
-        _exact_keys("sampling", m, keys)
-        return cls(**{k: m[k] for k in keys})
+        return fields_from_dict(cls, "sampling", d, _NOTE)
 
 
 @dataclass(frozen=True)
@@ -477,15 +472,11 @@ class Timestamps:
                            f"admitted_mono {self.admitted_mono}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"admitted_wall": self.admitted_wall, "admitted_mono": self.admitted_mono,
-                "completed_wall": self.completed_wall, "completed_mono": self.completed_mono}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> Timestamps:
-        m = _obj("timestamps", d)
-        keys = ("admitted_wall", "admitted_mono", "completed_wall", "completed_mono")
-        _exact_keys("timestamps", m, keys)
-        return cls(*(m[k] for k in keys))
+        return fields_from_dict(cls, "timestamps", d, _NOTE)
 
 
 _SAMPLE_KEYS = ("schema_version", "record", "run", "step", "group_id", "prompt_index",
@@ -521,13 +512,11 @@ class Attribution:
             check_str("attribution.reason", self.reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"attributable": self.attributable, "reason": self.reason}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> Attribution:
-        m = _obj("attribution", d)
-        _exact_keys("attribution", m, ("attributable", "reason"))
-        return cls(m["attributable"], m["reason"])
+        return fields_from_dict(cls, "attribution", d, _NOTE)
 
 
 @dataclass(frozen=True)
@@ -550,14 +539,11 @@ class FleetPlacement:
         _str("fleet.fleet_label", self.fleet_label, _ID_RE)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "fleet_version": self.fleet_version,
-                "fleet_label": self.fleet_label}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> FleetPlacement:
-        m = _obj("fleet", d)
-        _exact_keys("fleet", m, ("replica", "fleet_version", "fleet_label"))
-        return cls(m["replica"], m["fleet_version"], m["fleet_label"])
+        return fields_from_dict(cls, "fleet", d, _NOTE)
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,11 @@ import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
+from rolloutcore.core.records import fields_dict
 from rolloutcore.engine.errors import map_errors
 from rolloutcore.errors import BadInput, EffectError, EffectTimeout, EngineUnavailable
+from rolloutcore.transports.base import check_url
 
 if TYPE_CHECKING:  # the service extra; imported where the proxy starts
     import httpx
@@ -200,9 +201,7 @@ class FaultHit:
     upstream_status: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"route": self.route, "method": self.method, "kind": self.kind.value,
-                "t_mono": self.t_mono, "t_wall": self.t_wall, "detail": self.detail,
-                "upstream_status": self.upstream_status}
+        return fields_dict(self)
 
 
 @dataclass
@@ -210,15 +209,6 @@ class _State:
     rules: list[Rule] = field(default_factory=list)
     hits: list[FaultHit] = field(default_factory=list)
     requests: dict[str, int] = field(default_factory=dict)
-
-
-def _check_url(url: object) -> str:
-    if not isinstance(url, str):
-        raise BadInput(f"upstream must be an http URL, got {url!r}")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadInput(f"upstream must be http(s)://host:port, got {url!r}")
-    return url.rstrip("/")
 
 
 class FaultProxy:
@@ -231,7 +221,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, *, host: str = "127.0.0.1",
                  upstream_timeout_s: float = 600.0, start_timeout_s: float = 10.0) -> None:
-        self._upstream = _check_url(upstream)
+        self._upstream = check_url(upstream, "upstream")
         self.host = host
         self.upstream_timeout_s = _positive("upstream_timeout_s", upstream_timeout_s)
         self.start_timeout_s = _positive("start_timeout_s", start_timeout_s)
@@ -254,7 +244,7 @@ class FaultProxy:
 
     def set_upstream(self, url: str) -> None:
         """Point at another server (an engine restarted on another port)."""
-        u = _check_url(url)
+        u = check_url(url, "upstream")
         with self._lock:
             self._upstream = u
 

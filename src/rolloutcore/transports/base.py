@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
@@ -96,13 +96,30 @@ class WeightTransport(Protocol):
 
 
 
-def check_url(base_url: object) -> str:
+def check_url(base_url: object, name: str = "base_url") -> str:
+    """An engine's http(s) URL without its trailing slash; else ``BadInput`` naming ``name``."""
     if not isinstance(base_url, str):
-        raise BadInput(f"base_url must be a string, got {base_url!r}")
+        raise BadInput(f"{name} must be a string, got {base_url!r}")
     parts = urlsplit(base_url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadInput(f"base_url must be http(s)://host:port, got {base_url!r}")
+        raise BadInput(f"{name} must be http(s)://host:port, got {base_url!r}")
     return base_url.rstrip("/")
+
+
+def check_targets(targets: object) -> dict[str, str]:
+    """A fan-out round's ``(url, label)`` pairs as url -> label, in their order; ``BadInput``
+    for anything else, an engine targeted twice included (before anything is sent)."""
+    if isinstance(targets, str) or not isinstance(targets, Sequence) or not targets:
+        raise BadInput("targets must be a non-empty sequence of (url, label)")
+    labels: dict[str, str] = {}
+    for item in targets:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise BadInput(f"each target is (url, label), got {item!r}")
+        url = check_url(item[0])
+        if url in labels:
+            raise BadInput(f"{url} is targeted twice")
+        labels[url] = check_label(item[1])
+    return labels
 
 
 def preflight(source: WeightSource, expected_manifest_digest: str | None) -> None:

@@ -60,7 +60,7 @@ from rolloutcore.engine.weight_sync import HttpWeightSync
 from rolloutcore.errors import BadInput, TransferError
 from rolloutcore.transports import rank_checksums
 from rolloutcore.transports.base import (
-    check_label,
+    check_targets,
     check_timeout,
     check_url,
     local_address_towards,
@@ -70,12 +70,12 @@ from rolloutcore.transports.base import (
     world_size_of,
 )
 from rolloutcore.transports.gloo import (
-    _ABANDONED,
     BACKEND,
     GlooInitInfo,
     GlooSender,
     GlooUpdateInfo,
     _trainer_store,
+    abandon,
 )
 from rolloutcore.transports.gloo_rounds import Round, receive_reports
 from rolloutcore.transports.source import WeightSource
@@ -207,16 +207,9 @@ class GlooFanout(GlooSender):
         Returns a result per engine; see the module docstring for how a
         failure of one engine is reported for each of the others.
         """
-        if not isinstance(targets, Sequence) or not targets:
-            raise BadInput("targets must be a non-empty sequence of (url, label)")
-        pairs: list[tuple[str, str]] = []
-        for item in targets:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise BadInput(f"each target is (url, label), got {item!r}")
-            pairs.append((check_url(item[0]), check_label(item[1])))
-        urls = _check_urls([u for u, _ in pairs])
+        labels = check_targets(targets)
+        urls = tuple(labels)
         t = check_timeout(timeout_s)
-        labels = dict(pairs)
         try:
             preflight(source, expected_manifest_digest)   # BadInput for anything else
         except TransferError as exc:
@@ -364,16 +357,12 @@ class GlooFanout(GlooSender):
 
     def _drop(self) -> None:
         g, self._g = self._g, None
-        if g is not None:
-            _ABANDONED.append(g)  # a collective may still be pending in it
+        abandon(g)  # a collective may still be pending in it
 
     def abort(self) -> None:
         super().abort()
         g, self._g = self._g, None
-        if g is not None:
-            with contextlib.suppress(Exception):  # best effort; abandoned anyway
-                g.group.abort()
-            _ABANDONED.append(g)
+        abandon(g, abort=True)
 
     def close(self) -> None:
         self._drop()

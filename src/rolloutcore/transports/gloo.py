@@ -61,7 +61,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from rolloutcore.core.evidence import Check, TransferEvidence
@@ -441,6 +441,24 @@ def __getattr__(name: str) -> Any:
 _ABANDONED: list[Any] = []
 
 
+class _HoldsGroup(Protocol):
+    """What a sender drops: its connection (``_Conn``) or its fan-out's group."""
+
+    @property
+    def group(self) -> Any: ...
+
+
+def abandon(held: _HoldsGroup | None, *, abort: bool = False) -> None:
+    """Keep a dropped connection's group alive (``_ABANDONED``); ``abort``: first make a
+    collective pending in it raise (best effort: it is abandoned anyway). ``None``: none."""
+    if held is None:
+        return
+    if abort:
+        with contextlib.suppress(Exception):
+            held.group.abort()
+    _ABANDONED.append(held)
+
+
 @dataclass
 class _Conn:
     base_url: str
@@ -678,10 +696,7 @@ class GlooTransport(GlooSender):
         """From any thread: a pending send/connect raises now; the group is dropped."""
         super().abort()
         conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.group.abort()
-            _ABANDONED.append(conn)
+        abandon(conn, abort=True)
 
     def _drop(self, *, notify_engine: bool) -> None:
         conn, self._conn = self._conn, None
@@ -691,7 +706,7 @@ class GlooTransport(GlooSender):
             with contextlib.suppress(Exception):
                 self.post(conn.base_url, Routes.SHUTDOWN_TRANSFER, None, 5.0)
         # A failed round may leave a collective pending in this group; keep it alive.
-        _ABANDONED.append(conn)
+        abandon(conn)
 
     def close(self) -> None:
         """Release the group; tells the engine to release its end (best effort, 5 s)."""

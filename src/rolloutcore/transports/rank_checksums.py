@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.versions import VerificationLevel
 
 if TYPE_CHECKING:
@@ -97,14 +98,7 @@ class ParamWrite:
     tp: tuple[int, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "kind": self.kind, "value": self.value,
-                "sources": [[n, list(p)] for n, p in self.sources],
-                "output_dim": self.output_dim, "input_dim": self.input_dim,
-                "output_sizes": list(self.output_sizes),
-                "qkv": None if self.qkv is None else list(self.qkv),
-                "vocab": None if self.vocab is None else list(self.vocab),
-                "tp": None if self.tp is None else list(self.tp)}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> ParamWrite:
@@ -163,11 +157,7 @@ class RankReport:
     skipped: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"worker_rank": self.worker_rank, "tp_rank": self.tp_rank,
-                "tp_size": self.tp_size, "params": [p.to_dict() for p in self.params],
-                "model_params": self.model_params, "elapsed_s": self.elapsed_s,
-                "nonce": self.nonce, "pp_rank": self.pp_rank, "pp_size": self.pp_size,
-                "wrote": list(self.wrote), "skipped": list(self.skipped)}
+        return fields_dict(self)
 
     @classmethod
     def from_dict(cls, d: object) -> RankReport:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rolloutcore.core.evidence import Check, UpdateTarget
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.strict import check_int
 from rolloutcore.errors import BadInput
 
@@ -62,7 +63,7 @@ class AcceptanceSample:
         return None if self.drafted == 0 else self.accepted / self.drafted
 
     def to_dict(self) -> dict[str, Any]:
-        return {"drafted": self.drafted, "accepted": self.accepted, "rate": self.rate}
+        return fields_dict(self, rate=self.rate)
 
 
 def acceptance_between(before: Mapping[str, float], after: Mapping[str, float]

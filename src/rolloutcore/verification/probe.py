@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeAlias, TypeVar
 
 from rolloutcore.core.evidence import Check, UpdateTarget
+from rolloutcore.core.records import fields_dict
 from rolloutcore.core.versions import VerificationLevel
 from rolloutcore.errors import BadInput, EffectError
 
@@ -162,8 +163,7 @@ class Calibration:
                 f"{self.mean_tolerance(floor):.3g}")
 
     def to_dict(self) -> dict[str, float]:
-        return {"baseline": self.baseline, "baseline_mean": self.baseline_mean,
-                "margin": self.margin, "mean_margin": self.mean_margin, "cap": self.cap}
+        return fields_dict(self)
 
 
 @dataclass(frozen=True)
@@ -330,9 +330,7 @@ class ProbeResult:
                    len(diffs))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"max_abs_diff": self.max_abs_diff, "mean_abs_diff": self.mean_abs_diff,
-                "worst_case": self.worst_case, "worst_position": self.worst_position,
-                "positions": self.positions}
+        return fields_dict(self)
 
 
 def default_prompts(vocab_size: int, *, n: int = 3, length: int = 160,

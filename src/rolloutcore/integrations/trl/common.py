@@ -14,7 +14,7 @@ from types import FrameType
 from typing import Any
 
 from rolloutcore.core.adapters import AdapterVersion
-from rolloutcore.core.records import Classification, State
+from rolloutcore.core.records import Classification, State, fields_dict
 from rolloutcore.core.versions import (
     WeightIdentity,
     WeightVersion,
@@ -150,10 +150,7 @@ class GenerationReport:
     adapter: AdapterVersion | None = None     # a LoRA run: the adapter it generated through
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "version": self.version.to_dict(), "groups": self.groups,
-                "samples": self.samples, "tokens": self.tokens, "generate_s": self.generate_s,
-                "record_s": self.record_s, "first_prompt_index": self.first_prompt_index,
-                "adapter": None if self.adapter is None else self.adapter.to_dict()}
+        return fields_dict(self)
 
 
 @dataclass(frozen=True)
@@ -166,9 +163,7 @@ class StepReport:
     call_s: float      # in the rollout function, the update included (wherever TRL ran it)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "update": None if self.update is None
-                else self.update.to_dict(), "generation": self.generation.to_dict(),
-                "call_s": self.call_s}
+        return fields_dict(self)
 
 
 
@@ -194,10 +189,7 @@ class EndedUpdate:
     state_after: State
 
     def to_dict(self) -> dict[str, Any]:
-        return {"update_id": self.update_id, "target": self.target.to_dict(),
-                "state": self.state.value, "step": self.step,
-                "classification": None if self.classification is None
-                else self.classification.value, "state_after": self.state_after.value}
+        return fields_dict(self)
 
 
 _ENDED = {"no_mutation": "ended with nothing mutated (the old version serves)",
@@ -248,11 +240,7 @@ class Interruption:
         return out + (f"; {self.detail}" if self.detail else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "step": self.step, "cause": self.cause,
-                "update": None if self.update is None else self.update.to_dict(),
-                "samples": self.samples, "completed": self.completed,
-                "unfinished": self.unfinished, "detail": self.detail,
-                "description": self.describe()}
+        return fields_dict(self, description=self.describe())
 
 
 @contextlib.contextmanager

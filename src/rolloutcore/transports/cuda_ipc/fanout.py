@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rolloutcore.errors import BadInput, TransferError
-from rolloutcore.transports.base import check_label, check_timeout, check_url
+from rolloutcore.transports.base import check_targets, check_timeout, check_url
 from rolloutcore.transports.fanout import FanoutResult
 
 __all__ = ["CudaIpcFanout"]
@@ -87,18 +87,10 @@ class CudaIpcFanout:
                  timeout_s: float) -> dict[str, FanoutResult]:
         """Every target's own session at once, out of one staged buffer; url -> result."""
         budget = check_timeout(timeout_s)
-        if not isinstance(targets, Sequence) or not targets:
-            raise BadInput("targets must be a non-empty sequence of (url, label)")
-        labels: dict[str, str] = {}
-        for item in targets:
-            if not isinstance(item, tuple) or len(item) != 2:
-                raise BadInput(f"a target is (url, label), got {item!r}")
-            url = check_url(item[0])
+        labels = check_targets(targets)
+        for url in labels:
             if url not in self.transports:
                 raise BadInput(f"{url} is not one of this fan-out's engines")
-            if url in labels:
-                raise BadInput(f"{url} is targeted twice")
-            labels[url] = check_label(item[1])
         t0 = time.monotonic()
         urls = list(labels)
         first = self.transports[urls[0]]
