@@ -421,16 +421,25 @@ class VllmAdapter(SleepMode, WriteCounts):
         self._drained, self._ops_closing, self._resets_ahead = True, None, None
         self._sleeping_at_drain = self._sleep_state()
         self._ops_at_drain = None
-        # The engine's weight-operation counters, read beside the pause: no grant
-        # exists yet, so nothing writes in between; a later read that differs
-        # means somebody wrote (``writes_since_drain``).
-        ops = self._side().submit(self._weight_ops) if self._counts_ops else None
+        # The engine's weight-operation counters at the drain: a later read that differs
+        # means somebody wrote (``writes_since_drain``). Those it had counted when its
+        # weights were last verified (``_ops_verified``: the bootstrap's, the last
+        # validation's) where there are some, else read beside the pause (no grant
+        # exists yet, so nothing writes in between). No more writes can be missed from
+        # the verified baseline than from a read now: whatever wrote since (out of band,
+        # a restart) differs from it too, and a round that sent nothing is clean only
+        # when nothing changed the weights since they were verified (``write_counts``).
+        base = self._ops_verified if self._counts_ops else None
+        ops = self._side().submit(self._weight_ops) if self._counts_ops and base is None \
+            else None
         said = engine_state.pause(self.http, mode, clear_cache=clear_cache is True,
                                   timeout_s=self._drain_timeout_s)
         # The answer is sent once the engine core has paused; only an answer
         # that does not say so costs a second round trip to ask.
         paused = said or self.http.is_paused()
-        if ops is not None:
+        if base is not None:
+            self._ops_at_drain = base
+        elif ops is not None:
             try:
                 self._ops_at_drain = ops.result()
             except RolloutCoreError:

@@ -4,8 +4,15 @@ vLLM 0.32+ counts every ``/start_weight_update``, ``/update_weights`` and
 ``/finish_weight_update`` on ``/metrics`` (``engine.wire.WeightOps``), whoever
 calls them. The adapter reads the counters at bootstrap and at each paused
 validation (``_ops_verified``: what the published version was verified as, the
-health watch's baseline) and beside each drain's pause (``_ops_at_drain``:
-``writes_since_drain`` tells an expired lease whether anything was sent).
+health watch's baseline). A drain takes that baseline as its own
+(``_ops_at_drain``: ``writes_since_drain`` tells an expired lease whether
+anything was sent) and reads the counters beside its pause only when there is
+none (the last read failed): the weights are what was verified only while the
+counters are, so a write since (out of band, before or after the pause; a
+restarted engine's new counters) makes an expired round ambiguous (TAINTED),
+never "nothing was sent", and a round that sent nothing and found nothing
+changed returns to service on the verified weights. One ``/metrics`` read a
+round instead of two.
 
 The validation's read starts at the update's first cache reset
 (``_read_counts_at_reset``), overlapping the resets: the caches are reset after
