@@ -37,6 +37,9 @@ clients first; those outputs were computed before the pause, by the weights
 still installed, and the weights change only with the next call). On the H200
 that sleep was 20 of the 23.5 ms a pause with nothing in flight took, the
 largest part of vLLM's bare update sequence (issue 49; ``docs/weight-receivers.md``).
+And ``GET /rolloutcore/state`` (``engine.close_state``): a paused validation's label,
+paused state and weight-operation counters in one round trip, read where vLLM's own
+routes read them.
 
 A key lent for one lease (#47). The launcher's key stays with the process that
 launched the engine; a trainer granted an update is lent another one
@@ -70,6 +73,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.engine import close_state
 from rolloutcore.engine.routes import keyless_routes
 from rolloutcore.errors import BadInput
 
@@ -235,6 +239,8 @@ class RouteGuard:
         self._key = key.encode()
         #: The key lent for a lease and the engine's monotonic deadline of it.
         self._lent: tuple[bytes, float] | None = None
+        #: The counters rendered at each marked reset (``engine.close_state``), by mark.
+        self._marks: dict[str, str] = {}
 
     def _allowed(self, scope: Scope, *, own_only: bool = False) -> bool:
         given = next((v for k, v in scope.get("headers") or () if k.lower() == _HEADER_B), None)
@@ -262,8 +268,14 @@ class RouteGuard:
             if scope.get("path") == FAST_PAUSE and self._allowed(scope):
                 await _fast_pause(scope, send)
                 return
-            if is_open(str(scope.get("method", "")), str(scope.get("path", ""))) \
-                    or self._allowed(scope):
+            if scope.get("path") == close_state.CLOSE_STATE and self._allowed(scope):
+                await close_state.answer(scope, send, self._marks)
+                return
+            if is_open(str(scope.get("method", "")), str(scope.get("path", ""))):
+                await self.app(scope, receive, send)
+                return
+            if self._allowed(scope):
+                close_state.remember(scope, self._marks)
                 await self.app(scope, receive, send)
                 return
             body = (b'{"error": {"message": "this route of a RolloutCore-launched engine needs '
