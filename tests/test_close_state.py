@@ -20,11 +20,11 @@ import prometheus_client
 import pytest
 
 from rolloutcore.core.evidence import CacheKind, PauseMode
-from rolloutcore.engine import close_state
 from rolloutcore.engine.close_state import CLOSE_STATE, MARK_HEADER, OPS_SAMPLES
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.routes import Routes
+from rolloutcore.engine.write_counts import read_state, state_supported
 from rolloutcore.errors import EffectError
 from rolloutcore.testing import FakeVllm
 from rolloutcore.transports import engine_key
@@ -289,9 +289,9 @@ def test_a_partial_answer_is_not_the_three_reads() -> None:
     fake = _engine()
     fake.override(CLOSE_STATE, lambda r: httpx.Response(200, json={"weight_version": "x"}))
     http = VllmHTTP(BASE, transport=fake.transport())
-    assert close_state.supported(http) is False
+    assert state_supported(http) is False
     with pytest.raises(EffectError):
-        close_state.read(http, None)
+        read_state(http, None)
 
 
 def test_a_retried_marked_reset_keeps_the_counters_of_the_first(registry: Any) -> None:

@@ -22,6 +22,7 @@ from rolloutcore.engine.close_state import CLOSE_STATE, ClosingState
 from rolloutcore.engine.http import VllmHTTP
 from rolloutcore.engine.port import VllmAdapter
 from rolloutcore.engine.process import ManagedEngine, vllm_available
+from rolloutcore.engine.write_counts import read_state, state_supported
 from rolloutcore.transports.gloo import GlooTransport
 from rolloutcore.transports.source import WeightSource
 
@@ -42,7 +43,7 @@ def _same(http: VllmHTTP, mark: str | None = None) -> ClosingState:
     """The guard's answer, checked equal to the three separate reads around it (the
     engine is idle: nothing changes them in between)."""
     wi, paused, ops = http.weight_info(), http.is_paused(), http.weight_ops()
-    got = close_state.read(http, mark)
+    got = read_state(http, mark)
     assert got.info == wi and got.paused == paused
     if not got.marked:
         assert got.ops == ops
@@ -66,7 +67,7 @@ def test_the_guards_answer_is_the_three_reads(engine: ManagedEngine,
     assert r.status_code == 403
     http = VllmHTTP(engine.base_url, timeout_s=60)
     try:
-        assert close_state.supported(http)
+        assert state_supported(http)
         first = _same(http)
         assert first.paused is False
         assert http.pause(PauseMode.WAIT)

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rolloutcore.engine import close_state
 from rolloutcore.engine.routes import Routes
-from rolloutcore.errors import RolloutCoreError
+from rolloutcore.errors import EffectError, RolloutCoreError
 from rolloutcore.transports import engine_key
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from rolloutcore.engine.http import VllmHTTP
     from rolloutcore.engine.wire import WeightOps
 
-__all__ = ["WriteCounts"]
+__all__ = ["WriteCounts", "read_state", "state_supported"]
 
 
 class WriteCounts:
@@ -89,7 +89,7 @@ class WriteCounts:
         pending, self._ops_closing = self._ops_closing, None
         fut = pending if isinstance(pending, Future) else None
         if self._state_route:
-            return close_state.read(self.http, pending if isinstance(pending, str) else None), \
+            return read_state(self.http, pending if isinstance(pending, str) else None), \
                 fut
         if fut is None and self._counts_ops:
             fut = self._side().submit(self._weight_ops_or_none)
@@ -101,7 +101,7 @@ class WriteCounts:
         self._state_route = False
         self._state_route = bool(engine_key.headers_for(self.http.base_url)) and \
             self._counts_ops and {Routes.WEIGHT_INFO, Routes.IS_PAUSED} <= caps and \
-            close_state.supported(self.http)
+            state_supported(self.http)
 
     def writes_since_drain(self, *, timeout_s: float = 5.0) -> tuple[str, ...] | None:
         """What wrote weights since this update's drain (``WriteObserver``), from the
@@ -123,3 +123,49 @@ class WriteCounts:
             return self._weight_ops()
         except RolloutCoreError:
             return None
+
+
+# ------------------------------------------- the guard's one read (engine.close_state)
+
+def _get_state(http: VllmHTTP, mark: str | None, step: str) -> Any:
+    r = http._request("GET", close_state.CLOSE_STATE, step=step, timeout_s=None, check_status=False,
+                      params=None if mark is None else {"mark": mark})
+    if r.status_code != 200:
+        return None
+    return http._json(r, step)
+
+
+def state_supported(http: VllmHTTP) -> bool:
+    """Whether the engine's guard answers ``close_state.CLOSE_STATE`` with all three
+    (read at bootstrap)."""
+    try:
+        body = _get_state(http, None, "close_state")
+        return body is not None and _parse_state(http, body, "close_state") is not None
+    except EffectError:
+        return False
+
+
+def read_state(http: VllmHTTP, mark: str | None) -> ClosingState:
+    """One read of ``close_state.CLOSE_STATE``; any answer but a full one is an ``EffectError`` (the
+    validation's observation failed, as a failed separate read fails it)."""
+    step = "close_state"
+    body = _get_state(http, mark, step)
+    got = None if body is None else _parse_state(http, body, step)
+    if got is None:
+        raise EffectError(step, f"{close_state.CLOSE_STATE} did not answer the label, paused state "
+                          "and counters")
+    return got
+
+
+def _parse_state(http: VllmHTTP, body: Any, step: str) -> ClosingState | None:
+    from rolloutcore.engine.wire import WeightInfo
+
+    if not isinstance(body, dict) or not {"weight_version", "is_paused", "metrics",
+                                          "marked"} <= set(body):
+        return None
+    v, paused, text, marked = (body["weight_version"], body["is_paused"], body["metrics"],
+                               body["marked"])
+    if (v is not None and not isinstance(v, str)) or not isinstance(paused, bool) \
+            or not isinstance(text, str) or not isinstance(marked, bool):
+        return None
+    return close_state.ClosingState(WeightInfo(v, True), paused, http.parse_ops(text, step), marked)

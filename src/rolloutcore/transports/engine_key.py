@@ -220,6 +220,7 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _HEADER_B = HEADER.encode()
+_MARK_B = close_state.MARK_HEADER.encode()
 
 
 class RouteGuard:
@@ -269,13 +270,13 @@ class RouteGuard:
                 await _fast_pause(scope, send)
                 return
             if scope.get("path") == close_state.CLOSE_STATE and self._allowed(scope):
-                await close_state.answer(scope, send, self._marks)
+                await _close_state(scope, send, self._marks)
                 return
             if is_open(str(scope.get("method", "")), str(scope.get("path", ""))):
                 await self.app(scope, receive, send)
                 return
             if self._allowed(scope):
-                close_state.remember(scope, self._marks)
+                _remember(scope, self._marks)
                 await self.app(scope, receive, send)
                 return
             body = (b'{"error": {"message": "this route of a RolloutCore-launched engine needs '
@@ -378,3 +379,47 @@ async def _fast_pause(scope: Scope, send: Send) -> None:
         await send_json(send, 500, {"error": f"pause failed: {type(exc).__name__}: {exc}"})
         return
     await send_json(send, 200, {"status": "paused", "via": "engine_core"})
+
+
+async def _close_state(scope: Scope, send: Send, marks: dict[str, str]) -> None:
+    """``close_state.CLOSE_STATE`` on the guard (keyed): see the module's doc. ``marks``: the
+    counters rendered at each marked reset, by mark (taken once)."""
+    from urllib.parse import parse_qs
+
+    if scope.get("method") != "GET":
+        await send_json(send, 405, {"error": "GET only"})
+        return
+    q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"))
+    mark = (q.get("mark") or [""])[-1]
+    engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    version = getattr(engine, "get_weight_version", None)
+    is_paused = getattr(engine, "is_paused", None)
+    if version is None or is_paused is None:
+        await send_json(send, 404, {"error": "this vLLM has no weight version or pause "
+                                             "state to read"})
+        return
+    try:
+        at_mark = marks.pop(mark, None) if mark else None
+        text = at_mark if at_mark is not None else close_state.ops_text()
+        if text is None:
+            await send_json(send, 404, {"error": "this vLLM has no metrics registry"})
+            return
+        body = {"weight_version": await version(), "is_paused": bool(await is_paused()),
+                "metrics": text, "marked": at_mark is not None}
+    except Exception as exc:  # the engine's own failure: the client's read fails
+        await send_json(send, 500, {"error": f"state read failed: {type(exc).__name__}: {exc}"})
+        return
+    await send_json(send, 200, body)
+
+
+def _remember(scope: Scope, marks: dict[str, str]) -> None:
+    """A keyed request carrying ``close_state.MARK_HEADER``: render the counters now,
+    under its mark."""
+    mark = next((v for k, v in scope.get("headers") or () if k.lower() == _MARK_B), None)
+    if mark is None or not 8 <= len(mark) <= 64:
+        return
+    text = close_state.ops_text()
+    if text is not None:
+        if len(marks) >= 16:
+            marks.clear()
+        marks.setdefault(mark.decode("latin-1"), text)  # a retried reset's: the first
