@@ -46,6 +46,7 @@ from rolloutcore.core.evidence import CacheKind, CacheResetEvidence, PauseMode
 from rolloutcore.core.media import ImageRef, MediaLimits, decode_image_url
 from rolloutcore.core.strict import check_int, check_timeout
 from rolloutcore.engine.client import EngineClient
+from rolloutcore.engine.close_state import MARK_HEADER, OPS_SAMPLES
 from rolloutcore.engine.errors import map_errors, route_url, snippet, status_error
 from rolloutcore.engine.routes import Routes
 from rolloutcore.engine.stream import GenerationStream, chunk_of
@@ -72,8 +73,7 @@ CACHE_ROUTES: Mapping[CacheKind, str] = {
 }
 
 #: The samples ``weight_ops`` reads, and where vLLM renders only those (``weight_ops``).
-_OPS_SAMPLES = ("vllm:rl_weight_update_operation_duration_seconds_count",
-                "vllm:rl_weight_update_operations_in_flight", "vllm:engine_sleep_state")
+_OPS_SAMPLES = OPS_SAMPLES
 _OPS_PATH = Routes.METRICS + "/"
 #: One Prometheus text sample: name, {labels}, value (timestamps are not used by vLLM).
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)')
@@ -167,8 +167,11 @@ class VllmHTTP:
 
     def _request(self, method: str, path: str, *, step: str, timeout_s: float | None,
                  params: Mapping[str, Any] | None = None, json_body: Any = None,
-                 check_status: bool = True) -> httpx.Response:
+                 check_status: bool = True, mark: str | None = None) -> httpx.Response:
         what = f"{method} {path}"
+        headers = engine_key.headers_for(self.base_url)
+        if mark is not None:  # the reset the guard renders the counters at (close_state)
+            headers = {**headers, MARK_HEADER: mark}
         if self._closed:
             raise EngineUnavailable(step, f"{what}: client is closed")
         t = self.timeout_s if timeout_s is None else check_timeout(timeout_s)
@@ -182,7 +185,7 @@ class VllmHTTP:
         with map_errors(step, what, timeout_s=t, cancelled=cancelled):
             resp = self._client.request(method, route_url(self._urls, self.base_url, path),
                                         params=params, json=json_body,
-                                        timeout=t, headers=engine_key.headers_for(self.base_url),
+                                        timeout=t, headers=headers,
                                         extensions={"trace": self._trace})
         if check_status:
             caps = self._capabilities
@@ -362,7 +365,7 @@ class VllmHTTP:
     # -- cache resets -------------------------------------------------------
 
     def _reset(self, kind: CacheKind, *, params: Mapping[str, Any] | None,
-               timeout_s: float | None) -> CacheResetEvidence:
+               timeout_s: float | None, mark: str | None = None) -> CacheResetEvidence:
         route = CACHE_ROUTES[kind]
         step = f"reset_{kind.value}_cache"
         if not self.has(route, timeout_s=timeout_s):
@@ -370,7 +373,8 @@ class VllmHTTP:
                 kind, None, None, detail=f"{route} not offered by this engine",
                 unverified=(f"{kind.value} cache reset route absent: cache not reset",))
         t0 = time.monotonic()
-        resp = self._request("POST", route, step=step, timeout_s=timeout_s, params=params)
+        resp = self._request("POST", route, step=step, timeout_s=timeout_s, params=params,
+                             mark=mark)
         elapsed = time.monotonic() - t0
         text = resp.text.strip()
         if not text:
@@ -411,11 +415,11 @@ class VllmHTTP:
     def reset_mm_cache(self, *, timeout_s: float | None = None) -> CacheResetEvidence:
         return self._reset(CacheKind.MULTIMODAL, params=None, timeout_s=timeout_s)
 
-    def reset_cache(self, kind: CacheKind, *,
-                    timeout_s: float | None = None) -> CacheResetEvidence:
+    def reset_cache(self, kind: CacheKind, *, timeout_s: float | None = None,
+                    mark: str | None = None) -> CacheResetEvidence:
         if not isinstance(kind, CacheKind):
             raise BadInput(f"not a CacheKind: {kind!r}")
-        return self._reset(kind, params=None, timeout_s=timeout_s)
+        return self._reset(kind, params=None, timeout_s=timeout_s, mark=mark)
 
     # -- weights ------------------------------------------------------------
 
@@ -525,7 +529,11 @@ class VllmHTTP:
         read, as before; the parse below is the same for both, so the counters are.
         """
         step = "weight_ops"
-        text = self._ops_text(step, timeout_s)
+        return self.parse_ops(self._ops_text(step, timeout_s), step)
+
+    @staticmethod
+    def parse_ops(text: str, step: str) -> WeightOps:
+        """``weight_ops``' parse of the samples' text (also ``engine.close_state``'s)."""
         done: dict[str, float] = {}
         flight: dict[str, float] = {}
         awake: bool | None = None

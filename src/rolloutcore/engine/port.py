@@ -298,7 +298,7 @@ class VllmAdapter(SleepMode, WriteCounts):
         still sleeps: vLLM resumes its scheduler when it wakes, and the wake pauses it
         again, so the validation reads the state after that)."""
         kv_asleep = self._slept is not None and "kv_cache" not in self._woken
-        if Routes.IS_PAUSED not in self.http.capabilities() or kv_asleep:
+        if Routes.IS_PAUSED not in self.http.capabilities() or kv_asleep or self._state_route:
             return None
         return self._side().submit(self.http.is_paused)
 
@@ -369,6 +369,7 @@ class VllmAdapter(SleepMode, WriteCounts):
             info["awake"] = ops.awake
             info["weight_ops"] = dict(ops.done)
         self._ops_verified = ops
+        self._probe_state_route(caps)
         if self.transport is not None:
             wt = info.get("weight_transfer_config")
             engine_backend = wt.get("backend") if isinstance(wt, dict) else None
@@ -554,7 +555,7 @@ class VllmAdapter(SleepMode, WriteCounts):
             # Nothing to reset and nothing sent: the evidence says why, from the
             # engine's own config, and the controller accepts only that for a cache
             # that may not hold anything (never the prefix cache).
-            self._read_counts_at_reset()
+            self._read_counts_at_reset(sends=False)
             return CacheResetEvidence(cache, None, None, absent=absent,
                                       detail="not reset: the engine has no such cache")
         ahead = self._resets_ahead
@@ -572,8 +573,7 @@ class VllmAdapter(SleepMode, WriteCounts):
                                   for k in later}
         # The validation's counters, beside the resets (sent after them: vLLM renders
         # /metrics on its API server's loop while the resets wait on the engine core).
-        self._read_counts_at_reset()
-        return self.http.reset_cache(cache)
+        return self.http.reset_cache(cache, mark=self._read_counts_at_reset())
 
     @_step(Step.VALIDATE)
     def validate(self, target: UpdateTarget, *, live: bool) -> ValidationEvidence | None:
@@ -609,9 +609,9 @@ class VllmAdapter(SleepMode, WriteCounts):
             return ValidationEvidence(wi.label, wi.label_supported, paused=live_paused,
                                       checks=(check,), elapsed_s=time.monotonic() - t0)
         unverified: list[str] = []
-        ops_read, self._ops_closing = self._ops_closing, None
-        if ops_read is None and self._counts_ops:
-            ops_read = self._side().submit(self._weight_ops_or_none)
+        # On a guarded engine, the label, paused state and counters in one read, after the
+        # resets (the counters at the first: ``engine.close_state``), else as below.
+        state, ops_read = self._close_reads()
         caps = h.capabilities()
         # A transport that can check what it installed (e.g. rc_cuda_ipc's block
         # checksum of the updated slices, computed on the workers) adds its own
@@ -632,11 +632,11 @@ class VllmAdapter(SleepMode, WriteCounts):
             paused_read = early[2]
         elif early_sent is not None and early_sent[2] is not None:
             paused_read = early_sent[2]
-        elif Routes.IS_PAUSED in caps:
+        elif Routes.IS_PAUSED in caps and state is None:
             paused_read = self._side().submit(h.is_paused)
         # The label is read here, in the validation's own step: an engine lost since the
         # resets fails this observation (incomplete, retried), not a later step.
-        wi = h.weight_info()
+        wi = h.weight_info() if state is None else state.info
         if not wi.label_supported:
             unverified.append("no weight_version endpoint: label not verified")
         checks: list[Check] = []
@@ -684,8 +684,10 @@ class VllmAdapter(SleepMode, WriteCounts):
                                   checkpoint_check(h, caps)) if c is not None)
         checks.extend(self._round_checks)
         self._round_checks = ()
-        paused = None if paused_read is None else paused_read.result()
-        self._ops_verified = None if ops_read is None else ops_read.result()
+        paused = state.paused if state is not None else None if paused_read is None \
+            else paused_read.result()
+        self._ops_verified = ops_read.result() if ops_read is not None else None \
+            if state is None else state.ops
         return ValidationEvidence(wi.label, wi.label_supported, paused=paused,
                                   checks=tuple(checks), elapsed_s=time.monotonic() - t0,
                                   unverified=tuple(unverified))

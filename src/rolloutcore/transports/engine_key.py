@@ -37,6 +37,9 @@ clients first; those outputs were computed before the pause, by the weights
 still installed, and the weights change only with the next call). On the H200
 that sleep was 20 of the 23.5 ms a pause with nothing in flight took, the
 largest part of vLLM's bare update sequence (issue 49; ``docs/weight-receivers.md``).
+And ``GET /rolloutcore/state`` (``engine.close_state``): a paused validation's label,
+paused state and weight-operation counters in one round trip, read where vLLM's own
+routes read them.
 
 A key lent for one lease (#47). The launcher's key stays with the process that
 launched the engine; a trainer granted an update is lent another one
@@ -70,6 +73,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from rolloutcore.engine import close_state
 from rolloutcore.engine.routes import keyless_routes
 from rolloutcore.errors import BadInput
 
@@ -216,6 +220,7 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _HEADER_B = HEADER.encode()
+_MARK_B = close_state.MARK_HEADER.encode()
 
 
 class RouteGuard:
@@ -235,6 +240,8 @@ class RouteGuard:
         self._key = key.encode()
         #: The key lent for a lease and the engine's monotonic deadline of it.
         self._lent: tuple[bytes, float] | None = None
+        #: The counters rendered at each marked reset (``engine.close_state``), by mark.
+        self._marks: dict[str, str] = {}
 
     def _allowed(self, scope: Scope, *, own_only: bool = False) -> bool:
         given = next((v for k, v in scope.get("headers") or () if k.lower() == _HEADER_B), None)
@@ -262,8 +269,14 @@ class RouteGuard:
             if scope.get("path") == FAST_PAUSE and self._allowed(scope):
                 await _fast_pause(scope, send)
                 return
-            if is_open(str(scope.get("method", "")), str(scope.get("path", ""))) \
-                    or self._allowed(scope):
+            if scope.get("path") == close_state.CLOSE_STATE and self._allowed(scope):
+                await _close_state(scope, send, self._marks)
+                return
+            if is_open(str(scope.get("method", "")), str(scope.get("path", ""))):
+                await self.app(scope, receive, send)
+                return
+            if self._allowed(scope):
+                _remember(scope, self._marks)
                 await self.app(scope, receive, send)
                 return
             body = (b'{"error": {"message": "this route of a RolloutCore-launched engine needs '
@@ -366,3 +379,47 @@ async def _fast_pause(scope: Scope, send: Send) -> None:
         await send_json(send, 500, {"error": f"pause failed: {type(exc).__name__}: {exc}"})
         return
     await send_json(send, 200, {"status": "paused", "via": "engine_core"})
+
+
+async def _close_state(scope: Scope, send: Send, marks: dict[str, str]) -> None:
+    """``close_state.CLOSE_STATE`` on the guard (keyed): see the module's doc. ``marks``: the
+    counters rendered at each marked reset, by mark (taken once)."""
+    from urllib.parse import parse_qs
+
+    if scope.get("method") != "GET":
+        await send_json(send, 405, {"error": "GET only"})
+        return
+    q = parse_qs(bytes(scope.get("query_string") or b"").decode("latin-1"))
+    mark = (q.get("mark") or [""])[-1]
+    engine = getattr(getattr(scope.get("app"), "state", None), "engine_client", None)
+    version = getattr(engine, "get_weight_version", None)
+    is_paused = getattr(engine, "is_paused", None)
+    if version is None or is_paused is None:
+        await send_json(send, 404, {"error": "this vLLM has no weight version or pause "
+                                             "state to read"})
+        return
+    try:
+        at_mark = marks.pop(mark, None) if mark else None
+        text = at_mark if at_mark is not None else close_state.ops_text()
+        if text is None:
+            await send_json(send, 404, {"error": "this vLLM has no metrics registry"})
+            return
+        body = {"weight_version": await version(), "is_paused": bool(await is_paused()),
+                "metrics": text, "marked": at_mark is not None}
+    except Exception as exc:  # the engine's own failure: the client's read fails
+        await send_json(send, 500, {"error": f"state read failed: {type(exc).__name__}: {exc}"})
+        return
+    await send_json(send, 200, body)
+
+
+def _remember(scope: Scope, marks: dict[str, str]) -> None:
+    """A keyed request carrying ``close_state.MARK_HEADER``: render the counters now,
+    under its mark."""
+    mark = next((v for k, v in scope.get("headers") or () if k.lower() == _MARK_B), None)
+    if mark is None or not 8 <= len(mark) <= 64:
+        return
+    text = close_state.ops_text()
+    if text is not None:
+        if len(marks) >= 16:
+            marks.clear()
+        marks.setdefault(mark.decode("latin-1"), text)  # a retried reset's: the first
