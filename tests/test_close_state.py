@@ -195,6 +195,16 @@ def _adapter(fake: FakeVllm) -> VllmAdapter:
     return a
 
 
+def _drained_after_a_write() -> tuple[FakeVllm, VllmAdapter]:
+    """A guarded engine's adapter, bootstrapped and drained, the round's weights written."""
+    fake = _engine()
+    _Guarded(fake)
+    a = _adapter(fake)
+    a.drain(PauseMode.WAIT)
+    _write(fake)
+    return fake, a
+
+
 def _after(fake: FakeVllm, n: int) -> list[str]:
     return _paths(fake)[n:]
 
@@ -225,11 +235,7 @@ def test_a_guarded_close_reads_label_paused_and_counters_in_one_call() -> None:
 def test_a_write_after_the_first_reset_is_out_of_band_through_the_guard_too() -> None:
     """The same ordering as ``test_port_close_reads``: the counters are the first reset's,
     the label is read after the resets."""
-    fake = _engine()
-    _Guarded(fake)
-    a = _adapter(fake)
-    a.drain(PauseMode.WAIT)
-    _write(fake)
+    fake, a = _drained_after_a_write()
     a.reset_cache(CacheKind.PREFIX)
     _write(fake)                     # somebody else's, while still paused
     ev = a.validate(_target(), live=False)
@@ -240,11 +246,7 @@ def test_a_write_after_the_first_reset_is_out_of_band_through_the_guard_too() ->
 
 @pytest.mark.usefixtures("keyed")
 def test_no_reset_in_the_round_reads_the_counters_at_the_validation() -> None:
-    fake = _engine()
-    _Guarded(fake)
-    a = _adapter(fake)
-    a.drain(PauseMode.WAIT)
-    _write(fake)
+    fake, a = _drained_after_a_write()
     ev = a.validate(_target(), live=False)
     assert ev is not None and ev.paused is True
     a.resume()
@@ -253,11 +255,7 @@ def test_no_reset_in_the_round_reads_the_counters_at_the_validation() -> None:
 
 @pytest.mark.usefixtures("keyed")
 def test_an_engine_lost_before_the_guarded_read_fails_the_validation() -> None:
-    fake = _engine()
-    _Guarded(fake)
-    a = _adapter(fake)
-    a.drain(PauseMode.WAIT)
-    _write(fake)
+    fake, a = _drained_after_a_write()
     a.reset_cache(CacheKind.PREFIX)
     fake.down = True
     with pytest.raises(EffectError):
